@@ -1,0 +1,175 @@
+"""Export a source model to one ONNX file (the input of the splitter).
+
+Hugging Face folders go through optimum-onnx, which knows each architecture's inputs and dynamic
+axes; torch modules through ``torch.onnx.export``; ONNX files are checked and copied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slimml.convert.sources import Source, max_seq_length, sentence_transformers_pooling
+from slimml.errors import ExportError, SourceError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+@dataclass
+class ExportConfig:
+    """How to export.
+
+    Args:
+        opset: ONNX opset (default: optimum's choice for HF models, 17 for torch modules).
+        task: Hugging Face task, or ``"auto"`` to infer it from the model's config.
+        dynamic_batch: make dim 0 of every torch-module input and output dynamic.
+    """
+
+    opset: int | None = None
+    task: str = "auto"
+    dynamic_batch: bool = True
+
+    def __post_init__(self):
+        if self.opset is not None and not 11 <= self.opset <= 23:
+            raise SourceError(f"opset {self.opset} is outside what slimml supports (11..23); use 17 if unsure.")
+
+
+@dataclass
+class Exported:
+    """The exported graph and what the runtime needs beside it."""
+
+    onnx_path: Path
+    task: str
+    pooling: dict[str, Any] | None = None
+    tokenizer: dict[str, Any] | None = None  # {"file", "max_length", "pad_token", "pad_id"}; file in tokenizer_dir
+    tokenizer_dir: Path | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -> Exported:
+    """Export ``source`` into ``work_dir/model.onnx`` (weights may sit beside it as external data).
+
+    Raises:
+        ExportError: the exporter failed; the message keeps the exporter's first line.
+    """
+    config = config or ExportConfig()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if source.kind == "onnx":
+        return _export_onnx_file(source, work_dir)
+    if source.kind == "torch":
+        return _export_module(source, work_dir, config)
+    return _export_huggingface(source, work_dir, config)
+
+
+def _export_onnx_file(source: Source, work_dir: Path) -> Exported:
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(source.path))
+    except Exception as e:
+        raise SourceError(f"{source.path} is not a valid ONNX model: {str(e).splitlines()[0]}") from None
+    return Exported(onnx_path=source.path, task="generic")
+
+
+def _export_module(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
+    import torch
+
+    args = source.example_inputs
+    kwargs = None
+    if isinstance(args, dict):
+        names = list(args)
+        kwargs, args = args, ()
+    else:
+        args = args if isinstance(args, tuple) else (args,)
+        names = source.input_names or [f"input_{i}" for i in range(len(args))]
+    with torch.no_grad():
+        out = source.module(*args, **(kwargs or {}))
+    n_out = len(out) if isinstance(out, (tuple, list)) else 1
+    out_names = source.output_names or ([f"output_{i}" for i in range(n_out)] if n_out > 1 else ["output"])
+    dynamic = {n: {0: "batch"} for n in [*names, *out_names]} if config.dynamic_batch else None
+    path = work_dir / "model.onnx"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                source.module, args, str(path), kwargs=kwargs, input_names=names, output_names=out_names,
+                dynamic_axes=dynamic, opset_version=config.opset or 17, dynamo=False, do_constant_folding=True,
+            )
+    except Exception as e:
+        raise ExportError(f"torch.onnx.export failed for {source.name}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    return Exported(onnx_path=path, task="generic")
+
+
+def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
+    from optimum.exporters.onnx import main_export
+    from optimum.exporters.tasks import TasksManager
+
+    folder = source.path
+    pooling = sentence_transformers_pooling(folder)
+    if pooling is not None:
+        task, out_task = "feature-extraction", "sentence-embedding"
+    elif config.task != "auto":
+        task = out_task = config.task
+    else:
+        try:
+            task = TasksManager.infer_task_from_model(str(folder), library_name="transformers")
+        except Exception as e:
+            raise ExportError(f"could not infer the task of {folder}: {e}. Pass --task (e.g. feature-extraction).") from None
+        task = task.removesuffix("-with-past")  # the spine exports the cache-free graph
+        out_task = task
+    onnx_dir = work_dir / "onnx"
+    logging.getLogger("optimum").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            main_export(
+                str(folder), output=onnx_dir, task=task, opset=config.opset, library_name="transformers",
+                local_files_only=True, do_validation=False, no_post_process=True, device="cpu",
+            )
+    except Exception as e:
+        raise ExportError(f"optimum-onnx could not export {folder} as {task!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    onnx_path = onnx_dir / "model.onnx"
+    if not onnx_path.is_file():
+        raise ExportError(f"optimum-onnx wrote no model.onnx for {folder} (task {task!r}).")
+    tokenizer = _tokenizer_info(folder, onnx_dir, pooling)
+    return Exported(
+        onnx_path=onnx_path, task=out_task, pooling=pooling, tokenizer=tokenizer,
+        tokenizer_dir=onnx_dir if tokenizer else None, info={"hf_task": task, "model_type": _model_type(folder)},
+    )
+
+
+def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[str, Any] | None:
+    """Make sure ``onnx_dir`` holds a fast ``tokenizer.json``; describe how to pad and truncate."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception:
+        return None  # a model without a tokenizer takes arrays only
+    if not getattr(tok, "is_fast", False):
+        return None
+    if not (onnx_dir / TOKENIZER_FILE).is_file():
+        tok.save_pretrained(str(onnx_dir))
+    if (folder / TOKENIZER_FILE).is_file() and not (onnx_dir / TOKENIZER_FILE).is_file():
+        shutil.copy2(folder / TOKENIZER_FILE, onnx_dir / TOKENIZER_FILE)
+    max_len = max_seq_length(folder) if pooling else None
+    if not max_len:
+        max_len = tok.model_max_length if 0 < tok.model_max_length < 100_000 else 512
+    pad_token = tok.pad_token or tok.eos_token
+    pad_id = tok.convert_tokens_to_ids(pad_token) if pad_token is not None else 0
+    return {"file": TOKENIZER_FILE, "max_length": int(max_len), "pad_token": pad_token, "pad_id": int(pad_id)}
+
+
+def _model_type(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError):
+        return None

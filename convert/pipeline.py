@@ -1,0 +1,273 @@
+"""``convert``: source model -> ONNX -> layer shards -> checked artifact folder, written atomically."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import slimml
+from slimml.convert.export import ExportConfig, Exported, export
+from slimml.convert.reference import reference_for
+from slimml.convert.shard import ShardConfig, shard
+from slimml.convert.sources import Source, resolve
+from slimml.errors import ConfigError, SlimmlError
+from slimml.runtime.bench import sample_feeds, time_runs
+from slimml.runtime.manifest import MANIFEST_NAME, Manifest, TensorSpec, file_entry
+from slimml.runtime.model import Model, load
+from slimml.runtime.session import make_session
+
+SAMPLE_TEXTS = [
+    "A man is playing a guitar on the street.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Quantized models run faster on small machines.",
+    "Short.",
+]
+
+
+@dataclass
+class ConvertConfig:
+    """Everything ``convert`` does, stage by stage.
+
+    Args:
+        export: how to export to ONNX.
+        shard: how to split the graph.
+        verify: compare the artifact with the unsharded graph and the torch model.
+        measure_latency: time the artifact (batch 1) for the report.
+    """
+
+    export: ExportConfig = field(default_factory=ExportConfig)
+    shard: ShardConfig = field(default_factory=ShardConfig)
+    verify: bool = True
+    measure_latency: bool = True
+
+
+@dataclass
+class ConvertReport:
+    out: Path
+    name: str
+    task: str
+    shards: int
+    size_mb: float
+    checks: dict[str, Any]
+    latency_ms: float | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["out"] = str(self.out)
+        return d
+
+
+def convert(
+    source: Any = None,
+    out: str | os.PathLike | None = None,
+    config: ConvertConfig | None = None,
+    example_inputs: Any = None,
+    on_step: Callable[[str], None] | None = None,
+) -> ConvertReport:
+    """Convert a model into a sharded, checked artifact folder.
+
+    Args:
+        source: a Hugging Face model folder, an ``.onnx`` file, a ``.py`` file defining ``model``
+            and ``example_inputs``, a torch checkpoint, a ``torch.nn.Module``, or ``None`` for the
+            embedded default model (all-MiniLM-L6-v2).
+        out: the artifact folder (default ``artifacts/<name>``). It is written in a temporary
+            folder beside it and renamed at the end, so an interrupted convert leaves the previous
+            artifact, or nothing, at ``out``.
+        config: the stages' settings.
+        example_inputs: for an ``nn.Module`` source, what to call it with during export.
+        on_step: called with a short description as each stage starts (for progress display).
+
+    Returns:
+        A :class:`ConvertReport`: size, shard count, differences from the original, latency.
+
+    Example:
+        >>> from slimml.convert import convert
+        >>> report = convert()  # the default model into artifacts/all-MiniLM-L6-v2
+        >>> report.checks["max_abs_diff"] <= 1e-5
+        True
+    """
+    t0 = time.perf_counter()
+    config = config or ConvertConfig()
+    step = on_step or (lambda _msg: None)
+    step("reading the source")
+    src = resolve(source, example_inputs)
+    out = Path(out) if out is not None else Path("artifacts") / src.name
+    _check_output(out)
+    tmp = _fresh_tmp(out)
+    try:
+        step("exporting to ONNX")
+        exported = export(src, tmp / ".work", config.export)
+        step("splitting into shards")
+        specs = shard(exported.onnx_path, tmp, config.shard)
+        manifest = _write_manifest(tmp, src, exported, specs, config)
+        model = load(tmp, device="cpu")  # the artifact's own integrity check runs here
+        if config.verify:
+            step("checking against the original model")
+            manifest.checks = verify(model, src, exported)
+        latency = None
+        if config.measure_latency:
+            step("measuring latency")
+            feeds = sample_feeds(model.inputs, batch=1, seq=128)
+            latency = float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3)))
+            manifest.checks["latency_ms_b1_s128"] = round(latency, 3)
+        del model
+        manifest.write(tmp)
+        shutil.rmtree(tmp / ".work", ignore_errors=True)
+        _replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, SlimmlError):
+            raise _os_error(e, out) from None
+        raise
+    return ConvertReport(
+        out=out, name=manifest.name, task=manifest.task, shards=len(manifest.shards),
+        size_mb=manifest.total_bytes / 1e6, checks=manifest.checks, latency_ms=latency,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def verify(model: Model, src: Source, exported: Exported) -> dict[str, Any]:
+    """Compare the sharded artifact with the unsharded ONNX graph and with the torch model."""
+    feeds = _check_feeds(model)
+    got = model.run(feeds)
+    full = make_session(exported.onnx_path, "cpu")
+    names = [t.name for t in model.outputs]
+    want = dict(zip(names, full.run(names, feeds)))
+    checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}
+    ref = reference_for(src, exported, names)
+    if ref is not None:
+        torch_out = ref(feeds)
+        common = [n for n in names if n in torch_out]
+        if common:
+            checks["max_abs_diff_vs_torch"] = max(float(np.abs(got[n] - torch_out[n]).max()) for n in common)
+            checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
+        if exported.pooling is not None:
+            ours = model.encode(SAMPLE_TEXTS)
+            theirs = ref.embed(model.tokenize(SAMPLE_TEXTS))
+            checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
+    return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
+
+
+def _check_feeds(model: Model) -> dict[str, np.ndarray]:
+    if model.manifest.tokenizer is not None:
+        return model.tokenize(SAMPLE_TEXTS)
+    return sample_feeds(model.inputs, batch=2, seq=16)
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a = a.reshape(a.shape[0], -1).astype(np.float64)
+    b = b.reshape(b.shape[0], -1).astype(np.float64)
+    cos = (a * b).sum(1) / np.clip(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30, None)
+    return float(cos.min())
+
+
+def _write_manifest(folder: Path, src: Source, exported: Exported, specs, config: ConvertConfig) -> Manifest:
+    import onnx
+
+    graph = onnx.load(str(exported.onnx_path), load_external_data=False).graph
+    weights = {t.name for t in graph.initializer}
+    by_name = {t.name: t for s in specs for t in [*s.inputs, *s.outputs]}
+    inputs = [_strip(by_name[i.name]) for i in graph.input if i.name not in weights and i.name in by_name]
+    outputs = [_strip(by_name[o.name]) for o in graph.output]
+    files = []
+    for s in specs:
+        files.append(file_entry(folder, folder / s.file))
+        if s.data:
+            files.append(file_entry(folder, folder / s.data))
+    if exported.tokenizer is not None:
+        shutil.copy2(exported.tokenizer_dir / exported.tokenizer["file"], folder / exported.tokenizer["file"])
+        files.append(file_entry(folder, folder / exported.tokenizer["file"]))
+    manifest = Manifest(
+        name=src.name,
+        task=exported.task,
+        source=src.describe() | exported.info,
+        steps=[
+            {"step": "export", "exporter": _exporter(src), **{k: v for k, v in asdict(config.export).items() if v is not None}},
+            {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None}, "shards": len(specs)},
+        ],
+        inputs=inputs,
+        outputs=outputs,
+        shards=specs,
+        files=files,
+        tokenizer=exported.tokenizer,
+        pooling=exported.pooling,
+        slimml_version=slimml.__version__,
+    )
+    manifest.write(folder)
+    return manifest
+
+
+def _exporter(src: Source) -> str:
+    return {"huggingface": "optimum-onnx", "torch": "torch.onnx", "onnx": "none (ONNX source)"}[src.kind]
+
+
+def _strip(t: TensorSpec) -> TensorSpec:
+    return TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape)
+
+
+def _check_output(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"the output {out} is a file; give a folder path with -o.")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+        raise ConfigError(
+            f"the output folder {out} is not empty and holds no slimml artifact; refusing to replace it. "
+            "Give another folder with -o, or empty it first."
+        )
+
+
+def _fresh_tmp(out: Path) -> Path:
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for stale in parent.glob(f".{out.name}.slimml-tmp-*"):  # left by a killed convert
+            pid = stale.name.rsplit("-", 1)[-1]
+            if not (pid.isdigit() and _alive(int(pid))):
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = parent / f".{out.name}.slimml-tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise _os_error(e, out) from None
+    return tmp
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished artifact into place; the old one, if any, goes only once the new is ready."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.parent / f".{out.name}.slimml-old-{os.getpid()}"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _os_error(e: OSError, out: Path) -> SlimmlError:
+    if e.errno == errno.ENOSPC:
+        return SlimmlError(f"the disk is full while writing {out}; free space or choose another folder with -o. Nothing was left at {out}.")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return SlimmlError(f"cannot write to {out} ({e.strerror}); choose a writable folder with -o.")
+    return SlimmlError(f"writing {out} failed: {e}.")

@@ -1,0 +1,68 @@
+"""Outputs of the original (torch) model, to check an artifact against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from slimml.convert.export import Exported
+from slimml.convert.sources import Source
+from slimml.runtime.text import pool
+
+
+class Reference:
+    """Runs the source model in torch on numpy feeds and returns numpy outputs by ONNX name.
+
+    ``None`` from :func:`reference_for` means there is nothing to compare with but the
+    unsharded ONNX graph (an ONNX file given as source).
+    """
+
+    def __init__(self, fn, pooling: dict[str, Any] | None):
+        self._fn = fn
+        self.pooling = pooling
+
+    def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        with torch.no_grad():
+            return self._fn({k: torch.from_numpy(v) for k, v in feeds.items()})
+
+    def embed(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
+        hidden = self(feeds)[self.pooling["output"]]
+        return pool(hidden, feeds["attention_mask"], self.pooling["mode"], self.pooling["normalize"])
+
+
+def reference_for(source: Source, exported: Exported, output_names: list[str]) -> Reference | None:
+    if source.kind == "onnx":
+        return None
+    if source.kind == "torch":
+        module = source.module
+        dict_inputs = isinstance(source.example_inputs, dict)
+
+        def run_module(feeds):
+            out = module(**feeds) if dict_inputs else module(*feeds.values())
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            return {n: o.detach().numpy() for n, o in zip(output_names, outs)}
+
+        return Reference(run_module, None)
+    model = _load_hf(source, exported)
+
+    def run_hf(feeds):
+        out = model(**feeds)
+        return {n: out[n].detach().float().numpy() for n in output_names if n in out}
+
+    return Reference(run_hf, exported.pooling)
+
+
+def _load_hf(source: Source, exported: Exported):
+    task = exported.info.get("hf_task", "feature-extraction")
+    if task == "feature-extraction":
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(str(source.path), local_files_only=True)
+    else:
+        from optimum.exporters.tasks import TasksManager
+
+        model = TasksManager.get_model_from_task(task, str(source.path), library_name="transformers", local_files_only=True)
+    return model.eval()

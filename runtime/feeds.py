@@ -1,0 +1,74 @@
+"""Checking what a caller feeds a model against the manifest, with messages that say the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from slimml.errors import FeedError
+from slimml.runtime.manifest import TensorSpec
+
+
+def check_feeds(feeds: Mapping[str, object], specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+    """Return ``feeds`` as contiguous numpy arrays after checking names, dtypes and ranks.
+
+    Every problem is collected before raising, so one error lists them all.
+
+    Raises:
+        FeedError: unknown or missing names, wrong dtype, wrong rank, a fixed dimension that
+            differs, an empty batch, or inputs whose shared dynamic axes disagree.
+    """
+    if not isinstance(feeds, Mapping):
+        raise FeedError(
+            f"feeds must be a dict of input name to numpy array, got {type(feeds).__name__}; "
+            f"the model's inputs are {[s.name for s in specs]}."
+        )
+    by_name = {s.name: s for s in specs}
+    problems: list[str] = []
+    unknown = [k for k in feeds if k not in by_name]
+    if unknown:
+        problems.append(f"unknown input(s) {unknown}; the model's inputs are {list(by_name)}")
+    missing = [n for n in by_name if n not in feeds]
+    if missing:
+        problems.append(f"missing input(s) {missing}")
+    out: dict[str, np.ndarray] = {}
+    axes: dict[str, tuple[str, int]] = {}  # named dynamic axis -> (first input seen, its size)
+    for name, spec in by_name.items():
+        if name not in feeds:
+            continue
+        value = feeds[name]
+        if not isinstance(value, np.ndarray):
+            problems.append(
+                f"input {name!r} is a {type(value).__name__}, expected a numpy array; "
+                f"pass np.asarray(value, dtype=np.{spec.dtype})"
+            )
+            continue
+        if value.dtype != np.dtype(spec.dtype):
+            problems.append(
+                f"input {name!r} has dtype {value.dtype}, expected {spec.dtype}; "
+                f"convert it with .astype(np.{spec.dtype})"
+            )
+            continue
+        if value.ndim != len(spec.shape):
+            problems.append(
+                f"input {name!r} has rank {value.ndim} (shape {list(value.shape)}), expected rank "
+                f"{len(spec.shape)} (shape {spec.shape})"
+            )
+            continue
+        for dim, (want, got) in enumerate(zip(spec.shape, value.shape)):
+            if isinstance(want, int) and want != got:
+                problems.append(f"input {name!r} has size {got} at dim={dim}, expected {want} (shape {spec.shape})")
+            elif isinstance(want, str):
+                first = axes.setdefault(want, (name, got))
+                if first[1] != got:
+                    problems.append(
+                        f"input {name!r} has {want}={got} at dim={dim}, but {first[0]!r} has {want}={first[1]}; "
+                        "inputs that share an axis must agree"
+                    )
+        if value.size == 0:
+            problems.append(f"input {name!r} is empty (shape {list(value.shape)}); give at least one item")
+        out[name] = np.ascontiguousarray(value)
+    if problems:
+        raise FeedError("bad feeds: " + "; ".join(problems) + ".")
+    return out

@@ -1,0 +1,142 @@
+"""Load an artifact and run its shards in sequence with ONNX Runtime."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from slimml.errors import FeedError, SlimmlError
+from slimml.runtime.feeds import check_feeds
+from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
+from slimml.runtime.session import make_session, providers_for
+from slimml.runtime.text import TextEncoder, pool
+
+
+class Model:
+    """A loaded artifact. Use :func:`load` to make one.
+
+    ``run`` is safe to call from several threads at once: each call keeps its own activations
+    and ONNX Runtime sessions accept concurrent ``run`` calls.
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None):
+        self.folder = folder
+        self.manifest = manifest
+        self.device = device
+        self._sessions = [make_session(folder / s.file, device, threads) for s in manifest.shards]
+        self._drop_after = _last_uses(manifest)
+        self._text: TextEncoder | None = None
+        if manifest.tokenizer:
+            self._text = TextEncoder(
+                safe_path(folder, manifest.tokenizer["file"]), manifest.tokenizer, [t.name for t in manifest.inputs]
+            )
+
+    @property
+    def inputs(self):
+        return self.manifest.inputs
+
+    @property
+    def outputs(self):
+        return self.manifest.outputs
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the whole model on ``feeds`` (input name -> array); return its outputs by name.
+
+        Raises:
+            FeedError: names, dtypes or shapes that do not fit the manifest's inputs, or values
+                ONNX Runtime rejects (say, a sequence longer than the model allows).
+        """
+        env: dict[str, np.ndarray] = check_feeds(feeds, self.manifest.inputs)
+        for shard, session in zip(self.manifest.shards, self._sessions):
+            names = [t.name for t in shard.outputs]
+            try:
+                values = session.run(names, {t.name: env[t.name] for t in shard.inputs})
+            except Exception as e:  # onnxruntime's own exception classes
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise FeedError(
+                    f"shard {shard.index} ({shard.file}) rejected the inputs: {msg}. Check the input "
+                    "values, e.g. token ids inside the vocabulary and sequences no longer than the "
+                    "model's maximum."
+                ) from None
+            env.update(zip(names, values))
+            for name in self._drop_after[shard.index]:
+                env.pop(name, None)  # free activations no later shard needs
+        return {t.name: env[t.name] for t in self.manifest.outputs}
+
+    def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
+        if self._text is None:
+            raise SlimmlError(
+                f"the artifact {self.folder} has no tokenizer, so it cannot take text; call "
+                "run() with arrays instead."
+            )
+        return self._text(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)
+
+    def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+        """Sentence embeddings, (len(texts), hidden) float32, pooled and normalised as the source model does.
+
+        Example:
+            >>> model = load("artifacts/all-MiniLM-L6-v2")
+            >>> model.encode(["A man is eating.", "Someone eats."]).shape
+            (2, 384)
+        """
+        pooling = self.manifest.pooling
+        if pooling is None:
+            raise SlimmlError(
+                f"the artifact {self.folder} is a {self.manifest.task!r} model, not a sentence-embedding "
+                "model; use run() for its raw outputs."
+            )
+        chunks = []
+        for i in range(0, len(texts), batch_size):
+            feeds = self.tokenize(texts[i : i + batch_size])
+            hidden = self.run(feeds)[pooling["output"]]
+            chunks.append(pool(hidden, feeds["attention_mask"], pooling["mode"], pooling["normalize"]))
+        if not chunks:
+            raise FeedError("encode() got an empty list; give at least one text.")
+        return np.concatenate(chunks)
+
+
+def load(path: str | os.PathLike, device: str = "cpu", threads: int | None = None, verify: bool = True) -> Model:
+    """Load an artifact folder written by ``slimml convert``.
+
+    Args:
+        path: the artifact folder (it holds ``manifest.json``).
+        device: ``"cpu"`` or ``"cuda"``.
+        threads: ONNX Runtime intra-op threads (default: ORT's choice, or ``SLIMML_THREADS``).
+        verify: check every file's size and sha256 against the manifest first (default). A file
+            that does not match is refused, never run.
+
+    Returns:
+        A :class:`Model` with ``run(feeds)`` and, for sentence-embedding artifacts, ``encode(texts)``.
+
+    Raises:
+        ArtifactError / IntegrityError: a missing, malformed or tampered artifact.
+        DeviceError: the device is not available.
+
+    Example:
+        >>> from slimml.runtime import load
+        >>> model = load("artifacts/all-MiniLM-L6-v2", device="cpu")
+        >>> emb = model.encode(["Hello world"])
+    """
+    folder = Path(path)
+    manifest = read_manifest(folder)
+    providers_for(device)  # fail on a missing provider before hashing gigabytes
+    if verify:
+        verify_files(folder, manifest)
+    return Model(folder, manifest, device, threads)
+
+
+def _last_uses(manifest: Manifest) -> dict[int, list[str]]:
+    """For each shard, the activations that no later shard reads and that are not model outputs."""
+    keep = {t.name for t in manifest.outputs}
+    last: dict[str, int] = {}
+    for s in manifest.shards:
+        for t in s.inputs:
+            last[t.name] = s.index
+    drop: dict[int, list[str]] = {s.index: [] for s in manifest.shards}
+    for name, idx in last.items():
+        if name not in keep:
+            drop[idx].append(name)
+    return drop

@@ -1,0 +1,53 @@
+"""Creating ONNX Runtime sessions for one device, with clear errors when a provider is missing."""
+
+from __future__ import annotations
+
+import os
+
+import onnxruntime as ort
+
+from slimml.errors import ArtifactError, DeviceError
+
+DEVICES = ("cpu", "cuda")
+
+
+def providers_for(device: str) -> list[str | tuple[str, dict]]:
+    """The execution providers for ``device``, in priority order.
+
+    Raises:
+        DeviceError: the device is unknown, or CUDA was asked for where onnxruntime has no CUDA
+            provider.
+    """
+    if device not in DEVICES:
+        raise DeviceError(f"unknown device {device!r}; use one of {list(DEVICES)}.")
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" not in available:
+        raise DeviceError(
+            "device='cuda' was asked for, but this onnxruntime has no CUDA provider (available: "
+            f"{available}). Install the GPU build (`pip uninstall -y onnxruntime && pip install "
+            "onnxruntime-gpu`) on a machine with an NVIDIA driver, or use device='cpu'."
+        )
+    return [("CUDAExecutionProvider", {}), "CPUExecutionProvider"]
+
+
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    threads = threads or int(os.environ.get("SLIMML_THREADS", "0"))
+    if threads:
+        so.intra_op_num_threads = threads
+    so.log_severity_level = 3  # errors only: ORT's warnings are not the user's business
+    return so
+
+
+def make_session(path: os.PathLike | str, device: str = "cpu", threads: int | None = None) -> ort.InferenceSession:
+    providers = providers_for(device)
+    try:
+        return ort.InferenceSession(os.fspath(path), sess_options=session_options(threads), providers=providers)
+    except Exception as e:  # ORT raises its own Fail/InvalidGraph/... classes
+        raise ArtifactError(
+            f"ONNX Runtime could not load {os.fspath(path)}: {str(e).strip().splitlines()[0]}. "
+            "The file is not a valid ONNX model for this onnxruntime; re-convert it."
+        ) from None

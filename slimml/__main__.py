@@ -1,0 +1,3 @@
+from slimml.cli import main
+
+main()

@@ -1,0 +1,43 @@
+"""One error family for slimml.
+
+Every message says what was wrong, where, and what to do about it. The CLI turns any
+``SlimmlError`` into one clean line and exit code 1 (set ``SLIMML_DEBUG=1`` for the traceback).
+"""
+
+from __future__ import annotations
+
+
+class SlimmlError(Exception):
+    """Base class of every error slimml raises on purpose."""
+
+
+class SourceError(SlimmlError):
+    """The model to convert is missing, unreadable or of a kind slimml does not know."""
+
+
+class ConfigError(SlimmlError):
+    """An option or config value is out of range or contradicts another."""
+
+
+class ArtifactError(SlimmlError):
+    """An artifact folder is missing, malformed, tampered with or of an unknown format."""
+
+
+class IntegrityError(ArtifactError):
+    """A file of an artifact does not match the size or sha256 its manifest records."""
+
+
+class FeedError(SlimmlError):
+    """Inputs given to a model have the wrong names, dtypes or shapes."""
+
+
+class DeviceError(SlimmlError):
+    """The requested device or execution provider is not available."""
+
+
+class DataError(SlimmlError):
+    """A data file (evaluation, calibration, distillation) is missing, empty or malformed."""
+
+
+class ExportError(SlimmlError):
+    """Exporting a model to ONNX failed."""
