@@ -213,9 +213,8 @@ def _layer_cuts(g: _Graph) -> list[int]:
         # the cut goes after the previous layer and after any weight-bearing glue before this
         # layer (an embedding lookup), and at or before this layer's first node
         lo = max([prev_end] + [i + 1 for i in heavy if prev_end <= i < hi])
-        if lo > hi:
-            lo = max(prev_end, 1)
-        cuts.append(_best_in(g, max(lo, 1), hi))
+        if hi >= 1:  # nothing before the first node: no cut
+            cuts.append(_best_in(g, min(max(lo, 1), hi), hi))
         prev_end = last[key] + 1
     tail_heavy = [i for i in heavy if i >= prev_end]
     if prev_end < len(g.nodes) and tail_heavy:  # a head with weights (final norm, lm_head) after the last layer

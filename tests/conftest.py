@@ -1,0 +1,159 @@
+"""Shared fixtures: tiny real models (built here, random weights) and the real default model.
+
+Nothing is mocked: the tiny models are real torch / Hugging Face / ONNX models, run by real
+ONNX Runtime sessions. Nothing downloads: ``HF_HUB_OFFLINE=1`` is set for the whole session.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import pytest  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stsb"
+STS_DEV = DATA / "sts-dev.csv"
+STS_TRAIN = DATA / "sts-train.csv"
+
+
+def tiny_onnx_mlp(path: Path, layers: int = 4, hidden: int = 8, seed: int = 0) -> Path:
+    """A few-node ONNX graph: ``layers`` residual blocks reading a side input ``scale``.
+
+    x (B, hidden) -> [MatMul, Add bias, Relu, Mul scale, Add residual] x layers -> y. The side
+    input ``scale`` is read by every block, as an attention mask is in a transformer.
+    """
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    h = "x"
+    for i in range(layers):
+        w = numpy_helper.from_array(rng.standard_normal((hidden, hidden)).astype(np.float32) * 0.3, f"layers.{i}.w")
+        b = numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), f"layers.{i}.b")
+        inits += [w, b]
+        p = f"/layers.{i}"
+        nodes += [
+            helper.make_node("MatMul", [h, w.name], [f"{p}/mm"], name=f"{p}/MatMul"),
+            helper.make_node("Add", [f"{p}/mm", b.name], [f"{p}/add"], name=f"{p}/Add"),
+            helper.make_node("Relu", [f"{p}/add"], [f"{p}/relu"], name=f"{p}/Relu"),
+            helper.make_node("Mul", [f"{p}/relu", "scale"], [f"{p}/mul"], name=f"{p}/Mul"),
+            helper.make_node("Add", [f"{p}/mul", h], [f"{p}/out"], name=f"{p}/Residual"),
+        ]
+        h = f"{p}/out"
+    nodes.append(helper.make_node("Identity", [h], ["y"], name="/head/Identity"))
+    graph = helper.make_graph(
+        nodes,
+        "tiny_mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", hidden]),
+         helper.make_tensor_value_info("scale", TensorProto.FLOAT, ["batch", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", hidden])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture
+def mlp_onnx(tmp_path) -> Path:
+    return tiny_onnx_mlp(tmp_path / "mlp.onnx")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    """A 2-layer BERT sentence-transformers folder with random weights and the default model's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128)
+    BertModel(config).eval().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(folder)
+    src = default_model_dir()
+    for name in ("modules.json", "sentence_bert_config.json"):
+        shutil.copy2(src / name, folder / name)
+    (folder / "1_Pooling").mkdir()
+    shutil.copy2(src / "1_Pooling" / "config.json", folder / "1_Pooling" / "config.json")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """A 3-layer Llama causal LM with random weights (a decoder, a second architecture)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+CNN_SOURCE = '''
+import torch
+from torch import nn
+
+torch.manual_seed(0)
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return torch.relu(x + self.bn(self.conv(x)))
+
+
+model = nn.Sequential(
+    nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+    Block(8), Block(8), Block(8),
+    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
+).eval()
+example_inputs = (torch.randn(2, 3, 16, 16),)
+input_names = ["image"]
+output_names = ["logits"]
+'''
+
+
+@pytest.fixture
+def cnn_py(tmp_path) -> Path:
+    path = tmp_path / "small_cnn.py"
+    path.write_text(CNN_SOURCE)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_artifact(tiny_bert_dir, tmp_path_factory) -> Path:
+    from slimml.convert import ConvertConfig, convert
+
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-bert"
+    convert(tiny_bert_dir, out, ConvertConfig(measure_latency=False))
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_artifact(tmp_path_factory) -> Path:
+    """The real default model (all-MiniLM-L6-v2) converted once for the session."""
+    from slimml.convert import ConvertConfig, convert
+
+    out = tmp_path_factory.mktemp("artifacts") / "all-MiniLM-L6-v2"
+    convert(None, out, ConvertConfig(measure_latency=False))
+    return out
