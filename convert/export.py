@@ -107,7 +107,6 @@ def _export_module(source: Source, work_dir: Path, config: ExportConfig) -> Expo
 
 def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
     from optimum.exporters.onnx import main_export
-    from optimum.exporters.tasks import TasksManager
 
     folder = source.path
     pooling = sentence_transformers_pooling(folder)
@@ -116,12 +115,7 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
     elif config.task != "auto":
         task = out_task = config.task
     else:
-        try:
-            task = TasksManager.infer_task_from_model(str(folder), library_name="transformers")
-        except Exception as e:
-            raise ExportError(f"could not infer the task of {folder}: {e}. Pass --task (e.g. feature-extraction).") from None
-        task = task.removesuffix("-with-past")  # the spine exports the cache-free graph
-        out_task = task
+        task = out_task = _task_from_config(folder)
     onnx_dir = work_dir / "onnx"
     logging.getLogger("optimum").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
@@ -142,7 +136,7 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
     tokenizer = _tokenizer_info(folder, onnx_dir, pooling)
     return Exported(
         onnx_path=onnx_path, task=out_task, pooling=pooling, tokenizer=tokenizer,
-        tokenizer_dir=onnx_dir if tokenizer else None, info={"hf_task": task, "model_type": _model_type(folder)},
+        tokenizer_dir=onnx_dir if tokenizer else None, info={"hf_task": task, **_config_facts(folder)},
     )
 
 
@@ -168,8 +162,35 @@ def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[
     return {"file": TOKENIZER_FILE, "max_length": int(max_len), "pad_token": pad_token, "pad_id": int(pad_id)}
 
 
-def _model_type(folder: Path) -> str | None:
-    try:
-        return json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, json.JSONDecodeError):
-        return None
+# The head class a config names decides the task (the cache-free graph for decoders).
+_TASK_BY_SUFFIX = [
+    ("ForCausalLM", "text-generation"),
+    ("LMHeadModel", "text-generation"),
+    ("ForSequenceClassification", "text-classification"),
+    ("ForTokenClassification", "token-classification"),
+    ("ForQuestionAnswering", "question-answering"),
+    ("ForMaskedLM", "fill-mask"),
+    ("ForMultipleChoice", "multiple-choice"),
+    ("ForImageClassification", "image-classification"),
+    ("ForConditionalGeneration", "text2text-generation"),
+    ("Model", "feature-extraction"),
+]
+
+
+def _task_from_config(folder: Path) -> str:
+    archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    for arch in archs:
+        for suffix, task in _TASK_BY_SUFFIX:
+            if arch.endswith(suffix):
+                return task
+    raise ExportError(
+        f"cannot tell the task of {folder} from its config.json (architectures: {archs}); pass --task, "
+        "e.g. --task feature-extraction or --task text-generation."
+    )
+
+
+def _config_facts(folder: Path) -> dict[str, Any]:
+    """What the runtime may want to know without transformers: architecture and vocabulary size."""
+    config = json.loads((folder / "config.json").read_text())
+    keys = ("model_type", "vocab_size", "max_position_embeddings", "num_hidden_layers")
+    return {k: config[k] for k in keys if k in config}

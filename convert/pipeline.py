@@ -116,7 +116,7 @@ def convert(
         latency = None
         if config.measure_latency:
             step("measuring latency")
-            feeds = sample_feeds(model.inputs, batch=1, seq=128)
+            feeds = sample_feeds(model.inputs, batch=1, seq=128, vocab_size=model.manifest.source.get("vocab_size"))
             latency = float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3)))
             manifest.checks["latency_ms_b1_s128"] = round(latency, 3)
         del model
@@ -160,7 +160,7 @@ def verify(model: Model, src: Source, exported: Exported) -> dict[str, Any]:
 def _check_feeds(model: Model) -> dict[str, np.ndarray]:
     if model.manifest.tokenizer is not None:
         return model.tokenize(SAMPLE_TEXTS)
-    return sample_feeds(model.inputs, batch=2, seq=16)
+    return sample_feeds(model.inputs, batch=2, seq=16, vocab_size=model.manifest.source.get("vocab_size"))
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:

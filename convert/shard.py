@@ -354,6 +354,19 @@ def _constants_to_initializers(graph: onnx.GraphProto) -> None:
             graph.initializer.append(t)
         else:
             keep.append(node)
+    # Exporters alias shared weights through Identity nodes at the top of the graph; read the
+    # weight directly instead, or every alias would count as an activation crossing every cut.
+    weights = {t.name for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    captured = set().union(*(_node_uses(n) - set(n.input) for n in keep)) if keep else set()
+    alias = {
+        n.output[0]: n.input[0]
+        for n in keep
+        if n.op_type == "Identity" and n.input[0] in weights and n.output[0] not in outputs | captured
+    }
+    keep = [n for n in keep if not (n.op_type == "Identity" and n.output[0] in alias)]
+    for n in keep:
+        n.input[:] = [alias.get(x, x) for x in n.input]
     del graph.node[:]
     graph.node.extend(keep)
 

@@ -14,12 +14,16 @@ from slimml.runtime.manifest import TensorSpec
 _SEQ_AXES = ("seq", "sequence", "length", "token", "time", "past")
 
 
-def sample_feeds(specs: list[TensorSpec], batch: int = 1, seq: int = 128, seed: int = 0) -> dict[str, np.ndarray]:
+def sample_feeds(
+    specs: list[TensorSpec], batch: int = 1, seq: int = 128, seed: int = 0, vocab_size: int | None = None
+) -> dict[str, np.ndarray]:
     """Plausible inputs for ``specs``: dynamic axes set to ``batch``/``seq``, ids, masks, noise.
 
-    Token ids are drawn from [1000, 2000), inside any real vocabulary; masks are ones; token type
-    and position ids follow their usual meaning; float inputs are standard normal.
+    Token ids are drawn from [1000, 2000), inside any real vocabulary, or from [1, vocab_size / 2)
+    for a vocabulary smaller than that; masks are ones; token type and position ids follow their
+    usual meaning; float inputs are standard normal.
     """
+    lo, hi = (1, max(2, vocab_size // 2)) if vocab_size and vocab_size <= 2000 else (1000, 2000)
     rng = np.random.default_rng(seed)
     feeds = {}
     for spec in specs:
@@ -43,7 +47,7 @@ def sample_feeds(specs: list[TensorSpec], batch: int = 1, seq: int = 128, seed: 
             elif "position" in lname and len(shape) >= 1:
                 value = np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
             else:
-                value = rng.integers(1000, 2000, size=shape).astype(dtype)
+                value = rng.integers(lo, hi, size=shape).astype(dtype)
         elif dtype.kind == "b":
             value = np.ones(shape, dtype=dtype)
         else:
@@ -96,7 +100,7 @@ def time_runs(fn, runs: int, warmup: int) -> np.ndarray:
 
 def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5) -> BenchResult:
     """Time ``model.run`` on sample inputs of ``batch`` x ``seq``; report p50/p90 and throughput (items/s)."""
-    feeds = sample_feeds(model.manifest.inputs, batch=batch, seq=seq)
+    feeds = sample_feeds(model.manifest.inputs, batch=batch, seq=seq, vocab_size=model.manifest.source.get("vocab_size"))
     times = time_runs(lambda: model.run(feeds), runs, warmup)
     p50 = float(np.percentile(times, 50))
     return BenchResult(

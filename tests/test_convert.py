@@ -1,0 +1,134 @@
+"""convert() on several real architectures: each artifact must match the unsharded ONNX model
+(max abs diff <= 1e-5) and the original torch model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from slimml.convert import ConvertConfig, ShardConfig, convert
+from slimml.errors import ConfigError, SourceError
+from slimml.runtime import load
+from slimml.runtime.bench import sample_feeds
+
+FAST = ConvertConfig(measure_latency=False)
+
+
+def test_sentence_embedding_folder_gives_a_checked_artifact(tiny_bert_artifact):
+    manifest = json.loads((tiny_bert_artifact / "manifest.json").read_text())
+    assert manifest["task"] == "sentence-embedding"
+    assert [s["step"] for s in manifest["steps"]] == ["export", "shard"]
+    assert len(manifest["shards"]) == 3  # embeddings, layer 0, layer 1
+    assert manifest["shards"][1]["layers"] == ["encoder/layer.0"]
+    assert manifest["checks"]["max_abs_diff"] <= 1e-5
+    assert manifest["checks"]["embedding_cosine_vs_torch"] >= 0.9999
+    assert {f["path"] for f in manifest["files"]} >= {"tokenizer.json", "shard_000.onnx", "shard_000.onnx.data"}
+
+
+def test_encode_matches_torch_mean_pooling(tiny_bert_artifact, tiny_bert_dir):
+    from transformers import AutoModel, AutoTokenizer
+
+    texts = ["A man is playing a guitar.", "Two dogs run on the beach in the sun.", "Hi"]
+    model = load(tiny_bert_artifact)
+    ours = model.encode(texts)
+    tok = AutoTokenizer.from_pretrained(str(tiny_bert_dir))
+    batch = tok(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = AutoModel.from_pretrained(str(tiny_bert_dir))(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).float()
+    theirs = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=1).numpy()
+    assert ours.shape == (3, 32)
+    assert (ours * theirs).sum(1).min() >= 0.9999
+
+
+def test_decoder_llama_converts_per_layer_with_a_head_shard(tiny_llama_dir, tmp_path):
+    report = convert(tiny_llama_dir, tmp_path / "llama", FAST)
+    manifest = load(tmp_path / "llama").manifest
+    assert report.task == "text-generation"
+    assert [s.layers for s in manifest.shards] == [[], ["model/layers.0"], ["model/layers.1"], ["model/layers.2"], []]
+    assert manifest.shards[-1].outputs[0].name == "logits"
+    assert report.checks["max_abs_diff"] <= 1e-5
+    assert report.checks["max_abs_diff_vs_torch"] <= 1e-4
+
+
+def test_torch_module_from_a_python_file(cnn_py, tmp_path):
+    report = convert(cnn_py, tmp_path / "cnn", ConvertConfig(shard=ShardConfig(mode="count", count=3), measure_latency=False))
+    model = load(tmp_path / "cnn")
+    assert [t.name for t in model.inputs] == ["image"] and [t.name for t in model.outputs] == ["logits"]
+    assert report.shards == 3
+    assert report.checks["max_abs_diff"] <= 1e-5
+    assert report.checks["max_abs_diff_vs_torch"] <= 1e-4
+
+
+def test_torch_module_object_and_an_onnx_file_source(tmp_path):
+    net = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()) for _ in range(4)]).eval()
+    report = convert(net, tmp_path / "mlp", FAST, example_inputs=(torch.randn(2, 16),))
+    assert report.shards == 4 and report.checks["max_abs_diff_vs_torch"] <= 1e-5
+    # the exported graph itself, given back as an ONNX source, converts the same way
+    onnx_src = tmp_path / "net.onnx"
+    torch.onnx.export(net, (torch.randn(2, 16),), str(onnx_src), input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "b"}, "y": {0: "b"}}, dynamo=False)
+    convert(onnx_src, tmp_path / "from-onnx", FAST)
+    model = load(tmp_path / "from-onnx")
+    x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
+    with torch.no_grad():
+        want = net(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(model.run({"x": x})["y"], want, atol=1e-5)
+
+
+def test_reconvert_replaces_an_artifact_atomically(mlp_onnx, tmp_path):
+    out = tmp_path / "art"
+    convert(mlp_onnx, out, FAST)
+    first = (out / "manifest.json").read_text()
+    convert(mlp_onnx, out, ConvertConfig(shard=ShardConfig(mode="count", count=2), measure_latency=False))
+    assert (out / "manifest.json").read_text() != first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "mlp.onnx"]  # no temp folders left
+
+
+def test_generic_inputs_are_documented_in_the_manifest(mlp_onnx, tmp_path):
+    convert(mlp_onnx, tmp_path / "art", FAST)
+    model = load(tmp_path / "art")
+    assert [(t.name, t.dtype, t.shape) for t in model.inputs] == [("x", "float32", ["batch", 8]), ("scale", "float32", ["batch", 1])]
+    feeds = sample_feeds(model.inputs, batch=3)
+    assert model.run(feeds)["y"].shape == (3, 8)
+
+
+def test_missing_source_names_the_kinds_slimml_takes(tmp_path):
+    with pytest.raises(SourceError) as e:
+        convert(tmp_path / "nope", tmp_path / "out", FAST)
+    assert str(e.value) == (
+        f"source {tmp_path / 'nope'} does not exist. Give a Hugging Face model folder, an .onnx file, a .py file "
+        "defining `model` and `example_inputs`, or a torch checkpoint (.pt/.pth/.ckpt)."
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_file_is_refused(tmp_path):
+    bad = tmp_path / "weights.h5"
+    bad.write_bytes(b"\x89HDF")
+    with pytest.raises(SourceError, match=r"weights.h5 is a .h5 file, which slimml cannot convert"):
+        convert(bad, tmp_path / "out", FAST)
+
+
+def test_state_dict_checkpoint_explains_how_to_save_the_module(tmp_path):
+    path = tmp_path / "sd.pt"
+    torch.save(torch.nn.Linear(2, 2).state_dict(), path)
+    with pytest.raises(SourceError, match=r"holds a state dict \(weights only\)"):
+        convert(path, tmp_path / "out", FAST)
+
+
+def test_module_without_example_inputs_is_refused(tmp_path):
+    with pytest.raises(SourceError, match="needs example inputs to be exported"):
+        convert(torch.nn.Linear(2, 2), tmp_path / "out", FAST)
+
+
+def test_refuses_to_overwrite_a_folder_that_is_not_an_artifact(mlp_onnx, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="is not empty and holds no slimml artifact"):
+        convert(mlp_onnx, out, FAST)
+    assert (out / "notes.txt").read_text() == "keep me"
