@@ -70,7 +70,7 @@ def test_size_mode_keeps_shards_under_the_limit(mlp_onnx, tmp_path):
 
 
 def test_large_weights_go_to_external_data_files(tmp_path):
-    from tests.conftest import tiny_onnx_mlp
+    from conftest import tiny_onnx_mlp
 
     path = tiny_onnx_mlp(tmp_path / "wide.onnx", layers=2, hidden=64)
     out = tmp_path / "out"

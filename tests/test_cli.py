@@ -1,0 +1,76 @@
+"""The command line, run as a user runs it: a real subprocess, real artifacts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import STS_DEV
+
+
+def slimml(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "slimml", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def small_sts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "sts-small.csv"
+    lines = STS_DEV.read_text(encoding="utf-8").splitlines()[:41]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_convert_info_run_on_an_onnx_file(mlp_onnx, tmp_path):
+    out = tmp_path / "art"
+    r = slimml("convert", mlp_onnx, "-o", out, "--shards", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["shards"] == 2 and report["checks"]["max_abs_diff"] <= 1e-5
+    r = slimml("info", out)
+    assert r.returncode == 0 and "shard_001.onnx" in r.stdout
+    np.savez(tmp_path / "feeds.npz", x=np.ones((2, 8), np.float32), scale=np.ones((2, 1), np.float32))
+    r = slimml("run", out, "--input", tmp_path / "feeds.npz", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["y"]["shape"] == [2, 8]
+
+
+def test_run_eval_bench_on_a_sentence_model(tiny_bert_artifact, small_sts):
+    r = slimml("run", tiny_bert_artifact, "A man eats.", "Someone is eating.", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["embeddings"]["shape"] == [2, 32]
+    r = slimml("eval", tiny_bert_artifact, "--data", small_sts, "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["metric"] == "spearman" and result["pairs"] == 40 and -100 <= result["score"] <= 100
+    r = slimml("bench", tiny_bert_artifact, "--batch", "2", "--seq", "16", "--runs", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    bench = json.loads(r.stdout)
+    assert set(bench) >= {"latency_ms", "throughput_per_s", "peak_rss_mb", "model_mb"}
+    assert set(bench["latency_ms"]) == {"p50", "p90"}
+
+
+def test_library_errors_are_one_line_and_exit_1(tmp_path):
+    r = slimml("info", tmp_path / "missing")
+    assert r.returncode == 1
+    assert r.stdout == ""
+    assert r.stderr.strip().startswith("error: ") and "Traceback" not in r.stderr
+    assert "is not an artifact folder: it does not exist" in r.stderr
+
+
+def test_debug_variable_shows_the_traceback(tmp_path):
+    r = slimml("info", tmp_path / "missing", env={"SLIMML_DEBUG": "1"})
+    assert r.returncode == 1 and "Traceback" in r.stderr
+
+
+def test_eval_with_a_bad_data_file(tiny_bert_artifact, tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    r = slimml("eval", tiny_bert_artifact, "--data", bad)
+    assert r.returncode == 1
+    assert "lacks the column(s) ['sentence1', 'sentence2', 'score']" in r.stderr
