@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 import slimml
+from slimml.convert.distill import DistillConfig
 from slimml.convert.export import ExportConfig, Exported, export
+from slimml.convert.prune import PruneConfig
 from slimml.convert.reference import reference_for
 from slimml.convert.shard import ShardConfig, shard
 from slimml.convert.sources import Source, resolve
@@ -41,12 +43,16 @@ class ConvertConfig:
         shard: how to split the graph.
         verify: compare the artifact with the unsharded graph and the torch model.
         measure_latency: time the artifact (batch 1) for the report.
+        distill: train a student with fewer layers before export (``convert.distill``).
+        prune: remove attention heads and FFN neurons before export (``convert.prune``).
     """
 
     export: ExportConfig = field(default_factory=ExportConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
     verify: bool = True
     measure_latency: bool = True
+    distill: DistillConfig | None = None
+    prune: PruneConfig | None = None
 
 
 @dataclass
@@ -72,6 +78,7 @@ def convert(
     config: ConvertConfig | None = None,
     example_inputs: Any = None,
     on_step: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int, float], None] | None = None,
 ) -> ConvertReport:
     """Convert a model into a sharded, checked artifact folder.
 
@@ -85,6 +92,7 @@ def convert(
         config: the stages' settings.
         example_inputs: for an ``nn.Module`` source, what to call it with during export.
         on_step: called with a short description as each stage starts (for progress display).
+        on_progress: called as ``on_progress(step, total, loss)`` while a student trains.
 
     Returns:
         A :class:`ConvertReport`: size, shard count, differences from the original, latency.
@@ -104,11 +112,17 @@ def convert(
     _check_output(out)
     tmp = _fresh_tmp(out)
     try:
+        teacher, shrunk = src, []
+        if config.distill is not None or config.prune is not None:
+            src, shrunk = _shrink(src, out, tmp / ".work" / "student", config, step, on_progress)
         step("exporting to ONNX")
         exported = export(src, tmp / ".work", config.export)
         step("splitting into shards")
         specs = shard(exported.onnx_path, tmp, config.shard)
         manifest = _write_manifest(tmp, src, exported, specs, config)
+        if shrunk:  # the steps before export, and the teacher as the source (the student folder is temporary)
+            manifest.steps[:0] = shrunk
+            manifest.source |= {"path": str(teacher.path), "student_of": teacher.name}
         model = load(tmp, device="cpu")  # the artifact's own integrity check runs here
         if config.verify:
             step("checking against the original model")
@@ -133,6 +147,22 @@ def convert(
         size_mb=manifest.total_bytes / 1e6, checks=manifest.checks, latency_ms=latency,
         seconds=time.perf_counter() - t0,
     )
+
+
+def _shrink(src: Source, out: Path, student_dir: Path, config: ConvertConfig, step, on_progress):
+    """Distil and/or prune a Hugging Face source into a student folder; the student is the new source."""
+    from slimml.convert.distill import shrink
+
+    if src.kind != "huggingface":
+        raise ConfigError(
+            f"--distill-layers and --prune need a Hugging Face model folder (or no SOURCE for the default model); "
+            f"{src.name} is a {src.kind} source."
+        )
+    what = " and ".join(w for w, c in (("distilling", config.distill and config.distill.layers), ("pruning", config.prune)) if c)
+    step(what)
+    checkpoint = out.parent / f".{out.name}.distill-checkpoint.pt"  # outside the temp dir: survives a kill
+    steps = shrink(src.path, student_dir, config.distill, config.prune, checkpoint=checkpoint, progress=on_progress)
+    return Source(kind="huggingface", name=src.name, path=student_dir, extra=src.extra), steps
 
 
 def verify(model: Model, src: Source, exported: Exported) -> dict[str, Any]:

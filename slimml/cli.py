@@ -42,6 +42,10 @@ def convert(
     task: Annotated[str, typer.Option(help="Hugging Face task to export, or 'auto'.")] = "auto",
     opset: Annotated[Optional[int], typer.Option(help="ONNX opset.")] = None,
     verify: Annotated[bool, typer.Option(help="Check the artifact against the original model.")] = True,
+    distill_layers: Annotated[Optional[int], typer.Option(help="Distil into a student with this many layers (fewer than the model's).")] = None,
+    distill_data: Annotated[Optional[Path], typer.Option(help="Texts to distil on: one a line, or a CSV with text/sentence1/sentence2 columns. Default: a built-in corpus.")] = None,
+    distill_epochs: Annotated[Optional[float], typer.Option(help="Passes over the distillation data (default 3; 1 after --prune alone).")] = None,
+    prune: Annotated[Optional[float], typer.Option(help="Remove this share (0..1) of attention heads and FFN neurons per layer, then recover by distillation.")] = None,
     as_json: AsJson = False,
 ):
     """Export a model to ONNX, split it into layer shards, check them, and write an artifact folder."""
@@ -49,8 +53,18 @@ def convert(
     from slimml.convert import convert as do_convert
 
     config = ConvertConfig(export=ExportConfig(opset=opset, task=task), shard=ShardConfig.parse(shards, shard_size), verify=verify)
-    with console.status("converting", spinner="dots") as status:
-        report = do_convert(source, out, config, on_step=lambda msg: status.update(f"{msg}..."))
+    if distill_layers is not None or prune is not None or distill_data is not None or distill_epochs is not None:
+        from slimml.convert.distill import DistillConfig
+        from slimml.convert.prune import PruneConfig
+
+        if distill_layers is None and prune is None:
+            raise SlimmlError("--distill-data and --distill-epochs need --distill-layers N or --prune F.")
+        config.distill = DistillConfig(layers=distill_layers, data=distill_data, epochs=distill_epochs)
+        config.prune = PruneConfig(fraction=prune) if prune is not None else None
+        report = _convert_with_progress(do_convert, source, out, config)
+    else:
+        with console.status("converting", spinner="dots") as status:
+            report = do_convert(source, out, config, on_step=lambda msg: status.update(f"{msg}..."))
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
         return
@@ -62,6 +76,24 @@ def convert(
         table.add_row(key.replace("_", " "), f"{value:.3g}" if isinstance(value, float) else str(value))
     table.add_row("time", f"{report.seconds:.1f} s")
     console.print(table)
+
+
+def _convert_with_progress(do_convert, source, out, config):
+    """Convert with a progress bar for the training steps and a spinner line for the stage."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeRemainingColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[loss]}"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("converting", total=None, loss="")
+
+        def on_step(msg):
+            bar.update(task, description=f"{msg}...", total=None, completed=0, loss="")
+
+        def on_progress(done, total, loss):
+            bar.update(task, total=total, completed=done, loss=f"loss {loss:.4f}")
+
+        return do_convert(source, out, config, on_step=on_step, on_progress=on_progress)
 
 
 @app.command()

@@ -1,0 +1,233 @@
+"""Layer distillation (and the recovery pass after pruning): a smaller student trained to match its teacher.
+
+The student keeps N evenly spaced teacher layers, first and last included (the DistilBERT recipe
+of initialising from the teacher's own layers), then learns to match the teacher on unlabelled
+texts: sentence-embedding models match the pooled embeddings (cosine, plus the in-batch
+similarity matrix, which is what STS-style ranking depends on); plain encoders match the last
+hidden states (masked MSE); classifiers and language models match the logits (KL divergence).
+
+``shrink`` is the stage the convert pipeline calls: teacher folder in, student folder out (a normal
+Hugging Face folder, tokenizer and sentence-transformers files included), before export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from slimml.convert import prune as pruning
+from slimml.convert.distill_data import load_texts
+from slimml.convert.distill_train import Trainer, load_teacher
+from slimml.convert.prune import PruneConfig
+from slimml.errors import ConfigError, SourceError
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "config.json", "model.safetensors.index.json")
+
+
+@dataclass
+class DistillConfig:
+    """How to train the student.
+
+    Args:
+        layers: transformer layers the student keeps (fewer than the teacher's); ``None`` keeps them
+            all (a pruned model then gets only the short recovery pass).
+        data: a text file (one text a line) or a CSV with text columns; ``None``: the default corpus.
+        epochs: passes over the data (fractions allowed). ``None``: 3 for a layer-distilled student,
+            1 for a recovery pass after pruning only.
+        batch_size: texts per step.
+        lr: peak AdamW learning rate (linear warm-up over 5% of the steps, then linear decay).
+        max_length: longest tokenized text; longer ones are truncated.
+        max_texts: use at most this many texts (quick runs).
+        max_steps: stop after this many steps (quick runs, tests).
+        seed: data order and anything random.
+        checkpoint_every: save a resumable checkpoint every this many steps.
+    """
+
+    layers: int | None = None
+    data: str | os.PathLike | None = None
+    epochs: float | None = None
+    batch_size: int = 32
+    lr: float = 1e-4
+    max_length: int = 128
+    max_texts: int | None = None
+    max_steps: int | None = None
+    seed: int = 0
+    checkpoint_every: int = 100
+
+    def __post_init__(self):
+        if self.layers is not None and self.layers < 1:
+            raise ConfigError(f"--distill-layers {self.layers} must be >= 1 (the student's transformer layers).")
+        if self.epochs is not None and not self.epochs > 0:
+            raise ConfigError(f"--distill-epochs {self.epochs} must be > 0, e.g. 1 or 0.5.")
+        if self.batch_size < 2:
+            raise ConfigError(f"distillation batch_size {self.batch_size} must be >= 2.")
+        if not 0 < self.lr < 1:
+            raise ConfigError(f"distillation lr {self.lr} must be in (0, 1), e.g. 1e-4.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps {self.max_steps} must be >= 1.")
+
+
+def evenly_spaced(teacher_layers: int, n: int) -> list[int]:
+    """Indices of ``n`` teacher layers, first and last included: 6 -> 3 gives [0, 2, 5]."""
+    if n == 1:
+        return [teacher_layers - 1]
+    return sorted({round(i * (teacher_layers - 1) / (n - 1)) for i in range(n)})
+
+
+def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) -> dict[str, Any]:
+    """Everything that can be wrong with the request, checked before any long work."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(teacher_dir), local_files_only=True)
+    except Exception as e:
+        raise SourceError(f"cannot read the model config in {teacher_dir}: {e}") from None
+    n_teacher = getattr(config, "num_hidden_layers", None)
+    if n_teacher is None:
+        raise ConfigError(f"{teacher_dir} has no num_hidden_layers in its config; distillation needs a layered transformer.")
+    if distill.layers is not None and distill.layers >= n_teacher:
+        raise ConfigError(
+            f"--distill-layers {distill.layers} is not fewer than the teacher's {n_teacher} layers; "
+            f"give 1 to {n_teacher - 1}."
+        )
+    if prune is not None:
+        pruning.check_prunable(config)
+    if not any((teacher_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
+        raise SourceError(f"{teacher_dir} has no tokenizer; distillation tokenizes texts, so save one with the model.")
+    texts, origin = load_texts(distill.data, distill.max_texts)
+    return {"config": config, "teacher_layers": n_teacher, "texts": texts, "origin": origin}
+
+
+def shrink(
+    teacher_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    distill: DistillConfig | None = None,
+    prune: PruneConfig | None = None,
+    checkpoint: str | os.PathLike | None = None,
+    progress: Callable[[int, int, float], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Make a smaller student of the Hugging Face model in ``teacher_dir`` and save it in ``out_dir``.
+
+    Args:
+        teacher_dir: a Hugging Face (or sentence-transformers) model folder.
+        out_dir: where the student folder goes (same layout as the teacher's).
+        distill: layers to keep and how to train; ``None`` with ``prune`` set: prune, then a
+            one-epoch recovery pass on the default corpus.
+        prune: heads and FFN neurons to remove.
+        checkpoint: a file for a resumable checkpoint; a run with the same settings resumes from it.
+            It is deleted once the student is saved.
+        progress: called as ``progress(step, total_steps, loss)`` while training.
+
+    Returns:
+        The manifest step records, e.g. ``[{"step": "distill", "layers": 3, ...}, {"step": "prune", ...}]``.
+
+    Example:
+        >>> shrink(default_model_dir(), "student", DistillConfig(layers=3), PruneConfig(0.5))
+    """
+    teacher_dir, out_dir = Path(teacher_dir), Path(out_dir)
+    distill = distill or DistillConfig()
+    if distill.layers is None and prune is None:
+        raise ConfigError("nothing to do: give --distill-layers N, --prune F, or both.")
+    facts = check(teacher_dir, distill, prune)
+    t0 = time.perf_counter()
+    teacher, kind, pooling = load_teacher(teacher_dir)
+    epochs = distill.epochs if distill.epochs is not None else (3.0 if distill.layers else 1.0)
+    fingerprint = _fingerprint(teacher_dir, distill, prune, epochs, facts["texts"])
+    state = _load_checkpoint(checkpoint, fingerprint)
+    trainer = Trainer(teacher, kind, teacher_dir, facts["texts"], distill, epochs, state and state.get("targets"))
+    kept_layers = evenly_spaced(facts["teacher_layers"], distill.layers) if distill.layers else list(range(facts["teacher_layers"]))
+    student = trainer.student(kept_layers)
+    teacher_params = _params(teacher)
+    distilled_params = _params(student)
+    plan = state["plan"] if state else None
+    if prune is not None:
+        if plan is None:
+            scores = pruning.importance(student, trainer.batches(prune.importance_batches), trainer.loss)
+            plan = pruning.plan(student, prune, *scores)
+        pruning.apply_plan(student, plan)
+
+    def save_ckpt(step: int, optim_state: dict) -> None:
+        if checkpoint is not None:
+            _save_checkpoint(Path(checkpoint), {"fingerprint": fingerprint, "plan": plan, "step": step,
+                                                "student": student.state_dict(), "optim": optim_state,
+                                                "targets": trainer.targets})
+
+    result = trainer.train(student, state, save_ckpt, progress)
+    _save_student(student, teacher_dir, out_dir)
+    if checkpoint is not None:
+        Path(checkpoint).unlink(missing_ok=True)
+    seconds = round(time.perf_counter() - t0, 1)
+    common = {"data": facts["origin"], "texts": len(facts["texts"]), "epochs": epochs, "steps": result["steps"],
+              "final_loss": round(result["loss"], 6), "resumed_at_step": result["resumed_at"], "seconds": seconds}
+    steps = []
+    if distill.layers:
+        steps.append({"step": "distill", "objective": kind, "teacher_layers": facts["teacher_layers"],
+                      "layers": distill.layers, "kept_teacher_layers": kept_layers,
+                      "teacher_params": teacher_params, "student_params": distilled_params, **common})
+    if prune is not None:
+        steps.append({"step": "prune", "method": "taylor-first-order", **asdict(prune),
+                      "heads_per_layer": len(plan["heads"][0]), "ffn_per_layer": len(plan["ffn"][0]),
+                      "student_params": _params(student), **({} if distill.layers else common)})
+    return steps
+
+
+def _params(model: Any) -> int:
+    return int(sum(p.numel() for p in model.parameters()))
+
+
+def _save_student(student: Any, teacher_dir: Path, out_dir: Path) -> None:
+    """The student's weights and config, plus every other file of the teacher (tokenizer, pooling)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in teacher_dir.iterdir():
+        if item.name in WEIGHT_FILES or item.name.startswith(("pytorch_model", "model-")) or item.suffix in (".onnx", ".h5", ".msgpack"):
+            continue
+        if item.is_dir():
+            if item.name in ("onnx", "openvino", ".git", ".cache"):
+                continue
+            shutil.copytree(item, out_dir / item.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(item, out_dir / item.name)
+    student.save_pretrained(str(out_dir), safe_serialization=True)
+
+
+def _fingerprint(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None, epochs: float, texts: list[str]) -> str:
+    h = hashlib.sha256()
+    h.update(str(teacher_dir.resolve()).encode())
+    h.update(json.dumps({**asdict(distill), "data": str(distill.data), "epochs": epochs,
+                         "prune": asdict(prune) if prune else None}, sort_keys=True).encode())
+    for t in texts:
+        h.update(t.encode())
+    return h.hexdigest()
+
+
+def _load_checkpoint(path: str | os.PathLike | None, fingerprint: str) -> dict[str, Any] | None:
+    import torch
+
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception:
+        return None  # a torn checkpoint from a killed run: start over
+    return state if isinstance(state, dict) and state.get("fingerprint") == fingerprint else None
+
+
+def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".part")
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # a kill mid-save leaves the previous checkpoint whole
+
+
+def steps_per_epoch(n_texts: int, batch_size: int) -> int:
+    return max(1, math.ceil(n_texts / batch_size))

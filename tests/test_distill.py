@@ -1,0 +1,190 @@
+"""Distillation and structured pruning on tiny real models: shapes really shrink, outputs stay right."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from slimml.convert import ConvertConfig, convert
+from slimml.convert.distill import DistillConfig, evenly_spaced, shrink
+from slimml.convert.distill_data import load_texts
+from slimml.convert.prune import PruneConfig
+from slimml.errors import ConfigError, DataError
+from slimml.runtime import load
+from conftest import STS_TRAIN
+
+
+@pytest.fixture(scope="module")
+def texts_file(tmp_path_factory):
+    s1, s2 = [], []
+    for line in STS_TRAIN.read_text(encoding="utf-8").splitlines()[1:41]:
+        s1.append(line.split(",")[0])
+    path = tmp_path_factory.mktemp("distill") / "texts.txt"
+    path.write_text("\n".join(s1) + "\n", encoding="utf-8")
+    return path
+
+
+def _tiny(folder, model_cls, config_cls, **kw):
+    import torch
+    from transformers import AutoTokenizer
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    model_cls(config_cls(vocab_size=30522, max_position_embeddings=128, **kw)).eval().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier_dir(tmp_path_factory):
+    """A 4-layer BERT sentence classifier (3 labels), random weights, the default tokenizer."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    return _tiny(tmp_path_factory.mktemp("tiny_cls"), BertForSequenceClassification, BertConfig, hidden_size=32,
+                 num_hidden_layers=4, num_attention_heads=4, intermediate_size=64, num_labels=3)
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder_dir(tmp_path_factory):
+    """A 3-layer Llama causal LM, random weights, the default tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _tiny(tmp_path_factory.mktemp("tiny_llm"), LlamaForCausalLM, LlamaConfig, hidden_size=16, intermediate_size=32,
+                 num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+
+
+def test_evenly_spaced_keeps_first_and_last():
+    assert evenly_spaced(6, 3) == [0, 2, 5]
+    assert evenly_spaced(6, 2) == [0, 5]
+    assert evenly_spaced(12, 4) == [0, 4, 7, 11]
+    assert evenly_spaced(6, 1) == [5]
+
+
+def test_sentence_model_distilled_and_pruned_shrinks_and_runs(tiny_bert_dir, texts_file, tmp_path):
+    # tiny_bert: 2 layers, 2 heads, FFN 64 -> 1 layer, 1 head, FFN 32
+    config = ConvertConfig(distill=DistillConfig(layers=1, data=texts_file, max_steps=4, batch_size=8),
+                           prune=PruneConfig(0.5, importance_batches=2), measure_latency=False)
+    report = convert(tiny_bert_dir, tmp_path / "art", config)
+    model = load(report.out)
+    m = model.manifest
+    assert [s["step"] for s in m.steps] == ["distill", "prune", "export", "shard"]
+    assert m.steps[0]["kept_teacher_layers"] == [1] and m.steps[0]["texts"] == 40
+    assert m.steps[1]["heads_per_layer"] == 1 and m.steps[1]["ffn_per_layer"] == 32
+    assert m.source["path"] == str(tiny_bert_dir) and m.task == "sentence-embedding"
+    assert [s.layers for s in m.shards if s.layers] == [["encoder/layer.0"]]
+    # Q, K, V: (32 -> 1 head x 16), attention out (16 -> 32), FFN in/out (32 <-> 32 neurons): real shapes
+    layer_file = report.out / m.shards[-1].file
+    weights = [list(t.dims) for t in onnx.load(str(layer_file), load_external_data=False).graph.initializer if len(t.dims) == 2]
+    assert sorted(weights) == sorted([[32, 16]] * 3 + [[16, 32]] + [[32, 32]] * 2)
+    assert m.checks["max_abs_diff"] <= 1e-5 and m.checks["embedding_cosine_vs_torch"] >= 0.9999
+    emb = model.encode(["A man plays a guitar.", "Two dogs run."])
+    assert emb.shape == (2, 32) and np.allclose(np.linalg.norm(emb, axis=1), 1, atol=1e-5)
+
+
+def test_pruned_model_equals_the_original_with_those_heads_and_neurons_zeroed(tmp_path):
+    """Structured pruning removes exactly what it claims: the pruned model computes what the
+    original computes once the removed heads' output columns and neurons' weights are zero."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from slimml.convert import prune as pr
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=16, max_position_embeddings=32)).eval()
+    rng = np.random.default_rng(0)
+    kept = {"heads": [sorted(rng.choice(4, 2, replace=False).tolist()) for _ in range(2)],
+            "ffn": [sorted(rng.choice(16, 8, replace=False).tolist()) for _ in range(2)]}
+    zeroed = __import__("copy").deepcopy(model)
+    with torch.no_grad():
+        for layer, heads, neurons in zip(zeroed.encoder.layer, kept["heads"], kept["ffn"]):
+            for h in set(range(4)) - set(heads):
+                layer.attention.output.dense.weight[:, h * 8:(h + 1) * 8] = 0
+            for j in set(range(16)) - set(neurons):
+                layer.intermediate.dense.weight[j] = 0
+                layer.intermediate.dense.bias[j] = 0
+    pr.apply_plan(model, kept)
+    layer = model.encoder.layer[0]
+    assert layer.attention.self.query.weight.shape == (16, 32) and layer.attention.output.dense.weight.shape == (32, 16)
+    assert layer.intermediate.dense.weight.shape == (8, 32) and layer.output.dense.weight.shape == (32, 8)
+    ids = torch.randint(0, 100, (2, 10))
+    with torch.no_grad():
+        got = model(input_ids=ids).last_hidden_state
+        want = zeroed(input_ids=ids).last_hidden_state
+    assert torch.allclose(got, want, atol=1e-5)
+    model.save_pretrained(tmp_path / "pruned")  # and it reloads with the same shapes
+    again = BertModel.from_pretrained(tmp_path / "pruned").eval()
+    with torch.no_grad():
+        assert torch.allclose(again(input_ids=ids).last_hidden_state, got, atol=1e-6)
+
+
+def test_classifier_distilled_with_kl_and_pruned(tiny_classifier_dir, texts_file, tmp_path):
+    config = ConvertConfig(distill=DistillConfig(layers=2, data=texts_file, max_steps=3, batch_size=8),
+                           prune=PruneConfig(0.5, importance_batches=1), measure_latency=False)
+    report = convert(tiny_classifier_dir, tmp_path / "art", config)
+    m = load(report.out).manifest
+    assert m.task == "text-classification" and m.steps[0]["objective"] == "logits-kl"
+    assert m.steps[0]["kept_teacher_layers"] == [0, 3] and m.steps[1]["heads_per_layer"] == 2
+    assert m.steps[0]["student_params"] < m.steps[0]["teacher_params"]
+    assert m.steps[1]["student_params"] < m.steps[0]["student_params"]
+    assert m.checks["max_abs_diff_vs_torch"] <= 1e-4
+    assert [o.name for o in m.outputs] == ["logits"]
+
+
+def test_decoder_layer_distillation_with_kl(tiny_decoder_dir, texts_file, tmp_path):
+    steps = shrink(tiny_decoder_dir, tmp_path / "student", DistillConfig(layers=2, data=texts_file, max_steps=2, batch_size=8))
+    assert steps[0]["objective"] == "lm-kl" and steps[0]["kept_teacher_layers"] == [0, 2]
+    cfg = json.loads((tmp_path / "student" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 2
+    assert (tmp_path / "student" / "tokenizer.json").is_file()
+
+
+def test_interrupted_training_resumes_from_the_checkpoint(tiny_bert_dir, texts_file, tmp_path):
+    ckpt = tmp_path / "ckpt.pt"
+    config = DistillConfig(layers=1, data=texts_file, max_steps=4, batch_size=8, checkpoint_every=2)
+
+    def stop_at_3(step, total, loss):
+        if step == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        shrink(tiny_bert_dir, tmp_path / "s1", config, PruneConfig(0.5, importance_batches=1), ckpt, stop_at_3)
+    assert ckpt.is_file()
+    seen = []
+    steps = shrink(tiny_bert_dir, tmp_path / "s2", config, PruneConfig(0.5, importance_batches=1), ckpt,
+                   lambda s, t, l: seen.append(s))
+    assert steps[0]["resumed_at_step"] == 2 and seen == [3, 4]
+    assert not ckpt.exists()
+
+
+def test_bad_requests_fail_before_any_work(tiny_bert_dir, tiny_llama_dir, texts_file, tmp_path):
+    with pytest.raises(ConfigError) as e:
+        PruneConfig(1.0)
+    assert str(e.value) == ("--prune 1.0 is outside (0, 1); give the share of heads and FFN neurons to remove, "
+                            "e.g. --prune 0.3.")
+    with pytest.raises(ConfigError, match=r"--prune 0 is outside \(0, 1\)"):
+        PruneConfig(0)
+    with pytest.raises(ConfigError) as e:
+        shrink(tiny_bert_dir, tmp_path / "s", DistillConfig(layers=2, data=texts_file))
+    assert str(e.value) == "--distill-layers 2 is not fewer than the teacher's 2 layers; give 1 to 1."
+    with pytest.raises(DataError, match=r"distillation data .*nope.txt does not exist"):
+        shrink(tiny_bert_dir, tmp_path / "s", DistillConfig(layers=1, data=tmp_path / "nope.txt"))
+    small = tmp_path / "small.txt"
+    small.write_text("one\ntwo\ntwo\nthree\n")
+    with pytest.raises(DataError) as e:
+        shrink(tiny_bert_dir, tmp_path / "s", DistillConfig(layers=1, data=small))
+    assert str(e.value) == (f"distillation data {small} has 3 distinct non-empty texts; at least 16 are needed "
+                            "(thousands for a good student). Give a larger file with --distill-data.")
+    with pytest.raises(ConfigError, match=r"--prune does not support the architecture 'llama'"):
+        shrink(tiny_llama_dir, tmp_path / "s", DistillConfig(data=texts_file), PruneConfig(0.5))
+    assert not (tmp_path / "s").exists()
+
+
+def test_default_corpus_needs_no_download():
+    texts, origin = load_texts(None, limit=200)
+    assert origin == "python-stdlib-docstrings" and len(texts) == 200 and len(set(texts)) == 200
+    assert all(t[0].isupper() and len(t) >= 25 for t in texts)
