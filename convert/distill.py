@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.convert import prune as pruning
+from slimml.convert import prune_vocab
 from slimml.convert.distill_data import load_texts
 from slimml.convert.distill_train import Trainer, load_teacher
 from slimml.convert.prune import PruneConfig
@@ -55,7 +56,7 @@ class DistillConfig:
     data: str | os.PathLike | None = None
     epochs: float | None = None
     batch_size: int = 32
-    lr: float = 1e-4
+    lr: float = 2e-4
     max_length: int = 128
     max_texts: int | None = None
     max_steps: int | None = None
@@ -70,7 +71,7 @@ class DistillConfig:
         if self.batch_size < 2:
             raise ConfigError(f"distillation batch_size {self.batch_size} must be >= 2.")
         if not 0 < self.lr < 1:
-            raise ConfigError(f"distillation lr {self.lr} must be in (0, 1), e.g. 1e-4.")
+            raise ConfigError(f"distillation lr {self.lr} must be in (0, 1), e.g. 2e-4.")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps {self.max_steps} must be >= 1.")
 
@@ -152,7 +153,13 @@ def shrink(
         if plan is None:
             scores = pruning.importance(student, trainer.batches(prune.importance_batches), trainer.loss)
             plan = pruning.plan(student, prune, *scores)
+            if prune.vocab and prune_vocab.is_wordpiece(teacher_dir) and student.get_output_embeddings() is None:
+                used = {i for s in trainer.ids for i in s}
+                plan["vocab"] = prune_vocab.plan(teacher_dir, used, prune.fraction)
         pruning.apply_plan(student, plan)
+        if plan.get("vocab"):
+            remap = prune_vocab.apply(student, plan["vocab"])
+            trainer.renumber(remap)
 
     def save_ckpt(step: int, optim_state: dict) -> None:
         if checkpoint is not None:
@@ -162,6 +169,8 @@ def shrink(
 
     result = trainer.train(student, state, save_ckpt, progress)
     _save_student(student, teacher_dir, out_dir)
+    if prune is not None and plan.get("vocab"):
+        prune_vocab.write_tokenizer(teacher_dir, out_dir, remap)
     if checkpoint is not None:
         Path(checkpoint).unlink(missing_ok=True)
     seconds = round(time.perf_counter() - t0, 1)
@@ -175,6 +184,7 @@ def shrink(
     if prune is not None:
         steps.append({"step": "prune", "method": "taylor-first-order", **asdict(prune),
                       "heads_per_layer": len(plan["heads"][0]), "ffn_per_layer": len(plan["ffn"][0]),
+                      "vocab_size": len(plan["vocab"]) if plan.get("vocab") else student.config.vocab_size,
                       "student_params": _params(student), **({} if distill.layers else common)})
     return steps
 

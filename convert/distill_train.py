@@ -72,6 +72,7 @@ class Trainer:
         max_len = min(config.max_length, max_seq_length(folder) or config.max_length)
         self.ids = self.tok(texts, truncation=True, max_length=max_len)["input_ids"]
         self.pad_id = self.tok.pad_token_id or 0
+        self.student_ids, self.student_pad = self.ids, self.pad_id  # differ once the vocabulary is pruned
         self.targets = targets
         if kind == "embedding-cosine" and targets is None:
             key = (str(folder.resolve()), max_len, hash(tuple(texts)))
@@ -79,6 +80,11 @@ class Trainer:
                 _TARGETS.clear()
                 _TARGETS[key] = self._cached_embeddings()
             self.targets = _TARGETS[key]
+
+    def renumber(self, remap: dict[int, int]) -> None:
+        """The student's token ids after vocabulary pruning (every id the data uses was kept)."""
+        self.student_ids = [[remap[i] for i in s] for s in self.ids]
+        self.student_pad = remap.get(self.pad_id, 0)
 
     def student(self, kept_layers: list[int]) -> Any:
         """A copy of the teacher keeping only ``kept_layers`` (teacher indices)."""
@@ -101,14 +107,20 @@ class Trainer:
     def _collate(self, idx: list[int]) -> dict[str, Any]:
         import torch
 
-        seqs = [self.ids[i] for i in idx]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for r, s in enumerate(seqs):
-            ids[r, : len(s)] = torch.tensor(s)
-            mask[r, : len(s)] = 1
-        return {"input_ids": ids, "attention_mask": mask, "index": torch.tensor(idx)}
+        def pad(table, pad_id):
+            seqs = [table[i] for i in idx]
+            ids = torch.full((len(seqs), max(len(s) for s in seqs)), pad_id, dtype=torch.long)
+            for r, s in enumerate(seqs):
+                ids[r, : len(s)] = torch.tensor(s)
+            return ids
+
+        ids = pad(self.ids, self.pad_id)  # (B, T)
+        mask = torch.zeros_like(ids)
+        for r, i in enumerate(idx):
+            mask[r, : len(self.ids[i])] = 1
+        batch = {"input_ids": ids, "attention_mask": mask, "index": torch.tensor(idx)}
+        batch["student_input_ids"] = ids if self.student_ids is self.ids else pad(self.student_ids, self.student_pad)
+        return batch
 
     def _order(self, epoch: int) -> list[list[int]]:
         """One epoch of batches: shuffled, then length-sorted within chunks to cut padding."""
@@ -148,15 +160,16 @@ class Trainer:
         import torch.nn.functional as F
 
         feeds = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        s_feeds = {"input_ids": batch["student_input_ids"], "attention_mask": batch["attention_mask"]}
         if self.kind == "embedding-cosine":
-            s = F.normalize(self._embed(student, batch), dim=-1)
+            s = F.normalize(self._embed(student, s_feeds), dim=-1)
             t = F.normalize(self.targets[batch["index"]], dim=-1)
             cosine = (1 - (s * t).sum(-1)).mean()
             relation = F.mse_loss(s @ s.T, t @ t.T)  # (B, B) similarity matrices: what ranking depends on
             return cosine + 10.0 * relation
         with torch.no_grad():
             t_out = self.teacher(**feeds)
-        s_out = student(**feeds)
+        s_out = student(**s_feeds)
         mask = batch["attention_mask"].unsqueeze(-1).float()
         if self.kind == "hidden-mse":
             diff = (s_out.last_hidden_state - t_out.last_hidden_state) ** 2 * mask

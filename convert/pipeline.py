@@ -65,6 +65,7 @@ class ConvertReport:
     checks: dict[str, Any]
     latency_ms: float | None = None
     seconds: float = 0.0
+    steps: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -145,7 +146,7 @@ def convert(
     return ConvertReport(
         out=out, name=manifest.name, task=manifest.task, shards=len(manifest.shards),
         size_mb=manifest.total_bytes / 1e6, checks=manifest.checks, latency_ms=latency,
-        seconds=time.perf_counter() - t0,
+        seconds=time.perf_counter() - t0, steps=manifest.steps,
     )
 
 

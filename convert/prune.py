@@ -28,12 +28,15 @@ class PruneConfig:
         heads: prune attention heads.
         ffn: prune FFN intermediate neurons.
         importance_batches: batches of distillation data the importance scores are summed over.
+        vocab: also prune the rarest ``fraction`` of a WordPiece vocabulary (``convert.prune_vocab``):
+            the token embedding is most of a small encoder's bytes. Tokens the data uses are kept.
     """
 
     fraction: float = 0.5
     heads: bool = True
     ffn: bool = True
     importance_batches: int = 16
+    vocab: bool = True
 
     def __post_init__(self):
         if not 0.0 < float(self.fraction) < 1.0:

@@ -74,6 +74,13 @@ def convert(
     table.add_row("size", f"{report.size_mb:.1f} MB")
     for key, value in report.checks.items():
         table.add_row(key.replace("_", " "), f"{value:.3g}" if isinstance(value, float) else str(value))
+    for s in report.steps:  # the student against its teacher, when distilled or pruned
+        if s["step"] == "distill":
+            table.add_row("distill", f"{s['teacher_layers']} -> {s['layers']} layers (teacher layers {s['kept_teacher_layers']}), "
+                          f"{s['teacher_params'] / 1e6:.1f}M -> {s['student_params'] / 1e6:.1f}M params, {s['steps']} steps")
+        elif s["step"] == "prune":
+            table.add_row("prune", f"{s['heads_per_layer']} heads, {s['ffn_per_layer']} FFN neurons a layer, vocabulary "
+                          f"{s['vocab_size']}: {s['student_params'] / 1e6:.1f}M params")
     table.add_row("time", f"{report.seconds:.1f} s")
     console.print(table)
 
@@ -84,7 +91,7 @@ def _convert_with_progress(do_convert, source, out, config):
 
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[loss]}"), TimeRemainingColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
+    with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("converting", total=None, loss="")
 
         def on_step(msg):

@@ -74,6 +74,7 @@ def test_sentence_model_distilled_and_pruned_shrinks_and_runs(tiny_bert_dir, tex
     assert [s["step"] for s in m.steps] == ["distill", "prune", "export", "shard"]
     assert m.steps[0]["kept_teacher_layers"] == [1] and m.steps[0]["texts"] == 40
     assert m.steps[1]["heads_per_layer"] == 1 and m.steps[1]["ffn_per_layer"] == 32
+    assert m.steps[1]["vocab_size"] == round(30522 * 0.5) == m.source["vocab_size"]
     assert m.source["path"] == str(tiny_bert_dir) and m.task == "sentence-embedding"
     assert [s.layers for s in m.shards if s.layers] == [["encoder/layer.0"]]
     # Q, K, V: (32 -> 1 head x 16), attention out (16 -> 32), FFN in/out (32 <-> 32 neurons): real shapes
@@ -188,3 +189,55 @@ def test_default_corpus_needs_no_download():
     texts, origin = load_texts(None, limit=200)
     assert origin == "python-stdlib-docstrings" and len(texts) == 200 and len(set(texts)) == 200
     assert all(t[0].isupper() and len(t) >= 25 for t in texts)
+
+
+def test_vocabulary_pruning_keeps_the_data_tokens_and_never_makes_unknowns(tmp_path):
+    from tokenizers import Tokenizer
+
+    from slimml.convert import prune_vocab
+    from slimml.convert.sources import default_model_dir
+
+    folder = default_model_dir()
+    old = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    seen = ["A man is playing a flute.", "Quantized encoders run on CPUs."]
+    used = {i for t in seen for i in old.encode(t).ids}
+    keep = prune_vocab.plan(folder, used, 0.5)
+    assert len(keep) == round(30522 * 0.5) and used <= set(keep)
+    prune_vocab.write_tokenizer(folder, tmp_path, {o: n for n, o in enumerate(keep)})
+    new = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert new.get_vocab_size() == len(keep)
+    for text in seen:  # the same pieces, renumbered
+        assert new.encode(text).tokens == old.encode(text).tokens and new.encode(text).ids != old.encode(text).ids
+    rare = [t for t in new.encode("Zygomorphic antidisestablishmentarianism, naïve café!").tokens if t != "[PAD]"]
+    assert "[UNK]" not in rare and rare[0] == "[CLS]" and rare[-1] == "[SEP]"
+    assert new.encode("x").ids[0] == new.token_to_id("[CLS]") == keep.index(101)
+
+
+def test_cli_rejects_bad_requests_with_one_line(tmp_path):
+    from test_cli import slimml
+
+    r = slimml("convert", "--prune", "1.5", "-o", tmp_path / "a")
+    assert r.returncode == 1
+    assert "--prune 1.5 is outside (0, 1); give the share of heads and FFN neurons to remove" in r.stderr
+    r = slimml("convert", "--distill-layers", "6", "-o", tmp_path / "a")
+    assert r.returncode == 1
+    assert "--distill-layers 6 is not fewer than the teacher's 6 layers; give 1 to 5." in r.stderr
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.slow
+def test_default_model_student_three_layers_half_pruned(tmp_path):
+    """The real default model: 3 of 6 layers, half the heads and FFN neurons, half the vocabulary."""
+    from conftest import STS_TRAIN as data
+
+    config = ConvertConfig(distill=DistillConfig(layers=3, data=data, max_texts=64, max_steps=2),
+                           prune=PruneConfig(0.5, importance_batches=1), measure_latency=False)
+    report = convert(None, tmp_path / "student", config)
+    model = load(report.out)
+    m = model.manifest
+    assert [s.layers for s in m.shards if s.layers] == [[f"encoder/layer.{i}"] for i in range(3)]
+    assert m.steps[0]["kept_teacher_layers"] == [0, 2, 5]
+    assert (m.steps[1]["heads_per_layer"], m.steps[1]["ffn_per_layer"], m.steps[1]["vocab_size"]) == (6, 768, 15261)
+    assert 30e6 < m.total_bytes < 40e6  # the teacher: 90.9 MB
+    assert m.checks["embedding_cosine_vs_torch"] >= 0.9999
+    assert model.encode(["A man is playing a guitar."]).shape == (1, 384)

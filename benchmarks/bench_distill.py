@@ -1,0 +1,160 @@
+"""Distilled / pruned students of all-MiniLM-L6-v2 against the Optimum int8 peer of the teacher.
+
+Run:
+    slimml convert --distill-layers 3 --prune 0.5 --distill-data ../shared/data/stsb/sts-train.csv -o artifacts/d3p5
+    python benchmarks/bench_distill.py artifacts/d3p5 [more student artifacts...] [--rounds 30]
+
+For the teacher, Optimum exports all-MiniLM-L6-v2 to ONNX and ``ORTQuantizer`` quantizes it with
+``AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=True)`` (the peer), and the fp32
+teacher is converted by slimml. For each student artifact the benchmark measures the fp32 artifact
+and an int8 estimate made here with ``onnxruntime.quantization.quantize_dynamic`` on every shard
+(per-channel; MatMul + Gather, as ``--quantize int8`` does; "mm-only" quantizes MatMul only). All
+are timed round after round in one process (batch 1, seq 128) and scored on STSb dev (Spearman x100).
+Prints a table (and ``--json FILE``); ratios are what to read, absolute times on a shared machine are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np  # noqa: E402
+
+STS_DEV = Path(__file__).resolve().parents[2] / "shared" / "data" / "stsb" / "sts-dev.csv"
+
+
+def optimum_int8_peer(work: Path) -> Path:
+    """The teacher exported by Optimum and quantized by ORTQuantizer (dynamic, per-channel, avx512_vnni)."""
+    from optimum.onnxruntime import ORTModelForFeatureExtraction, ORTQuantizer
+    from optimum.onnxruntime.configuration import AutoQuantizationConfig
+
+    from slimml.convert.sources import default_model_dir
+
+    fp32 = work / "optimum-fp32"
+    ORTModelForFeatureExtraction.from_pretrained(str(default_model_dir()), export=True).save_pretrained(fp32)
+    quantizer = ORTQuantizer.from_pretrained(str(fp32))
+    qconfig = AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=True)
+    quantizer.quantize(save_dir=work / "optimum-int8", quantization_config=qconfig)
+    return next((work / "optimum-int8").glob("*quantized*.onnx"))
+
+
+def int8_copy(artifact: Path, out: Path, op_types: list[str]) -> Path:
+    """A copy of ``artifact`` with every shard dynamically quantized (per-channel int8 weights)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from slimml.runtime.manifest import file_entry, read_manifest
+
+    shutil.copytree(artifact, out)
+    m = read_manifest(out)
+    for s in m.shards:
+        path = out / s.file
+        tmp = path.with_suffix(".q.onnx")
+        quantize_dynamic(str(path), str(tmp), op_types_to_quantize=op_types, per_channel=True, weight_type=QuantType.QInt8)
+        os.replace(tmp, path)
+        if s.data:
+            (out / s.data).unlink(missing_ok=True)
+            s.data = None
+    m.files = [file_entry(out, out / f.path) for f in m.files if (out / f.path).is_file()]
+    m.steps.append({"step": "quantize (bench estimate)", "tool": "onnxruntime.quantize_dynamic", "op_types": op_types,
+                    "per_channel": True})
+    m.write(out)
+    return out
+
+
+class PeerModel:
+    """The Optimum int8 peer as one ORT session, with the teacher's tokenizer and mean pooling."""
+
+    def __init__(self, onnx_path: Path, tokenizer_dir: Path):
+        from slimml.runtime.manifest import TensorSpec
+        from slimml.runtime.session import make_session
+        from slimml.runtime.text import TextEncoder
+
+        self.session = make_session(onnx_path, "cpu")
+        names = [i.name for i in self.session.get_inputs()]
+        self.inputs = [TensorSpec(name=n, dtype="int64", shape=["batch_size", "sequence_length"]) for n in names]
+        self.text = TextEncoder(tokenizer_dir / "tokenizer.json", {"max_length": 256, "pad_id": 0, "pad_token": "[PAD]"}, names)
+        self.size_mb = onnx_path.stat().st_size / 1e6
+
+    def run(self, feeds):
+        return self.session.run(["last_hidden_state"], feeds)[0]
+
+    def encode(self, texts, batch_size=64):
+        from slimml.runtime.text import pool
+
+        out = []
+        for b in range(0, len(texts), batch_size):
+            feeds = self.text(texts[b : b + batch_size])
+            out.append(pool(self.run(feeds), feeds["attention_mask"], "mean", True))
+        return np.concatenate(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("students", nargs="+", type=Path, help="student artifacts written by `slimml convert --distill-layers/--prune`")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+    from slimml.runtime import load
+    from slimml.runtime.bench import sample_feeds
+    from slimml.runtime.evaluate import evaluate_sts
+
+    work = Path(tempfile.mkdtemp(prefix="bench-distill-"))
+    try:
+        contenders = {"optimum int8 (teacher, peer)": PeerModel(optimum_int8_peer(work), default_model_dir())}
+        convert(None, work / "teacher", ConvertConfig(measure_latency=False))
+        contenders["slimml fp32 (teacher)"] = load(work / "teacher")
+        for art in args.students:
+            tag = art.name
+            contenders[f"{tag} fp32"] = load(art)
+            contenders[f"{tag} int8 est."] = load(int8_copy(art, work / f"{tag}-int8", ["MatMul", "Gather"]))
+            contenders[f"{tag} int8 est. mm-only"] = load(int8_copy(art, work / f"{tag}-int8mm", ["MatMul"]))
+        rows = {}
+        for name, model in contenders.items():
+            size = model.size_mb if isinstance(model, PeerModel) else model.manifest.total_bytes / 1e6
+            layers = None if isinstance(model, PeerModel) else sum(1 for s in model.manifest.shards if s.layers)
+            sts = evaluate_sts(model, STS_DEV).score
+            rows[name] = {"size_mb": round(size, 2), "layers": layers, "stsb_dev": round(sts, 2)}
+            print(f"scored {name}: {sts:.2f}", flush=True)
+        feeds = {}
+        for name, model in contenders.items():
+            f = sample_feeds(model.inputs, batch=1, seq=args.seq)
+            if not isinstance(model, PeerModel) and model.manifest.source.get("vocab_size", 30522) < 2000:
+                f["input_ids"] %= model.manifest.source["vocab_size"]
+            feeds[name] = f
+        for name, model in contenders.items():  # warm up
+            for _ in range(3):
+                model.run(feeds[name])
+        times = {k: [] for k in contenders}
+        for _ in range(args.rounds):
+            for name, model in contenders.items():
+                t0 = time.perf_counter()
+                model.run(feeds[name])
+                times[name].append(time.perf_counter() - t0)
+        base = float(np.median(times["optimum int8 (teacher, peer)"]))
+        print(f"\nbatch 1 x seq {args.seq}, {args.rounds} interleaved rounds; STSb dev = Spearman x100 on {STS_DEV.name}")
+        print(f"{'system':<34}{'layers':>7}{'MB':>9}{'STSb dev':>10}{'p50 ms':>9}{'vs peer':>9}")
+        for name, r in rows.items():
+            med = float(np.median(times[name]))
+            r |= {"p50_ms": round(med * 1e3, 3), "latency_vs_peer": round(med / base, 3)}
+            print(f"{name:<34}{r['layers'] if r['layers'] is not None else 6:>7}{r['size_mb']:>9.2f}{r['stsb_dev']:>10.2f}"
+                  f"{r['p50_ms']:>9.2f}{r['latency_vs_peer']:>8.2f}x")
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
