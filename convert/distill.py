@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import shutil
 import time
@@ -139,7 +138,7 @@ def shrink(
         raise ConfigError("nothing to do: give --distill-layers N, --prune F, or both.")
     facts = check(teacher_dir, distill, prune)
     t0 = time.perf_counter()
-    teacher, kind, pooling = load_teacher(teacher_dir)
+    teacher, kind, _ = load_teacher(teacher_dir)
     epochs = distill.epochs if distill.epochs is not None else (3.0 if distill.layers else 1.0)
     fingerprint = _fingerprint(teacher_dir, distill, prune, epochs, facts["texts"])
     state = _load_checkpoint(checkpoint, fingerprint)
@@ -238,6 +237,3 @@ def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     torch.save(state, tmp)
     os.replace(tmp, path)  # a kill mid-save leaves the previous checkpoint whole
 
-
-def steps_per_epoch(n_texts: int, batch_size: int) -> int:
-    return max(1, math.ceil(n_texts / batch_size))
