@@ -20,9 +20,10 @@ from slimml.convert.shard import ShardConfig, shard
 from slimml.convert.sources import Source, resolve
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.bench import sample_feeds, time_runs
-from slimml.runtime.manifest import MANIFEST_NAME, Manifest, TensorSpec, file_entry
-from slimml.runtime.model import Model, load
+from slimml.runtime.manifest import MANIFEST_NAME, Manifest, TensorSpec, file_entry, verify_files
+from slimml.runtime.model import load
 from slimml.runtime.session import make_session
+from slimml.runtime.text import TextEncoder
 
 SAMPLE_TEXTS = [
     "A man is playing a guitar on the street.",
@@ -109,17 +110,19 @@ def convert(
         step("splitting into shards")
         specs = shard(exported.onnx_path, tmp, config.shard)
         manifest = _write_manifest(tmp, src, exported, specs, config)
-        model = load(tmp, device="cpu")  # the artifact's own integrity check runs here
         if config.verify:
             step("checking against the original model")
-            manifest.checks = verify(model, src, exported)
+            manifest.checks = verify(tmp, manifest, src, exported)
+        else:
+            verify_files(tmp, manifest)
         latency = None
         if config.measure_latency:
             step("measuring latency")
+            model = load(tmp, device="cpu")
             feeds = sample_feeds(model.inputs, batch=1, seq=128, vocab_size=model.manifest.source.get("vocab_size"))
             latency = float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3)))
             manifest.checks["latency_ms_b1_s128"] = round(latency, 3)
-        del model
+            del model
         manifest.write(tmp)
         shutil.rmtree(tmp / ".work", ignore_errors=True)
         _replace(tmp, out)
@@ -135,32 +138,42 @@ def convert(
     )
 
 
-def verify(model: Model, src: Source, exported: Exported) -> dict[str, Any]:
-    """Compare the sharded artifact with the unsharded ONNX graph and with the torch model."""
-    feeds = _check_feeds(model)
-    got = model.run(feeds)
+def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) -> dict[str, Any]:
+    """Compare the sharded artifact in ``folder`` with the unsharded ONNX graph and the torch model.
+
+    The three run one after the other, each freed before the next loads, so checking needs
+    about one copy of the model in memory, not three.
+    """
+    feeds = _check_feeds(folder, manifest)
+    names = [t.name for t in manifest.outputs]
     full = make_session(exported.onnx_path, "cpu")
-    names = [t.name for t in model.outputs]
     want = dict(zip(names, full.run(names, feeds)))
-    checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}
+    del full
+    torch_out, theirs = {}, None
     ref = reference_for(src, exported, names)
     if ref is not None:
         torch_out = ref(feeds)
-        common = [n for n in names if n in torch_out]
-        if common:
-            checks["max_abs_diff_vs_torch"] = max(float(np.abs(got[n] - torch_out[n]).max()) for n in common)
-            checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
         if exported.pooling is not None:
-            ours = model.encode(SAMPLE_TEXTS)
-            theirs = ref.embed(model.tokenize(SAMPLE_TEXTS))
-            checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
+            theirs = ref.embed(feeds)
+        del ref
+    model = load(folder, device="cpu")  # the artifact's own integrity check runs here
+    got = model.run(feeds)
+    checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}
+    common = [n for n in names if n in torch_out]
+    if common:
+        checks["max_abs_diff_vs_torch"] = max(float(np.abs(got[n] - torch_out[n]).max()) for n in common)
+        checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
+    if theirs is not None:
+        ours = model.encode(SAMPLE_TEXTS)
+        checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
     return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
 
 
-def _check_feeds(model: Model) -> dict[str, np.ndarray]:
-    if model.manifest.tokenizer is not None:
-        return model.tokenize(SAMPLE_TEXTS)
-    return sample_feeds(model.inputs, batch=2, seq=16, vocab_size=model.manifest.source.get("vocab_size"))
+def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:
+    if manifest.tokenizer is not None:
+        text = TextEncoder(folder / manifest.tokenizer["file"], manifest.tokenizer, [t.name for t in manifest.inputs])
+        return text(SAMPLE_TEXTS)
+    return sample_feeds(manifest.inputs, batch=2, seq=16, vocab_size=manifest.source.get("vocab_size"))
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
