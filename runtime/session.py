@@ -38,7 +38,7 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     threads = threads or int(os.environ.get("SLIMML_THREADS", "0"))
     if threads:
         so.intra_op_num_threads = threads
-    so.log_severity_level = 3  # errors only: ORT's warnings are not the user's business
+    so.log_severity_level = 4  # fatal only: ORT's errors reach the user as slimml errors, not raw log lines
     return so
 
 
