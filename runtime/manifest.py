@@ -216,8 +216,8 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
             problems.append(f"{where} {what}")
         return ok
 
-    def is_int(v: Any, lo: int = 0) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and lo <= v < 1 << 62
+    def is_int(v: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
 
     def tensors(v: Any, where: str, shard: int | None = None) -> None:
         if not need(isinstance(v, list), where, "must be a list"):
@@ -227,7 +227,7 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
             if not need(isinstance(t, dict), w, "must be an object"):
                 continue
             need(isinstance(t.get("name"), str) and t.get("name") != "", f"{w}.name", "must be a non-empty string")
-            need(t.get("dtype") in _DTYPES, f"{w}.dtype", f"is {t.get('dtype')!r}, not one of {sorted(_DTYPES)}")
+            need(isinstance(t.get("dtype"), str) and t["dtype"] in _DTYPES, f"{w}.dtype", f"is {t.get('dtype')!r}, not one of {sorted(_DTYPES)}")
             shape = t.get("shape")
             ok = isinstance(shape, list) and len(shape) <= 16
             ok = ok and all(d is None or isinstance(d, str) or is_int(d) for d in shape)
@@ -271,8 +271,10 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
     tok = raw.get("tokenizer")
     if tok is not None and need(isinstance(tok, dict), "tokenizer", "must be an object or null"):
         need(isinstance(tok.get("file"), str), "tokenizer.file", "must be a string")
-        need(tok.get("max_length") is None or is_int(tok.get("max_length"), 1), "tokenizer.max_length", "must be an int >= 1")
-        need(tok.get("pad_id") is None or is_int(tok.get("pad_id")), "tokenizer.pad_id", "must be an int >= 0")
+        need(tok.get("max_length") is None or is_int(tok.get("max_length"), 1, 1 << 31), "tokenizer.max_length",
+             "must be an int from 1 to 2**31-1")
+        need(tok.get("pad_id") is None or is_int(tok.get("pad_id"), 0, 1 << 32), "tokenizer.pad_id",
+             "must be a token id from 0 to 2**32-1")
         need(tok.get("pad_token") is None or isinstance(tok.get("pad_token"), str), "tokenizer.pad_token", "must be a string")
     pooling = raw.get("pooling")
     if pooling is not None and need(isinstance(pooling, dict), "pooling", "must be an object or null"):

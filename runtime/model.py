@@ -92,6 +92,14 @@ class Model:
                 f"the artifact {self.folder} has no tokenizer, so it cannot take text; call "
                 "run() with arrays instead."
             )
+        for i, t in enumerate(texts if isinstance(texts, (list, tuple)) else []):
+            try:
+                isinstance(t, str) and t.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad decode upstream
+                raise FeedError(
+                    f"text {i} is not valid Unicode ({e.reason} at position {e.start}); decode your input with "
+                    "errors='replace' or clean it first."
+                ) from None
         return self._text(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)
 
     def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
