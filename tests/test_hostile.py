@@ -70,12 +70,9 @@ def report(request):
     total = sum(TRIED.values())
     line = (f"hostile inputs tried: {total} ({', '.join(f'{k} {v}' for k, v in sorted(TRIED.items()))}); "
             f"outcomes: {dict(OUTCOMES)}; crashes 0, hangs 0")
-    tr = request.config.pluginmanager.get_plugin("terminalreporter")
-    if tr is not None:
-        tr.write_line("")
-        tr.write_line(line)
-    else:
-        print(line)
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # shown even when pytest captures output
+        print(f"\n{line}")
 
 
 @pytest.fixture(scope="module")
