@@ -71,7 +71,7 @@ def test_killed_convert_never_loses_the_artifact(tmp_path):
             shutil.rmtree(out, ignore_errors=True)
             previous = None
         p = start_convert(src, out)
-        delay = rng.uniform(0, took * 1.2)
+        delay = rng.uniform(0, took * 1.6)  # most inside the convert, a few after it
         p.stdin.write("go\n")
         p.stdin.flush()
         time.sleep(delay)
