@@ -49,6 +49,11 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
         raise ArtifactError(
             f"{shard.file} is not a readable ONNX file ({type(e).__name__}); the artifact is damaged: re-convert it."
         ) from None
+    field = _undecodable_text(model)
+    if field is not None:
+        raise ArtifactError(
+            f"{shard.file} holds a {field!r} that is not valid UTF-8; the file is damaged: re-convert it."
+        )
     data = safe_path(folder, shard.data).resolve() if shard.data else None
     data_size = data.stat().st_size if data is not None and data.is_file() else 0
     count, positions = 0, None
@@ -78,6 +83,27 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
                 f"which has {data_size}; the artifact is damaged: re-convert it."
             )
     return ShardFacts(external_tensors=count, max_positions=positions)
+
+
+def _undecodable_text(message) -> str | None:
+    """The first string field holding bytes that are not UTF-8 (protobuf hands those back as bytes).
+
+    ONNX Runtime would choke on them while formatting its own error message, and its Python
+    wrapper prints that to stdout; refuse them first.
+    """
+    stack = [message]
+    while stack:
+        msg = stack.pop()
+        for fd, value in msg.ListFields():
+            repeated = getattr(fd, "is_repeated", None)
+            repeated = fd.label == fd.LABEL_REPEATED if repeated is None else repeated
+            values = value if repeated else [value]
+            if fd.type == fd.TYPE_STRING:
+                if any(isinstance(v, bytes) for v in values):
+                    return fd.name
+            elif fd.type == fd.TYPE_MESSAGE:
+                stack.extend(values)
+    return None
 
 
 def _tensors(model):

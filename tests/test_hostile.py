@@ -187,7 +187,7 @@ def test_mutated_tokenizer_manifest(tiny_bert_artifact, tmp_path):
     flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), max_size=4),
     rehash=st.booleans(),
 )
-def test_damaged_shard_files(mlp_art, tmp_path_factory, which, cut, flips, rehash):
+def test_damaged_shard_files(mlp_art, tmp_path_factory, capfd, which, cut, flips, rehash):
     """Truncated or bit-flipped .onnx/.data files, with the manifest re-hashed half the time so the
     damage reaches the ONNX parser and ONNX Runtime instead of stopping at the hash check."""
     folder = _scratch(tmp_path_factory, "damaged", mlp_art)
@@ -205,6 +205,8 @@ def test_damaged_shard_files(mlp_art, tmp_path_factory, which, cut, flips, rehas
         entry["bytes"], entry["sha256"] = len(blob), sha256_file(path)
         (folder / MANIFEST_NAME).write_text(json.dumps(manifest))
     outcome = attempt("damaged shard file", lambda: load_and_run(folder))
+    out, err = capfd.readouterr()
+    assert out + err == "", f"a dependency wrote to the terminal: {(out + err)[:300]!r}"
     if not rehash and bytes(blob) != (mlp_art / entry["path"]).read_bytes():
         assert outcome == "error"  # the hash check alone must catch it
 
@@ -247,7 +249,7 @@ not_arrays = st.one_of(st.none(), st.integers(), st.text(max_size=5), st.lists(s
     values=st.lists(st.one_of(arrays(), arrays(max_rank=2, big_dim=70), not_arrays), min_size=4, max_size=4),
     good=st.integers(0, 2),
 )
-def test_wrong_feeds(mlp_art, names, values, good):
+def test_wrong_feeds(mlp_art, capfd, names, values, good):
     model = _model(mlp_art)
     feeds = dict(zip(names, values))
     # start from valid feeds and break one thing, so the deeper checks are reached too
@@ -256,6 +258,8 @@ def test_wrong_feeds(mlp_art, names, values, good):
     elif good == 2:
         feeds = sample_feeds(model.inputs, batch=3) | dict(list(feeds.items())[:1])
     attempt("wrong feeds", lambda: model.run(feeds))
+    out, err = capfd.readouterr()
+    assert out + err == "", f"a dependency wrote to the terminal: {(out + err)[:300]!r}"
 
 
 @fuzz(600)

@@ -189,3 +189,17 @@ def test_runtime_imports_stay_lean(art):
     r = subprocess.run([sys.executable, "-c", code, str(art)], capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_damaged_names_are_refused_before_onnxruntime(art, capfd):
+    """A name that is not UTF-8 made ORT's Python wrapper print 'EP Error' to stdout; refused first now."""
+    path = art / "shard_001.onnx"
+    blob = bytearray(path.read_bytes())
+    blob[blob.find(b"MatMul") + 1] = 0x9E
+    path.write_bytes(bytes(blob))
+    rehash(art, path.name)
+    with pytest.raises(ArtifactError) as e:
+        load(art)
+    assert str(e.value) == "shard_001.onnx holds a 'name' that is not valid UTF-8; the file is damaged: re-convert it."
+    out, err = capfd.readouterr()
+    assert "EP Error" not in out + err
