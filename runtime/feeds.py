@@ -18,6 +18,7 @@ def check_feeds(
     specs: list[TensorSpec],
     max_seq: int | None = None,
     allow_nonfinite: bool = False,
+    vocab_size: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Return ``feeds`` as contiguous numpy arrays after checking names, dtypes and ranks.
 
@@ -28,6 +29,8 @@ def check_feeds(
             like ``sequence_length``) longer than this is refused with the maximum named.
         allow_nonfinite: let NaN and inf through in float inputs. By default they are refused:
             they spread silently through every layer and come out as NaN outputs.
+        vocab_size: rows of the token-embedding table; ``input_ids`` outside ``[0, vocab_size)``
+            are refused (a negative id would otherwise wrap around silently).
 
     Raises:
         FeedError: unknown or missing names, wrong dtype, wrong rank, a fixed dimension that
@@ -89,6 +92,14 @@ def check_feeds(
                     )
         if value.size == 0:
             problems.append(f"input {name!r} is empty (shape {list(value.shape)}); give at least one item")
+        elif vocab_size is not None and name == "input_ids" and value.dtype.kind in "iu":
+            bad = (value < 0) | (value >= vocab_size)
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                problems.append(
+                    f"input 'input_ids' holds {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size}), the "
+                    f"first {int(value[where])} at index {where}; encode text with this model's tokenizer (model.tokenize)"
+                )
         elif value.dtype.kind in "fc" and not allow_nonfinite:
             bad = ~np.isfinite(value)
             if bad.any():

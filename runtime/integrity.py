@@ -22,6 +22,8 @@ from slimml.runtime.manifest import Manifest, ShardSpec, safe_path
 
 # initializer names that hold learned absolute positions: (max_positions, hidden)
 _POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "wpe", "embed_positions")
+# initializer names of token-embedding tables: (vocab_size, hidden); input_ids index their rows
+_TOKEN_TABLES = ("word_embeddings", "embed_tokens", "wte", "tok_embeddings")
 
 
 @dataclass
@@ -30,6 +32,7 @@ class ShardFacts:
 
     external_tensors: int  # weights stored in the shard's data file
     max_positions: int | None  # rows of a learned position-embedding table, when the shard has one
+    vocab_size: int | None = None  # rows of a token-embedding table, when the shard has one
 
 
 def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
@@ -56,10 +59,12 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
         )
     data = safe_path(folder, shard.data).resolve() if shard.data else None
     data_size = data.stat().st_size if data is not None and data.is_file() else 0
-    count, positions = 0, None
+    count, positions, vocab = 0, None, None
     for t in _tensors(model):
         if len(t.dims) == 2 and any(k in t.name for k in _POSITION_TABLES) and t.dims[0] > 0:
             positions = int(t.dims[0])
+        if len(t.dims) == 2 and any(k in t.name for k in _TOKEN_TABLES) and t.dims[0] > 0:
+            vocab = int(t.dims[0])
         if not external_data_helper.uses_external_data(t):
             continue
         count += 1
@@ -82,7 +87,7 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
                 f"{shard.file}: weight {t.name!r} reads bytes {offset}..{offset + max(length, 0)} of {shard.data}, "
                 f"which has {data_size}; the artifact is damaged: re-convert it."
             )
-    return ShardFacts(external_tensors=count, max_positions=positions)
+    return ShardFacts(external_tensors=count, max_positions=positions, vocab_size=vocab)
 
 
 def _undecodable_text(message) -> str | None:
@@ -130,6 +135,12 @@ def _tensors(model):
             if a.HasField("g"):
                 graphs.append(a.g)
             graphs.extend(a.graphs)
+
+
+def vocab_size(facts: list[ShardFacts]) -> int | None:
+    """Rows of the model's token-embedding table, when one is found: token ids must be below it."""
+    sizes = [f.vocab_size for f in facts if f.vocab_size]
+    return min(sizes) if sizes else None
 
 
 def max_sequence_length(facts: list[ShardFacts], manifest: Manifest) -> int | None:

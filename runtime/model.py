@@ -10,7 +10,7 @@ import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
 from slimml.runtime.feeds import check_feeds
-from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_length
+from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
 from slimml.runtime.session import make_session, providers_for
 from slimml.runtime.text import TextEncoder, pool
@@ -30,6 +30,7 @@ class Model:
         self._watch = FileWatch(folder, manifest)  # files changed after load are refused, not run
         facts = [check_shard_file(folder, s) for s in manifest.shards]  # external data stays inside
         self.max_sequence_length: int | None = max_sequence_length(facts, manifest)
+        self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
         self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
         self._sessions = [make_session(folder / s.file, device, threads) for s in manifest.shards]
         self._drop_after = _last_uses(manifest)
@@ -56,7 +57,7 @@ class Model:
         """
         self._watch.check()
         env: dict[str, np.ndarray] = check_feeds(
-            feeds, self.manifest.inputs, self.max_sequence_length, self.allow_nonfinite
+            feeds, self.manifest.inputs, self.max_sequence_length, self.allow_nonfinite, self.vocab_size
         )
         for shard, session in zip(self.manifest.shards, self._sessions):
             names = [t.name for t in shard.outputs]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import faulthandler
 import json
+import os
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -32,6 +34,7 @@ from tests.conftest import tiny_onnx_mlp
 
 TRIED: Counter[str] = Counter()
 OUTCOMES: Counter[str] = Counter()
+MESSAGES: Counter[tuple[str, str]] = Counter()  # (kind, message with numbers blanked): review with SLIMML_FUZZ_MESSAGES=1
 HANG_S = 60  # one case taking this long is a hang: dump the stacks and fail the run
 
 
@@ -59,6 +62,7 @@ def attempt(kind: str, fn) -> str:
             msg = str(e)
             assert len(msg) >= 20 and "Traceback" not in msg, f"unhelpful message: {msg!r}"
             OUTCOMES["slimml error"] += 1
+            MESSAGES[(kind, re.sub(r"\d+", "N", msg)[:160])] += 1
             return "error"
     OUTCOMES["ran"] += 1
     return "ok"
@@ -73,6 +77,9 @@ def report(request):
     capture = request.config.pluginmanager.get_plugin("capturemanager")
     with capture.global_and_fixture_disabled():  # shown even when pytest captures output
         print(f"\n{line}")
+        if os.environ.get("SLIMML_FUZZ_MESSAGES"):
+            for (kind, msg), n in MESSAGES.most_common(int(os.environ["SLIMML_FUZZ_MESSAGES"])):
+                print(f"{n:5d}  {kind}: {msg}")
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +298,7 @@ def test_wrong_token_feeds(tiny_bert_artifact, batch, seq, ids, mask):
         del feeds["attention_mask"]
     feeds = {k: v for k, v in feeds.items() if k in {t.name for t in model.inputs}}
     outcome = attempt("wrong token feeds", lambda: model.run(feeds))
-    if seq > model.max_sequence_length:
+    if seq > model.max_sequence_length or (ids in ("negative", "huge", "vocab_edge") and batch * seq):
         assert outcome == "error"
 
 
@@ -306,6 +313,19 @@ def test_too_long_sequence_names_the_maximum(tiny_bert_artifact):
         "truncate to 128 (model.tokenize and encode do so)."
     )
     model.run(sample_feeds(model.inputs, batch=1, seq=128))  # the maximum itself is fine
+
+
+def test_token_ids_outside_the_vocabulary(tiny_bert_artifact):
+    model = _model(tiny_bert_artifact)
+    assert model.vocab_size == 30522
+    feeds = sample_feeds(model.inputs, batch=2, seq=4)
+    feeds["input_ids"][1, 2] = -3  # ONNX Gather would wrap this around silently
+    with pytest.raises(FeedError) as e:
+        model.run(feeds)
+    assert str(e.value) == (
+        "bad feeds: input 'input_ids' holds 1 id(s) outside the vocabulary [0, 30522), the first -3 at index (1, 2); "
+        "encode text with this model's tokenizer (model.tokenize)."
+    )
 
 
 def test_nan_policy(mlp_art):
