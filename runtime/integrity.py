@@ -90,6 +90,22 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
     return ShardFacts(external_tensors=count, max_positions=positions, vocab_size=vocab)
 
 
+def verify_shard(folder: Path, manifest: Manifest, shard: ShardSpec) -> ShardFacts:
+    """Everything to check before (re)creating a session for one shard: its files' size and sha256,
+    then its external data. Call it wherever a shard's session is made after ``load`` (a shard
+    evicted and reloaded, a session rebuilt): a file corrupted on disk since is refused, not run.
+
+    Raises:
+        IntegrityError / ArtifactError: as ``verify_file`` and ``check_shard_file``.
+    """
+    from slimml.runtime.manifest import verify_file
+
+    for entry in manifest.files:
+        if entry.path in (shard.file, shard.data):
+            verify_file(folder, entry)
+    return check_shard_file(folder, shard)
+
+
 def _undecodable_text(message) -> str | None:
     """The first string field holding bytes that are not UTF-8 (protobuf hands those back as bytes).
 

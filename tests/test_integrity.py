@@ -203,3 +203,47 @@ def test_damaged_names_are_refused_before_onnxruntime(art, capfd):
     assert str(e.value) == "shard_001.onnx holds a 'name' that is not valid UTF-8; the file is damaged: re-convert it."
     out, err = capfd.readouterr()
     assert "EP Error" not in out + err
+
+
+def test_verify_shard_before_a_session_is_recreated(art):
+    """The check a lazily (re)loaded shard goes through: hash, then external data."""
+    from slimml.runtime.integrity import verify_shard
+
+    m = read_manifest(art)
+    assert verify_shard(art, m, m.shards[2]).external_tensors == 1  # the 64x64 weight; the bias is inline
+    with open(art / "shard_002.onnx.data", "r+b") as f:
+        f.write(b"\xff")
+    with pytest.raises(IntegrityError, match="shard_002.onnx.data does not match its sha256"):
+        verify_shard(art, m, m.shards[2])
+    verify_shard(art, m, m.shards[1])  # the others are untouched
+
+
+def test_manifest_bombs(art):
+    path = art / MANIFEST_NAME
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ArtifactError, match="is not valid JSON \\(nested too deeply\\)"):
+        load(art)
+    with open(path, "wb") as f:
+        f.truncate(65 << 20)  # sparse: 65 MB of zeros
+    with pytest.raises(ArtifactError, match="far more than any slimml manifest"):
+        load(art)
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ArtifactError, match="is not valid JSON"):
+        load(art)
+
+
+def test_link_loops_are_refused(art):
+    (art / "loop").symlink_to(art / "loop")
+    edit(art, lambda m: m["files"][0].update(path="loop"))
+    with pytest.raises(ArtifactError, match="refusing to load it"):
+        load(art)
+
+
+def test_cli_turns_hostile_artifacts_into_one_line(art):
+    edit(art, lambda m: m["files"][0].update(path="../../etc/passwd"))
+    for args in (["info", str(art)], ["run", str(art), "--input", str(art / "x.npz")], ["bench", str(art)]):
+        r = subprocess.run([sys.executable, "-m", "slimml", *args], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 1
+        assert r.stderr.strip() == ("error: the manifest names the path '../../etc/passwd', which leaves the artifact "
+                                    "folder; refusing to load it.")
