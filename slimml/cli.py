@@ -110,8 +110,16 @@ def run(
     else:
         if not input.is_file():
             raise SlimmlError(f"--input {input} does not exist; save arrays with np.savez(path, input_ids=...).")
-        with np.load(input, allow_pickle=False) as npz:
-            outputs = model.run({k: npz[k] for k in npz.files})
+        try:  # never unpickle: an .npz from elsewhere must not run code
+            with np.load(input, allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+        except Exception as e:  # BadZipFile, object arrays, a plain .npy, ...
+            why = "a single .npy array, not named arrays" if isinstance(e, TypeError) else f"{type(e).__name__}: {e}"
+            raise SlimmlError(
+                f"--input {input} is not an .npz of plain arrays ({why}); save inputs with "
+                "np.savez(path, input_ids=...), numeric arrays only."
+            ) from None
+        outputs = model.run(arrays)
     if as_json:
         print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype), "data": v.tolist()} for k, v in outputs.items()}))
         return

@@ -247,3 +247,17 @@ def test_cli_turns_hostile_artifacts_into_one_line(art):
         assert r.returncode == 1
         assert r.stderr.strip() == ("error: the manifest names the path '../../etc/passwd', which leaves the artifact "
                                     "folder; refusing to load it.")
+
+
+def test_cli_refuses_hostile_npz_inputs(art, tmp_path):
+    import numpy as np
+
+    np.savez(tmp_path / "obj.npz", x=np.array([{"a": 1}], dtype=object))  # would need pickle to load
+    (tmp_path / "bad.npz").write_bytes(b"PK\x03\x04garbage")
+    np.save(tmp_path / "one.npy", np.ones(3))
+    for name, why in [("obj.npz", "Object arrays cannot be loaded when allow_pickle=False"),
+                      ("bad.npz", "BadZipFile"), ("one.npy", "a single .npy array, not named arrays")]:
+        r = subprocess.run([sys.executable, "-m", "slimml", "run", str(art), "--input", str(tmp_path / name)],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 1 and r.stderr.startswith(f"error: --input {tmp_path / name} is not an .npz of plain arrays")
+        assert why in r.stderr and "Traceback" not in r.stderr
