@@ -38,7 +38,7 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
     threads = threads or int(os.environ.get("SLIMML_THREADS", "0"))
     if threads:
         so.intra_op_num_threads = threads
-    so.log_severity_level = 4  # fatal only: ORT's errors reach the user as slimml errors, not raw log lines
+    so.log_severity_level = 4  # fatal only: slimml raises its own errors with the fix in them
     return so
 
 
