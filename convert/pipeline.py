@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -245,6 +246,13 @@ def _fresh_tmp(out: Path) -> Path:
             pid = stale.name.rsplit("-", 1)[-1]
             if not (pid.isdigit() and _alive(int(pid))):
                 shutil.rmtree(stale, ignore_errors=True)
+        for old in parent.glob(f".{out.name}.slimml-old-*"):  # a previous artifact set aside by a killed convert
+            pid = old.name.rsplit("-", 1)[-1]
+            if not (pid.isdigit() and _alive(int(pid))):
+                if not out.exists():
+                    os.rename(old, out)  # put it back: it is the user's last good artifact
+                else:
+                    shutil.rmtree(old, ignore_errors=True)
         tmp = parent / f".{out.name}.slimml-tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -254,9 +262,18 @@ def _fresh_tmp(out: Path) -> Path:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished artifact into place; the old one, if any, goes only once the new is ready."""
+    """Move the finished artifact into place; the old one, if any, goes only once the new is ready.
+
+    On Linux the two folders are swapped in one atomic ``renameat2(RENAME_EXCHANGE)``, so a kill at
+    any instant leaves a whole artifact at ``out``. Elsewhere the old one is renamed aside first;
+    a kill between the two renames leaves it at ``.NAME.slimml-old-PID``, which the next convert
+    puts back (see ``_fresh_tmp``).
+    """
     if not out.exists():
         os.rename(tmp, out)
+        return
+    if _exchange(tmp, out):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous artifact
         return
     old = out.parent / f".{out.name}.slimml-old-{os.getpid()}"
     os.rename(out, old)
@@ -266,6 +283,22 @@ def _replace(tmp: Path, out: Path) -> None:
         os.rename(old, out)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux >= 3.15); False where the system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # glibc < 2.28 or another libc
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return rc == 0  # EINVAL/ENOSYS (a filesystem without it): fall back to two renames
 
 
 def _alive(pid: int) -> bool:
@@ -279,8 +312,8 @@ def _alive(pid: int) -> bool:
 
 
 def _os_error(e: OSError, out: Path) -> SlimmlError:
-    if e.errno == errno.ENOSPC:
-        return SlimmlError(f"the disk is full while writing {out}; free space or choose another folder with -o. Nothing was left at {out}.")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # full disk, quota, or a file-size limit
+        return SlimmlError(f"the disk is full while writing {out} ({e.strerror}); free space or choose another folder with -o. Nothing was left at {out}.")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return SlimmlError(f"cannot write to {out} ({e.strerror}); choose a writable folder with -o.")
     return SlimmlError(f"writing {out} failed: {e}.")

@@ -10,6 +10,7 @@ import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
 from slimml.runtime.feeds import check_feeds
+from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
 from slimml.runtime.session import make_session, providers_for
 from slimml.runtime.text import TextEncoder, pool
@@ -26,6 +27,11 @@ class Model:
         self.folder = folder
         self.manifest = manifest
         self.device = device
+        self._watch = FileWatch(folder, manifest)  # files changed after load are refused, not run
+        facts = [check_shard_file(folder, s) for s in manifest.shards]  # external data stays inside
+        self.max_sequence_length: int | None = max_sequence_length(facts, manifest)
+        self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
+        self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
         self._sessions = [make_session(folder / s.file, device, threads) for s in manifest.shards]
         self._drop_after = _last_uses(manifest)
         self._text: TextEncoder | None = None
@@ -49,7 +55,10 @@ class Model:
             FeedError: names, dtypes or shapes that do not fit the manifest's inputs, or values
                 ONNX Runtime rejects (say, a sequence longer than the model allows).
         """
-        env: dict[str, np.ndarray] = check_feeds(feeds, self.manifest.inputs)
+        self._watch.check()
+        env: dict[str, np.ndarray] = check_feeds(
+            feeds, self.manifest.inputs, self.max_sequence_length, self.allow_nonfinite, self.vocab_size
+        )
         for shard, session in zip(self.manifest.shards, self._sessions):
             names = [t.name for t in shard.outputs]
             try:
@@ -66,12 +75,32 @@ class Model:
                 env.pop(name, None)  # free activations no later shard needs
         return {t.name: env[t.name] for t in self.manifest.outputs}
 
+    def verify(self) -> None:
+        """Re-hash every file of the artifact against the manifest, as ``load`` did.
+
+        Use it in a health check of a long-running service: a shard corrupted or replaced on disk
+        after load raises, and ``run`` refuses to go on until the artifact is loaded again.
+
+        Raises:
+            IntegrityError: naming the file that no longer matches.
+        """
+        self._watch.check()
+        verify_files(self.folder, self.manifest)
+
     def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
         if self._text is None:
             raise SlimmlError(
                 f"the artifact {self.folder} has no tokenizer, so it cannot take text; call "
                 "run() with arrays instead."
             )
+        for i, t in enumerate(texts if isinstance(texts, (list, tuple)) else []):
+            try:
+                isinstance(t, str) and t.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad decode upstream
+                raise FeedError(
+                    f"text {i} is not valid Unicode ({e.reason} at position {e.start}); decode your input with "
+                    "errors='replace' or clean it first."
+                ) from None
         return self._text(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)
 
     def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
@@ -83,6 +112,8 @@ class Model:
             (2, 384)
         """
         pooling = self.manifest.pooling
+        if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+            raise FeedError(f"encode() takes a list of strings, got {type(texts).__name__}; wrap a single text as [text].")
         if pooling is None:
             raise SlimmlError(
                 f"the artifact {self.folder} is a {self.manifest.task!r} model, not a sentence-embedding "

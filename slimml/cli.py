@@ -31,6 +31,8 @@ err = Console(stderr=True)
 Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `slimml convert`.")]
 Device = Annotated[str, typer.Option(help="cpu or cuda.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]
+BaselineIn = Annotated[Optional[Path], typer.Option(help="Compare with this baseline file; exit 3 on a regression.")]
+BaselineOut = Annotated[Optional[Path], typer.Option(help="Write what this run measured as a baseline file.")]
 
 
 @app.command()
@@ -108,8 +110,16 @@ def run(
     else:
         if not input.is_file():
             raise SlimmlError(f"--input {input} does not exist; save arrays with np.savez(path, input_ids=...).")
-        with np.load(input, allow_pickle=False) as npz:
-            outputs = model.run({k: npz[k] for k in npz.files})
+        try:  # never unpickle: an .npz from elsewhere must not run code
+            with np.load(input, allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+        except Exception as e:  # BadZipFile, object arrays, a plain .npy, ...
+            why = "a single .npy array, not named arrays" if isinstance(e, TypeError) else f"{type(e).__name__}: {e}"
+            raise SlimmlError(
+                f"--input {input} is not an .npz of plain arrays ({why}); save inputs with "
+                "np.savez(path, input_ids=...), numeric arrays only."
+            ) from None
+        outputs = model.run(arrays)
     if as_json:
         print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype), "data": v.tolist()} for k, v in outputs.items()}))
         return
@@ -125,18 +135,27 @@ def eval_(
     data: Annotated[Path, typer.Option(help="CSV with sentence1,sentence2,score (STS style).")],
     device: Device = "cpu",
     batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 64,
+    baseline: BaselineIn = None,
+    save_baseline: BaselineOut = None,
+    max_accuracy_drop: Annotated[float, typer.Option(help="Points (x100) the score may fall below --baseline.")] = 0.1,
     as_json: AsJson = False,
 ):
     """Spearman x100 of cosine similarity against gold scores (STS benchmark style)."""
     from slimml.runtime import load
+    from slimml.runtime.baseline import Baseline, Tolerances
     from slimml.runtime.evaluate import evaluate_sts, read_sts
 
+    tol = Tolerances(accuracy_drop=max_accuracy_drop)
+    old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
     read_sts(data)  # a bad data file fails before the model loads
-    result = evaluate_sts(load(artifact, device=device), data, batch_size=batch_size)
+    model = load(artifact, device=device)
+    result = evaluate_sts(model, data, batch_size=batch_size)
+    now = Baseline.from_eval(result, model.manifest.name, data)
     if as_json:
-        print(json.dumps(result.to_json()))
+        _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
     else:
         console.print(f"{result.metric} x100 = {result.score:.2f} on {result.pairs} pairs ({data.name})")
+        _with_baseline(None, now, old, baseline, save_baseline, tol)
 
 
 @app.command()
@@ -146,22 +165,59 @@ def bench(
     seq: Annotated[int, typer.Option(help="Sequence length for dynamic axes.")] = 128,
     runs: Annotated[int, typer.Option(help="Timed runs.")] = 50,
     device: Device = "cpu",
+    baseline: BaselineIn = None,
+    save_baseline: BaselineOut = None,
+    max_latency_increase: Annotated[float, typer.Option(help="Percent the p50 latency may rise above --baseline.")] = 50.0,
+    max_size_increase: Annotated[float, typer.Option(help="Percent the model size may grow above --baseline.")] = 1.0,
     as_json: AsJson = False,
 ):
     """Latency p50/p90, throughput, peak RSS and size of an artifact."""
     from slimml.runtime import load
+    from slimml.runtime.baseline import Baseline, Tolerances, check_settings
     from slimml.runtime.bench import bench as do_bench
 
     if batch < 1 or seq < 1 or runs < 1:
         raise SlimmlError(f"--batch, --seq and --runs must be >= 1 (got {batch}, {seq}, {runs}).")
-    result = do_bench(load(artifact, device=device), batch=batch, seq=seq, runs=runs)
+    tol = Tolerances(latency_increase_pct=max_latency_increase, size_increase_pct=max_size_increase)
+    old = Baseline.load(baseline) if baseline else None
+    if old is not None:  # other settings fail before the timing runs
+        check_settings(old, "bench", {"batch": batch, "seq": seq, "device": device})
+    model = load(artifact, device=device)
+    result = do_bench(model, batch=batch, seq=seq, runs=runs)
+    now = Baseline.from_bench(result, model.manifest.name)
     if as_json:
-        print(json.dumps(result.to_json()))
+        _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
         return
     console.print(
         f"batch {batch} x seq {seq} on {device}: p50 {result.p50_ms:.2f} ms, p90 {result.p90_ms:.2f} ms, "
         f"{result.throughput_per_s:.1f} items/s, peak RSS {result.peak_rss_mb:.0f} MB, model {result.model_mb:.1f} MB"
     )
+    _with_baseline(None, now, old, baseline, save_baseline, tol)
+
+
+def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
+    """Save and/or check a regression baseline; print the diff; exit 3 on a regression.
+
+    ``payload`` is the --json output (printed here, with the comparison added) or None.
+    """
+    from slimml.runtime.baseline import REGRESSION_EXIT_CODE, compare
+
+    report = compare(old, now, tol) if old is not None else None
+    if save_path is not None:
+        now.save(save_path)
+    if payload is not None:
+        if report is not None:
+            payload["baseline"] = report.to_json()
+        print(json.dumps(payload))
+    else:
+        if save_path is not None:
+            console.print(f"baseline saved to {save_path}")
+        if report is not None:
+            console.print(report.format(str(old_path)), highlight=False, markup=False, soft_wrap=True)
+    if report is not None and not report.ok:
+        if payload is not None:
+            err.print(report.format(str(old_path)), highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(REGRESSION_EXIT_CODE)
 
 
 def main() -> None:
