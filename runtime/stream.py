@@ -56,6 +56,7 @@ class StreamStats:
     load_s: float = 0.0
     wait_s: float = 0.0
     compute_s: float = 0.0
+    peak_streamed: int = 0  # most streamed shards loaded at once (pinned ones come on top)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -109,6 +110,7 @@ class _Loader:
                 self.ready[step] = session
                 self.next += 1
                 self.stats.shards_loaded += 1
+                self.stats.peak_streamed = max(self.stats.peak_streamed, len(self.ready))
                 self.stats.bytes_loaded += nbytes
                 self.stats.load_s += time.perf_counter() - t0
                 self.cv.notify_all()
