@@ -1,12 +1,15 @@
-"""Greedy text generation for decoder artifacts (``task: text-generation``).
+"""Greedy text generation for decoder artifacts, with a KV cache when the artifact has one.
 
-The artifacts the spine converts are cache-free decoders: inputs ``input_ids``, ``attention_mask``
-(and ``position_ids``), output ``logits``. Each new token therefore costs one pass over the whole
-sequence so far; on a streamed model that is one streaming pass per token (each shard is loaded
-once per token, never once per layer per token), and prompts are batched so one pass serves them
-all. A KV cache (reusing past keys and values instead of recomputing them) is not implemented yet:
-it needs a ``text-generation-with-past`` export whose shards route ``past_key_values.N`` and
-``present.N`` per layer.
+Two kinds of decoder artifact:
+
+- ``--task text-generation-with-past`` (recommended): inputs ``input_ids``, ``attention_mask``,
+  ``position_ids`` and ``past_key_values.N.key/value``; outputs ``logits`` and ``present.N.*``.
+  The splitter routes each layer's past/present to that layer's shard, so the cache lives beside
+  the streamed layers: the prompt is one pass, and each new token one pass over one position.
+- ``--task text-generation`` (cache-free): each new token is one pass over the whole sequence.
+
+Either way a streamed model loads each shard once per token (never once per layer per token), and
+prompts are batched (left-padded) so one pass serves them all.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def generate(
         >>> model.generate(["The capital of France is"], max_new_tokens=8).texts
     """
     names = {t.name for t in model.manifest.inputs}
-    if model.manifest.task != "text-generation" or "input_ids" not in names or "logits" not in {t.name for t in model.outputs}:
+    if not model.manifest.task.startswith("text-generation") or "input_ids" not in names or "logits" not in {t.name for t in model.outputs}:
         raise SlimmlError(
             f"the artifact {model.folder} is a {model.manifest.task!r} model without input_ids -> logits; "
             "generate() needs a decoder converted with --task text-generation."
@@ -106,11 +109,21 @@ def generate(
     new: list[list[int]] = [[] for _ in range(batch)]
     done = np.zeros(batch, dtype=bool)
     passes = 0
+    cache = _empty_cache(model, batch)  # None for a cache-free artifact
+    if cache is not None:  # one masked slot stands in for "no past yet" (feeds may not be empty)
+        mask = np.concatenate([np.zeros((batch, 1), dtype=np.int64), mask], axis=1)
     for _ in range(max_new_tokens):
-        feeds = {"input_ids": seq, "attention_mask": mask}
+        step_ids = seq if cache is None or passes == 0 else seq[:, -1:]
+        feeds = {"input_ids": step_ids, "attention_mask": mask}
         if "position_ids" in names:
-            feeds["position_ids"] = np.where(mask > 0, np.cumsum(mask, axis=1) - 1, 1).astype(np.int64)
-        logits = model.run(feeds)["logits"]  # (B, T, vocab)
+            pos = np.where(mask > 0, np.cumsum(mask, axis=1) - 1, 1).astype(np.int64)
+            feeds["position_ids"] = pos[:, -step_ids.shape[1]:]
+        if cache is not None:
+            feeds.update(cache)
+        out = model.run(feeds)
+        logits = out["logits"]  # (B, T, vocab)
+        if cache is not None:
+            cache = {name: out[name.replace("past_key_values.", "present.", 1)] for name in cache}
         passes += 1
         nxt = logits[:, -1, :].argmax(axis=-1).astype(np.int64)  # (B,)
         nxt = np.where(done, pad_token_id, nxt)
@@ -125,3 +138,19 @@ def generate(
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
                       prompt_tokens=sum(map(len, ids)))
+
+
+def _empty_cache(model: Model, batch: int) -> dict[str, np.ndarray] | None:
+    """A one-position zero cache per ``past_key_values.*`` input (masked out), or None."""
+    outputs = {t.name for t in model.outputs}
+    cache = {}
+    for t in model.manifest.inputs:
+        if not t.name.startswith("past_key_values."):
+            continue
+        if t.name.replace("past_key_values.", "present.", 1) not in outputs:
+            raise SlimmlError(f"the artifact takes {t.name} but outputs no matching present.*; re-convert it.")
+        if not all(isinstance(d, int) for d in t.shape[1:2] + t.shape[3:]):
+            raise SlimmlError(f"cannot tell the cache shape of {t.name} ({t.shape}); re-convert the model.")
+        shape = [batch, t.shape[1], 1, *t.shape[3:]]  # (B, kv_heads, past, head_dim)
+        cache[t.name] = np.zeros(shape, dtype=np.dtype(t.dtype))
+    return cache or None

@@ -77,13 +77,13 @@ def sweep(
         rows.append({
             "resident": model.plan.resident,
             "prefetch": model.plan.prefetch if model.plan.streaming else "-",
-            "loaded_mb": round(model.plan.peak_bytes / 1e6, 1),
+            "loaded_mb": round(model.plan.peak_bytes / 1e6, 3),
             "run_peak_rss_mb": round(r.run_peak_rss_mb or 0, 1),
             "p50_ms": round(r.p50_ms, 2),
             "items_per_s": round(r.throughput_per_s, 2),
             "wait_s": st.get("wait_s_per_run", 0.0),
             "compute_s": st.get("compute_s_per_run", 0.0),
-            "mb_per_run": round(st.get("bytes_per_run", 0) / 1e6, 1),
+            "mb_per_run": round(st.get("bytes_per_run", 0) / 1e6, 3),
         })
         model.close()
         del model
