@@ -58,11 +58,18 @@ def build(work: Path, args) -> tuple[Path, Path]:
     del model
     print(f"built Llama {params / 1e9:.2f}B params ({params * 4 / 1e9:.2f} GB fp32) in {time.perf_counter() - t0:.0f} s", flush=True)
     t0 = time.perf_counter()
-    exported = export(resolve(src), work, ExportConfig(task="text-generation"))
+    exported = export(resolve(src), work, ExportConfig(task=args.task))
     shutil.rmtree(src)
     print(f"exported to ONNX in {time.perf_counter() - t0:.0f} s", flush=True)
     t0 = time.perf_counter()
     convert(exported.onnx_path, artifact, ConvertConfig(verify=False, measure_latency=False))
+    if args.task != "text-generation":  # an .onnx source converts as "generic": say it is a decoder
+        import json as _json
+
+        path = artifact / "manifest.json"
+        raw = _json.loads(path.read_text())
+        raw["task"] = args.task
+        path.write_text(_json.dumps(raw, indent=2) + "\n")
     print(f"sharded in {time.perf_counter() - t0:.0f} s", flush=True)
     return exported.onnx_path, artifact
 
@@ -92,6 +99,8 @@ def child(args) -> None:
 
     feeds = feeds_for(args.batch, args.seq, args.vocab)
     t0 = time.perf_counter()
+    if args.child.startswith("gen-"):
+        return child_generate(args)
     if args.child == "unsharded":
         import onnxruntime as ort
 
@@ -131,9 +140,30 @@ def child(args) -> None:
     print("RESULT " + json.dumps(report), flush=True)
 
 
+def child_generate(args) -> None:
+    """Greedy generation with the KV cache: streamed (K) or fully resident."""
+    import numpy as np
+
+    from slimml.runtime import load
+
+    t0 = time.perf_counter()
+    streamed = args.child == "gen-streamed"
+    model = load(args.artifact, resident=args.resident if streamed else None, pin=(args.pin or None) if streamed else None)
+    load_s = time.perf_counter() - t0
+    prompts = np.random.default_rng(0).integers(0, args.vocab, size=(args.batch, args.seq)).tolist()
+    gen = model.generate(prompts, max_new_tokens=args.generate)
+    np.save(args.save, np.array(gen.tokens))
+    report = {"variant": args.child, "load_s": round(load_s, 2), "seconds": round(gen.seconds, 2),
+              "new_tokens": sum(map(len, gen.tokens)), "tokens_per_s": round(gen.tokens_per_s, 3),
+              "peak_rss_mb": round(peak_rss_mb(), 1), "plan": model.plan.describe()}
+    if streamed:
+        report["stream"] = model.stats.to_json()
+    print("RESULT " + json.dumps(report), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", default="/tmp/slimml-bench-stream")
+    p.add_argument("--work", default=None, help="build folder (default /tmp/slimml-bench-stream[-past])")
     p.add_argument("--layers", type=int, default=22)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--intermediate", type=int, default=5632)
@@ -149,14 +179,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="alternating unsharded/streamed subprocess rounds")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--build-only", action="store_true")
-    p.add_argument("--child", choices=["unsharded", "streamed"], help=argparse.SUPPRESS)
+    p.add_argument("--task", default="text-generation", choices=["text-generation", "text-generation-with-past"])
+    p.add_argument("--generate", type=int, default=0, help="instead of prefill: greedy-generate N tokens per prompt "
+                   "(batch prompts of --seq tokens), streamed vs resident (use --task text-generation-with-past)")
+    p.add_argument("--child", choices=["unsharded", "streamed", "gen-resident", "gen-streamed"], help=argparse.SUPPRESS)
     p.add_argument("--onnx", help=argparse.SUPPRESS)
     p.add_argument("--artifact", help=argparse.SUPPRESS)
     p.add_argument("--save", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
-    work = Path(args.work)
+    work = Path(args.work or ("/tmp/slimml-bench-stream" + ("-past" if "past" in args.task else "")))
     onnx_path, artifact = build(work, args)
     if args.build_only:
         return
@@ -164,12 +197,14 @@ def main() -> None:
 
     manifest = read_manifest(artifact)
     model_bytes = manifest.total_bytes
-    results: dict[str, list[dict]] = {"unsharded": [], "streamed": []}
+    variants = ("gen-resident", "gen-streamed") if args.generate else ("unsharded", "streamed")
+    results: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        for variant in ("unsharded", "streamed"):
+        for variant in variants:
             cmd = [sys.executable, __file__, "--child", variant, "--onnx", str(onnx_path), "--artifact", str(artifact),
                    "--save", str(work / f"logits_{variant}.npy"), "--batch", str(args.batch), "--seq", str(args.seq),
-                   "--vocab", str(args.vocab), "--runs", str(args.runs), "--resident", str(args.resident)]
+                   "--vocab", str(args.vocab), "--runs", str(args.runs), "--resident", str(args.resident),
+                   "--generate", str(args.generate)]
             if args.prefetch is not None:
                 cmd += ["--prefetch", str(args.prefetch)]
             if args.pin:
@@ -183,6 +218,18 @@ def main() -> None:
             print(f"round {r + 1} {variant}: {json.dumps(res)}", flush=True)
     import numpy as np
 
+    if args.generate:
+        same = bool((np.load(work / "logits_gen-resident.npy") == np.load(work / "logits_gen-streamed.npy")).all())
+        tps = {v: float(np.median([x["tokens_per_s"] for x in rs])) for v, rs in results.items()}
+        report = {"model_gb": round(model_bytes / 1e6 / 1e3, 3), "shards": len(manifest.shards),
+                  "generate": f"{args.batch} prompts x {args.seq} tokens, {args.generate} new tokens each (KV cache)",
+                  "same_tokens": same, "tokens_per_s": tps,
+                  "peak_rss_mb": {v: max(x["peak_rss_mb"] for x in rs) for v, rs in results.items()},
+                  "plan": results["gen-streamed"][-1]["plan"], "stream_stats_last": results["gen-streamed"][-1].get("stream")}
+        print(json.dumps(report, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return
     a = np.load(work / "logits_unsharded.npy")
     b = np.load(work / "logits_streamed.npy")
     diff = float(np.abs(a - b).max())

@@ -107,13 +107,16 @@ class _Loader:
             with self.cv:
                 if self.closed:
                     return
-                self.ready[step] = session
-                self.next += 1
+                # a pass that failed may have skipped past this step while it loaded: drop it
+                if step >= self.cursor:
+                    self.ready[step] = session
+                self.next = max(self.next, step + 1)
                 self.stats.shards_loaded += 1
                 self.stats.peak_streamed = max(self.stats.peak_streamed, len(self.ready))
                 self.stats.bytes_loaded += nbytes
                 self.stats.load_s += time.perf_counter() - t0
                 self.cv.notify_all()
+            session = None  # the ready dict holds it now; a released shard must not linger here
 
     def take(self, step: int) -> Any:
         """The session for ``step``, waiting for the loader if it is not ready."""
