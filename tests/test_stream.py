@@ -106,6 +106,14 @@ def test_bad_stream_options(mlp_artifact, kwargs, message):
     assert str(e.value) == message
 
 
+def test_bad_feed_names_on_a_streamed_model(mlp_artifact):
+    model = load(mlp_artifact, resident=2)
+    with pytest.raises(FeedError) as e:
+        model.run({"x": _feeds()["x"]})
+    assert str(e.value) == "bad feeds: missing input(s) ['scale']."
+    np.testing.assert_allclose(model.run(_feeds())["y"], load(mlp_artifact).run(_feeds())["y"], atol=1e-6)
+
+
 def test_parse_bytes():
     assert parse_bytes("4GB") == 4 * 10**9
     assert parse_bytes("1.5GiB") == int(1.5 * 2**30)
