@@ -33,6 +33,10 @@ Device = Annotated[str, typer.Option(help="cpu or cuda.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]
 BaselineIn = Annotated[Optional[Path], typer.Option(help="Compare with this baseline file; exit 3 on a regression.")]
 BaselineOut = Annotated[Optional[Path], typer.Option(help="Write what this run measured as a baseline file.")]
+Resident = Annotated[Optional[int], typer.Option("--resident", "-k", help="Shards loaded at once (K); fewer than the shard count streams the model.")]
+Prefetch = Annotated[Optional[int], typer.Option("--prefetch", "-p", help="Shards the loader brings in ahead of the one computing (P).")]
+Budget = Annotated[Optional[str], typer.Option("--memory-budget", help="Memory for loaded shards, e.g. 4GB; picks K and P.")]
+Pin = Annotated[Optional[list[int]], typer.Option("--pin", help="A shard to keep loaded (repeat; -1 is the last).")]
 
 
 @app.command()
@@ -169,9 +173,15 @@ def bench(
     save_baseline: BaselineOut = None,
     max_latency_increase: Annotated[float, typer.Option(help="Percent the p50 latency may rise above --baseline.")] = 50.0,
     max_size_increase: Annotated[float, typer.Option(help="Percent the model size may grow above --baseline.")] = 1.0,
+    resident: Resident = None,
+    prefetch: Prefetch = None,
+    memory_budget: Budget = None,
+    pin: Pin = None,
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="Try every K,P: e.g. '2,3,4' or '2,3,4:0,1' (K values:P values).")] = None,
+    sweep_out: Annotated[Path, typer.Option("--sweep-out", help="Folder for the sweep's table, CSV and PNG plot.")] = Path("sweep"),
     as_json: AsJson = False,
 ):
-    """Latency p50/p90, throughput, peak RSS and size of an artifact."""
+    """Latency p50/p90, throughput, peak RSS and size of an artifact; streaming counters; a K,P sweep."""
     from slimml.runtime import load
     from slimml.runtime.baseline import Baseline, Tolerances, check_settings
     from slimml.runtime.bench import bench as do_bench
@@ -182,7 +192,26 @@ def bench(
     old = Baseline.load(baseline) if baseline else None
     if old is not None:  # other settings fail before the timing runs
         check_settings(old, "bench", {"batch": batch, "seq": seq, "device": device})
-    model = load(artifact, device=device)
+    if sweep:
+        from slimml.runtime.sweep import sweep as do_sweep
+
+        ks, _, ps = sweep.partition(":")
+        try:
+            k_values = [int(x) for x in ks.split(",") if x.strip()]
+            p_values = [int(x) for x in ps.split(",") if x.strip()] or None
+        except ValueError:
+            raise SlimmlError(f"--sweep {sweep!r} is not 'K,K,...' or 'K,K,...:P,P,...' (whole numbers).") from None
+        result = do_sweep(artifact, k_values, p_values, sweep_out, device=device, batch=batch, seq=seq, runs=runs, pin=pin)
+        if as_json:
+            print(json.dumps({"rows": result.rows, "table": str(result.table), "plot": str(result.plot) if result.plot else None}))
+            return
+        console.print(result.table.read_text())
+        console.print(f"wrote {result.table}, {result.csv}" + (f", {result.plot}" if result.plot else
+                      " (no plot: pip install 'slimml[bench]' for matplotlib)"))
+        return
+    model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
+    if model.plan.streaming and not as_json:
+        console.print(model.plan.describe())
     result = do_bench(model, batch=batch, seq=seq, runs=runs)
     now = Baseline.from_bench(result, model.manifest.name)
     if as_json:
@@ -192,6 +221,12 @@ def bench(
         f"batch {batch} x seq {seq} on {device}: p50 {result.p50_ms:.2f} ms, p90 {result.p90_ms:.2f} ms, "
         f"{result.throughput_per_s:.1f} items/s, peak RSS {result.peak_rss_mb:.0f} MB, model {result.model_mb:.1f} MB"
     )
+    if result.stream:
+        st = result.stream
+        console.print(
+            f"per run: {st['bytes_per_run'] / 1e6:.1f} MB streamed in, {st['wait_s_per_run'] * 1e3:.1f} ms waiting on "
+            f"loads, {st['compute_s_per_run'] * 1e3:.1f} ms computing; peak RSS during runs {result.run_peak_rss_mb:.0f} MB"
+        )
     _with_baseline(None, now, old, baseline, save_baseline, tol)
 
 
@@ -218,6 +253,34 @@ def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
         if payload is not None:
             err.print(report.format(str(old_path)), highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(REGRESSION_EXIT_CODE)
+
+
+@app.command()
+def generate(
+    artifact: Artifact,
+    prompt: Annotated[list[str], typer.Option("--prompt", help="A prompt (repeat for a batch).")],
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to add per prompt at most.")] = 32,
+    device: Device = "cpu",
+    resident: Resident = None,
+    prefetch: Prefetch = None,
+    memory_budget: Budget = None,
+    pin: Pin = None,
+    as_json: AsJson = False,
+):
+    """Continue prompts greedily with a decoder artifact (converted with --task text-generation)."""
+    from slimml.runtime import load
+
+    model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
+    if model.plan.streaming and not as_json:
+        err.print(model.plan.describe())
+    result = model.generate(list(prompt), max_new_tokens=max_new_tokens)
+    if as_json:
+        print(json.dumps({"texts": result.texts, "tokens": result.tokens, "seconds": round(result.seconds, 3),
+                          "tokens_per_s": round(result.tokens_per_s, 2)}))
+        return
+    for p, text in zip(prompt, result.texts):
+        console.print(f"[bold]{p}[/bold]{text}")
+    err.print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s)")
 
 
 def main() -> None:
