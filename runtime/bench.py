@@ -32,12 +32,10 @@ def sample_feeds(
         for dim, want in enumerate(spec.shape):
             if isinstance(want, int) and want > 0:
                 shape.append(want)
-            elif isinstance(want, str) and any(k in want.lower() for k in _SEQ_AXES):
-                shape.append(seq)
-            elif dim == 0:
-                shape.append(batch)
+            elif isinstance(want, str):  # a named axis, or a sum of them ("past_sequence_length + sequence_length")
+                shape.append(sum(_axis_size(part, dim, batch, seq) for part in want.split("+")))
             else:
-                shape.append(seq)
+                shape.append(batch if dim == 0 else seq)
         dtype = np.dtype(spec.dtype)
         lname = spec.name.lower()
         if dtype.kind in "iu":
@@ -55,6 +53,15 @@ def sample_feeds(
             value = rng.standard_normal(shape).astype(dtype)
         feeds[spec.name] = value
     return feeds
+
+
+def _axis_size(name: str, dim: int, batch: int, seq: int) -> int:
+    name = name.strip().lower()
+    if "past" in name:
+        return 1  # a one-step cache: enough to exercise the cache path, never an empty tensor
+    if any(k in name for k in _SEQ_AXES):
+        return seq
+    return batch if dim == 0 or "batch" in name else seq
 
 
 @dataclass
