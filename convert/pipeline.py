@@ -41,12 +41,15 @@ class ConvertConfig:
         shard: how to split the graph.
         verify: compare the artifact with the unsharded graph and the torch model.
         measure_latency: time the artifact (batch 1) for the report.
+        quantize: a ``slimml.quantize`` config, applied to the sharded artifact after the
+            checks (``None``: stay float).
     """
 
     export: ExportConfig = field(default_factory=ExportConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
     verify: bool = True
     measure_latency: bool = True
+    quantize: Any = None
 
 
 @dataclass
@@ -113,6 +116,10 @@ def convert(
         if config.verify:
             step("checking against the original model")
             manifest.checks = verify(model, src, exported)
+        if config.quantize is not None:
+            del model
+            manifest = _quantize_step(tmp, manifest, config.quantize, step)
+            model = load(tmp, device="cpu")
         latency = None
         if config.measure_latency:
             step("measuring latency")
@@ -155,6 +162,21 @@ def verify(model: Model, src: Source, exported: Exported) -> dict[str, Any]:
             theirs = ref.embed(model.tokenize(SAMPLE_TEXTS))
             checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
     return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
+
+
+def _quantize_step(tmp: Path, manifest: Manifest, qconfig: Any, step: Callable[[str], None]) -> Manifest:
+    """Quantize the float artifact in ``tmp`` in place (via a sibling folder); return the new manifest."""
+    from slimml.quantize.api import quantize_into
+    from slimml.runtime.manifest import read_manifest
+
+    manifest.write(tmp)
+    shutil.rmtree(tmp / ".work", ignore_errors=True)
+    qtmp = tmp.parent / f"{tmp.name}-q"
+    shutil.rmtree(qtmp, ignore_errors=True)
+    quantize_into(tmp, qtmp, qconfig, on_step=step)
+    shutil.rmtree(tmp)
+    os.rename(qtmp, tmp)
+    return read_manifest(tmp)
 
 
 def _check_feeds(model: Model) -> dict[str, np.ndarray]:

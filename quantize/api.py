@@ -17,7 +17,7 @@ from slimml.errors import ArtifactError, ConfigError, SlimmlError
 from slimml.quantize import chain as ch
 from slimml.quantize.backends import ShardContext, backend_for
 from slimml.quantize.calibration import calibration_texts
-from slimml.quantize.config import Int8DynamicConfig, Int8StaticConfig, QuantizeConfig, describe
+from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
 from slimml.quantize.fuse import rematerialize_inputs
 from slimml.runtime.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, file_entry, read_manifest, verify_files
 
@@ -75,21 +75,18 @@ def quantize(
     """
     from slimml.convert.pipeline import _fresh_tmp, _os_error, _replace
 
-    t0 = time.perf_counter()
-    step = on_step or (lambda _msg: None)
     src, out = Path(source), Path(out)
-    manifest = _read_float_artifact(src)
     if out.resolve() == src.resolve():
         raise ConfigError(f"the output {out} is the input artifact; give another folder with -o.")
-    step("reading calibration data")
-    calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
-    if config.guard is not None and config.guard.eval_file is not None:
-        from slimml.runtime.evaluate import read_sts
-
-        read_sts(config.guard.eval_file)  # a bad eval file fails before any work
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).is_file())):
+        raise ConfigError(
+            f"the output {out} exists and is not a slimml artifact; refusing to replace it. Give another folder with -o."
+        )
+    _read_float_artifact(src)  # a bad source fails before a temporary folder appears
     tmp = _fresh_tmp(out)
+    shutil.rmtree(tmp)
     try:
-        result = _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step)
+        result = quantize_into(src, tmp, config, on_step)
         _replace(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -97,6 +94,30 @@ def quantize(
             raise _os_error(e, out) from None
         raise
     result.out = out
+    return result
+
+
+def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callable[[str], None] | None = None) -> QuantizeReport:
+    """Quantize the artifact ``src`` into the new folder ``dst`` (which must not exist); on failure ``dst`` is removed.
+
+    ``convert --quantize`` calls this inside its own temporary folder; users call :func:`quantize`.
+    """
+    t0 = time.perf_counter()
+    step = on_step or (lambda _msg: None)
+    src, dst = Path(src), Path(dst)
+    manifest = _read_float_artifact(src)
+    step("reading calibration data")
+    calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
+    if config.guard is not None and config.guard.eval_file is not None:
+        from slimml.runtime.evaluate import read_sts
+
+        read_sts(config.guard.eval_file)  # a bad eval file fails before any work
+    dst.mkdir(parents=True)
+    try:
+        result = _quantize_artifact(src, manifest, dst, config, calib, held, origin, step)
+    except BaseException:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -119,7 +140,7 @@ def _read_float_artifact(src: Path) -> Manifest:
 
 
 def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) -> QuantizeReport:
-    from slimml.quantize.guard import apply_guard
+    from slimml.quantize.guard import GuardResult, apply_guard
 
     work = tmp / ".work"
     work.mkdir()
@@ -160,9 +181,14 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) ->
             f"the artifact {src} has no op that {type(config).__name__} quantizes (MatMul/Gather with float "
             "weights, or Attention); it would come out unchanged. Keep it float (--quantize none)."
         )
-    step("checking against the float model")
     held_feeds = ch.batches(manifest, text, held)
-    guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step)
+    if isinstance(config, Fp16Config) and "CUDAExecutionProvider" not in _providers():
+        if config.guard is not None:
+            raise ConfigError("the accuracy guard runs the fp16 model, which needs CUDA; leave --max-drop out on this machine.")
+        guard = GuardResult({}, {"agreement": "not measured: fp16 runs on CUDA, which this machine lacks"})
+    else:
+        step("checking against the float model")
+        guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step)
     for i, why in guard.kept_float.items():
         quant_files.pop(i, None)
         float_why[i] = why
@@ -174,6 +200,12 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) ->
         float_size_mb=manifest.total_bytes / 1e6, quantized_shards=sorted(quant_files),
         float_shards=dict(sorted(float_why.items())), checks=guard.checks,
     )
+
+
+def _providers() -> list[str]:
+    import onnxruntime
+
+    return onnxruntime.get_available_providers()
 
 
 def _save(model: onnx.ModelProto, path: Path) -> None:
@@ -247,4 +279,4 @@ def _scheme_name(config: QuantizeConfig) -> str:
     return type(config).__name__
 
 
-__all__ = ["quantize", "QuantizeReport", "Int8DynamicConfig", "MANIFEST_NAME"]
+__all__ = ["quantize", "quantize_into", "QuantizeReport"]
