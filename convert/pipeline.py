@@ -101,6 +101,10 @@ def convert(
     t0 = time.perf_counter()
     config = config or ConvertConfig()
     step = on_step or (lambda _msg: None)
+    if config.quantize is not None:
+        from slimml.quantize.api import check_inputs
+
+        check_inputs(config.quantize)  # a bad calibration or eval file fails before the export
     step("reading the source")
     src = resolve(source, example_inputs)
     out = Path(out) if out is not None else Path("artifacts") / src.name

@@ -122,6 +122,15 @@ def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callabl
     return result
 
 
+def check_inputs(config: QuantizeConfig) -> None:
+    """Read the calibration and evaluation files now, so a bad one fails before any long work."""
+    calibration_texts(config.calibration, config.calibration_size)
+    if config.guard is not None and config.guard.eval_file is not None:
+        from slimml.runtime.evaluate import read_sts
+
+        read_sts(config.guard.eval_file)
+
+
 def _read_float_artifact(src: Path) -> Manifest:
     if src.is_file() and src.suffix == ".onnx":
         raise ConfigError(

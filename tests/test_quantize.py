@@ -104,7 +104,7 @@ def test_default_corpus_needs_no_download():
 
 def test_int8_dynamic_on_tiny_bert(tiny_bert_artifact, tmp_path):
     out = tmp_path / "q"
-    report = quantize(tiny_bert_artifact, out, Int8Config("cpu", calibration_size=16))
+    report = quantize(tiny_bert_artifact, out, Int8DynamicConfig(fuse=True, calibration_size=16))
     m = read_manifest(out)
     assert [s["step"] for s in m.steps] == ["export", "shard", "quantize"]
     assert m.steps[-1]["quantized_shards"] == report.quantized_shards
@@ -117,16 +117,22 @@ def test_int8_dynamic_on_tiny_bert(tiny_bert_artifact, tmp_path):
     assert m.checks["quantize_agreement_cosine"] > 0.98
 
 
-@pytest.mark.parametrize("config", [Int8DynamicConfig(fuse=False), Int8DynamicConfig(), Int8StaticConfig(calibration_size=16)],
-                         ids=["dynamic", "dynamic-fused", "static"])
-def test_sharded_quantizes_like_the_whole_graph(tiny_bert_dir, tmp_path, config):
-    """Per-shard quantization, calibrated on earlier shards' activations, equals whole-graph quantization."""
+@pytest.fixture(scope="module")
+def tiny_bert_whole(tiny_bert_dir, tmp_path_factory):
+    """The tiny BERT as one shard: the whole graph, to compare per-shard quantization with."""
     from slimml.convert import ConvertConfig, ShardConfig, convert
 
-    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
-    convert(tiny_bert_dir, whole, ConvertConfig(shard=ShardConfig(mode="count", count=1), measure_latency=False, verify=False))
-    convert(tiny_bert_dir, sharded, ConvertConfig(measure_latency=False, verify=False))
-    assert len(read_manifest(sharded).shards) > 2
+    out = tmp_path_factory.mktemp("whole") / "tiny-bert-whole"
+    convert(tiny_bert_dir, out, ConvertConfig(shard=ShardConfig(mode="count", count=1), measure_latency=False, verify=False))
+    return out
+
+
+@pytest.mark.parametrize("config", [Int8DynamicConfig(), Int8DynamicConfig(fuse=True), Int8StaticConfig(calibration_size=16)],
+                         ids=["dynamic", "dynamic-fused", "static"])
+def test_sharded_quantizes_like_the_whole_graph(tiny_bert_whole, tiny_bert_artifact, tmp_path, config):
+    """Per-shard quantization, calibrated on earlier shards' activations, equals whole-graph quantization."""
+    whole, sharded = tiny_bert_whole, tiny_bert_artifact
+    assert len(read_manifest(sharded).shards) > 2 and len(read_manifest(whole).shards) == 1
     config.calibration = STS_TRAIN
     quantize(whole, tmp_path / "qw", config)
     quantize(sharded, tmp_path / "qs", config)
