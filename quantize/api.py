@@ -155,11 +155,10 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) ->
     work.mkdir()
     text = ch.text_encoder(src, manifest)
     float_files = ch.shard_paths(src, manifest)
-    float_chain = ch.Chain(manifest, float_files, text)
-    recorded = None
-    if isinstance(config, Int8StaticConfig):
-        step("running the float shards on the calibration data")
-        recorded = ch.record_inputs(float_chain, ch.batches(manifest, text, calib))
+    # static calibration: each batch's tensors, advanced one float shard at a time, so memory
+    # holds only what crosses the current boundary, not every layer's activations
+    envs = [dict(f) for f in ch.batches(manifest, text, calib)] if isinstance(config, Int8StaticConfig) else None
+    last_read = {t.name: s.index for s in manifest.shards for t in s.inputs}
     backend = backend_for(config)
     firsts = [onnx.load(str(p), load_external_data=False) for p in float_files]
     model_inputs = {vi.name: vi for m in firsts for vi in m.graph.input if vi.name in {t.name for t in manifest.inputs}}
@@ -170,14 +169,19 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) ->
         step(f"quantizing shard {spec.index + 1}/{len(manifest.shards)}")
         if spec.index in config.exclude_shards:
             float_why[spec.index] = "excluded by the config"
+            if envs is not None:
+                ch.advance(envs, path, spec.index, last_read)
             continue
         model = onnx.load(str(path))
         if getattr(config, "fuse", False) and spec.index > 0:
             rematerialize_inputs(model, firsts[: spec.index], model_inputs)
         ctx = ShardContext(index=spec.index)
-        if recorded is not None:
-            ctx.reader = ch.RecordedReader(recorded, [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}])
+        if envs is not None:
+            ctx.reader = ch.RecordedReader(envs, [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}])
         q = backend(model, config, ctx)
+        if envs is not None:
+            step(f"running float shard {spec.index + 1} on the calibration data")
+            ch.advance(envs, path, spec.index, last_read)
         if q is None:
             float_why[spec.index] = "nothing to quantize"
             continue
@@ -197,7 +201,8 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) ->
         guard = GuardResult({}, {"agreement": "not measured: fp16 runs on CUDA, which this machine lacks"})
     else:
         step("checking against the float model")
-        guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step)
+        device = "cuda" if isinstance(config, Fp16Config) else "cpu"
+        guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device)
     for i, why in guard.kept_float.items():
         quant_files.pop(i, None)
         float_why[i] = why

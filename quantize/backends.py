@@ -7,6 +7,7 @@ backend adds a function with ``@register(SomeConfig)``, not an ``if``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import tempfile
 from collections.abc import Callable
@@ -69,13 +70,23 @@ def _roundtrip(fn: Callable[[Path, Path], None], model: onnx.ModelProto) -> onnx
     with tempfile.TemporaryDirectory(prefix="slimml-q-") as d:
         src, dst = Path(d) / "in.onnx", Path(d) / "out.onnx"
         onnx.save_model(model, str(src), save_as_external_data=True, location="in.onnx.data", size_threshold=1024)
-        fn(src, dst)
+        with _quiet():
+            fn(src, dst)
         return onnx.load(str(dst))
 
 
+@contextlib.contextmanager
 def _quiet():
-    logging.getLogger("onnxruntime.quantization").setLevel(logging.ERROR)
-    logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
+    """ORT's quantizers log advice ("consider pre-processing") on the root logger: not the user's business."""
+    loggers = [logging.getLogger(n) for n in ("", "onnxruntime.quantization.matmul_nbits_quantizer", "onnxruntime.quantization")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 @register(Int8DynamicConfig)
@@ -89,15 +100,14 @@ def int8_dynamic(model: onnx.ModelProto, config: Int8DynamicConfig, ctx: ShardCo
         ctx.notes["fused"] = stats
     if not weight_matmuls(model, ("MatMul", "Attention", "Gather", "EmbedLayerNormalization")):
         return None
-    _quiet()
-
     def run(src: Path, dst: Path) -> None:
         quantize_dynamic(
             src, dst, op_types_to_quantize=list(config.op_types), per_channel=config.per_channel,
             reduce_range=config.reduce_range, weight_type=QuantType.QInt8, use_external_data_format=True,
             # activation x activation products (Q.K^T, P.V) stay float: quantizing them costs
             # accuracy and, at these sizes, saves nothing
-            extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT},
+            extra_options={"MatMulConstBOnly": True, "DefaultTensorType": onnx.TensorProto.FLOAT,
+                           "WeightSymmetric": True, "ActivationSymmetric": config.activation_symmetric},
         )
 
     return _roundtrip(run, model)
@@ -109,7 +119,6 @@ def int8_static(model: onnx.ModelProto, config: Int8StaticConfig, ctx: ShardCont
 
     if not weight_matmuls(model, config.op_types):
         return None
-    _quiet()
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
               "percentile": CalibrationMethod.Percentile}[config.method]
 
@@ -132,13 +141,13 @@ def weight_only(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCont
     op_types = ("MatMul", "Gather")
     if not weight_matmuls(model, op_types):
         return None
-    _quiet()
     algo = DefaultWeightOnlyQuantConfig(
         block_size=config.block_size, is_symmetric=config.symmetric, accuracy_level=config.accuracy_level,
         bits=config.bits, op_types_to_quantize=op_types, quant_axes=(("MatMul", 0), ("Gather", 1)),
     )
     q = MatMulNBitsQuantizer(model, algo_config=algo)
-    q.process()
+    with _quiet():
+        q.process()
     return q.model.model
 
 

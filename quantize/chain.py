@@ -1,9 +1,10 @@
 """Running a mix of float and quantized shards, and recording what each shard reads.
 
 Calibration for shard i needs the activations that reach it, which come from running shards
-0..i-1 on the calibration inputs. :func:`record_inputs` runs the *float* shards once and keeps
-every tensor that crosses a boundary, so each shard is calibrated on exactly the activations
-the whole float graph would give it: a sharded model quantizes as the whole graph would.
+0..i-1 on the calibration inputs. :func:`advance` runs the *float* shards one at a time over the
+calibration batches, so each shard is calibrated on exactly the activations the whole float
+graph would give it (a sharded model quantizes as the whole graph would), while memory holds
+only the tensors that cross the current boundary.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ class Chain:
         text: the tokenizer, for :meth:`encode`.
     """
 
-    def __init__(self, manifest: Manifest, files: list[Path], text: TextEncoder | None = None, threads: int | None = None):
+    def __init__(self, manifest: Manifest, files: list[Path], text: TextEncoder | None = None, device: str = "cpu"):
         self.manifest = manifest
-        self.sessions = [make_session(f, "cpu", threads) for f in files]
+        self.sessions = [make_session(f, device) for f in files]
         self.text = text
 
     def run(self, feeds: dict[str, np.ndarray], keep_all: bool = False) -> dict[str, np.ndarray]:
@@ -79,9 +80,14 @@ def batches(manifest: Manifest, text: TextEncoder | None, texts: list[str], batc
     return out
 
 
-def record_inputs(chain: Chain, feeds: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    """Every tensor of every batch: model inputs and each shard's outputs (from the float shards)."""
-    return [chain.run(f, keep_all=True) for f in feeds]
+def advance(envs: list[dict[str, np.ndarray]], float_shard: Path, index: int, last_read: dict[str, int]) -> None:
+    """Run one float shard on every batch's tensors, add its outputs, and drop what no later shard reads."""
+    session = make_session(float_shard, "cpu")
+    wanted = [o.name for o in session.get_outputs()]
+    for env in envs:
+        env.update(zip(wanted, session.run(wanted, {i.name: env[i.name] for i in session.get_inputs()})))
+        for name in [n for n in env if last_read.get(n, -1) <= index and n not in wanted]:
+            del env[name]
 
 
 class RecordedReader:

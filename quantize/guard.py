@@ -27,11 +27,11 @@ class GuardResult:
 
 
 class _Measure:
-    def __init__(self, manifest, text, float_files, quant_files, held_feeds, guard: GuardConfig | None):
-        self.manifest, self.text = manifest, text
+    def __init__(self, manifest, text, float_files, quant_files, held_feeds, guard: GuardConfig | None, device: str = "cpu"):
+        self.manifest, self.text, self.device = manifest, text, device
         self.float_files, self.quant_files = float_files, quant_files
         self.feeds = held_feeds
-        float_chain = Chain(manifest, float_files, text)
+        float_chain = Chain(manifest, float_files, text)  # the float reference runs on the CPU
         self.reference = [float_chain.run(f) for f in held_feeds]
         self.eval_file = guard.eval_file if guard is not None else None
         if self.eval_file is not None and manifest.pooling is None:
@@ -46,7 +46,7 @@ class _Measure:
         for i, f in enumerate(self.float_files):
             quantized = i in self.quant_files and i not in float_set and (only is None or i == only)
             files.append(self.quant_files[i] if quantized else f)
-        return Chain(self.manifest, files, self.text)
+        return Chain(self.manifest, files, self.text, self.device)
 
     def agreement(self, chain: Chain) -> float:
         pooling = self.manifest.pooling
@@ -75,14 +75,14 @@ class _Measure:
 
 
 def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, Path], held_feeds,
-                guard: GuardConfig | None, step=lambda _m: None) -> GuardResult:
+                guard: GuardConfig | None, step=lambda _m: None, device: str = "cpu") -> GuardResult:
     """Measure the drop; with a guard, return the shards to keep float so that it is at most ``max_drop``.
 
     Raises:
         ConfigError: ``max_drop`` cannot be met with at most ``max_float_shards`` float shards and
             ``keep_best`` is off.
     """
-    m = _Measure(manifest, text, float_files, quant_files, held_feeds, guard)
+    m = _Measure(manifest, text, float_files, quant_files, held_feeds, guard, device)
     checks: dict[str, Any] = {}
     drop = m.drop(m.chain(set()), checks)
     if guard is None or drop <= guard.max_drop:
