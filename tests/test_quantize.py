@@ -248,3 +248,17 @@ def test_fp16_converts_weights(tiny_bert_artifact, tmp_path):
     assert any(t.data_type == TensorProto.FLOAT16 for t in shard.graph.initializer)
     kinds = {i.type.tensor_type.elem_type for i in shard.graph.input}
     assert TensorProto.FLOAT in kinds and TensorProto.FLOAT16 not in kinds  # io stays float32
+
+
+def test_guard_on_an_eval_file(tiny_bert_artifact, tmp_path):
+    from tests.conftest import STS_DEV
+
+    rows = STS_DEV.read_text(encoding="utf-8").splitlines()[:41]
+    small = tmp_path / "sts-small.csv"
+    small.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    guard = GuardConfig(max_drop=100.0, eval_file=small)
+    report = quantize(tiny_bert_artifact, tmp_path / "q", Int8DynamicConfig(calibration_size=16, guard=guard))
+    c = report.checks
+    assert c["drop_metric"] == "spearman_x100" and c["eval_file"] == "sts-small.csv"
+    assert c["drop"] == pytest.approx(c["eval_float"] - c["eval_quantized"], abs=1e-3)
+    assert read_manifest(tmp_path / "q").checks["quantize_eval_quantized"] == c["eval_quantized"]
