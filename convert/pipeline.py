@@ -43,12 +43,15 @@ class ConvertConfig:
         shard: how to split the graph.
         verify: compare the artifact with the unsharded graph and the torch model.
         measure_latency: time the artifact (batch 1) for the report.
+        quantize: a ``slimml.quantize`` config, applied to the sharded artifact after the
+            checks (``None``: stay float).
     """
 
     export: ExportConfig = field(default_factory=ExportConfig)
     shard: ShardConfig = field(default_factory=ShardConfig)
     verify: bool = True
     measure_latency: bool = True
+    quantize: Any = None
 
 
 @dataclass
@@ -100,6 +103,10 @@ def convert(
     t0 = time.perf_counter()
     config = config or ConvertConfig()
     step = on_step or (lambda _msg: None)
+    if config.quantize is not None:
+        from slimml.quantize.api import check_inputs
+
+        check_inputs(config.quantize)  # a bad calibration or eval file fails before the export
     step("reading the source")
     src = resolve(source, example_inputs)
     out = Path(out) if out is not None else Path("artifacts") / src.name
@@ -116,6 +123,8 @@ def convert(
             manifest.checks = verify(tmp, manifest, src, exported)
         else:
             verify_files(tmp, manifest)
+        if config.quantize is not None:
+            manifest = _quantize_step(tmp, manifest, config.quantize, step)
         latency = None
         if config.measure_latency:
             step("measuring latency")
@@ -168,6 +177,21 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
         ours = model.encode(SAMPLE_TEXTS)
         checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
     return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
+
+
+def _quantize_step(tmp: Path, manifest: Manifest, qconfig: Any, step: Callable[[str], None]) -> Manifest:
+    """Quantize the float artifact in ``tmp`` in place (via a sibling folder); return the new manifest."""
+    from slimml.quantize.api import quantize_into
+    from slimml.runtime.manifest import read_manifest
+
+    manifest.write(tmp)
+    shutil.rmtree(tmp / ".work", ignore_errors=True)
+    qtmp = tmp.parent / f"{tmp.name}-q"
+    shutil.rmtree(qtmp, ignore_errors=True)
+    quantize_into(tmp, qtmp, qconfig, on_step=step)
+    shutil.rmtree(tmp)
+    os.rename(qtmp, tmp)
+    return read_manifest(tmp)
 
 
 def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:

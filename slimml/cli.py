@@ -37,6 +37,12 @@ Resident = Annotated[Optional[int], typer.Option("--resident", "-k", help="Shard
 Prefetch = Annotated[Optional[int], typer.Option("--prefetch", "-p", help="Shards the loader brings in ahead of the one computing (P).")]
 Budget = Annotated[Optional[str], typer.Option("--memory-budget", help="Memory for loaded shards, e.g. 4GB; picks K and P.")]
 Pin = Annotated[Optional[list[int]], typer.Option("--pin", help="A shard to keep loaded (repeat; -1 is the last).")]
+Quantize = Annotated[str, typer.Option("--quantize", help="none, int8 (best for --target), int8-dynamic, int8-static, int8-weights, int4-weights, fp16 (cuda).")]
+Calibration = Annotated[Optional[Path], typer.Option("--calibration", help="Calibration texts: one per line, or an STS CSV. Default: a built-in corpus.")]
+MaxDrop = Annotated[Optional[float], typer.Option("--max-drop", help="Accuracy guard: keep sensitive shards float until the drop is at most this.")]
+EvalFile = Annotated[Optional[Path], typer.Option("--eval", help="STS CSV the guard measures the drop on (Spearman x100 points).")]
+Target = Annotated[str, typer.Option("--target", help="cpu or cuda: what the quantized model will run on.")]
+KeepBest = Annotated[bool, typer.Option("--keep-best", help="If --max-drop cannot be met, write the best model found instead of failing.")]
 
 
 @app.command()
@@ -48,13 +54,22 @@ def convert(
     task: Annotated[str, typer.Option(help="Hugging Face task to export, or 'auto'.")] = "auto",
     opset: Annotated[Optional[int], typer.Option(help="ONNX opset.")] = None,
     verify: Annotated[bool, typer.Option(help="Check the artifact against the original model.")] = True,
+    quantize: Quantize = "none",
+    calibration: Calibration = None,
+    max_drop: MaxDrop = None,
+    eval_file: EvalFile = None,
+    target: Target = "cpu",
+    keep_best: KeepBest = False,
     as_json: AsJson = False,
 ):
     """Export a model to ONNX, split it into layer shards, check them, and write an artifact folder."""
     from slimml.convert import ConvertConfig, ExportConfig, ShardConfig
     from slimml.convert import convert as do_convert
+    from slimml.quantize.config import scheme_config
 
-    config = ConvertConfig(export=ExportConfig(opset=opset, task=task), shard=ShardConfig.parse(shards, shard_size), verify=verify)
+    qconfig = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best)
+    config = ConvertConfig(export=ExportConfig(opset=opset, task=task), shard=ShardConfig.parse(shards, shard_size), verify=verify,
+                           quantize=qconfig)
     with console.status("converting", spinner="dots") as status:
         report = do_convert(source, out, config, on_step=lambda msg: status.update(f"{msg}..."))
     if as_json:
@@ -66,6 +81,42 @@ def convert(
     table.add_row("size", f"{report.size_mb:.1f} MB")
     for key, value in report.checks.items():
         table.add_row(key.replace("_", " "), f"{value:.3g}" if isinstance(value, float) else str(value))
+    table.add_row("time", f"{report.seconds:.1f} s")
+    console.print(table)
+
+
+@app.command("quantize")
+def quantize_(
+    artifact: Artifact,
+    out: Annotated[Path, typer.Option("-o", "--out", help="The quantized artifact folder.")],
+    quantize: Quantize = "int8",
+    calibration: Calibration = None,
+    max_drop: MaxDrop = None,
+    eval_file: EvalFile = None,
+    target: Target = "cpu",
+    keep_best: KeepBest = False,
+    as_json: AsJson = False,
+):
+    """Quantize a float artifact into a new artifact folder (each shard, calibrated as the whole)."""
+    from slimml.quantize import quantize as do_quantize
+    from slimml.quantize.config import scheme_config
+
+    config = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best)
+    if config is None:
+        raise SlimmlError("--quantize none leaves the artifact as it is; choose a scheme, e.g. --quantize int8.")
+    with console.status("quantizing", spinner="dots") as status:
+        report = do_quantize(artifact, out, config, on_step=lambda msg: status.update(f"{msg}..."))
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+        return
+    table = Table(title=f"slimml quantize: {artifact} -> {report.out}", show_header=False)
+    table.add_row("scheme", f"{quantize} ({report.scheme})")
+    table.add_row("size", f"{report.float_size_mb:.1f} MB -> {report.size_mb:.1f} MB")
+    table.add_row("quantized shards", ", ".join(map(str, report.quantized_shards)))
+    for index, why in report.float_shards.items():
+        table.add_row(f"shard {index} float", why)
+    for key, value in report.checks.items():
+        table.add_row(key.replace("_", " "), f"{value:.4g}" if isinstance(value, float) else str(value))
     table.add_row("time", f"{report.seconds:.1f} s")
     console.print(table)
 
