@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -22,9 +23,10 @@ from slimml.convert.shard import ShardConfig, shard
 from slimml.convert.sources import Source, resolve
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.bench import sample_feeds, time_runs
-from slimml.runtime.manifest import MANIFEST_NAME, Manifest, TensorSpec, file_entry
-from slimml.runtime.model import Model, load
+from slimml.runtime.manifest import MANIFEST_NAME, Manifest, TensorSpec, file_entry, verify_files
+from slimml.runtime.model import load
 from slimml.runtime.session import make_session
+from slimml.runtime.text import TextEncoder
 
 SAMPLE_TEXTS = [
     "A man is playing a guitar on the street.",
@@ -45,6 +47,8 @@ class ConvertConfig:
         measure_latency: time the artifact (batch 1) for the report.
         distill: train a student with fewer layers before export (``convert.distill``).
         prune: remove attention heads and FFN neurons before export (``convert.prune``).
+        quantize: a ``slimml.quantize`` config, applied to the sharded artifact after the
+            checks (``None``: stay float).
     """
 
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -53,6 +57,7 @@ class ConvertConfig:
     measure_latency: bool = True
     distill: DistillConfig | None = None
     prune: PruneConfig | None = None
+    quantize: Any = None
 
 
 @dataclass
@@ -107,6 +112,10 @@ def convert(
     t0 = time.perf_counter()
     config = config or ConvertConfig()
     step = on_step or (lambda _msg: None)
+    if config.quantize is not None:
+        from slimml.quantize.api import check_inputs
+
+        check_inputs(config.quantize)  # a bad calibration or eval file fails before the export
     step("reading the source")
     src = resolve(source, example_inputs)
     out = Path(out) if out is not None else Path("artifacts") / src.name
@@ -124,17 +133,21 @@ def convert(
         if shrunk:  # the steps before export, and the teacher as the source (the student folder is temporary)
             manifest.steps[:0] = shrunk
             manifest.source |= {"path": str(teacher.path), "student_of": teacher.name}
-        model = load(tmp, device="cpu")  # the artifact's own integrity check runs here
         if config.verify:
             step("checking against the original model")
-            manifest.checks = verify(model, src, exported)
+            manifest.checks = verify(tmp, manifest, src, exported)
+        else:
+            verify_files(tmp, manifest)
+        if config.quantize is not None:
+            manifest = _quantize_step(tmp, manifest, config.quantize, step)
         latency = None
         if config.measure_latency:
             step("measuring latency")
+            model = load(tmp, device="cpu")
             feeds = sample_feeds(model.inputs, batch=1, seq=128, vocab_size=model.manifest.source.get("vocab_size"))
             latency = float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3)))
             manifest.checks["latency_ms_b1_s128"] = round(latency, 3)
-        del model
+            del model
         manifest.write(tmp)
         shutil.rmtree(tmp / ".work", ignore_errors=True)
         _replace(tmp, out)
@@ -166,32 +179,57 @@ def _shrink(src: Source, out: Path, student_dir: Path, config: ConvertConfig, st
     return Source(kind="huggingface", name=src.name, path=student_dir, extra=src.extra), steps
 
 
-def verify(model: Model, src: Source, exported: Exported) -> dict[str, Any]:
-    """Compare the sharded artifact with the unsharded ONNX graph and with the torch model."""
-    feeds = _check_feeds(model)
-    got = model.run(feeds)
+def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) -> dict[str, Any]:
+    """Compare the sharded artifact in ``folder`` with the unsharded ONNX graph and the torch model.
+
+    The three run one after the other, each freed before the next loads, so checking needs
+    about one copy of the model in memory, not three.
+    """
+    feeds = _check_feeds(folder, manifest)
+    names = [t.name for t in manifest.outputs]
     full = make_session(exported.onnx_path, "cpu")
-    names = [t.name for t in model.outputs]
     want = dict(zip(names, full.run(names, feeds)))
-    checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}
+    del full
+    torch_out, theirs = {}, None
     ref = reference_for(src, exported, names)
     if ref is not None:
         torch_out = ref(feeds)
-        common = [n for n in names if n in torch_out]
-        if common:
-            checks["max_abs_diff_vs_torch"] = max(float(np.abs(got[n] - torch_out[n]).max()) for n in common)
-            checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
         if exported.pooling is not None:
-            ours = model.encode(SAMPLE_TEXTS)
-            theirs = ref.embed(model.tokenize(SAMPLE_TEXTS))
-            checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
+            theirs = ref.embed(feeds)
+        del ref
+    model = load(folder, device="cpu")  # the artifact's own integrity check runs here
+    got = model.run(feeds)
+    checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}
+    common = [n for n in names if n in torch_out]
+    if common:
+        checks["max_abs_diff_vs_torch"] = max(float(np.abs(got[n] - torch_out[n]).max()) for n in common)
+        checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
+    if theirs is not None:
+        ours = model.encode(SAMPLE_TEXTS)
+        checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
     return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
 
 
-def _check_feeds(model: Model) -> dict[str, np.ndarray]:
-    if model.manifest.tokenizer is not None:
-        return model.tokenize(SAMPLE_TEXTS)
-    return sample_feeds(model.inputs, batch=2, seq=16, vocab_size=model.manifest.source.get("vocab_size"))
+def _quantize_step(tmp: Path, manifest: Manifest, qconfig: Any, step: Callable[[str], None]) -> Manifest:
+    """Quantize the float artifact in ``tmp`` in place (via a sibling folder); return the new manifest."""
+    from slimml.quantize.api import quantize_into
+    from slimml.runtime.manifest import read_manifest
+
+    manifest.write(tmp)
+    shutil.rmtree(tmp / ".work", ignore_errors=True)
+    qtmp = tmp.parent / f"{tmp.name}-q"
+    shutil.rmtree(qtmp, ignore_errors=True)
+    quantize_into(tmp, qtmp, qconfig, on_step=step)
+    shutil.rmtree(tmp)
+    os.rename(qtmp, tmp)
+    return read_manifest(tmp)
+
+
+def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:
+    if manifest.tokenizer is not None:
+        text = TextEncoder(folder / manifest.tokenizer["file"], manifest.tokenizer, [t.name for t in manifest.inputs])
+        return text(SAMPLE_TEXTS)
+    return sample_feeds(manifest.inputs, batch=2, seq=16, vocab_size=manifest.source.get("vocab_size"))
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -263,6 +301,13 @@ def _fresh_tmp(out: Path) -> Path:
             pid = stale.name.rsplit("-", 1)[-1]
             if not (pid.isdigit() and _alive(int(pid))):
                 shutil.rmtree(stale, ignore_errors=True)
+        for old in parent.glob(f".{out.name}.slimml-old-*"):  # a previous artifact set aside by a killed convert
+            pid = old.name.rsplit("-", 1)[-1]
+            if not (pid.isdigit() and _alive(int(pid))):
+                if not out.exists():
+                    os.rename(old, out)  # put it back: it is the user's last good artifact
+                else:
+                    shutil.rmtree(old, ignore_errors=True)
         tmp = parent / f".{out.name}.slimml-tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
@@ -272,9 +317,18 @@ def _fresh_tmp(out: Path) -> Path:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished artifact into place; the old one, if any, goes only once the new is ready."""
+    """Move the finished artifact into place; the old one, if any, goes only once the new is ready.
+
+    On Linux the two folders are swapped in one atomic ``renameat2(RENAME_EXCHANGE)``, so a kill at
+    any instant leaves a whole artifact at ``out``. Elsewhere the old one is renamed aside first;
+    a kill between the two renames leaves it at ``.NAME.slimml-old-PID``, which the next convert
+    puts back (see ``_fresh_tmp``).
+    """
     if not out.exists():
         os.rename(tmp, out)
+        return
+    if _exchange(tmp, out):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous artifact
         return
     old = out.parent / f".{out.name}.slimml-old-{os.getpid()}"
     os.rename(out, old)
@@ -284,6 +338,22 @@ def _replace(tmp: Path, out: Path) -> None:
         os.rename(old, out)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux >= 3.15); False where the system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # glibc < 2.28 or another libc
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return rc == 0  # EINVAL/ENOSYS (a filesystem without it): fall back to two renames
 
 
 def _alive(pid: int) -> bool:
@@ -297,8 +367,8 @@ def _alive(pid: int) -> bool:
 
 
 def _os_error(e: OSError, out: Path) -> SlimmlError:
-    if e.errno == errno.ENOSPC:
-        return SlimmlError(f"the disk is full while writing {out}; free space or choose another folder with -o. Nothing was left at {out}.")
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # full disk, quota, or a file-size limit
+        return SlimmlError(f"the disk is full while writing {out} ({e.strerror}); free space or choose another folder with -o. Nothing was left at {out}.")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return SlimmlError(f"cannot write to {out} ({e.strerror}); choose a writable folder with -o.")
     return SlimmlError(f"writing {out} failed: {e}.")

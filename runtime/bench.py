@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -31,12 +32,10 @@ def sample_feeds(
         for dim, want in enumerate(spec.shape):
             if isinstance(want, int) and want > 0:
                 shape.append(want)
-            elif isinstance(want, str) and any(k in want.lower() for k in _SEQ_AXES):
-                shape.append(seq)
-            elif dim == 0:
-                shape.append(batch)
+            elif isinstance(want, str):  # a named axis, or a sum of them ("past_sequence_length + sequence_length")
+                shape.append(sum(_axis_size(part, dim, batch, seq) for part in want.split("+")))
             else:
-                shape.append(seq)
+                shape.append(batch if dim == 0 else seq)
         dtype = np.dtype(spec.dtype)
         lname = spec.name.lower()
         if dtype.kind in "iu":
@@ -56,6 +55,15 @@ def sample_feeds(
     return feeds
 
 
+def _axis_size(name: str, dim: int, batch: int, seq: int) -> int:
+    name = name.strip().lower()
+    if "past" in name:
+        return 1  # a one-step cache: enough to exercise the cache path, never an empty tensor
+    if any(k in name for k in _SEQ_AXES):
+        return seq
+    return batch if dim == 0 or "batch" in name else seq
+
+
 @dataclass
 class BenchResult:
     p50_ms: float
@@ -67,9 +75,16 @@ class BenchResult:
     seq: int
     device: str
     runs: int
+    run_peak_rss_mb: float | None = None  # highest RSS sampled during the timed runs
+    stream: dict | None = None  # streaming counters per timed run (plan, bytes moved, wait vs compute)
 
     def to_json(self) -> dict:
-        return {
+        extra = {}
+        if self.run_peak_rss_mb is not None:
+            extra["run_peak_rss_mb"] = round(self.run_peak_rss_mb, 1)
+        if self.stream is not None:
+            extra["stream"] = self.stream
+        return extra | {
             "latency_ms": {"p50": round(self.p50_ms, 3), "p90": round(self.p90_ms, 3)},
             "throughput_per_s": round(self.throughput_per_s, 2),
             "peak_rss_mb": round(self.peak_rss_mb, 1),
@@ -82,6 +97,15 @@ class BenchResult:
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory in MB (VmHWM on Linux: unlike ru_maxrss it does not
+    carry over a parent's peak across fork and exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB elsewhere
 
@@ -99,10 +123,34 @@ def time_runs(fn, runs: int, warmup: int) -> np.ndarray:
 
 
 def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5) -> BenchResult:
-    """Time ``model.run`` on sample inputs of ``batch`` x ``seq``; report p50/p90 and throughput (items/s)."""
+    """Time ``model.run`` on sample inputs of ``batch`` x ``seq``; report p50/p90 and throughput (items/s).
+
+    A streamed model also reports, per timed run, the bytes it loaded and the seconds its compute
+    waited on the loader versus computed, and the plan (K, P, pinned shards) it ran under.
+    """
     feeds = sample_feeds(model.manifest.inputs, batch=batch, seq=seq, vocab_size=model.manifest.source.get("vocab_size"))
-    times = time_runs(lambda: model.run(feeds), runs, warmup)
+    stream = getattr(model, "_stream", None)
+    for _ in range(warmup):
+        model.run(feeds)
+    if stream is not None:
+        stream.reset_stats()
+    with RssMonitor() as rss:
+        times = time_runs(lambda: model.run(feeds), runs, 0)
     p50 = float(np.percentile(times, 50))
+    stream_info = None
+    if stream is not None:
+        st = stream.stats
+        stream_info = {
+            "plan": model.plan.describe(),
+            "resident": model.plan.resident,
+            "prefetch": model.plan.prefetch,
+            "pinned": model.plan.pinned,
+            "bytes_per_run": st.bytes_loaded // max(st.passes, 1),
+            "wait_s_per_run": round(st.wait_s / max(st.passes, 1), 4),
+            "compute_s_per_run": round(st.compute_s / max(st.passes, 1), 4),
+            "load_s_per_run": round(st.load_s / max(st.passes, 1), 4),
+            "peak_streamed_shards": st.peak_streamed,
+        }
     return BenchResult(
         p50_ms=p50,
         p90_ms=float(np.percentile(times, 90)),
@@ -113,4 +161,49 @@ def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5
         seq=seq,
         device=model.device,
         runs=runs,
+        run_peak_rss_mb=rss.peak_mb,
+        stream=stream_info,
     )
+
+
+class RssMonitor:
+    """Samples this process's RSS every few ms in a thread; ``peak_mb`` is the highest seen.
+
+    Unlike the process-wide high-water mark, it isolates one measurement (say one K, P setting of
+    a sweep) from what ran before it in the same process.
+    """
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.peak_mb: float | None = None
+        self._stop = None
+
+    def __enter__(self) -> RssMonitor:
+        import threading
+
+        self._stop = threading.Event()
+        self.peak_mb = current_rss_mb()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="slimml-rss-monitor")
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            now = current_rss_mb()
+            if now is not None and (self.peak_mb is None or now > self.peak_mb):
+                self.peak_mb = now
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def current_rss_mb() -> float | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -10,14 +10,32 @@ from slimml.errors import FeedError
 from slimml.runtime.manifest import TensorSpec
 
 
-def check_feeds(feeds: Mapping[str, object], specs: list[TensorSpec]) -> dict[str, np.ndarray]:
+SEQUENCE_AXES = ("seq", "length", "token")  # names of the dynamic axes that count tokens
+
+
+def check_feeds(
+    feeds: Mapping[str, object],
+    specs: list[TensorSpec],
+    max_seq: int | None = None,
+    allow_nonfinite: bool = False,
+    vocab_size: int | None = None,
+) -> dict[str, np.ndarray]:
     """Return ``feeds`` as contiguous numpy arrays after checking names, dtypes and ranks.
 
     Every problem is collected before raising, so one error lists them all.
 
+    Args:
+        max_seq: the longest sequence the model takes; a sequence axis (a dynamic axis named
+            like ``sequence_length``) longer than this is refused with the maximum named.
+        allow_nonfinite: let NaN and inf through in float inputs. By default they are refused:
+            they spread silently through every layer and come out as NaN outputs.
+        vocab_size: rows of the token-embedding table; ``input_ids`` outside ``[0, vocab_size)``
+            are refused (a negative id would otherwise wrap around silently).
+
     Raises:
         FeedError: unknown or missing names, wrong dtype, wrong rank, a fixed dimension that
-            differs, an empty batch, or inputs whose shared dynamic axes disagree.
+            differs, an empty batch, inputs whose shared dynamic axes disagree, a sequence
+            longer than ``max_seq``, or NaN/inf in a float input.
     """
     if not isinstance(feeds, Mapping):
         raise FeedError(
@@ -60,6 +78,12 @@ def check_feeds(feeds: Mapping[str, object], specs: list[TensorSpec]) -> dict[st
             if isinstance(want, int) and want != got:
                 problems.append(f"input {name!r} has size {got} at dim={dim}, expected {want} (shape {spec.shape})")
             elif isinstance(want, str):
+                long_seq = max_seq is not None and got > max_seq and any(k in want.lower() for k in SEQUENCE_AXES)
+                if long_seq and want not in axes:  # once per axis, not once per input sharing it
+                    problems.append(
+                        f"input {name!r} has {want}={got} at dim={dim}, but this model takes at most {max_seq} "
+                        f"tokens; truncate to {max_seq} (model.tokenize and encode do so)"
+                    )
                 first = axes.setdefault(want, (name, got))
                 if first[1] != got:
                     problems.append(
@@ -68,6 +92,23 @@ def check_feeds(feeds: Mapping[str, object], specs: list[TensorSpec]) -> dict[st
                     )
         if value.size == 0:
             problems.append(f"input {name!r} is empty (shape {list(value.shape)}); give at least one item")
+        elif vocab_size is not None and name == "input_ids" and value.dtype.kind in "iu":
+            bad = (value < 0) | (value >= vocab_size)
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                problems.append(
+                    f"input 'input_ids' holds {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size}), the "
+                    f"first {int(value[where])} at index {where}; encode text with this model's tokenizer (model.tokenize)"
+                )
+        elif value.dtype.kind in "fc" and not allow_nonfinite:
+            bad = ~np.isfinite(value)
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                problems.append(
+                    f"input {name!r} holds {int(bad.sum())} NaN/inf value(s), the first at index {where}; they "
+                    "would spread into NaN outputs. Clean the input (np.nan_to_num) or set "
+                    "model.allow_nonfinite = True if your model handles them"
+                )
         out[name] = np.ascontiguousarray(value)
     if problems:
         raise FeedError("bad feeds: " + "; ".join(problems) + ".")

@@ -20,6 +20,7 @@ from slimml.errors import ArtifactError, IntegrityError
 FORMAT = "slimml.artifact"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few KB per shard; anything this big is not one
 
 Dim = int | str | None  # a fixed size, a named dynamic axis, or unknown
 
@@ -148,21 +149,32 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     if not path.is_file():
         raise ArtifactError(
             f"{folder} has no {MANIFEST_NAME}: it is not a slimml artifact, or its conversion did "
-            "not finish. Run `slimml convert SOURCE -o {folder}` to make one."
+            f"not finish. Run `slimml convert SOURCE -o {folder}` to make one."
+        )
+    safe_path(folder, MANIFEST_NAME)  # a manifest.json that links out of the folder is refused too
+    if path.stat().st_size > MAX_MANIFEST_BYTES:
+        raise ArtifactError(
+            f"{path} is {path.stat().st_size} bytes, far more than any slimml manifest "
+            f"(limit {MAX_MANIFEST_BYTES >> 20} MB); it is not one. Convert the model again."
         )
     try:
-        raw = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"{path} is not valid JSON ({e}); the artifact is damaged: convert again.") from None
+        raw = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise ArtifactError(f"{path} is not valid JSON ({why}); the artifact is damaged: convert again.") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a slimml manifest (expected \"format\": \"{FORMAT}\").")
     version = raw.get("format_version")
-    if version != FORMAT_VERSION:
+    if version != FORMAT_VERSION or isinstance(version, bool):
         raise ArtifactError(
             f"{path} has manifest format version {version!r}, but this slimml reads version "
             f"{FORMAT_VERSION}. Convert the model again with this slimml, or install the slimml "
             "version that wrote it."
         )
+    problems = validate_raw(raw)
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise ArtifactError(f"{path} is malformed: {shown}. Convert the model again.")
     try:
         manifest = Manifest(
             name=str(raw["name"]),
@@ -179,10 +191,97 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
             slimml_version=str(raw.get("slimml_version", "")),
             format_version=version,
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise ArtifactError(f"{path} is malformed ({type(e).__name__}: {e}); convert the model again.") from None
     _check_structure(folder, manifest)
     return manifest
+
+
+_HEX = frozenset("0123456789abcdef")
+_DTYPES = frozenset(
+    ["float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool"]
+)
+
+
+def validate_raw(raw: dict[str, Any]) -> list[str]:
+    """Every way the parsed ``manifest.json`` departs from the format, as ``where: what`` strings.
+
+    Types are checked before anything is built from them, so a hand-edited or hostile manifest
+    gets one :class:`ArtifactError` listing its problems instead of a stray TypeError later.
+    """
+    problems: list[str] = []
+
+    def need(ok: bool, where: str, what: str) -> bool:
+        if not ok:
+            problems.append(f"{where} {what}")
+        return ok
+
+    def is_int(v: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
+
+    def tensors(v: Any, where: str, shard: int | None = None) -> None:
+        if not need(isinstance(v, list), where, "must be a list"):
+            return
+        for i, t in enumerate(v):
+            w = f"{where}[{i}]"
+            if not need(isinstance(t, dict), w, "must be an object"):
+                continue
+            need(isinstance(t.get("name"), str) and t.get("name") != "", f"{w}.name", "must be a non-empty string")
+            need(isinstance(t.get("dtype"), str) and t["dtype"] in _DTYPES, f"{w}.dtype", f"is {t.get('dtype')!r}, not one of {sorted(_DTYPES)}")
+            shape = t.get("shape")
+            ok = isinstance(shape, list) and len(shape) <= 16
+            ok = ok and all(d is None or isinstance(d, str) or is_int(d) for d in shape)
+            need(ok, f"{w}.shape", "must be a list of sizes (int >= 0), axis names or null")
+            if "from" in t:
+                src = t["from"]
+                ok = src == "input" or (is_int(src) and shard is not None and src < shard)
+                need(ok, f"{w}.from", f"is {src!r}, neither \"input\" nor an earlier shard's index")
+
+    for key in ("name", "task"):
+        need(isinstance(raw.get(key), str), key, "must be a string")
+    for key in ("source", "checks"):
+        need(raw.get(key) is None or isinstance(raw.get(key), dict), key, "must be an object")
+    need(raw.get("steps") is None or isinstance(raw.get("steps"), list), "steps", "must be a list")
+    tensors(raw.get("inputs"), "inputs")
+    tensors(raw.get("outputs"), "outputs")
+    files = raw.get("files")
+    if need(isinstance(files, list), "files", "must be a list"):
+        for i, f in enumerate(files):
+            w = f"files[{i}]"
+            if not need(isinstance(f, dict), w, "must be an object"):
+                continue
+            need(isinstance(f.get("path"), str), f"{w}.path", "must be a string")
+            need(is_int(f.get("bytes")), f"{w}.bytes", "must be an int >= 0")
+            sha = f.get("sha256")
+            need(isinstance(sha, str) and len(sha) == 64 and set(sha) <= _HEX, f"{w}.sha256", "must be 64 hex digits")
+    shards = raw.get("shards")
+    if need(isinstance(shards, list), "shards", "must be a list"):
+        for i, sh in enumerate(shards):
+            w = f"shards[{i}]"
+            if not need(isinstance(sh, dict), w, "must be an object"):
+                continue
+            need(sh.get("index") == i and is_int(sh.get("index")), f"{w}.index", f"must be {i} (shards are listed in order)")
+            need(isinstance(sh.get("file"), str), f"{w}.file", "must be a string")
+            need(sh.get("data") is None or isinstance(sh.get("data"), str), f"{w}.data", "must be a string or null")
+            need(is_int(sh.get("weight_bytes", 0)), f"{w}.weight_bytes", "must be an int >= 0")
+            layers = sh.get("layers", [])
+            need(isinstance(layers, list) and all(isinstance(x, str) for x in layers), f"{w}.layers", "must be a list of strings")
+            tensors(sh.get("inputs"), f"{w}.inputs", shard=i)
+            tensors(sh.get("outputs"), f"{w}.outputs")
+    tok = raw.get("tokenizer")
+    if tok is not None and need(isinstance(tok, dict), "tokenizer", "must be an object or null"):
+        need(isinstance(tok.get("file"), str), "tokenizer.file", "must be a string")
+        need(tok.get("max_length") is None or is_int(tok.get("max_length"), 1, 1 << 31), "tokenizer.max_length",
+             "must be an int from 1 to 2**31-1")
+        need(tok.get("pad_id") is None or is_int(tok.get("pad_id"), 0, 1 << 32), "tokenizer.pad_id",
+             "must be a token id from 0 to 2**32-1")
+        need(tok.get("pad_token") is None or isinstance(tok.get("pad_token"), str), "tokenizer.pad_token", "must be a string")
+    pooling = raw.get("pooling")
+    if pooling is not None and need(isinstance(pooling, dict), "pooling", "must be an object or null"):
+        need(pooling.get("mode") in ("mean", "cls", "max"), "pooling.mode", "must be mean, cls or max")
+        need(isinstance(pooling.get("output"), str), "pooling.output", "must name a model output")
+        need(isinstance(pooling.get("normalize", True), bool), "pooling.normalize", "must be true or false")
+    return problems
 
 
 def _check_structure(folder: Path, m: Manifest) -> None:
@@ -214,6 +313,11 @@ def _check_structure(folder: Path, m: Manifest) -> None:
     missing = [t.name for t in m.outputs if t.name not in known]
     if missing:
         raise ArtifactError(f"no shard produces the model output(s) {missing}; the manifest is damaged.")
+    names = [t.name for t in m.inputs]
+    if len(set(names)) != len(names):
+        raise ArtifactError(f"the manifest lists a model input twice ({names}); it is damaged: convert again.")
+    if m.pooling and m.pooling["output"] not in {t.name for t in m.outputs}:
+        raise ArtifactError(f"the manifest pools {m.pooling['output']!r}, which is not a model output; convert again.")
 
 
 def safe_path(folder: Path, rel: str) -> Path:
@@ -224,8 +328,11 @@ def safe_path(folder: Path, rel: str) -> Path:
             f"the manifest names the path {rel!r}, which leaves the artifact folder; refusing to load it."
         )
     full = folder / Path(*p.parts)
-    root = folder.resolve()
-    resolved = full.resolve()
+    try:
+        root = folder.resolve()
+        resolved = full.resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # a link loop, a NUL byte, ...
+        raise ArtifactError(f"the manifest names the path {rel!r}, which cannot be resolved ({e}); refusing to load it.") from None
     if resolved != root and root not in resolved.parents:
         raise ArtifactError(f"{rel!r} is a link that points outside the artifact folder; refusing to load it.")
     return full
@@ -250,6 +357,11 @@ def verify_file(folder: Path, entry: FileEntry) -> Path:
         IntegrityError: naming the file and what differs.
     """
     path = safe_path(folder, entry.path)
+    if path.exists() and not path.is_file():
+        raise IntegrityError(
+            f"{entry.path} in the artifact {folder} is not a regular file (a folder, pipe or device); "
+            "slimml reads only the files it wrote. Copy the artifact again or re-convert."
+        )
     if not path.is_file():
         raise IntegrityError(
             f"{entry.path} is missing from the artifact {folder}; copy the whole folder again or re-convert."

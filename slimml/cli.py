@@ -31,6 +31,18 @@ err = Console(stderr=True)
 Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `slimml convert`.")]
 Device = Annotated[str, typer.Option(help="cpu or cuda.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]
+BaselineIn = Annotated[Optional[Path], typer.Option(help="Compare with this baseline file; exit 3 on a regression.")]
+BaselineOut = Annotated[Optional[Path], typer.Option(help="Write what this run measured as a baseline file.")]
+Resident = Annotated[Optional[int], typer.Option("--resident", "-k", help="Shards loaded at once (K); fewer than the shard count streams the model.")]
+Prefetch = Annotated[Optional[int], typer.Option("--prefetch", "-p", help="Shards the loader brings in ahead of the one computing (P).")]
+Budget = Annotated[Optional[str], typer.Option("--memory-budget", help="Memory for loaded shards, e.g. 4GB; picks K and P.")]
+Pin = Annotated[Optional[list[int]], typer.Option("--pin", help="A shard to keep loaded (repeat; -1 is the last).")]
+Quantize = Annotated[str, typer.Option("--quantize", help="none, int8 (best for --target), int8-dynamic, int8-static, int8-weights, int4-weights, fp16 (cuda).")]
+Calibration = Annotated[Optional[Path], typer.Option("--calibration", help="Calibration texts: one per line, or an STS CSV. Default: a built-in corpus.")]
+MaxDrop = Annotated[Optional[float], typer.Option("--max-drop", help="Accuracy guard: keep sensitive shards float until the drop is at most this.")]
+EvalFile = Annotated[Optional[Path], typer.Option("--eval", help="STS CSV the guard measures the drop on (Spearman x100 points).")]
+Target = Annotated[str, typer.Option("--target", help="cpu or cuda: what the quantized model will run on.")]
+KeepBest = Annotated[bool, typer.Option("--keep-best", help="If --max-drop cannot be met, write the best model found instead of failing.")]
 
 
 @app.command()
@@ -46,13 +58,22 @@ def convert(
     distill_data: Annotated[Optional[Path], typer.Option(help="Texts to distil on: one a line, or a CSV with text/sentence1/sentence2 columns. Default: a built-in corpus.")] = None,
     distill_epochs: Annotated[Optional[float], typer.Option(help="Passes over the distillation data (default 3; 1 after --prune alone).")] = None,
     prune: Annotated[Optional[float], typer.Option(help="Remove this share (0..1) of attention heads and FFN neurons per layer, then recover by distillation.")] = None,
+    quantize: Quantize = "none",
+    calibration: Calibration = None,
+    max_drop: MaxDrop = None,
+    eval_file: EvalFile = None,
+    target: Target = "cpu",
+    keep_best: KeepBest = False,
     as_json: AsJson = False,
 ):
     """Export a model to ONNX, split it into layer shards, check them, and write an artifact folder."""
     from slimml.convert import ConvertConfig, ExportConfig, ShardConfig
     from slimml.convert import convert as do_convert
+    from slimml.quantize.config import scheme_config
 
-    config = ConvertConfig(export=ExportConfig(opset=opset, task=task), shard=ShardConfig.parse(shards, shard_size), verify=verify)
+    qconfig = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best)
+    config = ConvertConfig(export=ExportConfig(opset=opset, task=task), shard=ShardConfig.parse(shards, shard_size), verify=verify,
+                           quantize=qconfig)
     if distill_layers is not None or prune is not None or distill_data is not None or distill_epochs is not None:
         from slimml.convert.distill import DistillConfig
         from slimml.convert.prune import PruneConfig
@@ -103,6 +124,42 @@ def _convert_with_progress(do_convert, source, out, config):
         return do_convert(source, out, config, on_step=on_step, on_progress=on_progress)
 
 
+@app.command("quantize")
+def quantize_(
+    artifact: Artifact,
+    out: Annotated[Path, typer.Option("-o", "--out", help="The quantized artifact folder.")],
+    quantize: Quantize = "int8",
+    calibration: Calibration = None,
+    max_drop: MaxDrop = None,
+    eval_file: EvalFile = None,
+    target: Target = "cpu",
+    keep_best: KeepBest = False,
+    as_json: AsJson = False,
+):
+    """Quantize a float artifact into a new artifact folder (each shard, calibrated as the whole)."""
+    from slimml.quantize import quantize as do_quantize
+    from slimml.quantize.config import scheme_config
+
+    config = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best)
+    if config is None:
+        raise SlimmlError("--quantize none leaves the artifact as it is; choose a scheme, e.g. --quantize int8.")
+    with console.status("quantizing", spinner="dots") as status:
+        report = do_quantize(artifact, out, config, on_step=lambda msg: status.update(f"{msg}..."))
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+        return
+    table = Table(title=f"slimml quantize: {artifact} -> {report.out}", show_header=False)
+    table.add_row("scheme", f"{quantize} ({report.scheme})")
+    table.add_row("size", f"{report.float_size_mb:.1f} MB -> {report.size_mb:.1f} MB")
+    table.add_row("quantized shards", ", ".join(map(str, report.quantized_shards)))
+    for index, why in report.float_shards.items():
+        table.add_row(f"shard {index} float", why)
+    for key, value in report.checks.items():
+        table.add_row(key.replace("_", " "), f"{value:.4g}" if isinstance(value, float) else str(value))
+    table.add_row("time", f"{report.seconds:.1f} s")
+    console.print(table)
+
+
 @app.command()
 def info(artifact: Artifact, as_json: AsJson = False):
     """Show an artifact's manifest as a table."""
@@ -147,8 +204,16 @@ def run(
     else:
         if not input.is_file():
             raise SlimmlError(f"--input {input} does not exist; save arrays with np.savez(path, input_ids=...).")
-        with np.load(input, allow_pickle=False) as npz:
-            outputs = model.run({k: npz[k] for k in npz.files})
+        try:  # never unpickle: an .npz from elsewhere must not run code
+            with np.load(input, allow_pickle=False) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+        except Exception as e:  # BadZipFile, object arrays, a plain .npy, ...
+            why = "a single .npy array, not named arrays" if isinstance(e, TypeError) else f"{type(e).__name__}: {e}"
+            raise SlimmlError(
+                f"--input {input} is not an .npz of plain arrays ({why}); save inputs with "
+                "np.savez(path, input_ids=...), numeric arrays only."
+            ) from None
+        outputs = model.run(arrays)
     if as_json:
         print(json.dumps({k: {"shape": list(v.shape), "dtype": str(v.dtype), "data": v.tolist()} for k, v in outputs.items()}))
         return
@@ -164,18 +229,27 @@ def eval_(
     data: Annotated[Path, typer.Option(help="CSV with sentence1,sentence2,score (STS style).")],
     device: Device = "cpu",
     batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 64,
+    baseline: BaselineIn = None,
+    save_baseline: BaselineOut = None,
+    max_accuracy_drop: Annotated[float, typer.Option(help="Points (x100) the score may fall below --baseline.")] = 0.1,
     as_json: AsJson = False,
 ):
     """Spearman x100 of cosine similarity against gold scores (STS benchmark style)."""
     from slimml.runtime import load
+    from slimml.runtime.baseline import Baseline, Tolerances
     from slimml.runtime.evaluate import evaluate_sts, read_sts
 
+    tol = Tolerances(accuracy_drop=max_accuracy_drop)
+    old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
     read_sts(data)  # a bad data file fails before the model loads
-    result = evaluate_sts(load(artifact, device=device), data, batch_size=batch_size)
+    model = load(artifact, device=device)
+    result = evaluate_sts(model, data, batch_size=batch_size)
+    now = Baseline.from_eval(result, model.manifest.name, data)
     if as_json:
-        print(json.dumps(result.to_json()))
+        _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
     else:
         console.print(f"{result.metric} x100 = {result.score:.2f} on {result.pairs} pairs ({data.name})")
+        _with_baseline(None, now, old, baseline, save_baseline, tol)
 
 
 @app.command()
@@ -185,22 +259,118 @@ def bench(
     seq: Annotated[int, typer.Option(help="Sequence length for dynamic axes.")] = 128,
     runs: Annotated[int, typer.Option(help="Timed runs.")] = 50,
     device: Device = "cpu",
+    baseline: BaselineIn = None,
+    save_baseline: BaselineOut = None,
+    max_latency_increase: Annotated[float, typer.Option(help="Percent the p50 latency may rise above --baseline.")] = 50.0,
+    max_size_increase: Annotated[float, typer.Option(help="Percent the model size may grow above --baseline.")] = 1.0,
+    resident: Resident = None,
+    prefetch: Prefetch = None,
+    memory_budget: Budget = None,
+    pin: Pin = None,
+    sweep: Annotated[Optional[str], typer.Option("--sweep", help="Try every K,P: e.g. '2,3,4' or '2,3,4:0,1' (K values:P values).")] = None,
+    sweep_out: Annotated[Path, typer.Option("--sweep-out", help="Folder for the sweep's table, CSV and PNG plot.")] = Path("sweep"),
     as_json: AsJson = False,
 ):
-    """Latency p50/p90, throughput, peak RSS and size of an artifact."""
+    """Latency p50/p90, throughput, peak RSS and size of an artifact; streaming counters; a K,P sweep."""
     from slimml.runtime import load
+    from slimml.runtime.baseline import Baseline, Tolerances, check_settings
     from slimml.runtime.bench import bench as do_bench
 
     if batch < 1 or seq < 1 or runs < 1:
         raise SlimmlError(f"--batch, --seq and --runs must be >= 1 (got {batch}, {seq}, {runs}).")
-    result = do_bench(load(artifact, device=device), batch=batch, seq=seq, runs=runs)
+    tol = Tolerances(latency_increase_pct=max_latency_increase, size_increase_pct=max_size_increase)
+    old = Baseline.load(baseline) if baseline else None
+    if old is not None:  # other settings fail before the timing runs
+        check_settings(old, "bench", {"batch": batch, "seq": seq, "device": device})
+    if sweep:
+        from slimml.runtime.sweep import sweep as do_sweep
+
+        ks, _, ps = sweep.partition(":")
+        try:
+            k_values = [int(x) for x in ks.split(",") if x.strip()]
+            p_values = [int(x) for x in ps.split(",") if x.strip()] or None
+        except ValueError:
+            raise SlimmlError(f"--sweep {sweep!r} is not 'K,K,...' or 'K,K,...:P,P,...' (whole numbers).") from None
+        result = do_sweep(artifact, k_values, p_values, sweep_out, device=device, batch=batch, seq=seq, runs=runs, pin=pin)
+        if as_json:
+            print(json.dumps({"rows": result.rows, "table": str(result.table), "plot": str(result.plot) if result.plot else None}))
+            return
+        console.print(result.table.read_text())
+        console.print(f"wrote {result.table}, {result.csv}" + (f", {result.plot}" if result.plot else
+                      " (no plot: pip install 'slimml[bench]' for matplotlib)"))
+        return
+    model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
+    if model.plan.streaming and not as_json:
+        console.print(model.plan.describe())
+    result = do_bench(model, batch=batch, seq=seq, runs=runs)
+    now = Baseline.from_bench(result, model.manifest.name)
     if as_json:
-        print(json.dumps(result.to_json()))
+        _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
         return
     console.print(
         f"batch {batch} x seq {seq} on {device}: p50 {result.p50_ms:.2f} ms, p90 {result.p90_ms:.2f} ms, "
         f"{result.throughput_per_s:.1f} items/s, peak RSS {result.peak_rss_mb:.0f} MB, model {result.model_mb:.1f} MB"
     )
+    if result.stream:
+        st = result.stream
+        console.print(
+            f"per run: {st['bytes_per_run'] / 1e6:.1f} MB streamed in, {st['wait_s_per_run'] * 1e3:.1f} ms waiting on "
+            f"loads, {st['compute_s_per_run'] * 1e3:.1f} ms computing; peak RSS during runs {result.run_peak_rss_mb:.0f} MB"
+        )
+    _with_baseline(None, now, old, baseline, save_baseline, tol)
+
+
+def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
+    """Save and/or check a regression baseline; print the diff; exit 3 on a regression.
+
+    ``payload`` is the --json output (printed here, with the comparison added) or None.
+    """
+    from slimml.runtime.baseline import REGRESSION_EXIT_CODE, compare
+
+    report = compare(old, now, tol) if old is not None else None
+    if save_path is not None:
+        now.save(save_path)
+    if payload is not None:
+        if report is not None:
+            payload["baseline"] = report.to_json()
+        print(json.dumps(payload))
+    else:
+        if save_path is not None:
+            console.print(f"baseline saved to {save_path}")
+        if report is not None:
+            console.print(report.format(str(old_path)), highlight=False, markup=False, soft_wrap=True)
+    if report is not None and not report.ok:
+        if payload is not None:
+            err.print(report.format(str(old_path)), highlight=False, markup=False, soft_wrap=True)
+        raise typer.Exit(REGRESSION_EXIT_CODE)
+
+
+@app.command()
+def generate(
+    artifact: Artifact,
+    prompt: Annotated[list[str], typer.Option("--prompt", help="A prompt (repeat for a batch).")],
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to add per prompt at most.")] = 32,
+    device: Device = "cpu",
+    resident: Resident = None,
+    prefetch: Prefetch = None,
+    memory_budget: Budget = None,
+    pin: Pin = None,
+    as_json: AsJson = False,
+):
+    """Continue prompts greedily with a decoder artifact (converted with --task text-generation)."""
+    from slimml.runtime import load
+
+    model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
+    if model.plan.streaming and not as_json:
+        err.print(model.plan.describe())
+    result = model.generate(list(prompt), max_new_tokens=max_new_tokens)
+    if as_json:
+        print(json.dumps({"texts": result.texts, "tokens": result.tokens, "seconds": round(result.seconds, 3),
+                          "tokens_per_s": round(result.tokens_per_s, 2)}))
+        return
+    for p, text in zip(prompt, result.texts):
+        console.print(f"[bold]{p}[/bold]{text}")
+    err.print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s)")
 
 
 def main() -> None:

@@ -132,3 +132,16 @@ def test_refuses_to_overwrite_a_folder_that_is_not_an_artifact(mlp_onnx, tmp_pat
     with pytest.raises(ConfigError, match="is not empty and holds no slimml artifact"):
         convert(mlp_onnx, out, FAST)
     assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_decoder_with_kv_cache_routes_each_layers_cache_to_its_shard(tiny_llama_dir, tmp_path):
+    from slimml.convert import ExportConfig
+
+    report = convert(tiny_llama_dir, tmp_path / "llama-past", ConvertConfig(export=ExportConfig(task="text-generation-with-past"), measure_latency=False))
+    manifest = load(tmp_path / "llama-past").manifest
+    for i in range(3):
+        shard = next(s for s in manifest.shards if s.layers == [f"model/layers.{i}"])
+        assert {f"past_key_values.{i}.key", f"past_key_values.{i}.value"} <= {t.name for t in shard.inputs}
+        assert {f"present.{i}.key", f"present.{i}.value"} <= {t.name for t in shard.outputs}
+    assert report.checks["max_abs_diff"] <= 1e-5
+    assert report.checks["max_abs_diff_vs_torch"] <= 1e-4  # logits and every present.N against torch's cache

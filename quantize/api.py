@@ -1,0 +1,296 @@
+"""``quantize``: a float artifact (or one ONNX file) in, a quantized one out, written atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+import slimml
+from slimml.errors import ArtifactError, ConfigError, SlimmlError
+from slimml.quantize import chain as ch
+from slimml.quantize.backends import ShardContext, backend_for
+from slimml.quantize.calibration import calibration_texts
+from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
+from slimml.quantize.fuse import rematerialize_inputs
+from slimml.runtime.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, file_entry, read_manifest, verify_files
+
+_WEIGHT_MIN_BYTES = 1024  # as the splitter: smaller initializers stay inline
+
+
+@dataclass
+class QuantizeReport:
+    out: Path
+    scheme: str
+    size_mb: float
+    float_size_mb: float
+    quantized_shards: list[int]
+    float_shards: dict[int, str]  # shard index -> why it stayed float
+    checks: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["out"] = str(self.out)
+        d["float_shards"] = {str(k): v for k, v in self.float_shards.items()}
+        return d
+
+
+def quantize(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    config: QuantizeConfig,
+    on_step: Callable[[str], None] | None = None,
+) -> QuantizeReport:
+    """Quantize a float artifact folder into a new artifact folder.
+
+    Each shard is quantized on its own, with calibration activations from running the float
+    shards before it, so the result is what quantizing the whole graph would give; fusions that
+    need a side input (the attention mask) get it recomputed inside the shard.
+
+    Args:
+        source: an artifact folder written by ``slimml convert`` (float).
+        out: the new artifact folder; written beside it in a temporary folder and renamed.
+        config: :class:`Int8DynamicConfig`, :class:`Int8StaticConfig`, :class:`WeightOnlyConfig`,
+            :class:`Fp16Config` or the result of ``Int8Config(target)``.
+        on_step: called with a short description as each stage starts.
+
+    Returns:
+        A :class:`QuantizeReport` (sizes, which shards stayed float and why, agreement with float).
+
+    Raises:
+        ConfigError: the artifact is already quantized, or holds nothing quantizable, or the
+            guard's ``max_drop`` cannot be met (unless ``keep_best``).
+        DataError: a bad calibration or evaluation file.
+
+    Example:
+        >>> from slimml.quantize import quantize, Int8Config
+        >>> quantize("artifacts/all-MiniLM-L6-v2", "artifacts/minilm-int8", Int8Config("cpu"))
+    """
+    from slimml.convert.pipeline import _fresh_tmp, _os_error, _replace
+
+    src, out = Path(source), Path(out)
+    if out.resolve() == src.resolve():
+        raise ConfigError(f"the output {out} is the input artifact; give another folder with -o.")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).is_file())):
+        raise ConfigError(
+            f"the output {out} exists and is not a slimml artifact; refusing to replace it. Give another folder with -o."
+        )
+    _read_float_artifact(src)  # a bad source fails before a temporary folder appears
+    tmp = _fresh_tmp(out)
+    shutil.rmtree(tmp)
+    try:
+        result = quantize_into(src, tmp, config, on_step)
+        _replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, SlimmlError):
+            raise _os_error(e, out) from None
+        raise
+    result.out = out
+    return result
+
+
+def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callable[[str], None] | None = None) -> QuantizeReport:
+    """Quantize the artifact ``src`` into the new folder ``dst`` (which must not exist); on failure ``dst`` is removed.
+
+    ``convert --quantize`` calls this inside its own temporary folder; users call :func:`quantize`.
+    """
+    t0 = time.perf_counter()
+    step = on_step or (lambda _msg: None)
+    src, dst = Path(src), Path(dst)
+    manifest = _read_float_artifact(src)
+    step("reading calibration data")
+    calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
+    if config.guard is not None and config.guard.eval_file is not None:
+        from slimml.runtime.evaluate import read_sts
+
+        read_sts(config.guard.eval_file)  # a bad eval file fails before any work
+    dst.mkdir(parents=True)
+    try:
+        result = _quantize_artifact(src, manifest, dst, config, calib, held, origin, step)
+    except BaseException:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def check_inputs(config: QuantizeConfig) -> None:
+    """Read the calibration and evaluation files now, so a bad one fails before any long work."""
+    calibration_texts(config.calibration, config.calibration_size)
+    if config.guard is not None and config.guard.eval_file is not None:
+        from slimml.runtime.evaluate import read_sts
+
+        read_sts(config.guard.eval_file)
+
+
+def _read_float_artifact(src: Path) -> Manifest:
+    if src.is_file() and src.suffix == ".onnx":
+        raise ConfigError(
+            f"{src} is an ONNX file; quantize works on artifacts. Convert it first: "
+            f"`slimml convert {src} --quantize int8`, or `slimml convert {src} -o ART` then `slimml quantize ART -o OUT`."
+        )
+    manifest = read_manifest(src)
+    done = [s for s in manifest.steps if s.get("step") == "quantize"]
+    if done:
+        raise ConfigError(
+            f"the artifact {src} is already quantized ({done[0].get('scheme')}); quantize the float artifact "
+            "it came from instead (quantizing twice loses accuracy for nothing)."
+        )
+    verify_files(src, manifest)
+    return manifest
+
+
+def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) -> QuantizeReport:
+    from slimml.quantize.guard import GuardResult, apply_guard
+
+    work = tmp / ".work"
+    work.mkdir()
+    text = ch.text_encoder(src, manifest)
+    float_files = ch.shard_paths(src, manifest)
+    # static calibration: each batch's tensors, advanced one float shard at a time, so memory
+    # holds only what crosses the current boundary, not every layer's activations
+    envs = [dict(f) for f in ch.batches(manifest, text, calib)] if isinstance(config, Int8StaticConfig) else None
+    last_read = {t.name: s.index for s in manifest.shards for t in s.inputs}
+    backend = backend_for(config)
+    firsts = [onnx.load(str(p), load_external_data=False) for p in float_files]
+    model_inputs = {vi.name: vi for m in firsts for vi in m.graph.input if vi.name in {t.name for t in manifest.inputs}}
+    quant_files: dict[int, Path] = {}
+    notes: dict[int, dict] = {}
+    float_why: dict[int, str] = {}
+    for spec, path in zip(manifest.shards, float_files):
+        step(f"quantizing shard {spec.index + 1}/{len(manifest.shards)}")
+        if spec.index in config.exclude_shards:
+            float_why[spec.index] = "excluded by the config"
+            if envs is not None:
+                ch.advance(envs, path, spec.index, last_read)
+            continue
+        model = onnx.load(str(path))
+        if getattr(config, "fuse", False) and spec.index > 0:
+            rematerialize_inputs(model, firsts[: spec.index], model_inputs)
+        ctx = ShardContext(index=spec.index)
+        if envs is not None:
+            ctx.reader = ch.RecordedReader(envs, [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}])
+        q = backend(model, config, ctx)
+        if envs is not None:
+            step(f"running float shard {spec.index + 1} on the calibration data")
+            ch.advance(envs, path, spec.index, last_read)
+        if q is None:
+            float_why[spec.index] = "nothing to quantize"
+            continue
+        qpath = work / spec.file
+        _save(q, qpath)
+        quant_files[spec.index] = qpath
+        notes[spec.index] = ctx.notes
+    if not quant_files:
+        raise ConfigError(
+            f"the artifact {src} has no op that {type(config).__name__} quantizes (MatMul/Gather with float "
+            "weights, or Attention); it would come out unchanged. Keep it float (--quantize none)."
+        )
+    held_feeds = ch.batches(manifest, text, held)
+    if isinstance(config, Fp16Config) and "CUDAExecutionProvider" not in _providers():
+        if config.guard is not None:
+            raise ConfigError("the accuracy guard runs the fp16 model, which needs CUDA; leave --max-drop out on this machine.")
+        guard = GuardResult({}, {"agreement": "not measured: fp16 runs on CUDA, which this machine lacks"})
+    else:
+        step("checking against the float model")
+        device = "cuda" if isinstance(config, Fp16Config) else "cpu"
+        guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device)
+    for i, why in guard.kept_float.items():
+        quant_files.pop(i, None)
+        float_why[i] = why
+    final = [quant_files.get(s.index, p) for s, p in zip(manifest.shards, float_files)]
+    new_manifest = _write(tmp, src, manifest, final, quant_files, config, origin, float_why, notes, guard.checks)
+    shutil.rmtree(work, ignore_errors=True)
+    return QuantizeReport(
+        out=tmp, scheme=_scheme_name(config), size_mb=new_manifest.total_bytes / 1e6,
+        float_size_mb=manifest.total_bytes / 1e6, quantized_shards=sorted(quant_files),
+        float_shards=dict(sorted(float_why.items())), checks=guard.checks,
+    )
+
+
+def _providers() -> list[str]:
+    import onnxruntime
+
+    return onnxruntime.get_available_providers()
+
+
+def _save(model: onnx.ModelProto, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = f"{path.name}.data"
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=data, size_threshold=_WEIGHT_MIN_BYTES)
+    if not (path.parent / data).exists():  # every weight was small: nothing went to the data file
+        onnx.save_model(onnx.load(str(path)), str(path))
+
+
+def _write(tmp, src, manifest, final, quant_files, config, origin, float_why, notes, checks) -> Manifest:
+    import numpy as np
+
+    shards, files = [], []
+    for spec, path in zip(manifest.shards, final):
+        m = onnx.load(str(path), load_external_data=False)
+        dst = tmp / spec.file
+        shutil.copy2(path, dst)
+        data = path.parent / f"{path.name}.data" if spec.index in quant_files else (src / spec.data if spec.data else None)
+        has_data = data is not None and data.exists()
+        if has_data:
+            shutil.copy2(data, tmp / f"{spec.file}.data")
+        weight_bytes = sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                           for t in m.graph.initializer)
+        shards.append(ShardSpec(index=spec.index, file=spec.file, data=f"{spec.file}.data" if has_data else None,
+                                weight_bytes=weight_bytes, inputs=_inputs(m, spec, manifest), outputs=spec.outputs,
+                                layers=spec.layers))
+        files.append(file_entry(tmp, dst))
+        if has_data:
+            files.append(file_entry(tmp, tmp / f"{spec.file}.data"))
+    if manifest.tokenizer:
+        shutil.copy2(src / manifest.tokenizer["file"], tmp / manifest.tokenizer["file"])
+        files.append(file_entry(tmp, tmp / manifest.tokenizer["file"]))
+    record = {"step": "quantize", **describe(config), "calibration": origin,
+              "quantized_shards": sorted(quant_files),
+              "float_shards": {str(k): v for k, v in sorted(float_why.items())}}
+    fused = {str(i): n["fused"] for i, n in notes.items() if n.get("fused")}
+    if fused:
+        record["fused"] = fused
+    new = Manifest(
+        name=manifest.name, task=manifest.task, source=manifest.source, steps=[*manifest.steps, record],
+        inputs=manifest.inputs, outputs=manifest.outputs, shards=shards, files=files, tokenizer=manifest.tokenizer,
+        pooling=manifest.pooling, checks={**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}},
+        slimml_version=slimml.__version__,
+    )
+    new.write(tmp)
+    return new
+
+
+def _inputs(m: onnx.ModelProto, spec: ShardSpec, manifest: Manifest) -> list[TensorSpec]:
+    """The shard's inputs after quantization: fusions may have dropped some and added model inputs."""
+    old = {t.name: t for t in spec.inputs}
+    model = {t.name: t for t in manifest.inputs}
+    inits = {t.name for t in m.graph.initializer}
+    out = []
+    for vi in m.graph.input:
+        if vi.name in inits:
+            continue
+        if vi.name in old:
+            out.append(old[vi.name])
+        elif vi.name in model:
+            t = model[vi.name]
+            out.append(TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape, source="input"))
+        else:
+            raise ArtifactError(f"quantized shard {spec.index} reads {vi.name!r}, which nothing provides; this is a slimml bug.")
+    return out
+
+
+def _scheme_name(config: QuantizeConfig) -> str:
+    return type(config).__name__
+
+
+__all__ = ["quantize", "quantize_into", "QuantizeReport"]

@@ -1,0 +1,244 @@
+"""Quantization configs: one dataclass per scheme, each checking itself on creation.
+
+A config says *what* to do; :mod:`slimml.quantize.registry` maps its type to the backend that
+does it. ``scheme_config("int8", target="cpu")`` turns the CLI's ``--quantize`` word into one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slimml.errors import ConfigError
+
+SCHEMES = ("none", "int8", "int8-dynamic", "int8-static", "int8-weights", "int4-weights", "fp16")
+TARGETS = ("cpu", "cuda")
+
+
+@dataclass
+class GuardConfig:
+    """The accuracy guard: keep the most sensitive shards in float until the drop is at most ``max_drop``.
+
+    Args:
+        max_drop: largest accepted drop. With ``eval_file`` (an STS CSV) it is in Spearman x100
+            points against the unquantized model; without, it is ``100 * (1 - mean cosine)`` between
+            quantized and unquantized outputs on held-out calibration texts.
+        eval_file: an STS-style CSV (sentence1,sentence2,score) to measure the drop on.
+        keep_best: when the drop cannot be met within ``max_float_shards``, write the best model
+            found (and say so in the report) instead of failing.
+        max_float_shards: at most this many shards may stay in float (default: half of them,
+            rounded up; past that, quantizing no longer pays).
+    """
+
+    max_drop: float
+    eval_file: Path | None = None
+    keep_best: bool = False
+    max_float_shards: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.max_drop, (int, float)) or self.max_drop < 0:
+            raise ConfigError(f"--max-drop must be a number >= 0, got {self.max_drop!r}.")
+        if self.eval_file is not None:
+            self.eval_file = Path(self.eval_file)
+        if self.max_float_shards is not None and self.max_float_shards < 0:
+            raise ConfigError(f"max_float_shards must be >= 0, got {self.max_float_shards!r}.")
+
+
+@dataclass
+class _Common:
+    """Settings every scheme shares.
+
+    Args:
+        calibration: text lines or an STS CSV used for calibration (static int8) and for the
+            guard's held-out check; ``None`` uses the built-in corpus.
+        calibration_size: at most this many texts are used for calibration.
+        guard: the accuracy guard, or ``None`` for none.
+        exclude_shards: shard indices kept in float (the guard adds to these).
+    """
+
+    calibration: Path | None = None
+    calibration_size: int = 256
+    guard: GuardConfig | None = None
+    exclude_shards: tuple[int, ...] = ()
+
+    def _check_common(self):
+        if self.calibration is not None:
+            self.calibration = Path(self.calibration)
+        if not isinstance(self.calibration_size, int) or self.calibration_size < 4:
+            raise ConfigError(f"calibration_size must be a whole number >= 4, got {self.calibration_size!r}.")
+        self.exclude_shards = tuple(sorted(set(int(i) for i in self.exclude_shards)))
+
+
+@dataclass
+class Int8DynamicConfig(_Common):
+    """int8 weights, activations quantized on the fly (ONNX Runtime dynamic quantization), for CPUs.
+
+    Args:
+        fuse: run ONNX Runtime's transformer fusions (attention, skip layer norm, bias gelu) on
+            each shard before quantizing (the attention mask is recomputed inside each shard so
+            attention fuses there as on the whole graph). Off by default: on a 2-core AVX2 CPU the
+            fused, quantized (``QAttention``) graph measured 3-5% *slower* than the unfused one,
+            since ONNX Runtime's session-level fusions already cover what matters.
+        per_channel: one scale per output channel of each weight.
+        reduce_range: 7-bit weights. On CPUs without VNNI (AVX2 ``vpmaddubsw``) this avoids the
+            int16 saturation that costs accuracy; it costs nothing in speed.
+        activation_symmetric: symmetric activation ranges; as accurate on STSb dev and steadier
+            across batchings (the activation scales see every row of the batch, padding included).
+        op_types: ONNX op types to quantize.
+    """
+
+    fuse: bool = False
+    per_channel: bool = True
+    reduce_range: bool = True
+    activation_symmetric: bool = True
+    op_types: tuple[str, ...] = ("MatMul", "Attention", "Gather", "EmbedLayerNormalization")
+
+    def __post_init__(self):
+        self._check_common()
+        self.op_types = tuple(self.op_types)
+        if not self.op_types:
+            raise ConfigError("op_types is empty; give at least one ONNX op type to quantize, e.g. ('MatMul',).")
+
+
+@dataclass
+class Int8StaticConfig(_Common):
+    """int8 weights and activations with ranges from calibration data (QDQ format).
+
+    Args:
+        per_channel: one scale per output channel of each weight.
+        reduce_range: 7-bit weights (see :class:`Int8DynamicConfig`).
+        method: calibration method: ``"minmax"``, ``"entropy"`` or ``"percentile"``.
+        op_types: ONNX op types to quantize.
+    """
+
+    per_channel: bool = True
+    reduce_range: bool = True
+    method: str = "minmax"
+    op_types: tuple[str, ...] = ("MatMul",)
+
+    def __post_init__(self):
+        self._check_common()
+        if self.method not in ("minmax", "entropy", "percentile"):
+            raise ConfigError(f"unknown calibration method {self.method!r}; use minmax, entropy or percentile.")
+        self.op_types = tuple(self.op_types)
+
+
+@dataclass
+class WeightOnlyConfig(_Common):
+    """Weight-only quantization of MatMul weights into ``MatMulNBits`` (activations stay float).
+
+    For GPUs and big decoders, where memory, not int8 arithmetic, is what is short.
+
+    Args:
+        bits: 4 or 8.
+        block_size: weights per scale along the input dimension (a power of two >= 16).
+        symmetric: symmetric blocks (no zero point).
+        accuracy_level: ONNX Runtime's compute type on CPU: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8.
+    """
+
+    bits: int = 4
+    block_size: int = 32
+    symmetric: bool = True
+    accuracy_level: int | None = None
+
+    def __post_init__(self):
+        self._check_common()
+        if self.bits not in (4, 8):
+            raise ConfigError(f"weight-only bits must be 4 or 8, got {self.bits!r}.")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two >= 16, got {self.block_size!r}.")
+        if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ConfigError(f"accuracy_level must be 0..4, got {self.accuracy_level!r}.")
+
+
+@dataclass
+class Fp16Config(_Common):
+    """Weights and arithmetic in float16, for CUDA (CPUs run fp16 slower than fp32).
+
+    Args:
+        keep_io_types: inputs and outputs stay float32, so the runtime's feeds do not change.
+        op_block_list: op types kept in float32 (numerically touchy ones).
+    """
+
+    keep_io_types: bool = True
+    op_block_list: tuple[str, ...] = ("Softmax", "LayerNormalization", "SkipLayerNormalization", "ReduceMean", "Pow", "Sqrt")
+
+    def __post_init__(self):
+        self._check_common()
+        self.op_block_list = tuple(self.op_block_list)
+
+
+QuantizeConfig = Int8DynamicConfig | Int8StaticConfig | WeightOnlyConfig | Fp16Config
+
+
+def Int8Config(target: str = "cpu", **kwargs) -> QuantizeConfig:
+    """The best int8 scheme for ``target``: dynamic int8 with fusions on CPU, int8 weights on CUDA.
+
+    (ONNX Runtime's CUDA provider does not accelerate int8 activations, so on CUDA int8 means
+    int8 weights.)
+    """
+    _check_target(target)
+    if target == "cuda":
+        return WeightOnlyConfig(bits=8, **kwargs)
+    return Int8DynamicConfig(**kwargs)
+
+
+def scheme_config(
+    scheme: str,
+    target: str = "cpu",
+    calibration: str | os.PathLike | None = None,
+    max_drop: float | None = None,
+    eval_file: str | os.PathLike | None = None,
+    keep_best: bool = False,
+) -> QuantizeConfig | None:
+    """Turn the CLI's ``--quantize`` word into a config (``None`` for ``"none"``)."""
+    _check_target(target)
+    if scheme not in SCHEMES:
+        raise ConfigError(f"unknown --quantize value {scheme!r}; use one of: {', '.join(SCHEMES)}.")
+    if scheme == "none":
+        if max_drop is not None or calibration is not None or eval_file is not None:
+            raise ConfigError("--calibration, --max-drop and --eval need --quantize; give e.g. --quantize int8.")
+        return None
+    if eval_file is not None and max_drop is None:
+        raise ConfigError("--eval is used by the accuracy guard; give --max-drop X with it.")
+    guard = GuardConfig(max_drop=max_drop, eval_file=eval_file, keep_best=keep_best) if max_drop is not None else None
+    common = {"calibration": Path(calibration) if calibration is not None else None, "guard": guard}
+    if scheme == "int8":
+        return Int8Config(target, **common)
+    if scheme == "int8-dynamic":
+        return Int8DynamicConfig(**common)
+    if scheme == "int8-static":
+        return Int8StaticConfig(**common)
+    if scheme == "int8-weights":
+        return WeightOnlyConfig(bits=8, **common)
+    if scheme == "int4-weights":
+        return WeightOnlyConfig(bits=4, **common)
+    if target != "cuda":
+        raise ConfigError("--quantize fp16 is for GPUs (ONNX Runtime runs fp16 slower than fp32 on CPUs); add --target cuda.")
+    return Fp16Config(**common)
+
+
+def _check_target(target: str) -> None:
+    if target not in TARGETS:
+        raise ConfigError(f"unknown --target {target!r}; use cpu or cuda.")
+
+
+def describe(config: QuantizeConfig) -> dict:
+    """The config as JSON-able settings for the manifest's steps."""
+    from dataclasses import asdict
+
+    d = {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}
+    d.pop("guard", None)
+    if config.guard is not None:
+        d["max_drop"] = config.guard.max_drop
+        if config.guard.eval_file is not None:
+            d["eval_file"] = str(config.guard.eval_file)
+    d["scheme"] = type(config).__name__
+    return d
+
+
+__all__ = [
+    "SCHEMES", "TARGETS", "GuardConfig", "Int8DynamicConfig", "Int8StaticConfig", "WeightOnlyConfig",
+    "Fp16Config", "Int8Config", "QuantizeConfig", "scheme_config", "describe", "field",
+]

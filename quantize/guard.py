@@ -1,0 +1,114 @@
+"""The accuracy guard: measure the quantized model against the float one; keep sensitive shards float.
+
+The drop is measured on held-out calibration texts (never used for calibration) as
+``100 * (1 - mean cosine)`` between quantized and float outputs, or, with an evaluation file
+(STS CSV) and a sentence-embedding model, as the loss in Spearman x100 points. When it exceeds
+``max_drop``, each quantized shard's sensitivity (the output error when it alone is quantized)
+is measured, and the most sensitive shards are put back to float one at a time until the drop
+fits. The manifest records which shards stayed float and why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slimml.errors import ConfigError
+from slimml.quantize.chain import Chain, outputs_agreement
+from slimml.quantize.config import GuardConfig
+
+
+@dataclass
+class GuardResult:
+    kept_float: dict[int, str] = field(default_factory=dict)
+    checks: dict[str, Any] = field(default_factory=dict)
+
+
+class _Measure:
+    def __init__(self, manifest, text, float_files, quant_files, held_feeds, guard: GuardConfig | None, device: str = "cpu"):
+        self.manifest, self.text, self.device = manifest, text, device
+        self.float_files, self.quant_files = float_files, quant_files
+        self.feeds = held_feeds
+        float_chain = Chain(manifest, float_files, text)  # the float reference runs on the CPU
+        self.reference = [float_chain.run(f) for f in held_feeds]
+        self.eval_file = guard.eval_file if guard is not None else None
+        if self.eval_file is not None and manifest.pooling is None:
+            raise ConfigError(
+                f"--eval {self.eval_file} needs a sentence-embedding artifact, but this one is a {manifest.task!r} "
+                "model; leave --eval out and the guard measures output agreement on held-out calibration data."
+            )
+        self.float_score = self._score(float_chain) if self.eval_file is not None else None
+
+    def chain(self, float_set: set[int], only: int | None = None) -> Chain:
+        files = []
+        for i, f in enumerate(self.float_files):
+            quantized = i in self.quant_files and i not in float_set and (only is None or i == only)
+            files.append(self.quant_files[i] if quantized else f)
+        return Chain(self.manifest, files, self.text, self.device)
+
+    def agreement(self, chain: Chain) -> float:
+        pooling = self.manifest.pooling
+        scores = [outputs_agreement(ref, chain.run(f), f.get("attention_mask"), pooling) for ref, f in zip(self.reference, self.feeds)]
+        return sum(scores) / len(scores)
+
+    def _score(self, chain: Chain) -> float:
+        from slimml.runtime.evaluate import evaluate_sts
+
+        return evaluate_sts(chain, self.eval_file).score
+
+    def drop(self, chain: Chain, checks: dict[str, Any]) -> float:
+        agree = self.agreement(chain)
+        checks["agreement_cosine"] = round(agree, 6)
+        if self.eval_file is None:
+            d = 100.0 * (1.0 - agree)
+        else:
+            score = self._score(chain)
+            checks["eval_file"] = str(Path(self.eval_file).name)
+            checks["eval_float"] = round(self.float_score, 4)
+            checks["eval_quantized"] = round(score, 4)
+            d = self.float_score - score
+        checks["drop"] = round(d, 6)
+        checks["drop_metric"] = "spearman_x100" if self.eval_file is not None else "100*(1-cosine)"
+        return d
+
+
+def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, Path], held_feeds,
+                guard: GuardConfig | None, step=lambda _m: None, device: str = "cpu") -> GuardResult:
+    """Measure the drop; with a guard, return the shards to keep float so that it is at most ``max_drop``.
+
+    Raises:
+        ConfigError: ``max_drop`` cannot be met with at most ``max_float_shards`` float shards and
+            ``keep_best`` is off.
+    """
+    m = _Measure(manifest, text, float_files, quant_files, held_feeds, guard, device)
+    checks: dict[str, Any] = {}
+    drop = m.drop(m.chain(set()), checks)
+    if guard is None or drop <= guard.max_drop:
+        if guard is not None:
+            checks["max_drop"] = guard.max_drop
+        return GuardResult({}, checks)
+    step("finding the shards most sensitive to quantization")
+    sensitivity = {i: 1.0 - m.agreement(m.chain(set(), only=i)) for i in quant_files}
+    order = sorted(sensitivity, key=sensitivity.get, reverse=True)
+    limit = guard.max_float_shards if guard.max_float_shards is not None else math.ceil(len(quant_files) / 2)
+    kept: dict[int, str] = {}
+    best = (drop, {}, dict(checks))
+    for i in order[:limit]:
+        kept[i] = f"kept float by the accuracy guard: most sensitive left (1-cosine {sensitivity[i]:.2e} alone)"
+        step(f"re-measuring with {len(kept)} shard(s) float")
+        trial: dict[str, Any] = {}
+        drop = m.drop(m.chain(set(kept)), trial)
+        if drop < best[0]:
+            best = (drop, dict(kept), trial)
+        if drop <= guard.max_drop:
+            return GuardResult(dict(kept), {**trial, "max_drop": guard.max_drop, "max_drop_met": True})
+    if guard.keep_best:
+        return GuardResult(best[1], {**best[2], "max_drop": guard.max_drop, "max_drop_met": False})
+    raise ConfigError(
+        f"--max-drop {guard.max_drop} cannot be met: with the {len(kept)} most sensitive of {len(quant_files)} "
+        f"quantized shards kept float the drop is still {best[0]:.4f} ({checks['drop_metric']}); with none "
+        f"kept it is {checks['drop']:.4f}. Raise --max-drop, or add --keep-best to write the best model found. "
+        "Nothing was written."
+    )

@@ -1,0 +1,246 @@
+"""Regression baselines: save what ``eval`` or ``bench`` measured, and fail a later run that is worse.
+
+A baseline is a small JSON file. ``slimml eval ... --save-baseline base.json`` writes one;
+``slimml eval ... --baseline base.json`` measures again and compares, metric by metric, within
+tolerances: tight for accuracy (deterministic on one machine), generous for latency (noise). A
+run outside them prints a table of what changed and exits with code 3, so a CI job fails.
+
+Example:
+    >>> from slimml.runtime.baseline import Baseline, Tolerances, compare
+    >>> old = Baseline.load("base.json")
+    >>> report = compare(old, Baseline.from_eval(result, "all-MiniLM-L6-v2", "sts-dev.csv"), Tolerances())
+    >>> report.ok, print(report.format())
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slimml.errors import ConfigError, DataError
+
+FORMAT = "slimml.baseline"
+FORMAT_VERSION = 1
+REGRESSION_EXIT_CODE = 3  # 0 ok, 1 slimml error, 2 usage error (Typer), 3 regression
+
+
+@dataclass
+class Tolerances:
+    """How much worse a run may be than its baseline before it counts as a regression.
+
+    Args:
+        accuracy_drop: points of the metric (Spearman x100) the score may fall. Eval on one
+            machine is deterministic to ~1e-4, so 0.1 catches any real change in the model.
+        latency_increase_pct: percent the p50 latency may rise. Shared CI runners vary by
+            tens of percent from run to run; 50 only catches real slowdowns.
+        size_increase_pct: percent the artifact may grow (deterministic; 1 allows metadata).
+    """
+
+    accuracy_drop: float = 0.1
+    latency_increase_pct: float = 50.0
+    size_increase_pct: float = 1.0
+
+    def __post_init__(self):
+        for name in ("accuracy_drop", "latency_increase_pct", "size_increase_pct"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"tolerance {name}={value!r} must be a number >= 0.")
+
+
+@dataclass
+class Baseline:
+    """What one ``eval`` or ``bench`` run measured, and under which settings."""
+
+    kind: str  # "eval" or "bench"
+    artifact: str  # the artifact's name, shown in the diff (a baseline may be another artifact's)
+    settings: dict[str, Any]  # must match for a comparison to mean anything
+    metrics: dict[str, float]
+    slimml_version: str = ""
+    created: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+    @classmethod
+    def from_eval(cls, result, artifact: str, data: str | os.PathLike) -> Baseline:
+        from slimml.runtime.manifest import sha256_file
+
+        data = Path(data)
+        return cls(
+            kind="eval", artifact=artifact,
+            settings={"metric": result.metric, "data": data.name, "data_sha256": sha256_file(data), "pairs": result.pairs},
+            metrics={"score": float(result.score)}, slimml_version=_version(),
+        )
+
+    @classmethod
+    def from_bench(cls, result, artifact: str) -> Baseline:
+        return cls(
+            kind="bench", artifact=artifact,
+            settings={"batch": result.batch, "seq": result.seq, "device": result.device},
+            metrics={"p50_ms": result.p50_ms, "p90_ms": result.p90_ms, "throughput_per_s": result.throughput_per_s,
+                     "model_mb": result.model_mb, "peak_rss_mb": result.peak_rss_mb},
+            slimml_version=_version(),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "format_version": FORMAT_VERSION, "kind": self.kind, "artifact": self.artifact,
+                "settings": self.settings, "metrics": self.metrics, "slimml_version": self.slimml_version,
+                "created": self.created}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically (temp file, then rename): a killed run never leaves half a baseline."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise ConfigError(f"cannot write the baseline {path} ({e.strerror}); choose a writable path.") from None
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Baseline:
+        """Read a baseline file.
+
+        Raises:
+            DataError: the file is missing, not JSON, or not a slimml baseline of this version.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"baseline {path} does not exist; write one first with --save-baseline {path}.")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise DataError(f"baseline {path} is not valid JSON ({type(e).__name__}); write it again with --save-baseline.") from None
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise DataError(f"{path} is not a slimml baseline (expected \"format\": \"{FORMAT}\").")
+        if raw.get("format_version") != FORMAT_VERSION:
+            raise DataError(
+                f"baseline {path} has format version {raw.get('format_version')!r}; this slimml reads "
+                f"{FORMAT_VERSION}. Save it again with --save-baseline."
+            )
+        metrics, settings = raw.get("metrics"), raw.get("settings")
+        ok = raw.get("kind") in ("eval", "bench") and isinstance(settings, dict) and isinstance(metrics, dict)
+        ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values())
+        if not ok:
+            raise DataError(f"baseline {path} is malformed (kind, settings or metrics); save it again with --save-baseline.")
+        return cls(kind=raw["kind"], artifact=str(raw.get("artifact", "")), settings=settings,
+                   metrics={k: float(v) for k, v in metrics.items()},
+                   slimml_version=str(raw.get("slimml_version", "")), created=str(raw.get("created", "")))
+
+
+@dataclass
+class Check:
+    metric: str
+    baseline: float
+    current: float
+    limit: float | None  # the worst allowed value; None for a row shown for information only
+    ok: bool
+    unit: str = ""
+
+    @property
+    def change(self) -> float:
+        return self.current - self.baseline
+
+
+@dataclass
+class Comparison:
+    """The outcome of comparing a run with its baseline; ``ok`` is False on any regression."""
+
+    kind: str
+    baseline: Baseline
+    current: Baseline
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def regressions(self) -> list[Check]:
+        return [c for c in self.checks if not c.ok]
+
+    def format(self, source: str = "the baseline") -> str:
+        """A plain-text table: one row per metric, baseline, current, change, limit, verdict."""
+        b, c = self.baseline, self.current
+        where = ", ".join(f"{k}={v}" for k, v in c.settings.items() if k != "data_sha256")
+        head = f"slimml {self.kind}: {c.artifact} against {source} ({b.artifact}, {b.created or 'undated'}); {where}"
+        rows = [("metric", "baseline", "current", "change", "limit", "verdict")]
+        for ch in self.checks:
+            pct = f" ({100 * ch.change / ch.baseline:+.1f}%)" if ch.baseline and ch.unit != "points" else ""
+            limit = "-" if ch.limit is None else (f">= {ch.limit:.4g}" if ch.unit == "points" else f"<= {ch.limit:.4g}")
+            verdict = "info" if ch.limit is None else ("ok" if ch.ok else "REGRESSION")
+            rows.append((ch.metric, f"{ch.baseline:.4g}", f"{ch.current:.4g}", f"{ch.change:+.4g}{pct}", limit, verdict))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = [head] + ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+        bad = self.regressions
+        if bad:
+            lines.append(f"FAIL: {len(bad)} regression(s): " + "; ".join(_why(ch) for ch in bad) + ".")
+        else:
+            lines.append("ok: no regression beyond the tolerances.")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "baseline_artifact": self.baseline.artifact,
+                "checks": [{"metric": c.metric, "baseline": c.baseline, "current": c.current,
+                            "limit": c.limit, "ok": c.ok} for c in self.checks]}
+
+
+def compare(baseline: Baseline, current: Baseline, tolerances: Tolerances | None = None) -> Comparison:
+    """Compare ``current`` with ``baseline`` metric by metric.
+
+    Raises:
+        ConfigError: the two are of different kinds or were measured under different settings
+            (data, batch, sequence length, device), so comparing them would mean nothing.
+    """
+    tol = tolerances or Tolerances()
+    check_settings(baseline, current.kind, current.settings)
+    checks: list[Check] = []
+    m0, m1 = baseline.metrics, current.metrics
+    if current.kind == "eval":
+        limit = m0["score"] - tol.accuracy_drop
+        checks.append(Check(f"{current.settings.get('metric', 'score')} x100", m0["score"], m1["score"], limit,
+                            m1["score"] >= limit - 1e-9, "points"))
+    else:
+        rules = [("p50_ms", 1 + tol.latency_increase_pct / 100, "ms"), ("model_mb", 1 + tol.size_increase_pct / 100, "MB")]
+        for key, factor, unit in rules:
+            if key in m0 and key in m1:
+                limit = m0[key] * factor
+                checks.append(Check(key, m0[key], m1[key], limit, m1[key] <= limit + 1e-12, unit))
+        for key, unit in (("p90_ms", "ms"), ("throughput_per_s", "/s"), ("peak_rss_mb", "MB")):
+            if key in m0 and key in m1:  # noisy on shared machines: shown, not gated
+                checks.append(Check(key, m0[key], m1[key], None, True, unit))
+    return Comparison(kind=current.kind, baseline=baseline, current=current, checks=checks)
+
+
+def check_settings(baseline: Baseline, kind: str, settings: dict[str, Any]) -> None:
+    """Refuse early a comparison that would mean nothing: another command or other settings.
+
+    Raises:
+        ConfigError: naming each setting that differs.
+    """
+    if baseline.kind != kind:
+        raise ConfigError(f"the baseline is from `slimml {baseline.kind}`; use it with `slimml {baseline.kind}`, not `{kind}`.")
+    differ = {k: (baseline.settings.get(k), v) for k, v in settings.items() if baseline.settings.get(k) != v}
+    if differ:
+        said = ", ".join(f"{k}: baseline {a!r}, now {b!r}" for k, (a, b) in differ.items())
+        raise ConfigError(
+            f"the baseline was measured under other settings ({said}); run with the baseline's settings, or save a "
+            "new baseline with --save-baseline."
+        )
+
+
+def _why(ch: Check) -> str:
+    if ch.unit == "points":
+        return f"{ch.metric} fell by {-ch.change:.4g} points (allowed {ch.baseline - ch.limit:.4g})"
+    allowed = 100 * (ch.limit / ch.baseline - 1) if ch.baseline else 0.0
+    return f"{ch.metric} rose {100 * ch.change / ch.baseline:+.1f}% (allowed +{allowed:.0f}%)" if ch.baseline else ch.metric
+
+
+def _version() -> str:
+    import slimml
+
+    return getattr(slimml, "__version__", "")

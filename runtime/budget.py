@@ -1,0 +1,204 @@
+"""Choosing how many shards stay resident (K) and how far the loader reads ahead (P).
+
+A streamed model keeps at most K shards loaded at once: the pinned ones (kept for the model's
+lifetime, say the embeddings and the head) plus K - len(pin) slots that the streamed shards pass
+through. While one shard computes, a background loader brings in up to P shards after it. Given
+only a memory budget, :func:`plan_stream` picks the largest K whose worst case fits and says why.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from slimml.errors import ConfigError
+from slimml.runtime.manifest import Manifest
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``"4GB"``, ``"512MiB"``, ``"1.5G"`` or a number of bytes -> bytes.
+
+    Raises:
+        ConfigError: the text is not a size or is not positive.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        n = int(value)
+    else:
+        m = _SIZE_RE.match(str(value))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ConfigError(
+                f"memory budget {value!r} is not a size; write it like '4GB', '512MB', '1.5GiB' or a "
+                "number of bytes."
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ConfigError(f"memory budget {value!r} must be positive.")
+    return n
+
+
+def fmt_bytes(n: int | float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def shard_bytes(manifest: Manifest) -> list[int]:
+    """Bytes on disk of each shard (its .onnx plus its external data): what it costs when loaded."""
+    sizes = {f.path: f.bytes for f in manifest.files}
+    return [sizes.get(s.file, 0) + (sizes.get(s.data, 0) if s.data else 0) for s in manifest.shards]
+
+
+@dataclass
+class StreamPlan:
+    """What a loaded model keeps in memory.
+
+    Attributes:
+        resident: K, the most shards loaded at once (pinned ones included).
+        prefetch: P, how many shards the loader brings in ahead of the one computing.
+        pinned: shard indices loaded once and kept.
+        streamed: shard indices that pass through the K - len(pinned) slots, in run order;
+            empty when everything fits (the model is then fully resident).
+        peak_bytes: the worst-case bytes of loaded shards (pinned plus the largest streamed ones).
+        model_bytes: all shards' bytes.
+        reason: how K and P were chosen, in words.
+    """
+
+    resident: int
+    prefetch: int
+    pinned: list[int]
+    streamed: list[int]
+    peak_bytes: int
+    model_bytes: int
+    reason: str = ""
+    sizes: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.streamed)
+
+    def describe(self) -> str:
+        if not self.streaming:
+            return f"fully resident: all {len(self.sizes)} shards loaded once ({fmt_bytes(self.model_bytes)}). {self.reason}".strip()
+        pin = f", pinned shards {self.pinned}" if self.pinned else ""
+        return (
+            f"streaming {len(self.streamed)} of {len(self.sizes)} shards with K={self.resident} resident, "
+            f"P={self.prefetch} prefetched{pin}; at most {fmt_bytes(self.peak_bytes)} of "
+            f"{fmt_bytes(self.model_bytes)} loaded at once. {self.reason}".strip()
+        )
+
+
+def plan_stream(
+    manifest: Manifest,
+    resident: int | None = None,
+    prefetch: int | None = None,
+    memory_budget: int | float | str | None = None,
+    pin: list[int] | tuple[int, ...] | None = None,
+) -> StreamPlan:
+    """Decide K, P and the pinned set from the user's options and the shards' sizes.
+
+    With none of ``resident``, ``prefetch``, ``memory_budget`` or ``pin`` the model is fully
+    resident (today's behaviour). A budget alone picks the largest K that fits it.
+
+    Raises:
+        ConfigError: a budget below the largest shard (named, with its size) or below what the
+            pinned shards need; K or P out of range; pin indices out of range or repeated.
+    """
+    sizes = shard_bytes(manifest)
+    n = len(sizes)
+    total = sum(sizes)
+    pinned = _check_pin(pin, n)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else None
+    if budget is not None:
+        big = max(range(n), key=lambda i: sizes[i])
+        if budget < sizes[big]:
+            raise ConfigError(
+                f"memory budget {fmt_bytes(budget)} is smaller than shard {big} "
+                f"({manifest.shards[big].file}, {fmt_bytes(sizes[big])}), the largest shard; a shard must fit "
+                f"whole. Give at least --memory-budget {_round_up_mb(sizes[big])}MB, or re-convert with "
+                "smaller shards (--shard-size)."
+            )
+        pin_bytes = sum(sizes[i] for i in pinned)
+        rest = [sizes[i] for i in range(n) if i not in pinned]
+        if rest and pin_bytes + max(rest) > budget:
+            raise ConfigError(
+                f"memory budget {fmt_bytes(budget)} cannot hold the pinned shards {pinned} "
+                f"({fmt_bytes(pin_bytes)}) plus one streamed shard ({fmt_bytes(max(rest))}); pin fewer "
+                "shards or raise the budget."
+            )
+    if resident is None and prefetch is None and budget is None and not pinned:
+        return StreamPlan(n, 0, list(range(n)), [], total, total, "", sizes)
+    if resident is not None and (not isinstance(resident, int) or resident < 1):
+        raise ConfigError(f"resident={resident!r} must be a whole number >= 1 (shards loaded at once).")
+    if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 0):
+        raise ConfigError(f"prefetch={prefetch!r} must be a whole number >= 0 (shards loaded ahead).")
+    stream = [i for i in range(n) if i not in pinned]
+    reason = ""
+    if resident is None:
+        if budget is None:
+            resident = n if prefetch is None else len(pinned) + 1 + prefetch
+        else:
+            resident = _fit(sizes, pinned, stream, budget)
+            reason = f"K={resident} is the most that fits the {fmt_bytes(budget)} budget."
+    if resident < len(pinned) + (1 if stream else 0):
+        raise ConfigError(
+            f"resident={resident} leaves no slot for streaming: {len(pinned)} shard(s) are pinned ({pinned}). "
+            f"Use resident >= {len(pinned) + 1}, or pin fewer shards."
+        )
+    slots = resident - len(pinned)
+    if slots >= len(stream):  # everything fits: load once, never stream
+        peak = total
+        if budget is not None and peak > budget:
+            raise ConfigError(f"resident={resident} needs {fmt_bytes(peak)}, over the {fmt_bytes(budget)} budget.")
+        return StreamPlan(n, 0, list(range(n)), [], peak, total, reason, sizes)
+    if prefetch is None:
+        # every slot but the computing one reads ahead: slots beyond P + 1 could never be used,
+        # since in a pass over more shards than slots no loaded shard is needed twice
+        prefetch = slots - 1
+        reason += f" P={prefetch}: the loader fills the other slots ahead." if prefetch else " P=0: no room to load ahead."
+    elif prefetch > slots - 1:
+        raise ConfigError(
+            f"prefetch={prefetch} needs {prefetch + 1} streaming slots (the shard computing plus those "
+            f"loading), but resident={resident} with {len(pinned)} pinned leaves {slots}. Use prefetch <= "
+            f"{slots - 1} or raise resident."
+        )
+    peak = sum(sizes[i] for i in pinned) + sum(sorted((sizes[i] for i in stream), reverse=True)[:slots])
+    if budget is not None and peak > budget:
+        raise ConfigError(
+            f"resident={resident} can need {fmt_bytes(peak)} (the {slots} largest streamed shards plus pinned "
+            f"ones), over the {fmt_bytes(budget)} budget; lower resident or drop memory_budget."
+        )
+    return StreamPlan(resident, prefetch, pinned, stream, peak, total, reason.strip(), sizes)
+
+
+def _fit(sizes: list[int], pinned: list[int], stream: list[int], budget: int) -> int:
+    used = sum(sizes[i] for i in pinned)
+    k = len(pinned)
+    for size in sorted((sizes[i] for i in stream), reverse=True):
+        if used + size > budget:
+            break
+        used += size
+        k += 1
+    return k
+
+
+def _check_pin(pin, n: int) -> list[int]:
+    if not pin:
+        return []
+    out = []
+    for p in pin:
+        if not isinstance(p, int) or not -n <= p < n:
+            raise ConfigError(f"pin={list(pin)} names shard {p!r}, but the model has shards 0..{n - 1} (or -1..-{n}).")
+        out.append(p % n)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"pin={list(pin)} names the same shard twice.")
+    return sorted(out)
+
+
+def _round_up_mb(n: int) -> int:
+    return -(-n // 10**6)

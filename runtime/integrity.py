@@ -1,0 +1,201 @@
+"""What slimml checks in a shard's ONNX file before ONNX Runtime sees it, and after.
+
+Hashes (``manifest.verify_files``) prove a file is the one the manifest lists; they do not prove
+the manifest is honest. An artifact from elsewhere can list, with correct hashes, a shard whose
+ONNX ``external_data`` points at ``../../home/me/.ssh/id_rsa``, which ONNX Runtime would read
+as weights. So each shard file is parsed (without loading any weights) and every external
+tensor must live in the shard's own listed data file, inside its bounds.
+
+After load, ONNX Runtime memory-maps large external weights: a data file truncated under a
+running process would kill it with SIGBUS. :class:`FileWatch` remembers each file's identity
+at load and is checked before every run, so a changed file is reported, not run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from slimml.errors import ArtifactError, IntegrityError
+from slimml.runtime.manifest import Manifest, ShardSpec, safe_path
+
+# initializer names that hold learned absolute positions: (max_positions, hidden)
+_POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "wpe", "embed_positions")
+# initializer names of token-embedding tables: (vocab_size, hidden); input_ids index their rows
+_TOKEN_TABLES = ("word_embeddings", "embed_tokens", "wte", "tok_embeddings")
+
+
+@dataclass
+class ShardFacts:
+    """What parsing a shard file told us."""
+
+    external_tensors: int  # weights stored in the shard's data file
+    max_positions: int | None  # rows of a learned position-embedding table, when the shard has one
+    vocab_size: int | None = None  # rows of a token-embedding table, when the shard has one
+
+
+def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
+    """Parse ``shard.file`` (weights not loaded) and confine its external data to ``shard.data``.
+
+    Raises:
+        ArtifactError: the file is not ONNX, or a tensor's ``external_data`` location is not the
+            shard's own data file (``..``, an absolute path, another file), or reaches past its end.
+    """
+    import onnx  # parsing only; onnx is a base dependency, imported when a model loads
+    from onnx import external_data_helper
+
+    path = safe_path(folder, shard.file)
+    try:
+        model = onnx.load_model_from_string(path.read_bytes())  # never follows external data
+    except Exception as e:  # protobuf's DecodeError and friends
+        raise ArtifactError(
+            f"{shard.file} is not a readable ONNX file ({type(e).__name__}); the artifact is damaged: re-convert it."
+        ) from None
+    field = _undecodable_text(model)
+    if field is not None:
+        raise ArtifactError(
+            f"{shard.file} holds a {field!r} that is not valid UTF-8; the file is damaged: re-convert it."
+        )
+    data = safe_path(folder, shard.data).resolve() if shard.data else None
+    data_size = data.stat().st_size if data is not None and data.is_file() else 0
+    count, positions, vocab = 0, None, None
+    for t in _tensors(model):
+        if len(t.dims) == 2 and any(k in t.name for k in _POSITION_TABLES) and t.dims[0] > 0:
+            positions = int(t.dims[0])
+        if len(t.dims) == 2 and any(k in t.name for k in _TOKEN_TABLES) and t.dims[0] > 0:
+            vocab = int(t.dims[0])
+        if not external_data_helper.uses_external_data(t):
+            continue
+        count += 1
+        info = {e.key: e.value for e in t.external_data}
+        loc = info.get("location", "")
+        target = None
+        if loc and not os.path.isabs(loc) and ".." not in Path(loc).parts:
+            target = (path.parent / loc).resolve()
+        if data is None or target != data:
+            raise ArtifactError(
+                f"{shard.file}: weight {t.name!r} reads its data from {loc!r}, which is not the shard's own data "
+                f"file {shard.data!r}; refusing to load it (an artifact may only read files it lists)."
+            )
+        try:
+            offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
+        except ValueError:
+            offset, length = -1, -1
+        if offset < 0 or (length >= 0 and offset + length > data_size) or offset > data_size:
+            raise ArtifactError(
+                f"{shard.file}: weight {t.name!r} reads bytes {offset}..{offset + max(length, 0)} of {shard.data}, "
+                f"which has {data_size}; the artifact is damaged: re-convert it."
+            )
+    return ShardFacts(external_tensors=count, max_positions=positions, vocab_size=vocab)
+
+
+def verify_shard(folder: Path, manifest: Manifest, shard: ShardSpec) -> ShardFacts:
+    """Everything to check before (re)creating a session for one shard: its files' size and sha256,
+    then its external data. Call it wherever a shard's session is made after ``load`` (a shard
+    evicted and reloaded, a session rebuilt): a file corrupted on disk since is refused, not run.
+
+    Raises:
+        IntegrityError / ArtifactError: as ``verify_file`` and ``check_shard_file``.
+    """
+    from slimml.runtime.manifest import verify_file
+
+    for entry in manifest.files:
+        if entry.path in (shard.file, shard.data):
+            verify_file(folder, entry)
+    return check_shard_file(folder, shard)
+
+
+def _undecodable_text(message) -> str | None:
+    """The first string field holding bytes that are not UTF-8 (protobuf hands those back as bytes).
+
+    ONNX Runtime would choke on them while formatting its own error message, and its Python
+    wrapper prints that to stdout; refuse them first.
+    """
+    stack = [message]
+    while stack:
+        msg = stack.pop()
+        for fd, value in msg.ListFields():
+            repeated = getattr(fd, "is_repeated", None)
+            repeated = fd.label == fd.LABEL_REPEATED if repeated is None else repeated
+            values = value if repeated else [value]
+            if fd.type == fd.TYPE_STRING:
+                if any(isinstance(v, bytes) for v in values):
+                    return fd.name
+            elif fd.type == fd.TYPE_MESSAGE:
+                stack.extend(values)
+    return None
+
+
+def _tensors(model):
+    """Every TensorProto in the model: initializers, sparse parts, constants, subgraphs, functions."""
+    graphs = [model.graph]
+    nodes = [n for f in model.functions for n in f.node]
+    while graphs or nodes:
+        if graphs:
+            g = graphs.pop()
+            yield from g.initializer
+            for sp in g.sparse_initializer:
+                yield sp.values
+                yield sp.indices
+            nodes.extend(g.node)
+            continue
+        node = nodes.pop()
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            if a.HasField("sparse_tensor"):
+                yield a.sparse_tensor.values
+                yield a.sparse_tensor.indices
+            if a.HasField("g"):
+                graphs.append(a.g)
+            graphs.extend(a.graphs)
+
+
+def vocab_size(facts: list[ShardFacts]) -> int | None:
+    """Rows of the model's token-embedding table, when one is found: token ids must be below it."""
+    sizes = [f.vocab_size for f in facts if f.vocab_size]
+    return min(sizes) if sizes else None
+
+
+def max_sequence_length(facts: list[ShardFacts], manifest: Manifest) -> int | None:
+    """The longest sequence the model takes: its position table's rows, else the tokenizer's max_length."""
+    tables = [f.max_positions for f in facts if f.max_positions]
+    if tables:
+        return min(tables)
+    if manifest.tokenizer and manifest.tokenizer.get("max_length"):
+        return int(manifest.tokenizer["max_length"])
+    return None
+
+
+class FileWatch:
+    """Cheap change detection for the files a loaded model runs from (one ``stat`` per file)."""
+
+    def __init__(self, folder: Path, manifest: Manifest):
+        self.folder = folder
+        self.paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files]
+        self.seen = {rel: self._identity(p) for rel, p in self.paths}
+
+    @staticmethod
+    def _identity(path: str) -> tuple | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+
+    def check(self) -> None:
+        """Raise IntegrityError if any file was replaced, truncated, rewritten or removed since load."""
+        for rel, path in self.paths:
+            now = self._identity(path)
+            was = self.seen[rel]
+            if now != was:
+                what = "was removed" if now is None else (
+                    f"was truncated or grown ({was[0]} -> {now[0]} bytes)" if was and now[0] != was[0]
+                    else "was rewritten or replaced")
+                raise IntegrityError(
+                    f"{rel} in {self.folder} {what} after the model was loaded; slimml will not run a model whose "
+                    "files changed under it. Restore the artifact (replace artifacts by writing a new folder and "
+                    "renaming it, never by overwriting files in place) and load it again."
+                )

@@ -1,0 +1,128 @@
+"""``slimml bench --sweep``: the memory / speed trade-off over K (resident) and P (prefetch).
+
+Each setting loads the artifact afresh, times it with :func:`slimml.runtime.bench.bench`, and
+drops it before the next, so the RSS sampled during its runs is its own. The results go to a
+Markdown table, a CSV and (with matplotlib, ``pip install 'slimml[bench]'``) a PNG plot.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from slimml.errors import ConfigError, SlimmlError
+from slimml.runtime.bench import bench
+from slimml.runtime.manifest import read_manifest
+
+COLUMNS = ["resident", "prefetch", "loaded_mb", "run_peak_rss_mb", "p50_ms", "items_per_s",
+           "wait_s", "compute_s", "mb_per_run"]
+
+
+@dataclass
+class SweepResult:
+    rows: list[dict]
+    table: Path
+    csv: Path
+    plot: Path | None
+
+
+def sweep(
+    path: str | os.PathLike,
+    resident: list[int],
+    prefetch: list[int] | None = None,
+    out_dir: str | os.PathLike = "sweep",
+    device: str = "cpu",
+    batch: int = 1,
+    seq: int = 128,
+    runs: int = 5,
+    pin: list[int] | None = None,
+) -> SweepResult:
+    """Bench every (K, P) pair that is valid, plus the fully resident model, and write the results.
+
+    Args:
+        path: the artifact folder.
+        resident: K values to try.
+        prefetch: P values to try (default: each K's own default, K - pinned - 1).
+        out_dir: where ``sweep.md``, ``sweep.csv`` and ``sweep.png`` go.
+
+    Example:
+        >>> sweep("artifacts/my-llama", resident=[2, 3, 4], prefetch=[0, 1, 2], out_dir="sweep")
+    """
+    from slimml.runtime.model import load
+
+    manifest = read_manifest(path)
+    if not resident or any(k < 1 for k in resident):
+        raise ConfigError(f"--sweep needs resident values >= 1, got {resident}.")
+    n = len(manifest.shards)
+    combos = []
+    for k in sorted(set(resident)):
+        for p in sorted(set(prefetch)) if prefetch else [None]:
+            slots = k - len(pin or [])
+            if slots < 1 or (p is not None and p > slots - 1) or k >= n:
+                continue
+            combos.append((k, p))
+    combos.append((None, None))  # the fully resident reference
+    rows = []
+    verify = True
+    for k, p in combos:
+        try:
+            model = load(path, device=device, resident=k, prefetch=p, pin=pin if k else None, verify=verify)
+        except ConfigError:
+            continue
+        verify = False  # hashing every file once is enough
+        r = bench(model, batch=batch, seq=seq, runs=runs, warmup=1)
+        st = r.stream or {}
+        rows.append({
+            "resident": model.plan.resident,
+            "prefetch": model.plan.prefetch if model.plan.streaming else "-",
+            "loaded_mb": round(model.plan.peak_bytes / 1e6, 3),
+            "run_peak_rss_mb": round(r.run_peak_rss_mb or 0, 1),
+            "p50_ms": round(r.p50_ms, 2),
+            "items_per_s": round(r.throughput_per_s, 2),
+            "wait_s": st.get("wait_s_per_run", 0.0),
+            "compute_s": st.get("compute_s_per_run", 0.0),
+            "mb_per_run": round(st.get("bytes_per_run", 0) / 1e6, 3),
+        })
+        model.close()
+        del model
+    if not rows:
+        raise SlimmlError("no (resident, prefetch) setting of the sweep fits this artifact; try other values.")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "sweep.md"
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(row[c]) for c in COLUMNS) + " |" for row in rows]
+    table.write_text(f"{manifest.name}: batch {batch} x seq {seq}, {device}, {runs} runs each\n\n" + "\n".join(lines) + "\n")
+    csv_path = out / "sweep.csv"
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    return SweepResult(rows=rows, table=table, csv=csv_path, plot=_plot(rows, out / "sweep.png", manifest.name))
+
+
+def _plot(rows: list[dict], path: Path, name: str) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None  # the table and CSV are written; the CLI says how to get the plot
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["run_peak_rss_mb"] for r in rows]
+    ys = [r["items_per_s"] for r in rows]
+    ax.scatter(xs, ys)
+    for r, x, y in zip(rows, xs, ys):
+        label = "all resident" if r["prefetch"] == "-" else f"K={r['resident']} P={r['prefetch']}"
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("peak RSS during runs (MB)")
+    ax.set_ylabel("throughput (items/s)")
+    ax.set_title(f"{name}: memory vs speed")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,134 @@
+"""Regression baselines: save, compare, the readable diff, exit codes; and the default model's own check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from slimml.cli import app
+from slimml.errors import ConfigError, DataError
+from slimml.runtime.baseline import REGRESSION_EXIT_CODE, Baseline, Tolerances, compare
+from tests.conftest import STS_DEV
+
+BASELINES = Path(__file__).parent / "baselines"
+runner = CliRunner()
+
+
+def sts_subset(folder: Path, pairs: int) -> Path:
+    """The first ``pairs`` rows of STS dev, byte for byte (the baseline records the data's sha256)."""
+    path = folder / f"sts-dev-{pairs}.csv"
+    lines = STS_DEV.read_text(encoding="utf-8").splitlines(keepends=True)
+    path.write_text("".join(lines[: pairs + 1]), encoding="utf-8")
+    return path
+
+
+def bench_baseline(p50: float = 10.0, mb: float = 90.0, **settings) -> Baseline:
+    s = {"batch": 1, "seq": 128, "device": "cpu"} | settings
+    return Baseline("bench", "m", s, {"p50_ms": p50, "p90_ms": p50 * 1.2, "model_mb": mb})
+
+
+def test_latency_within_and_beyond_tolerance():
+    old = bench_baseline(10.0)
+    assert compare(old, bench_baseline(14.9), Tolerances(latency_increase_pct=50)).ok
+    report = compare(old, bench_baseline(15.1), Tolerances(latency_increase_pct=50))
+    assert not report.ok and [c.metric for c in report.regressions] == ["p50_ms"]
+    text = report.format("base.json")
+    assert "REGRESSION" in text and "FAIL: 1 regression(s): p50_ms rose +51.0% (allowed +50%)." in text
+    # p90 is shown, never gated: it is too noisy on shared machines
+    assert compare(old, Baseline("bench", "m", old.settings, {"p50_ms": 10.0, "p90_ms": 99.0, "model_mb": 90.0})).ok
+
+
+def test_size_growth_is_gated():
+    report = compare(bench_baseline(mb=90.0), bench_baseline(mb=95.0))
+    assert [c.metric for c in report.regressions] == ["model_mb"]
+
+
+def test_accuracy_drop_is_tight():
+    s = {"metric": "spearman", "data": "d.csv", "data_sha256": "0" * 64, "pairs": 10}
+    old = Baseline("eval", "m", s, {"score": 82.0})
+    assert compare(old, Baseline("eval", "m2", s, {"score": 81.95})).ok  # another artifact may be compared
+    report = compare(old, Baseline("eval", "m2", s, {"score": 81.8}))
+    assert "FAIL: 1 regression(s): spearman x100 fell by 0.2 points (allowed 0.1)." in report.format()
+    assert not compare(old, Baseline("eval", "m", s, {"score": float("nan")})).ok
+
+
+def test_settings_and_kinds_must_match():
+    with pytest.raises(ConfigError, match=r"other settings \(seq: baseline 128, now 64\)"):
+        compare(bench_baseline(), bench_baseline(seq=64))
+    s = {"metric": "spearman", "data": "d.csv", "data_sha256": "0" * 64, "pairs": 10}
+    with pytest.raises(ConfigError, match="use it with `slimml bench`, not `eval`"):
+        compare(bench_baseline(), Baseline("eval", "m", s, {"score": 1.0}))
+    with pytest.raises(ConfigError, match="must be a number >= 0"):
+        Tolerances(latency_increase_pct=-1)
+
+
+def test_baseline_file_round_trip_and_bad_files(tmp_path):
+    b = bench_baseline()
+    b.save(tmp_path / "b.json")
+    assert Baseline.load(tmp_path / "b.json") == b
+    assert not list(tmp_path.glob(".*tmp*"))  # atomic write leaves no temp file
+    with pytest.raises(DataError, match="does not exist; write one first with --save-baseline"):
+        Baseline.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(DataError, match="is not valid JSON"):
+        Baseline.load(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text(json.dumps({"format": "slimml.baseline", "format_version": 99}))
+    with pytest.raises(DataError, match="has format version 99; this slimml reads 1"):
+        Baseline.load(tmp_path / "other.json")
+
+
+def test_cli_bench_save_then_check(tiny_bert_artifact, tmp_path):
+    base = tmp_path / "bench.json"
+    args = ["bench", str(tiny_bert_artifact), "--runs", "5", "--seq", "16"]
+    r = runner.invoke(app, [*args, "--save-baseline", str(base)])
+    assert r.exit_code == 0, r.output
+    assert "baseline saved to" in r.output and Baseline.load(base).settings == {"batch": 1, "seq": 16, "device": "cpu"}
+    r = runner.invoke(app, [*args, "--baseline", str(base), "--max-latency-increase", "1000"])
+    assert r.exit_code == 0, r.output
+    assert "ok: no regression beyond the tolerances." in r.output
+    raw = json.loads(base.read_text())
+    raw["metrics"]["p50_ms"] /= 100  # a baseline 100x faster than anything this machine can do
+    base.write_text(json.dumps(raw))
+    r = runner.invoke(app, [*args, "--baseline", str(base), "--json"])
+    assert r.exit_code == REGRESSION_EXIT_CODE
+    assert "FAIL: 1 regression(s): p50_ms rose" in r.output
+    r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--runs", "5", "--seq", "32", "--baseline", str(base)])
+    assert isinstance(r.exception, ConfigError) and "seq: baseline 16, now 32" in str(r.exception)
+
+
+def test_cli_eval_save_then_check(tiny_bert_artifact, tmp_path):
+    data = sts_subset(tmp_path, 20)
+    base = tmp_path / "eval.json"
+    args = ["eval", str(tiny_bert_artifact), "--data", str(data)]
+    assert runner.invoke(app, [*args, "--save-baseline", str(base)]).exit_code == 0
+    r = runner.invoke(app, [*args, "--baseline", str(base), "--max-accuracy-drop", "0"])
+    assert r.exit_code == 0, r.output  # the same artifact on the same data scores the same
+    raw = json.loads(base.read_text())
+    raw["metrics"]["score"] += 1.0
+    base.write_text(json.dumps(raw))
+    r = runner.invoke(app, [*args, "--baseline", str(base)])
+    assert r.exit_code == REGRESSION_EXIT_CODE
+    assert "fell by 1 points (allowed 0.1)" in r.output
+    other = sts_subset(tmp_path, 10)
+    other.rename(tmp_path / "sts-dev-20.csv.other")
+    r = runner.invoke(app, ["eval", str(tiny_bert_artifact), "--data", str(tmp_path / "sts-dev-20.csv.other"),
+                            "--baseline", str(base)])
+    assert isinstance(r.exception, ConfigError) and "other settings" in str(r.exception)
+
+
+@pytest.mark.slow
+def test_default_model_regression(default_artifact, tmp_path):
+    """slimml's own regression check: tight on accuracy, generous on latency (noise)."""
+    data = sts_subset(tmp_path, 200)
+    r = runner.invoke(app, ["eval", str(default_artifact), "--data", str(data), "--max-accuracy-drop", "0.05",
+                            "--baseline", str(BASELINES / "minilm-sts-dev-200.json")])
+    assert r.exit_code == 0, r.output
+    assert "ok: no regression" in r.output
+    base = tmp_path / "bench.json"
+    args = ["bench", str(default_artifact), "--runs", "10", "--seq", "64"]
+    assert runner.invoke(app, [*args, "--save-baseline", str(base)]).exit_code == 0
+    r = runner.invoke(app, [*args, "--baseline", str(base), "--max-latency-increase", "200"])
+    assert r.exit_code == 0, r.output

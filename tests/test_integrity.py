@@ -1,0 +1,263 @@
+"""Integrity and security of artifacts: hashes, paths that escape, external data, versions, no code."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from slimml.errors import ArtifactError, IntegrityError
+from slimml.runtime import load
+from slimml.runtime.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from tests.conftest import tiny_onnx_mlp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def art(tmp_path) -> Path:
+    from slimml.convert import ConvertConfig, convert
+
+    out = tmp_path / "art"
+    convert(tiny_onnx_mlp(tmp_path / "mlp.onnx", hidden=64), out, ConvertConfig(measure_latency=False))
+    return out
+
+
+def edit(folder: Path, change) -> None:
+    m = json.loads((folder / MANIFEST_NAME).read_text())
+    change(m)
+    (folder / MANIFEST_NAME).write_text(json.dumps(m))
+
+
+def rehash(folder: Path, rel: str) -> None:
+    def change(m):
+        for f in m["files"]:
+            if f["path"] == rel:
+                f["bytes"], f["sha256"] = (folder / rel).stat().st_size, sha256_file(folder / rel)
+    edit(folder, change)
+
+
+def test_every_shard_file_is_listed_with_size_and_hash(art):
+    m = read_manifest(art)
+    listed = {f.path: f for f in m.files}
+    for s in m.shards:
+        for rel in filter(None, (s.file, s.data)):
+            assert listed[rel].bytes == (art / rel).stat().st_size and listed[rel].sha256 == sha256_file(art / rel)
+    on_disk = {p.name for p in art.iterdir()} - {MANIFEST_NAME}
+    assert on_disk == set(listed)
+
+
+def test_tokenizer_is_listed_and_verified(tiny_bert_artifact, tmp_path):
+    folder = tmp_path / "bert"
+    shutil.copytree(tiny_bert_artifact, folder)
+    assert "tokenizer.json" in {f.path for f in read_manifest(folder).files}
+    with open(folder / "tokenizer.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(IntegrityError, match=r"^tokenizer.json is \d+ bytes but the manifest records \d+"):
+        load(folder)
+
+
+def test_tampered_and_truncated_files(art):
+    data = art / "shard_001.onnx.data"
+    blob = bytearray(data.read_bytes())
+    blob[100] ^= 1
+    data.write_bytes(bytes(blob))
+    with pytest.raises(IntegrityError) as e:
+        load(art)
+    assert str(e.value) == (
+        "shard_001.onnx.data does not match its sha256 in the manifest: the file is corrupted or was tampered "
+        "with. Copy the artifact again or re-convert; slimml will not run it."
+    )
+    data.write_bytes(bytes(blob[:50]))
+    with pytest.raises(IntegrityError, match="is 50 bytes but the manifest records 16384: the file is truncated"):
+        load(art)
+    data.unlink()
+    with pytest.raises(IntegrityError, match="shard_001.onnx.data is missing from the artifact"):
+        load(art)
+
+
+@pytest.mark.parametrize("rel", ["../outside.onnx", "/etc/passwd", "a/../../x", "..\\x", "~/x"])
+def test_manifest_paths_that_escape_are_refused(art, rel):
+    edit(art, lambda m: m["files"][0].update(path=rel))
+    with pytest.raises(ArtifactError) as e:
+        load(art)
+    assert str(e.value) == f"the manifest names the path {rel!r}, which leaves the artifact folder; refusing to load it."
+
+
+def test_symlinks_out_are_refused(art, tmp_path):
+    outside = tmp_path / "outside.data"
+    shutil.copy(art / "shard_000.onnx.data", outside)  # same bytes, so the hash would even match
+    (art / "shard_000.onnx.data").unlink()
+    (art / "shard_000.onnx.data").symlink_to(outside)
+    with pytest.raises(ArtifactError, match=r"^'shard_000.onnx.data' is a link that points outside the artifact folder"):
+        load(art)
+    (art / "shard_000.onnx.data").unlink()
+    shutil.copy(outside, art / "shard_000.onnx.data")
+    load(art)  # a link inside the folder is fine; the real file back in place loads
+    real = tmp_path / "elsewhere.json"
+    shutil.move(art / MANIFEST_NAME, real)
+    (art / MANIFEST_NAME).symlink_to(real)
+    with pytest.raises(ArtifactError, match="'manifest.json' is a link that points outside"):
+        load(art)
+
+
+def _point_external_data(art: Path, shard: int, location: str, offset: int | None = None) -> None:
+    path = art / f"shard_{shard:03d}.onnx"
+    model = onnx.load(str(path), load_external_data=False)
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = location
+            if e.key == "offset" and offset is not None:
+                e.value = str(offset)
+    path.write_bytes(model.SerializeToString())
+    rehash(art, path.name)  # an honest-looking manifest: only the ONNX file's own pointer is hostile
+
+
+@pytest.mark.parametrize("location", ["../secret.bin", "/etc/hostname", "shard_001.onnx.data", "sub/../../secret.bin"])
+def test_external_data_must_stay_in_the_shards_own_file(art, tmp_path, location):
+    (tmp_path / "secret.bin").write_bytes(b"\0" * 20000)
+    _point_external_data(art, 0, location)
+    with pytest.raises(ArtifactError) as e:
+        load(art)
+    assert str(e.value).startswith(f"shard_000.onnx: weight 'layers.0.w' reads its data from {location!r}, which is not "
+                                   "the shard's own data file 'shard_000.onnx.data'; refusing to load it")
+
+
+def test_external_data_past_the_end_is_refused(art):
+    _point_external_data(art, 0, "shard_000.onnx.data", offset=16000)
+    with pytest.raises(ArtifactError, match=r"reads bytes 16000\.\.32384 of shard_000.onnx.data, which has 16384"):
+        load(art)
+
+
+def test_external_data_refused_even_without_verify(art):
+    _point_external_data(art, 0, "../secret.bin")
+    with pytest.raises(ArtifactError, match="refusing to load it"):
+        load(art, verify=False)  # opting out of hashing does not open the folder's walls
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", None, 1.5])
+def test_unknown_format_version_is_refused_naming_it(art, version):
+    edit(art, lambda m: m.update(format_version=version))
+    with pytest.raises(ArtifactError) as e:
+        load(art)
+    assert f"has manifest format version {version!r}, but this slimml reads version 1" in str(e.value)
+
+
+def test_malformed_manifest_lists_every_problem(art):
+    def change(m):
+        m["inputs"][0]["dtype"] = "object"
+        m["shards"][1]["index"] = 7
+        m["files"][0]["sha256"] = "xyz"
+    edit(art, change)
+    with pytest.raises(ArtifactError) as e:
+        load(art)
+    msg = str(e.value)
+    assert "inputs[0].dtype is 'object', not one of" in msg
+    assert "shards[1].index must be 1 (shards are listed in order)" in msg
+    assert "files[0].sha256 must be 64 hex digits" in msg
+
+
+def test_special_files_never_block(art):
+    """A pipe where a shard should be is refused at once instead of blocking a read forever."""
+    data = art / "shard_002.onnx.data"
+    data.unlink()
+    os.mkfifo(data)
+    with pytest.raises(IntegrityError, match="is not a regular file"):
+        load(art)
+
+
+def test_loading_runs_no_code_from_the_artifact():
+    """No pickle, eval or torch.load anywhere in the runtime; npz inputs are read with allow_pickle=False."""
+    sources = list((ROOT / "runtime").glob("*.py")) + [ROOT / "slimml" / "cli.py"]
+    banned = re.compile(r"\bpickle\b|allow_pickle\s*=\s*True|\beval\(|\bexec\(|torch\.load|marshal|__import__")
+    hits = [f"{p.name}:{i}" for p in sources for i, line in enumerate(p.read_text().splitlines(), 1)
+            if banned.search(line) and not line.lstrip().startswith("#")]
+    assert hits == []
+
+
+def test_runtime_imports_stay_lean(art):
+    code = ("import sys; from slimml.runtime import load; m = load(sys.argv[1]); "
+            "bad = [x for x in ('torch', 'transformers', 'nncf', 'optimum') if x in sys.modules]; print(bad)")
+    r = subprocess.run([sys.executable, "-c", code, str(art)], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_damaged_names_are_refused_before_onnxruntime(art, capfd):
+    """A name that is not UTF-8 made ORT's Python wrapper print 'EP Error' to stdout; refused first now."""
+    path = art / "shard_001.onnx"
+    blob = bytearray(path.read_bytes())
+    blob[blob.find(b"MatMul") + 1] = 0x9E
+    path.write_bytes(bytes(blob))
+    rehash(art, path.name)
+    with pytest.raises(ArtifactError) as e:
+        load(art)
+    assert str(e.value) == "shard_001.onnx holds a 'name' that is not valid UTF-8; the file is damaged: re-convert it."
+    out, err = capfd.readouterr()
+    assert "EP Error" not in out + err
+
+
+def test_verify_shard_before_a_session_is_recreated(art):
+    """The check a lazily (re)loaded shard goes through: hash, then external data."""
+    from slimml.runtime.integrity import verify_shard
+
+    m = read_manifest(art)
+    assert verify_shard(art, m, m.shards[2]).external_tensors == 1  # the 64x64 weight; the bias is inline
+    with open(art / "shard_002.onnx.data", "r+b") as f:
+        f.write(b"\xff")
+    with pytest.raises(IntegrityError, match="shard_002.onnx.data does not match its sha256"):
+        verify_shard(art, m, m.shards[2])
+    verify_shard(art, m, m.shards[1])  # the others are untouched
+
+
+def test_manifest_bombs(art):
+    path = art / MANIFEST_NAME
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ArtifactError, match="is not valid JSON \\(nested too deeply\\)"):
+        load(art)
+    with open(path, "wb") as f:
+        f.truncate(65 << 20)  # sparse: 65 MB of zeros
+    with pytest.raises(ArtifactError, match="far more than any slimml manifest"):
+        load(art)
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ArtifactError, match="is not valid JSON"):
+        load(art)
+
+
+def test_link_loops_are_refused(art):
+    (art / "loop").symlink_to(art / "loop")
+    edit(art, lambda m: m["files"][0].update(path="loop"))
+    with pytest.raises(ArtifactError, match="refusing to load it"):
+        load(art)
+
+
+def test_cli_turns_hostile_artifacts_into_one_line(art):
+    edit(art, lambda m: m["files"][0].update(path="../../etc/passwd"))
+    for args in (["info", str(art)], ["run", str(art), "--input", str(art / "x.npz")], ["bench", str(art)]):
+        r = subprocess.run([sys.executable, "-m", "slimml", *args], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 1
+        assert r.stderr.strip() == ("error: the manifest names the path '../../etc/passwd', which leaves the artifact "
+                                    "folder; refusing to load it.")
+
+
+def test_cli_refuses_hostile_npz_inputs(art, tmp_path):
+    import numpy as np
+
+    np.savez(tmp_path / "obj.npz", x=np.array([{"a": 1}], dtype=object))  # would need pickle to load
+    (tmp_path / "bad.npz").write_bytes(b"PK\x03\x04garbage")
+    np.save(tmp_path / "one.npy", np.ones(3))
+    for name, why in [("obj.npz", "Object arrays cannot be loaded when allow_pickle=False"),
+                      ("bad.npz", "BadZipFile"), ("one.npy", "a single .npy array, not named arrays")]:
+        r = subprocess.run([sys.executable, "-m", "slimml", "run", str(art), "--input", str(tmp_path / name)],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 1 and r.stderr.startswith(f"error: --input {tmp_path / name} is not an .npz of plain arrays")
+        assert why in r.stderr and "Traceback" not in r.stderr

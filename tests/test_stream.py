@@ -1,0 +1,256 @@
+"""The streaming runtime: K resident shards, background prefetch, budgets, threads, integrity."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from slimml.errors import ConfigError, FeedError, IntegrityError
+from slimml.runtime import load
+from slimml.runtime.budget import parse_bytes, plan_stream
+from slimml.runtime.manifest import read_manifest
+from tests.conftest import tiny_onnx_mlp
+
+
+@pytest.fixture(scope="module")
+def mlp_artifact(tmp_path_factory):
+    """A 6-block ONNX MLP split per layer: 6 weight-bearing shards."""
+    from slimml.convert import ConvertConfig, convert
+
+    tmp = tmp_path_factory.mktemp("stream_mlp")
+    src = tiny_onnx_mlp(tmp / "mlp.onnx", layers=6, hidden=32)
+    out = tmp / "art"
+    convert(src, out, ConvertConfig(measure_latency=False))
+    return out
+
+
+def _feeds(batch=3, hidden=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((batch, hidden)).astype(np.float32),
+            "scale": rng.random((batch, 1)).astype(np.float32)}
+
+
+def test_default_load_is_fully_resident(mlp_artifact):
+    model = load(mlp_artifact)
+    assert not model.plan.streaming and model._stream is None
+    assert model.stats.passes == 0
+
+
+@pytest.mark.parametrize("resident,prefetch,pin", [(1, None, None), (2, 1, None), (3, None, None), (4, 1, [0, -1])])
+def test_streamed_equals_resident(mlp_artifact, resident, prefetch, pin):
+    full = load(mlp_artifact)
+    model = load(mlp_artifact, resident=resident, prefetch=prefetch, pin=pin)
+    n = len(model.manifest.shards)
+    assert model.plan.streaming and model.plan.resident == resident
+    for seed in range(3):  # several passes: the cyclic loader must start each pass at its first shard
+        want = full.run(_feeds(seed=seed))["y"]
+        got = model.run(_feeds(seed=seed))["y"]
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)  # streamed shards skip weight prepacking
+    st = model.stats
+    assert st.passes == 3
+    assert st.peak_streamed <= resident - len(pin or [])  # never more than K loaded at once
+    streamed_bytes = sum(model.plan.sizes[i] for i in model.plan.streamed)
+    assert st.bytes_loaded >= 3 * streamed_bytes  # every streamed shard is read once per pass
+    assert len(model.plan.streamed) == n - len(pin or [])
+    model.close()
+    assert not model._stream._loader.thread.is_alive()
+
+
+def test_budget_picks_k_and_says_so(mlp_artifact):
+    m = read_manifest(mlp_artifact)
+    plan = plan_stream(m)
+    sizes = sorted(plan.sizes, reverse=True)
+    budget = sizes[0] + sizes[1] + sizes[2] // 2  # room for two of the largest shards, not three
+    model = load(mlp_artifact, memory_budget=budget)
+    assert model.plan.resident == 2 and model.plan.prefetch == 1
+    assert model.plan.peak_bytes <= budget
+    assert "K=2 resident, P=1 prefetched" in model.plan.describe()
+    assert "K=2 is the most that fits" in model.plan.describe()
+    np.testing.assert_array_equal(model.run(_feeds())["y"], load(mlp_artifact).run(_feeds())["y"])
+    assert not load(mlp_artifact, memory_budget="1GB").plan.streaming  # everything fits: resident
+
+
+def test_budget_below_largest_shard_is_refused_before_loading(mlp_artifact, tmp_path):
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(mlp_artifact, art)
+    m = read_manifest(art)
+    sizes = plan_stream(m).sizes
+    big = int(np.argmax(sizes))
+    (art / m.shards[big].data).write_bytes(b"garbage")  # would fail hashing if anything loaded
+    with pytest.raises(ConfigError) as e:
+        load(art, memory_budget=1000)
+    assert str(e.value) == (
+        f"memory budget 1.00 KB is smaller than shard {big} (shard_{big:03d}.onnx, {sizes[big] / 1e3:.2f} KB), the "
+        f"largest shard; a shard must fit whole. Give at least --memory-budget 1MB, or re-convert with smaller "
+        "shards (--shard-size)."
+    )
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"resident": 0}, "resident=0 must be a whole number >= 1 (shards loaded at once)."),
+    ({"resident": 2, "prefetch": 2}, "prefetch=2 needs 3 streaming slots (the shard computing plus those loading), "
+                                     "but resident=2 with 0 pinned leaves 2. Use prefetch <= 1 or raise resident."),
+    ({"resident": 2, "pin": [0, -1]}, "resident=2 leaves no slot for streaming: 2 shard(s) are pinned ([0, 5]). "
+                                      "Use resident >= 3, or pin fewer shards."),
+    ({"pin": [9]}, "pin=[9] names shard 9, but the model has shards 0..5 (or -1..-6)."),
+    ({"memory_budget": "lots"}, "memory budget 'lots' is not a size; write it like '4GB', '512MB', '1.5GiB' or a number of bytes."),
+])
+def test_bad_stream_options(mlp_artifact, kwargs, message):
+    with pytest.raises(ConfigError) as e:
+        load(mlp_artifact, **kwargs)
+    assert str(e.value) == message
+
+
+def test_bad_feed_names_on_a_streamed_model(mlp_artifact):
+    model = load(mlp_artifact, resident=2)
+    with pytest.raises(FeedError) as e:
+        model.run({"x": _feeds()["x"]})
+    assert str(e.value) == "bad feeds: missing input(s) ['scale']."
+    np.testing.assert_allclose(model.run(_feeds())["y"], load(mlp_artifact).run(_feeds())["y"], atol=1e-6)
+
+
+def test_parse_bytes():
+    assert parse_bytes("4GB") == 4 * 10**9
+    assert parse_bytes("1.5GiB") == int(1.5 * 2**30)
+    assert parse_bytes("512 MB") == 512 * 10**6
+    assert parse_bytes(1234) == 1234
+
+
+def test_concurrent_runs_never_mix(mlp_artifact):
+    model = load(mlp_artifact, resident=2)
+    # the same model run one call at a time is the reference: concurrent calls must match it bit for bit
+    want = {seed: model.run(_feeds(batch=seed + 1, seed=seed))["y"] for seed in range(4)}
+    errors = []
+
+    def worker(seed):
+        try:
+            for _ in range(5):
+                got = model.run(_feeds(batch=seed + 1, seed=seed))["y"]
+                np.testing.assert_array_equal(got, want[seed])
+        except BaseException as e:  # reported to the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert model.stats.passes == 24
+
+
+def test_shard_failing_its_hash_mid_stream(mlp_artifact, tmp_path):
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(mlp_artifact, art)
+    model = load(art, resident=2)
+    model.run(_feeds())
+    bad = model.manifest.shards[4]
+    data = art / bad.data
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF  # same size, other bytes
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="was rewritten or replaced after the model was loaded"):
+        model.run(_feeds())  # the model's file watch refuses before any shard runs
+    with pytest.raises(IntegrityError) as e:
+        model._stream.run(_feeds())  # the engine on its own: the shard fails its hash as it streams in
+    assert str(e.value) == (
+        f"{bad.data} does not match its sha256 in the manifest: the file is corrupted or was tampered with. "
+        "Copy the artifact again or re-convert; slimml will not run it."
+    )
+    loader = model._stream._loader
+    loader.thread.join(timeout=10)
+    assert not loader.thread.is_alive()  # the loader shut down, nothing hangs
+    with pytest.raises(IntegrityError):  # later calls fail fast with the same error
+        model.run(_feeds())
+
+
+def test_bad_feeds_mid_pass_leave_the_model_usable(tiny_llama_artifact):
+    full = load(tiny_llama_artifact)
+    model = load(tiny_llama_artifact, resident=2)
+    good = _llama_feeds()
+    bad = dict(good, input_ids=np.full_like(good["input_ids"], 10**6))  # out of the vocabulary: fails inside a shard
+    want = full.run(good)["logits"]
+    results = []
+
+    def body():  # repeated: the loader may be mid-load when a failed pass skips ahead (a past deadlock)
+        for _ in range(6):
+            with pytest.raises(FeedError, match="rejected the inputs"):
+                model._stream.run(bad)  # the engine itself; Model.run refuses such ids before any shard
+            results.append(float(np.abs(model.run(good)["logits"] - want).max()))
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive(), "a run after a failed pass hung"
+    assert len(results) == 6 and max(results) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_artifact(tiny_llama_dir, tmp_path_factory):
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+
+    out = tmp_path_factory.mktemp("stream_llama") / "art"
+    convert(tiny_llama_dir, out, ConvertConfig(export=ExportConfig(task="text-generation"), verify=False,
+                                               measure_latency=False))
+    return out
+
+
+def _llama_feeds(batch=2, seq=7, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"input_ids": rng.integers(0, 512, size=(batch, seq)).astype(np.int64),
+            "attention_mask": np.ones((batch, seq), dtype=np.int64),
+            "position_ids": np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()}
+
+
+def test_streamed_decoder_matches_torch_greedy(tiny_llama_artifact, tiny_llama_dir):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    prompts = np.random.default_rng(1).integers(0, 512, size=(2, 6)).tolist()
+    model = load(tiny_llama_artifact, resident=2, pin=[-1])
+    got = model.generate(prompts, max_new_tokens=5)
+    assert got.passes == 5 and all(len(t) == 5 for t in got.tokens)
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(prompts), max_new_tokens=5, do_sample=False, attention_mask=torch.ones(2, 6, dtype=torch.long),
+                           pad_token_id=0, eos_token_id=None)
+    assert got.tokens == want[:, 6:].tolist()
+    assert got.tokens == load(tiny_llama_artifact).generate(prompts, max_new_tokens=5).tokens
+
+
+def test_generate_left_pads_a_batch_of_uneven_prompts(tiny_llama_artifact):
+    model = load(tiny_llama_artifact, resident=3)
+    short, long = [5, 6, 7], [8, 9, 10, 11, 12]
+    both = model.generate([short, long], max_new_tokens=3).tokens
+    alone = [model.generate([p], max_new_tokens=3).tokens[0] for p in (short, long)]
+    assert both == alone
+
+
+def test_kv_cache_generation_matches_cache_free(tiny_llama_artifact, tiny_llama_dir, tmp_path):
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+
+    out = tmp_path / "with-past"
+    convert(tiny_llama_dir, out, ConvertConfig(export=ExportConfig(task="text-generation-with-past"), verify=False,
+                                               measure_latency=False))
+    m = read_manifest(out)
+    layer_shards = [s for s in m.shards if any(t.name.startswith("past_key_values.") for t in s.inputs)]
+    assert len(layer_shards) == 3  # each layer's cache goes to that layer's shard
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    cached = load(out, resident=2).generate(prompts, max_new_tokens=4)
+    assert cached.passes == 4
+    assert cached.tokens == load(tiny_llama_artifact).generate(prompts, max_new_tokens=4).tokens
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="needs onnxruntime-gpu and a GPU")
+def test_cuda_streamed_equals_cpu(mlp_artifact):
+    cpu = load(mlp_artifact).run(_feeds())["y"]
+    gpu = load(mlp_artifact, device="cuda", resident=2).run(_feeds())["y"]
+    np.testing.assert_allclose(gpu, cpu, atol=1e-4)
