@@ -106,6 +106,20 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files)
 
+    def last_uses(self) -> dict[int, list[str]]:
+        """For each shard index, the activations no later shard reads and that are not model
+        outputs: a runner can free them once that shard has run."""
+        keep = {t.name for t in self.outputs}
+        last: dict[str, int] = {}
+        for s in self.shards:
+            for t in s.inputs:
+                last[t.name] = s.index
+        drop: dict[int, list[str]] = {s.index: [] for s in self.shards}
+        for name, idx in last.items():
+            if name not in keep:
+                drop[idx].append(name)
+        return drop
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,

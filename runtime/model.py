@@ -41,7 +41,7 @@ class Model:
 
             self._stream = StreamEngine(folder, manifest, device, threads, self.plan, verify=verify)
         self._sessions = [] if self._stream else [make_session(folder / s.file, device, threads) for s in manifest.shards]
-        self._drop_after = _last_uses(manifest)
+        self._drop_after = manifest.last_uses()
         self._text: TextEncoder | None = None
         if manifest.tokenizer:
             self._text = TextEncoder(
@@ -207,17 +207,3 @@ def load(
     if verify:
         verify_files(folder, manifest)
     return Model(folder, manifest, device, threads, plan, verify)
-
-
-def _last_uses(manifest: Manifest) -> dict[int, list[str]]:
-    """For each shard, the activations that no later shard reads and that are not model outputs."""
-    keep = {t.name for t in manifest.outputs}
-    last: dict[str, int] = {}
-    for s in manifest.shards:
-        for t in s.inputs:
-            last[t.name] = s.index
-    drop: dict[int, list[str]] = {s.index: [] for s in manifest.shards}
-    for name, idx in last.items():
-        if name not in keep:
-            drop[idx].append(name)
-    return drop

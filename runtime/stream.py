@@ -179,7 +179,7 @@ class StreamEngine:
         self.threads = threads
         self.plan = plan
         self._lock = threading.Lock()
-        self._drop_after = _last_uses(manifest)
+        self._drop_after = manifest.last_uses()
         self._pinned = {i: make_session(folder / manifest.shards[i].file, device, threads) for i in plan.pinned}
         self._loader: _Loader | None = None
         if plan.streamed:
@@ -340,17 +340,3 @@ def _stamp(folder: Path, rel: str) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return (st.st_size, st.st_mtime_ns, st.st_ino)
-
-
-def _last_uses(manifest: Manifest) -> dict[int, list[str]]:
-    """For each shard, the activations no later shard reads and that are not model outputs."""
-    keep = {t.name for t in manifest.outputs}
-    last: dict[str, int] = {}
-    for s in manifest.shards:
-        for t in s.inputs:
-            last[t.name] = s.index
-    drop: dict[int, list[str]] = {s.index: [] for s in manifest.shards}
-    for name, idx in last.items():
-        if name not in keep:
-            drop[idx].append(name)
-    return drop

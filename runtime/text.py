@@ -33,20 +33,17 @@ class TextEncoder:
             raise FeedError("encode() takes a list of strings; wrap a single text as [text].")
         if not texts:
             raise FeedError("encode() got an empty list; give at least one text.")
-        if pad_to:
-            self.tokenizer.enable_padding(pad_id=self.tokenizer.padding["pad_id"],
-                                          pad_token=self.tokenizer.padding["pad_token"], length=pad_to)
-        try:
-            encs = self.tokenizer.encode_batch(texts)
-        finally:
-            if pad_to:
-                self.tokenizer.enable_padding(pad_id=self.tokenizer.padding["pad_id"],
-                                              pad_token=self.tokenizer.padding["pad_token"])
+        encs = self.tokenizer.encode_batch(texts)  # pads to the longest; the tokenizer is never mutated here
         tensors = {
             "input_ids": np.array([e.ids for e in encs], dtype=np.int64),
             "attention_mask": np.array([e.attention_mask for e in encs], dtype=np.int64),
             "token_type_ids": np.array([e.type_ids for e in encs], dtype=np.int64),
         }
+        extra = (pad_to or 0) - tensors["input_ids"].shape[1]
+        if extra > 0:  # pad further by hand: enable_padding(length=...) would race other threads
+            pad_id = self.tokenizer.padding["pad_id"] if self.tokenizer.padding else 0
+            for name, value in (("input_ids", pad_id), ("attention_mask", 0), ("token_type_ids", 0)):
+                tensors[name] = np.pad(tensors[name], ((0, 0), (0, extra)), constant_values=value)
         return {k: v for k, v in tensors.items() if k in self.input_names}
 
 
