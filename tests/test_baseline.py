@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from slimml.cli import app
 from slimml.errors import ConfigError, DataError
 from slimml.runtime.baseline import REGRESSION_EXIT_CODE, Baseline, Tolerances, compare
-from tests.conftest import STS_DEV
+from conftest import STS_DEV
 
 BASELINES = Path(__file__).parent / "baselines"
 runner = CliRunner()

@@ -22,7 +22,7 @@ import pytest
 
 from slimml.runtime import load
 from slimml.runtime.manifest import MANIFEST_NAME
-from tests.conftest import tiny_onnx_mlp
+from conftest import tiny_onnx_mlp
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}

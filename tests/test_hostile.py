@@ -30,7 +30,7 @@ from slimml.errors import FeedError, SlimmlError
 from slimml.runtime import load
 from slimml.runtime.bench import sample_feeds
 from slimml.runtime.manifest import MANIFEST_NAME, sha256_file
-from tests.conftest import tiny_onnx_mlp
+from conftest import tiny_onnx_mlp
 
 TRIED: Counter[str] = Counter()
 OUTCOMES: Counter[str] = Counter()

@@ -16,7 +16,7 @@ import pytest
 from slimml.errors import ArtifactError, IntegrityError
 from slimml.runtime import load
 from slimml.runtime.manifest import MANIFEST_NAME, read_manifest, sha256_file
-from tests.conftest import tiny_onnx_mlp
+from conftest import tiny_onnx_mlp
 
 ROOT = Path(__file__).resolve().parents[1]
 

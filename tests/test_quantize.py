@@ -24,7 +24,7 @@ from slimml.quantize.calibration import calibration_texts, default_corpus, read_
 from slimml.runtime import load
 from slimml.runtime.bench import sample_feeds
 from slimml.runtime.manifest import read_manifest
-from tests.conftest import STS_TRAIN
+from conftest import STS_TRAIN
 
 
 def _ops(folder, index):
@@ -251,7 +251,7 @@ def test_fp16_converts_weights(tiny_bert_artifact, tmp_path):
 
 
 def test_guard_on_an_eval_file(tiny_bert_artifact, tmp_path):
-    from tests.conftest import STS_DEV
+    from conftest import STS_DEV
 
     rows = STS_DEV.read_text(encoding="utf-8").splitlines()[:41]
     small = tmp_path / "sts-small.csv"

@@ -11,7 +11,7 @@ import pytest
 
 from slimml.runtime import load
 from slimml.runtime.manifest import read_manifest
-from tests.conftest import STS_DEV, STS_TRAIN
+from conftest import STS_DEV, STS_TRAIN
 
 
 def _slimml(*args, cwd=None):

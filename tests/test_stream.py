@@ -12,7 +12,7 @@ from slimml.errors import ConfigError, FeedError, IntegrityError
 from slimml.runtime import load
 from slimml.runtime.budget import parse_bytes, plan_stream
 from slimml.runtime.manifest import read_manifest
-from tests.conftest import tiny_onnx_mlp
+from conftest import tiny_onnx_mlp
 
 
 @pytest.fixture(scope="module")

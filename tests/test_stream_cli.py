@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from slimml.cli import app
 from slimml.errors import ConfigError, SlimmlError
-from tests.test_stream import mlp_artifact, tiny_llama_artifact  # noqa: F401  (module fixtures)
+from test_stream import mlp_artifact, tiny_llama_artifact  # noqa: F401  (module fixtures)
 
 runner = CliRunner()
 
