@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,9 +19,10 @@ from slimml.convert.prune import PruneConfig
 from slimml.convert.reference import reference_for
 from slimml.convert.shard import ShardConfig, shard
 from slimml.convert.sources import Source, resolve
-from slimml.errors import ConfigError, SlimmlError
+from slimml.atomic import atomic_folder, check_output
+from slimml.errors import ConfigError
 from slimml.runtime.bench import sample_feeds, time_runs
-from slimml.runtime.manifest import MANIFEST_NAME, Manifest, TensorSpec, file_entry, verify_files
+from slimml.runtime.manifest import Manifest, TensorSpec, file_entry, verify_files
 from slimml.runtime.model import load
 from slimml.runtime.session import make_session
 from slimml.runtime.text import TextEncoder
@@ -119,9 +118,8 @@ def convert(
     step("reading the source")
     src = resolve(source, example_inputs)
     out = Path(out) if out is not None else Path("artifacts") / src.name
-    _check_output(out)
-    tmp = _fresh_tmp(out)
-    try:
+    check_output(out)
+    with atomic_folder(out) as tmp:
         teacher, shrunk = src, []
         if config.distill is not None or config.prune is not None:
             src, shrunk = _shrink(src, out, tmp / ".work" / "student", config, step, on_progress)
@@ -150,12 +148,6 @@ def convert(
             del model
         manifest.write(tmp)
         shutil.rmtree(tmp / ".work", ignore_errors=True)
-        _replace(tmp, out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and not isinstance(e, SlimmlError):
-            raise _os_error(e, out) from None
-        raise
     return ConvertReport(
         out=out, name=manifest.name, task=manifest.task, shards=len(manifest.shards),
         size_mb=manifest.total_bytes / 1e6, checks=manifest.checks, latency_ms=latency,
@@ -281,94 +273,3 @@ def _exporter(src: Source) -> str:
 
 def _strip(t: TensorSpec) -> TensorSpec:
     return TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape)
-
-
-def _check_output(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"the output {out} is a file; give a folder path with -o.")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
-        raise ConfigError(
-            f"the output folder {out} is not empty and holds no slimml artifact; refusing to replace it. "
-            "Give another folder with -o, or empty it first."
-        )
-
-
-def _fresh_tmp(out: Path) -> Path:
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        for stale in parent.glob(f".{out.name}.slimml-tmp-*"):  # left by a killed convert
-            pid = stale.name.rsplit("-", 1)[-1]
-            if not (pid.isdigit() and _alive(int(pid))):
-                shutil.rmtree(stale, ignore_errors=True)
-        for old in parent.glob(f".{out.name}.slimml-old-*"):  # a previous artifact set aside by a killed convert
-            pid = old.name.rsplit("-", 1)[-1]
-            if not (pid.isdigit() and _alive(int(pid))):
-                if not out.exists():
-                    os.rename(old, out)  # put it back: it is the user's last good artifact
-                else:
-                    shutil.rmtree(old, ignore_errors=True)
-        tmp = parent / f".{out.name}.slimml-tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise _os_error(e, out) from None
-    return tmp
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished artifact into place; the old one, if any, goes only once the new is ready.
-
-    On Linux the two folders are swapped in one atomic ``renameat2(RENAME_EXCHANGE)``, so a kill at
-    any instant leaves a whole artifact at ``out``. Elsewhere the old one is renamed aside first;
-    a kill between the two renames leaves it at ``.NAME.slimml-old-PID``, which the next convert
-    puts back (see ``_fresh_tmp``).
-    """
-    if not out.exists():
-        os.rename(tmp, out)
-        return
-    if _exchange(tmp, out):
-        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous artifact
-        return
-    old = out.parent / f".{out.name}.slimml-old-{os.getpid()}"
-    os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (Linux >= 3.15); False where the system cannot."""
-    if not sys.platform.startswith("linux"):
-        return False
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):  # glibc < 2.28 or another libc
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
-    return rc == 0  # EINVAL/ENOSYS (a filesystem without it): fall back to two renames
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _os_error(e: OSError, out: Path) -> SlimmlError:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # full disk, quota, or a file-size limit
-        return SlimmlError(f"the disk is full while writing {out} ({e.strerror}); free space or choose another folder with -o. Nothing was left at {out}.")
-    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return SlimmlError(f"cannot write to {out} ({e.strerror}); choose a writable folder with -o.")
-    return SlimmlError(f"writing {out} failed: {e}.")

@@ -13,7 +13,7 @@ from typing import Any
 import onnx
 
 import slimml
-from slimml.errors import ArtifactError, ConfigError, SlimmlError
+from slimml.errors import ArtifactError, ConfigError
 from slimml.quantize import chain as ch
 from slimml.quantize.backends import ShardContext, backend_for
 from slimml.quantize.calibration import calibration_texts
@@ -73,7 +73,7 @@ def quantize(
         >>> from slimml.quantize import quantize, Int8Config
         >>> quantize("artifacts/all-MiniLM-L6-v2", "artifacts/minilm-int8", Int8Config("cpu"))
     """
-    from slimml.convert.pipeline import _fresh_tmp, _os_error, _replace
+    from slimml.atomic import atomic_folder
 
     src, out = Path(source), Path(out)
     if out.resolve() == src.resolve():
@@ -83,16 +83,9 @@ def quantize(
             f"the output {out} exists and is not a slimml artifact; refusing to replace it. Give another folder with -o."
         )
     _read_float_artifact(src)  # a bad source fails before a temporary folder appears
-    tmp = _fresh_tmp(out)
-    shutil.rmtree(tmp)
-    try:
+    with atomic_folder(out) as tmp:
+        shutil.rmtree(tmp)  # quantize_into makes the folder itself
         result = quantize_into(src, tmp, config, on_step)
-        _replace(tmp, out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and not isinstance(e, SlimmlError):
-            raise _os_error(e, out) from None
-        raise
     result.out = out
     return result
 

@@ -19,7 +19,7 @@ from conftest import STS_TRAIN
 
 @pytest.fixture(scope="module")
 def texts_file(tmp_path_factory):
-    s1, s2 = [], []
+    s1 = []
     for line in STS_TRAIN.read_text(encoding="utf-8").splitlines()[1:41]:
         s1.append(line.split(",")[0])
     path = tmp_path_factory.mktemp("distill") / "texts.txt"

@@ -98,7 +98,7 @@ def test_kill_right_after_the_swap(tmp_path):
     out = tmp_path / "art"
     script = textwrap.dedent(f"""
         import os, signal
-        import slimml.convert.pipeline as pl
+        import slimml.atomic as pl
         from slimml.convert import ConvertConfig, convert
         convert({str(src)!r}, {str(out)!r}, ConvertConfig(measure_latency=False))
         swap = pl._exchange
@@ -128,9 +128,9 @@ def test_previous_artifact_set_aside_is_restored(tmp_path):
     before = state(out)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     os.rename(out, tmp_path / f".art.slimml-old-{dead.stdout.strip()}")
-    from slimml.convert.pipeline import _fresh_tmp
+    from slimml.atomic import fresh_tmp
 
-    tmp = _fresh_tmp(out)
+    tmp = fresh_tmp(out)
     assert state(out) == before
     shutil.rmtree(tmp)
 

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path

@@ -13,7 +13,6 @@ from slimml.errors import ConfigError, DataError
 from slimml.quantize import (
     Fp16Config,
     GuardConfig,
-    Int8Config,
     Int8DynamicConfig,
     Int8StaticConfig,
     WeightOnlyConfig,

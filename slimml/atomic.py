@@ -1,0 +1,137 @@
+"""Writing an artifact folder atomically: build it beside the output, then swap it into place.
+
+An interrupted write (an error, Ctrl-C, a kill at any instant) leaves the previous artifact, or
+nothing, at the output path, never a half-written one. ``convert`` and ``quantize`` both write
+through :func:`atomic_folder`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from slimml.errors import ConfigError, SlimmlError
+from slimml.runtime.manifest import MANIFEST_NAME
+
+
+@contextmanager
+def atomic_folder(out: Path) -> Iterator[Path]:
+    """Yield a fresh temporary folder beside ``out``; on success swap it in as ``out``.
+
+    On any exception the temporary folder is removed and ``out`` is left as it was; an OSError
+    (full disk, read-only place) becomes a SlimmlError that says what to do.
+
+    Example:
+        >>> with atomic_folder(Path("artifacts/m")) as tmp:
+        ...     (tmp / "manifest.json").write_text("{}")
+    """
+    tmp = fresh_tmp(out)
+    try:
+        yield tmp
+        swap_in(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and not isinstance(e, SlimmlError):
+            raise os_error(e, out) from None
+        raise
+
+
+def check_output(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"the output {out} is a file; give a folder path with -o.")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+        raise ConfigError(
+            f"the output folder {out} is not empty and holds no slimml artifact; refusing to replace it. "
+            "Give another folder with -o, or empty it first."
+        )
+
+
+def fresh_tmp(out: Path) -> Path:
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for stale in parent.glob(f".{out.name}.slimml-tmp-*"):  # left by a killed convert
+            if not _owner_alive(stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
+        for old in parent.glob(f".{out.name}.slimml-old-*"):  # a previous artifact set aside by a killed convert
+            if not _owner_alive(old.name):
+                if not out.exists():
+                    os.rename(old, out)  # put it back: it is the user's last good artifact
+                else:
+                    shutil.rmtree(old, ignore_errors=True)
+        tmp = parent / f".{out.name}.slimml-tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise os_error(e, out) from None
+    return tmp
+
+
+def swap_in(tmp: Path, out: Path) -> None:
+    """Move the finished artifact into place; the old one, if any, goes only once the new is ready.
+
+    On Linux the two folders are swapped in one atomic ``renameat2(RENAME_EXCHANGE)``, so a kill at
+    any instant leaves a whole artifact at ``out``. Elsewhere the old one is renamed aside first;
+    a kill between the two renames leaves it at ``.NAME.slimml-old-PID``, which the next convert
+    puts back (see ``fresh_tmp``).
+    """
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    if _exchange(tmp, out):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous artifact
+        return
+    old = out.parent / f".{out.name}.slimml-old-{os.getpid()}"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux >= 3.15); False where the system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # glibc < 2.28 or another libc
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)
+    return rc == 0  # EINVAL/ENOSYS (a filesystem without it): fall back to two renames
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the process whose id a temp folder's name carries (``.x.slimml-tmp-PID[-suffix]``) runs."""
+    m = re.search(r"\.slimml-(?:tmp|old)-(\d+)", name)
+    return bool(m) and _alive(int(m.group(1)))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def os_error(e: OSError, out: Path) -> SlimmlError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # full disk, quota, or a file-size limit
+        return SlimmlError(f"the disk is full while writing {out} ({e.strerror}); free space or choose another folder with -o. Nothing was left at {out}.")
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return SlimmlError(f"cannot write to {out} ({e.strerror}); choose a writable folder with -o.")
+    return SlimmlError(f"writing {out} failed: {e}.")
