@@ -53,10 +53,11 @@ def test_nncf_static_int8_on_tiny_bert(tiny_bert_artifact, tmp_path):
     assert m.steps[-1]["backend"] == "nncf" and report.quantized_shards
     for i in report.quantized_shards:
         assert {"QuantizeLinear", "DequantizeLinear"} <= _ops(out, m.shards[i])
+        shard = onnx.load(str(out / m.shards[i].file), load_external_data=False)
+        assert any(t.data_type == onnx.TensorProto.INT8 for t in shard.graph.initializer)  # weights stored int8
     f, q = load(tiny_bert_artifact), load(out)  # load() checks every hash
     texts = ["A man plays the guitar.", "Quantized models run on small machines, fast.", "Two dogs run in a field."]
     # measured: min cosine 0.99+ on these texts with the tiny random-weight BERT
-    print("nncf-static cos", _cos(f.encode(texts), q.encode(texts)), m.checks["quantize_agreement_cosine"])
     assert _cos(f.encode(texts), q.encode(texts)) >= 0.98
     assert m.checks["quantize_agreement_cosine"] >= 0.98
 
@@ -70,6 +71,8 @@ def tiny_llama_artifact(tiny_llama_dir, tmp_path_factory):
     return art
 
 
+# measured (random-weight tiny Llama, block 16): int8 3.48x smaller, logits cosine 0.99995;
+# int4 (+ int8 embeddings) 4.47x smaller, logits cosine 0.992
 @pytest.mark.parametrize("bits,min_ratio,min_cos", [(8, 3.3, 0.999), (4, 4.0, 0.97)])
 def test_nncf_weight_compression_on_a_decoder(tiny_llama_artifact, tmp_path, bits, min_ratio, min_cos):
     art, out = tiny_llama_artifact, tmp_path / f"q{bits}"
@@ -83,5 +86,23 @@ def test_nncf_weight_compression_on_a_decoder(tiny_llama_artifact, tmp_path, bit
     la, lb = a.run(feeds)["logits"], b.run(feeds)["logits"]
     assert _cos(la.reshape(-1, la.shape[-1]), lb.reshape(-1, lb.shape[-1])) >= min_cos
     assert report.quantized_shards
-    print(bits, ratio, _cos(la.reshape(-1, la.shape[-1]), lb.reshape(-1, lb.shape[-1])),
-          json.dumps(sorted(set().union(*[_ops(out, s) for s in q.shards]))))
+    ops = set().union(*[_ops(out, s) for s in q.shards])
+    assert "DequantizeLinear" in ops and (bits == 8 or "MatMulNBits" in ops)
+
+
+def test_cli_backend(tmp_path, tiny_bert_artifact):
+    from typer.testing import CliRunner
+
+    from slimml.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["quantize", str(tiny_bert_artifact), "-o", str(tmp_path / "bad"), "--quantize", "int8-static",
+                            "--backend", "tflite"])
+    assert r.exit_code == 1 and "unknown --backend 'tflite'; use one of: ort, nncf." in r.output.replace("\n", " ") + str(r.exception)
+    assert not (tmp_path / "bad").exists()
+    r = runner.invoke(app, ["quantize", str(tiny_bert_artifact), "-o", str(tmp_path / "q"), "--quantize", "int8-static",
+                            "--backend", "nncf", "--calibration", str(STS_TRAIN), "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["checks"]["agreement_cosine"] > 0.98
+    assert read_manifest(tmp_path / "q").steps[-1]["backend"] == "nncf"
