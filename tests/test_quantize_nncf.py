@@ -15,7 +15,7 @@ from slimml.quantize import Int8StaticConfig, WeightOnlyConfig, quantize, scheme
 from slimml.runtime import load  # noqa: E402
 from slimml.runtime.bench import sample_feeds  # noqa: E402
 from slimml.runtime.manifest import read_manifest  # noqa: E402
-from tests.conftest import STS_TRAIN  # noqa: E402
+from conftest import STS_TRAIN  # noqa: E402
 
 
 def _ops(folder, shard):
