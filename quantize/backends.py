@@ -21,7 +21,7 @@ from slimml.errors import ConfigError
 from slimml.quantize.config import Fp16Config, Int8DynamicConfig, Int8StaticConfig, QuantizeConfig, WeightOnlyConfig
 
 Backend = Callable[[onnx.ModelProto, Any, "ShardContext"], "onnx.ModelProto | None"]
-_REGISTRY: dict[type, Backend] = {}
+_REGISTRY: dict[tuple[type, str], Backend] = {}
 
 
 @dataclass
@@ -33,20 +33,23 @@ class ShardContext:
     notes: dict[str, Any] = field(default_factory=dict)
 
 
-def register(config_type: type) -> Callable[[Backend], Backend]:
+def register(config_type: type, backend: str = "ort") -> Callable[[Backend], Backend]:
+    """Register ``fn`` as what quantizes ``config_type`` when its ``backend`` field is ``backend``."""
+
     def add(fn: Backend) -> Backend:
-        _REGISTRY[config_type] = fn
+        _REGISTRY[(config_type, backend)] = fn
         return fn
 
     return add
 
 
 def backend_for(config: QuantizeConfig) -> Backend:
+    key = (type(config), getattr(config, "backend", "ort"))
     try:
-        return _REGISTRY[type(config)]
+        return _REGISTRY[key]
     except KeyError:
-        known = ", ".join(t.__name__ for t in _REGISTRY)
-        raise ConfigError(f"no quantization backend for {type(config).__name__}; use one of: {known}.") from None
+        known = ", ".join(f"{t.__name__} ({b})" for t, b in _REGISTRY)
+        raise ConfigError(f"no quantization backend for {key[0].__name__} ({key[1]}); use one of: {known}.") from None
 
 
 def weight_matmuls(model: onnx.ModelProto, op_types=("MatMul",)) -> list[onnx.NodeProto]:
@@ -160,3 +163,6 @@ def fp16(model: onnx.ModelProto, config: Fp16Config, ctx: ShardContext) -> onnx.
     return convert_float_to_float16(
         model, keep_io_types=config.keep_io_types, op_block_list=list(config.op_block_list), disable_shape_infer=True,
     )
+
+
+from slimml.quantize import nncf_backend as _nncf_backend  # noqa: E402,F401  (registers the nncf backends)

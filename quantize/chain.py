@@ -105,6 +105,11 @@ class RecordedReader:
     def rewind(self):
         self._it = None
 
+    @property
+    def rows(self) -> list[dict[str, np.ndarray]]:
+        """Every recorded feed for this shard, in order (for tools that take a list, such as NNCF)."""
+        return list(self._rows)
+
 
 def outputs_agreement(a: dict[str, np.ndarray], b: dict[str, np.ndarray], mask: np.ndarray | None = None,
                       pooling: dict | None = None) -> float:

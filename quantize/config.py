@@ -12,6 +12,7 @@ from pathlib import Path
 
 from slimml.errors import ConfigError
 
+BACKENDS = ("ort", "nncf")
 SCHEMES = ("none", "int8", "int8-dynamic", "int8-static", "int8-weights", "int4-weights", "fp16")
 TARGETS = ("cpu", "cuda")
 
@@ -69,6 +70,10 @@ class _Common:
             raise ConfigError(f"calibration_size must be a whole number >= 4, got {self.calibration_size!r}.")
         self.exclude_shards = tuple(sorted(set(int(i) for i in self.exclude_shards)))
 
+    def _check_backend(self):
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown --backend {self.backend!r}; use one of: {', '.join(BACKENDS)}.")
+
 
 @dataclass
 class Int8DynamicConfig(_Common):
@@ -108,17 +113,22 @@ class Int8StaticConfig(_Common):
     Args:
         per_channel: one scale per output channel of each weight.
         reduce_range: 7-bit weights (see :class:`Int8DynamicConfig`).
-        method: calibration method: ``"minmax"``, ``"entropy"`` or ``"percentile"``.
-        op_types: ONNX op types to quantize.
+        method: calibration method: ``"minmax"``, ``"entropy"`` or ``"percentile"`` (ort backend).
+        op_types: ONNX op types to quantize (ort backend; NNCF places its own QDQ pairs).
+        backend: ``"ort"`` (ONNX Runtime's ``quantize_static``) or ``"nncf"`` (``nncf.quantize``
+            with ``ModelType.TRANSFORMER``; it uses ``per_channel`` and, for 7-bit weights,
+            ``reduce_range``).
     """
 
     per_channel: bool = True
     reduce_range: bool = True
     method: str = "minmax"
     op_types: tuple[str, ...] = ("MatMul",)
+    backend: str = "ort"
 
     def __post_init__(self):
         self._check_common()
+        self._check_backend()
         if self.method not in ("minmax", "entropy", "percentile"):
             raise ConfigError(f"unknown calibration method {self.method!r}; use minmax, entropy or percentile.")
         self.op_types = tuple(self.op_types)
@@ -135,15 +145,20 @@ class WeightOnlyConfig(_Common):
         block_size: weights per scale along the input dimension (a power of two >= 16).
         symmetric: symmetric blocks (no zero point).
         accuracy_level: ONNX Runtime's compute type on CPU: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8.
+        backend: ``"ort"`` (ONNX Runtime's ``MatMulNBitsQuantizer``) or ``"nncf"``
+            (``nncf.compress_weights``, data-free: int8 per output channel, int4 in blocks of
+            ``block_size``).
     """
 
     bits: int = 4
     block_size: int = 32
     symmetric: bool = True
     accuracy_level: int | None = None
+    backend: str = "ort"
 
     def __post_init__(self):
         self._check_common()
+        self._check_backend()
         if self.bits not in (4, 8):
             raise ConfigError(f"weight-only bits must be 4 or 8, got {self.bits!r}.")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
@@ -191,11 +206,23 @@ def scheme_config(
     max_drop: float | None = None,
     eval_file: str | os.PathLike | None = None,
     keep_best: bool = False,
+    backend: str = "ort",
 ) -> QuantizeConfig | None:
-    """Turn the CLI's ``--quantize`` word into a config (``None`` for ``"none"``)."""
+    """Turn the CLI's ``--quantize`` word into a config (``None`` for ``"none"``).
+
+    ``backend`` (``--backend``) picks who quantizes: ``"ort"`` (ONNX Runtime's tools) or
+    ``"nncf"``, which serves ``int8-static``, ``int8-weights`` and ``int4-weights``.
+    """
     _check_target(target)
     if scheme not in SCHEMES:
         raise ConfigError(f"unknown --quantize value {scheme!r}; use one of: {', '.join(SCHEMES)}.")
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown --backend {backend!r}; use one of: {', '.join(BACKENDS)}.")
+    if backend != "ort" and scheme not in ("int8-static", "int8-weights", "int4-weights"):
+        raise ConfigError(
+            f"--backend {backend} serves --quantize int8-static, int8-weights and int4-weights, not {scheme!r}; "
+            "choose one of those or leave --backend out."
+        )
     if scheme == "none":
         if max_drop is not None or calibration is not None or eval_file is not None:
             raise ConfigError("--calibration, --max-drop and --eval need --quantize; give e.g. --quantize int8.")
@@ -209,11 +236,11 @@ def scheme_config(
     if scheme == "int8-dynamic":
         return Int8DynamicConfig(**common)
     if scheme == "int8-static":
-        return Int8StaticConfig(**common)
+        return Int8StaticConfig(backend=backend, **common)
     if scheme == "int8-weights":
-        return WeightOnlyConfig(bits=8, **common)
+        return WeightOnlyConfig(bits=8, backend=backend, **common)
     if scheme == "int4-weights":
-        return WeightOnlyConfig(bits=4, **common)
+        return WeightOnlyConfig(bits=4, backend=backend, **common)
     if target != "cuda":
         raise ConfigError("--quantize fp16 is for GPUs (ONNX Runtime runs fp16 slower than fp32 on CPUs); add --target cuda.")
     return Fp16Config(**common)
@@ -239,6 +266,6 @@ def describe(config: QuantizeConfig) -> dict:
 
 
 __all__ = [
-    "SCHEMES", "TARGETS", "GuardConfig", "Int8DynamicConfig", "Int8StaticConfig", "WeightOnlyConfig",
+    "BACKENDS", "SCHEMES", "TARGETS", "GuardConfig", "Int8DynamicConfig", "Int8StaticConfig", "WeightOnlyConfig",
     "Fp16Config", "Int8Config", "QuantizeConfig", "scheme_config", "describe", "field",
 ]

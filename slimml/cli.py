@@ -42,6 +42,7 @@ Calibration = Annotated[Optional[Path], typer.Option("--calibration", help="Cali
 MaxDrop = Annotated[Optional[float], typer.Option("--max-drop", help="Accuracy guard: keep sensitive shards float until the drop is at most this.")]
 EvalFile = Annotated[Optional[Path], typer.Option("--eval", help="STS CSV the guard measures the drop on (Spearman x100 points).")]
 Target = Annotated[str, typer.Option("--target", help="cpu or cuda: what the quantized model will run on.")]
+QBackend = Annotated[str, typer.Option("--backend", help="Who quantizes: ort (ONNX Runtime) or nncf (int8-static, int8-weights, int4-weights).")]
 KeepBest = Annotated[bool, typer.Option("--keep-best", help="If --max-drop cannot be met, write the best model found instead of failing.")]
 
 
@@ -64,6 +65,7 @@ def convert(
     eval_file: EvalFile = None,
     target: Target = "cpu",
     keep_best: KeepBest = False,
+    backend: QBackend = "ort",
     as_json: AsJson = False,
 ):
     """Export a model to ONNX, split it into layer shards, check them, and write an artifact folder."""
@@ -71,7 +73,7 @@ def convert(
     from slimml.convert import convert as do_convert
     from slimml.quantize.config import scheme_config
 
-    qconfig = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best)
+    qconfig = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best, backend)
     config = ConvertConfig(export=ExportConfig(opset=opset, task=task), shard=ShardConfig.parse(shards, shard_size), verify=verify,
                            quantize=qconfig)
     if distill_layers is not None or prune is not None or distill_data is not None or distill_epochs is not None:
@@ -134,13 +136,14 @@ def quantize_(
     eval_file: EvalFile = None,
     target: Target = "cpu",
     keep_best: KeepBest = False,
+    backend: QBackend = "ort",
     as_json: AsJson = False,
 ):
     """Quantize a float artifact into a new artifact folder (each shard, calibrated as the whole)."""
     from slimml.quantize import quantize as do_quantize
     from slimml.quantize.config import scheme_config
 
-    config = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best)
+    config = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best, backend)
     if config is None:
         raise SlimmlError("--quantize none leaves the artifact as it is; choose a scheme, e.g. --quantize int8.")
     with console.status("quantizing", spinner="dots") as status:

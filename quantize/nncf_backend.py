@@ -1,0 +1,106 @@
+"""NNCF backends: static QDQ int8 (``nncf.quantize``) and weight compression (``nncf.compress_weights``).
+
+Chosen with ``backend="nncf"`` on :class:`Int8StaticConfig` or :class:`WeightOnlyConfig` (CLI:
+``--backend nncf``). Static int8 is calibrated per shard on the same recorded activations the ONNX
+Runtime backend uses (shard i sees what float shards 0..i-1 give), so a sharded artifact
+quantizes as the whole graph would. ``nncf`` is imported only when one of these runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+
+import onnx
+
+from slimml.errors import ConfigError
+from slimml.quantize.backends import ShardContext, register, weight_matmuls
+from slimml.quantize.config import Int8StaticConfig, WeightOnlyConfig
+
+# what NNCF 3.4's ONNX backend compresses weights to (its own list minus the float formats)
+ONNX_WEIGHT_MODES = ("int8_sym", "int8_asym", "int4_sym", "int4_asym")
+_MIN_OPSET = 13  # NNCF needs opset >= 13 for per-channel scales
+
+
+def _nncf():
+    try:
+        import nncf
+    except ImportError:
+        raise ConfigError(
+            "--backend nncf needs the nncf package, which is not installed; `pip install nncf`, "
+            "or leave --backend out to use ONNX Runtime's quantizers."
+        ) from None
+    return nncf
+
+
+@contextlib.contextmanager
+def _quiet(nncf):
+    """NNCF prints progress bars (rich, on stdout) and INFO lines per call; a shard at a time, that is noise."""
+    logger = logging.getLogger("nncf")
+    level = logger.level
+    nncf.set_log_level(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        nncf.set_log_level(level or logging.INFO)
+
+
+def _check_opset(model: onnx.ModelProto) -> None:
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if version < _MIN_OPSET:
+        raise ConfigError(
+            f"--backend nncf needs ONNX opset >= {_MIN_OPSET}, the artifact has {version}; "
+            f"convert again with --opset {_MIN_OPSET} or higher, or use --backend ort."
+        )
+
+
+@register(Int8StaticConfig, "nncf")
+def nncf_static(model: onnx.ModelProto, config: Int8StaticConfig, ctx: ShardContext) -> onnx.ModelProto | None:
+    """QDQ int8 by ``nncf.quantize`` (transformer mode), calibrated on this shard's recorded inputs."""
+    if not weight_matmuls(model, ("MatMul", "Gemm", "Conv")):
+        return None
+    _check_opset(model)
+    nncf = _nncf()
+    from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
+
+    rows = ctx.reader.rows
+    # reduce_range: 7-bit weights, as the ORT backend (no int16 saturation on CPUs without VNNI)
+    advanced = AdvancedQuantizationParameters(overflow_fix=OverflowFix.ENABLE if config.reduce_range else OverflowFix.DISABLE)
+    if not config.per_channel:
+        from nncf.quantization.advanced_parameters import QuantizationParameters
+
+        advanced.weights_quantization_params = QuantizationParameters(per_channel=False)
+    with _quiet(nncf):
+        q = nncf.quantize(
+            model, nncf.Dataset(rows), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(rows),
+            preset=nncf.QuantizationPreset.MIXED, fast_bias_correction=True, advanced_parameters=advanced,
+        )
+    ctx.notes["nncf"] = {"calibration_batches": len(rows)}
+    return q
+
+
+@register(WeightOnlyConfig, "nncf")
+def nncf_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardContext) -> onnx.ModelProto | None:
+    """Data-free weight compression by ``nncf.compress_weights``: int8 per channel, int4 in blocks."""
+    if not weight_matmuls(model, ("MatMul", "Gemm", "Gather")):
+        return None
+    _check_opset(model)
+    nncf = _nncf()
+    mode = f"int{config.bits}_{'sym' if config.symmetric else 'asym'}"
+    if mode not in ONNX_WEIGHT_MODES:
+        raise ConfigError(
+            f"NNCF cannot compress ONNX weights to {mode}; it supports {', '.join(ONNX_WEIGHT_MODES)}."
+        )
+    with _quiet(nncf):
+        if config.bits == 8:
+            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode(mode))
+        # every MatMul in int4 blocks: NNCF's default keeps the last weight in int8, which per shard
+        # would be every shard's last MatMul. Embedding Gathers go to int8 in a second pass (NNCF
+        # 3.4 turns an int4 Gather into a MatMulNBits that ONNX Runtime rejects).
+        model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode(mode), group_size=config.block_size,
+                                      ratio=1.0, all_layers=True, ignored_scope=nncf.IgnoredScope(types=["Gather"], validate=False))
+        if any(n.op_type == "Gather" for n in weight_matmuls(model, ("Gather",))):
+            model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        return model
