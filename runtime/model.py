@@ -13,7 +13,7 @@ from slimml.runtime.budget import StreamPlan, plan_stream
 from slimml.runtime.feeds import check_feeds
 from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
-from slimml.runtime.session import make_session, providers_for
+from slimml.runtime.session import make_session, providers_for, run_shard
 from slimml.runtime.text import TextEncoder, pool
 
 
@@ -70,19 +70,7 @@ class Model:
         if self._stream is not None:
             return self._stream.run(env)
         for shard, session in zip(self.manifest.shards, self._sessions):
-            names = [t.name for t in shard.outputs]
-            try:
-                values = session.run(names, {t.name: env[t.name] for t in shard.inputs})
-            except Exception as e:  # onnxruntime's own exception classes
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise FeedError(
-                    f"shard {shard.index} ({shard.file}) rejected the inputs: {msg}. Check the input "
-                    "values, e.g. token ids inside the vocabulary and sequences no longer than the "
-                    "model's maximum."
-                ) from None
-            env.update(zip(names, values))
-            for name in self._drop_after[shard.index]:
-                env.pop(name, None)  # free activations no later shard needs
+            run_shard(shard, session.run, env, self._drop_after[shard.index])
         return {t.name: env[t.name] for t in self.manifest.outputs}
 
     def verify(self) -> None:

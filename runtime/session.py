@@ -6,7 +6,7 @@ import os
 
 import onnxruntime as ort
 
-from slimml.errors import ArtifactError, DeviceError
+from slimml.errors import ArtifactError, DeviceError, FeedError
 
 DEVICES = ("cpu", "cuda")
 
@@ -56,3 +56,24 @@ def make_session(path: os.PathLike | str, device: str = "cpu", threads: int | No
             f"ONNX Runtime could not load {os.fspath(path)}: {str(e).strip().splitlines()[0]}. "
             "The file is not a valid ONNX model for this onnxruntime; re-convert it."
         ) from None
+
+
+def run_shard(shard, call, env: dict, drop: list[str]) -> None:
+    """Run one shard on the activations in ``env`` and update ``env`` in place.
+
+    ``call(output_names, feeds)`` runs the shard's session (``session.run``, or an IOBinding
+    runner on CUDA). Its outputs go into ``env`` and the activations in ``drop`` (those no later
+    shard reads) leave it. ONNX Runtime's errors become one-line FeedErrors naming the shard.
+    """
+    names = [t.name for t in shard.outputs]
+    try:
+        values = call(names, {t.name: env[t.name] for t in shard.inputs})
+    except Exception as e:  # onnxruntime's own exception classes
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FeedError(
+            f"shard {shard.index} ({shard.file}) rejected the inputs: {msg}. Check the input values, e.g. "
+            "token ids inside the vocabulary and sequences no longer than the model's maximum."
+        ) from None
+    env.update(zip(names, values))
+    for name in drop:
+        env.pop(name, None)  # free activations no later shard needs

@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from slimml.errors import ArtifactError, FeedError, SlimmlError
+from slimml.errors import ArtifactError, SlimmlError
 from slimml.runtime.budget import StreamPlan
 from slimml.runtime.feeds import check_feeds
 from slimml.runtime.manifest import FileEntry, Manifest, safe_path, verify_file
-from slimml.runtime.session import make_session, session_options
+from slimml.runtime.session import make_session, run_shard, session_options
 
 _READ_CHUNK = 16 << 20
 
@@ -218,24 +218,11 @@ class StreamEngine:
         return out
 
     def _run_shard(self, shard, session, env: dict[str, Any]) -> None:
-        names = [t.name for t in shard.outputs]
         t0 = time.perf_counter()
-        try:
-            if self.device == "cuda":
-                values = _run_bound(session, names, {t.name: env[t.name] for t in shard.inputs})
-            else:
-                values = session.run(names, {t.name: env[t.name] for t in shard.inputs})
-        except Exception as e:  # onnxruntime's own exception classes
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise FeedError(
-                f"shard {shard.index} ({shard.file}) rejected the inputs: {msg}. Check the input values, e.g. "
-                "token ids inside the vocabulary and sequences no longer than the model's maximum."
-            ) from None
+        call = (lambda names, feeds: _run_bound(session, names, feeds)) if self.device == "cuda" else session.run
+        run_shard(shard, call, env, self._drop_after[shard.index])
         if self._loader is not None:
             self._loader.stats.compute_s += time.perf_counter() - t0
-        env.update(zip(names, values))
-        for name in self._drop_after[shard.index]:
-            env.pop(name, None)
 
     @property
     def stats(self) -> StreamStats:
