@@ -1,15 +1,15 @@
 """Distilled / pruned students of all-MiniLM-L6-v2 against the Optimum int8 peer of the teacher.
 
 Run:
-    slimml convert --distill-layers 3 --prune 0.5 --distill-data ../shared/data/stsb/sts-train.csv -o artifacts/d3p5
+    slimml convert --distill-layers 3 --prune 0.5 --quantize int8 --distill-data ../shared/data/stsb/sts-train.csv -o artifacts/d3p5
     python benchmarks/bench_distill.py artifacts/d3p5 [more student artifacts...] [--rounds 30]
 
 For the teacher, Optimum exports all-MiniLM-L6-v2 to ONNX and ``ORTQuantizer`` quantizes it with
 ``AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=True)`` (the peer), and the fp32
-teacher is converted by slimml. For each student artifact the benchmark measures the fp32 artifact
-and an int8 estimate made here with ``onnxruntime.quantization.quantize_dynamic`` on every shard
-(per-channel; MatMul + Gather, as ``--quantize int8`` does; "mm-only" quantizes MatMul only). All
-are timed round after round in one process (batch 1, seq 128) and scored on STSb dev (Spearman x100).
+teacher is converted by slimml. Each student artifact is measured as it is; a float student also
+gets an int8 estimate made here with ``onnxruntime.quantization.quantize_dynamic`` on every shard
+(per-channel, MatMul + Gather, close to what ``--quantize int8`` does). All are timed round after
+round in one process (batch 1, seq 128) and scored on STSb dev (Spearman x100).
 Prints a table (and ``--json FILE``); ratios are what to read, absolute times on a shared machine are noise.
 """
 
@@ -96,6 +96,15 @@ class PeerModel:
         return np.concatenate(out)
 
 
+def _shape(model) -> dict:
+    """Layers, prune fraction and parameters of a contender, from its manifest's steps (teachers: the students' record)."""
+    steps = {} if isinstance(model, PeerModel) else {s.get("step"): s for s in model.manifest.steps}
+    distill, prune = steps.get("distill", {}), steps.get("prune", {})
+    return {"layers": distill.get("layers", 6), "prune": prune.get("fraction", 0.0),
+            "params": prune.get("student_params") or distill.get("student_params"),
+            "teacher_params": distill.get("teacher_params")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("students", nargs="+", type=Path, help="student artifacts written by `slimml convert --distill-layers/--prune`")
@@ -116,17 +125,22 @@ def main() -> None:
         convert(None, work / "teacher", ConvertConfig(measure_latency=False))
         contenders["slimml fp32 (teacher)"] = load(work / "teacher")
         for art in args.students:
-            tag = art.name
-            contenders[f"{tag} fp32"] = load(art)
-            contenders[f"{tag} int8 est."] = load(int8_copy(art, work / f"{tag}-int8", ["MatMul", "Gather"]))
-            contenders[f"{tag} int8 est. mm-only"] = load(int8_copy(art, work / f"{tag}-int8mm", ["MatMul"]))
+            model = load(art)
+            if any(s.get("step") == "quantize" for s in model.manifest.steps):
+                contenders[f"{art.name} quantized"] = model
+            else:
+                contenders[f"{art.name} fp32"] = model
+                contenders[f"{art.name} int8 est."] = load(int8_copy(art, work / f"{art.name}-int8", ["MatMul", "Gather"]))
         rows = {}
         for name, model in contenders.items():
             size = model.size_mb if isinstance(model, PeerModel) else model.manifest.total_bytes / 1e6
-            layers = None if isinstance(model, PeerModel) else sum(1 for s in model.manifest.shards if s.layers)
             sts = evaluate_sts(model, STS_DEV).score
-            rows[name] = {"size_mb": round(size, 2), "layers": layers, "stsb_dev": round(sts, 2)}
+            rows[name] = {"size_mb": round(size, 2), **_shape(model), "stsb_dev": round(sts, 2)}
             print(f"scored {name}: {sts:.2f}", flush=True)
+        teacher_params = next((r["teacher_params"] for r in rows.values() if r["teacher_params"]), 0)
+        for r in rows.values():
+            r["params"] = r["params"] or teacher_params
+            del r["teacher_params"]
         feeds = {}
         for name, model in contenders.items():
             f = sample_feeds(model.inputs, batch=1, seq=args.seq)
@@ -144,12 +158,12 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
         base = float(np.median(times["optimum int8 (teacher, peer)"]))
         print(f"\nbatch 1 x seq {args.seq}, {args.rounds} interleaved rounds; STSb dev = Spearman x100 on {STS_DEV.name}")
-        print(f"{'system':<34}{'layers':>7}{'MB':>9}{'STSb dev':>10}{'p50 ms':>9}{'vs peer':>9}")
+        print(f"{'system':<34}{'layers':>7}{'prune':>7}{'params M':>10}{'MB':>9}{'STSb dev':>10}{'p50 ms':>9}{'vs peer':>9}")
         for name, r in rows.items():
             med = float(np.median(times[name]))
             r |= {"p50_ms": round(med * 1e3, 3), "latency_vs_peer": round(med / base, 3)}
-            print(f"{name:<34}{r['layers'] if r['layers'] is not None else 6:>7}{r['size_mb']:>9.2f}{r['stsb_dev']:>10.2f}"
-                  f"{r['p50_ms']:>9.2f}{r['latency_vs_peer']:>8.2f}x")
+            print(f"{name:<34}{r['layers']:>7}{r['prune']:>7}{r['params'] / 1e6:>10.1f}{r['size_mb']:>9.2f}"
+                  f"{r['stsb_dev']:>10.2f}{r['p50_ms']:>9.2f}{r['latency_vs_peer']:>8.2f}x")
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
     finally:

@@ -1,6 +1,9 @@
 """Accuracy against size from one or more ``bench_distill.py --json`` files, as a PNG (needs matplotlib).
 
-Run:  python benchmarks/plot_distill.py results.json [more.json] -o docs/distill_accuracy_vs_size.png
+Run:  python benchmarks/plot_distill.py docs/distill_sweep.json -o docs/distill_accuracy_vs_size.png
+
+Students with the same layer count are joined by a line (prune 0 -> 0.3 -> 0.5 going left); the
+teacher and its Optimum int8 peer are single points; the dashed lines are the issue's goals.
 """
 
 from __future__ import annotations
@@ -24,22 +27,29 @@ def main() -> None:
     for f in args.results:
         rows |= json.loads(f.read_text())
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
-    styles = {"fp32": ("o", "tab:blue"), "int8 est.": ("s", "tab:green"), "mm-only": ("^", "tab:olive"),
-              "peer": ("*", "tab:red"), "teacher": ("D", "black")}
+    colors = {2: "tab:orange", 3: "tab:green", 4: "tab:blue"}
+    by_layers: dict[int, list] = {}
     for name, r in rows.items():
-        key = next((k for k in ("peer", "mm-only", "int8 est.", "fp32") if k in name), "teacher")
-        if "teacher" in name and key == "fp32":
-            key = "teacher"
-        marker, color = styles[key]
-        ax.scatter(r["size_mb"], r["stsb_dev"], marker=marker, color=color, s=60, zorder=3)
-        ax.annotate(name, (r["size_mb"], r["stsb_dev"]), textcoords="offset points", xytext=(5, 4), fontsize=7)
-    ax.axhline(84.0, color="grey", linestyle="--", linewidth=0.8)
-    ax.axvline(12.0, color="grey", linestyle=":", linewidth=0.8)
+        if "peer" in name:
+            ax.scatter(r["size_mb"], r["stsb_dev"], marker="*", color="tab:red", s=140, zorder=3, label="teacher, Optimum int8 (peer)")
+        elif "teacher" in name:
+            ax.scatter(r["size_mb"], r["stsb_dev"], marker="D", color="black", s=50, zorder=3, label="teacher, fp32")
+        else:
+            by_layers.setdefault(r["layers"], []).append((r["size_mb"], r["stsb_dev"], r["prune"]))
+    for layers, pts in sorted(by_layers.items()):
+        pts.sort()
+        color = colors.get(layers, "tab:purple")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, zorder=3, label=f"{layers}-layer student, int8")
+        for size, score, prune in pts:
+            ax.annotate(f"prune {prune:g}", (size, score), textcoords="offset points", xytext=(5, -10), fontsize=7, color=color)
+    ax.axhline(84.0, color="grey", linestyle="--", linewidth=0.8, label="goal: STSb dev >= 84.0")
+    ax.axvline(12.0, color="grey", linestyle=":", linewidth=0.8, label="goal: <= 12 MB")
     ax.set_xscale("log")
     ax.set_xlabel("artifact size, MB (log scale)")
     ax.set_ylabel("STSb dev, Spearman x100")
     ax.set_title("all-MiniLM-L6-v2 students: accuracy against size")
     ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out)

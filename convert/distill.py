@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -49,18 +50,21 @@ class DistillConfig:
         max_steps: stop after this many steps (quick runs, tests).
         seed: data order and anything random.
         checkpoint_every: save a resumable checkpoint every this many steps.
+        pre_prune_epochs: with both ``layers`` and pruning, passes of distillation *before* the
+            importance scores are measured and the student is pruned (``epochs`` more follow).
     """
 
     layers: int | None = None
     data: str | os.PathLike | None = None
     epochs: float | None = None
     batch_size: int = 32
-    lr: float = 2e-4
+    lr: float = 5e-4
     max_length: int = 128
     max_texts: int | None = None
     max_steps: int | None = None
     seed: int = 0
     checkpoint_every: int = 100
+    pre_prune_epochs: float = 1.0
 
     def __post_init__(self):
         if self.layers is not None and self.layers < 1:
@@ -71,6 +75,8 @@ class DistillConfig:
             raise ConfigError(f"distillation batch_size {self.batch_size} must be >= 2.")
         if not 0 < self.lr < 1:
             raise ConfigError(f"distillation lr {self.lr} must be in (0, 1), e.g. 2e-4.")
+        if self.pre_prune_epochs < 0:
+            raise ConfigError(f"pre_prune_epochs {self.pre_prune_epochs} must be >= 0.")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps {self.max_steps} must be >= 1.")
 
@@ -142,12 +148,34 @@ def shrink(
     epochs = distill.epochs if distill.epochs is not None else (3.0 if distill.layers else 1.0)
     fingerprint = _fingerprint(teacher_dir, distill, prune, epochs, facts["texts"])
     state = _load_checkpoint(checkpoint, fingerprint)
-    trainer = Trainer(teacher, kind, teacher_dir, facts["texts"], distill, epochs, state and state.get("targets"))
+    trainer = Trainer(teacher, kind, teacher_dir, facts["texts"], distill, state and state.get("targets"))
     kept_layers = evenly_spaced(facts["teacher_layers"], distill.layers) if distill.layers else list(range(facts["teacher_layers"]))
     student = trainer.student(kept_layers)
     teacher_params = _params(teacher)
     distilled_params = _params(student)
+    # Distil first, prune second: importance measured on a student that already works picks better
+    # heads and neurons than importance measured on the freshly cut copy.
+    pre_epochs = distill.pre_prune_epochs if (distill.layers and prune is not None) else 0.0
+    pre_steps = trainer.steps(pre_epochs) if pre_epochs else 0
+    main_steps = trainer.steps(epochs)
+    phase = state.get("phase") if state else None
     plan = state["plan"] if state else None
+
+    def saver(phase_name: str) -> Callable[[int, dict], None]:
+        def save(step: int, optim_state: dict) -> None:
+            if checkpoint is not None:
+                _save_checkpoint(Path(checkpoint), {"fingerprint": fingerprint, "phase": phase_name, "plan": plan,
+                                                    "step": step, "student": student.state_dict(),
+                                                    "optim": optim_state, "targets": trainer.targets})
+        return save
+
+    def shown(offset: int) -> Callable[[int, float], None] | None:
+        return None if progress is None else (lambda step, loss: progress(offset + step, pre_steps + main_steps, loss))
+
+    pre = None
+    if pre_steps and phase in (None, "pre"):
+        pre = trainer.train(student, pre_steps, state, saver("pre"), shown(0))
+        state = None
     if prune is not None:
         if plan is None:
             scores = pruning.importance(student, trainer.batches(prune.importance_batches), trainer.loss)
@@ -159,21 +187,19 @@ def shrink(
         if plan.get("vocab"):
             remap = prune_vocab.apply(student, plan["vocab"])
             trainer.renumber(remap)
-
-    def save_ckpt(step: int, optim_state: dict) -> None:
-        if checkpoint is not None:
-            _save_checkpoint(Path(checkpoint), {"fingerprint": fingerprint, "plan": plan, "step": step,
-                                                "student": student.state_dict(), "optim": optim_state,
-                                                "targets": trainer.targets})
-
-    result = trainer.train(student, state, save_ckpt, progress)
+    first_epoch = max(1, math.ceil(pre_epochs)) if pre_steps else 0
+    result = trainer.train(student, main_steps, state, saver("main"), shown(pre_steps), first_epoch=first_epoch)
+    if pre is not None:  # where this run started, in steps of the whole training
+        result["resumed_at"] = pre["resumed_at"]
+    elif result["resumed_at"]:
+        result["resumed_at"] += pre_steps
     _save_student(student, teacher_dir, out_dir)
     if prune is not None and plan.get("vocab"):
         prune_vocab.write_tokenizer(teacher_dir, out_dir, remap)
     if checkpoint is not None:
         Path(checkpoint).unlink(missing_ok=True)
     seconds = round(time.perf_counter() - t0, 1)
-    common = {"data": facts["origin"], "texts": len(facts["texts"]), "epochs": epochs, "steps": result["steps"],
+    common = {"data": facts["origin"], "texts": len(facts["texts"]), "epochs": epochs, "steps": pre_steps + result["steps"],
               "final_loss": round(result["loss"], 6), "resumed_at_step": result["resumed_at"], "seconds": seconds}
     steps = []
     if distill.layers:
@@ -184,7 +210,8 @@ def shrink(
         steps.append({"step": "prune", "method": "taylor-first-order", **asdict(prune),
                       "heads_per_layer": len(plan["heads"][0]), "ffn_per_layer": len(plan["ffn"][0]),
                       "vocab_size": len(plan["vocab"]) if plan.get("vocab") else student.config.vocab_size,
-                      "student_params": _params(student), **({} if distill.layers else common)})
+                      "teacher_params": teacher_params, "student_params": _params(student), "trained_before_pruning": {"epochs": pre_epochs, "steps": pre_steps},
+                      **({} if distill.layers else common)})
     return steps
 
 

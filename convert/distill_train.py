@@ -59,13 +59,12 @@ def _layer_list(model: Any) -> tuple[Any, str]:
 class Trainer:
     """Tokenized texts, the teacher's targets and the training loop for one student."""
 
-    def __init__(self, teacher: Any, kind: str, folder: Path, texts: list[str], config: Any, epochs: float,
-                 targets: Any = None):
+    def __init__(self, teacher: Any, kind: str, folder: Path, texts: list[str], config: Any, targets: Any = None):
         import torch
         from transformers import AutoTokenizer
 
         torch.manual_seed(config.seed)
-        self.teacher, self.kind, self.config, self.epochs = teacher, kind, config, epochs
+        self.teacher, self.kind, self.config = teacher, kind, config
         self.tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token or self.tok.unk_token
@@ -183,15 +182,20 @@ class Trainer:
             kl = (kl * m).sum() / m.sum()
         return kl.mean() * temp * temp
 
-    def train(self, student: Any, state: dict | None, save: Callable[[int, dict], None],
-              progress: Callable[[int, int, float], None] | None) -> dict[str, Any]:
-        """Train ``student`` in place; resume from ``state`` (a checkpoint) when given."""
+    def steps(self, epochs: float) -> int:
+        """Optimizer steps for ``epochs`` passes over the data (capped by ``config.max_steps``)."""
+        total = max(1, math.ceil(len(self._order(0)) * epochs))
+        return total if self.config.max_steps is None else min(total, self.config.max_steps)
+
+    def train(self, student: Any, total: int, state: dict | None, save: Callable[[int, dict], None],
+              progress: Callable[[int, float], None] | None, first_epoch: int = 0) -> dict[str, Any]:
+        """Train ``student`` in place for ``total`` steps; resume from ``state`` (a checkpoint) when given.
+
+        ``first_epoch`` numbers the data orders, so a second phase does not replay the first one's batches.
+        """
         import torch
 
         per_epoch = len(self._order(0))
-        total = max(1, math.ceil(per_epoch * self.epochs))
-        if self.config.max_steps is not None:
-            total = min(total, self.config.max_steps)
         # The student keeps the teacher's token embeddings: they are most of its weights and already
         # fit the vocabulary; freezing them also halves the optimizer's work on a small encoder.
         student.get_input_embeddings().weight.requires_grad_(False)
@@ -210,7 +214,7 @@ class Trainer:
         student.train()
         while step < total:
             epoch, offset = divmod(step, per_epoch)
-            for b in self._order(epoch)[offset:]:
+            for b in self._order(first_epoch + epoch)[offset:]:
                 loss = self.loss(student, self._collate(b))
                 optim.zero_grad(set_to_none=True)
                 loss.backward()
@@ -220,7 +224,7 @@ class Trainer:
                 step += 1
                 running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
                 if progress is not None:
-                    progress(step, total, running)
+                    progress(step, running)
                 if step % self.config.checkpoint_every == 0 and step < total:
                     save(step, {"optim": optim.state_dict(), "sched": sched.state_dict()})
                 if step >= total:

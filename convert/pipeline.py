@@ -48,6 +48,8 @@ class ConvertConfig:
         prune: remove attention heads and FFN neurons before export (``convert.prune``).
         quantize: a ``slimml.quantize`` config, applied to the sharded artifact after the
             checks (``None``: stay float).
+        compare_on: with ``distill``/``prune``, an STS CSV on which the report scores the teacher
+            and the student (``measure_latency`` also times the two side by side).
     """
 
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -57,6 +59,7 @@ class ConvertConfig:
     distill: DistillConfig | None = None
     prune: PruneConfig | None = None
     quantize: Any = None
+    compare_on: str | os.PathLike | None = None
 
 
 @dataclass
@@ -70,6 +73,7 @@ class ConvertReport:
     latency_ms: float | None = None
     seconds: float = 0.0
     steps: list[dict[str, Any]] = field(default_factory=list)
+    teacher: dict[str, Any] | None = None  # the student against its teacher (distill / prune only)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -138,6 +142,11 @@ def convert(
             verify_files(tmp, manifest)
         if config.quantize is not None:
             manifest = _quantize_step(tmp, manifest, config.quantize, step)
+        against = None
+        if shrunk and (config.measure_latency or config.compare_on is not None):
+            step("comparing with the teacher")
+            against = _against_teacher(teacher, tmp, manifest, config.compare_on)
+            manifest.checks["vs_teacher"] = against
         latency = None
         if config.measure_latency:
             step("measuring latency")
@@ -151,8 +160,22 @@ def convert(
     return ConvertReport(
         out=out, name=manifest.name, task=manifest.task, shards=len(manifest.shards),
         size_mb=manifest.total_bytes / 1e6, checks=manifest.checks, latency_ms=latency,
-        seconds=time.perf_counter() - t0, steps=manifest.steps,
+        seconds=time.perf_counter() - t0, steps=manifest.steps, teacher=against,
     )
+
+
+def _against_teacher(teacher: Source, tmp: Path, manifest: Manifest, sts_file: Any) -> dict[str, Any]:
+    """Convert the teacher (float, no checks) beside the student and compare the two."""
+    from slimml.convert.compare import compare, student_params
+
+    manifest.write(tmp)
+    report = convert(teacher.path, tmp / ".work" / "teacher", ConvertConfig(verify=False, measure_latency=False))
+    t_model, s_model = load(report.out, device="cpu"), load(tmp, device="cpu")
+    try:
+        return compare(t_model, s_model, *student_params(manifest.steps), sts_file=sts_file)
+    finally:
+        t_model.close()
+        s_model.close()
 
 
 def _shrink(src: Source, out: Path, student_dir: Path, config: ConvertConfig, step, on_progress):

@@ -57,8 +57,9 @@ def convert(
     verify: Annotated[bool, typer.Option(help="Check the artifact against the original model.")] = True,
     distill_layers: Annotated[Optional[int], typer.Option(help="Distil into a student with this many layers (fewer than the model's).")] = None,
     distill_data: Annotated[Optional[Path], typer.Option(help="Texts to distil on: one a line, or a CSV with text/sentence1/sentence2 columns. Default: a built-in corpus.")] = None,
-    distill_epochs: Annotated[Optional[float], typer.Option(help="Passes over the distillation data (default 3; 1 after --prune alone).")] = None,
+    distill_epochs: Annotated[Optional[float], typer.Option(help="Passes over the distillation data (default 3; 1 after --prune alone). With both --distill-layers and --prune, one more pass trains the student before it is pruned.")] = None,
     prune: Annotated[Optional[float], typer.Option(help="Remove this share (0..1) of attention heads and FFN neurons per layer, then recover by distillation.")] = None,
+    compare_on: Annotated[Optional[Path], typer.Option("--compare-on", help="With --distill-layers/--prune: an STS CSV on which the report scores the teacher and the student.")] = None,
     quantize: Quantize = "none",
     calibration: Calibration = None,
     max_drop: MaxDrop = None,
@@ -76,6 +77,8 @@ def convert(
     qconfig = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best, backend)
     config = ConvertConfig(export=ExportConfig(opset=opset, task=task), shard=ShardConfig.parse(shards, shard_size), verify=verify,
                            quantize=qconfig)
+    if compare_on is not None and distill_layers is None and prune is None:
+        raise SlimmlError("--compare-on compares a student with its teacher; give --distill-layers N or --prune F with it.")
     if distill_layers is not None or prune is not None or distill_data is not None or distill_epochs is not None:
         from slimml.convert.distill import DistillConfig
         from slimml.convert.prune import PruneConfig
@@ -84,6 +87,7 @@ def convert(
             raise SlimmlError("--distill-data and --distill-epochs need --distill-layers N or --prune F.")
         config.distill = DistillConfig(layers=distill_layers, data=distill_data, epochs=distill_epochs)
         config.prune = PruneConfig(fraction=prune) if prune is not None else None
+        config.compare_on = compare_on
         report = _convert_with_progress(do_convert, source, out, config)
     else:
         with console.status("converting", spinner="dots") as status:
@@ -96,6 +100,8 @@ def convert(
     table.add_row("shards", str(report.shards))
     table.add_row("size", f"{report.size_mb:.1f} MB")
     for key, value in report.checks.items():
+        if isinstance(value, dict):
+            continue
         table.add_row(key.replace("_", " "), f"{value:.3g}" if isinstance(value, float) else str(value))
     for s in report.steps:  # the student against its teacher, when distilled or pruned
         if s["step"] == "distill":
@@ -106,6 +112,21 @@ def convert(
                           f"{s['vocab_size']}: {s['student_params'] / 1e6:.1f}M params")
     table.add_row("time", f"{report.seconds:.1f} s")
     console.print(table)
+    if report.teacher:
+        console.print(_teacher_table(report.teacher))
+
+
+def _teacher_table(c: dict) -> Table:
+    """Teacher against student: parameters, MB, latency (batch 1 x seq 128, timed interleaved), STSb."""
+    table = Table(title="teacher against student")
+    for col in ("", "params", "MB", "latency b1 s128", "STS (Spearman x100)"):
+        table.add_column(col, justify="right")
+    for name in ("teacher", "student"):
+        r = c[name]
+        ratio = "1.00x" if name == "teacher" else f"{c['latency_ratio']:.2f}x"
+        table.add_row(name, f"{r['params'] / 1e6:.1f} M", f"{r['mb']:.1f}", f"{r['latency_ms']:.2f} ms ({ratio})",
+                      f"{r['stsb']:.2f}" if "stsb" in r else "(--compare-on FILE)")
+    return table
 
 
 def _convert_with_progress(do_convert, source, out, config):

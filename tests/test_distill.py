@@ -66,9 +66,18 @@ def test_evenly_spaced_keeps_first_and_last():
 
 def test_sentence_model_distilled_and_pruned_shrinks_and_runs(tiny_bert_dir, texts_file, tmp_path):
     # tiny_bert: 2 layers, 2 heads, FFN 64 -> 1 layer, 1 head, FFN 32
+    from conftest import STS_DEV
+
+    sts = tmp_path / "sts.csv"
+    sts.write_text("".join(STS_DEV.read_text(encoding="utf-8").splitlines(keepends=True)[:41]), encoding="utf-8")
     config = ConvertConfig(distill=DistillConfig(layers=1, data=texts_file, max_steps=4, batch_size=8),
-                           prune=PruneConfig(0.5, importance_batches=2), measure_latency=False)
+                           prune=PruneConfig(0.5, importance_batches=2), measure_latency=False, compare_on=sts)
     report = convert(tiny_bert_dir, tmp_path / "art", config)
+    # the report's teacher-vs-student table: the teacher converted beside the student, timed interleaved
+    t, st = report.teacher["teacher"], report.teacher["student"]
+    assert t["params"] > st["params"] > 0 and t["mb"] > st["mb"] > 0 and report.teacher["latency_ratio"] > 0
+    assert -100 <= st["stsb"] <= 100 and -100 <= t["stsb"] <= 100
+    assert not (report.out / ".work").exists()
     model = load(report.out)
     m = model.manifest
     assert [s["step"] for s in m.steps] == ["distill", "prune", "export", "shard"]
@@ -145,20 +154,28 @@ def test_decoder_layer_distillation_with_kl(tiny_decoder_dir, texts_file, tmp_pa
 
 
 def test_interrupted_training_resumes_from_the_checkpoint(tiny_bert_dir, texts_file, tmp_path):
+    # Two phases of 4 steps each: distillation (steps 1-4), then pruning and recovery (steps 5-8).
     ckpt = tmp_path / "ckpt.pt"
     config = DistillConfig(layers=1, data=texts_file, max_steps=4, batch_size=8, checkpoint_every=2)
+    prune = PruneConfig(0.5, importance_batches=1)
 
-    def stop_at_3(step, total, loss):
-        if step == 3:
-            raise KeyboardInterrupt
+    def stop_at(n, seen):
+        def progress(step, total, loss):
+            seen.append(step)
+            assert total == 8
+            if step == n:
+                raise KeyboardInterrupt
+        return progress
 
-    with pytest.raises(KeyboardInterrupt):
-        shrink(tiny_bert_dir, tmp_path / "s1", config, PruneConfig(0.5, importance_batches=1), ckpt, stop_at_3)
-    assert ckpt.is_file()
+    for stop, want_seen in ((3, [1, 2, 3]), (7, [3, 4, 5, 6, 7])):  # killed before pruning, then after
+        seen = []
+        with pytest.raises(KeyboardInterrupt):
+            shrink(tiny_bert_dir, tmp_path / "s1", config, prune, ckpt, stop_at(stop, seen))
+        assert ckpt.is_file() and seen == want_seen
     seen = []
-    steps = shrink(tiny_bert_dir, tmp_path / "s2", config, PruneConfig(0.5, importance_batches=1), ckpt,
-                   lambda s, t, l: seen.append(s))
-    assert steps[0]["resumed_at_step"] == 2 and seen == [3, 4]
+    steps = shrink(tiny_bert_dir, tmp_path / "s2", config, prune, ckpt, lambda s, t, l: seen.append(s))
+    assert steps[0]["resumed_at_step"] == 6 and seen == [7, 8]
+    assert steps[1]["trained_before_pruning"] == {"epochs": 1.0, "steps": 4}
     assert not ckpt.exists()
 
 
@@ -222,6 +239,9 @@ def test_cli_rejects_bad_requests_with_one_line(tmp_path):
     r = slimml("convert", "--distill-layers", "6", "-o", tmp_path / "a")
     assert r.returncode == 1
     assert "--distill-layers 6 is not fewer than the teacher's 6 layers; give 1 to 5." in r.stderr
+    r = slimml("convert", "--compare-on", tmp_path / "sts.csv", "-o", tmp_path / "a")
+    assert r.returncode == 1
+    assert "--compare-on compares a student with its teacher; give --distill-layers N or --prune F with it." in r.stderr
     assert not (tmp_path / "a").exists()
 
 

@@ -1,0 +1,56 @@
+"""The student against its teacher, for the convert report: parameters, MB, latency ratio, accuracy.
+
+After ``--distill-layers`` / ``--prune``, the teacher is converted too (float, unsharded checks
+off) in the work folder, and both artifacts are timed round after round in this one process at
+batch 1 x seq 128, so the ratio holds on a noisy machine. With an STS file, both are also scored
+(Spearman x100 of the embeddings' cosine).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slimml.runtime.bench import sample_feeds
+from slimml.runtime.model import Model
+
+
+def compare(teacher: Model, student: Model, teacher_params: int, student_params: int,
+            sts_file: str | os.PathLike | None = None, rounds: int = 20) -> dict[str, Any]:
+    """``{"teacher": {...}, "student": {...}, "latency_ratio": s/t}``, each with params, mb, latency_ms[, stsb]."""
+    import time
+
+    feeds = {}
+    for name, model in (("teacher", teacher), ("student", student)):
+        feeds[name] = sample_feeds(model.inputs, batch=1, seq=128, vocab_size=model.manifest.source.get("vocab_size"))
+        for _ in range(3):
+            model.run(feeds[name])
+    times: dict[str, list[float]] = {"teacher": [], "student": []}
+    for _ in range(rounds):  # interleaved: both see the same machine load
+        for name, model in (("teacher", teacher), ("student", student)):
+            t0 = time.perf_counter()
+            model.run(feeds[name])
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    out: dict[str, Any] = {}
+    for name, model, params in (("teacher", teacher, teacher_params), ("student", student, student_params)):
+        out[name] = {"params": int(params), "mb": round(model.manifest.total_bytes / 1e6, 2),
+                     "latency_ms": round(float(np.median(times[name])), 3)}
+        if sts_file is not None:
+            from slimml.runtime.evaluate import evaluate_sts
+
+            out[name]["stsb"] = round(evaluate_sts(model, sts_file).score, 2)
+    out["latency_ratio"] = round(out["student"]["latency_ms"] / out["teacher"]["latency_ms"], 3)
+    return out
+
+
+def student_params(steps: list[dict[str, Any]]) -> tuple[int, int]:
+    """(teacher, student) parameter counts from the distill/prune step records."""
+    by = {s["step"]: s for s in steps}
+    first = by.get("distill") or by.get("prune") or {}
+    teacher = first.get("teacher_params", 0)
+    student = (by.get("prune") or by.get("distill") or {}).get("student_params", 0)
+    return teacher, student
+
