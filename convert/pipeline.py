@@ -95,9 +95,9 @@ def convert(
         source: a Hugging Face model folder, an ``.onnx`` file, a ``.py`` file defining ``model``
             and ``example_inputs``, a torch checkpoint, a ``torch.nn.Module``, or ``None`` for the
             embedded default model (all-MiniLM-L6-v2).
-        out: the artifact folder (default ``artifacts/<name>``). It is written in a temporary
-            folder beside it and renamed at the end, so an interrupted convert leaves the previous
-            artifact, or nothing, at ``out``.
+        out: the artifact folder (default ``artifacts/<name>``, and for a student
+            ``artifacts/<name>-d3-p50``). It is written in a temporary folder beside it and renamed
+            at the end, so an interrupted convert leaves the previous artifact, or nothing, at ``out``.
         config: the stages' settings.
         example_inputs: for an ``nn.Module`` source, what to call it with during export.
         on_step: called with a short description as each stage starts (for progress display).
@@ -121,7 +121,7 @@ def convert(
         check_inputs(config.quantize)  # a bad calibration or eval file fails before the export
     step("reading the source")
     src = resolve(source, example_inputs)
-    out = Path(out) if out is not None else Path("artifacts") / src.name
+    out = Path(out) if out is not None else Path("artifacts") / (src.name + _student_suffix(config))
     check_output(out)
     with atomic_folder(out) as tmp:
         teacher, shrunk = src, []
@@ -176,6 +176,12 @@ def _against_teacher(teacher: Source, tmp: Path, manifest: Manifest, sts_file: A
     finally:
         t_model.close()
         s_model.close()
+
+
+def _student_suffix(config: ConvertConfig) -> str:
+    """``-d3-p50`` for a student, so its default folder never replaces the teacher's artifact."""
+    suffix = f"-d{config.distill.layers}" if config.distill is not None and config.distill.layers else ""
+    return suffix + (f"-p{round(config.prune.fraction * 100):02d}" if config.prune is not None else "")
 
 
 def _shrink(src: Source, out: Path, student_dir: Path, config: ConvertConfig, step, on_progress):

@@ -261,3 +261,12 @@ def test_default_model_student_three_layers_half_pruned(tmp_path):
     assert 30e6 < m.total_bytes < 40e6  # the teacher: 90.9 MB
     assert m.checks["embedding_cosine_vs_torch"] >= 0.9999
     assert model.encode(["A man is playing a guitar."]).shape == (1, 384)
+
+
+def test_a_student_never_lands_on_the_teachers_default_folder():
+    from slimml.convert.pipeline import _student_suffix
+
+    assert _student_suffix(ConvertConfig(distill=DistillConfig(layers=3), prune=PruneConfig(0.5))) == "-d3-p50"
+    assert _student_suffix(ConvertConfig(distill=DistillConfig(), prune=PruneConfig(0.3))) == "-p30"
+    assert _student_suffix(ConvertConfig(distill=DistillConfig(layers=2))) == "-d2"
+    assert _student_suffix(ConvertConfig()) == ""
