@@ -9,7 +9,7 @@ batch 1 x seq 128, so the ratio holds on a noisy machine. With an STS file, both
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import time
 from typing import Any
 
 import numpy as np
@@ -21,8 +21,6 @@ from slimml.runtime.model import Model
 def compare(teacher: Model, student: Model, teacher_params: int, student_params: int,
             sts_file: str | os.PathLike | None = None, rounds: int = 20) -> dict[str, Any]:
     """``{"teacher": {...}, "student": {...}, "latency_ratio": s/t}``, each with params, mb, latency_ms[, stsb]."""
-    import time
-
     feeds = {}
     for name, model in (("teacher", teacher), ("student", student)):
         feeds[name] = sample_feeds(model.inputs, batch=1, seq=128, vocab_size=model.manifest.source.get("vocab_size"))
@@ -49,8 +47,6 @@ def compare(teacher: Model, student: Model, teacher_params: int, student_params:
 def student_params(steps: list[dict[str, Any]]) -> tuple[int, int]:
     """(teacher, student) parameter counts from the distill/prune step records."""
     by = {s["step"]: s for s in steps}
-    first = by.get("distill") or by.get("prune") or {}
-    teacher = first.get("teacher_params", 0)
-    student = (by.get("prune") or by.get("distill") or {}).get("student_params", 0)
-    return teacher, student
+    last = by.get("prune") or by.get("distill") or {}  # both record the teacher; the last one the final student
+    return last.get("teacher_params", 0), last.get("student_params", 0)
 

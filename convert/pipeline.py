@@ -119,6 +119,12 @@ def convert(
         from slimml.quantize.api import check_inputs
 
         check_inputs(config.quantize)  # a bad calibration or eval file fails before the export
+    if config.compare_on is not None:
+        if config.distill is None and config.prune is None:
+            raise ConfigError("compare_on (--compare-on) compares a student with its teacher; set distill or prune with it.")
+        from slimml.runtime.evaluate import read_sts
+
+        read_sts(config.compare_on)  # a missing or malformed STS file fails before any training
     step("reading the source")
     src = resolve(source, example_inputs)
     out = Path(out) if out is not None else Path("artifacts") / (src.name + _student_suffix(config))

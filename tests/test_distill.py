@@ -78,6 +78,11 @@ def test_sentence_model_distilled_and_pruned_shrinks_and_runs(tiny_bert_dir, tex
     assert t["params"] > st["params"] > 0 and t["mb"] > st["mb"] > 0 and report.teacher["latency_ratio"] > 0
     assert -100 <= st["stsb"] <= 100 and -100 <= t["stsb"] <= 100
     assert not (report.out / ".work").exists()
+    with pytest.raises(DataError, match=r"data file .*nope.csv does not exist"):  # before any training
+        convert(tiny_bert_dir, tmp_path / "art2", ConvertConfig(prune=PruneConfig(0.5), compare_on=tmp_path / "nope.csv"))
+    with pytest.raises(ConfigError, match=r"compares a student with its teacher"):
+        convert(tiny_bert_dir, tmp_path / "art2", ConvertConfig(compare_on=sts))
+    assert not (tmp_path / "art2").exists()
     model = load(report.out)
     m = model.manifest
     assert [s["step"] for s in m.steps] == ["distill", "prune", "export", "shard"]
