@@ -129,17 +129,16 @@ def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5
     waited on the loader versus computed, and the plan (K, P, pinned shards) it ran under.
     """
     feeds = sample_feeds(model.manifest.inputs, batch=batch, seq=seq, vocab_size=model.manifest.source.get("vocab_size"))
-    stream = getattr(model, "_stream", None)
+    streaming = model.plan.streaming
     for _ in range(warmup):
         model.run(feeds)
-    if stream is not None:
-        stream.reset_stats()
+    model.plan.reset_stats()
     with RssMonitor() as rss:
         times = time_runs(lambda: model.run(feeds), runs, 0)
     p50 = float(np.percentile(times, 50))
     stream_info = None
-    if stream is not None:
-        st = stream.stats
+    if streaming:
+        st = model.plan.stats
         stream_info = {
             "plan": model.plan.describe(),
             "resident": model.plan.resident,

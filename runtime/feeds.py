@@ -34,7 +34,8 @@ def check_feeds(
 
     Raises:
         FeedError: unknown or missing names, wrong dtype, wrong rank, a fixed dimension that
-            differs, an empty batch, inputs whose shared dynamic axes disagree, a sequence
+            differs, an empty batch (other axes may be zero-length, as a first
+            decoding step's past is), inputs whose shared dynamic axes disagree, a sequence
             longer than ``max_seq``, or NaN/inf in a float input.
     """
     if not isinstance(feeds, Mapping):
@@ -90,8 +91,10 @@ def check_feeds(
                         f"input {name!r} has {want}={got} at dim={dim}, but {first[0]!r} has {want}={first[1]}; "
                         "inputs that share an axis must agree"
                     )
-        if value.size == 0:
-            problems.append(f"input {name!r} is empty (shape {list(value.shape)}); give at least one item")
+        if value.ndim and value.shape[0] == 0:  # other axes may be empty: a first step's zero-length past
+            problems.append(f"input {name!r} has an empty batch (shape {list(value.shape)}); give at least one item")
+        elif value.size == 0:
+            pass
         elif vocab_size is not None and name == "input_ids" and value.dtype.kind in "iu":
             bad = (value < 0) | (value >= vocab_size)
             if bad.any():

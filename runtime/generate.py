@@ -110,8 +110,6 @@ def generate(
     done = np.zeros(batch, dtype=bool)
     passes = 0
     cache = _empty_cache(model, batch)  # None for a cache-free artifact
-    if cache is not None:  # one masked slot stands in for "no past yet" (feeds may not be empty)
-        mask = np.concatenate([np.zeros((batch, 1), dtype=np.int64), mask], axis=1)
     for _ in range(max_new_tokens):
         step_ids = seq if cache is None or passes == 0 else seq[:, -1:]
         feeds = {"input_ids": step_ids, "attention_mask": mask}
@@ -141,7 +139,7 @@ def generate(
 
 
 def _empty_cache(model: Model, batch: int) -> dict[str, np.ndarray] | None:
-    """A one-position zero cache per ``past_key_values.*`` input (masked out), or None."""
+    """A zero-length cache per ``past_key_values.*`` input (the first step has no past), or None."""
     outputs = {t.name for t in model.outputs}
     cache = {}
     for t in model.manifest.inputs:
@@ -151,6 +149,6 @@ def _empty_cache(model: Model, batch: int) -> dict[str, np.ndarray] | None:
             raise SlimmlError(f"the artifact takes {t.name} but outputs no matching present.*; re-convert it.")
         if not all(isinstance(d, int) for d in t.shape[1:2] + t.shape[3:]):
             raise SlimmlError(f"cannot tell the cache shape of {t.name} ({t.shape}); re-convert the model.")
-        shape = [batch, t.shape[1], 1, *t.shape[3:]]  # (B, kv_heads, past, head_dim)
+        shape = [batch, t.shape[1], 0, *t.shape[3:]]  # (B, kv_heads, past=0, head_dim)
         cache[t.name] = np.zeros(shape, dtype=np.dtype(t.dtype))
     return cache or None

@@ -1,4 +1,4 @@
-"""Load an artifact and run its shards in sequence with ONNX Runtime."""
+"""Load an artifact into an execution plan and run it with ONNX Runtime."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from slimml.runtime.budget import StreamPlan, plan_stream
 from slimml.runtime.feeds import check_feeds
 from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
-from slimml.runtime.session import make_session, providers_for, run_shard
+from slimml.runtime.plan import ExecutionPlan, build_plan
+from slimml.runtime.session import providers_for
 from slimml.runtime.text import TextEncoder, pool
 
 
@@ -25,7 +26,7 @@ class Model:
     """
 
     def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None,
-                 plan: StreamPlan | None = None, verify: bool = True):
+                 memory: StreamPlan | None = None, verify: bool = True):
         self.folder = folder
         self.manifest = manifest
         self.device = device
@@ -34,14 +35,8 @@ class Model:
         self.max_sequence_length: int | None = max_sequence_length(facts, manifest)
         self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
         self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
-        self.plan = plan or plan_stream(manifest)
-        self._stream = None
-        if self.plan.streaming:  # shards pass through K slots: the streaming engine runs them
-            from slimml.runtime.stream import StreamEngine
-
-            self._stream = StreamEngine(folder, manifest, device, threads, self.plan, verify=verify)
-        self._sessions = [] if self._stream else [make_session(folder / s.file, device, threads) for s in manifest.shards]
-        self._drop_after = manifest.last_uses()
+        self.plan: ExecutionPlan = build_plan(folder, manifest, device, threads, memory or plan_stream(manifest), verify)
+        self._outputs = [t.name for t in manifest.outputs]
         self._text: TextEncoder | None = None
         if manifest.tokenizer:
             self._text = TextEncoder(
@@ -67,11 +62,7 @@ class Model:
         env: dict[str, np.ndarray] = check_feeds(
             feeds, self.manifest.inputs, self.max_sequence_length, self.allow_nonfinite, self.vocab_size
         )
-        if self._stream is not None:
-            return self._stream.run(env)
-        for shard, session in zip(self.manifest.shards, self._sessions):
-            run_shard(shard, session.run, env, self._drop_after[shard.index])
-        return {t.name: env[t.name] for t in self.manifest.outputs}
+        return self.plan.run(env, self._outputs)
 
     def verify(self) -> None:
         """Re-hash every file of the artifact against the manifest, as ``load`` did.
@@ -89,15 +80,11 @@ class Model:
     def stats(self):
         """Streaming counters (:class:`slimml.runtime.stream.StreamStats`): passes, bytes loaded,
         time waiting on loads and computing. All zero for a fully resident model."""
-        from slimml.runtime.stream import StreamStats
-
-        return self._stream.stats if self._stream is not None else StreamStats()
+        return self.plan.stats
 
     def close(self) -> None:
         """Stop the shard loader thread (if streaming) and drop every session."""
-        if self._stream is not None:
-            self._stream.close()
-        self._sessions = []
+        self.plan.close()
 
     def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
         """Greedy text generation for decoder artifacts; see :func:`slimml.runtime.generate.generate`."""
@@ -106,11 +93,20 @@ class Model:
         return generate(self, prompts, max_new_tokens=max_new_tokens, **kwargs)
 
     def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
+        """Feeds for ``texts`` from the artifact's tokenizer, padded to the longest (or ``pad_to``)."""
+        self._check_unicode(texts)
+        return self._text_encoder()(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)
+
+    def _text_encoder(self) -> TextEncoder:
         if self._text is None:
             raise SlimmlError(
                 f"the artifact {self.folder} has no tokenizer, so it cannot take text; call "
                 "run() with arrays instead."
             )
+        return self._text
+
+    @staticmethod
+    def _check_unicode(texts) -> None:
         for i, t in enumerate(texts if isinstance(texts, (list, tuple)) else []):
             try:
                 isinstance(t, str) and t.encode("utf-8")
@@ -119,10 +115,18 @@ class Model:
                     f"text {i} is not valid Unicode ({e.reason} at position {e.start}); decode your input with "
                     "errors='replace' or clean it first."
                 ) from None
-        return self._text(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)
 
-    def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+    def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False) -> np.ndarray:
         """Sentence embeddings, (len(texts), hidden) float32, pooled and normalised as the source model does.
+
+        Texts are tokenized once, sorted by token count and run ``batch_size`` at a time, each
+        batch padded only to its own longest text (as sentence-transformers does); the result
+        is in input order.
+
+        Args:
+            texts: the sentences.
+            batch_size: texts per model call (default 32).
+            show_progress: draw a progress bar over the batches (on stderr).
 
         Example:
             >>> model = load("artifacts/all-MiniLM-L6-v2")
@@ -137,14 +141,31 @@ class Model:
                 f"the artifact {self.folder} is a {self.manifest.task!r} model, not a sentence-embedding "
                 "model; use run() for its raw outputs."
             )
-        chunks = []
-        for i in range(0, len(texts), batch_size):
-            feeds = self.tokenize(texts[i : i + batch_size])
-            hidden = self.run(feeds)[pooling["output"]]
-            chunks.append(pool(hidden, feeds["attention_mask"], pooling["mode"], pooling["normalize"]))
-        if not chunks:
-            raise FeedError("encode() got an empty list; give at least one text.")
-        return np.concatenate(chunks)
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
+        self._check_unicode(texts)
+        text = self._text_encoder()
+        encs = text.encodings(list(texts))
+        order = np.argsort([-len(e.ids) for e in encs], kind="stable")  # longest first
+        out: np.ndarray | None = None
+        starts = range(0, len(encs), batch_size)
+        for i in _progress(starts, show_progress, "encoding"):
+            rows = order[i : i + batch_size]
+            feeds = text.batch([encs[r] for r in rows])
+            emb = pool(self.run(feeds)[pooling["output"]], feeds["attention_mask"], pooling["mode"], pooling["normalize"])
+            if out is None:
+                out = np.empty((len(encs), emb.shape[1]), dtype=emb.dtype)
+            out[rows] = emb
+        return out
+
+
+def _progress(items, show: bool, what: str):
+    """``items``, with a rich progress bar on stderr when ``show``."""
+    if not show:
+        return items
+    from rich.progress import track
+
+    return track(items, description=what, transient=True)
 
 
 def load(

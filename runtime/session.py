@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import onnxruntime as ort
 
 from slimml.errors import ArtifactError, DeviceError, FeedError
@@ -32,48 +36,100 @@ def providers_for(device: str) -> list[str | tuple[str, dict]]:
     return [("CUDAExecutionProvider", {}), "CPUExecutionProvider"]
 
 
-def session_options(threads: int | None = None) -> ort.SessionOptions:
+def session_options(threads: int | None = None, spinning: bool = True,
+                    weights_folder: os.PathLike | str | None = None) -> ort.SessionOptions:
+    """ORT's defaults, plus what slimml's plan needs.
+
+    Args:
+        threads: intra-op threads (default: ORT's choice, or ``SLIMML_THREADS``).
+        spinning: let idle pool threads spin-wait for the next op (ORT's default). A plan with one
+            session keeps it: it is what makes small batches fast. Several sessions that run one
+            after another turn it off, or the pools of the sessions that just ran keep spinning
+            and steal the cores of the one computing (measured: benchmarks/bench_threads.py).
+        weights_folder: where the external data of a graph given as bytes lives (a merged graph
+            reads each weight from its own shard's data file there).
+    """
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     threads = threads or int(os.environ.get("SLIMML_THREADS", "0"))
     if threads:
         so.intra_op_num_threads = threads
-    # Each shard has its own session and thread pool. With ORT's default spin-waiting, the pools of
-    # shards that just ran keep spinning while the next shard computes and steal its cores:
-    # measured 1.35x slower at batch 32 on 2 cores; without spinning, 7 shards run as fast as
-    # the unsharded graph (benchmarks/bench_shards.py).
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if weights_folder is not None:
+        so.add_session_config_entry("session.model_external_initializers_file_folder_path", os.fspath(weights_folder))
     so.log_severity_level = 4  # fatal only: slimml raises its own errors with the fix in them
     return so
 
 
-def make_session(path: os.PathLike | str, device: str = "cpu", threads: int | None = None) -> ort.InferenceSession:
-    providers = providers_for(device)
-    try:
-        return ort.InferenceSession(os.fspath(path), sess_options=session_options(threads), providers=providers)
-    except Exception as e:  # ORT raises its own Fail/InvalidGraph/... classes
-        raise ArtifactError(
-            f"ONNX Runtime could not load {os.fspath(path)}: {str(e).strip().splitlines()[0]}. "
-            "The file is not a valid ONNX model for this onnxruntime; re-convert it."
-        ) from None
+def make_session(model: os.PathLike | str | bytes, device: str = "cpu", threads: int | None = None,
+                 options: ort.SessionOptions | None = None, what: str | None = None) -> ort.InferenceSession:
+    """An InferenceSession over an ONNX file, or over a serialized graph (``bytes``).
 
-
-def run_shard(shard, call, env: dict, drop: list[str]) -> None:
-    """Run one shard on the activations in ``env`` and update ``env`` in place.
-
-    ``call(output_names, feeds)`` runs the shard's session (``session.run``, or an IOBinding
-    runner on CUDA). Its outputs go into ``env`` and the activations in ``drop`` (those no later
-    shard reads) leave it. ONNX Runtime's errors become one-line FeedErrors naming the shard.
+    Raises:
+        ArtifactError: ONNX Runtime refused the graph; the message names ``what`` (default: the path).
     """
-    names = [t.name for t in shard.outputs]
+    providers = providers_for(device)
+    source = model if isinstance(model, bytes) else os.fspath(model)
     try:
-        values = call(names, {t.name: env[t.name] for t in shard.inputs})
-    except Exception as e:  # onnxruntime's own exception classes
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise FeedError(
-            f"shard {shard.index} ({shard.file}) rejected the inputs: {msg}. Check the input values, e.g. "
-            "token ids inside the vocabulary and sequences no longer than the model's maximum."
+        return ort.InferenceSession(source, sess_options=options or session_options(threads), providers=providers)
+    except Exception as e:  # ORT raises its own Fail/InvalidGraph/... classes
+        name = what or (Path(source).name if isinstance(source, str) else "the graph")
+        raise ArtifactError(
+            f"ONNX Runtime could not load {name}: {_first_line(e)}. The file is not a valid ONNX model for this "
+            "onnxruntime; re-convert it."
         ) from None
-    env.update(zip(names, values))
-    for name in drop:
-        env.pop(name, None)  # free activations no later shard needs
+
+
+@dataclass
+class Step:
+    """One session call of a plan: a shard, or several merged. ``drop``: activations no later
+    step reads, freed once it has run."""
+
+    label: str  # "shard 3 (shard_003.onnx)" or "shards 0-6 (merged)", for error messages
+    inputs: list[str]
+    outputs: list[str]
+    drop: list[str]
+    session: ort.InferenceSession
+    device: str = "cpu"
+
+    def run(self, env: dict, extra: dict | None = None) -> None:
+        """Run on the activations in ``env`` and update it in place; ``extra`` adds feeds that are
+        not activations (a streamed shard's weights). ONNX Runtime's errors become one-line
+        FeedErrors naming the step."""
+        feeds = {name: env[name] for name in self.inputs}
+        if extra:
+            feeds.update(extra)
+        try:
+            if self.device == "cuda":
+                values = _run_bound(self.session, self.outputs, feeds)
+            else:
+                values = self.session.run(self.outputs, feeds)
+        except Exception as e:  # onnxruntime's own exception classes
+            raise FeedError(
+                f"{self.label} rejected the inputs: {_first_line(e)}. Check the input values, e.g. token ids inside "
+                "the vocabulary and sequences no longer than the model's maximum."
+            ) from None
+        env.update(zip(self.outputs, values))
+        for name in self.drop:
+            env.pop(name, None)
+
+
+def _run_bound(session, names: list[str], feeds: dict[str, Any]) -> list[Any]:
+    """Run on CUDA with IOBinding: inputs may be host arrays or device OrtValues from an earlier
+    step; outputs stay on the device as OrtValues until the plan hands them back."""
+    binding = session.io_binding()
+    for name, value in feeds.items():
+        if isinstance(value, np.ndarray):
+            binding.bind_cpu_input(name, value)
+        else:
+            binding.bind_ortvalue_input(name, value)
+    for name in names:
+        binding.bind_output(name, "cuda")
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -12,7 +12,7 @@ from slimml.errors import ArtifactError, FeedError
 
 
 class TextEncoder:
-    """Tokenizes a batch of texts into the int64 feeds a transformer expects."""
+    """Tokenizes texts into the int64 feeds a transformer expects, padded per batch."""
 
     def __init__(self, path: Path, spec: dict[str, Any], input_names: list[str]):
         try:
@@ -21,30 +21,37 @@ class TextEncoder:
             raise ArtifactError(f"could not read the tokenizer {path.name}: {e}; re-convert the model.") from None
         self.max_length = int(spec.get("max_length") or 512)
         self.tokenizer.enable_truncation(max_length=self.max_length)
+        self.tokenizer.no_padding()  # batches are padded here, each to its own longest text
         pad_id = spec.get("pad_id")
-        if pad_id is not None:
-            self.tokenizer.enable_padding(pad_id=int(pad_id), pad_token=str(spec.get("pad_token") or "[PAD]"))
-        else:
-            self.tokenizer.enable_padding()
+        if pad_id is None:
+            pad_id = self.tokenizer.token_to_id(str(spec.get("pad_token") or "[PAD]"))
+        self.pad_id = int(pad_id or 0)
         self.input_names = input_names
 
-    def __call__(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
+    def encodings(self, texts: list[str]) -> list:
+        """One unpadded, truncated encoding per text (``.ids``, ``.attention_mask``, ``.type_ids``)."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise FeedError("encode() takes a list of strings; wrap a single text as [text].")
         if not texts:
             raise FeedError("encode() got an empty list; give at least one text.")
-        encs = self.tokenizer.encode_batch(texts)  # pads to the longest; the tokenizer is never mutated here
-        tensors = {
-            "input_ids": np.array([e.ids for e in encs], dtype=np.int64),
-            "attention_mask": np.array([e.attention_mask for e in encs], dtype=np.int64),
-            "token_type_ids": np.array([e.type_ids for e in encs], dtype=np.int64),
-        }
-        extra = (pad_to or 0) - tensors["input_ids"].shape[1]
-        if extra > 0:  # pad further by hand: enable_padding(length=...) would race other threads
-            pad_id = self.tokenizer.padding["pad_id"] if self.tokenizer.padding else 0
-            for name, value in (("input_ids", pad_id), ("attention_mask", 0), ("token_type_ids", 0)):
-                tensors[name] = np.pad(tensors[name], ((0, 0), (0, extra)), constant_values=value)
+        return self.tokenizer.encode_batch(list(texts))
+
+    def batch(self, encs: list, pad_to: int | None = None) -> dict[str, np.ndarray]:
+        """Feeds for ``encs``, right-padded to the longest of them (or to ``pad_to``)."""
+        width = max(max(len(e.ids) for e in encs), pad_to or 0)
+        ids = np.full((len(encs), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(encs), width), dtype=np.int64)
+        types = np.zeros((len(encs), width), dtype=np.int64)
+        for row, e in enumerate(encs):
+            n = len(e.ids)
+            ids[row, :n] = e.ids
+            mask[row, :n] = e.attention_mask
+            types[row, :n] = e.type_ids
+        tensors = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         return {k: v for k, v in tensors.items() if k in self.input_names}
+
+    def __call__(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
+        return self.batch(self.encodings(texts), pad_to)
 
 
 def pool(hidden: np.ndarray, attention_mask: np.ndarray, mode: str = "mean", normalize: bool = True) -> np.ndarray:

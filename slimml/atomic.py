@@ -8,6 +8,7 @@ through :func:`atomic_folder`.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -18,6 +19,8 @@ from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.manifest import MANIFEST_NAME
+
+log = logging.getLogger("slimml")
 
 
 @contextmanager
@@ -57,10 +60,13 @@ def fresh_tmp(out: Path) -> Path:
     try:
         parent.mkdir(parents=True, exist_ok=True)
         for stale in parent.glob(f".{out.name}.slimml-tmp-*"):  # left by a killed convert
-            if not _owner_alive(stale.name):
+            if not _owner_alive(stale):
+                size = _folder_bytes(stale)
                 shutil.rmtree(stale, ignore_errors=True)
+                log.warning("slimml: removed %s (%.1f MB), left by an interrupted convert or quantize whose process "
+                            "no longer runs", stale, size / 1e6)
         for old in parent.glob(f".{out.name}.slimml-old-*"):  # a previous artifact set aside by a killed convert
-            if not _owner_alive(old.name):
+            if not _owner_alive(old):
                 if not out.exists():
                     os.rename(old, out)  # put it back: it is the user's last good artifact
                 else:
@@ -113,10 +119,37 @@ def _exchange(a: Path, b: Path) -> bool:
     return rc == 0  # EINVAL/ENOSYS (a filesystem without it): fall back to two renames
 
 
-def _owner_alive(name: str) -> bool:
-    """Whether the process whose id a temp folder's name carries (``.x.slimml-tmp-PID[-suffix]``) runs."""
-    m = re.search(r"\.slimml-(?:tmp|old)-(\d+)", name)
-    return bool(m) and _alive(int(m.group(1)))
+def _owner_alive(folder: Path) -> bool:
+    """Whether the process whose id a temp folder's name carries (``.x.slimml-tmp-PID[-suffix]``) runs.
+
+    A process with that id that started after the folder was made is not its owner: the id was
+    reused (common in containers, where ids are small and restart from 1).
+    """
+    m = re.search(r"\.slimml-(?:tmp|old)-(\d+)", folder.name)
+    if not m or not _alive(int(m.group(1))):
+        return False
+    started = _start_time(int(m.group(1)))
+    try:
+        made = folder.stat().st_mtime
+    except OSError:
+        return False
+    return started is None or started <= made + 1.0
+
+
+def _start_time(pid: int) -> float | None:
+    """When process ``pid`` started (seconds since the epoch), from /proc; None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime"))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def _alive(pid: int) -> bool:

@@ -35,7 +35,7 @@ def _feeds(batch=3, hidden=32, seed=0):
 
 def test_default_load_is_fully_resident(mlp_artifact):
     model = load(mlp_artifact)
-    assert not model.plan.streaming and model._stream is None
+    assert not model.plan.streaming and model.plan.streamer is None
     assert model.stats.passes == 0
 
 
@@ -52,11 +52,12 @@ def test_streamed_equals_resident(mlp_artifact, resident, prefetch, pin):
     st = model.stats
     assert st.passes == 3
     assert st.peak_streamed <= resident - len(pin or [])  # never more than K loaded at once
-    streamed_bytes = sum(model.plan.sizes[i] for i in model.plan.streamed)
-    assert st.bytes_loaded >= 3 * streamed_bytes  # every streamed shard is read once per pass
+    sizes = {f.path: f.bytes for f in model.manifest.files}
+    streamed_bytes = sum(sizes[model.manifest.shards[i].data] for i in model.plan.streamed)
+    assert st.bytes_loaded >= 3 * streamed_bytes  # every streamed shard's weights are read once per pass
     assert len(model.plan.streamed) == n - len(pin or [])
     model.close()
-    assert not model._stream._loader.thread.is_alive()
+    assert not model.plan.streamer.alive
 
 
 def test_budget_picks_k_and_says_so(mlp_artifact):
@@ -159,12 +160,12 @@ def test_shard_failing_its_hash_mid_stream(mlp_artifact, tmp_path):
     with pytest.raises(IntegrityError, match="was rewritten or replaced after the model was loaded"):
         model.run(_feeds())  # the model's file watch refuses before any shard runs
     with pytest.raises(IntegrityError) as e:
-        model._stream.run(_feeds())  # the engine on its own: the shard fails its hash as it streams in
+        model.plan.run(_feeds(), ['y'])  # the engine on its own: the shard fails its hash as it streams in
     assert str(e.value) == (
         f"{bad.data} does not match its sha256 in the manifest: the file is corrupted or was tampered with. "
         "Copy the artifact again or re-convert; slimml will not run it."
     )
-    loader = model._stream._loader
+    loader = model.plan.streamer._loader
     loader.thread.join(timeout=10)
     assert not loader.thread.is_alive()  # the loader shut down, nothing hangs
     with pytest.raises(IntegrityError):  # later calls fail fast with the same error
@@ -182,7 +183,7 @@ def test_bad_feeds_mid_pass_leave_the_model_usable(tiny_llama_artifact):
     def body():  # repeated: the loader may be mid-load when a failed pass skips ahead (a past deadlock)
         for _ in range(6):
             with pytest.raises(FeedError, match="rejected the inputs"):
-                model._stream.run(bad)  # the engine itself; Model.run refuses such ids before any shard
+                model.plan.run(dict(bad), ['logits'])  # the plan itself; Model.run refuses such ids before any shard
             results.append(float(np.abs(model.run(good)["logits"] - want).max()))
 
     t = threading.Thread(target=body, daemon=True)

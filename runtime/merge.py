@@ -1,0 +1,87 @@
+"""One graph from consecutive shards, built at load time without copying a weight.
+
+Sharding is for conversion, transport and streaming; a model that fits runs fastest as one
+ONNX Runtime session: one thread pool, one hop from Python, and graph optimisations (fusions)
+across the cuts. :func:`merge_shards` concatenates the shards' nodes into one in-memory graph.
+Every external initializer keeps its ``location`` (its own shard's data file, relative to the
+artifact folder), so ONNX Runtime reads each weight from the same hashed file it would have read
+for the shard alone; the session is told where that folder is
+(:func:`slimml.runtime.session.session_options` ``weights_folder``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from slimml.errors import ArtifactError
+from slimml.runtime.manifest import Manifest, TensorSpec, safe_path
+
+
+def segment_io(manifest: Manifest, indices: list[int]) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """What a run of consecutive shards takes from outside it, and what it must hand on.
+
+    Inputs: model inputs and earlier shards' outputs that its shards read. Outputs: what its
+    shards produce that is a model output or is read by a shard after it.
+    """
+    inside = set(indices)
+    last = max(indices)
+    ins: dict[str, TensorSpec] = {}
+    for i in indices:
+        for t in manifest.shards[i].inputs:
+            if t.source == "input" or t.source not in inside:
+                ins.setdefault(t.name, t)
+    later = {t.name for s in manifest.shards[last + 1:] for t in s.inputs}
+    model_outputs = {t.name for t in manifest.outputs}
+    outs = [t for i in indices for t in manifest.shards[i].outputs if t.name in later or t.name in model_outputs]
+    return list(ins.values()), outs
+
+
+def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.ModelProto:
+    """The shards ``indices`` (consecutive, in order) as one graph; weights stay external.
+
+    Raises:
+        ArtifactError: two shards define the same initializer, function or value differently, so
+            they cannot share one graph (the caller then runs them one by one).
+    """
+    inputs, outputs = segment_io(manifest, indices)
+    nodes, inits, infos, functions = [], {}, {}, {}
+    opsets: dict[str, int] = {}
+    ir_version = 0
+    for i in indices:
+        shard = manifest.shards[i]
+        m = onnx.load_model_from_string(safe_path(folder, shard.file).read_bytes())  # weights not read
+        ir_version = max(ir_version, m.ir_version)
+        for op in m.opset_import:
+            if opsets.setdefault(op.domain, op.version) != op.version:
+                raise ArtifactError(f"shard {i} uses opset {op.version} of {op.domain or 'ai.onnx'!r}, the others {opsets[op.domain]}")
+        for f in m.functions:
+            _merge_unique(functions, (f.domain, f.name), f, "function", i)
+        for t in m.graph.initializer:
+            _merge_unique(inits, t.name, t, "initializer", i)
+        for v in m.graph.value_info:
+            infos.setdefault(v.name, v)
+        nodes.extend(m.graph.node)
+    graph = helper.make_graph(
+        nodes, f"{manifest.name}-shards-{indices[0]}-{indices[-1]}",
+        [_value_info(t) for t in inputs], [_value_info(t) for t in outputs], list(inits.values()),
+        value_info=[v for name, v in infos.items() if name not in {t.name for t in inputs + outputs}],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
+                              functions=list(functions.values()))
+    model.ir_version = ir_version
+    return model
+
+
+def _merge_unique(seen: dict, key, proto, what: str, shard: int) -> None:
+    if key in seen and seen[key].SerializeToString() != proto.SerializeToString():
+        raise ArtifactError(f"shard {shard} defines the {what} {key!r} differently from an earlier shard")
+    seen.setdefault(key, proto)
+
+
+def _value_info(t: TensorSpec) -> onnx.ValueInfoProto:
+    shape = [d if isinstance(d, (int, str)) else None for d in t.shape]
+    return helper.make_tensor_value_info(t.name, helper.np_dtype_to_tensor_dtype(np.dtype(t.dtype)), shape)

@@ -1,0 +1,217 @@
+"""The execution plan: built once by ``load``, walked by every ``run``.
+
+A plan is a list of segments over the artifact's shards, in order:
+
+- a **resident** segment holds consecutive shards loaded once. Its shards are merged into one
+  graph (:mod:`slimml.runtime.merge`) and run as one ONNX Runtime session: a model that fits
+  runs as a single graph, weights read from the shards' own hashed data files. If ONNX Runtime
+  refuses the merged graph, the segment runs its shards one session each and says so once.
+- a **streamed** segment holds consecutive shards whose weights pass through K slots
+  (:mod:`slimml.runtime.slots`, filled ahead by :mod:`slimml.runtime.stream`). Each shard's
+  session is compiled once with its weights as inputs (:mod:`slimml.runtime.weights`); a pass
+  feeds it the slot's arrays.
+
+``load(path)`` gives one resident segment; ``load(path, resident=K, pin=[0, -1])`` gives
+resident segments for the pinned shards and streamed ones between them. ``model.plan.describe()``
+prints the segments. The device (CPU or CUDA) is the plan's; activations stay on it between
+segments.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from slimml.errors import ArtifactError
+from slimml.runtime.budget import StreamPlan
+from slimml.runtime.manifest import Manifest, safe_path
+from slimml.runtime.merge import merge_shards, segment_io
+from slimml.runtime.session import Step, make_session, session_options
+from slimml.runtime.slots import CpuSlots
+from slimml.runtime.stream import Streamer, StreamStats
+from slimml.runtime.weights import weights_as_inputs
+
+log = logging.getLogger("slimml")
+
+
+class ResidentSegment:
+    """Consecutive shards loaded once, merged into one session when ONNX Runtime accepts it."""
+
+    kind = "resident"
+
+    def __init__(self, folder: Path, manifest: Manifest, indices: list[int], device: str, threads: int | None,
+                 spinning: bool, drop_after: dict[int, list[str]]):
+        self.shards = indices
+        self.merged = False
+        self.steps: list[Step] = []
+        if len(indices) > 1:
+            label = f"shards {indices[0]}-{indices[-1]} (merged)"
+            try:
+                graph = merge_shards(folder, manifest, indices).SerializeToString()
+                session = make_session(graph, device, options=session_options(threads, spinning, folder), what=label)
+            except ArtifactError as e:
+                log.warning("slimml: running shards %d-%d one session each: they could not be merged into one graph "
+                            "(%s)", indices[0], indices[-1], str(e).rstrip("."))
+            else:
+                ins, outs = segment_io(manifest, indices)
+                drop = [n for i in indices for n in drop_after[i]]
+                self.steps = [Step(label, [t.name for t in ins], [t.name for t in outs], drop, session, device)]
+                self.merged = True
+                return
+            spinning = False  # several sessions now share the cores
+        for i in indices:
+            s = manifest.shards[i]
+            session = make_session(safe_path(folder, s.file), device, options=session_options(threads, spinning))
+            self.steps.append(Step(f"shard {i} ({s.file})", [t.name for t in s.inputs], [t.name for t in s.outputs],
+                                   drop_after[i], session, device))
+
+    @property
+    def sessions(self) -> int:
+        return len(self.steps)
+
+    def run(self, env: dict[str, Any], streamer: Streamer | None) -> None:
+        for step in self.steps:
+            step.run(env)
+
+    def describe(self) -> str:
+        how = "merged into one session" if self.merged else (
+            "one session" if len(self.shards) == 1 else "one session per shard (the merge was refused)")
+        return f"{_span(self.shards)}: resident, {how}"
+
+
+class StreamedSegment:
+    """Consecutive shards whose weights stream through slots; sessions compiled once."""
+
+    kind = "streamed"
+
+    def __init__(self, folder: Path, manifest: Manifest, indices: list[int], device: str, threads: int | None,
+                 spinning: bool, drop_after: dict[int, list[str]]):
+        self.shards = indices
+        self.steps: dict[int, Step] = {}
+        self.specs = {}
+        for i in indices:
+            s = manifest.shards[i]
+            model = onnx.load_model_from_string(safe_path(folder, s.file).read_bytes())  # weights not read
+            graph, self.specs[i] = weights_as_inputs(model, s.file)
+            try:
+                session = make_session(graph, device, options=session_options(threads, spinning), what=s.file)
+            except ArtifactError as e:
+                raise ArtifactError(
+                    f"shard {i} cannot stream: {str(e).split(': ', 1)[-1].split('. ')[0]}; ONNX Runtime needs some of "
+                    f"its weights as constants. Pin it (pin=[{i}]) or load the model fully resident."
+                ) from None
+            self.steps[i] = Step(f"shard {i} ({s.file})", [t.name for t in s.inputs], [t.name for t in s.outputs],
+                                 drop_after[i], session, device)
+
+    @property
+    def sessions(self) -> int:
+        return len(self.steps)
+
+    def run(self, env: dict[str, Any], streamer: Streamer | None) -> None:
+        for i in self.shards:
+            slot = streamer.take(i)
+            t0 = time.perf_counter()
+            try:
+                self.steps[i].run(env, slot.weights)
+            finally:
+                streamer.release(time.perf_counter() - t0)
+
+    def describe(self) -> str:
+        return f"{_span(self.shards)}: streamed through the slots, sessions compiled once"
+
+
+class ExecutionPlan:
+    """What ``load`` decided: the memory plan (K, P, pinned) and the segments that carry it out.
+
+    ``run`` walks the segments; a plan with streamed segments serialises passes (one cursor over
+    the slots), a fully resident one lets threads run at once.
+    """
+
+    def __init__(self, memory: StreamPlan, device: str, segments: list, streamer: Streamer | None):
+        self.memory = memory
+        self.device = device
+        self.segments = segments
+        self.streamer = streamer
+        self._lock = threading.Lock() if streamer is not None else None
+
+    # the memory plan's figures, as a caller reads them off the plan
+    streaming = property(lambda self: self.memory.streaming)
+    resident = property(lambda self: self.memory.resident)
+    prefetch = property(lambda self: self.memory.prefetch)
+    pinned = property(lambda self: self.memory.pinned)
+    streamed = property(lambda self: self.memory.streamed)
+    peak_bytes = property(lambda self: self.memory.peak_bytes)
+    model_bytes = property(lambda self: self.memory.model_bytes)
+    sizes = property(lambda self: self.memory.sizes)
+
+    @property
+    def sessions(self) -> int:
+        return sum(s.sessions for s in self.segments)
+
+    def run(self, env: dict[str, Any], outputs: list[str]) -> dict[str, np.ndarray]:
+        """One pass over the segments on checked feeds ``env`` (updated in place)."""
+        if self._lock is None:
+            for seg in self.segments:
+                seg.run(env, None)
+        else:
+            with self._lock, self.streamer.one_pass():
+                for seg in self.segments:
+                    seg.run(env, self.streamer)
+        out = {name: env[name] for name in outputs}
+        if self.device == "cuda":
+            out = {k: v.numpy() if hasattr(v, "numpy") else v for k, v in out.items()}
+        return out
+
+    def describe(self) -> str:
+        lines = [self.memory.describe(), f"plan on {self.device}: {len(self.segments)} segment(s), {self.sessions} session(s)"]
+        lines += [f"  {seg.describe()}" for seg in self.segments]
+        return "\n".join(lines)
+
+    @property
+    def stats(self) -> StreamStats:
+        return self.streamer.stats if self.streamer is not None else StreamStats()
+
+    def reset_stats(self) -> None:
+        if self.streamer is not None:
+            self.streamer.reset_stats()
+
+    def close(self) -> None:
+        if self.streamer is not None:
+            self.streamer.close()
+        self.segments = []
+
+
+def build_plan(folder: Path, manifest: Manifest, device: str, threads: int | None, memory: StreamPlan,
+               verify: bool = True) -> ExecutionPlan:
+    """Segments for ``memory``: runs of resident shards (all of them when nothing streams) and
+    runs of streamed shards, each made ready to run once, here."""
+    streamed = set(memory.streamed)
+    runs: list[tuple[bool, list[int]]] = []
+    for s in manifest.shards:
+        if runs and runs[-1][0] == (s.index in streamed):
+            runs[-1][1].append(s.index)
+        else:
+            runs.append((s.index in streamed, [s.index]))
+    # one session owns the cores and may spin between ops (ORT's default); several that run one
+    # after another must not, or the idle pools steal the cores of the one computing
+    spinning = len(runs) == 1 and not streamed
+    drop_after = manifest.last_uses()
+    segments = [(StreamedSegment if is_streamed else ResidentSegment)(folder, manifest, idx, device, threads, spinning,
+                                                                      drop_after) for is_streamed, idx in runs]
+    streamer = None
+    if streamed:
+        specs = {i: sp for seg in segments if seg.kind == "streamed" for i, sp in seg.specs.items()}
+        slots = CpuSlots(folder, manifest, specs, verify)
+        streamer = Streamer(slots.fill, list(memory.streamed), memory.resident - len(memory.pinned), memory.prefetch)
+    return ExecutionPlan(memory, device, segments, streamer)
+
+
+def _span(indices: list[int]) -> str:
+    return f"shard {indices[0]}" if len(indices) == 1 else f"shards {indices[0]}-{indices[-1]}"
+

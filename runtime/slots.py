@@ -1,0 +1,110 @@
+"""Weight slots: where a streamed shard's weights sit while it computes.
+
+A streamed model holds at most K shards' weights at once. Each streamed shard passes through a
+slot: the loader thread *fills* a slot ahead of the compute (the next P shards), the compute
+feeds the slot's arrays to the shard's compiled-once session, then *releases* it, and the
+loader refills it with a later shard.
+
+:class:`CpuSlots` fills a slot by memory-mapping the shard's data file read-only and bringing
+its pages in (``MAP_POPULATE``, else a read-through), so the compute finds them resident; the
+arrays it hands out are views of the mapping (no copy), and release unmaps it, returning the
+memory. A CUDA filler keeps the same contract with device buffers allocated once per slot,
+filled from pinned host memory on a copy stream and bound through IOBinding.
+
+A data file whose size, mtime or inode changed since ``load`` hashed it is hashed again before
+it is mapped: a corrupted or replaced file is refused, never run.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+
+from slimml.errors import ArtifactError
+from slimml.runtime.manifest import Manifest, safe_path, verify_file
+from slimml.runtime.weights import WeightSpec
+
+_PAGE = mmap.PAGESIZE
+
+
+class Slot:
+    """One shard's weights, ready to feed: ``weights`` maps input names to arrays."""
+
+    def __init__(self, index: int, weights: dict[str, np.ndarray], nbytes: int, handle=None):
+        self.index = index
+        self.weights = weights
+        self.nbytes = nbytes
+        self._handle = handle  # what backs the arrays (an mmap on CPU)
+
+    def release(self) -> None:
+        """Give the slot's memory back. The arrays must not be used afterwards."""
+        self.weights = {}
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            try:
+                handle.close()
+            except BufferError:  # a view still referenced somewhere: unmapped when it goes
+                pass
+
+
+class CpuSlots:
+    """Fills slots from memory-mapped data files (the loader thread calls :meth:`fill`)."""
+
+    def __init__(self, folder: Path, manifest: Manifest, specs: dict[int, list[WeightSpec]], verify: bool):
+        self.folder, self.manifest, self.specs = folder, manifest, specs
+        self.entries = {f.path: f for f in manifest.files}
+        # what each file looked like when load() hashed it: a change mid-stream means re-hashing
+        self.seen = {p: _stamp(folder, p) for p in self.entries} if verify else None
+
+    def fill(self, index: int) -> Slot:
+        shard = self.manifest.shards[index]
+        if shard.data is None or not self.specs[index]:
+            return Slot(index, {}, 0)
+        self._recheck(shard.data)
+        path = safe_path(self.folder, shard.data)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mm = _map(f.fileno(), size)
+        buf = np.frombuffer(mm, dtype=np.uint8)
+        weights = {}
+        for w in self.specs[index]:
+            view = buf[w.offset: w.offset + w.nbytes]
+            if view.size != w.nbytes:
+                del view, buf, weights
+                mm.close()
+                raise ArtifactError(f"{shard.data} ends before weight {w.name!r}; the artifact is damaged: re-convert it.")
+            arr = view.view(w.dtype).reshape(w.shape)
+            weights[w.name] = arr if arr.ctypes.data % w.dtype.itemsize == 0 else arr.copy()  # unaligned: copy
+        del buf
+        return Slot(index, weights, size, mm)
+
+    def _recheck(self, rel: str) -> None:
+        """Re-hash a file whose size, mtime or inode changed since it was verified."""
+        if self.seen is None:
+            return
+        stamp = _stamp(self.folder, rel)
+        if stamp != self.seen.get(rel):
+            verify_file(self.folder, self.entries[rel])  # raises IntegrityError naming the file
+            self.seen[rel] = _stamp(self.folder, rel)
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Map a whole file read-only with its pages brought in now (on the loader thread)."""
+    populate = getattr(mmap, "MAP_POPULATE", 0)
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+    if not populate:  # touch one byte a page instead
+        if hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_WILLNEED)
+        np.frombuffer(mm, dtype=np.uint8)[::_PAGE].sum()
+    return mm
+
+
+def _stamp(folder: Path, rel: str) -> tuple[int, int, int] | None:
+    try:
+        st = safe_path(folder, rel).stat()
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)

@@ -1,0 +1,64 @@
+"""A shard's graph with its external weights turned into graph inputs: compiled once, fed per pass.
+
+A streamed shard must not build an InferenceSession on every pass (~50 ms per shard, and on
+CUDA a copy of every weight through session construction). Instead its session is built once
+over the shard's graph with every external initializer replaced by a graph input of the same
+name, type and shape; each pass feeds those inputs with arrays that point into memory a slot
+owns (a memory-mapped data file on CPU). Small inline initializers (shapes, axes, scales) stay
+constants, so ONNX Runtime still folds what depends only on them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import external_data_helper, helper
+
+from slimml.errors import ArtifactError
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """Where one weight lives in its shard's data file."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[WeightSpec]]:
+    """``model`` (loaded without external data) with its external weights as graph inputs.
+
+    Returns:
+        The serialized graph and, per former initializer, where its bytes are in the data file.
+
+    Raises:
+        ArtifactError: a weight's type has no numpy equivalent, or its data record is malformed.
+    """
+    graph = model.graph
+    keep, specs = [], []
+    for t in graph.initializer:
+        if not external_data_helper.uses_external_data(t):
+            keep.append(t)
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        try:
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+            offset, length = int(info.get("offset", 0)), int(info["length"])
+        except (KeyError, ValueError, TypeError):
+            raise ArtifactError(
+                f"{what}: weight {t.name!r} (type {t.data_type}) cannot be streamed: its type or data record is not "
+                "one slimml reads; load the model fully resident (no resident=/memory_budget=) or re-convert it."
+            ) from None
+        shape = tuple(int(d) for d in t.dims)
+        if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != length:
+            raise ArtifactError(f"{what}: weight {t.name!r} records {length} bytes for shape {shape}; re-convert it.")
+        specs.append(WeightSpec(t.name, dtype, shape, offset, length))
+        graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(shape)))
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+    return model.SerializeToString(), specs
