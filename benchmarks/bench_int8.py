@@ -1,21 +1,21 @@
-"""slimml int8 against Optimum int8, built from the same source, timed interleaved in one process.
+"""slimml through its public API against Optimum's int8 model run as Optimum's users run it.
 
-    python benchmarks/bench_int8.py [--runs1 60] [--runs32 10] [--work /tmp/bench-int8] [--threads N] [--reuse]
+    python benchmarks/bench_int8.py [--work /tmp/bench-int8] [--reuse] [--student ARTIFACT] [--runs1 300] [--runs32 20]
 
-With ``--threads 1`` each model's CPU time (thread_time) is timed too: on a machine shared with
-other work, that ratio is the one to trust.
-
-Builds, from the embedded all-MiniLM-L6-v2:
-  * fp32 ONNX via optimum-onnx (the exporter slimml itself uses),
+Builds, from the embedded all-MiniLM-L6-v2 (or reuses with --reuse):
+  * fp32 ONNX through optimum-onnx (the exporter slimml uses),
   * the peer: Optimum ``ORTQuantizer`` with ``AutoQuantizationConfig.avx512_vnni(is_static=False,
-    per_channel=True)`` on that ONNX (what users pick today),
-  * the slimml artifact: ``slimml convert`` then ``quantize(..., Int8Config("cpu"))`` (the same
-    as ``slimml convert --quantize int8``), run by the slimml runtime, shards in sequence.
-Then times both on the same inputs (seq 128, every token real), alternating A,B,B,A so that
-load from other processes hits both alike, and prints the ratios (slimml / peer; < 1 is
-faster), sizes, and STSb dev Spearman x100 for fp32, peer and slimml, all embedded by the same
-code (the artifact's tokenizer, sentence-transformers' batching: longest first, 32 a batch). "untuned" is STSb train rows
-3000+ (sentences that neither calibration nor recipe choice ever saw).
+    per_channel=True)``, what Optimum's docs show for dynamic int8,
+  * slimml fp32 and int8 artifacts (``slimml convert`` and ``slimml convert --quantize int8``).
+
+Every system runs with its own defaults, never slimml's settings:
+  * ``optimum``: ``ORTModelForFeatureExtraction.from_pretrained(peer)``, called as ``model(**feeds)``;
+  * ``ort``: a plain ``onnxruntime.InferenceSession(peer file)`` with default options (no wrapper);
+  * ``slimml.run``: ``slimml.runtime.load(artifact).run(feeds)``;
+  * ``encode`` rows: text in, normalised embeddings out: Optimum's tokenizer + model + mean pooling
+    (as its docs show) against ``load(artifact).encode(texts)``.
+Seq 128, every token real; the systems alternate A,B,C / C,B,A in one process and the medians are
+compared (ratios < 1: slimml is faster). STSb dev Spearman x100 of each is printed too.
 """
 
 from __future__ import annotations
@@ -24,152 +24,155 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from slimml.runtime.bench import sample_feeds  # noqa: E402
-from slimml.runtime.session import make_session  # noqa: E402
-from slimml.runtime.text import pool  # noqa: E402
-from tests.conftest import STS_DEV, STS_TRAIN  # noqa: E402
+STSB = Path(__file__).resolve().parents[2] / "shared" / "data" / "stsb"
 
 
-class SessionEncoder:
-    """A single ONNX file behind the same tokenizer and pooling as the artifact (for the peer and fp32)."""
-
-    def __init__(self, path, model, threads):
-        self.session = make_session(path, "cpu", threads)
-        self.names = {i.name for i in self.session.get_inputs()}
-        self.model = model
-
-    def run(self, feeds):
-        return self.session.run(None, {k: v for k, v in feeds.items() if k in self.names})[0]
-
-    def encode(self, texts, batch_size=32):
-        p = self.model.manifest.pooling
-        out = []
-        for i in range(0, len(texts), batch_size):
-            f = self.model.tokenize(texts[i : i + batch_size])
-            out.append(pool(self.run(f), f["attention_mask"], p["mode"], p["normalize"]))
-        return np.concatenate(out)
-
-
-def untuned_csv(work: Path) -> Path:
-    lines = STS_TRAIN.read_text(encoding="utf-8").splitlines()
-    path = work / "sts-train-untuned.csv"
-    path.write_text("\n".join([lines[0], *lines[3001:]]) + "\n", encoding="utf-8")
-    return path
-
-
-def build(work: Path, calibration: Path | None):
+def build(work: Path, calibration: Path | None) -> None:
     from optimum.onnxruntime import ORTQuantizer
     from optimum.onnxruntime.configuration import AutoQuantizationConfig
 
     from slimml.convert import ConvertConfig, convert
     from slimml.convert.export import export
     from slimml.convert.sources import resolve
-    from slimml.quantize import Int8Config, quantize
+    from slimml.quantize import Int8Config
 
-    t = time.perf_counter()
     exported = export(resolve(None), work / "onnx")
-    peer_dir = work / "peer"
     q = ORTQuantizer.from_pretrained(exported.onnx_path.parent, file_name=exported.onnx_path.name)
-    q.quantize(save_dir=peer_dir, quantization_config=AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=True))
-    print(f"built peer in {time.perf_counter() - t:.0f} s", flush=True)
-    t = time.perf_counter()
+    q.quantize(save_dir=work / "peer", quantization_config=AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=True))
     convert(None, work / "fp32", ConvertConfig(measure_latency=False))
-    report = quantize(work / "fp32", work / "int8", Int8Config("cpu", calibration=calibration))
-    print(f"built slimml int8 in {time.perf_counter() - t:.0f} s: {json.dumps(report.checks)}", flush=True)
-    return exported.onnx_path, peer_dir / "model_quantized.onnx", work / "int8"
+    convert(None, work / "int8", ConvertConfig(measure_latency=False, quantize=Int8Config("cpu", calibration=calibration)))
 
 
-def interleaved(fns: dict, feeds, runs: int, clock=time.perf_counter, warmup: int = 3) -> dict[str, float]:
+def interleaved(fns: dict, runs: int, warmup: int = 5) -> dict[str, float]:
+    """Median ms of each callable, the order reversed every other round."""
     for _ in range(warmup):
         for fn in fns.values():
-            fn(feeds)
+            fn()
     times = {k: [] for k in fns}
     keys = list(fns)
     for r in range(runs):
         for k in keys if r % 2 == 0 else keys[::-1]:
-            t0 = clock()
-            fns[k](feeds)
-            times[k].append(clock() - t0)
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
-def st_score(enc, path) -> float:
-    """STS Spearman x100 embedding as sentence-transformers' encode does: longest first, batches of 32.
+class OptimumEncoder:
+    """What an Optimum user writes for sentence embeddings: tokenizer, model, mean pooling."""
 
-    Dynamic int8 scales depend on what shares a batch (padding included), so the batching is
-    part of the measurement; this is the batching behind the issue's reference figures.
-    """
+    def __init__(self, folder: Path, file_name: str):
+        from optimum.onnxruntime import ORTModelForFeatureExtraction
+        from transformers import AutoTokenizer
+
+        self.model = ORTModelForFeatureExtraction.from_pretrained(folder, file_name=file_name)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+
+    def __call__(self, **feeds):
+        return self.model(**feeds).last_hidden_state
+
+    def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
+        order = np.argsort([-len(t) for t in texts], kind="stable")  # as sentence-transformers: longest first
+        out = np.empty((len(texts), 384), np.float32)
+        for i in range(0, len(texts), batch_size):
+            rows = order[i : i + batch_size]
+            enc = self.tokenizer([texts[r] for r in rows], padding=True, truncation=True, max_length=256, return_tensors="np")
+            hidden = np.asarray(self.model(**enc).last_hidden_state)
+            mask = enc["attention_mask"][..., None].astype(np.float32)
+            emb = (hidden * mask).sum(1) / np.clip(mask.sum(1), 1e-9, None)
+            out[rows] = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+        return out
+
+
+def texts_of_tokens(tokenizer, n: int, count: int) -> list[str]:
+    """``count`` real sentences from STSb joined until each tokenizes to exactly ``n`` tokens."""
+    from slimml.runtime.evaluate import read_sts
+
+    words = " ".join(read_sts(STSB / "sts-train.csv")[0][:2000]).split()
+    out, start = [], 0
+    while len(out) < count:
+        lo, hi = 1, 400
+        while lo < hi:  # the most words that fit in n tokens
+            mid = (lo + hi + 1) // 2
+            if len(tokenizer.encode(" ".join(words[start : start + mid]))) <= n:
+                lo = mid
+            else:
+                hi = mid - 1
+        text = " ".join(words[start : start + lo])
+        if len(tokenizer.encode(text)) == n:
+            out.append(text)
+        start += lo
+    return out
+
+
+def sts_score(encode, path: Path) -> float:
     from slimml.runtime.evaluate import read_sts, spearman
 
     s1, s2, gold = read_sts(path)
-
-    def emb(texts):
-        order = np.argsort([-len(t) for t in texts], kind="stable")
-        e = enc.encode([texts[i] for i in order], batch_size=32)
-        out = np.empty_like(e)
-        out[order] = e
-        return out
-
-    e1, e2 = emb(s1), emb(s2)
-    return 100.0 * spearman((e1 * e2).sum(1), gold)
+    e = encode(list(s1) + list(s2))
+    return 100.0 * spearman((e[: len(s1)] * e[len(s1):]).sum(1), gold)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--work", type=Path, default=None, help="build folder (default: a temporary one)")
-    ap.add_argument("--runs1", type=int, default=60)
-    ap.add_argument("--runs32", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--calibration", type=Path, default=STS_TRAIN)
-    ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--reuse", action="store_true", help="reuse the models already built in --work")
+    ap.add_argument("--student", type=Path, default=None, help="also time this artifact (e.g. the d3-p50 int8 student)")
+    ap.add_argument("--runs1", type=int, default=300)
+    ap.add_argument("--runs32", type=int, default=20)
+    ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--json", type=Path, default=None, help="write the results here too")
     args = ap.parse_args()
+    import onnxruntime as ort
+
     from slimml.runtime import load
+    from slimml.runtime.bench import sample_feeds
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-int8-"))
     work.mkdir(parents=True, exist_ok=True)
-    if args.reuse and (work / "int8" / "manifest.json").is_file():
-        fp32_path, peer_path, art = work / "onnx" / "onnx" / "model.onnx", work / "peer" / "model_quantized.onnx", work / "int8"
-    else:
-        fp32_path, peer_path, art = build(work, args.calibration)
-    ours = load(art, threads=args.threads)
-    peer = SessionEncoder(peer_path, ours, args.threads)
-    sizes = {
-        "peer_mb": peer_path.stat().st_size / 1e6,
-        "slimml_model_mb": sum(f.bytes for f in ours.manifest.files if f.path.startswith("shard_")) / 1e6,
-        "slimml_total_mb": ours.manifest.total_bytes / 1e6,
-    }
-    fns = {"peer": peer.run, "slimml": ours.run}
-    res = {"sizes": {k: round(v, 2) for k, v in sizes.items()}, "threads": args.threads or "ort default"}
-    # with one thread all work is on the calling thread, so its CPU time is a second, load-proof clock
-    clocks = {"wall": time.perf_counter, **({"cpu": time.thread_time} if args.threads == 1 else {})}
+    if not (args.reuse and (work / "int8" / "manifest.json").is_file()):
+        build(work, STSB / "sts-train.csv")
+    peer_dir, fp32_onnx = work / "peer", work / "onnx" / "onnx" / "model.onnx"
+    int8, fp32 = load(work / "int8"), load(work / "fp32")
+    optimum = OptimumEncoder(peer_dir, "model_quantized.onnx")
+    plain = ort.InferenceSession(str(peer_dir / "model_quantized.onnx"))  # ORT's defaults, CPU
+    whole_fp32 = ort.InferenceSession(str(fp32_onnx))
+    student = load(args.student) if args.student else None
+    res: dict = {"ort": ort.__version__, "cpu_count": os.cpu_count()}
+
+    def row(name: str, ms: dict[str, float], ours: str, peer: str) -> None:
+        res[name] = {k: round(v, 3) for k, v in ms.items()} | {"ratio": round(ms[ours] / ms[peer], 3)}
+        print(f"{name:28s} " + "  ".join(f"{k} {v:.2f} ms" for k, v in ms.items()) + f"  ratio {ms[ours] / ms[peer]:.3f}", flush=True)
+
     for batch, runs in ((1, args.runs1), (32, args.runs32)):
-        feeds = sample_feeds(ours.manifest.inputs, batch=batch, seq=128)
-        for clock_name, clock in clocks.items():
-            ms = interleaved(fns, feeds, runs, clock)
-            res[f"b{batch}_{clock_name}"] = {"peer_ms": round(ms["peer"], 2), "slimml_ms": round(ms["slimml"], 2),
-                                             "ratio": round(ms["slimml"] / ms["peer"], 3)}
-            print(f"batch {batch:2d} seq 128 ({clock_name}): peer {ms['peer']:.1f} ms, slimml {ms['slimml']:.1f} ms, "
-                  f"ratio {ms['slimml'] / ms['peer']:.3f}", flush=True)
+        f = sample_feeds(int8.manifest.inputs, batch=batch, seq=128)
+        fns = {"optimum": lambda: optimum(**f), "ort": lambda: plain.run(None, f), "slimml.run": lambda: int8.run(f)}
+        ms = interleaved(fns, runs)
+        row(f"int8 b{batch} run vs optimum", ms, "slimml.run", "optimum")
+        res[f"int8 b{batch} run vs ort"] = round(ms["slimml.run"] / ms["ort"], 3)
+        texts = texts_of_tokens(optimum.tokenizer, 128, batch)
+        ms = interleaved({"optimum": lambda: optimum.encode(texts), "slimml.encode": lambda: int8.encode(texts)}, runs)
+        row(f"int8 b{batch} encode", ms, "slimml.encode", "optimum")
+        ms = interleaved({"ort": lambda: whole_fp32.run(None, f), "slimml.run": lambda: fp32.run(f)}, max(runs // 3, 10))
+        row(f"fp32 b{batch} run vs 1 session", ms, "slimml.run", "ort")
+        if student is not None and batch == 1:
+            ms = interleaved({"optimum": lambda: optimum(**f), "student.run": lambda: student.run(f)}, runs)
+            row("student b1 run vs optimum", ms, "student.run", "optimum")
     if not args.no_accuracy:
-        fp32 = SessionEncoder(fp32_path, ours, args.threads)
-        untuned = untuned_csv(work)
-        for name, enc in (("fp32", fp32), ("peer", peer), ("slimml", ours)):
-            res[f"stsb_dev_{name}"] = round(st_score(enc, STS_DEV), 2)
-            res[f"stsb_untuned_{name}"] = round(st_score(enc, untuned), 2)
-            print(f"STSb dev {name}: {res[f'stsb_dev_{name}']:.2f}  untuned: {res[f'stsb_untuned_{name}']:.2f}", flush=True)
-    print(f"sizes: {res['sizes']}")
+        for name, enc in (("optimum int8", optimum.encode), ("slimml int8", int8.encode), ("slimml fp32", fp32.encode)):
+            res[f"stsb_dev {name}"] = round(sts_score(enc, STSB / "sts-dev.csv"), 2)
+            print(f"STSb dev {name}: {res[f'stsb_dev {name}']:.2f}", flush=True)
     print(json.dumps(res))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import numpy as np
 from slimml.runtime.bench import sample_feeds
 from slimml.runtime.manifest import Manifest
 from slimml.runtime.session import make_session
-from slimml.runtime.text import TextEncoder, pool
+from slimml.runtime.text import TextEncoder, encode_texts, pool
 
 
 class Chain:
@@ -45,15 +45,9 @@ class Chain:
             return env
         return {t.name: env[t.name] for t in self.manifest.outputs}
 
-    def encode(self, texts: list[str], batch_size: int = 32) -> np.ndarray:
-        """Pooled sentence embeddings, as ``Model.encode`` (for the accuracy guard's STS check)."""
-        pooling = self.manifest.pooling
-        chunks = []
-        for i in range(0, len(texts), batch_size):
-            feeds = self.text(texts[i : i + batch_size])
-            hidden = self.run(feeds)[pooling["output"]]
-            chunks.append(pool(hidden, feeds["attention_mask"], pooling["mode"], pooling["normalize"]))
-        return np.concatenate(chunks)
+    def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False) -> np.ndarray:
+        """Pooled sentence embeddings, batched as ``Model.encode`` (for the accuracy guard's STS check)."""
+        return encode_texts(self.run, self.text, self.manifest.pooling, texts, batch_size, show_progress)
 
 
 def text_encoder(folder: Path, manifest: Manifest) -> TextEncoder | None:

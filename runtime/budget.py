@@ -167,11 +167,17 @@ def plan_stream(
             f"loading), but resident={resident} with {len(pinned)} pinned leaves {slots}. Use prefetch <= "
             f"{slots - 1} or raise resident."
         )
-    peak = sum(sizes[i] for i in pinned) + sum(sorted((sizes[i] for i in stream), reverse=True)[:slots])
+    largest = sorted(stream, key=lambda i: -sizes[i])[:slots]
+    peak = sum(sizes[i] for i in pinned) + sum(sizes[i] for i in largest)
     if budget is not None and peak > budget:
+        named = ", ".join(f"shard {i} ({manifest.shards[i].file}, {fmt_bytes(sizes[i])})" for i in largest[:3])
+        more = f" and {len(largest) - 3} more" if len(largest) > 3 else ""
+        fits = _fit(sizes, pinned, stream, budget)
         raise ConfigError(
-            f"resident={resident} can need {fmt_bytes(peak)} (the {slots} largest streamed shards plus pinned "
-            f"ones), over the {fmt_bytes(budget)} budget; lower resident or drop memory_budget."
+            f"resident={resident} can need {fmt_bytes(peak)}, over the {fmt_bytes(budget)} budget: {slots} streamed "
+            f"shards at once, the largest being {named}{more}"
+            + (f", plus the pinned {pinned}" if pinned else "")
+            + f". Use resident={fits} or fewer, or raise the budget."
         )
     return StreamPlan(resident, prefetch, pinned, stream, peak, total, reason.strip(), sizes)
 

@@ -74,12 +74,12 @@ class EvalResult:
         return {"metric": self.metric, "score": round(self.score, 4), "pairs": self.pairs}
 
 
-def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 64) -> EvalResult:
+def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 32, show_progress: bool = False) -> EvalResult:
     """Spearman x100 between the cosine similarity of the two sentences' embeddings and the gold score."""
     s1, s2, gold = read_sts(path)
     if len(gold) < 2:
         raise DataError(f"{path} has fewer than two pairs; a rank correlation needs at least two.")
-    e1 = model.encode(s1, batch_size=batch_size)
-    e2 = model.encode(s2, batch_size=batch_size)
+    both = model.encode(list(s1) + list(s2), batch_size=batch_size, show_progress=show_progress)  # one length sort
+    e1, e2 = both[: len(s1)], both[len(s1):]
     cos = (e1 * e2).sum(axis=1) / np.clip(np.linalg.norm(e1, axis=1) * np.linalg.norm(e2, axis=1), 1e-12, None)
     return EvalResult(metric="spearman", score=100.0 * spearman(cos, gold), pairs=len(gold))

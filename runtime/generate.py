@@ -37,6 +37,7 @@ class Generation:
         texts: per prompt, the new text decoded, when the prompts were strings.
         seconds: wall time of the whole generation.
         passes: model passes run (one per new token).
+        prefill_s: wall time of the first pass (the prompts; time to the first token).
     """
 
     tokens: list[list[int]]
@@ -44,11 +45,23 @@ class Generation:
     seconds: float = 0.0
     passes: int = 0
     prompt_tokens: int = 0
+    prefill_s: float = 0.0
     extra: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
         return sum(len(t) for t in self.tokens) / self.seconds if self.seconds else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second of the first pass."""
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens per second after the first (each one pass over one position per prompt)."""
+        later = sum(max(len(t) - 1, 0) for t in self.tokens)
+        return later / (self.seconds - self.prefill_s) if self.seconds > self.prefill_s and later else 0.0
 
 
 def generate(
@@ -119,6 +132,8 @@ def generate(
         if cache is not None:
             feeds.update(cache)
         out = model.run(feeds)
+        if passes == 0:
+            prefill_s = time.perf_counter() - t0
         logits = out["logits"]  # (B, T, vocab)
         if cache is not None:
             cache = {name: out[name.replace("past_key_values.", "present.", 1)] for name in cache}
@@ -135,7 +150,7 @@ def generate(
             break
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
-                      prompt_tokens=sum(map(len, ids)))
+                      prompt_tokens=sum(map(len, ids)), prefill_s=prefill_s)
 
 
 def _empty_cache(model: Model, batch: int) -> dict[str, np.ndarray] | None:

@@ -170,12 +170,19 @@ def max_sequence_length(facts: list[ShardFacts], manifest: Manifest) -> int | No
 
 
 class FileWatch:
-    """Cheap change detection for the files a loaded model runs from (one ``stat`` per file)."""
+    """Cheap change detection for the files a loaded model runs from (one ``stat`` per file).
+
+    Those are the shards' weight data files: ONNX Runtime memory-maps them, and streamed shards
+    map them on every pass. Graphs and the tokenizer are parsed into memory at load, so a change
+    to them cannot reach a loaded model; :meth:`slimml.runtime.Model.verify` re-hashes every file.
+    """
 
     def __init__(self, folder: Path, manifest: Manifest):
         self.folder = folder
-        self.paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files]
+        data = {s.data for s in manifest.shards if s.data}
+        self.paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files if e.path in data]
         self.seen = {rel: self._identity(p) for rel, p in self.paths}
+        self._expect = [(rel, path, self.seen[rel]) for rel, path in self.paths]
 
     @staticmethod
     def _identity(path: str) -> tuple | None:
@@ -187,15 +194,21 @@ class FileWatch:
 
     def check(self) -> None:
         """Raise IntegrityError if any file was replaced, truncated, rewritten or removed since load."""
-        for rel, path in self.paths:
-            now = self._identity(path)
-            was = self.seen[rel]
-            if now != was:
-                what = "was removed" if now is None else (
-                    f"was truncated or grown ({was[0]} -> {now[0]} bytes)" if was and now[0] != was[0]
-                    else "was rewritten or replaced")
-                raise IntegrityError(
-                    f"{rel} in {self.folder} {what} after the model was loaded; slimml will not run a model whose "
-                    "files changed under it. Restore the artifact (replace artifacts by writing a new folder and "
-                    "renaming it, never by overwriting files in place) and load it again."
-                )
+        stat = os.stat
+        for rel, path, was in self._expect:  # runs before every run(): kept to a stat and a compare
+            try:
+                st = stat(path)
+            except OSError:
+                self._refuse(rel, was, None)
+            if was is None or st.st_mtime_ns != was[1] or st.st_size != was[0] or st.st_ino != was[2] or st.st_dev != was[3]:
+                self._refuse(rel, was, self._identity(path))
+
+    def _refuse(self, rel: str, was: tuple | None, now: tuple | None) -> None:
+        what = "was removed" if now is None else (
+            f"was truncated or grown ({was[0]} -> {now[0]} bytes)" if was and now[0] != was[0]
+            else "was rewritten or replaced")
+        raise IntegrityError(
+            f"{rel} in {self.folder} {what} after the model was loaded; slimml will not run a model whose "
+            "files changed under it. Restore the artifact (replace artifacts by writing a new folder and "
+            "renaming it, never by overwriting files in place) and load it again."
+        )

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import external_data_helper, helper
 
 from slimml.errors import ArtifactError
 from slimml.runtime.manifest import Manifest, TensorSpec, safe_path
@@ -61,7 +61,9 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
         for f in m.functions:
             _merge_unique(functions, (f.domain, f.name), f, "function", i)
         for t in m.graph.initializer:
-            _merge_unique(inits, t.name, t, "initializer", i)
+            if t.name in inits and not _same_weight(folder, inits[t.name], t):
+                raise ArtifactError(f"shard {i} defines the initializer {t.name!r} differently from an earlier shard")
+            inits.setdefault(t.name, t)
         for v in m.graph.value_info:
             infos.setdefault(v.name, v)
         nodes.extend(m.graph.node)
@@ -80,6 +82,24 @@ def _merge_unique(seen: dict, key, proto, what: str, shard: int) -> None:
     if key in seen and seen[key].SerializeToString() != proto.SerializeToString():
         raise ArtifactError(f"shard {shard} defines the {what} {key!r} differently from an earlier shard")
     seen.setdefault(key, proto)
+
+
+def _same_weight(folder: Path, a: onnx.TensorProto, b: onnx.TensorProto) -> bool:
+    """Whether two initializers of one name hold the same tensor. The splitter copies a weight
+    that several shards read (a shared norm, tied embeddings) into each of them, each copy in its
+    own shard's data file: compare type, shape and bytes, not where the bytes live."""
+    if a.data_type != b.data_type or list(a.dims) != list(b.dims):
+        return False
+    return _tensor_bytes(folder, a) == _tensor_bytes(folder, b)
+
+
+def _tensor_bytes(folder: Path, t: onnx.TensorProto) -> bytes:
+    if not external_data_helper.uses_external_data(t):
+        return t.SerializeToString()  # inline: its raw or typed data are in the proto
+    info = {e.key: e.value for e in t.external_data}
+    with open(safe_path(folder, info["location"]), "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        return f.read(int(info["length"]))
 
 
 def _value_info(t: TensorSpec) -> onnx.ValueInfoProto:

@@ -10,12 +10,12 @@ import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
 from slimml.runtime.budget import StreamPlan, plan_stream
-from slimml.runtime.feeds import check_feeds
+from slimml.runtime.feeds import FeedChecker
 from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
 from slimml.runtime.plan import ExecutionPlan, build_plan
 from slimml.runtime.session import providers_for
-from slimml.runtime.text import TextEncoder, pool
+from slimml.runtime.text import TextEncoder, encode_texts
 
 
 class Model:
@@ -35,6 +35,7 @@ class Model:
         self.max_sequence_length: int | None = max_sequence_length(facts, manifest)
         self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
         self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
+        self._check = FeedChecker(manifest.inputs, self.max_sequence_length, self.vocab_size)
         self.plan: ExecutionPlan = build_plan(folder, manifest, device, threads, memory or plan_stream(manifest), verify)
         self._outputs = [t.name for t in manifest.outputs]
         self._text: TextEncoder | None = None
@@ -59,9 +60,7 @@ class Model:
                 ONNX Runtime rejects (say, a sequence longer than the model allows).
         """
         self._watch.check()
-        env: dict[str, np.ndarray] = check_feeds(
-            feeds, self.manifest.inputs, self.max_sequence_length, self.allow_nonfinite, self.vocab_size
-        )
+        env = self._check(feeds, self.allow_nonfinite)
         return self.plan.run(env, self._outputs)
 
     def verify(self) -> None:
@@ -141,31 +140,8 @@ class Model:
                 f"the artifact {self.folder} is a {self.manifest.task!r} model, not a sentence-embedding "
                 "model; use run() for its raw outputs."
             )
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
         self._check_unicode(texts)
-        text = self._text_encoder()
-        encs = text.encodings(list(texts))
-        order = np.argsort([-len(e.ids) for e in encs], kind="stable")  # longest first
-        out: np.ndarray | None = None
-        starts = range(0, len(encs), batch_size)
-        for i in _progress(starts, show_progress, "encoding"):
-            rows = order[i : i + batch_size]
-            feeds = text.batch([encs[r] for r in rows])
-            emb = pool(self.run(feeds)[pooling["output"]], feeds["attention_mask"], pooling["mode"], pooling["normalize"])
-            if out is None:
-                out = np.empty((len(encs), emb.shape[1]), dtype=emb.dtype)
-            out[rows] = emb
-        return out
-
-
-def _progress(items, show: bool, what: str):
-    """``items``, with a rich progress bar on stderr when ``show``."""
-    if not show:
-        return items
-    from rich.progress import track
-
-    return track(items, description=what, transient=True)
+        return encode_texts(self.run, self._text_encoder(), pooling, list(texts), batch_size, show_progress)
 
 
 def load(

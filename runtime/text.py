@@ -54,6 +54,33 @@ class TextEncoder:
         return self.batch(self.encodings(texts), pad_to)
 
 
+def encode_texts(run, text: TextEncoder, pooling: dict[str, Any], texts: list[str], batch_size: int = 32,
+                 show_progress: bool = False) -> np.ndarray:
+    """Sentence embeddings in input order, batched as sentence-transformers batches.
+
+    Texts are tokenized once, sorted by token count (longest first) and run ``batch_size`` at a
+    time through ``run(feeds) -> outputs``, each batch padded only to its own longest text.
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
+    encs = text.encodings(list(texts))
+    order = np.argsort([-len(e.ids) for e in encs], kind="stable")
+    out: np.ndarray | None = None
+    starts = range(0, len(encs), batch_size)
+    if show_progress:
+        from rich.progress import track
+
+        starts = track(starts, description="encoding", transient=True)
+    for i in starts:
+        rows = order[i : i + batch_size]
+        feeds = text.batch([encs[r] for r in rows])
+        emb = pool(run(feeds)[pooling["output"]], feeds["attention_mask"], pooling["mode"], pooling["normalize"])
+        if out is None:
+            out = np.empty((len(encs), emb.shape[1]), dtype=emb.dtype)
+        out[rows] = emb
+    return out
+
+
 def pool(hidden: np.ndarray, attention_mask: np.ndarray, mode: str = "mean", normalize: bool = True) -> np.ndarray:
     """Sentence embeddings from token states: (B, T, H) and mask (B, T) -> (B, H)."""
     if mode == "mean":

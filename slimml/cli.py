@@ -31,6 +31,7 @@ err = Console(stderr=True)
 Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `slimml convert`.")]
 Device = Annotated[str, typer.Option(help="cpu or cuda.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]
+Progress = Annotated[bool, typer.Option("--progress", help="Show a progress bar over the batches (on stderr).")]
 BaselineIn = Annotated[Optional[Path], typer.Option(help="Compare with this baseline file; exit 3 on a regression.")]
 BaselineOut = Annotated[Optional[Path], typer.Option(help="Write what this run measured as a baseline file.")]
 Resident = Annotated[Optional[int], typer.Option("--resident", "-k", help="Shards loaded at once (K); fewer than the shard count streams the model.")]
@@ -213,6 +214,7 @@ def run(
     texts: Annotated[Optional[list[str]], typer.Argument(help="Texts to embed (sentence-embedding artifacts).")] = None,
     input: Annotated[Optional[Path], typer.Option("--input", help="An .npz file of named input arrays.")] = None,
     device: Device = "cpu",
+    progress: Progress = False,
     as_json: AsJson = False,
 ):
     """Run an artifact on texts or on arrays from an .npz file and print the outputs."""
@@ -224,7 +226,7 @@ def run(
         raise SlimmlError("give either TEXT arguments or --input FILE.npz, not both or neither.")
     model = load(artifact, device=device)
     if texts:
-        outputs = {"embeddings": model.encode(list(texts))} if model.manifest.pooling else model.run(model.tokenize(list(texts)))
+        outputs = {"embeddings": model.encode(list(texts), show_progress=progress)} if model.manifest.pooling else model.run(model.tokenize(list(texts)))
     else:
         if not input.is_file():
             raise SlimmlError(f"--input {input} does not exist; save arrays with np.savez(path, input_ids=...).")
@@ -252,7 +254,8 @@ def eval_(
     artifact: Artifact,
     data: Annotated[Path, typer.Option(help="CSV with sentence1,sentence2,score (STS style).")],
     device: Device = "cpu",
-    batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 64,
+    batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 32,
+    progress: Progress = False,
     baseline: BaselineIn = None,
     save_baseline: BaselineOut = None,
     max_accuracy_drop: Annotated[float, typer.Option(help="Points (x100) the score may fall below --baseline.")] = 0.1,
@@ -267,7 +270,7 @@ def eval_(
     old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
     read_sts(data)  # a bad data file fails before the model loads
     model = load(artifact, device=device)
-    result = evaluate_sts(model, data, batch_size=batch_size)
+    result = evaluate_sts(model, data, batch_size=batch_size, show_progress=progress)
     now = Baseline.from_eval(result, model.manifest.name, data)
     if as_json:
         _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)

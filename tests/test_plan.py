@@ -1,0 +1,186 @@
+"""The execution plan: merged resident segments, streamed segments, the fallback, encode's batching."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from slimml.convert import ConvertConfig, convert
+from slimml.errors import ConfigError, FeedError, IntegrityError
+from slimml.runtime import load
+from slimml.runtime.manifest import file_entry, read_manifest
+from conftest import STS_DEV, tiny_onnx_mlp
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    """A 6-block ONNX MLP split per layer, and its unsharded source."""
+    tmp = tmp_path_factory.mktemp("plan_mlp")
+    src = tiny_onnx_mlp(tmp / "mlp.onnx", layers=6, hidden=32)
+    convert(src, tmp / "art", ConvertConfig(measure_latency=False))
+    return src, tmp / "art"
+
+
+def _feeds(batch=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((batch, 32)).astype(np.float32), "scale": rng.random((batch, 1)).astype(np.float32)}
+
+
+def test_a_model_that_fits_runs_as_one_session(mlp):
+    src, art = mlp
+    model = load(art)
+    assert len(model.manifest.shards) > 2
+    assert [s.kind for s in model.plan.segments] == ["resident"] and model.plan.sessions == 1
+    assert model.plan.segments[0].merged
+    assert "merged into one session" in model.plan.describe()
+    whole = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    for seed in range(3):
+        f = _feeds(seed=seed)
+        np.testing.assert_allclose(model.run(f)["y"], whole.run(["y"], f)[0], rtol=0, atol=1e-5)
+
+
+def test_pinned_shards_merge_and_the_rest_stream(mlp):
+    _, art = mlp
+    n = len(read_manifest(art).shards)
+    model = load(art, resident=4, pin=[0, 1, -1])
+    kinds = [(s.kind, s.shards) for s in model.plan.segments]
+    assert kinds == [("resident", [0, 1]), ("streamed", list(range(2, n - 1))), ("resident", [n - 1])]
+    assert model.plan.segments[0].merged
+    want = load(art).run(_feeds())["y"]
+    for _ in range(2):
+        np.testing.assert_allclose(model.run(_feeds())["y"], want, rtol=0, atol=1e-5)
+    text = model.plan.describe()
+    assert "shards 2-" in text and "streamed through the slots, sessions compiled once" in text
+
+
+def test_streaming_builds_no_session_per_pass(mlp, monkeypatch):
+    _, art = mlp
+    model = load(art, resident=2)
+    model.run(_feeds())
+    built = []
+    real = ort.InferenceSession.__init__
+    monkeypatch.setattr(ort.InferenceSession, "__init__", lambda self, *a, **k: (built.append(a), real(self, *a, **k))[1])
+    for seed in range(3):
+        model.run(_feeds(seed=seed))
+    assert built == [] and model.stats.passes == 4
+
+
+def _collide(art):
+    """Give shard 2 a bias initializer with shard 1's bias name (other values): the shards run alone
+    as before, but cannot share one graph."""
+    m = read_manifest(art)
+    one = onnx.load(str(art / m.shards[1].file), load_external_data=False)
+    taken = next(t.name for t in one.graph.initializer if t.name.endswith(".b"))
+    path = art / m.shards[2].file
+    two = onnx.load(str(path), load_external_data=False)
+    mine = next(t for t in two.graph.initializer if t.name.endswith(".b"))
+    for node in two.graph.node:
+        node.input[:] = [taken if i == mine.name else i for i in node.input]
+    mine.name = taken
+    onnx.save(two, str(path))
+    m.files = [file_entry(art, art / f.path) if f.path == m.shards[2].file else f for f in m.files]
+    m.write(art)
+
+
+def test_a_merge_onnxruntime_refuses_falls_back_with_one_warning(mlp, tmp_path, caplog):
+    _, art = mlp
+    want = load(art).run(_feeds())["y"]
+    bad = tmp_path / "art"
+    shutil.copytree(art, bad)
+    _collide(bad)
+    with caplog.at_level(logging.WARNING, logger="slimml"):
+        model = load(bad)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "one session each" in warnings[0] and "\n" not in warnings[0]
+    assert "defines the initializer" in warnings[0]
+    assert not model.plan.segments[0].merged and model.plan.sessions == len(model.manifest.shards)
+    np.testing.assert_allclose(model.run(_feeds())["y"], want, rtol=0, atol=1e-5)
+
+
+def test_a_file_changed_after_load_is_refused_by_the_merged_plan(mlp, tmp_path):
+    _, art = mlp
+    copy = tmp_path / "art"
+    shutil.copytree(art, copy)
+    model = load(copy)
+    model.run(_feeds())
+    data = copy / model.manifest.shards[3].data
+    raw = bytearray(data.read_bytes())
+    raw[0] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="after the model was loaded"):
+        model.run(_feeds())
+
+
+def test_budget_too_small_for_k_names_the_shards(mlp):
+    _, art = mlp
+    sizes = load(art, resident=2).plan.sizes
+    budget = sorted(sizes)[-1] + sorted(sizes)[-2] - 1
+    with pytest.raises(ConfigError) as e:
+        load(art, resident=2, memory_budget=budget)
+    msg = str(e.value)
+    assert msg.startswith("resident=2 can need ") and "the largest being shard " in msg and "Use resident=1" in msg
+
+
+def test_zero_length_axes_pass_but_an_empty_batch_does_not(tiny_llama_artifact_past):
+    model = load(tiny_llama_artifact_past)
+    past = {t.name: np.zeros((2, t.shape[1], 0, t.shape[3]), np.float32) for t in model.inputs if t.name.startswith("past")}
+    ids = np.array([[5, 6, 7], [8, 9, 10]], np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.tile(np.arange(3), (2, 1)), **past}
+    out = model.run(feeds)  # the feed Hugging Face and Optimum give a first step
+    assert out["logits"].shape[:2] == (2, 3)
+    empty = {k: v[:0] for k, v in feeds.items()}
+    with pytest.raises(FeedError, match=r"has an empty batch \(shape \[0, 3\]\); give at least one item"):
+        model.run(empty)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_artifact_past(tiny_llama_dir, tmp_path_factory):
+    from slimml.convert import ExportConfig
+
+    out = tmp_path_factory.mktemp("plan_llama") / "art"
+    convert(tiny_llama_dir, out, ConvertConfig(export=ExportConfig(task="text-generation-with-past"), verify=False,
+                                               measure_latency=False))
+    return out
+
+
+def test_encode_sorts_by_length_and_returns_input_order(tiny_bert_artifact):
+    from slimml.runtime.evaluate import read_sts
+
+    model = load(tiny_bert_artifact)
+    texts = list(read_sts(STS_DEV)[0][:40])
+    one_by_one = np.concatenate([model.encode([t]) for t in texts])  # no padding at all
+    batched = model.encode(texts, batch_size=7)
+    np.testing.assert_allclose(batched, one_by_one, rtol=0, atol=1e-5)
+    assert model.encode(texts[::-1], batch_size=32)[::-1] == pytest.approx(batched, abs=1e-5)
+    with pytest.raises(FeedError, match="batch_size must be a whole number >= 1, got 0"):
+        model.encode(texts, batch_size=0)
+
+
+def test_encode_progress_bar(tiny_bert_artifact, capsys):
+    model = load(tiny_bert_artifact)
+    out = model.encode(["a b c"] * 10, batch_size=2, show_progress=True)
+    assert out.shape[0] == 10
+
+
+def test_a_stale_temp_folder_is_removed_and_said(mlp_onnx, tmp_path, caplog):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    stale = tmp_path / f".art.slimml-tmp-{pid}"
+    stale.mkdir()
+    (stale / "shard_000.onnx.data").write_bytes(b"\0" * 2_000_000)
+    reused = tmp_path / f".art.slimml-tmp-{os.getppid()}"  # a live process, started after the folder was made
+    reused.mkdir()
+    os.utime(reused, (1_000_000, 1_000_000))
+    with caplog.at_level(logging.WARNING, logger="slimml"):
+        convert(mlp_onnx, tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert not stale.exists() and not reused.exists()
+    said = [r.getMessage() for r in caplog.records]
+    assert any(f"removed {stale} (2.0 MB), left by an interrupted convert" in m for m in said)
