@@ -5,8 +5,9 @@
 The 3,000 STSb dev sentences (variable lengths), batch 32, each system as its users run it:
   * ``st torch fp32``: ``SentenceTransformer(folder).encode(texts, batch_size=32)``;
   * ``st onnx fp32``: the same with ``backend="onnx"`` (its own export through Optimum);
-  * ``st onnx int8``: ``export_dynamic_quantized_onnx_model(model, "avx2", folder)``, then
-    ``backend="onnx"`` with that file (the quantization config for this machine's CPU: AVX2, no VNNI);
+  * ``st onnx int8``: ``export_dynamic_quantized_onnx_model(model, CONFIG, folder)``, then
+    ``backend="onnx"`` with that file, CONFIG being the best this CPU has (``avx512_vnni``,
+    ``avx512`` or ``avx2``), as sentence-transformers' docs advise;
   * ``fastembed``: ``TextEmbedding(..., specific_model_path=folder)`` over the fp32 ONNX export, if
     fastembed is installed (``pip install fastembed``);
   * ``slimml fp32``/``int8``/``student``: ``slimml.runtime.load(artifact).encode(texts, batch_size=32)``.
@@ -32,6 +33,14 @@ import numpy as np  # noqa: E402
 STSB = Path(__file__).resolve().parents[2] / "shared" / "data" / "stsb"
 
 
+def cpu_config() -> str:
+    """The quantization config sentence-transformers' docs match to a CPU: the best it has."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    if "avx512_vnni" in flags:
+        return "avx512_vnni"
+    return "avx512" if "avx512f" in flags else "avx2"
+
+
 def systems(args, work: Path) -> dict:
     import torch
     from sentence_transformers import SentenceTransformer, export_dynamic_quantized_onnx_model
@@ -47,11 +56,16 @@ def systems(args, work: Path) -> dict:
     onnx_fp32 = SentenceTransformer(str(folder), device="cpu", backend="onnx")
     if not (folder / "onnx" / "model.onnx").is_file():
         onnx_fp32.save_pretrained(str(folder))  # keep its export for the int8 step and fastembed
+        shutil.copy(default_model_dir() / "config.json", folder / "config.json")  # as shipped (with model_type)
     out["st onnx fp32"] = onnx_fp32
-    if not (folder / "onnx" / "model_qint8_avx2.onnx").is_file():
-        export_dynamic_quantized_onnx_model(onnx_fp32, "avx2", str(folder))
+    config = cpu_config()
+    int8 = sorted((folder / "onnx").glob(f"model_*int8_{config}.onnx"))
+    if not int8:
+        export_dynamic_quantized_onnx_model(onnx_fp32, config, str(folder))
+        int8 = sorted((folder / "onnx").glob(f"model_*int8_{config}.onnx"))
+    print(f"st onnx int8: {int8[0].name} (quantization config {config!r} for this CPU)")
     out["st onnx int8"] = SentenceTransformer(str(folder), device="cpu", backend="onnx",
-                                              model_kwargs={"file_name": "onnx/model_qint8_avx2.onnx"})
+                                              model_kwargs={"file_name": f"onnx/{int8[0].name}"})
     st = {name: (lambda m: lambda texts: m.encode(texts, batch_size=32, convert_to_numpy=True))(m) for name, m in out.items()}
     try:
         from fastembed import TextEmbedding

@@ -98,7 +98,8 @@ def child(args) -> None:
 
     t0 = time.perf_counter()
     streamed = args.child == "streamed"
-    model = load(args.artifact, resident=args.resident if streamed else None, pin=(args.pin or None) if streamed else None)
+    model = load(args.artifact, resident=args.resident if streamed else None, pin=(args.pin or None) if streamed else None,
+                 pack=args.pack, cache_dir=args.cache_dir)
     load_s = time.perf_counter() - t0
     prompts = np.random.default_rng(0).integers(0, args.vocab, size=(args.batch, args.seq)).tolist()
     model.generate(prompts[:1], max_new_tokens=2)  # warm-up: reads the model in once
@@ -138,7 +139,8 @@ def child_pass(args) -> None:
         print("RESULT " + json.dumps({"disk_gbps": disk_read_gbps(Path(args.artifact))}), flush=True)
         return
     t0 = time.perf_counter()
-    model = load(args.artifact, resident=args.resident) if args.child == "cap-streamed" else load(args.artifact)
+    model = (load(args.artifact, resident=args.resident, pack=args.pack, cache_dir=args.cache_dir)
+             if args.child == "cap-streamed" else load(args.artifact))
     feeds = first_pass_feeds(model.manifest, args.batch, args.seq, args.vocab)
     times = []
     for _ in range(args.runs):
@@ -157,11 +159,12 @@ def data_files(artifact: Path) -> list[Path]:
     return [artifact / s.data for s in read_manifest(artifact).shards if s.data]
 
 
-def evict(artifact: Path) -> None:
-    """Drop the artifact's pages from the page cache (clean pages: no privilege needed)."""
-    for path in [*artifact.iterdir()]:
-        with open(path, "rb") as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+def evict(*folders: Path) -> None:
+    """Drop the files' pages from the page cache (clean pages: no privilege needed)."""
+    for folder in folders:
+        for path in [p for p in folder.rglob("*") if p.is_file()] if folder.is_dir() else []:
+            with open(path, "rb") as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def disk_read_gbps(artifact: Path) -> float:
@@ -203,7 +206,9 @@ def spawn(args, variant: str, work: Path, cap: MemoryCap | None = None) -> tuple
     cmd = [sys.executable, __file__, "--child", variant, "--artifact", str(args.artifact_path),
            "--save", str(work / f"out_{variant}.npy"), "--batch", str(args.batch), "--seq", str(args.seq),
            "--vocab", str(args.vocab), "--runs", str(args.runs), "--resident", str(args.resident),
-           "--generate", str(args.generate)]
+           "--generate", str(args.generate), "--cache-dir", str(args.cache_dir)]
+    if args.pack is not None:
+        cmd += ["--pack", str(args.pack).lower()]
     if args.pin:
         cmd += ["--pin", *map(str, args.pin)]
     proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cap.join if cap else None)
@@ -221,12 +226,15 @@ def memory_cap_run(args, work: Path, model_bytes: int) -> dict:
     if rc or ref is None:
         sys.exit(f"the resident reference run failed (rc {rc}): {err}")
     np.save(work / "ref.npy", np.load(work / "out_cap-resident.npy"))
+    rc, warm, err = spawn(args, "cap-streamed", work)  # outside the cap: builds the packed cache if needed
+    if rc or warm is None:
+        sys.exit(f"the streamed run failed (rc {rc}): {err}")
     cap = MemoryCap(limit)
     try:
         rc_disk, disk, err_disk = spawn(args, "disk", work, cap)
-        evict(args.artifact_path)
+        evict(args.artifact_path, args.cache_dir)
         rc_res, res, err_res = spawn(args, "cap-resident", work, cap)
-        evict(args.artifact_path)
+        evict(args.artifact_path, args.cache_dir)
         cap.reset_max()
         rc_st, st, err_st = spawn(args, "cap-streamed", work, cap)
         group_peak = cap.max_usage()
@@ -236,7 +244,7 @@ def memory_cap_run(args, work: Path, model_bytes: int) -> dict:
         sys.exit(f"the streamed run failed under the cap (rc {rc_st}): {err_st}")
     diff = float(np.abs(np.load(work / "out_cap-streamed.npy") - np.load(work / "ref.npy")).max())
     gbps = disk["disk_gbps"] if disk else None
-    weight_bytes = sum(p.stat().st_size for p in data_files(args.artifact_path))
+    weight_bytes = st["stream"]["bytes_per_pass"]  # what one pass brings in
     bound_s = weight_bytes / (gbps * 1e9) if gbps else None
     pass_s = float(np.median(st["pass_s"]))
     return {
@@ -270,6 +278,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2, help="timed passes per subprocess (--memory-cap)")
     p.add_argument("--rounds", type=int, default=2, help="alternating resident/streamed subprocess rounds")
     p.add_argument("--memory-cap", default=None, help="run inside a memory cgroup of this size, e.g. 2GB")
+    p.add_argument("--cache-dir", type=Path, default=None, help="pre-packed weights (default: WORK/cache)")
+    p.add_argument("--pack", type=lambda v: {"true": True, "false": False}[v.lower()], default=None,
+                   help="true/false: force packed or fed streamed weights (default: slimml's choice)")
     p.add_argument("--out", default=None, help="write the JSON report here")
     p.add_argument("--build-only", action="store_true")
     p.add_argument("--task", default="text-generation-with-past", help=argparse.SUPPRESS)
@@ -282,6 +293,7 @@ def main() -> None:
     if args.child:
         return child_pass(args)
     work = Path(args.work or "/tmp/slimml-bench-stream-past")
+    args.cache_dir = args.cache_dir or work / "cache"
     _, args.artifact_path = build(work, args)
     if args.build_only:
         return

@@ -42,16 +42,18 @@ def child(args) -> None:
 
     real = session_mod.session_options
 
-    def options(threads=None, spinning=True, weights_folder=None):  # every session of the plan, as set here
-        so = real(threads, setting["spin"], weights_folder)
+    def options(threads=None, spinning=True, weights_folder=None, shared_arena=False):  # every session of the plan
+        so = real(threads, setting["spin"], weights_folder, shared_arena)
         if setting["shared"]:
             so.use_per_session_threads = False
         return so
 
-    session_mod.session_options = options
+    import slimml.runtime.packed as packed_mod
     import slimml.runtime.plan as plan_mod
+    import slimml.runtime.slots as slots_mod
 
-    plan_mod.session_options = options
+    for module in (session_mod, plan_mod, packed_mod, slots_mod):
+        module.session_options = options
     if not args.resident:  # one session per shard: the plan a refused merge falls back to
         plan_mod.merge_shards = _refuse
     model = load(args.artifact, resident=args.resident) if args.resident else load(args.artifact)

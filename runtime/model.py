@@ -26,7 +26,8 @@ class Model:
     """
 
     def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None,
-                 memory: StreamPlan | None = None, verify: bool = True):
+                 memory: StreamPlan | None = None, verify: bool = True, pack: bool | None = None,
+                 cache_dir: str | os.PathLike | None = None):
         self.folder = folder
         self.manifest = manifest
         self.device = device
@@ -36,7 +37,8 @@ class Model:
         self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
         self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
         self._check = FeedChecker(manifest.inputs, self.max_sequence_length, self.vocab_size)
-        self.plan: ExecutionPlan = build_plan(folder, manifest, device, threads, memory or plan_stream(manifest), verify)
+        self.plan: ExecutionPlan = build_plan(folder, manifest, device, threads, memory or plan_stream(manifest), verify,
+                                              pack, Path(cache_dir) if cache_dir else None)
         self._outputs = [t.name for t in manifest.outputs]
         self._text: TextEncoder | None = None
         if manifest.tokenizer:
@@ -153,6 +155,8 @@ def load(
     prefetch: int | None = None,
     memory_budget: int | str | None = None,
     pin: list[int] | None = None,
+    pack: bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> Model:
     """Load an artifact folder written by ``slimml convert``.
 
@@ -172,6 +176,11 @@ def load(
             smaller than the largest shard.
         pin: shard indices kept loaded for the model's lifetime, e.g. ``[0, -1]`` for the
             embeddings and the head; only the others stream.
+        pack: how streamed shards get their weights on CPU. None (default): ONNX Runtime's
+            pre-packed weights, written once to ``cache_dir`` and paged in per pass (Linux), else
+            weights fed as inputs. False: always fed (no cache; slower decoding).
+        cache_dir: where pre-packed weights are kept (default ``SLIMML_CACHE_DIR`` or
+            ``~/.cache/slimml``); about twice the streamed shards' size on disk.
 
     Returns:
         A :class:`Model` with ``run(feeds)`` and, for sentence-embedding artifacts, ``encode(texts)``.
@@ -191,4 +200,4 @@ def load(
     plan = plan_stream(manifest, resident, prefetch, memory_budget, pin)  # a bad budget fails before loading
     if verify:
         verify_files(folder, manifest)
-    return Model(folder, manifest, device, threads, plan, verify)
+    return Model(folder, manifest, device, threads, plan, verify, pack, cache_dir)

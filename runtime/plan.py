@@ -6,10 +6,11 @@ A plan is a list of segments over the artifact's shards, in order:
   graph (:mod:`slimml.runtime.merge`) and run as one ONNX Runtime session: a model that fits
   runs as a single graph, weights read from the shards' own hashed data files. If ONNX Runtime
   refuses the merged graph, the segment runs its shards one session each and says so once.
-- a **streamed** segment holds consecutive shards whose weights pass through K slots
-  (:mod:`slimml.runtime.slots`, filled ahead by :mod:`slimml.runtime.stream`). Each shard's
-  session is compiled once with its weights as inputs (:mod:`slimml.runtime.weights`); a pass
-  feeds it the slot's arrays.
+- a **streamed** segment holds consecutive shards whose weights pass through K slots, filled
+  ahead by :mod:`slimml.runtime.stream`. Each shard's session is compiled once by the plan's
+  weight source: :class:`PackedSlots` (CPU on Linux: ONNX Runtime's pre-packed weights in cached
+  files, paged in by the slot and dropped after) or :class:`FedSlots` (weights as graph inputs,
+  fed from memory-mapped data files: CUDA, other platforms, or ``pack=False``).
 
 ``load(path)`` gives one resident segment; ``load(path, resident=K, pin=[0, -1])`` gives
 resident segments for the pinned shards and streamed ones between them. ``model.plan.describe()``
@@ -26,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 
-from slimml.errors import ArtifactError
+from slimml.errors import ArtifactError, ConfigError
 from slimml.runtime.budget import StreamPlan
 from slimml.runtime.manifest import Manifest, safe_path
 from slimml.runtime.merge import merge_shards, segment_io
+from slimml.runtime.packed import PackedSlots
+from slimml.runtime.packed import supported as packed_supported
 from slimml.runtime.session import Step, make_session, session_options
-from slimml.runtime.slots import CpuSlots
+from slimml.runtime.slots import FedSlots
 from slimml.runtime.stream import Streamer, StreamStats
-from slimml.runtime.weights import weights_as_inputs
 
 log = logging.getLogger("slimml")
 
@@ -67,7 +68,8 @@ class ResidentSegment:
             spinning = False  # several sessions now share the cores
         for i in indices:
             s = manifest.shards[i]
-            session = make_session(safe_path(folder, s.file), device, options=session_options(threads, spinning))
+            options = session_options(threads, spinning, shared_arena=not spinning and device == "cpu")
+            session = make_session(safe_path(folder, s.file), device, options=options)
             self.steps.append(Step(f"shard {i} ({s.file})", [t.name for t in s.inputs], [t.name for t in s.outputs],
                                    drop_after[i], session, device))
 
@@ -86,26 +88,18 @@ class ResidentSegment:
 
 
 class StreamedSegment:
-    """Consecutive shards whose weights stream through slots; sessions compiled once."""
+    """Consecutive shards whose weights stream through slots; sessions compiled once by ``source``."""
 
     kind = "streamed"
 
-    def __init__(self, folder: Path, manifest: Manifest, indices: list[int], device: str, threads: int | None,
-                 spinning: bool, drop_after: dict[int, list[str]]):
+    def __init__(self, manifest: Manifest, indices: list[int], device: str, threads: int | None, spinning: bool,
+                 drop_after: dict[int, list[str]], source):
         self.shards = indices
+        self.source = source
         self.steps: dict[int, Step] = {}
-        self.specs = {}
         for i in indices:
             s = manifest.shards[i]
-            model = onnx.load_model_from_string(safe_path(folder, s.file).read_bytes())  # weights not read
-            graph, self.specs[i] = weights_as_inputs(model, s.file)
-            try:
-                session = make_session(graph, device, options=session_options(threads, spinning), what=s.file)
-            except ArtifactError as e:
-                raise ArtifactError(
-                    f"shard {i} cannot stream: {str(e).split(': ', 1)[-1].split('. ')[0]}; ONNX Runtime needs some of "
-                    f"its weights as constants. Pin it (pin=[{i}]) or load the model fully resident."
-                ) from None
+            session = source.compile(i, device, threads, spinning)
             self.steps[i] = Step(f"shard {i} ({s.file})", [t.name for t in s.inputs], [t.name for t in s.outputs],
                                  drop_after[i], session, device)
 
@@ -123,7 +117,9 @@ class StreamedSegment:
                 streamer.release(time.perf_counter() - t0)
 
     def describe(self) -> str:
-        return f"{_span(self.shards)}: streamed through the slots, sessions compiled once"
+        how = ("pre-packed weights mapped from the cache and paged in and out" if isinstance(self.source, PackedSlots)
+               else "weights fed from memory-mapped data files")
+        return f"{_span(self.shards)}: streamed through the slots, sessions compiled once; {how}"
 
 
 class ExecutionPlan:
@@ -188,9 +184,13 @@ class ExecutionPlan:
 
 
 def build_plan(folder: Path, manifest: Manifest, device: str, threads: int | None, memory: StreamPlan,
-               verify: bool = True) -> ExecutionPlan:
+               verify: bool = True, pack: bool | None = None, cache_dir: Path | None = None) -> ExecutionPlan:
     """Segments for ``memory``: runs of resident shards (all of them when nothing streams) and
-    runs of streamed shards, each made ready to run once, here."""
+    runs of streamed shards, each made ready to run once, here.
+
+    ``pack``: stream pre-packed weights (:mod:`slimml.runtime.packed`); None packs where it can
+    (CPU on Linux), False feeds weights as inputs (:class:`FedSlots`).
+    """
     streamed = set(memory.streamed)
     runs: list[tuple[bool, list[int]]] = []
     for s in manifest.shards:
@@ -199,17 +199,40 @@ def build_plan(folder: Path, manifest: Manifest, device: str, threads: int | Non
         else:
             runs.append((s.index in streamed, [s.index]))
     # one session owns the cores and may spin between ops (ORT's default); several that run one
-    # after another must not, or the idle pools steal the cores of the one computing
+    # after another must not, or the idle pools steal the cores of the one computing, and they
+    # share one activation arena (docs/runtime.md)
     spinning = len(runs) == 1 and not streamed
     drop_after = manifest.last_uses()
-    segments = [(StreamedSegment if is_streamed else ResidentSegment)(folder, manifest, idx, device, threads, spinning,
-                                                                      drop_after) for is_streamed, idx in runs]
+    source = _weight_source(folder, manifest, device, verify, pack, cache_dir) if streamed else None
+
+    def segments_with(source) -> list:
+        return [StreamedSegment(manifest, idx, device, threads, spinning, drop_after, source) if is_streamed
+                else ResidentSegment(folder, manifest, idx, device, threads, spinning, drop_after)
+                for is_streamed, idx in runs]
+
+    try:
+        segments = segments_with(source)
+    except ArtifactError as e:
+        if not isinstance(source, PackedSlots) or pack:
+            raise
+        log.warning("slimml: streaming weights as graph inputs (slower decoding): packing them failed (%s)",
+                    str(e).rstrip("."))
+        source = FedSlots(folder, manifest, verify)
+        segments = segments_with(source)
     streamer = None
     if streamed:
-        specs = {i: sp for seg in segments if seg.kind == "streamed" for i, sp in seg.specs.items()}
-        slots = CpuSlots(folder, manifest, specs, verify)
-        streamer = Streamer(slots.fill, list(memory.streamed), memory.resident - len(memory.pinned), memory.prefetch)
+        streamer = Streamer(source.fill, list(memory.streamed), memory.resident - len(memory.pinned), memory.prefetch)
     return ExecutionPlan(memory, device, segments, streamer)
+
+
+def _weight_source(folder: Path, manifest: Manifest, device: str, verify: bool, pack: bool | None,
+                   cache_dir: Path | None):
+    why = "it runs on CPU only" if device != "cpu" else packed_supported()
+    if pack and why:
+        raise ConfigError(f"pack=True cannot be honoured: {why}. Use pack=None (the default) or pack=False.")
+    if pack is False or why:
+        return FedSlots(folder, manifest, verify)
+    return PackedSlots(folder, manifest, cache_dir)
 
 
 def _span(indices: list[int]) -> str:

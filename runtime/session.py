@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ def providers_for(device: str) -> list[str | tuple[str, dict]]:
 
 
 def session_options(threads: int | None = None, spinning: bool = True,
-                    weights_folder: os.PathLike | str | None = None) -> ort.SessionOptions:
+                    weights_folder: os.PathLike | str | None = None, shared_arena: bool = False) -> ort.SessionOptions:
     """ORT's defaults, plus what slimml's plan needs.
 
     Args:
@@ -48,6 +49,10 @@ def session_options(threads: int | None = None, spinning: bool = True,
             and steal the cores of the one computing (measured: benchmarks/bench_threads.py).
         weights_folder: where the external data of a graph given as bytes lives (a merged graph
             reads each weight from its own shard's data file there).
+        shared_arena: allocate activations from one CPU arena shared by every session that asks
+            for it, instead of an arena per session. Sessions that run one after another need
+            the memory of the largest, not the sum: 24 streamed layer sessions of a 4.4 GB Llama
+            held 4.6 GB of arenas after a batch 4 x 256 prefill with their own.
     """
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -58,8 +63,25 @@ def session_options(threads: int | None = None, spinning: bool = True,
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if weights_folder is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", os.fspath(weights_folder))
+    if shared_arena:
+        _register_shared_arena()
+        so.add_session_config_entry("session.use_env_allocators", "1")
     so.log_severity_level = 4  # fatal only: slimml raises its own errors with the fix in them
     return so
+
+
+_arena_lock = threading.Lock()
+_arena_registered = False
+
+
+def _register_shared_arena() -> None:
+    """Register one CPU arena in ONNX Runtime's environment, once per process."""
+    global _arena_registered
+    with _arena_lock:
+        if not _arena_registered:
+            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+            ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))  # grow as asked
+            _arena_registered = True
 
 
 def make_session(model: os.PathLike | str | bytes, device: str = "cpu", threads: int | None = None,

@@ -5,14 +5,17 @@ slot: the loader thread *fills* a slot ahead of the compute (the next P shards),
 feeds the slot's arrays to the shard's compiled-once session, then *releases* it, and the
 loader refills it with a later shard.
 
-:class:`CpuSlots` fills a slot by memory-mapping the shard's data file read-only and bringing
+:class:`FedSlots` compiles each streamed shard with its weights as graph inputs
+(:mod:`slimml.runtime.weights`) and fills a slot by memory-mapping the shard's data file read-only and bringing
 its pages in (``MAP_POPULATE``, else a read-through), so the compute finds them resident; the
 arrays it hands out are views of the mapping (no copy), and release unmaps it, returning the
 memory. A CUDA filler keeps the same contract with device buffers allocated once per slot,
 filled from pinned host memory on a copy stream and bound through IOBinding.
 
 A data file whose size, mtime or inode changed since ``load`` hashed it is hashed again before
-it is mapped: a corrupted or replaced file is refused, never run.
+it is mapped: a corrupted or replaced file is refused, never run. On CPU under Linux the plan
+prefers :class:`slimml.runtime.packed.PackedSlots` (pre-packed weights, resident speed); both
+keep the contract ``compile(index, ...) -> session``, ``fill(index) -> Slot``, ``Slot.release()``.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
+import onnx
+
 from slimml.errors import ArtifactError
 from slimml.runtime.manifest import Manifest, safe_path, verify_file
-from slimml.runtime.weights import WeightSpec
+from slimml.runtime.session import make_session, session_options
+from slimml.runtime.weights import WeightSpec, weights_as_inputs
 
 _PAGE = mmap.PAGESIZE
 
@@ -50,14 +56,37 @@ class Slot:
                 pass
 
 
-class CpuSlots:
-    """Fills slots from memory-mapped data files (the loader thread calls :meth:`fill`)."""
+class FedSlots:
+    """Weights fed as graph inputs from memory-mapped data files (any device, any platform).
 
-    def __init__(self, folder: Path, manifest: Manifest, specs: dict[int, list[WeightSpec]], verify: bool):
-        self.folder, self.manifest, self.specs = folder, manifest, specs
+    :meth:`compile` opens a shard's session once, its weights turned into inputs; :meth:`fill`
+    (the loader thread) maps the shard's data file and hands out views of it.
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest, verify: bool):
+        self.folder, self.manifest = folder, manifest
+        self.specs: dict[int, list[WeightSpec]] = {}
         self.entries = {f.path: f for f in manifest.files}
         # what each file looked like when load() hashed it: a change mid-stream means re-hashing
         self.seen = {p: _stamp(folder, p) for p in self.entries} if verify else None
+
+    def compile(self, index: int, device: str, threads: int | None, spinning: bool):
+        """The shard's session with its weights as graph inputs, opened once.
+
+        Raises:
+            ArtifactError: ONNX Runtime needs some of the shard's weights as constants.
+        """
+        shard = self.manifest.shards[index]
+        model = onnx.load_model_from_string(safe_path(self.folder, shard.file).read_bytes())  # weights not read
+        graph, self.specs[index] = weights_as_inputs(model, shard.file)
+        try:
+            return make_session(graph, device, options=session_options(threads, spinning, shared_arena=device == "cpu"),
+                                what=shard.file)
+        except ArtifactError as e:
+            raise ArtifactError(
+                f"shard {index} cannot stream: {str(e).split(': ', 1)[-1].split('. ')[0]}; ONNX Runtime needs some of "
+                f"its weights as constants. Pin it (pin=[{index}]) or load the model fully resident."
+            ) from None
 
     def fill(self, index: int) -> Slot:
         shard = self.manifest.shards[index]

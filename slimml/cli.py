@@ -327,8 +327,8 @@ def bench(
                       " (no plot: pip install 'slimml[bench]' for matplotlib)"))
         return
     model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
-    if model.plan.streaming and not as_json:
-        console.print(model.plan.describe())
+    if not as_json:
+        console.print(model.plan.describe(), highlight=False)
     result = do_bench(model, batch=batch, seq=seq, runs=runs)
     now = Baseline.from_bench(result, model.manifest.name)
     if as_json:

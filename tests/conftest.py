@@ -62,6 +62,19 @@ def tiny_onnx_mlp(path: Path, layers: int = 4, hidden: int = 8, seed: int = 0) -
     return path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def packed_cache(tmp_path_factory) -> Path:
+    """Streamed shards' pre-packed weights go to a temporary folder, never the home folder."""
+    folder = tmp_path_factory.mktemp("slimml-cache")
+    old = os.environ.get("SLIMML_CACHE_DIR")
+    os.environ["SLIMML_CACHE_DIR"] = str(folder)
+    yield folder
+    if old is None:
+        os.environ.pop("SLIMML_CACHE_DIR", None)
+    else:
+        os.environ["SLIMML_CACHE_DIR"] = old
+
+
 @pytest.fixture
 def mlp_onnx(tmp_path) -> Path:
     return tiny_onnx_mlp(tmp_path / "mlp.onnx")

@@ -150,7 +150,7 @@ def test_shard_failing_its_hash_mid_stream(mlp_artifact, tmp_path):
 
     art = tmp_path / "art"
     shutil.copytree(mlp_artifact, art)
-    model = load(art, resident=2)
+    model = load(art, resident=2, pack=False)  # weights fed from the artifact's own data files
     model.run(_feeds())
     bad = model.manifest.shards[4]
     data = art / bad.data
@@ -170,6 +170,32 @@ def test_shard_failing_its_hash_mid_stream(mlp_artifact, tmp_path):
     assert not loader.thread.is_alive()  # the loader shut down, nothing hangs
     with pytest.raises(IntegrityError):  # later calls fail fast with the same error
         model.run(_feeds())
+
+
+def test_packed_weights_damaged_in_the_cache_are_refused(mlp_artifact, tmp_path):
+    model = load(mlp_artifact, resident=2, cache_dir=tmp_path / "cache")
+    source = model.plan.segments[0].source
+    assert "pre-packed weights mapped from the cache" in model.plan.describe()
+    want = load(mlp_artifact).run(_feeds())["y"]
+    np.testing.assert_allclose(model.run(_feeds())["y"], want, rtol=0, atol=1e-5)
+    packed, _ = source.files[3]
+    raw = bytearray(packed.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    packed.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError) as e:
+        model.run(_feeds())
+    assert str(e.value) == (
+        f"{packed}, the pre-packed weights of shard 3, does not match the hash recorded when it was written: the "
+        f"cache is damaged. Delete {packed.parent} (slimml rebuilds it) and load the model again."
+    )
+    again = load(mlp_artifact, resident=2, cache_dir=tmp_path / "cache")
+    with pytest.raises(IntegrityError):  # a fresh load refuses it too, before it runs
+        again.run(_feeds())
+    import shutil
+
+    shutil.rmtree(packed.parent)
+    np.testing.assert_allclose(load(mlp_artifact, resident=2, cache_dir=tmp_path / "cache").run(_feeds())["y"], want,
+                               rtol=0, atol=1e-5)  # rebuilt
 
 
 def test_bad_feeds_mid_pass_leave_the_model_usable(tiny_llama_artifact):

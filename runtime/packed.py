@@ -1,0 +1,207 @@
+"""Streamed shards on CPU at resident speed: ONNX Runtime's pre-packed weights, kept in files.
+
+ONNX Runtime's CPU matrix kernels work on weights *pre-packed* into their own layout at session
+creation. A weight fed as a graph input cannot be pre-packed, so it is packed again on every
+call, which makes a decode step 2-4x slower (docs/runtime.md). ONNX Runtime can instead write a
+shard's pre-packed weights into an external data file once
+(``session.save_external_prepacked_constant_initializers``) and, when a session opens that
+graph, map them from the file rather than packing them. Those pages are file-backed: slimml
+brings them in ahead of the compute and drops them after it (``madvise``), so a shard costs
+memory only while it is in a slot, and the kernels run as on a resident model.
+
+The packed files depend on the shard, the ONNX Runtime version and the CPU, so they live in a
+cache (``SLIMML_CACHE_DIR``, default ``~/.cache/slimml``), written once atomically with their
+sha256, which is checked before a file is first used. A damaged cache file is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import onnxruntime as ort
+
+from slimml.errors import ArtifactError, IntegrityError
+from slimml.runtime.manifest import Manifest, safe_path, sha256_file
+from slimml.runtime.session import make_session, session_options
+from slimml.runtime.slots import Slot
+
+CACHE_FORMAT = 1
+_MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SLIMML_CACHE_DIR") or Path.home() / ".cache" / "slimml")
+
+
+def supported() -> str | None:
+    """Why packed streaming cannot run here, or None when it can."""
+    if not sys.platform.startswith("linux"):
+        return "it needs Linux (madvise on ONNX Runtime's mappings)"
+    if _libc() is None:
+        return "the C library's madvise is not reachable"
+    return None
+
+
+def cpu_key() -> str:
+    """What the packed layout depends on besides the shard: ONNX Runtime and the CPU's features."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return json.dumps([CACHE_FORMAT, ort.__version__, platform.machine(), sorted(set(flags.split()))])
+
+
+class PackedSlots:
+    """Streamed shards whose sessions map pre-packed weight files; slots page them in and out.
+
+    :meth:`compile` builds (or finds) a shard's packed files and opens its session once;
+    :meth:`fill` (loader thread) checks the packed data file and brings its pages in;
+    the slot's release drops them from this process.
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest, cache: Path | None = None):
+        self.folder, self.manifest = folder, manifest
+        self.cache = (Path(cache) if cache else cache_root()) / "packed"
+        self.ranges: dict[int, list[tuple[int, int]]] = {}
+        self.files: dict[int, tuple[Path, dict]] = {}  # shard -> (packed data file, its record)
+        self.checked: dict[int, tuple] = {}  # shard -> stamp of the data file when its hash matched
+        self.key = cpu_key()
+
+    def compile(self, index: int, device: str, threads: int | None, spinning: bool):
+        """The shard's session over its packed graph, opened once.
+
+        Raises:
+            ArtifactError: the packed files cannot be made here, or ONNX Runtime did not map them.
+        """
+        graph, data, record = self._packed(index, threads)
+        options = session_options(threads, spinning, shared_arena=True)
+        session = make_session(graph, device, options=options, what=f"the packed shard {index} ({graph})")
+        ranges = _mappings(data)
+        if not ranges:
+            raise ArtifactError("ONNX Runtime did not map the pre-packed weights from their file")
+        self.ranges[index] = ranges
+        self.files[index] = (data, record)
+        _advise(ranges, _MADV_DONTNEED)  # nothing stays in memory until a slot brings it in
+        return session
+
+    def fill(self, index: int) -> Slot:
+        self._check(index)
+        ranges = self.ranges[index]
+        if not _advise(ranges, _MADV_POPULATE_READ):  # kernels before 5.14: ask for read-ahead
+            _advise(ranges, _MADV_WILLNEED)
+        return Slot(index, {}, sum(n for _, n in ranges), _Pages(ranges))
+
+    # -- the cache ------------------------------------------------------------------------------
+
+    def _packed(self, index: int, threads: int | None) -> tuple[Path, Path, dict]:
+        shard = self.manifest.shards[index]
+        hashes = {f.path: f.sha256 for f in self.manifest.files}
+        key = hashlib.sha256(json.dumps([self.key, hashes[shard.file], hashes.get(shard.data)]).encode()).hexdigest()[:32]
+        folder = self.cache / key
+        record_path = folder / "packed.json"
+        if record_path.is_file():
+            try:
+                record = json.loads(record_path.read_text())
+                return folder / "shard.onnx", folder / "shard.onnx.data", record
+            except (OSError, ValueError):
+                pass  # a damaged record: build again
+        tmp = self.cache / f".{key}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+            so = session_options(threads, spinning=False)
+            so.optimized_model_filepath = os.fspath(tmp / "shard.onnx")
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "shard.onnx.data")
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+            ort.InferenceSession(os.fspath(safe_path(self.folder, shard.file)), so, providers=["CPUExecutionProvider"])
+            if not (tmp / "shard.onnx.data").is_file():
+                raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
+            record = {"source": shard.file, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
+                                                    for n in ("shard.onnx", "shard.onnx.data")}}
+            (tmp / "packed.json").write_text(json.dumps(record, indent=1))
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        except ArtifactError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except Exception as e:  # ORT's own errors, a full disk, a read-only cache
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ArtifactError(f"packing shard {index} into {self.cache} failed ({type(e).__name__}: {e})") from None
+        self.checked[index] = _stamp(folder / "shard.onnx.data")  # just hashed while writing
+        return folder / "shard.onnx", folder / "shard.onnx.data", record
+
+    def _check(self, index: int) -> None:
+        """Hash the packed data file before its first use, and again whenever it changed since."""
+        data, record = self.files[index]
+        stamp = _stamp(data)
+        if self.checked.get(index) == stamp and stamp is not None:
+            return
+        want = record["files"]["shard.onnx.data"]
+        if stamp is None or stamp[0] != want["bytes"] or sha256_file(data) != want["sha256"]:
+            raise IntegrityError(
+                f"{data}, the pre-packed weights of shard {index}, does not match the hash recorded when it was "
+                f"written: the cache is damaged. Delete {data.parent} (slimml rebuilds it) and load the model again."
+            )
+        self.checked[index] = stamp
+
+
+class _Pages:
+    """What a packed slot holds: ONNX Runtime's mappings of one shard; closing drops their pages."""
+
+    def __init__(self, ranges: list[tuple[int, int]]):
+        self.ranges = ranges
+
+    def close(self) -> None:
+        _advise(self.ranges, _MADV_DONTNEED)
+
+
+def _mappings(path: Path) -> list[tuple[int, int]]:
+    """This process's mappings of ``path``: (address, length) pairs from /proc/self/maps."""
+    target = os.path.realpath(path)
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(maxsplit=5)
+            if len(parts) == 6 and parts[5] == target:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi - lo))
+    return out
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _libc()
+
+
+def _advise(ranges: list[tuple[int, int]], advice: int) -> bool:
+    ok = True
+    for addr, length in ranges:
+        ok = _madvise(addr, length, advice) == 0 and ok
+    return ok
+
+
+def _stamp(path: Path) -> tuple | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
