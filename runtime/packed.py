@@ -96,6 +96,8 @@ class PackedSlots:
     def fill(self, index: int) -> Slot:
         self._check(index)
         ranges = self.ranges[index]
+        # map the pages in here, on the loader thread: left to the compute, the faults cost it more
+        # (measured: decode 11.4-11.9 tok/s against 14.5 with the pages populated ahead)
         if not _advise(ranges, _MADV_POPULATE_READ):  # kernels before 5.14: ask for read-ahead
             _advise(ranges, _MADV_WILLNEED)
         return Slot(index, {}, sum(n for _, n in ranges), _Pages(ranges))

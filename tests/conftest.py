@@ -146,6 +146,17 @@ output_names = ["logits"]
 '''
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_past_artifact(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The tiny Llama converted with its KV cache (``--task text-generation-with-past``)."""
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+
+    out = tmp_path_factory.mktemp("llama_past") / "art"
+    convert(tiny_llama_dir, out, ConvertConfig(export=ExportConfig(task="text-generation-with-past"), verify=False,
+                                               measure_latency=False))
+    return out
+
+
 @pytest.fixture
 def cnn_py(tmp_path) -> Path:
     path = tmp_path / "small_cnn.py"

@@ -129,8 +129,8 @@ def test_budget_too_small_for_k_names_the_shards(mlp):
     assert msg.startswith("resident=2 can need ") and "the largest being shard " in msg and "Use resident=1" in msg
 
 
-def test_zero_length_axes_pass_but_an_empty_batch_does_not(tiny_llama_artifact_past):
-    model = load(tiny_llama_artifact_past)
+def test_zero_length_axes_pass_but_an_empty_batch_does_not(tiny_llama_past_artifact):
+    model = load(tiny_llama_past_artifact)
     past = {t.name: np.zeros((2, t.shape[1], 0, t.shape[3]), np.float32) for t in model.inputs if t.name.startswith("past")}
     ids = np.array([[5, 6, 7], [8, 9, 10]], np.int64)
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.tile(np.arange(3), (2, 1)), **past}
@@ -139,16 +139,6 @@ def test_zero_length_axes_pass_but_an_empty_batch_does_not(tiny_llama_artifact_p
     empty = {k: v[:0] for k, v in feeds.items()}
     with pytest.raises(FeedError, match=r"has an empty batch \(shape \[0, 3\]\); give at least one item"):
         model.run(empty)
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_artifact_past(tiny_llama_dir, tmp_path_factory):
-    from slimml.convert import ExportConfig
-
-    out = tmp_path_factory.mktemp("plan_llama") / "art"
-    convert(tiny_llama_dir, out, ConvertConfig(export=ExportConfig(task="text-generation-with-past"), verify=False,
-                                               measure_latency=False))
-    return out
 
 
 def test_encode_sorts_by_length_and_returns_input_order(tiny_bert_artifact):
