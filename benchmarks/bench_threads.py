@@ -25,6 +25,7 @@ import time
 SETTINGS = {
     "own pools, no spin (slimml)": {"spin": False, "shared": False},
     "own pools, spin (ORT default)": {"spin": True, "shared": False},
+    "own pools, spin, stop after run": {"spin": True, "shared": False, "stop": True},
     "shared pool, no spin": {"spin": False, "shared": True},
     "shared pool, spin": {"spin": True, "shared": True},
 }
@@ -44,6 +45,8 @@ def child(args) -> None:
 
     def options(threads=None, spinning=True, weights_folder=None, shared_arena=False):  # every session of the plan
         so = real(threads, setting["spin"], weights_folder, shared_arena)
+        if setting.get("stop"):
+            so.add_session_config_entry("session.force_spinning_stop", "1")
         if setting["shared"]:
             so.use_per_session_threads = False
         return so

@@ -84,7 +84,12 @@ class PackedSlots:
         """
         graph, data, record = self._packed(index, threads)
         options = session_options(threads, spinning, shared_arena=True)
-        session = make_session(graph, device, options=options, what=f"the packed shard {index} ({graph})")
+        try:
+            session = make_session(graph, device, options=options, what=f"the packed shard {index} ({graph})")
+        except ArtifactError:
+            self.files[index] = (data, record)
+            self._check(index)  # a damaged file is refused as such, naming it
+            raise
         ranges = _mappings(data)
         if not ranges:
             raise ArtifactError("ONNX Runtime did not map the pre-packed weights from their file")
@@ -143,7 +148,11 @@ class PackedSlots:
         return folder / "shard.onnx", folder / "shard.onnx.data", record
 
     def _check(self, index: int) -> None:
-        """Hash the packed data file before its first use, and again whenever it changed since."""
+        """Hash the packed data file before its first use, and again whenever it changed since.
+
+        Raises:
+            IntegrityError: the file does not match the hash recorded when it was written.
+        """
         data, record = self.files[index]
         stamp = _stamp(data)
         if self.checked.get(index) == stamp and stamp is not None:

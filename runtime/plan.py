@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from slimml.errors import ArtifactError, ConfigError
+from slimml.errors import ArtifactError, ConfigError, IntegrityError
 from slimml.runtime.budget import StreamPlan
 from slimml.runtime.manifest import Manifest, safe_path
 from slimml.runtime.merge import merge_shards, segment_io
@@ -213,7 +213,7 @@ def build_plan(folder: Path, manifest: Manifest, device: str, threads: int | Non
     try:
         segments = segments_with(source)
     except ArtifactError as e:
-        if not isinstance(source, PackedSlots) or pack:
+        if not isinstance(source, PackedSlots) or pack or isinstance(e, IntegrityError):
             raise
         log.warning("slimml: streaming weights as graph inputs (slower decoding): packing them failed (%s)",
                     str(e).rstrip("."))
