@@ -21,13 +21,12 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 import sys
 from pathlib import Path
 
 import onnxruntime as ort
 
-from slimml.errors import ArtifactError, IntegrityError
+from slimml.errors import ArtifactError, IntegrityError, SlimmlError
 from slimml.runtime.manifest import Manifest, safe_path, sha256_file
 from slimml.runtime.session import make_session, session_options
 from slimml.runtime.slots import Slot
@@ -121,28 +120,25 @@ class PackedSlots:
                 return folder / "shard.onnx", folder / "shard.onnx.data", record
             except (OSError, ValueError):
                 pass  # a damaged record: build again
-        tmp = self.cache / f".{key}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        from slimml.atomic import atomic_folder  # the one atomic writer: stale temp folders go, a kill leaves none
+
         try:
-            tmp.mkdir(parents=True)
-            so = session_options(threads, spinning=False)
-            so.optimized_model_filepath = os.fspath(tmp / "shard.onnx")
-            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "shard.onnx.data")
-            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-            so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-            ort.InferenceSession(os.fspath(safe_path(self.folder, shard.file)), so, providers=["CPUExecutionProvider"])
-            if not (tmp / "shard.onnx.data").is_file():
-                raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
-            record = {"source": shard.file, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
-                                                    for n in ("shard.onnx", "shard.onnx.data")}}
-            (tmp / "packed.json").write_text(json.dumps(record, indent=1))
-            shutil.rmtree(folder, ignore_errors=True)
-            os.replace(tmp, folder)
-        except ArtifactError:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        except Exception as e:  # ORT's own errors, a full disk, a read-only cache
-            shutil.rmtree(tmp, ignore_errors=True)
+            with atomic_folder(folder) as tmp:
+                so = session_options(threads, spinning=False)
+                so.optimized_model_filepath = os.fspath(tmp / "shard.onnx")
+                so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "shard.onnx.data")
+                so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+                so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+                ort.InferenceSession(os.fspath(safe_path(self.folder, shard.file)), so, providers=["CPUExecutionProvider"])
+                if not (tmp / "shard.onnx.data").is_file():
+                    raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
+                record = {"source": shard.file,
+                          "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
+                                    for n in ("shard.onnx", "shard.onnx.data")}}
+                (tmp / "packed.json").write_text(json.dumps(record, indent=1))
+        except SlimmlError as e:
+            raise ArtifactError(f"packing shard {index} into {self.cache} failed: {str(e).rstrip('.')}") from None
+        except Exception as e:  # ORT's own errors
             raise ArtifactError(f"packing shard {index} into {self.cache} failed ({type(e).__name__}: {e})") from None
         self.checked[index] = _stamp(folder / "shard.onnx.data")  # just hashed while writing
         return folder / "shard.onnx", folder / "shard.onnx.data", record

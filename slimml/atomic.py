@@ -63,7 +63,7 @@ def fresh_tmp(out: Path) -> Path:
             if not _owner_alive(stale):
                 size = _folder_bytes(stale)
                 shutil.rmtree(stale, ignore_errors=True)
-                log.warning("slimml: removed %s (%.1f MB), left by an interrupted convert or quantize whose process "
+                log.warning("slimml: removed %s (%.1f MB), left by an interrupted convert, quantize or cache write whose process "
                             "no longer runs", stale, size / 1e6)
         for old in parent.glob(f".{out.name}.slimml-old-*"):  # a previous artifact set aside by a killed convert
             if not _owner_alive(old):
