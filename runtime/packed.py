@@ -136,10 +136,12 @@ class PackedSlots:
                           "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
                                     for n in ("shard.onnx", "shard.onnx.data")}}
                 (tmp / "packed.json").write_text(json.dumps(record, indent=1))
-        except SlimmlError as e:
-            raise ArtifactError(f"packing shard {index} into {self.cache} failed: {str(e).rstrip('.')}") from None
-        except Exception as e:  # ORT's own errors
-            raise ArtifactError(f"packing shard {index} into {self.cache} failed ({type(e).__name__}: {e})") from None
+        except Exception as e:  # a read-only or full disk (SlimmlError from atomic_folder), ORT's own errors
+            why = str(e).split(";")[0].rstrip(".") if isinstance(e, SlimmlError) else f"{type(e).__name__}: {e}"
+            raise ArtifactError(
+                f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
+                "to a writable folder with room for about twice the streamed shards, or pass pack=False"
+            ) from None
         self.checked[index] = _stamp(folder / "shard.onnx.data")  # just hashed while writing
         return folder / "shard.onnx", folder / "shard.onnx.data", record
 

@@ -14,7 +14,7 @@ import onnxruntime as ort
 import pytest
 
 from slimml.convert import ConvertConfig, convert
-from slimml.errors import ConfigError, FeedError, IntegrityError
+from slimml.errors import ArtifactError, ConfigError, FeedError, IntegrityError
 from slimml.runtime import load
 from slimml.runtime.manifest import file_entry, read_manifest
 from conftest import STS_DEV, tiny_onnx_mlp
@@ -174,3 +174,19 @@ def test_a_stale_temp_folder_is_removed_and_said(mlp_onnx, tmp_path, caplog):
     assert not stale.exists() and not reused.exists()
     said = [r.getMessage() for r in caplog.records]
     assert any(f"removed {stale} (2.0 MB), left by an interrupted convert" in m for m in said)
+
+
+def test_an_unwritable_cache_falls_back_to_fed_weights_with_one_line(mlp, tmp_path, caplog):
+    _, art = mlp
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder should be")
+    with caplog.at_level(logging.WARNING, logger="slimml"):
+        model = load(art, resident=2, cache_dir=blocker)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "\n" not in said[0]
+    assert said[0].startswith("slimml: streaming weights as graph inputs (slower decoding): packing them failed")
+    assert "set SLIMML_CACHE_DIR or load(cache_dir=...) to a writable folder" in said[0]
+    assert "weights fed from memory-mapped data files" in model.plan.describe()
+    np.testing.assert_allclose(model.run(_feeds())["y"], load(art).run(_feeds())["y"], rtol=0, atol=1e-5)
+    with pytest.raises(ArtifactError, match=r"^packing shard \d+ into .* failed"):
+        load(art, resident=2, pack=True, cache_dir=blocker)  # asked for: no fallback
