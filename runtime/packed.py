@@ -71,6 +71,7 @@ class PackedSlots:
         self.folder, self.manifest = folder, manifest
         self.cache = (Path(cache) if cache else cache_root()) / "packed"
         self.ranges: dict[int, list[tuple[int, int]]] = {}
+        self.sessions: dict[int, object] = {}
         self.files: dict[int, tuple[Path, dict]] = {}  # shard -> (packed data file, its record)
         self.checked: dict[int, tuple] = {}  # shard -> stamp of the data file when its hash matched
         self.key = cpu_key()
@@ -83,17 +84,18 @@ class PackedSlots:
         """
         graph, data, record = self._packed(index, threads)
         options = session_options(threads, spinning, shared_arena=True)
+        self.files[index] = (data, record)
+        before = set(_mappings(data))  # another model of this process may map the same file: not ours
         try:
             session = make_session(graph, device, options=options, what=f"the packed shard {index} ({graph})")
         except ArtifactError:
-            self.files[index] = (data, record)
             self._check(index)  # a damaged file is refused as such, naming it
             raise
-        ranges = _mappings(data)
+        ranges = sorted(set(_mappings(data)) - before)
         if not ranges:
             raise ArtifactError("ONNX Runtime did not map the pre-packed weights from their file")
         self.ranges[index] = ranges
-        self.files[index] = (data, record)
+        self.sessions[index] = session  # the mappings live as long as the session: kept while slots may advise them
         _advise(ranges, _MADV_DONTNEED)  # nothing stays in memory until a slot brings it in
         return session
 
@@ -104,7 +106,7 @@ class PackedSlots:
         # (measured: decode 11.4-11.9 tok/s against 14.5 with the pages populated ahead)
         if not _advise(ranges, _MADV_POPULATE_READ):  # kernels before 5.14: ask for read-ahead
             _advise(ranges, _MADV_WILLNEED)
-        return Slot(index, {}, sum(n for _, n in ranges), _Pages(ranges))
+        return Slot(index, {}, sum(n for _, n in ranges), _Pages(ranges, self.sessions[index]))
 
     # -- the cache ------------------------------------------------------------------------------
 
@@ -165,13 +167,18 @@ class PackedSlots:
 
 
 class _Pages:
-    """What a packed slot holds: ONNX Runtime's mappings of one shard; closing drops their pages."""
+    """What a packed slot holds: ONNX Runtime's mappings of one shard; closing drops their pages.
 
-    def __init__(self, ranges: list[tuple[int, int]]):
-        self.ranges = ranges
+    It keeps the session that owns the mappings alive, so the addresses it advises are always
+    that session's mappings, never memory the process reused after the session went.
+    """
+
+    def __init__(self, ranges: list[tuple[int, int]], owner: object):
+        self.ranges, self.owner = ranges, owner
 
     def close(self) -> None:
         _advise(self.ranges, _MADV_DONTNEED)
+        self.owner = None
 
 
 def _mappings(path: Path) -> list[tuple[int, int]]:

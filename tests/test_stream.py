@@ -276,3 +276,24 @@ def test_cuda_streamed_equals_cpu(mlp_artifact):
     cpu = load(mlp_artifact).run(_feeds())["y"]
     gpu = load(mlp_artifact, device="cuda", resident=2).run(_feeds())["y"]
     np.testing.assert_allclose(gpu, cpu, atol=1e-4)
+
+
+def test_two_models_of_one_packed_artifact_page_only_their_own_mappings(mlp_artifact, tmp_path):
+    import gc
+
+    want = load(mlp_artifact).run(_feeds())["y"]
+    first = load(mlp_artifact, resident=2, cache_dir=tmp_path / "cache")
+    second = load(mlp_artifact, resident=2, cache_dir=tmp_path / "cache")  # the same packed files, mapped again
+    a, b = first.plan.segments[0].source, second.plan.segments[0].source
+    for i in a.ranges:
+        assert not set(a.ranges[i]) & set(b.ranges[i])  # each manages only the mappings its sessions made
+    first.run(_feeds())
+    first.close()
+    del first, a
+    gc.collect()
+    junk = [np.ones(1 << 16, np.float32) for _ in range(64)]  # memory that may reuse the freed addresses
+    for seed in range(3):
+        np.testing.assert_allclose(second.run(_feeds(seed=seed))["y"], load(mlp_artifact).run(_feeds(seed=seed))["y"],
+                                   rtol=0, atol=1e-5)
+    assert all((j == 1).all() for j in junk)  # nothing of ours was advised away
+    np.testing.assert_allclose(second.run(_feeds())["y"], want, rtol=0, atol=1e-5)
