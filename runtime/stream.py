@@ -160,7 +160,7 @@ class Streamer:
     """The streamed shards' slots for a plan: one pass at a time, in run order.
 
     Args:
-        fill: shard index -> a filled :class:`Slot` (``CpuSlots.fill``), run on the loader thread.
+        fill: shard index -> a filled :class:`Slot` (``PackedSlots.fill`` or ``FedSlots.fill``), run on the loader thread.
         order: the streamed shard indices in run order.
         slots: K - len(pinned), the slots the streamed shards pass through.
         prefetch: P, slots filled ahead of the one computing.
