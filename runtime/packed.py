@@ -11,7 +11,8 @@ memory only while it is in a slot, and the kernels run as on a resident model.
 
 The packed files depend on the shard, the ONNX Runtime version and the CPU, so they live in a
 cache (``SLIMML_CACHE_DIR``, default ``~/.cache/slimml``), written once atomically with their
-sha256, which is checked before a file is first used. A damaged cache file is refused, naming it.
+sha256, which ``load`` checks (as it checks the artifact's files, unless ``verify=False``) and a
+pass checks again if a file changed since. A damaged cache file is refused, naming it.
 """
 
 from __future__ import annotations
@@ -63,12 +64,12 @@ class PackedSlots:
     """Streamed shards whose sessions map pre-packed weight files; slots page them in and out.
 
     :meth:`compile` builds (or finds) a shard's packed files and opens its session once;
-    :meth:`fill` (loader thread) checks the packed data file and brings its pages in;
+    :meth:`fill` (loader thread) re-hashes the packed data file if it changed and brings its pages in;
     the slot's release drops them from this process.
     """
 
-    def __init__(self, folder: Path, manifest: Manifest, cache: Path | None = None):
-        self.folder, self.manifest = folder, manifest
+    def __init__(self, folder: Path, manifest: Manifest, cache: Path | None = None, verify: bool = True):
+        self.folder, self.manifest, self.verify = folder, manifest, verify
         self.cache = (Path(cache) if cache else cache_root()) / "packed"
         self.ranges: dict[int, list[tuple[int, int]]] = {}
         self.sessions: dict[int, object] = {}
@@ -85,10 +86,15 @@ class PackedSlots:
         graph, data, record = self._packed(index, threads)
         options = session_options(threads, spinning, shared_arena=True)
         self.files[index] = (data, record)
+        if self.verify:
+            self._check(index)  # hashed at load, as the artifact's own files are
+        else:
+            self.checked[index] = _stamp(data)  # verify=False: trusted as it is, re-hashed only if it changes
         before = set(_mappings(data))  # another model of this process may map the same file: not ours
         try:
             session = make_session(graph, device, options=options, what=f"the packed shard {index} ({graph})")
         except ArtifactError:
+            self.checked.pop(index, None)
             self._check(index)  # a damaged file is refused as such, naming it
             raise
         ranges = sorted(set(_mappings(data)) - before)
@@ -148,7 +154,7 @@ class PackedSlots:
         return folder / "shard.onnx", folder / "shard.onnx.data", record
 
     def _check(self, index: int) -> None:
-        """Hash the packed data file before its first use, and again whenever it changed since.
+        """Hash the packed data file unless it is unchanged since it was last hashed (or trusted).
 
         Raises:
             IntegrityError: the file does not match the hash recorded when it was written.

@@ -232,7 +232,7 @@ def _weight_source(folder: Path, manifest: Manifest, device: str, verify: bool, 
         raise ConfigError(f"pack=True cannot be honoured: {why}. Use pack=None (the default) or pack=False.")
     if pack is False or why:
         return FedSlots(folder, manifest, verify)
-    return PackedSlots(folder, manifest, cache_dir)
+    return PackedSlots(folder, manifest, cache_dir, verify)
 
 
 def _span(indices: list[int]) -> str:
