@@ -30,7 +30,7 @@ import onnxruntime as ort
 from slimml.errors import ArtifactError, IntegrityError, SlimmlError
 from slimml.runtime.manifest import Manifest, safe_path, sha256_file
 from slimml.runtime.session import make_session, session_options
-from slimml.runtime.slots import Slot
+from slimml.runtime.slots import Slot, file_stamp
 
 CACHE_FORMAT = 1
 _MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22
@@ -89,7 +89,7 @@ class PackedSlots:
         if self.verify:
             self._check(index)  # hashed at load, as the artifact's own files are
         else:
-            self.checked[index] = _stamp(data)  # verify=False: trusted as it is, re-hashed only if it changes
+            self.checked[index] = file_stamp(data)  # verify=False: trusted as it is, re-hashed only if it changes
         before = set(_mappings(data))  # another model of this process may map the same file: not ours
         try:
             session = make_session(graph, device, options=options, what=f"the packed shard {index} ({graph})")
@@ -150,7 +150,7 @@ class PackedSlots:
                 f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
                 "to a writable folder with room for about twice the streamed shards, or pass pack=False"
             ) from None
-        self.checked[index] = _stamp(folder / "shard.onnx.data")  # just hashed while writing
+        self.checked[index] = file_stamp(folder / "shard.onnx.data")  # just hashed while writing
         return folder / "shard.onnx", folder / "shard.onnx.data", record
 
     def _check(self, index: int) -> None:
@@ -160,7 +160,7 @@ class PackedSlots:
             IntegrityError: the file does not match the hash recorded when it was written.
         """
         data, record = self.files[index]
-        stamp = _stamp(data)
+        stamp = file_stamp(data)
         if self.checked.get(index) == stamp and stamp is not None:
             return
         want = record["files"]["shard.onnx.data"]
@@ -219,11 +219,3 @@ def _advise(ranges: list[tuple[int, int]], advice: int) -> bool:
     for addr, length in ranges:
         ok = _madvise(addr, length, advice) == 0 and ok
     return ok
-
-
-def _stamp(path: Path) -> tuple | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino)

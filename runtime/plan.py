@@ -205,20 +205,22 @@ def build_plan(folder: Path, manifest: Manifest, device: str, threads: int | Non
     drop_after = manifest.last_uses()
     source = _weight_source(folder, manifest, device, verify, pack, cache_dir) if streamed else None
 
-    def segments_with(source) -> list:
-        return [StreamedSegment(manifest, idx, device, threads, spinning, drop_after, source) if is_streamed
-                else ResidentSegment(folder, manifest, idx, device, threads, spinning, drop_after)
-                for is_streamed, idx in runs]
+    def streamed_with(source) -> dict[int, StreamedSegment]:
+        return {n: StreamedSegment(manifest, idx, device, threads, spinning, drop_after, source)
+                for n, (is_streamed, idx) in enumerate(runs) if is_streamed}
 
+    resident = {n: ResidentSegment(folder, manifest, idx, device, threads, spinning, drop_after)
+                for n, (is_streamed, idx) in enumerate(runs) if not is_streamed}
     try:
-        segments = segments_with(source)
+        moving = streamed_with(source)
     except ArtifactError as e:
         if not isinstance(source, PackedSlots) or pack or isinstance(e, IntegrityError):
             raise
         log.warning("slimml: streaming weights as graph inputs (slower decoding): packing them failed (%s)",
                     str(e).rstrip("."))
         source = FedSlots(folder, manifest, verify)
-        segments = segments_with(source)
+        moving = streamed_with(source)  # the resident segments stay as built
+    segments = [resident.get(n) or moving[n] for n in range(len(runs))]
     streamer = None
     if streamed:
         streamer = Streamer(source.fill, list(memory.streamed), memory.resident - len(memory.pinned), memory.prefetch)

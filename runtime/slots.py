@@ -68,7 +68,7 @@ class FedSlots:
         self.specs: dict[int, list[WeightSpec]] = {}
         self.entries = {f.path: f for f in manifest.files}
         # what each file looked like when load() hashed it: a change mid-stream means re-hashing
-        self.seen = {p: _stamp(folder, p) for p in self.entries} if verify else None
+        self.seen = {p: file_stamp(safe_path(folder, p)) for p in self.entries} if verify else None
 
     def compile(self, index: int, device: str, threads: int | None, spinning: bool):
         """The shard's session with its weights as graph inputs, opened once.
@@ -114,10 +114,10 @@ class FedSlots:
         """Re-hash a file whose size, mtime or inode changed since it was verified."""
         if self.seen is None:
             return
-        stamp = _stamp(self.folder, rel)
+        stamp = file_stamp(safe_path(self.folder, rel))
         if stamp != self.seen.get(rel):
             verify_file(self.folder, self.entries[rel])  # raises IntegrityError naming the file
-            self.seen[rel] = _stamp(self.folder, rel)
+            self.seen[rel] = file_stamp(safe_path(self.folder, rel))
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
@@ -131,9 +131,10 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mm
 
 
-def _stamp(folder: Path, rel: str) -> tuple[int, int, int] | None:
+def file_stamp(path: Path) -> tuple[int, int, int] | None:
+    """A file's size, mtime and inode (None if it is gone): what changes when it is rewritten."""
     try:
-        st = safe_path(folder, rel).stat()
+        st = path.stat()
     except OSError:
         return None
     return (st.st_size, st.st_mtime_ns, st.st_ino)
