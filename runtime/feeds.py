@@ -57,7 +57,7 @@ class FeedChecker:
                 if v.size:
                     if unsigned is not None and v.view(unsigned).max() >= self.vocab_size:
                         break  # one reduction finds ids past the end and, seen unsigned, negative ones
-                    if floats and not allow_nonfinite and not np.isfinite(v.sum()) and not np.isfinite(v).all():
+                    if floats and not allow_nonfinite and not _sum_finite(v) and not np.isfinite(v).all():
                         break  # the sum is finite unless some value is not (or it overflowed: then look)
                 out[name] = v if v.flags.c_contiguous else np.ascontiguousarray(v)
             else:
@@ -168,3 +168,9 @@ def check_feeds(
     if problems:
         raise FeedError("bad feeds: " + "; ".join(problems) + ".")
     return out
+
+
+def _sum_finite(v: np.ndarray) -> bool:
+    """Whether ``v``'s sum is finite (then every value is): one pass, no overflow warning."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return bool(np.isfinite(v.sum()))

@@ -120,6 +120,55 @@ class Manifest:
                 drop[idx].append(name)
         return drop
 
+    def segment_io(self, indices: list[int]) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        """What a run of consecutive shards takes from outside it, and what it must hand on.
+
+        Inputs: model inputs and earlier shards' outputs that its shards read. Outputs: what its
+        shards produce that is a model output or is read by a shard after it.
+        """
+        inside = set(indices)
+        last = max(indices)
+        ins: dict[str, TensorSpec] = {}
+        for i in indices:
+            for t in self.shards[i].inputs:
+                if t.source == "input" or t.source not in inside:
+                    ins.setdefault(t.name, t)
+        later = {t.name for s in self.shards[last + 1:] for t in s.inputs}
+        model_outputs = {t.name for t in self.outputs}
+        outs = [t for i in indices for t in self.shards[i].outputs if t.name in later or t.name in model_outputs]
+        return list(ins.values()), outs
+
+    def stage(self, first: int, last: int) -> Manifest:
+        """Shards ``first..last`` (inclusive) as a manifest of their own: a pipeline stage.
+
+        Its inputs are what those shards read from outside (model inputs and earlier shards'
+        activations), its outputs what they hand on (activations later shards read, and model
+        outputs); its shards are renumbered from 0 and its files are theirs alone, so loading it
+        hashes and maps only them. It has no tokenizer or pooling: the caller does text.
+        """
+        if not 0 <= first <= last < len(self.shards):
+            raise ArtifactError(
+                f"shards {first}-{last} are not a range of this artifact's {len(self.shards)} shards "
+                f"(0-{len(self.shards) - 1}); give first <= last inside it."
+            )
+        indices = list(range(first, last + 1))
+        ins, outs = self.segment_io(indices)
+
+        def local(t: TensorSpec) -> TensorSpec:
+            inside = isinstance(t.source, int) and first <= t.source <= last
+            return TensorSpec(t.name, t.dtype, list(t.shape), t.source - first if inside else "input")
+
+        shards = [ShardSpec(index=s.index - first, file=s.file, data=s.data, weight_bytes=s.weight_bytes,
+                            inputs=[local(t) for t in s.inputs], outputs=list(s.outputs), layers=list(s.layers))
+                  for s in self.shards[first:last + 1]]
+        paths = {p for s in shards for p in (s.file, s.data) if p}
+        return Manifest(
+            name=f"{self.name} (shards {first}-{last})", task=self.task, source=self.source, steps=self.steps,
+            inputs=[TensorSpec(t.name, t.dtype, list(t.shape)) for t in ins], outputs=list(outs), shards=shards,
+            files=[f for f in self.files if f.path in paths], checks={}, slimml_version=self.slimml_version,
+            format_version=self.format_version,
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,

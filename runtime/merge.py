@@ -18,26 +18,7 @@ import onnx
 from onnx import external_data_helper, helper
 
 from slimml.errors import ArtifactError
-from slimml.runtime.manifest import Manifest, TensorSpec, safe_path
-
-
-def segment_io(manifest: Manifest, indices: list[int]) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """What a run of consecutive shards takes from outside it, and what it must hand on.
-
-    Inputs: model inputs and earlier shards' outputs that its shards read. Outputs: what its
-    shards produce that is a model output or is read by a shard after it.
-    """
-    inside = set(indices)
-    last = max(indices)
-    ins: dict[str, TensorSpec] = {}
-    for i in indices:
-        for t in manifest.shards[i].inputs:
-            if t.source == "input" or t.source not in inside:
-                ins.setdefault(t.name, t)
-    later = {t.name for s in manifest.shards[last + 1:] for t in s.inputs}
-    model_outputs = {t.name for t in manifest.outputs}
-    outs = [t for i in indices for t in manifest.shards[i].outputs if t.name in later or t.name in model_outputs]
-    return list(ins.values()), outs
+from slimml.runtime.manifest import Manifest, safe_path
 
 
 def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.ModelProto:
@@ -47,7 +28,7 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
         ArtifactError: two shards define the same initializer, function or value differently, so
             they cannot share one graph (the caller then runs them one by one).
     """
-    inputs, outputs = segment_io(manifest, indices)
+    inputs, outputs = manifest.segment_io(indices)
     nodes, inits, infos, functions = [], {}, {}, {}
     opsets: dict[str, int] = {}
     ir_version = 0

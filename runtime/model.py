@@ -27,18 +27,21 @@ class Model:
 
     def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None,
                  memory: StreamPlan | None = None, verify: bool = True, pack: bool | None = None,
-                 cache_dir: str | os.PathLike | None = None):
+                 cache_dir: str | os.PathLike | None = None, plan: ExecutionPlan | None = None):
         self.folder = folder
         self.manifest = manifest
         self.device = device
-        self._watch = FileWatch(folder, manifest)  # files changed after load are refused, not run
+        # files changed after load are refused, not run; a plan built elsewhere (pipeline stages)
+        # watches the files its segments own
+        self._watch = FileWatch(folder, manifest) if plan is None else None
+        self._check_watch = self._watch.check if self._watch is not None else _nothing
         facts = [check_shard_file(folder, s) for s in manifest.shards]  # external data stays inside
         self.max_sequence_length: int | None = max_sequence_length(facts, manifest)
         self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
         self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
         self._check = FeedChecker(manifest.inputs, self.max_sequence_length, self.vocab_size)
-        self.plan: ExecutionPlan = build_plan(folder, manifest, device, threads, memory or plan_stream(manifest), verify,
-                                              pack, Path(cache_dir) if cache_dir else None)
+        self.plan: ExecutionPlan = plan or build_plan(folder, manifest, device, threads, memory or plan_stream(manifest),
+                                                      verify, pack, Path(cache_dir) if cache_dir else None)
         self._outputs = [t.name for t in manifest.outputs]
         self._text: TextEncoder | None = None
         if manifest.tokenizer:
@@ -61,7 +64,7 @@ class Model:
             FeedError: names, dtypes or shapes that do not fit the manifest's inputs, or values
                 ONNX Runtime rejects (say, a sequence longer than the model allows).
         """
-        self._watch.check()
+        self._check_watch()
         env = self._check(feeds, self.allow_nonfinite)
         return self.plan.run(env, self._outputs)
 
@@ -74,8 +77,20 @@ class Model:
         Raises:
             IntegrityError: naming the file that no longer matches.
         """
-        self._watch.check()
-        verify_files(self.folder, self.manifest)
+        if self._watch is not None:
+            self._watch.check()
+            verify_files(self.folder, self.manifest)
+        self.plan.check_files(deep=True)
+
+    def check_files(self) -> None:
+        """The cheap check ``run`` does before every call: one ``stat`` per weight file, compared
+        with what was hashed at load. For a readiness probe; :meth:`verify` re-hashes.
+
+        Raises:
+            IntegrityError: naming a file replaced, truncated or removed since load.
+        """
+        self._check_watch()
+        self.plan.check_files(deep=False)
 
     @property
     def stats(self):
@@ -97,6 +112,11 @@ class Model:
         """Feeds for ``texts`` from the artifact's tokenizer, padded to the longest (or ``pad_to``)."""
         self._check_unicode(texts)
         return self._text_encoder()(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens per text as the model sees them (after truncation to its maximum length)."""
+        self._check_unicode(texts)
+        return [len(e.ids) for e in self._text_encoder().encodings(list(texts))]
 
     def _text_encoder(self) -> TextEncoder:
         if self._text is None:
@@ -146,6 +166,10 @@ class Model:
         return encode_texts(self.run, self._text_encoder(), pooling, list(texts), batch_size, show_progress)
 
 
+def _nothing() -> None:
+    pass
+
+
 def load(
     path: str | os.PathLike,
     device: str = "cpu",
@@ -157,6 +181,7 @@ def load(
     pin: list[int] | None = None,
     pack: bool | None = None,
     cache_dir: str | os.PathLike | None = None,
+    shards: tuple[int, int] | None = None,
 ) -> Model:
     """Load an artifact folder written by ``slimml convert``.
 
@@ -181,6 +206,10 @@ def load(
             weights fed as inputs. False: always fed (no cache; slower decoding).
         cache_dir: where pre-packed weights are kept (default ``SLIMML_CACHE_DIR`` or
             ``~/.cache/slimml``); about twice the streamed shards' size on disk.
+        shards: ``(first, last)``, load only those shards (inclusive), as one stage of a pipeline
+            (:mod:`slimml.scale`): the model's inputs are then what they read from outside (model
+            inputs and earlier activations) and its outputs what they hand on. Only their files
+            are hashed; ``resident``, ``memory_budget`` and ``pin`` apply within the stage.
 
     Returns:
         A :class:`Model` with ``run(feeds)`` and, for sentence-embedding artifacts, ``encode(texts)``.
@@ -196,6 +225,8 @@ def load(
     """
     folder = Path(path)
     manifest = read_manifest(folder)
+    if shards is not None:
+        manifest = manifest.stage(*shards)
     providers_for(device)  # fail on a missing provider before hashing gigabytes
     plan = plan_stream(manifest, resident, prefetch, memory_budget, pin)  # a bad budget fails before loading
     if verify:

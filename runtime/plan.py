@@ -31,7 +31,7 @@ import numpy as np
 from slimml.errors import ArtifactError, ConfigError, IntegrityError
 from slimml.runtime.budget import StreamPlan
 from slimml.runtime.manifest import Manifest, safe_path
-from slimml.runtime.merge import merge_shards, segment_io
+from slimml.runtime.merge import merge_shards
 from slimml.runtime.packed import PackedSlots
 from slimml.runtime.packed import supported as packed_supported
 from slimml.runtime.session import Step, make_session, session_options
@@ -60,7 +60,7 @@ class ResidentSegment:
                 log.warning("slimml: running shards %d-%d one session each: they could not be merged into one graph "
                             "(%s)", indices[0], indices[-1], str(e).rstrip("."))
             else:
-                ins, outs = segment_io(manifest, indices)
+                ins, outs = manifest.segment_io(indices)
                 drop = [n for i in indices for n in drop_after[i]]
                 self.steps = [Step(label, [t.name for t in ins], [t.name for t in outs], drop, session, device)]
                 self.merged = True
@@ -169,6 +169,13 @@ class ExecutionPlan:
         lines += [f"  {seg.describe()}" for seg in self.segments]
         return "\n".join(lines)
 
+    def check_files(self, deep: bool = False) -> None:
+        """Segments that own their files (pipeline stages, perhaps on other machines) check them:
+        ``deep`` re-hashes, else a ``stat`` each. The model checks the files it loaded itself."""
+        for seg in self.segments:
+            if hasattr(seg, "check_files"):
+                seg.check_files(deep)
+
     @property
     def stats(self) -> StreamStats:
         return self.streamer.stats if self.streamer is not None else StreamStats()
@@ -180,6 +187,9 @@ class ExecutionPlan:
     def close(self) -> None:
         if self.streamer is not None:
             self.streamer.close()
+        for seg in self.segments:
+            if hasattr(seg, "close"):  # pipeline stages: actors to stop
+                seg.close()
         self.segments = []
 
 

@@ -400,6 +400,29 @@ def generate(
     err.print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s)")
 
 
+@app.command("serve")
+def serve_(
+    artifact: Artifact,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for other machines).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    replicas: Annotated[int, typer.Option(help="Serve replicas, each with its own copy of the model.")] = 1,
+    stages: Annotated[int, typer.Option(help="Run the model as S pipeline stages on Ray actors (0: inside each replica).")] = 0,
+    max_batch_size: Annotated[int, typer.Option(help="Most texts gathered from concurrent requests into one encode call (run 32 at a time, sorted by length).")] = 256,
+    batch_wait_ms: Annotated[float, typer.Option(help="How long a batch waits for more requests to join it.")] = 5.0,
+    address: Annotated[Optional[str], typer.Option(help="Ray cluster to join ('auto' after `ray start`); default: a local Ray.")] = None,
+    memory_budget: Budget = None,
+):
+    """Serve an artifact over HTTP on Ray Serve (needs `pip install 'slimml[serve]'`); Ctrl-C stops it."""
+    from slimml.scale.cluster import require_ray
+    from slimml.serve import ServeConfig, serve
+
+    require_ray()
+    config = ServeConfig(str(artifact), replicas=replicas, stages=stages, max_batch_size=max_batch_size,
+                         batch_wait_ms=batch_wait_ms, memory_budget=memory_budget)
+    serve(config, host=host, port=port, address=address,
+          ready=lambda url: err.print(f"serving {artifact} at {url} (POST /v1/embeddings, /v1/run; GET /health); Ctrl-C stops"))
+
+
 def main() -> None:
     """Entry point: run the app, turning slimml errors into one line and exit code 1."""
     try:

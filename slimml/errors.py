@@ -41,3 +41,15 @@ class DataError(SlimmlError):
 
 class ExportError(SlimmlError):
     """Exporting a model to ONNX failed."""
+
+
+class StageError(SlimmlError):
+    """A pipeline stage (a Ray actor owning some shards) died, or did not answer in time."""
+
+
+class RequestError(SlimmlError):
+    """An HTTP request the server refuses: ``status`` is its 4xx code, the message says how to fix it."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status

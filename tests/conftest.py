@@ -75,6 +75,37 @@ def packed_cache(tmp_path_factory) -> Path:
         os.environ["SLIMML_CACHE_DIR"] = old
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_env():
+    """Ray's files under a short temporary folder, its auth token in the environment (never
+    ``~/.ray``), no usage stats; everything removed afterwards. Yields the folder."""
+    import secrets
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="slimml-ray-", dir="/tmp")  # short: Ray's unix sockets live here
+    env = {"RAY_TMPDIR": folder, "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0",
+           "RAY_DEDUP_LOGS": "0"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield Path(folder)
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture
 def mlp_onnx(tmp_path) -> Path:
     return tiny_onnx_mlp(tmp_path / "mlp.onnx")

@@ -1,4 +1,4 @@
-"""`import slimml.runtime` must not pull in torch, transformers or nncf."""
+"""`import slimml.runtime` must not pull in torch, transformers, nncf or Ray (an extra)."""
 
 import subprocess
 import sys
@@ -7,7 +7,7 @@ import sys
 def test_runtime_import_is_lean():
     code = (
         "import sys, slimml.runtime, slimml.runtime.evaluate, slimml.runtime.bench; "
-        "print(','.join(m for m in ('torch', 'transformers', 'nncf', 'optimum') if m in sys.modules))"
+        "print(','.join(m for m in ('torch', 'transformers', 'nncf', 'optimum', 'ray') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
@@ -15,5 +15,11 @@ def test_runtime_import_is_lean():
 
 def test_cli_info_does_not_import_torch(tmp_path):
     code = "import sys; import slimml.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_scale_imports_torch_free():
+    code = "import sys, slimml.scale, slimml.serve; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

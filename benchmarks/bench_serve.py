@@ -1,0 +1,128 @@
+"""HTTP embeddings on Ray Serve against in-process ``encode``, on the same cores.
+
+    python benchmarks/bench_serve.py ARTIFACT [--rounds 3] [--concurrency 32] [--texts-per-request 1 8 32] [--json OUT]
+
+The STSb dev sentences (3,000, variable lengths). Each round runs, one after another in this
+process:
+  * ``in-process``: ``load(artifact).encode(texts, batch_size=32)``, ORT's default threads;
+  * ``http kN``: ``slimml serve``'s application (one replica holding every CPU, its ORT threads =
+    those CPUs, dynamic batching of up to 32 texts, 5 ms wait) answering ``POST /v1/embeddings``
+    with N texts per request, sent by ``--concurrency`` client threads over keep-alive
+    connections (http.client), the corpus in order.
+The server and the client share the machine's cores with each other, as they would on one
+host. The median round gives texts/s; latency percentiles are per request, over all rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import http.client
+import json
+import os
+import secrets
+import shutil
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+STSB = Path(__file__).resolve().parents[2] / "shared" / "data" / "stsb" / "sts-dev.csv"
+
+
+def corpus() -> list[str]:
+    with open(STSB, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return [r["sentence1"] for r in rows] + [r["sentence2"] for r in rows]
+
+
+def http_round(port: int, texts: list[str], per_request: int, concurrency: int) -> tuple[float, list[float]]:
+    """Texts/s and per-request latencies (s) for the corpus sent ``per_request`` texts at a time."""
+    chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
+    local = threading.local()
+
+    def send(chunk: list[str]) -> float:
+        if not hasattr(local, "conn"):
+            local.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = json.dumps({"input": chunk}).encode()
+        t0 = time.perf_counter()
+        local.conn.request("POST", "/v1/embeddings", body=body, headers={"Content-Type": "application/json"})
+        r = local.conn.getresponse()
+        payload = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {payload[:200]!r}")
+        return time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        lat = list(pool.map(send, chunks))
+    return len(texts) / (time.perf_counter() - t0), lat
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(int(q * len(s)), len(s) - 1)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--texts-per-request", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    ray_tmp = tempfile.mkdtemp(prefix="slimml-ray-", dir="/tmp")  # Ray's files here, removed at the end
+    os.environ.update({"RAY_TMPDIR": ray_tmp, "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"})
+    from slimml.runtime import load
+    from slimml.serve import ServeConfig, serve
+
+    texts = corpus()
+    model = load(args.artifact)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    urls, stop = [], threading.Event()
+    server = threading.Thread(target=serve, args=(ServeConfig(str(args.artifact), replicas=1),),
+                              kwargs={"port": port, "ready": urls.append, "stop": stop}, daemon=True)
+    server.start()
+    while not urls:
+        if not server.is_alive():
+            raise SystemExit("the server did not start")
+        time.sleep(0.2)
+    try:
+        http_round(port, texts[:256], 8, args.concurrency)  # warm both
+        model.encode(texts[:256])
+        rates: dict[str, list[float]] = {"in-process": []}
+        lats: dict[str, list[float]] = {}
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            model.encode(texts, batch_size=32)
+            rates["in-process"].append(len(texts) / (time.perf_counter() - t0))
+            for k in args.texts_per_request:
+                rate, lat = http_round(port, texts, k, args.concurrency)
+                rates.setdefault(f"http k{k}", []).append(rate)
+                lats.setdefault(f"http k{k}", []).extend(lat)
+            print(f"round {r}: " + ", ".join(f"{name} {v[-1]:.0f}/s" for name, v in rates.items()), flush=True)
+    finally:
+        stop.set()
+        server.join(120)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    base = statistics.median(rates["in-process"])
+    res = {"artifact": str(args.artifact), "cpu_count": os.cpu_count(), "texts": len(texts),
+           "concurrency": args.concurrency, "in-process texts/s": round(base, 1)}
+    for name in lats:
+        res[name] = {"texts/s": round(statistics.median(rates[name]), 1),
+                     "vs in-process": round(statistics.median(rates[name]) / base, 3),
+                     "p50 ms": round(pct(lats[name], 0.50) * 1000, 1), "p99 ms": round(pct(lats[name], 0.99) * 1000, 1)}
+    print(json.dumps(res, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""``pipeline``: an artifact's shards spread over Ray actors, behind the ``Model`` API."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from slimml.errors import ConfigError, StageError
+from slimml.runtime.budget import plan_stream
+from slimml.runtime.manifest import read_manifest, verify_file
+from slimml.runtime.model import Model
+from slimml.runtime.plan import ExecutionPlan
+from slimml.scale.balance import split_stages
+from slimml.scale.cluster import connect, nodes_with_cpus, require_ray
+from slimml.scale.segment import RayStages
+
+
+def pipeline(
+    artifact: str | os.PathLike,
+    stages: int = 2,
+    address: str | None = None,
+    microbatch: int = 4,
+    *,
+    balance: str = "bytes",
+    cpus_per_stage: float | None = None,
+    timeout_s: float = 300.0,
+    max_restarts: int = 1,
+    verify: bool = True,
+    **load_options: Any,
+) -> Model:
+    """Load ``artifact`` as ``stages`` Ray actors that each own a contiguous group of shards.
+
+    Each stage verifies its shards' hashes and runs them with the slimml runtime (merged into
+    one session, or streamed within the stage when ``memory_budget``/``resident`` ask for it).
+    Activations travel between stages as ObjectRefs and several microbatches are in flight, so
+    the stages overlap. When the cluster has at least ``stages`` nodes with CPUs, the stages are
+    placed on distinct nodes (a ``STRICT_SPREAD`` placement group); on one machine they share it.
+
+    The artifact must be at the same path on every node (a shared or copied folder): each stage
+    reads its own shards there, and this process reads the manifest and tokenizer.
+
+    Args:
+        artifact: the artifact folder.
+        stages: S, the number of stages.
+        address: the Ray cluster to join (``"auto"`` for one started with ``ray start``); None
+            joins the Ray already initialised in this process, or starts a local one.
+        microbatch: M, microbatches a call is cut into along the batch axis (when the batch has
+            at least M rows and every input and output is batch-first).
+        balance: ``"bytes"`` (groups of equal weight bytes) or ``"memory"`` (in proportion to
+            each stage's node memory).
+        cpus_per_stage: CPUs Ray reserves for each stage, which become its ONNX Runtime threads
+            (default: a node's CPUs when stages get nodes of their own, else the CPUs / S).
+        timeout_s: how long a call waits for its outputs before raising StageError.
+        max_restarts: how often Ray restarts a stage process that died. A call in flight when
+            a stage dies raises StageError naming the stage; it is not retried for you.
+        verify: stages hash their files at load (default).
+        **load_options: passed to each stage's :func:`slimml.runtime.load` (``memory_budget``,
+            ``resident``, ``pack``, ``cache_dir``, ``threads``).
+
+    Returns:
+        A :class:`~slimml.runtime.Model` whose plan is one ``RayStages`` segment; ``close()``
+        stops the actors (and Ray, if this call started it).
+
+    Example:
+        >>> from slimml.scale import pipeline
+        >>> model = pipeline("artifacts/all-MiniLM-L6-v2", stages=2)
+        >>> model.encode(["A man is playing a guitar."]).shape
+        (1, 384)
+    """
+    folder = Path(artifact).resolve()
+    manifest = read_manifest(folder)
+    if balance not in ("bytes", "memory"):
+        raise ConfigError(f"balance must be 'bytes' or 'memory', got {balance!r}.")
+    if not isinstance(microbatch, int) or isinstance(microbatch, bool) or microbatch < 1:
+        raise ConfigError(f"microbatch must be a whole number >= 1, got {microbatch!r}.")
+    split_stages([s.weight_bytes for s in manifest.shards], stages)  # a bad S fails before Ray starts
+    if verify:  # this process reads the tokenizer; the stages hash their own shards
+        shard_files = {p for s in manifest.shards for p in (s.file, s.data) if p}
+        for entry in manifest.files:
+            if entry.path not in shard_files:
+                verify_file(folder, entry)
+
+    require_ray()
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from slimml.scale.stage import Stage
+
+    owns_ray = connect(address)
+    pg = None
+    actors: list = []
+    try:
+        nodes = nodes_with_cpus()
+        spread = stages > 1 and len(nodes) >= stages
+        if cpus_per_stage is None:
+            cpus = min(n["cpus"] for n in nodes) if spread else max(sum(n["cpus"] for n in nodes) // stages, 1)
+            cpus_per_stage = max(int(cpus), 1)
+        pg = placement_group([{"CPU": cpus_per_stage}] * stages, strategy="STRICT_SPREAD" if spread else "PACK")
+        if not pg.wait(timeout_seconds=60):
+            raise StageError(
+                f"Ray could not reserve {stages} x {cpus_per_stage:g} CPU(s) for the stages within 60 s "
+                f"(nodes: {[(n['id'][:8], n['cpus']) for n in nodes]}); lower --stages or cpus_per_stage, "
+                "or add nodes."
+            )
+        bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
+        by_id = {n["id"]: n for n in nodes}
+        placed = [by_id.get(bundle_nodes[k], {"id": bundle_nodes[k], "address": "?", "memory": 1}) for k in range(stages)]
+        caps = [max(p["memory"], 1) for p in placed] if balance == "memory" else None
+        groups = split_stages([s.weight_bytes for s in manifest.shards], stages, caps)
+        hands_on, returns = _traffic(manifest, groups)
+        actor_class = ray.remote(Stage)
+        for k, (first, last) in enumerate(groups):
+            actors.append(actor_class.options(
+                num_cpus=cpus_per_stage, max_restarts=max_restarts, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
+            ).remote(str(folder), k, first, last, hands_on[k], returns[k], {"verify": verify, **load_options}))
+        names = [f"{p['id'][:8]} ({p['address']})" for p in placed]
+        segment = RayStages(actors, groups, names, [t.name for t in manifest.inputs], microbatch,
+                            _batch_first(manifest), timeout_s, max_restarts, pg, owns_ray)
+        segment.stage_info()  # waits for every stage to load; its errors (a tampered shard) surface here
+    except BaseException as e:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        if pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(pg)
+        if owns_ray:
+            ray.shutdown()
+        if isinstance(e, ray.exceptions.RayActorError):
+            raise StageError(f"a pipeline stage failed to start: {e}") from None
+        raise
+    memory = plan_stream(manifest)
+    return Model(folder, manifest, "cpu", None, memory, verify, plan=ExecutionPlan(memory, "cpu", [segment], None))
+
+
+def _traffic(manifest, groups: list[tuple[int, int]]) -> tuple[list[list[str]], list[list[str]]]:
+    """Per stage: the activations it must hand on (read after it, made at or before it) and the
+    model outputs its shards make."""
+    model_outputs = {t.name for t in manifest.outputs}
+    hands_on, returns = [], []
+    for first, last in groups:
+        later = {t.name for s in manifest.shards[last + 1:] for t in s.inputs
+                 if isinstance(t.source, int) and t.source <= last}
+        made = [t.name for s in manifest.shards[first:last + 1] for t in s.outputs]
+        hands_on.append(sorted(later))
+        returns.append([n for n in made if n in model_outputs])
+    return hands_on, returns
+
+
+def _batch_first(manifest) -> bool:
+    """Whether every model input and output has a dynamic first axis (so microbatches can be cut)."""
+    return all(t.shape and not isinstance(t.shape[0], int) for t in [*manifest.inputs, *manifest.outputs])

@@ -1,0 +1,192 @@
+"""The HTTP API's request and response bodies: parsed and checked here, with no web framework.
+
+Every refusal is a :class:`~slimml.errors.RequestError` whose message names the problem and the
+fix; the app turns it into a 4xx with ``{"error": {"message", "type", "code"}}`` (OpenAI's shape).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from typing import Any
+
+import numpy as np
+
+from slimml.errors import RequestError
+
+_DTYPES = {"float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool"}
+
+
+def _json_type(v: Any) -> str:
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(v), "null")
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the request body is not valid UTF-8 (byte {e.start}); send UTF-8 encoded JSON.") from None
+    if not text.strip():
+        raise RequestError("the request body is empty; send a JSON object.")
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else f"{e.msg} at line {e.lineno} column {e.colno}"
+        raise RequestError(f"the request body is not valid JSON ({why}); send a JSON object.") from None
+    if not isinstance(data, dict):
+        raise RequestError(f"the request body must be a JSON object, got a JSON {_json_type(data)}.")
+    return data
+
+
+def check_model(data: dict[str, Any], served: str) -> None:
+    """A request that names a model must name the one served here."""
+    name = data.get("model")
+    if name is not None and name != served:
+        raise RequestError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models).", 404)
+
+
+def embedding_texts(data: dict[str, Any], max_texts: int) -> list[str]:
+    """``input`` of an embeddings request: one text or a list of texts."""
+    if "input" not in data:
+        raise RequestError('an embeddings request needs "input": a text or a list of texts.')
+    texts = data["input"]
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list):
+        raise RequestError(f'"input" must be a text or a list of texts, got a JSON {_json_type(texts)}.')
+    if not texts:
+        raise RequestError('"input" is an empty list; give at least one text.')
+    if len(texts) > max_texts:
+        raise RequestError(f'"input" has {len(texts)} texts, more than this server takes ({max_texts}); send them '
+                           "in smaller requests.", 413)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            what = "token ids" if isinstance(t, (int, list)) else f"a JSON {_json_type(t)}"
+            raise RequestError(f'"input"[{i}] is {what}, not a text; send texts (this server tokenizes them).')
+        if not t:
+            raise RequestError(f'"input"[{i}] is an empty text; embeddings need at least one character.')
+    fmt = data.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise RequestError(f'"encoding_format" must be "float" or "base64", got {fmt!r}.')
+    return texts
+
+
+def embeddings_response(emb: np.ndarray, name: str, tokens: int, fmt: str = "float") -> dict[str, Any]:
+    """The response body; float embeddings stay numpy rows, for :func:`dumps` to write fast."""
+    def encoded(row: np.ndarray):
+        if fmt == "base64":
+            return base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
+        return row
+
+    return {"object": "list", "model": name,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(row)} for i, row in enumerate(emb)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def run_inputs(data: dict[str, Any]) -> tuple[dict[str, np.ndarray], list[str] | None, str]:
+    """``inputs`` of a run request: name -> ``{"dtype", "data"}`` (nested lists) or ``{"npy": base64}``."""
+    inputs = data.get("inputs")
+    if not isinstance(inputs, dict) or not inputs:
+        raise RequestError('a run request needs "inputs": an object of name -> {"dtype": ..., "data": nested lists} '
+                           'or {"npy": base64 of a .npy file}.')
+    feeds = {}
+    for name, spec in inputs.items():
+        feeds[name] = _array(name, spec)
+    outputs = data.get("outputs")
+    if outputs is not None and (not isinstance(outputs, list) or not all(isinstance(o, str) for o in outputs)):
+        raise RequestError('"outputs" must be a list of output names.')
+    encoding = data.get("encoding", "json")
+    if encoding not in ("json", "npy"):
+        raise RequestError(f'"encoding" must be "json" or "npy", got {encoding!r}.')
+    return feeds, outputs, encoding
+
+
+def _array(name: str, spec: Any) -> np.ndarray:
+    if not isinstance(spec, dict):
+        raise RequestError(f'input {name!r} must be an object {{"dtype": ..., "data": ...}} or {{"npy": ...}}.')
+    if "npy" in spec:
+        try:
+            raw = base64.b64decode(spec["npy"], validate=True)
+            arr = np.load(io.BytesIO(raw), allow_pickle=False)
+        except (binascii.Error, TypeError):
+            raise RequestError(f'input {name!r}: "npy" is not valid base64.') from None
+        except (ValueError, OSError, EOFError) as e:
+            raise RequestError(f'input {name!r}: "npy" is not a .npy array file ({e}); write it with numpy.save.') from None
+        if not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
+            raise RequestError(f"input {name!r}: the .npy file holds objects; send a numeric array.")
+        return arr
+    dtype = spec.get("dtype")
+    if dtype not in _DTYPES:
+        raise RequestError(f"input {name!r}: dtype {dtype!r} is not one of {sorted(_DTYPES)}.")
+    if "data" not in spec:
+        raise RequestError(f'input {name!r} needs "data": nested lists of numbers.')
+    try:
+        arr = np.asarray(spec["data"], dtype=dtype)
+    except (ValueError, TypeError, OverflowError) as e:
+        raise RequestError(f"input {name!r}: data is not a rectangular array of {dtype} numbers ({e}).") from None
+    return arr
+
+
+def run_response(out: dict[str, np.ndarray], encoding: str) -> dict[str, Any]:
+    if encoding == "npy":
+        def npy(a: np.ndarray) -> str:
+            buf = io.BytesIO()
+            np.save(buf, a, allow_pickle=False)
+            return base64.b64encode(buf.getvalue()).decode("ascii")
+
+        return {"outputs": {k: {"npy": npy(v)} for k, v in out.items()}}
+    return {"outputs": {k: {"dtype": str(v.dtype), "shape": list(v.shape), "data": _jsonable(v)} for k, v in out.items()}}
+
+
+def _jsonable(a: np.ndarray):
+    """An array :func:`dumps` writes natively (C-ordered; float16 widened), else nested lists."""
+    if a.dtype == np.float16:
+        a = a.astype(np.float32)
+    if a.dtype.kind in "fiub" and a.ndim:
+        return np.ascontiguousarray(a)
+    return a.tolist()
+
+
+def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int) -> tuple[list, int]:
+    """``prompt`` (a text, texts, or token id lists) and ``max_new_tokens`` of a generate request."""
+    prompt = data.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts:
+        raise RequestError('a generate request needs "prompt": a text, a list of texts, or a list of token id lists.')
+    if len(prompts) > max_texts:
+        raise RequestError(f"{len(prompts)} prompts is more than this server takes ({max_texts}).", 413)
+    texts = all(isinstance(p, str) and p for p in prompts)
+    ids = all(isinstance(p, list) and p and all(isinstance(i, int) and not isinstance(i, bool) for i in p) for p in prompts)
+    if not texts and not ids:
+        raise RequestError('"prompt" must be non-empty texts, or non-empty lists of token ids, not a mix.')
+    n = data.get("max_new_tokens", 16)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_new_tokens:
+        raise RequestError(f'"max_new_tokens" must be a whole number from 1 to {max_new_tokens}, got {n!r}.')
+    return prompts, n
+
+
+def generate_response(gen, name: str, max_new_tokens: int) -> dict[str, Any]:
+    choices = []
+    for i, toks in enumerate(gen.tokens):  # fewer tokens than asked: it stopped at end-of-sequence
+        choices.append({"index": i, "text": gen.texts[i] if gen.texts else None, "token_ids": toks,
+                        "finish_reason": "stop" if len(toks) < max_new_tokens else "length"})
+    new = sum(len(t) for t in gen.tokens)
+    return {"object": "text_completion", "model": name, "choices": choices,
+            "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": new,
+                      "total_tokens": gen.prompt_tokens + new}}
+
+
+def dumps(body: dict[str, Any]) -> bytes:
+    """JSON bytes of a response, numpy arrays included (orjson: float32 in shortest form)."""
+    import orjson
+
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def error_body(message: str, status: int) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "code": status}}
