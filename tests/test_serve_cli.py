@@ -2,51 +2,53 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
-
 from conftest import free_port
+
+from slimml.runtime import load
 
 pytest.importorskip("ray")
 
 
-def slimml(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "slimml", *args], capture_output=True, text=True, timeout=120, **kw)
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
-def test_serve_a_missing_artifact_is_one_line(tmp_path, ray_env):
-    r = slimml("serve", str(tmp_path / "nope"))
-    assert r.returncode == 1
-    assert "is not an artifact folder" in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()) <= 2  # one message, wrapped at most once by the terminal width
-
-
-def test_serve_runs_until_sigterm_and_stops_its_ray(tmp_path, ray_env, tiny_bert_artifact):
+@contextlib.contextmanager
+def served(*args: str):
+    """``slimml serve ARGS --port P`` in its own session; yields the base URL; SIGTERM at the end,
+    then checks that it exited cleanly and that no process of its group (Ray's) outlived it."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slimml", "serve", str(tiny_bert_artifact), "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "slimml", "serve", *args, "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, proc.stdout.read()
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
                     assert json.loads(r.read())["status"] == "ok"
                 break
             except OSError:
                 assert time.monotonic() < deadline, "the server did not come up"
                 time.sleep(0.5)
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/embeddings", data=b'{"input": ["hello"]}',
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            assert len(json.loads(r.read())["data"][0]["embedding"]) == 32
+        yield url
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
     finally:
@@ -63,3 +65,28 @@ def test_serve_runs_until_sigterm_and_stops_its_ray(tmp_path, ray_env, tiny_bert
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail("Ray processes of the server outlived it")
         time.sleep(0.5)
+
+
+def test_serve_a_missing_artifact_is_one_line(tmp_path, ray_env):
+    r = subprocess.run([sys.executable, "-m", "slimml", "serve", str(tmp_path / "nope")], capture_output=True,
+                       text=True, timeout=120, check=False)
+    assert r.returncode == 1
+    assert "is not an artifact folder" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact):
+    with served(str(tiny_bert_artifact)) as url:
+        status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
+        assert status == 200 and len(body["data"][0]["embedding"]) == 32
+
+
+def test_serve_stages_put_a_pipeline_behind_generate(ray_env, tiny_llama_past_artifact):
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    want = load(tiny_llama_past_artifact).generate(prompts, max_new_tokens=5).tokens
+    with served(str(tiny_llama_past_artifact), "--stages", "2") as url:
+        status, body = post(f"{url}/v1/generate", {"prompt": prompts, "max_new_tokens": 5})
+        assert status == 200, body
+        assert [c["token_ids"] for c in body["choices"]] == want
+        assert body["usage"]["completion_tokens"] == sum(map(len, want))
+        status, body = post(f"{url}/v1/embeddings", {"input": ["hi"]})
+        assert status == 400 and "not a sentence-embedding one" in body["error"]["message"]

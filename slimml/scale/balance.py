@@ -3,8 +3,37 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from slimml.errors import ConfigError
+
+# ops whose weight bytes stand for their work: each weight element is a multiply-add per row
+_COMPUTE_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulInteger", "MatMulIntegerToFloat", "MatMulNBits",
+                "QLinearMatMul", "QLinearConv", "ConvInteger", "DynamicQuantizeMatMul", "FusedMatMul", "Attention",
+                "QAttention", "MultiHeadAttention", "GroupQueryAttention", "LSTM", "GRU", "RNN", "Einsum"}
+
+
+def compute_sizes(folder: Path, manifest) -> list[int]:
+    """Per shard, the elements of weights that matrix products and convolutions read: a stand-in
+    for its work per row. Embedding tables (read by Gather, one row per token) count for nothing,
+    so a shard of embeddings alone weighs little even when it holds most of the bytes."""
+    import onnx
+
+    from slimml.runtime.manifest import safe_path
+
+    sizes = []
+    for s in manifest.shards:
+        graph = onnx.load(str(safe_path(folder, s.file)), load_external_data=False).graph
+        dims = {t.name: t.dims for t in graph.initializer}
+        used = {i for n in graph.node if n.op_type in _COMPUTE_OPS for i in n.input if i in dims}
+        total = 0
+        for name in used:
+            count = 1
+            for d in dims[name]:
+                count *= d
+            total += count
+        sizes.append(total)
+    return sizes
 
 
 def split_stages(sizes: Sequence[int], stages: int, capacities: Sequence[float] | None = None) -> list[tuple[int, int]]:

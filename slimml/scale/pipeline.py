@@ -11,7 +11,7 @@ from slimml.runtime.budget import plan_stream
 from slimml.runtime.manifest import read_manifest, verify_file
 from slimml.runtime.model import Model
 from slimml.runtime.plan import ExecutionPlan
-from slimml.scale.balance import split_stages
+from slimml.scale.balance import compute_sizes, split_stages
 from slimml.scale.cluster import connect, nodes_with_cpus, require_ray
 from slimml.scale.segment import RayStages
 
@@ -47,8 +47,9 @@ def pipeline(
             joins the Ray already initialised in this process, or starts a local one.
         microbatch: M, microbatches a call is cut into along the batch axis (when the batch has
             at least M rows and every input and output is batch-first).
-        balance: ``"bytes"`` (groups of equal weight bytes) or ``"memory"`` (in proportion to
-            each stage's node memory).
+        balance: ``"bytes"`` (groups of equal weight bytes), ``"memory"`` (bytes in proportion
+            to each stage's node memory) or ``"compute"`` (equal matrix-product weights: the
+            best throughput when an embedding table holds much of the bytes but little work).
         cpus_per_stage: CPUs Ray reserves for each stage, which become its ONNX Runtime threads
             (default: a node's CPUs when stages get nodes of their own, else the CPUs / S).
         timeout_s: how long a call waits for its outputs before raising StageError.
@@ -70,8 +71,8 @@ def pipeline(
     """
     folder = Path(artifact).resolve()
     manifest = read_manifest(folder)
-    if balance not in ("bytes", "memory"):
-        raise ConfigError(f"balance must be 'bytes' or 'memory', got {balance!r}.")
+    if balance not in ("bytes", "memory", "compute"):
+        raise ConfigError(f"balance must be 'bytes', 'memory' or 'compute', got {balance!r}.")
     if not isinstance(microbatch, int) or isinstance(microbatch, bool) or microbatch < 1:
         raise ConfigError(f"microbatch must be a whole number >= 1, got {microbatch!r}.")
     split_stages([s.weight_bytes for s in manifest.shards], stages)  # a bad S fails before Ray starts
@@ -108,7 +109,8 @@ def pipeline(
         by_id = {n["id"]: n for n in nodes}
         placed = [by_id.get(bundle_nodes[k], {"id": bundle_nodes[k], "address": "?", "memory": 1}) for k in range(stages)]
         caps = [max(p["memory"], 1) for p in placed] if balance == "memory" else None
-        groups = split_stages([s.weight_bytes for s in manifest.shards], stages, caps)
+        sizes = compute_sizes(folder, manifest) if balance == "compute" else [s.weight_bytes for s in manifest.shards]
+        groups = split_stages(sizes, stages, caps)
         hands_on, returns = _traffic(manifest, groups)
         actor_class = ray.remote(Stage)
         for k, (first, last) in enumerate(groups):

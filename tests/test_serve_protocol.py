@@ -1,0 +1,72 @@
+"""Request parsing and server options, without a server: exact messages for bad input."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+
+from slimml.errors import ConfigError, RequestError
+
+protocol = pytest.importorskip("slimml.serve.protocol")
+from slimml.serve.config import ServeConfig  # noqa: E402
+
+
+def test_config_from_serve_run_arguments():
+    c = ServeConfig.from_args({"artifact": "a", "replicas": "2", "batch_wait_ms": "2.5", "max_batch_size": 64})
+    assert (c.replicas, c.batch_wait_ms, c.max_batch_size) == (2, 2.5, 64)
+    with pytest.raises(ConfigError, match=r"unknown serve option\(s\) \['replica'\]"):
+        ServeConfig.from_args({"artifact": "a", "replica": "2"})
+    with pytest.raises(ConfigError, match="give the artifact"):
+        ServeConfig.from_args({})
+    with pytest.raises(ConfigError, match="replicas must be a whole number >= 1, got 0"):
+        ServeConfig("a", replicas=0)
+    with pytest.raises(ConfigError, match="max_batch_size must be a number"):
+        ServeConfig.from_args({"artifact": "a", "max_batch_size": "lots"})
+    assert ServeConfig("a", max_batch_size=300).max_ongoing_requests == 300  # batches can fill
+
+
+def test_embedding_inputs():
+    assert protocol.embedding_texts({"input": "one"}, 10) == ["one"]
+    with pytest.raises(RequestError, match="got a JSON object") as e:
+        protocol.embedding_texts({"input": {"a": 1}}, 10)
+    assert e.value.status == 400
+    with pytest.raises(RequestError, match="11 texts, more than this server takes") as e:
+        protocol.embedding_texts({"input": ["a"] * 11}, 10)
+    assert e.value.status == 413
+
+
+def test_json_bodies():
+    assert protocol.parse_json(b'{"a": 1}') == {"a": 1}
+    with pytest.raises(RequestError, match="not valid UTF-8"):
+        protocol.parse_json(b'{"a": "\xff"}')
+    with pytest.raises(RequestError, match="nested too deeply"):
+        protocol.parse_json(b"[" * 100_000 + b"]" * 100_000)
+
+
+def test_run_arrays_round_trip_as_npy():
+    a = np.arange(6, dtype=np.int64).reshape(2, 3)
+    buf = io.BytesIO()
+    np.save(buf, a)
+    feeds, outputs, enc = protocol.run_inputs({"inputs": {"x": {"npy": base64.b64encode(buf.getvalue()).decode()},
+                                                          "y": {"dtype": "float32", "data": [[1, 2]]}}})
+    np.testing.assert_array_equal(feeds["x"], a)
+    assert feeds["y"].dtype == np.float32 and outputs is None and enc == "json"
+    body = json.loads(protocol.dumps(protocol.run_response({"x": a}, "json")))
+    assert body["outputs"]["x"] == {"dtype": "int64", "shape": [2, 3], "data": a.tolist()}
+    pickled = io.BytesIO()
+    np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(RequestError, match="not a .npy array file"):
+        protocol.run_inputs({"inputs": {"x": {"npy": base64.b64encode(pickled.getvalue()).decode()}}})
+
+
+def test_generate_requests():
+    assert protocol.generate_request({"prompt": "hi", "max_new_tokens": 4}, 16, 8) == (["hi"], 4)
+    assert protocol.generate_request({"prompt": [[1, 2], [3]]}, 16, 8) == ([[1, 2], [3]], 16)
+    with pytest.raises(RequestError, match="from 1 to 16, got 17"):
+        protocol.generate_request({"prompt": "hi", "max_new_tokens": 17}, 16, 8)
+    with pytest.raises(RequestError, match="not a mix"):
+        protocol.generate_request({"prompt": ["hi", [1]]}, 16, 8)
