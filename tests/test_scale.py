@@ -89,6 +89,20 @@ def test_pipeline_generates_like_the_single_process_runtime(cluster, tiny_llama_
         model.close()
 
 
+def test_stages_stream_within_their_budget(cluster, tiny_llama_past_artifact):
+    from slimml.scale import pipeline
+
+    local = load(tiny_llama_past_artifact)
+    model = pipeline(tiny_llama_past_artifact, stages=2, resident=2)  # K=2 inside each stage
+    try:
+        plans = [i["plan"] for i in model.plan.segments[0].stage_info()]
+        assert any("streamed" in p for p in plans), plans
+        prompts = [[5, 6, 7, 8], [9, 10]]
+        assert model.generate(prompts, max_new_tokens=4).tokens == local.generate(prompts, max_new_tokens=4).tokens
+    finally:
+        model.close()
+
+
 def test_balance_by_node_memory_and_bad_stage_counts(cluster, tiny_bert_artifact):
     from slimml.scale import pipeline
 

@@ -74,10 +74,25 @@ def test_serve_a_missing_artifact_is_one_line(tmp_path, ray_env):
     assert "is not an artifact folder" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact):
-    with served(str(tiny_bert_artifact)) as url:
+def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact, tmp_path):
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_bert_artifact, art)
+    with served(str(art)) as url:
         status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
         assert status == 200 and len(body["data"][0]["embedding"]) == 32
+        data = art / load(art).manifest.shards[-1].data  # tampered with while served
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=30)
+            pytest.fail("/health answered 200 for a changed artifact")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and "after the model was loaded" in json.loads(e.read())["error"]["message"]
+        status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
+        assert status == 503  # refused, never run
 
 
 def test_serve_stages_put_a_pipeline_behind_generate(ray_env, tiny_llama_past_artifact):
