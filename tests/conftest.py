@@ -12,6 +12,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Tests write nothing outside temporary folders, and some libraries write to the home folder on
+# their own: ONNX Runtime (1.31+) a telemetry device id and event store under $XDG_CACHE_HOME
+# (~/.cache/Microsoft/DeveloperTools), nncf's openvino_telemetry a usage count in ~/intel. So the
+# session, and every process it starts (the CLI, servers, Ray workers), gets a temporary home.
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+_HOME = tempfile.mkdtemp(prefix="slimml-test-home-")
+os.environ["HOME"] = _HOME
+os.environ["XDG_CACHE_HOME"] = os.path.join(_HOME, ".cache")
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
+
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
