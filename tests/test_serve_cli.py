@@ -67,11 +67,25 @@ def served(*args: str):
         time.sleep(0.5)
 
 
-def test_serve_a_missing_artifact_is_one_line(tmp_path, ray_env):
-    r = subprocess.run([sys.executable, "-m", "slimml", "serve", str(tmp_path / "nope")], capture_output=True,
-                       text=True, timeout=120, check=False)
-    assert r.returncode == 1
-    assert "is not an artifact folder" in r.stderr and "Traceback" not in r.stderr
+def test_serve_bad_input_is_one_line_before_ray_starts(tmp_path, ray_env, tiny_bert_artifact):
+    import shutil
+
+    def serve(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "slimml", "serve", *args, "--port", str(free_port())],
+                           capture_output=True, text=True, timeout=120, check=False)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        return " ".join(r.stderr.split())
+
+    assert "is not an artifact folder" in serve(str(tmp_path / "nope"))
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_bert_artifact, bad)
+    data = bad / load(bad, verify=False).manifest.shards[0].data
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert "does not match its sha256" in serve(str(bad))
+    assert "Use one replica in front of the stages" in serve(str(tiny_bert_artifact), "--stages", "2", "--replicas", "2")
+    assert not (ray_env / "ray").exists() or not any((ray_env / "ray").glob("session_*"))  # Ray never started
 
 
 def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact, tmp_path):

@@ -162,7 +162,7 @@ class SlimmlServer:
 
 def app(config: ServeConfig, cpus_per_replica: float | None = None):
     """The Serve application for ``config`` (bind it with ``serve.run``)."""
-    cpus = config.cpus_per_replica or cpus_per_replica or 1
+    cpus = config.cpus_per_replica or cpus_per_replica or 1  # fractional when replicas outnumber CPUs
     return SlimmlServer.options(
         num_replicas=config.replicas, max_ongoing_requests=config.max_ongoing_requests,
         ray_actor_options={"num_cpus": 0 if config.stages else cpus},

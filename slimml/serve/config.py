@@ -62,6 +62,11 @@ class ServeConfig:
             raise ConfigError(f"batch_wait_ms must be between 0 and 10000, got {self.batch_wait_ms!r}.")
         if self.cpus_per_replica is not None and not (isinstance(self.cpus_per_replica, (int, float)) and self.cpus_per_replica > 0):
             raise ConfigError(f"cpus_per_replica must be a number > 0, got {self.cpus_per_replica!r}.")
+        if self.stages and self.replicas > 1:
+            raise ConfigError(
+                f"stages={self.stages} with replicas={self.replicas}: each replica would hold a pipeline of its own. "
+                "Use one replica in front of the stages (--replicas 1), or replicas without stages."
+            )
         if self.max_ongoing_requests < self.max_batch_size:
             self.max_ongoing_requests = self.max_batch_size  # else batches could never fill
 

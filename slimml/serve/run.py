@@ -6,8 +6,8 @@ import signal
 import threading
 from collections.abc import Callable
 
-from slimml.errors import ConfigError
-from slimml.runtime.manifest import read_manifest
+from slimml.errors import ConfigError, SlimmlError
+from slimml.runtime.manifest import read_manifest, verify_files
 from slimml.serve.config import ServeConfig
 
 
@@ -25,7 +25,9 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     Example:
         >>> serve(ServeConfig("artifacts/all-MiniLM-L6-v2", replicas=2), port=8000)
     """
-    read_manifest(config.artifact)  # a wrong path fails here, in one line, before Ray starts
+    # a wrong path or a damaged file fails here, in one line, before Ray starts (each replica
+    # hashes the files again when it loads them)
+    verify_files(config.artifact, read_manifest(config.artifact))
     if not 0 < port < 65536:
         raise ConfigError(f"port must be from 1 to 65535, got {port}.")
     from ray import serve as ray_serve
@@ -42,8 +44,14 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     try:
         cpus = sum(n["cpus"] for n in nodes_with_cpus())
         ray_serve.start(http_options={"host": host, "port": port})
-        ray_serve.run(app(config, cpus_per_replica=max(cpus // config.replicas, 1)), name="slimml", route_prefix="/",
-                      logging_config={"enable_access_log": config.access_log})
+        try:
+            ray_serve.run(app(config, cpus_per_replica=cpus / config.replicas), name="slimml", route_prefix="/",
+                          logging_config={"enable_access_log": config.access_log})
+        except RuntimeError as e:  # Serve's own "Deploying application ... failed"
+            raise SlimmlError(
+                f"Ray Serve could not start the application ({str(e).splitlines()[0]}); the replicas' logs are "
+                "under Ray's session folder (`ray/session_latest/logs` in /tmp or $RAY_TMPDIR)."
+            ) from None
         url = f"http://{host}:{port}"
         if ready is not None:
             ready(url)
