@@ -23,7 +23,7 @@ def compare(teacher: Model, student: Model, teacher_params: int, student_params:
     """``{"teacher": {...}, "student": {...}, "latency_ratio": s/t}``, each with params, mb, latency_ms[, stsb]."""
     feeds = {}
     for name, model in (("teacher", teacher), ("student", student)):
-        feeds[name] = sample_feeds(model.inputs, batch=1, seq=128, vocab_size=model.manifest.source.get("vocab_size"))
+        feeds[name] = sample_feeds(model.inputs, batch=1, seq=128, source=model.manifest.source)
         for _ in range(3):
             model.run(feeds[name])
     times: dict[str, list[float]] = {"teacher": [], "student": []}

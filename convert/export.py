@@ -192,5 +192,9 @@ def _task_from_config(folder: Path) -> str:
 def _config_facts(folder: Path) -> dict[str, Any]:
     """What the runtime may want to know without transformers: architecture and vocabulary size."""
     config = json.loads((folder / "config.json").read_text())
-    keys = ("model_type", "vocab_size", "max_position_embeddings", "num_hidden_layers")
-    return {k: config[k] for k in keys if k in config}
+    keys = ("model_type", "vocab_size", "max_position_embeddings", "num_hidden_layers", "num_channels", "image_size")
+    facts = {k: config[k] for k in keys if k in config}
+    for tower in ("text_config", "vision_config"):  # two-tower models (CLIP) keep them per tower
+        sub = config.get(tower) or {}
+        facts.update({k: sub[k] for k in keys[1:] if k in sub and k not in facts})
+    return facts

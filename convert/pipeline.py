@@ -20,7 +20,7 @@ from slimml.convert.reference import reference_for
 from slimml.convert.shard import ShardConfig, shard
 from slimml.convert.sources import Source, resolve
 from slimml.atomic import atomic_folder, check_output
-from slimml.errors import ConfigError
+from slimml.errors import ConfigError, ExportError
 from slimml.runtime.bench import sample_feeds, time_runs
 from slimml.runtime.manifest import Manifest, TensorSpec, file_entry, verify_files
 from slimml.runtime.model import load
@@ -157,7 +157,7 @@ def convert(
         if config.measure_latency:
             step("measuring latency")
             model = load(tmp, device="cpu")
-            feeds = sample_feeds(model.inputs, batch=1, seq=128, vocab_size=model.manifest.source.get("vocab_size"))
+            feeds = sample_feeds(model.inputs, batch=1, seq=128, source=model.manifest.source)
             latency = float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3)))
             manifest.checks["latency_ms_b1_s128"] = round(latency, 3)
             del model
@@ -215,7 +215,14 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
     feeds = _check_feeds(folder, manifest)
     names = [t.name for t in manifest.outputs]
     full = make_session(exported.onnx_path, "cpu")
-    want = dict(zip(names, full.run(names, feeds)))
+    try:
+        want = dict(zip(names, full.run(names, feeds)))
+    except Exception as e:  # onnxruntime's own exception classes: sample inputs this graph refuses
+        raise ExportError(
+            f"checking the conversion failed: the exported graph refused slimml's sample inputs "
+            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). Convert with --no-verify "
+            "to skip the check, then run the artifact on inputs of your own."
+        ) from None
     del full
     torch_out, theirs = {}, None
     ref = reference_for(src, exported, names)
@@ -256,7 +263,7 @@ def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:
     if manifest.tokenizer is not None:
         text = TextEncoder(folder / manifest.tokenizer["file"], manifest.tokenizer, [t.name for t in manifest.inputs])
         return text(SAMPLE_TEXTS)
-    return sample_feeds(manifest.inputs, batch=2, seq=16, vocab_size=manifest.source.get("vocab_size"))
+    return sample_feeds(manifest.inputs, batch=2, seq=16, source=manifest.source)
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:

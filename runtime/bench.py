@@ -16,14 +16,20 @@ _SEQ_AXES = ("seq", "sequence", "length", "token", "time", "past")
 
 
 def sample_feeds(
-    specs: list[TensorSpec], batch: int = 1, seq: int = 128, seed: int = 0, vocab_size: int | None = None
+    specs: list[TensorSpec], batch: int = 1, seq: int = 128, seed: int = 0, vocab_size: int | None = None,
+    source: dict | None = None,
 ) -> dict[str, np.ndarray]:
     """Plausible inputs for ``specs``: dynamic axes set to ``batch``/``seq``, ids, masks, noise.
 
     Token ids are drawn from [1000, 2000), inside any real vocabulary, or from [1, vocab_size / 2)
     for a vocabulary smaller than that; masks are ones; token type and position ids follow their
-    usual meaning; float inputs are standard normal.
+    usual meaning; float inputs are standard normal. ``source``: the manifest's facts about the
+    source model (``vocab_size``, and for images ``num_channels`` and ``image_size``, which size
+    a 4-D float input's dynamic axes as ``(batch, channels, size, size)``).
     """
+    facts = source or {}
+    vocab_size = vocab_size or facts.get("vocab_size")
+    image = _image_axes(facts)
     lo, hi = (1, max(2, vocab_size // 2)) if vocab_size and vocab_size <= 2000 else (1000, 2000)
     rng = np.random.default_rng(seed)
     feeds = {}
@@ -37,6 +43,8 @@ def sample_feeds(
             else:
                 shape.append(batch if dim == 0 else seq)
         dtype = np.dtype(spec.dtype)
+        if image and dtype.kind == "f" and len(spec.shape) == 4:  # (batch, channels, height, width)
+            shape = [shape[0]] + [w if isinstance(w, int) and w > 0 else image[d] for d, w in enumerate(spec.shape[1:])]
         lname = spec.name.lower()
         if dtype.kind in "iu":
             if "mask" in lname:
@@ -53,6 +61,15 @@ def sample_feeds(
             value = rng.standard_normal(shape).astype(dtype)
         feeds[spec.name] = value
     return feeds
+
+
+def _image_axes(facts: dict) -> tuple[int, int, int] | None:
+    """(channels, height, width) from a source's ``num_channels`` and ``image_size``, if known."""
+    channels, size = facts.get("num_channels"), facts.get("image_size")
+    if not isinstance(channels, int) or size is None:
+        return None
+    h, w = (size, size) if isinstance(size, int) else (tuple(size) + (0, 0))[:2]
+    return (channels, int(h), int(w)) if h and w else None
 
 
 def _axis_size(name: str, dim: int, batch: int, seq: int) -> int:
@@ -128,7 +145,7 @@ def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5
     A streamed model also reports, per timed run, the bytes it loaded and the seconds its compute
     waited on the loader versus computed, and the plan (K, P, pinned shards) it ran under.
     """
-    feeds = sample_feeds(model.manifest.inputs, batch=batch, seq=seq, vocab_size=model.manifest.source.get("vocab_size"))
+    feeds = sample_feeds(model.manifest.inputs, batch=batch, seq=seq, source=model.manifest.source)
     streaming = model.plan.streaming
     for _ in range(warmup):
         model.run(feeds)

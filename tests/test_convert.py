@@ -145,3 +145,22 @@ def test_decoder_with_kv_cache_routes_each_layers_cache_to_its_shard(tiny_llama_
         assert {f"present.{i}.key", f"present.{i}.value"} <= {t.name for t in shard.outputs}
     assert report.checks["max_abs_diff"] <= 1e-5
     assert report.checks["max_abs_diff_vs_torch"] <= 1e-4  # logits and every present.N against torch's cache
+
+
+def test_a_vit_classifier_converts_and_checks_against_torch(tmp_path):
+    """Image inputs are sized from the source config (channels, image size), not guessed."""
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+
+    torch.manual_seed(0)
+    src = tmp_path / "vit"
+    ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                        image_size=32, patch_size=8, num_labels=3)).eval().save_pretrained(src)
+    report = convert(src, tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["max_abs_diff"] <= 1e-5 and report.checks["max_abs_diff_vs_torch"] <= 1e-4
+    model = load(tmp_path / "art")
+    out = model.run({"pixel_values": np.zeros((2, 3, 32, 32), dtype=np.float32)})
+    assert out["logits"].shape == (2, 3)
