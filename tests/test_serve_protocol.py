@@ -70,3 +70,20 @@ def test_generate_requests():
         protocol.generate_request({"prompt": "hi", "max_new_tokens": 17}, 16, 8)
     with pytest.raises(RequestError, match="not a mix"):
         protocol.generate_request({"prompt": ["hi", [1]]}, 16, 8)
+
+
+def test_the_documented_serve_yaml_is_valid_and_builds(default_artifact):
+    """docs/serve.yaml passes Ray Serve's own schema, and its import_path builds the application."""
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from slimml.serve.app import build
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serve.yaml").read_text()
+    schema = ServeDeploySchema.model_validate(yaml.safe_load(text))
+    app = schema.applications[0]
+    assert app.import_path == "slimml.serve.app:build"
+    application = build({**app.args, "artifact": str(default_artifact)})
+    assert type(application).__name__ == "Application"
