@@ -157,7 +157,8 @@ def convert(
         if config.measure_latency:
             step("measuring latency")
             model = load(tmp, device="cpu")
-            feeds = sample_feeds(model.inputs, batch=1, seq=128, source=model.manifest.source)
+            seq = min(128, model.max_sequence_length or 128)  # CLIP's text tower takes 77
+            feeds = sample_feeds(model.inputs, batch=1, seq=seq, source=model.manifest.source)
             latency = float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3)))
             manifest.checks["latency_ms_b1_s128"] = round(latency, 3)
             del model

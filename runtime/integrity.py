@@ -24,6 +24,8 @@ from slimml.runtime.manifest import Manifest, ShardSpec, safe_path
 _POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "wpe", "embed_positions")
 # initializer names of token-embedding tables: (vocab_size, hidden); input_ids index their rows
 _TOKEN_TABLES = ("word_embeddings", "embed_tokens", "wte", "tok_embeddings")
+# a vision tower's position table counts patches, not tokens (CLIP holds both towers in one graph)
+_VISION_PARTS = ("vision", "visual", "image", "patch")
 
 
 @dataclass
@@ -61,7 +63,8 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
     data_size = data.stat().st_size if data is not None and data.is_file() else 0
     count, positions, vocab = 0, None, None
     for t in _tensors(model):
-        if len(t.dims) == 2 and any(k in t.name for k in _POSITION_TABLES) and t.dims[0] > 0:
+        if (len(t.dims) == 2 and any(k in t.name for k in _POSITION_TABLES) and t.dims[0] > 0
+                and not any(k in t.name.lower() for k in _VISION_PARTS)):
             positions = int(t.dims[0])
         if len(t.dims) == 2 and any(k in t.name for k in _TOKEN_TABLES) and t.dims[0] > 0:
             vocab = int(t.dims[0])

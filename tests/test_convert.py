@@ -164,3 +164,22 @@ def test_a_vit_classifier_converts_and_checks_against_torch(tmp_path):
     model = load(tmp_path / "art")
     out = model.run({"pixel_values": np.zeros((2, 3, 32, 32), dtype=np.float32)})
     assert out["logits"].shape == (2, 3)
+
+
+def test_a_clip_model_converts_and_takes_its_text_towers_length(tmp_path):
+    """Both towers in one graph: token ids sized by the text vocabulary, pixels by the vision
+    config; the sequence limit comes from the text tower's positions, not the vision tower's patches."""
+    import torch
+    from transformers import CLIPConfig, CLIPModel
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+
+    torch.manual_seed(0)
+    src = tmp_path / "clip"
+    tower = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    CLIPModel(CLIPConfig(text_config=dict(tower, vocab_size=100, max_position_embeddings=40),
+                         vision_config=dict(tower, image_size=32, patch_size=8), projection_dim=16)).eval().save_pretrained(src)
+    report = convert(src, tmp_path / "art", ConvertConfig())
+    assert report.checks["max_abs_diff"] <= 1e-5 and report.checks["max_abs_diff_vs_torch"] <= 1e-4
+    assert load(tmp_path / "art").max_sequence_length == 40  # the vision tower has 17 positions
