@@ -412,7 +412,7 @@ def serve_(
     address: Annotated[Optional[str], typer.Option(help="Ray cluster to join ('auto' after `ray start`); default: a local Ray.")] = None,
     memory_budget: Budget = None,
 ):
-    """Serve an artifact over HTTP on Ray Serve (needs `pip install 'slimml[serve]'`); Ctrl-C stops it."""
+    """Serve an artifact over HTTP on Ray Serve (needs the serve extra); Ctrl-C or SIGTERM stops it."""
     from slimml.scale.cluster import require_ray
     from slimml.serve import ServeConfig, serve
 
