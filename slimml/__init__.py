@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import os
 
-# ONNX Runtime's official Linux builds (1.29 and later) send usage telemetry to Microsoft by
-# default (model file and graph names, weight hashes) and keep an event store under ~/.cache.
+# ONNX Runtime's official Linux builds (1.29 and later) carry telemetry to Microsoft's collector,
+# on by default, and keep an event store under ~/.cache.
 # slimml is for private and offline deployments, so it is off unless the user decides
 # otherwise: ORT_DISABLE_TELEMETRY=0 in the environment keeps it on. Set before onnxruntime
 # creates its environment; processes slimml starts (Ray workers, servers) inherit it.
