@@ -146,7 +146,8 @@ class Manifest:
         outputs); its shards are renumbered from 0 and its files are theirs alone, so loading it
         hashes and maps only them. It has no tokenizer or pooling: the caller does text.
         """
-        if not 0 <= first <= last < len(self.shards):
+        whole = all(isinstance(i, int) and not isinstance(i, bool) for i in (first, last))
+        if not whole or not 0 <= first <= last < len(self.shards):
             raise ArtifactError(
                 f"shards {first}-{last} are not a range of this artifact's {len(self.shards)} shards "
                 f"(0-{len(self.shards) - 1}); give first <= last inside it."

@@ -11,6 +11,7 @@ object store on one node, copied once between nodes); only model outputs come ba
 from __future__ import annotations
 
 import time
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,7 @@ class RayStages:
         if m <= 1:
             return [env]
         cuts = np.linspace(0, batch, m + 1).astype(int)
-        return [{k: v[a:b] for k, v in env.items()} for a, b in zip(cuts[:-1], cuts[1:])]
+        return [{k: v[a:b] for k, v in env.items()} for a, b in pairwise(cuts)]
 
     def _collect(self, outs: list, deadline: float) -> dict[str, np.ndarray]:
         merged: dict[str, np.ndarray] = {}
