@@ -13,7 +13,7 @@ from slimml.runtime.model import Model
 from slimml.runtime.plan import ExecutionPlan
 from slimml.scale.balance import compute_sizes, split_stages
 from slimml.scale.cluster import connect, nodes_with_cpus, require_ray
-from slimml.scale.segment import RayStages
+from slimml.scale.segment import RayStages, release
 
 
 def pipeline(
@@ -123,14 +123,7 @@ def pipeline(
                             _batch_first(manifest), timeout_s, max_restarts, pg, owns_ray)
         segment.stage_info()  # waits for every stage to load; its errors (a tampered shard) surface here
     except BaseException as e:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-        if pg is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(pg)
-        if owns_ray:
-            ray.shutdown()
+        release(actors, pg, owns_ray)
         if isinstance(e, ray.exceptions.RayActorError):
             raise StageError(f"a pipeline stage failed to start: {e}") from None
         raise

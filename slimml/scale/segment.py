@@ -133,20 +133,24 @@ class RayStages:
         self._collect(pending, time.monotonic() + self.timeout_s)
 
     def close(self) -> None:
-        import ray
+        release(self.actors, self._pg, self._owns_ray)
+        self.actors, self._pg = [], None
 
-        if not ray.is_initialized():
-            return
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        self.actors = []
-        if self._pg is not None:
-            from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(self._pg)
-            self._pg = None
-        if self._owns_ray:
-            ray.shutdown()
+def release(actors: list, placement_group: Any, owns_ray: bool) -> None:
+    """Stop the stage actors, free their placement group, and stop Ray if slimml started it."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    for a in actors:
+        ray.kill(a, no_restart=True)
+    if placement_group is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(placement_group)
+    if owns_ray:
+        ray.shutdown()
 
 
 def _span(first: int, last: int) -> str:

@@ -14,7 +14,6 @@ thread so the replica keeps answering while it computes.
 # no `from __future__ import annotations`: FastAPI reads the route annotations at run time
 
 import asyncio
-import logging
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,6 @@ from slimml.errors import FeedError, IntegrityError, RequestError, SlimmlError
 from slimml.serve import protocol
 from slimml.serve.config import ServeConfig
 
-log = logging.getLogger("slimml")
 api = FastAPI(title="slimml", docs_url=None, redoc_url=None)
 
 
