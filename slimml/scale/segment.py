@@ -129,8 +129,9 @@ class RayStages:
         return [self._get(k, a.info.remote(), deadline) for k, a in enumerate(self.actors)]
 
     def check_files(self, deep: bool = False) -> None:
-        pending = [a.check_files.remote(deep) for a in self.actors]
-        self._collect(pending, time.monotonic() + self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        for k, ref in enumerate([a.check_files.remote(deep) for a in self.actors]):
+            self._get(k, ref, deadline)
 
     def close(self) -> None:
         release(self.actors, self._pg, self._owns_ray)

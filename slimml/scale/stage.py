@@ -78,12 +78,11 @@ class Stage:
             self.busy_s, self.calls = 0.0, 0
         return got
 
-    def check_files(self, deep: bool = False) -> dict:
+    def check_files(self, deep: bool = False) -> None:
         """Raise IntegrityError if the stage's files changed (``deep``: re-hash them)."""
         if self.failed is not None:
             raise self.failed
         self.model.verify() if deep else self.model.check_files()
-        return {}
 
 
 def _assigned_cpus() -> int | None:
