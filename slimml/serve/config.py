@@ -83,7 +83,11 @@ class ServeConfig:
         for key, value in args.items():
             kind = str(known[key].type)
             try:
-                if isinstance(value, str) and "int" in kind:
+                if isinstance(value, str) and kind == "bool":
+                    if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                        raise ConfigError(f"{key} must be true or false, got {value!r}.")
+                    value = value.lower() in ("true", "1", "yes")
+                elif isinstance(value, str) and "int" in kind:
                     value = int(value)
                 elif isinstance(value, str) and "float" in kind:
                     value = float(value)
