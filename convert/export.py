@@ -18,6 +18,7 @@ from slimml.convert.sources import Source, max_seq_length, sentence_transformers
 from slimml.errors import ExportError, SourceError
 
 TOKENIZER_FILE = "tokenizer.json"
+PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
 @dataclass
@@ -48,6 +49,10 @@ class Exported:
     pooling: dict[str, Any] | None = None
     tokenizer: dict[str, Any] | None = None  # {"file", "max_length", "pad_token", "pad_id"}; file in tokenizer_dir
     tokenizer_dir: Path | None = None
+    preprocessor: Path | None = None  # the source's preprocessor_config.json (images, or audio features)
+    labels: list[str] | None = None  # class names by output index, from the config's id2label
+    graphs: dict[str, Path] = field(default_factory=dict)  # an encoder-decoder's graphs, by component name
+    seq2seq: dict[str, Any] | None = None  # how its generation starts and stops (see runtime.seq2seq)
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -116,6 +121,10 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         task = out_task = config.task
     else:
         task = out_task = _task_from_config(folder)
+    seq2seq = task.removesuffix("-with-past") in _SEQ2SEQ_TASKS and bool(_read_config(folder).get("is_encoder_decoder"))
+    if seq2seq:  # an encoder and a decoder with its cache: three graphs
+        out_task = task.removesuffix("-with-past")
+        task = out_task + "-with-past"
     onnx_dir = work_dir / "onnx"
     logging.getLogger("optimum").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
@@ -130,14 +139,85 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
             )
     except Exception as e:
         raise ExportError(f"optimum-onnx could not export {folder} as {task!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    onnx_path = onnx_dir / "model.onnx"
+    graphs = {name: onnx_dir / f"{name}_model.onnx" for name in ("encoder", "decoder", "decoder_with_past")}
+    if seq2seq and all(p.is_file() for p in graphs.values()):
+        onnx_path = graphs["encoder"]
+    else:
+        graphs = {}
+        onnx_path = onnx_dir / "model.onnx"
     if not onnx_path.is_file():
-        raise ExportError(f"optimum-onnx wrote no model.onnx for {folder} (task {task!r}).")
+        wrote = sorted(p.name for p in onnx_dir.glob("*.onnx"))
+        raise ExportError(
+            f"optimum-onnx wrote {', '.join(wrote) or 'no ONNX file'} for {folder} (task {task!r}), not the graph(s) "
+            "slimml expected; pass --task to choose another export, or convert an ONNX file you exported yourself."
+        )
     tokenizer = _tokenizer_info(folder, onnx_dir, pooling)
     return Exported(
         onnx_path=onnx_path, task=out_task, pooling=pooling, tokenizer=tokenizer,
-        tokenizer_dir=onnx_dir if tokenizer else None, info={"hf_task": task, **_config_facts(folder)},
+        tokenizer_dir=onnx_dir if tokenizer else None, preprocessor=_preprocessor(folder, onnx_path),
+        labels=_labels(folder, task), graphs=graphs, seq2seq=_seq2seq_spec(folder) if graphs else None,
+        info={"hf_task": task, **_config_facts(folder)},
     )
+
+
+_SEQ2SEQ_TASKS = ("text2text-generation", "automatic-speech-recognition")
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _seq2seq_spec(folder: Path) -> dict[str, Any]:
+    """How generation starts and stops, from generation_config.json (else config.json), as
+    transformers' generate reads them."""
+    config = _read_config(folder)
+    gen = {}
+    if (folder / "generation_config.json").is_file():
+        gen = json.loads((folder / "generation_config.json").read_text())
+
+    def pick(key):
+        value = gen.get(key, config.get(key))
+        return value[0] if isinstance(value, list) and value else value
+
+    start = pick("decoder_start_token_id")
+    if start is None:
+        start = pick("pad_token_id") or 0
+    forced = [[int(p), int(t)] for p, t in (gen.get("forced_decoder_ids") or []) if t is not None]
+    spec = {"decoder_start_token_id": int(start), "eos_token_id": pick("eos_token_id"),
+            "pad_token_id": pick("pad_token_id"), "forced_ids": forced}
+    for key, name in (("suppress_tokens", "suppress_ids"), ("begin_suppress_tokens", "begin_suppress_ids")):
+        ids = gen.get(key, config.get(key))
+        if ids:  # Whisper's: tokens never emitted, and tokens not emitted first
+            spec[name] = [int(i) for i in ids]
+    return spec
+
+
+def _preprocessor(folder: Path, onnx_path: Path) -> Path | None:
+    """The source's preprocessor config, when the graph takes pixels or audio features and the folder has one."""
+    import onnx
+
+    path = folder / PREPROCESSOR_FILE
+    if not path.is_file():
+        return None
+    inputs = {i.name for i in onnx.load(str(onnx_path), load_external_data=False).graph.input}
+    return path if inputs & {"pixel_values", "input_features"} else None
+
+
+def _labels(folder: Path, task: str) -> list[str] | None:
+    """``id2label`` as a list, for classifiers (a token classifier's labels are per token: kept too)."""
+    if not task.endswith("classification") or task.startswith("zero-shot"):
+        return None
+    id2label = json.loads((folder / "config.json").read_text()).get("id2label") or {}
+    try:
+        ids = sorted(int(k) for k in id2label)
+    except (TypeError, ValueError):
+        return None
+    if ids != list(range(len(ids))):
+        return None
+    return [str(id2label.get(str(i), id2label.get(i))) for i in ids]
 
 
 def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[str, Any] | None:
@@ -157,6 +237,9 @@ def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[
     max_len = max_seq_length(folder) if pooling else None
     if not max_len:
         max_len = tok.model_max_length if 0 < tok.model_max_length < 100_000 else 512
+    positions = _config_facts(folder).get("max_position_embeddings")  # the text tower's, for two-tower models
+    if isinstance(positions, int) and 0 < positions < max_len:
+        max_len = positions  # a tokenizer borrowed from a longer model must not overrun the positions
     pad_token = tok.pad_token or tok.eos_token
     pad_id = tok.convert_tokens_to_ids(pad_token) if pad_token is not None else 0
     return {"file": TOKENIZER_FILE, "max_length": int(max_len), "pad_token": pad_token, "pad_id": int(pad_id)}
@@ -178,7 +261,10 @@ _TASK_BY_SUFFIX = [
 
 
 def _task_from_config(folder: Path) -> str:
-    archs = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") in ("whisper", "speech_to_text", "speech-encoder-decoder"):
+        return "automatic-speech-recognition"
+    archs = config.get("architectures") or []
     for arch in archs:
         for suffix, task in _TASK_BY_SUFFIX:
             if arch.endswith(suffix):
@@ -192,7 +278,8 @@ def _task_from_config(folder: Path) -> str:
 def _config_facts(folder: Path) -> dict[str, Any]:
     """What the runtime may want to know without transformers: architecture and vocabulary size."""
     config = json.loads((folder / "config.json").read_text())
-    keys = ("model_type", "vocab_size", "max_position_embeddings", "num_hidden_layers", "num_channels", "image_size")
+    keys = ("model_type", "vocab_size", "max_position_embeddings", "num_hidden_layers", "num_channels", "image_size",
+            "max_source_positions")
     facts = {k: config[k] for k in keys if k in config}
     for tower in ("text_config", "vision_config"):  # two-tower models (CLIP) keep them per tower
         sub = config.get(tower) or {}

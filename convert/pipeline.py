@@ -13,16 +13,18 @@ from typing import Any
 import numpy as np
 
 import slimml
+from slimml.convert.check_seq2seq import check_seq2seq
 from slimml.convert.distill import DistillConfig
 from slimml.convert.export import ExportConfig, Exported, export
 from slimml.convert.prune import PruneConfig
 from slimml.convert.reference import reference_for
 from slimml.convert.shard import ShardConfig, shard
 from slimml.convert.sources import Source, resolve
+from slimml.convert.towers import split_towers
 from slimml.atomic import atomic_folder, check_output
 from slimml.errors import ConfigError, ExportError
 from slimml.runtime.bench import sample_feeds, time_runs
-from slimml.runtime.manifest import Manifest, TensorSpec, file_entry, verify_files
+from slimml.runtime.manifest import Manifest, TensorSpec, file_entry, read_manifest, verify_files
 from slimml.runtime.model import load
 from slimml.runtime.session import make_session
 from slimml.runtime.text import TextEncoder
@@ -136,14 +138,23 @@ def convert(
         step("exporting to ONNX")
         exported = export(src, tmp / ".work", config.export)
         step("splitting into shards")
-        specs = shard(exported.onnx_path, tmp, config.shard)
-        manifest = _write_manifest(tmp, src, exported, specs, config)
+        parts, zero_shot = split_towers(exported.onnx_path, src.path if src.kind == "huggingface" else None)
+        if exported.graphs:  # an encoder-decoder: encoder, decoder and decoder with past, each a component
+            chains = {n: (path, _shard_into(path, tmp, n, config.shard)) for n, path in exported.graphs.items()}
+        elif parts:  # a two-tower model: each tower a component, sharded into a folder of its own
+            chains = {c.name: (c.onnx_path, _shard_into(c.onnx_path, tmp, c.name, config.shard)) for c in parts}
+        else:
+            chains = {None: (exported.onnx_path, shard(exported.onnx_path, tmp, config.shard))}
+        manifest = _write_manifest(tmp, src, exported, chains, config, zero_shot)
         if shrunk:  # the steps before export, and the teacher as the source (the student folder is temporary)
             manifest.steps[:0] = shrunk
             manifest.source |= {"path": str(teacher.path), "student_of": teacher.name}
         if config.verify:
             step("checking against the original model")
-            manifest.checks = verify(tmp, manifest, src, exported)
+            if manifest.seq2seq:
+                manifest.checks = check_seq2seq(tmp, manifest, src, exported, SAMPLE_TEXTS)
+            else:
+                manifest.checks = verify(tmp, manifest, src, exported)
         else:
             verify_files(tmp, manifest)
         if config.quantize is not None:
@@ -154,7 +165,7 @@ def convert(
             against = _against_teacher(teacher, tmp, manifest, config.compare_on)
             manifest.checks["vs_teacher"] = against
         latency = None
-        if config.measure_latency:
+        if config.measure_latency and not manifest.seq2seq:  # an encoder-decoder's speed is per token: bench generate
             step("measuring latency")
             model = load(tmp, device="cpu")
             seq = min(128, model.max_sequence_length or 128)  # CLIP's text tower takes 77
@@ -165,7 +176,7 @@ def convert(
         manifest.write(tmp)
         shutil.rmtree(tmp / ".work", ignore_errors=True)
     return ConvertReport(
-        out=out, name=manifest.name, task=manifest.task, shards=len(manifest.shards),
+        out=out, name=manifest.name, task=manifest.task, shards=manifest.shard_count,
         size_mb=manifest.total_bytes / 1e6, checks=manifest.checks, latency_ms=latency,
         seconds=time.perf_counter() - t0, steps=manifest.steps, teacher=against,
     )
@@ -261,10 +272,14 @@ def _quantize_step(tmp: Path, manifest: Manifest, qconfig: Any, step: Callable[[
 
 
 def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:
+    feeds: dict[str, np.ndarray] = {}
     if manifest.tokenizer is not None:
         text = TextEncoder(folder / manifest.tokenizer["file"], manifest.tokenizer, [t.name for t in manifest.inputs])
-        return text(SAMPLE_TEXTS)
-    return sample_feeds(manifest.inputs, batch=2, seq=16, source=manifest.source)
+        feeds = text(SAMPLE_TEXTS)
+        if not manifest.components:
+            return feeds
+    rest = [t for t in manifest.inputs if t.name not in feeds]  # a vision tower's pixels beside the texts
+    return feeds | sample_feeds(rest, batch=2, seq=16, source=manifest.source) if rest else feeds
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -274,40 +289,77 @@ def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(cos.min())
 
 
-def _write_manifest(folder: Path, src: Source, exported: Exported, specs, config: ConvertConfig) -> Manifest:
+def _shard_into(onnx_path: Path, folder: Path, name: str, config: ShardConfig) -> list:
+    """Shard one component into ``folder/name/``; its specs name files relative to ``folder``."""
+    (folder / name).mkdir()
+    specs = shard(onnx_path, folder / name, config)
+    for s in specs:
+        s.file = f"{name}/{s.file}"
+        s.data = f"{name}/{s.data}" if s.data else None
+    return specs
+
+
+def _chain(onnx_path: Path, specs: list, pooling: dict | None) -> Manifest:
+    """One chain of shards (the whole model, or a component) as a manifest of its inputs, outputs and shards."""
     import onnx
 
-    graph = onnx.load(str(exported.onnx_path), load_external_data=False).graph
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
     weights = {t.name for t in graph.initializer}
     by_name = {t.name: t for s in specs for t in [*s.inputs, *s.outputs]}
     inputs = [_strip(by_name[i.name]) for i in graph.input if i.name not in weights and i.name in by_name]
     outputs = [_strip(by_name[o.name]) for o in graph.output]
+    return Manifest(name="", task="", source={}, steps=[], inputs=inputs, outputs=outputs, shards=specs, files=[],
+                    pooling=pooling)
+
+
+def _write_manifest(folder: Path, src: Source, exported: Exported, chains: dict, config: ConvertConfig,
+                    zero_shot: dict | None = None) -> Manifest:
+    if None in chains:
+        whole = _chain(*chains[None], exported.pooling)
+        components = {}
+    else:  # the text tower's embeddings come pooled and normalised by the model
+        text = (zero_shot or {}).get("text")
+        none = {"mode": "none", "output": "text_embeds", "normalize": True}
+        components = {n: _chain(path, specs, none if n == text else None) for n, (path, specs) in chains.items()}
+        whole = Manifest(name="", task="", source={}, steps=[], inputs=[], outputs=[], shards=[], files=[])
     files = []
-    for s in specs:
+    for s in [s for _, specs in chains.values() for s in specs]:
         files.append(file_entry(folder, folder / s.file))
         if s.data:
             files.append(file_entry(folder, folder / s.data))
     if exported.tokenizer is not None:
         shutil.copy2(exported.tokenizer_dir / exported.tokenizer["file"], folder / exported.tokenizer["file"])
         files.append(file_entry(folder, folder / exported.tokenizer["file"]))
+    preprocessor = None
+    if exported.preprocessor is not None:
+        shutil.copy2(exported.preprocessor, folder / exported.preprocessor.name)
+        files.append(file_entry(folder, folder / exported.preprocessor.name))
+        kind = "audio" if exported.info.get("hf_task", "").startswith("automatic-speech-recognition") else "image"
+        preprocessor = {"file": exported.preprocessor.name, "kind": kind}
     manifest = Manifest(
         name=src.name,
         task=exported.task,
         source=src.describe() | exported.info,
         steps=[
             {"step": "export", "exporter": _exporter(src), **{k: v for k, v in asdict(config.export).items() if v is not None}},
-            {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None}, "shards": len(specs)},
+            {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None},
+             "shards": sum(len(specs) for _, specs in chains.values())},
         ],
-        inputs=inputs,
-        outputs=outputs,
-        shards=specs,
+        inputs=whole.inputs,
+        outputs=whole.outputs,
+        shards=whole.shards,
         files=files,
         tokenizer=exported.tokenizer,
-        pooling=exported.pooling,
+        pooling=whole.pooling,
+        preprocessor=preprocessor,
+        labels=exported.labels,
+        components=components,
+        zero_shot=zero_shot,
+        seq2seq=exported.seq2seq,
         slimml_version=slimml.__version__,
     )
     manifest.write(folder)
-    return manifest
+    return read_manifest(folder)  # components come back as full manifests of their own
 
 
 def _exporter(src: Source) -> str:

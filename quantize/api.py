@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -30,15 +31,17 @@ class QuantizeReport:
     scheme: str
     size_mb: float
     float_size_mb: float
-    quantized_shards: list[int]
+    quantized_shards: list[int]  # with components: numbered across them, in the manifest's order
     float_shards: dict[int, str]  # shard index -> why it stayed float
     checks: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    components: dict[str, QuantizeReport] = field(default_factory=dict)  # per component, when the artifact has them
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["out"] = str(self.out)
         d["float_shards"] = {str(k): v for k, v in self.float_shards.items()}
+        d["components"] = {n: r.to_json() for n, r in self.components.items()}
         return d
 
 
@@ -107,7 +110,10 @@ def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callabl
         read_sts(config.guard.eval_file)  # a bad eval file fails before any work
     dst.mkdir(parents=True)
     try:
-        result = _quantize_artifact(src, manifest, dst, config, calib, held, origin, step)
+        if manifest.components:
+            result = _quantize_components(src, manifest, dst, config, calib, held, origin, step)
+        else:
+            result, _ = _quantize_artifact(src, manifest, dst, config, calib, held, origin, step)
     except BaseException:
         shutil.rmtree(dst, ignore_errors=True)
         raise
@@ -141,7 +147,57 @@ def _read_float_artifact(src: Path) -> Manifest:
     return manifest
 
 
-def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) -> QuantizeReport:
+def _quantize_components(src, manifest, tmp, config, calib, held, origin, step) -> QuantizeReport:
+    """Each component quantized as an artifact of its own (its own guard), then one manifest."""
+    reports, parts, records = {}, {}, []
+    feeds = _seq2seq_feeds(src, calib, held, step) if manifest.seq2seq else {}
+    for name, part in manifest.components.items():
+        step(f"component {name}")
+        reports[name], parts[name] = _quantize_artifact(src, part, tmp, config, calib, held, origin, step, feeds.get(name))
+        records.append({"component": name, **parts[name].steps[-1]})
+    files = {f.path: f for p in parts.values() for f in p.files}
+    record = {k: v for k, v in records[0].items() if k not in ("component", "quantized_shards", "float_shards", "fused")}
+    record["components"] = {r["component"]: {k: r[k] for k in ("quantized_shards", "float_shards", "fused") if k in r}
+                            for r in records}
+    checks = {f"{name}_{k}": v for name, r in reports.items() for k, v in r.checks.items()}
+    new = dataclasses.replace(
+        manifest, steps=[*manifest.steps, record], components=parts, files=list(files.values()),
+        checks={**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}, slimml_version=slimml.__version__,
+    )
+    new.write(tmp)
+    offsets, n = {}, 0
+    for name, part in manifest.components.items():
+        offsets[name], n = n, n + len(part.shards)
+    return QuantizeReport(
+        out=tmp, scheme=_scheme_name(config), size_mb=new.total_bytes / 1e6, float_size_mb=manifest.total_bytes / 1e6,
+        quantized_shards=[offsets[name] + i for name, r in reports.items() for i in r.quantized_shards],
+        float_shards={offsets[name] + i: why for name, r in reports.items() for i, why in r.float_shards.items()},
+        checks=checks, components=reports,
+    )
+
+
+def _seq2seq_feeds(src: Path, calib: list[str], held: list[str], step) -> dict[str, tuple[list, list]]:
+    """Per component of an encoder-decoder, what it is fed while the float model generates from
+    the calibration texts and from the held-out ones: the decoders' real inputs (encoder states,
+    caches), which texts alone cannot give."""
+    from slimml.runtime.model import load
+    from slimml.runtime.seq2seq import record_feeds, sample_encoder_batches
+
+    step("running the float model to record each component's inputs")
+    model = load(src, verify=False)  # hashed by the caller
+    try:
+        fit = record_feeds(model, sample_encoder_batches(model, calib))
+        check = record_feeds(model, sample_encoder_batches(model, held, limit=4))
+    finally:
+        model.close()
+    return {name: (fit[name], check[name]) for name in fit}
+
+
+def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step, feeds=None) -> tuple[QuantizeReport, Manifest]:
+    """Quantize one chain of shards into ``tmp``; the report and the chain's new manifest.
+
+    ``feeds``: (calibration, held-out) feed lists for a chain that text alone cannot feed (a decoder).
+    """
     from slimml.quantize.guard import GuardResult, apply_guard
 
     work = tmp / ".work"
@@ -150,7 +206,8 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) ->
     float_files = ch.shard_paths(src, manifest)
     # static calibration: each batch's tensors, advanced one float shard at a time, so memory
     # holds only what crosses the current boundary, not every layer's activations
-    envs = [dict(f) for f in ch.batches(manifest, text, calib)] if isinstance(config, Int8StaticConfig) else None
+    calib_feeds = feeds[0] if feeds else ch.batches(manifest, text, calib)
+    envs = [dict(f) for f in calib_feeds] if isinstance(config, Int8StaticConfig) else None
     last_read = {t.name: s.index for s in manifest.shards for t in s.inputs}
     backend = backend_for(config)
     firsts = [onnx.load(str(p), load_external_data=False) for p in float_files]
@@ -187,7 +244,7 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) ->
             f"the artifact {src} has no op that {type(config).__name__} quantizes (MatMul/Gather with float "
             "weights, or Attention); it would come out unchanged. Keep it float (--quantize none)."
         )
-    held_feeds = ch.batches(manifest, text, held)
+    held_feeds = feeds[1] if feeds else ch.batches(manifest, text, held)
     if isinstance(config, Fp16Config) and "CUDAExecutionProvider" not in _providers():
         if config.guard is not None:
             raise ConfigError("the accuracy guard runs the fp16 model, which needs CUDA; leave --max-drop out on this machine.")
@@ -206,7 +263,7 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step) ->
         out=tmp, scheme=_scheme_name(config), size_mb=new_manifest.total_bytes / 1e6,
         float_size_mb=manifest.total_bytes / 1e6, quantized_shards=sorted(quant_files),
         float_shards=dict(sorted(float_why.items())), checks=guard.checks,
-    )
+    ), new_manifest
 
 
 def _providers() -> list[str]:
@@ -231,6 +288,7 @@ def _write(tmp, src, manifest, final, quant_files, config, origin, float_why, no
     for spec, path in zip(manifest.shards, final):
         m = onnx.load(str(path), load_external_data=False)
         dst = tmp / spec.file
+        dst.parent.mkdir(parents=True, exist_ok=True)  # a component's shards sit in its own folder
         shutil.copy2(path, dst)
         data = path.parent / f"{path.name}.data" if spec.index in quant_files else (src / spec.data if spec.data else None)
         has_data = data is not None and data.exists()
@@ -244,20 +302,18 @@ def _write(tmp, src, manifest, final, quant_files, config, origin, float_why, no
         files.append(file_entry(tmp, dst))
         if has_data:
             files.append(file_entry(tmp, tmp / f"{spec.file}.data"))
-    if manifest.tokenizer:
-        shutil.copy2(src / manifest.tokenizer["file"], tmp / manifest.tokenizer["file"])
-        files.append(file_entry(tmp, tmp / manifest.tokenizer["file"]))
+    for rel in manifest.asset_files():
+        shutil.copy2(src / rel, tmp / rel)
+        files.append(file_entry(tmp, tmp / rel))
     record = {"step": "quantize", **describe(config), "calibration": origin,
               "quantized_shards": sorted(quant_files),
               "float_shards": {str(k): v for k, v in sorted(float_why.items())}}
     fused = {str(i): n["fused"] for i, n in notes.items() if n.get("fused")}
     if fused:
         record["fused"] = fused
-    new = Manifest(
-        name=manifest.name, task=manifest.task, source=manifest.source, steps=[*manifest.steps, record],
-        inputs=manifest.inputs, outputs=manifest.outputs, shards=shards, files=files, tokenizer=manifest.tokenizer,
-        pooling=manifest.pooling, checks={**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}},
-        slimml_version=slimml.__version__,
+    new = dataclasses.replace(  # name, task, tokenizer, pooling, preprocessor, labels carry over
+        manifest, steps=[*manifest.steps, record], shards=shards, files=files,
+        checks={**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}, slimml_version=slimml.__version__,
     )
     new.write(tmp)
     return new

@@ -65,7 +65,7 @@ def batches(manifest: Manifest, text: TextEncoder | None, texts: list[str], batc
     count = max(1, len(texts) // batch_size)
     out = []
     for i in range(count):
-        feeds = sample_feeds(manifest.inputs, batch=2, seq=16, seed=seed + i)
+        feeds = sample_feeds(manifest.inputs, batch=2, seq=16, seed=seed + i, source=manifest.source)
         for name, value in feeds.items():
             if name.endswith("ids") and "type" not in name and "position" not in name:
                 # token ids from the bottom of the vocabulary: valid for any vocabulary size

@@ -13,6 +13,13 @@ from slimml.runtime.manifest import TensorSpec
 SEQUENCE_AXES = ("seq", "length", "token")  # names of the dynamic axes that count tokens
 
 
+def counts_tokens(axis: str) -> bool:
+    """Whether a dynamic axis counts this model's tokens. A decoder's ``encoder_sequence_length``
+    axes are the encoder's length (audio frames for Whisper), bounded by the encoder, not here."""
+    name = axis.lower()
+    return any(k in name for k in SEQUENCE_AXES) and not name.startswith("encoder")
+
+
 class FeedChecker:
     """:func:`check_feeds` compiled once for a model's inputs, with a fast path for good feeds.
 
@@ -28,7 +35,7 @@ class FeedChecker:
         for s in specs:
             fixed = [(d, w) for d, w in enumerate(s.shape) if isinstance(w, int)]
             named = [(d, w) for d, w in enumerate(s.shape) if isinstance(w, str)]
-            seq = [d for d, w in named if any(k in w.lower() for k in SEQUENCE_AXES)] if max_seq is not None else []
+            seq = [d for d, w in named if counts_tokens(w)] if max_seq is not None else []
             dtype = np.dtype(s.dtype)
             ids = vocab_size is not None and s.name == "input_ids" and dtype.kind in "iu"
             unsigned = np.dtype(f"u{dtype.itemsize}") if ids else None  # ids seen unsigned: negatives are huge
@@ -131,7 +138,7 @@ def check_feeds(
             if isinstance(want, int) and want != got:
                 problems.append(f"input {name!r} has size {got} at dim={dim}, expected {want} (shape {spec.shape})")
             elif isinstance(want, str):
-                long_seq = max_seq is not None and got > max_seq and any(k in want.lower() for k in SEQUENCE_AXES)
+                long_seq = max_seq is not None and got > max_seq and counts_tokens(want)
                 if long_seq and want not in axes:  # once per axis, not once per input sharing it
                     problems.append(
                         f"input {name!r} has {want}={got} at dim={dim}, but this model takes at most {max_seq} "

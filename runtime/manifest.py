@@ -18,7 +18,8 @@ from typing import Any
 from slimml.errors import ArtifactError, IntegrityError
 
 FORMAT = "slimml.artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this slimml reads and writes
+READS_VERSIONS = (1, 2)  # 2 added components; an artifact without them is still written as 1
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few KB per shard; anything this big is not one
 
@@ -98,9 +99,35 @@ class Manifest:
     files: list[FileEntry]
     tokenizer: dict[str, Any] | None = None  # {"file", "max_length", "pad_token", "pad_id"}
     pooling: dict[str, Any] | None = None  # {"mode": "mean"|"cls", "normalize", "output"}
+    preprocessor: dict[str, Any] | None = None  # {"file", "kind": "image"|"audio"}: how raw inputs become tensors
+    labels: list[str] | None = None  # class names by output index (classifiers)
+    # a model of several graphs (CLIP's text and vision towers, an encoder and a decoder): each
+    # component is a chain of shards of its own, held as a manifest of its own (see component())
+    components: dict[str, Manifest] = field(default_factory=dict)
+    zero_shot: dict[str, Any] | None = None  # {"text", "image": component names, "scale"}: CLIP-style scoring
+    # encoder-decoder generation: {"decoder_start_token_id", "eos_token_id", "pad_token_id", "forced_ids"}
+    seq2seq: dict[str, Any] | None = None
     checks: dict[str, Any] = field(default_factory=dict)
     slimml_version: str = ""
     format_version: int = FORMAT_VERSION
+
+    def component(self, name: str) -> Manifest:
+        """One component as a manifest of its own (the whole artifact when it has no components)."""
+        if not self.components:
+            return self
+        if name not in self.components:
+            raise ArtifactError(
+                f"the artifact {self.name} has no component {name!r}; its components are {', '.join(self.components)}."
+            )
+        return self.components[name]
+
+    def asset_files(self) -> list[str]:
+        """The files beside the shards that the runtime reads (tokenizer, preprocessor config)."""
+        return [a["file"] for a in (self.tokenizer, self.preprocessor) if a]
+
+    @property
+    def shard_count(self) -> int:
+        return sum(len(c.shards) for c in self.components.values()) if self.components else len(self.shards)
 
     @property
     def total_bytes(self) -> int:
@@ -170,21 +197,33 @@ class Manifest:
             format_version=self.format_version,
         )
 
+    def chain_json(self) -> dict[str, Any]:
+        """The chain of shards: inputs, outputs, shards (and pooling), as a component is written."""
+        return {
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+            "shards": [s.to_json() for s in self.shards],
+            "pooling": self.pooling,
+        }
+
     def to_json(self) -> dict[str, Any]:
+        chains = ({"components": {n: c.chain_json() for n, c in self.components.items()}} if self.components
+                  else self.chain_json())
         return {
             "format": FORMAT,
-            "format_version": self.format_version,
+            "format_version": 2 if self.components else 1,  # the oldest version that can read it
             "slimml_version": self.slimml_version,
             "name": self.name,
             "task": self.task,
             "source": self.source,
             "steps": self.steps,
-            "inputs": [t.to_json() for t in self.inputs],
-            "outputs": [t.to_json() for t in self.outputs],
-            "shards": [s.to_json() for s in self.shards],
+            **chains,
             "files": [asdict(f) for f in self.files],
             "tokenizer": self.tokenizer,
-            "pooling": self.pooling,
+            **({"preprocessor": self.preprocessor} if self.preprocessor else {}),
+            **({"labels": self.labels} if self.labels is not None else {}),
+            **({"zero_shot": self.zero_shot} if self.zero_shot else {}),
+            **({"seq2seq": self.seq2seq} if self.seq2seq else {}),
             "checks": self.checks,
         }
 
@@ -229,36 +268,61 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a slimml manifest (expected \"format\": \"{FORMAT}\").")
     version = raw.get("format_version")
-    if version != FORMAT_VERSION or isinstance(version, bool):
+    if version not in READS_VERSIONS or isinstance(version, (bool, float)):
         raise ArtifactError(
-            f"{path} has manifest format version {version!r}, but this slimml reads version "
-            f"{FORMAT_VERSION}. Convert the model again with this slimml, or install the slimml "
-            "version that wrote it."
+            f"{path} has manifest format version {version!r}, but this slimml reads versions "
+            f"{' and '.join(map(str, READS_VERSIONS))}. Convert the model again with this slimml, or install "
+            "the slimml version that wrote it."
         )
     problems = validate_raw(raw)
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise ArtifactError(f"{path} is malformed: {shown}. Convert the model again.")
     try:
-        manifest = Manifest(
-            name=str(raw["name"]),
-            task=str(raw["task"]),
-            source=dict(raw.get("source") or {}),
-            steps=list(raw.get("steps") or []),
-            inputs=[TensorSpec.from_json(t) for t in raw["inputs"]],
-            outputs=[TensorSpec.from_json(t) for t in raw["outputs"]],
-            shards=[ShardSpec.from_json(s) for s in raw["shards"]],
-            files=[FileEntry(path=f["path"], bytes=int(f["bytes"]), sha256=str(f["sha256"])) for f in raw["files"]],
-            tokenizer=raw.get("tokenizer"),
-            pooling=raw.get("pooling"),
-            checks=dict(raw.get("checks") or {}),
-            slimml_version=str(raw.get("slimml_version", "")),
-            format_version=version,
-        )
+        manifest = _build(raw, version)
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise ArtifactError(f"{path} is malformed ({type(e).__name__}: {e}); convert the model again.") from None
-    _check_structure(folder, manifest)
+    for part in [manifest] if not manifest.components else manifest.components.values():
+        _check_structure(folder, part)
     return manifest
+
+
+def _build(raw: dict[str, Any], version: int) -> Manifest:
+    files = [FileEntry(path=f["path"], bytes=int(f["bytes"]), sha256=str(f["sha256"])) for f in raw["files"]]
+    top = Manifest(
+        name=str(raw["name"]), task=str(raw["task"]), source=dict(raw.get("source") or {}),
+        steps=list(raw.get("steps") or []), inputs=[], outputs=[], shards=[], files=files,
+        tokenizer=raw.get("tokenizer"), preprocessor=raw.get("preprocessor"), labels=raw.get("labels"),
+        zero_shot=raw.get("zero_shot"), seq2seq=raw.get("seq2seq"), checks=dict(raw.get("checks") or {}),
+        slimml_version=str(raw.get("slimml_version", "")), format_version=version,
+    )
+    if "components" not in raw:
+        return _with_chain(top, raw, name=None)
+    top.components = {name: _with_chain(top, chain, name) for name, chain in raw["components"].items()}
+    top.inputs = list({t.name: t for c in top.components.values() for t in c.inputs}.values())
+    top.outputs = [t for c in top.components.values() for t in c.outputs]
+    return top
+
+
+def _with_chain(top: Manifest, chain: dict[str, Any], name: str | None) -> Manifest:
+    """``top`` with one chain of shards: the whole manifest, or the component ``name``."""
+    inputs = [TensorSpec.from_json(t) for t in chain["inputs"]]
+    shards = [ShardSpec.from_json(s) for s in chain["shards"]]
+    if name is None:
+        files, tokenizer, preprocessor = top.files, top.tokenizer, top.preprocessor
+    else:  # a component owns its shards' files, and the tokenizer or image preprocessor its inputs take
+        paths = {p for s in shards for p in (s.file, s.data) if p}
+        names = {t.name for t in inputs}
+        tokenizer = top.tokenizer if "input_ids" in names else None
+        preprocessor = top.preprocessor if any(len(t.shape) == 4 for t in inputs) or "input_features" in names else None
+        paths |= {a["file"] for a in (tokenizer, preprocessor) if a}
+        files = [f for f in top.files if f.path in paths]
+    return Manifest(
+        name=top.name if name is None else f"{top.name}/{name}", task=top.task, source=top.source, steps=top.steps,
+        inputs=inputs, outputs=[TensorSpec.from_json(t) for t in chain["outputs"]], shards=shards, files=files,
+        tokenizer=tokenizer, pooling=chain.get("pooling"), preprocessor=preprocessor,
+        labels=top.labels, checks=top.checks, slimml_version=top.slimml_version, format_version=top.format_version,
+    )
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -301,13 +365,63 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
                 ok = src == "input" or (is_int(src) and shard is not None and src < shard)
                 need(ok, f"{w}.from", f"is {src!r}, neither \"input\" nor an earlier shard's index")
 
+    def chain(c: dict[str, Any], at: str) -> None:
+        tensors(c.get("inputs"), f"{at}inputs")
+        tensors(c.get("outputs"), f"{at}outputs")
+        shards = c.get("shards")
+        if need(isinstance(shards, list), f"{at}shards", "must be a list"):
+            for i, sh in enumerate(shards):
+                w = f"{at}shards[{i}]"
+                if not need(isinstance(sh, dict), w, "must be an object"):
+                    continue
+                need(sh.get("index") == i and is_int(sh.get("index")), f"{w}.index", f"must be {i} (shards are listed in order)")
+                need(isinstance(sh.get("file"), str), f"{w}.file", "must be a string")
+                need(sh.get("data") is None or isinstance(sh.get("data"), str), f"{w}.data", "must be a string or null")
+                need(is_int(sh.get("weight_bytes", 0)), f"{w}.weight_bytes", "must be an int >= 0")
+                layers = sh.get("layers", [])
+                need(isinstance(layers, list) and all(isinstance(x, str) for x in layers), f"{w}.layers", "must be a list of strings")
+                tensors(sh.get("inputs"), f"{w}.inputs", shard=i)
+                tensors(sh.get("outputs"), f"{w}.outputs")
+        pooling = c.get("pooling")
+        if pooling is not None and need(isinstance(pooling, dict), f"{at}pooling", "must be an object or null"):
+            need(pooling.get("mode") in ("mean", "cls", "max", "none"), f"{at}pooling.mode", "must be mean, cls, max or none")
+            need(isinstance(pooling.get("output"), str), f"{at}pooling.output", "must name a model output")
+            need(isinstance(pooling.get("normalize", True), bool), f"{at}pooling.normalize", "must be true or false")
+
     for key in ("name", "task"):
         need(isinstance(raw.get(key), str), key, "must be a string")
     for key in ("source", "checks"):
         need(raw.get(key) is None or isinstance(raw.get(key), dict), key, "must be an object")
     need(raw.get("steps") is None or isinstance(raw.get("steps"), list), "steps", "must be a list")
-    tensors(raw.get("inputs"), "inputs")
-    tensors(raw.get("outputs"), "outputs")
+    comps = raw.get("components")
+    if comps is None:
+        chain(raw, "")
+    elif raw.get("format_version") == 1:
+        problems.append("components need format_version 2")
+    elif need(isinstance(comps, dict) and len(comps) > 0, "components", "must be an object of named chains"):
+        for name, c in comps.items():
+            ok = need(isinstance(name, str) and name.replace("_", "").replace("-", "").isalnum(),
+                      f"components[{name!r}]", "must be named with letters, digits, - and _")
+            if ok and need(isinstance(c, dict), f"components.{name}", "must be an object"):
+                chain(c, f"components.{name}.")
+        zs = raw.get("zero_shot")
+        if zs is not None and need(isinstance(zs, dict), "zero_shot", "must be an object or null"):
+            need(all(isinstance(zs.get(k), str) and zs.get(k) in comps for k in ("text", "image")), "zero_shot", "must name a text and an image component")
+            need(isinstance(zs.get("scale"), (int, float)) and not isinstance(zs.get("scale"), bool),
+                 "zero_shot.scale", "must be a number")
+        s2s = raw.get("seq2seq")
+        if s2s is not None and need(isinstance(s2s, dict), "seq2seq", "must be an object or null"):
+            need(all(k in comps for k in ("encoder", "decoder", "decoder_with_past")), "seq2seq",
+                 "needs the components encoder, decoder and decoder_with_past")
+            need(is_int(s2s.get("decoder_start_token_id"), 0, 1 << 32), "seq2seq.decoder_start_token_id", "must be a token id")
+            for key in ("eos_token_id", "pad_token_id"):
+                need(s2s.get(key) is None or is_int(s2s.get(key), 0, 1 << 32), f"seq2seq.{key}", "must be a token id or null")
+            forced = s2s.get("forced_ids") or []
+            need(isinstance(forced, list) and all(isinstance(x, list) and len(x) == 2 and all(is_int(v, 0, 1 << 32) for v in x)
+                                                  for x in forced), "seq2seq.forced_ids", "must be a list of [position, token id]")
+            for key in ("suppress_ids", "begin_suppress_ids"):
+                ids = s2s.get(key) or []
+                need(isinstance(ids, list) and all(is_int(x, 0, 1 << 32) for x in ids), f"seq2seq.{key}", "must be a list of token ids")
     files = raw.get("files")
     if need(isinstance(files, list), "files", "must be a list"):
         for i, f in enumerate(files):
@@ -318,20 +432,6 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
             need(is_int(f.get("bytes")), f"{w}.bytes", "must be an int >= 0")
             sha = f.get("sha256")
             need(isinstance(sha, str) and len(sha) == 64 and set(sha) <= _HEX, f"{w}.sha256", "must be 64 hex digits")
-    shards = raw.get("shards")
-    if need(isinstance(shards, list), "shards", "must be a list"):
-        for i, sh in enumerate(shards):
-            w = f"shards[{i}]"
-            if not need(isinstance(sh, dict), w, "must be an object"):
-                continue
-            need(sh.get("index") == i and is_int(sh.get("index")), f"{w}.index", f"must be {i} (shards are listed in order)")
-            need(isinstance(sh.get("file"), str), f"{w}.file", "must be a string")
-            need(sh.get("data") is None or isinstance(sh.get("data"), str), f"{w}.data", "must be a string or null")
-            need(is_int(sh.get("weight_bytes", 0)), f"{w}.weight_bytes", "must be an int >= 0")
-            layers = sh.get("layers", [])
-            need(isinstance(layers, list) and all(isinstance(x, str) for x in layers), f"{w}.layers", "must be a list of strings")
-            tensors(sh.get("inputs"), f"{w}.inputs", shard=i)
-            tensors(sh.get("outputs"), f"{w}.outputs")
     tok = raw.get("tokenizer")
     if tok is not None and need(isinstance(tok, dict), "tokenizer", "must be an object or null"):
         need(isinstance(tok.get("file"), str), "tokenizer.file", "must be a string")
@@ -340,11 +440,13 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
         need(tok.get("pad_id") is None or is_int(tok.get("pad_id"), 0, 1 << 32), "tokenizer.pad_id",
              "must be a token id from 0 to 2**32-1")
         need(tok.get("pad_token") is None or isinstance(tok.get("pad_token"), str), "tokenizer.pad_token", "must be a string")
-    pooling = raw.get("pooling")
-    if pooling is not None and need(isinstance(pooling, dict), "pooling", "must be an object or null"):
-        need(pooling.get("mode") in ("mean", "cls", "max"), "pooling.mode", "must be mean, cls or max")
-        need(isinstance(pooling.get("output"), str), "pooling.output", "must name a model output")
-        need(isinstance(pooling.get("normalize", True), bool), "pooling.normalize", "must be true or false")
+    pre = raw.get("preprocessor")
+    if pre is not None and need(isinstance(pre, dict), "preprocessor", "must be an object or null"):
+        need(isinstance(pre.get("file"), str), "preprocessor.file", "must be a string")
+        need(pre.get("kind") in ("image", "audio"), "preprocessor.kind", "must be \"image\" or \"audio\"")
+    labels = raw.get("labels")
+    need(labels is None or isinstance(labels, list) and all(isinstance(x, str) for x in labels), "labels",
+         "must be a list of strings or null")
     return problems
 
 
@@ -361,8 +463,9 @@ def _check_structure(folder: Path, m: Manifest) -> None:
                     f"shard {s.index} names {rel!r}, which the manifest's file list does not record "
                     "with a hash; the manifest was edited by hand or damaged: convert again."
                 )
-    if m.tokenizer and m.tokenizer.get("file") not in listed:
-        raise ArtifactError("the manifest's tokenizer file is not in its file list; convert again.")
+    for what, asset in (("tokenizer", m.tokenizer), ("preprocessor", m.preprocessor)):
+        if asset and asset.get("file") not in listed:
+            raise ArtifactError(f"the manifest's {what} file is not in its file list; convert again.")
     known = {t.name for t in m.inputs}
     for s in m.shards:
         for t in s.inputs:

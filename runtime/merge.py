@@ -11,14 +11,14 @@ for the shard alone; the session is told where that folder is
 
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import numpy as np
 import onnx
 from onnx import external_data_helper, helper
 
 from slimml.errors import ArtifactError
-from slimml.runtime.manifest import Manifest, safe_path
+from slimml.runtime.manifest import Manifest, TensorSpec, safe_path
 
 
 def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.ModelProto:
@@ -30,11 +30,14 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
     """
     inputs, outputs = manifest.segment_io(indices)
     nodes, inits, infos, functions = [], {}, {}, {}
+    made: dict[str, bytes] = {}  # output name -> the node that makes it (name cleared), serialised
+    node_names: set[str] = set()
     opsets: dict[str, int] = {}
     ir_version = 0
     for i in indices:
         shard = manifest.shards[i]
         m = onnx.load_model_from_string(safe_path(folder, shard.file).read_bytes())  # weights not read
+        _relative_to_folder(m, PurePosixPath(shard.file).parent)
         ir_version = max(ir_version, m.ir_version)
         for op in m.opset_import:
             if opsets.setdefault(op.domain, op.version) != op.version:
@@ -47,7 +50,8 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
             inits.setdefault(t.name, t)
         for v in m.graph.value_info:
             infos.setdefault(v.name, v)
-        nodes.extend(m.graph.node)
+        for node in m.graph.node:
+            _add_node(nodes, node, made, node_names, i)
     graph = helper.make_graph(
         nodes, f"{manifest.name}-shards-{indices[0]}-{indices[-1]}",
         [_value_info(t) for t in inputs], [_value_info(t) for t in outputs], list(inits.values()),
@@ -57,6 +61,41 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
                               functions=list(functions.values()))
     model.ir_version = ir_version
     return model
+
+
+def _add_node(nodes: list, node: onnx.NodeProto, made: dict[str, bytes], names: set[str], shard: int) -> None:
+    """Append ``node``, dropping an exact repeat of an earlier one and renaming a clashing node name.
+
+    Quantizing shard by shard can put the same node in several shards (each decoder layer
+    quantizes the ``encoder_hidden_states`` it reads): one graph keeps one of them."""
+    key = onnx.NodeProto()
+    key.CopyFrom(node)
+    key.name = ""
+    body = key.SerializeToString()
+    seen = [made.get(o) for o in node.output if o]
+    if seen and all(b == body for b in seen):
+        return  # the same computation of the same values, already in the graph
+    if any(b is not None for b in seen):
+        raise ArtifactError(f"shard {shard} computes {list(node.output)} differently from an earlier shard")
+    for o in node.output:
+        if o:
+            made[o] = body
+    if node.name and node.name in names:
+        node = onnx.NodeProto(node)
+        node.name = f"{node.name}__shard{shard}"
+    names.add(node.name)
+    nodes.append(node)
+
+
+def _relative_to_folder(m: onnx.ModelProto, shard_dir: PurePosixPath) -> None:
+    """External-data locations are relative to the shard's own file; a component's shards sit in
+    a subfolder (``text/shard_000.onnx``), so make them relative to the artifact folder."""
+    if str(shard_dir) in ("", "."):
+        return
+    for t in m.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = (shard_dir / entry.value).as_posix()
 
 
 def _merge_unique(seen: dict, key, proto, what: str, shard: int) -> None:

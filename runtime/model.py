@@ -11,6 +11,7 @@ import numpy as np
 from slimml.errors import FeedError, SlimmlError
 from slimml.runtime.budget import StreamPlan, plan_stream
 from slimml.runtime.feeds import FeedChecker
+from slimml.runtime.image import ImageProcessor
 from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
 from slimml.runtime.plan import ExecutionPlan, build_plan
@@ -48,6 +49,11 @@ class Model:
             self._text = TextEncoder(
                 safe_path(folder, manifest.tokenizer["file"]), manifest.tokenizer, [t.name for t in manifest.inputs]
             )
+        # images -> pixel tensors, for artifacts with pixel inputs and a shipped preprocessor config
+        self.images: ImageProcessor | None = None
+        self.image_input = next((t.name for t in manifest.inputs if t.name == "pixel_values" or len(t.shape) == 4), None)
+        if manifest.preprocessor and manifest.preprocessor.get("kind") == "image" and self.image_input is not None:
+            self.images = ImageProcessor.from_file(safe_path(folder, manifest.preprocessor["file"]))
 
     @property
     def inputs(self):
@@ -107,6 +113,33 @@ class Model:
         from slimml.runtime.generate import generate
 
         return generate(self, prompts, max_new_tokens=max_new_tokens, **kwargs)
+
+    def classify(self, inputs, top_k: int | None = 5, batch_size: int = 32) -> list[list[dict]]:
+        """Labels and scores for classifier artifacts: images (paths, PIL images or HxWx3 uint8
+        arrays) for an image classifier, texts for a text classifier.
+
+        Returns, per input, its ``top_k`` classes (all when None) as ``{"label", "score"}``, best
+        first; scores are the softmax of the logits, labels the source config's ``id2label``.
+
+        Example:
+            >>> load("artifacts/vit-base-patch16-224").classify(["cat.jpg"], top_k=1)
+            [[{'label': 'tabby, tabby cat', 'score': 0.93}]]
+        """
+        from slimml.runtime.classify import classify
+
+        return classify(self, inputs, top_k=top_k, batch_size=batch_size)
+
+    def embed_images(self, images, batch_size: int = 32, normalize: bool = True) -> np.ndarray:
+        """Image embeddings, (len(images), hidden) float32, L2-normalised unless ``normalize=False``."""
+        from slimml.runtime.classify import embed_images
+
+        return embed_images(self, images, batch_size=batch_size, normalize=normalize)
+
+    def preprocess(self, images) -> dict[str, np.ndarray]:
+        """Feeds for ``images`` (the pixel input), made as the source's Hugging Face image processor makes them."""
+        from slimml.runtime.classify import _image_batches
+
+        return next(_image_batches(self, images if isinstance(images, (list, tuple)) else [images], 1 << 30))
 
     def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
         """Feeds for ``texts`` from the artifact's tokenizer, padded to the longest (or ``pad_to``)."""
@@ -212,7 +245,9 @@ def load(
             are hashed; ``resident``, ``memory_budget`` and ``pin`` apply within the stage.
 
     Returns:
-        A :class:`Model` with ``run(feeds)`` and, for sentence-embedding artifacts, ``encode(texts)``.
+        A :class:`Model` with ``run(feeds)`` and, for sentence-embedding artifacts, ``encode(texts)``;
+        for an artifact of several components (CLIP), a
+        :class:`~slimml.runtime.components.Components` holding one ``Model`` per component.
 
     Raises:
         ArtifactError / IntegrityError: a missing, malformed or tampered artifact.
@@ -226,9 +261,21 @@ def load(
     folder = Path(path)
     manifest = read_manifest(folder)
     if shards is not None:
+        if manifest.components:
+            raise SlimmlError(
+                f"shards=(first, last) picks a stage of one chain of shards, but {folder} has components "
+                f"{', '.join(manifest.components)}; load it whole, or serve it with replicas instead of stages."
+            )
         manifest = manifest.stage(*shards)
     providers_for(device)  # fail on a missing provider before hashing gigabytes
-    plan = plan_stream(manifest, resident, prefetch, memory_budget, pin)  # a bad budget fails before loading
+    parts = manifest.components or {None: manifest}
+    # a bad budget fails before loading; streaming settings apply to each component's chain
+    plans = {name: plan_stream(m, resident, prefetch, memory_budget, pin) for name, m in parts.items()}
     if verify:
         verify_files(folder, manifest)
-    return Model(folder, manifest, device, threads, plan, verify, pack, cache_dir)
+    models = {name: Model(folder, m, device, threads, plans[name], verify, pack, cache_dir) for name, m in parts.items()}
+    if not manifest.components:
+        return models[None]
+    from slimml.runtime.components import Components
+
+    return Components(folder, manifest, models)

@@ -92,6 +92,8 @@ def pool(hidden: np.ndarray, attention_mask: np.ndarray, mode: str = "mean", nor
     elif mode == "max":
         masked = np.where(attention_mask[..., None] > 0, hidden, -np.inf)
         emb = masked.max(axis=1)
+    elif mode == "none":  # the model pooled already (CLIP's text_embeds): (B, H)
+        emb = hidden
     else:
         raise ArtifactError(f"unknown pooling mode {mode!r} in the manifest; use mean, cls or max.")
     emb = emb.astype(np.float32)

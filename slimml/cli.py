@@ -196,37 +196,79 @@ def info(artifact: Artifact, as_json: AsJson = False):
         return
     console.print(f"[bold]{m.name}[/bold]  task={m.task}  format v{m.format_version}  slimml {m.slimml_version}")
     console.print("steps: " + " -> ".join(s.get("step", "?") for s in m.steps))
-    console.print("inputs: " + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in m.inputs))
-    console.print("outputs: " + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in m.outputs))
-    table = Table("shard", "file", "MB", "layers", "inputs from", "outputs")
-    for s in m.shards:
-        size = sum(f.bytes for f in m.files if f.path in (s.file, s.data))
-        sources = sorted({"model" if t.source == "input" else f"shard {t.source}" for t in s.inputs})
-        table.add_row(str(s.index), s.file, f"{size / 1e6:.1f}", ", ".join(x.rsplit("/", 1)[-1] for x in s.layers),
-                      ", ".join(sources), str(len(s.outputs)))
-    console.print(table)
+    if m.components:
+        console.print("components: " + ", ".join(f"{n} ({len(c.shards)} shards)" for n, c in m.components.items()))
+    if m.labels is not None:
+        console.print(f"labels ({len(m.labels)}): " + ", ".join(m.labels[:10]) + (", ..." if len(m.labels) > 10 else ""))
+    for name, part in (m.components or {None: m}).items():
+        if name is not None:
+            console.print(f"[bold]component {name}[/bold]")
+        console.print("inputs: " + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in part.inputs))
+        console.print("outputs: " + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in part.outputs))
+        table = Table("shard", "file", "MB", "layers", "inputs from", "outputs")
+        for s in part.shards:
+            size = sum(f.bytes for f in m.files if f.path in (s.file, s.data))
+            sources = sorted({"model" if t.source == "input" else f"shard {t.source}" for t in s.inputs})
+            table.add_row(str(s.index), s.file, f"{size / 1e6:.1f}", ", ".join(x.rsplit("/", 1)[-1] for x in s.layers),
+                          ", ".join(sources), str(len(s.outputs)))
+        console.print(table)
     console.print(f"total {m.total_bytes / 1e6:.1f} MB in {len(m.files)} files; checks: {m.checks}")
 
 
 @app.command()
 def run(
     artifact: Artifact,
-    texts: Annotated[Optional[list[str]], typer.Argument(help="Texts to embed (sentence-embedding artifacts).")] = None,
+    texts: Annotated[Optional[list[str]], typer.Argument(help="Texts: to embed, classify, or score images against.")] = None,
+    text: Annotated[Optional[list[str]], typer.Option("--text", help="A text (repeat); with --image, the labels to score (CLIP).")] = None,
+    image: Annotated[Optional[list[Path]], typer.Option("--image", help="An image file (repeat): classified, embedded, or scored against --text.")] = None,
+    audio: Annotated[Optional[list[Path]], typer.Option("--audio", help="A 16 kHz WAV file (repeat) to transcribe (Whisper).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per transcript at most (--audio).")] = 128,
     input: Annotated[Optional[Path], typer.Option("--input", help="An .npz file of named input arrays.")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="Classes shown per input (classifiers).")] = 5,
     device: Device = "cpu",
     progress: Progress = False,
     as_json: AsJson = False,
 ):
-    """Run an artifact on texts or on arrays from an .npz file and print the outputs."""
+    """Run an artifact on texts, images, or arrays from an .npz file and print what it gives.
+
+    A classifier prints labels and scores; CLIP scores each --image against the --text labels;
+    an embedding model prints embeddings; anything else its raw outputs.
+    """
     import numpy as np
 
     from slimml.runtime import load
 
-    if bool(texts) == bool(input):
-        raise SlimmlError("give either TEXT arguments or --input FILE.npz, not both or neither.")
+    texts = [*(texts or []), *(text or [])]
+    if sum(map(bool, (texts or image, audio, input))) != 1:
+        raise SlimmlError("give texts (TEXT or --text), --image files, --audio files or --input FILE.npz: one kind of input.")
     model = load(artifact, device=device)
-    if texts:
-        outputs = {"embeddings": model.encode(list(texts), show_progress=progress)} if model.manifest.pooling else model.run(model.tokenize(list(texts)))
+    if audio:
+        if not getattr(model.manifest, "preprocessor", None) or model.manifest.preprocessor.get("kind") != "audio":
+            raise SlimmlError(f"{artifact} is not a speech model (it has no audio feature extractor); --audio needs one, e.g. Whisper.")
+        result = model.generate([str(p) for p in audio], max_new_tokens=max_new_tokens)
+        if as_json:
+            print(json.dumps([{"input": str(p), "text": t, "tokens": k} for p, t, k in zip(audio, result.texts, result.tokens)]))
+            return
+        for p, t in zip(audio, result.texts):
+            console.print(f"[bold]{p}[/bold]  {t}")
+        return
+    zero_shot = getattr(model.manifest, "zero_shot", None)
+    if image and texts and not zero_shot:
+        raise SlimmlError(f"{artifact} is not an image-text model (CLIP); give --image files or texts, not both.")
+    if image and texts:
+        return _print_classes([str(p) for p in image], model.classify(list(image), labels=texts, top_k=top_k), as_json)
+    if image:
+        if model.manifest.labels is not None:
+            return _print_classes([str(p) for p in image], model.classify(list(image), top_k=top_k), as_json)
+        outputs = {"embeddings": model.embed_images(list(image))}
+    elif texts:
+        if model.manifest.tokenizer is None:
+            takes = "images: give --image FILE" if getattr(model, "images", None) is not None else "arrays: give --input FILE.npz"
+            raise SlimmlError(f"{artifact} has no tokenizer, so it cannot take text; it takes {takes}.")
+        if model.manifest.labels is not None:
+            return _print_classes(texts, model.classify(texts, top_k=top_k), as_json)
+        embeds = model.manifest.pooling or zero_shot
+        outputs = {"embeddings": model.encode(texts, show_progress=progress)} if embeds else model.run(model.tokenize(texts))
     else:
         if not input.is_file():
             raise SlimmlError(f"--input {input} does not exist; save arrays with np.savez(path, input_ids=...).")
@@ -247,6 +289,17 @@ def run(
     for name, value in outputs.items():
         console.print(f"[bold]{name}[/bold] {value.dtype}{list(value.shape)}")
         console.print(str(value))
+
+
+def _print_classes(names: list[str], results: list[list[dict]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([{"input": n, "classes": r} for n, r in zip(names, results)]))
+        return
+    table = Table("input", "label", "score")
+    for name, classes in zip(names, results):
+        for i, c in enumerate(classes):
+            table.add_row(name if i == 0 else "", c["label"], f"{c['score']:.4f}")
+    console.print(table)
 
 
 @app.command("eval")
@@ -395,8 +448,9 @@ def generate(
         print(json.dumps({"texts": result.texts, "tokens": result.tokens, "seconds": round(result.seconds, 3),
                           "tokens_per_s": round(result.tokens_per_s, 2)}))
         return
+    seq2seq = getattr(model.manifest, "seq2seq", None)  # an encoder-decoder answers; a decoder continues
     for p, text in zip(prompt, result.texts):
-        console.print(f"[bold]{p}[/bold]{text}")
+        console.print(f"[bold]{p}[/bold] -> {text}" if seq2seq else f"[bold]{p}[/bold]{text}")
     err.print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s)")
 
 

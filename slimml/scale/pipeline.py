@@ -71,6 +71,11 @@ def pipeline(
     """
     folder = Path(artifact).resolve()
     manifest = read_manifest(folder)
+    if manifest.components:
+        raise ConfigError(
+            f"pipeline stages split one chain of shards, but {folder} has components {', '.join(manifest.components)}; "
+            "run it whole with slimml.runtime.load, or serve it with replicas (slimml serve --replicas N)."
+        )
     if balance not in ("bytes", "memory", "compute"):
         raise ConfigError(f"balance must be 'bytes', 'memory' or 'compute', got {balance!r}.")
     if not isinstance(microbatch, int) or isinstance(microbatch, bool) or microbatch < 1:

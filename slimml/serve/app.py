@@ -85,10 +85,10 @@ class SlimmlServer:
 
     def _needs(self, what: str) -> None:
         m = self.model.manifest
-        if what == "embeddings" and m.pooling is None:
+        if what == "embeddings" and m.pooling is None and not m.zero_shot:  # CLIP: its text tower's embeddings
             raise RequestError(f"this artifact is a {m.task!r} model, not a sentence-embedding one, so it has no "
                                "/v1/embeddings; use POST /v1/run for its raw outputs.")
-        if what == "generate" and not m.task.startswith("text-generation"):
+        if what == "generate" and not (m.task.startswith("text-generation") or getattr(m, "seq2seq", None)):
             raise RequestError(f"this artifact is a {m.task!r} model, not a decoder, so it has no /v1/generate; "
                                "use POST /v1/run.")
 

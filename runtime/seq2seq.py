@@ -1,0 +1,177 @@
+"""Greedy generation for encoder-decoder artifacts (T5, BART, Whisper): three components.
+
+- ``encoder`` runs once over the prompt (token ids, or Whisper's log-mel features);
+- ``decoder`` runs the first step: from the start token, it computes the logits, the decoder's
+  self-attention keys/values and, once for the whole generation, the cross-attention
+  keys/values over the encoder's output (``present.N.encoder.*``);
+- ``decoder_with_past`` runs every later step on one new token, with the self-attention cache
+  (``past_key_values.N.decoder.*``, growing) and the cross-attention cache (fixed) fed back.
+
+Each is a chain of layer shards, so the caches enter and leave beside the layer that owns them,
+and a streamed decoder loads each of its shards once per token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from slimml.errors import FeedError, SlimmlError
+from slimml.runtime.generate import Generation
+
+if TYPE_CHECKING:
+    from slimml.runtime.components import Components
+
+ENCODER, DECODER, WITH_PAST = "encoder", "decoder", "decoder_with_past"
+Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (component, feeds) -> outputs
+
+
+def decode_steps(run: Run, inputs: dict[str, list[str]], encoder_feeds: dict[str, np.ndarray], start: np.ndarray,
+                 steps: int, eos: int | None = None, pad: int = 0, on_step: Callable[[dict], None] | None = None,
+                 forced: dict[int, int] | None = None, suppress: list[int] | None = None,
+                 begin_suppress: list[int] | None = None):
+    """Run the encoder once, then up to ``steps`` greedy decoder steps; yield each step's new tokens (B,).
+
+    ``inputs``: each component's input names. ``start``: (B, k) decoder prompt (the start
+    token). ``forced``: decoder position -> token id to emit there instead of the model's choice
+    (Whisper's task and no-timestamps tokens). ``suppress``: ids never emitted; ``begin_suppress``:
+    ids not emitted first (Whisper's generation config). Tokens after a row's ``eos`` are ``pad``.
+    """
+    hidden = run(ENCODER, encoder_feeds)["last_hidden_state"]
+    mask = encoder_feeds.get("attention_mask")
+    shared = {"encoder_hidden_states": hidden}
+    if mask is not None:
+        shared["encoder_attention_mask"] = mask
+    feeds = {"input_ids": start, **shared}
+    out = run(DECODER, {k: v for k, v in feeds.items() if k in inputs[DECODER]})
+    if on_step:
+        on_step(out)
+    past = {k.replace("present.", "past_key_values.", 1): v for k, v in out.items() if k.startswith("present.")}
+    done = np.zeros(start.shape[0], dtype=bool)
+    for step in range(steps):
+        logits = out["logits"][:, -1, :]
+        banned = [*(suppress or []), *((begin_suppress or []) if step == 0 else [])]
+        if banned:
+            logits = logits.copy()
+            logits[:, [i for i in banned if 0 <= i < logits.shape[1]]] = -np.inf
+        nxt = logits.argmax(axis=-1).astype(np.int64)
+        position = start.shape[1] + step
+        if forced and position in forced:
+            nxt = np.full_like(nxt, forced[position])
+        nxt = np.where(done, pad, nxt)
+        yield nxt
+        if eos is not None:
+            done |= nxt == eos
+        if done.all() or step == steps - 1:
+            return
+        feeds = {"input_ids": nxt[:, None], **shared, **past}
+        out = run(WITH_PAST, {k: v for k, v in feeds.items() if k in inputs[WITH_PAST]})
+        if on_step:
+            on_step(out)
+        for k, v in out.items():  # the self-attention cache grows; the cross-attention cache stays
+            if k.startswith("present.") and ".decoder." in k:
+                past[k.replace("present.", "past_key_values.", 1)] = v
+
+
+def generate_seq2seq(model: Components, prompts: Any, max_new_tokens: int = 32) -> Generation:
+    """Greedy generation from texts (T5, BART) or, for speech models, log-mel features / audio."""
+    spec: dict[str, Any] = model.manifest.seq2seq or {}
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise FeedError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}.")
+    encoder = model.parts[ENCODER]
+    t0 = time.perf_counter()
+    if "input_features" in {t.name for t in encoder.inputs}:
+        from slimml.runtime.audio import features_for
+
+        feeds = features_for(model, prompts)
+        texts = True
+    else:
+        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+            raise FeedError("generate() takes a non-empty list of prompts; wrap a single prompt as [prompt].")
+        texts = all(isinstance(p, str) for p in prompts)
+        if texts:
+            feeds = encoder.tokenize(list(prompts))
+        else:
+            ids = [list(map(int, p)) for p in prompts]
+            if any(not p for p in ids):
+                raise FeedError("generate() needs non-empty prompts.")
+            width = max(map(len, ids))
+            feeds = {"input_ids": np.full((len(ids), width), int(spec.get("pad_token_id") or 0), np.int64),
+                     "attention_mask": np.zeros((len(ids), width), np.int64)}
+            for i, p in enumerate(ids):
+                feeds["input_ids"][i, :len(p)], feeds["attention_mask"][i, :len(p)] = p, 1
+        feeds = {k: v for k, v in feeds.items() if k in {t.name for t in encoder.inputs}}
+    batch = next(iter(feeds.values())).shape[0]
+    start = np.full((batch, 1), int(spec["decoder_start_token_id"]), dtype=np.int64)
+    forced = {int(p): int(t) for p, t in spec.get("forced_ids") or []}
+    eos, pad = spec.get("eos_token_id"), int(spec.get("pad_token_id") or 0)
+    inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
+    new: list[list[int]] = [[] for _ in range(batch)]
+    done = np.zeros(batch, dtype=bool)
+    passes, prefill = 0, 0.0
+
+    def counted(name, f):
+        nonlocal passes, prefill
+        out = model.parts[name].run(f)
+        if name != ENCODER:
+            passes += 1
+            prefill = prefill or time.perf_counter() - t0
+        return out
+
+    for nxt in decode_steps(counted, inputs, feeds, start, max_new_tokens, eos, pad, forced=forced,
+                            suppress=spec.get("suppress_ids"), begin_suppress=spec.get("begin_suppress_ids")):
+        for i in np.flatnonzero(~done):
+            new[i].append(int(nxt[i]))
+        if eos is not None:
+            done |= nxt == eos
+    tok = encoder._text.tokenizer if encoder._text is not None else None
+    if tok is None:
+        decoder = model.parts[DECODER]
+        tok = decoder._text.tokenizer if decoder._text is not None else None
+    out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
+    return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
+                      prompt_tokens=int(feeds["attention_mask"].sum()) if "attention_mask" in feeds else 0,
+                      prefill_s=prefill)
+
+
+def record_feeds(model: Components, encoder_batches: list[dict[str, np.ndarray]], steps: int = 4) -> dict[str, list]:
+    """What each component is fed while generating ``steps`` tokens from each encoder batch:
+    calibration and guard data for quantizing the components one by one."""
+    spec = model.manifest.seq2seq
+    inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
+    record: dict[str, list] = {name: [] for name in model.parts}
+
+    def run(name, feeds):
+        record[name].append(dict(feeds))
+        return model.parts[name].run(feeds)
+
+    for feeds in encoder_batches:
+        start = np.full((next(iter(feeds.values())).shape[0], 1), int(spec["decoder_start_token_id"]), dtype=np.int64)
+        for _ in decode_steps(run, inputs, feeds, start, steps):
+            pass
+    return record
+
+
+def sample_encoder_batches(model: Components, texts: list[str], batch_size: int = 8, limit: int = 16) -> list[dict]:
+    """Encoder inputs for ``texts`` (tokenized), or for a speech model log-mel features of noise."""
+    encoder = model.parts[ENCODER]
+    names = {t.name for t in encoder.inputs}
+    if "input_ids" in names and encoder._text is not None:
+        chunks = [texts[i:i + batch_size] for i in range(0, len(texts), batch_size)][:limit]
+        return [{k: v for k, v in encoder.tokenize(c).items() if k in names} for c in chunks if c]
+    from slimml.runtime.audio import features_for
+
+    rng = np.random.default_rng(0)
+    count = max(1, min(limit, len(texts) // batch_size))
+    return [features_for(model, [rng.standard_normal(16000 * (1 + i % 3)).astype(np.float32) * 0.1 for i in range(2)])
+            for _ in range(count)]
+
+
+def check_components(parts: dict) -> None:
+    missing = [n for n in (ENCODER, DECODER, WITH_PAST) if n not in parts]
+    if missing:
+        raise SlimmlError(f"an encoder-decoder artifact needs the components encoder, decoder and decoder_with_past; "
+                          f"this one lacks {', '.join(missing)}: convert the model again.")

@@ -1,0 +1,359 @@
+"""Vision (ViT) and vision-language (CLIP) models the whole way: convert from a Hugging Face
+folder, check against torch, run resident and streamed, quantize, and use from the CLI.
+
+Tiny random-weight models built here; no downloads.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from slimml.errors import ConfigError, FeedError, SlimmlError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+Image = pytest.importorskip("PIL.Image")
+
+def slimml(*args):
+    """The command line as a user runs it: a real subprocess."""
+    return subprocess.run([sys.executable, "-m", "slimml", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+TOWER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def _images(n: int, seed: int = 0) -> list:
+    """Random RGB images of assorted sizes and aspect ratios (and one grey, one with alpha)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(40, 50, 3), (123, 41, 3), (20, 20), (64, 64, 4), (300, 200, 3), (33, 77, 3)]
+    modes = {3: "RGB", 2: "L", 4: "RGBA"}
+    out = []
+    for i in range(n):
+        shape = shapes[i % len(shapes)]
+        out.append(Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8), modes[len(shape) if len(shape) == 2 else shape[2]]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    from slimml.convert import ConvertConfig, convert
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("vit")
+    labels = ["cat", "dog", "bird", "fish"]
+    model = ViTForImageClassification(ViTConfig(**TOWER, image_size=32, patch_size=8, num_labels=4,
+                                                id2label=dict(enumerate(labels)), label2id={x: i for i, x in enumerate(labels)}))
+    model.eval().save_pretrained(root / "src")
+    processor = ViTImageProcessor(size={"height": 32, "width": 32})
+    processor.save_pretrained(root / "src")
+    report = convert(root / "src", root / "art", ConvertConfig(measure_latency=False))
+    return {"root": root, "torch": model, "processor": processor, "labels": labels, "report": report}
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory):
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("clip")
+    config = CLIPConfig(text_config=dict(TOWER, vocab_size=30522, max_position_embeddings=40),
+                        vision_config=dict(TOWER, image_size=32, patch_size=8), projection_dim=16, logit_scale_init_value=4.0)
+    model = CLIPModel(config).eval()
+    model.save_pretrained(root / "src")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))  # a real tokenizer over the text tower's vocabulary
+    tokenizer.save_pretrained(root / "src")
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor.save_pretrained(root / "src")
+    report = convert(root / "src", root / "art", ConvertConfig(measure_latency=False))
+    return {"root": root, "torch": model, "tokenizer": tokenizer, "processor": processor, "report": report}
+
+
+# -- pre-processing ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["vit-224", "vit-32", "clip-224", "clip-crop-larger-than-resize", "clip-int-size"])
+def test_image_preprocessing_matches_the_hugging_face_processor(kind):
+    from transformers import CLIPImageProcessor, ViTImageProcessor
+
+    from slimml.runtime.image import ImageProcessor
+
+    hf = {
+        "vit-224": lambda: ViTImageProcessor(),
+        "vit-32": lambda: ViTImageProcessor(size={"height": 32, "width": 32}, image_mean=[0.1, 0.2, 0.3], image_std=[0.9, 0.8, 0.7]),
+        "clip-224": lambda: CLIPImageProcessor(),
+        "clip-crop-larger-than-resize": lambda: CLIPImageProcessor(size={"shortest_edge": 48}, crop_size={"height": 64, "width": 64}),
+        "clip-int-size": lambda: CLIPImageProcessor(size=40, crop_size=36),
+    }[kind]()
+    ours = ImageProcessor(json.loads(hf.to_json_string()))
+    for image in _images(6):
+        want = hf(images=image.convert("RGB"), return_tensors="np")["pixel_values"]
+        np.testing.assert_allclose(ours([image]), want, atol=1e-5, rtol=0)
+
+
+def test_bad_images_get_one_clear_error(vit, tmp_path):
+    from slimml.runtime import load
+
+    model = load(vit["root"] / "art")
+    (tmp_path / "text.png").write_text("not an image")
+    good = tmp_path / "good.png"
+    _images(1)[0].save(good)
+    (tmp_path / "cut.png").write_bytes(good.read_bytes()[:100])
+    cases = [
+        (tmp_path / "text.png", "is not an image Pillow can read"),
+        (tmp_path / "cut.png", "is not an image Pillow can read"),
+        (tmp_path / "missing.jpg", "does not exist"),
+        (np.zeros((4, 4, 3), dtype=np.float32), r"give HxWx3 \(or HxW\) uint8"),
+        (42, "give a file path, a PIL image"),
+    ]
+    for image, message in cases:
+        with pytest.raises(FeedError, match=message):
+            model.classify([image])
+    with pytest.raises(SlimmlError, match="has no tokenizer, so it cannot take text"):
+        model.tokenize(["a cat"])
+    with pytest.raises(FeedError, match="top_k"):
+        model.classify([good], top_k=0)
+
+
+# -- ViT -----------------------------------------------------------------------------------------
+
+def test_a_vit_classifier_classifies_images_as_torch_does(vit):
+    from slimml.runtime import load
+
+    assert vit["report"].checks["max_abs_diff_vs_torch"] <= 1e-4
+    model = load(vit["root"] / "art")
+    assert model.manifest.labels == vit["labels"] and model.manifest.format_version == 1  # one graph: still format 1
+    images = _images(5)
+    with torch.no_grad():
+        want = torch.softmax(vit["torch"](**vit["processor"]([im.convert("RGB") for im in images], return_tensors="pt")).logits, -1).numpy()
+    got = model.classify(images, top_k=None, batch_size=2)
+    for row, classes in zip(want, got):
+        assert [c["label"] for c in classes] == [vit["labels"][i] for i in np.argsort(-row, kind="stable")]
+        np.testing.assert_allclose([c["score"] for c in classes], np.sort(row)[::-1], atol=1e-5)
+    assert len(model.classify([images[0]], top_k=2)[0]) == 2
+
+
+def test_a_vit_streams_with_two_shards_resident_and_gives_the_same_scores(vit):
+    from slimml.runtime import load
+
+    images = _images(3)
+    whole = load(vit["root"] / "art").classify(images, top_k=None)
+    streamed = load(vit["root"] / "art", resident=2)
+    assert streamed.plan.streaming
+    assert streamed.classify(images, top_k=None) == whole
+
+
+def test_a_vit_quantizes_to_int8_within_tolerance(vit):
+    from slimml.quantize import Int8Config, quantize
+    from slimml.runtime import load
+
+    report = quantize(vit["root"] / "art", vit["root"] / "int8", Int8Config("cpu"))
+    assert report.quantized_shards and report.size_mb < report.float_size_mb
+    images = _images(4)
+    fp32 = load(vit["root"] / "art").run(load(vit["root"] / "art").preprocess(images))["logits"]
+    int8 = load(vit["root"] / "int8")
+    assert int8.manifest.labels == vit["labels"] and int8.manifest.preprocessor  # carried over
+    got = int8.run(int8.preprocess(images))["logits"]
+    assert np.abs(got - fp32).max() <= 0.05  # dynamic int8 on a random tiny ViT: logits within 0.05
+
+
+def test_a_vit_model_embeds_images_as_its_cls_token(tmp_path):
+    """optimum exports ViTModel's last_hidden_state only: the embedding is its CLS row, normalised."""
+    from transformers import ViTConfig, ViTImageProcessor, ViTModel
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+
+    torch.manual_seed(1)
+    model = ViTModel(ViTConfig(**TOWER, image_size=32, patch_size=8)).eval()
+    model.save_pretrained(tmp_path / "src")
+    processor = ViTImageProcessor(size={"height": 32, "width": 32})
+    processor.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    images = _images(3)
+    with torch.no_grad():
+        pooled = model(**processor([im.convert("RGB") for im in images], return_tensors="pt")).last_hidden_state[:, 0].numpy()
+    want = pooled / np.linalg.norm(pooled, axis=1, keepdims=True)
+    np.testing.assert_allclose(load(tmp_path / "art").embed_images(images), want, atol=1e-5)
+    with pytest.raises(SlimmlError, match="not a classifier"):
+        load(tmp_path / "art").classify(images)
+
+
+def test_slimml_run_classifies_an_image_file(vit, tmp_path):
+    path = tmp_path / "photo.jpg"
+    _images(1)[0].save(path)
+    result = slimml("run", vit["root"] / "art", "--image", path, "--top-k", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    classes = json.loads(result.stdout)[0]["classes"]
+    assert len(classes) == 2 and {c["label"] for c in classes} <= set(vit["labels"])
+    text = slimml("run", vit["root"] / "art", "a cat")
+    assert text.returncode == 1 and "cannot take text; it takes images: give --image FILE" in text.stderr
+    bad = slimml("run", vit["root"] / "art", "--image", tmp_path / "nope.jpg")
+    assert bad.returncode == 1 and "does not exist" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_an_artifact_without_a_preprocessor_config_says_how_to_give_one(tmp_path):
+    from transformers import ViTConfig, ViTForImageClassification
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+
+    ViTForImageClassification(ViTConfig(**TOWER, image_size=32, patch_size=8, num_labels=2)).eval().save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    model = load(tmp_path / "art")
+    with pytest.raises(SlimmlError, match="has no image preprocessor"):
+        model.classify(_images(1))
+    assert model.run({"pixel_values": np.zeros((1, 3, 32, 32), np.float32)})["logits"].shape == (1, 2)
+
+
+# -- CLIP ----------------------------------------------------------------------------------------
+
+def test_clip_converts_into_a_text_and_a_vision_component(clip):
+    from slimml.runtime import load, read_manifest
+
+    checks = clip["report"].checks
+    assert checks["max_abs_diff"] <= 1e-5 and checks["max_abs_diff_vs_torch"] <= 1e-4
+    manifest = read_manifest(clip["root"] / "art")
+    assert manifest.format_version == 2 and list(manifest.components) == ["text", "vision"]
+    assert {t.name for t in manifest.components["text"].inputs} == {"input_ids", "attention_mask"}
+    assert [t.name for t in manifest.components["vision"].inputs] == ["pixel_values"]
+    assert all(s.file.startswith("vision/") for s in manifest.components["vision"].shards)
+    model = load(clip["root"] / "art")
+    assert model.max_sequence_length == 40  # the text tower's positions, not the vision tower's patches
+    assert manifest.zero_shot["scale"] == pytest.approx(np.exp(4.0), rel=1e-6)
+
+
+def test_clip_embeddings_and_zero_shot_scores_match_torch(clip):
+    from slimml.runtime import load
+
+    model = load(clip["root"] / "art")
+    labels = ["a photo of a cat", "a dog", "a bird sitting on a branch in the morning sun"]
+    images = _images(4)
+    with torch.no_grad():
+        text = clip["tokenizer"](labels, padding=True, return_tensors="pt")
+        text.pop("token_type_ids", None)
+        out = clip["torch"](**text, **clip["processor"]([im.convert("RGB") for im in images], return_tensors="pt"))
+    np.testing.assert_allclose(model.embed_texts(labels), out.text_embeds.numpy(), atol=1e-5)
+    np.testing.assert_allclose(model.embed_images(images), out.image_embeds.numpy(), atol=1e-5)
+    want = out.logits_per_image.softmax(-1).numpy()
+    got = model.classify(images, labels=labels)
+    for row, classes in zip(want, got):
+        scores = {c["label"]: c["score"] for c in classes}
+        np.testing.assert_allclose([scores[x] for x in labels], row, atol=1e-5)
+    with pytest.raises(FeedError, match="needs labels"):
+        model.classify(images)
+
+
+def test_clip_components_run_alone_and_together(clip):
+    from slimml.runtime import load
+
+    model = load(clip["root"] / "art")
+    pixels = model.preprocess(_images(2))
+    tokens = model.tokenize(["a cat", "a dog"])
+    both = model.run({**tokens, **pixels})
+    assert set(both) == {"text_embeds", "image_embeds"}
+    np.testing.assert_array_equal(model.run(pixels)["image_embeds"], both["image_embeds"])
+    np.testing.assert_array_equal(model.run(tokens, component="text")["text_embeds"], both["text_embeds"])
+    with pytest.raises(FeedError, match="not the inputs of this artifact's components"):
+        model.run({**pixels, "bogus": np.zeros(1)})
+    with pytest.raises(SlimmlError, match="no component 'audio'"):
+        model.run(pixels, component="audio")
+
+
+def test_clip_streams_each_tower_with_two_shards_resident(clip):
+    from slimml.runtime import load
+
+    labels, images = ["a cat", "a dog"], _images(3)
+    whole = load(clip["root"] / "art")
+    streamed = load(clip["root"] / "art", resident=2)
+    assert all(p.plan.streaming for p in streamed.parts.values())  # the budget applies to each component
+    np.testing.assert_array_equal(streamed.embed_texts(labels), whole.embed_texts(labels))
+    np.testing.assert_array_equal(streamed.embed_images(images), whole.embed_images(images))
+
+
+def test_clip_quantizes_each_tower_with_its_own_guard(clip):
+    from slimml.quantize import Int8Config, quantize
+    from slimml.runtime import load, read_manifest
+
+    report = quantize(clip["root"] / "art", clip["root"] / "int8", Int8Config("cpu"))
+    assert set(report.components) == {"text", "vision"}
+    assert report.checks["text_agreement_cosine"] >= 0.99 and report.checks["vision_agreement_cosine"] >= 0.99
+    manifest = read_manifest(clip["root"] / "int8")
+    assert list(manifest.components) == ["text", "vision"] and manifest.zero_shot and manifest.preprocessor
+    fp32, int8 = load(clip["root"] / "art"), load(clip["root"] / "int8")
+    labels, images = ["a cat", "a dog"], _images(3)
+    # cosine of int8 to fp32 embeddings of a random tiny model: a floor, not a claim about real CLIP
+    assert (int8.embed_texts(labels) * fp32.embed_texts(labels)).sum(1).min() >= 0.99
+    assert (int8.embed_images(images) * fp32.embed_images(images)).sum(1).min() >= 0.99
+
+
+def test_clip_tampered_component_file_is_refused(clip, tmp_path):
+    import shutil
+
+    from slimml.errors import IntegrityError
+    from slimml.runtime import load
+
+    art = tmp_path / "art"
+    shutil.copytree(clip["root"] / "art", art)
+    data = art / "vision" / "shard_001.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="vision/shard_001.onnx.data does not match its sha256"):
+        load(art)
+
+
+def test_slimml_run_scores_an_image_against_texts_and_info_lists_components(clip, tmp_path):
+    path = tmp_path / "x.png"
+    _images(1)[0].save(path)
+    art = clip["root"] / "art"
+    result = slimml("run", art, "--image", path, "--text", "a cat", "--text", "a dog", "--json")
+    assert result.returncode == 0, result.stderr
+    classes = json.loads(result.stdout)[0]["classes"]
+    assert sorted(c["label"] for c in classes) == ["a cat", "a dog"]
+    assert sum(c["score"] for c in classes) == pytest.approx(1.0)
+    info = slimml("info", art)
+    assert info.returncode == 0 and "components: text (" in info.stdout and "component vision" in info.stdout
+
+
+def test_pipeline_stages_refuse_an_artifact_of_components(clip):
+    from slimml.runtime import load
+    from slimml.scale import pipeline
+
+    with pytest.raises(ConfigError, match="has components text, vision"):
+        pipeline(clip["root"] / "art", stages=2)
+    with pytest.raises(SlimmlError, match="has components text, vision"):
+        load(clip["root"] / "art", shards=(0, 1))
+
+
+def test_a_text_classifier_classifies_texts_with_its_labels(tmp_path):
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+    from slimml.runtime import load
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    model = BertForSequenceClassification(BertConfig(**TOWER, vocab_size=tokenizer.vocab_size, num_labels=2,
+                                                     id2label={0: "negative", 1: "positive"},
+                                                     label2id={"negative": 0, "positive": 1})).eval()
+    model.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    texts = ["a fine film", "the worst day of my life, truly"]
+    with torch.no_grad():
+        want = torch.softmax(model(**tokenizer(texts, padding=True, return_tensors="pt")).logits, -1).numpy()
+    got = load(tmp_path / "art").classify(texts, top_k=None)
+    for row, classes in zip(want, got):
+        scores = {c["label"]: c["score"] for c in classes}
+        np.testing.assert_allclose([scores["negative"], scores["positive"]], row, atol=1e-5)
+    result = slimml("run", tmp_path / "art", "a fine film", "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)[0]["classes"][0]["label"] in ("negative", "positive")

@@ -1,0 +1,265 @@
+"""Encoder-decoder models (T5) and speech (Whisper) the whole way: convert from a Hugging Face
+folder into three components, generate the same tokens as Hugging Face's greedy generate,
+stream, quantize, and transcribe WAV files from the command line.
+
+Tiny random-weight models built here; no downloads.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import wave
+
+import numpy as np
+import pytest
+
+from slimml.errors import FeedError, SlimmlError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = ["translate English to German: the house is wonderful", "summarize: a b c", "one"]
+
+
+def slimml(*args):
+    return subprocess.run([sys.executable, "-m", "slimml", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def write_wav(path, samples: np.ndarray, rate: int = 16000, width: int = 2, channels: int = 1) -> None:
+    data = np.repeat(samples[:, None], channels, axis=1).reshape(-1)
+    if width == 2:
+        raw = (np.clip(data, -1, 1) * 32767).astype("<i2").tobytes()
+    elif width == 1:
+        raw = (np.clip(data, -1, 1) * 127 + 128).astype(np.uint8).tobytes()
+    else:  # 24-bit
+        v = (np.clip(data, -1, 1) * (2 ** 23 - 1)).astype(np.int32)
+        raw = np.stack([v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF], axis=1).astype(np.uint8).tobytes()
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(raw)
+
+
+def speech(seconds: float, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory):
+    from transformers import AutoTokenizer, T5Config, T5ForConditionalGeneration
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("t5")
+    model = T5ForConditionalGeneration(T5Config(
+        vocab_size=30522, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)).eval()
+    model.save_pretrained(root / "src")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tokenizer.save_pretrained(root / "src")
+    report = convert(root / "src", root / "art", ConvertConfig())
+    return {"root": root, "torch": model, "tokenizer": tokenizer, "report": report}
+
+
+@pytest.fixture(scope="module")
+def whisper(tmp_path_factory):
+    from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    root = tmp_path_factory.mktemp("whisper")
+    config = WhisperConfig(
+        vocab_size=30522, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80, max_source_positions=1500,
+        max_target_positions=64, decoder_start_token_id=101, eos_token_id=102, pad_token_id=0, bos_token_id=101,
+        begin_suppress_tokens=None, suppress_tokens=None)
+    model = WhisperForConditionalGeneration(config).eval()
+    model.save_pretrained(root / "src")
+    AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(root / "src")
+    extractor = WhisperFeatureExtractor(feature_size=80)
+    extractor.save_pretrained(root / "src")
+    report = convert(root / "src", root / "art", ConvertConfig())
+    write_wav(root / "speech.wav", speech(2.0))
+    return {"root": root, "torch": model, "extractor": extractor, "report": report}
+
+
+def _hf_generate(model, **inputs):
+    from transformers.generation.utils import GenerationMixin
+
+    with torch.no_grad():  # the plain greedy loop (Whisper's own generate adds language and task handling)
+        out = GenerationMixin.generate(model, **inputs, max_new_tokens=8, do_sample=False)
+    return [[t for t in row[1:]] for row in out.tolist()]  # without the start token
+
+
+def _strip(tokens: list[list[int]], eos: int, pad: int) -> list[list[int]]:
+    """HF pads finished rows with pad ids after eos; slimml stops a row at its eos."""
+    out = []
+    for row in tokens:
+        row = list(row)
+        out.append(row[: row.index(eos) + 1] if eos in row else row)
+    return out
+
+
+# -- T5 ------------------------------------------------------------------------------------------
+
+def test_t5_converts_into_encoder_decoder_and_decoder_with_past(t5):
+    from slimml.runtime import read_manifest
+
+    checks = t5["report"].checks
+    assert checks["max_abs_diff"] <= 1e-5 and checks["max_abs_diff_vs_torch"] <= 1e-4 and checks["same_tokens_as_graph"]
+    manifest = read_manifest(t5["root"] / "art")
+    assert manifest.format_version == 2 and manifest.task == "text2text-generation"
+    assert list(manifest.components) == ["encoder", "decoder", "decoder_with_past"]
+    past = manifest.components["decoder_with_past"]
+    for i in range(2):  # each layer's caches enter and leave the shard that holds the layer
+        shard = next(s for s in past.shards if f"present.{i}.decoder.key" in {t.name for t in s.outputs})
+        assert {f"past_key_values.{i}.decoder.key", f"past_key_values.{i}.encoder.key"} <= {t.name for t in shard.inputs}
+        assert any(f"block.{i}" in layer for layer in shard.layers)
+
+
+def test_t5_generates_the_tokens_hugging_face_generates(t5):
+    from slimml.runtime import load
+
+    model = load(t5["root"] / "art")
+    enc = t5["tokenizer"](PROMPTS, padding=True, return_tensors="pt")
+    enc.pop("token_type_ids", None)
+    want = _strip(_hf_generate(t5["torch"], **enc), eos=1, pad=0)
+    result = model.generate(PROMPTS, max_new_tokens=8)
+    assert result.tokens == want
+    assert len(result.texts) == 3 and result.passes <= 8
+    ids = [t5["tokenizer"](p)["input_ids"] for p in PROMPTS]
+    assert model.generate(ids, max_new_tokens=8).tokens == want  # token ids in, the same tokens out
+
+
+def test_t5_streamed_with_two_shards_resident_generates_the_same(t5):
+    from slimml.runtime import load
+
+    whole = load(t5["root"] / "art").generate(PROMPTS, max_new_tokens=6).tokens
+    streamed = load(t5["root"] / "art", resident=2)
+    assert all(streamed.plan[n].streaming for n in ("encoder", "decoder", "decoder_with_past"))
+    assert streamed.generate(PROMPTS, max_new_tokens=6).tokens == whole
+
+
+def test_t5_quantizes_each_component_with_real_decoder_inputs(t5):
+    from slimml.quantize import Int8Config, quantize
+    from slimml.runtime import load
+
+    report = quantize(t5["root"] / "art", t5["root"] / "int8", Int8Config("cpu"))
+    assert set(report.components) == {"encoder", "decoder", "decoder_with_past"}
+    assert min(report.checks[f"{n}_agreement_cosine"] for n in report.components) >= 0.99
+    assert report.size_mb < report.float_size_mb / 2
+    fp32 = load(t5["root"] / "art").generate(PROMPTS, max_new_tokens=4).tokens
+    int8 = load(t5["root"] / "int8").generate(PROMPTS, max_new_tokens=4).tokens
+    agree = sum(a == b for x, y in zip(fp32, int8) for a, b in zip(x, y)) / sum(map(len, fp32))
+    assert agree >= 0.75  # greedy tokens of a random tiny model under int8: most agree
+
+
+def test_slimml_generate_and_info_on_t5(t5):
+    art = t5["root"] / "art"
+    result = slimml("generate", art, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout)["tokens"]) == 2
+    info = slimml("info", art)
+    assert "components: encoder (" in info.stdout and "decoder_with_past (" in info.stdout
+    bad = slimml("run", art, "--audio", t5["root"] / "nothing.wav")
+    assert bad.returncode == 1 and "is not a speech model" in bad.stderr
+
+
+# -- Whisper -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seconds", [0.3, 2.0, 30.0, 31.5])
+def test_log_mel_features_match_the_whisper_feature_extractor(seconds):
+    from transformers import WhisperFeatureExtractor
+
+    from slimml.runtime.audio import LogMel
+
+    hf = WhisperFeatureExtractor(feature_size=80)
+    ours = LogMel(hf.to_dict())
+    audio = speech(seconds, seed=int(seconds * 10))
+    want = hf(audio, sampling_rate=16000, return_tensors="np")["input_features"][0]
+    np.testing.assert_allclose(ours(audio), want, atol=1e-4, rtol=0)
+
+
+def test_whisper_transcribes_a_wav_file_as_hugging_face_generates(whisper):
+    from slimml.runtime import load
+    from slimml.runtime.audio import read_wav
+
+    checks = whisper["report"].checks
+    assert checks["max_abs_diff"] <= 1e-5 and checks["max_abs_diff_vs_torch"] <= 1e-4
+    model = load(whisper["root"] / "art")
+    assert model.manifest.task == "automatic-speech-recognition" and model.manifest.preprocessor["kind"] == "audio"
+    wav = whisper["root"] / "speech.wav"
+    features = whisper["extractor"](read_wav(wav), sampling_rate=16000, return_tensors="pt").input_features
+    want = _strip(_hf_generate(whisper["torch"], input_features=features), eos=102, pad=0)
+    result = model.generate([str(wav)], max_new_tokens=8)
+    assert result.tokens == want and isinstance(result.texts[0], str)
+    streamed = load(whisper["root"] / "art", resident=2)
+    assert streamed.generate([str(wav)], max_new_tokens=8).tokens == want
+
+
+def test_whisper_quantizes_within_tolerance(whisper):
+    from slimml.quantize import Int8Config, quantize
+
+    report = quantize(whisper["root"] / "art", whisper["root"] / "int8", Int8Config("cpu"))
+    assert min(report.checks[f"{n}_agreement_cosine"] for n in report.components) >= 0.99
+    result = slimml("run", whisper["root"] / "int8", "--audio", whisper["root"] / "speech.wav", "--max-new-tokens", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)[0]["input"].endswith("speech.wav")
+
+
+def test_wav_files_are_read_or_refused_with_the_fix(whisper, tmp_path):
+    from slimml.runtime import load
+    from slimml.runtime.audio import read_wav
+
+    audio = speech(0.5)
+    for width in (1, 2, 3):
+        write_wav(tmp_path / f"w{width}.wav", audio, width=width)
+        np.testing.assert_allclose(read_wav(tmp_path / f"w{width}.wav"), audio, atol=2.0 / 2 ** (8 * width - 1) + 1e-4)
+    write_wav(tmp_path / "stereo.wav", audio, channels=2)
+    np.testing.assert_allclose(read_wav(tmp_path / "stereo.wav"), audio, atol=1e-4)
+    write_wav(tmp_path / "44k.wav", audio, rate=44100)
+    good = (tmp_path / "w2.wav").read_bytes()
+    (tmp_path / "cut.wav").write_bytes(good[: len(good) // 2])
+    (tmp_path / "text.wav").write_text("not audio")
+    model = load(whisper["root"] / "art")
+    cases = [("44k.wav", "sampled at 44100 Hz but the model takes 16000 Hz; resample it first"),
+             ("cut.wav", "is truncated"), ("text.wav", "is not a PCM WAV file"), ("missing.wav", "does not exist")]
+    for name, message in cases:
+        with pytest.raises(FeedError, match=message):
+            model.generate([str(tmp_path / name)])
+        result = slimml("run", whisper["root"] / "art", "--audio", tmp_path / name)
+        assert result.returncode == 1 and message.split(";")[0][:20] in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    with pytest.raises(FeedError, match="1-D float waveform"):
+        model.generate([np.zeros((2, 2), np.float32)])
+
+
+def test_a_whisper_artifact_without_its_feature_extractor_says_so(whisper, tmp_path):
+    from slimml.runtime import load
+
+    shutil.copytree(whisper["root"] / "art", tmp_path / "art")
+    path = tmp_path / "art" / "manifest.json"
+    raw = json.loads(path.read_text())
+    raw.pop("preprocessor")
+    path.write_text(json.dumps(raw))
+    with pytest.raises(FeedError, match="has no feature extractor config"):
+        load(tmp_path / "art").generate([str(whisper["root"] / "speech.wav")])
+
+
+def test_a_non_seq2seq_artifact_of_components_does_not_generate(tmp_path):
+    from slimml.runtime.components import Components
+    from slimml.runtime.manifest import Manifest
+
+    manifest = Manifest(name="x", task="feature-extraction", source={}, steps=[], inputs=[], outputs=[], shards=[], files=[])
+    with pytest.raises(SlimmlError, match="cannot generate"):
+        Components(tmp_path, manifest, {"a": type("P", (), {"device": "cpu"})()}).generate(["hi"])
