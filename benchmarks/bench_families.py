@@ -109,10 +109,11 @@ def child(args) -> None:
     from slimml.runtime import load
 
     model = load(args.artifact, resident=2 if args.variant == "streamed" else None)
-    workload(args.family, model)  # warm-up: sessions built, caches written
+    family = args.family[0]
+    workload(family, model)  # warm-up: sessions built, caches written
     times, items = [], 0
     for _ in range(args.repeat):
-        seconds, items = workload(args.family, model)
+        seconds, items = workload(family, model)
         times.append(seconds)
     print(json.dumps({"per_s": items / statistics.median(times), "peak_rss_mb": peak_rss_mb()}))
 

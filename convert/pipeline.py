@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -22,7 +23,7 @@ from slimml.convert.shard import ShardConfig, shard
 from slimml.convert.sources import Source, resolve
 from slimml.convert.towers import split_towers
 from slimml.atomic import atomic_folder, check_output
-from slimml.errors import ConfigError, ExportError
+from slimml.errors import ConfigError, ExportError, SlimmlError
 from slimml.runtime.bench import sample_feeds, time_runs
 from slimml.runtime.manifest import Manifest, TensorSpec, file_entry, read_manifest, verify_files
 from slimml.runtime.model import load
@@ -116,7 +117,12 @@ def convert(
     """
     t0 = time.perf_counter()
     config = config or ConvertConfig()
-    step = on_step or (lambda _msg: None)
+    current = ["starting"]
+
+    def step(msg: str) -> None:
+        current[0] = msg
+        if on_step is not None:
+            on_step(msg)
     if config.quantize is not None:
         from slimml.quantize.api import check_inputs
 
@@ -131,7 +137,7 @@ def convert(
     src = resolve(source, example_inputs)
     out = Path(out) if out is not None else Path("artifacts") / (src.name + _student_suffix(config))
     check_output(out)
-    with atomic_folder(out) as tmp:
+    with _one_line_errors(src.name, current), atomic_folder(out) as tmp:  # disk errors: atomic_folder words them
         teacher, shrunk = src, []
         if config.distill is not None or config.prune is not None:
             src, shrunk = _shrink(src, out, tmp / ".work" / "student", config, step, on_progress)
@@ -180,6 +186,22 @@ def convert(
         size_mb=manifest.total_bytes / 1e6, checks=manifest.checks, latency_ms=latency,
         seconds=time.perf_counter() - t0, steps=manifest.steps, teacher=against,
     )
+
+
+@contextlib.contextmanager
+def _one_line_errors(name: str, current: list[str]):
+    """A dependency's exception (torch, optimum, onnx, ONNX Runtime) becomes one ExportError naming
+    the step it broke; slimml's own errors pass as they are. ``SLIMML_DEBUG=1`` shows the cause."""
+    try:
+        yield
+    except SlimmlError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ExportError(
+            f"converting {name} failed while {current[0]} ({type(e).__name__}: {first}). If slimml does not support "
+            "this architecture yet, export it to ONNX yourself and convert the .onnx file; SLIMML_DEBUG=1 shows the cause."
+        ) from e
 
 
 def _against_teacher(teacher: Source, tmp: Path, manifest: Manifest, sts_file: Any) -> dict[str, Any]:

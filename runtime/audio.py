@@ -9,7 +9,6 @@ to 1e-4 with neither torch nor transformers installed.
 
 from __future__ import annotations
 
-import json
 import os
 import wave
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from slimml.errors import ArtifactError, FeedError
+from slimml.runtime.manifest import read_config, safe_path
 
 if TYPE_CHECKING:
     from slimml.runtime.components import Components
@@ -43,11 +43,7 @@ class LogMel:
 
     @classmethod
     def from_file(cls, path: Path) -> LogMel:
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ArtifactError(f"could not read the feature extractor config {path.name}: {e}; re-convert the model.") from None
-        return cls(config if isinstance(config, dict) else {}, path.name)
+        return cls(read_config(path, "feature extractor config"), path.name)
 
     def __call__(self, waveform: np.ndarray) -> np.ndarray:
         audio = np.full(self.n_samples, self.padding_value, dtype=np.float64)
@@ -131,8 +127,6 @@ def features_for(model: Components, audio: Any) -> dict[str, np.ndarray]:
             f"the artifact {model.folder} has no feature extractor config (preprocessor_config.json); convert from a "
             "folder that has one, or call run() with input_features."
         )
-    from slimml.runtime.manifest import safe_path
-
     extractor = getattr(model, "_log_mel", None) or LogMel.from_file(safe_path(model.folder, pre["file"]))
     model._log_mel = extractor
     if isinstance(audio, (str, os.PathLike, np.ndarray)):

@@ -8,7 +8,6 @@ so the runtime needs neither torch nor transformers; the outputs match transform
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ArtifactError, FeedError
+from slimml.runtime.manifest import read_config
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 _RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
@@ -55,13 +55,7 @@ class ImageProcessor:
 
     @classmethod
     def from_file(cls, path: Path) -> ImageProcessor:
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ArtifactError(f"could not read the image preprocessor config {path.name}: {e}; re-convert the model.") from None
-        if not isinstance(config, dict):
-            raise ArtifactError(f"{path.name} is not a JSON object; re-convert the model.")
-        return cls(config, path.name)
+        return cls(read_config(path, "image preprocessor config"), path.name)
 
     @property
     def output_size(self) -> tuple[int, int] | None:

@@ -505,6 +505,17 @@ def safe_path(folder: Path, rel: str) -> Path:
     return full
 
 
+def read_config(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object shipped in the artifact (a preprocessor config), or one ArtifactError naming ``what``."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ArtifactError(f"could not read the {what} {path.name}: {e}; re-convert the model.") from None
+    if not isinstance(config, dict):
+        raise ArtifactError(f"the {what} {path.name} is not a JSON object; re-convert the model.")
+    return config
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -183,3 +183,16 @@ def test_a_clip_model_converts_and_takes_its_text_towers_length(tmp_path):
     report = convert(src, tmp_path / "art", ConvertConfig())
     assert report.checks["max_abs_diff"] <= 1e-5 and report.checks["max_abs_diff_vs_torch"] <= 1e-4
     assert load(tmp_path / "art").max_sequence_length == 40  # the vision tower has 17 positions
+
+
+def test_a_dependency_failure_during_convert_is_one_line_naming_the_step():
+    """Whatever convert cannot handle ends in one ExportError naming the step, not a dependency's traceback."""
+    from slimml.convert.pipeline import _one_line_errors
+    from slimml.errors import ExportError, SourceError
+
+    with pytest.raises(ExportError, match=r"converting m failed while splitting into shards \(ValueError: boom\)\. If slimml"):
+        with _one_line_errors("m", ["splitting into shards"]):
+            raise ValueError("boom\nsecond line")
+    with pytest.raises(SourceError, match="^mine$"):  # slimml's own errors pass as they are
+        with _one_line_errors("m", ["x"]):
+            raise SourceError("mine")

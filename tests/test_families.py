@@ -357,3 +357,19 @@ def test_a_text_classifier_classifies_texts_with_its_labels(tmp_path):
         np.testing.assert_allclose([scores["negative"], scores["positive"]], row, atol=1e-5)
     result = slimml("run", tmp_path / "art", "a fine film", "--json")
     assert result.returncode == 0 and json.loads(result.stdout)[0]["classes"][0]["label"] in ("negative", "positive")
+
+
+def test_vision_artifacts_run_without_torch_or_transformers(vit, clip, tmp_path):
+    """Images in, labels out, with torch and transformers made unimportable."""
+    path = tmp_path / "x.png"
+    _images(1)[0].save(path)
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+        "from slimml.runtime import load\n"
+        f"print(load({str(vit['root'] / 'art')!r}).classify([{str(path)!r}], top_k=1)[0][0]['label'])\n"
+        f"print(len(load({str(clip['root'] / 'art')!r}).classify([{str(path)!r}], labels=['a cat', 'a dog'])[0]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    label, count = out.stdout.split()
+    assert label in vit["labels"] and count == "2"

@@ -263,3 +263,15 @@ def test_a_non_seq2seq_artifact_of_components_does_not_generate(tmp_path):
     manifest = Manifest(name="x", task="feature-extraction", source={}, steps=[], inputs=[], outputs=[], shards=[], files=[])
     with pytest.raises(SlimmlError, match="cannot generate"):
         Components(tmp_path, manifest, {"a": type("P", (), {"device": "cpu"})()}).generate(["hi"])
+
+
+def test_encoder_decoders_generate_without_torch_or_transformers(t5, whisper):
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
+        "from slimml.runtime import load\n"
+        f"print(len(load({str(t5['root'] / 'art')!r}).generate(['hello there'], max_new_tokens=3).tokens[0]))\n"
+        f"print(len(load({str(whisper['root'] / 'art')!r}).generate([{str(whisper['root'] / 'speech.wav')!r}], max_new_tokens=3).tokens[0]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert all(1 <= int(n) <= 3 for n in out.stdout.split())
