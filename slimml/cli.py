@@ -349,6 +349,7 @@ def bench(
     pin: Pin = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="Try every K,P: e.g. '2,3,4' or '2,3,4:0,1' (K values:P values).")] = None,
     sweep_out: Annotated[Path, typer.Option("--sweep-out", help="Folder for the sweep's table, CSV and PNG plot.")] = Path("sweep"),
+    component: Annotated[Optional[str], typer.Option("--component", help="For an artifact of components: the one to time (default: each).")] = None,
     as_json: AsJson = False,
 ):
     """Latency p50/p90, throughput, peak RSS and size of an artifact; streaming counters; a K,P sweep."""
@@ -380,6 +381,22 @@ def bench(
                       " (no plot: pip install 'slimml[bench]' for matplotlib)"))
         return
     model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
+    parts = getattr(model, "parts", None)
+    if parts is not None:  # several graphs: each is timed on its own sample inputs
+        if component is None:
+            if old is not None or save_baseline is not None:
+                raise SlimmlError(f"{artifact} has components {', '.join(parts)}; a baseline is for one: add --component NAME.")
+            results = {name: do_bench(part, batch=batch, seq=seq, runs=runs) for name, part in parts.items()}
+            if as_json:
+                print(json.dumps({name: r.to_json() for name, r in results.items()}))
+                return
+            for name, r in results.items():
+                console.print(f"component {name}: batch {batch} x seq {seq} on {device}: p50 {r.p50_ms:.2f} ms, "
+                              f"p90 {r.p90_ms:.2f} ms, {r.throughput_per_s:.1f} items/s, model {r.model_mb:.1f} MB")
+            return
+        model = model.parts.get(component) or model.run({}, component=component)  # the latter names the components
+    elif component is not None:
+        raise SlimmlError(f"{artifact} is one chain of shards, without components; leave --component out.")
     if not as_json:
         console.print(model.plan.describe(), highlight=False)
     result = do_bench(model, batch=batch, seq=seq, runs=runs)
@@ -474,7 +491,8 @@ def serve_(
     config = ServeConfig(str(artifact), replicas=replicas, stages=stages, max_batch_size=max_batch_size,
                          batch_wait_ms=batch_wait_ms, memory_budget=memory_budget)
     serve(config, host=host, port=port, address=address,
-          ready=lambda url: err.print(f"serving {artifact} at {url} (POST /v1/embeddings, /v1/run; GET /health); Ctrl-C stops"))
+          ready=lambda url: err.print(f"serving {artifact} at {url} (POST /v1/embeddings, /v1/generate or /v1/run, as the model "
+                                      "allows; GET /health, /v1/models); Ctrl-C stops"))
 
 
 def main() -> None:

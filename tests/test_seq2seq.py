@@ -173,6 +173,11 @@ def test_slimml_generate_and_info_on_t5(t5):
     assert "components: encoder (" in info.stdout and "decoder_with_past (" in info.stdout
     bad = slimml("run", art, "--audio", t5["root"] / "nothing.wav")
     assert bad.returncode == 1 and "is not a speech model" in bad.stderr
+    bench = slimml("bench", art, "--runs", "2", "--seq", "8", "--json")  # each component timed on its own inputs
+    assert bench.returncode == 0, bench.stderr
+    assert set(json.loads(bench.stdout)) == {"encoder", "decoder", "decoder_with_past"}
+    one = slimml("bench", art, "--runs", "2", "--seq", "8", "--component", "decoder_with_past", "--json")
+    assert one.returncode == 0 and json.loads(one.stdout)["latency_ms"]["p50"] > 0
 
 
 # -- Whisper -------------------------------------------------------------------------------------
