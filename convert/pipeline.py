@@ -20,6 +20,7 @@ from slimml.convert.export import ExportConfig, Exported, export
 from slimml.convert.prune import PruneConfig
 from slimml.convert.reference import reference_for
 from slimml.convert.shard import ShardConfig, shard
+from slimml.convert.share import share_weights
 from slimml.convert.sources import Source, resolve
 from slimml.convert.towers import split_towers
 from slimml.atomic import atomic_folder, check_output
@@ -146,9 +147,12 @@ def convert(
         step("splitting into shards")
         parts, zero_shot = split_towers(exported.onnx_path, src.path if src.kind == "huggingface" else None)
         if exported.graphs:  # an encoder-decoder: encoder, decoder and decoder with past, each a component
-            chains = {n: (path, _shard_into(path, tmp, n, config.shard)) for n, path in exported.graphs.items()}
+            # both decoders in one folder, so the one with past can read the other's data files
+            places = {"encoder": ("encoder", "shard"), "decoder": ("decoder", "shard"), "decoder_with_past": ("decoder", "past")}
+            chains = {n: (path, _shard_into(path, tmp, *places[n], config.shard)) for n, path in exported.graphs.items()}
+            share_weights(tmp, chains["decoder"][1], chains["decoder_with_past"][1])
         elif parts:  # a two-tower model: each tower a component, sharded into a folder of its own
-            chains = {c.name: (c.onnx_path, _shard_into(c.onnx_path, tmp, c.name, config.shard)) for c in parts}
+            chains = {c.name: (c.onnx_path, _shard_into(c.onnx_path, tmp, c.name, "shard", config.shard)) for c in parts}
         else:
             chains = {None: (exported.onnx_path, shard(exported.onnx_path, tmp, config.shard))}
         manifest = _write_manifest(tmp, src, exported, chains, config, zero_shot)
@@ -311,10 +315,10 @@ def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(cos.min())
 
 
-def _shard_into(onnx_path: Path, folder: Path, name: str, config: ShardConfig) -> list:
-    """Shard one component into ``folder/name/``; its specs name files relative to ``folder``."""
-    (folder / name).mkdir()
-    specs = shard(onnx_path, folder / name, config)
+def _shard_into(onnx_path: Path, folder: Path, name: str, prefix: str, config: ShardConfig) -> list:
+    """Shard one component into ``folder/name/`` as ``prefix_NNN.onnx``; its specs name files relative to ``folder``."""
+    (folder / name).mkdir(exist_ok=True)
+    specs = shard(onnx_path, folder / name, config, prefix=prefix)
     for s in specs:
         s.file = f"{name}/{s.file}"
         s.data = f"{name}/{s.data}" if s.data else None
@@ -344,11 +348,8 @@ def _write_manifest(folder: Path, src: Source, exported: Exported, chains: dict,
         none = {"mode": "none", "output": "text_embeds", "normalize": True}
         components = {n: _chain(path, specs, none if n == text else None) for n, (path, specs) in chains.items()}
         whole = Manifest(name="", task="", source={}, steps=[], inputs=[], outputs=[], shards=[], files=[])
-    files = []
-    for s in [s for _, specs in chains.values() for s in specs]:
-        files.append(file_entry(folder, folder / s.file))
-        if s.data:
-            files.append(file_entry(folder, folder / s.data))
+    paths = [p for _, specs in chains.values() for s in specs for p in (s.file, s.data) if p]
+    files = [file_entry(folder, folder / p) for p in dict.fromkeys(paths)]  # a shared data file is listed once
     if exported.tokenizer is not None:
         shutil.copy2(exported.tokenizer_dir / exported.tokenizer["file"], folder / exported.tokenizer["file"])
         files.append(file_entry(folder, folder / exported.tokenizer["file"]))

@@ -84,12 +84,14 @@ class _Graph:
     layer_of: list[str | None]
 
 
-def shard(model_path: str | os.PathLike, out_dir: str | os.PathLike, config: ShardConfig | None = None) -> list[ShardSpec]:
+def shard(model_path: str | os.PathLike, out_dir: str | os.PathLike, config: ShardConfig | None = None,
+          prefix: str = "shard") -> list[ShardSpec]:
     """Split the ONNX model at ``model_path`` into shards written to ``out_dir``.
 
     Args:
         model_path: an ONNX file; external data beside it is read one shard at a time.
         out_dir: an existing folder; gets ``shard_NNN.onnx`` and ``shard_NNN.onnx.data`` files.
+        prefix: the files' name before ``_NNN`` (two chains in one folder need two prefixes).
         config: how to choose the cuts (default: per layer).
 
     Returns:
@@ -111,7 +113,7 @@ def shard(model_path: str | os.PathLike, out_dir: str | os.PathLike, config: Sha
     made_in: dict[str, int] = {}  # activation -> shard index that outputs it
     for index, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         later = set().union(*g.uses[hi:]) if hi < len(g.nodes) else set()
-        spec = _write_shard(model, model_path.parent, g, index, lo, hi, later, types, made_in, out_dir)
+        spec = _write_shard(model, model_path.parent, g, index, lo, hi, later, types, made_in, out_dir, prefix)
         for t in spec.outputs:
             made_in[t.name] = index
         specs.append(spec)
@@ -243,7 +245,7 @@ def _min_cuts(g: _Graph) -> list[int]:
     return [int(i) for i in interior if g.live[i] <= floor + 1]
 
 
-def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_dir) -> ShardSpec:
+def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_dir, prefix="shard") -> ShardSpec:
     nodes = g.nodes[lo:hi]
     made = {o for nd in nodes for o in nd.output if o}
     read = set().union(*g.uses[lo:hi]) if nodes else set()
@@ -263,7 +265,7 @@ def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_di
             raise ExportError(f"shard {index} reads {name!r}, which no earlier shard outputs; this graph cannot be split here.")
         in_specs.append(_spec(vi, source))
     outputs = [_typed(types, name) for name in out_names]
-    file = f"shard_{index:03d}.onnx"
+    file = f"{prefix}_{index:03d}.onnx"
     data = f"{file}.data"
     initializers = []
     weight_bytes = 0

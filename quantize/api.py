@@ -155,7 +155,13 @@ def _quantize_components(src, manifest, tmp, config, calib, held, origin, step) 
         step(f"component {name}")
         reports[name], parts[name] = _quantize_artifact(src, part, tmp, config, calib, held, origin, step, feeds.get(name))
         records.append({"component": name, **parts[name].steps[-1]})
-    files = {f.path: f for p in parts.values() for f in p.files}
+    if manifest.seq2seq:  # identical quantized weights of the two decoders: stored once again
+        from slimml.convert.share import share_weights
+
+        share_weights(tmp, parts["decoder"].shards, parts["decoder_with_past"].shards)
+    paths = [p for part in parts.values() for s in part.shards for p in (s.file, s.data) if p]
+    paths += [p for part in parts.values() for p in part.asset_files()]
+    files = {p: file_entry(tmp, tmp / p) for p in dict.fromkeys(paths)}
     record = {k: v for k, v in records[0].items() if k not in ("component", "quantized_shards", "float_shards", "fused")}
     record["components"] = {r["component"]: {k: r[k] for k in ("quantized_shards", "float_shards", "fused") if k in r}
                             for r in records}
@@ -286,14 +292,17 @@ def _write(tmp, src, manifest, final, quant_files, config, origin, float_why, no
 
     shards, files = [], []
     for spec, path in zip(manifest.shards, final):
-        m = onnx.load(str(path), load_external_data=False)
         dst = tmp / spec.file
         dst.parent.mkdir(parents=True, exist_ok=True)  # a component's shards sit in its own folder
-        shutil.copy2(path, dst)
-        data = path.parent / f"{path.name}.data" if spec.index in quant_files else (src / spec.data if spec.data else None)
-        has_data = data is not None and data.exists()
-        if has_data:
-            shutil.copy2(data, tmp / f"{spec.file}.data")
+        if spec.index not in quant_files and spec.data and spec.data != f"{spec.file}.data":
+            _save(onnx.load(str(path)), dst)  # it read another shard's data file: it gets its own again
+        else:
+            shutil.copy2(path, dst)
+            data = path.parent / f"{path.name}.data" if spec.index in quant_files else (src / spec.data if spec.data else None)
+            if data is not None and data.exists():
+                shutil.copy2(data, tmp / f"{spec.file}.data")
+        m = onnx.load(str(dst), load_external_data=False)
+        has_data = (tmp / f"{spec.file}.data").exists()
         weight_bytes = sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
                            for t in m.graph.initializer)
         shards.append(ShardSpec(index=spec.index, file=spec.file, data=f"{spec.file}.data" if has_data else None,

@@ -18,6 +18,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # session, and every process it starts (the CLI, servers, Ray workers), gets a temporary home.
 import atexit  # noqa: E402
 import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 
 _HOME = tempfile.mkdtemp(prefix="slimml-test-home-")
@@ -225,3 +227,13 @@ def default_artifact(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("artifacts") / "all-MiniLM-L6-v2"
     convert(None, out, ConvertConfig(measure_latency=False))
     return out
+
+
+def run_without_torch(lines: list[str]) -> list[str]:
+    """Run Python ``lines`` in a subprocess where torch and transformers cannot be imported (as in a
+    runtime-only install); return what it printed, a line per item. Fails the test on an error."""
+    code = "\n".join(["import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None",
+                      "from slimml.runtime import load", *lines])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()

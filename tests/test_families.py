@@ -12,6 +12,8 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import run_without_torch
+
 from slimml.errors import ConfigError, FeedError, SlimmlError
 
 torch = pytest.importorskip("torch")
@@ -363,13 +365,8 @@ def test_vision_artifacts_run_without_torch_or_transformers(vit, clip, tmp_path)
     """Images in, labels out, with torch and transformers made unimportable."""
     path = tmp_path / "x.png"
     _images(1)[0].save(path)
-    code = (
-        "import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None\n"
-        "from slimml.runtime import load\n"
-        f"print(load({str(vit['root'] / 'art')!r}).classify([{str(path)!r}], top_k=1)[0][0]['label'])\n"
-        f"print(len(load({str(clip['root'] / 'art')!r}).classify([{str(path)!r}], labels=['a cat', 'a dog'])[0]))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    label, count = out.stdout.split()
+    label, count = run_without_torch([
+        f"print(load({str(vit['root'] / 'art')!r}).classify([{str(path)!r}], top_k=1)[0][0]['label'])",
+        f"print(len(load({str(clip['root'] / 'art')!r}).classify([{str(path)!r}], labels=['a cat', 'a dog'])[0]))",
+    ])
     assert label in vit["labels"] and count == "2"
