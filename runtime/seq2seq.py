@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slimml.errors import FeedError, SlimmlError
+from slimml.errors import FeedError
 from slimml.runtime.generate import Generation
 
 if TYPE_CHECKING:
@@ -168,10 +168,3 @@ def sample_encoder_batches(model: Components, texts: list[str], batch_size: int 
     count = max(1, min(limit, len(texts) // batch_size))
     return [features_for(model, [rng.standard_normal(16000 * (1 + i % 3)).astype(np.float32) * 0.1 for i in range(2)])
             for _ in range(count)]
-
-
-def check_components(parts: dict) -> None:
-    missing = [n for n in (ENCODER, DECODER, WITH_PAST) if n not in parts]
-    if missing:
-        raise SlimmlError(f"an encoder-decoder artifact needs the components encoder, decoder and decoder_with_past; "
-                          f"this one lacks {', '.join(missing)}: convert the model again.")
