@@ -17,7 +17,7 @@ from slimml.convert.export import Exported
 from slimml.convert.sources import Source
 from slimml.runtime.bench import sample_feeds
 from slimml.runtime.manifest import Manifest
-from slimml.runtime.seq2seq import ENCODER, decode_steps
+from slimml.runtime.seq2seq import ENCODER, decode_steps, sample_encoder_batches
 from slimml.runtime.session import make_session
 
 STEPS = 4
@@ -28,16 +28,8 @@ def check_seq2seq(folder: Path, manifest: Manifest, src: Source, exported: Expor
 
     model = load(folder, device="cpu")  # the artifact's own integrity check runs here
     encoder = model.parts[ENCODER]
-    names = {t.name for t in encoder.inputs}
-    if manifest.tokenizer is not None and "input_ids" in names:
-        feeds = {k: v for k, v in encoder.tokenize(texts[:2]).items() if k in names}
-    elif manifest.preprocessor:  # Whisper: log-mel features of two noise recordings, from the shipped config
-        from slimml.runtime.audio import LogMel
-
-        mel = LogMel.from_file(folder / manifest.preprocessor["file"])
-        rng = np.random.default_rng(0)
-        feeds = {"input_features": np.stack([mel(rng.standard_normal(mel.sampling_rate * s).astype(np.float32) * 0.1)
-                                             for s in (1, 3)])}
+    if encoder._text is not None or manifest.preprocessor:  # two texts, or (Whisper) features of two noise recordings
+        feeds = sample_encoder_batches(model, texts[:2], batch_size=2, limit=1)[0]
     else:
         frames = 2 * int(manifest.source.get("max_source_positions") or 1500)
         feeds = sample_feeds(encoder.inputs, batch=2, seq=frames, source=manifest.source)

@@ -127,8 +127,9 @@ def features_for(model: Components, audio: Any) -> dict[str, np.ndarray]:
             f"the artifact {model.folder} has no feature extractor config (preprocessor_config.json); convert from a "
             "folder that has one, or call run() with input_features."
         )
-    extractor = getattr(model, "_log_mel", None) or LogMel.from_file(safe_path(model.folder, pre["file"]))
-    model._log_mel = extractor
+    if model._log_mel is None:  # read once per loaded model
+        model._log_mel = LogMel.from_file(safe_path(model.folder, pre["file"]))
+    extractor = model._log_mel
     if isinstance(audio, (str, os.PathLike, np.ndarray)):
         audio = [audio]
     if not isinstance(audio, (list, tuple)) or not audio:

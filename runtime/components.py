@@ -31,6 +31,7 @@ class Components:
         self.manifest = manifest
         self.parts = parts
         self.device = next(iter(parts.values())).device
+        self._log_mel = None  # a speech model's feature extractor, read on first use (runtime.audio)
 
     @property
     def inputs(self):
