@@ -26,7 +26,8 @@ from typing import Any
 from slimml.convert import prune as pruning
 from slimml.convert import prune_vocab
 from slimml.convert.distill_data import load_texts
-from slimml.convert.distill_train import Trainer, load_teacher
+from slimml.convert import precision as mp
+from slimml.convert.distill_train import Trainer, build_student, teacher_kind
 from slimml.convert.prune import PruneConfig
 from slimml.errors import ConfigError, SourceError
 
@@ -52,6 +53,16 @@ class DistillConfig:
         checkpoint_every: save a resumable checkpoint every this many steps.
         pre_prune_epochs: with both ``layers`` and pruning, passes of distillation *before* the
             importance scores are measured and the student is pruned (``epochs`` more follow).
+        teacher_memory_budget: bytes of teacher shards loaded at once while the teacher's outputs are
+            computed (``"2GB"``): the teacher streams through the slimml runtime, so it may be bigger
+            than memory. ``None``: the teacher runs resident.
+        teacher_top_k: for causal LMs, the teacher logits cached per token (with their log-sum-exp).
+        grad_accum: batches whose gradients make one optimizer step (effective batch ``grad_accum *
+            batch_size``, at the memory of one batch).
+        mixed_precision: ``"auto"`` (measured: see ``convert.precision``), ``"off"``, ``"bf16"`` or
+            ``"fp16"`` (CUDA, with a gradient scaler).
+        checkpointing: activation checkpointing of the student's layers: less memory, more compute.
+        device: where the student trains: ``"auto"`` (CUDA when torch sees a GPU), ``"cpu"`` or ``"cuda"``.
     """
 
     layers: int | None = None
@@ -65,8 +76,26 @@ class DistillConfig:
     seed: int = 0
     checkpoint_every: int = 100
     pre_prune_epochs: float = 1.0
+    teacher_memory_budget: int | str | None = None
+    teacher_top_k: int = 32
+    grad_accum: int = 1
+    mixed_precision: str = "auto"
+    checkpointing: bool = False
+    device: str = "auto"
 
     def __post_init__(self):
+        from slimml.runtime.budget import parse_bytes
+
+        if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
+            raise ConfigError(f"--grad-accum {self.grad_accum!r} must be a whole number >= 1 (batches per optimizer step).")
+        if self.mixed_precision not in mp.CHOICES:
+            raise ConfigError(f"--mixed-precision {self.mixed_precision!r} is not one of {', '.join(mp.CHOICES)}.")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"distillation device {self.device!r} must be auto, cpu or cuda.")
+        if self.teacher_memory_budget is not None:
+            parse_bytes(self.teacher_memory_budget)  # a malformed size fails here, naming the fix
+        if self.teacher_top_k < 1:
+            raise ConfigError(f"teacher_top_k {self.teacher_top_k} must be >= 1.")
         if self.layers is not None and self.layers < 1:
             raise ConfigError(f"--distill-layers {self.layers} must be >= 1 (the student's transformer layers).")
         if self.epochs is not None and not self.epochs > 0:
@@ -92,6 +121,8 @@ def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) 
     """Everything that can be wrong with the request, checked before any long work."""
     from transformers import AutoConfig
 
+    from slimml.convert.distill_train import _device
+
     try:
         config = AutoConfig.from_pretrained(str(teacher_dir), local_files_only=True)
     except Exception as e:
@@ -104,12 +135,15 @@ def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) 
             f"--distill-layers {distill.layers} is not fewer than the teacher's {n_teacher} layers; "
             f"give 1 to {n_teacher - 1}."
         )
+    kind, model_class = teacher_kind(teacher_dir)
     if prune is not None:
-        pruning.check_prunable(config)
+        pruning.check_prunable(config, prune)
     if not any((teacher_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         raise SourceError(f"{teacher_dir} has no tokenizer; distillation tokenizes texts, so save one with the model.")
+    mp.check(distill.mixed_precision, _device(distill.device).type)
     texts, origin = load_texts(distill.data, distill.max_texts)
-    return {"config": config, "teacher_layers": n_teacher, "texts": texts, "origin": origin}
+    return {"config": config, "teacher_layers": n_teacher, "texts": texts, "origin": origin, "kind": kind,
+            "model_class": model_class}
 
 
 def shrink(
@@ -118,7 +152,11 @@ def shrink(
     distill: DistillConfig | None = None,
     prune: PruneConfig | None = None,
     checkpoint: str | os.PathLike | None = None,
-    progress: Callable[[int, int, float], None] | None = None,
+    progress: Callable[[int, int, float | None], None] | None = None,
+    teacher_artifact: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    on_step: Callable[[str], None] | None = None,
+    keep_checkpoint: bool = False,
 ) -> list[dict[str, Any]]:
     """Make a smaller student of the Hugging Face model in ``teacher_dir`` and save it in ``out_dir``.
 
@@ -129,8 +167,14 @@ def shrink(
             one-epoch recovery pass on the default corpus.
         prune: heads and FFN neurons to remove.
         checkpoint: a file for a resumable checkpoint; a run with the same settings resumes from it.
-            It is deleted once the student is saved.
-        progress: called as ``progress(step, total_steps, loss)`` while training.
+            It is deleted once the student is saved, unless ``keep_checkpoint`` (the convert pipeline
+            keeps the finished student there until its artifact is written, so a kill in export resumes).
+        progress: called as ``progress(done, total, loss)``: texts through the teacher (``loss`` None),
+            then training steps.
+        teacher_artifact: the teacher as a slimml artifact (float); ``None``: converted here, in a
+            temporary folder.
+        cache_dir: where the teacher's outputs are cached; ``None``: beside ``checkpoint`` (or temporary).
+        on_step: called with a short description as each phase starts.
 
     Returns:
         The manifest step records, e.g. ``[{"step": "distill", "layers": 3, ...}, {"step": "prune", ...}]``.
@@ -138,21 +182,54 @@ def shrink(
     Example:
         >>> shrink(default_model_dir(), "student", DistillConfig(layers=3), PruneConfig(0.5))
     """
+    import tempfile
+
     teacher_dir, out_dir = Path(teacher_dir), Path(out_dir)
     distill = distill or DistillConfig()
     if distill.layers is None and prune is None:
         raise ConfigError("nothing to do: give --distill-layers N, --prune F, or both.")
     facts = check(teacher_dir, distill, prune)
+    say = on_step or (lambda msg: None)
+    with tempfile.TemporaryDirectory(prefix="slimml-teacher-") as scratch:
+        if teacher_artifact is None:
+            from slimml.convert.pipeline import ConvertConfig, convert
+
+            say("converting the teacher")
+            teacher_artifact = convert(teacher_dir, Path(scratch) / "teacher",
+                                       ConvertConfig(verify=False, measure_latency=False)).out
+        if cache_dir is None:
+            cache_dir = Path(checkpoint).with_suffix(".teacher-cache") if checkpoint is not None else Path(scratch) / "cache"
+        steps = _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, Path(teacher_artifact),
+                        Path(cache_dir), say)
+    if checkpoint is not None and not keep_checkpoint:
+        Path(checkpoint).unlink(missing_ok=True)
+    return steps
+
+
+def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, teacher_artifact, cache_dir, say):
+    from slimml.convert.teacher import check_budget, teacher_outputs
+
     t0 = time.perf_counter()
-    teacher, kind, _ = load_teacher(teacher_dir)
+    check_budget(teacher_artifact, distill.teacher_memory_budget)  # before anything trains
+    kind = facts["kind"]
     epochs = distill.epochs if distill.epochs is not None else (3.0 if distill.layers else 1.0)
     fingerprint = _fingerprint(teacher_dir, distill, prune, epochs, facts["texts"])
-    state = _load_checkpoint(checkpoint, fingerprint)
-    trainer = Trainer(teacher, kind, teacher_dir, facts["texts"], distill, state and state.get("targets"))
+    trainer = Trainer(kind, teacher_dir, facts["texts"], distill)
+    say("running the teacher")
+    mem0 = _peak_rss()
+    targets = teacher_outputs(teacher_artifact, kind, trainer.ids, trainer.pad_id, cache_dir,
+                              distill.teacher_memory_budget, distill.teacher_top_k,
+                              None if progress is None else (lambda done, total: progress(done, total, None)))
+    teacher_peak = _peak_rss()
+    trainer.use(targets)
+    state = _load_checkpoint(checkpoint, fingerprint, targets.sha256)
     kept_layers = evenly_spaced(facts["teacher_layers"], distill.layers) if distill.layers else list(range(facts["teacher_layers"]))
-    student = trainer.student(kept_layers)
-    teacher_params = _params(teacher)
+    _check_training_fits(teacher_dir, kept_layers)
+    say("training the student")
+    student = build_student(teacher_dir, facts["model_class"], kept_layers)
+    teacher_params = _teacher_params(teacher_dir, facts["config"])
     distilled_params = _params(student)
+    start_loss = trainer.heldout_loss(student) if state is None else state.get("heldout_start")
     # Distil first, prune second: importance measured on a student that already works picks better
     # heads and neurons than importance measured on the freshly cut copy.
     pre_epochs = distill.pre_prune_epochs if (distill.layers and prune is not None) else 0.0
@@ -164,9 +241,10 @@ def shrink(
     def saver(phase_name: str) -> Callable[[int, dict], None]:
         def save(step: int, optim_state: dict) -> None:
             if checkpoint is not None:
-                _save_checkpoint(Path(checkpoint), {"fingerprint": fingerprint, "phase": phase_name, "plan": plan,
-                                                    "step": step, "student": student.state_dict(),
-                                                    "optim": optim_state, "targets": trainer.targets})
+                _save_checkpoint(Path(checkpoint), {"fingerprint": fingerprint, "teacher_cache": targets.sha256,
+                                                    "phase": phase_name, "plan": plan, "step": step,
+                                                    "student": student.state_dict(), "optim": optim_state,
+                                                    "heldout_start": start_loss})
         return save
 
     def shown(offset: int) -> Callable[[int, float], None] | None:
@@ -182,37 +260,128 @@ def shrink(
             plan = pruning.plan(student, prune, *scores)
             if prune.vocab and prune_vocab.is_wordpiece(teacher_dir) and student.get_output_embeddings() is None:
                 used = {i for s in trainer.ids for i in s}
-                plan["vocab"] = prune_vocab.plan(teacher_dir, used, prune.fraction)
+                plan["vocab"] = prune_vocab.plan(teacher_dir, used, prune.vocab_share)
         pruning.apply_plan(student, plan)
         if plan.get("vocab"):
             remap = prune_vocab.apply(student, plan["vocab"])
             trainer.renumber(remap)
     first_epoch = max(1, math.ceil(pre_epochs)) if pre_steps else 0
-    result = trainer.train(student, main_steps, state, saver("main"), shown(pre_steps), first_epoch=first_epoch)
-    if pre is not None:  # where this run started, in steps of the whole training
-        result["resumed_at"] = pre["resumed_at"]
-    elif result["resumed_at"]:
-        result["resumed_at"] += pre_steps
+    if phase == "done":  # a run killed after training: the finished student is in the checkpoint
+        student.load_state_dict(state["student"])
+        result = dict(state["result"], resumed_at=pre_steps + main_steps)  # nothing left to train
+    else:
+        result = trainer.train(student, main_steps, state, saver("main"), shown(pre_steps), first_epoch=first_epoch)
+        result["precision"] = trainer.precision
+        result["precision_ms"] = trainer.precision_ms
+        result["heldout_end"] = trainer.heldout_loss(student)
+        result["peak_rss"] = _peak_rss()
+        if pre is not None:  # where this run started, in steps of the whole training
+            result["resumed_at"] = pre["resumed_at"]
+        elif result["resumed_at"]:
+            result["resumed_at"] += pre_steps
+        if checkpoint is not None:
+            _save_checkpoint(Path(checkpoint), {"fingerprint": fingerprint, "teacher_cache": targets.sha256,
+                                                "phase": "done", "plan": plan, "step": main_steps,
+                                                "student": student.state_dict(), "result": result,
+                                                "heldout_start": start_loss})
     _save_student(student, teacher_dir, out_dir)
     if prune is not None and plan.get("vocab"):
         prune_vocab.write_tokenizer(teacher_dir, out_dir, remap)
-    if checkpoint is not None:
-        Path(checkpoint).unlink(missing_ok=True)
     seconds = round(time.perf_counter() - t0, 1)
+    teacher = {"teacher_pass": {"budget": distill.teacher_memory_budget, "batches": targets.stats["teacher_batches"],
+                                "batch_texts": targets.stats["batch_texts"], "seconds": targets.stats["teacher_seconds"],
+                                "peak_rss_mb": round(teacher_peak / 1e6, 1), "rss_before_mb": round(mem0 / 1e6, 1),
+                                "cache_mb": round(targets.bytes / 1e6, 2), "cache_sha256": targets.sha256,
+                                "from_cache": not targets.stats["computed"], "rebuilt_because": targets.rebuilt,
+                                "teacher_passes_saved": _passes_saved(epochs, pre_epochs, targets.stats["computed"])}}
+    train = {"precision": result.get("precision"), "precision_ms": result.get("precision_ms"),
+             "grad_accum": distill.grad_accum, "effective_batch": distill.grad_accum * distill.batch_size,
+             "checkpointing": distill.checkpointing, "train_seconds": result.get("seconds"),
+             "peak_rss_mb": round((result.get("peak_rss") or 0) / 1e6, 1),
+             "heldout_texts": len(trainer.heldout), "heldout_loss_start": _round(start_loss),
+             "heldout_loss_end": _round(result.get("heldout_end"))}
     common = {"data": facts["origin"], "texts": len(facts["texts"]), "epochs": epochs, "steps": pre_steps + result["steps"],
-              "final_loss": round(result["loss"], 6), "resumed_at_step": result["resumed_at"], "seconds": seconds}
+              "final_loss": round(result["loss"], 6), "resumed_at_step": result["resumed_at"], "seconds": seconds,
+              **teacher, "training": train}
     steps = []
     if distill.layers:
         steps.append({"step": "distill", "objective": kind, "teacher_layers": facts["teacher_layers"],
                       "layers": distill.layers, "kept_teacher_layers": kept_layers,
                       "teacher_params": teacher_params, "student_params": distilled_params, **common})
     if prune is not None:
-        steps.append({"step": "prune", "method": "taylor-first-order", **asdict(prune),
-                      "heads_per_layer": len(plan["heads"][0]), "ffn_per_layer": len(plan["ffn"][0]),
+        steps.append({"step": "prune", "method": "taylor-first-order", **asdict(prune), **pruning.describe(student, plan),
                       "vocab_size": len(plan["vocab"]) if plan.get("vocab") else student.config.vocab_size,
                       "teacher_params": teacher_params, "student_params": _params(student), "trained_before_pruning": {"epochs": pre_epochs, "steps": pre_steps},
                       **({} if distill.layers else common)})
     return steps
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(float(x), 6)
+
+
+def _passes_saved(epochs: float, pre_epochs: float, computed: bool) -> float:
+    """Teacher passes over the data that the cache replaced: one per epoch, less the one that filled it."""
+    return round(epochs + pre_epochs - (1 if computed else 0), 2)
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _check_training_fits(folder: Path, kept_layers: list[int]) -> None:
+    """Refuse, before building it, a student whose training state alone exceeds the memory available.
+
+    fp32 AdamW keeps the weights (4 bytes a parameter) and, for each trained parameter, its gradient
+    and two moments (12 bytes more); the token embeddings are frozen. Past that, only offloading the
+    optimizer state (DeepSpeed's ZeRO-Offload) or a smaller student helps; slimml does not offload.
+    """
+    import re
+
+    from slimml.convert.weights import open_weights
+    from slimml.runtime.budget import available_memory
+
+    weights = open_weights(folder)
+    layer = re.compile(r"\.(?:layers?|h|block)\.(\d+)\.")
+    kept = set(kept_layers)
+    total = frozen = 0
+    for name in weights.names():
+        m = layer.search(name)
+        if m and int(m.group(1)) not in kept:
+            continue
+        n = 1
+        for d in weights.shape(name):
+            n *= d
+        total += n
+        frozen += n if "embed_tokens" in name or "word_embeddings" in name else 0
+    need = 4 * total + 12 * (total - frozen)
+    room = available_memory()
+    if need > room:
+        raise ConfigError(
+            f"the student's training state (fp32 weights, gradients and AdamW moments of {total / 1e6:.0f}M parameters: "
+            f"{need / 1e9:.1f} GB) does not fit in the {room / 1e9:.1f} GB available. Keep fewer layers "
+            "(--distill-layers), prune (--prune), or train it with optimizer-state offload (DeepSpeed ZeRO-Offload), "
+            "which slimml does not do."
+        )
+
+
+def _teacher_params(folder: Path, config: Any) -> int:
+    """The teacher's parameter count from its checkpoint's tensor shapes (nothing is loaded)."""
+    from slimml.convert.weights import open_weights
+
+    weights = open_weights(folder)
+    total = 0
+    for name in weights.names():
+        if name.endswith(("position_ids", "inv_freq", "token_type_ids")):
+            continue
+        shape = weights.shape(name)
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return int(total)
 
 
 def _params(model: Any) -> int:
@@ -237,14 +406,15 @@ def _save_student(student: Any, teacher_dir: Path, out_dir: Path) -> None:
 def _fingerprint(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None, epochs: float, texts: list[str]) -> str:
     h = hashlib.sha256()
     h.update(str(teacher_dir.resolve()).encode())
-    h.update(json.dumps({**asdict(distill), "data": str(distill.data), "epochs": epochs,
+    settings = {k: v for k, v in asdict(distill).items() if k not in ("teacher_memory_budget", "checkpoint_every")}
+    h.update(json.dumps({**settings, "data": str(distill.data), "epochs": epochs,
                          "prune": asdict(prune) if prune else None}, sort_keys=True).encode())
     for t in texts:
         h.update(t.encode())
     return h.hexdigest()
 
 
-def _load_checkpoint(path: str | os.PathLike | None, fingerprint: str) -> dict[str, Any] | None:
+def _load_checkpoint(path: str | os.PathLike | None, fingerprint: str, cache_sha: str) -> dict[str, Any] | None:
     import torch
 
     if path is None or not Path(path).is_file():
@@ -253,7 +423,9 @@ def _load_checkpoint(path: str | os.PathLike | None, fingerprint: str) -> dict[s
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception:
         return None  # a torn checkpoint from a killed run: start over
-    return state if isinstance(state, dict) and state.get("fingerprint") == fingerprint else None
+    if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
+        return None
+    return state if state.get("teacher_cache") == cache_sha else None  # targets rebuilt: train again on them
 
 
 def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:

@@ -18,6 +18,7 @@ from slimml.convert.sources import Source, max_seq_length, sentence_transformers
 from slimml.errors import ExportError, SourceError
 
 TOKENIZER_FILE = "tokenizer.json"
+EXPORTERS = ("auto", "optimum", "layerwise")
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
@@ -29,15 +30,22 @@ class ExportConfig:
         opset: ONNX opset (default: optimum's choice for HF models, 17 for torch modules).
         task: Hugging Face task, or ``"auto"`` to infer it from the model's config.
         dynamic_batch: make dim 0 of every torch-module input and output dynamic.
+        exporter: for Hugging Face folders, ``"optimum"`` (the model is traced whole, so it must
+            fit in memory), ``"layerwise"`` (a Llama-family decoder, one layer in memory at a time:
+            ``convert.layerwise``) or ``"auto"``: layerwise when the weights take more than a third
+            of the memory available, optimum otherwise.
     """
 
     opset: int | None = None
     task: str = "auto"
     dynamic_batch: bool = True
+    exporter: str = "auto"
 
     def __post_init__(self):
         if self.opset is not None and not 11 <= self.opset <= 23:
             raise SourceError(f"opset {self.opset} is outside what slimml supports (11..23); use 17 if unsure.")
+        if self.exporter not in EXPORTERS:
+            raise SourceError(f"unknown exporter {self.exporter!r}; use one of {', '.join(EXPORTERS)}.")
 
 
 @dataclass
@@ -53,6 +61,7 @@ class Exported:
     labels: list[str] | None = None  # class names by output index, from the config's id2label
     graphs: dict[str, Path] = field(default_factory=dict)  # an encoder-decoder's graphs, by component name
     seq2seq: dict[str, Any] | None = None  # how its generation starts and stops (see runtime.seq2seq)
+    layerwise: dict[str, Any] | None = None  # {"template", "folder", "depth"}: onnx_path is a 3-layer template
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -68,7 +77,34 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
         return _export_onnx_file(source, work_dir)
     if source.kind == "torch":
         return _export_module(source, work_dir, config)
+    if _layerwise(source.path, config):
+        return _export_layerwise(source, work_dir, config)
     return _export_huggingface(source, work_dir, config)
+
+
+def _layerwise(folder: Path, config: ExportConfig) -> bool:
+    from slimml.convert.layerwise import can_export_layerwise, check_layerwise_request
+    from slimml.convert.weights import weight_bytes
+    from slimml.runtime.budget import available_memory
+
+    if config.exporter == "layerwise":
+        check_layerwise_request(folder, config.task)
+        return True
+    return (config.exporter == "auto" and config.task in ("auto", "text-generation") and can_export_layerwise(folder)
+            and weight_bytes(folder) * 3 > available_memory())
+
+
+def _export_layerwise(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
+    """Export a three-layer template of ``source``; ``convert.layerwise`` writes the real shards from it."""
+    from slimml.convert.layerwise import make_template
+
+    template = work_dir / "template"
+    depth = make_template(source.path, template)
+    exported = _export_huggingface(Source(kind="huggingface", name=source.name, path=template), work_dir,
+                                   ExportConfig(opset=config.opset, task="text-generation", exporter="optimum"))
+    exported.layerwise = {"template": template, "folder": source.path, "depth": depth}
+    exported.info = {"hf_task": "text-generation", **_config_facts(source.path), "exporter": "layerwise"}
+    return exported
 
 
 def _export_onnx_file(source: Source, work_dir: Path) -> Exported:

@@ -17,6 +17,7 @@ import slimml
 from slimml.convert.check_seq2seq import check_seq2seq
 from slimml.convert.distill import DistillConfig
 from slimml.convert.export import ExportConfig, Exported, export
+from slimml.convert.layerwise import write_layerwise
 from slimml.convert.prune import PruneConfig
 from slimml.convert.reference import reference_for
 from slimml.convert.shard import ShardConfig, shard
@@ -141,12 +142,16 @@ def convert(
     with _one_line_errors(src.name, current), atomic_folder(out) as tmp:  # disk errors: atomic_folder words them
         teacher, shrunk = src, []
         if config.distill is not None or config.prune is not None:
-            src, shrunk = _shrink(src, out, tmp / ".work" / "student", config, step, on_progress)
+            src, shrunk = _shrink(src, out, tmp / ".work", config, step, on_progress)
         step("exporting to ONNX")
         exported = export(src, tmp / ".work", config.export)
         step("splitting into shards")
         parts, zero_shot = split_towers(exported.onnx_path, src.path if src.kind == "huggingface" else None)
-        if exported.graphs:  # an encoder-decoder: encoder, decoder and decoder with past, each a component
+        if exported.layerwise:  # a decoder too big to trace whole: its shards are written layer by layer
+            lw = exported.layerwise
+            chains = {None: (exported.onnx_path, write_layerwise(exported.onnx_path, lw["template"], lw["folder"],
+                                                                  lw["depth"], tmp / ".work", tmp))}
+        elif exported.graphs:  # an encoder-decoder: encoder, decoder and decoder with past, each a component
             # both decoders in one folder, so the one with past can read the other's data files
             places = {"encoder": ("encoder", "shard"), "decoder": ("decoder", "shard"), "decoder_with_past": ("decoder", "past")}
             chains = {n: (path, _shard_into(path, tmp, *places[n], config.shard)) for n, path in exported.graphs.items()}
@@ -163,6 +168,8 @@ def convert(
             step("checking against the original model")
             if manifest.seq2seq:
                 manifest.checks = check_seq2seq(tmp, manifest, src, exported, SAMPLE_TEXTS)
+            elif exported.layerwise:
+                manifest.checks = verify_layerwise(tmp, manifest, exported)
             else:
                 manifest.checks = verify(tmp, manifest, src, exported)
         else:
@@ -172,7 +179,8 @@ def convert(
         against = None
         if shrunk and (config.measure_latency or config.compare_on is not None):
             step("comparing with the teacher")
-            against = _against_teacher(teacher, tmp, manifest, config.compare_on)
+            against = _against_teacher(out, tmp, manifest, config.compare_on,
+                                       config.distill.teacher_memory_budget if config.distill else None)
             manifest.checks["vs_teacher"] = against
         latency = None
         if config.measure_latency and not manifest.seq2seq:  # an encoder-decoder's speed is per token: bench generate
@@ -185,6 +193,10 @@ def convert(
             del model
         manifest.write(tmp)
         shutil.rmtree(tmp / ".work", ignore_errors=True)
+    if shrunk:  # the artifact is in place: the student's checkpoint and the teacher's cache are done with
+        checkpoint, cache, teacher_art = _resume_files(out)
+        for leftover in (checkpoint, cache, teacher_art, teacher_art.with_name(teacher_art.name + ".source")):
+            shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink(missing_ok=True)
     return ConvertReport(
         out=out, name=manifest.name, task=manifest.task, shards=manifest.shard_count,
         size_mb=manifest.total_bytes / 1e6, checks=manifest.checks, latency_ms=latency,
@@ -208,15 +220,18 @@ def _one_line_errors(name: str, current: list[str]):
         ) from e
 
 
-def _against_teacher(teacher: Source, tmp: Path, manifest: Manifest, sts_file: Any) -> dict[str, Any]:
-    """Convert the teacher (float, no checks) beside the student and compare the two."""
+def _against_teacher(out: Path, tmp: Path, manifest: Manifest, sts_file: Any,
+                     teacher_budget: int | str | None = None) -> dict[str, Any]:
+    """Compare the student in ``tmp`` with the teacher's artifact (float) converted for distillation."""
     from slimml.convert.compare import compare, student_params
 
     manifest.write(tmp)
-    report = convert(teacher.path, tmp / ".work" / "teacher", ConvertConfig(verify=False, measure_latency=False))
-    t_model, s_model = load(report.out, device="cpu"), load(tmp, device="cpu")
-    try:
-        return compare(t_model, s_model, *student_params(manifest.steps), sts_file=sts_file)
+    budget = teacher_budget
+    t_model = load(_resume_files(out)[2], device="cpu", memory_budget=budget)  # streamed as in distillation
+    s_model = load(tmp, device="cpu")
+    try:  # a streamed teacher reads all its shards each run: fewer rounds
+        return compare(t_model, s_model, *student_params(manifest.steps), sts_file=sts_file,
+                       rounds=20 if budget is None else 3)
     finally:
         t_model.close()
         s_model.close()
@@ -228,20 +243,55 @@ def _student_suffix(config: ConvertConfig) -> str:
     return suffix + (f"-p{round(config.prune.fraction * 100):02d}" if config.prune is not None else "")
 
 
-def _shrink(src: Source, out: Path, student_dir: Path, config: ConvertConfig, step, on_progress):
-    """Distil and/or prune a Hugging Face source into a student folder; the student is the new source."""
-    from slimml.convert.distill import shrink
+def _shrink(src: Source, out: Path, work: Path, config: ConvertConfig, step, on_progress):
+    """Distil and/or prune a Hugging Face source into a student folder; the student is the new source.
+
+    The teacher is converted first (float, unchecked) into ``work/teacher``: its outputs for the
+    distillation data come from that artifact through the runtime, streamed under
+    ``distill.teacher_memory_budget``, and the report compares the student with it.
+    """
+    from slimml.convert.distill import check, shrink
 
     if src.kind != "huggingface":
         raise ConfigError(
             f"--distill-layers and --prune need a Hugging Face model folder (or no SOURCE for the default model); "
             f"{src.name} is a {src.kind} source."
         )
+    distill = config.distill or DistillConfig()
+    check(src.path, distill, config.prune)  # a bad request fails before the teacher is converted
+    checkpoint, cache, teacher_art = _resume_files(out)  # outside the temp dir: they survive a kill
+    stamp = teacher_art.with_name(teacher_art.name + ".source")
+    fingerprint = _folder_fingerprint(src.path)
+    if not (teacher_art.is_dir() and stamp.is_file() and stamp.read_text() == fingerprint):
+        step("converting the teacher")
+        stamp.unlink(missing_ok=True)
+        convert(src.path, teacher_art, ConvertConfig(export=ExportConfig(opset=config.export.opset), verify=False,
+                                                     measure_latency=False))
+        stamp.write_text(fingerprint)
     what = " and ".join(w for w, c in (("distilling", config.distill and config.distill.layers), ("pruning", config.prune)) if c)
     step(what)
-    checkpoint = out.parent / f".{out.name}.distill-checkpoint.pt"  # outside the temp dir: survives a kill
-    steps = shrink(src.path, student_dir, config.distill, config.prune, checkpoint=checkpoint, progress=on_progress)
-    return Source(kind="huggingface", name=src.name, path=student_dir, extra=src.extra), steps
+    steps = shrink(src.path, work / "student", config.distill, config.prune, checkpoint=checkpoint, progress=on_progress,
+                   teacher_artifact=teacher_art, cache_dir=cache, on_step=step, keep_checkpoint=True)
+    return Source(kind="huggingface", name=src.name, path=work / "student", extra=src.extra), steps
+
+
+def _resume_files(out: Path) -> tuple[Path, Path, Path]:
+    """The student's checkpoint, the teacher's output cache and the teacher's artifact of a convert into
+    ``out``: kept beside it until the convert completes, so a killed run resumes where it stopped."""
+    return (out.parent / f".{out.name}.distill-checkpoint.pt", out.parent / f".{out.name}.teacher-cache",
+            out.parent / f".{out.name}.teacher")
+
+
+def _folder_fingerprint(folder: Path) -> str:
+    """Names, sizes and modification times of a model folder's files: a changed teacher is converted again."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            st = p.stat()
+            h.update(f"{p.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
 
 
 def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) -> dict[str, Any]:
@@ -280,6 +330,19 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
         ours = model.encode(SAMPLE_TEXTS)
         checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
     return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
+
+
+def verify_layerwise(folder: Path, manifest: Manifest, exported: Exported) -> dict[str, Any]:
+    """A layer-by-layer export against the torch model run layer by layer (neither holds the whole model)."""
+    from slimml.convert.layerwise import streamed_reference
+
+    feeds = _check_feeds(folder, manifest)
+    want = streamed_reference(exported.layerwise["folder"])(feeds)["logits"]
+    model = load(folder, device="cpu")
+    got = model.run(feeds)["logits"]
+    model.close()
+    return {"max_abs_diff_vs_torch": round(float(np.abs(got - want).max()), 8),
+            "cosine_vs_torch": round(_min_cosine(got, want), 8), "reference": "torch, layer by layer"}
 
 
 def _quantize_step(tmp: Path, manifest: Manifest, qconfig: Any, step: Callable[[str], None]) -> Manifest:
@@ -364,7 +427,8 @@ def _write_manifest(folder: Path, src: Source, exported: Exported, chains: dict,
         task=exported.task,
         source=src.describe() | exported.info,
         steps=[
-            {"step": "export", "exporter": _exporter(src), **{k: v for k, v in asdict(config.export).items() if v is not None}},
+            {"step": "export", **{k: v for k, v in asdict(config.export).items() if v is not None},
+             "exporter": "layerwise (optimum-onnx template)" if exported.layerwise else _exporter(src)},
             {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None},
              "shards": sum(len(specs) for _, specs in chains.values())},
         ],

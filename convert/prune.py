@@ -14,9 +14,11 @@ from typing import Any
 
 from slimml.errors import ConfigError
 
-# model_type -> how its layers are laid out. BERT-like encoders share module names.
+# model_type -> how its layers are laid out. BERT-like encoders share module names; Llama-family
+# decoders group their query heads around shared key-value heads (grouped-query attention).
 BERT_LIKE = ("bert", "roberta", "xlm-roberta", "electra", "camembert")
-
+LLAMA_LIKE = ("llama", "mistral", "qwen2")
+VOCAB_DEFAULT_MAX = 0.5
 
 @dataclass
 class PruneConfig:
@@ -28,8 +30,10 @@ class PruneConfig:
         heads: prune attention heads.
         ffn: prune FFN intermediate neurons.
         importance_batches: batches of distillation data the importance scores are summed over.
-        vocab: also prune the rarest ``fraction`` of a WordPiece vocabulary (``convert.prune_vocab``):
+        vocab: also prune the rarest tokens of a WordPiece vocabulary (``convert.prune_vocab``):
             the token embedding is most of a small encoder's bytes. Tokens the data uses are kept.
+        vocab_fraction: the share of the vocabulary removed; ``None``: ``fraction``, at most
+            ``VOCAB_DEFAULT_MAX`` (text unlike the distillation data needs the words it uses).
     """
 
     fraction: float = 0.5
@@ -37,6 +41,11 @@ class PruneConfig:
     ffn: bool = True
     importance_batches: int = 16
     vocab: bool = True
+    vocab_fraction: float | None = None
+
+    @property
+    def vocab_share(self) -> float:
+        return self.vocab_fraction if self.vocab_fraction is not None else min(self.fraction, VOCAB_DEFAULT_MAX)
 
     def __post_init__(self):
         if not 0.0 < float(self.fraction) < 1.0:
@@ -50,34 +59,69 @@ class PruneConfig:
             raise ConfigError(f"importance_batches must be >= 1 (got {self.importance_batches}).")
 
 
-def check_prunable(config: Any) -> None:
-    """Raise before any work if the pruner does not know this architecture."""
+def check_prunable(config: Any, prune: PruneConfig | None = None) -> None:
+    """Raise before any work if the pruner does not know this architecture, or the ratio empties a layer."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in BERT_LIKE:
+    if model_type not in BERT_LIKE + LLAMA_LIKE:
         raise ConfigError(
             f"--prune does not support the architecture {model_type!r} (it knows the BERT-like encoders "
-            f"{', '.join(BERT_LIKE)}). Leave --prune out; --distill-layers alone works for this model."
+            f"{', '.join(BERT_LIKE)} and the decoders {', '.join(LLAMA_LIKE)}). Leave --prune out; --distill-layers "
+            "alone works for this model."
         )
+    if prune is not None and model_type in LLAMA_LIKE and prune.heads:
+        groups = _kv_heads(config)
+        if round(groups * (1 - prune.fraction)) < 1:
+            per = config.num_attention_heads // groups
+            most = 1 - 0.5 / groups
+            raise ConfigError(
+                f"--prune {prune.fraction} would leave every layer with no attention heads: this model has {groups} "
+                f"key-value group(s) of {per} query heads, and pruning removes whole groups to keep grouped-query "
+                f"attention consistent. Give --prune below {most:.2f}."
+            )
+
+
+def _kv_heads(config: Any) -> int:
+    return int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+
+
+def _is_decoder(model: Any) -> bool:
+    return getattr(model.config, "model_type", None) in LLAMA_LIKE
 
 
 def encoder_layers(model: Any) -> Any:
-    """The list of transformer blocks of a BERT-like model, head or not."""
-    return model.base_model.encoder.layer
+    """The list of transformer blocks of a BERT-like encoder or a Llama-family decoder, head or not."""
+    base = model.base_model
+    return base.layers if _is_decoder(model) else base.encoder.layer
 
 
 def kept_counts(config: Any, prune: PruneConfig) -> tuple[int, int]:
-    """Heads and FFN neurons each layer keeps (at least one of each)."""
-    heads = config.num_attention_heads
+    """Head groups and FFN neurons each layer keeps (a group is one head in an encoder, one KV group in a decoder)."""
+    decoder = getattr(config, "model_type", None) in LLAMA_LIKE
+    groups = _kv_heads(config) if decoder else config.num_attention_heads
     inter = config.intermediate_size
-    keep_heads = max(1, round(heads * (1 - prune.fraction))) if prune.heads else heads
+    keep_groups = max(1, round(groups * (1 - prune.fraction))) if prune.heads else groups
     keep_ffn = max(1, round(inter * (1 - prune.fraction))) if prune.ffn else inter
-    return keep_heads, keep_ffn
+    return keep_groups, keep_ffn
+
+
+def _taylor(lin: Any, dim: int) -> Any:
+    """|w * dL/dw| summed per output row (dim 0) or per input column (dim 1), bias included for rows."""
+    t = (lin.weight * lin.weight.grad).abs().sum(1 - dim)
+    if dim == 0 and lin.bias is not None:
+        t = t + (lin.bias * lin.bias.grad).abs()
+    return t
+
+
+def _head_dim(model: Any) -> int:
+    c = model.config
+    return int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
 
 
 def importance(model: Any, batches: list[Any], loss_fn) -> tuple[list[Any], list[Any]]:
-    """Per-layer head scores (L lists of n_heads) and FFN neuron scores (L lists of intermediate_size).
+    """Per-layer head-group scores and FFN neuron scores (one list per layer each).
 
     ``loss_fn(model, batch)`` returns the distillation loss; its gradients are summed over ``batches``.
+    In a decoder a group is a key-value head with the query heads that share it.
     """
     import torch
 
@@ -86,35 +130,48 @@ def importance(model: Any, batches: list[Any], loss_fn) -> tuple[list[Any], list
     for batch in batches:
         loss_fn(model, batch).backward()
     heads_scores, ffn_scores = [], []
+    decoder = _is_decoder(model)
     with torch.no_grad():
         for layer in encoder_layers(model):
+            if decoder:
+                att, mlp = layer.self_attn, layer.mlp
+                d, groups = _head_dim(model), _kv_heads(model.config)
+                q = (_taylor(att.q_proj, 0) + _taylor(att.o_proj, 1)).view(groups, -1).sum(1)
+                kv = (_taylor(att.k_proj, 0) + _taylor(att.v_proj, 0)).view(groups, d).sum(1)
+                heads_scores.append(q + kv)
+                ffn_scores.append(_taylor(mlp.gate_proj, 0) + _taylor(mlp.up_proj, 0) + _taylor(mlp.down_proj, 1))
+                continue
             att = layer.attention.self
-            n, d = att.num_attention_heads, att.attention_head_size
-            score = torch.zeros(n)
-            for lin in (att.query, att.key, att.value):  # rows = outputs, grouped by head
-                t = (lin.weight * lin.weight.grad).abs().sum(1) + (lin.bias * lin.bias.grad).abs()
-                score += t.view(n, d).sum(1)
-            out = layer.attention.output.dense  # columns = inputs, grouped by head
-            score += (out.weight * out.weight.grad).abs().sum(0).view(n, d).sum(1)
+            n = att.num_attention_heads
+            score = sum(_taylor(lin, 0) for lin in (att.query, att.key, att.value)).view(n, -1).sum(1)
+            score += _taylor(layer.attention.output.dense, 1).view(n, -1).sum(1)
             heads_scores.append(score)
-            up, down = layer.intermediate.dense, layer.output.dense
-            neuron = (up.weight * up.weight.grad).abs().sum(1) + (up.bias * up.bias.grad).abs()
-            neuron += (down.weight * down.weight.grad).abs().sum(0)
-            ffn_scores.append(neuron)
+            ffn_scores.append(_taylor(layer.intermediate.dense, 0) + _taylor(layer.output.dense, 1))
     model.zero_grad(set_to_none=True)
     return heads_scores, ffn_scores
 
 
 def plan(model: Any, prune: PruneConfig, heads_scores, ffn_scores) -> dict[str, Any]:
-    """Which heads and neurons each layer keeps: ``{"heads": [[...], ...], "ffn": [[...], ...]}``."""
+    """Which head groups and neurons each layer keeps: ``{"heads": [[...], ...], "ffn": [[...], ...]}``."""
     keep_h, keep_f = kept_counts(model.config, prune)
     heads = [sorted(s.argsort(descending=True)[:keep_h].tolist()) for s in heads_scores]
     ffn = [sorted(s.argsort(descending=True)[:keep_f].tolist()) for s in ffn_scores]
     return {"heads": heads, "ffn": ffn}
 
 
+def describe(model: Any, kept: dict[str, Any]) -> dict[str, int]:
+    """What each layer keeps, for the report."""
+    if _is_decoder(model):
+        return {"heads_per_layer": model.config.num_attention_heads, "kv_heads_per_layer": model.config.num_key_value_heads,
+                "ffn_per_layer": len(kept["ffn"][0])}
+    return {"heads_per_layer": len(kept["heads"][0]), "ffn_per_layer": len(kept["ffn"][0])}
+
+
 def apply_plan(model: Any, kept: dict[str, Any]) -> None:
     """Physically remove the heads and neurons not in ``kept`` (in place)."""
+    if _is_decoder(model):
+        _apply_decoder(model, kept)
+        return
     import torch
 
     n_heads = model.config.num_attention_heads
@@ -122,12 +179,38 @@ def apply_plan(model: Any, kept: dict[str, Any]) -> None:
     to_prune = {i: h for i, h in to_prune.items() if h}
     if to_prune:
         model.prune_heads(to_prune)  # transformers slices Q, K, V rows and the output columns
-    layers = encoder_layers(model)
-    for layer, neurons in zip(layers, kept["ffn"]):
+    for layer, neurons in zip(encoder_layers(model), kept["ffn"]):
         idx = torch.tensor(neurons, dtype=torch.long)
         layer.intermediate.dense = _slice_linear(layer.intermediate.dense, idx, dim=0)
         layer.output.dense = _slice_linear(layer.output.dense, idx, dim=1)
     model.config.intermediate_size = len(kept["ffn"][0])
+
+
+def _apply_decoder(model: Any, kept: dict[str, Any]) -> None:
+    """Keep whole key-value groups (their K and V heads and every query head reading them) and MLP neurons."""
+    import torch
+
+    config = model.config
+    d, groups = _head_dim(model), _kv_heads(config)
+    per = config.num_attention_heads // groups
+    for layer, keep_groups, neurons in zip(encoder_layers(model), kept["heads"], kept["ffn"]):
+        att, mlp = layer.self_attn, layer.mlp
+        q_rows = torch.tensor([g * per * d + r for g in keep_groups for r in range(per * d)], dtype=torch.long)
+        kv_rows = torch.tensor([g * d + r for g in keep_groups for r in range(d)], dtype=torch.long)
+        att.q_proj = _slice_linear(att.q_proj, q_rows, dim=0)
+        att.k_proj = _slice_linear(att.k_proj, kv_rows, dim=0)
+        att.v_proj = _slice_linear(att.v_proj, kv_rows, dim=0)
+        att.o_proj = _slice_linear(att.o_proj, q_rows, dim=1)
+        idx = torch.tensor(neurons, dtype=torch.long)
+        mlp.gate_proj = _slice_linear(mlp.gate_proj, idx, dim=0)
+        mlp.up_proj = _slice_linear(mlp.up_proj, idx, dim=0)
+        mlp.down_proj = _slice_linear(mlp.down_proj, idx, dim=1)
+        mlp.intermediate_size = len(neurons)
+    kept_groups = len(kept["heads"][0])
+    config.head_dim = d  # no longer hidden_size / heads
+    config.num_attention_heads = kept_groups * per
+    config.num_key_value_heads = kept_groups
+    config.intermediate_size = len(kept["ffn"][0])
 
 
 def _slice_linear(lin: Any, idx: Any, dim: int) -> Any:

@@ -41,6 +41,66 @@ def parse_bytes(value: int | float | str) -> int:
     return n
 
 
+def available_memory() -> int:
+    """Bytes this process may still use: MemAvailable, or less under a memory cgroup's limit."""
+    import os
+
+    avail = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit, usage in _cgroup_files():
+        try:
+            cap = open(limit).read().strip()
+            used = int(open(usage).read().strip())
+        except (OSError, ValueError):
+            continue
+        if cap.isdigit() and int(cap) < 1 << 60:
+            free = int(cap) - used + _reclaimable(usage)  # page cache the kernel drops under pressure
+            avail = free if avail is None else min(avail, free)
+    if avail is None:
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return max(0, avail)
+
+
+def _reclaimable(usage_file: str) -> int:
+    """Clean page cache of the cgroup whose usage file is ``usage_file``: counted in its usage, but the
+    kernel drops it when a process of the group needs the memory."""
+    import os
+
+    try:
+        stat = open(os.path.join(os.path.dirname(usage_file), "memory.stat")).read().split("\n")
+    except OSError:
+        return 0
+    values = dict(line.split() for line in stat if len(line.split()) == 2)
+    if "total_cache" in values:  # cgroup v1
+        keys = ("total_cache", "total_dirty", "total_writeback", "total_mapped_file")
+    else:  # cgroup v2
+        keys = ("file", "file_dirty", "file_writeback", "file_mapped")
+    cache, dirty, writeback, mapped = (int(values.get(k, 0)) for k in keys)
+    return max(0, cache - dirty - writeback - mapped)  # mapped pages are in use (memory-mapped weights)
+
+
+def _cgroup_files() -> list[tuple[str, str]]:
+    """(limit, usage) files of this process's memory cgroup, v1 or v2."""
+    out = []
+    try:
+        lines = open("/proc/self/cgroup").read().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            out.append((f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current"))
+        elif "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            out.append((f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes"))
+    return out
+
+
 def fmt_bytes(n: int | float) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= size:

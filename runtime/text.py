@@ -48,6 +48,8 @@ class TextEncoder:
             mask[row, :n] = e.attention_mask
             types[row, :n] = e.type_ids
         tensors = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+        if "position_ids" in self.input_names:  # decoders: positions count real tokens, as transformers does
+            tensors["position_ids"] = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
         return {k: v for k, v in tensors.items() if k in self.input_names}
 
     def __call__(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:

@@ -61,6 +61,12 @@ def convert(
     distill_epochs: Annotated[Optional[float], typer.Option(help="Passes over the distillation data (default 3; 1 after --prune alone). With both --distill-layers and --prune, one more pass trains the student before it is pruned.")] = None,
     prune: Annotated[Optional[float], typer.Option(help="Remove this share (0..1) of attention heads and FFN neurons per layer, then recover by distillation.")] = None,
     compare_on: Annotated[Optional[Path], typer.Option("--compare-on", help="With --distill-layers/--prune: an STS CSV on which the report scores the teacher and the student.")] = None,
+    teacher_memory_budget: Annotated[Optional[str], typer.Option(help="Distillation: run the teacher streamed with at most this much of it loaded, e.g. 2GB (a teacher bigger than memory).")] = None,
+    distill_batch_size: Annotated[int, typer.Option(help="Distillation: texts per batch.")] = 32,
+    grad_accum: Annotated[int, typer.Option(help="Distillation: batches whose gradients make one step (effective batch N x the batch size, at the memory of one batch).")] = 1,
+    mixed_precision: Annotated[str, typer.Option(help="Distillation: auto (measured: the faster of fp32 and the device's native low precision), off, bf16, fp16 (CUDA).")] = "auto",
+    checkpointing: Annotated[bool, typer.Option("--checkpointing", help="Distillation: activation checkpointing of the student's layers (less memory, more compute).")] = False,
+    exporter: Annotated[str, typer.Option(help="auto, optimum (traces the whole model) or layerwise (Llama-family decoders bigger than memory, one layer at a time).")] = "auto",
     quantize: Quantize = "none",
     calibration: Calibration = None,
     max_drop: MaxDrop = None,
@@ -76,17 +82,23 @@ def convert(
     from slimml.quantize.config import scheme_config
 
     qconfig = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best, backend)
-    config = ConvertConfig(export=ExportConfig(opset=opset, task=task), shard=ShardConfig.parse(shards, shard_size), verify=verify,
+    config = ConvertConfig(export=ExportConfig(opset=opset, task=task, exporter=exporter), shard=ShardConfig.parse(shards, shard_size), verify=verify,
                            quantize=qconfig)
     if compare_on is not None and distill_layers is None and prune is None:
         raise SlimmlError("--compare-on compares a student with its teacher; give --distill-layers N or --prune F with it.")
+    training = {"teacher_memory_budget": teacher_memory_budget, "grad_accum": grad_accum, "batch_size": distill_batch_size,
+                "mixed_precision": mixed_precision, "checkpointing": checkpointing}
+    defaults = {"teacher_memory_budget": None, "grad_accum": 1, "batch_size": 32, "mixed_precision": "auto", "checkpointing": False}
+    asked = [f"--{k.replace('_', '-')}" for k, v in training.items() if v != defaults[k]]
+    if asked and distill_layers is None and prune is None:
+        raise SlimmlError(f"{', '.join(asked)} shape distillation; give --distill-layers N or --prune F with it.")
     if distill_layers is not None or prune is not None or distill_data is not None or distill_epochs is not None:
         from slimml.convert.distill import DistillConfig
         from slimml.convert.prune import PruneConfig
 
         if distill_layers is None and prune is None:
             raise SlimmlError("--distill-data and --distill-epochs need --distill-layers N or --prune F.")
-        config.distill = DistillConfig(layers=distill_layers, data=distill_data, epochs=distill_epochs)
+        config.distill = DistillConfig(layers=distill_layers, data=distill_data, epochs=distill_epochs, **training)
         config.prune = PruneConfig(fraction=prune) if prune is not None else None
         config.compare_on = compare_on
         report = _convert_with_progress(do_convert, source, out, config)
@@ -111,6 +123,18 @@ def convert(
         elif s["step"] == "prune":
             table.add_row("prune", f"{s['heads_per_layer']} heads, {s['ffn_per_layer']} FFN neurons a layer, vocabulary "
                           f"{s['vocab_size']}: {s['student_params'] / 1e6:.1f}M params")
+        if "teacher_pass" in s:
+            t, tr = s["teacher_pass"], s["training"]
+            ran = "from the cache" if t["from_cache"] else f"{t['batches']} batches of {t['batch_texts']} texts"
+            rebuilt = f"; rebuilt: {t['rebuilt_because']}" if t["rebuilt_because"] else ""
+            table.add_row("teacher pass", f"{ran}, {t['seconds']} s, peak RSS {t['peak_rss_mb']:.0f} MB, cache "
+                          f"{t['cache_mb']:.1f} MB ({t['teacher_passes_saved']} teacher passes saved){rebuilt}")
+            table.add_row("training", f"{tr['precision']} precision, batch {tr['effective_batch']} (accumulate "
+                          f"{tr['grad_accum']}), checkpointing {'on' if tr['checkpointing'] else 'off'}, "
+                          f"{tr['train_seconds']} s, peak RSS {tr['peak_rss_mb']:.0f} MB")
+            if tr["heldout_loss_start"] is not None:
+                table.add_row("held-out loss", f"{tr['heldout_loss_start']:.4g} -> {tr['heldout_loss_end']:.4g} "
+                              f"({tr['heldout_texts']} texts kept out of training)")
     table.add_row("time", f"{report.seconds:.1f} s")
     console.print(table)
     if report.teacher:
@@ -142,8 +166,8 @@ def _convert_with_progress(do_convert, source, out, config):
         def on_step(msg):
             bar.update(task, description=f"{msg}...", total=None, completed=0, loss="")
 
-        def on_progress(done, total, loss):
-            bar.update(task, total=total, completed=done, loss=f"loss {loss:.4f}")
+        def on_progress(done, total, loss):  # loss None: texts through the teacher
+            bar.update(task, total=total, completed=done, loss="texts" if loss is None else f"loss {loss:.4f}")
 
         return do_convert(source, out, config, on_step=on_step, on_progress=on_progress)
 

@@ -1,0 +1,123 @@
+"""Read a Hugging Face folder's weights one tensor at a time (safetensors), never the whole model.
+
+Used where the model may be bigger than memory: the layer-by-layer export of a big decoder and the
+student that starts from a few of its teacher's layers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from slimml.errors import SourceError
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def has_safetensors(folder: Path) -> bool:
+    return (folder / SINGLE).is_file() or (folder / INDEX).is_file()
+
+
+def weight_bytes(folder: Path) -> int:
+    """Bytes of the folder's weight files (safetensors or not)."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+
+
+class SafetensorsReader:
+    """Tensors of a (possibly sharded) safetensors checkpoint by name, read on demand.
+
+    Example:
+        >>> reader = SafetensorsReader(folder)
+        >>> q = reader.torch("model.layers.7.self_attn.q_proj.weight")  # one tensor in memory
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        if (self.folder / INDEX).is_file():
+            weight_map = json.loads((self.folder / INDEX).read_text())["weight_map"]
+        elif (self.folder / SINGLE).is_file():
+            weight_map = {name: SINGLE for name in self._keys(self.folder / SINGLE)}
+        else:
+            raise SourceError(
+                f"{self.folder} has no model.safetensors; reading a model tensor by tensor needs safetensors weights. "
+                "Save the model with save_pretrained(..., safe_serialization=True)."
+            )
+        self.files = weight_map
+        self._open: dict[str, Any] = {}
+
+    @staticmethod
+    def _keys(path: Path) -> list[str]:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+
+    def names(self) -> list[str]:
+        return list(self.files)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def torch(self, name: str) -> Any:
+        """The tensor ``name`` as stored (its own dtype)."""
+        from safetensors import safe_open
+
+        file = self.files.get(name)
+        if file is None:
+            raise SourceError(f"{self.folder} has no weight named {name!r}; is it the checkpoint its config describes?")
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.folder / file), framework="pt")
+        return self._open[file].get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        from safetensors import safe_open
+
+        file = self.files[name]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.folder / file), framework="pt")
+        return list(self._open[file].get_slice(name).get_shape())
+
+    def numpy32(self, name: str) -> Any:
+        """The tensor ``name`` as a float32 numpy array (bf16 and fp16 checkpoints are widened)."""
+        import torch
+
+        return self.torch(name).to(torch.float32).numpy()
+
+
+class TorchBinReader:
+    """``pytorch_model.bin`` checkpoints, memory-mapped by ``torch.load(mmap=True)``: tensors are paged in
+    as they are read, not all at once."""
+
+    def __init__(self, folder: Path):
+        import torch
+
+        path = Path(folder) / "pytorch_model.bin"
+        try:
+            self.state = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:
+            raise SourceError(f"cannot read {path} ({type(e).__name__}); save the model with safetensors instead.") from None
+        self.folder = Path(folder)
+
+    def names(self) -> list[str]:
+        return list(self.state)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.state
+
+    def torch(self, name: str) -> Any:
+        return self.state[name]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.state[name].shape)
+
+
+def open_weights(folder: Path) -> SafetensorsReader | TorchBinReader:
+    """A tensor-by-tensor reader for the folder's checkpoint (safetensors, else pytorch_model.bin)."""
+    folder = Path(folder)
+    if has_safetensors(folder):
+        return SafetensorsReader(folder)
+    if (folder / "pytorch_model.bin").is_file():
+        return TorchBinReader(folder)
+    raise SourceError(f"{folder} has no model.safetensors or pytorch_model.bin; save the model with save_pretrained.")
