@@ -4,7 +4,8 @@ accumulation and activation checkpointing, on the device it runs on.
 Each variant trains the same student on the same cached teacher outputs for ``--steps`` optimizer
 steps in its own subprocess (so its peak RSS is its own); the variants run round-robin ``--rounds``
 times so machine load hits them alike, and the report gives the median step time (first two steps
-of each run excluded) and the largest peak RSS. Every variant has the same effective batch:
+of each run excluded), the largest peak RSS during training (sampled every 25 ms, seldom enough not to disturb the two cores) and how much of it
+training added to what the process held when it started. Every variant has the same effective batch:
 accumulation runs ``--accum`` batches of ``batch / accum`` texts per step.
 
 Students:
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -60,6 +60,8 @@ def setup(args) -> tuple[Path, Path, Path, Path]:
 
         teacher, texts = default_model_dir(), STS_TRAIN
     art = work / f"{args.student}-teacher"
+    if args.student == "llama" and (teacher.parent / "teacher-art" / "manifest.json").is_file():
+        art = teacher.parent / "teacher-art"  # bench_big_teacher.py's, exported layer by layer
     if not (art / "manifest.json").is_file():
         convert(teacher, art, ConvertConfig(verify=False, measure_latency=False))
     trainer = Trainer(teacher_kind(teacher)[0], teacher, _texts(texts, args), DistillConfig(layers=args.layers))
@@ -98,11 +100,31 @@ def child(args) -> None:
         times.append(now - last[0])
         last[0] = now
 
+    import gc
+    import threading
+
+    gc.collect()
+    start = _rss()
+    peak, done = [start], threading.Event()
+
+    def sample():  # the high-water mark of training alone (ru_maxrss also counts the set-up)
+        while not done.wait(0.025):
+            peak[0] = max(peak[0], _rss())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     last[0] = time.perf_counter()
     trainer.train(student, args.steps, None, lambda *a: None, progress)
+    done.set()
+    sampler.join()
     steady = sorted(times[2:]) or times
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print("RESULT " + json.dumps({"step_ms": round(steady[len(steady) // 2] * 1000, 1), "peak_rss_mb": round(peak / 1e6)}))
+    print("RESULT " + json.dumps({"step_ms": round(steady[len(steady) // 2] * 1000, 1),
+                                  "peak_rss_mb": round(peak[0] / 1e6), "added_mb": round((peak[0] - start) / 1e6)}))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def main() -> None:
@@ -125,7 +147,7 @@ def main() -> None:
         child(args)
         return
     teacher, art, texts, cache = setup(args)
-    rows: dict[str, dict] = {v: {"step_ms": [], "peak_rss_mb": []} for v in VARIANTS}
+    rows: dict[str, dict] = {v: {"step_ms": [], "peak_rss_mb": [], "added_mb": []} for v in VARIANTS}
     for _ in range(args.rounds):
         for v in VARIANTS:
             cmd = [sys.executable, __file__, "--child", v, "--student", args.student, "--layers", str(args.layers),
@@ -139,15 +161,17 @@ def main() -> None:
             r = json.loads(line[-1][7:])
             rows[v]["step_ms"].append(r["step_ms"])
             rows[v]["peak_rss_mb"].append(r["peak_rss_mb"])
+            rows[v]["added_mb"].append(r["added_mb"])
             print(v, r, flush=True)
     base = sorted(rows["fp32"]["step_ms"])[len(rows["fp32"]["step_ms"]) // 2]
     table = {}
     print(f"\n{args.student}: {args.layers} layers, effective batch {args.batch}, accumulation {args.accum} x {args.batch // args.accum}")
-    print(f"{'variant':40s} {'step ms':>9s} {'vs fp32':>8s} {'peak RSS MB':>12s}")
+    print(f"{'variant':40s} {'step ms':>9s} {'vs fp32':>8s} {'peak RSS MB':>12s} {'training adds MB':>17s}")
     for v, r in rows.items():
         ms = sorted(r["step_ms"])[len(r["step_ms"]) // 2]
-        table[v] = {"step_ms": ms, "vs_fp32": round(ms / base, 2), "peak_rss_mb": max(r["peak_rss_mb"])}
-        print(f"{v:40s} {ms:9.1f} {ms / base:7.2f}x {max(r['peak_rss_mb']):12d}")
+        table[v] = {"step_ms": ms, "vs_fp32": round(ms / base, 2), "peak_rss_mb": max(r["peak_rss_mb"]),
+                    "added_mb": max(r["added_mb"])}
+        print(f"{v:40s} {ms:9.1f} {ms / base:7.2f}x {max(r['peak_rss_mb']):12d} {max(r['added_mb']):17d}")
     out = args.out or Path(__file__).parent / "results" / f"train_{args.student}.json"
     out.write_text(json.dumps({"student": args.student, "layers": args.layers, "batch": args.batch, "accum": args.accum,
                                "steps": args.steps, "rounds": args.rounds, "cpus": os.cpu_count(), "table": table}, indent=1) + "\n")

@@ -31,6 +31,7 @@ from slimml.convert.distill_train import Trainer, build_student, teacher_kind
 from slimml.convert.prune import PruneConfig
 from slimml.errors import ConfigError, SourceError
 
+DEFAULT_EPOCHS = 6.0  # 3 -> 6: STSb dev 84.2 -> 84.6 (d3, pruned 0.5) and 86.45 -> 86.66 (d4); 10 adds ~0.1
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "config.json", "model.safetensors.index.json")
 
 
@@ -42,7 +43,7 @@ class DistillConfig:
         layers: transformer layers the student keeps (fewer than the teacher's); ``None`` keeps them
             all (a pruned model then gets only the short recovery pass).
         data: a text file (one text a line) or a CSV with text columns; ``None``: the default corpus.
-        epochs: passes over the data (fractions allowed). ``None``: 3 for a layer-distilled student,
+        epochs: passes over the data (fractions allowed). ``None``: 6 for a layer-distilled student,
             1 for a recovery pass after pruning only.
         batch_size: texts per step.
         lr: peak AdamW learning rate (linear warm-up over 5% of the steps, then linear decay).
@@ -211,8 +212,10 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
 
     t0 = time.perf_counter()
     check_budget(teacher_artifact, distill.teacher_memory_budget)  # before anything trains
+    kept_layers = evenly_spaced(facts["teacher_layers"], distill.layers) if distill.layers else list(range(facts["teacher_layers"]))
+    _check_training_fits(teacher_dir, kept_layers)
     kind = facts["kind"]
-    epochs = distill.epochs if distill.epochs is not None else (3.0 if distill.layers else 1.0)
+    epochs = distill.epochs if distill.epochs is not None else (DEFAULT_EPOCHS if distill.layers else 1.0)
     fingerprint = _fingerprint(teacher_dir, distill, prune, epochs, facts["texts"])
     trainer = Trainer(kind, teacher_dir, facts["texts"], distill)
     say("running the teacher")
@@ -223,8 +226,6 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
     teacher_peak = _peak_rss()
     trainer.use(targets)
     state = _load_checkpoint(checkpoint, fingerprint, targets.sha256)
-    kept_layers = evenly_spaced(facts["teacher_layers"], distill.layers) if distill.layers else list(range(facts["teacher_layers"]))
-    _check_training_fits(teacher_dir, kept_layers)
     say("training the student")
     student = build_student(teacher_dir, facts["model_class"], kept_layers)
     teacher_params = _teacher_params(teacher_dir, facts["config"])
@@ -341,7 +342,7 @@ def _check_training_fits(folder: Path, kept_layers: list[int]) -> None:
     import re
 
     from slimml.convert.weights import open_weights
-    from slimml.runtime.budget import available_memory
+    from slimml.runtime.budget import available_memory, fmt_bytes
 
     weights = open_weights(folder)
     layer = re.compile(r"\.(?:layers?|h|block)\.(\d+)\.")
@@ -361,7 +362,7 @@ def _check_training_fits(folder: Path, kept_layers: list[int]) -> None:
     if need > room:
         raise ConfigError(
             f"the student's training state (fp32 weights, gradients and AdamW moments of {total / 1e6:.0f}M parameters: "
-            f"{need / 1e9:.1f} GB) does not fit in the {room / 1e9:.1f} GB available. Keep fewer layers "
+            f"{fmt_bytes(need)}) does not fit in the {fmt_bytes(room)} available. Keep fewer layers "
             "(--distill-layers), prune (--prune), or train it with optimizer-state offload (DeepSpeed ZeRO-Offload), "
             "which slimml does not do."
         )

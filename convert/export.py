@@ -73,6 +73,9 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
     """
     config = config or ExportConfig()
     work_dir.mkdir(parents=True, exist_ok=True)
+    if config.exporter == "layerwise" and source.kind != "huggingface":
+        raise SourceError(f"--exporter layerwise exports Hugging Face model folders; {source.name} is a {source.kind} "
+                          "source. Leave --exporter out.")
     if source.kind == "onnx":
         return _export_onnx_file(source, work_dir)
     if source.kind == "torch":

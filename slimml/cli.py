@@ -58,7 +58,7 @@ def convert(
     verify: Annotated[bool, typer.Option(help="Check the artifact against the original model.")] = True,
     distill_layers: Annotated[Optional[int], typer.Option(help="Distil into a student with this many layers (fewer than the model's).")] = None,
     distill_data: Annotated[Optional[Path], typer.Option(help="Texts to distil on: one a line, or a CSV with text/sentence1/sentence2 columns. Default: a built-in corpus.")] = None,
-    distill_epochs: Annotated[Optional[float], typer.Option(help="Passes over the distillation data (default 3; 1 after --prune alone). With both --distill-layers and --prune, one more pass trains the student before it is pruned.")] = None,
+    distill_epochs: Annotated[Optional[float], typer.Option(help="Passes over the distillation data (default 6; 1 after --prune alone). With both --distill-layers and --prune, one more pass trains the student before it is pruned.")] = None,
     prune: Annotated[Optional[float], typer.Option(help="Remove this share (0..1) of attention heads and FFN neurons per layer, then recover by distillation.")] = None,
     compare_on: Annotated[Optional[Path], typer.Option("--compare-on", help="With --distill-layers/--prune: an STS CSV on which the report scores the teacher and the student.")] = None,
     teacher_memory_budget: Annotated[Optional[str], typer.Option(help="Distillation: run the teacher streamed with at most this much of it loaded, e.g. 2GB (a teacher bigger than memory).")] = None,

@@ -215,3 +215,30 @@ def test_a_convert_killed_in_export_resumes_from_the_finished_student(tiny_bert_
     whole = convert(tiny_bert_dir, tmp_path / "whole", config())
     shards = lambda r: {f["path"]: f["sha256"] for f in json.loads((r.out / "manifest.json").read_text())["files"]}  # noqa: E731
     assert shards(resumed) == shards(whole)
+
+
+def test_a_student_whose_training_state_cannot_fit_is_refused_before_it_is_built(llama_dir, teacher_artifact, texts_file,
+                                                                                 tmp_path, monkeypatch):
+    from slimml.runtime import budget
+
+    monkeypatch.setattr(budget, "available_memory", lambda: 2_000_000)  # a machine with 2 MB to spare
+    with pytest.raises(ConfigError) as e:
+        shrink(llama_dir, tmp_path / "s", DistillConfig(layers=2, data=texts_file), teacher_artifact=teacher_artifact,
+               cache_dir=tmp_path / "cache")
+    assert str(e.value).startswith("the student's training state (fp32 weights, gradients and AdamW moments of 2M "
+                                   "parameters: 19.83 MB) does not fit in the 2.00 MB available.")
+    assert "DeepSpeed ZeRO-Offload" in str(e.value) and not (tmp_path / "s").exists()
+    assert not (tmp_path / "cache").exists()  # refused before the teacher ran
+
+
+def test_layerwise_export_refuses_what_it_cannot_export(tiny_bert_dir, mlp_onnx, tmp_path):
+    from slimml.errors import SourceError
+
+    config = ConvertConfig(export=ExportConfig(exporter="layerwise"))
+    with pytest.raises(ConfigError) as e:
+        convert(tiny_bert_dir, tmp_path / "a", config)
+    assert str(e.value).startswith("--exporter layerwise exports Llama-family causal LMs with safetensors weights and "
+                                   "3 layers or more;")
+    with pytest.raises(SourceError, match="--exporter layerwise exports Hugging Face model folders"):
+        convert(mlp_onnx, tmp_path / "b", config)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
