@@ -122,7 +122,7 @@ def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) 
     """Everything that can be wrong with the request, checked before any long work."""
     from transformers import AutoConfig
 
-    from slimml.convert.distill_train import _device
+    from slimml.convert.distill_train import training_device
 
     try:
         config = AutoConfig.from_pretrained(str(teacher_dir), local_files_only=True)
@@ -141,7 +141,7 @@ def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) 
         pruning.check_prunable(config, prune)
     if not any((teacher_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         raise SourceError(f"{teacher_dir} has no tokenizer; distillation tokenizes texts, so save one with the model.")
-    mp.check(distill.mixed_precision, _device(distill.device).type)
+    mp.check(distill.mixed_precision, training_device(distill.device).type)
     texts, origin = load_texts(distill.data, distill.max_texts)
     return {"config": config, "teacher_layers": n_teacher, "texts": texts, "origin": origin, "kind": kind,
             "model_class": model_class}
@@ -228,7 +228,7 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
     state = _load_checkpoint(checkpoint, fingerprint, targets.sha256)
     say("training the student")
     student = build_student(teacher_dir, facts["model_class"], kept_layers)
-    teacher_params = _teacher_params(teacher_dir, facts["config"])
+    teacher_params = _teacher_params(teacher_dir)
     distilled_params = _params(student)
     start_loss = trainer.heldout_loss(student) if state is None else state.get("heldout_start")
     # Distil first, prune second: importance measured on a student that already works picks better
@@ -341,7 +341,7 @@ def _check_training_fits(folder: Path, kept_layers: list[int]) -> None:
     """
     import re
 
-    from slimml.convert.weights import open_weights
+    from slimml.convert.weights import numel, open_weights
     from slimml.runtime.budget import available_memory, fmt_bytes
 
     weights = open_weights(folder)
@@ -352,9 +352,7 @@ def _check_training_fits(folder: Path, kept_layers: list[int]) -> None:
         m = layer.search(name)
         if m and int(m.group(1)) not in kept:
             continue
-        n = 1
-        for d in weights.shape(name):
-            n *= d
+        n = numel(weights, name)
         total += n
         frozen += n if "embed_tokens" in name or "word_embeddings" in name else 0
     need = 4 * total + 12 * (total - frozen)
@@ -368,21 +366,13 @@ def _check_training_fits(folder: Path, kept_layers: list[int]) -> None:
         )
 
 
-def _teacher_params(folder: Path, config: Any) -> int:
+def _teacher_params(folder: Path) -> int:
     """The teacher's parameter count from its checkpoint's tensor shapes (nothing is loaded)."""
-    from slimml.convert.weights import open_weights
+    from slimml.convert.weights import numel, open_weights
 
     weights = open_weights(folder)
-    total = 0
-    for name in weights.names():
-        if name.endswith(("position_ids", "inv_freq", "token_type_ids")):
-            continue
-        shape = weights.shape(name)
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-    return int(total)
+    buffers = ("position_ids", "inv_freq", "token_type_ids")
+    return sum(numel(weights, name) for name in weights.names() if not name.endswith(buffers))
 
 
 def _params(model: Any) -> int:

@@ -129,7 +129,7 @@ class Trainer:
         self.heldout = sorted(heldout)
         self.train_idx = [i for i in range(len(texts)) if i not in heldout]
         self.targets = None  # convert.teacher.TeacherOutputs, set by use()
-        self.device = _device(config.device)
+        self.device = training_device(config.device)
         self.precision = None  # chosen in train() (measured when "auto")
         self.precision_ms: dict[str, float] = {}
 
@@ -353,7 +353,8 @@ class Trainer:
                 "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def _device(requested: str) -> Any:
+def training_device(requested: str) -> Any:
+    """The torch device the student trains on: ``auto`` is CUDA when torch sees a GPU."""
     import torch
 
     if requested == "auto":

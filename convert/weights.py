@@ -113,6 +113,14 @@ class TorchBinReader:
         return list(self.state[name].shape)
 
 
+def numel(reader: SafetensorsReader | TorchBinReader, name: str) -> int:
+    """Elements of tensor ``name``, from its shape (nothing is read)."""
+    n = 1
+    for d in reader.shape(name):
+        n *= d
+    return n
+
+
 def open_weights(folder: Path) -> SafetensorsReader | TorchBinReader:
     """A tensor-by-tensor reader for the folder's checkpoint (safetensors, else pytorch_model.bin)."""
     folder = Path(folder)
