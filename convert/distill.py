@@ -158,6 +158,7 @@ def shrink(
     cache_dir: str | os.PathLike | None = None,
     on_step: Callable[[str], None] | None = None,
     keep_checkpoint: bool = False,
+    checked: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Make a smaller student of the Hugging Face model in ``teacher_dir`` and save it in ``out_dir``.
 
@@ -176,6 +177,7 @@ def shrink(
             temporary folder.
         cache_dir: where the teacher's outputs are cached; ``None``: beside ``checkpoint`` (or temporary).
         on_step: called with a short description as each phase starts.
+        checked: what :func:`check` returned, when the caller has run it already (it reads the data).
 
     Returns:
         The manifest step records, e.g. ``[{"step": "distill", "layers": 3, ...}, {"step": "prune", ...}]``.
@@ -189,7 +191,7 @@ def shrink(
     distill = distill or DistillConfig()
     if distill.layers is None and prune is None:
         raise ConfigError("nothing to do: give --distill-layers N, --prune F, or both.")
-    facts = check(teacher_dir, distill, prune)
+    facts = checked if checked is not None else check(teacher_dir, distill, prune)
     say = on_step or (lambda msg: None)
     with tempfile.TemporaryDirectory(prefix="slimml-teacher-") as scratch:
         if teacher_artifact is None:

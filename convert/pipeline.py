@@ -258,7 +258,7 @@ def _shrink(src: Source, out: Path, work: Path, config: ConvertConfig, step, on_
             f"{src.name} is a {src.kind} source."
         )
     distill = config.distill or DistillConfig()
-    check(src.path, distill, config.prune)  # a bad request fails before the teacher is converted
+    checked = check(src.path, distill, config.prune)  # a bad request fails before the teacher is converted
     checkpoint, cache, teacher_art = _resume_files(out)  # outside the temp dir: they survive a kill
     stamp = teacher_art.with_name(teacher_art.name + ".source")
     fingerprint = _folder_fingerprint(src.path)
@@ -271,7 +271,8 @@ def _shrink(src: Source, out: Path, work: Path, config: ConvertConfig, step, on_
     what = " and ".join(w for w, c in (("distilling", config.distill and config.distill.layers), ("pruning", config.prune)) if c)
     step(what)
     steps = shrink(src.path, work / "student", config.distill, config.prune, checkpoint=checkpoint, progress=on_progress,
-                   teacher_artifact=teacher_art, cache_dir=cache, on_step=step, keep_checkpoint=True)
+                   teacher_artifact=teacher_art, cache_dir=cache, on_step=step, keep_checkpoint=True,
+                   checked=checked)
     return Source(kind="huggingface", name=src.name, path=work / "student", extra=src.extra), steps
 
 
