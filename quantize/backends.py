@@ -80,11 +80,12 @@ def _roundtrip(fn: Callable[[Path, Path], None], model: onnx.ModelProto) -> onnx
 
 @contextlib.contextmanager
 def _quiet():
-    """ORT's quantizers log advice ("consider pre-processing") on the root logger: not the user's business."""
+    """ORT's quantizers log advice ("consider pre-processing") on the root logger, and the int8
+    weight quantizer an ERROR line for each embedding it leaves float: not the user's business."""
     loggers = [logging.getLogger(n) for n in ("", "onnxruntime.quantization.matmul_nbits_quantizer", "onnxruntime.quantization")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
-        lg.setLevel(logging.ERROR)
+        lg.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
@@ -160,9 +161,21 @@ def fp16(model: onnx.ModelProto, config: Fp16Config, ctx: ShardContext) -> onnx.
 
     if not any(t.data_type == onnx.TensorProto.FLOAT for t in model.graph.initializer):
         return None
-    return convert_float_to_float16(
-        model, keep_io_types=config.keep_io_types, op_block_list=list(config.op_block_list), disable_shape_infer=True,
+    # shape inference on: without the value types, the converter leaves ops kept in fp32
+    # (LayerNormalization) reading fp16 values, a graph ONNX Runtime refuses
+    out = convert_float_to_float16(
+        model, keep_io_types=config.keep_io_types, op_block_list=list(config.op_block_list), disable_shape_infer=False,
     )
+    # it also inserts the same Cast once per reader of a value: keep one
+    seen, nodes = set(), []
+    for node in out.graph.node:
+        key = node.SerializeToString()
+        if key not in seen:
+            seen.add(key)
+            nodes.append(node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    return out
 
 
 from slimml.quantize import nncf_backend as _nncf_backend  # noqa: E402,F401  (registers the nncf backends)

@@ -25,8 +25,10 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
     """The shards ``indices`` (consecutive, in order) as one graph; weights stay external.
 
     Raises:
-        ArtifactError: two shards define the same initializer, function or value differently, so
-            they cannot share one graph (the caller then runs them one by one).
+        ArtifactError: two shards define the same function, or compute one of their inputs or
+            outputs, differently, so they cannot share one graph (the caller then runs them one by
+            one). A weight or an inner value two shards name alike but define differently is
+            renamed in the later shard.
     """
     inputs, outputs = manifest.segment_io(indices)
     nodes, inits, infos, functions = [], {}, {}, {}
@@ -44,14 +46,23 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
                 raise ArtifactError(f"shard {i} uses opset {op.version} of {op.domain or 'ai.onnx'!r}, the others {opsets[op.domain]}")
         for f in m.functions:
             _merge_unique(functions, (f.domain, f.name), f, "function", i)
+        renames: dict[str, str] = {}  # this shard's names that an earlier shard uses for something else
         for t in m.graph.initializer:
             if t.name in inits and not _same_weight(folder, inits[t.name], t):
-                raise ArtifactError(f"shard {i} defines the initializer {t.name!r} differently from an earlier shard")
+                # a weight the splitter copied into several shards, converted differently in each
+                # (fp16 keeps a norm's bias fp32 where only the norm reads it): each keeps its own
+                renames[t.name] = f"{t.name}__shard{i}"
+                t = _copy(t)
+                t.name = renames[t.name]
             inits.setdefault(t.name, t)
+        boundary = {t.name for t in shard.inputs} | {t.name for t in shard.outputs}
+        for node in _in_order(m.graph.node):
+            _add_node(nodes, node, made, node_names, i, boundary, renames)
         for v in m.graph.value_info:
+            if v.name in renames:
+                v = _copy(v)
+                v.name = renames[v.name]
             infos.setdefault(v.name, v)
-        for node in m.graph.node:
-            _add_node(nodes, node, made, node_names, i)
     graph = helper.make_graph(
         nodes, f"{manifest.name}-shards-{indices[0]}-{indices[-1]}",
         [_value_info(t) for t in inputs], [_value_info(t) for t in outputs], list(inits.values()),
@@ -63,11 +74,18 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
     return model
 
 
-def _add_node(nodes: list, node: onnx.NodeProto, made: dict[str, bytes], names: set[str], shard: int) -> None:
-    """Append ``node``, dropping an exact repeat of an earlier one and renaming a clashing node name.
+def _add_node(nodes: list, node: onnx.NodeProto, made: dict[str, bytes], names: set[str], shard: int,
+              boundary: set[str], renames: dict[str, str]) -> None:
+    """Append ``node``, dropping an exact repeat of an earlier one and renaming clashing names.
 
     Quantizing shard by shard can put the same node in several shards (each decoder layer
-    quantizes the ``encoder_hidden_states`` it reads): one graph keeps one of them."""
+    quantizes the ``encoder_hidden_states`` it reads): one graph keeps one of them. A value
+    inside a shard (not one of its inputs or outputs, ``boundary``) that an earlier shard also
+    made differently (fp16 shards each name their cast ``graph_output_cast_0``) is renamed within
+    this shard (``renames``)."""
+    if renames and any(n in renames for n in node.input):
+        node = _copy(node)
+        node.input[:] = [renames.get(n, n) for n in node.input]
     key = onnx.NodeProto()
     key.CopyFrom(node)
     key.name = ""
@@ -75,16 +93,51 @@ def _add_node(nodes: list, node: onnx.NodeProto, made: dict[str, bytes], names: 
     seen = [made.get(o) for o in node.output if o]
     if seen and all(b == body for b in seen):
         return  # the same computation of the same values, already in the graph
-    if any(b is not None for b in seen):
+    clash = [o for o in node.output if o and made.get(o) is not None]
+    if any(o in boundary for o in clash):
         raise ArtifactError(f"shard {shard} computes {list(node.output)} differently from an earlier shard")
+    if clash:
+        node = _copy(node)
+        for o in clash:
+            renames[o] = f"{o}__shard{shard}"
+        node.output[:] = [renames.get(o, o) if o in clash else o for o in node.output]
+        key.output[:] = node.output
+        body = key.SerializeToString()
     for o in node.output:
         if o:
             made[o] = body
     if node.name and node.name in names:
-        node = onnx.NodeProto(node)
+        node = _copy(node)
         node.name = f"{node.name}__shard{shard}"
     names.add(node.name)
     nodes.append(node)
+
+
+def _in_order(nodes) -> list:
+    """A shard's nodes in topological order (a producer before its readers). ONNX asks for it,
+    but some tools write graphs without it (onnxconverter's fp16 casts), which ONNX Runtime
+    sorts itself; renaming values across shards needs it."""
+    produced = {o for n in nodes for o in n.output if o}
+    known, ready, pending = set(), [], list(nodes)
+    while pending:
+        rest = []
+        for n in pending:
+            if all(x in known or x not in produced for x in n.input if x):
+                ready.append(n)
+                known.update(o for o in n.output if o)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):  # a cycle: keep the rest as written
+            ready += rest
+            break
+        pending = rest
+    return ready
+
+
+def _copy(proto):
+    out = type(proto)()
+    out.CopyFrom(proto)
+    return out
 
 
 def _relative_to_folder(m: onnx.ModelProto, shard_dir: PurePosixPath) -> None:

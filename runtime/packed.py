@@ -73,6 +73,7 @@ class PackedSlots:
         self.cache = (Path(cache) if cache else cache_root()) / "packed"
         self.ranges: dict[int, list[tuple[int, int]]] = {}
         self.sessions: dict[int, object] = {}
+        self.names: dict[int, dict[str, str]] = {}  # none renamed: each shard's packed weights are its session's
         self.files: dict[int, tuple[Path, dict]] = {}  # shard -> (packed data file, its record)
         self.checked: dict[int, tuple] = {}  # shard -> stamp of the data file when its hash matched
         self.key = cpu_key()

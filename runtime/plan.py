@@ -10,7 +10,9 @@ A plan is a list of segments over the artifact's shards, in order:
   ahead by :mod:`slimml.runtime.stream`. Each shard's session is compiled once by the plan's
   weight source: :class:`PackedSlots` (CPU on Linux: ONNX Runtime's pre-packed weights in cached
   files, paged in by the slot and dropped after) or :class:`FedSlots` (weights as graph inputs,
-  fed from memory-mapped data files: CUDA, other platforms, or ``pack=False``).
+  fed from memory-mapped data files: other platforms, or ``pack=False``) or :class:`CudaSlots`
+  (on CUDA: each shard's data file copied to device memory by the loader thread, its weights
+  bound through IOBinding where they sit).
 
 ``load(path)`` gives one resident segment; ``load(path, resident=K, pin=[0, -1])`` gives
 resident segments for the pinned shards and streamed ones between them. ``model.plan.describe()``
@@ -30,6 +32,7 @@ import numpy as np
 
 from slimml.errors import ArtifactError, ConfigError, IntegrityError
 from slimml.runtime.budget import StreamPlan
+from slimml.runtime.cuda_slots import CudaSlots
 from slimml.runtime.manifest import Manifest, safe_path
 from slimml.runtime.merge import merge_shards
 from slimml.runtime.packed import PackedSlots
@@ -68,7 +71,7 @@ class ResidentSegment:
             spinning = False  # several sessions now share the cores
         for i in indices:
             s = manifest.shards[i]
-            options = session_options(threads, spinning, shared_arena=not spinning and device == "cpu")
+            options = session_options(threads, spinning, shared_arena=not spinning, device=device)
             session = make_session(safe_path(folder, s.file), device, options=options)
             self.steps.append(Step(f"shard {i} ({s.file})", [t.name for t in s.inputs], [t.name for t in s.outputs],
                                    drop_after[i], session, device))
@@ -101,11 +104,11 @@ class StreamedSegment:
             s = manifest.shards[i]
             session = source.compile(i, device, threads, spinning)
             self.steps[i] = Step(f"shard {i} ({s.file})", [t.name for t in s.inputs], [t.name for t in s.outputs],
-                                 drop_after[i], session, device)
+                                 drop_after[i], session, device, source.names.get(i))
 
     @property
     def sessions(self) -> int:
-        return len(self.steps)
+        return len({id(step.session) for step in self.steps.values()})  # layers of one type share one
 
     def run(self, env: dict[str, Any], streamer: Streamer | None) -> None:
         for i in self.shards:
@@ -118,6 +121,7 @@ class StreamedSegment:
 
     def describe(self) -> str:
         how = ("pre-packed weights mapped from the cache and paged in and out" if isinstance(self.source, PackedSlots)
+               else "weights copied to device slots and bound in place" if isinstance(self.source, CudaSlots)
                else "weights fed from memory-mapped data files")
         return f"{_span(self.shards)}: streamed through the slots, sessions compiled once; {how}"
 
@@ -135,6 +139,8 @@ class ExecutionPlan:
         self.segments = segments
         self.streamer = streamer
         self._lock = threading.Lock() if streamer is not None else None
+        if len(segments) == 1 and isinstance(segments[0], ResidentSegment) and len(segments[0].steps) == 1:
+            segments[0].steps[0].on_device = False  # nothing to hand on: run as a plain session.run, host arrays in and out
 
     # the memory plan's figures, as a caller reads them off the plan
     streaming = property(lambda self: self.memory.streaming)
@@ -242,6 +248,8 @@ def _weight_source(folder: Path, manifest: Manifest, device: str, verify: bool, 
     why = "it runs on CPU only" if device != "cpu" else packed_supported()
     if pack and why:
         raise ConfigError(f"pack=True cannot be honoured: {why}. Use pack=None (the default) or pack=False.")
+    if device == "cuda":
+        return CudaSlots(folder, manifest, verify)
     if pack is False or why:
         return FedSlots(folder, manifest, verify)
     return PackedSlots(folder, manifest, cache_dir, verify)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import onnxruntime as ort
 from slimml.errors import ArtifactError, DeviceError, FeedError
 
 DEVICES = ("cpu", "cuda")
+log = logging.getLogger("slimml")
 
 
 def providers_for(device: str) -> list[str | tuple[str, dict]]:
@@ -34,11 +36,29 @@ def providers_for(device: str) -> list[str | tuple[str, dict]]:
             f"{available}). Install the GPU build (`pip uninstall -y onnxruntime && pip install "
             "onnxruntime-gpu`) on a machine with an NVIDIA driver, or use device='cpu'."
         )
+    _preload_cuda_libraries()
     return [("CUDAExecutionProvider", {}), "CPUExecutionProvider"]
 
 
+_preloaded = False
+
+
+def _preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries that pip installed beside onnxruntime-gpu
+    (``onnxruntime-gpu[cuda,cudnn]``), once: without them on the loader's path, or torch imported
+    first, ONNX Runtime's CUDA provider does not load."""
+    global _preloaded
+    if not _preloaded and hasattr(ort, "preload_dlls"):
+        _preloaded = True
+        try:
+            ort.preload_dlls()
+        except Exception:  # libraries found elsewhere (LD_LIBRARY_PATH) still load; make_session checks
+            pass
+
+
 def session_options(threads: int | None = None, spinning: bool = True,
-                    weights_folder: os.PathLike | str | None = None, shared_arena: bool = False) -> ort.SessionOptions:
+                    weights_folder: os.PathLike | str | None = None, shared_arena: bool = False,
+                    device: str = "cpu") -> ort.SessionOptions:
     """ORT's defaults, plus what slimml's plan needs.
 
     Args:
@@ -49,10 +69,13 @@ def session_options(threads: int | None = None, spinning: bool = True,
             and steal the cores of the one computing (measured: benchmarks/bench_threads.py).
         weights_folder: where the external data of a graph given as bytes lives (a merged graph
             reads each weight from its own shard's data file there).
-        shared_arena: allocate activations from one CPU arena shared by every session that asks
-            for it, instead of an arena per session. Sessions that run one after another need
-            the memory of the largest, not the sum: 24 streamed layer sessions of a 4.4 GB Llama
-            held 4.6 GB of arenas after a batch 4 x 256 prefill with their own.
+        shared_arena: allocate activations from one arena per device (CPU, or the GPU for
+            ``device="cuda"``) shared by every session that asks for it, instead of an arena per
+            session. Sessions that run one after another need the memory of the largest, not the
+            sum: 24 streamed layer sessions of a 4.4 GB Llama held 4.6 GB of CPU arenas after a
+            batch 4 x 256 prefill with their own; on an H100, 48 streamed layer sessions of a
+            3.2 GB chain peaked at 9.4 GB of GPU memory with theirs, 7.9 GB with one shared
+            (benchmarks/bench_cuda.py; layers of one type now share a session, 1.1 GB).
     """
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -63,25 +86,35 @@ def session_options(threads: int | None = None, spinning: bool = True,
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if weights_folder is not None:
         so.add_session_config_entry("session.model_external_initializers_file_folder_path", os.fspath(weights_folder))
-    if shared_arena:
-        _register_shared_arena()
+    if shared_arena and _register_shared_arena(device):
         so.add_session_config_entry("session.use_env_allocators", "1")
     so.log_severity_level = 4  # fatal only: slimml raises its own errors with the fix in them
     return so
 
 
 _arena_lock = threading.Lock()
-_arena_registered = False
+_arenas: dict[str, bool] = {}
 
 
-def _register_shared_arena() -> None:
-    """Register one CPU arena in ONNX Runtime's environment, once per process."""
-    global _arena_registered
+def _register_shared_arena(device: str) -> bool:
+    """Register one arena for ``device`` in ONNX Runtime's environment, once per process.
+    False where this onnxruntime cannot (the sessions then keep their own arenas)."""
     with _arena_lock:
-        if not _arena_registered:
-            info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
-            ort.create_and_register_allocator(info, ort.OrtArenaCfg({"arena_extend_strategy": 1}))  # grow as asked
-            _arena_registered = True
+        if device not in _arenas:
+            cfg = ort.OrtArenaCfg({"arena_extend_strategy": 1})  # grow by what is asked, not powers of two
+            try:
+                if device == "cuda":
+                    info = ort.OrtMemoryInfo("Cuda", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+                    ort.create_and_register_allocator_v2("CUDAExecutionProvider", info, {}, cfg)
+                else:
+                    info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+                    ort.create_and_register_allocator(info, cfg)
+                _arenas[device] = True
+            except Exception as e:  # an older or differently built onnxruntime
+                log.warning("slimml: each session keeps its own %s arena: one shared arena could not be registered (%s)",
+                            device, str(e).splitlines()[0] if str(e) else type(e).__name__)
+                _arenas[device] = False
+        return _arenas[device]
 
 
 def make_session(model: os.PathLike | str | bytes, device: str = "cpu", threads: int | None = None,
@@ -94,13 +127,21 @@ def make_session(model: os.PathLike | str | bytes, device: str = "cpu", threads:
     providers = providers_for(device)
     source = model if isinstance(model, bytes) else os.fspath(model)
     try:
-        return ort.InferenceSession(source, sess_options=options or session_options(threads), providers=providers)
+        session = ort.InferenceSession(source, sess_options=options or session_options(threads), providers=providers)
     except Exception as e:  # ORT raises its own Fail/InvalidGraph/... classes
         name = what or (Path(source).name if isinstance(source, str) else "the graph")
         raise ArtifactError(
             f"ONNX Runtime could not load {name}: {_first_line(e)}. The file is not a valid ONNX model for this "
             "onnxruntime; re-convert it."
         ) from None
+    if device == "cuda" and session.get_providers()[0] != "CUDAExecutionProvider":
+        # ORT falls back to CPU when the CUDA provider's libraries do not load: say so, never run slowly unasked
+        raise DeviceError(
+            "device='cuda' was asked for, but ONNX Runtime could not start its CUDA provider (its CUDA or cuDNN "
+            "libraries did not load). Install the CUDA and cuDNN versions this onnxruntime-gpu was built for (`pip "
+            "install onnxruntime-gpu[cuda,cudnn]`), or use device='cpu'."
+        )
+    return session
 
 
 @dataclass
@@ -114,6 +155,8 @@ class Step:
     drop: list[str]
     session: ort.InferenceSession
     device: str = "cpu"
+    names: dict[str, str] | None = None  # this step's names -> the session's, where a session serves several
+    on_device: bool = True  # CUDA: outputs stay on the GPU for the next step (False for a plan's only step)
 
     def run(self, env: dict, extra: dict | None = None) -> None:
         """Run on the activations in ``env`` and update it in place; ``extra`` adds feeds that are
@@ -122,11 +165,15 @@ class Step:
         feeds = {name: env[name] for name in self.inputs}
         if extra:
             feeds.update(extra)
+        outputs = self.outputs
+        if self.names:
+            feeds = {self.names.get(k, k): v for k, v in feeds.items()}
+            outputs = [self.names.get(o, o) for o in outputs]
         try:
-            if self.device == "cuda":
-                values = _run_bound(self.session, self.outputs, feeds)
+            if self.device == "cuda" and self.on_device:
+                values = _run_bound(self.session, outputs, feeds)
             else:
-                values = self.session.run(self.outputs, feeds)
+                values = self.session.run(outputs, feeds)
         except Exception as e:  # onnxruntime's own exception classes
             raise FeedError(
                 f"{self.label} rejected the inputs: {_first_line(e)}. Check the input values, e.g. token ids inside "
@@ -144,6 +191,9 @@ def _run_bound(session, names: list[str], feeds: dict[str, Any]) -> list[Any]:
     for name, value in feeds.items():
         if isinstance(value, np.ndarray):
             binding.bind_cpu_input(name, value)
+        elif isinstance(value, tuple):  # a streamed weight in a CUDA slot (cuda_slots.DeviceWeight)
+            address, dtype, shape = value
+            binding.bind_input(name, "cuda", 0, dtype.type, list(shape), address)
         else:
             binding.bind_ortvalue_input(name, value)
     for name in names:

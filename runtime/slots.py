@@ -31,7 +31,7 @@ import onnx
 from slimml.errors import ArtifactError
 from slimml.runtime.manifest import Manifest, safe_path, verify_file
 from slimml.runtime.session import make_session, session_options
-from slimml.runtime.weights import WeightSpec, weights_as_inputs
+from slimml.runtime.weights import WeightSpec, canonical, weights_as_inputs
 
 _PAGE = mmap.PAGESIZE
 
@@ -60,12 +60,16 @@ class FedSlots:
     """Weights fed as graph inputs from memory-mapped data files (any device, any platform).
 
     :meth:`compile` opens a shard's session once, its weights turned into inputs; :meth:`fill`
-    (the loader thread) maps the shard's data file and hands out views of it.
+    (the loader thread) maps the shard's data file and hands out views of it. Shards of one
+    layer type (the same graph once values are named by position) share one session:
+    ``names[index]`` maps such a shard's input and output names to the session's.
     """
 
     def __init__(self, folder: Path, manifest: Manifest, verify: bool):
         self.folder, self.manifest = folder, manifest
         self.specs: dict[int, list[WeightSpec]] = {}
+        self.names: dict[int, dict[str, str]] = {}
+        self._compiled: dict[str, object] = {}  # canonical graph's sha256 -> its session
         self.entries = {f.path: f for f in manifest.files}
         # what each file looked like when load() hashed it: a change mid-stream means re-hashing
         self.seen = {p: file_stamp(safe_path(folder, p)) for p in self.entries} if verify else None
@@ -79,14 +83,22 @@ class FedSlots:
         shard = self.manifest.shards[index]
         model = onnx.load_model_from_string(safe_path(self.folder, shard.file).read_bytes())  # weights not read
         graph, self.specs[index] = weights_as_inputs(model, shard.file)
+        same = canonical(graph)
+        if same is not None:
+            key, graph, self.names[index] = same
+            if key in self._compiled:
+                return self._compiled[key]
         try:
-            return make_session(graph, device, options=session_options(threads, spinning, shared_arena=device == "cpu"),
-                                what=shard.file)
+            session = make_session(graph, device, what=shard.file,
+                                   options=session_options(threads, spinning, shared_arena=True, device=device))
         except ArtifactError as e:
             raise ArtifactError(
                 f"shard {index} cannot stream: {str(e).split(': ', 1)[-1].split('. ')[0]}; ONNX Runtime needs some of "
                 f"its weights as constants. Pin it (pin=[{index}]) or load the model fully resident."
             ) from None
+        if same is not None:
+            self._compiled[key] = session
+        return session
 
     def fill(self, index: int) -> Slot:
         shard = self.manifest.shards[index]

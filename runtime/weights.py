@@ -10,6 +10,7 @@ constants, so ONNX Runtime still folds what depends only on them.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,3 +63,40 @@ def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[We
     del graph.initializer[:]
     graph.initializer.extend(keep)
     return model.SerializeToString(), specs
+
+
+def canonical(graph_bytes: bytes) -> tuple[str, bytes, dict[str, str]] | None:
+    """The graph with every value and node renamed by position, so that shards of one layer type
+    (every decoder layer of a Llama) give the same bytes and can share one compiled session.
+
+    Returns:
+        (key, canonical graph bytes, the shard's names -> the canonical ones), or None for a graph
+        with subgraphs (If, Loop, Scan), which may read outer names and is left as it is.
+    """
+    model = onnx.load_model_from_string(graph_bytes)
+    graph = model.graph
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        return None
+    names: dict[str, str] = {}
+
+    def rename(name: str, prefix: str) -> str:
+        if name and name not in names:
+            names[name] = f"{prefix}{len(names)}"
+        return names.get(name, name)
+
+    for v in graph.input:
+        v.name = rename(v.name, "i")
+    for t in graph.initializer:
+        t.name = rename(t.name, "c")
+    for node in graph.node:  # outputs first: some tools write nodes out of order (fp16 casts)
+        node.output[:] = [rename(x, "v") for x in node.output]
+    for k, node in enumerate(graph.node):
+        node.input[:] = [names.get(x, x) for x in node.input]
+        node.name = f"n{k}"
+        node.doc_string = ""
+    for v in list(graph.output) + list(graph.value_info):
+        v.name = names.get(v.name, v.name)
+    graph.name, graph.doc_string, model.doc_string = "layer", "", ""
+    del model.metadata_props[:]
+    data = model.SerializeToString()
+    return hashlib.sha256(data).hexdigest(), data, names
