@@ -15,7 +15,7 @@ from slimml.runtime.image import ImageProcessor
 from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
 from slimml.runtime.plan import ExecutionPlan, build_plan
-from slimml.runtime.session import providers_for
+from slimml.runtime.session import resolve_device
 from slimml.runtime.text import TextEncoder, encode_texts
 
 
@@ -220,7 +220,8 @@ def load(
 
     Args:
         path: the artifact folder (it holds ``manifest.json``).
-        device: ``"cpu"`` or ``"cuda"``.
+        device: ``"cpu"``, ``"cuda"``, or ``"auto"`` (CUDA where onnxruntime-gpu finds a working
+            GPU, else CPU; ``model.device`` says which).
         threads: ONNX Runtime intra-op threads (default: ORT's choice, or ``SLIMML_THREADS``).
         verify: check every file's size and sha256 against the manifest first (default). A file
             that does not match is refused, never run; a streamed shard whose file changes after
@@ -267,7 +268,7 @@ def load(
                 f"{', '.join(manifest.components)}; load it whole, or serve it with replicas instead of stages."
             )
         manifest = manifest.stage(*shards)
-    providers_for(device)  # fail on a missing provider before hashing gigabytes
+    device = resolve_device(device)  # fail on a missing provider before hashing gigabytes
     parts = manifest.components or {None: manifest}
     # a bad budget fails before loading; streaming settings apply to each component's chain
     plans = {name: plan_stream(m, resident, prefetch, memory_budget, pin) for name, m in parts.items()}

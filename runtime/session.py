@@ -26,7 +26,7 @@ def providers_for(device: str) -> list[str | tuple[str, dict]]:
             provider.
     """
     if device not in DEVICES:
-        raise DeviceError(f"unknown device {device!r}; use one of {list(DEVICES)}.")
+        raise DeviceError(f"unknown device {device!r}; use one of {list(DEVICES) + ['auto']}.")
     if device == "cpu":
         return ["CPUExecutionProvider"]
     available = ort.get_available_providers()
@@ -38,6 +38,38 @@ def providers_for(device: str) -> list[str | tuple[str, dict]]:
         )
     _preload_cuda_libraries()
     return [("CUDAExecutionProvider", {}), "CPUExecutionProvider"]
+
+
+_auto: str | None = None
+
+
+def resolve_device(device: str) -> str:
+    """``device`` checked, with ``"auto"`` made concrete: CUDA where onnxruntime has its CUDA
+    provider and it starts (a GPU, its driver and libraries), else CPU. Decided once per process.
+
+    Raises:
+        DeviceError: an unknown device, or CUDA asked for where it cannot run.
+    """
+    global _auto
+    if device != "auto":
+        providers_for(device)
+        return device
+    if _auto is None:
+        _auto = "cpu"
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            from onnx import TensorProto, helper
+
+            x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+            graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe", [x],
+                                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+            model.ir_version = 8
+            try:
+                make_session(model.SerializeToString(), "cuda")  # without a working GPU: DeviceError
+                _auto = "cuda"
+            except (DeviceError, ArtifactError):
+                log.info("slimml: device='auto' runs on CPU: onnxruntime's CUDA provider did not start here")
+    return _auto
 
 
 _preloaded = False

@@ -29,7 +29,7 @@ console = Console()
 err = Console(stderr=True)
 
 Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `slimml convert`.")]
-Device = Annotated[str, typer.Option(help="cpu or cuda.")]
+Device = Annotated[str, typer.Option(help="cpu, cuda, or auto (CUDA where a GPU works, else CPU).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]
 Progress = Annotated[bool, typer.Option("--progress", help="Show a progress bar over the batches (on stderr).")]
 BaselineIn = Annotated[Optional[Path], typer.Option(help="Compare with this baseline file; exit 3 on a regression.")]
@@ -429,7 +429,7 @@ def bench(
         _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
         return
     console.print(
-        f"batch {batch} x seq {seq} on {device}: p50 {result.p50_ms:.2f} ms, p90 {result.p90_ms:.2f} ms, "
+        f"batch {batch} x seq {seq} on {model.device}: p50 {result.p50_ms:.2f} ms, p90 {result.p90_ms:.2f} ms, "
         f"{result.throughput_per_s:.1f} items/s, peak RSS {result.peak_rss_mb:.0f} MB, model {result.model_mb:.1f} MB"
     )
     if result.stream:

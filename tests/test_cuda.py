@@ -120,3 +120,7 @@ def test_gpu_quantization_schemes_run_on_cuda(small_mlp, tmp_path, scheme, atol)
     assert _close_to_cpu(got, load(out).run(feeds)["y"]) or scheme == "fp16"  # the same artifact on CPU
     streamed = load(out, device="cuda", resident=2).run(feeds)["y"]
     np.testing.assert_allclose(streamed, got, rtol=0, atol=1e-3)
+
+
+def test_device_auto_picks_the_gpu(mlp):
+    assert load(mlp, device="auto").device == "cuda"

@@ -118,6 +118,18 @@ def test_cuda_without_provider_is_a_clear_error(artifact):
         load(artifact, device="cuda")
 
 
+def test_device_auto_runs_where_it_can(artifact):
+    import onnxruntime as ort
+
+    model = load(artifact, device="auto")
+    want = "cuda" if "CUDAExecutionProvider" in ort.get_available_providers() else "cpu"
+    assert model.device in (want, "cpu")  # a CUDA build on a machine without a working GPU: CPU
+    x = {"x": np.ones((2, 8), np.float32), "scale": np.ones((2, 1), np.float32)}
+    np.testing.assert_allclose(model.run(x)["y"], load(artifact).run(x)["y"], rtol=1e-3, atol=1e-3)
+    with pytest.raises(DeviceError, match=r"unknown device 'gpu'; use one of \['cpu', 'cuda', 'auto'\]"):
+        load(artifact, device="gpu")
+
+
 def test_text_on_an_array_model_says_to_use_run(artifact):
     from slimml.errors import SlimmlError
 
