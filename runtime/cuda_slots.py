@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
-import os
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -39,9 +37,7 @@ from typing import NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from slimml.errors import ArtifactError
 from slimml.runtime.budget import available_memory
-from slimml.runtime.manifest import safe_path
 from slimml.runtime.slots import FedSlots, Slot
 
 log = logging.getLogger("slimml")
@@ -80,6 +76,7 @@ class CudaSlots(FedSlots):
     def __init__(self, *args, host: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.host_mode = host or type(self).host
+        self._chosen = False
         self._rt = None
         self._mapped: dict[int, np.ndarray] = {}  # pinned once: shard -> its locked mapping
         self._staging: np.ndarray | None = None
@@ -89,21 +86,22 @@ class CudaSlots(FedSlots):
         shard = self.manifest.shards[index]
         if shard.data is None or not self.specs[index]:
             return Slot(index, {}, 0)
-        if self.host_mode == "auto" or self._rt is None and self.host_mode in ("pinned", "staged"):
+        if not self._chosen:
             self._choose_host()
+        self._recheck(shard.data)  # a file changed since it was hashed is hashed again, or refused
         if self.host_mode == "pinned":
-            self._recheck(shard.data)
             flat = self._mapped.get(index)
             if flat is None:
                 flat = self._mapped[index] = self._map_locked(index)
             return self._to_device(index, flat)
-        host = super().fill(index)  # re-hashes a changed file, maps it, checks every weight's bounds
-        if not host.weights:
-            return host
+        mm = self._map_checked(index)
         try:
-            return self._to_device(index, self._stage(np.frombuffer(host._handle, dtype=np.uint8)))
+            return self._to_device(index, self._stage(np.frombuffer(mm, dtype=np.uint8)))
         finally:
-            host.release()
+            try:
+                mm.close()
+            except BufferError:  # a view still referenced: unmapped when it goes
+                pass
 
     def _to_device(self, index: int, flat: np.ndarray) -> Slot:
         buffer = ort.OrtValue.ortvalue_from_numpy(flat, "cuda", self.device_id)  # one transfer
@@ -119,7 +117,7 @@ class CudaSlots(FedSlots):
 
     def _choose_host(self) -> None:
         """Pick how shards reach the GPU, once (the first fill)."""
-        wanted, self._rt = self.host_mode, _cudart()
+        wanted, self._rt, self._chosen = self.host_mode, _cudart(), True
         if self._rt is None or wanted == "pageable":
             self.host_mode = "pageable"
             return
@@ -137,22 +135,14 @@ class CudaSlots(FedSlots):
 
     def _map_locked(self, index: int) -> np.ndarray:
         """The shard's data file mapped read-only for the model's lifetime, its pages locked."""
-        shard = self.manifest.shards[index]
-        path = safe_path(self.folder, shard.data)
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ)
-        flat = np.frombuffer(mm, dtype=np.uint8)
-        for w in self.specs[index]:
-            if w.offset + w.nbytes > size:
-                raise ArtifactError(f"{shard.data} ends before weight {w.name!r}; the artifact is damaged: re-convert it.")
+        flat = np.frombuffer(self._map_checked(index), dtype=np.uint8)
         rt = self._rt
-        (err,) = rt.cudaHostRegister(flat.ctypes.data, size, rt.cudaHostRegisterReadOnly)
+        (err,) = rt.cudaHostRegister(flat.ctypes.data, flat.size, rt.cudaHostRegisterReadOnly)
         if err == rt.cudaError_t.cudaSuccess:
             weakref.finalize(flat, rt.cudaHostUnregister, flat.ctypes.data)
         else:  # locked-memory limits (ulimit -l): this shard goes pageable
-            log.warning("slimml: %s streams from pageable memory: its pages could not be locked (%s)", shard.data, err)
+            log.warning("slimml: %s streams from pageable memory: its pages could not be locked (%s)",
+                        self.manifest.shards[index].data, err)
         return flat
 
     def _stage(self, flat: np.ndarray) -> np.ndarray:

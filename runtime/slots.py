@@ -105,22 +105,30 @@ class FedSlots:
         if shard.data is None or not self.specs[index]:
             return Slot(index, {}, 0)
         self._recheck(shard.data)
-        path = safe_path(self.folder, shard.data)
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            mm = _map(f.fileno(), size)
+        mm = self._map_checked(index)
         buf = np.frombuffer(mm, dtype=np.uint8)
         weights = {}
         for w in self.specs[index]:
-            view = buf[w.offset: w.offset + w.nbytes]
-            if view.size != w.nbytes:
-                del view, buf, weights
-                mm.close()
-                raise ArtifactError(f"{shard.data} ends before weight {w.name!r}; the artifact is damaged: re-convert it.")
-            arr = view.view(w.dtype).reshape(w.shape)
+            arr = buf[w.offset: w.offset + w.nbytes].view(w.dtype).reshape(w.shape)
             weights[w.name] = arr if arr.ctypes.data % w.dtype.itemsize == 0 else arr.copy()  # unaligned: copy
         del buf
-        return Slot(index, weights, size, mm)
+        return Slot(index, weights, len(mm), mm)
+
+    def _map_checked(self, index: int) -> mmap.mmap:
+        """The shard's data file mapped read-only, pages brought in, every weight inside it.
+
+        Raises:
+            ArtifactError: the file ends before one of the shard's weights.
+        """
+        shard = self.manifest.shards[index]
+        with open(safe_path(self.folder, shard.data), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            mm = _map(f.fileno(), size)
+        for w in self.specs[index]:
+            if w.offset + w.nbytes > size:
+                mm.close()
+                raise ArtifactError(f"{shard.data} ends before weight {w.name!r}; the artifact is damaged: re-convert it.")
+        return mm
 
     def _recheck(self, rel: str) -> None:
         """Re-hash a file whose size, mtime or inode changed since it was verified."""
