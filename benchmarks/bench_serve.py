@@ -6,7 +6,8 @@ The STSb dev sentences (3,000, variable lengths). Each round runs, one after ano
 process:
   * ``in-process``: ``load(artifact).encode(texts, batch_size=32)``, ORT's default threads;
   * ``http kN``: ``slimml serve``'s application (one replica holding every CPU, its ORT threads =
-    those CPUs, dynamic batching of up to 32 texts, 5 ms wait) answering ``POST /v1/embeddings``
+    those CPUs, the default batching: up to 1,024 texts of concurrent requests in one ``encode``,
+    formed when the model is free, 5 ms wait) answering ``POST /v1/embeddings``
     with N texts per request, sent by ``--concurrency`` client threads over keep-alive
     connections (http.client), the corpus in order.
 The server and the client share the machine's cores with each other, as they would on one

@@ -18,7 +18,7 @@ import numpy as np
 from slimml.runtime.bench import sample_feeds
 from slimml.runtime.manifest import Manifest
 from slimml.runtime.session import make_session
-from slimml.runtime.text import TextEncoder, encode_texts, pool
+from slimml.runtime.text import TextEncoder, check_batch_size, encode_texts, pool, sorted_batches
 
 
 class Chain:
@@ -47,7 +47,9 @@ class Chain:
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False) -> np.ndarray:
         """Pooled sentence embeddings, batched as ``Model.encode`` (for the accuracy guard's STS check)."""
-        return encode_texts(self.run, self.text, self.manifest.pooling, texts, batch_size, show_progress)
+        check_batch_size(batch_size)
+        encs = self.text.encodings(list(texts))
+        return encode_texts(self.run, self.text, self.manifest.pooling, encs, sorted_batches(encs, batch_size), show_progress)
 
 
 def text_encoder(folder: Path, manifest: Manifest) -> TextEncoder | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_l
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
 from slimml.runtime.plan import ExecutionPlan, build_plan
 from slimml.runtime.session import resolve_device
-from slimml.runtime.text import TextEncoder, encode_texts
+from slimml.runtime.lanes import lane_count
+from slimml.runtime.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
 
 
 class Model:
@@ -32,6 +34,9 @@ class Model:
         self.folder = folder
         self.manifest = manifest
         self.device = device
+        self.threads = threads
+        self._lanes: dict[int, ExecutionPlan] = {}  # single-threaded copies of the plan for encode's lanes
+        self._lanes_lock = threading.Lock()
         # files changed after load are refused, not run; a plan built elsewhere (pipeline stages)
         # watches the files its segments own
         self._watch = FileWatch(folder, manifest) if plan is None else None
@@ -107,6 +112,10 @@ class Model:
     def close(self) -> None:
         """Stop the shard loader thread (if streaming) and drop every session."""
         self.plan.close()
+        with self._lanes_lock:
+            for plan in self._lanes.values():
+                plan.close()
+            self._lanes.clear()
 
     def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
         """Greedy text generation for decoder artifacts; see :func:`slimml.runtime.generate.generate`."""
@@ -170,17 +179,22 @@ class Model:
                     "errors='replace' or clean it first."
                 ) from None
 
-    def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False) -> np.ndarray:
+    def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
+               workers: int | None = None) -> np.ndarray:
         """Sentence embeddings, (len(texts), hidden) float32, pooled and normalised as the source model does.
 
         Texts are tokenized once, sorted by token count and run ``batch_size`` at a time, each
         batch padded only to its own longest text (as sentence-transformers does); the result
-        is in input order.
+        is in input order. Several batches run side by side, one per core, each on one thread
+        (:mod:`slimml.runtime.lanes`), where the model is resident on CPU and small beside the
+        memory available; the lanes share one more session of the model, made on first use.
 
         Args:
             texts: the sentences.
             batch_size: texts per model call (default 32).
             show_progress: draw a progress bar over the batches (on stderr).
+            workers: batches run at once (default: one per core of ``load(threads=)``, else of
+                the machine, where lanes apply; 1 runs each batch on all the model's threads).
 
         Example:
             >>> model = load("artifacts/all-MiniLM-L6-v2")
@@ -196,7 +210,31 @@ class Model:
                 "model; use run() for its raw outputs."
             )
         self._check_unicode(texts)
-        return encode_texts(self.run, self._text_encoder(), pooling, list(texts), batch_size, show_progress)
+        check_batch_size(batch_size)
+        text = self._text_encoder()
+        encs = text.encodings(list(texts))
+        batches = sorted_batches(encs, batch_size)
+        unfit = ("runs on " + self.device if self.device != "cpu" else "streams" if self.plan.streaming
+                 else "runs in pipeline stages" if self._watch is None else None)
+        lanes, lane_threads = lane_count(workers, len(batches), unfit=unfit, threads=self.threads,
+                                         model_bytes=self.plan.model_bytes)
+        run = self.run if lanes == 1 else self._lane(lane_threads)
+        return encode_texts(run, text, pooling, encs, batches, show_progress, lanes)
+
+    def _lane(self, threads: int):
+        """``run`` on a copy of the plan with ``threads`` intra-op threads, made once (from files
+        hashed again first: graphs are read from disk to make it)."""
+        with self._lanes_lock:
+            plan = self._lanes.get(threads)
+            if plan is None:
+                verify_files(self.folder, self.manifest)
+                plan = self._lanes[threads] = build_plan(self.folder, self.manifest, self.device, threads, self.plan.memory)
+
+        def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            self._check_watch()
+            return plan.run(self._check(feeds, self.allow_nonfinite), self._outputs)
+
+        return run
 
 
 def _nothing() -> None:

@@ -56,27 +56,36 @@ class TextEncoder:
         return self.batch(self.encodings(texts), pad_to)
 
 
-def encode_texts(run, text: TextEncoder, pooling: dict[str, Any], texts: list[str], batch_size: int = 32,
-                 show_progress: bool = False) -> np.ndarray:
-    """Sentence embeddings in input order, batched as sentence-transformers batches.
-
-    Texts are tokenized once, sorted by token count (longest first) and run ``batch_size`` at a
-    time through ``run(feeds) -> outputs``, each batch padded only to its own longest text.
-    """
+def check_batch_size(batch_size: Any) -> None:
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
-    encs = text.encodings(list(texts))
+
+
+def sorted_batches(encs: list, batch_size: int) -> list[np.ndarray]:
+    """Row indices of ``encs`` in batches of ``batch_size``, longest texts first (as
+    sentence-transformers sorts), so each batch pads little."""
     order = np.argsort([-len(e.ids) for e in encs], kind="stable")
-    out: np.ndarray | None = None
-    starts = range(0, len(encs), batch_size)
+    return [order[i : i + batch_size] for i in range(0, len(encs), batch_size)]
+
+
+def encode_texts(run, text: TextEncoder, pooling: dict[str, Any], encs: list, batches: list[np.ndarray],
+                 show_progress: bool = False, lanes: int = 1) -> np.ndarray:
+    """Sentence embeddings in input order: each batch of ``encs`` (from :func:`sorted_batches`)
+    padded only to its own longest text and run through ``run(feeds) -> outputs``, ``lanes``
+    batches at a time (:mod:`slimml.runtime.lanes`)."""
+    from slimml.runtime.lanes import in_lanes
+
+    def embed(rows: np.ndarray) -> np.ndarray:
+        feeds = text.batch([encs[r] for r in rows])
+        return pool(run(feeds)[pooling["output"]], feeds["attention_mask"], pooling["mode"], pooling["normalize"])
+
+    done = in_lanes(embed, batches, lanes)
     if show_progress:
         from rich.progress import track
 
-        starts = track(starts, description="encoding", transient=True)
-    for i in starts:
-        rows = order[i : i + batch_size]
-        feeds = text.batch([encs[r] for r in rows])
-        emb = pool(run(feeds)[pooling["output"]], feeds["attention_mask"], pooling["mode"], pooling["normalize"])
+        done = track(done, total=len(batches), description="encoding", transient=True)
+    out: np.ndarray | None = None
+    for rows, emb in zip(batches, done):
         if out is None:
             out = np.empty((len(encs), emb.shape[1]), dtype=emb.dtype)
         out[rows] = emb

@@ -176,6 +176,35 @@ def test_encode_sorts_by_length_and_returns_input_order(tiny_bert_artifact):
         model.encode(texts, batch_size=0)
 
 
+def test_encode_runs_batches_in_lanes_with_the_same_embeddings(tiny_bert_artifact, tmp_path):
+    from slimml.runtime.evaluate import read_sts
+
+    model = load(tiny_bert_artifact, threads=2)
+    texts = list(read_sts(STS_DEV)[0][:64])
+    alone = model.encode(texts, batch_size=8, workers=1)
+    assert not model._lanes  # one lane: the plan itself
+    lanes = model.encode(texts, batch_size=8)  # two cores of threads=2: two single-threaded lanes
+    assert list(model._lanes) == [1]
+    np.testing.assert_allclose(lanes, alone, rtol=0, atol=1e-5)
+    model.encode(texts, batch_size=8, workers=2, show_progress=True)
+    assert list(model._lanes) == [1]  # made once
+    with pytest.raises(ConfigError, match="workers must be a whole number >= 1, got 0"):
+        model.encode(texts, workers=0)
+    streamed = load(tiny_bert_artifact, resident=2)
+    with pytest.raises(ConfigError, match=r"workers=2 runs batches side by side .* this one streams\. Use workers=1"):
+        streamed.encode(texts, workers=2)
+    assert streamed.encode(texts[:9], batch_size=4).shape == (9, alone.shape[1])  # unset: one lane
+    # a lane's copy of the plan is checked as the plan is: a weight file changed after load is refused
+    copy = tmp_path / "art"
+    shutil.copytree(tiny_bert_artifact, copy)
+    model = load(copy, threads=2)
+    model.encode(texts, batch_size=8, workers=2)
+    data = next(p for p in sorted(copy.glob("*.data")))
+    data.write_bytes(data.read_bytes()[:-4])
+    with pytest.raises(IntegrityError):
+        model.encode(texts, batch_size=8, workers=2)
+
+
 def test_encode_progress_bar(tiny_bert_artifact, capsys):
     model = load(tiny_bert_artifact)
     out = model.encode(["a b c"] * 10, batch_size=2, show_progress=True)

@@ -7,8 +7,9 @@ Importable for Ray's own tools::
 
 Endpoints: ``POST /v1/embeddings`` (OpenAI's shape), ``POST /v1/run`` (named arrays),
 ``POST /v1/generate`` (decoders), ``GET /health`` and ``GET /v1/models``. Concurrent embeddings
-requests are batched together (``@serve.batch``, counting texts); model calls run on a worker
-thread so the replica keeps answering while it computes.
+requests are batched together, counting texts, in batches formed when the model is free
+(:mod:`slimml.serve.batcher`; Ray's ``@serve.batch`` forms them earlier, and smaller); model
+calls run on a worker thread so the replica keeps answering while it computes.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route annotations at run time
@@ -23,6 +24,7 @@ from ray import serve
 
 from slimml.errors import FeedError, IntegrityError, RequestError, SlimmlError
 from slimml.serve import protocol
+from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
 
 api = FastAPI(title="slimml", docs_url=None, redoc_url=None)
@@ -65,8 +67,7 @@ class SlimmlServer:
             self.model = load(self.config.artifact, threads=max(1, int(cpus)) if cpus else None,
                               memory_budget=self.config.memory_budget)
         self.name = self.config.name or self.model.manifest.name
-        self._embed_batch.set_max_batch_size(self.config.max_batch_size)
-        self._embed_batch.set_batch_wait_timeout_s(self.config.batch_wait_ms / 1000)
+        self._embed_batch = Batcher(self._embed_counted, self.config.max_batch_size, self.config.batch_wait_ms / 1000)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         limit = self.config.max_body_bytes
@@ -98,24 +99,9 @@ class SlimmlServer:
         self._needs("embeddings")
         protocol.check_model(data, self.name)
         texts = protocol.embedding_texts(data, self.config.max_texts)
-        if len(texts) > self.config.max_batch_size:  # already a batch of its own
-            emb, counts = await asyncio.to_thread(self._embed_counted, texts)
-            tokens = sum(counts)
-        else:
-            emb, tokens = await self._embed_batch(texts)
-        body = protocol.embeddings_response(emb, self.name, tokens, data.get("encoding_format", "float"))
+        emb, counts = await self._embed_batch(texts)  # with the texts of concurrent requests
+        body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
         return Response(protocol.dumps(body), media_type="application/json")
-
-    # max_batch_size counts texts, not requests (batch_size_fn); set from the config in __init__
-    @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005, batch_size_fn=lambda items: sum(map(len, items)))
-    async def _embed_batch(self, requests: list[list[str]]) -> list[tuple[np.ndarray, int]]:
-        flat = [t for texts in requests for t in texts]
-        emb, counts = await asyncio.to_thread(self._embed_counted, flat)
-        out, at = [], 0
-        for texts in requests:
-            out.append((emb[at:at + len(texts)], sum(counts[at:at + len(texts)])))
-            at += len(texts)
-        return out
 
     def _embed_counted(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
         return self.model.encode(texts, batch_size=self.config.batch_size), self.model.count_tokens(texts)

@@ -22,7 +22,9 @@ class ServeConfig:
             (:func:`slimml.scale.pipeline`) behind the replica.
         microbatch: microbatches in flight through the stages.
         max_batch_size: the most texts gathered from concurrent embeddings requests into one
-            ``encode`` call, which sorts them by length and runs them ``batch_size`` at a time.
+            ``encode`` call, made when the model is free from the requests waiting then
+            (:mod:`slimml.serve.batcher`); ``encode`` sorts them by length and runs them
+            ``batch_size`` at a time, a batch per core.
         batch_wait_ms: how long the first request of a batch waits for others to join it.
         batch_size: texts per model call inside ``encode``.
         max_body_bytes: larger request bodies get 413 (8 MiB: about 40,000 short sentences).
@@ -41,7 +43,7 @@ class ServeConfig:
     cpus_per_replica: float | None = None
     stages: int = 0
     microbatch: int = 4
-    max_batch_size: int = 256
+    max_batch_size: int = 1024
     batch_wait_ms: float = 5.0
     batch_size: int = 32
     max_body_bytes: int = 8 << 20

@@ -1,0 +1,104 @@
+"""The replica's batcher: concurrent requests share one model call, formed when the model is free."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from slimml.serve.batcher import Batcher
+
+
+def test_requests_that_wait_while_the_model_runs_share_the_next_call():
+    calls: list[list[str]] = []
+    gate = threading.Event()
+
+    def fn(items: list[str]) -> list[str]:
+        calls.append(list(items))
+        if len(calls) == 1:
+            gate.wait(5)  # the first call holds the model while the others arrive
+        return [s.upper() for s in items]
+
+    async def main():
+        batcher = Batcher(fn, max_items=6, wait_s=0.0)
+        first = asyncio.create_task(batcher(["a"]))
+        await asyncio.sleep(0.05)  # the model is busy with ["a"]
+        rest = [asyncio.create_task(batcher([f"{i}x", f"{i}y"])) for i in range(4)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await first, await asyncio.gather(*rest), batcher
+
+    first, rest, batcher = asyncio.run(main())
+    assert first == ["A"] and rest == [[f"{i}X", f"{i}Y"] for i in range(4)]
+    # everything that waited went into the next calls, oldest first, at most max_items at a time
+    assert calls == [["a"], ["0x", "0y", "1x", "1y", "2x", "2y"], ["3x", "3y"]]
+    assert (batcher.calls, batcher.items) == (3, 9)
+
+
+def test_the_first_request_waits_for_company_at_most_wait_s():
+    calls = []
+
+    async def main():
+        batcher = Batcher(lambda items: calls.append(len(items)) or items, max_items=100, wait_s=0.2)
+        t0 = time.monotonic()
+        a = asyncio.create_task(batcher([1]))
+        await asyncio.sleep(0.05)
+        b = asyncio.create_task(batcher([2, 3]))
+        assert await a == [1] and await b == [2, 3]
+        return time.monotonic() - t0
+
+    waited = asyncio.run(main())
+    assert calls == [3] and 0.19 <= waited < 2
+
+
+def test_an_oversized_request_runs_alone_and_tuples_are_sliced():
+    async def main():
+        batcher = Batcher(lambda items: (list(items), [len(s) for s in items]), max_items=2, wait_s=0.01)
+        big, small = await asyncio.gather(batcher(["aaa", "b", "cc"]), batcher(["dddd"]))
+        return big, small, batcher.calls
+
+    big, small, calls = asyncio.run(main())
+    assert big == (["aaa", "b", "cc"], [3, 1, 2]) and small == (["dddd"], [4]) and calls == 2
+
+
+def test_a_failing_call_fails_every_request_in_it_and_the_batcher_goes_on():
+    def fn(items):
+        if "bad" in items:
+            raise ValueError("bad text")
+        return items
+
+    async def main():
+        batcher = Batcher(fn, max_items=10, wait_s=0.05)
+        results = await asyncio.gather(batcher(["ok"]), batcher(["bad"]), return_exceptions=True)
+        return results, await batcher(["fine"])
+
+    (a, b), after = asyncio.run(main())
+    assert isinstance(a, ValueError) and isinstance(b, ValueError) and after == ["fine"]
+
+
+def test_a_cancelled_request_is_skipped():
+    seen = []
+    gate = threading.Event()
+
+    def fn(items):
+        seen.extend(items)
+        gate.wait(5)
+        return items
+
+    async def main():
+        batcher = Batcher(fn, max_items=10, wait_s=0.0)
+        first = asyncio.create_task(batcher(["first"]))
+        await asyncio.sleep(0.05)
+        gone = asyncio.create_task(batcher(["gone"]))
+        kept = asyncio.create_task(batcher(["kept"]))
+        await asyncio.sleep(0.01)
+        gone.cancel()
+        gate.set()
+        assert await first == ["first"] and await kept == ["kept"]
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+
+    asyncio.run(main())
+    assert seen == ["first", "kept"]
