@@ -173,11 +173,16 @@ def max_sequence_length(facts: list[ShardFacts], manifest: Manifest) -> int | No
 
 
 class FileWatch:
-    """Cheap change detection for the files a loaded model runs from (one ``stat`` per file).
+    """Cheap change detection for the files a loaded model runs from.
 
     Those are the shards' weight data files: ONNX Runtime memory-maps them, and streamed shards
     map them on every pass. Graphs and the tokenizer are parsed into memory at load, so a change
     to them cannot reach a loaded model; :meth:`slimml.runtime.Model.verify` re-hashes every file.
+
+    Each file and its folder are held open: an ``fstat`` of a descriptor skips the path lookup a
+    ``stat`` does, and a file renamed over, removed or added changes its folder's times. A
+    changed folder sends the check to the paths themselves, which decide. (Measured on a batch-1
+    call of a 2.4 ms student: 4 ``stat`` calls cost 33-41 us there, 4 ``fstat`` 19-20 us.)
     """
 
     def __init__(self, folder: Path, manifest: Manifest):
@@ -186,6 +191,20 @@ class FileWatch:
         self.paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files if e.path in data]
         self.seen = {rel: self._identity(p) for rel, p in self.paths}
         self._expect = [(rel, path, self.seen[rel]) for rel, path in self.paths]
+        self._files: list[tuple[str, str, int, tuple]] = []
+        self._dirs: list[list] = []
+        try:
+            for rel, path, was in self._expect:
+                if was is not None:
+                    self._files.append((rel, path, os.open(path, os.O_RDONLY), was))
+            for d in sorted({os.path.dirname(path) for _, path, _ in self._expect}):
+                fd = os.open(d, os.O_RDONLY)
+                st = os.fstat(fd)
+                self._dirs.append([fd, st.st_mtime_ns, st.st_ctime_ns])
+        except OSError:  # out of descriptors, or a platform that cannot open folders: stat the paths
+            self.close()
+        if len(self._files) != len(self._expect):
+            self.close()
 
     @staticmethod
     def _identity(path: str) -> tuple | None:
@@ -197,14 +216,42 @@ class FileWatch:
 
     def check(self) -> None:
         """Raise IntegrityError if any file was replaced, truncated, rewritten or removed since load."""
+        if not self._dirs:
+            return self._check_paths()
+        fstat = os.fstat
+        for entry in self._dirs:  # runs before every run(): kept to an fstat and a compare a file
+            st = fstat(entry[0])
+            if st.st_mtime_ns != entry[1] or st.st_ctime_ns != entry[2]:
+                self._check_paths()  # something in the folder changed: the paths decide
+                entry[1:] = st.st_mtime_ns, st.st_ctime_ns
+        for rel, path, fd, was in self._files:
+            st = fstat(fd)
+            if st.st_mtime_ns != was[1] or st.st_size != was[0]:
+                self._refuse(rel, was, self._identity(path))
+
+    def _check_paths(self) -> None:
         stat = os.stat
-        for rel, path, was in self._expect:  # runs before every run(): kept to a stat and a compare
+        for rel, path, was in self._expect:
             try:
                 st = stat(path)
             except OSError:
                 self._refuse(rel, was, None)
             if was is None or st.st_mtime_ns != was[1] or st.st_size != was[0] or st.st_ino != was[2] or st.st_dev != was[3]:
                 self._refuse(rel, was, self._identity(path))
+
+    def close(self) -> None:
+        """Let go of the descriptors (later checks stat the paths)."""
+        for _, _, fd, _ in self._files:
+            os.close(fd)
+        for fd, *_ in self._dirs:
+            os.close(fd)
+        self._files, self._dirs = [], []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def _refuse(self, rel: str, was: tuple | None, now: tuple | None) -> None:
         what = "was removed" if now is None else (

@@ -112,6 +112,8 @@ class Model:
     def close(self) -> None:
         """Stop the shard loader thread (if streaming) and drop every session."""
         self.plan.close()
+        if self._watch is not None:
+            self._watch.close()
         with self._lanes_lock:
             for plan in self._lanes.values():
                 plan.close()

@@ -190,6 +190,19 @@ class Step:
     names: dict[str, str] | None = None  # this step's names -> the session's, where a session serves several
     on_device: bool = True  # CUDA: outputs stay on the GPU for the next step (False for a plan's only step)
 
+    def call(self, feeds: dict) -> dict:
+        """The outputs by name for ``feeds`` that are exactly this step's inputs, on the host."""
+        try:
+            return dict(zip(self.outputs, self.session.run(self.outputs, feeds)))
+        except Exception as e:  # onnxruntime's own exception classes
+            raise self._error(e) from None
+
+    def _error(self, e: BaseException) -> FeedError:
+        return FeedError(
+            f"{self.label} rejected the inputs: {_first_line(e)}. Check the input values, e.g. token ids inside "
+            "the vocabulary and sequences no longer than the model's maximum."
+        )
+
     def run(self, env: dict, extra: dict | None = None) -> None:
         """Run on the activations in ``env`` and update it in place; ``extra`` adds feeds that are
         not activations (a streamed shard's weights). ONNX Runtime's errors become one-line
@@ -207,10 +220,7 @@ class Step:
             else:
                 values = self.session.run(outputs, feeds)
         except Exception as e:  # onnxruntime's own exception classes
-            raise FeedError(
-                f"{self.label} rejected the inputs: {_first_line(e)}. Check the input values, e.g. token ids inside "
-                "the vocabulary and sequences no longer than the model's maximum."
-            ) from None
+            raise self._error(e) from None
         env.update(zip(self.outputs, values))
         for name in self.drop:
             env.pop(name, None)

@@ -261,3 +261,34 @@ def test_cli_refuses_hostile_npz_inputs(art, tmp_path):
                            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert r.returncode == 1 and r.stderr.startswith(f"error: --input {tmp_path / name} is not an .npz of plain arrays")
         assert why in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("how", ["renamed over", "removed", "rewritten in place", "unrelated file added"])
+def test_the_file_watch_sees_the_folder_as_well_as_the_files(art, how):
+    """The watch holds each data file and its folder open: a file renamed over keeps its old
+    descriptor valid, so the folder's change sends the check to the paths."""
+    from slimml.runtime.bench import sample_feeds
+
+    model = load(art)
+    feeds = sample_feeds(model.inputs, batch=1)
+    before = model.run(feeds)
+    data = art / "shard_001.onnx.data"
+    if how == "renamed over":
+        twin = art / "twin.tmp"
+        twin.write_bytes(data.read_bytes())  # the same bytes, a new file
+        os.replace(twin, data)
+    elif how == "removed":
+        data.unlink()
+    elif how == "rewritten in place":
+        body = data.read_bytes()
+        with open(data, "r+b") as f:
+            f.write(body[:8][::-1])
+        os.utime(data, ns=(os.stat(data).st_atime_ns, os.stat(data).st_mtime_ns + 1_000_000))
+    else:
+        (art / "notes.txt").write_text("not part of the model")
+        assert model.run(feeds)["y"].tolist() == before["y"].tolist()  # still the same files: runs
+        model.close()
+        return
+    with pytest.raises(IntegrityError, match=r"shard_001\.onnx\.data in .* (was rewritten or replaced|was removed)"):
+        model.run(feeds)
+    model.close()
