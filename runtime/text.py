@@ -95,9 +95,9 @@ def encode_texts(run, text: TextEncoder, pooling: dict[str, Any], encs: list, ba
 def pool(hidden: np.ndarray, attention_mask: np.ndarray, mode: str = "mean", normalize: bool = True) -> np.ndarray:
     """Sentence embeddings from token states: (B, T, H) and mask (B, T) -> (B, H)."""
     if mode == "mean":
-        mask = attention_mask[..., None].astype(hidden.dtype)  # (B, T, 1)
-        summed = (hidden * mask).sum(axis=1)
-        emb = summed / np.clip(mask.sum(axis=1), 1e-9, None)
+        mask = attention_mask.astype(hidden.dtype)  # (B, T)
+        summed = np.matmul(mask[:, None, :], hidden)[:, 0, :]  # (B, H), without a (B, T, H) temporary
+        emb = summed / np.clip(mask.sum(axis=1, keepdims=True), 1e-9, None)
     elif mode == "cls":
         emb = hidden[:, 0]
     elif mode == "max":
