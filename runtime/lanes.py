@@ -66,9 +66,15 @@ def lane_count(workers: int | None, batches: int, *, unfit: str | None, threads:
 
 
 def in_lanes(fn: Callable[[T], R], items: Iterable[T], lanes: int) -> Iterator[R]:
-    """``fn`` over ``items``, ``lanes`` at a time, results in order."""
+    """``fn`` over ``items``, ``lanes`` at a time, results in order. The first error is raised
+    as soon as its turn comes, and the items not started yet are dropped."""
     if lanes <= 1:
         yield from map(fn, items)
         return
-    with ThreadPoolExecutor(lanes, thread_name_prefix="slimml-lane") as pool:
-        yield from pool.map(fn, items)
+    pool = ThreadPoolExecutor(lanes, thread_name_prefix="slimml-lane")
+    try:
+        futures = [pool.submit(fn, item) for item in items]
+        for future in futures:
+            yield future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)

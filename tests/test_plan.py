@@ -241,3 +241,25 @@ def test_an_unwritable_cache_falls_back_to_fed_weights_with_one_line(mlp, tmp_pa
     np.testing.assert_allclose(model.run(_feeds())["y"], load(art).run(_feeds())["y"], rtol=0, atol=1e-5)
     with pytest.raises(ArtifactError, match=r"^packing shard \d+ into .* failed"):
         load(art, resident=2, pack=True, cache_dir=blocker)  # asked for: no fallback
+
+
+def test_a_failing_batch_stops_the_lanes():
+    import threading
+    import time
+
+    from slimml.runtime.lanes import in_lanes
+
+    ran, lock = [], threading.Lock()
+
+    def work(i):
+        with lock:
+            ran.append(i)
+        if i == 0:
+            raise FeedError("batch 0 is bad")
+        time.sleep(0.01)
+        return i
+
+    with pytest.raises(FeedError, match="batch 0 is bad"):
+        list(in_lanes(work, range(200), 2))
+    assert len(ran) < 20  # the batches not started when it failed were dropped
+    assert list(in_lanes(lambda i: i * i, range(7), 3)) == [i * i for i in range(7)]
