@@ -116,6 +116,9 @@ class Components:
     def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
         return self._part(self._zero_shot("text")).tokenize(texts, pad_to=pad_to)
 
+    def encode_with_counts(self, texts: list[str], batch_size: int = 32) -> tuple[np.ndarray, list[int]]:
+        return self._part(self._zero_shot("text")).encode_with_counts(texts, batch_size)
+
     def count_tokens(self, texts: list[str]) -> list[int]:
         return self._part(self._zero_shot("text")).count_tokens(texts)
 

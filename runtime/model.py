@@ -203,6 +203,12 @@ class Model:
             >>> model.encode(["A man is eating.", "Someone eats."]).shape
             (2, 384)
         """
+        return self.encode_with_counts(texts, batch_size, show_progress, workers)[0]
+
+    def encode_with_counts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
+                           workers: int | None = None) -> tuple[np.ndarray, list[int]]:
+        """:meth:`encode`, and the tokens of each text as the model saw them (what OpenAI's
+        ``usage`` counts), from one tokenization."""
         pooling = self.manifest.pooling
         if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
             raise FeedError(f"encode() takes a list of strings, got {type(texts).__name__}; wrap a single text as [text].")
@@ -221,7 +227,7 @@ class Model:
         lanes, lane_threads = lane_count(workers, len(batches), unfit=unfit, threads=self.threads,
                                          model_bytes=self.plan.model_bytes)
         run = self.run if lanes == 1 else self._lane(lane_threads)
-        return encode_texts(run, text, pooling, encs, batches, show_progress, lanes)
+        return encode_texts(run, text, pooling, encs, batches, show_progress, lanes), [len(e.ids) for e in encs]
 
     def _lane(self, threads: int):
         """``run`` on a copy of the plan with ``threads`` intra-op threads, made once (from files

@@ -174,6 +174,9 @@ def test_encode_sorts_by_length_and_returns_input_order(tiny_bert_artifact):
     assert model.encode(texts[::-1], batch_size=32)[::-1] == pytest.approx(batched, abs=1e-5)
     with pytest.raises(FeedError, match="batch_size must be a whole number >= 1, got 0"):
         model.encode(texts, batch_size=0)
+    emb, counts = model.encode_with_counts(texts, batch_size=7)  # one tokenization for both (a server's usage)
+    np.testing.assert_array_equal(emb, batched)
+    assert counts == model.count_tokens(texts) and all(c >= 3 for c in counts)
 
 
 def test_encode_runs_batches_in_lanes_with_the_same_embeddings(tiny_bert_artifact, tmp_path):

@@ -104,7 +104,7 @@ class SlimmlServer:
         return Response(protocol.dumps(body), media_type="application/json")
 
     def _embed_counted(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
-        return self.model.encode(texts, batch_size=self.config.batch_size), self.model.count_tokens(texts)
+        return self.model.encode_with_counts(texts, batch_size=self.config.batch_size)
 
     @api.post("/v1/run")
     async def run(self, request: Request):
