@@ -15,9 +15,9 @@ calls run on a worker thread so the replica keeps answering while it computes.
 # no `from __future__ import annotations`: FastAPI reads the route annotations at run time
 
 import asyncio
+from functools import partial
 from typing import Any
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
@@ -67,7 +67,8 @@ class SlimmlServer:
             self.model = load(self.config.artifact, threads=max(1, int(cpus)) if cpus else None,
                               memory_budget=self.config.memory_budget)
         self.name = self.config.name or self.model.manifest.name
-        self._embed_batch = Batcher(self._embed_counted, self.config.max_batch_size, self.config.batch_wait_ms / 1000)
+        self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size),
+                                    self.config.max_batch_size, self.config.batch_wait_ms / 1000)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         limit = self.config.max_body_bytes
@@ -102,9 +103,6 @@ class SlimmlServer:
         emb, counts = await self._embed_batch(texts)  # with the texts of concurrent requests
         body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
         return Response(protocol.dumps(body), media_type="application/json")
-
-    def _embed_counted(self, texts: list[str]) -> tuple[np.ndarray, list[int]]:
-        return self.model.encode_with_counts(texts, batch_size=self.config.batch_size)
 
     @api.post("/v1/run")
     async def run(self, request: Request):
