@@ -4,7 +4,9 @@
 
 The STSb dev sentences (3,000, variable lengths). Each round runs, one after another in this
 process:
-  * ``in-process``: ``load(artifact).encode(texts, batch_size=32)``, ORT's default threads;
+  * ``in-process``: ``load(artifact).encode(texts, batch_size=32)``, ORT's default threads (the
+    ratios are to this); ``in-process b16``: the same at ``batch_size=16``, the server's own
+    batch size inside its ``encode`` calls;
   * ``http kN``: ``slimml serve``'s application (one replica holding every CPU, its ORT threads =
     those CPUs, the default batching: up to 1,024 texts of concurrent requests in one ``encode``,
     formed when the model is free, 5 ms wait) answering ``POST /v1/embeddings``
@@ -98,12 +100,15 @@ def main() -> None:
     try:
         http_round(port, texts[:256], 8, args.concurrency)  # warm both
         model.encode(texts[:256])
-        rates: dict[str, list[float]] = {"in-process": []}
+        rates: dict[str, list[float]] = {"in-process": [], "in-process b16": []}
         lats: dict[str, list[float]] = {}
         for r in range(args.rounds):
             t0 = time.perf_counter()
             model.encode(texts, batch_size=32)
             rates["in-process"].append(len(texts) / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            model.encode(texts, batch_size=16)
+            rates["in-process b16"].append(len(texts) / (time.perf_counter() - t0))
             for k in args.texts_per_request:
                 rate, lat = http_round(port, texts, k, args.concurrency)
                 rates.setdefault(f"http k{k}", []).append(rate)
@@ -115,10 +120,12 @@ def main() -> None:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     base = statistics.median(rates["in-process"])
     res = {"artifact": str(args.artifact), "cpu_count": os.cpu_count(), "texts": len(texts),
-           "concurrency": args.concurrency, "in-process texts/s": round(base, 1)}
+           "concurrency": args.concurrency, "in-process texts/s": round(base, 1),
+           "in-process b16 texts/s": round(statistics.median(rates["in-process b16"]), 1)}
     for name in lats:
         res[name] = {"texts/s": round(statistics.median(rates[name]), 1),
                      "vs in-process": round(statistics.median(rates[name]) / base, 3),
+                     "vs in-process b16": round(statistics.median(rates[name]) / statistics.median(rates["in-process b16"]), 3),
                      "p50 ms": round(pct(lats[name], 0.50) * 1000, 1), "p99 ms": round(pct(lats[name], 0.99) * 1000, 1)}
     print(json.dumps(res, indent=2))
     if args.json:
