@@ -502,7 +502,7 @@ def serve_(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     replicas: Annotated[int, typer.Option(help="Serve replicas, each with its own copy of the model.")] = 1,
     stages: Annotated[int, typer.Option(help="Run the model as S pipeline stages on Ray actors (0: inside each replica).")] = 0,
-    max_batch_size: Annotated[int, typer.Option(help="Most texts gathered from concurrent requests into one encode call (run 32 at a time, sorted by length).")] = 1024,
+    max_batch_size: Annotated[int, typer.Option(help="Most texts gathered from concurrent requests into one encode call (run 16 at a time, sorted by length, a batch per core).")] = 1024,
     batch_wait_ms: Annotated[float, typer.Option(help="How long a batch waits for more requests to join it.")] = 5.0,
     address: Annotated[Optional[str], typer.Option(help="Ray cluster to join ('auto' after `ray start`); default: a local Ray.")] = None,
     memory_budget: Budget = None,
