@@ -127,6 +127,7 @@ class StreamPlan:
         peak_bytes: the worst-case bytes of loaded shards (pinned plus the largest streamed ones).
         model_bytes: all shards' bytes.
         reason: how K and P were chosen, in words.
+        budget: the memory budget the caller gave, in bytes (None: none given).
     """
 
     resident: int
@@ -137,6 +138,7 @@ class StreamPlan:
     model_bytes: int
     reason: str = ""
     sizes: list[int] = field(default_factory=list, repr=False)
+    budget: int | None = None
 
     @property
     def streaming(self) -> bool:
@@ -215,7 +217,7 @@ def plan_stream(
         peak = total
         if budget is not None and peak > budget:
             raise ConfigError(f"resident={resident} needs {fmt_bytes(peak)}, over the {fmt_bytes(budget)} budget.")
-        return StreamPlan(n, 0, list(range(n)), [], peak, total, reason, sizes)
+        return StreamPlan(n, 0, list(range(n)), [], peak, total, reason, sizes, budget)
     if prefetch is None:
         # every slot but the computing one reads ahead: slots beyond P + 1 could never be used,
         # since in a pass over more shards than slots no loaded shard is needed twice
@@ -239,7 +241,7 @@ def plan_stream(
             + (f", plus the pinned {pinned}" if pinned else "")
             + f". Use resident={fits} or fewer, or raise the budget."
         )
-    return StreamPlan(resident, prefetch, pinned, stream, peak, total, reason.strip(), sizes)
+    return StreamPlan(resident, prefetch, pinned, stream, peak, total, reason.strip(), sizes, budget)
 
 
 def _fit(sizes: list[int], pinned: list[int], stream: list[int], budget: int) -> int:

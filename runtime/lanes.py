@@ -12,8 +12,8 @@ every batch on the plan's two threads (1.17x); embeddings equal (max abs diff 0.
 Serve proxy on the same cores: docs/deploy.md.
 
 The copy costs a second session, so lanes are used only where it is cheap: on CPU, for a fully
-resident model whose weights take at most a quarter of the memory available, with two batches or
-more to run.
+resident model whose weights take at most a quarter of the memory available (and, loaded with a
+``memory_budget``, whose two copies fit in it), with two batches or more to run.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ def cpu_count() -> int:
 
 
 def lane_count(workers: int | None, batches: int, *, unfit: str | None, threads: int | None,
-               model_bytes: int) -> tuple[int, int]:
+               model_bytes: int, memory_budget: int | None = None) -> tuple[int, int]:
     """``(lanes, threads per lane)`` for an ``encode`` call of ``batches`` batches.
 
     ``workers`` None picks: one lane per core of the model's threads (``load(threads=)``, else
-    every core), where lanes are cheap (see the module); else one lane, the plan itself.
-    ``unfit`` says why this model cannot have lanes ("streams", "runs on cuda"), or is None.
+    every core), where lanes are cheap (see the module) and the copy fits the memory budget the
+    model was loaded with, if any; else one lane, the plan itself. ``unfit`` says why this model
+    cannot have lanes ("streams", "runs on cuda"), or is None.
 
     Raises:
         ConfigError: ``workers`` is not a whole number >= 1, or more than one was asked of a
@@ -58,11 +59,12 @@ def lane_count(workers: int | None, batches: int, *, unfit: str | None, threads:
                 f"workers={workers} runs batches side by side on CPU cores, each through a copy of a model that is "
                 f"fully resident in this process; this one {unfit}. Use workers=1, or leave it unset."
             )
-    budget = threads or cpu_count()
+    cores = threads or cpu_count()
     if workers is None:
-        cheap = unfit is None and model_bytes * 4 <= available_memory()
-        workers = min(budget, batches) if cheap and budget > 1 and batches > 1 else 1
-    return workers, max(1, budget // workers)
+        cheap = (unfit is None and model_bytes * 4 <= available_memory()
+                 and (memory_budget is None or 2 * model_bytes <= memory_budget))
+        workers = min(cores, batches) if cheap and cores > 1 and batches > 1 else 1
+    return workers, max(1, cores // workers)
 
 
 def in_lanes(fn: Callable[[T], R], items: Iterable[T], lanes: int) -> Iterator[R]:

@@ -225,7 +225,7 @@ class Model:
         unfit = ("runs on " + self.device if self.device != "cpu" else "streams" if self.plan.streaming
                  else "runs in pipeline stages" if self._watch is None else None)
         lanes, lane_threads = lane_count(workers, len(batches), unfit=unfit, threads=self.threads,
-                                         model_bytes=self.plan.model_bytes)
+                                         model_bytes=self.plan.model_bytes, memory_budget=self.plan.memory.budget)
         run = self.run if lanes == 1 else self._lane(lane_threads)
         return encode_texts(run, text, pooling, encs, batches, show_progress, lanes), [len(e.ids) for e in encs]
 

@@ -197,6 +197,14 @@ def test_encode_runs_batches_in_lanes_with_the_same_embeddings(tiny_bert_artifac
     with pytest.raises(ConfigError, match=r"workers=2 runs batches side by side .* this one streams\. Use workers=1"):
         streamed.encode(texts, workers=2)
     assert streamed.encode(texts[:9], batch_size=4).shape == (9, alone.shape[1])  # unset: one lane
+    size = model.plan.model_bytes
+    tight = load(tiny_bert_artifact, threads=2, memory_budget=int(size * 1.5))  # resident, no room for a copy
+    assert not tight.plan.streaming
+    tight.encode(texts, batch_size=8)
+    assert not tight._lanes
+    roomy = load(tiny_bert_artifact, threads=2, memory_budget=size * 2)
+    roomy.encode(texts, batch_size=8)
+    assert list(roomy._lanes) == [1]
     # a lane's copy of the plan is checked as the plan is: a weight file changed after load is refused
     copy = tmp_path / "art"
     shutil.copytree(tiny_bert_artifact, copy)
