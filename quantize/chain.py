@@ -49,7 +49,8 @@ class Chain:
         """Pooled sentence embeddings, batched as ``Model.encode`` (for the accuracy guard's STS check)."""
         check_batch_size(batch_size)
         encs = self.text.encodings(list(texts))
-        return encode_texts(self.run, self.text, self.manifest.pooling, encs, sorted_batches(encs, batch_size), show_progress)
+        batches = sorted_batches([len(e.ids) for e in encs], batch_size)
+        return encode_texts(self.run, self.text, self.manifest.pooling, encs, batches, show_progress)
 
 
 def text_encoder(folder: Path, manifest: Manifest) -> TextEncoder | None:

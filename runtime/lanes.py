@@ -61,9 +61,10 @@ def lane_count(workers: int | None, batches: int, *, unfit: str | None, threads:
             )
     cores = threads or cpu_count()
     if workers is None:
-        cheap = (unfit is None and model_bytes * 4 <= available_memory()
-                 and (memory_budget is None or 2 * model_bytes <= memory_budget))
-        workers = min(cores, batches) if cheap and cores > 1 and batches > 1 else 1
+        cheap = (unfit is None and cores > 1 and batches > 1  # meminfo is read only where lanes could run
+                 and (memory_budget is None or 2 * model_bytes <= memory_budget)
+                 and model_bytes * 4 <= available_memory())
+        workers = min(cores, batches) if cheap else 1
     return workers, max(1, cores // workers)
 
 

@@ -221,13 +221,14 @@ class Model:
         check_batch_size(batch_size)
         text = self._text_encoder()
         encs = text.encodings(list(texts))
-        batches = sorted_batches(encs, batch_size)
+        lengths = [len(e.ids) for e in encs]
+        batches = sorted_batches(lengths, batch_size)
         unfit = ("runs on " + self.device if self.device != "cpu" else "streams" if self.plan.streaming
                  else "runs in pipeline stages" if self._watch is None else None)
         lanes, lane_threads = lane_count(workers, len(batches), unfit=unfit, threads=self.threads,
                                          model_bytes=self.plan.model_bytes, memory_budget=self.plan.memory.budget)
         run = self.run if lanes == 1 else self._lane(lane_threads)
-        return encode_texts(run, text, pooling, encs, batches, show_progress, lanes), [len(e.ids) for e in encs]
+        return encode_texts(run, text, pooling, encs, batches, show_progress, lanes), lengths
 
     def _lane(self, threads: int):
         """``run`` on a copy of the plan with ``threads`` intra-op threads, made once (from files

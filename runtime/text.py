@@ -61,11 +61,11 @@ def check_batch_size(batch_size: Any) -> None:
         raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
 
 
-def sorted_batches(encs: list, batch_size: int) -> list[np.ndarray]:
-    """Row indices of ``encs`` in batches of ``batch_size``, longest texts first (as
-    sentence-transformers sorts), so each batch pads little."""
-    order = np.argsort([-len(e.ids) for e in encs], kind="stable")
-    return [order[i : i + batch_size] for i in range(0, len(encs), batch_size)]
+def sorted_batches(lengths: list[int], batch_size: int) -> list[np.ndarray]:
+    """Row indices of texts with token counts ``lengths`` in batches of ``batch_size``, longest
+    first (as sentence-transformers sorts), so each batch pads little."""
+    order = np.argsort([-n for n in lengths], kind="stable")
+    return [order[i : i + batch_size] for i in range(0, len(lengths), batch_size)]
 
 
 def encode_texts(run, text: TextEncoder, pooling: dict[str, Any], encs: list, batches: list[np.ndarray],
