@@ -14,8 +14,11 @@ Every system runs with its own defaults, never slimml's settings:
   * ``slimml.run``: ``slimml.runtime.load(artifact).run(feeds)``;
   * ``encode`` rows: text in, normalised embeddings out: Optimum's tokenizer + model + mean pooling
     (as its docs show) against ``load(artifact).encode(texts)``.
-Seq 128, every token real; the systems alternate A,B,C / C,B,A in one process and the medians are
-compared (ratios < 1: slimml is faster). STSb dev Spearman x100 of each is printed too.
+Seq 128, every token real; the systems alternate in blocks of calls (``timing.interleaved``: 3
+warm-up calls then ``runs / 10`` timed ones per block, the order reversed every other round) in one
+process, and the medians are compared (ratios < 1: slimml is faster). Alternating call by call
+instead lets each session's spinning thread pool slow the next system (``timing.py``). STSb dev
+Spearman x100 of each is printed too.
 """
 
 from __future__ import annotations
@@ -23,14 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
+from timing import interleaved  # noqa: E402  (benchmarks/timing.py: blocks, not call by call)
 
 STSB = Path(__file__).resolve().parents[2] / "shared" / "data" / "stsb"
 
@@ -49,21 +51,6 @@ def build(work: Path, calibration: Path | None) -> None:
     q.quantize(save_dir=work / "peer", quantization_config=AutoQuantizationConfig.avx512_vnni(is_static=False, per_channel=True))
     convert(None, work / "fp32", ConvertConfig(measure_latency=False))
     convert(None, work / "int8", ConvertConfig(measure_latency=False, quantize=Int8Config("cpu", calibration=calibration)))
-
-
-def interleaved(fns: dict, runs: int, warmup: int = 5) -> dict[str, float]:
-    """Median ms of each callable, the order reversed every other round."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times = {k: [] for k in fns}
-    keys = list(fns)
-    for r in range(runs):
-        for k in keys if r % 2 == 0 else keys[::-1]:
-            t0 = time.perf_counter()
-            fns[k]()
-            times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
 class OptimumEncoder:
@@ -155,16 +142,17 @@ def main() -> None:
     for batch, runs in ((1, args.runs1), (32, args.runs32)):
         f = sample_feeds(int8.manifest.inputs, batch=batch, seq=128)
         fns = {"optimum": lambda: optimum(**f), "ort": lambda: plain.run(None, f), "slimml.run": lambda: int8.run(f)}
-        ms = interleaved(fns, runs)
+        blocks = {"block": max(runs // 10, 4), "warmup": 3 if batch == 1 else 1}
+        ms = interleaved(fns, runs, **blocks)
         row(f"int8 b{batch} run vs optimum", ms, "slimml.run", "optimum")
         res[f"int8 b{batch} run vs ort"] = round(ms["slimml.run"] / ms["ort"], 3)
         texts = texts_of_tokens(optimum.tokenizer, 128, batch)
-        ms = interleaved({"optimum": lambda: optimum.encode(texts), "slimml.encode": lambda: int8.encode(texts)}, runs)
+        ms = interleaved({"optimum": lambda: optimum.encode(texts), "slimml.encode": lambda: int8.encode(texts)}, runs, **blocks)
         row(f"int8 b{batch} encode", ms, "slimml.encode", "optimum")
-        ms = interleaved({"ort": lambda: whole_fp32.run(None, f), "slimml.run": lambda: fp32.run(f)}, max(runs // 3, 10))
+        ms = interleaved({"ort": lambda: whole_fp32.run(None, f), "slimml.run": lambda: fp32.run(f)}, max(runs // 3, 10), **blocks)
         row(f"fp32 b{batch} run vs 1 session", ms, "slimml.run", "ort")
         if student is not None and batch == 1:
-            ms = interleaved({"optimum": lambda: optimum(**f), "student.run": lambda: student.run(f)}, runs)
+            ms = interleaved({"optimum": lambda: optimum(**f), "student.run": lambda: student.run(f)}, runs, **blocks)
             row("student b1 run vs optimum", ms, "student.run", "optimum")
     if not args.no_accuracy:
         for name, enc in (("optimum int8", optimum.encode), ("slimml int8", int8.encode), ("slimml fp32", fp32.encode)):

@@ -17,15 +17,16 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_int8 import interleaved, st_score  # noqa: E402
+from bench_int8 import STSB, sts_score  # noqa: E402
+from timing import interleaved  # noqa: E402
 
 from slimml.convert import ConvertConfig, convert  # noqa: E402
 from slimml.quantize import Int8Config, Int8StaticConfig, quantize  # noqa: E402
 from slimml.runtime import load  # noqa: E402
-from tests.conftest import STS_DEV, STS_TRAIN  # noqa: E402
+
+STS_DEV, STS_TRAIN = STSB / "sts-dev.csv", STSB / "sts-train.csv"
 
 
 def main() -> None:
@@ -45,9 +46,9 @@ def main() -> None:
             r = quantize(work / "fp32", work / name, config())
             print(f"built {name} in {time.perf_counter() - t:.0f} s: {json.dumps(r.checks)}", flush=True)
     models = {k: load(work / k, threads=1) for k in ("fp32", "ort", "nncf")}
-    res = {f"stsb_dev_{k}": round(st_score(m, STS_DEV), 2) for k, m in models.items()}
+    res = {f"stsb_dev_{k}": round(sts_score(m.encode, STS_DEV), 2) for k, m in models.items()}
     feeds = models["fp32"].tokenize(["word " * 126])  # 128 tokens with [CLS] and [SEP]
-    ms = interleaved({k: (lambda f, m=m: m.run(f)) for k, m in models.items()}, feeds, args.runs, clock=time.process_time)
+    ms = interleaved({k: (lambda m=m: m.run(feeds)) for k, m in models.items()}, args.runs, clock=time.process_time)
     res["seq"] = int(feeds["input_ids"].shape[1])
     res["b1_cpu_ms"] = {k: round(v, 2) for k, v in ms.items()}
     res["nncf_over_ort"] = round(ms["nncf"] / ms["ort"], 3)

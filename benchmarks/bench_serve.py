@@ -13,7 +13,8 @@ process:
     with N texts per request, sent by ``--concurrency`` client threads over keep-alive
     connections (http.client), the corpus in order.
 The server and the client share the machine's cores with each other, as they would on one
-host. The median round gives texts/s; latency percentiles are per request, over all rounds.
+host; the client's share of the CPU used during the HTTP rounds is reported (this process's CPU
+time against the machine's, from /proc/stat). The median round gives texts/s; latency percentiles are per request, over all rounds.
 """
 
 from __future__ import annotations
@@ -59,10 +60,25 @@ def http_round(port: int, texts: list[str], per_request: int, concurrency: int) 
             raise RuntimeError(f"HTTP {r.status}: {payload[:200]!r}")
         return time.perf_counter() - t0
 
-    t0 = time.perf_counter()
+    t0, c0, m0 = time.perf_counter(), time.process_time(), machine_cpu()
     with ThreadPoolExecutor(concurrency) as pool:
         lat = list(pool.map(send, chunks))
-    return len(texts) / (time.perf_counter() - t0), lat
+    wall, client, busy = time.perf_counter() - t0, time.process_time() - c0, machine_cpu() - m0
+    CPU.append((client / busy if busy else 0.0, busy / wall))
+    return len(texts) / wall, lat
+
+
+CPU: list[tuple[float, float]] = []  # per HTTP round: the client's share of the CPU used, cores busy
+
+
+def machine_cpu() -> float:
+    """CPU seconds all processes have used (Linux /proc/stat; 0 elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
 
 
 def pct(values: list[float], q: float) -> float:
@@ -127,6 +143,9 @@ def main() -> None:
                      "vs in-process": round(statistics.median(rates[name]) / base, 3),
                      "vs in-process b16": round(statistics.median(rates[name]) / statistics.median(rates["in-process b16"]), 3),
                      "p50 ms": round(pct(lats[name], 0.50) * 1000, 1), "p99 ms": round(pct(lats[name], 0.99) * 1000, 1)}
+    if CPU:  # what the client costs the server: its share of the CPU used during the HTTP rounds
+        res["client share of cpu used"] = round(statistics.median(c for c, _ in CPU), 3)
+        res["cores busy during http"] = round(statistics.median(b for _, b in CPU), 2)
     print(json.dumps(res, indent=2))
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")

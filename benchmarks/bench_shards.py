@@ -2,8 +2,8 @@
 
 Run:  python benchmarks/bench_shards.py [--batch 1] [--seq 128] [--rounds 30]
 
-Converts the default model (or SOURCE) into a temp folder, then times, round after round in
-one process, one call each of: torch (sentence-transformers module), the unsharded ONNX graph,
+Converts the default model (or SOURCE) into a temp folder, then times, in blocks of calls
+alternating in one process (``timing.py``): torch (sentence-transformers module), the unsharded ONNX graph,
 and the slimml artifact. Prints medians and ratios; absolute times on a shared machine are noise.
 """
 
@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import numpy as np  # noqa: E402
+from timing import interleaved  # noqa: E402
 
 
 def main() -> None:
@@ -55,22 +54,12 @@ def main() -> None:
             "onnx (unsharded)": lambda: whole.run(names, feeds),
             f"slimml ({len(model.manifest.shards)} shards)": lambda: model.run(feeds),
         }
-        for fn in contenders.values():  # warm up
-            for _ in range(3):
-                fn()
-        times = {k: [] for k in contenders}
-        for _ in range(args.rounds):
-            for name, fn in contenders.items():
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-        base = np.median(times["onnx (unsharded)"])
-        print(f"batch {args.batch} x seq {args.seq}, {args.rounds} interleaved rounds")
+        ms = interleaved(contenders, args.rounds)
+        base = ms["onnx (unsharded)"]
+        print(f"batch {args.batch} x seq {args.seq}, {args.rounds} calls each, interleaved in blocks")
         print(f"{'system':<24}{'p50 ms':>10}{'vs unsharded':>14}")
-        for name, ts in times.items():
-            med = np.median(ts)
-            print(f"{name:<24}{med * 1e3:>10.2f}{med / base:>13.2f}x")
-
+        for name, med in ms.items():
+            print(f"{name:<24}{med:>10.2f}{med / base:>13.2f}x")
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,13 @@ Serve proxy on the same cores: docs/deploy.md.
 The copy costs a second session, so lanes are used only where it is cheap: on CPU, for a fully
 resident model whose weights take at most a quarter of the memory available (and, loaded with a
 ``memory_budget``, whose two copies fit in it), with two batches or more to run.
+
+A short list is cut finer so that every lane has work: each lane gets two batches or more, of
+at least :data:`LANE_MIN_BATCH` texts (:func:`lane_batch_size`; never more than the caller's
+``batch_size``). Measured with the int8 default model, ``encode`` of 32 texts against one batch
+of 32 on both threads: 128-token texts 0.89x the time in four batches of 8 (0.93-0.96x in two of
+16); STSb sentences 0.81x (four of 8), 64 of them 0.82x (four of 16). Below 8 texts a batch
+loses: 8 sentences in two lanes of 4 took 1.05x one batch of 8.
 """
 
 from __future__ import annotations
@@ -28,6 +35,22 @@ from slimml.runtime.budget import available_memory
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+LANE_MIN_BATCH = 8  # texts: smaller batches in lanes lost to one batch on every thread (module doc)
+
+
+def lane_batch_size(texts: int, batch_size: int, lanes: int) -> int:
+    """Texts per batch for ``texts`` texts over ``lanes`` lanes: ``batch_size``, or fewer where
+    that gives each lane at least two batches, down to :data:`LANE_MIN_BATCH`."""
+    if lanes <= 1:
+        return batch_size
+    return min(batch_size, max(LANE_MIN_BATCH, -(-texts // (2 * lanes))))
+
+
+def possible_batches(texts: int, batch_size: int) -> int:
+    """The most batches ``texts`` texts can be cut into for lanes (see :func:`lane_batch_size`)."""
+    return -(-texts // min(batch_size, LANE_MIN_BATCH))
 
 
 def cpu_count() -> int:

@@ -17,7 +17,7 @@ from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_l
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
 from slimml.runtime.plan import ExecutionPlan, build_plan
 from slimml.runtime.session import resolve_device
-from slimml.runtime.lanes import lane_count
+from slimml.runtime.lanes import lane_batch_size, lane_count, possible_batches
 from slimml.runtime.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
 
 
@@ -190,10 +190,12 @@ class Model:
         is in input order. Several batches run side by side, one per core, each on one thread
         (:mod:`slimml.runtime.lanes`), where the model is resident on CPU and small beside the
         memory available; the lanes share one more session of the model, made on first use.
+        A short list is then cut into smaller batches (two a lane, 8 texts or more), so that
+        every core has work.
 
         Args:
             texts: the sentences.
-            batch_size: texts per model call (default 32).
+            batch_size: the most texts in one model call (default 32).
             show_progress: draw a progress bar over the batches (on stderr).
             workers: batches run at once (default: one per core of ``load(threads=)``, else of
                 the machine, where lanes apply; 1 runs each batch on all the model's threads).
@@ -222,11 +224,12 @@ class Model:
         text = self._text_encoder()
         encs = text.encodings(list(texts))
         lengths = [len(e.ids) for e in encs]
-        batches = sorted_batches(lengths, batch_size)
         unfit = ("runs on " + self.device if self.device != "cpu" else "streams" if self.plan.streaming
                  else "runs in pipeline stages" if self._watch is None else None)
-        lanes, lane_threads = lane_count(workers, len(batches), unfit=unfit, threads=self.threads,
-                                         model_bytes=self.plan.model_bytes, memory_budget=self.plan.memory.budget)
+        lanes, lane_threads = lane_count(workers, possible_batches(len(texts), batch_size), unfit=unfit,
+                                         threads=self.threads, model_bytes=self.plan.model_bytes,
+                                         memory_budget=self.plan.memory.budget)
+        batches = sorted_batches(lengths, lane_batch_size(len(texts), batch_size, lanes))
         run = self.run if lanes == 1 else self._lane(lane_threads)
         return encode_texts(run, text, pooling, encs, batches, show_progress, lanes), lengths
 

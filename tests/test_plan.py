@@ -254,6 +254,24 @@ def test_an_unwritable_cache_falls_back_to_fed_weights_with_one_line(mlp, tmp_pa
         load(art, resident=2, pack=True, cache_dir=blocker)  # asked for: no fallback
 
 
+def test_a_short_list_is_cut_so_every_lane_has_work(tiny_bert_artifact):
+    from slimml.runtime.evaluate import read_sts
+    from slimml.runtime.lanes import lane_batch_size, possible_batches
+
+    assert [lane_batch_size(n, 32, 2) for n in (8, 16, 32, 64, 65, 1000)] == [8, 8, 8, 16, 17, 32]
+    assert lane_batch_size(32, 4, 2) == 4 and lane_batch_size(32, 32, 1) == 32  # never above batch_size
+    assert [possible_batches(n, 32) for n in (5, 8, 16, 17)] == [1, 1, 2, 3]
+    model = load(tiny_bert_artifact, threads=2)
+    texts = list(read_sts(STS_DEV)[0][:16])
+    one = model.encode(texts, workers=1)  # one batch of 16 on both threads
+    assert not model._lanes
+    np.testing.assert_allclose(model.encode(texts), one, rtol=0, atol=1e-5)  # two lanes, a batch of 8 each
+    assert list(model._lanes) == [1]
+    small = load(tiny_bert_artifact, threads=2)
+    small.encode(texts[:8])  # 8 texts: one batch, no lanes
+    assert not small._lanes
+
+
 def test_a_failing_batch_stops_the_lanes():
     import threading
     import time
