@@ -19,7 +19,7 @@ from slimml.quantize import chain as ch
 from slimml.quantize.backends import ShardContext, backend_for
 from slimml.quantize.calibration import calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
-from slimml.quantize.fuse import rematerialize_inputs
+from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.runtime.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, file_entry, read_manifest, verify_files
 
 _WEIGHT_MIN_BYTES = 1024  # as the splitter: smaller initializers stay inline
@@ -229,9 +229,10 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step, fe
                 ch.advance(envs, path, spec.index, last_read)
             continue
         model = onnx.load(str(path))
-        if getattr(config, "fuse", False) and spec.index > 0:
+        fuse = getattr(config, "fuse", False) and fusable(manifest.source)
+        if fuse and spec.index > 0:
             rematerialize_inputs(model, firsts[: spec.index], model_inputs)
-        ctx = ShardContext(index=spec.index)
+        ctx = ShardContext(index=spec.index, fuse=fuse)
         if envs is not None:
             ctx.reader = ch.RecordedReader(envs, [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}])
         q = backend(model, config, ctx)

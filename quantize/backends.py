@@ -29,6 +29,7 @@ class ShardContext:
     """What a backend may need beyond the graph: calibration data for this shard, fusion stats."""
 
     index: int
+    fuse: bool = False  # run the transformer fusions first (asked for, and the model's family has them)
     reader: Any = None  # a CalibrationDataReader over this shard's recorded inputs (static int8)
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -99,7 +100,7 @@ def int8_dynamic(model: onnx.ModelProto, config: Int8DynamicConfig, ctx: ShardCo
 
     from slimml.quantize.fuse import fuse_transformer
 
-    if config.fuse:
+    if ctx.fuse:
         model, stats = fuse_transformer(model)
         ctx.notes["fused"] = stats
     if not weight_matmuls(model, ("MatMul", "Attention", "Gather", "EmbedLayerNormalization")):

@@ -29,7 +29,7 @@ import onnxruntime as ort
 
 from slimml.errors import ArtifactError, IntegrityError, SlimmlError
 from slimml.runtime.manifest import Manifest, safe_path, sha256_file
-from slimml.runtime.session import make_session, session_options
+from slimml.runtime.session import disabled_optimizers, make_session, session_options
 from slimml.runtime.slots import Slot, file_stamp
 
 CACHE_FORMAT = 1
@@ -57,7 +57,8 @@ def cpu_key() -> str:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    return json.dumps([CACHE_FORMAT, ort.__version__, platform.machine(), sorted(set(flags.split()))])
+    return json.dumps([CACHE_FORMAT, ort.__version__, platform.machine(), sorted(set(flags.split())),
+                       disabled_optimizers("cpu")])
 
 
 class PackedSlots:
@@ -138,7 +139,8 @@ class PackedSlots:
                 so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "shard.onnx.data")
                 so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
                 so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-                ort.InferenceSession(os.fspath(safe_path(self.folder, shard.file)), so, providers=["CPUExecutionProvider"])
+                ort.InferenceSession(os.fspath(safe_path(self.folder, shard.file)), so, providers=["CPUExecutionProvider"],
+                                     disabled_optimizers=disabled_optimizers("cpu"))
                 if not (tmp / "shard.onnx.data").is_file():
                     raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
                 record = {"source": shard.file,
