@@ -121,6 +121,40 @@ def test_int8_dynamic_on_tiny_bert(tiny_bert_artifact, tmp_path):
     assert m.checks["quantize_agreement_cosine"] > 0.98
 
 
+@pytest.mark.parametrize("family", ["distilbert", "roberta"])
+def test_other_encoder_families_fuse_and_quantize(family, tmp_path):
+    """The default int8 fuses attention per shard in other BERT-family graphs too, and stays close."""
+    import shutil
+
+    import torch
+    import transformers as T
+    from transformers import AutoTokenizer
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    if family == "distilbert":
+        model = T.DistilBertModel(T.DistilBertConfig(vocab_size=30522, dim=32, n_heads=2, hidden_dim=64, n_layers=2,
+                                                     max_position_embeddings=130))
+    else:
+        model = T.RobertaModel(T.RobertaConfig(vocab_size=30522, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                               num_hidden_layers=2, max_position_embeddings=130, pad_token_id=1))
+    src, folder = default_model_dir(), tmp_path / family
+    model.eval().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(folder)
+    for name in ("modules.json", "sentence_bert_config.json"):
+        shutil.copy2(src / name, folder / name)
+    (folder / "1_Pooling").mkdir()
+    shutil.copy2(src / "1_Pooling" / "config.json", folder / "1_Pooling" / "config.json")
+    convert(folder, tmp_path / "art", ConvertConfig(measure_latency=False, verify=False))
+    quantize(tmp_path / "art", tmp_path / "q", Int8DynamicConfig(calibration_size=16))
+    q = load(tmp_path / "q")
+    assert "Attention" in json.dumps(q.manifest.steps[-1]["fused"])
+    texts = ["A man plays the guitar.", "short", "Quantized models run on small machines, fast."]
+    assert _cos(load(tmp_path / "art").encode(texts), q.encode(texts)) > 0.999
+
+
 @pytest.fixture(scope="module")
 def tiny_bert_whole(tiny_bert_dir, tmp_path_factory):
     """The tiny BERT as one shard: the whole graph, to compare per-shard quantization with."""
