@@ -321,6 +321,9 @@ def _write(tmp, src, manifest, final, quant_files, config, origin, float_why, no
     fused = {str(i): n["fused"] for i, n in notes.items() if n.get("fused")}
     if fused:
         record["fused"] = fused
+    elif record.get("fuse") and not fusable(manifest.source):  # asked for, not made: say so
+        record["fuse"] = False
+        record["fuse_skipped"] = f"model type {manifest.source.get('model_type')!r} is not a BERT-family encoder"
     new = dataclasses.replace(  # name, task, tokenizer, pooling, preprocessor, labels carry over
         manifest, steps=[*manifest.steps, record], shards=shards, files=files,
         checks={**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}, slimml_version=slimml.__version__,

@@ -127,8 +127,7 @@ def fuse_transformer(model: onnx.ModelProto, model_type: str = "bert") -> tuple[
 
     Returns the fused model and the count of each fused op (only those that occurred). Layer
     norms stay ``Add`` + ``LayerNormalization``: ONNX Runtime's CPU ``SkipLayerNormalization``
-    kernel measured 5x slower than the two ops it replaces (``runtime/session.py``). Attention
-    whose heads were pruned (Q/K/V narrower than the hidden size) does not fuse and stays as it is.
+    kernel measured 5x slower than the two ops it replaces (``runtime/session.py``).
     """
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.onnx_model_bert import BertOnnxModel

@@ -158,7 +158,8 @@ def test_a_vit_quantizes_to_int8_within_tolerance(vit):
 
     report = quantize(vit["root"] / "art", vit["root"] / "int8", Int8Config("cpu"))
     assert report.quantized_shards and report.size_mb < report.float_size_mb
-    assert "fused" not in load(vit["root"] / "int8").manifest.steps[-1]  # BERT fusions: text encoders only
+    step = load(vit["root"] / "int8").manifest.steps[-1]
+    assert "fused" not in step and step["fuse"] is False and "not a BERT-family encoder" in step["fuse_skipped"]
     images = _images(4)
     fp32 = load(vit["root"] / "art").run(load(vit["root"] / "art").preprocess(images))["logits"]
     int8 = load(vit["root"] / "int8")
