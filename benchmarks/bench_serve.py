@@ -14,7 +14,8 @@ process:
     connections (http.client), the corpus in order.
 The server and the client share the machine's cores with each other, as they would on one
 host; the client's share of the CPU used during the HTTP rounds is reported (this process's CPU
-time against the machine's, from /proc/stat). The median round gives texts/s; latency percentiles are per request, over all rounds.
+time against the machine's, from /proc/stat). The median round gives texts/s; latency
+percentiles are per request, over all rounds.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ resident model whose weights take at most a quarter of the memory available (and
 
 A short list is cut finer so that every lane has work: each lane gets two batches or more, of
 at least :data:`LANE_MIN_BATCH` texts (:func:`lane_batch_size`; never more than the caller's
-``batch_size``). Measured with the int8 default model, ``encode`` of 32 texts against one batch
-of 32 on both threads: 128-token texts 0.89x the time in four batches of 8 (0.93-0.96x in two of
-16); STSb sentences 0.81x (four of 8), 64 of them 0.82x (four of 16). Below 8 texts a batch
-loses: 8 sentences in two lanes of 4 took 1.05x one batch of 8.
+``batch_size``). Measured with the int8 default model, ``encode`` against one batch on both
+threads: 32 texts of 128 tokens 0.89x the time in four batches of 8 (0.93-0.96x in two of 16);
+32 STSb sentences 0.61-0.81x (two sets, four batches of 8); 16 sentences 0.81x, 64 0.79-0.82x.
+Below 8 texts a batch loses: 8 sentences in two lanes of 4 took 1.05x one batch of 8.
 """
 
 from __future__ import annotations
