@@ -1,6 +1,7 @@
 """slimml through its public API against Optimum's int8 model run as Optimum's users run it.
 
-    python benchmarks/bench_int8.py [--work /tmp/bench-int8] [--reuse] [--student ARTIFACT] [--runs1 300] [--runs32 20]
+    python benchmarks/bench_int8.py [--work /tmp/bench-int8] [--reuse] [--student ARTIFACT] [--compare NAME=ARTIFACT ...]
+                                    [--runs1 300] [--runs32 20]
 
 Builds, from the embedded all-MiniLM-L6-v2 (or reuses with --reuse):
   * fp32 ONNX through optimum-onnx (the exporter slimml uses),
@@ -113,6 +114,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None, help="build folder (default: a temporary one)")
     ap.add_argument("--reuse", action="store_true", help="reuse the models already built in --work")
     ap.add_argument("--student", type=Path, default=None, help="also time this artifact (e.g. the d3-p50 int8 student)")
+    ap.add_argument("--compare", nargs="+", default=[], metavar="NAME=ARTIFACT",
+                    help="also time these int8 variants against Optimum through load().run, b1 and b32, "
+                         "e.g. unfused=DIR (made with Int8DynamicConfig(fuse=False)), and score them")
     ap.add_argument("--runs1", type=int, default=300)
     ap.add_argument("--runs32", type=int, default=20)
     ap.add_argument("--no-accuracy", action="store_true")
@@ -133,6 +137,12 @@ def main() -> None:
     plain = ort.InferenceSession(str(peer_dir / "model_quantized.onnx"))  # ORT's defaults, CPU
     whole_fp32 = ort.InferenceSession(str(fp32_onnx))
     student = load(args.student) if args.student else None
+    variants = {}
+    for spec in args.compare:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"--compare takes NAME=ARTIFACT, got {spec!r}")
+        variants[name] = load(path)
     res: dict = {"ort": ort.__version__, "cpu_count": os.cpu_count()}
 
     def row(name: str, ms: dict[str, float], ours: str, peer: str) -> None:
@@ -151,11 +161,17 @@ def main() -> None:
         row(f"int8 b{batch} encode", ms, "slimml.encode", "optimum")
         ms = interleaved({"ort": lambda: whole_fp32.run(None, f), "slimml.run": lambda: fp32.run(f)}, max(runs // 3, 10), **blocks)
         row(f"fp32 b{batch} run vs 1 session", ms, "slimml.run", "ort")
+        if variants:
+            ms = interleaved({"optimum": lambda: optimum(**f), "slimml.run": lambda: int8.run(f)}
+                             | {n: (lambda m=m: m.run(f)) for n, m in variants.items()}, runs, **blocks)
+            res[f"variants b{batch} vs optimum"] = {k: round(v / ms["optimum"], 3) for k, v in ms.items()}
+            print(f"variants b{batch} vs optimum: {res[f'variants b{batch} vs optimum']}", flush=True)
         if student is not None and batch == 1:
             ms = interleaved({"optimum": lambda: optimum(**f), "student.run": lambda: student.run(f)}, runs, **blocks)
             row("student b1 run vs optimum", ms, "student.run", "optimum")
     if not args.no_accuracy:
-        for name, enc in (("optimum int8", optimum.encode), ("slimml int8", int8.encode), ("slimml fp32", fp32.encode)):
+        scored = [("optimum int8", optimum.encode), ("slimml int8", int8.encode), ("slimml fp32", fp32.encode)]
+        for name, enc in scored + [(n, m.encode) for n, m in variants.items()]:
             res[f"stsb_dev {name}"] = round(sts_score(enc, STSB / "sts-dev.csv"), 2)
             print(f"STSb dev {name}: {res[f'stsb_dev {name}']:.2f}", flush=True)
     print(json.dumps(res))
