@@ -152,20 +152,19 @@ def main() -> None:
     for batch, runs in ((1, args.runs1), (32, args.runs32)):
         f = sample_feeds(int8.manifest.inputs, batch=batch, seq=128)
         fns = {"optimum": lambda: optimum(**f), "ort": lambda: plain.run(None, f), "slimml.run": lambda: int8.run(f)}
+        fns |= {n: (lambda m=m: m.run(f)) for n, m in variants.items()}  # --compare: in the same blocks
         blocks = {"block": max(runs // 10, 4), "warmup": 3 if batch == 1 else 1}
         ms = interleaved(fns, runs, **blocks)
         row(f"int8 b{batch} run vs optimum", ms, "slimml.run", "optimum")
         res[f"int8 b{batch} run vs ort"] = round(ms["slimml.run"] / ms["ort"], 3)
+        if variants:
+            res[f"variants b{batch} vs optimum"] = {k: round(ms[k] / ms["optimum"], 3) for k in ["slimml.run", *variants]}
+            print(f"variants b{batch} vs optimum: {res[f'variants b{batch} vs optimum']}", flush=True)
         texts = texts_of_tokens(optimum.tokenizer, 128, batch)
         ms = interleaved({"optimum": lambda: optimum.encode(texts), "slimml.encode": lambda: int8.encode(texts)}, runs, **blocks)
         row(f"int8 b{batch} encode", ms, "slimml.encode", "optimum")
         ms = interleaved({"ort": lambda: whole_fp32.run(None, f), "slimml.run": lambda: fp32.run(f)}, max(runs // 3, 10), **blocks)
         row(f"fp32 b{batch} run vs 1 session", ms, "slimml.run", "ort")
-        if variants:
-            ms = interleaved({"optimum": lambda: optimum(**f), "slimml.run": lambda: int8.run(f)}
-                             | {n: (lambda m=m: m.run(f)) for n, m in variants.items()}, runs, **blocks)
-            res[f"variants b{batch} vs optimum"] = {k: round(v / ms["optimum"], 3) for k, v in ms.items()}
-            print(f"variants b{batch} vs optimum: {res[f'variants b{batch} vs optimum']}", flush=True)
         if student is not None and batch == 1:
             ms = interleaved({"optimum": lambda: optimum(**f), "student.run": lambda: student.run(f)}, runs, **blocks)
             row("student b1 run vs optimum", ms, "student.run", "optimum")

@@ -44,8 +44,9 @@ def corpus() -> list[str]:
     return [r["sentence1"] for r in rows] + [r["sentence2"] for r in rows]
 
 
-def http_round(port: int, texts: list[str], per_request: int, concurrency: int) -> tuple[float, list[float]]:
-    """Texts/s and per-request latencies (s) for the corpus sent ``per_request`` texts at a time."""
+def http_round(port: int, texts: list[str], per_request: int, concurrency: int) -> tuple[float, list[float], tuple[float, float]]:
+    """Texts/s, per-request latencies (s) and (the client's share of the CPU used, cores busy)
+    for the corpus sent ``per_request`` texts at a time."""
     chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
     local = threading.local()
 
@@ -65,11 +66,7 @@ def http_round(port: int, texts: list[str], per_request: int, concurrency: int) 
     with ThreadPoolExecutor(concurrency) as pool:
         lat = list(pool.map(send, chunks))
     wall, client, busy = time.perf_counter() - t0, time.process_time() - c0, machine_cpu() - m0
-    CPU.append((client / busy if busy else 0.0, busy / wall))
-    return len(texts) / wall, lat
-
-
-CPU: list[tuple[float, float]] = []  # per HTTP round: the client's share of the CPU used, cores busy
+    return len(texts) / wall, lat, (client / busy if busy else 0.0, busy / wall)
 
 
 def machine_cpu() -> float:
@@ -119,6 +116,7 @@ def main() -> None:
         model.encode(texts[:256])
         rates: dict[str, list[float]] = {"in-process": [], "in-process b16": []}
         lats: dict[str, list[float]] = {}
+        cpu: list[tuple[float, float]] = []  # per HTTP round: the client's share of the CPU used, cores busy
         for r in range(args.rounds):
             t0 = time.perf_counter()
             model.encode(texts, batch_size=32)
@@ -127,7 +125,8 @@ def main() -> None:
             model.encode(texts, batch_size=16)
             rates["in-process b16"].append(len(texts) / (time.perf_counter() - t0))
             for k in args.texts_per_request:
-                rate, lat = http_round(port, texts, k, args.concurrency)
+                rate, lat, use = http_round(port, texts, k, args.concurrency)
+                cpu.append(use)
                 rates.setdefault(f"http k{k}", []).append(rate)
                 lats.setdefault(f"http k{k}", []).extend(lat)
             print(f"round {r}: " + ", ".join(f"{name} {v[-1]:.0f}/s" for name, v in rates.items()), flush=True)
@@ -144,9 +143,9 @@ def main() -> None:
                      "vs in-process": round(statistics.median(rates[name]) / base, 3),
                      "vs in-process b16": round(statistics.median(rates[name]) / statistics.median(rates["in-process b16"]), 3),
                      "p50 ms": round(pct(lats[name], 0.50) * 1000, 1), "p99 ms": round(pct(lats[name], 0.99) * 1000, 1)}
-    if CPU:  # what the client costs the server: its share of the CPU used during the HTTP rounds
-        res["client share of cpu used"] = round(statistics.median(c for c, _ in CPU), 3)
-        res["cores busy during http"] = round(statistics.median(b for _, b in CPU), 2)
+    if cpu:  # what the client costs the server: its share of the CPU used during the HTTP rounds
+        res["client share of cpu used"] = round(statistics.median(c for c, _ in cpu), 3)
+        res["cores busy during http"] = round(statistics.median(b for _, b in cpu), 2)
     print(json.dumps(res, indent=2))
     if args.json:
         args.json.write_text(json.dumps(res, indent=2) + "\n")

@@ -218,6 +218,7 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step, fe
     backend = backend_for(config)
     firsts = [onnx.load(str(p), load_external_data=False) for p in float_files]
     model_inputs = {vi.name: vi for m in firsts for vi in m.graph.input if vi.name in {t.name for t in manifest.inputs}}
+    fuse = getattr(config, "fuse", False) and fusable(manifest.source)  # asked for, and the family has them
     quant_files: dict[int, Path] = {}
     notes: dict[int, dict] = {}
     float_why: dict[int, str] = {}
@@ -229,7 +230,6 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step, fe
                 ch.advance(envs, path, spec.index, last_read)
             continue
         model = onnx.load(str(path))
-        fuse = getattr(config, "fuse", False) and fusable(manifest.source)
         if fuse and spec.index > 0:
             rematerialize_inputs(model, firsts[: spec.index], model_inputs)
         ctx = ShardContext(index=spec.index, fuse=fuse)
