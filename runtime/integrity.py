@@ -6,9 +6,7 @@ ONNX ``external_data`` points at ``../../home/me/.ssh/id_rsa``, which ONNX Runti
 as weights. So each shard file is parsed (without loading any weights) and every external
 tensor must live in the shard's own listed data file, inside its bounds.
 
-After load, ONNX Runtime memory-maps large external weights: a data file truncated under a
-running process would kill it with SIGBUS. :class:`FileWatch` remembers each file's identity
-at load and is checked before every run, so a changed file is reported, not run.
+After load, :class:`slimml.runtime.watch.FileWatch` notices files changed under a running model.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from slimml.errors import ArtifactError, IntegrityError
+from slimml.errors import ArtifactError
 from slimml.runtime.manifest import Manifest, ShardSpec, safe_path
 
 # initializer names that hold learned absolute positions: (max_positions, hidden)
@@ -171,94 +169,3 @@ def max_sequence_length(facts: list[ShardFacts], manifest: Manifest) -> int | No
         return int(manifest.tokenizer["max_length"])
     return None
 
-
-class FileWatch:
-    """Cheap change detection for the files a loaded model runs from.
-
-    Those are the shards' weight data files: ONNX Runtime memory-maps them, and streamed shards
-    map them on every pass. Graphs and the tokenizer are parsed into memory at load, so a change
-    to them cannot reach a loaded model; :meth:`slimml.runtime.Model.verify` re-hashes every file.
-
-    Each file and its folder are held open: an ``fstat`` of a descriptor skips the path lookup a
-    ``stat`` does, and a file renamed over, removed or added changes its folder's times. A
-    changed folder sends the check to the paths themselves, which decide. (Measured on a batch-1
-    call of a 2.4 ms student: 4 ``stat`` calls cost 33-41 us there, 4 ``fstat`` 19-20 us.)
-    """
-
-    def __init__(self, folder: Path, manifest: Manifest):
-        self.folder = folder
-        data = {s.data for s in manifest.shards if s.data}
-        self.paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files if e.path in data]
-        self.seen = {rel: self._identity(p) for rel, p in self.paths}
-        self._expect = [(rel, path, self.seen[rel]) for rel, path in self.paths]
-        self._files: list[tuple[str, str, int, tuple]] = []
-        self._dirs: list[list] = []
-        try:
-            for rel, path, was in self._expect:
-                if was is not None:
-                    self._files.append((rel, path, os.open(path, os.O_RDONLY), was))
-            for d in sorted({os.path.dirname(path) for _, path, _ in self._expect}):
-                fd = os.open(d, os.O_RDONLY)
-                st = os.fstat(fd)
-                self._dirs.append([fd, st.st_mtime_ns, st.st_ctime_ns])
-        except OSError:  # out of descriptors, or a platform that cannot open folders: stat the paths
-            self.close()
-        if len(self._files) != len(self._expect):
-            self.close()
-
-    @staticmethod
-    def _identity(path: str) -> tuple | None:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-
-    def check(self) -> None:
-        """Raise IntegrityError if any file was replaced, truncated, rewritten or removed since load."""
-        if not self._dirs:
-            return self._check_paths()
-        fstat = os.fstat
-        for entry in self._dirs:  # runs before every run(): kept to an fstat and a compare a file
-            st = fstat(entry[0])
-            if st.st_mtime_ns != entry[1] or st.st_ctime_ns != entry[2]:
-                self._check_paths()  # something in the folder changed: the paths decide
-                entry[1:] = st.st_mtime_ns, st.st_ctime_ns
-        for rel, path, fd, was in self._files:
-            st = fstat(fd)
-            if st.st_mtime_ns != was[1] or st.st_size != was[0]:
-                self._refuse(rel, was, self._identity(path))
-
-    def _check_paths(self) -> None:
-        stat = os.stat
-        for rel, path, was in self._expect:
-            try:
-                st = stat(path)
-            except OSError:
-                self._refuse(rel, was, None)
-            if was is None or st.st_mtime_ns != was[1] or st.st_size != was[0] or st.st_ino != was[2] or st.st_dev != was[3]:
-                self._refuse(rel, was, self._identity(path))
-
-    def close(self) -> None:
-        """Let go of the descriptors (later checks stat the paths)."""
-        for _, _, fd, _ in self._files:
-            os.close(fd)
-        for fd, *_ in self._dirs:
-            os.close(fd)
-        self._files, self._dirs = [], []
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
-
-    def _refuse(self, rel: str, was: tuple | None, now: tuple | None) -> None:
-        what = "was removed" if now is None else (
-            f"was truncated or grown ({was[0]} -> {now[0]} bytes)" if was and now[0] != was[0]
-            else "was rewritten or replaced")
-        raise IntegrityError(
-            f"{rel} in {self.folder} {what} after the model was loaded; slimml will not run a model whose "
-            "files changed under it. Restore the artifact (replace artifacts by writing a new folder and "
-            "renaming it, never by overwriting files in place) and load it again."
-        )

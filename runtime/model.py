@@ -13,10 +13,11 @@ from slimml.errors import FeedError, SlimmlError
 from slimml.runtime.budget import StreamPlan, plan_stream
 from slimml.runtime.feeds import FeedChecker
 from slimml.runtime.image import ImageProcessor
-from slimml.runtime.integrity import FileWatch, check_shard_file, max_sequence_length, vocab_size
+from slimml.runtime.integrity import check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
 from slimml.runtime.plan import ExecutionPlan, build_plan
 from slimml.runtime.session import resolve_device
+from slimml.runtime.watch import FileWatch
 from slimml.runtime.lanes import lane_batch_size, lane_count, possible_batches
 from slimml.runtime.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
 
@@ -94,8 +95,8 @@ class Model:
         self.plan.check_files(deep=True)
 
     def check_files(self) -> None:
-        """The cheap check ``run`` does before every call: one ``stat`` per weight file, compared
-        with what was hashed at load. For a readiness probe; :meth:`verify` re-hashes.
+        """The cheap check ``run`` does before every call: has any weight file changed since load
+        (:mod:`slimml.runtime.watch`)? For a readiness probe; :meth:`verify` re-hashes.
 
         Raises:
             IntegrityError: naming a file replaced, truncated or removed since load.

@@ -204,10 +204,18 @@ class Step:
     names: dict[str, str] | None = None  # this step's names -> the session's, where a session serves several
     on_device: bool = True  # CUDA: outputs stay on the GPU for the next step (False for a plan's only step)
 
+    def __post_init__(self):
+        # ``call`` gets feeds already checked against the manifest, so on CPU it skips the Python
+        # wrapper's second check of the names (5-6 us of a 1.7 ms batch-1 call, measured) and calls
+        # the session's C++ binding; the wrapper's provider fallback only concerns GPU providers
+        self._inner = getattr(self.session, "_sess", None) if self.device == "cpu" else None
+
     def call(self, feeds: dict) -> dict:
         """The outputs by name for ``feeds`` that are exactly this step's inputs, on the host."""
         try:
-            return dict(zip(self.outputs, self.session.run(self.outputs, feeds)))
+            inner = self._inner
+            values = inner.run(self.outputs, feeds, None) if inner is not None else self.session.run(self.outputs, feeds)
+            return dict(zip(self.outputs, values))
         except Exception as e:  # onnxruntime's own exception classes
             raise self._error(e) from None
 
