@@ -163,7 +163,7 @@ def main() -> None:
         texts = texts_of_tokens(optimum.tokenizer, 128, batch)
         ms = interleaved({"optimum": lambda: optimum.encode(texts), "slimml.encode": lambda: int8.encode(texts)}, runs, **blocks)
         row(f"int8 b{batch} encode", ms, "slimml.encode", "optimum")
-        ms = interleaved({"ort": lambda: whole_fp32.run(None, f), "slimml.run": lambda: fp32.run(f)}, max(runs // 3, 10), **blocks)
+        ms = interleaved({"ort": lambda: whole_fp32.run(None, f), "slimml.run": lambda: fp32.run(f)}, runs, **blocks)
         row(f"fp32 b{batch} run vs 1 session", ms, "slimml.run", "ort")
         if student is not None and batch == 1:
             ms = interleaved({"optimum": lambda: optimum(**f), "student.run": lambda: student.run(f)}, runs, **blocks)
