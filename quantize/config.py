@@ -80,7 +80,7 @@ class Int8DynamicConfig(_Common):
     """int8 weights, activations quantized on the fly (ONNX Runtime dynamic quantization), for CPUs.
 
     Args:
-        fuse: run ONNX Runtime's transformer fusions (attention, bias gelu) on each shard before
+        fuse: run ONNX Runtime's transformer fusions (attention, GELU) on each shard before
             quantizing, so each layer's attention becomes one ``QAttention`` (the attention mask
             is recomputed inside each shard so attention fuses there as on the whole graph).
             Measured on the int8 all-MiniLM-L6-v2, 2-core Sapphire Rapids, against Optimum's

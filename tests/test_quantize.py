@@ -111,6 +111,9 @@ def test_int8_dynamic_on_tiny_bert(tiny_bert_artifact, tmp_path):
     assert any("QAttention" in _ops(out, s.index) for s in m.shards)
     # layer norms stay Add + LayerNormalization: ORT's CPU SkipLayerNormalization is the slow kernel
     assert not any("SkipLayerNormalization" in _ops(out, s.index) for s in m.shards)
+    # the FFN bias stays an Add, which ORT folds into the quantized MatMul; Gelu alone is the cheaper kernel
+    assert not any("BiasGelu" in _ops(out, s.index) for s in m.shards)
+    assert any("Gelu" in _ops(out, s.index) for s in m.shards)
     from slimml.runtime.session import disabled_optimizers
 
     assert disabled_optimizers("cpu") == ["SkipLayerNormFusion"] and disabled_optimizers("cuda") is None
