@@ -84,8 +84,8 @@ class Int8DynamicConfig(_Common):
             quantizing, so each layer's attention becomes one ``QAttention`` (the attention mask
             is recomputed inside each shard so attention fuses there as on the whole graph).
             Measured on the int8 all-MiniLM-L6-v2, 2-core Sapphire Rapids, against Optimum's
-            int8 model: batch 1 0.71x its time fused, 0.88x unfused; batch 32 0.83x and 0.95x;
-            the d3-p50 student 0.26x and 0.31x; STSb dev 86.60 fused, 86.57 unfused. Layer norms
+            int8 model: batch 1 0.68x its time fused, 0.86x unfused; batch 32 0.83x and 1.00x;
+            STSb dev 86.60 fused, 86.57 unfused (docs/quantize.md). Layer norms
             are left unfused (ONNX Runtime's CPU ``SkipLayerNormalization`` is the slow part: an
             earlier AVX2 measurement, fused with it, was 3-5% slower than unfused). Applies to
             BERT-family encoders (``quantize/fuse.py``, ``FUSABLE_MODEL_TYPES``); other models
