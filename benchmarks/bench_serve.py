@@ -1,9 +1,10 @@
 """HTTP embeddings on Ray Serve against in-process ``encode``, on the same cores.
 
-    python benchmarks/bench_serve.py ARTIFACT [--rounds 3] [--concurrency 32] [--texts-per-request 1 8 32] [--json OUT]
+    python benchmarks/bench_serve.py ARTIFACT [--rounds 3] [--concurrency 32] [--texts-per-request 1 8 32] [--repeat 1] [--json OUT]
 
-The STSb dev sentences (3,000, variable lengths). Each round runs, one after another in this
-process:
+The STSb dev sentences (3,000, variable lengths; ``--repeat N`` sends them N times a round, so
+that the start and end of a round, when fewer than ``--concurrency`` requests are in flight,
+weigh less). Each round runs, one after another in this process:
   * ``in-process``: ``load(artifact).encode(texts, batch_size=32)``, ORT's default threads (the
     ratios are to this); ``in-process b16``: the same at ``batch_size=16``, the server's own
     batch size inside its ``encode`` calls;
@@ -90,6 +91,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--texts-per-request", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--repeat", type=int, default=1, help="send the corpus this many times a round")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
@@ -98,7 +100,7 @@ def main() -> None:
     from slimml.runtime import load
     from slimml.serve import ServeConfig, serve
 
-    texts = corpus()
+    texts = corpus() * max(1, args.repeat)
     model = load(args.artifact)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
