@@ -100,8 +100,8 @@ def convert(
         source: a Hugging Face model folder, an ``.onnx`` file, a ``.py`` file defining ``model``
             and ``example_inputs``, a torch checkpoint, a ``torch.nn.Module``, or ``None`` for the
             embedded default model (all-MiniLM-L6-v2).
-        out: the artifact folder (default ``artifacts/<name>``, and for a student
-            ``artifacts/<name>-d3-p50``). It is written in a temporary folder beside it and renamed
+        out: the artifact folder (default ``artifacts/<name>``; for a student
+            ``artifacts/<name>-d3-p50``, for a quantized model ``artifacts/<name>-int8``). It is written in a temporary folder beside it and renamed
             at the end, so an interrupted convert leaves the previous artifact, or nothing, at ``out``.
         config: the stages' settings.
         example_inputs: for an ``nn.Module`` source, what to call it with during export.
@@ -137,7 +137,7 @@ def convert(
         read_sts(config.compare_on)  # a missing or malformed STS file fails before any training
     step("reading the source")
     src = resolve(source, example_inputs)
-    out = Path(out) if out is not None else Path("artifacts") / (src.name + _student_suffix(config))
+    out = Path(out) if out is not None else Path("artifacts") / (src.name + _default_suffix(config))
     check_output(out)
     with _one_line_errors(src.name, current), atomic_folder(out) as tmp:  # disk errors: atomic_folder words them
         teacher, shrunk = src, []
@@ -237,10 +237,17 @@ def _against_teacher(out: Path, tmp: Path, manifest: Manifest, sts_file: Any,
         s_model.close()
 
 
-def _student_suffix(config: ConvertConfig) -> str:
-    """``-d3-p50`` for a student, so its default folder never replaces the teacher's artifact."""
+def _default_suffix(config: ConvertConfig) -> str:
+    """What the default folder adds to the model's name, so it never replaces the plain float
+    artifact: ``-d3-p50`` for a student (quantized or not, as the README names it), else the
+    quantization scheme (``-int8``), else nothing."""
     suffix = f"-d{config.distill.layers}" if config.distill is not None and config.distill.layers else ""
-    return suffix + (f"-p{round(config.prune.fraction * 100):02d}" if config.prune is not None else "")
+    suffix += f"-p{round(config.prune.fraction * 100):02d}" if config.prune is not None else ""
+    if not suffix and config.quantize is not None:
+        from slimml.quantize.config import scheme_tag
+
+        suffix = f"-{scheme_tag(config.quantize)}"
+    return suffix
 
 
 def _shrink(src: Source, out: Path, work: Path, config: ConvertConfig, step, on_progress):

@@ -256,6 +256,18 @@ def _check_target(target: str) -> None:
         raise ConfigError(f"unknown --target {target!r}; use cpu or cuda.")
 
 
+def scheme_tag(config: QuantizeConfig) -> str:
+    """The ``--quantize`` word for what ``config`` does: ``int8``, ``int8-static``,
+    ``int8-weights``, ``int4-weights`` or ``fp16`` (``int8`` on CUDA is ``int8-weights``)."""
+    if isinstance(config, Int8DynamicConfig):
+        return "int8"
+    if isinstance(config, Int8StaticConfig):
+        return "int8-static"
+    if isinstance(config, WeightOnlyConfig):
+        return f"int{config.bits}-weights"
+    return "fp16"
+
+
 def describe(config: QuantizeConfig) -> dict:
     """The config as JSON-able settings for the manifest's steps."""
     from dataclasses import asdict
@@ -272,5 +284,5 @@ def describe(config: QuantizeConfig) -> dict:
 
 __all__ = [
     "BACKENDS", "SCHEMES", "TARGETS", "GuardConfig", "Int8DynamicConfig", "Int8StaticConfig", "WeightOnlyConfig",
-    "Fp16Config", "Int8Config", "QuantizeConfig", "scheme_config", "describe", "field",
+    "Fp16Config", "Int8Config", "QuantizeConfig", "scheme_config", "scheme_tag", "describe", "field",
 ]

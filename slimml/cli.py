@@ -50,7 +50,7 @@ KeepBest = Annotated[bool, typer.Option("--keep-best", help="If --max-drop canno
 @app.command()
 def convert(
     source: Annotated[Optional[str], typer.Argument(help="HF model folder, .onnx, .py or torch checkpoint. Default: all-MiniLM-L6-v2.")] = None,
-    out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Artifact folder. Default: artifacts/<name>.")] = None,
+    out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Artifact folder. Default: artifacts/<name>, with -d3-p50 for a student or -int8 (the scheme) for a quantized model, so the float artifact is never replaced.")] = None,
     shards: Annotated[str, typer.Option(help="'per-layer' or a number of shards balanced by weight bytes.")] = "per-layer",
     shard_size: Annotated[Optional[float], typer.Option(help="Largest shard in MB of weights (instead of --shards).")] = None,
     task: Annotated[str, typer.Option(help="Hugging Face task to export, or 'auto'.")] = "auto",

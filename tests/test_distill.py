@@ -288,10 +288,17 @@ def test_default_model_student_three_layers_half_pruned(tmp_path):
     assert model.encode(["A man is playing a guitar."]).shape == (1, 384)
 
 
-def test_a_student_never_lands_on_the_teachers_default_folder():
-    from slimml.convert.pipeline import _student_suffix
+def test_a_student_or_quantized_model_never_lands_on_the_float_default_folder():
+    from slimml.convert.pipeline import _default_suffix
+    from slimml.quantize import Int8Config, Int8StaticConfig, WeightOnlyConfig
 
-    assert _student_suffix(ConvertConfig(distill=DistillConfig(layers=3), prune=PruneConfig(0.5))) == "-d3-p50"
-    assert _student_suffix(ConvertConfig(distill=DistillConfig(), prune=PruneConfig(0.3))) == "-p30"
-    assert _student_suffix(ConvertConfig(distill=DistillConfig(layers=2))) == "-d2"
-    assert _student_suffix(ConvertConfig()) == ""
+    assert _default_suffix(ConvertConfig(distill=DistillConfig(layers=3), prune=PruneConfig(0.5))) == "-d3-p50"
+    assert _default_suffix(ConvertConfig(distill=DistillConfig(layers=3), prune=PruneConfig(0.5),
+                                         quantize=Int8Config())) == "-d3-p50"  # the README's student folder
+    assert _default_suffix(ConvertConfig(distill=DistillConfig(), prune=PruneConfig(0.3))) == "-p30"
+    assert _default_suffix(ConvertConfig(distill=DistillConfig(layers=2))) == "-d2"
+    assert _default_suffix(ConvertConfig()) == ""
+    assert _default_suffix(ConvertConfig(quantize=Int8Config())) == "-int8"
+    assert _default_suffix(ConvertConfig(quantize=Int8Config("cuda"))) == "-int8-weights"
+    assert _default_suffix(ConvertConfig(quantize=Int8StaticConfig())) == "-int8-static"
+    assert _default_suffix(ConvertConfig(quantize=WeightOnlyConfig(bits=4))) == "-int4-weights"
