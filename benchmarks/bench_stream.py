@@ -10,7 +10,10 @@ alternating so machine load hits both alike:
 - ``streamed``: ``slimml.runtime.load(artifact, resident=K)``: K shards' weights at once.
 
 Reports prefill tokens/s (the prompt pass), decode tokens/s (the passes after it), peak RSS and
-whether both produced the same tokens. The page cache is warm (the machine has the RAM).
+whether both produced the same tokens, and how many GB the kernel read from disk during the
+rounds (0 when the page cache stayed warm). The page cache is meant to be warm (the machine has
+the RAM); on a machine that reclaims idle file cache (a VM running DAMON's proactive reclaim),
+``--hold-cache`` keeps the artifact and the packed cache locked in memory during the rounds.
 
 ``--memory-cap 2GB`` instead runs inside a Linux memory cgroup (v1, as root) whose limit is below
 the model's size: the artifact's pages are dropped from the page cache first, the disk's
@@ -167,6 +170,64 @@ def evict(*folders: Path) -> None:
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def disk_reads_gb() -> float:
+    """GB the kernel has read from disk since boot (/proc/vmstat pgpgin; 0 elsewhere)."""
+    try:
+        with open("/proc/vmstat") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("pgpgin ")) / 1e6  # KiB
+    except (OSError, StopIteration):
+        return 0.0
+
+
+class HeldInPageCache:
+    """Every file under ``folders`` mapped and locked (mlock) in this process, so the page cache
+    stays warm for the children however the machine reclaims idle memory (a VM's proactive
+    reclaim, DAMON, pages out file cache idle for some seconds). Needs CAP_IPC_LOCK (root) or a
+    large enough RLIMIT_MEMLOCK, and the RAM."""
+
+    def __init__(self, *folders: Path):
+        import ctypes
+
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.libc.mmap.restype = ctypes.c_void_p
+        self.libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        self.libc.mlock.argtypes = self.libc.munlock.argtypes = self.libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.held: list[tuple[int, int, int]] = []
+        self.bytes = 0
+        try:
+            for folder in folders:
+                for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.stat().st_size):
+                    fd = os.open(path, os.O_RDONLY)
+                    size = os.fstat(fd).st_size
+                    # read afresh, in order: pages brought back one fault at a time (after the
+                    # machine reclaimed them) sit in small folios, which cost the loader several
+                    # times as much to map in on every pass as the large ones a sequential read makes
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    while os.read(fd, 16 << 20):
+                        pass
+                    addr = self.libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+                    if addr in (None, ctypes.c_void_p(-1).value):
+                        os.close(fd)
+                        raise SystemExit(f"--hold-cache: could not map {path}: {os.strerror(ctypes.get_errno())}")
+                    self.held.append((addr, size, fd))
+                    if self.libc.mlock(ctypes.c_void_p(addr), size) != 0:
+                        raise SystemExit(f"--hold-cache: could not lock {path} in memory ({os.strerror(ctypes.get_errno())}); "
+                                         "run as root or raise the memlock limit (ulimit -l)")
+                    self.bytes += size
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        import ctypes
+
+        for addr, size, fd in self.held:
+            self.libc.munlock(ctypes.c_void_p(addr), size)
+            self.libc.munmap(ctypes.c_void_p(addr), size)
+            os.close(fd)
+        self.held = []
+
+
 def disk_read_gbps(artifact: Path) -> float:
     """Sequential read rate of the artifact's weight files from a cold cache, in GB/s."""
     evict(artifact)
@@ -277,6 +338,9 @@ def main() -> None:
     p.add_argument("--pin", type=int, nargs="*", default=None)
     p.add_argument("--runs", type=int, default=2, help="timed passes per subprocess (--memory-cap)")
     p.add_argument("--rounds", type=int, default=2, help="alternating resident/streamed subprocess rounds")
+    p.add_argument("--hold-cache", action="store_true",
+                   help="keep the artifact and the packed cache locked in the page cache during the rounds (needs root or "
+                        "a memlock limit, and the RAM), so 'page cache warm' holds on machines that reclaim idle file cache")
     p.add_argument("--memory-cap", default=None, help="run inside a memory cgroup of this size, e.g. 2GB")
     p.add_argument("--cache-dir", type=Path, default=None, help="pre-packed weights (default: WORK/cache)")
     p.add_argument("--pack", type=lambda v: {"true": True, "false": False}[v.lower()], default=None,
@@ -306,13 +370,21 @@ def main() -> None:
         import numpy as np
 
         results: dict[str, list[dict]] = {"resident": [], "streamed": []}
-        for r in range(args.rounds):
-            for variant in (("resident", "streamed") if r % 2 == 0 else ("streamed", "resident")):
-                rc, res, err = spawn(args, variant, work)
-                if rc or res is None:
-                    sys.exit(f"{variant} failed (rc {rc}):\n{err}")
-                results[variant].append(res)
-                print(f"round {r + 1} {variant}: {json.dumps(res)}", flush=True)
+        held = HeldInPageCache(args.artifact_path, args.cache_dir) if args.hold_cache else None
+        read0 = disk_reads_gb()
+        try:
+            for r in range(args.rounds):
+                for variant in (("resident", "streamed") if r % 2 == 0 else ("streamed", "resident")):
+                    rc, res, err = spawn(args, variant, work)
+                    if rc or res is None:
+                        sys.exit(f"{variant} failed (rc {rc}):\n{err}")
+                    results[variant].append(res)
+                    print(f"round {r + 1} {variant}: {json.dumps(res)}", flush=True)
+        finally:
+            read = disk_reads_gb() - read0
+            held_gb = held.bytes / 1e9 if held else 0.0
+            if held:
+                held.close()
         same = bool((np.load(work / "out_resident.npy") == np.load(work / "out_streamed.npy")).all())
         med = {v: {k: float(np.median([x[k] for x in rs])) for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
                for v, rs in results.items()}
@@ -322,6 +394,7 @@ def main() -> None:
                   "generate": f"{args.batch} prompts x {args.seq} tokens, {args.generate} new tokens each (KV cache)",
                   "resident_k": args.resident, "same_tokens": same, "median": med, "streamed_vs_resident": ratio,
                   "peak_rss_mb": {v: max(x["peak_rss_mb"] for x in rs) for v, rs in results.items()},
+                  "disk_read_gb_during_rounds": round(read, 2), "held_in_page_cache_gb": round(held_gb, 2),
                   "plan": results["streamed"][-1]["plan"], "stream_stats_last": results["streamed"][-1].get("stream")}
     print(json.dumps(report, indent=2))
     if args.out:
