@@ -200,8 +200,8 @@ class HeldInPageCache:
                     fd = os.open(path, os.O_RDONLY)
                     size = os.fstat(fd).st_size
                     # read afresh, in order: pages brought back one fault at a time (after the
-                    # machine reclaimed them) sit in small folios, which cost the loader several
-                    # times as much to map in on every pass as the large ones a sequential read makes
+                    # machine reclaimed them) sit in small folios, which cost more to map in and
+                    # read on every pass than the large ones a sequential read makes (docs/streaming.md)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                     while os.read(fd, 16 << 20):
                         pass

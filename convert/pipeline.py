@@ -101,8 +101,9 @@ def convert(
             and ``example_inputs``, a torch checkpoint, a ``torch.nn.Module``, or ``None`` for the
             embedded default model (all-MiniLM-L6-v2).
         out: the artifact folder (default ``artifacts/<name>``; for a student
-            ``artifacts/<name>-d3-p50``, for a quantized model ``artifacts/<name>-int8``). It is written in a temporary folder beside it and renamed
-            at the end, so an interrupted convert leaves the previous artifact, or nothing, at ``out``.
+            ``artifacts/<name>-d3-p50``, for a quantized model ``artifacts/<name>-int8``). It is
+            written in a temporary folder beside it and renamed at the end, so an interrupted
+            convert leaves the previous artifact, or nothing, at ``out``.
         config: the stages' settings.
         example_inputs: for an ``nn.Module`` source, what to call it with during export.
         on_step: called with a short description as each stage starts (for progress display).
