@@ -13,6 +13,8 @@ weigh less). Each round runs, one after another in this process:
     formed when the model is free, 5 ms wait) answering ``POST /v1/embeddings``
     with N texts per request, sent by ``--concurrency`` client threads over keep-alive
     connections (http.client), the corpus in order.
+``--direct-ingress`` turns on Ray Serve's direct ingress for the server: the replica answers HTTP
+itself, without Serve's proxy in between.
 The server and the client share the machine's cores with each other, as they would on one
 host; the client's share of the CPU used during the HTTP rounds is reported (this process's CPU
 time against the machine's, from /proc/stat). The median round gives texts/s; latency
@@ -70,6 +72,12 @@ def http_round(port: int, texts: list[str], per_request: int, concurrency: int) 
     return len(texts) / wall, lat, (client / busy if busy else 0.0, busy / wall)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def machine_cpu() -> float:
     """CPU seconds all processes have used (Linux /proc/stat; 0 elsewhere)."""
     try:
@@ -92,22 +100,24 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--texts-per-request", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--repeat", type=int, default=1, help="send the corpus this many times a round")
+    p.add_argument("--direct-ingress", action="store_true",
+                   help="serve as `slimml serve --direct-ingress` does: the replica answers HTTP itself, without "
+                        "Serve's proxy in between")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
 
     ray_tmp = tempfile.mkdtemp(prefix="slimml-ray-", dir="/tmp")  # Ray's files here, removed at the end
     os.environ.update({"RAY_TMPDIR": ray_tmp, "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"})
+    port = free_port()
     from slimml.runtime import load
     from slimml.serve import ServeConfig, serve
 
     texts = corpus() * max(1, args.repeat)
     model = load(args.artifact)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     urls, stop = [], threading.Event()
     server = threading.Thread(target=serve, args=(ServeConfig(str(args.artifact), replicas=1),),
-                              kwargs={"port": port, "ready": urls.append, "stop": stop}, daemon=True)
+                              kwargs={"port": port, "ready": urls.append, "stop": stop,
+                                      "direct_ingress": args.direct_ingress}, daemon=True)
     server.start()
     while not urls:
         if not server.is_alive():
@@ -138,6 +148,7 @@ def main() -> None:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     base = statistics.median(rates["in-process"])
     res = {"artifact": str(args.artifact), "cpu_count": os.cpu_count(), "texts": len(texts),
+           "direct_ingress": args.direct_ingress,
            "concurrency": args.concurrency, "in-process texts/s": round(base, 1),
            "in-process b16 texts/s": round(statistics.median(rates["in-process b16"]), 1)}
     for name in lats:

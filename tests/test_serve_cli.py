@@ -86,6 +86,7 @@ def test_serve_bad_input_is_one_line_before_ray_starts(tmp_path, ray_env, tiny_b
     data.write_bytes(bytes(raw))
     assert "does not match its sha256" in serve(str(bad))
     assert "Use one replica in front of the stages" in serve(str(tiny_bert_artifact), "--stages", "2", "--replicas", "2")
+    assert "direct ingress serves one replica" in serve(str(tiny_bert_artifact), "--direct-ingress", "--replicas", "2")
     assert set((ray_env / "ray").glob("session_2*")) == sessions  # Ray never started
 
 
@@ -108,6 +109,23 @@ def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact,
             assert e.code == 503 and "after the model was loaded" in json.loads(e.read())["error"]["message"]
         status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
         assert status == 503  # refused, never run
+
+
+def test_serve_direct_ingress_answers_on_the_port_itself(ray_env, tiny_bert_artifact):
+    """--direct-ingress: the replica answers HTTP on --port, without Serve's proxy in between;
+    the same embeddings, the same errors, and SIGTERM still stops everything."""
+    import numpy as np
+
+    texts = ["a dog runs", "the weather is cold today", "hi"]
+    want = load(tiny_bert_artifact).encode(texts)
+    with served(str(tiny_bert_artifact), "--direct-ingress") as url:
+        status, body = post(f"{url}/v1/embeddings", {"input": texts})
+        assert status == 200, body
+        got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+        cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+        assert cos.min() >= 0.9999
+        status, body = post(f"{url}/v1/embeddings", {"input": []})
+        assert status == 400 and "error" in body
 
 
 def test_serve_stages_put_a_pipeline_behind_generate(ray_env, tiny_llama_past_artifact):

@@ -9,10 +9,13 @@ from slimml.errors import ConfigError
 
 def require_ray() -> None:
     """Raise ConfigError, naming the extra to install, when Ray is missing."""
-    try:
-        import ray  # noqa: F401
-        from ray import serve  # noqa: F401
+    import importlib.util
+
+    try:  # found, not imported: Ray Serve reads some settings when it is first imported (serve's direct_ingress)
+        found = all(importlib.util.find_spec(m) is not None for m in ("ray", "ray.serve", "fastapi", "uvicorn"))
     except ImportError:
+        found = False
+    if not found:
         raise ConfigError(
             "serving and pipelines run on Ray, which is not installed; install it with "
             "`pip install 'slimml[serve]'`."
