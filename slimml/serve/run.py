@@ -30,7 +30,8 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             replica on a Ray this call starts. Ray reads the setting when ``ray.serve`` is first
             imported, so it must be the process's first use of Ray Serve (``slimml serve
             --direct-ingress`` is). On 2 cores, 32 texts a request: 0.87x of in-process
-            ``encode`` against 0.73x through the proxy (docs/deploy.md).
+            ``encode`` against 0.73x through the proxy. It gives up Serve's self-healing: a
+            replica that dies is not brought back on the port (docs/deploy.md).
 
     Example:
         >>> serve(ServeConfig("artifacts/all-MiniLM-L6-v2", replicas=2), port=8000)
