@@ -31,7 +31,7 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 @contextlib.contextmanager
 def served(*args: str):
-    """``slimml serve ARGS --port P`` in its own session; yields the base URL; SIGTERM at the end,
+    """``slimml serve ARGS --port P`` in its own session; yields the base URL and the process; SIGTERM at the end,
     then checks that it exited cleanly and that no process of its group (Ray's) outlived it."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "slimml", "serve", *args, "--port", str(port)],
@@ -48,7 +48,7 @@ def served(*args: str):
             except OSError:
                 assert time.monotonic() < deadline, "the server did not come up"
                 time.sleep(0.5)
-        yield url
+        yield url, proc
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
     finally:
@@ -95,7 +95,7 @@ def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact,
 
     art = tmp_path / "art"
     shutil.copytree(tiny_bert_artifact, art)
-    with served(str(art)) as url:
+    with served(str(art)) as (url, _):
         status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
         assert status == 200 and len(body["data"][0]["embedding"]) == 32
         data = art / load(art).manifest.shards[-1].data  # tampered with while served
@@ -113,12 +113,13 @@ def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact,
 
 def test_serve_direct_ingress_answers_on_the_port_itself(ray_env, tiny_bert_artifact):
     """--direct-ingress: the replica answers HTTP on --port, without Serve's proxy in between;
-    the same embeddings, the same errors, and SIGTERM still stops everything."""
+    the same embeddings, the same errors, a killed replica brought back on the port, and SIGTERM
+    still stops everything."""
     import numpy as np
 
     texts = ["a dog runs", "the weather is cold today", "hi"]
     want = load(tiny_bert_artifact).encode(texts)
-    with served(str(tiny_bert_artifact), "--direct-ingress") as url:
+    with served(str(tiny_bert_artifact), "--direct-ingress") as (url, server):
         status, body = post(f"{url}/v1/embeddings", {"input": texts})
         assert status == 200, body
         got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
@@ -126,12 +127,46 @@ def test_serve_direct_ingress_answers_on_the_port_itself(ray_env, tiny_bert_arti
         assert cos.min() >= 0.9999
         status, body = post(f"{url}/v1/embeddings", {"input": []})
         assert status == 400 and "error" in body
+        # the replica's process dies: Serve starts another, which listens on the same port again
+        replicas = [pid for pid in _session(server.pid) if b"ServeReplica" in _cmdline(pid)]
+        assert len(replicas) == 1, replicas
+        os.kill(replicas[0], signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                if post(f"{url}/v1/embeddings", {"input": texts})[0] == 200:
+                    break
+            except OSError:  # refused until the new replica listens
+                pass
+            assert time.monotonic() < deadline, "the killed replica was not brought back on the port"
+            time.sleep(1)
+
+
+def _session(sid: int) -> list[int]:
+    """Processes of a session (Linux /proc): the server's, and Ray's processes it started."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == sid:
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 def test_serve_stages_put_a_pipeline_behind_generate(ray_env, tiny_llama_past_artifact):
     prompts = [[5, 6, 7, 8], [9, 10]]
     want = load(tiny_llama_past_artifact).generate(prompts, max_new_tokens=5).tokens
-    with served(str(tiny_llama_past_artifact), "--stages", "2") as url:
+    with served(str(tiny_llama_past_artifact), "--stages", "2") as (url, _):
         status, body = post(f"{url}/v1/generate", {"prompt": prompts, "max_new_tokens": 5})
         assert status == 200, body
         assert [c["token_ids"] for c in body["choices"]] == want

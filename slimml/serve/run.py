@@ -30,8 +30,8 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             replica on a Ray this call starts. Ray reads the setting when ``ray.serve`` is first
             imported, so it must be the process's first use of Ray Serve (``slimml serve
             --direct-ingress`` is). On 2 cores, 32 texts a request: 0.87x of in-process
-            ``encode`` against 0.73x through the proxy. It gives up Serve's self-healing: a
-            replica that dies is not brought back on the port (docs/deploy.md).
+            ``encode`` against 0.73x through the proxy. A replica that dies leaves the port
+            refusing connections until its replacement listens there (about a minute).
 
     Example:
         >>> serve(ServeConfig("artifacts/all-MiniLM-L6-v2", replicas=2), port=8000)
@@ -101,8 +101,10 @@ def _direct_ingress(host: str, port: int, config: ServeConfig, address: str | No
             s.bind((host, port))
         except OSError as e:
             raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror}); choose another --port.") from None
+    # Ray's processes inherit these. A released port is quarantined (150 s by default, for HAProxy to
+    # drain) before Serve hands it out again: with one port, a replacement replica could not listen
     os.environ.update({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-                       "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1)})  # Ray's processes inherit these
+                       "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1), "RAY_SERVE_PORT_QUARANTINE_S": "0"})
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
