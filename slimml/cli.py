@@ -506,7 +506,7 @@ def serve_(
     batch_wait_ms: Annotated[float, typer.Option(help="How long a batch waits for more requests to join it.")] = 5.0,
     address: Annotated[Optional[str], typer.Option(help="Ray cluster to join ('auto' after `ray start`); default: a local Ray.")] = None,
     memory_budget: Budget = None,
-    direct_ingress: Annotated[bool, typer.Option("--direct-ingress", help="One replica answers HTTP on --port itself, without Serve's proxy in between (Ray Serve's direct ingress): 0.87x of in-process encode at 32 texts a request on 2 cores, against 0.73x through the proxy. A replica that crashes leaves the port refusing connections for about a minute, until Serve's replacement listens.")] = False,
+    direct_ingress: Annotated[bool, typer.Option("--direct-ingress", help="One replica answers HTTP on --port itself, without Serve's proxy in between (Ray Serve's direct ingress): 0.87-0.90x of in-process encode at 32 texts a request on 2 cores, against 0.73x through the proxy. A replica that crashes leaves the port refusing connections for about a minute, until Serve's replacement listens.")] = False,
 ):
     """Serve an artifact over HTTP on Ray Serve (needs the serve extra); Ctrl-C or SIGTERM stops it."""
     from slimml.scale.cluster import require_ray

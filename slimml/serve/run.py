@@ -29,7 +29,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             between (Ray Serve's direct ingress; the proxy still runs, on a free port). One
             replica on a Ray this call starts. Ray reads the setting when ``ray.serve`` is first
             imported, so it must be the process's first use of Ray Serve (``slimml serve
-            --direct-ingress`` is). On 2 cores, 32 texts a request: 0.87x of in-process
+            --direct-ingress`` is). On 2 cores, 32 texts a request: 0.87-0.90x of in-process
             ``encode`` against 0.73x through the proxy. A replica that dies leaves the port
             refusing connections until its replacement listens there (about a minute).
 
