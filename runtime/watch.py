@@ -50,8 +50,8 @@ class FileWatch:
     def __init__(self, folder: Path, manifest: Manifest):
         self.folder = folder
         data = {s.data for s in manifest.shards if s.data}
-        self.paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files if e.path in data]
-        self._expect = [(rel, path, _identity(path)) for rel, path in self.paths]
+        paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files if e.path in data]
+        self._expect = [(rel, path, _identity(path)) for rel, path in paths]
         self._refused: str | None = None
         self._lock = threading.Lock()
         # the fstat path: each file and its folder held open. fstat of a descriptor skips the path
@@ -77,7 +77,7 @@ class FileWatch:
 
     @property
     def how(self) -> str:
-        """``"inotify"``, ``"fstat"`` (descriptors held open) or ``"stat"`` (paths), for describe()."""
+        """How changes are noticed: ``"inotify"``, ``"fstat"`` (descriptors held open) or ``"stat"`` (paths)."""
         return "inotify" if self._notify is not None else "fstat" if self._dirs else "stat"
 
     def check(self) -> None:
@@ -99,9 +99,8 @@ class FileWatch:
             if notify is None:
                 return self._check_fstat()
             look, modified = notify.read()
-            for rel in modified:  # written or truncated in place, whatever its times say now
-                was = next(was for r, _, was in self._expect if r == rel)
-                now = _identity(os.fspath(safe_path(self.folder, rel)))
+            for rel, path, was in modified:  # written or truncated in place, whatever its times say now
+                now = _identity(path)
                 self._refuse(rel, _what(was, now) if now != was else "was rewritten in place (its size and times put back)")
             if look:
                 self._check_paths()
@@ -181,7 +180,7 @@ class _Inotify:
 
     _libc = None
 
-    def __init__(self, fd: int, files: dict[int, str], dirs: dict[int, set[bytes]]):
+    def __init__(self, fd: int, files: dict[int, tuple], dirs: dict[int, set[bytes]]):
         self.fd, self.files, self.dirs = fd, files, dirs
         # epoll, not select.poll: a poll object refuses calls from two threads at once
         self._epoll = select.epoll()
@@ -200,7 +199,7 @@ class _Inotify:
             return None
         if fd < 0:
             return None
-        files: dict[int, str] = {}
+        files: dict[int, tuple] = {}  # watch descriptor -> the watch's (rel, path, identity at load)
         dirs: dict[int, set[bytes]] = {}
         names: dict[str, set[bytes]] = {}
         for rel, path, was in expect:
@@ -210,7 +209,7 @@ class _Inotify:
             if wd < 0:
                 os.close(fd)
                 return None
-            files[wd] = rel
+            files[wd] = (rel, path, was)
             names.setdefault(os.path.dirname(path), set()).add(os.fsencode(os.path.basename(path)))
         for d, ours in names.items():
             wd = libc.inotify_add_watch(fd, os.fsencode(d), FOLDER_EVENTS)
@@ -220,8 +219,9 @@ class _Inotify:
             dirs[wd] = ours
         return cls(fd, files, dirs)
 
-    def read(self) -> tuple[bool, list[str]]:
-        """Take every queued event: (whether the paths must be compared, files modified in place)."""
+    def read(self) -> tuple[bool, list[tuple]]:
+        """Take every queued event: (whether the paths must be compared, the entries of files
+        modified in place)."""
         look, modified = False, []
         while True:
             try:
