@@ -50,7 +50,7 @@ def main() -> None:
     from slimml.convert.distill_data import load_texts
     from slimml.convert.prune import PruneConfig
     from slimml.convert.sources import default_model_dir
-    from slimml.runtime.evaluate import read_sts, spearman
+    from slimml.runtime.tools.evaluate import read_sts, spearman
 
     t0 = time.time()
     data = DATA / "sts-train.csv"

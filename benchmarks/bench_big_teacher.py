@@ -172,7 +172,7 @@ def main() -> None:
 
 def capped_convert(args, work: Path, result: dict) -> None:
     """1. the whole convert under the cap."""
-    from slimml.runtime.budget import parse_bytes
+    from slimml.runtime.engine.budget import parse_bytes
 
     student = work / "student"
     shutil.rmtree(student, ignore_errors=True)

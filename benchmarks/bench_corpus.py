@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    from slimml.runtime.evaluate import read_sts, spearman
+    from slimml.runtime.tools.evaluate import read_sts, spearman
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-corpus-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -116,8 +116,8 @@ def _single_file(art: Path, dst: Path) -> Path:
     import onnx
     from onnx import external_data_helper
 
-    from slimml.runtime.manifest import read_manifest
-    from slimml.runtime.merge import merge_shards
+    from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.runtime.engine.merge import merge_shards
 
     manifest = read_manifest(art)
     model = merge_shards(art, manifest, [s.index for s in manifest.shards])
@@ -167,7 +167,7 @@ def _resident_vs_ort(folder: Path | None) -> dict:
 
 def _sts(folder: Path | None, sts: Path | None) -> dict:
     from slimml.runtime import load
-    from slimml.runtime.evaluate import evaluate_sts
+    from slimml.runtime.tools.evaluate import evaluate_sts
 
     out = {}
     for art in _artifacts(folder):
@@ -272,12 +272,12 @@ def _child(art: Path, k: int, tokens: int, hidden: int, own_arenas: bool = False
             np.save(art.parent / "y_accelerate.npy", y)
         return row
     from slimml.runtime import load
-    from slimml.runtime.cuda_slots import CudaSlots
+    from slimml.runtime.engine.cuda_slots import CudaSlots
 
     CudaSlots.host = host
 
     if own_arenas:
-        import slimml.runtime.slots as slots
+        import slimml.runtime.engine.slots as slots
 
         plain = slots.session_options
         slots.session_options = lambda *a, **kw: plain(*a, **{**kw, "shared_arena": False})

@@ -50,7 +50,7 @@ def int8_copy(artifact: Path, out: Path, op_types: list[str]) -> Path:
     """A copy of ``artifact`` with every shard dynamically quantized (per-channel int8 weights)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from slimml.runtime.manifest import file_entry, read_manifest
+    from slimml.runtime.artifact.manifest import file_entry, read_manifest
 
     shutil.copytree(artifact, out)
     m = read_manifest(out)
@@ -73,9 +73,9 @@ class PeerModel:
     """The Optimum int8 peer as one ORT session, with the teacher's tokenizer and mean pooling."""
 
     def __init__(self, onnx_path: Path, tokenizer_dir: Path):
-        from slimml.runtime.manifest import TensorSpec
-        from slimml.runtime.session import make_session
-        from slimml.runtime.text import TextEncoder
+        from slimml.runtime.artifact.manifest import TensorSpec
+        from slimml.runtime.engine.session import make_session
+        from slimml.runtime.tasks.inputs.text import TextEncoder
 
         self.session = make_session(onnx_path, "cpu")
         names = [i.name for i in self.session.get_inputs()]
@@ -87,7 +87,7 @@ class PeerModel:
         return self.session.run(["last_hidden_state"], feeds)[0]
 
     def encode(self, texts, batch_size=64):
-        from slimml.runtime.text import pool
+        from slimml.runtime.tasks.inputs.text import pool
 
         out = []
         for b in range(0, len(texts), batch_size):
@@ -116,8 +116,8 @@ def main() -> None:
     from slimml.convert import ConvertConfig, convert
     from slimml.convert.sources import default_model_dir
     from slimml.runtime import load
-    from slimml.runtime.bench import sample_feeds
-    from slimml.runtime.evaluate import evaluate_sts
+    from slimml.runtime.tools.bench import sample_feeds
+    from slimml.runtime.tools.evaluate import evaluate_sts
 
     work = Path(tempfile.mkdtemp(prefix="bench-distill-"))
     try:

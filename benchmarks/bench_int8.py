@@ -82,7 +82,7 @@ class OptimumEncoder:
 
 def texts_of_tokens(tokenizer, n: int, count: int) -> list[str]:
     """``count`` real sentences from STSb joined until each tokenizes to exactly ``n`` tokens."""
-    from slimml.runtime.evaluate import read_sts
+    from slimml.runtime.tools.evaluate import read_sts
 
     words = " ".join(read_sts(STSB / "sts-train.csv")[0][:2000]).split()
     out, start = [], 0
@@ -102,7 +102,7 @@ def texts_of_tokens(tokenizer, n: int, count: int) -> list[str]:
 
 
 def sts_score(encode, path: Path) -> float:
-    from slimml.runtime.evaluate import read_sts, spearman
+    from slimml.runtime.tools.evaluate import read_sts, spearman
 
     s1, s2, gold = read_sts(path)
     e = encode(list(s1) + list(s2))
@@ -125,7 +125,7 @@ def main() -> None:
     import onnxruntime as ort
 
     from slimml.runtime import load
-    from slimml.runtime.bench import sample_feeds
+    from slimml.runtime.tools.bench import sample_feeds
 
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-int8-"))
     work.mkdir(parents=True, exist_ok=True)

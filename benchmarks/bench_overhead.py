@@ -23,7 +23,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     args = ap.parse_args()
     from slimml.runtime import load
-    from slimml.runtime.bench import sample_feeds
+    from slimml.runtime.tools.bench import sample_feeds
 
     model = load(args.artifact)
     if model.plan.sessions != 1:

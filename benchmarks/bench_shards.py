@@ -32,8 +32,8 @@ def main() -> None:
 
     from slimml.convert import ConvertConfig, convert, export, resolve
     from slimml.runtime import load
-    from slimml.runtime.bench import sample_feeds
-    from slimml.runtime.session import make_session
+    from slimml.runtime.tools.bench import sample_feeds
+    from slimml.runtime.engine.session import make_session
 
     if args.threads:
         torch.set_num_threads(args.threads)

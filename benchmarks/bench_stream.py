@@ -88,7 +88,7 @@ def build(work: Path, args) -> tuple[Path, Path]:
 def peak_rss_mb() -> float:
     """This process's peak RSS. VmHWM, not ru_maxrss: on Linux ru_maxrss survives exec, so a
     child would report the parent's (model-building) peak."""
-    from slimml.runtime.bench import peak_rss_mb as peak
+    from slimml.runtime.tools.bench import peak_rss_mb as peak
 
     return peak()
 
@@ -157,7 +157,7 @@ def child_pass(args) -> None:
 
 
 def data_files(artifact: Path) -> list[Path]:
-    from slimml.runtime.manifest import read_manifest
+    from slimml.runtime.artifact.manifest import read_manifest
 
     return [artifact / s.data for s in read_manifest(artifact).shards if s.data]
 
@@ -280,7 +280,7 @@ def spawn(args, variant: str, work: Path, cap: MemoryCap | None = None) -> tuple
 def memory_cap_run(args, work: Path, model_bytes: int) -> dict:
     import numpy as np
 
-    from slimml.runtime.budget import parse_bytes
+    from slimml.runtime.engine.budget import parse_bytes
 
     limit = parse_bytes(args.memory_cap)
     rc, ref, err = spawn(args, "cap-resident", work)  # the reference logits, outside the cap
@@ -361,7 +361,7 @@ def main() -> None:
     _, args.artifact_path = build(work, args)
     if args.build_only:
         return
-    from slimml.runtime.manifest import read_manifest
+    from slimml.runtime.artifact.manifest import read_manifest
 
     model_bytes = read_manifest(args.artifact_path).total_bytes
     if args.memory_cap:

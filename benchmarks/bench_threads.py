@@ -37,9 +37,9 @@ def child(args) -> None:
     setting = SETTINGS[args.child]
     if setting["shared"]:
         ort.set_global_thread_pool_sizes(os.cpu_count() or 1, 1)
-    import slimml.runtime.session as session_mod
+    import slimml.runtime.engine.session as session_mod
     from slimml.runtime import load
-    from slimml.runtime.bench import sample_feeds
+    from slimml.runtime.tools.bench import sample_feeds
 
     real = session_mod.session_options
 
@@ -51,9 +51,9 @@ def child(args) -> None:
             so.use_per_session_threads = False
         return so
 
-    import slimml.runtime.packed as packed_mod
-    import slimml.runtime.plan as plan_mod
-    import slimml.runtime.slots as slots_mod
+    import slimml.runtime.engine.packed as packed_mod
+    import slimml.runtime.engine.plan as plan_mod
+    import slimml.runtime.engine.slots as slots_mod
 
     for module in (session_mod, plan_mod, packed_mod, slots_mod):
         module.session_options = options

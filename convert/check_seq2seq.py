@@ -15,16 +15,16 @@ import numpy as np
 
 from slimml.convert.export import Exported
 from slimml.convert.sources import Source
-from slimml.runtime.bench import sample_feeds
-from slimml.runtime.manifest import Manifest
-from slimml.runtime.seq2seq import ENCODER, decode_steps, sample_encoder_batches
-from slimml.runtime.session import make_session
+from slimml.runtime.tools.bench import sample_feeds
+from slimml.runtime.artifact.manifest import Manifest
+from slimml.runtime.tasks.seq2seq import ENCODER, decode_steps, sample_encoder_batches
+from slimml.runtime.engine.session import make_session
 
 STEPS = 4
 
 
 def check_seq2seq(folder: Path, manifest: Manifest, src: Source, exported: Exported, texts: list[str]) -> dict[str, Any]:
-    from slimml.runtime.model import load
+    from slimml.runtime.loader import load
 
     model = load(folder, device="cpu")  # the artifact's own integrity check runs here
     encoder = model.parts[ENCODER]

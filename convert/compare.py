@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from slimml.runtime.bench import sample_feeds
-from slimml.runtime.model import Model
+from slimml.runtime.tools.bench import sample_feeds
+from slimml.runtime.loader import Model
 
 
 def compare(teacher: Model, student: Model, teacher_params: int, student_params: int,
@@ -37,7 +37,7 @@ def compare(teacher: Model, student: Model, teacher_params: int, student_params:
         out[name] = {"params": int(params), "mb": round(model.manifest.total_bytes / 1e6, 2),
                      "latency_ms": round(float(np.median(times[name])), 3)}
         if sts_file is not None:
-            from slimml.runtime.evaluate import evaluate_sts
+            from slimml.runtime.tools.evaluate import evaluate_sts
 
             out[name]["stsb"] = round(evaluate_sts(model, sts_file).score, 2)
     out["latency_ratio"] = round(out["student"]["latency_ms"] / out["teacher"]["latency_ms"], 3)

@@ -85,7 +85,7 @@ class DistillConfig:
     device: str = "auto"
 
     def __post_init__(self):
-        from slimml.runtime.budget import parse_bytes
+        from slimml.runtime.engine.budget import parse_bytes
 
         if isinstance(self.grad_accum, bool) or not isinstance(self.grad_accum, int) or self.grad_accum < 1:
             raise ConfigError(f"--grad-accum {self.grad_accum!r} must be a whole number >= 1 (batches per optimizer step).")
@@ -344,7 +344,7 @@ def _check_training_fits(folder: Path, kept_layers: list[int]) -> None:
     import re
 
     from slimml.convert.weights import numel, open_weights
-    from slimml.runtime.budget import available_memory, fmt_bytes
+    from slimml.runtime.engine.budget import available_memory, fmt_bytes
 
     weights = open_weights(folder)
     layer = re.compile(r"\.(?:layers?|h|block)\.(\d+)\.")

@@ -88,7 +88,7 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
 def _layerwise(folder: Path, config: ExportConfig) -> bool:
     from slimml.convert.layerwise import can_export_layerwise, check_layerwise_request
     from slimml.convert.weights import weight_bytes
-    from slimml.runtime.budget import available_memory
+    from slimml.runtime.engine.budget import available_memory
 
     if config.exporter == "layerwise":
         check_layerwise_request(folder, config.task)

@@ -100,7 +100,7 @@ def write_layerwise(template_onnx: Path, template_dir: Path, real_dir: Path, dep
     from onnx import numpy_helper
 
     from slimml.convert.shard import ShardConfig, shard
-    from slimml.runtime.manifest import ShardSpec, TensorSpec
+    from slimml.runtime.artifact.manifest import ShardSpec, TensorSpec
 
     parts = work / "template-shards"
     parts.mkdir(parents=True, exist_ok=True)

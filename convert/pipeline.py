@@ -24,13 +24,13 @@ from slimml.convert.shard import ShardConfig, shard
 from slimml.convert.share import share_weights
 from slimml.convert.sources import Source, resolve
 from slimml.convert.towers import split_towers
-from slimml.atomic import atomic_folder, check_output
+from slimml.runtime.artifact.atomic import atomic_folder, check_output
 from slimml.errors import ConfigError, ExportError, SlimmlError
-from slimml.runtime.bench import sample_feeds, time_runs
-from slimml.runtime.manifest import Manifest, TensorSpec, file_entry, read_manifest, verify_files
-from slimml.runtime.model import load
-from slimml.runtime.session import make_session
-from slimml.runtime.text import TextEncoder
+from slimml.runtime.tools.bench import sample_feeds, time_runs
+from slimml.runtime.artifact.manifest import Manifest, TensorSpec, file_entry, read_manifest, verify_files
+from slimml.runtime.loader import load
+from slimml.runtime.engine.session import make_session
+from slimml.runtime.tasks.inputs.text import TextEncoder
 
 SAMPLE_TEXTS = [
     "A man is playing a guitar on the street.",
@@ -133,7 +133,7 @@ def convert(
     if config.compare_on is not None:
         if config.distill is None and config.prune is None:
             raise ConfigError("compare_on (--compare-on) compares a student with its teacher; set distill or prune with it.")
-        from slimml.runtime.evaluate import read_sts
+        from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.compare_on)  # a missing or malformed STS file fails before any training
     step("reading the source")
@@ -357,7 +357,7 @@ def verify_layerwise(folder: Path, manifest: Manifest, exported: Exported) -> di
 def _quantize_step(tmp: Path, manifest: Manifest, qconfig: Any, step: Callable[[str], None]) -> Manifest:
     """Quantize the float artifact in ``tmp`` in place (via a sibling folder); return the new manifest."""
     from slimml.quantize.api import quantize_into
-    from slimml.runtime.manifest import read_manifest
+    from slimml.runtime.artifact.manifest import read_manifest
 
     manifest.write(tmp)
     shutil.rmtree(tmp / ".work", ignore_errors=True)

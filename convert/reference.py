@@ -8,7 +8,7 @@ import numpy as np
 
 from slimml.convert.export import Exported
 from slimml.convert.sources import Source
-from slimml.runtime.text import pool
+from slimml.runtime.tasks.inputs.text import pool
 
 
 class Reference:

@@ -25,7 +25,7 @@ import onnx
 from onnx import external_data_helper, helper, numpy_helper
 
 from slimml.errors import ConfigError, ExportError
-from slimml.runtime.manifest import ShardSpec, TensorSpec
+from slimml.runtime.artifact.manifest import ShardSpec, TensorSpec
 
 # "layer.3", "layers.12", "h.0", "block.2", "blocks.5" between "/" or "." separators.
 _LAYER_RE = re.compile(r"(?:^|[/.])(layers?|h|blocks?|block)[._](\d+)(?=[/._]|$)")

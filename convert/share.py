@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 import onnx
 from onnx import external_data_helper
 
-from slimml.runtime.manifest import ShardSpec
+from slimml.runtime.artifact.manifest import ShardSpec
 
 
 def share_weights(folder: Path, owner: list[ShardSpec], user: list[ShardSpec]) -> int:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ArtifactError, ConfigError
-from slimml.runtime.budget import available_memory, fmt_bytes, parse_bytes
+from slimml.runtime.engine.budget import available_memory, fmt_bytes, parse_bytes
 
 META = "meta.json"
 MIN_BATCH, MAX_BATCH = 8, 512
@@ -111,8 +111,8 @@ def check_budget(artifact: Path, memory_budget: int | str | None) -> None:
     """A budget too small for the teacher's largest shard is refused before anything trains."""
     if memory_budget is None:
         return
-    from slimml.runtime.budget import shard_bytes
-    from slimml.runtime.manifest import read_manifest
+    from slimml.runtime.engine.budget import shard_bytes
+    from slimml.runtime.artifact.manifest import read_manifest
 
     manifest = read_manifest(artifact)
     sizes = shard_bytes(manifest)

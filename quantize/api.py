@@ -20,7 +20,7 @@ from slimml.quantize.backends import ShardContext, backend_for
 from slimml.quantize.calibration import calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
 from slimml.quantize.fuse import fusable, rematerialize_inputs
-from slimml.runtime.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, file_entry, read_manifest, verify_files
+from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, file_entry, read_manifest, verify_files
 
 _WEIGHT_MIN_BYTES = 1024  # as the splitter: smaller initializers stay inline
 
@@ -76,7 +76,7 @@ def quantize(
         >>> from slimml.quantize import quantize, Int8Config
         >>> quantize("artifacts/all-MiniLM-L6-v2", "artifacts/minilm-int8", Int8Config("cpu"))
     """
-    from slimml.atomic import atomic_folder
+    from slimml.runtime.artifact.atomic import atomic_folder
 
     src, out = Path(source), Path(out)
     if out.resolve() == src.resolve():
@@ -105,7 +105,7 @@ def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callabl
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
     if config.guard is not None and config.guard.eval_file is not None:
-        from slimml.runtime.evaluate import read_sts
+        from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.guard.eval_file)  # a bad eval file fails before any work
     dst.mkdir(parents=True)
@@ -125,7 +125,7 @@ def check_inputs(config: QuantizeConfig) -> None:
     """Read the calibration and evaluation files now, so a bad one fails before any long work."""
     calibration_texts(config.calibration, config.calibration_size)
     if config.guard is not None and config.guard.eval_file is not None:
-        from slimml.runtime.evaluate import read_sts
+        from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.guard.eval_file)
 
@@ -186,8 +186,8 @@ def _seq2seq_feeds(src: Path, calib: list[str], held: list[str], step) -> dict[s
     """Per component of an encoder-decoder, what it is fed while the float model generates from
     the calibration texts and from the held-out ones: the decoders' real inputs (encoder states,
     caches), which texts alone cannot give."""
-    from slimml.runtime.model import load
-    from slimml.runtime.seq2seq import record_feeds, sample_encoder_batches
+    from slimml.runtime.loader import load
+    from slimml.runtime.tasks.seq2seq import record_feeds, sample_encoder_batches
 
     step("running the float model to record each component's inputs")
     model = load(src, verify=False)  # hashed by the caller

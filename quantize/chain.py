@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from slimml.runtime.bench import sample_feeds
-from slimml.runtime.manifest import Manifest
-from slimml.runtime.session import make_session
-from slimml.runtime.text import TextEncoder, check_batch_size, encode_texts, pool, sorted_batches
+from slimml.runtime.tools.bench import sample_feeds
+from slimml.runtime.artifact.manifest import Manifest
+from slimml.runtime.engine.session import make_session
+from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, pool, sorted_batches
 
 
 class Chain:

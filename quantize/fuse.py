@@ -127,7 +127,7 @@ def fuse_transformer(model: onnx.ModelProto, model_type: str = "bert") -> tuple[
 
     Returns the fused model and the count of each fused op (only those that occurred). Layer
     norms stay ``Add`` + ``LayerNormalization``: ONNX Runtime's CPU ``SkipLayerNormalization``
-    kernel measured 5x slower than the two ops it replaces (``runtime/session.py``). The FFN's
+    kernel measured 5x slower than the two ops it replaces (``runtime/engine/session.py``). The FFN's
     bias stays an ``Add`` before ``Gelu``, not fused into ``BiasGelu``: once quantized, ONNX
     Runtime folds that ``Add`` into the ``DynamicQuantizeMatMul`` before it, and ``Gelu`` alone
     costs 0.6x ``BiasGelu`` (18.7 vs 27.9 ms a batch-32 pass of all-MiniLM-L6-v2).

@@ -54,7 +54,7 @@ class _Measure:
         return sum(scores) / len(scores)
 
     def _score(self, chain: Chain) -> float:
-        from slimml.runtime.evaluate import evaluate_sts
+        from slimml.runtime.tools.evaluate import evaluate_sts
 
         return evaluate_sts(chain, self.eval_file).score
 

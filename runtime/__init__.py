@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from slimml.runtime.manifest import Manifest, ShardSpec, TensorSpec, read_manifest
-from slimml.runtime.model import Model, load
+from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec, read_manifest
+from slimml.runtime.loader import Model, load
 
 __all__ = ["Manifest", "Model", "ShardSpec", "TensorSpec", "load", "read_manifest"]

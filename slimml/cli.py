@@ -212,7 +212,7 @@ def quantize_(
 @app.command()
 def info(artifact: Artifact, as_json: AsJson = False):
     """Show an artifact's manifest as a table."""
-    from slimml.runtime.manifest import read_manifest
+    from slimml.runtime.artifact.manifest import read_manifest
 
     m = read_manifest(artifact)
     if as_json:
@@ -340,8 +340,8 @@ def eval_(
 ):
     """Spearman x100 of cosine similarity against gold scores (STS benchmark style)."""
     from slimml.runtime import load
-    from slimml.runtime.baseline import Baseline, Tolerances
-    from slimml.runtime.evaluate import evaluate_sts, read_sts
+    from slimml.runtime.tools.baseline import Baseline, Tolerances
+    from slimml.runtime.tools.evaluate import evaluate_sts, read_sts
 
     tol = Tolerances(accuracy_drop=max_accuracy_drop)
     old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
@@ -378,8 +378,8 @@ def bench(
 ):
     """Latency p50/p90, throughput, peak RSS and size of an artifact; streaming counters; a K,P sweep."""
     from slimml.runtime import load
-    from slimml.runtime.baseline import Baseline, Tolerances, check_settings
-    from slimml.runtime.bench import bench as do_bench
+    from slimml.runtime.tools.baseline import Baseline, Tolerances, check_settings
+    from slimml.runtime.tools.bench import bench as do_bench
 
     if batch < 1 or seq < 1 or runs < 1:
         raise SlimmlError(f"--batch, --seq and --runs must be >= 1 (got {batch}, {seq}, {runs}).")
@@ -388,7 +388,7 @@ def bench(
     if old is not None:  # other settings fail before the timing runs
         check_settings(old, "bench", {"batch": batch, "seq": seq, "device": device})
     if sweep:
-        from slimml.runtime.sweep import sweep as do_sweep
+        from slimml.runtime.tools.sweep import sweep as do_sweep
 
         ks, _, ps = sweep.partition(":")
         try:
@@ -446,7 +446,7 @@ def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
 
     ``payload`` is the --json output (printed here, with the comparison added) or None.
     """
-    from slimml.runtime.baseline import REGRESSION_EXIT_CODE, compare
+    from slimml.runtime.tools.baseline import REGRESSION_EXIT_CODE, compare
 
     report = compare(old, now, tol) if old is not None else None
     if save_path is not None:

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from slimml.cli import app
 from slimml.errors import ConfigError, DataError
-from slimml.runtime.baseline import REGRESSION_EXIT_CODE, Baseline, Tolerances, compare
+from slimml.runtime.tools.baseline import REGRESSION_EXIT_CODE, Baseline, Tolerances, compare
 from conftest import STS_DEV
 
 BASELINES = Path(__file__).parent / "baselines"

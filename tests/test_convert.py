@@ -12,7 +12,7 @@ import torch
 from slimml.convert import ConvertConfig, ShardConfig, convert
 from slimml.errors import ConfigError, SourceError
 from slimml.runtime import load
-from slimml.runtime.bench import sample_feeds
+from slimml.runtime.tools.bench import sample_feeds
 
 FAST = ConvertConfig(measure_latency=False)
 

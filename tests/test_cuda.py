@@ -64,7 +64,7 @@ def test_resident_runs_as_one_merged_session_and_equals_cpu(mlp):
 
 @pytest.mark.parametrize("resident,prefetch", [(2, None), (3, 2), (2, 0)])
 def test_streamed_through_device_slots_equals_resident(mlp, resident, prefetch):
-    from slimml.runtime.cuda_slots import CudaSlots
+    from slimml.runtime.engine.cuda_slots import CudaSlots
 
     want = load(mlp, device="cuda")
     model = load(mlp, device="cuda", resident=resident, prefetch=prefetch)
@@ -80,7 +80,7 @@ def test_streamed_through_device_slots_equals_resident(mlp, resident, prefetch):
 
 @pytest.mark.parametrize("host", ["pinned", "staged", "pageable"])
 def test_every_host_side_streams_the_same_outputs(mlp, host, monkeypatch):
-    from slimml.runtime.cuda_slots import CudaSlots
+    from slimml.runtime.engine.cuda_slots import CudaSlots
 
     want = load(mlp, device="cuda").run(_feeds())["y"]
     monkeypatch.setattr(CudaSlots, "host", host)  # before load: the loader starts filling at once

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from slimml.runtime import load
-from slimml.runtime.evaluate import evaluate_sts
+from slimml.runtime.tools.evaluate import evaluate_sts
 from conftest import STS_DEV
 
 

@@ -85,7 +85,7 @@ def clip(tmp_path_factory):
 def test_image_preprocessing_matches_the_hugging_face_processor(kind):
     from transformers import CLIPImageProcessor, ViTImageProcessor
 
-    from slimml.runtime.image import ImageProcessor
+    from slimml.runtime.tasks.inputs.image import ImageProcessor
 
     hf = {
         "vit-224": lambda: ViTImageProcessor(),

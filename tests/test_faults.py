@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from slimml.runtime import load
-from slimml.runtime.manifest import MANIFEST_NAME
+from slimml.runtime.artifact.manifest import MANIFEST_NAME
 from conftest import tiny_onnx_mlp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def test_kill_right_after_the_swap(tmp_path):
     out = tmp_path / "art"
     script = textwrap.dedent(f"""
         import os, signal
-        import slimml.atomic as pl
+        import slimml.runtime.artifact.atomic as pl
         from slimml.convert import ConvertConfig, convert
         convert({str(src)!r}, {str(out)!r}, ConvertConfig(measure_latency=False))
         swap = pl._exchange
@@ -128,7 +128,7 @@ def test_previous_artifact_set_aside_is_restored(tmp_path):
     before = state(out)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     os.rename(out, tmp_path / f".art.slimml-old-{dead.stdout.strip()}")
-    from slimml.atomic import fresh_tmp
+    from slimml.runtime.artifact.atomic import fresh_tmp
 
     tmp = fresh_tmp(out)
     assert state(out) == before
@@ -222,7 +222,7 @@ DAMAGE_CHILD = textwrap.dedent("""
     from pathlib import Path
     import numpy as np
     from slimml.runtime import load
-    from slimml.runtime.bench import sample_feeds
+    from slimml.runtime.tools.bench import sample_feeds
     from slimml.errors import IntegrityError
     art, how = Path(sys.argv[1]), sys.argv[2]
     model = load(art)

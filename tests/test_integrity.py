@@ -15,7 +15,7 @@ import pytest
 
 from slimml.errors import ArtifactError, IntegrityError
 from slimml.runtime import load
-from slimml.runtime.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from slimml.runtime.artifact.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from conftest import tiny_onnx_mlp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,7 +207,7 @@ def test_damaged_names_are_refused_before_onnxruntime(art, capfd):
 
 def test_verify_shard_before_a_session_is_recreated(art):
     """The check a lazily (re)loaded shard goes through: hash, then external data."""
-    from slimml.runtime.integrity import verify_shard
+    from slimml.runtime.artifact.integrity import verify_shard
 
     m = read_manifest(art)
     assert verify_shard(art, m, m.shards[2]).external_tensors == 1  # the 64x64 weight; the bias is inline
@@ -267,7 +267,7 @@ def test_cli_refuses_hostile_npz_inputs(art, tmp_path):
 def test_the_file_watch_sees_the_folder_as_well_as_the_files(art, how):
     """The watch holds each data file and its folder open: a file renamed over keeps its old
     descriptor valid, so the folder's change sends the check to the paths."""
-    from slimml.runtime.bench import sample_feeds
+    from slimml.runtime.tools.bench import sample_feeds
 
     model = load(art)
     feeds = sample_feeds(model.inputs, batch=1)
@@ -307,7 +307,7 @@ def _rewrite_keeping_times(path: Path) -> None:
 def test_the_watch_sees_a_rewrite_that_keeps_the_files_times(art):
     """On Linux the kernel reports the write itself (inotify), so a file rewritten in place is
     refused even when its size and times are put back."""
-    from slimml.runtime.bench import sample_feeds
+    from slimml.runtime.tools.bench import sample_feeds
 
     model = load(art)
     if model._watch.how != "inotify":
@@ -324,8 +324,8 @@ def test_the_watch_sees_a_rewrite_that_keeps_the_files_times(art):
 def test_the_watch_backstop_catches_what_the_kernel_did_not_report(art):
     """Writes through a shared memory map raise no inotify event; every BACKSTOP checks the
     watch also compares sizes and times. Simulated by taking the events out of the queue."""
-    from slimml.runtime.bench import sample_feeds
-    from slimml.runtime.watch import BACKSTOP
+    from slimml.runtime.tools.bench import sample_feeds
+    from slimml.runtime.artifact.watch import BACKSTOP
 
     model = load(art)
     watch = model._watch

@@ -6,7 +6,7 @@ import sys
 
 def test_runtime_import_is_lean():
     code = (
-        "import sys, slimml.runtime, slimml.runtime.evaluate, slimml.runtime.bench; "
+        "import sys, slimml.runtime, slimml.runtime.tools.evaluate, slimml.runtime.tools.bench; "
         "print(','.join(m for m in ('torch', 'transformers', 'nncf', 'optimum', 'ray') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -16,7 +16,7 @@ import pytest
 from slimml.convert import ConvertConfig, convert
 from slimml.errors import ArtifactError, ConfigError, FeedError, IntegrityError
 from slimml.runtime import load
-from slimml.runtime.manifest import file_entry, read_manifest
+from slimml.runtime.artifact.manifest import file_entry, read_manifest
 from conftest import STS_DEV, tiny_onnx_mlp
 
 
@@ -164,7 +164,7 @@ def test_zero_length_axes_pass_but_an_empty_batch_does_not(tiny_llama_past_artif
 
 
 def test_encode_sorts_by_length_and_returns_input_order(tiny_bert_artifact):
-    from slimml.runtime.evaluate import read_sts
+    from slimml.runtime.tools.evaluate import read_sts
 
     model = load(tiny_bert_artifact)
     texts = list(read_sts(STS_DEV)[0][:40])
@@ -180,7 +180,7 @@ def test_encode_sorts_by_length_and_returns_input_order(tiny_bert_artifact):
 
 
 def test_encode_runs_batches_in_lanes_with_the_same_embeddings(tiny_bert_artifact, tmp_path):
-    from slimml.runtime.evaluate import read_sts
+    from slimml.runtime.tools.evaluate import read_sts
 
     model = load(tiny_bert_artifact, threads=2)
     texts = list(read_sts(STS_DEV)[0][:64])
@@ -255,8 +255,8 @@ def test_an_unwritable_cache_falls_back_to_fed_weights_with_one_line(mlp, tmp_pa
 
 
 def test_a_short_list_is_cut_so_every_lane_has_work(tiny_bert_artifact):
-    from slimml.runtime.evaluate import read_sts
-    from slimml.runtime.lanes import lane_batch_size, possible_batches
+    from slimml.runtime.tools.evaluate import read_sts
+    from slimml.runtime.tasks.lanes import lane_batch_size, possible_batches
 
     assert [lane_batch_size(n, 32, 2) for n in (8, 16, 32, 64, 65, 1000)] == [8, 8, 8, 16, 17, 32]
     assert lane_batch_size(32, 4, 2) == 4 and lane_batch_size(32, 32, 1) == 32  # never above batch_size
@@ -276,7 +276,7 @@ def test_a_failing_batch_stops_the_lanes():
     import threading
     import time
 
-    from slimml.runtime.lanes import in_lanes
+    from slimml.runtime.tasks.lanes import in_lanes
 
     ran, lock = [], threading.Lock()
 

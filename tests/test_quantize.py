@@ -21,8 +21,8 @@ from slimml.quantize import (
 )
 from slimml.quantize.calibration import calibration_texts, default_corpus, read_texts
 from slimml.runtime import load
-from slimml.runtime.bench import sample_feeds
-from slimml.runtime.manifest import read_manifest
+from slimml.runtime.tools.bench import sample_feeds
+from slimml.runtime.artifact.manifest import read_manifest
 from conftest import STS_TRAIN
 
 
@@ -114,7 +114,7 @@ def test_int8_dynamic_on_tiny_bert(tiny_bert_artifact, tmp_path):
     # the FFN bias stays an Add, which ORT folds into the quantized MatMul; Gelu alone is the cheaper kernel
     assert not any("BiasGelu" in _ops(out, s.index) for s in m.shards)
     assert any("Gelu" in _ops(out, s.index) for s in m.shards)
-    from slimml.runtime.session import disabled_optimizers
+    from slimml.runtime.engine.session import disabled_optimizers
 
     assert disabled_optimizers("cpu") == ["SkipLayerNormFusion"] and disabled_optimizers("cuda") is None
     assert report.size_mb < report.float_size_mb

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from slimml.runtime import load
-from slimml.runtime.manifest import read_manifest
+from slimml.runtime.artifact.manifest import read_manifest
 from conftest import STS_DEV, STS_TRAIN
 
 
@@ -66,7 +66,7 @@ def test_convert_bad_calibration_leaves_nothing(tmp_path, tiny_bert_dir):
 def test_default_model_int8(default_artifact, tmp_path):
     """The headline: all-MiniLM-L6-v2 int8 keeps STSb dev within 0.3 of fp32 at about a quarter of the size."""
     from slimml.quantize import Int8Config, quantize
-    from slimml.runtime.evaluate import evaluate_sts
+    from slimml.runtime.tools.evaluate import evaluate_sts
 
     report = quantize(default_artifact, tmp_path / "q", Int8Config("cpu", calibration=STS_TRAIN))
     assert report.size_mb < 24.5

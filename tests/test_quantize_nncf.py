@@ -13,8 +13,8 @@ pytest.importorskip("nncf")
 from slimml.errors import ConfigError  # noqa: E402
 from slimml.quantize import Int8StaticConfig, WeightOnlyConfig, quantize, scheme_config  # noqa: E402
 from slimml.runtime import load  # noqa: E402
-from slimml.runtime.bench import sample_feeds  # noqa: E402
-from slimml.runtime.manifest import read_manifest  # noqa: E402
+from slimml.runtime.tools.bench import sample_feeds  # noqa: E402
+from slimml.runtime.artifact.manifest import read_manifest  # noqa: E402
 from conftest import STS_TRAIN  # noqa: E402
 
 

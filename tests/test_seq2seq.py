@@ -197,7 +197,7 @@ def test_slimml_generate_and_info_on_t5(t5):
 def test_log_mel_features_match_the_whisper_feature_extractor(seconds):
     from transformers import WhisperFeatureExtractor
 
-    from slimml.runtime.audio import LogMel
+    from slimml.runtime.tasks.inputs.audio import LogMel
 
     hf = WhisperFeatureExtractor(feature_size=80)
     ours = LogMel(hf.to_dict())
@@ -208,7 +208,7 @@ def test_log_mel_features_match_the_whisper_feature_extractor(seconds):
 
 def test_whisper_transcribes_a_wav_file_as_hugging_face_generates(whisper):
     from slimml.runtime import load
-    from slimml.runtime.audio import read_wav
+    from slimml.runtime.tasks.inputs.audio import read_wav
 
     checks = whisper["report"].checks
     assert checks["max_abs_diff"] <= 1e-5 and checks["max_abs_diff_vs_torch"] <= 1e-4
@@ -235,7 +235,7 @@ def test_whisper_quantizes_within_tolerance(whisper):
 
 def test_wav_files_are_read_or_refused_with_the_fix(whisper, tmp_path):
     from slimml.runtime import load
-    from slimml.runtime.audio import read_wav
+    from slimml.runtime.tasks.inputs.audio import read_wav
 
     audio = speech(0.5)
     for width in (1, 2, 3):
@@ -273,8 +273,8 @@ def test_a_whisper_artifact_without_its_feature_extractor_says_so(whisper, tmp_p
 
 
 def test_a_non_seq2seq_artifact_of_components_does_not_generate(tmp_path):
-    from slimml.runtime.components import Components
-    from slimml.runtime.manifest import Manifest
+    from slimml.runtime.tasks.components import Components
+    from slimml.runtime.artifact.manifest import Manifest
 
     manifest = Manifest(name="x", task="feature-extraction", source={}, steps=[], inputs=[], outputs=[], shards=[], files=[])
     with pytest.raises(SlimmlError, match="cannot generate"):

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from slimml.runtime import load
-from slimml.runtime.bench import sample_feeds
+from slimml.runtime.tools.bench import sample_feeds
 
 THREADS = 4
 SECONDS = float(os.environ.get("SLIMML_SOAK_SECONDS", "4"))

@@ -9,8 +9,8 @@ import pytest
 
 from slimml.errors import ConfigError, FeedError, IntegrityError
 from slimml.runtime import load
-from slimml.runtime.budget import parse_bytes, plan_stream
-from slimml.runtime.manifest import read_manifest
+from slimml.runtime.engine.budget import parse_bytes, plan_stream
+from slimml.runtime.artifact.manifest import read_manifest
 from conftest import tiny_onnx_mlp
 
 

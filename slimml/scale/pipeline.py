@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ConfigError, StageError
-from slimml.runtime.budget import plan_stream
-from slimml.runtime.manifest import read_manifest, verify_file
-from slimml.runtime.model import Model
-from slimml.runtime.plan import ExecutionPlan
+from slimml.runtime.engine.budget import plan_stream
+from slimml.runtime.artifact.manifest import read_manifest, verify_file
+from slimml.runtime.loader import Model
+from slimml.runtime.engine.plan import ExecutionPlan
 from slimml.scale.balance import compute_sizes, split_stages
 from slimml.scale.cluster import connect, nodes_with_cpus, require_ray
 from slimml.scale.segment import RayStages, release

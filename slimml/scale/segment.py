@@ -1,6 +1,6 @@
 """Pipeline stages as a kind of plan segment: shards run by Ray actors, activations as ObjectRefs.
 
-A :class:`RayStages` segment sits in an :class:`~slimml.runtime.plan.ExecutionPlan` like a resident
+A :class:`RayStages` segment sits in an :class:`~slimml.runtime.engine.plan.ExecutionPlan` like a resident
 or streamed one, so the model that holds it has the whole ``Model`` API (``run``, ``encode``,
 ``generate``). Its ``run`` cuts the batch into microbatches and submits every microbatch to every
 stage at once: stage ``k`` takes microbatch ``m`` while stage ``k+1`` takes ``m-1``, so the stages

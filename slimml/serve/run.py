@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 
 from slimml.errors import ConfigError, SlimmlError
-from slimml.runtime.manifest import read_manifest, verify_files
+from slimml.runtime.artifact.manifest import read_manifest, verify_files
 from slimml.serve.config import ServeConfig
 
 

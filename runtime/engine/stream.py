@@ -2,11 +2,11 @@
 
 At most K shards are loaded at a time. The pinned ones stay for the model's lifetime (they run
 in resident segments of the plan); the rest pass through K - len(pinned) slots
-(:mod:`slimml.runtime.slots`). The loader thread walks the streamed shards in run order,
+(:mod:`slimml.runtime.engine.slots`). The loader thread walks the streamed shards in run order,
 cyclically (the next pass, the next generated token, starts where this one ended), and keeps up
 to P shards filled ahead of the one computing; the compute releases each slot as soon as its
 shard has run, which lets the loader refill it. Sessions are never built here: every streamed
-shard's session was compiled once at load (:mod:`slimml.runtime.weights`), so a pass costs the
+shard's session was compiled once at load (:mod:`slimml.runtime.engine.weights`), so a pass costs the
 weights' bytes and nothing else.
 
 A pass holds the plan's lock, so one model serves concurrent callers correctly (their passes
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from slimml.errors import ArtifactError, SlimmlError
-from slimml.runtime.slots import Slot
+from slimml.runtime.engine.slots import Slot
 
 
 @dataclass

@@ -6,7 +6,7 @@ feeds the slot's arrays to the shard's compiled-once session, then *releases* it
 loader refills it with a later shard.
 
 :class:`FedSlots` compiles each streamed shard with its weights as graph inputs
-(:mod:`slimml.runtime.weights`) and fills a slot by memory-mapping the shard's data file read-only and bringing
+(:mod:`slimml.runtime.engine.weights`) and fills a slot by memory-mapping the shard's data file read-only and bringing
 its pages in (``MAP_POPULATE``, else a read-through), so the compute finds them resident; the
 arrays it hands out are views of the mapping (no copy), and release unmaps it, returning the
 memory. A CUDA filler keeps the same contract with device buffers allocated once per slot,
@@ -14,7 +14,7 @@ filled from pinned host memory on a copy stream and bound through IOBinding.
 
 A data file whose size, mtime or inode changed since ``load`` hashed it is hashed again before
 it is mapped: a corrupted or replaced file is refused, never run. On CPU under Linux the plan
-prefers :class:`slimml.runtime.packed.PackedSlots` (pre-packed weights, resident speed); both
+prefers :class:`slimml.runtime.engine.packed.PackedSlots` (pre-packed weights, resident speed); both
 keep the contract ``compile(index, ...) -> session``, ``fill(index) -> Slot``, ``Slot.release()``.
 """
 
@@ -29,9 +29,9 @@ import numpy as np
 import onnx
 
 from slimml.errors import ArtifactError
-from slimml.runtime.manifest import Manifest, safe_path, verify_file
-from slimml.runtime.session import make_session, session_options
-from slimml.runtime.weights import WeightSpec, canonical, weights_as_inputs
+from slimml.runtime.artifact.manifest import Manifest, safe_path, verify_file
+from slimml.runtime.engine.session import make_session, session_options
+from slimml.runtime.engine.weights import WeightSpec, canonical, weights_as_inputs
 
 _PAGE = mmap.PAGESIZE
 

@@ -6,7 +6,7 @@ ONNX ``external_data`` points at ``../../home/me/.ssh/id_rsa``, which ONNX Runti
 as weights. So each shard file is parsed (without loading any weights) and every external
 tensor must live in the shard's own listed data file, inside its bounds.
 
-After load, :class:`slimml.runtime.watch.FileWatch` notices files changed under a running model.
+After load, :class:`slimml.runtime.artifact.watch.FileWatch` notices files changed under a running model.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimml.errors import ArtifactError
-from slimml.runtime.manifest import Manifest, ShardSpec, safe_path
+from slimml.runtime.artifact.manifest import Manifest, ShardSpec, safe_path
 
 # initializer names that hold learned absolute positions: (max_positions, hidden)
 _POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "wpe", "embed_positions")
@@ -99,7 +99,7 @@ def verify_shard(folder: Path, manifest: Manifest, shard: ShardSpec) -> ShardFac
     Raises:
         IntegrityError / ArtifactError: as ``verify_file`` and ``check_shard_file``.
     """
-    from slimml.runtime.manifest import verify_file
+    from slimml.runtime.artifact.manifest import verify_file
 
     for entry in manifest.files:
         if entry.path in (shard.file, shard.data):

@@ -15,7 +15,7 @@ import numpy as np
 from slimml.errors import FeedError, SlimmlError
 
 if TYPE_CHECKING:
-    from slimml.runtime.model import Model
+    from slimml.runtime.loader import Model
 
 
 def classify(model: Model, inputs: Any, top_k: int | None = 5, batch_size: int = 32) -> list[list[dict[str, Any]]]:

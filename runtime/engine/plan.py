@@ -3,11 +3,11 @@
 A plan is a list of segments over the artifact's shards, in order:
 
 - a **resident** segment holds consecutive shards loaded once. Its shards are merged into one
-  graph (:mod:`slimml.runtime.merge`) and run as one ONNX Runtime session: a model that fits
+  graph (:mod:`slimml.runtime.engine.merge`) and run as one ONNX Runtime session: a model that fits
   runs as a single graph, weights read from the shards' own hashed data files. If ONNX Runtime
   refuses the merged graph, the segment runs its shards one session each and says so once.
 - a **streamed** segment holds consecutive shards whose weights pass through K slots, filled
-  ahead by :mod:`slimml.runtime.stream`. Each shard's session is compiled once by the plan's
+  ahead by :mod:`slimml.runtime.engine.stream`. Each shard's session is compiled once by the plan's
   weight source: :class:`PackedSlots` (CPU on Linux: ONNX Runtime's pre-packed weights in cached
   files, paged in by the slot and dropped after) or :class:`FedSlots` (weights as graph inputs,
   fed from memory-mapped data files: other platforms, or ``pack=False``) or :class:`CudaSlots`
@@ -31,15 +31,15 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ArtifactError, ConfigError, IntegrityError
-from slimml.runtime.budget import StreamPlan
-from slimml.runtime.cuda_slots import CudaSlots
-from slimml.runtime.manifest import Manifest, safe_path
-from slimml.runtime.merge import merge_shards
-from slimml.runtime.packed import PackedSlots
-from slimml.runtime.packed import supported as packed_supported
-from slimml.runtime.session import Step, make_session, session_options
-from slimml.runtime.slots import FedSlots
-from slimml.runtime.stream import Streamer, StreamStats
+from slimml.runtime.engine.budget import StreamPlan
+from slimml.runtime.engine.cuda_slots import CudaSlots
+from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.engine.merge import merge_shards
+from slimml.runtime.engine.packed import PackedSlots
+from slimml.runtime.engine.packed import supported as packed_supported
+from slimml.runtime.engine.session import Step, make_session, session_options
+from slimml.runtime.engine.slots import FedSlots
+from slimml.runtime.engine.stream import Streamer, StreamStats
 
 log = logging.getLogger("slimml")
 
@@ -210,7 +210,7 @@ def build_plan(folder: Path, manifest: Manifest, device: str, threads: int | Non
     """Segments for ``memory``: runs of resident shards (all of them when nothing streams) and
     runs of streamed shards, each made ready to run once, here.
 
-    ``pack``: stream pre-packed weights (:mod:`slimml.runtime.packed`); None packs where it can
+    ``pack``: stream pre-packed weights (:mod:`slimml.runtime.engine.packed`); None packs where it can
     (CPU on Linux), False feeds weights as inputs (:class:`FedSlots`).
     """
     streamed = set(memory.streamed)

@@ -10,16 +10,16 @@ from pathlib import Path
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
-from slimml.runtime.budget import StreamPlan, plan_stream
-from slimml.runtime.feeds import FeedChecker
-from slimml.runtime.image import ImageProcessor
-from slimml.runtime.integrity import check_shard_file, max_sequence_length, vocab_size
-from slimml.runtime.manifest import Manifest, read_manifest, safe_path, verify_files
-from slimml.runtime.plan import ExecutionPlan, build_plan
-from slimml.runtime.session import resolve_device
-from slimml.runtime.watch import FileWatch
-from slimml.runtime.lanes import lane_batch_size, lane_count, possible_batches
-from slimml.runtime.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
+from slimml.runtime.engine.budget import StreamPlan, plan_stream
+from slimml.runtime.engine.feeds import FeedChecker
+from slimml.runtime.tasks.inputs.image import ImageProcessor
+from slimml.runtime.artifact.integrity import check_shard_file, max_sequence_length, vocab_size
+from slimml.runtime.artifact.manifest import Manifest, read_manifest, safe_path, verify_files
+from slimml.runtime.engine.plan import ExecutionPlan, build_plan
+from slimml.runtime.engine.session import resolve_device
+from slimml.runtime.artifact.watch import FileWatch
+from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
+from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
 
 
 class Model:
@@ -96,7 +96,7 @@ class Model:
 
     def check_files(self) -> None:
         """The cheap check ``run`` does before every call: has any weight file changed since load
-        (:mod:`slimml.runtime.watch`)? For a readiness probe; :meth:`verify` re-hashes.
+        (:mod:`slimml.runtime.artifact.watch`)? For a readiness probe; :meth:`verify` re-hashes.
 
         Raises:
             IntegrityError: naming a file replaced, truncated or removed since load.
@@ -106,7 +106,7 @@ class Model:
 
     @property
     def stats(self):
-        """Streaming counters (:class:`slimml.runtime.stream.StreamStats`): passes, bytes loaded,
+        """Streaming counters (:class:`slimml.runtime.engine.stream.StreamStats`): passes, bytes loaded,
         time waiting on loads and computing. All zero for a fully resident model."""
         return self.plan.stats
 
@@ -121,8 +121,8 @@ class Model:
             self._lanes.clear()
 
     def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
-        """Greedy text generation for decoder artifacts; see :func:`slimml.runtime.generate.generate`."""
-        from slimml.runtime.generate import generate
+        """Greedy text generation for decoder artifacts; see :func:`slimml.runtime.tasks.generate.generate`."""
+        from slimml.runtime.tasks.generate import generate
 
         return generate(self, prompts, max_new_tokens=max_new_tokens, **kwargs)
 
@@ -137,19 +137,19 @@ class Model:
             >>> load("artifacts/vit-base-patch16-224").classify(["cat.jpg"], top_k=1)
             [[{'label': 'tabby, tabby cat', 'score': 0.93}]]
         """
-        from slimml.runtime.classify import classify
+        from slimml.runtime.tasks.classify import classify
 
         return classify(self, inputs, top_k=top_k, batch_size=batch_size)
 
     def embed_images(self, images, batch_size: int = 32, normalize: bool = True) -> np.ndarray:
         """Image embeddings, (len(images), hidden) float32, L2-normalised unless ``normalize=False``."""
-        from slimml.runtime.classify import embed_images
+        from slimml.runtime.tasks.classify import embed_images
 
         return embed_images(self, images, batch_size=batch_size, normalize=normalize)
 
     def preprocess(self, images) -> dict[str, np.ndarray]:
         """Feeds for ``images`` (the pixel input), made as the source's Hugging Face image processor makes them."""
-        from slimml.runtime.classify import _image_batches
+        from slimml.runtime.tasks.classify import _image_batches
 
         return next(_image_batches(self, images if isinstance(images, (list, tuple)) else [images], 1 << 30))
 
@@ -189,7 +189,7 @@ class Model:
         Texts are tokenized once, sorted by token count and run ``batch_size`` at a time, each
         batch padded only to its own longest text (as sentence-transformers does); the result
         is in input order. Several batches run side by side, one per core, each on one thread
-        (:mod:`slimml.runtime.lanes`), where the model is resident on CPU and small beside the
+        (:mod:`slimml.runtime.tasks.lanes`), where the model is resident on CPU and small beside the
         memory available; the lanes share one more session of the model, made on first use.
         A short list is then cut into smaller batches (two a lane, 8 texts or more), so that
         every core has work.
@@ -299,7 +299,7 @@ def load(
     Returns:
         A :class:`Model` with ``run(feeds)`` and, for sentence-embedding artifacts, ``encode(texts)``;
         for an artifact of several components (CLIP), a
-        :class:`~slimml.runtime.components.Components` holding one ``Model`` per component.
+        :class:`~slimml.runtime.tasks.components.Components` holding one ``Model`` per component.
 
     Raises:
         ArtifactError / IntegrityError: a missing, malformed or tampered artifact.
@@ -328,6 +328,6 @@ def load(
     models = {name: Model(folder, m, device, threads, plans[name], verify, pack, cache_dir) for name, m in parts.items()}
     if not manifest.components:
         return models[None]
-    from slimml.runtime.components import Components
+    from slimml.runtime.tasks.components import Components
 
     return Components(folder, manifest, models)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
-from slimml.runtime.manifest import MANIFEST_NAME
+from slimml.runtime.artifact.manifest import MANIFEST_NAME
 
 log = logging.getLogger("slimml")
 

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from slimml.errors import FeedError
-from slimml.runtime.manifest import TensorSpec
+from slimml.runtime.artifact.manifest import TensorSpec
 
 
 SEQUENCE_AXES = ("seq", "length", "token")  # names of the dynamic axes that count tokens

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ArtifactError, FeedError
-from slimml.runtime.manifest import read_config
+from slimml.runtime.artifact.manifest import read_config
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 _RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}

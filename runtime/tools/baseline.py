@@ -6,7 +6,7 @@ tolerances: tight for accuracy (deterministic on one machine), generous for late
 run outside them prints a table of what changed and exits with code 3, so a CI job fails.
 
 Example:
-    >>> from slimml.runtime.baseline import Baseline, Tolerances, compare
+    >>> from slimml.runtime.tools.baseline import Baseline, Tolerances, compare
     >>> old = Baseline.load("base.json")
     >>> report = compare(old, Baseline.from_eval(result, "all-MiniLM-L6-v2", "sts-dev.csv"), Tolerances())
     >>> report.ok, print(report.format())
@@ -65,7 +65,7 @@ class Baseline:
 
     @classmethod
     def from_eval(cls, result, artifact: str, data: str | os.PathLike) -> Baseline:
-        from slimml.runtime.manifest import sha256_file
+        from slimml.runtime.artifact.manifest import sha256_file
 
         data = Path(data)
         return cls(

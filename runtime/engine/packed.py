@@ -28,9 +28,9 @@ from pathlib import Path
 import onnxruntime as ort
 
 from slimml.errors import ArtifactError, IntegrityError, SlimmlError
-from slimml.runtime.manifest import Manifest, safe_path, sha256_file
-from slimml.runtime.session import disabled_optimizers, make_session, session_options
-from slimml.runtime.slots import Slot, file_stamp
+from slimml.runtime.artifact.manifest import Manifest, safe_path, sha256_file
+from slimml.runtime.engine.session import disabled_optimizers, make_session, session_options
+from slimml.runtime.engine.slots import Slot, file_stamp
 
 CACHE_FORMAT = 1
 _MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22
@@ -130,7 +130,7 @@ class PackedSlots:
                 return folder / "shard.onnx", folder / "shard.onnx.data", record
             except (OSError, ValueError):
                 pass  # a damaged record: build again
-        from slimml.atomic import atomic_folder  # the one atomic writer: stale temp folders go, a kill leaves none
+        from slimml.runtime.artifact.atomic import atomic_folder  # the one atomic writer: stale temp folders go, a kill leaves none
 
         try:
             with atomic_folder(folder) as tmp:

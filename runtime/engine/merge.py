@@ -6,7 +6,7 @@ across the cuts. :func:`merge_shards` concatenates the shards' nodes into one in
 Every external initializer keeps its ``location`` (its own shard's data file, relative to the
 artifact folder), so ONNX Runtime reads each weight from the same hashed file it would have read
 for the shard alone; the session is told where that folder is
-(:func:`slimml.runtime.session.session_options` ``weights_folder``).
+(:func:`slimml.runtime.engine.session.session_options` ``weights_folder``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import onnx
 from onnx import external_data_helper, helper
 
 from slimml.errors import ArtifactError
-from slimml.runtime.manifest import Manifest, TensorSpec, safe_path
+from slimml.runtime.artifact.manifest import Manifest, TensorSpec, safe_path
 
 
 def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.ModelProto:

@@ -23,7 +23,7 @@ import numpy as np
 from slimml.errors import FeedError, SlimmlError
 
 if TYPE_CHECKING:
-    from slimml.runtime.model import Model
+    from slimml.runtime.loader import Model
 
 _EOS_TOKENS = ("</s>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>", "<eos>")
 

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from slimml.errors import FeedError
-from slimml.runtime.generate import Generation
+from slimml.runtime.tasks.generate import Generation
 
 if TYPE_CHECKING:
-    from slimml.runtime.components import Components
+    from slimml.runtime.tasks.components import Components
 
 ENCODER, DECODER, WITH_PAST = "encoder", "decoder", "decoder_with_past"
 Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (component, feeds) -> outputs
@@ -84,7 +84,7 @@ def generate_seq2seq(model: Components, prompts: Any, max_new_tokens: int = 32) 
     encoder = model.parts[ENCODER]
     t0 = time.perf_counter()
     if "input_features" in {t.name for t in encoder.inputs}:
-        from slimml.runtime.audio import features_for
+        from slimml.runtime.tasks.inputs.audio import features_for
 
         feeds = features_for(model, prompts)
         texts = True
@@ -162,7 +162,7 @@ def sample_encoder_batches(model: Components, texts: list[str], batch_size: int 
     if "input_ids" in names and encoder._text is not None:
         chunks = [texts[i:i + batch_size] for i in range(0, len(texts), batch_size)][:limit]
         return [{k: v for k, v in encoder.tokenize(c).items() if k in names} for c in chunks if c]
-    from slimml.runtime.audio import features_for
+    from slimml.runtime.tasks.inputs.audio import features_for
 
     rng = np.random.default_rng(0)
     count = max(1, min(limit, len(texts) // batch_size))

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from slimml.errors import ConfigError
-from slimml.runtime.manifest import Manifest
+from slimml.runtime.artifact.manifest import Manifest
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9}

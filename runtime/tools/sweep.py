@@ -1,6 +1,6 @@
 """``slimml bench --sweep``: the memory / speed trade-off over K (resident) and P (prefetch).
 
-Each setting loads the artifact afresh, times it with :func:`slimml.runtime.bench.bench`, and
+Each setting loads the artifact afresh, times it with :func:`slimml.runtime.tools.bench.bench`, and
 drops it before the next, so the RSS sampled during its runs is its own. The results go to a
 Markdown table, a CSV and (with matplotlib, ``pip install 'slimml[bench]'``) a PNG plot.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
-from slimml.runtime.bench import bench
-from slimml.runtime.manifest import read_manifest
+from slimml.runtime.tools.bench import bench
+from slimml.runtime.artifact.manifest import read_manifest
 
 COLUMNS = ["resident", "prefetch", "loaded_mb", "run_peak_rss_mb", "p50_ms", "items_per_s",
            "wait_s", "compute_s", "mb_per_run"]
@@ -50,7 +50,7 @@ def sweep(
     Example:
         >>> sweep("artifacts/my-llama", resident=[2, 3, 4], prefetch=[0, 1, 2], out_dir="sweep")
     """
-    from slimml.runtime.model import load
+    from slimml.runtime.loader import load
 
     manifest = read_manifest(path)
     if not resident or any(k < 1 for k in resident):

@@ -72,8 +72,8 @@ def encode_texts(run, text: TextEncoder, pooling: dict[str, Any], encs: list, ba
                  show_progress: bool = False, lanes: int = 1) -> np.ndarray:
     """Sentence embeddings in input order: each batch of ``encs`` (from :func:`sorted_batches`)
     padded only to its own longest text and run through ``run(feeds) -> outputs``, ``lanes``
-    batches at a time (:mod:`slimml.runtime.lanes`)."""
-    from slimml.runtime.lanes import in_lanes
+    batches at a time (:mod:`slimml.runtime.tasks.lanes`)."""
+    from slimml.runtime.tasks.lanes import in_lanes
 
     def embed(rows: np.ndarray) -> np.ndarray:
         feeds = text.batch([encs[r] for r in rows])

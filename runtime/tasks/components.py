@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
-from slimml.runtime.manifest import Manifest
-from slimml.runtime.model import Model
+from slimml.runtime.artifact.manifest import Manifest
+from slimml.runtime.loader import Model
 
 
 class Components:
@@ -127,11 +127,11 @@ class Components:
 
     def generate(self, prompts, max_new_tokens: int = 32):
         """Greedy generation for encoder-decoder artifacts (T5, BART; Whisper from audio): see
-        :mod:`slimml.runtime.seq2seq`. Returns a :class:`~slimml.runtime.generate.Generation`."""
+        :mod:`slimml.runtime.tasks.seq2seq`. Returns a :class:`~slimml.runtime.tasks.generate.Generation`."""
         if not self.manifest.seq2seq:
             raise SlimmlError(f"the artifact {self.folder} has components {', '.join(self.parts)}, not an encoder "
                               "and a decoder; it cannot generate.")
-        from slimml.runtime.seq2seq import generate_seq2seq
+        from slimml.runtime.tasks.seq2seq import generate_seq2seq
 
         return generate_seq2seq(self, prompts, max_new_tokens=max_new_tokens)
 

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from slimml.errors import ConfigError
-from slimml.runtime.budget import available_memory
+from slimml.runtime.engine.budget import available_memory
 
 T = TypeVar("T")
 R = TypeVar("R")

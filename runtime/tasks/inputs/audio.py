@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from slimml.errors import ArtifactError, FeedError
-from slimml.runtime.manifest import read_config, safe_path
+from slimml.runtime.artifact.manifest import read_config, safe_path
 
 if TYPE_CHECKING:
-    from slimml.runtime.components import Components
+    from slimml.runtime.tasks.components import Components
 
 
 class LogMel:

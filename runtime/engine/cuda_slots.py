@@ -1,6 +1,6 @@
 """CUDA weight slots: a streamed shard's weights copied to the GPU ahead of its turn.
 
-:class:`CudaSlots` keeps the slot contract of :class:`~slimml.runtime.slots.FedSlots`
+:class:`CudaSlots` keeps the slot contract of :class:`~slimml.runtime.engine.slots.FedSlots`
 (``compile`` once with the weights as graph inputs, ``fill`` on the loader thread,
 ``Slot.release`` after the shard ran). Its ``fill`` copies the shard's whole data file to device
 memory in one transfer, while the previous shard computes. The slot then hands out
@@ -37,8 +37,8 @@ from typing import NamedTuple
 import numpy as np
 import onnxruntime as ort
 
-from slimml.runtime.budget import available_memory
-from slimml.runtime.slots import FedSlots, Slot
+from slimml.runtime.engine.budget import available_memory
+from slimml.runtime.engine.slots import FedSlots, Slot
 
 log = logging.getLogger("slimml")
 _COPY_THREADS = 4

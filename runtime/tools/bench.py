@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from slimml.runtime.manifest import TensorSpec
+from slimml.runtime.artifact.manifest import TensorSpec
 
 _SEQ_AXES = ("seq", "sequence", "length", "token", "time", "past")
 

@@ -1,0 +1,1 @@
+"""Raw inputs into tensors: tokenized text, preprocessed images, log-mel audio features."""

@@ -1,0 +1,1 @@
+"""Tools over a loaded model: benchmarks, thread sweeps, the baseline gate and evaluation."""
