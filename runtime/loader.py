@@ -3,53 +3,30 @@
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
-from slimml.runtime.engine.budget import StreamPlan, plan_stream
-from slimml.runtime.engine.feeds import FeedChecker
-from slimml.runtime.tasks.inputs.image import ImageProcessor
-from slimml.runtime.artifact.integrity import check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.artifact.manifest import Manifest, read_manifest, safe_path, verify_files
-from slimml.runtime.engine.plan import ExecutionPlan, build_plan
+from slimml.runtime.engine.budget import StreamPlan, plan_stream
+from slimml.runtime.engine.engine import Engine
+from slimml.runtime.engine.plan import ExecutionPlan
 from slimml.runtime.engine.session import resolve_device
-from slimml.runtime.artifact.watch import FileWatch
-from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
+from slimml.runtime.tasks.inputs.image import ImageProcessor
 from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
+from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
 
 
-class Model:
-    """A loaded artifact. Use :func:`load` to make one.
-
-    ``run`` is safe to call from several threads at once: each call keeps its own activations
-    and ONNX Runtime sessions accept concurrent ``run`` calls.
+class Model(Engine):
+    """A loaded artifact: its :class:`~slimml.runtime.engine.engine.Engine` (``run``, ``verify``,
+    ``plan``) and what the artifact is for. Use :func:`load` to make one.
     """
 
     def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None,
                  memory: StreamPlan | None = None, verify: bool = True, pack: bool | None = None,
                  cache_dir: str | os.PathLike | None = None, plan: ExecutionPlan | None = None):
-        self.folder = folder
-        self.manifest = manifest
-        self.device = device
-        self.threads = threads
-        self._lanes: dict[int, ExecutionPlan] = {}  # single-threaded copies of the plan for encode's lanes
-        self._lanes_lock = threading.Lock()
-        # files changed after load are refused, not run; a plan built elsewhere (pipeline stages)
-        # watches the files its segments own
-        self._watch = FileWatch(folder, manifest) if plan is None else None
-        self._check_watch = self._watch.check if self._watch is not None else _nothing
-        facts = [check_shard_file(folder, s) for s in manifest.shards]  # external data stays inside
-        self.max_sequence_length: int | None = max_sequence_length(facts, manifest)
-        self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
-        self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
-        self._check = FeedChecker(manifest.inputs, self.max_sequence_length, self.vocab_size)
-        self.plan: ExecutionPlan = plan or build_plan(folder, manifest, device, threads, memory or plan_stream(manifest),
-                                                      verify, pack, Path(cache_dir) if cache_dir else None)
-        self._outputs = [t.name for t in manifest.outputs]
+        super().__init__(folder, manifest, device, threads, memory, verify, pack, cache_dir, plan)
         self._text: TextEncoder | None = None
         if manifest.tokenizer:
             self._text = TextEncoder(
@@ -60,65 +37,6 @@ class Model:
         self.image_input = next((t.name for t in manifest.inputs if t.name == "pixel_values" or len(t.shape) == 4), None)
         if manifest.preprocessor and manifest.preprocessor.get("kind") == "image" and self.image_input is not None:
             self.images = ImageProcessor.from_file(safe_path(folder, manifest.preprocessor["file"]))
-
-    @property
-    def inputs(self):
-        return self.manifest.inputs
-
-    @property
-    def outputs(self):
-        return self.manifest.outputs
-
-    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run the whole model on ``feeds`` (input name -> array); return its outputs by name.
-
-        Raises:
-            FeedError: names, dtypes or shapes that do not fit the manifest's inputs, or values
-                ONNX Runtime rejects (say, a sequence longer than the model allows).
-        """
-        self._check_watch()
-        env = self._check(feeds, self.allow_nonfinite)
-        return self.plan.run(env, self._outputs)
-
-    def verify(self) -> None:
-        """Re-hash every file of the artifact against the manifest, as ``load`` did.
-
-        Use it in a health check of a long-running service: a shard corrupted or replaced on disk
-        after load raises, and ``run`` refuses to go on until the artifact is loaded again.
-
-        Raises:
-            IntegrityError: naming the file that no longer matches.
-        """
-        if self._watch is not None:
-            self._watch.check()
-            verify_files(self.folder, self.manifest)
-        self.plan.check_files(deep=True)
-
-    def check_files(self) -> None:
-        """The cheap check ``run`` does before every call: has any weight file changed since load
-        (:mod:`slimml.runtime.artifact.watch`)? For a readiness probe; :meth:`verify` re-hashes.
-
-        Raises:
-            IntegrityError: naming a file replaced, truncated or removed since load.
-        """
-        self._check_watch()
-        self.plan.check_files(deep=False)
-
-    @property
-    def stats(self):
-        """Streaming counters (:class:`slimml.runtime.engine.stream.StreamStats`): passes, bytes loaded,
-        time waiting on loads and computing. All zero for a fully resident model."""
-        return self.plan.stats
-
-    def close(self) -> None:
-        """Stop the shard loader thread (if streaming) and drop every session."""
-        self.plan.close()
-        if self._watch is not None:
-            self._watch.close()
-        with self._lanes_lock:
-            for plan in self._lanes.values():
-                plan.close()
-            self._lanes.clear()
 
     def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
         """Greedy text generation for decoder artifacts; see :func:`slimml.runtime.tasks.generate.generate`."""
@@ -226,32 +144,13 @@ class Model:
         encs = text.encodings(list(texts))
         lengths = [len(e.ids) for e in encs]
         unfit = ("runs on " + self.device if self.device != "cpu" else "streams" if self.plan.streaming
-                 else "runs in pipeline stages" if self._watch is None else None)
+                 else "runs in pipeline stages" if not self.owns_files else None)
         lanes, lane_threads = lane_count(workers, possible_batches(len(texts), batch_size), unfit=unfit,
                                          threads=self.threads, model_bytes=self.plan.model_bytes,
                                          memory_budget=self.plan.memory.budget)
         batches = sorted_batches(lengths, lane_batch_size(len(texts), batch_size, lanes))
-        run = self.run if lanes == 1 else self._lane(lane_threads)
+        run = self.run if lanes == 1 else self.lane(lane_threads)
         return encode_texts(run, text, pooling, encs, batches, show_progress, lanes), lengths
-
-    def _lane(self, threads: int):
-        """``run`` on a copy of the plan with ``threads`` intra-op threads, made once (from files
-        hashed again first: graphs are read from disk to make it)."""
-        with self._lanes_lock:
-            plan = self._lanes.get(threads)
-            if plan is None:
-                verify_files(self.folder, self.manifest)
-                plan = self._lanes[threads] = build_plan(self.folder, self.manifest, self.device, threads, self.plan.memory)
-
-        def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-            self._check_watch()
-            return plan.run(self._check(feeds, self.allow_nonfinite), self._outputs)
-
-        return run
-
-
-def _nothing() -> None:
-    pass
 
 
 def load(

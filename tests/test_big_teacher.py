@@ -219,7 +219,7 @@ def test_a_convert_killed_in_export_resumes_from_the_finished_student(tiny_bert_
 
 def test_a_student_whose_training_state_cannot_fit_is_refused_before_it_is_built(llama_dir, teacher_artifact, texts_file,
                                                                                  tmp_path, monkeypatch):
-    from slimml.runtime import budget
+    from slimml.runtime.engine import budget
 
     monkeypatch.setattr(budget, "available_memory", lambda: 2_000_000)  # a machine with 2 MB to spare
     with pytest.raises(ConfigError) as e:

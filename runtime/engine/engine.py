@@ -1,0 +1,144 @@
+"""The engine: one chain of shards, loaded into an execution plan, feeds in and outputs out.
+
+It knows no task. Users call :meth:`Engine.run`, which checks every feed against the manifest
+(names, dtypes, shapes, token-id range, NaN) and refuses files changed since load. Tasks that
+built their own feeds, such as a decode loop handing the cache the engine itself produced back
+to it, call :meth:`Engine.run_trusted`, which skips the feed checks but not the file watch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from slimml.runtime.artifact.integrity import check_shard_file, max_sequence_length, vocab_size
+from slimml.runtime.artifact.manifest import Manifest, verify_files
+from slimml.runtime.artifact.watch import FileWatch
+from slimml.runtime.engine.budget import StreamPlan, plan_stream
+from slimml.runtime.engine.feeds import FeedChecker
+from slimml.runtime.engine.plan import ExecutionPlan, build_plan
+
+
+class Engine:
+    """A loaded chain of shards: ``run(feeds)`` walks its execution plan.
+
+    ``run`` is safe to call from several threads at once: each call keeps its own activations
+    and ONNX Runtime sessions accept concurrent ``run`` calls.
+    """
+
+    def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None,
+                 memory: StreamPlan | None = None, verify: bool = True, pack: bool | None = None,
+                 cache_dir: str | os.PathLike | None = None, plan: ExecutionPlan | None = None):
+        self.folder = folder
+        self.manifest = manifest
+        self.device = device
+        self.threads = threads
+        self._lanes: dict[int, ExecutionPlan] = {}  # single-threaded copies of the plan (encode's lanes)
+        self._lanes_lock = threading.Lock()
+        # files changed after load are refused, not run; a plan built elsewhere (pipeline stages)
+        # watches the files its segments own
+        self._watch = FileWatch(folder, manifest) if plan is None else None
+        self._check_watch = self._watch.check if self._watch is not None else _nothing
+        facts = [check_shard_file(folder, s) for s in manifest.shards]  # external data stays inside
+        self.max_sequence_length: int | None = max_sequence_length(facts, manifest)
+        self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
+        self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
+        self._check = FeedChecker(manifest.inputs, self.max_sequence_length, self.vocab_size)
+        self.plan: ExecutionPlan = plan or build_plan(folder, manifest, device, threads, memory or plan_stream(manifest),
+                                                      verify, pack, Path(cache_dir) if cache_dir else None)
+        self._outputs = [t.name for t in manifest.outputs]
+
+    @property
+    def inputs(self):
+        return self.manifest.inputs
+
+    @property
+    def outputs(self):
+        return self.manifest.outputs
+
+    @property
+    def owns_files(self) -> bool:
+        """True when this engine loaded (and watches) its files itself; False for a plan of
+        pipeline stages, whose stages watch their own."""
+        return self._watch is not None
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the whole chain on ``feeds`` (input name -> array); return its outputs by name.
+
+        Raises:
+            FeedError: names, dtypes or shapes that do not fit the manifest's inputs, or values
+                ONNX Runtime rejects (say, a sequence longer than the model allows).
+        """
+        self._check_watch()
+        env = self._check(feeds, self.allow_nonfinite)
+        return self.plan.run(env, self._outputs)
+
+    def run_trusted(self, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        """``run`` for feeds a task built itself (right names, dtypes and shapes; a cache this
+        engine produced): no feed checks, the file watch still applies. ``feeds`` may be
+        updated in place."""
+        self._check_watch()
+        return self.plan.run(feeds, outputs or self._outputs)
+
+    def verify(self) -> None:
+        """Re-hash every file of the artifact against the manifest, as ``load`` did.
+
+        Use it in a health check of a long-running service: a shard corrupted or replaced on disk
+        after load raises, and ``run`` refuses to go on until the artifact is loaded again.
+
+        Raises:
+            IntegrityError: naming the file that no longer matches.
+        """
+        if self._watch is not None:
+            self._watch.check()
+            verify_files(self.folder, self.manifest)
+        self.plan.check_files(deep=True)
+
+    def check_files(self) -> None:
+        """The cheap check ``run`` does before every call: has any weight file changed since load
+        (:mod:`slimml.runtime.artifact.watch`)? For a readiness probe; :meth:`verify` re-hashes.
+
+        Raises:
+            IntegrityError: naming a file replaced, truncated or removed since load.
+        """
+        self._check_watch()
+        self.plan.check_files(deep=False)
+
+    @property
+    def stats(self):
+        """Streaming counters (:class:`slimml.runtime.engine.stream.StreamStats`): passes, bytes
+        loaded, time waiting on loads and computing. All zero for a fully resident model."""
+        return self.plan.stats
+
+    def lane(self, threads: int):
+        """``run`` on a copy of the plan with ``threads`` intra-op threads, made once (from files
+        hashed again first: graphs are read from disk to make it)."""
+        with self._lanes_lock:
+            plan = self._lanes.get(threads)
+            if plan is None:
+                verify_files(self.folder, self.manifest)
+                plan = self._lanes[threads] = build_plan(self.folder, self.manifest, self.device, threads, self.plan.memory)
+
+        def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+            self._check_watch()
+            return plan.run(self._check(feeds, self.allow_nonfinite), self._outputs)
+
+        return run
+
+    def close(self) -> None:
+        """Stop the shard loader thread (if streaming) and drop every session."""
+        self.plan.close()
+        if self._watch is not None:
+            self._watch.close()
+        with self._lanes_lock:
+            for plan in self._lanes.values():
+                plan.close()
+            self._lanes.clear()
+
+
+def _nothing() -> None:
+    pass
