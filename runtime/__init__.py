@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec, read_manifest
+from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.loader import Model, load
 
-__all__ = ["Manifest", "Model", "ShardSpec", "TensorSpec", "load", "read_manifest"]
+__all__ = ["LoadConfig", "Manifest", "Model", "ShardSpec", "TensorSpec", "load", "read_manifest"]

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
 from slimml.runtime.artifact.manifest import Manifest, read_manifest, safe_path, verify_files
+from slimml.runtime.engine.backends import backend_for
 from slimml.runtime.engine.budget import StreamPlan, plan_stream
+from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.engine.engine import Engine
 from slimml.runtime.engine.plan import ExecutionPlan
-from slimml.runtime.engine.session import resolve_device
 from slimml.runtime.tasks.inputs.image import ImageProcessor
 from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
 from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
@@ -23,10 +25,9 @@ class Model(Engine):
     ``plan``) and what the artifact is for. Use :func:`load` to make one.
     """
 
-    def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None,
-                 memory: StreamPlan | None = None, verify: bool = True, pack: bool | None = None,
-                 cache_dir: str | os.PathLike | None = None, plan: ExecutionPlan | None = None):
-        super().__init__(folder, manifest, device, threads, memory, verify, pack, cache_dir, plan)
+    def __init__(self, folder: Path, manifest: Manifest, config: LoadConfig | None = None,
+                 memory: StreamPlan | None = None, plan: ExecutionPlan | None = None):
+        super().__init__(folder, manifest, config, memory, plan)
         self._text: TextEncoder | None = None
         if manifest.tokenizer:
             self._text = TextEncoder(
@@ -153,47 +154,40 @@ class Model(Engine):
         return encode_texts(run, text, pooling, encs, batches, show_progress, lanes), lengths
 
 
-def load(
-    path: str | os.PathLike,
-    device: str = "cpu",
-    threads: int | None = None,
-    verify: bool = True,
-    resident: int | None = None,
-    prefetch: int | None = None,
-    memory_budget: int | str | None = None,
-    pin: list[int] | None = None,
-    pack: bool | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    shards: tuple[int, int] | None = None,
-) -> Model:
+def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides: Any) -> Model:
     """Load an artifact folder written by ``slimml convert``.
 
     Args:
         path: the artifact folder (it holds ``manifest.json``).
-        device: ``"cpu"``, ``"cuda"``, or ``"auto"`` (CUDA where onnxruntime-gpu finds a working
-            GPU, else CPU; ``model.device`` says which).
-        threads: ONNX Runtime intra-op threads (default: ORT's choice, or ``SLIMML_THREADS``).
-        verify: check every file's size and sha256 against the manifest first (default). A file
-            that does not match is refused, never run; a streamed shard whose file changes after
-            that is hashed again when it streams in.
-        resident: K, the most shards loaded at once (pinned ones included). Fewer than the
-            shard count streams the model: a background thread loads shards ahead and the run
-            releases each one after use. Default: all shards (fully resident).
-        prefetch: P, shards loaded ahead of the one computing (default: K - pinned - 1).
-        memory_budget: bytes of loaded shards allowed, e.g. ``"4GB"``; alone it picks K and P
-            (``model.plan.describe()`` says what it chose). Refused, before anything loads, when
-            smaller than the largest shard.
-        pin: shard indices kept loaded for the model's lifetime, e.g. ``[0, -1]`` for the
-            embeddings and the head; only the others stream.
-        pack: how streamed shards get their weights on CPU. None (default): ONNX Runtime's
-            pre-packed weights, written once to ``cache_dir`` and paged in per pass (Linux), else
-            weights fed as inputs. False: always fed (no cache; slower decoding).
-        cache_dir: where pre-packed weights are kept (default ``SLIMML_CACHE_DIR`` or
-            ``~/.cache/slimml``); about twice the streamed shards' size on disk.
-        shards: ``(first, last)``, load only those shards (inclusive), as one stage of a pipeline
-            (:mod:`slimml.scale`): the model's inputs are then what they read from outside (model
-            inputs and earlier activations) and its outputs what they hand on. Only their files
-            are hashed; ``resident``, ``memory_budget`` and ``pin`` apply within the stage.
+        config: how to load and run it (:class:`~slimml.runtime.engine.config.LoadConfig`;
+            default: all shards resident on CPU, every file hashed first).
+        **overrides: any of LoadConfig's fields by name, applied over ``config``:
+
+            - ``device``: ``"cpu"``, ``"cuda"``, or ``"auto"`` (CUDA where onnxruntime-gpu finds a
+              working GPU, else CPU; ``model.device`` says which).
+            - ``threads``: ONNX Runtime intra-op threads (default: ORT's choice, or ``SLIMML_THREADS``).
+            - ``verify``: check every file's size and sha256 against the manifest first (default). A
+              file that does not match is refused, never run; a streamed shard whose file changes
+              after that is hashed again when it streams in.
+            - ``resident``: K, the most shards loaded at once (pinned ones included). Fewer than the
+              shard count streams the model: a background thread loads shards ahead and the run
+              releases each one after use. Default: all shards (fully resident).
+            - ``prefetch``: P, shards loaded ahead of the one computing (default: K - pinned - 1).
+            - ``memory_budget``: bytes of loaded shards allowed, e.g. ``"4GB"``; alone it picks K and
+              P (``model.plan.describe()`` says what it chose). Refused, before anything loads,
+              when smaller than the largest shard.
+            - ``pin``: shard indices kept loaded for the model's lifetime, e.g. ``[0, -1]`` for the
+              embeddings and the head; only the others stream.
+            - ``pack``: how streamed shards get their weights on CPU. None (default): ONNX Runtime's
+              pre-packed weights, written once to ``cache_dir`` and paged in per pass (Linux), else
+              weights fed as inputs. False: always fed (no cache; slower decoding).
+            - ``cache_dir``: where pre-packed weights are kept (default ``SLIMML_CACHE_DIR`` or
+              ``~/.cache/slimml``); about twice the streamed shards' size on disk.
+            - ``shards``: ``(first, last)``, load only those shards (inclusive), as one stage of a
+              pipeline (:mod:`slimml.scale`): the model's inputs are then what they read from
+              outside (model inputs and earlier activations) and its outputs what they hand on.
+              Only their files are hashed; ``resident``, ``memory_budget`` and ``pin`` apply
+              within the stage.
 
     Returns:
         A :class:`Model` with ``run(feeds)`` and, for sentence-embedding artifacts, ``encode(texts)``;
@@ -201,30 +195,35 @@ def load(
         :class:`~slimml.runtime.tasks.components.Components` holding one ``Model`` per component.
 
     Raises:
+        ConfigError: an unknown option (the message lists the valid ones) or a value out of range.
         ArtifactError / IntegrityError: a missing, malformed or tampered artifact.
-        DeviceError: the device is not available.
+        DeviceError: the device is unknown or not available.
 
     Example:
-        >>> from slimml.runtime import load
+        >>> from slimml.runtime import LoadConfig, load
         >>> model = load("artifacts/all-MiniLM-L6-v2", device="cpu")
         >>> emb = model.encode(["Hello world"])
+        >>> streamed = load("artifacts/llama", LoadConfig(memory_budget="2GB", pin=(0, -1)))
     """
+    config = LoadConfig.build(config, overrides)
     folder = Path(path)
     manifest = read_manifest(folder)
-    if shards is not None:
+    if config.shards is not None:
         if manifest.components:
             raise SlimmlError(
                 f"shards=(first, last) picks a stage of one chain of shards, but {folder} has components "
                 f"{', '.join(manifest.components)}; load it whole, or serve it with replicas instead of stages."
             )
-        manifest = manifest.stage(*shards)
-    device = resolve_device(device)  # fail on a missing provider before hashing gigabytes
+        manifest = manifest.stage(*config.shards)
+    backend_for(config.device)  # fail on a missing provider before hashing gigabytes
     parts = manifest.components or {None: manifest}
     # a bad budget fails before loading; streaming settings apply to each component's chain
-    plans = {name: plan_stream(m, resident, prefetch, memory_budget, pin) for name, m in parts.items()}
-    if verify:
+    plans = {name: plan_stream(m, config.resident, config.prefetch, config.memory_budget, config.pin)
+             for name, m in parts.items()}
+    if config.verify:
         verify_files(folder, manifest)
-    models = {name: Model(folder, m, device, threads, plans[name], verify, pack, cache_dir) for name, m in parts.items()}
+    # the last step: what the artifact is for, over one engine per chain of shards
+    models = {name: Model(folder, m, config, plans[name]) for name, m in parts.items()}
     if not manifest.components:
         return models[None]
     from slimml.runtime.tasks.components import Components

@@ -1,8 +1,8 @@
 """CUDA weight slots: a streamed shard's weights copied to the GPU ahead of its turn.
 
 :class:`CudaSlots` keeps the slot contract of :class:`~slimml.runtime.engine.slots.FedSlots`
-(``compile`` once with the weights as graph inputs, ``fill`` on the loader thread,
-``Slot.release`` after the shard ran). Its ``fill`` copies the shard's whole data file to device
+(:class:`~slimml.runtime.engine.contracts.WeightSource`: ``compile`` once with the weights as
+graph inputs, ``fill`` on the loader thread, ``Slot.release`` after the shard ran). Its ``fill`` copies the shard's whole data file to device
 memory in one transfer, while the previous shard computes. The slot then hands out
 :class:`DeviceWeight` records: each weight is bound to the session through IOBinding at the
 device buffer's address plus the weight's offset in the file, so no weight is copied again.
@@ -32,10 +32,9 @@ import ctypes
 import logging
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
-import onnxruntime as ort
 
 from slimml.runtime.engine.budget import available_memory
 from slimml.runtime.engine.slots import FedSlots, Slot
@@ -44,8 +43,10 @@ log = logging.getLogger("slimml")
 _COPY_THREADS = 4
 
 
-class DeviceWeight(NamedTuple):
-    """A weight already in device memory: ``address`` is a CUDA pointer valid while its slot is held."""
+@dataclass(frozen=True, slots=True)
+class DeviceWeight:
+    """A weight already in device memory: ``address`` is a CUDA pointer valid while its slot is
+    held. The CUDA backend binds it in place (``IOBinding.bind_input`` at that address)."""
 
     address: int
     dtype: np.dtype
@@ -67,10 +68,10 @@ class CudaSlots(FedSlots):
 
     ``host``: ``"auto"`` (pinned once if memory allows, else staged), ``"pinned"``, ``"staged"``
     or ``"pageable"``; default the class's ``host``. ``host_mode`` says what was chosen once the
-    first shard streamed in.
+    first shard streamed in. ``backend`` is the CUDA backend: it copies to the device.
     """
 
-    device_id = 0
+    how = "weights copied to device slots and bound in place"
     host = "auto"
 
     def __init__(self, *args, host: str | None = None, **kwargs):
@@ -104,14 +105,14 @@ class CudaSlots(FedSlots):
                 pass
 
     def _to_device(self, index: int, flat: np.ndarray) -> Slot:
-        buffer = ort.OrtValue.ortvalue_from_numpy(flat, "cuda", self.device_id)  # one transfer
+        buffer = self.backend.to_device(flat)  # one transfer
         base, values, weights = buffer.data_ptr(), [buffer], {}
         for w in self.specs[index]:
             if w.offset % max(w.dtype.itemsize, 4) == 0:
                 weights[w.name] = DeviceWeight(base + w.offset, w.dtype, w.shape)
             else:  # misaligned in the file: a buffer of its own
                 raw = np.ascontiguousarray(flat[w.offset: w.offset + w.nbytes]).view(w.dtype).reshape(w.shape)
-                values.append(ort.OrtValue.ortvalue_from_numpy(raw, "cuda", self.device_id))
+                values.append(self.backend.to_device(raw))
                 weights[w.name] = values[-1]
         return Slot(index, weights, int(flat.size), _DeviceBuffers(values))
 

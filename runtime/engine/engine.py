@@ -3,22 +3,27 @@
 It knows no task. Users call :meth:`Engine.run`, which checks every feed against the manifest
 (names, dtypes, shapes, token-id range, NaN) and refuses files changed since load. Tasks that
 built their own feeds, such as a decode loop handing the cache the engine itself produced back
-to it, call :meth:`Engine.run_trusted`, which skips the feed checks but not the file watch.
+to it, call :meth:`Engine.run_trusted`, which skips the feed checks but not the file watch, and
+can leave outputs it will feed back on the device (``keep_on_device``: a KV cache stays in GPU
+memory on CUDA between tokens).
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import threading
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from slimml.runtime.artifact.integrity import check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.artifact.manifest import Manifest, verify_files
 from slimml.runtime.artifact.watch import FileWatch
+from slimml.runtime.engine.backends import backend_for
 from slimml.runtime.engine.budget import StreamPlan, plan_stream
+from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.engine.feeds import FeedChecker
 from slimml.runtime.engine.plan import ExecutionPlan, build_plan
 
@@ -28,15 +33,22 @@ class Engine:
 
     ``run`` is safe to call from several threads at once: each call keeps its own activations
     and ONNX Runtime sessions accept concurrent ``run`` calls.
+
+    Args:
+        folder, manifest: the artifact (its files already hashed, where ``config.verify``).
+        config: how to run it (:class:`~slimml.runtime.engine.config.LoadConfig`; default: its defaults).
+        memory: the memory plan (:func:`~slimml.runtime.engine.budget.plan_stream`; default: all resident).
+        plan: a plan built elsewhere (pipeline stages), run instead of building one.
     """
 
-    def __init__(self, folder: Path, manifest: Manifest, device: str, threads: int | None,
-                 memory: StreamPlan | None = None, verify: bool = True, pack: bool | None = None,
-                 cache_dir: str | os.PathLike | None = None, plan: ExecutionPlan | None = None):
+    def __init__(self, folder: Path, manifest: Manifest, config: LoadConfig | None = None,
+                 memory: StreamPlan | None = None, plan: ExecutionPlan | None = None):
         self.folder = folder
         self.manifest = manifest
-        self.device = device
-        self.threads = threads
+        self.config = config = config or LoadConfig()
+        self.backend = plan.backend if plan is not None else backend_for(config.device)
+        self.device: str = self.backend.name  # "cpu", "cuda": the public name
+        self.threads = config.threads
         self._lanes: dict[int, ExecutionPlan] = {}  # single-threaded copies of the plan (encode's lanes)
         self._lanes_lock = threading.Lock()
         # files changed after load are refused, not run; a plan built elsewhere (pipeline stages)
@@ -48,8 +60,8 @@ class Engine:
         self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
         self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
         self._check = FeedChecker(manifest.inputs, self.max_sequence_length, self.vocab_size)
-        self.plan: ExecutionPlan = plan or build_plan(folder, manifest, device, threads, memory or plan_stream(manifest),
-                                                      verify, pack, Path(cache_dir) if cache_dir else None)
+        self.plan: ExecutionPlan = plan or build_plan(folder, manifest, memory or plan_stream(manifest), config,
+                                                      self.backend)
         self._outputs = [t.name for t in manifest.outputs]
 
     @property
@@ -77,12 +89,29 @@ class Engine:
         env = self._check(feeds, self.allow_nonfinite)
         return self.plan.run(env, self._outputs)
 
-    def run_trusted(self, feeds: dict[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+    def run_trusted(self, feeds: dict[str, Any], outputs: list[str] | None = None,
+                    keep_on_device: Collection[str] = ()) -> dict[str, Any]:
         """``run`` for feeds a task built itself (right names, dtypes and shapes; a cache this
         engine produced): no feed checks, the file watch still applies. ``feeds`` may be
-        updated in place."""
+        updated in place.
+
+        Args:
+            feeds: input name -> host array, or a device value an earlier call kept.
+            outputs: the outputs wanted (default: all the model's).
+            keep_on_device: outputs the caller will feed back (a KV cache): on a device backend
+                (CUDA) they come back as device values (OrtValues), which the next call binds
+                where they sit, with no copy through the host; elsewhere as host arrays.
+
+        Example:
+            >>> out = engine.run_trusted(feeds, keep_on_device=present_names)  # decode loop
+            >>> feeds.update({past: out[present] for past, present in zip(past_names, present_names)})
+        """
         self._check_watch()
-        return self.plan.run(feeds, outputs or self._outputs)
+        return self.plan.run(feeds, outputs or self._outputs, keep_on_device)
+
+    def to_host(self, value: Any) -> np.ndarray:
+        """A value ``run_trusted(keep_on_device=...)`` returned, as a host array."""
+        return self.backend.to_host(value)
 
     def verify(self) -> None:
         """Re-hash every file of the artifact against the manifest, as ``load`` did.
@@ -121,7 +150,8 @@ class Engine:
             plan = self._lanes.get(threads)
             if plan is None:
                 verify_files(self.folder, self.manifest)
-                plan = self._lanes[threads] = build_plan(self.folder, self.manifest, self.device, threads, self.plan.memory)
+                config = dataclasses.replace(self.config, threads=threads)
+                plan = self._lanes[threads] = build_plan(self.folder, self.manifest, self.plan.memory, config, self.backend)
 
         def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             self._check_watch()

@@ -24,13 +24,17 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnxruntime as ort
 
 from slimml.errors import ArtifactError, IntegrityError, SlimmlError
 from slimml.runtime.artifact.manifest import Manifest, safe_path, sha256_file
-from slimml.runtime.engine.session import disabled_optimizers, make_session, session_options
 from slimml.runtime.engine.slots import Slot, file_stamp
+
+if TYPE_CHECKING:
+    from slimml.runtime.engine.backends.base import Backend
+    from slimml.runtime.engine.config import LoadConfig
 
 CACHE_FORMAT = 1
 _MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22
@@ -49,8 +53,9 @@ def supported() -> str | None:
     return None
 
 
-def cpu_key() -> str:
-    """What the packed layout depends on besides the shard: ONNX Runtime and the CPU's features."""
+def cpu_key(disabled: list[str] | None) -> str:
+    """What the packed layout depends on besides the shard: ONNX Runtime, the CPU's features and
+    the graph optimizers left off (``disabled``, the CPU backend's)."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -58,7 +63,7 @@ def cpu_key() -> str:
     except OSError:
         pass
     return json.dumps([CACHE_FORMAT, ort.__version__, platform.machine(), sorted(set(flags.split())),
-                       disabled_optimizers("cpu")])
+                       disabled])
 
 
 class PackedSlots:
@@ -66,27 +71,30 @@ class PackedSlots:
 
     :meth:`compile` builds (or finds) a shard's packed files and opens its session once;
     :meth:`fill` (loader thread) re-hashes the packed data file if it changed and brings its pages in;
-    the slot's release drops them from this process.
+    the slot's release drops them from this process. ``config.cache_dir`` holds the cache,
+    ``config.verify`` hashes its files at load.
     """
 
-    def __init__(self, folder: Path, manifest: Manifest, cache: Path | None = None, verify: bool = True):
-        self.folder, self.manifest, self.verify = folder, manifest, verify
-        self.cache = (Path(cache) if cache else cache_root()) / "packed"
+    how = "pre-packed weights mapped from the cache and paged in and out"
+
+    def __init__(self, folder: Path, manifest: Manifest, backend: Backend, config: LoadConfig):
+        self.folder, self.manifest, self.backend, self.verify = folder, manifest, backend, config.verify
+        self.cache = (config.cache_dir or cache_root()) / "packed"
         self.ranges: dict[int, list[tuple[int, int]]] = {}
         self.sessions: dict[int, object] = {}
         self.names: dict[int, dict[str, str]] = {}  # none renamed: each shard's packed weights are its session's
         self.files: dict[int, tuple[Path, dict]] = {}  # shard -> (packed data file, its record)
         self.checked: dict[int, tuple] = {}  # shard -> stamp of the data file when its hash matched
-        self.key = cpu_key()
+        self.key = cpu_key(backend.disabled_optimizers())
 
-    def compile(self, index: int, device: str, threads: int | None, spinning: bool):
+    def compile(self, index: int, threads: int | None, spinning: bool):
         """The shard's session over its packed graph, opened once.
 
         Raises:
             ArtifactError: the packed files cannot be made here, or ONNX Runtime did not map them.
         """
         graph, data, record = self._packed(index, threads)
-        options = session_options(threads, spinning, shared_arena=True)
+        options = self.backend.session_options(threads, spinning, shared_arena=True)
         self.files[index] = (data, record)
         if self.verify:
             self._check(index)  # hashed at load, as the artifact's own files are
@@ -94,7 +102,7 @@ class PackedSlots:
             self.checked[index] = file_stamp(data)  # verify=False: trusted as it is, re-hashed only if it changes
         before = set(_mappings(data))  # another model of this process may map the same file: not ours
         try:
-            session = make_session(graph, device, options=options, what=f"the packed shard {index} ({graph})")
+            session = self.backend.session(graph, options, what=f"the packed shard {index} ({graph})")
         except ArtifactError:
             self.checked.pop(index, None)
             self._check(index)  # a damaged file is refused as such, naming it
@@ -134,13 +142,13 @@ class PackedSlots:
 
         try:
             with atomic_folder(folder) as tmp:
-                so = session_options(threads, spinning=False)
+                so = self.backend.session_options(threads, spinning=False)
                 so.optimized_model_filepath = os.fspath(tmp / "shard.onnx")
                 so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "shard.onnx.data")
                 so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
                 so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
                 ort.InferenceSession(os.fspath(safe_path(self.folder, shard.file)), so, providers=["CPUExecutionProvider"],
-                                     disabled_optimizers=disabled_optimizers("cpu"))
+                                     disabled_optimizers=self.backend.disabled_optimizers())
                 if not (tmp / "shard.onnx.data").is_file():
                     raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
                 record = {"source": shard.file,

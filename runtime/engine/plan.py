@@ -16,30 +16,34 @@ A plan is a list of segments over the artifact's shards, in order:
 
 ``load(path)`` gives one resident segment; ``load(path, resident=K, pin=[0, -1])`` gives
 resident segments for the pinned shards and streamed ones between them. ``model.plan.describe()``
-prints the segments. The device (CPU or CUDA) is the plan's; activations stay on it between
-segments.
+prints the segments. Every segment keeps the contract :class:`~slimml.runtime.engine.contracts.Segment`
+(pipeline stages on Ray actors are a segment too: :mod:`slimml.scale.segment`). The device is the
+plan's backend (:mod:`slimml.runtime.engine.backends`); activations stay on it between segments.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slimml.errors import ArtifactError, ConfigError, IntegrityError
-from slimml.runtime.engine.budget import StreamPlan
-from slimml.runtime.engine.cuda_slots import CudaSlots
+from slimml.errors import ArtifactError, IntegrityError
 from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.engine.backends import Backend, backend_for
+from slimml.runtime.engine.budget import StreamPlan
+from slimml.runtime.engine.contracts import Segment, WeightSource
 from slimml.runtime.engine.merge import merge_shards
-from slimml.runtime.engine.packed import PackedSlots
-from slimml.runtime.engine.packed import supported as packed_supported
-from slimml.runtime.engine.session import Step, make_session, session_options
-from slimml.runtime.engine.slots import FedSlots
+from slimml.runtime.engine.session import Step
 from slimml.runtime.engine.stream import Streamer, StreamStats
+
+if TYPE_CHECKING:
+    from slimml.runtime.engine.config import LoadConfig
 
 log = logging.getLogger("slimml")
 
@@ -49,7 +53,7 @@ class ResidentSegment:
 
     kind = "resident"
 
-    def __init__(self, folder: Path, manifest: Manifest, indices: list[int], device: str, threads: int | None,
+    def __init__(self, folder: Path, manifest: Manifest, indices: list[int], backend: Backend, threads: int | None,
                  spinning: bool, drop_after: dict[int, list[str]]):
         self.shards = indices
         self.merged = False
@@ -58,23 +62,23 @@ class ResidentSegment:
             label = f"shards {indices[0]}-{indices[-1]} (merged)"
             try:
                 graph = merge_shards(folder, manifest, indices).SerializeToString()
-                session = make_session(graph, device, options=session_options(threads, spinning, folder), what=label)
+                session = backend.session(graph, backend.session_options(threads, spinning, folder), what=label)
             except ArtifactError as e:
                 log.warning("slimml: running shards %d-%d one session each: they could not be merged into one graph "
                             "(%s)", indices[0], indices[-1], str(e).rstrip("."))
             else:
                 ins, outs = manifest.segment_io(indices)
                 drop = [n for i in indices for n in drop_after[i]]
-                self.steps = [Step(label, [t.name for t in ins], [t.name for t in outs], drop, session, device)]
+                self.steps = [Step(label, [t.name for t in ins], [t.name for t in outs], drop, session, backend)]
                 self.merged = True
                 return
             spinning = False  # several sessions now share the cores
         for i in indices:
             s = manifest.shards[i]
-            options = session_options(threads, spinning, shared_arena=not spinning, device=device)
-            session = make_session(safe_path(folder, s.file), device, options=options)
+            options = backend.session_options(threads, spinning, shared_arena=not spinning)
+            session = backend.session(safe_path(folder, s.file), options)
             self.steps.append(Step(f"shard {i} ({s.file})", [t.name for t in s.inputs], [t.name for t in s.outputs],
-                                   drop_after[i], session, device))
+                                   drop_after[i], session, backend))
 
     @property
     def sessions(self) -> int:
@@ -89,22 +93,28 @@ class ResidentSegment:
             "one session" if len(self.shards) == 1 else "one session per shard (the merge was refused)")
         return f"{_span(self.shards)}: resident, {how}"
 
+    def check_files(self, deep: bool = False) -> None:
+        """Nothing: the engine watches (and re-hashes) the files it loaded for this segment."""
+
+    def close(self) -> None:
+        self.steps = []
+
 
 class StreamedSegment:
     """Consecutive shards whose weights stream through slots; sessions compiled once by ``source``."""
 
     kind = "streamed"
 
-    def __init__(self, manifest: Manifest, indices: list[int], device: str, threads: int | None, spinning: bool,
-                 drop_after: dict[int, list[str]], source):
+    def __init__(self, manifest: Manifest, indices: list[int], backend: Backend, threads: int | None,
+                 spinning: bool, drop_after: dict[int, list[str]], source: WeightSource):
         self.shards = indices
         self.source = source
         self.steps: dict[int, Step] = {}
         for i in indices:
             s = manifest.shards[i]
-            session = source.compile(i, device, threads, spinning)
+            session = source.compile(i, threads, spinning)
             self.steps[i] = Step(f"shard {i} ({s.file})", [t.name for t in s.inputs], [t.name for t in s.outputs],
-                                 drop_after[i], session, device, source.names.get(i))
+                                 drop_after[i], session, backend, source.names.get(i))
 
     @property
     def sessions(self) -> int:
@@ -120,10 +130,13 @@ class StreamedSegment:
                 streamer.release(time.perf_counter() - t0)
 
     def describe(self) -> str:
-        how = ("pre-packed weights mapped from the cache and paged in and out" if isinstance(self.source, PackedSlots)
-               else "weights copied to device slots and bound in place" if isinstance(self.source, CudaSlots)
-               else "weights fed from memory-mapped data files")
-        return f"{_span(self.shards)}: streamed through the slots, sessions compiled once; {how}"
+        return f"{_span(self.shards)}: streamed through the slots, sessions compiled once; {self.source.how}"
+
+    def check_files(self, deep: bool = False) -> None:
+        """Nothing: the weight source re-hashes a file that changed before it fills a slot from it."""
+
+    def close(self) -> None:
+        self.steps = {}
 
 
 class ExecutionPlan:
@@ -131,18 +144,34 @@ class ExecutionPlan:
 
     ``run`` walks the segments; a plan with streamed segments serialises passes (one cursor over
     the slots), a fully resident one lets threads run at once.
+
+    Raises:
+        TypeError: a segment that does not keep the :class:`~slimml.runtime.engine.contracts.Segment` contract.
     """
 
-    def __init__(self, memory: StreamPlan, device: str, segments: list, streamer: Streamer | None):
+    def __init__(self, memory: StreamPlan, backend: Backend | str, segments: list[Segment],
+                 streamer: Streamer | None):
         self.memory = memory
-        self.device = device
+        self.backend = backend_for(backend)
+        for seg in segments:
+            if not isinstance(seg, Segment):
+                missing = [m for m in ("kind", "shards", "sessions", "run", "describe", "check_files", "close")
+                           if not hasattr(seg, m)]
+                raise TypeError(f"{type(seg).__name__} is not a plan segment: it lacks {', '.join(missing)}")
         self.segments = segments
         self.streamer = streamer
         self._lock = threading.Lock() if streamer is not None else None
+        self._copies_out = self.backend.device_values  # outputs may sit on the device: copied to the host
         self._only: Step | None = None  # a plan of one session: run() calls it directly
         if len(segments) == 1 and isinstance(segments[0], ResidentSegment) and len(segments[0].steps) == 1:
-            segments[0].steps[0].on_device = False  # nothing to hand on: run as a plain session.run, host arrays in and out
-            self._only = segments[0].steps[0]
+            # nothing to hand on: a plain session call, host arrays in and out (the segment's own
+            # step still keeps outputs on the device, for run(keep=...))
+            self._only = dataclasses.replace(segments[0].steps[0], on_device=False)
+
+    @property
+    def device(self) -> str:
+        """The device's name (``"cpu"``, ``"cuda"``)."""
+        return self.backend.name
 
     # the memory plan's figures, as a caller reads them off the plan
     streaming = property(lambda self: self.memory.streaming)
@@ -158,11 +187,17 @@ class ExecutionPlan:
     def sessions(self) -> int:
         return sum(s.sessions for s in self.segments)
 
-    def run(self, env: dict[str, Any], outputs: list[str]) -> dict[str, np.ndarray]:
+    def run(self, env: dict[str, Any], outputs: list[str], keep: Collection[str] = ()) -> dict[str, Any]:
         """One pass over the segments on checked feeds ``env`` (updated in place, except by a plan of
-        one session, which is called with it directly)."""
+        one session, which is called with it directly).
+
+        ``keep``: outputs to hand back as the backend's device values (on CUDA, OrtValues in GPU
+        memory that a later call binds where they sit); the rest come back as host arrays. On a
+        backend without device values it changes nothing.
+        """
         only = self._only
-        if only is not None and outputs == only.outputs and len(env) == len(only.inputs):  # feeds = its inputs
+        if only is not None and outputs == only.outputs and len(env) == len(only.inputs) and not (
+                keep and self._copies_out):  # feeds = its inputs
             return only.call(env)
         if self._lock is None:
             for seg in self.segments:
@@ -171,10 +206,10 @@ class ExecutionPlan:
             with self._lock, self.streamer.one_pass():
                 for seg in self.segments:
                     seg.run(env, self.streamer)
-        out = {name: env[name] for name in outputs}
-        if self.device == "cuda":
-            out = {k: v.numpy() if hasattr(v, "numpy") else v for k, v in out.items()}
-        return out
+        if self._copies_out:
+            to_host = self.backend.to_host
+            return {name: env[name] if name in keep else to_host(env[name]) for name in outputs}
+        return {name: env[name] for name in outputs}
 
     def describe(self) -> str:
         lines = [self.memory.describe(), f"plan on {self.device}: {len(self.segments)} segment(s), {self.sessions} session(s)"]
@@ -183,10 +218,9 @@ class ExecutionPlan:
 
     def check_files(self, deep: bool = False) -> None:
         """Segments that own their files (pipeline stages, perhaps on other machines) check them:
-        ``deep`` re-hashes, else a ``stat`` each. The model checks the files it loaded itself."""
+        ``deep`` re-hashes, else a ``stat`` each. The engine checks the files it loaded itself."""
         for seg in self.segments:
-            if hasattr(seg, "check_files"):
-                seg.check_files(deep)
+            seg.check_files(deep)
 
     @property
     def stats(self) -> StreamStats:
@@ -200,19 +234,21 @@ class ExecutionPlan:
         if self.streamer is not None:
             self.streamer.close()
         for seg in self.segments:
-            if hasattr(seg, "close"):  # pipeline stages: actors to stop
-                seg.close()
+            seg.close()
         self.segments = []
 
 
-def build_plan(folder: Path, manifest: Manifest, device: str, threads: int | None, memory: StreamPlan,
-               verify: bool = True, pack: bool | None = None, cache_dir: Path | None = None) -> ExecutionPlan:
+def build_plan(folder: Path, manifest: Manifest, memory: StreamPlan, config: LoadConfig,
+               backend: Backend | None = None) -> ExecutionPlan:
     """Segments for ``memory``: runs of resident shards (all of them when nothing streams) and
     runs of streamed shards, each made ready to run once, here.
 
-    ``pack``: stream pre-packed weights (:mod:`slimml.runtime.engine.packed`); None packs where it can
-    (CPU on Linux), False feeds weights as inputs (:class:`FedSlots`).
+    ``config.threads`` sizes the sessions; streamed shards take their weights from the
+    backend's source (:meth:`Backend.weight_source`: ``config.pack``, ``config.verify`` and
+    ``config.cache_dir`` apply there). ``backend`` defaults to ``config.device``'s.
     """
+    backend = backend or backend_for(config.device)
+    threads = config.threads
     streamed = set(memory.streamed)
     runs: list[tuple[bool, list[int]]] = []
     for s in manifest.shards:
@@ -225,42 +261,30 @@ def build_plan(folder: Path, manifest: Manifest, device: str, threads: int | Non
     # share one activation arena (docs/runtime.md)
     spinning = len(runs) == 1 and not streamed
     drop_after = manifest.last_uses()
-    source = _weight_source(folder, manifest, device, verify, pack, cache_dir) if streamed else None
+    source = backend.weight_source(folder, manifest, config) if streamed else None
 
-    def streamed_with(source) -> dict[int, StreamedSegment]:
-        return {n: StreamedSegment(manifest, idx, device, threads, spinning, drop_after, source)
+    def streamed_with(source: WeightSource) -> dict[int, StreamedSegment]:
+        return {n: StreamedSegment(manifest, idx, backend, threads, spinning, drop_after, source)
                 for n, (is_streamed, idx) in enumerate(runs) if is_streamed}
 
-    resident = {n: ResidentSegment(folder, manifest, idx, device, threads, spinning, drop_after)
+    resident = {n: ResidentSegment(folder, manifest, idx, backend, threads, spinning, drop_after)
                 for n, (is_streamed, idx) in enumerate(runs) if not is_streamed}
     try:
         moving = streamed_with(source)
     except ArtifactError as e:
-        if not isinstance(source, PackedSlots) or pack or isinstance(e, IntegrityError):
+        fallback = None if isinstance(e, IntegrityError) else backend.fallback_source(folder, manifest, config)
+        if fallback is None or type(fallback) is type(source):
             raise
         log.warning("slimml: streaming weights as graph inputs (slower decoding): packing them failed (%s)",
                     str(e).rstrip("."))
-        source = FedSlots(folder, manifest, verify)
+        source = fallback
         moving = streamed_with(source)  # the resident segments stay as built
     segments = [resident.get(n) or moving[n] for n in range(len(runs))]
     streamer = None
     if streamed:
         streamer = Streamer(source.fill, list(memory.streamed), memory.resident - len(memory.pinned), memory.prefetch)
-    return ExecutionPlan(memory, device, segments, streamer)
-
-
-def _weight_source(folder: Path, manifest: Manifest, device: str, verify: bool, pack: bool | None,
-                   cache_dir: Path | None):
-    why = "it runs on CPU only" if device != "cpu" else packed_supported()
-    if pack and why:
-        raise ConfigError(f"pack=True cannot be honoured: {why}. Use pack=None (the default) or pack=False.")
-    if device == "cuda":
-        return CudaSlots(folder, manifest, verify)
-    if pack is False or why:
-        return FedSlots(folder, manifest, verify)
-    return PackedSlots(folder, manifest, cache_dir, verify)
+    return ExecutionPlan(memory, backend, segments, streamer)
 
 
 def _span(indices: list[int]) -> str:
     return f"shard {indices[0]}" if len(indices) == 1 else f"shards {indices[0]}-{indices[-1]}"
-

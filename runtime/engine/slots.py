@@ -15,7 +15,8 @@ filled from pinned host memory on a copy stream and bound through IOBinding.
 A data file whose size, mtime or inode changed since ``load`` hashed it is hashed again before
 it is mapped: a corrupted or replaced file is refused, never run. On CPU under Linux the plan
 prefers :class:`slimml.runtime.engine.packed.PackedSlots` (pre-packed weights, resident speed); both
-keep the contract ``compile(index, ...) -> session``, ``fill(index) -> Slot``, ``Slot.release()``.
+keep the contract :class:`slimml.runtime.engine.contracts.WeightSource` (``compile(index, ...) ->
+session``, ``fill(index) -> Slot``, ``names``), and the slots they hand out, ``Slot.release()``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,8 +32,11 @@ import onnx
 
 from slimml.errors import ArtifactError
 from slimml.runtime.artifact.manifest import Manifest, safe_path, verify_file
-from slimml.runtime.engine.session import make_session, session_options
 from slimml.runtime.engine.weights import WeightSpec, canonical, weights_as_inputs
+
+if TYPE_CHECKING:
+    from slimml.runtime.engine.backends.base import Backend
+    from slimml.runtime.engine.config import LoadConfig
 
 _PAGE = mmap.PAGESIZE
 
@@ -63,10 +68,18 @@ class FedSlots:
     (the loader thread) maps the shard's data file and hands out views of it. Shards of one
     layer type (the same graph once values are named by position) share one session:
     ``names[index]`` maps such a shard's input and output names to the session's.
+
+    Args:
+        backend: the device the sessions run on.
+        config: ``config.verify``: a data file that changes after load is hashed again before it
+            is mapped (else trusted as it is).
     """
 
-    def __init__(self, folder: Path, manifest: Manifest, verify: bool):
-        self.folder, self.manifest = folder, manifest
+    how = "weights fed from memory-mapped data files"
+
+    def __init__(self, folder: Path, manifest: Manifest, backend: Backend, config: LoadConfig):
+        self.folder, self.manifest, self.backend = folder, manifest, backend
+        verify = config.verify
         self.specs: dict[int, list[WeightSpec]] = {}
         self.names: dict[int, dict[str, str]] = {}
         self._compiled: dict[str, object] = {}  # canonical graph's sha256 -> its session
@@ -74,7 +87,7 @@ class FedSlots:
         # what each file looked like when load() hashed it: a change mid-stream means re-hashing
         self.seen = {p: file_stamp(safe_path(folder, p)) for p in self.entries} if verify else None
 
-    def compile(self, index: int, device: str, threads: int | None, spinning: bool):
+    def compile(self, index: int, threads: int | None, spinning: bool):
         """The shard's session with its weights as graph inputs, opened once.
 
         Raises:
@@ -89,8 +102,8 @@ class FedSlots:
             if key in self._compiled:
                 return self._compiled[key]
         try:
-            session = make_session(graph, device, what=shard.file,
-                                   options=session_options(threads, spinning, shared_arena=True, device=device))
+            session = self.backend.session(graph, self.backend.session_options(threads, spinning, shared_arena=True),
+                                           what=shard.file)
         except ArtifactError as e:
             raise ArtifactError(
                 f"shard {index} cannot stream: {str(e).split(': ', 1)[-1].split('. ')[0]}; ONNX Runtime needs some of "

@@ -8,6 +8,7 @@ from typing import Any
 
 from slimml.errors import ConfigError, StageError
 from slimml.runtime.engine.budget import plan_stream
+from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.artifact.manifest import read_manifest, verify_file
 from slimml.runtime.loader import Model
 from slimml.runtime.engine.plan import ExecutionPlan
@@ -133,7 +134,7 @@ def pipeline(
             raise StageError(f"a pipeline stage failed to start: {e}") from None
         raise
     memory = plan_stream(manifest)
-    return Model(folder, manifest, "cpu", None, memory, verify, plan=ExecutionPlan(memory, "cpu", [segment], None))
+    return Model(folder, manifest, LoadConfig(verify=verify), memory, plan=ExecutionPlan(memory, "cpu", [segment], None))
 
 
 def _traffic(manifest, groups: list[tuple[int, int]]) -> tuple[list[list[str]], list[list[str]]]:
