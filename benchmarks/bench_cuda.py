@@ -277,10 +277,10 @@ def _child(art: Path, k: int, tokens: int, hidden: int, own_arenas: bool = False
     CudaSlots.host = host
 
     if own_arenas:
-        import slimml.runtime.engine.slots as slots
+        from slimml.runtime.engine.backends import CudaBackend
 
-        plain = slots.session_options
-        slots.session_options = lambda *a, **kw: plain(*a, **{**kw, "shared_arena": False})
+        plain = CudaBackend.session_options  # the streamed shards' sessions: each with its own arena
+        CudaBackend.session_options = lambda self, *a, **kw: plain(self, *a, **{**kw, "shared_arena": False})
 
     device = "cpu" if k < 0 else DEVICE
     model = load(art, device=device, resident=k if k > 0 else None)

@@ -37,26 +37,23 @@ def child(args) -> None:
     setting = SETTINGS[args.child]
     if setting["shared"]:
         ort.set_global_thread_pool_sizes(os.cpu_count() or 1, 1)
-    import slimml.runtime.engine.session as session_mod
     from slimml.runtime import load
+    from slimml.runtime.engine.backends.base import Backend
     from slimml.runtime.tools.bench import sample_feeds
 
-    real = session_mod.session_options
+    real = Backend.session_options
 
-    def options(threads=None, spinning=True, weights_folder=None, shared_arena=False):  # every session of the plan
-        so = real(threads, setting["spin"], weights_folder, shared_arena)
+    def options(self, threads=None, spinning=True, weights_folder=None, shared_arena=False):  # every session of the plan
+        so = real(self, threads, setting["spin"], weights_folder, shared_arena)
         if setting.get("stop"):
             so.add_session_config_entry("session.force_spinning_stop", "1")
         if setting["shared"]:
             so.use_per_session_threads = False
         return so
 
-    import slimml.runtime.engine.packed as packed_mod
     import slimml.runtime.engine.plan as plan_mod
-    import slimml.runtime.engine.slots as slots_mod
 
-    for module in (session_mod, plan_mod, packed_mod, slots_mod):
-        module.session_options = options
+    Backend.session_options = options
     if not args.resident:  # one session per shard: the plan a refused merge falls back to
         plan_mod.merge_shards = _refuse
     model = load(args.artifact, resident=args.resident) if args.resident else load(args.artifact)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ConfigError
-from slimml.runtime.engine.backends import check_device
+from slimml.runtime.engine.backends import DEFAULT_DEVICE, check_device
 from slimml.runtime.engine.budget import parse_bytes
 
 
@@ -34,7 +34,7 @@ def _whole(value: Any) -> bool:
 class LoadConfig:
     """How to load and run an artifact. Defaults: all shards resident on CPU, every file hashed."""
 
-    device: str = field(default="cpu", metadata={
+    device: str = field(default=DEFAULT_DEVICE, metadata={
         "help": "cpu, cuda, or auto (CUDA where a GPU works, else CPU)."})
     threads: int | None = field(default=None, metadata={
         "help": "ONNX Runtime intra-op threads (default: ORT's choice, or SLIMML_THREADS)."})

@@ -47,7 +47,7 @@ class Engine:
         self.manifest = manifest
         self.config = config = config or LoadConfig()
         self.backend = plan.backend if plan is not None else backend_for(config.device)
-        self.device: str = self.backend.name  # "cpu", "cuda": the public name
+        self.device: str = self.backend.name  # the device's public name, as load(device=...) takes it
         self.threads = config.threads
         self._lanes: dict[int, ExecutionPlan] = {}  # single-threaded copies of the plan (encode's lanes)
         self._lanes_lock = threading.Lock()

@@ -170,7 +170,7 @@ class ExecutionPlan:
 
     @property
     def device(self) -> str:
-        """The device's name (``"cpu"``, ``"cuda"``)."""
+        """The device's name (the backend's, as ``load(device=...)`` takes it)."""
         return self.backend.name
 
     # the memory plan's figures, as a caller reads them off the plan

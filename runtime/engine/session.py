@@ -1,7 +1,7 @@
 """Sessions and steps: the compatibility front of :mod:`slimml.runtime.engine.backends`, and
 :class:`Step`, one session call of a plan.
 
-``make_session(path, "cpu")`` and ``session_options(...)`` keep working for the converter and the
+``make_session(path, device)`` and ``session_options(...)`` keep working for the converter and the
 quantizer; every device question they raise is answered by the device's backend object.
 """
 
@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import onnxruntime as ort
 
 from slimml.errors import FeedError
-from slimml.runtime.engine.backends import DEVICES, Backend, backend_for, resolve_device
+from slimml.runtime.engine.backends import DEFAULT_DEVICE, DEVICES, Backend, backend_for, resolve_device
 from slimml.runtime.engine.backends.base import first_line as _first_line
 
 __all__ = ["DEVICES", "Step", "disabled_optimizers", "make_session", "providers_for", "resolve_device",
@@ -37,12 +36,12 @@ def disabled_optimizers(device: str | Backend) -> list[str] | None:
 
 def session_options(threads: int | None = None, spinning: bool = True,
                     weights_folder: os.PathLike | str | None = None, shared_arena: bool = False,
-                    device: str | Backend = "cpu") -> ort.SessionOptions:
+                    device: str | Backend = DEFAULT_DEVICE) -> ort.SessionOptions:
     """ORT's defaults plus what slimml's plan needs (:meth:`Backend.session_options`)."""
     return backend_for(device).session_options(threads, spinning, weights_folder, shared_arena)
 
 
-def make_session(model: os.PathLike | str | bytes, device: str | Backend = "cpu", threads: int | None = None,
+def make_session(model: os.PathLike | str | bytes, device: str | Backend = DEFAULT_DEVICE, threads: int | None = None,
                  options: ort.SessionOptions | None = None, what: str | None = None) -> ort.InferenceSession:
     """An InferenceSession on ``device`` over an ONNX file, or a serialized graph (``bytes``).
 

@@ -20,7 +20,8 @@ from slimml.errors import SlimmlError, StageError
 
 
 class RayStages:
-    """Stage actors that own consecutive shard groups, in order.
+    """Stage actors that own consecutive shard groups, in order: a plan segment
+    (:class:`slimml.runtime.engine.contracts.Segment`) whose files its stages own and check.
 
     Args:
         actors: one Ray actor handle per stage (:class:`slimml.scale.stage.Stage`).
@@ -55,6 +56,7 @@ class RayStages:
         return len(self.actors)
 
     def run(self, env: dict[str, Any], streamer: Any = None) -> None:
+        """Run every microbatch through every stage; the model outputs land in ``env``."""
         import ray
 
         parts = self._split(env)
@@ -129,11 +131,13 @@ class RayStages:
         return [self._get(k, a.info.remote(), deadline) for k, a in enumerate(self.actors)]
 
     def check_files(self, deep: bool = False) -> None:
+        """Each stage checks its own files (``deep``: re-hashes them); a changed one raises IntegrityError."""
         deadline = time.monotonic() + self.timeout_s
         for k, ref in enumerate([a.check_files.remote(deep) for a in self.actors]):
             self._get(k, ref, deadline)
 
     def close(self) -> None:
+        """Stop the stage actors (and Ray, if the pipeline started it)."""
         release(self.actors, self._pg, self._owns_ray)
         self.actors, self._pg = [], None
 

@@ -18,6 +18,7 @@ log = logging.getLogger("slimml")
 
 BACKENDS: dict[str, type[Backend]] = {"cpu": CpuBackend, "cuda": CudaBackend}
 AUTO = "auto"  # CUDA where it starts, else CPU
+DEFAULT_DEVICE = CpuBackend.name
 DEVICES = (*BACKENDS, AUTO)
 
 _made: dict[str, Backend] = {}
@@ -80,5 +81,5 @@ def _probe() -> str:
     return CpuBackend.name
 
 
-__all__ = ["BACKENDS", "DEVICES", "Backend", "CpuBackend", "CudaBackend", "backend_for", "check_device",
+__all__ = ["BACKENDS", "DEFAULT_DEVICE", "DEVICES", "Backend", "CpuBackend", "CudaBackend", "backend_for", "check_device",
            "resolve_device"]
