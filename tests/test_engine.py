@@ -1,0 +1,261 @@
+"""The engine layer's contracts: LoadConfig checks itself, load(path, config, **overrides), the
+backend chosen once per device, segments and weight sources keep their declared protocols, and
+the trusted path hands back device values for outputs a task feeds back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from conftest import tiny_onnx_mlp
+from slimml.errors import ConfigError, DeviceError
+from slimml.runtime import LoadConfig, load
+from slimml.runtime.artifact.manifest import read_manifest
+from slimml.runtime.engine.backends import CpuBackend, CudaBackend, backend_for
+from slimml.runtime.engine.budget import plan_stream
+from slimml.runtime.engine.contracts import Segment, WeightSource
+from slimml.runtime.engine.cuda_slots import CudaSlots, DeviceWeight
+from slimml.runtime.engine.engine import Engine
+from slimml.runtime.engine.packed import PackedSlots
+from slimml.runtime.engine.plan import ExecutionPlan, ResidentSegment, StreamedSegment, build_plan
+from slimml.runtime.engine.slots import FedSlots
+
+HIDDEN = 16
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    """A 4-block ONNX MLP split per layer."""
+    from slimml.convert import ConvertConfig, convert
+
+    tmp = tmp_path_factory.mktemp("engine_mlp")
+    out = tmp / "art"
+    convert(tiny_onnx_mlp(tmp / "mlp.onnx", layers=4, hidden=HIDDEN), out, ConvertConfig(measure_latency=False))
+    return out
+
+
+def _feeds(batch: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((batch, HIDDEN)).astype(np.float32),
+            "scale": rng.uniform(0.5, 1.0, (batch, 1)).astype(np.float32)}
+
+
+# -- LoadConfig ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"device": "gpu"}, DeviceError, "unknown device 'gpu'; use one of ['cpu', 'cuda', 'auto']."),
+    ({"threads": 0}, ConfigError, "threads=0 must be a whole number >= 1 (ONNX Runtime's intra-op threads); leave "
+                                  "it out for ONNX Runtime's choice."),
+    ({"verify": "no"}, ConfigError, "verify='no' must be True or False."),
+    ({"resident": 0}, ConfigError, "resident=0 must be a whole number >= 1 (shards loaded at once)."),
+    ({"resident": 2.5}, ConfigError, "resident=2.5 must be a whole number >= 1 (shards loaded at once)."),
+    ({"prefetch": -1}, ConfigError, "prefetch=-1 must be a whole number >= 0 (shards loaded ahead)."),
+    ({"memory_budget": "lots"}, ConfigError, "memory budget 'lots' is not a size; write it like '4GB', '512MB', "
+                                             "'1.5GiB' or a number of bytes."),
+    ({"memory_budget": 0}, ConfigError, "memory budget 0 must be positive."),
+    ({"pin": [0, "last"]}, ConfigError, "pin=[0, 'last'] must be a list of shard indices, e.g. pin=[0, -1]."),
+    ({"pin": 0}, ConfigError, "pin=0 must be a list of shard indices, e.g. pin=[0, -1]."),
+    ({"pack": "yes"}, ConfigError, "pack='yes' must be None (pack where it can), True or False."),
+    ({"cache_dir": 3}, ConfigError, "cache_dir=3 must be a folder path."),
+    ({"shards": (3, 1)}, ConfigError, "shards=(3, 1) must be (first, last), two shard indices with 0 <= first <= "
+                                      "last, e.g. shards=(0, 3)."),
+    ({"shards": 2}, ConfigError, "shards=2 must be (first, last), two shard indices with 0 <= first <= last, e.g. "
+                                 "shards=(0, 3)."),
+])
+def test_load_config_refuses_bad_values_in_one_line(kwargs, error, message):
+    with pytest.raises(error) as e:
+        LoadConfig(**kwargs)
+    assert str(e.value) == message
+
+
+def test_load_config_normalises_and_documents_every_field(tmp_path):
+    c = LoadConfig(pin=[0, -1], shards=[1, 2], cache_dir=str(tmp_path), memory_budget="4GB")
+    assert c.pin == (0, -1) and c.shards == (1, 2) and c.cache_dir == tmp_path and c.memory_budget == "4GB"
+    assert LoadConfig(pin=[]).pin is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.device = "cuda"  # one config may be shared by every engine of an artifact
+    for f in dataclasses.fields(LoadConfig):  # the CLI makes its flags from these
+        assert f.metadata["help"].endswith(".") and len(f.metadata["help"]) > 20, f.name
+    assert LoadConfig.names() == ["device", "threads", "verify", "resident", "prefetch", "memory_budget", "pin",
+                                  "pack", "cache_dir", "shards"]
+
+
+def test_unknown_load_option_lists_the_valid_ones(mlp):
+    with pytest.raises(ConfigError) as e:
+        load(mlp, resdent=2)
+    assert str(e.value) == (
+        "unknown load option 'resdent' (did you mean 'resident'?); the options are device, threads, verify, "
+        "resident, prefetch, memory_budget, pin, pack, cache_dir, shards."
+    )
+    with pytest.raises(ConfigError, match=r"^unknown load options 'a', 'b'; the options are device, "):
+        load(mlp, a=1, b=2)
+    with pytest.raises(ConfigError, match=r"^config must be a LoadConfig, got str 'cuda'; pass options by name "
+                                          r"instead, e.g. load\(path, device='cuda'\)\.$"):
+        load(mlp, "cuda")
+
+
+def test_load_takes_a_config_and_overrides_by_name(mlp):
+    config = LoadConfig(resident=3, pack=False)
+    model = load(mlp, config, prefetch=0)
+    assert model.config == dataclasses.replace(config, prefetch=0) and config.prefetch is None  # not changed
+    assert model.plan.streaming and (model.plan.resident, model.plan.prefetch) == (3, 0)
+    assert all(isinstance(s.source, FedSlots) for s in model.plan.segments if isinstance(s, StreamedSegment))
+    old_style = load(mlp, device="cpu", resident=3, prefetch=0, pack=False)  # keywords, as before
+    np.testing.assert_allclose(model.run(_feeds())["y"], old_style.run(_feeds())["y"], rtol=1e-6)
+    np.testing.assert_allclose(model.run(_feeds())["y"], load(mlp).run(_feeds())["y"], rtol=1e-5, atol=1e-6)
+
+
+# -- backends -----------------------------------------------------------------------------------
+
+
+def test_backend_is_chosen_once_from_the_device_name(mlp):
+    cpu = backend_for("cpu")
+    assert isinstance(cpu, CpuBackend) and backend_for("cpu") is cpu and backend_for(cpu) is cpu
+    assert cpu.name == "cpu" and cpu.on_host and not cpu.device_values
+    assert cpu.disabled_optimizers() == ["SkipLayerNormFusion"] and cpu.memory_available() > 0
+    model = load(mlp, device="auto")
+    want = CudaBackend if "CUDAExecutionProvider" in ort.get_available_providers() else CpuBackend
+    assert isinstance(model.backend, (want, CpuBackend)) and model.device == model.backend.name  # a string, as before
+    assert model.plan.backend is model.backend and model.plan.device == model.device
+    with pytest.raises(DeviceError, match=r"^unknown device 'tpu'; use one of \['cpu', 'cuda', 'auto'\]\.$"):
+        backend_for("tpu")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(DeviceError, match=r"^device='cuda' was asked for, but this onnxruntime has no CUDA provider"):
+            backend_for("cuda")
+
+
+class _Binding:
+    """Records what a backend binds (the shape of ONNX Runtime's IOBinding)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append((name, *args))
+
+
+def test_cuda_backend_binds_each_kind_of_value_where_it_sits():
+    """The CPU-side logic of the CUDA backend (no GPU needed): a host array is copied up, a streamed
+    weight (a class of its own, not a tuple) is bound at its device address, a device value as is."""
+    cuda = CudaBackend()
+    weight = DeviceWeight(4096, np.dtype(np.float16), (2, 3))
+    assert not isinstance(weight, tuple)
+    host, kept = np.ones((2, 2), np.float32), ort.OrtValue.ortvalue_from_numpy(np.zeros(3, np.float32))
+    binding = _Binding()
+    for name, value in (("x", host), ("w", weight), ("past", kept)):
+        cuda.bind(binding, name, value)
+    assert binding.calls[0][:2] == ("bind_cpu_input", "x") and binding.calls[0][2] is host
+    assert binding.calls[1] == ("bind_input", "w", "cuda", 0, np.float16, [2, 3], 4096)
+    assert binding.calls[2] == ("bind_ortvalue_input", "past", kept)
+    np.testing.assert_array_equal(cuda.to_host(kept), np.zeros(3, np.float32))  # a device value comes back
+    assert cuda.to_host(host) is host and cuda.device_values and not cuda.on_host
+
+
+# -- the declared contracts ---------------------------------------------------------------------
+
+
+def test_every_segment_and_weight_source_keeps_its_protocol(mlp):
+    from slimml.scale.segment import RayStages
+
+    resident = load(mlp).plan.segments
+    streamed = load(mlp, resident=2, pin=[0]).plan.segments
+    assert [type(s) for s in streamed] == [ResidentSegment, StreamedSegment]
+    stages = RayStages([], [(0, 3)], ["n0"], ["x", "scale"], 1, True, 1.0, 0)  # no actors: not run, only checked
+    for seg in [*resident, *streamed, stages]:
+        assert isinstance(seg, Segment), type(seg).__name__
+        assert isinstance(seg.describe(), str) and seg.sessions >= 0 and seg.shards
+    manifest = read_manifest(mlp)
+    config = LoadConfig()
+    packed = streamed[1].source
+    assert isinstance(packed, PackedSlots)  # CPU on Linux: pre-packed weights
+    sources = [packed, FedSlots(mlp, manifest, backend_for("cpu"), config),
+               CudaSlots(mlp, manifest, CudaBackend(), config)]  # made without a GPU: nothing is copied until fill
+    for source in sources:
+        assert isinstance(source, WeightSource), type(source).__name__
+    assert len({s.how for s in sources}) == 3
+
+
+def test_a_plan_refuses_what_is_not_a_segment(mlp):
+    class Half:
+        kind, shards = "half", [0]
+
+        def run(self, env, streamer):
+            pass
+
+    memory = plan_stream(read_manifest(mlp))
+    with pytest.raises(TypeError, match=r"^Half is not a plan segment: it lacks sessions, describe, check_files, close$"):
+        ExecutionPlan(memory, "cpu", [Half()], None)
+
+
+def test_one_session_plan_keeps_its_direct_call(mlp):
+    plan = load(mlp).plan
+    assert plan.sessions == 1 and plan._only is not None
+    assert plan._only._inner is not None  # the session's C++ binding, no Python wrapper in between
+    assert plan._only.session is plan.segments[0].steps[0].session
+
+
+# -- the trusted path ---------------------------------------------------------------------------
+
+
+class _OnDevice:
+    """A value a backend with device memory left there."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+
+class _DeviceLike(CpuBackend):
+    """A CPU backend whose step outputs stay 'on the device' (wrapped) until copied to the host:
+    the plan's handling of device values, testable without a GPU."""
+
+    device_values = True
+    bound: list = []  # the device values fed to a session
+
+    def direct(self, session):
+        return None
+
+    def run(self, session, outputs, feeds, on_device):
+        type(self).bound += [v for v in feeds.values() if isinstance(v, _OnDevice)]
+        values = session.run(outputs, {k: self.to_host(v) for k, v in feeds.items()})
+        return [_OnDevice(v) for v in values] if on_device else values
+
+    def to_host(self, value):
+        return value.array if isinstance(value, _OnDevice) else value
+
+
+@pytest.mark.parametrize("resident", [None, 2])
+def test_run_trusted_keeps_outputs_it_is_told_to_on_the_device(mlp, resident):
+    manifest = read_manifest(mlp)
+    memory = plan_stream(manifest, resident=resident)
+    config = LoadConfig(resident=resident, pack=False)
+    engine = Engine(mlp, manifest, config, memory, plan=build_plan(mlp, manifest, memory, config, _DeviceLike()))
+    want = load(mlp).run(_feeds())["y"]
+    out = engine.run(_feeds())  # checked: host arrays, whatever the backend
+    assert isinstance(out["y"], np.ndarray)
+    np.testing.assert_allclose(out["y"], want, rtol=1e-5, atol=1e-6)
+    kept = engine.run_trusted(_feeds(), keep_on_device=["y"])["y"]
+    assert isinstance(kept, _OnDevice)
+    np.testing.assert_allclose(engine.to_host(kept), want, rtol=1e-5, atol=1e-6)
+    _DeviceLike.bound = []
+    again = engine.run_trusted({"x": kept, "scale": _feeds()["scale"]}, keep_on_device=["y"])["y"]  # fed back
+    assert any(v is kept for v in _DeviceLike.bound)  # bound where it sat, never copied out in between
+    twice = load(mlp).run({"x": want, "scale": _feeds()["scale"]})["y"]
+    np.testing.assert_allclose(engine.to_host(again), twice, rtol=1e-4, atol=1e-5)
+    engine.close()
+
+
+def test_run_trusted_on_cpu_returns_host_arrays_and_the_same_numbers(tiny_llama_past_artifact):
+    model = load(tiny_llama_past_artifact)
+    past = {t.name: np.zeros((1, t.shape[1], 0, t.shape[3]), np.float32) for t in model.inputs if t.name.startswith("past")}
+    ids = np.array([[5, 6, 7]], np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(3)[None], **past}
+    presents = [n.replace("past_key_values.", "present.", 1) for n in past]
+    checked = model.run(dict(feeds))
+    trusted = model.run_trusted(dict(feeds), keep_on_device=presents)
+    for name in ["logits", *presents]:
+        assert isinstance(trusted[name], np.ndarray)
+        np.testing.assert_array_equal(trusted[name], checked[name])
