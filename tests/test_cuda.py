@@ -124,3 +124,19 @@ def test_gpu_quantization_schemes_run_on_cuda(small_mlp, tmp_path, scheme, atol)
 
 def test_device_auto_picks_the_gpu(mlp):
     assert load(mlp, device="auto").device == "cuda"
+
+
+@pytest.mark.parametrize("resident", [None, 2])
+def test_run_trusted_keeps_a_fed_back_output_on_the_gpu(mlp, resident):
+    """A decode loop's cache: ``keep_on_device`` hands the output back as an OrtValue in GPU
+    memory, and the next call binds it where it sits."""
+    model = load(mlp, device="cuda", resident=resident)
+    feeds = _feeds()
+    want = model.run(feeds)["y"]
+    kept = model.run_trusted(dict(feeds), keep_on_device=["y"])["y"]
+    assert isinstance(kept, ort.OrtValue) and kept.device_name().lower() == "cuda"
+    np.testing.assert_allclose(model.to_host(kept), want, rtol=0, atol=1e-5)
+    again = model.run_trusted({"x": kept, "scale": feeds["scale"]}, keep_on_device=["y"])["y"]
+    twice = model.run({"x": want, "scale": feeds["scale"]})["y"]
+    assert float(np.abs(model.to_host(again) - twice).max()) <= 1e-4 * float(np.abs(twice).max())
+    assert isinstance(model.run_trusted(dict(feeds))["y"], np.ndarray)  # nothing kept: host arrays
