@@ -215,7 +215,7 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
                 f"{', '.join(manifest.components)}; load it whole, or serve it with replicas instead of stages."
             )
         manifest = manifest.stage(*config.shards)
-    backend_for(config.device)  # fail on a missing provider before hashing gigabytes
+    backend_for(config.device).providers()  # fail on a missing provider before hashing gigabytes
     parts = manifest.components or {None: manifest}
     # a bad budget fails before loading; streaming settings apply to each component's chain
     plans = {name: plan_stream(m, config.resident, config.prefetch, config.memory_budget, config.pin)

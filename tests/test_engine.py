@@ -124,8 +124,10 @@ def test_backend_is_chosen_once_from_the_device_name(mlp):
     with pytest.raises(DeviceError, match=r"^unknown device 'tpu'; use one of \['cpu', 'cuda', 'auto'\]\.$"):
         backend_for("tpu")
     if "CUDAExecutionProvider" not in ort.get_available_providers():
+        cuda = backend_for("cuda")  # made without a GPU: asking it for providers says what is missing
+        assert cuda.disabled_optimizers() is None
         with pytest.raises(DeviceError, match=r"^device='cuda' was asked for, but this onnxruntime has no CUDA provider"):
-            backend_for("cuda")
+            cuda.providers()
 
 
 class _Binding:

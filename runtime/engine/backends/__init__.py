@@ -32,14 +32,16 @@ def check_device(device: str) -> None:
 
 
 def backend_for(device: str | Backend) -> Backend:
-    """The backend for ``device`` (``"auto"`` made concrete), one per device and process.
+    """The backend for ``device`` (``"auto"`` made concrete), one per device and process. Whether
+    this onnxruntime can run on it is asked of ``backend.providers()`` (as every session does).
 
     Raises:
-        DeviceError: an unknown device, or one this onnxruntime cannot run on.
+        DeviceError: an unknown device.
     """
     if isinstance(device, Backend):
         return device
-    name = resolve_device(device)
+    check_device(device)
+    name = resolve_device(device) if device == AUTO else device
     backend = _made.get(name)
     if backend is None:
         backend = _made[name] = BACKENDS[name]()
