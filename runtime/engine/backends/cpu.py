@@ -12,6 +12,8 @@ import onnxruntime as ort
 from slimml.errors import ConfigError
 from slimml.runtime.engine.backends.base import Backend
 from slimml.runtime.engine.budget import available_memory
+from slimml.runtime.engine.packed import PackedSlots, supported
+from slimml.runtime.engine.slots import FedSlots
 
 if TYPE_CHECKING:
     from slimml.runtime.artifact.manifest import Manifest
@@ -50,9 +52,6 @@ class CpuBackend(Backend):
         return available_memory()
 
     def weight_source(self, folder: Path, manifest: Manifest, config: LoadConfig) -> WeightSource:
-        from slimml.runtime.engine.packed import PackedSlots, supported
-        from slimml.runtime.engine.slots import FedSlots
-
         why = supported()
         if config.pack and why:
             raise ConfigError(f"pack=True cannot be honoured: {why}. Use pack=None (the default) or pack=False.")
@@ -61,8 +60,6 @@ class CpuBackend(Backend):
         return PackedSlots(folder, manifest, self, config)
 
     def fallback_source(self, folder: Path, manifest: Manifest, config: LoadConfig) -> WeightSource | None:
-        from slimml.runtime.engine.slots import FedSlots
-
         if config.pack:  # asked for packing: its failure is the error
             return None
         return FedSlots(folder, manifest, self, config)
