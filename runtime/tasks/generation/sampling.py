@@ -34,6 +34,13 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         """(B, vocab) logits of the last position -> (B,) int64 token ids."""
+        scores = self.scores(logits)
+        if self.config.greedy:
+            return scores.argmax(axis=-1).astype(np.int64)
+        return self._draw(scores)
+
+    def scores(self, logits: np.ndarray) -> np.ndarray:
+        """(B, vocab) logits -> the scores sampled from, after every processor (-inf: excluded)."""
         c = self.config
         scores = logits.astype(np.float32, copy=self.seen is not None)  # (B, V)
         if self.seen is not None:
@@ -41,13 +48,13 @@ class Sampler:
             penalised = np.where(scores < 0, scores * p, scores / p)
             scores = np.where(self.seen, penalised, scores)
         if c.greedy:
-            return scores.argmax(axis=-1).astype(np.int64)
+            return scores
         scores = scores / np.float32(c.temperature)
         if c.top_k:
             scores = top_k(scores, c.top_k)
         if c.top_p < 1.0:
             scores = top_p(scores, c.top_p)
-        return self._draw(scores)
+        return scores
 
     def add(self, ids: np.ndarray) -> None:
         """Count the tokens just chosen, (B,), as seen."""
