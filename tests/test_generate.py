@@ -20,6 +20,7 @@ from slimml.runtime import load
 from slimml.runtime.artifact.manifest import file_entry, read_manifest
 from slimml.runtime.tasks.generation import GenerationConfig
 from slimml.runtime.tasks.generation.chat import ChatTemplate
+from slimml.runtime.tasks.generation.prompts import end_ids
 from slimml.runtime.tasks.generation.sampling import Sampler
 from slimml.runtime.tasks.generation.stopping import TextStream
 
@@ -91,8 +92,12 @@ def old_greedy(model, prompts, max_new_tokens):
 
 def test_greedy_is_unchanged_and_a_batch_equals_one_by_one(llama):
     got = llama.generate(PROMPTS, max_new_tokens=8)
-    assert got.tokens == old_greedy(llama, PROMPTS, 8)
-    assert got.finish_reasons == ["length"] * 3 and got.passes == 8 and got.texts is None
+    old = old_greedy(llama, PROMPTS, 8)
+    ends = {0, 2}  # <|endoftext|>, the manifest's eos, and <|im_end|>, which ends a chat turn
+    assert end_ids(llama, GenerationConfig(), llama.text.tokenizer) == ends
+    assert got.tokens == [next((t[: k + 1] for k in range(len(t)) if t[k] in ends), t) for t in old]
+    assert got.finish_reasons == ["stop" if t[-1] in ends else "length" for t in got.tokens]
+    assert got.passes == 8 and got.texts is None
     assert [llama.generate([p], max_new_tokens=8).tokens[0] for p in PROMPTS] == got.tokens
     texts = ["the model", "a longer prompt of several words", "x"]
     batch = llama.generate(texts, max_new_tokens=6, repetition_penalty=1.3)

@@ -18,7 +18,7 @@ from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-_EOS_TOKENS = ("</s>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>", "<eos>", "<|end_of_text|>")
+_EOS_TOKENS = ("</s>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>", "<eos>", "<|end_of_text|>", "<end_of_turn>")
 _untruncated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TextEncoder -> its tokenizer, no truncation
 
 
@@ -93,17 +93,17 @@ def untruncated(text: Any) -> Tokenizer:
 
 
 def end_ids(model: Any, config: GenerationConfig, tok: Tokenizer | None) -> set[int]:
-    """The ids that end a prompt: ``config.eos_token_id`` (else the tokenizer's end token, as the
-    manifest names it or as known names find it) and ``config.stop_token_ids``."""
+    """The ids that end a prompt: ``config.eos_token_id``, else the end token the manifest names
+    and, as llama.cpp's end-of-generation set, every known end token of the vocabulary (a chat
+    model's turn ends with ``<|im_end|>`` or ``<|eot_id|>`` though its eos is another); with
+    ``config.stop_token_ids``."""
     eos = config.eos_token_id
     if eos is None and tok is not None:
-        spec = (model.manifest.tokenizer or {})
-        named = spec.get("eos_token_id")
-        if is_int(named):
-            eos = int(named)
-        else:
-            names = ([spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []) + list(_EOS_TOKENS)
-            eos = next((tok.token_to_id(t) for t in names if tok.token_to_id(t) is not None), None)
+        spec = model.manifest.tokenizer or {}
+        named = [spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []
+        eos = {tok.token_to_id(t) for t in [*named, *_EOS_TOKENS]} - {None}
+        if is_int(spec.get("eos_token_id")):
+            eos.add(int(spec["eos_token_id"]))
     found = set() if eos is None else {eos} if is_int(eos) else set(eos)
     return found | set(config.stop_token_ids)
 
