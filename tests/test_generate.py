@@ -21,7 +21,7 @@ from slimml.runtime.artifact.manifest import file_entry, read_manifest
 from slimml.runtime.tasks.generation import GenerationConfig
 from slimml.runtime.tasks.generation.chat import ChatTemplate
 from slimml.runtime.tasks.generation.prompts import end_ids
-from slimml.runtime.tasks.generation.sampling import Sampler
+from slimml.runtime.tasks.generation.sampling import Sampler, draw
 from slimml.runtime.tasks.generation.stopping import TextStream
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
@@ -122,11 +122,13 @@ def test_processors_score_as_transformers_does():
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
     rng = np.random.default_rng(0)
-    logits = (rng.standard_normal((3, 300)) * 3).astype(np.float32)
     prompts = [[1, 2, 3, 250], [7, 7, 8], [299]]
-    for penalty, temperature, k, p in [(1.3, 0.7, 40, 0.9), (1.0, 1.5, 0, 0.5), (0.8, 1.0, 5, 1.0)]:
+    cases = [(300, 1.3, 0.7, 40, 0.9), (300, 1.0, 1.5, 0, 0.5), (300, 0.8, 1.0, 5, 1.0),
+             (5000, 1.0, 1.0, 0, 0.95), (5000, 1.1, 2.0, 3000, 0.99), (5000, 1.0, 0.5, 0, 0.3)]  # nuclei past 256 candidates
+    for vocab, penalty, temperature, k, p in cases:
+        logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
         config = GenerationConfig(temperature=temperature, top_k=k, top_p=p, repetition_penalty=penalty)
-        ours = Sampler(config, prompts, 300).scores(logits)
+        ours = Sampler(config, prompts, vocab).scores(logits)
         procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty), TemperatureLogitsWarper(temperature)]
                                     + ([TopKLogitsWarper(k)] if k else []) + ([TopPLogitsWarper(p)] if p < 1 else []))
         ids = torch.tensor([q + [q[-1]] * (4 - len(q)) for q in prompts])  # padded with a token already there
@@ -136,6 +138,12 @@ def test_processors_score_as_transformers_does():
 
 
 def test_sampling_draws_in_proportion_to_the_probabilities():
+    rng = np.random.default_rng(1)
+    for n in (5, 1000, 49152, 49153):
+        w = rng.random(n).astype(np.float32) ** 8
+        cdf = np.cumsum(w, dtype=np.float64)
+        for u in [0.0, 0.3, 0.999999, *rng.random(20)]:
+            assert draw(w, u) == min(np.searchsorted(cdf, u * cdf[-1], side="right"), n - 1)
     logits = np.log(np.array([[0.7, 0.2, 0.1, 1e-9]], dtype=np.float32))
     sampler = Sampler(GenerationConfig(temperature=1.0, seed=0), [[0]], 4)
     counts = np.bincount([int(sampler(logits)[0]) for _ in range(4000)], minlength=4) / 4000

@@ -81,6 +81,8 @@ class GenerationStream:
 
     def __iter__(self) -> Iterator[tuple[int, str]] | Iterator[str]:
         steps = self._steps
+        if self.result is not None:  # read already: nothing more to give
+            return
         while True:
             try:
                 i, piece = next(steps)
