@@ -307,6 +307,8 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
 
     refused(FeedError, "prompt 1 has token id 512 at position 1, outside the model's vocabulary of 512; use ids in [0, 512).",
             llama.generate, [[1, 2], [3, 512]])
+    refused(FeedError, "prompt 0 has token id -1 at position 0, outside the model's vocabulary of 512; use ids in [0, 512).",
+            llama.stream, [-1])  # a stream refuses when made, not at its first piece
     refused(FeedError, "prompt 0 has 130 tokens; the model's context is 128, which leaves no room for new tokens; "
             "shorten it to at most 127 tokens or pass truncate=True.", llama.generate, [list(range(130))])
     cut = llama.generate([list(range(130))], max_new_tokens=8, truncate=True)

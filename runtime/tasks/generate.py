@@ -11,6 +11,7 @@ them all.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +21,11 @@ import numpy as np
 from slimml.runtime.tasks.generation.chat import ChatTemplate
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.loop import DecodeLoop
-from slimml.runtime.tasks.generation.prompts import prepare
+from slimml.runtime.tasks.generation.prompts import Prompts, prepare
 from slimml.runtime.tasks.generation.sampling import Sampler
 from slimml.runtime.tasks.generation.stopping import TextStream
+
+_templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ChatTemplate, compiled once
 
 __all__ = ["Generation", "GenerationConfig", "GenerationStream", "chat", "chat_prompt", "generate", "stream"]
 
@@ -168,9 +171,9 @@ def chat_prompt(model: Any, messages: list[dict[str, Any]], **variables: Any) ->
 
 def chat_template(model: Any) -> ChatTemplate:
     """The model's :class:`ChatTemplate`, read and compiled once."""
-    template = model.__dict__.get("_chat_template")
+    template = _templates.get(model)
     if template is None:
-        template = model.__dict__["_chat_template"] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer)
+        template = _templates[model] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer)
     return template
 
 
@@ -186,11 +189,16 @@ def _drain(steps: Generator[tuple[int, str], None, Generation], on_text: Callabl
 
 
 def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = False) -> Generator[tuple[int, str], None, Generation]:
-    """The generation itself: yields ``(prompt index, text piece)``, returns the :class:`Generation`."""
+    """The generation: prompts checked now (a stream refuses bad ones before its first piece), then
+    a generator that yields ``(prompt index, text piece)`` and returns the :class:`Generation`."""
     t0 = time.perf_counter()
     job = prepare(model, prompts, config, raw_text)
-    batch = len(job.ids)
     loop = DecodeLoop(model.engine, job.ids, job.pad_id, job.steps)
+    return _passes(job, loop, config, t0)
+
+
+def _passes(job: Prompts, loop: DecodeLoop, config: GenerationConfig, t0: float) -> Generator[tuple[int, str], None, Generation]:
+    batch = len(job.ids)
     texts = [TextStream(job.tokenizer, p, config.stop) for p in job.ids] if job.tokenizer is not None else None
     new: list[list[int]] = [[] for _ in range(batch)]
     finish = ["length"] * batch
