@@ -488,6 +488,7 @@ def generate(
 ):
     """Continue prompts with a decoder artifact (converted with --task text-generation[-with-past]),
     printing the text as it comes: greedy by default, sampled with --temperature."""
+    from slimml.errors import ConfigError
     from slimml.runtime import load
     from slimml.runtime.tasks.generation import GenerationConfig
 
@@ -497,6 +498,9 @@ def generate(
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
     if getattr(model.manifest, "seq2seq", None):  # an encoder-decoder answers; greedy only
+        if chat or config != GenerationConfig(max_new_tokens=max_new_tokens, truncate=truncate):
+            raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily without a chat template; "
+                              "drop --temperature, --top-k, --top-p, --repetition-penalty, --seed, --stop and --chat.")
         result = model.generate(list(prompt), max_new_tokens=max_new_tokens)
         if not as_json:
             for p, text in zip(prompt, result.texts):
