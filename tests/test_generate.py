@@ -104,6 +104,18 @@ def test_greedy_is_unchanged_and_a_batch_equals_one_by_one(llama):
     assert [llama.generate([t], max_new_tokens=6, repetition_penalty=1.3).texts[0] for t in texts] == batch.texts
 
 
+def test_repetition_penalty_and_stop_ids_decode_as_transformers(llama, tiny_llama_dir):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    prompt = [5, 6, 7, 8, 5, 6]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                           attention_mask=torch.ones(1, 6, dtype=torch.long), pad_token_id=0, eos_token_id=[0, 2])
+    assert [llama.generate([prompt], max_new_tokens=12, repetition_penalty=1.5).tokens[0]] == want[:, 6:].tolist()
+
+
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llama):
     def sample(seed, **kw):
         return llama.generate(PROMPTS, max_new_tokens=12, temperature=1.0, seed=seed, **kw).tokens
