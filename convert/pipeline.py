@@ -20,10 +20,9 @@ from typing import Any
 import numpy as np
 
 from slimml.convert.families import check, times_batches, write_chains
+from slimml.convert.config import ConvertConfig
 from slimml.convert.distill.distill import DistillConfig
-from slimml.convert.distill.prune import PruneConfig
 from slimml.convert.export import ExportConfig, Exported, export
-from slimml.convert.shard import ShardConfig
 from slimml.convert.sources import Source, resolve
 from slimml.errors import ConfigError, ExportError, SlimmlError
 from slimml.runtime.artifact.atomic import check_output
@@ -31,33 +30,6 @@ from slimml.runtime.artifact.manifest import Manifest, verify_files
 from slimml.runtime.artifact.writer import ArtifactWriter
 from slimml.runtime.loader import load
 from slimml.runtime.tools.bench import sample_feeds, time_runs
-
-
-@dataclass
-class ConvertConfig:
-    """Everything ``convert`` does, stage by stage.
-
-    Args:
-        export: how to export to ONNX.
-        shard: how to split the graph.
-        verify: compare the artifact with the unsharded graph and the torch model.
-        measure_latency: time the artifact (batch 1) for the report.
-        distill: train a student with fewer layers before export (``convert.distill``).
-        prune: remove attention heads and FFN neurons before export (``convert.prune``).
-        quantize: a ``slimml.quantize`` config, applied to the sharded artifact after the
-            checks (``None``: stay float).
-        compare_on: with ``distill``/``prune``, an STS CSV on which the report scores the teacher
-            and the student (``measure_latency`` also times the two side by side).
-    """
-
-    export: ExportConfig = field(default_factory=ExportConfig)
-    shard: ShardConfig = field(default_factory=ShardConfig)
-    verify: bool = True
-    measure_latency: bool = True
-    distill: DistillConfig | None = None
-    prune: PruneConfig | None = None
-    quantize: Any = None
-    compare_on: str | os.PathLike | None = None
 
 
 @dataclass
@@ -176,9 +148,7 @@ def _check_inputs(config: ConvertConfig) -> None:
         from slimml.quantize.api import check_inputs
 
         check_inputs(config.quantize)
-    if config.compare_on is not None:
-        if config.distill is None and config.prune is None:
-            raise ConfigError("compare_on (--compare-on) compares a student with its teacher; set distill or prune with it.")
+    if config.compare_on is not None:  # ConvertConfig checked that it comes with distill or prune
         from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.compare_on)

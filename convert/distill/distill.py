@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,10 +66,14 @@ class DistillConfig:
         device: where the student trains: ``"auto"`` (CUDA when torch sees a GPU), ``"cpu"`` or ``"cuda"``.
     """
 
-    layers: int | None = None
-    data: str | os.PathLike | None = None
-    epochs: float | None = None
-    batch_size: int = 32
+    # the help texts are the CLI's (see slimml.cli_options)
+    layers: int | None = field(default=None, metadata={"help": "Distil into a student with this many layers (fewer than the model's)."})
+    data: str | os.PathLike | None = field(default=None, metadata={
+        "help": "Texts to distil on: one a line, or a CSV with text/sentence1/sentence2 columns. Default: a built-in corpus."})
+    epochs: float | None = field(default=None, metadata={
+        "help": "Passes over the distillation data (default 6; 1 after --prune alone). With both --distill-layers and "
+                "--prune, one more pass trains the student before it is pruned."})
+    batch_size: int = field(default=32, metadata={"help": "Distillation: texts per batch."})
     lr: float = 5e-4
     max_length: int = 128
     max_texts: int | None = None
@@ -77,11 +81,19 @@ class DistillConfig:
     seed: int = 0
     checkpoint_every: int = 100
     pre_prune_epochs: float = 1.0
-    teacher_memory_budget: int | str | None = None
+    teacher_memory_budget: int | str | None = field(default=None, metadata={
+        "help": "Distillation: run the teacher streamed with at most this much of it loaded, e.g. 2GB (a teacher bigger "
+                "than memory).", "flags": ("--teacher-memory-budget",)})
     teacher_top_k: int = 32
-    grad_accum: int = 1
-    mixed_precision: str = "auto"
-    checkpointing: bool = False
+    grad_accum: int = field(default=1, metadata={
+        "help": "Distillation: batches whose gradients make one step (effective batch N x the batch size, at the memory "
+                "of one batch).", "flags": ("--grad-accum",)})
+    mixed_precision: str = field(default="auto", metadata={
+        "help": "Distillation: auto (measured: the faster of fp32 and the device's native low precision), off, bf16, "
+                "fp16 (CUDA).", "flags": ("--mixed-precision",)})
+    checkpointing: bool = field(default=False, metadata={
+        "help": "Distillation: activation checkpointing of the student's layers (less memory, more compute).",
+        "flags": ("--checkpointing",)})
     device: str = "auto"
 
     def __post_init__(self):

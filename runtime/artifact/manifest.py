@@ -409,7 +409,7 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
         if c.get("pooling") is not None:
             problems.extend(Pooling.problems(c["pooling"], f"{at}pooling"))
         if at and c.get("assets") is not None:
-            problems.extend(assets_problems(c["assets"], f"{at}assets", raw))
+            problems.extend(assets_problems(c["assets"], f"{at}assets"))
 
     for key in ("name", "task"):
         need(isinstance(raw.get(key), str), key, "must be a string")

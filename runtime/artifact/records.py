@@ -229,13 +229,13 @@ class Seq2Seq(Record):
         return c.found
 
 
-def assets_problems(raw: Any, where: str, top: Mapping[str, Any]) -> list[str]:
-    """A component's ``assets``: a list naming artifact-level records the manifest has."""
+def assets_problems(raw: Any, where: str) -> list[str]:
+    """A component's ``assets``: a list of asset names. One the manifest lacks (its record was
+    removed) leaves the component without it; using it then says what is missing."""
     c = _Checks()
     if c.need(isinstance(raw, list) and all(isinstance(a, str) for a in raw), where, "must be a list of asset names"):
         for a in raw:
             c.need(a in ASSETS, where, f"names {a!r}, not one of {', '.join(ASSETS)}")
-            c.need(a not in ASSETS or top.get(a) is not None, where, f"names {a!r}, which the manifest does not have")
     return c.found
 
 
