@@ -22,7 +22,7 @@ from slimml.convert.shard import ShardConfig, shard
 from slimml.convert.sources import Source
 from slimml.convert.towers import split_towers
 from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec
-from slimml.runtime.artifact.records import Pooling
+from slimml.runtime.artifact.records import Pooling, Preprocessor, Tokenizer
 from slimml.runtime.artifact.writer import ArtifactWriter
 
 FAMILIES = ("plain", "towers", "seq2seq", "layerwise")
@@ -42,10 +42,10 @@ def write_chains(w: ArtifactWriter, src: Source, exported: Exported, config: Sha
         w.add_chain(specs, *_io(exported.onnx_path, specs), pooling=exported.pooling)
         return "layerwise", None
     if exported.graphs:
-        encoder_takes = "preprocessor" if preprocessor_kind(exported) == "audio" else "tokenizer"
+        encoder_takes = Preprocessor.KEY if preprocessor_kind(exported) == "audio" else Tokenizer.KEY
         for name, path in exported.graphs.items():
             specs = _shard_into(path, w.folder, *_SEQ2SEQ_PLACES[name], config)
-            uses = [encoder_takes] if name == "encoder" else ["tokenizer"]
+            uses = [encoder_takes] if name == "encoder" else [Tokenizer.KEY]
             w.add_chain(specs, *_io(path, specs), name=name, assets=[a for a in uses if a in assets])
         w.share_weights("decoder", "decoder_with_past")
         return "seq2seq", None
@@ -54,7 +54,7 @@ def write_chains(w: ArtifactWriter, src: Source, exported: Exported, config: Sha
             text = c.name == zero_shot["text"]
             # the text tower's embeddings come pooled and normalised by the model
             pooling = Pooling(mode="none", output="text_embeds", normalize=True) if text else None
-            uses = ["tokenizer"] if text else ["preprocessor"]
+            uses = [Tokenizer.KEY] if text else [Preprocessor.KEY]
             specs = _shard_into(c.onnx_path, w.folder, c.name, "shard", config)
             w.add_chain(specs, *_io(c.onnx_path, specs), name=c.name, pooling=pooling, assets=[a for a in uses if a in assets])
         return "towers", zero_shot
@@ -90,10 +90,10 @@ def _add_assets(w: ArtifactWriter, exported: Exported) -> list[str]:
     found = []
     if exported.tokenizer is not None:
         w.add_tokenizer(exported.tokenizer_dir / exported.tokenizer["file"], exported.tokenizer)
-        found.append("tokenizer")
+        found.append(Tokenizer.KEY)
     if exported.preprocessor is not None:
         w.add_preprocessor(exported.preprocessor, preprocessor_kind(exported))
-        found.append("preprocessor")
+        found.append(Preprocessor.KEY)
     return found
 
 
