@@ -96,3 +96,23 @@ def test_records_round_trip_and_check_themselves():
     assert Seq2Seq.problems({"decoder_start_token_id": -1}, components=["encoder"]) == [
         "seq2seq needs the components encoder, decoder and decoder_with_past",
         "seq2seq.decoder_start_token_id must be a token id"]
+
+
+def test_a_rewrite_keeps_every_asset_even_ones_this_slimml_does_not_know(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    (tmp_path / "chat.jinja").write_text("{{ messages }}")
+    with ArtifactWriter(first) as w:
+        _two_components(w, tmp_path)
+        w.add_file(tmp_path / "chat.jinja", "chat_template.jinja", listed=True)
+        w.commit(name="two", task="generic", source={}, steps=[])
+    m = read_manifest(first)
+    with ArtifactWriter(second) as w:  # as quantize rewrites: the same chains, assets copied over
+        w.copy_assets(first, m)
+        for name, part in m.components.items():
+            for s in part.shards:
+                w.add_file(first / s.file, s.file)
+            w.add_chain(part.shards, part.inputs, part.outputs, name=name, assets=part.assets)
+        w.commit(**{**m.header(), "steps": [{"step": "rewrite"}]})
+    m2 = read_manifest(second)
+    assert {f.path: f.sha256 for f in m2.files} == {f.path: f.sha256 for f in m.files}
+    assert m2.components["text"].assets == ["tokenizer"] and m2.steps == [{"step": "rewrite"}]

@@ -123,12 +123,18 @@ class ArtifactWriter:
         return self._preprocessor
 
     def copy_assets(self, src_folder: Path, manifest: Manifest) -> None:
-        """The tokenizer and preprocessor of the artifact ``src_folder`` (a rewrite keeps them)."""
+        """Every file of the artifact ``src_folder`` that is not a shard's: its tokenizer, its
+        preprocessor config and any other listed asset (a chat template). A rewrite keeps them."""
         if manifest.tokenizer is not None:
             self.add_tokenizer(safe_path(src_folder, manifest.tokenizer.file), manifest.tokenizer)
         if manifest.preprocessor is not None:
             self.add_file(safe_path(src_folder, manifest.preprocessor.file), manifest.preprocessor.file)
             self._preprocessor = manifest.preprocessor
+        parts = list(manifest.components.values()) or [manifest]
+        taken = {p for part in parts for s in part.shards for p in (s.file, s.data) if p} | set(manifest.asset_files())
+        for f in manifest.files:
+            if f.path not in taken:
+                self.add_file(safe_path(src_folder, f.path), f.path, listed=True)
 
     # chains --------------------------------------------------------------------------------
     def add_chain(self, shards: list[ShardSpec], inputs: list[TensorSpec], outputs: list[TensorSpec], *,
