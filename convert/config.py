@@ -49,4 +49,4 @@ class ConvertConfig:
     def __post_init__(self):
         if self.compare_on is not None and self.distill is None and self.prune is None:
             raise ConfigError("--compare-on compares a student with its teacher; give --distill-layers N or --prune F "
-                              "with it (in Python: ConvertConfig(distill=..., prune=...)).")
+                              "with it. In Python, set ConvertConfig's distill or prune with compare_on.")

@@ -83,6 +83,11 @@ class Options:
         name = "-".join(p for p in (self.prefix, f.name) if p).replace("_", "-")
         return (f"--{name}/--no-{name}",) if self.cli_type(f) is bool else (f"--{name}",)
 
+    def long_flag(self, f: dataclasses.Field) -> str:
+        """The name messages use: ``--resident`` of ``("--resident", "-k")``, ``--verify`` of ``--verify/--no-verify``."""
+        names = [n.split("/")[0] for n in self.flags(f)]
+        return next((n for n in names if n.startswith("--")), names[0])
+
     def cli_type(self, f: dataclasses.Field) -> type:
         if "type" in f.metadata:
             return f.metadata["type"]
@@ -135,7 +140,7 @@ def config_options(**groups: Options) -> Callable[[Callable], Callable]:
             for dest, group in groups.items():
                 values = {f.name: kwargs.pop(_param_name(dest, f)) for f in group.fields()}
                 defaults = {f.name: group.default(f) for f in group.fields()}
-                flags = {f.name: group.flags(f)[-1].split("/")[0] for f in group.fields()}
+                flags = {f.name: group.long_flag(f) for f in group.fields()}
                 kwargs[dest] = OptionValues(group.config, values, defaults, flags)
             return fn(**kwargs)
 
