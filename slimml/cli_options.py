@@ -10,11 +10,13 @@ A field becomes an option when its metadata has ``"help"``::
 
 Field metadata:
     help: the option's help text (fields without it are not options).
-    flags: the option's names, e.g. ``("-o", "--out")``, or ``("--checkpointing",)`` for a switch
-        with no ``--no-`` form. Default: ``--`` and the field's name dashed, after the group's
-        prefix (``--distill-layers``); a bool gets ``--name/--no-name``.
+    flags: the option's names. With a long name they replace the default (``("--eval",)``,
+        ``("--checkpointing",)`` for a switch with no ``--no-`` form); short ones alone are added
+        to it (``["-k"]``: ``--resident -k``). Default: ``--`` and the field's name dashed, after
+        the group's prefix (``--distill-layers``); a bool gets ``--name/--no-name``.
     type: what the command line parses, where the annotation is a union it cannot take. Default:
-        the one type beside ``None``; ``Path`` for ``str | os.PathLike``; ``str`` for ``int | str``.
+        the one type beside ``None``; ``Path`` for ``str | os.PathLike``; ``str`` for ``int | str``;
+        a repeated option (``list[int]``) for ``tuple[int, ...]``.
 
 A command takes the options of one or more configs with :func:`config_options`. Each group
 replaces the command's parameter of the same name (its options appear there in ``--help``)
@@ -77,11 +79,13 @@ class Options:
         raise TypeError(f"{self.config.__name__}.{f.name} has no default; a command-line option needs one")
 
     def flags(self, f: dataclasses.Field) -> tuple[str, ...]:
-        given = f.metadata.get("flags")
-        if given:
-            return (given,) if isinstance(given, str) else tuple(given)
+        given = f.metadata.get("flags") or ()
+        given = (given,) if isinstance(given, str) else tuple(given)
+        if any(g.startswith("--") for g in given):
+            return given
         name = "-".join(p for p in (self.prefix, f.name) if p).replace("_", "-")
-        return (f"--{name}/--no-{name}",) if self.cli_type(f) is bool else (f"--{name}",)
+        long = f"--{name}/--no-{name}" if self.cli_type(f) is bool else f"--{name}"
+        return (long, *given)
 
     def long_flag(self, f: dataclasses.Field) -> str:
         """The name messages use: ``--resident`` of ``("--resident", "-k")``, ``--verify`` of ``--verify/--no-verify``."""
@@ -182,4 +186,7 @@ def _cli_type(hint: Any) -> type:
         raise TypeError(f"no command-line type for {hint}; give metadata type=")
     if hint is os.PathLike or typing.get_origin(hint) is os.PathLike:
         return Path
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return list[args[0]]  # a repeated option; the config turns the list into its tuple
     return hint

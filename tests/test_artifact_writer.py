@@ -101,9 +101,11 @@ def test_records_round_trip_and_check_themselves():
 def test_a_rewrite_keeps_every_asset_even_ones_this_slimml_does_not_know(tmp_path):
     first, second = tmp_path / "a", tmp_path / "b"
     (tmp_path / "chat.jinja").write_text("{{ messages }}")
+    (tmp_path / "notes.txt").write_text("a file a newer slimml ships")
     with ArtifactWriter(first) as w:
         _two_components(w, tmp_path)
-        w.add_file(tmp_path / "chat.jinja", "chat_template.jinja", listed=True)
+        w.add_chat_template(tmp_path / "chat.jinja")
+        w.add_file(tmp_path / "notes.txt", "notes.txt", listed=True)
         w.commit(name="two", task="generic", source={}, steps=[])
     m = read_manifest(first)
     with ArtifactWriter(second) as w:  # as quantize rewrites: the same chains, assets copied over
@@ -116,3 +118,6 @@ def test_a_rewrite_keeps_every_asset_even_ones_this_slimml_does_not_know(tmp_pat
     m2 = read_manifest(second)
     assert {f.path: f.sha256 for f in m2.files} == {f.path: f.sha256 for f in m.files}
     assert m2.components["text"].assets == ["tokenizer"] and m2.steps == [{"step": "rewrite"}]
+    assert m2.tokenizer.chat_template == "chat_template.jinja" and m2.tokenizer["chat_template"] == "chat_template.jinja"
+    assert "chat_template.jinja" in {f.path for f in m2.components["text"].files}  # the text component owns it
+    assert (second / "notes.txt").read_text() == "a file a newer slimml ships"

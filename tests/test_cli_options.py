@@ -23,7 +23,8 @@ class TrainConfig:
     budget: int | str | None = field(default=None, metadata={"help": "Memory, e.g. 2GB.", "flags": ("--budget",)})
     batch_size: int = field(default=32, metadata={"help": "Texts per batch."})
     fast: bool = field(default=False, metadata={"help": "Go fast.", "flags": ("--fast", "-f")})
-    pin: list[int] | None = field(default=None, metadata={"help": "A shard to keep (repeat).", "flags": ("--pin",)})
+    pin: tuple[int, ...] | None = field(default=None, metadata={"help": "A shard to keep (repeat)."})
+    resident: int | None = field(default=None, metadata={"help": "Shards at once.", "flags": ["-k"]})  # a short form added
     verify: bool = field(default=True, metadata={"help": "Check the result."})
     seed: int = 0  # no help: not an option
 
@@ -57,12 +58,12 @@ def test_fields_with_help_become_options_with_their_defaults_and_help():
     assert "[default: 32]" in r.output
 
     r = CliRunner().invoke(app, ["x", "--train-layers", "3", "--train-data", "t.txt", "--budget", "2GB", "-f",
-                                 "--pin", "1", "--pin", "-1"])
+                                 "--train-pin", "1", "--train-pin", "-1", "-k", "2"])
     assert r.exit_code == 0, r.output
     got = seen["values"]
     assert got["layers"] == 3 and got["data"] == Path("t.txt") and got["budget"] == "2GB" and got["fast"] is True
-    assert got["pin"] == [1, -1]
-    assert got.changed() == ["--train-layers", "--train-data", "--budget", "--fast", "--pin"]
+    assert got["pin"] == [1, -1] and got["resident"] == 2
+    assert got.changed() == ["--train-layers", "--train-data", "--budget", "--fast", "--train-pin", "--train-resident"]
     config = got.build(seed=7)
     assert isinstance(config, TrainConfig) and config.seed == 7 and config.batch_size == 32
 

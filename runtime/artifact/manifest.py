@@ -144,7 +144,7 @@ class Manifest:
 
     def asset_files(self) -> list[str]:
         """The files beside the shards that the runtime reads (tokenizer, preprocessor config)."""
-        return [a.file for a in (self.tokenizer, self.preprocessor) if a]
+        return [p for a in (self.tokenizer, self.preprocessor) if a for p in a.files]
 
     @property
     def shard_count(self) -> int:
@@ -342,7 +342,7 @@ def _with_chain(top: Manifest, chain: dict[str, Any], name: str | None) -> Manif
             assets = derived_assets({t.name for t in inputs}, [len(t.shape) for t in inputs])
         tokenizer = top.tokenizer if "tokenizer" in assets else None
         preprocessor = top.preprocessor if "preprocessor" in assets else None
-        paths |= {a.file for a in (tokenizer, preprocessor) if a}
+        paths |= {p for a in (tokenizer, preprocessor) if a for p in a.files}
         files = [f for f in top.files if f.path in paths]
     return Manifest(
         name=top.name if name is None else f"{top.name}/{name}", task=top.task, source=top.source, steps=top.steps,
@@ -463,7 +463,7 @@ def _check_structure(folder: Path, m: Manifest) -> None:
                     "with a hash; the manifest was edited by hand or damaged: convert again."
                 )
     for what, asset in (("tokenizer", m.tokenizer), ("preprocessor", m.preprocessor)):
-        if asset and asset.file not in listed:
+        if asset and any(p not in listed for p in asset.files):
             raise ArtifactError(f"the manifest's {what} file is not in its file list; convert again.")
     known = {t.name for t in m.inputs}
     for s in m.shards:

@@ -117,11 +117,18 @@ class Tokenizer(Record):
     """The shipped ``tokenizer.json`` and how texts are padded and truncated for the model."""
 
     KEY: ClassVar[str] = "tokenizer"
+    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("chat_template",)
     file: str
     max_length: int | None = None  # truncate longer texts (the model's positions)
     pad_token: str | None = None
     pad_id: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # keys a newer slimml wrote (a chat template, ...)
+    chat_template: str | None = None  # a Jinja chat template file in the artifact (generation)
+    extra: dict[str, Any] = field(default_factory=dict)  # keys a newer slimml wrote (special tokens, ...)
+
+    @property
+    def files(self) -> list[str]:
+        """The artifact files this record names."""
+        return [self.file] + ([self.chat_template] if self.chat_template else [])
 
     @classmethod
     def problems(cls, raw: Any, where: str = "tokenizer") -> list[str]:
@@ -134,6 +141,8 @@ class Tokenizer(Record):
                    "must be a token id from 0 to 2**32-1")
             c.need(raw.get("pad_token") is None or isinstance(raw.get("pad_token"), str), f"{where}.pad_token",
                    "must be a string")
+            c.need(raw.get("chat_template") is None or isinstance(raw.get("chat_template"), str),
+                   f"{where}.chat_template", "must name a file in the artifact")
         return c.found
 
 
@@ -145,6 +154,11 @@ class Preprocessor(Record):
     file: str
     kind: str  # "image" | "audio"
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[str]:
+        """The artifact files this record names."""
+        return [self.file]
 
     @classmethod
     def problems(cls, raw: Any, where: str = "preprocessor") -> list[str]:

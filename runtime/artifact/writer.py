@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -122,19 +123,24 @@ class ArtifactWriter:
         self.add_file(src, self._preprocessor.file)
         return self._preprocessor
 
+    def add_chat_template(self, src: str | os.PathLike, rel: str = "chat_template.jinja") -> str:
+        """Ship a Jinja chat template as ``rel`` and record it in the tokenizer (add that first)."""
+        if self._tokenizer is None:
+            raise ArtifactError("a chat template goes with a tokenizer; add the tokenizer first (this is a slimml bug).")
+        self.add_file(src, rel)
+        self._tokenizer = dataclasses.replace(self._tokenizer, chat_template=rel)
+        return rel
+
     def copy_assets(self, src_folder: Path, manifest: Manifest) -> None:
-        """Every file of the artifact ``src_folder`` that is not a shard's: its tokenizer, its
-        preprocessor config and any other listed asset (a chat template). A rewrite keeps them."""
-        if manifest.tokenizer is not None:
-            self.add_tokenizer(safe_path(src_folder, manifest.tokenizer.file), manifest.tokenizer)
-        if manifest.preprocessor is not None:
-            self.add_file(safe_path(src_folder, manifest.preprocessor.file), manifest.preprocessor.file)
-            self._preprocessor = manifest.preprocessor
+        """Every file of the artifact ``src_folder`` that is not a shard's: its tokenizer (and chat
+        template), its preprocessor config and any other listed asset. A rewrite keeps them."""
         parts = list(manifest.components.values()) or [manifest]
-        taken = {p for part in parts for s in part.shards for p in (s.file, s.data) if p} | set(manifest.asset_files())
+        shard_files = {p for part in parts for s in part.shards for p in (s.file, s.data) if p}
+        records = set(manifest.asset_files())
         for f in manifest.files:
-            if f.path not in taken:
-                self.add_file(safe_path(src_folder, f.path), f.path, listed=True)
+            if f.path not in shard_files:
+                self.add_file(safe_path(src_folder, f.path), f.path, listed=f.path not in records)
+        self._tokenizer, self._preprocessor = manifest.tokenizer, manifest.preprocessor
 
     # chains --------------------------------------------------------------------------------
     def add_chain(self, shards: list[ShardSpec], inputs: list[TensorSpec], outputs: list[TensorSpec], *,
@@ -190,7 +196,7 @@ class ArtifactWriter:
         whole = part(self._chains[None], True) if None in self._chains else None
         components = {} if whole else {n: part(c, False) for n, c in self._chains.items()}
         paths = [p for c in self._chains.values() for s in c.shards for p in (s.file, s.data) if p]
-        paths += [r.file for r in records.values() if r is not None] + self._extra_files
+        paths += [p for r in records.values() if r is not None for p in r.files] + self._extra_files
         files = [file_entry(self.folder, safe_path(self.folder, p)) for p in dict.fromkeys(paths)]  # a shared file once
         manifest = Manifest(
             name=name, task=task, source=source, steps=steps,
