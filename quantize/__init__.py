@@ -3,31 +3,37 @@
 ``quantize(artifact, out, config)`` with a config per scheme: ``Int8Config(target)`` (the best
 int8 for the target), ``Int8DynamicConfig``, ``Int8StaticConfig``, ``WeightOnlyConfig`` (int8 or
 int4 ``MatMulNBits``) and ``Fp16Config``. ``scheme_config("int8", ...)`` maps the CLI's
-``--quantize`` words to configs. Its names load on first use, so ``slimml.quantize.config``
-imports without ONNX.
+``--quantize`` words to configs. The configs import without ONNX (the CLI reads its options from
+them); ``quantize`` loads the quantizer on first use.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
+
+from slimml.quantize.config import (
+    SCHEMES,
+    Fp16Config,
+    GuardConfig,
+    Int8Config,
+    Int8DynamicConfig,
+    Int8StaticConfig,
+    WeightOnlyConfig,
+    scheme_config,
+)
 
 if TYPE_CHECKING:
     from slimml.quantize.api import QuantizeReport, quantize
-    from slimml.quantize.config import (
-        SCHEMES, Fp16Config, GuardConfig, Int8Config, Int8DynamicConfig, Int8StaticConfig, WeightOnlyConfig, scheme_config,
-    )
 
-_WHERE = {
-    "quantize": "api", "QuantizeReport": "api", "SCHEMES": "config", "Int8Config": "config",
-    "Int8DynamicConfig": "config", "Int8StaticConfig": "config", "WeightOnlyConfig": "config", "Fp16Config": "config",
-    "GuardConfig": "config", "scheme_config": "config",
-}
-
-__all__ = list(_WHERE)
+__all__ = [
+    "quantize", "QuantizeReport", "SCHEMES", "Int8Config", "Int8DynamicConfig", "Int8StaticConfig",
+    "WeightOnlyConfig", "Fp16Config", "GuardConfig", "scheme_config",
+]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'slimml.quantize' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"slimml.quantize.{_WHERE[name]}"), name)
+def __getattr__(name: str) -> Any:  # the quantizer (ONNX, ONNX Runtime's tools) loads on first use
+    if name in ("quantize", "QuantizeReport"):
+        import slimml.quantize.api as api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'slimml.quantize' has no attribute {name!r}")
