@@ -47,8 +47,8 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     from slimml.convert.distill import DistillConfig, shrink
-    from slimml.convert.distill_data import load_texts
-    from slimml.convert.prune import PruneConfig
+    from slimml.convert.distill.distill_data import load_texts
+    from slimml.convert.distill.prune import PruneConfig
     from slimml.convert.sources import default_model_dir
     from slimml.runtime.tools.evaluate import read_sts, spearman
 

@@ -108,7 +108,7 @@ def child_pass(variant: str, artifact: Path, texts: Path, budget: str, cache: Pa
     import numpy as np
     from transformers import AutoTokenizer
 
-    from slimml.convert.teacher import teacher_outputs
+    from slimml.convert.distill.teacher import teacher_outputs
 
     tok = AutoTokenizer.from_pretrained(str(artifact.parent / "teacher"), local_files_only=True)
     ids = tok(texts.read_text().splitlines(), truncation=True, max_length=128)["input_ids"]

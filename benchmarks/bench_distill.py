@@ -48,24 +48,24 @@ def optimum_int8_peer(work: Path) -> Path:
 
 def int8_copy(artifact: Path, out: Path, op_types: list[str]) -> Path:
     """A copy of ``artifact`` with every shard dynamically quantized (per-channel int8 weights)."""
+    import dataclasses
+
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from slimml.runtime.artifact.manifest import file_entry, read_manifest
+    from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.runtime.artifact.writer import ArtifactWriter
 
-    shutil.copytree(artifact, out)
-    m = read_manifest(out)
-    for s in m.shards:
-        path = out / s.file
-        tmp = path.with_suffix(".q.onnx")
-        quantize_dynamic(str(path), str(tmp), op_types_to_quantize=op_types, per_channel=True, weight_type=QuantType.QInt8)
-        os.replace(tmp, path)
-        if s.data:
-            (out / s.data).unlink(missing_ok=True)
-            s.data = None
-    m.files = [file_entry(out, out / f.path) for f in m.files if (out / f.path).is_file()]
-    m.steps.append({"step": "quantize (bench estimate)", "tool": "onnxruntime.quantize_dynamic", "op_types": op_types,
-                    "per_channel": True})
-    m.write(out)
+    m = read_manifest(artifact)
+    with ArtifactWriter(out) as w:
+        for s in m.shards:  # weights inline: the quantized shards are small
+            (w.folder / s.file).parent.mkdir(parents=True, exist_ok=True)
+            quantize_dynamic(str(artifact / s.file), str(w.folder / s.file), op_types_to_quantize=op_types,
+                             per_channel=True, weight_type=QuantType.QInt8)
+        w.copy_assets(artifact, m)
+        w.add_chain([dataclasses.replace(s, data=None) for s in m.shards], m.inputs, m.outputs, pooling=m.pooling)
+        step = {"step": "quantize (bench estimate)", "tool": "onnxruntime.quantize_dynamic", "op_types": op_types,
+                "per_channel": True}
+        w.commit(**{**m.header(), "steps": [*m.steps, step]})
     return out
 
 

@@ -44,9 +44,9 @@ VARIANTS = {  # name -> (mixed precision, accumulation, checkpointing)
 def setup(args) -> tuple[Path, Path, Path, Path]:
     """(teacher folder, teacher artifact, texts file, cache folder), the cache filled once here."""
     from slimml.convert import ConvertConfig, convert
-    from slimml.convert.distill_train import Trainer, teacher_kind
+    from slimml.convert.distill.distill_train import Trainer, teacher_kind
     from slimml.convert.distill import DistillConfig
-    from slimml.convert.teacher import teacher_outputs
+    from slimml.convert.distill.teacher import teacher_outputs
 
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
@@ -70,15 +70,15 @@ def setup(args) -> tuple[Path, Path, Path, Path]:
 
 
 def _texts(path: Path, args) -> list[str]:
-    from slimml.convert.distill_data import load_texts
+    from slimml.convert.distill.distill_data import load_texts
 
     return load_texts(path, args.max_texts)[0]
 
 
 def child(args) -> None:
     from slimml.convert.distill import DistillConfig, evenly_spaced
-    from slimml.convert.distill_train import Trainer, build_student, teacher_kind
-    from slimml.convert.teacher import teacher_outputs
+    from slimml.convert.distill.distill_train import Trainer, build_student, teacher_kind
+    from slimml.convert.distill.teacher import teacher_outputs
 
     precision, accum, ckpt = VARIANTS[args.child]
     teacher, art, texts, cache = Path(args.teacher), Path(args.art), Path(args.texts), Path(args.cache)

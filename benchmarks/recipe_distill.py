@@ -23,7 +23,7 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "stsb"
 def main() -> None:
     from slimml.convert import ConvertConfig, convert
     from slimml.convert.distill import DistillConfig
-    from slimml.convert.prune import PruneConfig
+    from slimml.convert.distill.prune import PruneConfig
     from slimml.quantize.config import scheme_config
 
     name, layers, prune, vocab, epochs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], float(sys.argv[5])

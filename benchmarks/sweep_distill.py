@@ -36,7 +36,7 @@ def main() -> None:
 
     from slimml.convert import ConvertConfig, convert
     from slimml.convert.distill import DistillConfig
-    from slimml.convert.prune import PruneConfig
+    from slimml.convert.distill.prune import PruneConfig
     from slimml.quantize.config import scheme_config
 
     for layers in args.layers:

@@ -36,10 +36,11 @@ class ExportConfig:
             of the memory available, optimum otherwise.
     """
 
-    opset: int | None = None
-    task: str = "auto"
+    opset: int | None = field(default=None, metadata={"help": "ONNX opset."})
+    task: str = field(default="auto", metadata={"help": "Hugging Face task to export, or 'auto'."})
     dynamic_batch: bool = True
-    exporter: str = "auto"
+    exporter: str = field(default="auto", metadata={"help": "auto, optimum (traces the whole model) or layerwise "
+                                                    "(Llama-family decoders bigger than memory, one layer at a time)."})
 
     def __post_init__(self):
         if self.opset is not None and not 11 <= self.opset <= 23:

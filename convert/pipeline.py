@@ -1,4 +1,10 @@
-"""``convert``: source model -> ONNX -> layer shards -> checked artifact folder, written atomically."""
+"""``convert``: source model -> ONNX -> layer shards -> checked artifact folder, written atomically.
+
+:func:`convert` reads as its steps: load the source, (distil and/or prune it), export it to ONNX,
+shard it as its family needs (:mod:`.families`), write the artifact (one
+:class:`~slimml.runtime.artifact.writer.ArtifactWriter`), check it against the source
+(:mod:`.check`), then optionally quantize it and time it.
+"""
 
 from __future__ import annotations
 
@@ -13,58 +19,17 @@ from typing import Any
 
 import numpy as np
 
-import slimml
-from slimml.convert.check_seq2seq import check_seq2seq
-from slimml.convert.distill import DistillConfig
+from slimml.convert.families import check, times_batches, write_chains
+from slimml.convert.config import ConvertConfig
+from slimml.convert.distill.distill import DistillConfig
 from slimml.convert.export import ExportConfig, Exported, export
-from slimml.convert.layerwise import write_layerwise
-from slimml.convert.prune import PruneConfig
-from slimml.convert.reference import reference_for
-from slimml.convert.shard import ShardConfig, shard
-from slimml.convert.share import share_weights
 from slimml.convert.sources import Source, resolve
-from slimml.convert.towers import split_towers
-from slimml.runtime.artifact.atomic import atomic_folder, check_output
 from slimml.errors import ConfigError, ExportError, SlimmlError
-from slimml.runtime.tools.bench import sample_feeds, time_runs
-from slimml.runtime.artifact.manifest import Manifest, TensorSpec, file_entry, read_manifest, verify_files
+from slimml.runtime.artifact.atomic import check_output
+from slimml.runtime.artifact.manifest import Manifest, verify_files
+from slimml.runtime.artifact.writer import ArtifactWriter
 from slimml.runtime.loader import load
-from slimml.runtime.engine.session import make_session
-from slimml.runtime.tasks.inputs.text import TextEncoder
-
-SAMPLE_TEXTS = [
-    "A man is playing a guitar on the street.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Quantized models run faster on small machines.",
-    "Short.",
-]
-
-
-@dataclass
-class ConvertConfig:
-    """Everything ``convert`` does, stage by stage.
-
-    Args:
-        export: how to export to ONNX.
-        shard: how to split the graph.
-        verify: compare the artifact with the unsharded graph and the torch model.
-        measure_latency: time the artifact (batch 1) for the report.
-        distill: train a student with fewer layers before export (``convert.distill``).
-        prune: remove attention heads and FFN neurons before export (``convert.prune``).
-        quantize: a ``slimml.quantize`` config, applied to the sharded artifact after the
-            checks (``None``: stay float).
-        compare_on: with ``distill``/``prune``, an STS CSV on which the report scores the teacher
-            and the student (``measure_latency`` also times the two side by side).
-    """
-
-    export: ExportConfig = field(default_factory=ExportConfig)
-    shard: ShardConfig = field(default_factory=ShardConfig)
-    verify: bool = True
-    measure_latency: bool = True
-    distill: DistillConfig | None = None
-    prune: PruneConfig | None = None
-    quantize: Any = None
-    compare_on: str | os.PathLike | None = None
+from slimml.runtime.tools.bench import sample_feeds, time_runs
 
 
 @dataclass
@@ -126,74 +91,46 @@ def convert(
         current[0] = msg
         if on_step is not None:
             on_step(msg)
-    if config.quantize is not None:
-        from slimml.quantize.api import check_inputs
 
-        check_inputs(config.quantize)  # a bad calibration or eval file fails before the export
-    if config.compare_on is not None:
-        if config.distill is None and config.prune is None:
-            raise ConfigError("compare_on (--compare-on) compares a student with its teacher; set distill or prune with it.")
-        from slimml.runtime.tools.evaluate import read_sts
-
-        read_sts(config.compare_on)  # a missing or malformed STS file fails before any training
+    _check_inputs(config)  # a bad calibration, evaluation or STS file fails before any work
     step("reading the source")
     src = resolve(source, example_inputs)
     out = Path(out) if out is not None else Path("artifacts") / (src.name + _default_suffix(config))
     check_output(out)
-    with _one_line_errors(src.name, current), atomic_folder(out) as tmp:  # disk errors: atomic_folder words them
+    with _one_line_errors(src.name, current), ArtifactWriter(out) as w:  # disk errors: the writer words them
         teacher, shrunk = src, []
         if config.distill is not None or config.prune is not None:
-            src, shrunk = _shrink(src, out, tmp / ".work", config, step, on_progress)
+            src, shrunk = _shrink(src, out, w.work, config, step, on_progress)
         step("exporting to ONNX")
-        exported = export(src, tmp / ".work", config.export)
+        exported = export(src, w.work, config.export)
         step("splitting into shards")
-        parts, zero_shot = split_towers(exported.onnx_path, src.path if src.kind == "huggingface" else None)
-        if exported.layerwise:  # a decoder too big to trace whole: its shards are written layer by layer
-            lw = exported.layerwise
-            chains = {None: (exported.onnx_path, write_layerwise(exported.onnx_path, lw["template"], lw["folder"],
-                                                                  lw["depth"], tmp / ".work", tmp))}
-        elif exported.graphs:  # an encoder-decoder: encoder, decoder and decoder with past, each a component
-            # both decoders in one folder, so the one with past can read the other's data files
-            places = {"encoder": ("encoder", "shard"), "decoder": ("decoder", "shard"), "decoder_with_past": ("decoder", "past")}
-            chains = {n: (path, _shard_into(path, tmp, *places[n], config.shard)) for n, path in exported.graphs.items()}
-            share_weights(tmp, chains["decoder"][1], chains["decoder_with_past"][1])
-        elif parts:  # a two-tower model: each tower a component, sharded into a folder of its own
-            chains = {c.name: (c.onnx_path, _shard_into(c.onnx_path, tmp, c.name, "shard", config.shard)) for c in parts}
-        else:
-            chains = {None: (exported.onnx_path, shard(exported.onnx_path, tmp, config.shard))}
-        manifest = _write_manifest(tmp, src, exported, chains, config, zero_shot)
-        if shrunk:  # the steps before export, and the teacher as the source (the student folder is temporary)
-            manifest.steps[:0] = shrunk
-            manifest.source |= {"path": str(teacher.path), "student_of": teacher.name}
+        family, zero_shot = write_chains(w, src, exported, config.shard)
+        source = src.describe() | exported.info
+        if shrunk:  # the teacher is the source (the student folder is temporary)
+            source |= {"path": str(teacher.path), "student_of": teacher.name}
+        manifest = w.commit(name=src.name, task=exported.task, source=source,
+                            steps=[*shrunk, *_steps(config, exported, src, w)], labels=exported.labels,
+                            zero_shot=zero_shot, seq2seq=exported.seq2seq)
         if config.verify:
             step("checking against the original model")
-            if manifest.seq2seq:
-                manifest.checks = check_seq2seq(tmp, manifest, src, exported, SAMPLE_TEXTS)
-            elif exported.layerwise:
-                manifest.checks = verify_layerwise(tmp, manifest, exported)
-            else:
-                manifest.checks = verify(tmp, manifest, src, exported)
+            manifest.checks = check(family, w.folder, manifest, src, exported)
         else:
-            verify_files(tmp, manifest)
+            verify_files(w.folder, manifest)
         if config.quantize is not None:
-            manifest = _quantize_step(tmp, manifest, config.quantize, step)
+            manifest = _quantize_step(w, manifest, config.quantize, step)
         against = None
         if shrunk and (config.measure_latency or config.compare_on is not None):
             step("comparing with the teacher")
-            against = _against_teacher(out, tmp, manifest, config.compare_on,
+            w.update(manifest)
+            against = _against_teacher(out, w.folder, manifest, config.compare_on,
                                        config.distill.teacher_memory_budget if config.distill else None)
             manifest.checks["vs_teacher"] = against
         latency = None
-        if config.measure_latency and not manifest.seq2seq:  # an encoder-decoder's speed is per token: bench generate
+        if config.measure_latency and times_batches(family):
             step("measuring latency")
-            model = load(tmp, device="cpu")
-            seq = min(128, model.max_sequence_length or 128)  # CLIP's text tower takes 77
-            feeds = sample_feeds(model.inputs, batch=1, seq=seq, source=model.manifest.source)
-            latency = float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3)))
+            latency = _latency(w.folder)
             manifest.checks["latency_ms_b1_s128"] = round(latency, 3)
-            del model
-        manifest.write(tmp)
-        shutil.rmtree(tmp / ".work", ignore_errors=True)
+        w.update(manifest)
     if shrunk:  # the artifact is in place: the student's checkpoint and the teacher's cache are done with
         checkpoint, cache, teacher_art = _resume_files(out)
         for leftover in (checkpoint, cache, teacher_art, teacher_art.with_name(teacher_art.name + ".source")):
@@ -203,6 +140,39 @@ def convert(
         size_mb=manifest.total_bytes / 1e6, checks=manifest.checks, latency_ms=latency,
         seconds=time.perf_counter() - t0, steps=manifest.steps, teacher=against,
     )
+
+
+def _check_inputs(config: ConvertConfig) -> None:
+    """Read the files the later stages need now, so a bad one fails before the export."""
+    if config.quantize is not None:
+        from slimml.quantize.api import check_inputs
+
+        check_inputs(config.quantize)
+    if config.compare_on is not None:  # ConvertConfig checked that it comes with distill or prune
+        from slimml.runtime.tools.evaluate import read_sts
+
+        read_sts(config.compare_on)
+
+
+def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWriter) -> list[dict[str, Any]]:
+    """The manifest's records of the export and the shard steps."""
+    exporter = "layerwise (optimum-onnx template)" if exported.layerwise else _exporter(src)
+    return [
+        {"step": "export", **{k: v for k, v in asdict(config.export).items() if v is not None}, "exporter": exporter},
+        {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None},
+         "shards": w.shard_count},
+    ]
+
+
+def _latency(folder: Path) -> float:
+    """The artifact's median batch-1 latency (ms) on the CPU, at up to 128 tokens."""
+    model = load(folder, device="cpu")
+    try:
+        seq = min(128, model.max_sequence_length or 128)  # CLIP's text tower takes 77
+        feeds = sample_feeds(model.inputs, batch=1, seq=seq, source=model.manifest.source)
+        return float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3)))
+    finally:
+        model.close()
 
 
 @contextlib.contextmanager
@@ -224,9 +194,8 @@ def _one_line_errors(name: str, current: list[str]):
 def _against_teacher(out: Path, tmp: Path, manifest: Manifest, sts_file: Any,
                      teacher_budget: int | str | None = None) -> dict[str, Any]:
     """Compare the student in ``tmp`` with the teacher's artifact (float) converted for distillation."""
-    from slimml.convert.compare import compare, student_params
+    from slimml.convert.distill.compare import compare, student_params
 
-    manifest.write(tmp)
     budget = teacher_budget
     t_model = load(_resume_files(out)[2], device="cpu", memory_budget=budget)  # streamed as in distillation
     s_model = load(tmp, device="cpu")
@@ -258,7 +227,7 @@ def _shrink(src: Source, out: Path, work: Path, config: ConvertConfig, step, on_
     distillation data come from that artifact through the runtime, streamed under
     ``distill.teacher_memory_budget``, and the report compares the student with it.
     """
-    from slimml.convert.distill import check, shrink
+    from slimml.convert.distill.distill import check, shrink
 
     if src.kind != "huggingface":
         raise ConfigError(
@@ -303,164 +272,17 @@ def _folder_fingerprint(folder: Path) -> str:
     return h.hexdigest()
 
 
-def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) -> dict[str, Any]:
-    """Compare the sharded artifact in ``folder`` with the unsharded ONNX graph and the torch model.
-
-    The three run one after the other, each freed before the next loads, so checking needs
-    about one copy of the model in memory, not three.
-    """
-    feeds = _check_feeds(folder, manifest)
-    names = [t.name for t in manifest.outputs]
-    full = make_session(exported.onnx_path, "cpu")
-    try:
-        want = dict(zip(names, full.run(names, feeds)))
-    except Exception as e:  # onnxruntime's own exception classes: sample inputs this graph refuses
-        raise ExportError(
-            f"checking the conversion failed: the exported graph refused slimml's sample inputs "
-            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). Convert with --no-verify "
-            "to skip the check, then run the artifact on inputs of your own."
-        ) from None
-    del full
-    torch_out, theirs = {}, None
-    ref = reference_for(src, exported, names)
-    if ref is not None:
-        torch_out = ref(feeds)
-        if exported.pooling is not None:
-            theirs = ref.embed(feeds)
-        del ref
-    model = load(folder, device="cpu")  # the artifact's own integrity check runs here
-    got = model.run(feeds)
-    checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}
-    common = [n for n in names if n in torch_out]
-    if common:
-        checks["max_abs_diff_vs_torch"] = max(float(np.abs(got[n] - torch_out[n]).max()) for n in common)
-        checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
-    if theirs is not None:
-        ours = model.encode(SAMPLE_TEXTS)
-        checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
-    return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
-
-
-def verify_layerwise(folder: Path, manifest: Manifest, exported: Exported) -> dict[str, Any]:
-    """A layer-by-layer export against the torch model run layer by layer (neither holds the whole model)."""
-    from slimml.convert.layerwise import streamed_reference
-
-    feeds = _check_feeds(folder, manifest)
-    want = streamed_reference(exported.layerwise["folder"])(feeds)["logits"]
-    model = load(folder, device="cpu")
-    got = model.run(feeds)["logits"]
-    model.close()
-    return {"max_abs_diff_vs_torch": round(float(np.abs(got - want).max()), 8),
-            "cosine_vs_torch": round(_min_cosine(got, want), 8), "reference": "torch, layer by layer"}
-
-
-def _quantize_step(tmp: Path, manifest: Manifest, qconfig: Any, step: Callable[[str], None]) -> Manifest:
-    """Quantize the float artifact in ``tmp`` in place (via a sibling folder); return the new manifest."""
+def _quantize_step(w: ArtifactWriter, manifest: Manifest, qconfig: Any, step: Callable[[str], None]) -> Manifest:
+    """Quantize the float artifact in the writer's folder; the quantized one takes its place."""
     from slimml.quantize.api import quantize_into
-    from slimml.runtime.artifact.manifest import read_manifest
 
-    manifest.write(tmp)
-    shutil.rmtree(tmp / ".work", ignore_errors=True)
-    qtmp = tmp.parent / f"{tmp.name}-q"
+    w.update(manifest)
+    shutil.rmtree(w.work, ignore_errors=True)
+    qtmp = w.folder.parent / f"{w.folder.name}-q"
     shutil.rmtree(qtmp, ignore_errors=True)
-    quantize_into(tmp, qtmp, qconfig, on_step=step)
-    shutil.rmtree(tmp)
-    os.rename(qtmp, tmp)
-    return read_manifest(tmp)
-
-
-def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:
-    feeds: dict[str, np.ndarray] = {}
-    if manifest.tokenizer is not None:
-        text = TextEncoder(folder / manifest.tokenizer["file"], manifest.tokenizer, [t.name for t in manifest.inputs])
-        feeds = text(SAMPLE_TEXTS)
-        if not manifest.components:
-            return feeds
-    rest = [t for t in manifest.inputs if t.name not in feeds]  # a vision tower's pixels beside the texts
-    return feeds | sample_feeds(rest, batch=2, seq=16, source=manifest.source) if rest else feeds
-
-
-def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a = a.reshape(a.shape[0], -1).astype(np.float64)
-    b = b.reshape(b.shape[0], -1).astype(np.float64)
-    cos = (a * b).sum(1) / np.clip(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30, None)
-    return float(cos.min())
-
-
-def _shard_into(onnx_path: Path, folder: Path, name: str, prefix: str, config: ShardConfig) -> list:
-    """Shard one component into ``folder/name/`` as ``prefix_NNN.onnx``; its specs name files relative to ``folder``."""
-    (folder / name).mkdir(exist_ok=True)
-    specs = shard(onnx_path, folder / name, config, prefix=prefix)
-    for s in specs:
-        s.file = f"{name}/{s.file}"
-        s.data = f"{name}/{s.data}" if s.data else None
-    return specs
-
-
-def _chain(onnx_path: Path, specs: list, pooling: dict | None) -> Manifest:
-    """One chain of shards (the whole model, or a component) as a manifest of its inputs, outputs and shards."""
-    import onnx
-
-    graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    weights = {t.name for t in graph.initializer}
-    by_name = {t.name: t for s in specs for t in [*s.inputs, *s.outputs]}
-    inputs = [_strip(by_name[i.name]) for i in graph.input if i.name not in weights and i.name in by_name]
-    outputs = [_strip(by_name[o.name]) for o in graph.output]
-    return Manifest(name="", task="", source={}, steps=[], inputs=inputs, outputs=outputs, shards=specs, files=[],
-                    pooling=pooling)
-
-
-def _write_manifest(folder: Path, src: Source, exported: Exported, chains: dict, config: ConvertConfig,
-                    zero_shot: dict | None = None) -> Manifest:
-    if None in chains:
-        whole = _chain(*chains[None], exported.pooling)
-        components = {}
-    else:  # the text tower's embeddings come pooled and normalised by the model
-        text = (zero_shot or {}).get("text")
-        none = {"mode": "none", "output": "text_embeds", "normalize": True}
-        components = {n: _chain(path, specs, none if n == text else None) for n, (path, specs) in chains.items()}
-        whole = Manifest(name="", task="", source={}, steps=[], inputs=[], outputs=[], shards=[], files=[])
-    paths = [p for _, specs in chains.values() for s in specs for p in (s.file, s.data) if p]
-    files = [file_entry(folder, folder / p) for p in dict.fromkeys(paths)]  # a shared data file is listed once
-    if exported.tokenizer is not None:
-        shutil.copy2(exported.tokenizer_dir / exported.tokenizer["file"], folder / exported.tokenizer["file"])
-        files.append(file_entry(folder, folder / exported.tokenizer["file"]))
-    preprocessor = None
-    if exported.preprocessor is not None:
-        shutil.copy2(exported.preprocessor, folder / exported.preprocessor.name)
-        files.append(file_entry(folder, folder / exported.preprocessor.name))
-        kind = "audio" if exported.info.get("hf_task", "").startswith("automatic-speech-recognition") else "image"
-        preprocessor = {"file": exported.preprocessor.name, "kind": kind}
-    manifest = Manifest(
-        name=src.name,
-        task=exported.task,
-        source=src.describe() | exported.info,
-        steps=[
-            {"step": "export", **{k: v for k, v in asdict(config.export).items() if v is not None},
-             "exporter": "layerwise (optimum-onnx template)" if exported.layerwise else _exporter(src)},
-            {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None},
-             "shards": sum(len(specs) for _, specs in chains.values())},
-        ],
-        inputs=whole.inputs,
-        outputs=whole.outputs,
-        shards=whole.shards,
-        files=files,
-        tokenizer=exported.tokenizer,
-        pooling=whole.pooling,
-        preprocessor=preprocessor,
-        labels=exported.labels,
-        components=components,
-        zero_shot=zero_shot,
-        seq2seq=exported.seq2seq,
-        slimml_version=slimml.__version__,
-    )
-    manifest.write(folder)
-    return read_manifest(folder)  # components come back as full manifests of their own
+    quantize_into(w.folder, qtmp, qconfig, on_step=step)
+    return w.adopt(qtmp)
 
 
 def _exporter(src: Source) -> str:
     return {"huggingface": "optimum-onnx", "torch": "torch.onnx", "onnx": "none (ONNX source)"}[src.kind]
-
-
-def _strip(t: TensorSpec) -> TensorSpec:
-    return TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape)

@@ -19,13 +19,15 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnx
-from onnx import external_data_helper, helper, numpy_helper
 
 from slimml.errors import ConfigError, ExportError
 from slimml.runtime.artifact.manifest import ShardSpec, TensorSpec
+
+if TYPE_CHECKING:  # onnx loads when a graph is sharded, not when the CLI reads ShardConfig
+    import onnx
 
 # "layer.3", "layers.12", "h.0", "block.2", "blocks.5" between "/" or "." separators.
 _LAYER_RE = re.compile(r"(?:^|[/.])(layers?|h|blocks?|block)[._](\d+)(?=[/._]|$)")
@@ -101,6 +103,8 @@ def shard(model_path: str | os.PathLike, out_dir: str | os.PathLike, config: Sha
     Example:
         >>> specs = shard("model.onnx", "out/", ShardConfig(mode="count", count=4))
     """
+    import onnx
+
     config = config or ShardConfig()
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = onnx.load(str(model_path), load_external_data=False)
@@ -246,6 +250,9 @@ def _min_cuts(g: _Graph) -> list[int]:
 
 
 def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_dir, prefix="shard") -> ShardSpec:
+    import onnx
+    from onnx import external_data_helper, helper
+
     nodes = g.nodes[lo:hi]
     made = {o for nd in nodes for o in nd.output if o}
     read = set().union(*g.uses[lo:hi]) if nodes else set()
@@ -303,6 +310,8 @@ def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_di
 
 def _value_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
     """Types and shapes of every tensor, from ONNX shape inference (weights need not be loaded)."""
+    import onnx
+
     try:
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
     except Exception:
@@ -312,6 +321,8 @@ def _value_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
 
 
 def _typed(types: dict[str, onnx.ValueInfoProto], name: str) -> onnx.ValueInfoProto:
+    import onnx
+
     vi = types.get(name)
     if vi is None or not vi.type.HasField("tensor_type") or vi.type.tensor_type.elem_type == 0:
         raise ExportError(
@@ -324,6 +335,8 @@ def _typed(types: dict[str, onnx.ValueInfoProto], name: str) -> onnx.ValueInfoPr
 
 
 def _spec(vi: onnx.ValueInfoProto, source: int | str | None = None) -> TensorSpec:
+    from onnx import helper
+
     tt = vi.type.tensor_type
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
     shape: list[int | str | None] = []
@@ -337,6 +350,9 @@ def _spec(vi: onnx.ValueInfoProto, source: int | str | None = None) -> TensorSpe
 
 def _constants_to_initializers(graph: onnx.GraphProto) -> None:
     """Turn ``Constant`` nodes into initializers, so each shard that reads one gets its own copy."""
+    import onnx
+    from onnx import helper, numpy_helper
+
     keep = []
     for node in graph.node:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.attribute) == 1:
@@ -375,6 +391,8 @@ def _constants_to_initializers(graph: onnx.GraphProto) -> None:
 
 def _node_uses(node: onnx.NodeProto) -> set[str]:
     """Names a node reads: its inputs and the outer-scope names its subgraphs capture."""
+    import onnx
+
     names = {x for x in node.input if x}
     for attr in node.attribute:
         subs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
@@ -422,6 +440,9 @@ def _layer_key(node: onnx.NodeProto) -> str | None:
 
 
 def _nbytes(t: onnx.TensorProto) -> int:
+    import onnx
+    from onnx import helper
+
     if t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
         return len(t.raw_data)
     count = int(np.prod(t.dims)) if len(t.dims) else 1

@@ -3,10 +3,14 @@
 ``quantize(artifact, out, config)`` with a config per scheme: ``Int8Config(target)`` (the best
 int8 for the target), ``Int8DynamicConfig``, ``Int8StaticConfig``, ``WeightOnlyConfig`` (int8 or
 int4 ``MatMulNBits``) and ``Fp16Config``. ``scheme_config("int8", ...)`` maps the CLI's
-``--quantize`` words to configs.
+``--quantize`` words to configs. The configs import without ONNX (the CLI reads its options from
+them); ``quantize`` loads the quantizer on first use.
 """
 
-from slimml.quantize.api import QuantizeReport, quantize
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from slimml.quantize.config import (
     SCHEMES,
     Fp16Config,
@@ -18,7 +22,18 @@ from slimml.quantize.config import (
     scheme_config,
 )
 
+if TYPE_CHECKING:
+    from slimml.quantize.api import QuantizeReport, quantize
+
 __all__ = [
     "quantize", "QuantizeReport", "SCHEMES", "Int8Config", "Int8DynamicConfig", "Int8StaticConfig",
     "WeightOnlyConfig", "Fp16Config", "GuardConfig", "scheme_config",
 ]
+
+
+def __getattr__(name: str) -> Any:  # the quantizer (ONNX, ONNX Runtime's tools) loads on first use
+    if name in ("quantize", "QuantizeReport"):
+        import slimml.quantize.api as api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'slimml.quantize' has no attribute {name!r}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import time
@@ -15,14 +14,14 @@ import onnx
 
 import slimml
 from slimml.errors import ArtifactError, ConfigError
-from slimml.quantize import chain as ch
-from slimml.quantize.backends import ShardContext, backend_for
+import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and NNCF backends)
+import slimml.quantize.chain as ch
 from slimml.quantize.calibration import calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
 from slimml.quantize.fuse import fusable, rematerialize_inputs
-from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, file_entry, read_manifest, verify_files
-
-_WEIGHT_MIN_BYTES = 1024  # as the splitter: smaller initializers stay inline
+from slimml.quantize.registry import ShardContext, backend_for
+from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, read_manifest, verify_files
+from slimml.runtime.artifact.writer import ArtifactWriter, save_onnx
 
 
 @dataclass
@@ -76,8 +75,6 @@ def quantize(
         >>> from slimml.quantize import quantize, Int8Config
         >>> quantize("artifacts/all-MiniLM-L6-v2", "artifacts/minilm-int8", Int8Config("cpu"))
     """
-    from slimml.runtime.artifact.atomic import atomic_folder
-
     src, out = Path(source), Path(out)
     if out.resolve() == src.resolve():
         raise ConfigError(f"the output {out} is the input artifact; give another folder with -o.")
@@ -86,9 +83,8 @@ def quantize(
             f"the output {out} exists and is not a slimml artifact; refusing to replace it. Give another folder with -o."
         )
     _read_float_artifact(src)  # a bad source fails before a temporary folder appears
-    with atomic_folder(out) as tmp:
-        shutil.rmtree(tmp)  # quantize_into makes the folder itself
-        result = quantize_into(src, tmp, config, on_step)
+    with ArtifactWriter(out) as w:
+        result = _quantize_with(w, src, config, on_step)
     result.out = out
     return result
 
@@ -98,9 +94,15 @@ def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callabl
 
     ``convert --quantize`` calls this inside its own temporary folder; users call :func:`quantize`.
     """
+    with ArtifactWriter(dst, atomic=False) as w:
+        return _quantize_with(w, Path(src), config, on_step)
+
+
+def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig,
+                   on_step: Callable[[str], None] | None = None) -> QuantizeReport:
+    """Quantize the artifact ``src`` through the writer ``w``: every chain, then the manifest."""
     t0 = time.perf_counter()
     step = on_step or (lambda _msg: None)
-    src, dst = Path(src), Path(dst)
     manifest = _read_float_artifact(src)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
@@ -108,15 +110,14 @@ def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callabl
         from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.guard.eval_file)  # a bad eval file fails before any work
-    dst.mkdir(parents=True)
-    try:
-        if manifest.components:
-            result = _quantize_components(src, manifest, dst, config, calib, held, origin, step)
-        else:
-            result, _ = _quantize_artifact(src, manifest, dst, config, calib, held, origin, step)
-    except BaseException:
-        shutil.rmtree(dst, ignore_errors=True)
-        raise
+    w.copy_assets(src, manifest)
+    if manifest.components:
+        result = _quantize_components(w, src, manifest, config, calib, held, origin, step)
+    else:
+        result, record = _quantize_artifact(w, src, manifest, None, config, calib, held, origin, step)
+        new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
+                          "checks": {**manifest.checks, **{f"quantize_{k}": v for k, v in result.checks.items()}}})
+        result.size_mb = new.total_bytes / 1e6
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -147,35 +148,29 @@ def _read_float_artifact(src: Path) -> Manifest:
     return manifest
 
 
-def _quantize_components(src, manifest, tmp, config, calib, held, origin, step) -> QuantizeReport:
+def _quantize_components(w, src, manifest, config, calib, held, origin, step) -> QuantizeReport:
     """Each component quantized as an artifact of its own (its own guard), then one manifest."""
-    reports, parts, records = {}, {}, []
+    reports, records = {}, []
     feeds = _seq2seq_feeds(src, calib, held, step) if manifest.seq2seq else {}
     for name, part in manifest.components.items():
         step(f"component {name}")
-        reports[name], parts[name] = _quantize_artifact(src, part, tmp, config, calib, held, origin, step, feeds.get(name))
-        records.append({"component": name, **parts[name].steps[-1]})
+        reports[name], record = _quantize_artifact(w, src, part, name, config, calib, held, origin, step, feeds.get(name))
+        records.append({"component": name, **record})
     if manifest.seq2seq:  # identical quantized weights of the two decoders: stored once again
-        from slimml.convert.share import share_weights
-
-        share_weights(tmp, parts["decoder"].shards, parts["decoder_with_past"].shards)
-    paths = [p for part in parts.values() for s in part.shards for p in (s.file, s.data) if p]
-    paths += [p for part in parts.values() for p in part.asset_files()]
-    files = {p: file_entry(tmp, tmp / p) for p in dict.fromkeys(paths)}
+        w.share_weights("decoder", "decoder_with_past")
     record = {k: v for k, v in records[0].items() if k not in ("component", "quantized_shards", "float_shards", "fused")}
     record["components"] = {r["component"]: {k: r[k] for k in ("quantized_shards", "float_shards", "fused") if k in r}
                             for r in records}
     checks = {f"{name}_{k}": v for name, r in reports.items() for k, v in r.checks.items()}
-    new = dataclasses.replace(
-        manifest, steps=[*manifest.steps, record], components=parts, files=list(files.values()),
-        checks={**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}, slimml_version=slimml.__version__,
-    )
-    new.write(tmp)
+    new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
+                      "checks": {**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}})
+    for name, r in reports.items():
+        r.size_mb = new.components[name].total_bytes / 1e6
     offsets, n = {}, 0
     for name, part in manifest.components.items():
         offsets[name], n = n, n + len(part.shards)
     return QuantizeReport(
-        out=tmp, scheme=_scheme_name(config), size_mb=new.total_bytes / 1e6, float_size_mb=manifest.total_bytes / 1e6,
+        out=w.folder, scheme=_scheme_name(config), size_mb=new.total_bytes / 1e6, float_size_mb=manifest.total_bytes / 1e6,
         quantized_shards=[offsets[name] + i for name, r in reports.items() for i in r.quantized_shards],
         float_shards={offsets[name] + i: why for name, r in reports.items() for i, why in r.float_shards.items()},
         checks=checks, components=reports,
@@ -199,14 +194,15 @@ def _seq2seq_feeds(src: Path, calib: list[str], held: list[str], step) -> dict[s
     return {name: (fit[name], check[name]) for name in fit}
 
 
-def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step, feeds=None) -> tuple[QuantizeReport, Manifest]:
-    """Quantize one chain of shards into ``tmp``; the report and the chain's new manifest.
+def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step, feeds=None) -> tuple[QuantizeReport, dict]:
+    """Quantize one chain of shards (the whole model, or the component ``name``) into the writer;
+    the report and the chain's record of the quantize step.
 
     ``feeds``: (calibration, held-out) feed lists for a chain that text alone cannot feed (a decoder).
     """
     from slimml.quantize.guard import GuardResult, apply_guard
 
-    work = tmp / ".work"
+    work = w.work / "quantize"
     work.mkdir()
     text = ch.text_encoder(src, manifest)
     float_files = ch.shard_paths(src, manifest)
@@ -243,7 +239,7 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step, fe
             float_why[spec.index] = "nothing to quantize"
             continue
         qpath = work / spec.file
-        _save(q, qpath)
+        save_onnx(q, qpath)
         quant_files[spec.index] = qpath
         notes[spec.index] = ctx.notes
     if not quant_files:
@@ -264,13 +260,16 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step, fe
         quant_files.pop(i, None)
         float_why[i] = why
     final = [quant_files.get(s.index, p) for s, p in zip(manifest.shards, float_files)]
-    new_manifest = _write(tmp, src, manifest, final, quant_files, config, origin, float_why, notes, guard.checks)
+    shards = _write_chain(w, src, manifest, final, quant_files)
+    w.add_chain(shards, manifest.inputs, manifest.outputs, name=name, pooling=manifest.pooling,
+                assets=manifest.assets if name is not None else ())
     shutil.rmtree(work, ignore_errors=True)
-    return QuantizeReport(
-        out=tmp, scheme=_scheme_name(config), size_mb=new_manifest.total_bytes / 1e6,
+    report = QuantizeReport(
+        out=w.folder, scheme=_scheme_name(config), size_mb=0.0,
         float_size_mb=manifest.total_bytes / 1e6, quantized_shards=sorted(quant_files),
         float_shards=dict(sorted(float_why.items())), checks=guard.checks,
-    ), new_manifest
+    )
+    return report, _record(manifest, config, origin, quant_files, float_why, notes)
 
 
 def _providers() -> list[str]:
@@ -279,42 +278,29 @@ def _providers() -> list[str]:
     return onnxruntime.get_available_providers()
 
 
-def _save(model: onnx.ModelProto, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = f"{path.name}.data"
-    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data, size_threshold=_WEIGHT_MIN_BYTES)
-    if not (path.parent / data).exists():  # every weight was small: nothing went to the data file
-        onnx.save_model(onnx.load(str(path)), str(path))
-
-
-def _write(tmp, src, manifest, final, quant_files, config, origin, float_why, notes, checks) -> Manifest:
+def _write_chain(w: ArtifactWriter, src: Path, manifest: Manifest, final: list[Path], quant_files: dict[int, Path]) -> list[ShardSpec]:
+    """Put each shard (quantized, or the float one) into the writer's folder; their new specs."""
     import numpy as np
 
-    shards, files = [], []
+    shards = []
     for spec, path in zip(manifest.shards, final):
-        dst = tmp / spec.file
-        dst.parent.mkdir(parents=True, exist_ok=True)  # a component's shards sit in its own folder
-        if spec.index not in quant_files and spec.data and spec.data != f"{spec.file}.data":
-            _save(onnx.load(str(path)), dst)  # it read another shard's data file: it gets its own again
+        own_data = f"{spec.file}.data"
+        if spec.index not in quant_files and spec.data and spec.data != own_data:
+            data = w.save_onnx(onnx.load(str(path)), spec.file)  # it read another shard's data file: it gets its own again
         else:
-            shutil.copy2(path, dst)
-            data = path.parent / f"{path.name}.data" if spec.index in quant_files else (src / spec.data if spec.data else None)
-            if data is not None and data.exists():
-                shutil.copy2(data, tmp / f"{spec.file}.data")
-        m = onnx.load(str(dst), load_external_data=False)
-        has_data = (tmp / f"{spec.file}.data").exists()
+            w.add_file(path, spec.file)
+            source_data = path.parent / f"{path.name}.data" if spec.index in quant_files else (src / spec.data if spec.data else None)
+            data = w.add_file(source_data, own_data) if source_data is not None and source_data.exists() else None
+        m = onnx.load(str(w.folder / spec.file), load_external_data=False)
         weight_bytes = sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
                            for t in m.graph.initializer)
-        shards.append(ShardSpec(index=spec.index, file=spec.file, data=f"{spec.file}.data" if has_data else None,
-                                weight_bytes=weight_bytes, inputs=_inputs(m, spec, manifest), outputs=spec.outputs,
-                                layers=spec.layers))
-        files.append(file_entry(tmp, dst))
-        if has_data:
-            files.append(file_entry(tmp, tmp / f"{spec.file}.data"))
-    for rel in manifest.asset_files():
-        shutil.copy2(src / rel, tmp / rel)
-        files.append(file_entry(tmp, tmp / rel))
+        shards.append(ShardSpec(index=spec.index, file=spec.file, data=data, weight_bytes=weight_bytes,
+                                inputs=_inputs(m, spec, manifest), outputs=spec.outputs, layers=spec.layers))
+    return shards
+
+
+def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files: dict, float_why: dict, notes: dict) -> dict:
+    """The manifest's record of the quantize step for one chain."""
     record = {"step": "quantize", **describe(config), "calibration": origin,
               "quantized_shards": sorted(quant_files),
               "float_shards": {str(k): v for k, v in sorted(float_why.items())}}
@@ -324,12 +310,7 @@ def _write(tmp, src, manifest, final, quant_files, config, origin, float_why, no
     elif record.get("fuse") and not fusable(manifest.source):  # asked for, not made: say so
         record["fuse"] = False
         record["fuse_skipped"] = f"model type {manifest.source.get('model_type')!r} is not a BERT-family encoder"
-    new = dataclasses.replace(  # name, task, tokenizer, pooling, preprocessor, labels carry over
-        manifest, steps=[*manifest.steps, record], shards=shards, files=files,
-        checks={**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}, slimml_version=slimml.__version__,
-    )
-    new.write(tmp)
-    return new
+    return record
 
 
 def _inputs(m: onnx.ModelProto, spec: ShardSpec, manifest: Manifest) -> list[TensorSpec]:

@@ -251,6 +251,36 @@ def scheme_config(
     return Fp16Config(**common)
 
 
+@dataclass
+class QuantizeOptions:
+    """The command line's choice of quantization (``--quantize`` and what goes with it); the help
+    texts are the CLI's (see :mod:`slimml.cli_options`). :meth:`to_config` makes the config.
+
+    Example:
+        >>> QuantizeOptions(scheme="int8", target="cpu").to_config()
+    """
+
+    scheme: str = field(default="none", metadata={
+        "help": "none, int8 (best for --target), int8-dynamic, int8-static, int8-weights, int4-weights, fp16 (cuda).",
+        "flags": ("--quantize",)})
+    calibration: Path | None = field(default=None, metadata={
+        "help": "Calibration texts: one per line, or an STS CSV. Default: a built-in corpus."})
+    max_drop: float | None = field(default=None, metadata={
+        "help": "Accuracy guard: keep sensitive shards float until the drop is at most this."})
+    eval_file: Path | None = field(default=None, metadata={
+        "help": "STS CSV the guard measures the drop on (Spearman x100 points).", "flags": ("--eval",)})
+    target: str = field(default="cpu", metadata={"help": "cpu or cuda: what the quantized model will run on."})
+    keep_best: bool = field(default=False, metadata={
+        "help": "If --max-drop cannot be met, write the best model found instead of failing.", "flags": ("--keep-best",)})
+    backend: str = field(default="ort", metadata={
+        "help": "Who quantizes: ort (ONNX Runtime) or nncf (int8-static, int8-weights, int4-weights)."})
+
+    def to_config(self) -> QuantizeConfig | None:
+        """The scheme's config (``None`` for ``none``); see :func:`scheme_config`."""
+        return scheme_config(self.scheme, self.target, self.calibration, self.max_drop, self.eval_file, self.keep_best,
+                             self.backend)
+
+
 def _check_target(target: str) -> None:
     if target not in TARGETS:
         raise ConfigError(f"unknown --target {target!r}; use cpu or cuda.")

@@ -15,7 +15,7 @@ import logging
 import onnx
 
 from slimml.errors import ConfigError
-from slimml.quantize.backends import ShardContext, register, weight_matmuls
+from slimml.quantize.registry import ShardContext, register, weight_matmuls
 from slimml.quantize.config import Int8StaticConfig, WeightOnlyConfig
 
 # what NNCF 3.4's ONNX backend compresses weights to (its own list minus the float formats)

@@ -9,8 +9,26 @@ Example:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec, read_manifest
-from slimml.runtime.engine.config import LoadConfig
-from slimml.runtime.loader import Model, load
+
+if TYPE_CHECKING:
+    from slimml.runtime.engine.config import LoadConfig
+    from slimml.runtime.loader import Model, load
 
 __all__ = ["LoadConfig", "Manifest", "Model", "ShardSpec", "TensorSpec", "load", "read_manifest"]
+
+
+def __getattr__(name: str) -> Any:
+    """``load`` and ``Model`` bring in ONNX Runtime on first use, so the artifact layer
+    (``slimml.runtime.artifact``: what convert and the CLI read and write) imports without it."""
+    if name in ("load", "Model"):
+        import slimml.runtime.loader as loader
+
+        return getattr(loader, name)
+    if name == "LoadConfig":
+        from slimml.runtime.engine.config import LoadConfig
+
+        return LoadConfig
+    raise AttributeError(f"module 'slimml.runtime' has no attribute {name!r}")

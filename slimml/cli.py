@@ -16,7 +16,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from slimml.cli_options import Options, OptionValues, config_options
+from slimml.convert.config import ConvertConfig, DistillConfig, ExportConfig, PruneConfig, ShardConfig
 from slimml.errors import SlimmlError
+from slimml.quantize.config import QuantizeOptions
 
 app = typer.Typer(
     name="slimml",
@@ -38,69 +41,48 @@ Resident = Annotated[Optional[int], typer.Option("--resident", "-k", help="Shard
 Prefetch = Annotated[Optional[int], typer.Option("--prefetch", "-p", help="Shards the loader brings in ahead of the one computing (P).")]
 Budget = Annotated[Optional[str], typer.Option("--memory-budget", help="Memory for loaded shards, e.g. 4GB; picks K and P.")]
 Pin = Annotated[Optional[list[int]], typer.Option("--pin", help="A shard to keep loaded (repeat; -1 is the last).")]
-Quantize = Annotated[str, typer.Option("--quantize", help="none, int8 (best for --target), int8-dynamic, int8-static, int8-weights, int4-weights, fp16 (cuda).")]
-Calibration = Annotated[Optional[Path], typer.Option("--calibration", help="Calibration texts: one per line, or an STS CSV. Default: a built-in corpus.")]
-MaxDrop = Annotated[Optional[float], typer.Option("--max-drop", help="Accuracy guard: keep sensitive shards float until the drop is at most this.")]
-EvalFile = Annotated[Optional[Path], typer.Option("--eval", help="STS CSV the guard measures the drop on (Spearman x100 points).")]
-Target = Annotated[str, typer.Option("--target", help="cpu or cuda: what the quantized model will run on.")]
-QBackend = Annotated[str, typer.Option("--backend", help="Who quantizes: ort (ONNX Runtime) or nncf (int8-static, int8-weights, int4-weights).")]
-KeepBest = Annotated[bool, typer.Option("--keep-best", help="If --max-drop cannot be met, write the best model found instead of failing.")]
-
-
 @app.command()
+@config_options(
+    export=Options(ExportConfig, only=("task", "opset")),
+    checks=Options(ConvertConfig, only=("verify",)),
+    distill=Options(DistillConfig, prefix="distill", only=("layers", "data", "epochs")),
+    prune=Options(PruneConfig, defaults={"fraction": None}),  # no --prune: no pruning
+    compare=Options(ConvertConfig, only=("compare_on",)),
+    training=Options(DistillConfig, prefix="distill", only=("teacher_memory_budget", "batch_size", "grad_accum",
+                                                            "mixed_precision", "checkpointing")),
+    exporter=Options(ExportConfig, only=("exporter",)),
+    quantizing=Options(QuantizeOptions),
+)
 def convert(
     source: Annotated[Optional[str], typer.Argument(help="HF model folder, .onnx, .py or torch checkpoint. Default: all-MiniLM-L6-v2.")] = None,
     out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Artifact folder. Default: artifacts/<name>, with -d3-p50 for a student or -int8 (the scheme) for a quantized model, so the float artifact is never replaced.")] = None,
     shards: Annotated[str, typer.Option(help="'per-layer' or a number of shards balanced by weight bytes.")] = "per-layer",
     shard_size: Annotated[Optional[float], typer.Option(help="Largest shard in MB of weights (instead of --shards).")] = None,
-    task: Annotated[str, typer.Option(help="Hugging Face task to export, or 'auto'.")] = "auto",
-    opset: Annotated[Optional[int], typer.Option(help="ONNX opset.")] = None,
-    verify: Annotated[bool, typer.Option(help="Check the artifact against the original model.")] = True,
-    distill_layers: Annotated[Optional[int], typer.Option(help="Distil into a student with this many layers (fewer than the model's).")] = None,
-    distill_data: Annotated[Optional[Path], typer.Option(help="Texts to distil on: one a line, or a CSV with text/sentence1/sentence2 columns. Default: a built-in corpus.")] = None,
-    distill_epochs: Annotated[Optional[float], typer.Option(help="Passes over the distillation data (default 6; 1 after --prune alone). With both --distill-layers and --prune, one more pass trains the student before it is pruned.")] = None,
-    prune: Annotated[Optional[float], typer.Option(help="Remove this share (0..1) of attention heads and FFN neurons per layer, then recover by distillation.")] = None,
-    compare_on: Annotated[Optional[Path], typer.Option("--compare-on", help="With --distill-layers/--prune: an STS CSV on which the report scores the teacher and the student.")] = None,
-    teacher_memory_budget: Annotated[Optional[str], typer.Option(help="Distillation: run the teacher streamed with at most this much of it loaded, e.g. 2GB (a teacher bigger than memory).")] = None,
-    distill_batch_size: Annotated[int, typer.Option(help="Distillation: texts per batch.")] = 32,
-    grad_accum: Annotated[int, typer.Option(help="Distillation: batches whose gradients make one step (effective batch N x the batch size, at the memory of one batch).")] = 1,
-    mixed_precision: Annotated[str, typer.Option(help="Distillation: auto (measured: the faster of fp32 and the device's native low precision), off, bf16, fp16 (CUDA).")] = "auto",
-    checkpointing: Annotated[bool, typer.Option("--checkpointing", help="Distillation: activation checkpointing of the student's layers (less memory, more compute).")] = False,
-    exporter: Annotated[str, typer.Option(help="auto, optimum (traces the whole model) or layerwise (Llama-family decoders bigger than memory, one layer at a time).")] = "auto",
-    quantize: Quantize = "none",
-    calibration: Calibration = None,
-    max_drop: MaxDrop = None,
-    eval_file: EvalFile = None,
-    target: Target = "cpu",
-    keep_best: KeepBest = False,
-    backend: QBackend = "ort",
+    export: OptionValues = None,
+    checks: OptionValues = None,
+    distill: OptionValues = None,
+    prune: OptionValues = None,
+    compare: OptionValues = None,
+    training: OptionValues = None,
+    exporter: OptionValues = None,
+    quantizing: OptionValues = None,
     as_json: AsJson = False,
 ):
     """Export a model to ONNX, split it into layer shards, check them, and write an artifact folder."""
-    from slimml.convert import ConvertConfig, ExportConfig, ShardConfig
     from slimml.convert import convert as do_convert
-    from slimml.quantize.config import scheme_config
 
-    qconfig = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best, backend)
-    config = ConvertConfig(export=ExportConfig(opset=opset, task=task, exporter=exporter), shard=ShardConfig.parse(shards, shard_size), verify=verify,
-                           quantize=qconfig)
-    if compare_on is not None and distill_layers is None and prune is None:
-        raise SlimmlError("--compare-on compares a student with its teacher; give --distill-layers N or --prune F with it.")
-    training = {"teacher_memory_budget": teacher_memory_budget, "grad_accum": grad_accum, "batch_size": distill_batch_size,
-                "mixed_precision": mixed_precision, "checkpointing": checkpointing}
-    defaults = {"teacher_memory_budget": None, "grad_accum": 1, "batch_size": 32, "mixed_precision": "auto", "checkpointing": False}
-    asked = [f"--{k.replace('_', '-')}" for k, v in training.items() if v != defaults[k]]
-    if asked and distill_layers is None and prune is None:
-        raise SlimmlError(f"{', '.join(asked)} shape distillation; give --distill-layers N or --prune F with it.")
-    if distill_layers is not None or prune is not None or distill_data is not None or distill_epochs is not None:
-        from slimml.convert.distill import DistillConfig
-        from slimml.convert.prune import PruneConfig
-
-        if distill_layers is None and prune is None:
-            raise SlimmlError("--distill-data and --distill-epochs need --distill-layers N or --prune F.")
-        config.distill = DistillConfig(layers=distill_layers, data=distill_data, epochs=distill_epochs, **training)
-        config.prune = PruneConfig(fraction=prune) if prune is not None else None
-        config.compare_on = compare_on
+    qconfig = quantizing.build().to_config()
+    student = distill["layers"] is not None or prune["fraction"] is not None
+    if training.changed() and not student:
+        raise SlimmlError(f"{', '.join(training.changed())} shape distillation; give --distill-layers N or --prune F with it.")
+    if distill.changed() and not student:
+        raise SlimmlError("--distill-data and --distill-epochs need --distill-layers N or --prune F.")
+    config = ConvertConfig(
+        export=export.build(**exporter.values), shard=ShardConfig.parse(shards, shard_size), quantize=qconfig,
+        distill=distill.build(**training.values) if student else None,
+        prune=prune.build() if prune["fraction"] is not None else None, **checks.values, **compare.values,
+    )
+    if student:
         report = _convert_with_progress(do_convert, source, out, config)
     else:
         with console.status("converting", spinner="dots") as status:
@@ -173,23 +155,18 @@ def _convert_with_progress(do_convert, source, out, config):
 
 
 @app.command("quantize")
+@config_options(quantizing=Options(QuantizeOptions, defaults={"scheme": "int8"}))
 def quantize_(
     artifact: Artifact,
     out: Annotated[Path, typer.Option("-o", "--out", help="The quantized artifact folder.")],
-    quantize: Quantize = "int8",
-    calibration: Calibration = None,
-    max_drop: MaxDrop = None,
-    eval_file: EvalFile = None,
-    target: Target = "cpu",
-    keep_best: KeepBest = False,
-    backend: QBackend = "ort",
+    quantizing: OptionValues = None,
     as_json: AsJson = False,
 ):
     """Quantize a float artifact into a new artifact folder (each shard, calibrated as the whole)."""
     from slimml.quantize import quantize as do_quantize
-    from slimml.quantize.config import scheme_config
 
-    config = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best, backend)
+    quantize = quantizing["scheme"]
+    config = quantizing.build().to_config()
     if config is None:
         raise SlimmlError("--quantize none leaves the artifact as it is; choose a scheme, e.g. --quantize int8.")
     with console.status("quantizing", spinner="dots") as status:

@@ -10,8 +10,8 @@ import pytest
 
 from slimml.convert import ConvertConfig, ExportConfig, convert
 from slimml.convert.distill import DistillConfig, shrink
-from slimml.convert.prune import PruneConfig
-from slimml.convert.teacher import check_budget, teacher_outputs
+from slimml.convert.distill.prune import PruneConfig
+from slimml.convert.distill.teacher import check_budget, teacher_outputs
 from slimml.errors import ConfigError
 from slimml.runtime import load
 from conftest import STS_TRAIN
@@ -120,7 +120,7 @@ def test_a_killed_teacher_pass_resumes_where_it_stopped(teacher_artifact, tmp_pa
             raise KeyboardInterrupt
 
     cache = tmp_path / "killed"
-    from slimml.convert import teacher as teacher_mod
+    from slimml.convert.distill import teacher as teacher_mod
 
     small = teacher_mod.MAX_BATCH
     teacher_mod.MAX_BATCH = 8  # several batches, so the kill lands between two
@@ -163,7 +163,7 @@ def test_student_starts_from_the_teachers_own_layers_read_tensor_by_tensor(llama
     import torch
     from transformers import LlamaForCausalLM
 
-    from slimml.convert.distill_train import build_student
+    from slimml.convert.distill.distill_train import build_student
 
     student = build_student(llama_dir, "LlamaForCausalLM", [0, 3, 4])
     teacher = LlamaForCausalLM.from_pretrained(llama_dir)
@@ -186,7 +186,7 @@ def test_llama_pruning_removes_whole_kv_groups_and_neurons_and_matches_torch(lla
 
 
 def test_mixed_precision_the_device_cannot_do_is_refused(monkeypatch):
-    from slimml.convert import precision
+    from slimml.convert.distill import precision
 
     monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)  # a CPU without AMX or AVX512-BF16
     with pytest.raises(ConfigError) as e:

@@ -10,8 +10,8 @@ import pytest
 
 from slimml.convert import ConvertConfig, convert
 from slimml.convert.distill import DistillConfig, evenly_spaced, shrink
-from slimml.convert.distill_data import load_texts
-from slimml.convert.prune import PruneConfig
+from slimml.convert.distill.distill_data import load_texts
+from slimml.convert.distill.prune import PruneConfig
 from slimml.errors import ConfigError, DataError
 from slimml.runtime import load
 from conftest import STS_TRAIN
@@ -106,7 +106,7 @@ def test_pruned_model_equals_the_original_with_those_heads_and_neurons_zeroed(tm
     import torch
     from transformers import BertConfig, BertModel
 
-    from slimml.convert import prune as pr
+    from slimml.convert.distill import prune as pr
 
     torch.manual_seed(0)
     model = BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -231,7 +231,7 @@ def test_default_corpus_needs_no_download():
 def test_vocabulary_pruning_keeps_the_data_tokens_and_never_makes_unknowns(tmp_path):
     from tokenizers import Tokenizer
 
-    from slimml.convert import prune_vocab
+    import slimml.convert.distill.prune_vocab as prune_vocab
     from slimml.convert.sources import default_model_dir
 
     folder = default_model_dir()

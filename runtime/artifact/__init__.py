@@ -1,6 +1,14 @@
 """The artifact: the on-disk format that convert and quantize write and the runtime and serve read.
 
-The manifest's fields and their validation (:mod:`.manifest`), the file and shard checks
-(:mod:`.integrity`), the watch that refuses files changed after load (:mod:`.watch`) and the one
-atomic writer (:mod:`.atomic`). This layer imports nothing else of slimml but its errors.
+As gguf-py keeps its reader and writer side by side, so does this package:
+
+- :mod:`.records`: the manifest's records (tokenizer, preprocessor, pooling, zero_shot, seq2seq),
+  each declared once with its JSON form and its checks; the assets each component uses.
+- :mod:`.manifest`: :class:`Manifest` (chains of shards, files, records), reading and validating
+  ``manifest.json`` (versions 1 and 2), paths and hashes.
+- :mod:`.writer`: :class:`ArtifactWriter`, the only way an artifact is written (atomic folder,
+  chains, assets, shared weight files, hashes, manifest last), over :mod:`.atomic` and :mod:`.share`.
+- :mod:`.integrity` (what a shard file may reference) and :mod:`.watch` (files changed after load).
+
+This layer imports nothing else of slimml but its errors.
 """

@@ -16,6 +16,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from slimml.errors import ArtifactError, IntegrityError
+from slimml.runtime.artifact.records import (
+    ASSETS, Pooling, Preprocessor, Seq2Seq, Tokenizer, ZeroShot, assets_problems, derived_assets, is_int,
+)
 
 FORMAT = "slimml.artifact"
 FORMAT_VERSION = 2  # the newest this slimml reads and writes
@@ -97,19 +100,37 @@ class Manifest:
     outputs: list[TensorSpec]
     shards: list[ShardSpec]
     files: list[FileEntry]
-    tokenizer: dict[str, Any] | None = None  # {"file", "max_length", "pad_token", "pad_id"}
-    pooling: dict[str, Any] | None = None  # {"mode": "mean"|"cls", "normalize", "output"}
-    preprocessor: dict[str, Any] | None = None  # {"file", "kind": "image"|"audio"}: how raw inputs become tensors
+    # the records (see .records): in a component, tokenizer and preprocessor are set when its
+    # inputs are made with them (the component's "assets")
+    tokenizer: Tokenizer | None = None
+    pooling: Pooling | None = None
+    preprocessor: Preprocessor | None = None  # how raw images or audio become tensors
     labels: list[str] | None = None  # class names by output index (classifiers)
     # a model of several graphs (CLIP's text and vision towers, an encoder and a decoder): each
     # component is a chain of shards of its own, held as a manifest of its own (see component())
     components: dict[str, Manifest] = field(default_factory=dict)
-    zero_shot: dict[str, Any] | None = None  # {"text", "image": component names, "scale"}: CLIP-style scoring
-    # encoder-decoder generation: {"decoder_start_token_id", "eos_token_id", "pad_token_id", "forced_ids"}
-    seq2seq: dict[str, Any] | None = None
+    zero_shot: ZeroShot | None = None  # CLIP-style scoring
+    seq2seq: Seq2Seq | None = None  # encoder-decoder generation
     checks: dict[str, Any] = field(default_factory=dict)
     slimml_version: str = ""
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:  # records given as dicts (older code, tests) become records
+        self.tokenizer = Tokenizer.coerce(self.tokenizer)
+        self.pooling = Pooling.coerce(self.pooling)
+        self.preprocessor = Preprocessor.coerce(self.preprocessor)
+        self.zero_shot = ZeroShot.coerce(self.zero_shot)
+        self.seq2seq = Seq2Seq.coerce(self.seq2seq)
+
+    @property
+    def assets(self) -> list[str]:
+        """The artifact-level records this manifest (or component) takes its inputs through."""
+        return [a for a in ASSETS if getattr(self, a) is not None]
+
+    def header(self) -> dict[str, Any]:
+        """The fields that are not chains of shards or files: what a rewrite (quantize) carries over."""
+        return {k: getattr(self, k) for k in ("name", "task", "source", "steps", "tokenizer", "preprocessor", "labels",
+                                             "zero_shot", "seq2seq", "checks", "slimml_version")}
 
     def component(self, name: str) -> Manifest:
         """One component as a manifest of its own (the whole artifact when it has no components)."""
@@ -123,7 +144,7 @@ class Manifest:
 
     def asset_files(self) -> list[str]:
         """The files beside the shards that the runtime reads (tokenizer, preprocessor config)."""
-        return [a["file"] for a in (self.tokenizer, self.preprocessor) if a]
+        return [p for a in (self.tokenizer, self.preprocessor) if a for p in a.files]
 
     @property
     def shard_count(self) -> int:
@@ -197,18 +218,20 @@ class Manifest:
             format_version=self.format_version,
         )
 
-    def chain_json(self) -> dict[str, Any]:
-        """The chain of shards: inputs, outputs, shards (and pooling), as a component is written."""
+    def chain_json(self, component: bool = False) -> dict[str, Any]:
+        """The chain of shards: inputs, outputs, shards and pooling (and, for a component, its assets)."""
         return {
             "inputs": [t.to_json() for t in self.inputs],
             "outputs": [t.to_json() for t in self.outputs],
             "shards": [s.to_json() for s in self.shards],
-            "pooling": self.pooling,
+            "pooling": self.pooling.to_json() if self.pooling else None,
+            **({"assets": self.assets} if component else {}),
         }
 
     def to_json(self) -> dict[str, Any]:
-        chains = ({"components": {n: c.chain_json() for n, c in self.components.items()}} if self.components
-                  else self.chain_json())
+        """The manifest as ``manifest.json`` holds it (format version 1 unless it has components)."""
+        chains = ({"components": {n: c.chain_json(component=True) for n, c in self.components.items()}}
+                  if self.components else self.chain_json())
         return {
             "format": FORMAT,
             "format_version": 2 if self.components else 1,  # the oldest version that can read it
@@ -219,15 +242,17 @@ class Manifest:
             "steps": self.steps,
             **chains,
             "files": [asdict(f) for f in self.files],
-            "tokenizer": self.tokenizer,
-            **({"preprocessor": self.preprocessor} if self.preprocessor else {}),
+            "tokenizer": self.tokenizer.to_json() if self.tokenizer else None,
+            **({"preprocessor": self.preprocessor.to_json()} if self.preprocessor else {}),
             **({"labels": self.labels} if self.labels is not None else {}),
-            **({"zero_shot": self.zero_shot} if self.zero_shot else {}),
-            **({"seq2seq": self.seq2seq} if self.seq2seq else {}),
+            **({"zero_shot": self.zero_shot.to_json()} if self.zero_shot else {}),
+            **({"seq2seq": self.seq2seq.to_json()} if self.seq2seq else {}),
             "checks": self.checks,
         }
 
     def write(self, folder: str | os.PathLike) -> Path:
+        """Write ``manifest.json`` into ``folder`` (replacing it in one rename). Artifacts are written
+        with :class:`slimml.runtime.artifact.writer.ArtifactWriter`, which hashes the files first."""
         path = Path(folder) / MANIFEST_NAME
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -292,8 +317,8 @@ def _build(raw: dict[str, Any], version: int) -> Manifest:
     top = Manifest(
         name=str(raw["name"]), task=str(raw["task"]), source=dict(raw.get("source") or {}),
         steps=list(raw.get("steps") or []), inputs=[], outputs=[], shards=[], files=files,
-        tokenizer=raw.get("tokenizer"), preprocessor=raw.get("preprocessor"), labels=raw.get("labels"),
-        zero_shot=raw.get("zero_shot"), seq2seq=raw.get("seq2seq"), checks=dict(raw.get("checks") or {}),
+        tokenizer=Tokenizer.coerce(raw.get("tokenizer")), preprocessor=Preprocessor.coerce(raw.get("preprocessor")),
+        labels=raw.get("labels"), zero_shot=ZeroShot.coerce(raw.get("zero_shot")), seq2seq=Seq2Seq.coerce(raw.get("seq2seq")), checks=dict(raw.get("checks") or {}),
         slimml_version=str(raw.get("slimml_version", "")), format_version=version,
     )
     if "components" not in raw:
@@ -310,17 +335,19 @@ def _with_chain(top: Manifest, chain: dict[str, Any], name: str | None) -> Manif
     shards = [ShardSpec.from_json(s) for s in chain["shards"]]
     if name is None:
         files, tokenizer, preprocessor = top.files, top.tokenizer, top.preprocessor
-    else:  # a component owns its shards' files, and the tokenizer or image preprocessor its inputs take
+    else:  # a component owns its shards' files, and the assets (tokenizer, preprocessor) its inputs are made with
         paths = {p for s in shards for p in (s.file, s.data) if p}
-        names = {t.name for t in inputs}
-        tokenizer = top.tokenizer if "input_ids" in names else None
-        preprocessor = top.preprocessor if any(len(t.shape) == 4 for t in inputs) or "input_features" in names else None
-        paths |= {a["file"] for a in (tokenizer, preprocessor) if a}
+        assets = chain.get("assets")
+        if assets is None:  # written before components recorded their assets (versions 1 and 2)
+            assets = derived_assets({t.name for t in inputs}, [len(t.shape) for t in inputs])
+        tokenizer = top.tokenizer if "tokenizer" in assets else None
+        preprocessor = top.preprocessor if "preprocessor" in assets else None
+        paths |= {p for a in (tokenizer, preprocessor) if a for p in a.files}
         files = [f for f in top.files if f.path in paths]
     return Manifest(
         name=top.name if name is None else f"{top.name}/{name}", task=top.task, source=top.source, steps=top.steps,
         inputs=inputs, outputs=[TensorSpec.from_json(t) for t in chain["outputs"]], shards=shards, files=files,
-        tokenizer=tokenizer, pooling=chain.get("pooling"), preprocessor=preprocessor,
+        tokenizer=tokenizer, pooling=Pooling.coerce(chain.get("pooling")), preprocessor=preprocessor,
         labels=top.labels, checks=top.checks, slimml_version=top.slimml_version, format_version=top.format_version,
     )
 
@@ -343,9 +370,6 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
         if not ok:
             problems.append(f"{where} {what}")
         return ok
-
-    def is_int(v: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and lo <= v < hi
 
     def tensors(v: Any, where: str, shard: int | None = None) -> None:
         if not need(isinstance(v, list), where, "must be a list"):
@@ -382,11 +406,10 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
                 need(isinstance(layers, list) and all(isinstance(x, str) for x in layers), f"{w}.layers", "must be a list of strings")
                 tensors(sh.get("inputs"), f"{w}.inputs", shard=i)
                 tensors(sh.get("outputs"), f"{w}.outputs")
-        pooling = c.get("pooling")
-        if pooling is not None and need(isinstance(pooling, dict), f"{at}pooling", "must be an object or null"):
-            need(pooling.get("mode") in ("mean", "cls", "max", "none"), f"{at}pooling.mode", "must be mean, cls, max or none")
-            need(isinstance(pooling.get("output"), str), f"{at}pooling.output", "must name a model output")
-            need(isinstance(pooling.get("normalize", True), bool), f"{at}pooling.normalize", "must be true or false")
+        if c.get("pooling") is not None:
+            problems.extend(Pooling.problems(c["pooling"], f"{at}pooling"))
+        if at and c.get("assets") is not None:
+            problems.extend(assets_problems(c["assets"], f"{at}assets"))
 
     for key in ("name", "task"):
         need(isinstance(raw.get(key), str), key, "must be a string")
@@ -404,24 +427,9 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
                       f"components[{name!r}]", "must be named with letters, digits, - and _")
             if ok and need(isinstance(c, dict), f"components.{name}", "must be an object"):
                 chain(c, f"components.{name}.")
-        zs = raw.get("zero_shot")
-        if zs is not None and need(isinstance(zs, dict), "zero_shot", "must be an object or null"):
-            need(all(isinstance(zs.get(k), str) and zs.get(k) in comps for k in ("text", "image")), "zero_shot", "must name a text and an image component")
-            need(isinstance(zs.get("scale"), (int, float)) and not isinstance(zs.get("scale"), bool),
-                 "zero_shot.scale", "must be a number")
-        s2s = raw.get("seq2seq")
-        if s2s is not None and need(isinstance(s2s, dict), "seq2seq", "must be an object or null"):
-            need(all(k in comps for k in ("encoder", "decoder", "decoder_with_past")), "seq2seq",
-                 "needs the components encoder, decoder and decoder_with_past")
-            need(is_int(s2s.get("decoder_start_token_id"), 0, 1 << 32), "seq2seq.decoder_start_token_id", "must be a token id")
-            for key in ("eos_token_id", "pad_token_id"):
-                need(s2s.get(key) is None or is_int(s2s.get(key), 0, 1 << 32), f"seq2seq.{key}", "must be a token id or null")
-            forced = s2s.get("forced_ids") or []
-            need(isinstance(forced, list) and all(isinstance(x, list) and len(x) == 2 and all(is_int(v, 0, 1 << 32) for v in x)
-                                                  for x in forced), "seq2seq.forced_ids", "must be a list of [position, token id]")
-            for key in ("suppress_ids", "begin_suppress_ids"):
-                ids = s2s.get(key) or []
-                need(isinstance(ids, list) and all(is_int(x, 0, 1 << 32) for x in ids), f"seq2seq.{key}", "must be a list of token ids")
+        for record in (ZeroShot, Seq2Seq):
+            if raw.get(record.KEY) is not None:
+                problems.extend(record.problems(raw[record.KEY], record.KEY, components=comps))
     files = raw.get("files")
     if need(isinstance(files, list), "files", "must be a list"):
         for i, f in enumerate(files):
@@ -432,18 +440,9 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
             need(is_int(f.get("bytes")), f"{w}.bytes", "must be an int >= 0")
             sha = f.get("sha256")
             need(isinstance(sha, str) and len(sha) == 64 and set(sha) <= _HEX, f"{w}.sha256", "must be 64 hex digits")
-    tok = raw.get("tokenizer")
-    if tok is not None and need(isinstance(tok, dict), "tokenizer", "must be an object or null"):
-        need(isinstance(tok.get("file"), str), "tokenizer.file", "must be a string")
-        need(tok.get("max_length") is None or is_int(tok.get("max_length"), 1, 1 << 31), "tokenizer.max_length",
-             "must be an int from 1 to 2**31-1")
-        need(tok.get("pad_id") is None or is_int(tok.get("pad_id"), 0, 1 << 32), "tokenizer.pad_id",
-             "must be a token id from 0 to 2**32-1")
-        need(tok.get("pad_token") is None or isinstance(tok.get("pad_token"), str), "tokenizer.pad_token", "must be a string")
-    pre = raw.get("preprocessor")
-    if pre is not None and need(isinstance(pre, dict), "preprocessor", "must be an object or null"):
-        need(isinstance(pre.get("file"), str), "preprocessor.file", "must be a string")
-        need(pre.get("kind") in ("image", "audio"), "preprocessor.kind", "must be \"image\" or \"audio\"")
+    for record in (Tokenizer, Preprocessor):
+        if raw.get(record.KEY) is not None:
+            problems.extend(record.problems(raw[record.KEY], record.KEY))
     labels = raw.get("labels")
     need(labels is None or isinstance(labels, list) and all(isinstance(x, str) for x in labels), "labels",
          "must be a list of strings or null")
@@ -464,7 +463,7 @@ def _check_structure(folder: Path, m: Manifest) -> None:
                     "with a hash; the manifest was edited by hand or damaged: convert again."
                 )
     for what, asset in (("tokenizer", m.tokenizer), ("preprocessor", m.preprocessor)):
-        if asset and asset.get("file") not in listed:
+        if asset and any(p not in listed for p in asset.files):
             raise ArtifactError(f"the manifest's {what} file is not in its file list; convert again.")
     known = {t.name for t in m.inputs}
     for s in m.shards:
@@ -483,8 +482,8 @@ def _check_structure(folder: Path, m: Manifest) -> None:
     names = [t.name for t in m.inputs]
     if len(set(names)) != len(names):
         raise ArtifactError(f"the manifest lists a model input twice ({names}); it is damaged: convert again.")
-    if m.pooling and m.pooling["output"] not in {t.name for t in m.outputs}:
-        raise ArtifactError(f"the manifest pools {m.pooling['output']!r}, which is not a model output; convert again.")
+    if m.pooling and m.pooling.output not in {t.name for t in m.outputs}:
+        raise ArtifactError(f"the manifest pools {m.pooling.output!r}, which is not a model output; convert again.")
 
 
 def safe_path(folder: Path, rel: str) -> Path:

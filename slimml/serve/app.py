@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from slimml.errors import FeedError, IntegrityError, RequestError, SlimmlError
-from slimml.serve import protocol
+import slimml.serve.protocol as protocol
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
 

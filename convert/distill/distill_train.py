@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slimml.convert import precision as mp
+import slimml.convert.distill.precision as mp
 from slimml.convert.sources import max_seq_length, sentence_transformers_pooling
 from slimml.convert.weights import open_weights
 from slimml.errors import ConfigError

@@ -9,7 +9,7 @@ short distillation pass afterwards (``convert.distill``) recovers the accuracy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from slimml.errors import ConfigError
@@ -36,7 +36,9 @@ class PruneConfig:
             ``VOCAB_DEFAULT_MAX`` (text unlike the distillation data needs the words it uses).
     """
 
-    fraction: float = 0.5
+    fraction: float = field(default=0.5, metadata={
+        "help": "Remove this share (0..1) of attention heads and FFN neurons per layer, then recover by distillation.",
+        "flags": ("--prune",)})
     heads: bool = True
     ffn: bool = True
     importance_batches: int = 16

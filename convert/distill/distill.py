@@ -19,16 +19,16 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slimml.convert import prune as pruning
-from slimml.convert import prune_vocab
-from slimml.convert.distill_data import load_texts
-from slimml.convert import precision as mp
-from slimml.convert.distill_train import Trainer, build_student, teacher_kind
-from slimml.convert.prune import PruneConfig
+import slimml.convert.distill.prune as pruning
+import slimml.convert.distill.prune_vocab as prune_vocab
+from slimml.convert.distill.distill_data import load_texts
+import slimml.convert.distill.precision as mp
+from slimml.convert.distill.distill_train import Trainer, build_student, teacher_kind
+from slimml.convert.distill.prune import PruneConfig
 from slimml.errors import ConfigError, SourceError
 
 DEFAULT_EPOCHS = 6.0  # 3 -> 6: STSb dev 84.2 -> 84.6 (d3, pruned 0.5) and 86.45 -> 86.66 (d4); 10 adds ~0.1
@@ -66,10 +66,14 @@ class DistillConfig:
         device: where the student trains: ``"auto"`` (CUDA when torch sees a GPU), ``"cpu"`` or ``"cuda"``.
     """
 
-    layers: int | None = None
-    data: str | os.PathLike | None = None
-    epochs: float | None = None
-    batch_size: int = 32
+    # the help texts are the CLI's (see slimml.cli_options)
+    layers: int | None = field(default=None, metadata={"help": "Distil into a student with this many layers (fewer than the model's)."})
+    data: str | os.PathLike | None = field(default=None, metadata={
+        "help": "Texts to distil on: one a line, or a CSV with text/sentence1/sentence2 columns. Default: a built-in corpus."})
+    epochs: float | None = field(default=None, metadata={
+        "help": "Passes over the distillation data (default 6; 1 after --prune alone). With both --distill-layers and "
+                "--prune, one more pass trains the student before it is pruned."})
+    batch_size: int = field(default=32, metadata={"help": "Distillation: texts per batch."})
     lr: float = 5e-4
     max_length: int = 128
     max_texts: int | None = None
@@ -77,11 +81,19 @@ class DistillConfig:
     seed: int = 0
     checkpoint_every: int = 100
     pre_prune_epochs: float = 1.0
-    teacher_memory_budget: int | str | None = None
+    teacher_memory_budget: int | str | None = field(default=None, metadata={
+        "help": "Distillation: run the teacher streamed with at most this much of it loaded, e.g. 2GB (a teacher bigger "
+                "than memory).", "flags": ("--teacher-memory-budget",)})
     teacher_top_k: int = 32
-    grad_accum: int = 1
-    mixed_precision: str = "auto"
-    checkpointing: bool = False
+    grad_accum: int = field(default=1, metadata={
+        "help": "Distillation: batches whose gradients make one step (effective batch N x the batch size, at the memory "
+                "of one batch).", "flags": ("--grad-accum",)})
+    mixed_precision: str = field(default="auto", metadata={
+        "help": "Distillation: auto (measured: the faster of fp32 and the device's native low precision), off, bf16, "
+                "fp16 (CUDA).", "flags": ("--mixed-precision",)})
+    checkpointing: bool = field(default=False, metadata={
+        "help": "Distillation: activation checkpointing of the student's layers (less memory, more compute).",
+        "flags": ("--checkpointing",)})
     device: str = "auto"
 
     def __post_init__(self):
@@ -122,7 +134,7 @@ def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) 
     """Everything that can be wrong with the request, checked before any long work."""
     from transformers import AutoConfig
 
-    from slimml.convert.distill_train import training_device
+    from slimml.convert.distill.distill_train import training_device
 
     try:
         config = AutoConfig.from_pretrained(str(teacher_dir), local_files_only=True)
@@ -159,6 +171,7 @@ def shrink(
     on_step: Callable[[str], None] | None = None,
     keep_checkpoint: bool = False,
     checked: dict[str, Any] | None = None,
+    convert_teacher: Callable[[Path, Path], Path] | None = None,
 ) -> list[dict[str, Any]]:
     """Make a smaller student of the Hugging Face model in ``teacher_dir`` and save it in ``out_dir``.
 
@@ -178,6 +191,9 @@ def shrink(
         cache_dir: where the teacher's outputs are cached; ``None``: beside ``checkpoint`` (or temporary).
         on_step: called with a short description as each phase starts.
         checked: what :func:`check` returned, when the caller has run it already (it reads the data).
+        convert_teacher: ``convert_teacher(teacher_dir, out)`` converts the teacher into the artifact
+            ``out`` when ``teacher_artifact`` is None (``slimml.convert.distill.shrink`` passes the
+            convert pipeline's; the pipeline itself gives ``teacher_artifact``).
 
     Returns:
         The manifest step records, e.g. ``[{"step": "distill", "layers": 3, ...}, {"step": "prune", ...}]``.
@@ -195,11 +211,11 @@ def shrink(
     say = on_step or (lambda msg: None)
     with tempfile.TemporaryDirectory(prefix="slimml-teacher-") as scratch:
         if teacher_artifact is None:
-            from slimml.convert.pipeline import ConvertConfig, convert
-
+            if convert_teacher is None:
+                raise ConfigError("shrink needs the teacher as an artifact: give teacher_artifact, or call "
+                                  "slimml.convert.distill.shrink, which converts the teacher itself.")
             say("converting the teacher")
-            teacher_artifact = convert(teacher_dir, Path(scratch) / "teacher",
-                                       ConvertConfig(verify=False, measure_latency=False)).out
+            teacher_artifact = convert_teacher(teacher_dir, Path(scratch) / "teacher")
         if cache_dir is None:
             cache_dir = Path(checkpoint).with_suffix(".teacher-cache") if checkpoint is not None else Path(scratch) / "cache"
         steps = _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, Path(teacher_artifact),
@@ -210,7 +226,7 @@ def shrink(
 
 
 def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, teacher_artifact, cache_dir, say):
-    from slimml.convert.teacher import check_budget, teacher_outputs
+    from slimml.convert.distill.teacher import check_budget, teacher_outputs
 
     t0 = time.perf_counter()
     check_budget(teacher_artifact, distill.teacher_memory_budget)  # before anything trains

@@ -1,0 +1,99 @@
+"""The last step of ``convert``: the artifact against what it came from.
+
+Each family is checked as it runs (see :mod:`slimml.convert.families`): a plain or two-tower
+model against its unsharded ONNX graph and the torch model, a layer-by-layer export against the
+torch model run layer by layer, an encoder-decoder step by step (:mod:`.check_seq2seq`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slimml.convert.export import Exported
+from slimml.convert.reference import reference_for
+from slimml.convert.sources import Source
+from slimml.errors import ExportError
+from slimml.runtime.artifact.manifest import Manifest
+from slimml.runtime.engine.session import make_session
+from slimml.runtime.loader import load
+from slimml.runtime.tasks.inputs.text import TextEncoder
+from slimml.runtime.tools.bench import sample_feeds
+
+SAMPLE_TEXTS = [
+    "A man is playing a guitar on the street.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Quantized models run faster on small machines.",
+    "Short.",
+]
+
+
+def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) -> dict[str, Any]:
+    """Compare the sharded artifact in ``folder`` with the unsharded ONNX graph and the torch model.
+
+    The three run one after the other, each freed before the next loads, so checking needs
+    about one copy of the model in memory, not three.
+    """
+    feeds = _check_feeds(folder, manifest)
+    names = [t.name for t in manifest.outputs]
+    full = make_session(exported.onnx_path, "cpu")
+    try:
+        want = dict(zip(names, full.run(names, feeds)))
+    except Exception as e:  # onnxruntime's own exception classes: sample inputs this graph refuses
+        raise ExportError(
+            f"checking the conversion failed: the exported graph refused slimml's sample inputs "
+            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). Convert with --no-verify "
+            "to skip the check, then run the artifact on inputs of your own."
+        ) from None
+    del full
+    torch_out, theirs = {}, None
+    ref = reference_for(src, exported, names)
+    if ref is not None:
+        torch_out = ref(feeds)
+        if exported.pooling is not None:
+            theirs = ref.embed(feeds)
+        del ref
+    model = load(folder, device="cpu")  # the artifact's own integrity check runs here
+    got = model.run(feeds)
+    checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}
+    common = [n for n in names if n in torch_out]
+    if common:
+        checks["max_abs_diff_vs_torch"] = max(float(np.abs(got[n] - torch_out[n]).max()) for n in common)
+        checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
+    if theirs is not None:
+        ours = model.encode(SAMPLE_TEXTS)
+        checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
+    return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
+
+
+def verify_layerwise(folder: Path, manifest: Manifest, exported: Exported) -> dict[str, Any]:
+    """A layer-by-layer export against the torch model run layer by layer (neither holds the whole model)."""
+    from slimml.convert.layerwise import streamed_reference
+
+    feeds = _check_feeds(folder, manifest)
+    want = streamed_reference(exported.layerwise["folder"])(feeds)["logits"]
+    model = load(folder, device="cpu")
+    got = model.run(feeds)["logits"]
+    model.close()
+    return {"max_abs_diff_vs_torch": round(float(np.abs(got - want).max()), 8),
+            "cosine_vs_torch": round(_min_cosine(got, want), 8), "reference": "torch, layer by layer"}
+
+
+def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:
+    feeds: dict[str, np.ndarray] = {}
+    if manifest.tokenizer is not None:
+        text = TextEncoder(folder / manifest.tokenizer.file, manifest.tokenizer, [t.name for t in manifest.inputs])
+        feeds = text(SAMPLE_TEXTS)
+        if not manifest.components:
+            return feeds
+    rest = [t for t in manifest.inputs if t.name not in feeds]  # a vision tower's pixels beside the texts
+    return feeds | sample_feeds(rest, batch=2, seq=16, source=manifest.source) if rest else feeds
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a = a.reshape(a.shape[0], -1).astype(np.float64)
+    b = b.reshape(b.shape[0], -1).astype(np.float64)
+    cos = (a * b).sum(1) / np.clip(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30, None)
+    return float(cos.min())
