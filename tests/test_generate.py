@@ -17,6 +17,7 @@ import pytest
 
 from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
 from slimml.runtime import load
+from slimml.runtime.artifact.records import Tokenizer
 from slimml.runtime.artifact.manifest import file_entry, read_manifest
 from slimml.runtime.tasks.generation import GenerationConfig
 from slimml.runtime.tasks.generation.chat import ChatTemplate
@@ -51,13 +52,14 @@ def with_tokenizer(artifact: Path, out: Path, tokenizer, template: str | None = 
     shutil.copytree(artifact, out)
     tokenizer.save(str(out / "tokenizer.json"))
     manifest = read_manifest(out)
-    manifest.tokenizer = {"file": "tokenizer.json", "max_length": 128, "pad_token": "<|endoftext|>", "pad_id": 0,
-                          "eos_token": "<|endoftext|>", "bos_token": "<|im_start|>"}
+    spec = {"file": "tokenizer.json", "max_length": 128, "pad_token": "<|endoftext|>", "pad_id": 0,
+            "eos_token": "<|endoftext|>", "bos_token": "<|im_start|>"}
     manifest.files.append(file_entry(out, out / "tokenizer.json"))
     if template is not None:
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
-        manifest.tokenizer["chat_template"] = "chat_template.jinja"
+        spec["chat_template"] = "chat_template.jinja"
         manifest.files.append(file_entry(out, out / "chat_template.jinja"))
+    manifest.tokenizer = Tokenizer.from_json(spec)
     manifest.write(out)
     return out
 
@@ -174,7 +176,7 @@ def test_stop_ids_and_stop_strings_across_tokens(llama):
     tok = llama.text.tokenizer
     ends = [len(tok.decode(tokens[:j])) for j in range(len(tokens) + 1)]
     j = next(j for j in range(2, len(tokens)) if ends[j - 1] < ends[j] < ends[j + 1]
-             and text.find(text[ends[j] - 1 : ends[j] + 1]) == ends[j] - 1 and "\ufffd" not in text[: ends[j] + 1])
+             and text.find(text[ends[j] - 1 : ends[j] + 1]) == ends[j] - 1 and "\ufffd" not in text[ends[j] - 1 : ends[j] + 1])
     stop = text[ends[j] - 1 : ends[j] + 1]
     got = llama.generate([prompt], max_new_tokens=24, stop=[stop, "never appears"])
     assert got.texts == [text[: ends[j] - 1]] and got.finish_reasons == ["stop"]
@@ -193,7 +195,8 @@ def test_streamed_pieces_join_to_the_text(llama):
     assert ["".join(pieces[i]) for i in range(3)] == whole.texts
     assert stream.result.tokens == whole.tokens and stream.result.finish_reasons == whole.finish_reasons
     one = llama.stream("the model", max_new_tokens=20)
-    assert "".join(one) == llama.generate("the model", max_new_tokens=20).texts[0] and len(one.result.tokens[0]) == 20
+    ref = llama.generate("the model", max_new_tokens=20)
+    assert "".join(one) == ref.texts[0] and one.result.tokens == ref.tokens
     seen = []
     assert llama.generate(texts, max_new_tokens=5, on_text=lambda i, p: seen.append(i)).texts is not None and seen
 
