@@ -290,9 +290,9 @@ def _read_meta(cache_dir: Path) -> dict | None:
 
 
 def _write_meta(cache_dir: Path, meta) -> None:
-    tmp = cache_dir / (META + ".part")
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, cache_dir / META)
+    from slimml.runtime.artifact.atomic import replace_file
+
+    replace_file(cache_dir / META, json.dumps(meta), mode=0o600)
 
 
 def _clear(cache_dir: Path) -> None:

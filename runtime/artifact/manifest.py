@@ -228,11 +228,9 @@ class Manifest:
         }
 
     def write(self, folder: str | os.PathLike) -> Path:
-        path = Path(folder) / MANIFEST_NAME
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        from slimml.runtime.artifact.atomic import replace_file
+
+        return replace_file(Path(folder) / MANIFEST_NAME, json.dumps(self.to_json(), indent=2) + "\n")
 
 
 def read_manifest(folder: str | os.PathLike) -> Manifest:

@@ -119,6 +119,11 @@ class StreamedSegment:
             finally:
                 streamer.release(time.perf_counter() - t0)
 
+    def check_files(self, deep: bool = False) -> None:
+        """The weight source's own files (the pre-packed cache): ``deep`` re-hashes them."""
+        if hasattr(self.source, "check_cache"):
+            self.source.check_cache(deep)
+
     def describe(self) -> str:
         how = ("pre-packed weights mapped from the cache and paged in and out" if isinstance(self.source, PackedSlots)
                else "weights copied to device slots and bound in place" if isinstance(self.source, CudaSlots)
