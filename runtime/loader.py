@@ -8,13 +8,14 @@ from pathlib import Path
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
-from slimml.runtime.artifact.manifest import Manifest, read_manifest, safe_path, verify_files
+from slimml.runtime.artifact.manifest import Manifest, check_same_manifest, read_manifest, safe_path, verify_files
 from slimml.runtime.engine.budget import StreamPlan, plan_stream
 from slimml.runtime.engine.engine import Engine
 from slimml.runtime.engine.plan import ExecutionPlan
 from slimml.runtime.engine.session import resolve_device
 from slimml.runtime.tasks.inputs.image import ImageProcessor
 from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
+from slimml.runtime.tasks.limits import Limits
 from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
 
 
@@ -27,10 +28,12 @@ class Model(Engine):
                  memory: StreamPlan | None = None, verify: bool = True, pack: bool | None = None,
                  cache_dir: str | os.PathLike | None = None, plan: ExecutionPlan | None = None):
         super().__init__(folder, manifest, device, threads, memory, verify, pack, cache_dir, plan)
+        self.limits = Limits()  # what one call may ask (texts' characters, generate's tokens): raise for trusted input
         self._text: TextEncoder | None = None
         if manifest.tokenizer:
             self._text = TextEncoder(
-                safe_path(folder, manifest.tokenizer["file"]), manifest.tokenizer, [t.name for t in manifest.inputs]
+                safe_path(folder, manifest.tokenizer["file"]), manifest.tokenizer, [t.name for t in manifest.inputs],
+                self.limits,
             )
         # images -> pixel tensors, for artifacts with pixel inputs and a shipped preprocessor config
         self.images: ImageProcessor | None = None
@@ -165,6 +168,7 @@ def load(
     pack: bool | None = None,
     cache_dir: str | os.PathLike | None = None,
     shards: tuple[int, int] | None = None,
+    manifest_sha256: str | None = None,
 ) -> Model:
     """Load an artifact folder written by ``slimml convert``.
 
@@ -194,6 +198,8 @@ def load(
             (:mod:`slimml.scale`): the model's inputs are then what they read from outside (model
             inputs and earlier activations) and its outputs what they hand on. Only their files
             are hashed; ``resident``, ``memory_budget`` and ``pin`` apply within the stage.
+        manifest_sha256: refuse the artifact unless its ``manifest.json`` has this sha256 (a
+            pipeline stage or a server replica checks it holds what the driver read).
 
     Returns:
         A :class:`Model` with ``run(feeds)`` and, for sentence-embedding artifacts, ``encode(texts)``;
@@ -211,6 +217,7 @@ def load(
     """
     folder = Path(path)
     manifest = read_manifest(folder)
+    check_same_manifest(folder, manifest, manifest_sha256)
     if shards is not None:
         if manifest.components:
             raise SlimmlError(

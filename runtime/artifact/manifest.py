@@ -110,6 +110,7 @@ class Manifest:
     checks: dict[str, Any] = field(default_factory=dict)
     slimml_version: str = ""
     format_version: int = FORMAT_VERSION
+    sha256: str = field(default="", compare=False)  # of the manifest.json bytes read (read_manifest)
 
     def component(self, name: str) -> Manifest:
         """One component as a manifest of its own (the whole artifact when it has no components)."""
@@ -259,7 +260,8 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
             f"(limit {MAX_MANIFEST_BYTES >> 20} MB); it is not one. Convert the model again."
         )
     try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
+        data = path.read_bytes()
+        raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise ArtifactError(f"{path} is not valid JSON ({why}); the artifact is damaged: convert again.") from None
@@ -282,7 +284,22 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
         raise ArtifactError(f"{path} is malformed ({type(e).__name__}: {e}); convert the model again.") from None
     for part in [manifest] if not manifest.components else manifest.components.values():
         _check_structure(folder, part)
+    manifest.sha256 = hashlib.sha256(data).hexdigest()
     return manifest
+
+
+def check_same_manifest(folder: Path, manifest: Manifest, expected: str | None) -> None:
+    """Refuse an artifact whose manifest.json is not the one ``expected`` hashes: a pipeline stage
+    or a server replica on another node checks it holds the artifact the driver read.
+
+    Raises:
+        IntegrityError: naming the folder and the fix.
+    """
+    if expected is not None and manifest.sha256 != expected:
+        raise IntegrityError(
+            f"the artifact {folder} on this node is not the one the driver read (its {MANIFEST_NAME} differs); copy "
+            "the same artifact to the same path on every node."
+        )
 
 
 def _build(raw: dict[str, Any], version: int) -> Manifest:

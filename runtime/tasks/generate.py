@@ -14,6 +14,7 @@ prompts are batched (left-padded) so one pass serves them all.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -70,6 +71,7 @@ def generate(
     max_new_tokens: int = 32,
     eos_token_id: int | None = None,
     pad_token_id: int | None = None,
+    cancel: threading.Event | None = None,
 ) -> Generation:
     """Continue each prompt greedily (the most likely token each step), batched.
 
@@ -80,6 +82,13 @@ def generate(
         eos_token_id: stop a prompt once it emits this id (default: the tokenizer's end token).
         pad_token_id: the id used to left-pad shorter prompts (masked out; default 0 or the
             tokenizer's pad id).
+        cancel: set it (from another thread) to stop after the current pass; the tokens so far
+            are returned (a server sets it when its client goes away).
+
+    Raises:
+        FeedError: before any pass, for a prompt plus ``max_new_tokens`` longer than the model's
+            positions, more rows x tokens than ``model.limits.max_batch_tokens``, or a token id
+            outside the vocabulary (:mod:`slimml.runtime.tasks.limits`).
 
     Returns:
         A :class:`Generation` with the new tokens (and texts) per prompt.
@@ -98,14 +107,23 @@ def generate(
         raise FeedError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
     texts = isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, str) for p in prompts)
     tok = model._text.tokenizer if model._text is not None else None
+    limits = model.limits
     if texts:
         if tok is None:
             raise SlimmlError(f"the artifact {model.folder} has no tokenizer; pass token ids instead of text.")
-        ids = [e.ids[: sum(e.attention_mask)] for e in tok.encode_batch(list(prompts))]
+        model._check_unicode(prompts)
+        ids = [e.ids[: sum(e.attention_mask)] for e in tok.encode_batch(limits.cut(list(prompts)))]
     else:
         ids = [list(map(int, p)) for p in np.asarray(prompts, dtype=object)] if len(prompts) else []
     if not ids or any(len(p) == 0 for p in ids):
         raise FeedError("generate() needs at least one non-empty prompt.")
+    # before any pass: the model's positions, the call's token budget, ids inside the vocabulary
+    limits.check_generate([len(p) for p in ids], max_new_tokens, model.max_sequence_length)
+    top = model.vocab_size or 1 << 63
+    bad = next(((i, t) for i, p in enumerate(ids) for t in p if not 0 <= t < top), None)
+    if bad is not None:
+        raise FeedError(f"prompt {bad[0]} holds the token id {bad[1]}, outside the vocabulary [0, {top}); encode "
+                        "text with this model's tokenizer.")
     if eos_token_id is None and tok is not None:
         eos_token_id = next((tok.token_to_id(t) for t in _EOS_TOKENS if tok.token_to_id(t) is not None), None)
     if pad_token_id is None:
@@ -146,7 +164,7 @@ def generate(
             done |= nxt == eos_token_id
         seq = np.concatenate([seq, nxt[:, None]], axis=1)
         mask = np.concatenate([mask, (~done | (nxt == eos_token_id))[:, None].astype(np.int64)], axis=1)
-        if done.all():
+        if done.all() or (cancel is not None and cancel.is_set()):
             break
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
