@@ -437,7 +437,7 @@ def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     readable by this user only."""
     import torch
 
-    from slimml.runtime.artifact.atomic import replace_file
+    from slimml.runtime.artifact.replace import replace_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     replace_file(path, lambda f: torch.save(state, f), mode=0o600)

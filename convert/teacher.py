@@ -290,7 +290,7 @@ def _read_meta(cache_dir: Path) -> dict | None:
 
 
 def _write_meta(cache_dir: Path, meta) -> None:
-    from slimml.runtime.artifact.atomic import replace_file
+    from slimml.runtime.artifact.replace import replace_file
 
     replace_file(cache_dir / META, json.dumps(meta), mode=0o600)
 

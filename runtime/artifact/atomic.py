@@ -16,13 +16,13 @@ import shutil
 import stat
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO
 
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.artifact.manifest import MANIFEST_NAME
+from slimml.runtime.artifact.replace import umask
 
 log = logging.getLogger("slimml")
 
@@ -43,7 +43,7 @@ def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
     tmp = fresh_tmp(out)
     try:
         if not private:
-            tmp.chmod(0o777 & ~_umask())
+            tmp.chmod(0o777 & ~umask())
         yield tmp
         swap_in(tmp, out)
     except BaseException as e:
@@ -51,32 +51,6 @@ def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
         if isinstance(e, OSError) and not isinstance(e, SlimmlError):
             raise os_error(e, out) from None
         raise
-
-
-def replace_file(path: str | os.PathLike, data: bytes | str | Callable[[BinaryIO], None], mode: int = 0o644) -> Path:
-    """Write ``path`` atomically: into a new file beside it (a name ``mkstemp`` made, opened with
-    O_EXCL, so nothing planted there is followed or overwritten), then renamed over ``path``.
-
-    ``data``: the bytes or text to write, or a function that writes to the open file (``torch.save``).
-    ``mode``: the file's permissions (0600 for what only this user should read).
-
-    Raises:
-        OSError: as the writes do; the temporary file is removed.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if callable(data):
-                data(f)
-            else:
-                f.write(data.encode() if isinstance(data, str) else data)
-        os.chmod(tmp, mode & ~_umask())
-        os.replace(tmp, path)  # a kill before this leaves the previous file whole
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def check_output(out: Path) -> None:
@@ -181,15 +155,6 @@ def _start_time(pid: int) -> float | None:
         return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it (os.umask would, for every thread)."""
-    try:
-        with open("/proc/self/status") as f:
-            return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
-    except (OSError, StopIteration, ValueError, IndexError):
-        return 0o022
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -229,7 +229,7 @@ class Manifest:
         }
 
     def write(self, folder: str | os.PathLike) -> Path:
-        from slimml.runtime.artifact.atomic import replace_file
+        from slimml.runtime.artifact.replace import replace_file
 
         return replace_file(Path(folder) / MANIFEST_NAME, json.dumps(self.to_json(), indent=2) + "\n")
 

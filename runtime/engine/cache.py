@@ -62,14 +62,11 @@ def private_folder(path: Path) -> Path:
 
     Raises:
         IntegrityError: in one line, naming the folder and the fix.
+        OSError: the folder cannot be made (a read-only place, a file in the way).
     """
     path = Path(path)
-    try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(path)
-    except OSError as e:
-        raise IntegrityError(f"cannot make the cache folder {path} ({e.strerror}); set SLIMML_CACHE_DIR to a "
-                             "writable folder of your own.") from None
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
     fix = f"set SLIMML_CACHE_DIR (or cache_dir=) to a folder of your own, or fix it: `chown $USER {path}; chmod 700 {path}`"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise IntegrityError(f"the cache folder {path} is a link or not a folder; slimml will not trust files there: {fix}.")

@@ -134,8 +134,11 @@ class PackedSlots:
         shard = self.manifest.shards[index]
         hashes = {f.path: f.sha256 for f in self.manifest.files}
         key = hashlib.sha256(json.dumps([self.key, hashes[shard.file], hashes.get(shard.data)]).encode()).hexdigest()[:32]
-        private_folder(self.cache.parent)  # owner and mode: refused in one line unless only this user can write
-        private_folder(self.cache)
+        try:  # owner and mode: refused in one line (IntegrityError) unless only this user can write
+            private_folder(self.cache.parent)
+            private_folder(self.cache)
+        except OSError as e:
+            raise self._failed(index, e.strerror or str(e)) from None
         folder = self.cache / key
         record = read_record(folder, CACHE_FORMAT)  # a damaged record of any shape: refused, naming the folder
         if record is not None:
@@ -158,11 +161,14 @@ class PackedSlots:
                 os.chmod(tmp / "packed.json", 0o600)
         except Exception as e:  # a read-only or full disk (SlimmlError from atomic_folder), ORT's own errors
             why = str(e).split(";")[0].rstrip(".") if isinstance(e, SlimmlError) else f"{type(e).__name__}: {e}"
-            raise ArtifactError(
-                f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
-                "to a writable folder with room for about twice the streamed shards, or pass pack=False"
-            ) from None
+            raise self._failed(index, why) from None
         return CacheEntry(folder, record)
+
+    def _failed(self, index: int, why: str) -> ArtifactError:
+        return ArtifactError(
+            f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
+            "to a writable folder with room for about twice the streamed shards, or pass pack=False"
+        )
 
 
 class _Pages:

@@ -91,7 +91,7 @@ class Baseline:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (temp file, then rename): a killed run never leaves half a baseline."""
-        from slimml.runtime.artifact.atomic import replace_file
+        from slimml.runtime.artifact.replace import replace_file
 
         path = Path(path)
         try:

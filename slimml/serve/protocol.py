@@ -191,8 +191,8 @@ def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, 
     n = data.get("max_new_tokens", 16)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_new_tokens:
         shown = repr(n) if len(repr(n)) <= 40 else repr(n)[:40] + "..."
-        raise RequestError(f'"max_new_tokens" must be a whole number from 1 to {max_new_tokens} (slimml serve '
-                           f"--max-new-tokens raises it), got {shown}.")
+        raise RequestError(f'"max_new_tokens" must be a whole number from 1 to {max_new_tokens}, got {shown} '
+                           "(slimml serve --max-new-tokens raises the limit).")
     if texts:
         return checked_texts(prompts, '"prompt"', max_chars), n
     top = vocab_size or 1 << 63
