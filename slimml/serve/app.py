@@ -103,8 +103,12 @@ class SlimmlServer:
 
     def __init__(self, config: dict[str, Any]):
         self.config = ServeConfig(**config)
-        _guard.update(key_sha256=self.config.api_key_sha256, openapi=self.config.openapi,
-                      timeout_s=self.config.request_timeout_s)
+        # Serve pickles this class by value, globals and all: the middleware reads the module's own
+        # _guard, so it is reached through the module, not through this function's globals
+        import slimml.serve.app as module
+
+        module._guard.update(key_sha256=self.config.api_key_sha256, openapi=self.config.openapi,
+                             timeout_s=self.config.request_timeout_s)
         expect = self.config.manifest_sha256  # the driver's manifest: this node's copy must be the same
         if self.config.stages:
             from slimml.scale import pipeline
