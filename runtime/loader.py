@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
-from slimml.runtime.artifact.manifest import Manifest, check_same_manifest, read_manifest, safe_path, verify_files
+from slimml.runtime.artifact.manifest import (Manifest, check_same_manifest, check_unchanged, read_manifest, safe_path,
+                                              verify_files)
 from slimml.runtime.engine.budget import StreamPlan, plan_stream
 from slimml.runtime.engine.engine import Engine
 from slimml.runtime.engine.plan import ExecutionPlan
@@ -229,9 +230,9 @@ def load(
     parts = manifest.components or {None: manifest}
     # a bad budget fails before loading; streaming settings apply to each component's chain
     plans = {name: plan_stream(m, resident, prefetch, memory_budget, pin) for name, m in parts.items()}
-    if verify:
-        verify_files(folder, manifest)
+    seen = verify_files(folder, manifest) if verify else {}
     models = {name: Model(folder, m, device, threads, plans[name], verify, pack, cache_dir) for name, m in parts.items()}
+    check_unchanged(folder, seen)  # the files the sessions opened are the ones hashed
     if not manifest.components:
         return models[None]
     from slimml.runtime.tasks.components import Components

@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 
 import numpy as np
 import onnx
@@ -249,10 +250,13 @@ def test_a_killed_convert_still_a_zombie_counts_as_gone(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     (tmp_path / f".art.slimml-tmp-{child.pid}").mkdir()
     child.kill()
-    for _ in range(100):  # killed, not yet reaped: a zombie
+    deadline = time.monotonic() + 10
+    while True:  # killed, not yet reaped: a zombie
         with open(f"/proc/{child.pid}/stat", "rb") as f:
             if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
                 break
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     assert not _alive(child.pid)
     made = fresh_tmp(tmp_path / "art")
     assert [p.name for p in tmp_path.iterdir()] == [made.name]
@@ -273,3 +277,19 @@ def test_small_writers_use_names_no_one_planted(tmp_path):
     Manifest(name="x", task="t", source={}, steps=[], inputs=[], outputs=[], shards=[], files=[]).write(tmp_path)
     assert decoy.read_text() == "keep" and target.read_text() == "{}"
     assert stat.S_IMODE(replace_file(tmp_path / "secret", b"s", mode=0o600).stat().st_mode) == 0o600
+
+
+def test_a_file_swapped_between_its_hash_and_the_session_is_refused(mlp_artifact, tmp_path):
+    from slimml.runtime.artifact.manifest import check_unchanged, read_manifest, verify_files
+
+    art = tmp_path / "art"
+    shutil.copytree(mlp_artifact, art)
+    seen = verify_files(art, read_manifest(art))  # identities of the very files hashed
+    check_unchanged(art, seen)
+    data = next(p for p in art.glob("*.onnx.data"))
+    swap = data.with_name("swap")
+    shutil.copy2(data, swap)
+    os.replace(swap, data)  # same bytes, same mtime: another file all the same
+    with pytest.raises(IntegrityError) as e:
+        check_unchanged(art, seen)
+    assert str(e.value).startswith(f"{data.name} in the artifact {art} was replaced while the model loaded")

@@ -532,11 +532,23 @@ def read_config(path: Path, what: str) -> dict[str, Any]:
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    return hash_file(path, chunk)[0]
+
+
+def hash_file(path: str | os.PathLike, chunk: int = 1 << 22) -> tuple[str, tuple[int, int, int, int]]:
+    """sha256 of ``path`` and the identity (size, mtime_ns, inode, device) of the very file hashed:
+    ``fstat`` on the descriptor that was read, not a second look-up of the name, so what was
+    hashed can later be compared with what a session opened (:func:`check_unchanged`)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    return h.hexdigest(), identity(st)
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
 
 
 def file_entry(folder: Path, path: Path) -> FileEntry:
@@ -544,7 +556,12 @@ def file_entry(folder: Path, path: Path) -> FileEntry:
 
 
 def verify_file(folder: Path, entry: FileEntry) -> Path:
-    """Check one listed file's presence, size and sha256; return its path.
+    """Check one listed file's presence, size and sha256; return its path."""
+    return _verify_file(folder, entry)[0]
+
+
+def _verify_file(folder: Path, entry: FileEntry) -> tuple[Path, tuple[int, int, int, int]]:
+    """:func:`verify_file`, and the identity of the file that was hashed.
 
     Raises:
         IntegrityError: naming the file and what differs.
@@ -565,16 +582,36 @@ def verify_file(folder: Path, entry: FileEntry) -> Path:
             f"{entry.path} is {size} bytes but the manifest records {entry.bytes}: the file is truncated "
             "or was modified. Copy the artifact again or re-convert; slimml will not run it."
         )
-    digest = sha256_file(path)
-    if digest != entry.sha256:
+    digest, ident = hash_file(path)
+    if digest != entry.sha256 or ident[0] != entry.bytes:
         raise IntegrityError(
             f"{entry.path} does not match its sha256 in the manifest: the file is corrupted or was "
             "tampered with. Copy the artifact again or re-convert; slimml will not run it."
         )
-    return path
+    return path, ident
 
 
-def verify_files(folder: str | os.PathLike, manifest: Manifest) -> None:
+def verify_files(folder: str | os.PathLike, manifest: Manifest) -> dict[str, tuple[int, int, int, int]]:
+    """Check every listed file (:func:`verify_file`); return each one's identity as hashed."""
     folder = Path(folder)
-    for entry in manifest.files:
-        verify_file(folder, entry)
+    return {entry.path: _verify_file(folder, entry)[1] for entry in manifest.files}
+
+
+def check_unchanged(folder: str | os.PathLike, seen: dict[str, tuple[int, int, int, int]]) -> None:
+    """Refuse files that are no longer the ones hashed (``seen``, from :func:`verify_files`): call it
+    once the sessions have opened them, so a file swapped between the hash and the open is caught.
+
+    Raises:
+        IntegrityError: naming the file.
+    """
+    folder = Path(folder)
+    for rel, ident in seen.items():
+        try:
+            now = identity(os.stat(safe_path(folder, rel)))
+        except OSError:
+            now = None
+        if now != ident:
+            raise IntegrityError(
+                f"{rel} in the artifact {folder} was replaced while the model loaded (after its hash was checked); "
+                "slimml will not run it. Replace artifacts by writing a new folder and renaming it, then load again."
+            )

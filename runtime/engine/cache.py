@@ -28,7 +28,7 @@ from pathlib import Path
 
 from slimml.errors import IntegrityError
 from slimml.runtime.artifact.integrity import check_shard_file
-from slimml.runtime.artifact.manifest import ShardSpec
+from slimml.runtime.artifact.manifest import ShardSpec, identity
 
 RECORD = "packed.json"
 GRAPH, DATA = "shard.onnx", "shard.onnx.data"
@@ -37,7 +37,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 def hash_file(path: Path) -> tuple[str, tuple[int, int, int, int]]:
     """sha256 of ``path`` and the identity (size, mtime_ns, inode, device) of the very file hashed
-    (``fstat`` on the descriptor read, not a second look-up of the name)."""
+    (``fstat`` on the descriptor read, not a second look-up of the name); a link is not followed."""
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
@@ -50,10 +50,6 @@ def hash_file(path: Path) -> tuple[str, tuple[int, int, int, int]]:
     finally:
         os.close(fd)
     return h.hexdigest(), identity(st)
-
-
-def identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
 
 
 def private_folder(path: Path) -> Path:
