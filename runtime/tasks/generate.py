@@ -103,9 +103,14 @@ def generate(
             f"the artifact {model.folder} is a {model.manifest.task!r} model without input_ids -> logits; "
             "generate() needs a decoder converted with --task text-generation."
         )
-    if max_new_tokens < 1:
-        raise FeedError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-    texts = isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, str) for p in prompts)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise FeedError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}.")
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise FeedError(f"generate() takes a non-empty list of texts or of token id lists, got {type(prompts).__name__}"
+                        f"{' (empty)' if isinstance(prompts, (list, tuple)) else ''}; wrap a single prompt as [prompt].")
+    texts = all(isinstance(p, str) for p in prompts)
     tok = model._text.tokenizer if model._text is not None else None
     limits = model.limits
     if texts:
@@ -114,9 +119,9 @@ def generate(
         model._check_unicode(prompts)
         ids = [e.ids[: sum(e.attention_mask)] for e in tok.encode_batch(limits.cut(list(prompts)))]
     else:
-        ids = [list(map(int, p)) for p in np.asarray(prompts, dtype=object)] if len(prompts) else []
-    if not ids or any(len(p) == 0 for p in ids):
-        raise FeedError("generate() needs at least one non-empty prompt.")
+        ids = [_token_ids(i, p) for i, p in enumerate(prompts)]
+    if any(len(p) == 0 for p in ids):
+        raise FeedError("generate() needs non-empty prompts; give each at least one token.")
     # before any pass: the model's positions, the call's token budget, ids inside the vocabulary
     limits.check_generate([len(p) for p in ids], max_new_tokens, model.max_sequence_length)
     top = model.vocab_size or 1 << 63
@@ -169,6 +174,17 @@ def generate(
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
                       prompt_tokens=sum(map(len, ids)), prefill_s=prefill_s)
+
+
+def _token_ids(i: int, prompt) -> list[int]:
+    """One prompt of token ids as a list of ints, or a FeedError naming it."""
+    if isinstance(prompt, np.ndarray):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+        raise FeedError(f"prompt {i} is a {type(prompt).__name__}, not a list of token ids; give texts or lists of "
+                        "whole numbers, not a mix.")
+    return [int(t) for t in prompt]
 
 
 def _empty_cache(model: Model, batch: int) -> dict[str, np.ndarray] | None:
