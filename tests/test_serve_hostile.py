@@ -266,3 +266,48 @@ def test_the_api_key_guards_every_endpoint_but_health(server):
     assert request(port, "GET", "/v1/models", headers={"X-API-Key": KEY})[0] == 200
     assert request(port, "POST", "/v1/generate", {"prompt": [[1]], "max_new_tokens": 1}, AUTH)[0] == 200
     assert request(port, "GET", "/openapi.json", headers=AUTH)[0] == 404  # off unless asked
+
+
+def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled():
+    """The replica's middleware on its own (uvicorn, no Ray): the route is cancelled at the deadline."""
+    import asyncio
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from slimml.serve import app as served
+
+    api = FastAPI()
+    api.add_middleware(served._Guard)
+    cancelled = threading.Event()
+
+    @api.get("/slow")
+    async def slow():
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return {}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    old = dict(served._guard)
+    served._guard.update(timeout_s=0.5, key_sha256=None)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        status, body, _ = request(port, "GET", "/slow")
+        assert status == 408 and body["error"]["message"] == (
+            "the request took longer than this server allows (0.5 s); send smaller requests, or raise the limit "
+            "(slimml serve --request-timeout-s).")
+        assert time.monotonic() - t0 < 5 and cancelled.wait(5)
+    finally:
+        served._guard.update(old)
+        server.should_exit = True
+        thread.join(10)

@@ -49,23 +49,46 @@ def _error(message: str, status: int, headers: dict[str, str] | None = None) -> 
     return JSONResponse(protocol.error_body(message, status), status_code=status, headers=headers)
 
 
-@api.middleware("http")
-async def _guarded(request: Request, call_next):
-    path = request.url.path
-    if path in ("/openapi.json", "/docs", "/redoc") and not _guard["openapi"]:
-        return _error("no such endpoint.", 404)
-    if _guard["key_sha256"] is not None and path not in _OPEN:
-        auth = request.headers.get("authorization", "")
-        given = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
-        digest = hashlib.sha256(given.encode("utf-8", "replace")).hexdigest()
-        if not given or not hmac.compare_digest(digest, _guard["key_sha256"]):
-            return _error("this server needs an API key: send the header `Authorization: Bearer KEY`.", 401,
-                          {"WWW-Authenticate": "Bearer"})
-    try:
-        return await asyncio.wait_for(call_next(request), _guard["timeout_s"])
-    except asyncio.TimeoutError:  # the route was cancelled: a generate stops after its current pass
-        return _error(f"the request took longer than this server allows ({_guard['timeout_s']:g} s); send smaller "
-                      "requests, or raise the limit (slimml serve --request-timeout-s).", 408)
+class _Guard:
+    """ASGI middleware in front of every route: the API key, the hidden schema, and the request
+    timeout. Plain ASGI rather than ``@api.middleware``: at the deadline the route itself is
+    cancelled (a generate stops after its current pass), not only its answer abandoned."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if path in ("/openapi.json", "/docs", "/redoc") and not _guard["openapi"]:
+            return await _error("no such endpoint.", 404)(scope, receive, send)
+        if _guard["key_sha256"] is not None and path not in _OPEN:
+            headers = {k.lower(): v for k, v in scope.get("headers", [])}
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
+            digest = hashlib.sha256(given.encode("utf-8", "replace")).hexdigest()
+            if not given or not hmac.compare_digest(digest, _guard["key_sha256"]):
+                refused = _error("this server needs an API key: send the header `Authorization: Bearer KEY`.", 401,
+                                 {"WWW-Authenticate": "Bearer"})
+                return await refused(scope, receive, send)
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await asyncio.wait_for(self.app(scope, receive, sending), _guard["timeout_s"])
+        except asyncio.TimeoutError:
+            if not started:
+                timeout = _guard["timeout_s"]
+                await _error(f"the request took longer than this server allows ({timeout:g} s); send smaller requests, "
+                             "or raise the limit (slimml serve --request-timeout-s).", 408)(scope, receive, send)
+
+
+api.add_middleware(_Guard)
 
 
 @api.exception_handler(RequestError)
