@@ -513,6 +513,7 @@ def serve_(
     max_batch_tokens: Annotated[int, typer.Option(help="Rows x tokens of one /v1/run or /v1/generate request (prompt plus new tokens) at most; more gets 413.")] = 8_192,
     max_new_tokens: Annotated[int, typer.Option(help="The most new tokens one generate request may ask for.")] = 512,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = 8 << 20,
+    max_bodies_bytes: Annotated[int, typer.Option(help="Request body bytes one replica holds at once, over all its requests (parsed JSON costs about 9x); more gets 503.")] = 64 << 20,
     max_ongoing_requests: Annotated[int, typer.Option(help="Requests a replica works on at once; more wait in Serve's queue.")] = 128,
     max_queued_requests: Annotated[int, typer.Option(help="Requests waiting for a replica at most; more get 503 at once.")] = 512,
     body_timeout_s: Annotated[float, typer.Option(help="Seconds a client may take to send its body; later gets 408.")] = 30.0,
@@ -527,7 +528,7 @@ def serve_(
     config = ServeConfig(str(artifact), replicas=replicas, stages=stages, max_batch_size=max_batch_size,
                          batch_wait_ms=batch_wait_ms, memory_budget=memory_budget, api_key=api_key or None,
                          max_texts=max_texts, max_text_chars=max_text_chars, max_batch_tokens=max_batch_tokens,
-                         max_new_tokens=max_new_tokens, max_body_bytes=max_body_bytes,
+                         max_new_tokens=max_new_tokens, max_body_bytes=max_body_bytes, max_bodies_bytes=max_bodies_bytes,
                          max_ongoing_requests=max_ongoing_requests, max_queued_requests=max_queued_requests,
                          body_timeout_s=body_timeout_s, request_timeout_s=request_timeout_s, openapi=openapi)
     serve(config, host=host, port=port, address=address, direct_ingress=direct_ingress,

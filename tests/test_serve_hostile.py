@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray")
 KEY = "test-key-" + "k" * 24
 AUTH = {"Authorization": f"Bearer {KEY}"}
 RSS_BOUND_MB = 200  # the replica's RSS may grow at most this much under the whole attack
-LIMITS = dict(max_texts=64, max_body_bytes=256 << 10, max_batch_tokens=2048, max_new_tokens=64, body_timeout_s=2.0,
+LIMITS = dict(max_texts=64, max_body_bytes=256 << 10, max_bodies_bytes=4 << 20, max_batch_tokens=2048, max_new_tokens=64, body_timeout_s=2.0,
               request_timeout_s=30.0, max_ongoing_requests=16, max_queued_requests=64, max_text_chars=1000)
 
 
@@ -268,18 +268,27 @@ def test_the_api_key_guards_every_endpoint_but_health(server):
     assert request(port, "GET", "/openapi.json", headers=AUTH)[0] == 404  # off unless asked
 
 
-def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled():
-    """The replica's middleware on its own (uvicorn, no Ray): the route is cancelled at the deadline."""
+def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled_and_bodies_share_a_pool():
+    """The replica's middleware on its own (uvicorn, no Ray): the route is cancelled at the deadline,
+    and body bytes past the replica's pool are refused with 503."""
     import asyncio
 
     import uvicorn
     from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
 
+    from slimml.errors import RequestError
     from slimml.serve import app as served
 
     api = FastAPI()
     api.add_middleware(served._Guard)
+    api.exception_handler(RequestError)(served._request_error)
     cancelled = threading.Event()
+
+    async def echo(request):  # a plain Starlette route: it reads the body
+        return JSONResponse({"bytes": len(await request.body())})
+
+    api.add_route("/echo", echo, methods=["POST"])
 
     @api.get("/slow")
     async def slow():
@@ -294,7 +303,7 @@ def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled():
     server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
     old = dict(served._guard)
-    served._guard.update(timeout_s=0.5, key_sha256=None)
+    served._guard.update(timeout_s=0.5, key_sha256=None, bodies_bytes=1000)
     thread.start()
     try:
         deadline = time.monotonic() + 20
@@ -307,6 +316,14 @@ def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled():
             "the request took longer than this server allows (0.5 s); send smaller requests, or raise the limit "
             "(slimml serve --request-timeout-s).")
         assert time.monotonic() - t0 < 5 and cancelled.wait(5)
+        assert request(port, "POST", "/echo", b"x" * 900)[:2] == (200, {"bytes": 900})
+        status, body, _ = request(port, "POST", "/echo", b"x" * 2000)
+        assert status == 503 and "--max-bodies-bytes" in body["error"]["message"]
+        assert request(port, "POST", "/echo", b"x" * 900)[0] == 200
+        until = time.monotonic() + 5
+        while served._guard["held"] and time.monotonic() < until:  # released once the route has returned
+            time.sleep(0.01)
+        assert served._guard["held"] == 0
     finally:
         served._guard.update(old)
         server.should_exit = True

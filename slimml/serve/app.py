@@ -39,7 +39,8 @@ log = logging.getLogger("ray.serve")
 api = FastAPI(title="slimml", docs_url=None, redoc_url=None)
 # what the middleware enforces, set by the replica (one replica to a process): the API key's
 # sha256, whether /openapi.json is served, the request timeout
-_guard: dict[str, Any] = {"key_sha256": None, "openapi": False, "timeout_s": 300.0}
+_guard: dict[str, Any] = {"key_sha256": None, "openapi": False, "timeout_s": 300.0, "bodies_bytes": 64 << 20,
+                          "held": 0}  # held: body bytes of the requests in this replica now
 _OPEN = {"/health"}  # answered without the key: load balancers and Serve's probes
 
 
@@ -72,6 +73,19 @@ class _Guard:
                 refused = _error("this server needs an API key: send the header `Authorization: Bearer KEY`.", 401,
                                  {"WWW-Authenticate": "Bearer"})
                 return await refused(scope, receive, send)
+        held = 0
+
+        async def receiving():  # every body byte counts against the replica's pool until the request ends
+            nonlocal held
+            message = await receive()
+            size = len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            if size and _guard["held"] + size > _guard["bodies_bytes"]:
+                raise RequestError(f"this replica holds {_guard['bodies_bytes']} bytes of request bodies already; "
+                                   "retry shortly, or raise the limit (slimml serve --max-bodies-bytes).", 503)
+            _guard["held"] += size
+            held += size
+            return message
+
         started = False
 
         async def sending(message):
@@ -80,12 +94,14 @@ class _Guard:
             await send(message)
 
         try:
-            await asyncio.wait_for(self.app(scope, receive, sending), _guard["timeout_s"])
+            await asyncio.wait_for(self.app(scope, receiving, sending), _guard["timeout_s"])
         except asyncio.TimeoutError:
             if not started:
                 timeout = _guard["timeout_s"]
                 await _error(f"the request took longer than this server allows ({timeout:g} s); send smaller requests, "
                              "or raise the limit (slimml serve --request-timeout-s).", 408)(scope, receive, send)
+        finally:
+            _guard["held"] -= held
 
 
 api.add_middleware(_Guard)
@@ -131,7 +147,7 @@ class SlimmlServer:
         import slimml.serve.app as module
 
         module._guard.update(key_sha256=self.config.api_key_sha256, openapi=self.config.openapi,
-                             timeout_s=self.config.request_timeout_s)
+                             timeout_s=self.config.request_timeout_s, bodies_bytes=self.config.max_bodies_bytes)
         expect = self.config.manifest_sha256  # the driver's manifest: this node's copy must be the same
         if self.config.stages:
             from slimml.scale import pipeline

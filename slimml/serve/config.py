@@ -32,6 +32,10 @@ class ServeConfig:
             clients x 32 STSb sentences, 16 served 1,265-1,276 texts/s against 1,131-1,182 for
             32; in process, 128-token texts ran 146-154 texts/s at 16 against 139-150 at 32).
         max_body_bytes: larger request bodies get 413 (8 MiB: about 40,000 short sentences).
+        max_bodies_bytes: request body bytes one replica holds at once, over all its requests
+            (parsed JSON costs about 9x its bytes); a request whose body would pass it gets 503.
+            With max_body_bytes it bounds what bodies can cost a replica, whatever
+            max_ongoing_requests is (64 MiB: about 600 MB parsed).
         max_texts: rows of one request (texts, prompts, a run's batch), at most; more gets 413.
         max_text_chars: characters of one text kept before tokenizing (the tokenizer would
             truncate the rest anyway; this bounds its time: an 8 MiB text took 6.4 s whole).
@@ -64,6 +68,7 @@ class ServeConfig:
     batch_wait_ms: float = 5.0
     batch_size: int = 16
     max_body_bytes: int = 8 << 20
+    max_bodies_bytes: int = 64 << 20
     max_texts: int = 2048
     max_text_chars: int = 16_384
     max_batch_tokens: int = 8_192
@@ -80,7 +85,7 @@ class ServeConfig:
     manifest_sha256: str | None = None  # the driver's manifest.json: replicas and stages refuse another
 
     def __post_init__(self):
-        whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024,
+        whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024, "max_bodies_bytes": 1024,
                  "max_texts": 1, "max_text_chars": 1, "max_batch_tokens": 1, "max_new_tokens": 1,
                  "max_ongoing_requests": 1, "max_queued_requests": 1}
         for name, low in whole.items():
