@@ -123,7 +123,7 @@ def generate(
     if any(len(p) == 0 for p in ids):
         raise FeedError("generate() needs non-empty prompts; give each at least one token.")
     # before any pass: the model's positions, the call's token budget, ids inside the vocabulary
-    limits.check_generate([len(p) for p in ids], max_new_tokens, model.max_sequence_length)
+    limits.check_generate([len(p) for p in ids], max_new_tokens, model.max_sequence_length, model.vocab_size)
     top = model.vocab_size or 1 << 63
     bad = next(((i, t) for i, p in enumerate(ids) for t in p if not 0 <= t < top), None)
     if bad is not None:

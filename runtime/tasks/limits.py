@@ -30,19 +30,27 @@ class Limits:
         max_text_chars: characters of one text kept before tokenizing (the rest is cut, as the
             tokenizer's truncation would cut its tokens): 16,384 is 32 characters a token for a
             512-token model, far more than any language needs, and bounds the tokenizer's time.
-        max_batch_tokens: rows x (prompt + new tokens) of one ``generate`` call. 8,192 keeps a
-            32,000-token vocabulary's prefill logits within 1 GB.
+        max_batch_tokens: rows x (prompt + new tokens) of one ``generate`` call. None (default):
+            8,192, or fewer for a vocabulary past 32,768 tokens, so that the first pass's logits
+            (rows x tokens x vocabulary float32) stay within 1 GiB: 1,770 for 151,646 tokens.
     """
 
     max_text_chars: int = 16_384
-    max_batch_tokens: int = 8_192
+    max_batch_tokens: int | None = None
+
+    def batch_tokens(self, vocab_size: int | None) -> int:
+        """``max_batch_tokens``, or its default for a model with ``vocab_size`` tokens."""
+        if self.max_batch_tokens is not None:
+            return self.max_batch_tokens
+        return min(8_192, max(256, (1 << 28) // vocab_size)) if vocab_size else 8_192
 
     def cut(self, texts: list[str]) -> list[str]:
         """``texts`` cut to ``max_text_chars`` each (a new list; short texts are the same objects)."""
         n = self.max_text_chars
         return [t if len(t) <= n else t[:n] for t in texts]
 
-    def check_generate(self, lengths: list[int], max_new_tokens: int, positions: int | None) -> None:
+    def check_generate(self, lengths: list[int], max_new_tokens: int, positions: int | None,
+                       vocab_size: int | None = None) -> None:
         """Refuse a generation that would pass the model's positions or this call's token budget.
 
         Raises:
@@ -55,9 +63,10 @@ class Limits:
                 f"{positions} positions; shorten the prompt or ask for at most {max(positions - longest, 0)} new tokens."
             )
         total = len(lengths) * (longest + max_new_tokens)  # prompts are padded to the longest
-        if total > self.max_batch_tokens:
+        limit = self.batch_tokens(vocab_size)
+        if total > limit:
             raise FeedError(
                 f"{len(lengths)} prompt(s) x ({longest} + {max_new_tokens} new) tokens = {total} is more than the "
-                f"limit of {self.max_batch_tokens} tokens a call; send fewer or shorter prompts, or raise the limit "
+                f"limit of {limit} tokens a call; send fewer or shorter prompts, or raise the limit "
                 "(slimml serve --max-batch-tokens; model.limits.max_batch_tokens in Python)."
             )

@@ -166,6 +166,8 @@ class SlimmlServer:
         if limits is not None:
             limits.max_text_chars = self.config.max_text_chars
             limits.max_batch_tokens = self.config.max_batch_tokens
+        self.batch_tokens = (limits.batch_tokens(getattr(self.model, "vocab_size", None)) if limits is not None
+                             else self.config.max_batch_tokens or 8_192)
         self.name = self.config.name or self.model.manifest.name
         params = inspect.signature(self.model.generate).parameters if hasattr(self.model, "generate") else {}
         self._cancels = "cancel" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -221,7 +223,7 @@ class SlimmlServer:
         protocol.check_model(data, self.name)
         feeds, wanted, encoding = protocol.run_inputs(data)
         protocol.check_run_budget(feeds, getattr(self.model, "inputs", []), getattr(self.model, "max_sequence_length", None),
-                                  self.config.max_texts, self.config.max_batch_tokens)
+                                  self.config.max_texts, self.batch_tokens)
         out = await asyncio.to_thread(self.model.run, feeds)
         if wanted is not None:
             missing = [w for w in wanted if w not in out]

@@ -40,7 +40,9 @@ class ServeConfig:
         max_text_chars: characters of one text kept before tokenizing (the tokenizer would
             truncate the rest anyway; this bounds its time: an 8 MiB text took 6.4 s whole).
         max_batch_tokens: rows x tokens of one /v1/run or /v1/generate request (prompt plus new
-            tokens), at most; more gets 413. Each row must also fit the model's positions (400).
+            tokens), at most; more gets 413. None: 8,192, fewer for vocabularies past 32,768 tokens
+            (logits within 1 GiB; :class:`slimml.runtime.tasks.limits.Limits`). Each row must also
+            fit the model's positions (400).
         max_new_tokens: the most tokens one generate request may ask for.
         max_ongoing_requests: requests a replica works on at once (each holds its body and its
             share of a batch); more wait in Serve's queue.
@@ -71,7 +73,7 @@ class ServeConfig:
     max_bodies_bytes: int = 64 << 20
     max_texts: int = 2048
     max_text_chars: int = 16_384
-    max_batch_tokens: int = 8_192
+    max_batch_tokens: int | None = None
     max_new_tokens: int = 512
     max_ongoing_requests: int = 128
     max_queued_requests: int = 512
@@ -86,7 +88,7 @@ class ServeConfig:
 
     def __post_init__(self):
         whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024, "max_bodies_bytes": 1024,
-                 "max_texts": 1, "max_text_chars": 1, "max_batch_tokens": 1, "max_new_tokens": 1,
+                 "max_texts": 1, "max_text_chars": 1, "max_new_tokens": 1,
                  "max_ongoing_requests": 1, "max_queued_requests": 1}
         for name, low in whole.items():
             v = getattr(self, name)
@@ -101,6 +103,9 @@ class ServeConfig:
                 f"stages={self.stages} with replicas={self.replicas}: each replica would hold a pipeline of its own. "
                 "Use one replica in front of the stages (--replicas 1), or replicas without stages."
             )
+        if self.max_batch_tokens is not None and (isinstance(self.max_batch_tokens, bool)
+                                                  or not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1):
+            raise ConfigError(f"max_batch_tokens must be a whole number >= 1, got {self.max_batch_tokens!r}.")
         for name in ("body_timeout_s", "request_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86_400:
