@@ -511,6 +511,7 @@ def serve_(
     max_texts: Annotated[int, typer.Option(help="Rows of one request (texts, prompts, a run's batch) at most; more gets 413.")] = 2048,
     max_text_chars: Annotated[int, typer.Option(help="Characters of one text kept before tokenizing (bounds the tokenizer's time).")] = 16_384,
     max_batch_tokens: Annotated[Optional[int], typer.Option(help="Rows x tokens of one /v1/run or /v1/generate request (prompt plus new tokens) at most; more gets 413. Default: 8192, fewer for vocabularies past 32,768 tokens (logits within 1 GiB).")] = None,
+    max_response_values: Annotated[int, typer.Option(help="Values in one /v1/run response at most, counted from the output shapes before the model runs; more gets 413.")] = 1 << 24,
     max_new_tokens: Annotated[int, typer.Option(help="The most new tokens one generate request may ask for.")] = 512,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = 8 << 20,
     max_bodies_bytes: Annotated[int, typer.Option(help="Request body bytes one replica holds at once, over all its requests (parsed JSON costs about 9x); more gets 503.")] = 64 << 20,
@@ -528,6 +529,7 @@ def serve_(
     config = ServeConfig(str(artifact), replicas=replicas, stages=stages, max_batch_size=max_batch_size,
                          batch_wait_ms=batch_wait_ms, memory_budget=memory_budget, api_key=api_key or None,
                          max_texts=max_texts, max_text_chars=max_text_chars, max_batch_tokens=max_batch_tokens,
+                         max_response_values=max_response_values,
                          max_new_tokens=max_new_tokens, max_body_bytes=max_body_bytes, max_bodies_bytes=max_bodies_bytes,
                          max_ongoing_requests=max_ongoing_requests, max_queued_requests=max_queued_requests,
                          body_timeout_s=body_timeout_s, request_timeout_s=request_timeout_s, openapi=openapi)

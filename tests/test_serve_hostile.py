@@ -30,8 +30,9 @@ ray = pytest.importorskip("ray")
 KEY = "test-key-" + "k" * 24
 AUTH = {"Authorization": f"Bearer {KEY}"}
 RSS_BOUND_MB = 200  # the replica's RSS may grow at most this much under the whole attack
-LIMITS = dict(max_texts=64, max_body_bytes=256 << 10, max_bodies_bytes=4 << 20, max_batch_tokens=2048, max_new_tokens=64, body_timeout_s=2.0,
-              request_timeout_s=30.0, max_ongoing_requests=16, max_queued_requests=64, max_text_chars=1000)
+LIMITS = dict(max_texts=64, max_body_bytes=256 << 10, max_bodies_bytes=4 << 20, max_batch_tokens=2048,
+              max_response_values=100_000, max_new_tokens=64, body_timeout_s=2.0, request_timeout_s=30.0,
+              max_ongoing_requests=16, max_queued_requests=64, max_text_chars=1000)
 
 
 def request(port: int, method: str, path: str, body=None, headers=None, timeout: float = 30) -> tuple[int, dict, bytes]:
@@ -120,6 +121,7 @@ HOSTILE = [
     ("run: one sequence of 3,000 ids", "/v1/run", _run(1, 3000, past=False), 400, "this model takes at most 128"),
     ("run: rows x tokens over budget", "/v1/run", _run(40, 100), 413, "--max-batch-tokens"),
     ("run: too many rows", "/v1/run", _run(65, 2), 413, "--max-texts"),
+    ("run: a response of 153,600 logits", "/v1/run", _run(30, 10), 413, "--max-response-values"),
     ("generate: 64 prompts of 50 ids", "/v1/generate", {"prompt": _ids(64, 50), "max_new_tokens": 16}, 400,
      "--max-batch-tokens"),
     ("generate: past the positions", "/v1/generate", {"prompt": _ids(1, 120), "max_new_tokens": 16}, 400,

@@ -31,8 +31,10 @@ class Limits:
             tokenizer's truncation would cut its tokens): 16,384 is 32 characters a token for a
             512-token model, far more than any language needs, and bounds the tokenizer's time.
         max_batch_tokens: rows x (prompt + new tokens) of one ``generate`` call. None (default):
-            8,192, or fewer for a vocabulary past 32,768 tokens, so that the first pass's logits
-            (rows x tokens x vocabulary float32) stay within 1 GiB: 1,770 for 151,646 tokens.
+            8,192, or fewer for a vocabulary past 8,192 tokens, so that one pass's logits (rows x
+            tokens x vocabulary float32) stay within 256 MiB: 2,097 for 32,000 tokens, 442 for
+            151,646. Measured on a 2-layer, 32,000-token decoder without a KV cache, 64 prompts of
+            50 ids asking for 16 new tokens (4,224) raised a server's RSS by 1.05 GB.
     """
 
     max_text_chars: int = 16_384
@@ -42,7 +44,7 @@ class Limits:
         """``max_batch_tokens``, or its default for a model with ``vocab_size`` tokens."""
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
-        return min(8_192, max(256, (1 << 28) // vocab_size)) if vocab_size else 8_192
+        return min(8_192, max(256, (1 << 26) // vocab_size)) if vocab_size else 8_192
 
     def cut(self, texts: list[str]) -> list[str]:
         """``texts`` cut to ``max_text_chars`` each (a new list; short texts are the same objects)."""

@@ -223,7 +223,8 @@ class SlimmlServer:
         protocol.check_model(data, self.name)
         feeds, wanted, encoding = protocol.run_inputs(data)
         protocol.check_run_budget(feeds, getattr(self.model, "inputs", []), getattr(self.model, "max_sequence_length", None),
-                                  self.config.max_texts, self.batch_tokens)
+                                  self.config.max_texts, self.batch_tokens, getattr(self.model, "outputs", []), wanted,
+                                  self.config.max_response_values)
         out = await asyncio.to_thread(self.model.run, feeds)
         if wanted is not None:
             missing = [w for w in wanted if w not in out]

@@ -43,6 +43,9 @@ class ServeConfig:
             tokens), at most; more gets 413. None: 8,192, fewer for vocabularies past 32,768 tokens
             (logits within 1 GiB; :class:`slimml.runtime.tasks.limits.Limits`). Each row must also
             fit the model's positions (400).
+        max_response_values: values in one /v1/run response, at most, counted from the output
+            shapes before the model runs (16,777,216: 64 MiB as float32, ~170 MB as JSON);
+            more gets 413.
         max_new_tokens: the most tokens one generate request may ask for.
         max_ongoing_requests: requests a replica works on at once (each holds its body and its
             share of a batch); more wait in Serve's queue.
@@ -74,6 +77,7 @@ class ServeConfig:
     max_texts: int = 2048
     max_text_chars: int = 16_384
     max_batch_tokens: int | None = None
+    max_response_values: int = 1 << 24
     max_new_tokens: int = 512
     max_ongoing_requests: int = 128
     max_queued_requests: int = 512
@@ -88,7 +92,7 @@ class ServeConfig:
 
     def __post_init__(self):
         whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024, "max_bodies_bytes": 1024,
-                 "max_texts": 1, "max_text_chars": 1, "max_new_tokens": 1,
+                 "max_texts": 1, "max_text_chars": 1, "max_response_values": 1, "max_new_tokens": 1,
                  "max_ongoing_requests": 1, "max_queued_requests": 1}
         for name, low in whole.items():
             v = getattr(self, name)

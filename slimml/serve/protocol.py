@@ -206,10 +206,13 @@ def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, 
 
 
 def check_run_budget(feeds: dict[str, np.ndarray], specs, max_seq: int | None, max_rows: int,
-                     max_batch_tokens: int) -> None:
+                     max_batch_tokens: int, outputs=(), wanted: list[str] | None = None,
+                     max_values: int | None = None) -> None:
     """Refuse a run request too big for one pass, before the model sees it: more rows than
-    ``max_rows``, a sequence longer than the model's positions, or rows x tokens over
-    ``max_batch_tokens`` (attention grows with the square of the sequence, activations with both).
+    ``max_rows``, a sequence longer than the model's positions, rows x tokens over
+    ``max_batch_tokens`` (attention grows with the square of the sequence, activations with both),
+    or outputs (``wanted`` of the ``outputs`` specs, all by default) of more than ``max_values``
+    values (a decoder's logits are rows x tokens x vocabulary, and JSON writes each in ~10 bytes).
 
     ``specs``: the model's input specs; an axis named like a sequence length counts tokens.
     """
@@ -236,6 +239,20 @@ def check_run_budget(feeds: dict[str, np.ndarray], specs, max_seq: int | None, m
         raise RequestError(f"the inputs hold {rows} rows x {tokens} tokens = {rows * tokens}, more than this server "
                            f"takes in one request ({max_batch_tokens}); send fewer rows a request, or raise the limit "
                            "(slimml serve --max-batch-tokens).", 413)
+    if max_values is None:
+        return
+    values = 0
+    for spec in outputs:
+        if wanted is not None and spec.name not in wanted:
+            continue
+        n = 1
+        for d, axis in enumerate(spec.shape):
+            n *= axis if isinstance(axis, int) else tokens if counts_tokens(axis) else rows if d == 0 else 1
+        values += n
+    if values > max_values:
+        raise RequestError(f"the outputs of these inputs would hold about {values} values, more than this server "
+                           f"returns in one response ({max_values}); send fewer rows or tokens a request, name only the "
+                           'outputs you need in "outputs", or raise the limit (slimml serve --max-response-values).', 413)
 
 
 def generate_response(gen, name: str, max_new_tokens: int) -> dict[str, Any]:
