@@ -97,6 +97,7 @@ def main() -> None:
                                 "attention_mask": {"dtype": "int64", "data": [[1] * n]},
                                 "position_ids": {"dtype": "int64", "data": [list(range(n))]}}}
     cases = [("honest: generate 2 prompts x 8 ids, 8 new", "/v1/generate", {"prompt": ids(2, 8), "max_new_tokens": 8}),
+             ("run: one sequence of 100 ids", "/v1/run", run(100)),
              ("run: one sequence of 500 ids", "/v1/run", run(500)),
              ("run: one sequence of 1,000 ids", "/v1/run", run(1000)),
              ("run: one sequence of 3,000 ids (74 kB)", "/v1/run", run(3000)),

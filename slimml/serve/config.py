@@ -44,7 +44,7 @@ class ServeConfig:
             (logits within 1 GiB; :class:`slimml.runtime.tasks.limits.Limits`). Each row must also
             fit the model's positions (400).
         max_response_values: values in one /v1/run response, at most, counted from the output
-            shapes before the model runs (16,777,216: 64 MiB as float32, ~170 MB as JSON);
+            shapes before the model runs (4,194,304: 16 MiB as float32; a 32,000-token decoder's logits for 131 tokens);
             more gets 413.
         max_new_tokens: the most tokens one generate request may ask for.
         max_ongoing_requests: requests a replica works on at once (each holds its body and its
@@ -77,7 +77,7 @@ class ServeConfig:
     max_texts: int = 2048
     max_text_chars: int = 16_384
     max_batch_tokens: int | None = None
-    max_response_values: int = 1 << 24
+    max_response_values: int = 1 << 22
     max_new_tokens: int = 512
     max_ongoing_requests: int = 128
     max_queued_requests: int = 512
