@@ -510,7 +510,7 @@ def serve_(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SLIMML_API_KEY", show_envvar=True, help="Every endpoint but /health needs `Authorization: Bearer KEY` (401 without). Prefer the SLIMML_API_KEY variable: a flag shows in the process list.")] = None,
     max_texts: Annotated[int, typer.Option(help="Rows of one request (texts, prompts, a run's batch) at most; more gets 413.")] = 2048,
     max_text_chars: Annotated[int, typer.Option(help="Characters of one text kept before tokenizing (bounds the tokenizer's time).")] = 16_384,
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Rows x tokens of one /v1/run or /v1/generate request (prompt plus new tokens) at most; more gets 413. Default: 8192, fewer for vocabularies past 32,768 tokens (logits within 1 GiB).")] = None,
+    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Rows x tokens of one /v1/run or /v1/generate request (prompt plus new tokens) at most; more gets 413. Default: 8192, fewer for vocabularies past 8,192 tokens (a pass's logits within 256 MiB).")] = None,
     max_response_values: Annotated[int, typer.Option(help="Values in one /v1/run response at most, counted from the output shapes before the model runs; more gets 413.")] = 1 << 22,
     max_new_tokens: Annotated[int, typer.Option(help="The most new tokens one generate request may ask for.")] = 512,
     max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = 8 << 20,

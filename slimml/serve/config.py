@@ -40,8 +40,8 @@ class ServeConfig:
         max_text_chars: characters of one text kept before tokenizing (the tokenizer would
             truncate the rest anyway; this bounds its time: an 8 MiB text took 6.4 s whole).
         max_batch_tokens: rows x tokens of one /v1/run or /v1/generate request (prompt plus new
-            tokens), at most; more gets 413. None: 8,192, fewer for vocabularies past 32,768 tokens
-            (logits within 1 GiB; :class:`slimml.runtime.tasks.limits.Limits`). Each row must also
+            tokens), at most; more gets 413. None: 8,192, fewer for vocabularies past 8,192 tokens
+            (a pass's logits within 256 MiB; :class:`slimml.runtime.tasks.limits.Limits`). Each row must also
             fit the model's positions (400).
         max_response_values: values in one /v1/run response, at most, counted from the output
             shapes before the model runs (4,194,304: 16 MiB as float32; a 32,000-token decoder's logits for 131 tokens);
