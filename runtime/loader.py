@@ -42,11 +42,12 @@ class Model(Engine):
         if manifest.preprocessor and manifest.preprocessor.get("kind") == "image" and self.image_input is not None:
             self.images = ImageProcessor.from_file(safe_path(folder, manifest.preprocessor["file"]))
 
-    def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
-        """Greedy text generation for decoder artifacts; see :func:`slimml.runtime.tasks.generate.generate`."""
+    def generate(self, prompts, max_new_tokens: int = 32, cancel=None, **kwargs):
+        """Greedy text generation for decoder artifacts; see :func:`slimml.runtime.tasks.generate.generate`
+        (``cancel``: a ``threading.Event`` that stops it after the current pass)."""
         from slimml.runtime.tasks.generate import generate
 
-        return generate(self, prompts, max_new_tokens=max_new_tokens, **kwargs)
+        return generate(self, prompts, max_new_tokens=max_new_tokens, cancel=cancel, **kwargs)
 
     def classify(self, inputs, top_k: int | None = 5, batch_size: int = 32) -> list[list[dict]]:
         """Labels and scores for classifier artifacts: images (paths, PIL images or HxWx3 uint8

@@ -170,7 +170,7 @@ class SlimmlServer:
                              else self.config.max_batch_tokens or 8_192)
         self.name = self.config.name or self.model.manifest.name
         params = inspect.signature(self.model.generate).parameters if hasattr(self.model, "generate") else {}
-        self._cancels = "cancel" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self._cancels = "cancel" in params  # generate(cancel=Event) stops decoding when the client goes away
         self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size),
                                     self.config.max_batch_size, self.config.batch_wait_ms / 1000)
 
