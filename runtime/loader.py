@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
-from slimml.runtime.artifact.manifest import Manifest, read_manifest, safe_path, verify_files
+from slimml.runtime.artifact.manifest import (Manifest, check_same_manifest, check_unchanged, read_manifest, safe_path,
+                                              verify_files)
 from slimml.runtime.engine.backends import backend_for
 from slimml.runtime.engine.budget import StreamPlan, plan_stream
 from slimml.runtime.engine.config import LoadConfig
@@ -17,6 +18,7 @@ from slimml.runtime.engine.engine import Engine
 from slimml.runtime.engine.plan import ExecutionPlan
 from slimml.runtime.tasks.inputs.image import ImageProcessor
 from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
+from slimml.runtime.tasks.limits import Limits
 from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
 
 
@@ -28,10 +30,12 @@ class Model(Engine):
     def __init__(self, folder: Path, manifest: Manifest, config: LoadConfig | None = None,
                  memory: StreamPlan | None = None, plan: ExecutionPlan | None = None):
         super().__init__(folder, manifest, config, memory, plan)
+        self.limits = Limits()  # what one call may ask (texts' characters, generate's tokens): raise for trusted input
         self._text: TextEncoder | None = None
         if manifest.tokenizer:
             self._text = TextEncoder(
-                safe_path(folder, manifest.tokenizer["file"]), manifest.tokenizer, [t.name for t in manifest.inputs]
+                safe_path(folder, manifest.tokenizer["file"]), manifest.tokenizer, [t.name for t in manifest.inputs],
+                self.limits,
             )
         # images -> pixel tensors, for artifacts with pixel inputs and a shipped preprocessor config
         self.images: ImageProcessor | None = None
@@ -49,15 +53,16 @@ class Model(Engine):
         """The artifact's tokenizer (``.tokenizer`` is a ``tokenizers.Tokenizer``), or None."""
         return self._text
 
-    def generate(self, prompts, max_new_tokens: int | None = None, config=None, **options):
+    def generate(self, prompts, max_new_tokens: int | None = None, config=None, cancel=None, **options):
         """Continue prompts with a decoder artifact: greedy, or sampled (``temperature``, ``top_k``,
         ``top_p``, ``repetition_penalty``, ``seed``), with ``stop`` strings and ``stop_token_ids``;
-        see :func:`slimml.runtime.tasks.generate.generate`."""
+        see :func:`slimml.runtime.tasks.generate.generate` (``cancel``: a ``threading.Event`` that
+        stops it after the current pass)."""
         from slimml.runtime.tasks.generate import generate
 
         if max_new_tokens is not None:
             options["max_new_tokens"] = max_new_tokens
-        return generate(self, prompts, config, **options)
+        return generate(self, prompts, config, cancel=cancel, **options)
 
     def stream(self, prompt, config=None, **options):
         """One prompt's continuation as text pieces, yielded as they are produced; see
@@ -216,6 +221,8 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
               outside (model inputs and earlier activations) and its outputs what they hand on.
               Only their files are hashed; ``resident``, ``memory_budget`` and ``pin`` apply
               within the stage.
+            - ``manifest_sha256``: refuse the artifact unless its ``manifest.json`` has this sha256
+              (a pipeline stage or a server replica checks it holds what the driver read).
 
     Returns:
         A :class:`Model` with ``run(feeds)`` and, for sentence-embedding artifacts, ``encode(texts)``;
@@ -236,6 +243,7 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
     config = LoadConfig.build(config, overrides)
     folder = Path(path)
     manifest = read_manifest(folder)
+    check_same_manifest(folder, manifest, config.manifest_sha256)
     if config.shards is not None:
         if manifest.components:
             raise SlimmlError(
@@ -248,10 +256,10 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
     # a bad budget fails before loading; streaming settings apply to each component's chain
     plans = {name: plan_stream(m, config.resident, config.prefetch, config.memory_budget, config.pin)
              for name, m in parts.items()}
-    if config.verify:
-        verify_files(folder, manifest)
+    seen = verify_files(folder, manifest) if config.verify else {}
     # the last step: what the artifact is for, over one engine per chain of shards
     models = {name: Model(folder, m, config, plans[name]) for name, m in parts.items()}
+    check_unchanged(folder, seen)  # the files the sessions opened are the ones hashed
     if not manifest.components:
         return models[None]
     from slimml.runtime.tasks.components import Components

@@ -362,3 +362,26 @@ def _model(folder: Path):
     if folder not in _MODELS:
         _MODELS[folder] = load(folder)
     return _MODELS[folder]
+
+
+ids = st.integers(min_value=-2, max_value=600) | st.sampled_from([2**63 - 1, 2**63, 2**70, -(2**70)])
+prompts = st.one_of(
+    st.lists(st.lists(ids, min_size=0, max_size=140), min_size=0, max_size=4),  # past the positions, odd ids
+    st.builds(lambda rows, n: [[1] * n] * rows, st.integers(1, 300), st.integers(1, 60)),  # past the token budget
+    st.lists(st.text(max_size=50) | st.just("lone \ud800"), min_size=1, max_size=3),  # text, but no tokenizer
+    st.none(), st.text(max_size=5),
+)
+
+
+@fuzz(200)
+@given(batch=prompts, new=st.integers(min_value=-1, max_value=140))
+def test_hostile_prompts(tiny_llama_past_artifact, batch, new):
+    """generate() on token ids a caller may send: everything past the model's positions, the
+    call's token budget or the vocabulary is refused before any pass (docs/trust.md)."""
+    model = _model(tiny_llama_past_artifact)
+
+    def generate():
+        gen = model.generate(batch, max_new_tokens=new)
+        assert len(gen.tokens) == len(batch) and all(1 <= len(t) <= new for t in gen.tokens)
+
+    attempt("hostile prompts", generate)

@@ -63,19 +63,24 @@ def test_an_oversized_request_runs_alone_and_tuples_are_sliced():
     assert big == (["aaa", "b", "cc"], [3, 1, 2]) and small == (["dddd"], [4]) and calls == 2
 
 
-def test_a_failing_call_fails_every_request_in_it_and_the_batcher_goes_on():
+def test_a_failing_call_is_retried_per_request_so_only_the_bad_one_fails():
+    calls = []
+
     def fn(items):
+        calls.append(list(items))
         if "bad" in items:
             raise ValueError("bad text")
         return items
 
     async def main():
         batcher = Batcher(fn, max_items=10, wait_s=0.05)
-        results = await asyncio.gather(batcher(["ok"]), batcher(["bad"]), return_exceptions=True)
+        results = await asyncio.gather(batcher(["ok", "ok2"]), batcher(["bad"]), batcher(["also"]),
+                                       return_exceptions=True)
         return results, await batcher(["fine"])
 
-    (a, b), after = asyncio.run(main())
-    assert isinstance(a, ValueError) and isinstance(b, ValueError) and after == ["fine"]
+    (a, b, c), after = asyncio.run(main())
+    assert a == ["ok", "ok2"] and isinstance(b, ValueError) and c == ["also"] and after == ["fine"]
+    assert calls[0] == ["ok", "ok2", "bad", "also"] and calls[1:4] == [["ok", "ok2"], ["bad"], ["also"]]
 
 
 def test_a_cancelled_request_is_skipped():

@@ -26,7 +26,7 @@ def test_config_from_serve_run_arguments():
         ServeConfig("a", replicas=0)
     with pytest.raises(ConfigError, match="max_batch_size must be a number"):
         ServeConfig.from_args({"artifact": "a", "max_batch_size": "lots"})
-    assert ServeConfig("a", max_batch_size=300).max_ongoing_requests == 300  # batches can fill
+    assert ServeConfig("a", max_batch_size=300).max_ongoing_requests == 128  # bounded on its own, not by batch size
     assert ServeConfig.from_args({"artifact": "a", "access_log": "false"}).access_log is False
     assert ServeConfig.from_args({"artifact": "a", "access_log": "True"}).access_log is True
     with pytest.raises(ConfigError, match="access_log must be true or false"):

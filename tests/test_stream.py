@@ -177,15 +177,15 @@ def test_packed_weights_damaged_in_the_cache_are_refused(mlp_artifact, tmp_path)
     assert "pre-packed weights mapped from the cache" in model.plan.describe()
     want = load(mlp_artifact).run(_feeds())["y"]
     np.testing.assert_allclose(model.run(_feeds())["y"], want, rtol=0, atol=1e-5)
-    packed, _ = source.files[3]
+    packed = source.entries[3].data
     raw = bytearray(packed.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     packed.write_bytes(bytes(raw))
     with pytest.raises(IntegrityError) as e:
         model.run(_feeds())
     assert str(e.value) == (
-        f"{packed}, the pre-packed weights of shard 3, does not match the hash recorded when it was written: the "
-        f"cache is damaged. Delete {packed.parent} (slimml rebuilds it) and load the model again."
+        f"the cache entry {packed.parent} is damaged: shard.onnx.data does not match the hash recorded when it was "
+        f"written. Delete {packed.parent} (slimml rebuilds it) and load the model again."
     )
     with pytest.raises(IntegrityError):  # a fresh load refuses it too (ONNX Runtime may notice first)
         load(mlp_artifact, resident=2, cache_dir=tmp_path / "cache").run(_feeds())

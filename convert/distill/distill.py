@@ -424,24 +424,37 @@ def _fingerprint(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig |
 
 
 def _load_checkpoint(path: str | os.PathLike | None, fingerprint: str, cache_sha: str) -> dict[str, Any] | None:
+    """The resume state in ``path`` when it belongs to this run, else None (start over).
+
+    Loaded with ``weights_only=True``: the checkpoint holds tensors and plain values only, so a
+    file planted beside the output that would run code when unpickled is refused, never run.
+
+    Raises:
+        ConfigError: the file is there but is not a checkpoint this slimml wrote, naming it.
+    """
     import torch
 
     if path is None or not Path(path).is_file():
         return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception:
-        return None  # a torn checkpoint from a killed run: start over
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle.UnpicklingError for anything but tensors and plain values; a torn file
+        raise ConfigError(
+            f"the resume checkpoint {path} cannot be read as one slimml wrote ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160] if str(e) else 'unreadable'}); it was not loaded. Delete it to train from the start."
+        ) from None
     if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
         return None
     return state if state.get("teacher_cache") == cache_sha else None  # targets rebuilt: train again on them
 
 
 def _save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write the resume state atomically (a kill mid-save leaves the previous checkpoint whole),
+    readable by this user only."""
     import torch
 
+    from slimml.runtime.artifact.replace import replace_file
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # a kill mid-save leaves the previous checkpoint whole
+    replace_file(path, lambda f: torch.save(state, f), mode=0o600)
 

@@ -167,7 +167,7 @@ def _batches(model: Any, lengths: np.ndarray, order: np.ndarray, budget: int, ma
 def _fill(artifact, kind, ids, lengths, pad_id, cache_dir: Path, meta, memory_budget, top_k, progress, max_batch) -> int:
     from slimml.runtime import load
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the teacher's outputs: this user's only
     model = load(artifact, device="cpu", memory_budget=memory_budget)
     names = [t.name for t in model.inputs]
     order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
@@ -290,9 +290,9 @@ def _read_meta(cache_dir: Path) -> dict | None:
 
 
 def _write_meta(cache_dir: Path, meta) -> None:
-    tmp = cache_dir / (META + ".part")
-    tmp.write_text(json.dumps(meta))
-    os.replace(tmp, cache_dir / META)
+    from slimml.runtime.artifact.replace import replace_file
+
+    replace_file(cache_dir / META, json.dumps(meta), mode=0o600)
 
 
 def _clear(cache_dir: Path) -> None:

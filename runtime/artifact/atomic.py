@@ -8,24 +8,30 @@ through :func:`atomic_folder`.
 from __future__ import annotations
 
 import errno
+import glob
 import logging
 import os
 import re
 import shutil
+import stat
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.artifact.manifest import MANIFEST_NAME
+from slimml.runtime.artifact.replace import umask
 
 log = logging.getLogger("slimml")
 
 
 @contextmanager
-def atomic_folder(out: Path) -> Iterator[Path]:
+def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder beside ``out``; on success swap it in as ``out``.
+
+    ``private``: the folder stays 0700 (caches); else it gets the usual mode (0755 under umask 022).
 
     On any exception the temporary folder is removed and ``out`` is left as it was; an OSError
     (full disk, read-only place) becomes a SlimmlError that says what to do.
@@ -36,6 +42,8 @@ def atomic_folder(out: Path) -> Iterator[Path]:
     """
     tmp = fresh_tmp(out)
     try:
+        if not private:
+            tmp.chmod(0o777 & ~umask())
         yield tmp
         swap_in(tmp, out)
     except BaseException as e:
@@ -59,21 +67,22 @@ def fresh_tmp(out: Path) -> Path:
     parent = out.parent if str(out.parent) else Path(".")
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        for stale in parent.glob(f".{out.name}.slimml-tmp-*"):  # left by a killed convert
+        name = glob.escape(out.name)  # an output named `m[12]` must not match another artifact's folders
+        for stale in parent.glob(f".{name}.slimml-tmp-*"):  # left by a killed convert
             if not _owner_alive(stale):
                 size = _folder_bytes(stale)
                 shutil.rmtree(stale, ignore_errors=True)
                 log.warning("slimml: removed %s (%.1f MB), left by an interrupted convert, quantize or cache write whose process "
                             "no longer runs", stale, size / 1e6)
-        for old in parent.glob(f".{out.name}.slimml-old-*"):  # a previous artifact set aside by a killed convert
+        for old in parent.glob(f".{name}.slimml-old-*"):  # a previous artifact set aside by a killed convert
             if not _owner_alive(old):
                 if not out.exists():
                     os.rename(old, out)  # put it back: it is the user's last good artifact
                 else:
                     shutil.rmtree(old, ignore_errors=True)
-        tmp = parent / f".{out.name}.slimml-tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        # a name no one else can have made first (mkdtemp: O_EXCL, mode 0700); the pid in it lets
+        # the next run tell whether its owner still runs
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.slimml-tmp-{os.getpid()}-", dir=parent))
     except OSError as e:
         raise os_error(e, out) from None
     return tmp
@@ -149,17 +158,35 @@ def _start_time(pid: int) -> float | None:
 
 
 def _folder_bytes(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file() and not f.is_symlink())
+    """Bytes of the regular files under ``folder``, never following a link (a planted one could
+    point anywhere, or loop)."""
+    total = 0
+    for root, _, files in os.walk(folder, followlinks=False):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs. A zombie (killed, not yet reaped by its parent) does not:
+    ``os.kill(pid, 0)`` succeeds on it, so a convert started right after a SIGKILL would keep the
+    killed one's temp folder."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc: trust kill()
+    return state not in (b"Z", b"X")
 
 
 def os_error(e: OSError, out: Path) -> SlimmlError:

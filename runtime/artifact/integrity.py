@@ -161,11 +161,16 @@ def vocab_size(facts: list[ShardFacts]) -> int | None:
 
 
 def max_sequence_length(facts: list[ShardFacts], manifest: Manifest) -> int | None:
-    """The longest sequence the model takes: its position table's rows, else the tokenizer's max_length."""
+    """The longest sequence the model takes: its position table's rows; else the smaller of the
+    tokenizer's max_length and the source config's ``max_position_embeddings`` (rotary decoders
+    have no table, and without a tokenizer nothing else bounds a sequence of ids)."""
     tables = [f.max_positions for f in facts if f.max_positions]
     if tables:
         return min(tables)
+    known = []
     if manifest.tokenizer and manifest.tokenizer.get("max_length"):
-        return int(manifest.tokenizer["max_length"])
-    return None
-
+        known.append(int(manifest.tokenizer["max_length"]))
+    positions = (manifest.source or {}).get("max_position_embeddings")
+    if type(positions) is int and positions > 0:
+        known.append(positions)
+    return min(known) if known else None

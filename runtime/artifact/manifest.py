@@ -114,6 +114,7 @@ class Manifest:
     checks: dict[str, Any] = field(default_factory=dict)
     slimml_version: str = ""
     format_version: int = FORMAT_VERSION
+    sha256: str = field(default="", compare=False)  # of the manifest.json bytes read (read_manifest)
 
     def __post_init__(self) -> None:  # records given as dicts (older code, tests) become records
         self.tokenizer = Tokenizer.coerce(self.tokenizer)
@@ -251,13 +252,12 @@ class Manifest:
         }
 
     def write(self, folder: str | os.PathLike) -> Path:
-        """Write ``manifest.json`` into ``folder`` (replacing it in one rename). Artifacts are written
-        with :class:`slimml.runtime.artifact.writer.ArtifactWriter`, which hashes the files first."""
-        path = Path(folder) / MANIFEST_NAME
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
-        return path
+        """Write ``manifest.json`` into ``folder`` (replacing it in one rename, under a name no one can
+        predict). Artifacts are written with :class:`slimml.runtime.artifact.writer.ArtifactWriter`,
+        which hashes the files first."""
+        from slimml.runtime.artifact.replace import replace_file
+
+        return replace_file(Path(folder) / MANIFEST_NAME, json.dumps(self.to_json(), indent=2) + "\n")
 
 
 def read_manifest(folder: str | os.PathLike) -> Manifest:
@@ -286,7 +286,8 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
             f"(limit {MAX_MANIFEST_BYTES >> 20} MB); it is not one. Convert the model again."
         )
     try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
+        data = path.read_bytes()
+        raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
         raise ArtifactError(f"{path} is not valid JSON ({why}); the artifact is damaged: convert again.") from None
@@ -309,7 +310,22 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
         raise ArtifactError(f"{path} is malformed ({type(e).__name__}: {e}); convert the model again.") from None
     for part in [manifest] if not manifest.components else manifest.components.values():
         _check_structure(folder, part)
+    manifest.sha256 = hashlib.sha256(data).hexdigest()
     return manifest
+
+
+def check_same_manifest(folder: Path, manifest: Manifest, expected: str | None) -> None:
+    """Refuse an artifact whose manifest.json is not the one ``expected`` hashes: a pipeline stage
+    or a server replica on another node checks it holds the artifact the driver read.
+
+    Raises:
+        IntegrityError: naming the folder and the fix.
+    """
+    if expected is not None and manifest.sha256 != expected:
+        raise IntegrityError(
+            f"the artifact {folder} on this node is not the one the driver read (its {MANIFEST_NAME} differs); copy "
+            "the same artifact to the same path on every node."
+        )
 
 
 def _build(raw: dict[str, Any], version: int) -> Manifest:
@@ -516,11 +532,23 @@ def read_config(path: Path, what: str) -> dict[str, Any]:
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    return hash_file(path, chunk)[0]
+
+
+def hash_file(path: str | os.PathLike, chunk: int = 1 << 22) -> tuple[str, tuple[int, int, int, int]]:
+    """sha256 of ``path`` and the identity (size, mtime_ns, inode, device) of the very file hashed:
+    ``fstat`` on the descriptor that was read, not a second look-up of the name, so what was
+    hashed can later be compared with what a session opened (:func:`check_unchanged`)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
         while block := f.read(chunk):
             h.update(block)
-    return h.hexdigest()
+    return h.hexdigest(), identity(st)
+
+
+def identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
 
 
 def file_entry(folder: Path, path: Path) -> FileEntry:
@@ -528,7 +556,12 @@ def file_entry(folder: Path, path: Path) -> FileEntry:
 
 
 def verify_file(folder: Path, entry: FileEntry) -> Path:
-    """Check one listed file's presence, size and sha256; return its path.
+    """Check one listed file's presence, size and sha256; return its path."""
+    return _verify_file(folder, entry)[0]
+
+
+def _verify_file(folder: Path, entry: FileEntry) -> tuple[Path, tuple[int, int, int, int]]:
+    """:func:`verify_file`, and the identity of the file that was hashed.
 
     Raises:
         IntegrityError: naming the file and what differs.
@@ -549,16 +582,36 @@ def verify_file(folder: Path, entry: FileEntry) -> Path:
             f"{entry.path} is {size} bytes but the manifest records {entry.bytes}: the file is truncated "
             "or was modified. Copy the artifact again or re-convert; slimml will not run it."
         )
-    digest = sha256_file(path)
-    if digest != entry.sha256:
+    digest, ident = hash_file(path)
+    if digest != entry.sha256 or ident[0] != entry.bytes:
         raise IntegrityError(
             f"{entry.path} does not match its sha256 in the manifest: the file is corrupted or was "
             "tampered with. Copy the artifact again or re-convert; slimml will not run it."
         )
-    return path
+    return path, ident
 
 
-def verify_files(folder: str | os.PathLike, manifest: Manifest) -> None:
+def verify_files(folder: str | os.PathLike, manifest: Manifest) -> dict[str, tuple[int, int, int, int]]:
+    """Check every listed file (:func:`verify_file`); return each one's identity as hashed."""
     folder = Path(folder)
-    for entry in manifest.files:
-        verify_file(folder, entry)
+    return {entry.path: _verify_file(folder, entry)[1] for entry in manifest.files}
+
+
+def check_unchanged(folder: str | os.PathLike, seen: dict[str, tuple[int, int, int, int]]) -> None:
+    """Refuse files that are no longer the ones hashed (``seen``, from :func:`verify_files`): call it
+    once the sessions have opened them, so a file swapped between the hash and the open is caught.
+
+    Raises:
+        IntegrityError: naming the file.
+    """
+    folder = Path(folder)
+    for rel, ident in seen.items():
+        try:
+            now = identity(os.stat(safe_path(folder, rel)))
+        except OSError:
+            now = None
+        if now != ident:
+            raise IntegrityError(
+                f"{rel} in the artifact {folder} was replaced while the model loaded (after its hash was checked); "
+                "slimml will not run it. Replace artifacts by writing a new folder and renaming it, then load again."
+            )

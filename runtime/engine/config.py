@@ -57,6 +57,8 @@ class LoadConfig:
                 "the streamed shards' size."})
     shards: tuple[int, int] | None = field(default=None, metadata={
         "help": "Load only shards FIRST..LAST (inclusive), as one stage of a pipeline."})
+    # a stage or a replica refuses an artifact whose manifest.json differs from the driver's (no CLI flag)
+    manifest_sha256: str | None = None
 
     def __post_init__(self) -> None:
         check_device(self.device)  # DeviceError: "unknown device 'gpu'; use one of [...]"
@@ -88,6 +90,9 @@ class LoadConfig:
                 raise ConfigError(f"shards={self.shards!r} must be (first, last), two shard indices with "
                                   "0 <= first <= last, e.g. shards=(0, 3).")
             object.__setattr__(self, "shards", pair)
+        if self.manifest_sha256 is not None and not (isinstance(self.manifest_sha256, str)
+                                                     and len(self.manifest_sha256) == 64):
+            raise ConfigError(f"manifest_sha256={self.manifest_sha256!r} must be a sha256 in hex (64 characters).")
 
     @classmethod
     def names(cls) -> list[str]:

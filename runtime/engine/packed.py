@@ -10,9 +10,10 @@ brings them in ahead of the compute and drops them after it (``madvise``), so a 
 memory only while it is in a slot, and the kernels run as on a resident model.
 
 The packed files depend on the shard, the ONNX Runtime version and the CPU, so they live in a
-cache (``SLIMML_CACHE_DIR``, default ``~/.cache/slimml``), written once atomically with their
-sha256, which ``load`` checks (as it checks the artifact's files, unless ``verify=False``) and a
-pass checks again if a file changed since. A damaged cache file is refused, naming it.
+cache (``SLIMML_CACHE_DIR``, default ``~/.cache/slimml``), written once atomically into private
+folders with every file's sha256, which ``load`` checks as it checks the artifact's shards (and
+a pass checks again if a file changed since, ``Model.verify()`` always):
+:mod:`slimml.runtime.engine.cache`. A damaged cache entry is refused, naming the folder to delete.
 """
 
 from __future__ import annotations
@@ -24,19 +25,21 @@ import os
 import platform
 import sys
 from pathlib import Path
+
 from typing import TYPE_CHECKING
 
 import onnxruntime as ort
 
 from slimml.errors import ArtifactError, IntegrityError, SlimmlError
-from slimml.runtime.artifact.manifest import Manifest, safe_path, sha256_file
-from slimml.runtime.engine.slots import Slot, file_stamp
+from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.engine.cache import CacheEntry, make_record, private_folder, read_record
+from slimml.runtime.engine.slots import Slot
 
 if TYPE_CHECKING:
     from slimml.runtime.engine.backends.base import Backend
     from slimml.runtime.engine.config import LoadConfig
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the record lists the graph too, and says its format
 _MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22
 
 
@@ -69,10 +72,9 @@ def cpu_key(disabled: list[str] | None) -> str:
 class PackedSlots:
     """Streamed shards whose sessions map pre-packed weight files; slots page them in and out.
 
-    :meth:`compile` builds (or finds) a shard's packed files and opens its session once;
-    :meth:`fill` (loader thread) re-hashes the packed data file if it changed and brings its pages in;
-    the slot's release drops them from this process. ``config.cache_dir`` holds the cache,
-    ``config.verify`` hashes its files at load.
+    :meth:`compile` builds (or finds) a shard's packed files, checks them, and opens its session once;
+    :meth:`fill` (loader thread) re-hashes the packed files if one changed and brings its pages in;
+    the slot's release drops them from this process.
     """
 
     how = "pre-packed weights mapped from the cache and paged in and out"
@@ -83,31 +85,31 @@ class PackedSlots:
         self.ranges: dict[int, list[tuple[int, int]]] = {}
         self.sessions: dict[int, object] = {}
         self.names: dict[int, dict[str, str]] = {}  # none renamed: each shard's packed weights are its session's
-        self.files: dict[int, tuple[Path, dict]] = {}  # shard -> (packed data file, its record)
-        self.checked: dict[int, tuple] = {}  # shard -> stamp of the data file when its hash matched
+        self.entries: dict[int, CacheEntry] = {}  # shard -> its cache entry (folder, record, files as hashed)
         self.key = cpu_key(backend.disabled_optimizers())
 
     def compile(self, index: int, threads: int | None, spinning: bool):
         """The shard's session over its packed graph, opened once.
 
+        Every cached file is hashed against its record and the graph checked as a shard is
+        (:class:`~slimml.runtime.engine.cache.CacheEntry`), even with ``verify=False``: the cache
+        is not part of the artifact the caller chose to trust.
+
         Raises:
             ArtifactError: the packed files cannot be made here, or ONNX Runtime did not map them.
+            IntegrityError: the cache folder is not private, or the entry is damaged.
         """
-        graph, data, record = self._packed(index, threads)
+        entry = self._packed(index, threads)
+        entry.check()
+        self.entries[index] = entry
         options = self.backend.session_options(threads, spinning, shared_arena=True)
-        self.files[index] = (data, record)
-        if self.verify:
-            self._check(index)  # hashed at load, as the artifact's own files are
-        else:
-            self.checked[index] = file_stamp(data)  # verify=False: trusted as it is, re-hashed only if it changes
-        before = set(_mappings(data))  # another model of this process may map the same file: not ours
-        try:
-            session = self.backend.session(graph, options, what=f"the packed shard {index} ({graph})")
-        except ArtifactError:
-            self.checked.pop(index, None)
-            self._check(index)  # a damaged file is refused as such, naming it
-            raise
-        ranges = sorted(set(_mappings(data)) - before)
+        before = set(_mappings(entry.data))  # another model of this process may map the same file: not ours
+        session = self.backend.session(entry.graph, options, what=f"the packed shard {index} ({entry.graph})")
+        if not entry.same_files():  # swapped between the hash and ONNX Runtime's open
+            entry.seen = None
+            raise IntegrityError(f"the cache entry {entry.folder} changed while it was loaded; delete {entry.folder} "
+                                 "(slimml rebuilds it) and load the model again.")
+        ranges = sorted(set(_mappings(entry.data)) - before)
         if not ranges:
             raise ArtifactError("ONNX Runtime did not map the pre-packed weights from their file")
         self.ranges[index] = ranges
@@ -116,7 +118,7 @@ class PackedSlots:
         return session
 
     def fill(self, index: int) -> Slot:
-        self._check(index)
+        self.entries[index].check()  # re-hashed only if a file changed since it was hashed
         ranges = self.ranges[index]
         # map the pages in here, on the loader thread: left to the compute, the faults cost it more
         # (measured: decode 11.4-11.9 tok/s against 14.5 with the pages populated ahead)
@@ -124,24 +126,35 @@ class PackedSlots:
             _advise(ranges, _MADV_WILLNEED)
         return Slot(index, {}, sum(n for _, n in ranges), _Pages(ranges, self.sessions[index]))
 
+    def check_cache(self, deep: bool = False) -> None:
+        """Every cache entry this model uses: re-hashed (``deep``, as ``Model.verify()`` asks), else
+        compared with the files as hashed and re-hashed where one changed.
+
+        Raises:
+            IntegrityError: naming the entry's folder to delete.
+        """
+        for entry in self.entries.values():
+            entry.check(deep)
+
     # -- the cache ------------------------------------------------------------------------------
 
-    def _packed(self, index: int, threads: int | None) -> tuple[Path, Path, dict]:
+    def _packed(self, index: int, threads: int | None) -> CacheEntry:
         shard = self.manifest.shards[index]
         hashes = {f.path: f.sha256 for f in self.manifest.files}
         key = hashlib.sha256(json.dumps([self.key, hashes[shard.file], hashes.get(shard.data)]).encode()).hexdigest()[:32]
+        try:  # owner and mode: refused in one line (IntegrityError) unless only this user can write
+            private_folder(self.cache.parent)
+            private_folder(self.cache)
+        except OSError as e:
+            raise self._failed(index, e.strerror or str(e)) from None
         folder = self.cache / key
-        record_path = folder / "packed.json"
-        if record_path.is_file():
-            try:
-                record = json.loads(record_path.read_text())
-                return folder / "shard.onnx", folder / "shard.onnx.data", record
-            except (OSError, ValueError):
-                pass  # a damaged record: build again
+        record = read_record(folder, CACHE_FORMAT)  # a damaged record of any shape: refused, naming the folder
+        if record is not None:
+            return CacheEntry(folder, record)
         from slimml.runtime.artifact.atomic import atomic_folder  # the one atomic writer: stale temp folders go, a kill leaves none
 
         try:
-            with atomic_folder(folder) as tmp:
+            with atomic_folder(folder, private=True) as tmp:
                 so = self.backend.session_options(threads, spinning=False)
                 so.optimized_model_filepath = os.fspath(tmp / "shard.onnx")
                 so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "shard.onnx.data")
@@ -151,36 +164,19 @@ class PackedSlots:
                                      disabled_optimizers=self.backend.disabled_optimizers())
                 if not (tmp / "shard.onnx.data").is_file():
                     raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
-                record = {"source": shard.file,
-                          "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)}
-                                    for n in ("shard.onnx", "shard.onnx.data")}}
+                record = make_record(tmp, shard.file, CACHE_FORMAT)
                 (tmp / "packed.json").write_text(json.dumps(record, indent=1))
+                os.chmod(tmp / "packed.json", 0o600)
         except Exception as e:  # a read-only or full disk (SlimmlError from atomic_folder), ORT's own errors
             why = str(e).split(";")[0].rstrip(".") if isinstance(e, SlimmlError) else f"{type(e).__name__}: {e}"
-            raise ArtifactError(
-                f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
-                "to a writable folder with room for about twice the streamed shards, or pass pack=False"
-            ) from None
-        self.checked[index] = file_stamp(folder / "shard.onnx.data")  # just hashed while writing
-        return folder / "shard.onnx", folder / "shard.onnx.data", record
+            raise self._failed(index, why) from None
+        return CacheEntry(folder, record)
 
-    def _check(self, index: int) -> None:
-        """Hash the packed data file unless it is unchanged since it was last hashed (or trusted).
-
-        Raises:
-            IntegrityError: the file does not match the hash recorded when it was written.
-        """
-        data, record = self.files[index]
-        stamp = file_stamp(data)
-        if self.checked.get(index) == stamp and stamp is not None:
-            return
-        want = record["files"]["shard.onnx.data"]
-        if stamp is None or stamp[0] != want["bytes"] or sha256_file(data) != want["sha256"]:
-            raise IntegrityError(
-                f"{data}, the pre-packed weights of shard {index}, does not match the hash recorded when it was "
-                f"written: the cache is damaged. Delete {data.parent} (slimml rebuilds it) and load the model again."
-            )
-        self.checked[index] = stamp
+    def _failed(self, index: int, why: str) -> ArtifactError:
+        return ArtifactError(
+            f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
+            "to a writable folder with room for about twice the streamed shards, or pass pack=False"
+        )
 
 
 class _Pages:

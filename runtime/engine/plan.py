@@ -129,6 +129,11 @@ class StreamedSegment:
             finally:
                 streamer.release(time.perf_counter() - t0)
 
+    def check_files(self, deep: bool = False) -> None:
+        """The weight source's own files (the pre-packed cache): ``deep`` re-hashes them."""
+        if hasattr(self.source, "check_cache"):
+            self.source.check_cache(deep)
+
     def describe(self) -> str:
         return f"{_span(self.shards)}: streamed through the slots, sessions compiled once; {self.source.how}"
 

@@ -10,6 +10,7 @@ them all.
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
@@ -96,7 +97,8 @@ class GenerationStream:
 
 
 def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *, stream: bool = False,
-             on_text: Callable[[int, str], None] | None = None, **options: Any) -> Generation | GenerationStream:
+             on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
+             **options: Any) -> Generation | GenerationStream:
     """Continue each prompt, batched: greedy by default, sampled with a temperature.
 
     Args:
@@ -108,14 +110,17 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
             (``max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0, stop=["\\n\\n"]``).
         stream: return a :class:`GenerationStream` of ``(prompt index, text piece)`` instead.
         on_text: called with ``(prompt index, text piece)`` as each piece is ready.
+        cancel: set it (from another thread) to stop after the current pass; the tokens so far
+            are returned (a server sets it when its client goes away).
 
     Returns:
         A :class:`Generation`: per prompt, the new tokens, text and finish reason.
 
     Raises:
         ConfigError: a setting out of range (the message names the range).
-        FeedError: a prompt with ids outside the vocabulary, or longer than the model's context
-            (unless ``truncate=True``).
+        FeedError: before any pass: a prompt with ids outside the vocabulary, longer than the
+            model's context (unless ``truncate=True``), or more rows x tokens than
+            ``model.limits.max_batch_tokens`` (:mod:`slimml.runtime.tasks.limits`).
 
     Example:
         >>> model = load("artifacts/my-llama", memory_budget="2GB")
@@ -123,7 +128,7 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
         >>> model.generate(["Once upon a time"], temperature=0.8, top_p=0.95, seed=1, stop=["."]).texts
     """
     config = GenerationConfig.of(config, **options)
-    steps = _steps(model, prompts, config)
+    steps = _steps(model, prompts, config, cancel=cancel)
     return GenerationStream(steps) if stream else _drain(steps, on_text)
 
 
@@ -188,16 +193,18 @@ def _drain(steps: Generator[tuple[int, str], None, Generation], on_text: Callabl
             on_text(i, piece)
 
 
-def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = False) -> Generator[tuple[int, str], None, Generation]:
+def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = False,
+           cancel: threading.Event | None = None) -> Generator[tuple[int, str], None, Generation]:
     """The generation: prompts checked now (a stream refuses bad ones before its first piece), then
     a generator that yields ``(prompt index, text piece)`` and returns the :class:`Generation`."""
     t0 = time.perf_counter()
     job = prepare(model, prompts, config, raw_text)
     loop = DecodeLoop(model.engine, job.ids, job.pad_id, job.steps)
-    return _passes(job, loop, config, t0)
+    return _passes(job, loop, config, t0, cancel)
 
 
-def _passes(job: Prompts, loop: DecodeLoop, config: GenerationConfig, t0: float) -> Generator[tuple[int, str], None, Generation]:
+def _passes(job: Prompts, loop: DecodeLoop, config: GenerationConfig, t0: float,
+            cancel: threading.Event | None) -> Generator[tuple[int, str], None, Generation]:
     batch = len(job.ids)
     texts = [TextStream(job.tokenizer, p, config.stop) for p in job.ids] if job.tokenizer is not None else None
     new: list[list[int]] = [[] for _ in range(batch)]
@@ -206,6 +213,8 @@ def _passes(job: Prompts, loop: DecodeLoop, config: GenerationConfig, t0: float)
     sampler: Sampler | None = None
     prefill_s = 0.0
     for step in range(job.steps):
+        if cancel is not None and cancel.is_set():
+            break
         logits = loop.next_logits()  # (B, vocab)
         if step == 0:
             prefill_s = time.perf_counter() - t0

@@ -91,13 +91,12 @@ class Baseline:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (temp file, then rename): a killed run never leaves half a baseline."""
+        from slimml.runtime.artifact.replace import replace_file
+
         path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-            os.replace(tmp, path)
+            replace_file(path, json.dumps(self.to_json(), indent=2) + "\n")
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise ConfigError(f"cannot write the baseline {path} ({e.strerror}); choose a writable path.") from None
         return path
 

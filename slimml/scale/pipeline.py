@@ -9,7 +9,7 @@ from typing import Any
 from slimml.errors import ConfigError, StageError
 from slimml.runtime.engine.budget import plan_stream
 from slimml.runtime.engine.config import LoadConfig
-from slimml.runtime.artifact.manifest import read_manifest, verify_file
+from slimml.runtime.artifact.manifest import check_same_manifest, read_manifest, verify_file
 from slimml.runtime.loader import Model
 from slimml.runtime.engine.plan import ExecutionPlan
 from slimml.scale.balance import compute_sizes, split_stages
@@ -72,6 +72,8 @@ def pipeline(
     """
     folder = Path(artifact).resolve()
     manifest = read_manifest(folder)
+    check_same_manifest(folder, manifest, load_options.pop("manifest_sha256", None))
+    load_options["manifest_sha256"] = manifest.sha256  # every stage must hold the manifest read here
     if manifest.components:
         raise ConfigError(
             f"pipeline stages split one chain of shards, but {folder} has components {', '.join(manifest.components)}; "

@@ -6,7 +6,10 @@ Importable for Ray's own tools::
     serve deploy serve.yaml   # import_path: slimml.serve.app:build (README, "Deployment")
 
 Endpoints: ``POST /v1/embeddings`` (OpenAI's shape), ``POST /v1/run`` (named arrays),
-``POST /v1/generate`` (decoders), ``GET /health`` and ``GET /v1/models``. Concurrent embeddings
+``POST /v1/generate`` (decoders), ``GET /health`` and ``GET /v1/models``. Every request is
+checked against its budgets (body bytes and read time, rows, characters, tokens) before any model
+work, and answered within ``request_timeout_s``; with an API key, every endpoint but ``/health``
+needs it. Error bodies carry no server paths or node addresses (the replica logs them). Concurrent embeddings
 requests are batched together, counting texts, in batches formed when the model is free
 (:mod:`slimml.serve.batcher`; Ray's ``@serve.batch`` forms them earlier, and smaller); model
 calls run on a worker thread so the replica keeps answering while it computes.
@@ -15,6 +18,11 @@ calls run on a worker thread so the replica keeps answering while it computes.
 # no `from __future__ import annotations`: FastAPI reads the route annotations at run time
 
 import asyncio
+import hashlib
+import hmac
+import inspect
+import logging
+import threading
 from functools import partial
 from typing import Any
 
@@ -22,28 +30,109 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from slimml.errors import FeedError, IntegrityError, RequestError, SlimmlError
+from slimml.errors import ArtifactError, FeedError, IntegrityError, RequestError, SlimmlError, StageError
 import slimml.serve.protocol as protocol
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
 
+log = logging.getLogger("ray.serve")
 api = FastAPI(title="slimml", docs_url=None, redoc_url=None)
+# what the middleware enforces, set by the replica (one replica to a process): the API key's
+# sha256, whether /openapi.json is served, the request timeout
+_guard: dict[str, Any] = {"key_sha256": None, "openapi": False, "timeout_s": 300.0, "bodies_bytes": 64 << 20,
+                          "held": 0}  # held: body bytes of the requests in this replica now
+_OPEN = {"/health"}  # answered without the key: load balancers and Serve's probes
+
+
+def _error(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    if status >= 500 or message != protocol.public(message):
+        log.warning("slimml: answered %d: %s", status, message)  # the whole message, paths included, stays here
+    return JSONResponse(protocol.error_body(message, status), status_code=status, headers=headers)
+
+
+class _Guard:
+    """ASGI middleware in front of every route: the API key, the hidden schema, and the request
+    timeout. Plain ASGI rather than ``@api.middleware``: at the deadline the route itself is
+    cancelled (a generate stops after its current pass), not only its answer abandoned."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if path in ("/openapi.json", "/docs", "/redoc") and not _guard["openapi"]:
+            return await _error("no such endpoint.", 404)(scope, receive, send)
+        if _guard["key_sha256"] is not None and path not in _OPEN:
+            headers = {k.lower(): v for k, v in scope.get("headers", [])}
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
+            digest = hashlib.sha256(given.encode("utf-8", "replace")).hexdigest()
+            if not given or not hmac.compare_digest(digest, _guard["key_sha256"]):
+                refused = _error("this server needs an API key: send the header `Authorization: Bearer KEY`.", 401,
+                                 {"WWW-Authenticate": "Bearer"})
+                return await refused(scope, receive, send)
+        held = 0
+
+        async def receiving():  # every body byte counts against the replica's pool until the request ends
+            nonlocal held
+            message = await receive()
+            size = len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            if size and _guard["held"] + size > _guard["bodies_bytes"]:
+                raise RequestError(f"this replica holds {_guard['bodies_bytes']} bytes of request bodies already; "
+                                   "retry shortly, or raise the limit (slimml serve --max-bodies-bytes).", 503)
+            _guard["held"] += size
+            held += size
+            return message
+
+        started = False
+
+        async def sending(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await asyncio.wait_for(self.app(scope, receiving, sending), _guard["timeout_s"])
+        except asyncio.TimeoutError:
+            if not started:
+                timeout = _guard["timeout_s"]
+                await _error(f"the request took longer than this server allows ({timeout:g} s); send smaller requests, "
+                             "or raise the limit (slimml serve --request-timeout-s).", 408)(scope, receive, send)
+        finally:
+            _guard["held"] -= held
+
+
+api.add_middleware(_Guard)
 
 
 @api.exception_handler(RequestError)
 async def _request_error(request: Request, e: RequestError):
-    return JSONResponse(protocol.error_body(str(e), e.status), status_code=e.status)
+    return _error(str(e), e.status)
 
 
 @api.exception_handler(FeedError)
 async def _feed_error(request: Request, e: FeedError):
-    return JSONResponse(protocol.error_body(str(e), 400), status_code=400)
+    return _error(str(e), 400)
 
 
 @api.exception_handler(SlimmlError)
 async def _slimml_error(request: Request, e: SlimmlError):
-    status = 503 if isinstance(e, IntegrityError) else 500  # a changed artifact: not ready, not the client's fault
-    return JSONResponse(protocol.error_body(str(e), status), status_code=status)
+    # a changed artifact or a lost stage: not ready, not the client's fault; a broken artifact: the
+    # server's; anything else slimml refuses in a route is the request's (text for a model without
+    # a tokenizer, a shape it does not take)
+    status = 503 if isinstance(e, (IntegrityError, StageError)) else 500 if isinstance(e, ArtifactError) else 400
+    return _error(str(e), status)
+
+
+@api.exception_handler(ValueError)
+@api.exception_handler(OverflowError)
+async def _value_error(request: Request, e: Exception):
+    # a request value past what a dependency takes (a number too long to convert, an id past int64)
+    log.warning("slimml: a request value raised %s: %s", type(e).__name__, e)
+    return _error(f"the request holds a value this server cannot take ({type(e).__name__}); check the numbers "
+                  "and ids it sends.", 400)
 
 
 @serve.deployment(name="slimml")
@@ -53,11 +142,18 @@ class SlimmlServer:
 
     def __init__(self, config: dict[str, Any]):
         self.config = ServeConfig(**config)
+        # Serve pickles this class by value, globals and all: the middleware reads the module's own
+        # _guard, so it is reached through the module, not through this function's globals
+        import slimml.serve.app as module
+
+        module._guard.update(key_sha256=self.config.api_key_sha256, openapi=self.config.openapi,
+                             timeout_s=self.config.request_timeout_s, bodies_bytes=self.config.max_bodies_bytes)
+        expect = self.config.manifest_sha256  # the driver's manifest: this node's copy must be the same
         if self.config.stages:
             from slimml.scale import pipeline
 
             self.model = pipeline(self.config.artifact, stages=self.config.stages, microbatch=self.config.microbatch,
-                                  memory_budget=self.config.memory_budget)
+                                  memory_budget=self.config.memory_budget, manifest_sha256=expect)
         else:
             import ray
 
@@ -65,8 +161,16 @@ class SlimmlServer:
 
             cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
             self.model = load(self.config.artifact, threads=max(1, int(cpus)) if cpus else None,
-                              memory_budget=self.config.memory_budget)
+                              memory_budget=self.config.memory_budget, manifest_sha256=expect)
+        limits = getattr(self.model, "limits", None)
+        if limits is not None:
+            limits.max_text_chars = self.config.max_text_chars
+            limits.max_batch_tokens = self.config.max_batch_tokens
+        self.batch_tokens = (limits.batch_tokens(getattr(self.model, "vocab_size", None)) if limits is not None
+                             else self.config.max_batch_tokens or 8_192)
         self.name = self.config.name or self.model.manifest.name
+        params = inspect.signature(self.model.generate).parameters if hasattr(self.model, "generate") else {}
+        self._cancels = "cancel" in params  # generate(cancel=Event) stops decoding when the client goes away
         self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size),
                                     self.config.max_batch_size, self.config.batch_wait_ms / 1000)
 
@@ -74,15 +178,24 @@ class SlimmlServer:
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
-            raise RequestError(f"the request body is {declared} bytes, more than this server takes ({limit}); "
-                               "send smaller requests.", 413)
+            raise RequestError(f"the request body is {declared[:20]} bytes, more than this server takes ({limit}); "
+                               "send smaller requests, or raise the limit (slimml serve --max-body-bytes).", 413)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise RequestError(f"the request body is over {limit} bytes, more than this server takes; send "
-                                   "smaller requests.", 413)
-            chunks.append(chunk)
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise RequestError(f"the request body is over {limit} bytes, more than this server takes; send "
+                                       "smaller requests, or raise the limit (slimml serve --max-body-bytes).", 413)
+                chunks.append(chunk)
+
+        try:  # a client that sends slowly holds a request slot: it gets a deadline
+            await asyncio.wait_for(read(), self.config.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request body did not arrive within {self.config.body_timeout_s:g} s; send it at "
+                               "once (slimml serve --body-timeout-s sets the limit).", 408) from None
         return protocol.parse_json(b"".join(chunks))
 
     def _needs(self, what: str) -> None:
@@ -99,7 +212,7 @@ class SlimmlServer:
         data = await self._body(request)
         self._needs("embeddings")
         protocol.check_model(data, self.name)
-        texts = protocol.embedding_texts(data, self.config.max_texts)
+        texts = protocol.embedding_texts(data, self.config.max_texts, self.config.max_text_chars)
         emb, counts = await self._embed_batch(texts)  # with the texts of concurrent requests
         body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
         return Response(protocol.dumps(body), media_type="application/json")
@@ -109,6 +222,9 @@ class SlimmlServer:
         data = await self._body(request)
         protocol.check_model(data, self.name)
         feeds, wanted, encoding = protocol.run_inputs(data)
+        protocol.check_run_budget(feeds, getattr(self.model, "inputs", []), getattr(self.model, "max_sequence_length", None),
+                                  self.config.max_texts, self.batch_tokens, getattr(self.model, "outputs", []), wanted,
+                                  self.config.max_response_values)
         out = await asyncio.to_thread(self.model.run, feeds)
         if wanted is not None:
             missing = [w for w in wanted if w not in out]
@@ -122,8 +238,14 @@ class SlimmlServer:
         data = await self._body(request)
         self._needs("generate")
         protocol.check_model(data, self.name)
-        prompts, n = protocol.generate_request(data, self.config.max_new_tokens, self.config.max_texts)
-        gen = await asyncio.to_thread(self.model.generate, prompts, n)
+        prompts, n = protocol.generate_request(data, self.config.max_new_tokens, self.config.max_texts,
+                                               self.config.max_text_chars, getattr(self.model, "vocab_size", None))
+        cancel = threading.Event()
+        try:
+            gen = await asyncio.to_thread(self.model.generate, prompts, n, **({"cancel": cancel} if self._cancels else {}))
+        except asyncio.CancelledError:  # the client went away, or the request timed out: stop decoding
+            cancel.set()
+            raise
         return protocol.generate_response(gen, self.name, n)
 
     @api.get("/health")
@@ -147,6 +269,7 @@ def app(config: ServeConfig, cpus_per_replica: float | None = None):
     cpus = config.cpus_per_replica or cpus_per_replica or 1  # fractional when replicas outnumber CPUs
     return SlimmlServer.options(
         num_replicas=config.replicas, max_ongoing_requests=config.max_ongoing_requests,
+        max_queued_requests=config.max_queued_requests,
         ray_actor_options={"num_cpus": 0 if config.stages else cpus},
     ).bind(config.to_args())
 

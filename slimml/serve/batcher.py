@@ -92,10 +92,25 @@ class Batcher:
             self.items += len(flat)
             try:
                 results = await asyncio.to_thread(self.fn, flat)
-            except Exception as e:  # every request of the batch gets the error (the route maps it to a status)
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(e)
+            except Exception as e:
+                if len(batch) == 1:
+                    if not batch[0][1].done():
+                        batch[0][1].set_exception(e)  # the route maps it to a status
+                    continue
+                # one request's items failed the call: run each request on its own, so only the
+                # request at fault gets its error and the others their results
+                for items, future in batch:
+                    if future.done():
+                        continue
+                    self.calls += 1
+                    try:
+                        result = await asyncio.to_thread(self.fn, items)
+                    except Exception as alone:
+                        if not future.done():
+                            future.set_exception(alone)
+                    else:
+                        if not future.done():
+                            future.set_result(result)
                 continue
             at = 0
             for items, future in batch:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -30,10 +32,32 @@ class ServeConfig:
             clients x 32 STSb sentences, 16 served 1,265-1,276 texts/s against 1,131-1,182 for
             32; in process, 128-token texts ran 146-154 texts/s at 16 against 139-150 at 32).
         max_body_bytes: larger request bodies get 413 (8 MiB: about 40,000 short sentences).
-        max_texts: texts per embeddings request, at most; more gets 413.
+        max_bodies_bytes: request body bytes one replica holds at once, over all its requests
+            (parsed JSON costs about 9x its bytes); a request whose body would pass it gets 503.
+            With max_body_bytes it bounds what bodies can cost a replica, whatever
+            max_ongoing_requests is (64 MiB: about 600 MB parsed).
+        max_texts: rows of one request (texts, prompts, a run's batch), at most; more gets 413.
+        max_text_chars: characters of one text kept before tokenizing (the tokenizer would
+            truncate the rest anyway; this bounds its time: an 8 MiB text took 6.4 s whole).
+        max_batch_tokens: rows x tokens of one /v1/run or /v1/generate request (prompt plus new
+            tokens), at most; more gets 413. None: 8,192, fewer for vocabularies past 8,192 tokens
+            (a pass's logits within 256 MiB; :class:`slimml.runtime.tasks.limits.Limits`). Each row must also
+            fit the model's positions (400).
+        max_response_values: values in one /v1/run response, at most, counted from the output
+            shapes before the model runs (4,194,304: 16 MiB as float32; a 32,000-token decoder's logits for 131 tokens);
+            more gets 413.
         max_new_tokens: the most tokens one generate request may ask for.
-        max_ongoing_requests: requests a replica holds at once (batching needs at least
-            max_batch_size); more wait in Serve's queue.
+        max_ongoing_requests: requests a replica works on at once (each holds its body and its
+            share of a batch); more wait in Serve's queue.
+        max_queued_requests: requests waiting for a replica, at most; more get 503 at once.
+        body_timeout_s: the most time a client may take to send its body (a slow sender holds
+            a request slot); later gets 408.
+        request_timeout_s: the most time one request may take, end to end; later gets 408
+            and its work is cancelled (a generate stops after its current pass).
+        api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``
+            (401 without). ``slimml serve --api-key`` or ``SLIMML_API_KEY``. Only its sha256
+            reaches the replicas.
+        openapi: serve ``/openapi.json`` (the API's schema); off by default.
         memory_budget: passed to ``load`` (streams the model within that many bytes).
         access_log: have Serve log every request (off: a log line per request costs CPU that
             a small machine needs for the model).
@@ -49,15 +73,27 @@ class ServeConfig:
     batch_wait_ms: float = 5.0
     batch_size: int = 16
     max_body_bytes: int = 8 << 20
+    max_bodies_bytes: int = 64 << 20
     max_texts: int = 2048
+    max_text_chars: int = 16_384
+    max_batch_tokens: int | None = None
+    max_response_values: int = 1 << 22
     max_new_tokens: int = 512
     max_ongoing_requests: int = 128
+    max_queued_requests: int = 512
+    body_timeout_s: float = 30.0
+    request_timeout_s: float = 300.0
     memory_budget: str | None = None
     access_log: bool = False
+    api_key: str | None = None
+    openapi: bool = False
+    api_key_sha256: str | None = None  # what replicas get instead of the key (set by to_args)
+    manifest_sha256: str | None = None  # the driver's manifest.json: replicas and stages refuse another
 
     def __post_init__(self):
-        whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024,
-                 "max_texts": 1, "max_new_tokens": 1, "max_ongoing_requests": 1}
+        whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024, "max_bodies_bytes": 1024,
+                 "max_texts": 1, "max_text_chars": 1, "max_response_values": 1, "max_new_tokens": 1,
+                 "max_ongoing_requests": 1, "max_queued_requests": 1}
         for name, low in whole.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -71,8 +107,17 @@ class ServeConfig:
                 f"stages={self.stages} with replicas={self.replicas}: each replica would hold a pipeline of its own. "
                 "Use one replica in front of the stages (--replicas 1), or replicas without stages."
             )
-        if self.max_ongoing_requests < self.max_batch_size:
-            self.max_ongoing_requests = self.max_batch_size  # else batches could never fill
+        if self.max_batch_tokens is not None and (isinstance(self.max_batch_tokens, bool)
+                                                  or not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1):
+            raise ConfigError(f"max_batch_tokens must be a whole number >= 1, got {self.max_batch_tokens!r}.")
+        for name in ("body_timeout_s", "request_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86_400:
+                raise ConfigError(f"{name} must be a number of seconds from 0 to 86400, got {v!r}.")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 16
+                                         or not self.api_key.isprintable() or " " in self.api_key):
+            raise ConfigError("api_key must be at least 16 printable characters without spaces (e.g. from "
+                              "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`).")
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeConfig:
@@ -81,6 +126,8 @@ class ServeConfig:
         unknown = sorted(set(args) - set(known))
         if unknown:
             raise ConfigError(f"unknown serve option(s) {unknown}; known: {sorted(known)}.")
+        if "api_key" not in args and os.environ.get("SLIMML_API_KEY"):
+            args = {**args, "api_key": os.environ["SLIMML_API_KEY"]}
         if "artifact" not in args:
             raise ConfigError("give the artifact to serve, e.g. `serve run slimml.serve.app:build artifact=PATH`.")
         typed: dict[str, Any] = {}
@@ -101,4 +148,9 @@ class ServeConfig:
         return cls(**typed)
 
     def to_args(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        """Arguments for the replicas: the API key travels as its sha256 only (Ray keeps these
+        arguments where its dashboard and state API show them)."""
+        args = {k: v for k, v in asdict(self).items() if v is not None and k != "api_key"}
+        if self.api_key is not None:
+            args["api_key_sha256"] = hashlib.sha256(self.api_key.encode()).hexdigest()
+        return args

@@ -10,6 +10,7 @@ import base64
 import binascii
 import io
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -34,8 +35,9 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise RequestError("the request body is empty; send a JSON object.")
     try:
         data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else f"{e.msg} at line {e.lineno} column {e.colno}"
+    except (ValueError, RecursionError) as e:  # ValueError: a number of more than 4,300 digits
+        why = ("nested too deeply" if isinstance(e, RecursionError) else f"{e.msg} at line {e.lineno} column {e.colno}"
+               if isinstance(e, json.JSONDecodeError) else "a number too long to read")
         raise RequestError(f"the request body is not valid JSON ({why}); send a JSON object.") from None
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got a JSON {_json_type(data)}.")
@@ -49,8 +51,10 @@ def check_model(data: dict[str, Any], served: str) -> None:
         raise RequestError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models).", 404)
 
 
-def embedding_texts(data: dict[str, Any], max_texts: int) -> list[str]:
-    """``input`` of an embeddings request: one text or a list of texts."""
+def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None = None) -> list[str]:
+    """``input`` of an embeddings request: one text or a list of texts, each valid Unicode (checked
+    here, per request, so one client's bad text never fails a batch it would share with others),
+    cut to ``max_chars``."""
     if "input" not in data:
         raise RequestError('an embeddings request needs "input": a text or a list of texts.')
     texts = data["input"]
@@ -62,17 +66,34 @@ def embedding_texts(data: dict[str, Any], max_texts: int) -> list[str]:
         raise RequestError('"input" is an empty list; give at least one text.')
     if len(texts) > max_texts:
         raise RequestError(f'"input" has {len(texts)} texts, more than this server takes ({max_texts}); send them '
-                           "in smaller requests.", 413)
+                           "in smaller requests, or raise the limit (slimml serve --max-texts).", 413)
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             what = "token ids" if isinstance(t, (int, list)) else f"a JSON {_json_type(t)}"
             raise RequestError(f'"input"[{i}] is {what}, not a text; send texts (this server tokenizes them).')
         if not t:
             raise RequestError(f'"input"[{i}] is an empty text; embeddings need at least one character.')
+    texts = checked_texts(texts, '"input"', max_chars)
     fmt = data.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise RequestError(f'"encoding_format" must be "float" or "base64", got {fmt!r}.')
     return texts
+
+
+def checked_texts(texts: list[str], field: str, max_chars: int | None) -> list[str]:
+    """``texts`` cut to ``max_chars`` each, refusing one that is not valid Unicode (a lone
+    surrogate such as ``"\\ud800"`` is valid JSON but no text a tokenizer takes)."""
+    out = []
+    for i, t in enumerate(texts):
+        if max_chars is not None and len(t) > max_chars:
+            t = t[:max_chars]
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"{field}[{i}] is not valid Unicode ({e.reason} at position {e.start}); send "
+                               "UTF-8 text (decode your input with errors='replace' or clean it first).") from None
+        out.append(t)
+    return out
 
 
 def embeddings_response(emb: np.ndarray, name: str, tokens: int, fmt: str = "float") -> dict[str, Any]:
@@ -151,22 +172,87 @@ def _jsonable(a: np.ndarray):
     return a.tolist()
 
 
-def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int) -> tuple[list, int]:
-    """``prompt`` (a text, texts, or token id lists) and ``max_new_tokens`` of a generate request."""
+def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, max_chars: int | None = None,
+                     vocab_size: int | None = None) -> tuple[list, int]:
+    """``prompt`` (a text, texts, or token id lists) and ``max_new_tokens`` of a generate request:
+    texts valid Unicode and cut to ``max_chars``, ids inside ``[0, vocab_size)``. The model's
+    positions and the token budget are checked by ``generate`` itself, before any pass."""
     prompt = data.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts:
         raise RequestError('a generate request needs "prompt": a text, a list of texts, or a list of token id lists.')
     if len(prompts) > max_texts:
-        raise RequestError(f"{len(prompts)} prompts is more than this server takes ({max_texts}).", 413)
+        raise RequestError(f"{len(prompts)} prompts is more than this server takes ({max_texts}); send them in "
+                           "smaller requests, or raise the limit (slimml serve --max-texts).", 413)
     texts = all(isinstance(p, str) and p for p in prompts)
     ids = all(isinstance(p, list) and p and all(isinstance(i, int) and not isinstance(i, bool) for i in p) for p in prompts)
     if not texts and not ids:
         raise RequestError('"prompt" must be non-empty texts, or non-empty lists of token ids, not a mix.')
     n = data.get("max_new_tokens", 16)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_new_tokens:
-        raise RequestError(f'"max_new_tokens" must be a whole number from 1 to {max_new_tokens}, got {n!r}.')
+        shown = repr(n) if len(repr(n)) <= 40 else repr(n)[:40] + "..."
+        raise RequestError(f'"max_new_tokens" must be a whole number from 1 to {max_new_tokens}, got {shown} '
+                           "(slimml serve --max-new-tokens raises the limit).")
+    if texts:
+        return checked_texts(prompts, '"prompt"', max_chars), n
+    top = vocab_size or 1 << 63
+    for i, p in enumerate(prompts):
+        bad = next((t for t in p if not 0 <= t < top), None)
+        if bad is not None:
+            shown = str(bad) if len(str(bad)) <= 24 else str(bad)[:24] + "..."
+            raise RequestError(f'"prompt"[{i}] holds the token id {shown}, outside this model\'s vocabulary '
+                               f"[0, {top}).")
     return prompts, n
+
+
+def check_run_budget(feeds: dict[str, np.ndarray], specs, max_seq: int | None, max_rows: int,
+                     max_batch_tokens: int, outputs=(), wanted: list[str] | None = None,
+                     max_values: int | None = None) -> None:
+    """Refuse a run request too big for one pass, before the model sees it: more rows than
+    ``max_rows``, a sequence longer than the model's positions, rows x tokens over
+    ``max_batch_tokens`` (attention grows with the square of the sequence, activations with both),
+    or outputs (``wanted`` of the ``outputs`` specs, all by default) of more than ``max_values``
+    values (a decoder's logits are rows x tokens x vocabulary, and JSON writes each in ~10 bytes).
+
+    ``specs``: the model's input specs; an axis named like a sequence length counts tokens.
+    """
+    from slimml.runtime.engine.feeds import counts_tokens
+
+    by_name = {s.name: s for s in specs}
+    rows, tokens = 0, 0
+    for name, arr in feeds.items():
+        if arr.ndim:
+            rows = max(rows, arr.shape[0])
+        spec = by_name.get(name)
+        if spec is None or len(spec.shape) != arr.ndim:
+            continue  # the model's own check names it
+        for d, axis in enumerate(spec.shape):
+            if isinstance(axis, str) and counts_tokens(axis):
+                tokens = max(tokens, arr.shape[d])
+    if rows > max_rows:
+        raise RequestError(f"the inputs hold {rows} rows, more than this server takes ({max_rows}); send them in "
+                           "smaller requests, or raise the limit (slimml serve --max-texts).", 413)
+    if max_seq is not None and tokens > max_seq:
+        raise RequestError(f"the inputs hold sequences of {tokens} tokens, but this model takes at most {max_seq}; "
+                           f"truncate them to {max_seq}.")
+    if rows * tokens > max_batch_tokens:
+        raise RequestError(f"the inputs hold {rows} rows x {tokens} tokens = {rows * tokens}, more than this server "
+                           f"takes in one request ({max_batch_tokens}); send fewer rows a request, or raise the limit "
+                           "(slimml serve --max-batch-tokens).", 413)
+    if max_values is None:
+        return
+    values = 0
+    for spec in outputs:
+        if wanted is not None and spec.name not in wanted:
+            continue
+        n = 1
+        for d, axis in enumerate(spec.shape):
+            n *= axis if isinstance(axis, int) else tokens if counts_tokens(axis) else rows if d == 0 else 1
+        values += n
+    if values > max_values:
+        raise RequestError(f"the outputs of these inputs would hold about {values} values, more than this server "
+                           f"returns in one response ({max_values}); send fewer rows or tokens a request, name only the "
+                           'outputs you need in "outputs", or raise the limit (slimml serve --max-response-values).', 413)
 
 
 def generate_response(gen, name: str, max_new_tokens: int) -> dict[str, Any]:
@@ -188,5 +274,18 @@ def dumps(body: dict[str, Any]) -> bytes:
 
 
 def error_body(message: str, status: int) -> dict[str, Any]:
+    """OpenAI's error shape, the message with server paths and node addresses taken out (the
+    server logs them; a client has no use for them, an attacker some)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": status}}
+    return {"error": {"message": public(message), "type": kind, "code": status}}
+
+
+# an absolute path (or one under ~), and an IPv4 address with or without a port
+_PATH = re.compile(r"(?<![\w.:/])(?:~|/(?=[^\s/]))[^\s'\"(),;:]*")
+_ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b")
+
+
+def public(message: str) -> str:
+    """``message`` without server paths (each becomes its last part) or node addresses."""
+    message = _PATH.sub(lambda m: m.group(0).rstrip("/.").rsplit("/", 1)[-1] or "<path>", message)
+    return _ADDRESS.sub("<address>", message)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -12,6 +14,8 @@ from collections.abc import Callable
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.artifact.manifest import read_manifest, verify_files
 from slimml.serve.config import ServeConfig
+
+log = logging.getLogger("slimml")
 
 
 def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
@@ -38,7 +42,12 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     """
     # a wrong path or a damaged file fails here, in one line, before Ray starts (each replica
     # hashes the files again when it loads them)
-    verify_files(config.artifact, read_manifest(config.artifact))
+    manifest = read_manifest(config.artifact)
+    verify_files(config.artifact, manifest)
+    config = dataclasses.replace(config, manifest_sha256=manifest.sha256)  # every replica and stage checks its copy
+    if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("slimml: serving on %s without an API key: anyone who reaches this port can use the model; "
+                    "set --api-key or SLIMML_API_KEY", host)
     if not 0 < port < 65536:
         raise ConfigError(f"port must be from 1 to 65535, got {port}.")
     proxy_port = _direct_ingress(host, port, config, address) if direct_ingress else port
@@ -55,7 +64,8 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             signal.signal(s, lambda *_: stop.set())
     try:
         cpus = sum(n["cpus"] for n in nodes_with_cpus())
-        ray_serve.start(http_options={"host": host, "port": proxy_port})
+        # the proxy's own end-to-end limit, a little after the replica's (whose 408 names the flag)
+        ray_serve.start(http_options={"host": host, "port": proxy_port, "request_timeout_s": config.request_timeout_s + 5})
         try:
             ray_serve.run(app(config, cpus_per_replica=cpus / config.replicas), name="slimml", route_prefix="/",
                           logging_config={"enable_access_log": config.access_log})

@@ -48,7 +48,10 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     if texts:
         if tok is None:
             raise SlimmlError(f"the artifact {model.folder} has no tokenizer; pass token ids instead of text.")
-        ids = [e.ids for e in tok.encode_batch(list(prompts), add_special_tokens=not raw_text)]
+        _check_unicode(prompts)
+        limits = getattr(model, "limits", None)
+        texts_in = limits.cut(list(prompts)) if limits is not None else list(prompts)  # bounded before tokenizing
+        ids = [e.ids for e in tok.encode_batch(texts_in, add_special_tokens=not raw_text)]
     else:
         ids = _id_lists(prompts)
     if not ids or any(len(p) == 0 for p in ids):
@@ -74,8 +77,20 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
                 raise FeedError(f"stop string {i} is {n} tokens long, longer than the model's context of {context} "
                                 "tokens, so it can never appear; shorten it.")
         steps = min(steps, context - max(map(len, ids)))
+    limits = getattr(model, "limits", None)
+    if limits is not None:  # rows x tokens within the call's budget, before any pass
+        limits.check_generate([len(p) for p in ids], steps, None, engine.vocab_size)
     return Prompts(ids=ids, texts=texts, steps=steps, end_ids=frozenset(end_ids(model, config, tok)),
                    pad_id=pad_id(model, config), tokenizer=tok)
+
+
+def _check_unicode(texts: list[str]) -> None:
+    for i, t in enumerate(texts):
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad decode upstream
+            raise FeedError(f"prompt {i} is not valid Unicode ({e.reason} at position {e.start}); decode your input "
+                            "with errors='replace' or clean it first.") from None
 
 
 def untruncated(text: Any) -> Tokenizer:

@@ -9,12 +9,13 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from slimml.errors import ArtifactError, FeedError
+from slimml.runtime.tasks.limits import Limits
 
 
 class TextEncoder:
     """Tokenizes texts into the int64 feeds a transformer expects, padded per batch."""
 
-    def __init__(self, path: Path, spec: dict[str, Any], input_names: list[str]):
+    def __init__(self, path: Path, spec: dict[str, Any], input_names: list[str], limits: Limits | None = None):
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as e:
@@ -27,6 +28,7 @@ class TextEncoder:
             pad_id = self.tokenizer.token_to_id(str(spec.get("pad_token") or "[PAD]"))
         self.pad_id = int(pad_id or 0)
         self.input_names = input_names
+        self.limits = limits or Limits()  # texts are cut to limits.max_text_chars before tokenizing
 
     def encodings(self, texts: list[str]) -> list:
         """One unpadded, truncated encoding per text (``.ids``, ``.attention_mask``, ``.type_ids``)."""
@@ -34,7 +36,7 @@ class TextEncoder:
             raise FeedError("encode() takes a list of strings; wrap a single text as [text].")
         if not texts:
             raise FeedError("encode() got an empty list; give at least one text.")
-        return self.tokenizer.encode_batch(list(texts))
+        return self.tokenizer.encode_batch(self.limits.cut(list(texts)))
 
     def batch(self, encs: list, pad_to: int | None = None) -> dict[str, np.ndarray]:
         """Feeds for ``encs``, right-padded to the longest of them (or to ``pad_to``)."""

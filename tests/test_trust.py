@@ -1,0 +1,295 @@
+"""Trust against an attacker, without a server: nothing unpickled, a cache that is checked, calls
+that cannot ask for unbounded memory, atomic writers that follow nothing planted.
+
+(The server's side, a running server under hostile requests, is tests/test_serve_hostile.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from conftest import tiny_onnx_mlp
+
+from slimml.errors import ConfigError, FeedError, IntegrityError
+from slimml.runtime import load
+
+
+@pytest.fixture(scope="module")
+def mlp_artifact(tmp_path_factory):
+    """A 4-block ONNX MLP split per layer: shards to stream through the pre-packed cache."""
+    from slimml.convert import ConvertConfig, convert
+
+    tmp = tmp_path_factory.mktemp("trust_mlp")
+    out = tmp / "art"
+    convert(tiny_onnx_mlp(tmp / "mlp.onnx", layers=4, hidden=32), out, ConvertConfig(measure_latency=False))
+    return out
+
+
+def _feeds(batch=3, hidden=32):
+    rng = np.random.default_rng(0)
+    return {"x": rng.standard_normal((batch, hidden)).astype(np.float32),
+            "scale": rng.random((batch, 1)).astype(np.float32)}
+
+
+# -- nothing unpickled --------------------------------------------------------------------------
+
+
+class _RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path):
+    torch = pytest.importorskip("torch")
+    from slimml.convert.distill import _load_checkpoint, _save_checkpoint
+
+    marker = tmp_path / "ran"
+    planted = tmp_path / ".m.distill-checkpoint.pt"
+    torch.save({"fingerprint": "f", "x": _RunsCode(str(marker))}, planted)
+    with pytest.raises(ConfigError) as e:
+        _load_checkpoint(planted, "f", "c")
+    assert not marker.exists(), "the planted pickle ran"
+    assert str(e.value).startswith(f"the resume checkpoint {planted} cannot be read as one slimml wrote (")
+    assert str(e.value).endswith("it was not loaded. Delete it to train from the start.") and "\n" not in str(e.value)
+
+    # what slimml writes: tensors, optimizer and RNG state, a plan of plain values; 0600; it loads back
+    state = {"fingerprint": "f", "teacher_cache": "c", "phase": "main", "step": 3, "plan": {"heads": {"0": [1, 2]}},
+             "student": {"w": torch.ones(2)}, "optim": {"rng": torch.get_rng_state(), "precision": "fp32",
+                                                        "sched": {"last_epoch": 3, "lr_lambdas": [None]}},
+             "heldout_start": 1.5, "result": {"seconds": 0.5, "resumed_at": None}}
+    path = tmp_path / "ck.pt"
+    _save_checkpoint(path, state)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert _load_checkpoint(path, "f", "c")["plan"] == state["plan"]
+    assert _load_checkpoint(path, "other", "c") is None  # another run's: start over
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".part")] == []
+
+
+# -- the pre-packed cache -----------------------------------------------------------------------
+
+
+def _entry(model, index):
+    return model.plan.segments[-1].source.entries[index]
+
+
+def test_a_tampered_cached_graph_or_data_file_is_refused_at_load_and_by_verify(mlp_artifact, tmp_path):
+    cache = tmp_path / "cache"
+    model = load(mlp_artifact, resident=2, cache_dir=cache)
+    want = load(mlp_artifact).run(_feeds())["y"]
+    np.testing.assert_allclose(model.run(_feeds())["y"], want, rtol=0, atol=1e-5)
+    index = max(model.plan.segments[-1].source.entries)
+    entry = _entry(model, index)
+    assert stat.S_IMODE(entry.folder.stat().st_mode) == 0o700
+    assert {stat.S_IMODE((entry.folder / n).stat().st_mode) for n in ("shard.onnx", "shard.onnx.data", "packed.json")} == {0o600}
+    model.verify()  # a clean cache passes
+
+    # one Neg node appended to the cached graph: it would change every output, and nothing else differs
+    graph = onnx.load_model(str(entry.graph), load_external_data=False)
+    out = graph.graph.output[0]
+    graph.graph.node.append(helper.make_node("Neg", [out.name], [out.name + "_neg"]))
+    graph.graph.node[-2].output[list(graph.graph.node[-2].output).index(out.name)] = out.name + "_pre"
+    graph.graph.node[-1].input[0] = out.name + "_pre"
+    graph.graph.node[-1].output[0] = out.name
+    saved = entry.graph.read_bytes()
+    entry.graph.write_bytes(graph.SerializeToString())
+    with pytest.raises(IntegrityError) as e:
+        model.verify()
+    assert str(e.value) == (f"the cache entry {entry.folder} is damaged: shard.onnx does not match the hash recorded "
+                            f"when it was written. Delete {entry.folder} (slimml rebuilds it) and load the model again.")
+    with pytest.raises(IntegrityError, match="shard.onnx does not match"):
+        load(mlp_artifact, resident=2, cache_dir=cache)
+    with pytest.raises(IntegrityError, match="shard.onnx does not match"):
+        load(mlp_artifact, resident=2, cache_dir=cache, verify=False)  # the cache is checked even then
+    entry.graph.write_bytes(saved)
+
+    raw = bytearray(entry.data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    entry.data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match="shard.onnx.data does not match"):
+        model.verify()
+    with pytest.raises(IntegrityError, match="shard.onnx.data does not match"):
+        load(mlp_artifact, resident=2, cache_dir=cache)
+    shutil.rmtree(entry.folder)
+    np.testing.assert_allclose(load(mlp_artifact, resident=2, cache_dir=cache).run(_feeds())["y"], want, rtol=0,
+                               atol=1e-5)  # rebuilt
+
+
+@pytest.mark.parametrize("record", [b"[]", b"{}", b"\xff\xfe", b'{"format": 2, "source": "s", "files": []}',
+                                    b'{"format": 2, "source": "s", "files": {"shard.onnx": 1, "shard.onnx.data": 2}}',
+                                    b"[" * 100_000, b"1e999999"])
+def test_a_damaged_cache_record_of_any_shape_is_refused_naming_the_folder(mlp_artifact, tmp_path, record):
+    cache = tmp_path / "cache"
+    model = load(mlp_artifact, resident=2, cache_dir=cache)
+    folder = _entry(model, max(model.plan.segments[-1].source.entries)).folder
+    model.close()
+    (folder / "packed.json").write_bytes(record)
+    with pytest.raises(IntegrityError) as e:
+        load(mlp_artifact, resident=2, cache_dir=cache)
+    msg = str(e.value)
+    assert msg.startswith(f"the cache entry {folder} is damaged: its record packed.json is unreadable (")
+    assert msg.endswith(f"Delete {folder} (slimml rebuilds it) and load the model again.") and "\n" not in msg
+
+
+def test_a_cache_folder_with_the_wrong_mode_or_owner_is_refused(mlp_artifact, tmp_path):
+    cache = tmp_path / "cache"
+    load(mlp_artifact, resident=2, cache_dir=cache).close()
+    (cache / "packed").chmod(0o777)
+    with pytest.raises(IntegrityError) as e:
+        load(mlp_artifact, resident=2, cache_dir=cache)
+    assert str(e.value) == (
+        f"the cache folder {cache / 'packed'} is writable by others (mode 777); slimml will not trust files there: "
+        "set SLIMML_CACHE_DIR (or cache_dir=) to a folder of your own, or fix it: "
+        f"`chown $USER {cache / 'packed'}; chmod 700 {cache / 'packed'}`.")
+    (cache / "packed").chmod(0o700)
+    if os.geteuid() == 0:  # only root can give a folder away
+        os.chown(cache, 65534, 65534)
+        with pytest.raises(IntegrityError, match=r"^the cache folder .* is owned by another user \(uid 65534\)"):
+            load(mlp_artifact, resident=2, cache_dir=cache)
+        os.chown(cache, 0, 0)
+    load(mlp_artifact, resident=2, cache_dir=cache).close()
+
+
+# -- limits of one call -------------------------------------------------------------------------
+
+
+def test_generate_is_bounded_before_any_pass(tiny_llama_past_artifact):
+    model = load(tiny_llama_past_artifact)
+    assert model.max_sequence_length == 128  # no position table, no tokenizer: the source's max_position_embeddings
+    with pytest.raises(FeedError) as e:
+        model.generate([[1] * 120], max_new_tokens=16)
+    assert str(e.value) == ("a prompt of 120 tokens plus max_new_tokens=16 is more than this model's 128 positions; "
+                            "shorten the prompt or ask for at most 8 new tokens.")
+    with pytest.raises(FeedError, match=r"= 8320 is more than the limit of 8192 tokens a call; .*--max-batch-tokens"):
+        model.generate([[1] * 64] * 128, max_new_tokens=1)
+    for bad in (2**70, -1, 512):
+        with pytest.raises(FeedError, match=rf"prompt 1 holds the token id {bad}, outside the vocabulary \[0, 512\)"):
+            model.generate([[1, 2], [3, bad]], max_new_tokens=1)
+    with pytest.raises(FeedError, match="bad feeds: input 'input_ids' has sequence_length=200 .* at most 128 tokens"):
+        model.run({"input_ids": np.ones((1, 200), np.int64), "attention_mask": np.ones((1, 200), np.int64),
+                   "position_ids": np.arange(200)[None],
+                   **{t.name: np.zeros([1, t.shape[1], 0, t.shape[3]], np.float32) for t in model.inputs
+                      if t.name.startswith("past_key_values.")}})
+    model.limits.max_batch_tokens = 16_384  # a caller with trusted input raises it
+    assert len(model.generate([[1] * 64] * 128, max_new_tokens=1).tokens) == 128
+
+
+def test_texts_are_cut_to_max_text_chars_before_tokenizing(tiny_bert_artifact):
+    model = load(tiny_bert_artifact)
+    assert model.limits.max_text_chars == 16_384
+    long = "word " * 100_000  # 500,000 characters
+    model.limits.max_text_chars = 64
+    np.testing.assert_allclose(model.encode([long]), model.encode([long[:64]]), atol=1e-6)
+    assert model.count_tokens([long]) == model.count_tokens([long[:64]])
+
+
+def test_a_stage_or_replica_refuses_a_manifest_other_than_the_drivers(mlp_artifact):
+    from slimml.runtime.artifact.manifest import read_manifest
+
+    ok = read_manifest(mlp_artifact).sha256
+    load(mlp_artifact, manifest_sha256=ok).close()
+    with pytest.raises(IntegrityError) as e:
+        load(mlp_artifact, manifest_sha256="0" * 64)
+    assert str(e.value) == (f"the artifact {mlp_artifact} on this node is not the one the driver read (its "
+                            "manifest.json differs); copy the same artifact to the same path on every node.")
+
+
+# -- atomic writers -----------------------------------------------------------------------------
+
+
+def test_an_output_name_with_glob_characters_touches_no_other_artifact(tmp_path):
+    from slimml.runtime.artifact.atomic import atomic_folder
+
+    other = tmp_path / ".m1.slimml-old-999999999"  # another artifact's set-aside copy (`m1`), owner gone
+    other.mkdir()
+    (tmp_path / "m1").mkdir()
+    with atomic_folder(tmp_path / "m[12]") as tmp:
+        (tmp / "manifest.json").write_text("{}")
+        assert stat.S_IMODE(tmp.stat().st_mode) == 0o777 & ~_umask()
+    assert other.is_dir(), "a glob over 'm[12]' matched m1's folder"
+    assert (tmp_path / "m[12]" / "manifest.json").is_file()
+
+
+def _umask() -> int:
+    from slimml.runtime.artifact.replace import umask
+
+    return umask()
+
+
+def test_sizing_a_stale_folder_follows_no_link(tmp_path):
+    from slimml.runtime.artifact.atomic import _folder_bytes, fresh_tmp
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "big").write_bytes(b"x" * 10_000)
+    stale = tmp_path / ".art.slimml-tmp-999999999"
+    stale.mkdir()
+    (stale / "a").write_bytes(b"y" * 10)
+    (stale / "link").symlink_to(outside, target_is_directory=True)
+    (stale / "loop").symlink_to(stale, target_is_directory=True)
+    assert _folder_bytes(stale) == 10
+    fresh_tmp(tmp_path / "art")
+    assert not stale.exists() and (outside / "big").stat().st_size == 10_000  # removed the link, not its target
+
+
+def test_a_killed_convert_still_a_zombie_counts_as_gone(tmp_path):
+    from slimml.runtime.artifact.atomic import _alive, fresh_tmp
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    (tmp_path / f".art.slimml-tmp-{child.pid}").mkdir()
+    child.kill()
+    deadline = time.monotonic() + 10
+    while True:  # killed, not yet reaped: a zombie
+        with open(f"/proc/{child.pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                break
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not _alive(child.pid)
+    made = fresh_tmp(tmp_path / "art")
+    assert [p.name for p in tmp_path.iterdir()] == [made.name]
+    child.wait()
+
+
+def test_small_writers_use_names_no_one_planted(tmp_path):
+    from slimml.runtime.artifact.replace import replace_file
+
+    target = tmp_path / "baseline.json"
+    decoy = tmp_path / "elsewhere"
+    decoy.write_text("keep")
+    (tmp_path / f".{target.name}.tmp-{os.getpid()}").symlink_to(decoy)  # the name the old writer used
+    (tmp_path / "manifest.json.tmp").symlink_to(decoy)
+    replace_file(target, "{}")
+    from slimml.runtime.artifact.manifest import Manifest
+
+    Manifest(name="x", task="t", source={}, steps=[], inputs=[], outputs=[], shards=[], files=[]).write(tmp_path)
+    assert decoy.read_text() == "keep" and target.read_text() == "{}"
+    assert stat.S_IMODE(replace_file(tmp_path / "secret", b"s", mode=0o600).stat().st_mode) == 0o600
+
+
+def test_a_file_swapped_between_its_hash_and_the_session_is_refused(mlp_artifact, tmp_path):
+    from slimml.runtime.artifact.manifest import check_unchanged, read_manifest, verify_files
+
+    art = tmp_path / "art"
+    shutil.copytree(mlp_artifact, art)
+    seen = verify_files(art, read_manifest(art))  # identities of the very files hashed
+    check_unchanged(art, seen)
+    data = next(p for p in art.glob("*.onnx.data"))
+    swap = data.with_name("swap")
+    shutil.copy2(data, swap)
+    os.replace(swap, data)  # same bytes, same mtime: another file all the same
+    with pytest.raises(IntegrityError) as e:
+        check_unchanged(art, seen)
+    assert str(e.value).startswith(f"{data.name} in the artifact {art} was replaced while the model loaded")
