@@ -328,7 +328,8 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
             "shorten it to at most 127 tokens or pass truncate=True.", llama.generate, [list(range(130))])
     cut = llama.generate([list(range(130))], max_new_tokens=8, truncate=True)
     assert cut.prompt_tokens == 120 and cut.tokens == llama.generate([list(range(10, 130))], max_new_tokens=8).tokens
-    assert len(llama.generate([list(range(125))], max_new_tokens=8).tokens[0]) == 3  # the context ends first
+    refused(FeedError, "a prompt of 125 tokens plus max_new_tokens=8 is more than this model's 128 positions; shorten "
+            "the prompt or ask for at most 3 new tokens.", llama.generate, [list(range(125))], max_new_tokens=8)
     refused(FeedError, "stop string 0 is 200 tokens long, longer than the model's context of 128 tokens, so it can never "
             "appear; shorten it.", llama.generate, ["hi"], stop=["😀" * 50])
     refused(FeedError, "generate() needs at least one non-empty prompt; give a text or a list of token ids.", llama.generate, [[]])

@@ -76,3 +76,12 @@ class WeightSource(Protocol):
             IntegrityError: a file that changed since load no longer matches its hash.
         """
         ...
+
+    def check_cache(self, deep: bool = False) -> None:
+        """Check the files this source made for itself beside the artifact (the pre-packed cache);
+        ``deep`` re-hashes them. Nothing for a source that reads only the artifact's files.
+
+        Raises:
+            IntegrityError: a cached file no longer matches the hash recorded when it was written.
+        """
+        ...

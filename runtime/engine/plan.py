@@ -131,14 +131,10 @@ class StreamedSegment:
 
     def check_files(self, deep: bool = False) -> None:
         """The weight source's own files (the pre-packed cache): ``deep`` re-hashes them."""
-        if hasattr(self.source, "check_cache"):
-            self.source.check_cache(deep)
+        self.source.check_cache(deep)
 
     def describe(self) -> str:
         return f"{_span(self.shards)}: streamed through the slots, sessions compiled once; {self.source.how}"
-
-    def check_files(self, deep: bool = False) -> None:
-        """Nothing: the weight source re-hashes a file that changed before it fills a slot from it."""
 
     def close(self) -> None:
         self.steps = {}

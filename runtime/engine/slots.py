@@ -113,6 +113,9 @@ class FedSlots:
             self._compiled[key] = session
         return session
 
+    def check_cache(self, deep: bool = False) -> None:
+        """Nothing: fed weights are read from the artifact's own (watched) files."""
+
     def fill(self, index: int) -> Slot:
         shard = self.manifest.shards[index]
         if shard.data is None or not self.specs[index]:

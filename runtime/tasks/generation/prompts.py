@@ -14,6 +14,7 @@ import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
+from slimml.runtime.tasks.limits import Limits
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -76,10 +77,12 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
             if n > context:
                 raise FeedError(f"stop string {i} is {n} tokens long, longer than the model's context of {context} "
                                 "tokens, so it can never appear; shorten it.")
-        steps = min(steps, context - max(map(len, ids)))
-    limits = getattr(model, "limits", None)
-    if limits is not None:  # rows x tokens within the call's budget, before any pass
-        limits.check_generate([len(p) for p in ids], steps, None, engine.vocab_size)
+        if config.truncate:  # cut to leave room: fewer new tokens where the context ends
+            steps = min(steps, context - max(map(len, ids)))
+    # before any pass: prompt + max_new_tokens within the positions (unless truncating), and rows x
+    # tokens within the call's budget (model.limits, raised for trusted input)
+    limits = getattr(model, "limits", None) or Limits()
+    limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size)
     return Prompts(ids=ids, texts=texts, steps=steps, end_ids=frozenset(end_ids(model, config, tok)),
                    pad_id=pad_id(model, config), tokenizer=tok)
 
