@@ -11,5 +11,6 @@ from __future__ import annotations
 
 from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec, read_manifest
 from slimml.runtime.loader import Model, load
+from slimml.runtime.tasks.base import Task
 
-__all__ = ["Manifest", "Model", "ShardSpec", "TensorSpec", "load", "read_manifest"]
+__all__ = ["Manifest", "Model", "ShardSpec", "TensorSpec", "Task", "load", "read_manifest"]

@@ -97,7 +97,7 @@ def generate(
     if max_new_tokens < 1:
         raise FeedError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
     texts = isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, str) for p in prompts)
-    tok = model._text.tokenizer if model._text is not None else None
+    tok = model.text.tokenizer if model.text is not None else None
     if texts:
         if tok is None:
             raise SlimmlError(f"the artifact {model.folder} has no tokenizer; pass token ids instead of text.")
