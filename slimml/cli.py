@@ -213,12 +213,16 @@ def quantize_(
 def info(artifact: Artifact, as_json: AsJson = False):
     """Show an artifact's manifest as a table."""
     from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.runtime.tasks.registry import kind_of, registered
 
     m = read_manifest(artifact)
     if as_json:
         print(json.dumps(m.to_json(), indent=2))
         return
     console.print(f"[bold]{m.name}[/bold]  task={m.task}  format v{m.format_version}  slimml {m.slimml_version}")
+    kind = kind_of(m)  # what load() will make of it, without loading
+    methods = sorted(registered()[kind].methods)
+    console.print(f"runs as: {kind} ({', '.join(f'{n}()' for n in methods) + ', ' if methods else ''}run())")
     console.print("steps: " + " -> ".join(s.get("step", "?") for s in m.steps))
     if m.components:
         console.print("components: " + ", ".join(f"{n} ({len(c.shards)} shards)" for n, c in m.components.items()))

@@ -3,11 +3,8 @@ TaskError with one exact line, and the server turns that into a 400 naming the r
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -162,18 +159,11 @@ def test_task_refusal_names_the_route_that_works(tiny_bert_artifact, mlp_artifac
                             "/v1/embeddings; use POST /v1/run for its raw outputs.")
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 @pytest.mark.slow
 def test_serve_answers_embeddings_to_a_decoder_with_a_400_naming_generate(ray_env, tiny_llama_past_artifact):
     ray = pytest.importorskip("ray")
+    from test_serve_cli import post  # urllib, 4xx bodies read
+
     from slimml.serve import ServeConfig, serve
 
     port, urls, stop = free_port(), [], threading.Event()
@@ -186,11 +176,11 @@ def test_serve_answers_embeddings_to_a_decoder_with_a_400_naming_generate(ray_en
             assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
         url = f"http://127.0.0.1:{port}"
-        status, body = _post(f"{url}/v1/embeddings", {"input": ["hi"]})
+        status, body = post(f"{url}/v1/embeddings", {"input": ["hi"]})
         assert status == 400 and body["error"]["message"] == (
             "this artifact is a 'text-generation-with-past' model, not a sentence-embedding one, so it has no "
             "/v1/embeddings; use POST /v1/generate, or POST /v1/run for its raw outputs.")
-        status, body = _post(f"{url}/v1/generate", {"prompt": [[5, 6, 7]], "max_new_tokens": 2})
+        status, body = post(f"{url}/v1/generate", {"prompt": [[5, 6, 7]], "max_new_tokens": 2})
         assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
     finally:
         stop.set()

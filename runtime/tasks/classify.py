@@ -11,17 +11,37 @@ from the source config's ``id2label``, kept in the manifest. The task classes
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
-
-if TYPE_CHECKING:
-    from slimml.runtime.tasks.base import Task
+from slimml.runtime.tasks.base import Task
 
 Run = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 IMAGE_OUTPUTS = ("image_embeds", "pooler_output", "last_hidden_state")  # first found is the embedding
+
+
+class Classifier(Task):
+    """A classifier over one chain: :meth:`classify` inputs with the source config's labels. A
+    subclass says how inputs become batches of feeds (:meth:`batches`)."""
+
+    methods = frozenset({"classify"})
+    suggest = ("classify",)
+
+    def classify(self, inputs: Any, top_k: int | None = 5, batch_size: int = 32) -> list[list[dict[str, Any]]]:
+        """Per input, its ``top_k`` classes (all when None) as ``{"label", "score"}``, best first;
+        scores are the softmax of the logits, labels the source config's ``id2label``.
+
+        Example:
+            >>> load("artifacts/vit-base-patch16-224").classify(["cat.jpg"], top_k=1)
+            [[{'label': 'tabby, tabby cat', 'score': 0.93}]]
+        """
+        check_top_k(top_k, "class")
+        return classify_batches(self.engine.run, self.batches(inputs, batch_size), self.manifest.labels, top_k)
+
+    def batches(self, inputs: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        raise NotImplementedError
 
 
 def classify_batches(run: Run, batches: Iterable[dict[str, np.ndarray]], labels: list[str],

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slimml.runtime.artifact.manifest import Manifest
-from slimml.runtime.tasks.base import _TASKS, Task, task_class
+from slimml.runtime.tasks.base import _TASKS, Task, register_task, task_class
 
 # the built-in tasks: importing them registers them
 from slimml.runtime.tasks.causal_lm import CausalLM
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from slimml.runtime.engine.engine import Engine
 
 __all__ = ["CausalLM", "Generic", "ImageClassifier", "ImageEmbedding", "Seq2Seq", "TextClassifier", "TextEmbedding",
-           "ZeroShot", "build_task", "kind_of", "registered"]
+           "ZeroShot", "build_task", "kind_of", "register_task", "registered", "task_class"]
 
 def kind_of(manifest: Manifest) -> str:
     """The task kind of an artifact, from its manifest's task and declared fields.

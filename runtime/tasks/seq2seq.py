@@ -164,10 +164,11 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, max_new_tokens: int = 32) -> 
 
     def counted(name, f):
         nonlocal passes, prefill
-        out = model.parts[name].run(f)
-        if name != ENCODER:
-            passes += 1
-            prefill = prefill or time.perf_counter() - t0
+        if name == ENCODER:  # the caller's ids or features: checked
+            return model.parts[name].run(f)
+        out = model.parts[name].run_trusted(f)  # feeds this loop built: the engine's own outputs and argmax ids
+        passes += 1
+        prefill = prefill or time.perf_counter() - t0
         return out
 
     for nxt in decode_steps(counted, inputs, feeds, start, max_new_tokens, eos, pad, forced=forced,
