@@ -14,7 +14,7 @@ components (CLIP's towers, an encoder and a decoder) has one engine per componen
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -152,11 +152,25 @@ class Task:
 
     def preprocess(self, images: Any) -> dict[str, np.ndarray]:
         """Feeds for ``images`` (the pixel input), made as the source's Hugging Face image processor makes them."""
-        from slimml.runtime.tasks.classify import image_batches
-
         if self.image_input is None:
             raise self.unsupported("preprocess")
-        return next(image_batches(self, images if isinstance(images, (list, tuple)) else [images], 1 << 30))
+        return next(self.image_batches(images if isinstance(images, (list, tuple)) else [images], 1 << 30))
+
+    def image_batches(self, images: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        """``{pixel input: (B, 3, H, W)}`` per ``batch_size`` images, through the shipped image preprocessor."""
+        if self.images is None:
+            raise SlimmlError(
+                f"the artifact {self.folder} has no image preprocessor (preprocessor_config.json), so it cannot take "
+                "images: convert from a folder that has one (save the model's image processor there), or call run() "
+                "with pixel_values."
+            )
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        if not images:
+            raise FeedError("give at least one image.")
+        size = check_batch(batch_size)
+        for i in range(0, len(images), size):
+            yield {self.image_input: self.images(list(images[i:i + size]))}
 
     # -- the engine(s) ----------------------------------------------------------------------------
 
@@ -316,6 +330,13 @@ def image_input(folder: Path, manifest: Manifest) -> tuple[str | None, ImageProc
     if name is None or not pre or pre.get("kind") != "image":
         return name, None
     return name, ImageProcessor.from_file(safe_path(folder, pre["file"]))
+
+
+def check_batch(batch_size: Any) -> int:
+    """``batch_size``, or FeedError when it is not a whole number >= 1."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
+    return batch_size
 
 
 def check_unicode(texts: Any) -> None:

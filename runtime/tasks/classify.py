@@ -1,4 +1,4 @@
-"""What classifiers and image embedders share: image batches, labels and scores, pooled vectors.
+"""What classifiers and image embedders share: the classifier base, labels and scores, pooled vectors.
 
 An image classifier (``ViTForImageClassification``) takes images through the artifact's image
 preprocessor; a text classifier (``...ForSequenceClassification``) takes texts through its
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
-from slimml.runtime.tasks.base import Task
+from slimml.runtime.tasks.base import Task, check_batch
 
 Run = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 IMAGE_OUTPUTS = ("image_embeds", "pooler_output", "last_hidden_state")  # first found is the embedding
@@ -41,13 +41,13 @@ class Classifier(Task):
         return classify_batches(self.engine.run, self.batches(inputs, batch_size), self.manifest.labels, top_k)
 
     def batches(self, inputs: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        """Feeds per ``batch_size`` inputs (texts through the tokenizer, images through the preprocessor)."""
         raise NotImplementedError
 
 
 def classify_batches(run: Run, batches: Iterable[dict[str, np.ndarray]], labels: list[str],
                      top_k: int | None) -> list[list[dict[str, Any]]]:
     """Per input, its ``top_k`` classes as ``{"label", "score"}``, best first (all when None)."""
-    check_top_k(top_k, "class")
     logits = np.concatenate([run(feeds)["logits"] for feeds in batches])
     if logits.ndim != 2 or logits.shape[1] != len(labels):
         raise SlimmlError(
@@ -82,35 +82,12 @@ def image_output(names: Iterable[str]) -> str | None:
     return next((n for n in IMAGE_OUTPUTS if n in names), None)
 
 
-def image_batches(task: Task, images: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-    """``{pixel input: (B, 3, H, W)}`` per ``batch_size`` images, through the task's preprocessor."""
-    if task.images is None:
-        raise SlimmlError(
-            f"the artifact {task.folder} has no image preprocessor (preprocessor_config.json), so it cannot take "
-            "images: convert from a folder that has one (save the model's image processor there), or call run() "
-            "with pixel_values."
-        )
-    if not isinstance(images, (list, tuple)):
-        images = [images]
-    if not images:
-        raise FeedError("give at least one image.")
-    size = check_batch(batch_size)
-    for i in range(0, len(images), size):
-        yield {task.image_input: task.images(list(images[i:i + size]))}
-
-
 def text_batches(task: Task, texts: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
     """Tokenized feeds per ``batch_size`` texts."""
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not texts:
         raise FeedError("this classifier takes a non-empty list of texts; wrap a single text as [text].")
     size = check_batch(batch_size)
     return (task.tokenize(list(texts[i:i + size])) for i in range(0, len(texts), size))
-
-
-def check_batch(batch_size: Any) -> int:
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
-    return batch_size
 
 
 def check_top_k(top_k: Any, what: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from slimml.runtime.tasks.base import register_task
-from slimml.runtime.tasks.classify import Classifier, image_batches
+from slimml.runtime.tasks.classify import Classifier
 
 
 @register_task("image-classification")
@@ -20,4 +20,4 @@ class ImageClassifier(Classifier):
     suggest = ("classify", "preprocess")
 
     def batches(self, inputs: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-        return image_batches(self, inputs, batch_size)
+        return self.image_batches(inputs, batch_size)

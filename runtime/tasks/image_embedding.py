@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from slimml.runtime.tasks.base import Task, register_task
-from slimml.runtime.tasks.classify import embed_image_batches, image_batches, image_output
+from slimml.runtime.tasks.classify import embed_image_batches, image_output
 
 
 @register_task("image-embedding")
@@ -24,4 +24,4 @@ class ImageEmbedding(Task):
         ``pooler_output`` (ViTModel's pooled CLS) or the CLS row of ``last_hidden_state``.
         """
         output = image_output(t.name for t in self.outputs)
-        return embed_image_batches(self.engine.run, output, image_batches(self, images, batch_size), normalize)
+        return embed_image_batches(self.engine.run, output, self.image_batches(images, batch_size), normalize)

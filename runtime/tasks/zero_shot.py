@@ -17,7 +17,7 @@ import numpy as np
 from slimml.errors import FeedError
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.tasks.base import Task, image_input, register_task, text_encoder
-from slimml.runtime.tasks.classify import check_top_k, embed_image_batches, image_batches, image_output, top_classes
+from slimml.runtime.tasks.classify import check_top_k, embed_image_batches, image_output, top_classes
 from slimml.runtime.tasks.text_embedding import embed_texts
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class ZeroShot(Task):
         """Image embeddings from the vision tower, (len(images), dim) float32, L2-normalised."""
         engine = self.part(self.image_part)
         output = image_output(t.name for t in engine.outputs)
-        return embed_image_batches(engine.run, output, image_batches(self, images, batch_size), normalize)
+        return embed_image_batches(engine.run, output, self.image_batches(images, batch_size), normalize)
 
     def classify(self, images: Any, labels: list[str] | None = None, top_k: int | None = None,
                  batch_size: int = 32) -> list[list[dict[str, Any]]]:
