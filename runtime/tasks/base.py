@@ -34,12 +34,14 @@ CALLS = {
     "encode": "encode(texts)", "encode_with_counts": "encode_with_counts(texts)", "embed_texts": "embed_texts(texts)",
     "tokenize": "tokenize(texts)", "count_tokens": "count_tokens(texts)", "classify": "classify(inputs)",
     "embed_images": "embed_images(images)", "preprocess": "preprocess(images)", "generate": "generate(prompts)",
+    "stream": "stream(prompt)", "chat": "chat(messages)",
 }
 NEEDS = {
     "encode": "a sentence-embedding model", "encode_with_counts": "a sentence-embedding model",
     "embed_texts": "an image-text model (CLIP)", "tokenize": "a model with a tokenizer",
     "count_tokens": "a model with a tokenizer", "classify": "a classifier", "embed_images": "an image-embedding model",
     "preprocess": "a model that takes images", "generate": "a text-generation model",
+    "stream": "a decoder (text-generation) model", "chat": "a decoder (text-generation) model",
 }
 
 
@@ -135,6 +137,14 @@ class Task:
     def generate(self, prompts: Any, max_new_tokens: int = 32, **kwargs):
         """Greedy generation (decoders, encoder-decoders)."""
         raise self.unsupported("generate")
+
+    def stream(self, prompt: Any, config: Any = None, **options):
+        """One prompt's continuation as text pieces (decoders)."""
+        raise self.unsupported("stream")
+
+    def chat(self, messages: Any, config: Any = None, stream: bool = False, **options):
+        """The reply to ``messages`` through the model's chat template (decoders)."""
+        raise self.unsupported("chat")
 
     def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
         """Feeds for ``texts`` from the artifact's tokenizer, padded to the longest (or ``pad_to``)."""

@@ -10,17 +10,18 @@ from slimml.runtime.tasks.generate import generate
 
 @register_task("text-generation")
 class CausalLM(Task):
-    """A decoder artifact (``--task text-generation[-with-past]``): :meth:`generate`.
+    """A decoder artifact (``--task text-generation[-with-past]``): :meth:`generate`,
+    :meth:`stream` and :meth:`chat`.
 
-    The loop (:func:`slimml.runtime.tasks.generate.generate`) reads ``engine``, ``text``,
-    ``folder`` and ``manifest`` from this object.
+    The loop (:mod:`slimml.runtime.tasks.generate`) reads ``engine``, ``text``, ``folder`` and
+    ``manifest`` from this object.
     """
 
-    methods = frozenset({"generate"})
+    methods = frozenset({"generate", "stream", "chat"})
     suggest = ("generate",)
 
-    def generate(self, prompts: Any, max_new_tokens: int = 32, **kwargs):
-        """Greedy text generation; see :func:`slimml.runtime.tasks.generate.generate`.
+    def generate(self, prompts: Any, max_new_tokens: int | None = None, config: Any = None, **options: Any):
+        """Continue ``prompts`` (texts, or token id lists); see :func:`slimml.runtime.tasks.generate.generate`.
 
         Returns a :class:`~slimml.runtime.tasks.generate.Generation`.
 
@@ -28,4 +29,22 @@ class CausalLM(Task):
             >>> model = load("artifacts/my-llama", memory_budget="2GB")
             >>> model.generate(["The capital of France is"], max_new_tokens=8).texts
         """
-        return generate(self, prompts, max_new_tokens=max_new_tokens, **kwargs)
+        if max_new_tokens is not None:
+            options["max_new_tokens"] = max_new_tokens
+        if config is not None:
+            options["config"] = config
+        return generate(self, prompts, **options)
+
+    def stream(self, prompt: Any, config: Any = None, **options: Any):
+        """One prompt's continuation as text pieces, yielded as they are produced; see
+        :func:`slimml.runtime.tasks.generate.stream`."""
+        from slimml.runtime.tasks.generate import stream
+
+        return stream(self, prompt, config, **options)
+
+    def chat(self, messages: Any, config: Any = None, stream: bool = False, **options: Any):
+        """The assistant's reply to ``messages`` through the model's chat template (text pieces
+        with ``stream=True``); see :func:`slimml.runtime.tasks.generate.chat`."""
+        from slimml.runtime.tasks.generate import chat
+
+        return chat(self, messages, config, stream=stream, **options)
