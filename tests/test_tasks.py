@@ -120,7 +120,8 @@ def test_kind_of_reads_the_task_and_the_declared_fields():
     pixels = (("pixel_values", 4),)
     cases = [
         (_manifest(), Generic),
-        (_manifest("feature-extraction", pooling={"mode": "mean"}), TextEmbedding),
+        (_manifest("feature-extraction", pooling={"mode": "mean", "output": "last_hidden_state", "normalize": True}),
+         TextEmbedding),
         (_manifest("text-classification", outputs=("logits",), labels=["a", "b"]), TextClassifier),
         (_manifest("image-classification", pixels, ("logits",), labels=["a", "b"]), ImageClassifier),
         (_manifest("image-feature-extraction", pixels, ("pooler_output",)), ImageEmbedding),
