@@ -28,7 +28,7 @@ def check_seq2seq(folder: Path, manifest: Manifest, src: Source, exported: Expor
 
     model = load(folder, device="cpu")  # the artifact's own integrity check runs here
     encoder = model.parts[ENCODER]
-    if encoder._text is not None or manifest.preprocessor:  # two texts, or (Whisper) features of two noise recordings
+    if model.text is not None or manifest.preprocessor:  # two texts, or (Whisper) features of two noise recordings
         feeds = sample_encoder_batches(model, texts[:2], batch_size=2, limit=1)[0]
     else:
         frames = 2 * int(manifest.source.get("max_source_positions") or 1500)

@@ -16,17 +16,22 @@ from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec, re
 if TYPE_CHECKING:
     from slimml.runtime.engine.config import LoadConfig
     from slimml.runtime.loader import Model, load
+    from slimml.runtime.tasks.base import Task
 
-__all__ = ["LoadConfig", "Manifest", "Model", "ShardSpec", "TensorSpec", "load", "read_manifest"]
+__all__ = ["LoadConfig", "Manifest", "Model", "ShardSpec", "TensorSpec", "Task", "load", "read_manifest"]
 
 
 def __getattr__(name: str) -> Any:
-    """``load`` and ``Model`` bring in ONNX Runtime on first use, so the artifact layer
+    """``load``, ``Model`` and ``Task`` bring in ONNX Runtime on first use, so the artifact layer
     (``slimml.runtime.artifact``: what convert and the CLI read and write) imports without it."""
     if name in ("load", "Model"):
         import slimml.runtime.loader as loader
 
         return getattr(loader, name)
+    if name == "Task":
+        from slimml.runtime.tasks.base import Task
+
+        return Task
     if name == "LoadConfig":
         from slimml.runtime.engine.config import LoadConfig
 

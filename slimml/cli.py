@@ -190,12 +190,16 @@ def quantize_(
 def info(artifact: Artifact, as_json: AsJson = False):
     """Show an artifact's manifest as a table."""
     from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.runtime.tasks.registry import kind_of, registered
 
     m = read_manifest(artifact)
     if as_json:
         print(json.dumps(m.to_json(), indent=2))
         return
     console.print(f"[bold]{m.name}[/bold]  task={m.task}  format v{m.format_version}  slimml {m.slimml_version}")
+    kind = kind_of(m)  # what load() will make of it, without loading
+    methods = sorted(registered()[kind].methods)
+    console.print(f"runs as: {kind} ({', '.join(f'{n}()' for n in methods) + ', ' if methods else ''}run())")
     console.print("steps: " + " -> ".join(s.get("step", "?") for s in m.steps))
     if m.components:
         console.print("components: " + ", ".join(f"{n} ({len(c.shards)} shards)" for n, c in m.components.items()))
@@ -244,7 +248,7 @@ def run(
         raise SlimmlError("give texts (TEXT or --text), --image files, --audio files or --input FILE.npz: one kind of input.")
     model = load(artifact, device=device)
     if audio:
-        if not getattr(model.manifest, "preprocessor", None) or model.manifest.preprocessor.get("kind") != "audio":
+        if "audio" not in model.accepts:
             raise SlimmlError(f"{artifact} is not a speech model (it has no audio feature extractor); --audio needs one, e.g. Whisper.")
         result = model.generate([str(p) for p in audio], max_new_tokens=max_new_tokens)
         if as_json:
@@ -253,23 +257,28 @@ def run(
         for p, t in zip(audio, result.texts):
             console.print(f"[bold]{p}[/bold]  {t}")
         return
-    zero_shot = getattr(model.manifest, "zero_shot", None)
-    if image and texts and not zero_shot:
-        raise SlimmlError(f"{artifact} is not an image-text model (CLIP); give --image files or texts, not both.")
-    if image and texts:
+    if image and texts:  # images scored against texts: an image-text model (CLIP)
+        if not {"text", "images"} <= model.accepts or not model.supports("classify"):
+            raise SlimmlError(f"{artifact} is not an image-text model (CLIP); give --image files or texts, not both.")
         return _print_classes([str(p) for p in image], model.classify(list(image), labels=texts, top_k=top_k), as_json)
     if image:
-        if model.manifest.labels is not None:
+        if "images" not in model.accepts:
+            takes = "text: give TEXT" if "text" in model.accepts else "arrays: give --input FILE.npz"
+            raise SlimmlError(f"{artifact} cannot take images; it takes {takes}.")
+        if model.supports("embed_images"):
+            outputs = {"embeddings": model.embed_images(list(image))}
+        else:  # a classifier, or the TaskError that says what this artifact takes
             return _print_classes([str(p) for p in image], model.classify(list(image), top_k=top_k), as_json)
-        outputs = {"embeddings": model.embed_images(list(image))}
     elif texts:
-        if model.manifest.tokenizer is None:
-            takes = "images: give --image FILE" if getattr(model, "images", None) is not None else "arrays: give --input FILE.npz"
+        if "text" not in model.accepts:
+            takes = "images: give --image FILE" if "images" in model.accepts else "arrays: give --input FILE.npz"
             raise SlimmlError(f"{artifact} has no tokenizer, so it cannot take text; it takes {takes}.")
-        if model.manifest.labels is not None:
+        if model.supports("encode"):
+            outputs = {"embeddings": model.encode(texts, show_progress=progress)}
+        elif model.supports("classify"):
             return _print_classes(texts, model.classify(texts, top_k=top_k), as_json)
-        embeds = model.manifest.pooling or zero_shot
-        outputs = {"embeddings": model.encode(texts, show_progress=progress)} if embeds else model.run(model.tokenize(texts))
+        else:
+            outputs = model.run(model.tokenize(texts))
     else:
         if not input.is_file():
             raise SlimmlError(f"--input {input} does not exist; save arrays with np.savez(path, input_ids=...).")
@@ -382,8 +391,8 @@ def bench(
                       " (no plot: pip install 'slimml[bench]' for matplotlib)"))
         return
     model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
-    parts = getattr(model, "parts", None)
-    if parts is not None:  # several graphs: each is timed on its own sample inputs
+    parts = model.parts
+    if parts:  # several graphs: each is timed on its own sample inputs
         if component is None:
             if old is not None or save_baseline is not None:
                 raise SlimmlError(f"{artifact} has components {', '.join(parts)}; a baseline is for one: add --component NAME.")
@@ -395,7 +404,7 @@ def bench(
                 console.print(f"component {name}: batch {batch} x seq {seq} on {device}: p50 {r.p50_ms:.2f} ms, "
                               f"p90 {r.p90_ms:.2f} ms, {r.throughput_per_s:.1f} items/s, model {r.model_mb:.1f} MB")
             return
-        model = model.parts.get(component) or model.run({}, component=component)  # the latter names the components
+        model = model.part(component)
     elif component is not None:
         raise SlimmlError(f"{artifact} is one chain of shards, without components; leave --component out.")
     if not as_json:
@@ -474,7 +483,7 @@ def generate(
     model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
-    if getattr(model.manifest, "seq2seq", None):  # an encoder-decoder answers; greedy only
+    if not model.supports("stream"):  # an encoder-decoder answers; greedy only
         if chat or config != GenerationConfig(max_new_tokens=max_new_tokens, truncate=truncate):
             raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily without a chat template; "
                               "drop --temperature, --top-k, --top-p, --repetition-penalty, --seed, --stop and --chat.")

@@ -53,3 +53,15 @@ class RequestError(SlimmlError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+class TaskError(SlimmlError):
+    """A method the artifact's task does not have (``encode`` on a classifier, ``generate`` on an
+    encoder). ``task`` is the artifact's task, ``method`` the one called, ``alternatives`` the
+    methods that would work (``run`` always does)."""
+
+    def __init__(self, message: str, task: str, method: str, alternatives: tuple[str, ...] = ("run",)):
+        super().__init__(message)
+        self.task = task
+        self.method = method
+        self.alternatives = tuple(alternatives)

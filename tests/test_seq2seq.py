@@ -273,7 +273,7 @@ def test_a_whisper_artifact_without_its_feature_extractor_says_so(whisper, tmp_p
 
 
 def test_a_non_seq2seq_artifact_of_components_does_not_generate(tmp_path):
-    from slimml.runtime.tasks.components import Components
+    from slimml.runtime.tasks.generic import Components
     from slimml.runtime.artifact.manifest import Manifest
 
     manifest = Manifest(name="x", task="feature-extraction", source={}, steps=[], inputs=[], outputs=[], shards=[], files=[])

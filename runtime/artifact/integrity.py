@@ -72,7 +72,7 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
         info = {e.key: e.value for e in t.external_data}
         loc = info.get("location", "")
         target = None
-        if loc and not os.path.isabs(loc) and ".." not in Path(loc).parts:
+        if loc and "\x00" not in loc and not os.path.isabs(loc) and ".." not in Path(loc).parts:  # NUL: refused, not ValueError
             target = (path.parent / loc).resolve()
         if data is None or target != data:
             raise ArtifactError(

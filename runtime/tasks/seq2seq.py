@@ -14,16 +14,20 @@ and a streamed decoder loads each of its shards once per token.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from slimml.errors import FeedError
+from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.tasks.base import Task, register_task, text_encoder
 from slimml.runtime.tasks.generate import Generation
+from slimml.runtime.tasks.inputs.audio import LogMel, features_for
 
 if TYPE_CHECKING:
-    from slimml.runtime.tasks.components import Components
+    from slimml.runtime.engine.engine import Engine
 
 ENCODER, DECODER, WITH_PAST = "encoder", "decoder", "decoder_with_past"
 Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (component, feeds) -> outputs
@@ -76,24 +80,69 @@ def decode_steps(run: Run, inputs: dict[str, list[str]], encoder_feeds: dict[str
                 past[k.replace("present.", "past_key_values.", 1)] = v
 
 
-def generate_seq2seq(model: Components, prompts: Any, max_new_tokens: int = 32) -> Generation:
+@register_task("text2text-generation")
+class Seq2Seq(Task):
+    """An encoder-decoder artifact (T5, BART; Whisper from audio): :meth:`generate`.
+
+    ``parts`` holds the ``encoder``, ``decoder`` and ``decoder_with_past`` engines; ``text`` is the
+    encoder's tokenizer (None for a speech model), ``detokenizer`` what turns new ids into text.
+    """
+
+    methods = frozenset({"generate"})
+    suggest = ("generate",)
+
+    def __init__(self, folder: Path, manifest: Manifest, engines: Mapping[str | None, Engine]):
+        super().__init__(folder, manifest, engines)
+        self.spec: dict[str, Any] = dict(manifest.seq2seq or {})
+        self.text = text_encoder(self.folder, manifest.component(ENCODER), self.limits)
+        out = self.text or text_encoder(self.folder, manifest.component(DECODER), self.limits)
+        self.detokenizer = out.tokenizer if out is not None else None
+        self.speech = "input_features" in {t.name for t in self.parts[ENCODER].inputs}
+        self._log_mel: LogMel | None = None  # read on first use
+
+    @property
+    def accepts(self) -> frozenset[str]:
+        return frozenset({"audio"}) if self.speech else super().accepts
+
+    def generate(self, prompts: Any, max_new_tokens: int = 32):
+        """Greedy generation from texts (T5, BART) or, for a speech model, WAV paths or 16 kHz
+        waveforms. Returns a :class:`~slimml.runtime.tasks.generate.Generation`.
+
+        Example:
+            >>> load("artifacts/t5-small").generate(["translate English to German: Hello"]).texts
+        """
+        return generate_seq2seq(self, prompts, max_new_tokens=max_new_tokens)
+
+    def features(self, audio: Any) -> dict[str, np.ndarray]:
+        """The encoder's log-mel feeds for WAV paths or 16 kHz float waveforms (speech models)."""
+        pre = self.manifest.preprocessor
+        if not pre:
+            raise FeedError(
+                f"the artifact {self.folder} has no feature extractor config (preprocessor_config.json); convert from a "
+                "folder that has one, or call run() with input_features."
+            )
+        if self._log_mel is None:
+            self._log_mel = LogMel.from_file(safe_path(self.folder, pre["file"]))
+        name = next((t.name for t in self.parts[ENCODER].inputs), "input_features")
+        return features_for(self._log_mel, name, audio)
+
+
+def generate_seq2seq(model: Seq2Seq, prompts: Any, max_new_tokens: int = 32) -> Generation:
     """Greedy generation from texts (T5, BART) or, for speech models, log-mel features / audio."""
-    spec: dict[str, Any] = model.manifest.seq2seq or {}
+    spec = model.spec
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise FeedError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}.")
     encoder = model.parts[ENCODER]
     t0 = time.perf_counter()
-    if "input_features" in {t.name for t in encoder.inputs}:
-        from slimml.runtime.tasks.inputs.audio import features_for
-
-        feeds = features_for(model, prompts)
+    if model.speech:
+        feeds = model.features(prompts)
         texts = True
     else:
         if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
             raise FeedError("generate() takes a non-empty list of prompts; wrap a single prompt as [prompt].")
         texts = all(isinstance(p, str) for p in prompts)
         if texts:
-            feeds = encoder.tokenize(list(prompts))
+            feeds = model.tokenize(list(prompts))
         else:
             ids = [list(map(int, p)) for p in prompts]
             if any(not p for p in ids):
@@ -115,10 +164,11 @@ def generate_seq2seq(model: Components, prompts: Any, max_new_tokens: int = 32) 
 
     def counted(name, f):
         nonlocal passes, prefill
-        out = model.parts[name].run(f)
-        if name != ENCODER:
-            passes += 1
-            prefill = prefill or time.perf_counter() - t0
+        if name == ENCODER:  # the caller's ids or features: checked
+            return model.parts[name].run(f)
+        out = model.parts[name].run_trusted(f)  # feeds this loop built: the engine's own outputs and argmax ids
+        passes += 1
+        prefill = prefill or time.perf_counter() - t0
         return out
 
     for nxt in decode_steps(counted, inputs, feeds, start, max_new_tokens, eos, pad, forced=forced,
@@ -127,20 +177,17 @@ def generate_seq2seq(model: Components, prompts: Any, max_new_tokens: int = 32) 
             new[i].append(int(nxt[i]))
         if eos is not None:
             done |= nxt == eos
-    tok = encoder._text.tokenizer if encoder._text is not None else None
-    if tok is None:
-        decoder = model.parts[DECODER]
-        tok = decoder._text.tokenizer if decoder._text is not None else None
+    tok = model.detokenizer
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
                       prompt_tokens=int(feeds["attention_mask"].sum()) if "attention_mask" in feeds else 0,
                       prefill_s=prefill)
 
 
-def record_feeds(model: Components, encoder_batches: list[dict[str, np.ndarray]], steps: int = 4) -> dict[str, list]:
+def record_feeds(model: Seq2Seq, encoder_batches: list[dict[str, np.ndarray]], steps: int = 4) -> dict[str, list]:
     """What each component is fed while generating ``steps`` tokens from each encoder batch:
     calibration and guard data for quantizing the components one by one."""
-    spec = model.manifest.seq2seq
+    spec = model.spec
     inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
     record: dict[str, list] = {name: [] for name in model.parts}
 
@@ -155,16 +202,14 @@ def record_feeds(model: Components, encoder_batches: list[dict[str, np.ndarray]]
     return record
 
 
-def sample_encoder_batches(model: Components, texts: list[str], batch_size: int = 8, limit: int = 16) -> list[dict]:
+def sample_encoder_batches(model: Seq2Seq, texts: list[str], batch_size: int = 8, limit: int = 16) -> list[dict]:
     """Encoder inputs for ``texts`` (tokenized), or for a speech model log-mel features of noise."""
     encoder = model.parts[ENCODER]
     names = {t.name for t in encoder.inputs}
-    if "input_ids" in names and encoder._text is not None:
+    if "input_ids" in names and model.text is not None:
         chunks = [texts[i:i + batch_size] for i in range(0, len(texts), batch_size)][:limit]
-        return [{k: v for k, v in encoder.tokenize(c).items() if k in names} for c in chunks if c]
-    from slimml.runtime.tasks.inputs.audio import features_for
-
+        return [{k: v for k, v in model.tokenize(c).items() if k in names} for c in chunks if c]
     rng = np.random.default_rng(0)
     count = max(1, min(limit, len(texts) // batch_size))
-    return [features_for(model, [rng.standard_normal(16000 * (1 + i % 3)).astype(np.float32) * 0.1 for i in range(2)])
+    return [model.features([rng.standard_normal(16000 * (1 + i % 3)).astype(np.float32) * 0.1 for i in range(2)])
             for _ in range(count)]

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ConfigError, StageError
+from slimml.runtime.artifact.manifest import check_same_manifest, read_manifest, verify_file
 from slimml.runtime.engine.budget import plan_stream
 from slimml.runtime.engine.config import LoadConfig
-from slimml.runtime.artifact.manifest import check_same_manifest, read_manifest, verify_file
-from slimml.runtime.loader import Model
+from slimml.runtime.engine.engine import Engine
 from slimml.runtime.engine.plan import ExecutionPlan
+from slimml.runtime.tasks.base import Task
+from slimml.runtime.tasks.registry import build_task
 from slimml.scale.balance import compute_sizes, split_stages
 from slimml.scale.cluster import connect, nodes_with_cpus, require_ray
 from slimml.scale.segment import RayStages, release
@@ -29,7 +31,7 @@ def pipeline(
     max_restarts: int = 1,
     verify: bool = True,
     **load_options: Any,
-) -> Model:
+) -> Task:
     """Load ``artifact`` as ``stages`` Ray actors that each own a contiguous group of shards.
 
     Each stage verifies its shards' hashes and runs them with the slimml runtime (merged into
@@ -61,8 +63,9 @@ def pipeline(
             ``resident``, ``pack``, ``cache_dir``, ``threads``).
 
     Returns:
-        A :class:`~slimml.runtime.Model` whose plan is one ``RayStages`` segment; ``close()``
-        stops the actors (and Ray, if this call started it).
+        The artifact's task (:class:`~slimml.runtime.Task`, chosen as ``load`` chooses it) over an
+        engine whose plan is one ``RayStages`` segment; ``close()`` stops the actors (and Ray, if
+        this call started it).
 
     Example:
         >>> from slimml.scale import pipeline
@@ -130,13 +133,14 @@ def pipeline(
         segment = RayStages(actors, groups, names, [t.name for t in manifest.inputs], microbatch,
                             _batch_first(manifest), timeout_s, max_restarts, pg, owns_ray)
         segment.stage_info()  # waits for every stage to load; its errors (a tampered shard) surface here
+        memory = plan_stream(manifest)
+        engine = Engine(folder, manifest, LoadConfig(verify=verify), memory, plan=ExecutionPlan(memory, "cpu", [segment], None))
+        return build_task(folder, manifest, {None: engine})  # the same task load() would give
     except BaseException as e:
         release(actors, pg, owns_ray)
         if isinstance(e, ray.exceptions.RayActorError):
             raise StageError(f"a pipeline stage failed to start: {e}") from None
         raise
-    memory = plan_stream(manifest)
-    return Model(folder, manifest, LoadConfig(verify=verify), memory, plan=ExecutionPlan(memory, "cpu", [segment], None))
 
 
 def _traffic(manifest, groups: list[tuple[int, int]]) -> tuple[list[list[str]], list[list[str]]]:

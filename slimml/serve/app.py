@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
-from slimml.errors import ArtifactError, FeedError, IntegrityError, RequestError, SlimmlError, StageError
+from slimml.errors import ArtifactError, FeedError, IntegrityError, RequestError, SlimmlError, StageError, TaskError
 import slimml.serve.protocol as protocol
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
@@ -117,6 +117,27 @@ async def _feed_error(request: Request, e: FeedError):
     return _error(str(e), 400)
 
 
+# the route that serves each task method, and the kind of model it needs
+_ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"), "generate": ("/v1/generate", "a decoder")}
+_SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts"}  # methods behind one route
+
+
+def task_refusal(e: TaskError) -> RequestError:
+    """A task method the artifact lacks, as the 400 that names the route that would work."""
+    route = _ROUTES.get(_SAME.get(e.method, e.method))
+    if route is None:  # a method no route serves
+        return RequestError(str(e), 400)
+    works = dict.fromkeys(f"POST {_ROUTES[m][0]}" for m in (_SAME.get(a, a) for a in e.alternatives) if m in _ROUTES)
+    use = ", ".join(works) + ", or POST /v1/run for its raw outputs" if works else "POST /v1/run for its raw outputs"
+    return RequestError(f"this artifact is a {e.task!r} model, not {route[1]}, so it has no {route[0]}; use {use}.", 400)
+
+
+@api.exception_handler(TaskError)
+async def _task_error(request: Request, e: TaskError):
+    refusal = task_refusal(e)
+    return _error(str(refusal), refusal.status)
+
+
 @api.exception_handler(SlimmlError)
 async def _slimml_error(request: Request, e: SlimmlError):
     # a changed artifact or a lost stage: not ready, not the client's fault; a broken artifact: the
@@ -198,19 +219,15 @@ class SlimmlServer:
                                "once (slimml serve --body-timeout-s sets the limit).", 408) from None
         return protocol.parse_json(b"".join(chunks))
 
-    def _needs(self, what: str) -> None:
-        m = self.model.manifest
-        if what == "embeddings" and m.pooling is None and not m.zero_shot:  # CLIP: its text tower's embeddings
-            raise RequestError(f"this artifact is a {m.task!r} model, not a sentence-embedding one, so it has no "
-                               "/v1/embeddings; use POST /v1/run for its raw outputs.")
-        if what == "generate" and not (m.task.startswith("text-generation") or getattr(m, "seq2seq", None)):
-            raise RequestError(f"this artifact is a {m.task!r} model, not a decoder, so it has no /v1/generate; "
-                               "use POST /v1/run.")
+    def _needs(self, method: str) -> None:
+        """Refuse a route whose task method this artifact lacks (a 400 naming the route that works)."""
+        if not self.model.supports(method):
+            raise task_refusal(self.model.unsupported(method))
 
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request):
         data = await self._body(request)
-        self._needs("embeddings")
+        self._needs("encode_with_counts")
         protocol.check_model(data, self.name)
         texts = protocol.embedding_texts(data, self.config.max_texts, self.config.max_text_chars)
         emb, counts = await self._embed_batch(texts)  # with the texts of concurrent requests

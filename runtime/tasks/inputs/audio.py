@@ -12,15 +12,12 @@ from __future__ import annotations
 import os
 import wave
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from slimml.errors import ArtifactError, FeedError
-from slimml.runtime.artifact.manifest import read_config, safe_path
-
-if TYPE_CHECKING:
-    from slimml.runtime.tasks.components import Components
+from slimml.runtime.artifact.manifest import read_config
 
 
 class LogMel:
@@ -118,18 +115,8 @@ def read_wav(path: str | os.PathLike, rate: int = 16000) -> np.ndarray:
     return samples.reshape(-1, channels).mean(axis=1) if channels > 1 else samples
 
 
-def features_for(model: Components, audio: Any) -> dict[str, np.ndarray]:
-    """``{"input_features": (B, n_mels, frames)}`` for WAV paths or 16 kHz float waveforms."""
-    encoder = model.parts["encoder"]
-    pre = model.manifest.preprocessor
-    if not pre:
-        raise FeedError(
-            f"the artifact {model.folder} has no feature extractor config (preprocessor_config.json); convert from a "
-            "folder that has one, or call run() with input_features."
-        )
-    if model._log_mel is None:  # read once per loaded model
-        model._log_mel = LogMel.from_file(safe_path(model.folder, pre["file"]))
-    extractor = model._log_mel
+def features_for(extractor: LogMel, input_name: str, audio: Any) -> dict[str, np.ndarray]:
+    """``{input_name: (B, n_mels, frames)}`` for WAV paths or 16 kHz float waveforms."""
     if isinstance(audio, (str, os.PathLike, np.ndarray)):
         audio = [audio]
     if not isinstance(audio, (list, tuple)) or not audio:
@@ -144,5 +131,4 @@ def features_for(model: Components, audio: Any) -> dict[str, np.ndarray]:
             raise FeedError(f"audio {i} is a {type(a).__name__}; give a WAV path or a 1-D float waveform at "
                             f"{extractor.sampling_rate} Hz.")
     features = np.stack([extractor(w) for w in waves])
-    name = next((t.name for t in encoder.inputs), "input_features")
-    return {name: features}
+    return {input_name: features}

@@ -1,0 +1,388 @@
+"""The task base: what an artifact is for, over the engine(s) that run it.
+
+A task is one class per kind of artifact (text embedding, classification, generation, ...),
+chosen once at load by :mod:`slimml.runtime.tasks.registry`. Every task has the engine's API
+(``run``, ``verify``, ``check_files``, ``plan``, ``stats``, ``close``) and the documented task
+API (``encode``, ``classify``, ``generate``, ...). What it can do is declared, not guessed:
+``methods`` lists its own methods, ``supports(name)`` asks, and a method it lacks raises
+:class:`~slimml.errors.TaskError` naming the artifact's task and the method that would work.
+
+An artifact of one chain of shards has one engine (``task.engine``); an artifact of several
+components (CLIP's towers, an encoder and a decoder) has one engine per component
+(``task.parts[name]``), each with its own execution plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from slimml.errors import FeedError, SlimmlError, TaskError
+from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.tasks.inputs.image import ImageProcessor
+from slimml.runtime.tasks.inputs.text import TextEncoder
+from slimml.runtime.tasks.limits import Limits
+
+if TYPE_CHECKING:
+    from slimml.runtime.engine.engine import Engine
+
+# The documented task API: the call each method stands for in a message, and what kind of
+# model it needs (for "it is a 'generic' model, not a sentence-embedding model").
+CALLS = {
+    "encode": "encode(texts)", "encode_with_counts": "encode_with_counts(texts)", "embed_texts": "embed_texts(texts)",
+    "tokenize": "tokenize(texts)", "count_tokens": "count_tokens(texts)", "classify": "classify(inputs)",
+    "embed_images": "embed_images(images)", "preprocess": "preprocess(images)", "generate": "generate(prompts)",
+    "stream": "stream(prompt)", "chat": "chat(messages)",
+}
+NEEDS = {
+    "encode": "a sentence-embedding model", "encode_with_counts": "a sentence-embedding model",
+    "embed_texts": "an image-text model (CLIP)", "tokenize": "a model with a tokenizer",
+    "count_tokens": "a model with a tokenizer", "classify": "a classifier", "embed_images": "an image-embedding model",
+    "preprocess": "a model that takes images", "generate": "a text-generation model",
+    "stream": "a decoder (text-generation) model", "chat": "a decoder (text-generation) model",
+}
+
+
+class Task:
+    """A loaded artifact: its engine(s) and what it is for. Made by :func:`slimml.runtime.load`.
+
+    Attributes:
+        kind: the task's registered name ("sentence-embedding", "text-generation", ...).
+        methods: the task API methods this artifact has (``supports(name)``); ``run`` always.
+        accepts: the raw inputs it takes besides arrays: "text", "images", "audio".
+        engine: the :class:`~slimml.runtime.engine.engine.Engine` of a one-chain artifact (None
+            for an artifact of components).
+        parts: component name -> its engine (empty for a one-chain artifact).
+        text: the tokenizer (a :class:`~slimml.runtime.tasks.inputs.text.TextEncoder`) or None.
+    """
+
+    kind: ClassVar[str] = "generic"
+    methods: ClassVar[frozenset[str]] = frozenset()
+    suggest: ClassVar[tuple[str, ...]] = ()  # the methods an error points to first: the task's main ones
+
+    def __init__(self, folder: Path, manifest: Manifest, engines: Mapping[str | None, Engine]):
+        if not engines:
+            raise SlimmlError(f"the artifact {folder} loaded no chain of shards; convert it again.")
+        self.folder = Path(folder)
+        self.manifest = manifest
+        self.engine: Engine | None = engines.get(None)
+        self.parts: dict[str, Engine] = {k: v for k, v in engines.items() if k is not None}
+        self.device = next(iter(engines.values())).device
+        self.limits = Limits()  # what one call may ask (texts' characters, generate's tokens): raise for trusted input
+        self.text: TextEncoder | None = None
+        self.images: ImageProcessor | None = None
+        self.image_input: str | None = None  # the pixel input's name, where the chain takes images
+        if self.engine is not None:  # one chain: its own tokenizer and image preprocessor
+            self.text = text_encoder(self.folder, manifest, self.limits)
+            self.image_input, self.images = image_input(self.folder, manifest)
+
+    # -- what it can do ------------------------------------------------------------------------
+
+    def supports(self, name: str) -> bool:
+        """Whether ``name`` (a task API method, or ``run``) works on this artifact."""
+        return name == "run" or name in self.capabilities
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """``methods``, with ``tokenize``/``count_tokens`` where a tokenizer was shipped and
+        ``preprocess`` where images are taken."""
+        extra = {"tokenize", "count_tokens"} if self.text is not None else set()
+        if self.image_input is not None:
+            extra.add("preprocess")
+        return type(self).methods | extra
+
+    @property
+    def accepts(self) -> frozenset[str]:
+        """Raw inputs this artifact takes (beyond arrays for ``run``)."""
+        return frozenset(k for k, v in (("text", self.text), ("images", self.image_input)) if v is not None)
+
+    def unsupported(self, method: str) -> TaskError:
+        """The :class:`TaskError` for calling ``method``, which this artifact's task lacks."""
+        alternatives = tuple(m for m in self.suggest if self.supports(m)) + ("run",)
+        use = ", ".join(CALLS[m] for m in alternatives[:-1])
+        use = f"{use}, or run() for its raw outputs" if use else "run() for its raw outputs"
+        if method in ("tokenize", "count_tokens"):
+            why = "has no tokenizer, so it cannot take text"
+        elif method == "preprocess":
+            why = "does not take images"
+        else:
+            why = f"cannot {method}(): it is a {self.manifest.task!r} model, not {NEEDS.get(method, 'one that has it')}"
+        return TaskError(f"the artifact {self.folder} {why}; use {use}.", self.manifest.task, method, alternatives)
+
+    # -- the task API: each raises TaskError unless the task has it ------------------------------
+
+    def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
+               workers: int | None = None) -> np.ndarray:
+        """Sentence embeddings (sentence-embedding artifacts, CLIP's text tower)."""
+        raise self.unsupported("encode")
+
+    def encode_with_counts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
+                           workers: int | None = None) -> tuple[np.ndarray, list[int]]:
+        """:meth:`encode` and the tokens of each text (sentence-embedding artifacts)."""
+        raise self.unsupported("encode_with_counts")
+
+    def embed_texts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False) -> np.ndarray:
+        """Text embeddings of an image-text model (CLIP)."""
+        raise self.unsupported("embed_texts")
+
+    def classify(self, inputs: Any, top_k: int | None = 5, batch_size: int = 32, **kwargs) -> list[list[dict]]:
+        """Labels and scores (classifiers; CLIP with ``labels=``)."""
+        raise self.unsupported("classify")
+
+    def embed_images(self, images: Any, batch_size: int = 32, normalize: bool = True) -> np.ndarray:
+        """Image embeddings (image-embedding artifacts, CLIP's vision tower)."""
+        raise self.unsupported("embed_images")
+
+    def generate(self, prompts: Any, max_new_tokens: int = 32, **kwargs):
+        """Greedy generation (decoders, encoder-decoders)."""
+        raise self.unsupported("generate")
+
+    def stream(self, prompt: Any, config: Any = None, **options):
+        """One prompt's continuation as text pieces (decoders)."""
+        raise self.unsupported("stream")
+
+    def chat(self, messages: Any, config: Any = None, stream: bool = False, **options):
+        """The reply to ``messages`` through the model's chat template (decoders)."""
+        raise self.unsupported("chat")
+
+    def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
+        """Feeds for ``texts`` from the artifact's tokenizer, padded to the longest (or ``pad_to``)."""
+        check_unicode(texts)
+        if self.text is None:
+            raise self.unsupported("tokenize")
+        return self.text(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)
+
+    def count_tokens(self, texts: list[str]) -> list[int]:
+        """Tokens per text as the model sees them (after truncation to its maximum length)."""
+        check_unicode(texts)
+        if self.text is None:
+            raise self.unsupported("count_tokens")
+        return [len(e.ids) for e in self.text.encodings(list(texts))]
+
+    def preprocess(self, images: Any) -> dict[str, np.ndarray]:
+        """Feeds for ``images`` (the pixel input), made as the source's Hugging Face image processor makes them."""
+        if self.image_input is None:
+            raise self.unsupported("preprocess")
+        return next(self.image_batches(images if isinstance(images, (list, tuple)) else [images], 1 << 30))
+
+    def image_batches(self, images: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
+        """``{pixel input: (B, 3, H, W)}`` per ``batch_size`` images, through the shipped image preprocessor."""
+        if self.images is None:
+            raise SlimmlError(
+                f"the artifact {self.folder} has no image preprocessor (preprocessor_config.json), so it cannot take "
+                "images: convert from a folder that has one (save the model's image processor there), or call run() "
+                "with pixel_values."
+            )
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        if not images:
+            raise FeedError("give at least one image.")
+        size = check_batch(batch_size)
+        for i in range(0, len(images), size):
+            yield {self.image_input: self.images(list(images[i:i + size]))}
+
+    # -- the engine(s) ----------------------------------------------------------------------------
+
+    def run(self, feeds: Mapping[str, np.ndarray], component: str | None = None) -> dict[str, np.ndarray]:
+        """Run the artifact on ``feeds`` (input name -> array); return its outputs by name.
+
+        For an artifact of components: ``component`` runs that one; without it, every
+        component whose inputs the feeds hold runs.
+
+        Raises:
+            FeedError: feeds that do not fit the inputs (names, dtypes, shapes, values).
+        """
+        if self.engine is not None:
+            if component is not None:
+                raise SlimmlError(f"the artifact {self.folder} is one chain of shards, without components; "
+                                  "call run(feeds) without component=.")
+            return self.engine.run(feeds)
+        if component is not None:
+            return self.part(component).run(feeds)
+        if not isinstance(feeds, Mapping):
+            raise FeedError(f"run() takes a dict of input name -> array, got {type(feeds).__name__}.")
+        chosen = [n for n, p in self.parts.items() if {t.name for t in p.inputs} <= set(feeds)]
+        taken = {t.name for n in chosen for t in self.parts[n].inputs}
+        unused = sorted(set(feeds) - taken)
+        if not chosen or unused:
+            wants = "; ".join(f"{n}: {', '.join(t.name for t in p.inputs)}" for n, p in self.parts.items())
+            raise FeedError(
+                f"the feeds {sorted(feeds)} are not the inputs of this artifact's components ({wants}); "
+                "give every input of the components to run, or run(feeds, component=NAME)."
+            )
+        out: dict[str, np.ndarray] = {}
+        for name in chosen:
+            out |= self.parts[name].run({k: feeds[k] for k in (t.name for t in self.parts[name].inputs)})
+        return out
+
+    def part(self, name: str) -> Engine:
+        """The engine of component ``name``."""
+        if name not in self.parts:
+            has = f"it has {', '.join(self.parts)}" if self.parts else "it is one chain of shards"
+            raise SlimmlError(f"the artifact {self.folder} has no component {name!r}; {has}.")
+        return self.parts[name]
+
+    @property
+    def _engines(self) -> list[Engine]:
+        return [self.engine] if self.engine is not None else list(self.parts.values())
+
+    @property
+    def inputs(self):
+        return self.manifest.inputs
+
+    @property
+    def outputs(self):
+        return self.manifest.outputs
+
+    @property
+    def plan(self):
+        """The execution plan (``plan.describe()``); for components, each one's, described together."""
+        return self.engine.plan if self.engine is not None else Plans({n: p.plan for n, p in self.parts.items()})
+
+    @property
+    def stats(self):
+        """Streaming counters (per component for an artifact of components)."""
+        return self.engine.stats if self.engine is not None else {n: p.stats for n, p in self.parts.items()}
+
+    @property
+    def threads(self) -> int | None:
+        return self._engines[0].threads
+
+    @property
+    def max_sequence_length(self) -> int | None:
+        return next((e.max_sequence_length for e in self._engines if e.max_sequence_length), None)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return next((e.vocab_size for e in self._engines if e.vocab_size), None)
+
+    @property
+    def owns_files(self) -> bool:
+        return all(e.owns_files for e in self._engines)
+
+    @property
+    def allow_nonfinite(self) -> bool:
+        """NaN/inf in float inputs raise FeedError unless set (activations of pipeline stages)."""
+        return all(e.allow_nonfinite for e in self._engines)
+
+    @allow_nonfinite.setter
+    def allow_nonfinite(self, value: bool) -> None:
+        for e in self._engines:
+            e.allow_nonfinite = value
+
+    def lane(self, threads: int):
+        """``run`` on a single-threaded copy of the plan: see :meth:`Engine.lane`."""
+        if self.engine is None:
+            raise SlimmlError(f"the artifact {self.folder} has components; lanes are per component: "
+                              "task.part(NAME).lane(threads).")
+        return self.engine.lane(threads)
+
+    def verify(self) -> None:
+        """Re-hash every file of the artifact against the manifest, as ``load`` did.
+
+        Raises:
+            IntegrityError: naming the file that no longer matches.
+        """
+        for e in self._engines:
+            e.verify()
+
+    def check_files(self) -> None:
+        """Has any file changed since load? (cheap: see :meth:`Engine.check_files`)."""
+        for e in self._engines:
+            e.check_files()
+
+    def close(self) -> None:
+        """Stop loader threads and drop every session."""
+        for e in self._engines:
+            e.close()
+
+    def __getattr__(self, name: str):
+        # the one engine's other attributes (its file watch, its lanes) read through
+        engine = self.__dict__.get("engine")
+        if engine is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(engine, name)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.kind} {self.folder}>"
+
+
+class Plans:
+    """Each component's execution plan: ``plans[name]``; ``streaming`` if any of them streams."""
+
+    def __init__(self, plans: dict):
+        self.plans = plans
+
+    def __getitem__(self, name: str):
+        return self.plans[name]
+
+    @property
+    def streaming(self) -> bool:
+        return any(p.streaming for p in self.plans.values())
+
+    def describe(self) -> str:
+        return "\n".join(f"component {name}: {p.describe()}" for name, p in self.plans.items())
+
+
+def text_encoder(folder: Path, manifest: Manifest, limits: Limits | None = None) -> TextEncoder | None:
+    """The tokenizer a chain's inputs take, or None when it ships none."""
+    if not manifest.tokenizer:
+        return None
+    return TextEncoder(safe_path(folder, manifest.tokenizer["file"]), manifest.tokenizer, [t.name for t in manifest.inputs],
+                       limits)
+
+
+def image_input(folder: Path, manifest: Manifest) -> tuple[str | None, ImageProcessor | None]:
+    """``(pixel input name, image processor)`` of a chain: the input is None when it takes no
+    images, the processor None when no image preprocessor config was shipped."""
+    name = next((t.name for t in manifest.inputs if t.name == "pixel_values" or len(t.shape) == 4), None)
+    pre = manifest.preprocessor
+    if name is None or not pre or pre.get("kind") != "image":
+        return name, None
+    return name, ImageProcessor.from_file(safe_path(folder, pre["file"]))
+
+
+def check_batch(batch_size: Any) -> int:
+    """``batch_size``, or FeedError when it is not a whole number >= 1."""
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
+    return batch_size
+
+
+def check_unicode(texts: Any) -> None:
+    """Raise FeedError for a text that is not valid Unicode (a lone surrogate)."""
+    for i, t in enumerate(texts if isinstance(texts, (list, tuple)) else []):
+        try:
+            isinstance(t, str) and t.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad decode upstream
+            raise FeedError(
+                f"text {i} is not valid Unicode ({e.reason} at position {e.start}); decode your input with "
+                "errors='replace' or clean it first."
+            ) from None
+
+
+_TASKS: dict[str, type[Task]] = {}
+
+
+def register_task(kind: str):
+    """Class decorator: ``@register_task("sentence-embedding")`` makes the class the task for
+    artifacts of that kind (:func:`slimml.runtime.tasks.registry.kind_of` says which kind an
+    artifact is). Adding a task adds a class, not an ``if`` in the server or the CLI."""
+
+    def add(cls: type[Task]) -> type[Task]:
+        cls.kind = kind
+        _TASKS[kind] = cls
+        return cls
+
+    return add
+
+
+def task_class(kind: str) -> type[Task]:
+    """The class registered for ``kind``."""
+    try:
+        return _TASKS[kind]
+    except KeyError:
+        raise SlimmlError(f"no task is registered for {kind!r}; known: {', '.join(sorted(_TASKS))}.") from None

@@ -1,0 +1,50 @@
+"""Causal generation: a decoder (Llama, GPT-2, SmolLM) continues prompts, with a KV cache when it has one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from slimml.runtime.tasks.base import Task, register_task
+from slimml.runtime.tasks.generate import generate
+
+
+@register_task("text-generation")
+class CausalLM(Task):
+    """A decoder artifact (``--task text-generation[-with-past]``): :meth:`generate`,
+    :meth:`stream` and :meth:`chat`.
+
+    The loop (:mod:`slimml.runtime.tasks.generate`) reads ``engine``, ``text``, ``folder`` and
+    ``manifest`` from this object.
+    """
+
+    methods = frozenset({"generate", "stream", "chat"})
+    suggest = ("generate",)
+
+    def generate(self, prompts: Any, max_new_tokens: int | None = None, config: Any = None, **options: Any):
+        """Continue ``prompts`` (texts, or token id lists); see :func:`slimml.runtime.tasks.generate.generate`.
+
+        Returns a :class:`~slimml.runtime.tasks.generate.Generation`.
+
+        Example:
+            >>> model = load("artifacts/my-llama", memory_budget="2GB")
+            >>> model.generate(["The capital of France is"], max_new_tokens=8).texts
+        """
+        if max_new_tokens is not None:
+            options["max_new_tokens"] = max_new_tokens
+        if config is not None:
+            options["config"] = config
+        return generate(self, prompts, **options)
+
+    def stream(self, prompt: Any, config: Any = None, **options: Any):
+        """One prompt's continuation as text pieces, yielded as they are produced; see
+        :func:`slimml.runtime.tasks.generate.stream`."""
+        from slimml.runtime.tasks.generate import stream
+
+        return stream(self, prompt, config, **options)
+
+    def chat(self, messages: Any, config: Any = None, stream: bool = False, **options: Any):
+        """The assistant's reply to ``messages`` through the model's chat template (text pieces
+        with ``stream=True``); see :func:`slimml.runtime.tasks.generate.chat`."""
+        from slimml.runtime.tasks.generate import chat
+
+        return chat(self, messages, config, stream=stream, **options)

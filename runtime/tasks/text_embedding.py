@@ -1,0 +1,78 @@
+"""Text embedding: sentences in, one pooled vector each out, as sentence-transformers makes them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from slimml.errors import FeedError
+from slimml.runtime.tasks.base import Task, check_unicode, register_task
+from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
+from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
+
+if TYPE_CHECKING:
+    from slimml.runtime.engine.engine import Engine
+
+
+@register_task("sentence-embedding")
+class TextEmbedding(Task):
+    """A sentence-embedding artifact (``all-MiniLM-L6-v2``): :meth:`encode` texts to vectors."""
+
+    methods = frozenset({"encode", "encode_with_counts"})
+    suggest = ("encode",)
+
+    def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
+               workers: int | None = None) -> np.ndarray:
+        """Sentence embeddings, (len(texts), hidden) float32, pooled and normalised as the source model does.
+
+        Texts are tokenized once, sorted by token count and run ``batch_size`` at a time, each
+        batch padded only to its own longest text (as sentence-transformers does); the result
+        is in input order. Several batches run side by side, one per core, each on one thread
+        (:mod:`slimml.runtime.tasks.lanes`), where the model is resident on CPU and small beside the
+        memory available; the lanes share one more session of the model, made on first use.
+        A short list is then cut into smaller batches (two a lane, 8 texts or more), so that
+        every core has work.
+
+        Args:
+            texts: the sentences.
+            batch_size: the most texts in one model call (default 32).
+            show_progress: draw a progress bar over the batches (on stderr).
+            workers: batches run at once (default: one per core of ``load(threads=)``, else of
+                the machine, where lanes apply; 1 runs each batch on all the model's threads).
+
+        Example:
+            >>> model = load("artifacts/all-MiniLM-L6-v2")
+            >>> model.encode(["A man is eating.", "Someone eats."]).shape
+            (2, 384)
+        """
+        return self.encode_with_counts(texts, batch_size, show_progress, workers)[0]
+
+    def encode_with_counts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
+                           workers: int | None = None) -> tuple[np.ndarray, list[int]]:
+        """:meth:`encode`, and the tokens of each text as the model saw them (what OpenAI's
+        ``usage`` counts), from one tokenization."""
+        return embed_texts(self, self.engine, self.text, self.manifest.pooling, texts, batch_size, show_progress, workers)
+
+
+def embed_texts(task: Task, engine: Engine, text: TextEncoder | None, pooling: dict[str, Any], texts: list[str],
+                batch_size: int = 32, show_progress: bool = False,
+                workers: int | None = None) -> tuple[np.ndarray, list[int]]:
+    """Pooled embeddings of ``texts`` through ``engine`` (one chain), and each text's token count."""
+    if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+        raise FeedError(f"encode() takes a list of strings, got {type(texts).__name__}; wrap a single text as [text].")
+    check_unicode(texts)
+    check_batch_size(batch_size)
+    if text is None:
+        raise task.unsupported("tokenize")
+    encs = text.encodings(list(texts))
+    lengths = [len(e.ids) for e in encs]
+    plan = engine.plan
+    unfit = ("runs on " + engine.device if engine.device != "cpu" else "streams" if plan.streaming
+             else "runs in pipeline stages" if not engine.owns_files else None)
+    lanes, lane_threads = lane_count(workers, possible_batches(len(texts), batch_size), unfit=unfit,
+                                     threads=engine.threads, model_bytes=plan.model_bytes,
+                                     memory_budget=plan.memory.budget)
+    batches = sorted_batches(lengths, lane_batch_size(len(texts), batch_size, lanes))
+    run = engine.run if lanes == 1 else engine.lane(lane_threads)
+    return encode_texts(run, text, pooling, encs, batches, show_progress, lanes), lengths

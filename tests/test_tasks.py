@@ -1,0 +1,189 @@
+"""Tasks: the registry picks one class per artifact at load, a method the task lacks raises
+TaskError with one exact line, and the server turns that into a 400 naming the route that works."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import free_port
+
+from slimml.convert import ConvertConfig, convert
+from slimml.errors import SlimmlError, TaskError
+from slimml.runtime import Task, load
+from slimml.runtime.artifact.manifest import Manifest, TensorSpec
+from slimml.runtime.tasks.base import CALLS
+from slimml.runtime.tasks.registry import (CausalLM, Generic, ImageClassifier, ImageEmbedding, Seq2Seq, TextClassifier,
+                                           TextEmbedding, ZeroShot, kind_of, registered)
+
+
+@pytest.fixture(scope="module")
+def mlp_artifact(tmp_path_factory):
+    from conftest import tiny_onnx_mlp
+
+    folder = tmp_path_factory.mktemp("mlp")
+    out = folder / "art"
+    convert(tiny_onnx_mlp(folder / "mlp.onnx"), out, ConvertConfig(measure_latency=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def text_classifier(tmp_path_factory):
+    """A 2-layer BERT sequence classifier with two labels and the default model's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("sst")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=2,
+                        id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1})
+    BertForSequenceClassification(config).eval().save_pretrained(folder / "src")
+    tokenizer.save_pretrained(folder / "src")
+    convert(folder / "src", folder / "art", ConvertConfig(measure_latency=False))
+    return folder / "art"
+
+
+# -- TaskError: type, attributes and the exact line -------------------------------------------------
+
+def test_encode_on_a_classifier_raises_task_error_naming_classify(text_classifier):
+    model = load(text_classifier)
+    assert isinstance(model, TextClassifier) and model.kind == "text-classification"
+    assert model.supports("classify") and model.supports("tokenize") and not model.supports("encode")
+    task = model.manifest.task
+    with pytest.raises(TaskError) as e:
+        model.encode(["a fine film"])
+    assert str(e.value) == (f"the artifact {text_classifier} cannot encode(): it is a {task!r} model, not a "
+                            "sentence-embedding model; use classify(inputs), or run() for its raw outputs.")
+    assert (e.value.task, e.value.method, e.value.alternatives) == (task, "encode", ("classify", "run"))
+    assert isinstance(e.value, SlimmlError)
+    assert [c["label"] for c in model.classify(["a fine film"], top_k=None)[0]] in (["negative", "positive"],
+                                                                                     ["positive", "negative"])
+
+
+def test_generate_on_an_encoder_raises_task_error_naming_encode(tiny_bert_artifact):
+    model = load(tiny_bert_artifact)
+    assert isinstance(model, TextEmbedding)
+    with pytest.raises(TaskError) as e:
+        model.generate(["Once upon a time"])
+    assert str(e.value) == (f"the artifact {tiny_bert_artifact} cannot generate(): it is a 'sentence-embedding' model, "
+                            "not a text-generation model; use encode(texts), or run() for its raw outputs.")
+    assert (e.value.method, e.value.alternatives) == ("generate", ("encode", "run"))
+    with pytest.raises(TaskError, match=r"cannot classify\(\): .* not a classifier; use encode\(texts\)"):
+        model.classify(["a"])
+
+
+def test_every_task_method_exists_on_a_generic_artifact_and_refuses(mlp_artifact):
+    model = load(mlp_artifact)
+    assert isinstance(model, Generic) and model.capabilities == frozenset() and model.accepts == frozenset()
+    for method in CALLS:
+        with pytest.raises(TaskError) as e:
+            getattr(model, method)(["x"])
+        assert e.value.method == method and e.value.alternatives == ("run",)
+        assert str(e.value).endswith("; use run() for its raw outputs.") and "\n" not in str(e.value)
+    assert model.run({"x": np.ones((1, 8), np.float32), "scale": np.ones((1, 1), np.float32)})["y"].shape == (1, 8)
+
+
+def test_a_decoder_says_generate_and_the_loop_sees_its_engine(tiny_llama_past_artifact):
+    model = load(tiny_llama_past_artifact)
+    assert isinstance(model, CausalLM) and model.engine is not None and model.parts == {}
+    with pytest.raises(TaskError, match=r"cannot encode\(\): it is a 'text-generation-with-past' model, not a "
+                                        r"sentence-embedding model; use generate\(prompts\), or run\(\)"):
+        model.encode(["hi"])
+    assert len(model.generate([[5, 6, 7]], max_new_tokens=2).tokens[0]) == 2
+
+
+# -- the registry ------------------------------------------------------------------------------------
+
+def test_the_registry_picks_one_class_per_kind_of_artifact(mlp_artifact, tiny_bert_artifact, tiny_llama_past_artifact,
+                                                            text_classifier):
+    for folder, cls in [(mlp_artifact, Generic), (tiny_bert_artifact, TextEmbedding),
+                        (tiny_llama_past_artifact, CausalLM), (text_classifier, TextClassifier)]:
+        model = load(folder)
+        assert type(model) is cls, folder
+        model.close()
+
+
+def _manifest(task="generic", inputs=(("input_ids", 2),), outputs=("last_hidden_state",), **fields) -> Manifest:
+    return Manifest(name="m", task=task, source={}, steps=[], shards=[], files=[],
+                    inputs=[TensorSpec(n, "float32", [None] * rank) for n, rank in inputs],
+                    outputs=[TensorSpec(n, "float32", [None, None]) for n in outputs], **fields)
+
+
+def test_kind_of_reads_the_task_and_the_declared_fields():
+    pixels = (("pixel_values", 4),)
+    cases = [
+        (_manifest(), Generic),
+        (_manifest("feature-extraction", pooling={"mode": "mean", "output": "last_hidden_state", "normalize": True}),
+         TextEmbedding),
+        (_manifest("text-classification", outputs=("logits",), labels=["a", "b"]), TextClassifier),
+        (_manifest("image-classification", pixels, ("logits",), labels=["a", "b"]), ImageClassifier),
+        (_manifest("image-feature-extraction", pixels, ("pooler_output",)), ImageEmbedding),
+        (_manifest("text-generation-with-past", outputs=("logits",)), CausalLM),
+        (_manifest("text-generation", outputs=("hidden",)), Generic),  # no logits: nothing to generate from
+        (_manifest("feature-extraction", components={"text": _manifest(), "vision": _manifest()},
+                   zero_shot={"text": "text", "image": "vision", "scale": 100.0}), ZeroShot),
+        (_manifest("text2text-generation", components={"encoder": _manifest()}, seq2seq={"decoder_start_token_id": 0}),
+         Seq2Seq),
+        (_manifest("feature-extraction", components={"a": _manifest()}), Generic),
+    ]
+    for manifest, cls in cases:
+        assert kind_of(manifest) == cls.kind and registered()[cls.kind] is cls, manifest.task
+
+
+def test_each_task_declares_the_methods_it_implements():
+    own = {"tokenize", "count_tokens", "preprocess"}  # on the base: they work wherever the inputs were shipped
+    for kind, cls in registered().items():
+        overridden = {m for m in CALLS if getattr(cls, m) is not getattr(Task, m)}
+        assert overridden == set(cls.methods) - own, kind
+        assert set(cls.suggest) <= set(cls.methods), kind
+
+
+# -- the server --------------------------------------------------------------------------------------
+
+def test_task_refusal_names_the_route_that_works(tiny_bert_artifact, mlp_artifact):
+    pytest.importorskip("ray")
+    from slimml.serve.app import task_refusal
+
+    refusal = task_refusal(load(tiny_bert_artifact).unsupported("generate"))
+    assert refusal.status == 400 and str(refusal) == (
+        "this artifact is a 'sentence-embedding' model, not a decoder, so it has no /v1/generate; use POST "
+        "/v1/embeddings, or POST /v1/run for its raw outputs.")
+    refusal = task_refusal(load(mlp_artifact).unsupported("encode_with_counts"))
+    assert str(refusal) == ("this artifact is a 'generic' model, not a sentence-embedding one, so it has no "
+                            "/v1/embeddings; use POST /v1/run for its raw outputs.")
+
+
+@pytest.mark.slow
+def test_serve_answers_embeddings_to_a_decoder_with_a_400_naming_generate(ray_env, tiny_llama_past_artifact):
+    ray = pytest.importorskip("ray")
+    from test_serve_cli import post  # urllib, 4xx bodies read
+
+    from slimml.serve import ServeConfig, serve
+
+    port, urls, stop = free_port(), [], threading.Event()
+    thread = threading.Thread(target=serve, args=(ServeConfig(str(tiny_llama_past_artifact)),),
+                              kwargs={"port": port, "ready": urls.append, "stop": stop}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not urls:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        status, body = post(f"{url}/v1/embeddings", {"input": ["hi"]})
+        assert status == 400 and body["error"]["message"] == (
+            "this artifact is a 'text-generation-with-past' model, not a sentence-embedding one, so it has no "
+            "/v1/embeddings; use POST /v1/generate, or POST /v1/run for its raw outputs.")
+        status, body = post(f"{url}/v1/generate", {"prompt": [[5, 6, 7]], "max_new_tokens": 2})
+        assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
+    finally:
+        stop.set()
+        thread.join(120)
+    assert not thread.is_alive() and not ray.is_initialized()
