@@ -18,6 +18,7 @@ from slimml.convert.check_seq2seq import check_seq2seq
 from slimml.convert.distill import DistillConfig
 from slimml.convert.export import ExportConfig, Exported, export
 from slimml.convert.layerwise import write_layerwise
+from slimml.convert.llm_check import check_language_model, is_language_model, read_eval_text
 from slimml.convert.prune import PruneConfig
 from slimml.convert.reference import reference_for
 from slimml.convert.shard import ShardConfig, shard
@@ -55,6 +56,8 @@ class ConvertConfig:
             checks (``None``: stay float).
         compare_on: with ``distill``/``prune``, an STS CSV on which the report scores the teacher
             and the student (``measure_latency`` also times the two side by side).
+        eval_text: for a language model, the held-out text (UTF-8) on which the check scores the
+            artifact's perplexity and top-1 agreement against the source (default: a built-in sample).
     """
 
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -65,6 +68,7 @@ class ConvertConfig:
     prune: PruneConfig | None = None
     quantize: Any = None
     compare_on: str | os.PathLike | None = None
+    eval_text: str | os.PathLike | None = None
 
 
 @dataclass
@@ -130,6 +134,8 @@ def convert(
         from slimml.quantize.api import check_inputs
 
         check_inputs(config.quantize)  # a bad calibration or eval file fails before the export
+    if config.eval_text is not None:
+        read_eval_text(config.eval_text)  # a missing or short text fails before the export
     if config.compare_on is not None:
         if config.distill is None and config.prune is None:
             raise ConfigError("compare_on (--compare-on) compares a student with its teacher; set distill or prune with it.")
@@ -141,6 +147,13 @@ def convert(
     out = Path(out) if out is not None else Path("artifacts") / (src.name + _default_suffix(config))
     check_output(out)
     with _one_line_errors(src.name, current), atomic_folder(out) as tmp:  # disk errors: atomic_folder words them
+        source_checks: dict[str, Any] = {}
+        if src.kind == "gguf":  # read into a Hugging Face folder, then exported as one
+            from slimml.convert.gguf import as_huggingface, quantization_note
+
+            step("reading the GGUF file")
+            src = as_huggingface(src, tmp / ".work")
+            source_checks["source_quantization"] = quantization_note(src.extra["gguf"])
         teacher, shrunk = src, []
         if config.distill is not None or config.prune is not None:
             src, shrunk = _shrink(src, out, tmp / ".work", config, step, on_progress)
@@ -173,8 +186,12 @@ def convert(
                 manifest.checks = verify_layerwise(tmp, manifest, exported)
             else:
                 manifest.checks = verify(tmp, manifest, src, exported)
+            if src.kind == "huggingface" and not exported.layerwise and is_language_model(manifest):
+                step("scoring the language model on held-out text")
+                manifest.checks |= check_language_model(tmp, manifest, src.path, config.eval_text)
         else:
             verify_files(tmp, manifest)
+        manifest.checks = {**source_checks, **manifest.checks}
         if config.quantize is not None:
             manifest = _quantize_step(tmp, manifest, config.quantize, step)
         against = None
@@ -429,6 +446,9 @@ def _write_manifest(folder: Path, src: Source, exported: Exported, chains: dict,
     if exported.tokenizer is not None:
         shutil.copy2(exported.tokenizer_dir / exported.tokenizer["file"], folder / exported.tokenizer["file"])
         files.append(file_entry(folder, folder / exported.tokenizer["file"]))
+        if exported.tokenizer.get("chat_template"):  # beside the tokenizer, for Model.chat
+            shutil.copy2(exported.tokenizer_dir / exported.tokenizer["chat_template"], folder / exported.tokenizer["chat_template"])
+            files.append(file_entry(folder, folder / exported.tokenizer["chat_template"]))
     preprocessor = None
     if exported.preprocessor is not None:
         shutil.copy2(exported.preprocessor, folder / exported.preprocessor.name)

@@ -19,6 +19,7 @@ from slimml.quantize import chain as ch
 from slimml.quantize.backends import ShardContext, backend_for
 from slimml.quantize.calibration import calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
+from slimml.quantize.decoder import for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, file_entry, read_manifest, verify_files
 
@@ -102,6 +103,7 @@ def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callabl
     step = on_step or (lambda _msg: None)
     src, dst = Path(src), Path(dst)
     manifest = _read_float_artifact(src)
+    config = for_language_model(config, manifest)  # a decoder gets weight-only blocks (quantize/decoder.py)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
     if config.guard is not None and config.guard.eval_file is not None:
@@ -160,7 +162,7 @@ def _quantize_components(src, manifest, tmp, config, calib, held, origin, step) 
 
         share_weights(tmp, parts["decoder"].shards, parts["decoder_with_past"].shards)
     paths = [p for part in parts.values() for s in part.shards for p in (s.file, s.data) if p]
-    paths += [p for part in parts.values() for p in part.asset_files()]
+    paths += [p for part in parts.values() for p in _assets(part)]
     files = {p: file_entry(tmp, tmp / p) for p in dict.fromkeys(paths)}
     record = {k: v for k, v in records[0].items() if k not in ("component", "quantized_shards", "float_shards", "fused")}
     record["components"] = {r["component"]: {k: r[k] for k in ("quantized_shards", "float_shards", "fused") if k in r}
@@ -259,7 +261,8 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step, fe
     else:
         step("checking against the float model")
         device = "cuda" if isinstance(config, Fp16Config) else "cpu"
-        guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device)
+        guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device,
+                            getattr(config, "eval_text", None))
     for i, why in guard.kept_float.items():
         quant_files.pop(i, None)
         float_why[i] = why
@@ -271,6 +274,12 @@ def _quantize_artifact(src, manifest, tmp, config, calib, held, origin, step, fe
         float_size_mb=manifest.total_bytes / 1e6, quantized_shards=sorted(quant_files),
         float_shards=dict(sorted(float_why.items())), checks=guard.checks,
     ), new_manifest
+
+
+def _assets(manifest: Manifest) -> list[str]:
+    """The files beside the shards: tokenizer, preprocessor config, and the chat template a decoder's tokenizer names."""
+    chat = (manifest.tokenizer or {}).get("chat_template")
+    return [*manifest.asset_files(), *([chat] if chat else [])]
 
 
 def _providers() -> list[str]:
@@ -312,7 +321,7 @@ def _write(tmp, src, manifest, final, quant_files, config, origin, float_why, no
         files.append(file_entry(tmp, dst))
         if has_data:
             files.append(file_entry(tmp, tmp / f"{spec.file}.data"))
-    for rel in manifest.asset_files():
+    for rel in _assets(manifest):
         shutil.copy2(src / rel, tmp / rel)
         files.append(file_entry(tmp, tmp / rel))
     record = {"step": "quantize", **describe(config), "calibration": origin,

@@ -180,3 +180,4 @@ def fp16(model: onnx.ModelProto, config: Fp16Config, ctx: ShardContext) -> onnx.
 
 
 from slimml.quantize import nncf_backend as _nncf_backend  # noqa: E402,F401  (registers the nncf backends)
+from slimml.quantize import decoder as _decoder  # noqa: E402,F401  (registers the language-model backend)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from slimml.errors import ConfigError
 
-BACKENDS = ("ort", "nncf")
+BACKENDS = ("ort", "nncf", "lm")  # lm: llama.cpp-style blocks for language models (quantize/decoder.py)
 SCHEMES = ("none", "int8", "int8-dynamic", "int8-static", "int8-weights", "int4-weights", "fp16")
 TARGETS = ("cpu", "cuda")
 
@@ -56,12 +56,15 @@ class _Common:
         calibration_size: at most this many texts are used for calibration.
         guard: the accuracy guard, or ``None`` for none.
         exclude_shards: shard indices kept in float (the guard adds to these).
+        eval_text: for a language model, the held-out UTF-8 text on which the quantized model's
+            perplexity is measured against the float one (default: a built-in sample).
     """
 
     calibration: Path | None = None
     calibration_size: int = 256
     guard: GuardConfig | None = None
     exclude_shards: tuple[int, ...] = ()
+    eval_text: Path | None = None
 
     def _check_common(self):
         if self.calibration is not None:

@@ -49,7 +49,7 @@ KeepBest = Annotated[bool, typer.Option("--keep-best", help="If --max-drop canno
 
 @app.command()
 def convert(
-    source: Annotated[Optional[str], typer.Argument(help="HF model folder, .onnx, .py or torch checkpoint. Default: all-MiniLM-L6-v2.")] = None,
+    source: Annotated[Optional[str], typer.Argument(help="HF model folder, .onnx, .gguf, .py or torch checkpoint. Default: all-MiniLM-L6-v2.")] = None,
     out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Artifact folder. Default: artifacts/<name>, with -d3-p50 for a student or -int8 (the scheme) for a quantized model, so the float artifact is never replaced.")] = None,
     shards: Annotated[str, typer.Option(help="'per-layer' or a number of shards balanced by weight bytes.")] = "per-layer",
     shard_size: Annotated[Optional[float], typer.Option(help="Largest shard in MB of weights (instead of --shards).")] = None,
@@ -74,6 +74,7 @@ def convert(
     target: Target = "cpu",
     keep_best: KeepBest = False,
     backend: QBackend = "ort",
+    eval_text: Annotated[Optional[Path], typer.Option("--eval-text", help="Language models: held-out UTF-8 text the check (and the quantization guard) scores perplexity on. Default: a built-in sample.")] = None,
     as_json: AsJson = False,
 ):
     """Export a model to ONNX, split it into layer shards, check them, and write an artifact folder."""
@@ -82,8 +83,10 @@ def convert(
     from slimml.quantize.config import scheme_config
 
     qconfig = scheme_config(quantize, target, calibration, max_drop, eval_file, keep_best, backend)
+    if qconfig is not None:
+        qconfig.eval_text = eval_text  # a language model's guard scores perplexity on it
     config = ConvertConfig(export=ExportConfig(opset=opset, task=task, exporter=exporter), shard=ShardConfig.parse(shards, shard_size), verify=verify,
-                           quantize=qconfig)
+                           quantize=qconfig, eval_text=eval_text)
     if compare_on is not None and distill_layers is None and prune is None:
         raise SlimmlError("--compare-on compares a student with its teacher; give --distill-layers N or --prune F with it.")
     training = {"teacher_memory_budget": teacher_memory_budget, "grad_accum": grad_accum, "batch_size": distill_batch_size,
