@@ -39,7 +39,7 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
     for n in model.graph.node:
         for i in n.input:
             readers[i] = readers.get(i, 0) + 1
-    new_nodes, drop, add = [], set(), []
+    new_nodes, drop, add, sums = [], set(), [], {}
     done = {id(n) for n in nodes}
     for node in model.graph.node:
         if id(node) not in done:
@@ -56,7 +56,9 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
             name = node.input[1]
             w = numpy_helper.to_array(inits[name]).astype(np.float32)  # (K, N)
             bits = 8 if w.shape[1] >= LM_HEAD_MIN_COLUMNS else config.bits
-            made, tensors = _matmul_nbits(node, w, bits, config.block_size, config.accuracy_level)
+            if bits == 4 and w.shape[0] % config.block_size:
+                bits = 8  # a 4-bit block needs whole blocks of the input: this one stays 8-bit
+            made, tensors = _matmul_nbits(node, w, bits, config.block_size, config.accuracy_level, sums)
         new_nodes.extend(made)
         add.extend(tensors)
         readers[name] -= 1
@@ -74,73 +76,103 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
 
 
 def quantize_blocks(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Blocks of ``block`` values along the last axis of ``w`` (rows, K): codes (rows, K) uint8,
-    scales (rows, K/block) and, for 4 bits, float zero points (rows, K/block); ``w ~ (q - zp) * scale``.
+    """Blocks of ``block`` values along the last axis of ``w`` (rows, K): codes (rows, K/block, block)
+    uint8, float16 scales ``d`` (rows, K/block) and, for 4 bits, float16 block minimums ``m``.
 
-    4 bits: min/max per block (Q4_1); 8 bits: symmetric, codes offset by 128 (Q8_0).
+    4 bits: min/max per block, ``w ~ d * q + m`` (llama.cpp's Q4_1); 8 bits: symmetric,
+    ``w ~ d * (q - 128)`` (Q8_0). ``d`` and ``m`` are rounded to float16 (as llama.cpp stores them)
+    before the codes are chosen, so the codes fit the stored values.
     """
     rows, k = w.shape
-    b = w.reshape(rows, k // block, block).astype(np.float64)
+    b = w.reshape(rows, k // block, block).astype(np.float32)
     if bits == 8:
-        scale = np.abs(b).max(axis=-1) / 127.0
-        safe = np.where(scale == 0, 1.0, scale)
-        q = np.clip(np.rint(b / safe[..., None]), -127, 127) + 128
-        return q.reshape(rows, k).astype(np.uint8), scale.astype(np.float32), None
+        d = (np.abs(b).max(axis=-1) / 127.0).astype(np.float16)
+        d = np.where(d == 0, np.float16(1), d)
+        q = np.clip(np.rint(b / d.astype(np.float32)[..., None]), -127, 127) + 128
+        return q.astype(np.uint8), d, None
     lo, hi = b.min(axis=-1), b.max(axis=-1)
-    scale = (hi - lo) / 15.0
-    safe = np.where(scale == 0, 1.0, scale)
-    q = np.clip(np.rint((b - lo[..., None]) / safe[..., None]), 0, 15)
-    zp = -lo / safe  # w = scale * q + lo = scale * (q - zp)
-    return q.reshape(rows, k).astype(np.uint8), scale.astype(np.float32), zp.astype(np.float32)
+    m = lo.astype(np.float16)
+    d = ((hi - m.astype(np.float32)) / 15.0).astype(np.float16)
+    d = np.where(d == 0, np.float16(1), d)
+    q = np.clip(np.rint((b - m.astype(np.float32)[..., None]) / d.astype(np.float32)[..., None]), 0, 15)
+    return q.astype(np.uint8), d, m
 
 
-def _matmul_nbits(node: onnx.NodeProto, w: np.ndarray, bits: int, block: int, level: int | None):
+def _matmul_nbits(node: onnx.NodeProto, w: np.ndarray, bits: int, block: int, level: int | None, sums: dict[str, str]):
+    """MatMulNBits for ``x @ w``, reading float16 ``d`` (and ``m``) through Casts ONNX Runtime folds at load.
+
+    4 bits: ``w = d * q + m`` per block is computed as ``MatMulNBits(x, q, d)`` (its default zero
+    point 8: ``d * (q - 8)``) plus ``blocksum(x) @ (m + 8 d)``, a matmul 32x smaller: MatMulNBits'
+    float zero points would represent ``m`` directly but run ~20x slower (ORT 1.32), and integer
+    zero points cannot hold ``m`` (+32% perplexity on SmolLM2 instead of +0%). ``sums`` caches one
+    block sum per input (q, k and v read the same one).
+    """
     k, n = w.shape
     pad = (-k) % block
+    if bits == 4 and pad:
+        raise ValueError(f"4-bit blocks need K divisible by {block}")
     wt = np.pad(w.T, ((0, 0), (0, pad)))  # (N, K padded): MatMulNBits stores B transposed
-    q, scale, zp = quantize_blocks(wt, bits, block)
-    blocks = wt.shape[1] // block
+    q, d, m = quantize_blocks(wt, bits, block)
     if bits == 4:
-        q = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # two codes a byte, the first in the low nibble
+        q = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # two codes a byte, the first in the low nibble
     base = f"{node.input[1]}_q{bits}"
-    tensors = [numpy_helper.from_array(q.reshape(n, blocks, block * bits // 8), base),
-               numpy_helper.from_array(scale.reshape(-1), base + "_scales")]
-    inputs = [node.input[0], base, base + "_scales"]
-    if zp is not None:
-        tensors.append(numpy_helper.from_array(zp.reshape(-1), base + "_zp"))
-        inputs.append(base + "_zp")
+    tensors = [numpy_helper.from_array(q, base), numpy_helper.from_array(d, base + "_d16"),
+               numpy_helper.from_array(np.array([-1], np.int64), base + "_flat")]
+    made = [helper.make_node("Cast", [base + "_d16"], [base + "_d32"], to=TensorProto.FLOAT),
+            helper.make_node("Reshape", [base + "_d32", base + "_flat"], [base + "_scales"])]
     attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
     if level is not None:
         attrs["accuracy_level"] = level
-    made = helper.make_node("MatMulNBits", inputs, list(node.output), name=(node.name or base) + "_Q", domain="com.microsoft", **attrs)
-    return [made], tensors
+    out = node.output[0] if m is None else base + "_main"
+    made.append(helper.make_node("MatMulNBits", [node.input[0], base, base + "_scales"], [out],
+                                 name=(node.name or base) + "_Q", domain="com.microsoft", **attrs))
+    if m is None:
+        return made, tensors
+    x = node.input[0]
+    if x not in sums:  # (..., K) -> (..., K / block): each block's sum of the input
+        sums[x] = f"{x}_blocksum{block}"
+        tensors.append(numpy_helper.from_array(np.array([0, 0, k // block, block], np.int64), sums[x] + "_shape"))
+        tensors.append(numpy_helper.from_array(np.array([-1], np.int64), sums[x] + "_axis"))
+        made += [helper.make_node("Reshape", [x, sums[x] + "_shape"], [sums[x] + "_b"]),
+                 helper.make_node("ReduceSum", [sums[x] + "_b", sums[x] + "_axis"], [sums[x]], keepdims=0)]
+    tensors += [numpy_helper.from_array(np.ascontiguousarray(m.T), base + "_m16"),  # (blocks, N)
+                numpy_helper.from_array(np.array(8.0, np.float32), base + "_eight")]
+    made += [helper.make_node("Cast", [base + "_m16"], [base + "_m32"], to=TensorProto.FLOAT),
+             helper.make_node("Transpose", [base + "_d32"], [base + "_dT"], perm=[1, 0]),
+             helper.make_node("Mul", [base + "_dT", base + "_eight"], [base + "_8d"]),
+             helper.make_node("Add", [base + "_m32", base + "_8d"], [base + "_offset"]),  # m + 8 d: (blocks, N)
+             helper.make_node("MatMul", [sums[x], base + "_offset"], [base + "_corr"]),
+             helper.make_node("Add", [out, base + "_corr"], [node.output[0]])]
+    return made, tensors
 
 
 def _gather_int8(node: onnx.NodeProto, w: np.ndarray, block: int):
-    """Gather the int8 rows and their scales, then dequantize only those: (…, hidden) float."""
+    """Gather the int8 rows and their scales, then dequantize only those: (..., hidden) float.
+
+    The table is stored as the output projection's MatMulNBits stores its weight ((vocab,
+    blocks, block) uint8 and (vocab, blocks) float16 scales), so a tied embedding can be stored once.
+    """
     vocab, hidden = w.shape
-    q, scale, _ = quantize_blocks(w, 8, block)
+    q, d, _ = quantize_blocks(w, 8, block)
     base = f"{node.input[0]}_q8"
-    out = node.output[0]
-    tensors = [numpy_helper.from_array(q.view(np.uint8), base), numpy_helper.from_array(scale, base + "_scales"),
+    tensors = [numpy_helper.from_array(q, base), numpy_helper.from_array(d, base + "_d16"),
                numpy_helper.from_array(np.array([128.0], np.float32), base + "_zero"),
-               numpy_helper.from_array(np.array([0, 0, -1, block], np.int64), base + "_blocked"),
+               numpy_helper.from_array(np.array([-1], np.int64), base + "_axis"),
                numpy_helper.from_array(np.array([0, 0, hidden], np.int64), base + "_shape")]
     axis = [a for a in node.attribute if a.name == "axis"]
     if axis and axis[0].i != 0:
         raise ValueError("an embedding Gather on an axis other than 0")
     ids = node.input[1]
     made = [
-        helper.make_node("Gather", [base, ids], [base + "_rows"], axis=0),  # (…, hidden) uint8
-        helper.make_node("Gather", [base + "_scales", ids], [base + "_rscales"], axis=0),  # (…, blocks)
+        helper.make_node("Gather", [base, ids], [base + "_rows"], axis=0),  # (B, S, blocks, block) uint8
+        helper.make_node("Gather", [base + "_d16", ids], [base + "_rd16"], axis=0),  # (B, S, blocks)
         helper.make_node("Cast", [base + "_rows"], [base + "_f"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", [base + "_rd16"], [base + "_rd"], to=TensorProto.FLOAT),
         helper.make_node("Sub", [base + "_f", base + "_zero"], [base + "_c"]),
-        helper.make_node("Reshape", [base + "_c", base + "_blocked"], [base + "_b"]),  # (B, S, blocks, block)
-        helper.make_node("Unsqueeze", [base + "_rscales", base + "_axis"], [base + "_s"]),
-        helper.make_node("Mul", [base + "_b", base + "_s"], [base + "_m"]),
-        helper.make_node("Reshape", [base + "_m", base + "_shape"], [out]),
+        helper.make_node("Unsqueeze", [base + "_rd", base + "_axis"], [base + "_s"]),
+        helper.make_node("Mul", [base + "_c", base + "_s"], [base + "_m"]),
+        helper.make_node("Reshape", [base + "_m", base + "_shape"], [node.output[0]]),
     ]
-    tensors.append(numpy_helper.from_array(np.array([-1], np.int64), base + "_axis"))
     return made, tensors
 
 
