@@ -116,6 +116,11 @@ def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callabl
             result = _quantize_components(src, manifest, dst, config, calib, held, origin, step)
         else:
             result, _ = _quantize_artifact(src, manifest, dst, config, calib, held, origin, step)
+        if getattr(config, "backend", None) == "lm":  # a tied embedding's table, quantized alike twice: stored once
+            from slimml.quantize.tied import share_tied_embedding
+
+            if share_tied_embedding(dst):
+                result.size_mb = read_manifest(dst).total_bytes / 1e6
     except BaseException:
         shutil.rmtree(dst, ignore_errors=True)
         raise
