@@ -102,6 +102,8 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
 
     Needs ``torch``, ``transformers``, ``gguf`` and ``accelerate`` (the ``convert`` extra).
     """
+    import contextlib
+    import io
     import logging
     import warnings
 
@@ -115,7 +117,7 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
         import accelerate  # noqa: F401  (transformers refuses GGUF without it)
     except ImportError:
         raise SourceError("reading a GGUF file needs accelerate; `pip install accelerate` (part of the convert extra).") from None
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar over the tensors
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype="float32")
         tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
