@@ -141,13 +141,13 @@ def _field(reader: Any, key: str) -> Any:
 
 def as_huggingface(src: Any, work: Path) -> Any:
     """A ``kind="gguf"`` source as a Hugging Face folder source in ``work/gguf-model`` (same name and facts)."""
-    from slimml.convert.sources import Source
+    import dataclasses
 
     folder = work / "gguf-model"
     folder.mkdir(parents=True, exist_ok=True)
     gguf_to_folder(src.path, folder)
     # "path" in extra: the manifest names the GGUF file, not the temporary folder
-    return Source(kind="huggingface", name=src.name, path=folder, extra={**src.extra, "path": str(src.path)})
+    return dataclasses.replace(src, kind="huggingface", path=folder, extra={**src.extra, "path": str(src.path)})
 
 
 def quantization_note(info: dict[str, Any]) -> str:

@@ -22,9 +22,9 @@ class LanguageModelScore:
     Args:
         manifest: the float artifact's manifest (tokenizer, inputs).
         folder: the float artifact's folder (its tokenizer file).
-        guard: the guard config (unused here beyond being present); the text is the config's
-            ``eval_text`` when the quantize config had one, else the built-in sample.
+        guard: the guard config (its ``max_drop`` is then in perplexity percent).
         float_chain: the float shards as a :class:`~slimml.quantize.chain.Chain`.
+        eval_text: the held-out text file (the quantize config's ``eval_text``), else the built-in sample.
     """
 
     def __init__(self, manifest: Any, folder: Path, guard: Any, float_chain: Any, eval_text: Any = None):
