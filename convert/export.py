@@ -151,7 +151,15 @@ def _export_module(source: Source, work_dir: Path, config: ExportConfig) -> Expo
 
 
 def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
-    from optimum.exporters.onnx import main_export
+    try:
+        from optimum.exporters.onnx import main_export
+    except ImportError as e:  # measured: optimum-onnx 0.1.0 does not import under transformers 5 (get_parameter_dtype)
+        import transformers
+
+        raise ExportError(
+            f"optimum-onnx, slimml's exporter, does not load with transformers {transformers.__version__} ({e}); "
+            "install the convert extra's versions: pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0'."
+        ) from None
 
     folder = source.path
     pooling = sentence_transformers_pooling(folder)

@@ -34,10 +34,10 @@ GGUF = SMOL / "SmolLM2-135M-Instruct.Q4_1.gguf" if SMOL else None
 
 @pytest.fixture(scope="session")
 def lee_slice(tmp_path_factory) -> Path:
-    """About 1200 tokens of real English news text."""
+    """About 850 tokens of real English news text."""
     text = (GENSIM / "test" / "test_data" / "lee_background.cor").read_text(encoding="utf-8")
     path = tmp_path_factory.mktemp("text") / "lee.txt"
-    path.write_text(text[:6000], encoding="utf-8")
+    path.write_text(text[:4000], encoding="utf-8")
     return path
 
 
@@ -58,7 +58,7 @@ def smol(tmp_path_factory, lee_slice):
 
 def test_fp32_perplexity_equals_transformers(smol):
     checks = smol["report"].checks
-    assert checks["eval_text"] == "lee.txt" and checks["eval_tokens"] >= 1000
+    assert checks["eval_text"] == "lee.txt" and checks["eval_tokens"] >= 800
     assert abs(checks["perplexity_rel_diff"]) < 1e-3, checks  # within 0.1% of transformers
     assert checks["top1_agreement"] > 0.99
     assert checks["source_quantization"].startswith("Q4_1 (Q4_1 x210")
