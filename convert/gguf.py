@@ -89,6 +89,11 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
             f"(it reads {', '.join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer')))}); "
             "convert the original Hugging Face folder instead."
         )
+    if "t5" in str(arch):  # transformers reads these as encoder-decoders; slimml converts GGUF decoders
+        raise SourceError(
+            f"{path} holds a {arch!r} encoder-decoder; slimml converts GGUF decoders (llama, qwen2, ...). "
+            "Convert the original Hugging Face folder of this model instead."
+        )
     file_type = _field(reader, "general.file_type")
     return {
         "format": "gguf", "gguf_version": version, "architecture": arch,
