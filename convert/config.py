@@ -33,6 +33,8 @@ class ConvertConfig:
             checks (``None``: stay float).
         compare_on: with ``distill``/``prune``, an STS CSV on which the report scores the teacher
             and the student (``measure_latency`` also times the two side by side).
+        eval_text: for a language model, the held-out text (UTF-8) on which the check scores the
+            artifact's perplexity and top-1 agreement against the source (default: a built-in sample).
     """
 
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -45,6 +47,9 @@ class ConvertConfig:
     compare_on: str | os.PathLike | None = field(default=None, metadata={
         "help": "With --distill-layers/--prune: an STS CSV on which the report scores the teacher and the student.",
         "flags": ("--compare-on",), "type": Path})
+    eval_text: str | os.PathLike | None = field(default=None, metadata={
+        "help": "Language models: held-out UTF-8 text the check (and the quantization guard) scores perplexity on. "
+                "Default: a built-in sample.", "flags": ("--eval-text",), "type": Path})
 
     def __post_init__(self):
         if self.compare_on is not None and self.distill is None and self.prune is None:

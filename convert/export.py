@@ -18,6 +18,7 @@ from slimml.convert.sources import Source, max_seq_length, sentence_transformers
 from slimml.errors import ExportError, SourceError
 
 TOKENIZER_FILE = "tokenizer.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 EXPORTERS = ("auto", "optimum", "layerwise")
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
@@ -151,7 +152,15 @@ def _export_module(source: Source, work_dir: Path, config: ExportConfig) -> Expo
 
 
 def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
-    from optimum.exporters.onnx import main_export
+    try:
+        from optimum.exporters.onnx import main_export
+    except ImportError as e:  # measured: optimum-onnx 0.1.0 does not import under transformers 5 (get_parameter_dtype)
+        import transformers
+
+        raise ExportError(
+            f"optimum-onnx, slimml's exporter, does not load with transformers {transformers.__version__} ({e}); "
+            "install the convert extra's versions: pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0'."
+        ) from None
 
     folder = source.path
     pooling = sentence_transformers_pooling(folder)
@@ -275,14 +284,39 @@ def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[
     if (folder / TOKENIZER_FILE).is_file() and not (onnx_dir / TOKENIZER_FILE).is_file():
         shutil.copy2(folder / TOKENIZER_FILE, onnx_dir / TOKENIZER_FILE)
     max_len = max_seq_length(folder) if pooling else None
-    if not max_len:
-        max_len = tok.model_max_length if 0 < tok.model_max_length < 100_000 else 512
     positions = _config_facts(folder).get("max_position_embeddings")  # the text tower's, for two-tower models
+    if not max_len:
+        unset = 512 if not isinstance(positions, int) or not _is_decoder(folder) else positions  # a decoder: its context
+        max_len = tok.model_max_length if 0 < tok.model_max_length < 100_000 else unset
     if isinstance(positions, int) and 0 < positions < max_len:
         max_len = positions  # a tokenizer borrowed from a longer model must not overrun the positions
     pad_token = tok.pad_token or tok.eos_token
     pad_id = tok.convert_tokens_to_ids(pad_token) if pad_token is not None else 0
-    return {"file": TOKENIZER_FILE, "max_length": int(max_len), "pad_token": pad_token, "pad_id": int(pad_id)}
+    info = {"file": TOKENIZER_FILE, "max_length": int(max_len), "pad_token": pad_token, "pad_id": int(pad_id)}
+    return info | chat_entry(folder, onnx_dir, tok)
+
+
+def chat_entry(folder: Path, onnx_dir: Path, tok: Any) -> dict[str, Any]:
+    """The chat template (written to ``onnx_dir/chat_template.jinja``) and the bos/eos strings, for the
+    manifest's tokenizer entry: ``{"chat_template": "chat_template.jinja", "bos_token", "eos_token"}``.
+
+    The template comes from the folder's ``chat_template.jinja``, else ``tokenizer_config.json``
+    (as transformers reads them); a model without one gets only the bos/eos strings it has.
+    """
+    entry: dict[str, Any] = {}
+    template = getattr(tok, "chat_template", None)
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        template = (folder / CHAT_TEMPLATE_FILE).read_text()
+    if isinstance(template, dict):  # several named templates: the default one
+        template = template.get("default")
+    if isinstance(template, str) and template.strip():
+        (onnx_dir / CHAT_TEMPLATE_FILE).write_text(template)
+        entry["chat_template"] = CHAT_TEMPLATE_FILE
+    for key in ("bos_token", "eos_token"):
+        value = getattr(tok, key, None)
+        if isinstance(value, str) and value:
+            entry[key] = value
+    return entry
 
 
 # The head class a config names decides the task (the cache-free graph for decoders).
@@ -325,3 +359,14 @@ def _config_facts(folder: Path) -> dict[str, Any]:
         sub = config.get(tower) or {}
         facts.update({k: sub[k] for k in keys[1:] if k in sub and k not in facts})
     return facts
+
+
+def _is_decoder(folder: Path) -> bool:
+    return _task_from_config_or_none(folder) == "text-generation"
+
+
+def _task_from_config_or_none(folder: Path) -> str | None:
+    try:
+        return _task_from_config(folder)
+    except ExportError:
+        return None

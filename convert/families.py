@@ -89,7 +89,11 @@ def _add_assets(w: ArtifactWriter, exported: Exported) -> list[str]:
     """Ship the tokenizer and preprocessor config the export found; returns which it shipped."""
     found = []
     if exported.tokenizer is not None:
-        w.add_tokenizer(exported.tokenizer_dir / exported.tokenizer["file"], exported.tokenizer)
+        record = dict(exported.tokenizer)
+        template = record.pop("chat_template", None)  # a file beside the tokenizer: shipped and hashed with it
+        w.add_tokenizer(exported.tokenizer_dir / record["file"], record)
+        if template:
+            w.add_chat_template(exported.tokenizer_dir / template, template)
         found.append(Tokenizer.KEY)
     if exported.preprocessor is not None:
         w.add_preprocessor(exported.preprocessor, preprocessor_kind(exported))

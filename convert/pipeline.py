@@ -23,6 +23,7 @@ from slimml.convert.families import check, times_batches, write_chains
 from slimml.convert.config import ConvertConfig
 from slimml.convert.distill.distill import DistillConfig
 from slimml.convert.export import ExportConfig, Exported, export
+from slimml.convert.llm_check import check_language_model, is_language_model, read_eval_text
 from slimml.convert.sources import Source, resolve
 from slimml.errors import ConfigError, ExportError, SlimmlError
 from slimml.runtime.artifact.atomic import check_output
@@ -98,6 +99,13 @@ def convert(
     out = Path(out) if out is not None else Path("artifacts") / (src.name + _default_suffix(config))
     check_output(out)
     with _one_line_errors(src.name, current), ArtifactWriter(out) as w:  # disk errors: the writer words them
+        source_checks: dict[str, Any] = {}
+        if src.kind == "gguf":  # read into a Hugging Face folder, then exported as one
+            from slimml.convert.gguf import as_huggingface, quantization_note
+
+            step("reading the GGUF file")
+            src = as_huggingface(src, w.work)
+            source_checks["source_quantization"] = quantization_note(src.extra["gguf"])
         teacher, shrunk = src, []
         if config.distill is not None or config.prune is not None:
             src, shrunk = _shrink(src, out, w.work, config, step, on_progress)
@@ -114,8 +122,12 @@ def convert(
         if config.verify:
             step("checking against the original model")
             manifest.checks = check(family, w.folder, manifest, src, exported)
+            if src.kind == "huggingface" and not exported.layerwise and is_language_model(manifest):
+                step("scoring the language model on held-out text")
+                manifest.checks |= check_language_model(w.folder, manifest, src.path, config.eval_text)
         else:
             verify_files(w.folder, manifest)
+        manifest.checks = {**source_checks, **manifest.checks}
         if config.quantize is not None:
             manifest = _quantize_step(w, manifest, config.quantize, step)
         against = None
@@ -148,6 +160,8 @@ def _check_inputs(config: ConvertConfig) -> None:
         from slimml.quantize.api import check_inputs
 
         check_inputs(config.quantize)
+    if config.eval_text is not None:
+        read_eval_text(config.eval_text)  # a missing or short text fails before the export
     if config.compare_on is not None:  # ConvertConfig checked that it comes with distill or prune
         from slimml.runtime.tools.evaluate import read_sts
 

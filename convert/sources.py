@@ -19,8 +19,8 @@ CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")
 class Source:
     """A model to convert.
 
-    kind: ``"huggingface"`` (a model folder), ``"torch"`` (an ``nn.Module`` with example inputs)
-    or ``"onnx"`` (an ONNX file).
+    kind: ``"huggingface"`` (a model folder), ``"torch"`` (an ``nn.Module`` with example inputs),
+    ``"onnx"`` (an ONNX file) or ``"gguf"`` (a llama.cpp file, read into a model folder by ``convert.gguf``).
     """
 
     kind: str
@@ -70,15 +70,23 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
     path = Path(source).expanduser()
     if not path.exists():
         raise SourceError(
-            f"source {path} does not exist. Give a Hugging Face model folder, an .onnx file, a .py file "
+            f"source {path} does not exist. Give a Hugging Face model folder, an .onnx or .gguf file, a .py file "
             "defining `model` and `example_inputs`, or a torch checkpoint (.pt/.pth/.ckpt)."
         )
+    from slimml.convert.gguf import find_gguf, inspect_gguf
+
+    gguf = find_gguf(path)
+    if gguf is not None:  # checked now: a bad file fails before anything is written
+        return Source(kind="gguf", name=gguf.stem, path=gguf, extra={"gguf": inspect_gguf(gguf)})
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise SourceError(
                 f"{path} is a folder without config.json, so it is not a Hugging Face model folder; "
                 "save one with `model.save_pretrained(folder)` or give a model file."
             )
+        from slimml.convert.config_check import check_config
+
+        check_config(path)  # a config this transformers would misread fails before anything is written
         return Source(kind="huggingface", name=path.resolve().name, path=path)
     suffix = path.suffix.lower()
     if suffix == ".onnx":
@@ -89,7 +97,7 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
         return _checkpoint_source(path, example_inputs)
     raise SourceError(
         f"{path} is a {suffix or 'suffix-less'} file, which slimml cannot convert. It takes a Hugging Face "
-        "model folder, an .onnx file, a .py file defining `model` and `example_inputs`, or a torch "
+        "model folder, an .onnx or .gguf file, a .py file defining `model` and `example_inputs`, or a torch "
         "checkpoint (.pt/.pth/.ckpt) holding {'model': module, 'example_inputs': ...}."
     )
 

@@ -18,6 +18,7 @@ import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and N
 import slimml.quantize.chain as ch
 from slimml.quantize.calibration import calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
+from slimml.quantize.decoder import for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.quantize.registry import ShardContext, backend_for
 from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, read_manifest, verify_files
@@ -104,6 +105,7 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig,
     t0 = time.perf_counter()
     step = on_step or (lambda _msg: None)
     manifest = _read_float_artifact(src)
+    config = for_language_model(config, manifest)  # a decoder gets weight-only blocks (quantize/decoder.py)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
     if config.guard is not None and config.guard.eval_file is not None:
@@ -118,6 +120,11 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig,
         new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
                           "checks": {**manifest.checks, **{f"quantize_{k}": v for k, v in result.checks.items()}}})
         result.size_mb = new.total_bytes / 1e6
+        if getattr(config, "backend", None) == "lm":  # a tied embedding's table, quantized alike twice: stored once
+            from slimml.quantize.tied import share_tied_embedding
+
+            if share_tied_embedding(w.folder):
+                result.size_mb = read_manifest(w.folder).total_bytes / 1e6
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -255,7 +262,8 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     else:
         step("checking against the float model")
         device = "cuda" if isinstance(config, Fp16Config) else "cpu"
-        guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device)
+        guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device,
+                            getattr(config, "eval_text", None))
     for i, why in guard.kept_float.items():
         quant_files.pop(i, None)
         float_why[i] = why

@@ -129,3 +129,4 @@ def fp16(model: onnx.ModelProto, config: Fp16Config, ctx: ShardContext) -> onnx.
 
 
 import slimml.quantize.nncf_backend  # noqa: E402,F401  (registers the nncf backends)
+import slimml.quantize.decoder  # noqa: E402,F401  (registers the language-model backend)

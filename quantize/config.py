@@ -13,6 +13,7 @@ from pathlib import Path
 from slimml.errors import ConfigError
 
 BACKENDS = ("ort", "nncf")
+LM_BACKEND = "lm"  # weight-only blocks for language models (quantize/decoder.py), chosen for them by quantize
 SCHEMES = ("none", "int8", "int8-dynamic", "int8-static", "int8-weights", "int4-weights", "fp16")
 TARGETS = ("cpu", "cuda")
 
@@ -56,12 +57,15 @@ class _Common:
         calibration_size: at most this many texts are used for calibration.
         guard: the accuracy guard, or ``None`` for none.
         exclude_shards: shard indices kept in float (the guard adds to these).
+        eval_text: for a language model, the held-out UTF-8 text on which the quantized model's
+            perplexity is measured against the float one (default: a built-in sample).
     """
 
     calibration: Path | None = None
     calibration_size: int = 256
     guard: GuardConfig | None = None
     exclude_shards: tuple[int, ...] = ()
+    eval_text: Path | None = None
 
     def _check_common(self):
         if self.calibration is not None:
@@ -70,8 +74,8 @@ class _Common:
             raise ConfigError(f"calibration_size must be a whole number >= 4, got {self.calibration_size!r}.")
         self.exclude_shards = tuple(sorted(set(int(i) for i in self.exclude_shards)))
 
-    def _check_backend(self):
-        if self.backend not in BACKENDS:
+    def _check_backend(self, internal: tuple[str, ...] = ()):
+        if self.backend not in BACKENDS + internal:
             raise ConfigError(f"unknown --backend {self.backend!r}; use one of: {', '.join(BACKENDS)}.")
 
 
@@ -163,7 +167,7 @@ class WeightOnlyConfig(_Common):
 
     def __post_init__(self):
         self._check_common()
-        self._check_backend()
+        self._check_backend(internal=(LM_BACKEND,))
         if self.bits not in (4, 8):
             raise ConfigError(f"weight-only bits must be 4 or 8, got {self.bits!r}.")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):

@@ -5,7 +5,8 @@ The drop is measured on held-out calibration texts (never used for calibration) 
 (STS CSV) and a sentence-embedding model, as the loss in Spearman x100 points. When it exceeds
 ``max_drop``, each quantized shard's sensitivity (the output error when it alone is quantized)
 is measured, and the most sensitive shards are put back to float one at a time until the drop
-fits. The manifest records which shards stayed float and why.
+fits. The manifest records which shards stayed float and why. A language model's drop is its
+perplexity increase in percent on held-out text (``quantize.lm_guard``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any
 
 from slimml.errors import ConfigError
 from slimml.quantize.chain import Chain, outputs_agreement
+from slimml.convert.llm_check import is_language_model
 from slimml.quantize.config import GuardConfig
+from slimml.quantize.lm_guard import LanguageModelScore
 
 
 @dataclass
@@ -27,11 +30,17 @@ class GuardResult:
 
 
 class _Measure:
-    def __init__(self, manifest, text, float_files, quant_files, held_feeds, guard: GuardConfig | None, device: str = "cpu"):
+    def __init__(self, manifest, text, float_files, quant_files, held_feeds, guard: GuardConfig | None, device: str = "cpu",
+                 eval_text=None):
         self.manifest, self.text, self.device = manifest, text, device
         self.float_files, self.quant_files = float_files, quant_files
         self.feeds = held_feeds
         float_chain = Chain(manifest, float_files, text)  # the float reference runs on the CPU
+        self.lm = LanguageModelScore(manifest, float_files[0].parent, guard, float_chain, eval_text) if is_language_model(manifest) else None
+        if self.lm is not None:  # a language model is judged by perplexity on held-out text, not output cosine
+            self.reference = []
+            self.eval_file = None
+            return
         self.reference = [float_chain.run(f) for f in held_feeds]
         self.eval_file = guard.eval_file if guard is not None else None
         if self.eval_file is not None and manifest.pooling is None:
@@ -49,6 +58,8 @@ class _Measure:
         return Chain(self.manifest, files, self.text, self.device)
 
     def agreement(self, chain: Chain) -> float:
+        if self.lm is not None:  # 1 / perplexity ratio: 1 when the quantized model predicts as the float one
+            return self.lm.reference_ppl / self.lm.perplexity(chain)
         pooling = self.manifest.pooling
         scores = [outputs_agreement(ref, chain.run(f), f.get("attention_mask"), pooling) for ref, f in zip(self.reference, self.feeds)]
         return sum(scores) / len(scores)
@@ -59,6 +70,8 @@ class _Measure:
         return evaluate_sts(chain, self.eval_file).score
 
     def drop(self, chain: Chain, checks: dict[str, Any]) -> float:
+        if self.lm is not None:
+            return self.lm.drop(chain, checks)
         agree = self.agreement(chain)
         checks["agreement_cosine"] = round(agree, 6)
         if self.eval_file is None:
@@ -75,14 +88,14 @@ class _Measure:
 
 
 def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, Path], held_feeds,
-                guard: GuardConfig | None, step=lambda _m: None, device: str = "cpu") -> GuardResult:
+                guard: GuardConfig | None, step=lambda _m: None, device: str = "cpu", eval_text=None) -> GuardResult:
     """Measure the drop; with a guard, return the shards to keep float so that it is at most ``max_drop``.
 
     Raises:
         ConfigError: ``max_drop`` cannot be met with at most ``max_float_shards`` float shards and
             ``keep_best`` is off.
     """
-    m = _Measure(manifest, text, float_files, quant_files, held_feeds, guard, device)
+    m = _Measure(manifest, text, float_files, quant_files, held_feeds, guard, device, eval_text)
     checks: dict[str, Any] = {}
     drop = m.drop(m.chain(set()), checks)
     if guard is None or drop <= guard.max_drop:

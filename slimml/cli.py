@@ -44,7 +44,7 @@ Pin = Annotated[Optional[list[int]], typer.Option("--pin", help="A shard to keep
 @app.command()
 @config_options(
     export=Options(ExportConfig, only=("task", "opset")),
-    checks=Options(ConvertConfig, only=("verify",)),
+    checks=Options(ConvertConfig, only=("verify", "eval_text")),
     distill=Options(DistillConfig, prefix="distill", only=("layers", "data", "epochs")),
     prune=Options(PruneConfig, defaults={"fraction": None}),  # no --prune: no pruning
     compare=Options(ConvertConfig, only=("compare_on",)),
@@ -54,7 +54,7 @@ Pin = Annotated[Optional[list[int]], typer.Option("--pin", help="A shard to keep
     quantizing=Options(QuantizeOptions),
 )
 def convert(
-    source: Annotated[Optional[str], typer.Argument(help="HF model folder, .onnx, .py or torch checkpoint. Default: all-MiniLM-L6-v2.")] = None,
+    source: Annotated[Optional[str], typer.Argument(help="HF model folder, .onnx, .gguf, .py or torch checkpoint. Default: all-MiniLM-L6-v2.")] = None,
     out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Artifact folder. Default: artifacts/<name>, with -d3-p50 for a student or -int8 (the scheme) for a quantized model, so the float artifact is never replaced.")] = None,
     shards: Annotated[str, typer.Option(help="'per-layer' or a number of shards balanced by weight bytes.")] = "per-layer",
     shard_size: Annotated[Optional[float], typer.Option(help="Largest shard in MB of weights (instead of --shards).")] = None,
@@ -72,6 +72,8 @@ def convert(
     from slimml.convert import convert as do_convert
 
     qconfig = quantizing.build().to_config()
+    if qconfig is not None and checks["eval_text"] is not None:
+        qconfig.eval_text = checks["eval_text"]  # a language model's guard scores perplexity on it
     student = distill["layers"] is not None or prune["fraction"] is not None
     if training.changed() and not student:
         raise SlimmlError(f"{', '.join(training.changed())} shape distillation; give --distill-layers N or --prune F with it.")

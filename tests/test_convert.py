@@ -100,7 +100,7 @@ def test_missing_source_names_the_kinds_slimml_takes(tmp_path):
     with pytest.raises(SourceError) as e:
         convert(tmp_path / "nope", tmp_path / "out", FAST)
     assert str(e.value) == (
-        f"source {tmp_path / 'nope'} does not exist. Give a Hugging Face model folder, an .onnx file, a .py file "
+        f"source {tmp_path / 'nope'} does not exist. Give a Hugging Face model folder, an .onnx or .gguf file, a .py file "
         "defining `model` and `example_inputs`, or a torch checkpoint (.pt/.pth/.ckpt)."
     )
     assert not (tmp_path / "out").exists()

@@ -68,7 +68,7 @@ def embed_texts(task: Task, engine: Engine, text: TextEncoder | None, pooling: d
     encs = text.encodings(list(texts))
     lengths = [len(e.ids) for e in encs]
     plan = engine.plan
-    unfit = ("runs on " + engine.device if engine.device != "cpu" else "streams" if plan.streaming
+    unfit = ("runs on " + engine.device if not engine.backend.on_host else "streams" if plan.streaming
              else "runs in pipeline stages" if not engine.owns_files else None)
     lanes, lane_threads = lane_count(workers, possible_batches(len(texts), batch_size), unfit=unfit,
                                      threads=engine.threads, model_bytes=plan.model_bytes,

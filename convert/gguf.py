@@ -1,0 +1,161 @@
+"""GGUF in: a llama.cpp model file as a source.
+
+The file is checked first (magic, version, every tensor inside the file, an architecture
+transformers reads), so a bad file fails in one line before anything is written. Converting it
+goes through transformers' own GGUF reader (it dequantizes the weights, and builds a fast
+tokenizer and the chat template from the file's metadata) into a Hugging Face folder inside the
+convert's work folder; from there it is exported like any model folder. The report records the
+source's quantization (GGUF file type and tensor types).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from slimml.errors import SourceError
+
+GGUF_MAGIC = b"GGUF"
+GGUF_VERSIONS = (2, 3)  # what gguf-py's reader (and transformers through it) reads
+
+# llama.cpp's general.file_type values (LLAMA_FTYPE_*), for the report
+_FILE_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+    12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+    19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
+    26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
+}
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF file ``path`` names: itself, or the one ``.gguf`` in a folder without ``config.json``.
+
+    Raises:
+        SourceError: a folder holding several ``.gguf`` files (name the one to convert).
+    """
+    if path.is_file():
+        return path if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    if len(found) > 1:
+        raise SourceError(
+            f"{path} holds {len(found)} GGUF files ({', '.join(p.name for p in found[:4])}); "
+            "give the one to convert: `slimml convert FOLDER/NAME.gguf`."
+        )
+    return found[0] if found else None
+
+
+def inspect_gguf(path: str | Path) -> dict[str, Any]:
+    """Check a GGUF file and describe it: architecture, version, file type, tensor types.
+
+    Raises:
+        SourceError: not a GGUF file, a version gguf-py does not read, a truncated or damaged
+            file, or an architecture transformers cannot read (each one line with the fix).
+    """
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+    if len(head) < 8 or head[:4] != GGUF_MAGIC:
+        raise SourceError(f"{path} is not a GGUF file (it does not start with 'GGUF'); give a llama.cpp .gguf model file.")
+    version = struct.unpack("<I", head[4:8])[0]
+    if version not in GGUF_VERSIONS:
+        raise SourceError(
+            f"{path} is GGUF version {version}, which slimml reads only as versions "
+            f"{', '.join(map(str, GGUF_VERSIONS))}; re-save it with a current llama.cpp (convert_hf_to_gguf.py)."
+        )
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        size = path.stat().st_size
+        short = [t.name for t in reader.tensors if int(t.data_offset) + int(t.n_bytes) > size]
+    except Exception as e:  # gguf-py's own errors on a cut file ("cannot reshape array ...")
+        raise SourceError(
+            f"{path} is truncated or damaged (gguf could not read it: {type(e).__name__}); download or copy it again."
+        ) from None
+    if short:
+        raise SourceError(f"{path} is truncated: tensor {short[0]!r} ends past the end of the file; download or copy it again.")
+    arch = _field(reader, "general.architecture")
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        import transformers
+
+        raise SourceError(
+            f"{path} holds a {arch!r} model, which transformers {transformers.__version__} cannot read from GGUF "
+            f"(it reads {', '.join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer')))}); "
+            "convert the original Hugging Face folder instead."
+        )
+    if "t5" in str(arch):  # transformers reads these as encoder-decoders; slimml converts GGUF decoders
+        raise SourceError(
+            f"{path} holds a {arch!r} encoder-decoder; slimml converts GGUF decoders (llama, qwen2, ...). "
+            "Convert the original Hugging Face folder of this model instead."
+        )
+    file_type = _field(reader, "general.file_type")
+    return {
+        "format": "gguf", "gguf_version": version, "architecture": arch,
+        "gguf_file_type": _FILE_TYPES.get(file_type, str(file_type)) if file_type is not None else None,
+        "gguf_tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors).most_common()),
+    }
+
+
+def gguf_to_folder(path: Path, folder: Path) -> None:
+    """Write the GGUF model as a Hugging Face folder: dequantized weights, config, tokenizer, chat template.
+
+    Needs ``torch``, ``transformers``, ``gguf`` and ``accelerate`` (the ``convert`` extra).
+    """
+    import contextlib
+    import io
+    import logging
+    import warnings
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        import accelerate  # noqa: F401  (transformers refuses GGUF without it)
+    except ImportError:
+        raise SourceError("reading a GGUF file needs accelerate; `pip install accelerate` (part of the convert extra).") from None
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar over the tensors
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+    if isinstance(eos, int) and tokenizer.convert_ids_to_tokens(eos) is not None:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)  # the file's eos id; the GGUF tokenizer may name another
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+
+
+def _field(reader: Any, key: str) -> Any:
+    """One metadata value of a GGUF file (a string, a number), or None."""
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    try:
+        return f.contents()
+    except Exception:
+        return None
+
+
+def as_huggingface(src: Any, work: Path) -> Any:
+    """A ``kind="gguf"`` source as a Hugging Face folder source in ``work/gguf-model`` (same name and facts)."""
+    import dataclasses
+
+    folder = work / "gguf-model"
+    folder.mkdir(parents=True, exist_ok=True)
+    gguf_to_folder(src.path, folder)
+    # "path" in extra: the manifest names the GGUF file, not the temporary folder
+    return dataclasses.replace(src, kind="huggingface", path=folder, extra={**src.extra, "path": str(src.path)})
+
+
+def quantization_note(info: dict[str, Any]) -> str:
+    """``"Q4_1 (Q4_1 x210, F32 x61, Q8_0 x1)"``: the file type and its tensors' types, for the report."""
+    kinds = ", ".join(f"{k} x{n}" for k, n in info.get("gguf_tensor_types", {}).items())
+    return f"{info.get('gguf_file_type') or 'unknown'} ({kinds})"

@@ -1,0 +1,180 @@
+"""A language model's check: perplexity and top-1 agreement on held-out text.
+
+Logits compared at random inputs say nothing about whether a language model still predicts
+text: a misread config or a lossy quantization passes a cosine check. So a decoder artifact is
+scored on real text, the same token windows through the artifact and through the reference (the
+source model as the installed transformers computes it, or the float artifact for a quantized
+one): the perplexity of each, their relative difference, and how often their most likely next
+token agrees.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from slimml.errors import DataError
+
+# A short English sample (written for slimml) for when no --eval-text is given: ~450 tokens.
+SAMPLE_TEXT = """\
+The village sat at the bottom of a narrow valley, where the river slowed and spread into a wide, shallow pool. \
+In the summer the children waded across it to reach the orchards on the far side, and in the winter the old men \
+watched the ice from the bench outside the baker's shop, arguing about whether it would hold. Nobody could remember \
+a year when the bridge had not needed repairs. The council met every spring to discuss the problem, and every spring \
+it decided to wait for better prices.
+
+The new teacher arrived in September with two suitcases and a box of books. She had grown up in the city and had \
+never lived more than a short walk from a train station. On her first morning she asked the class to write about the \
+river. Most of the pupils wrote about fish, or about the time the water rose so high that it reached the church steps. \
+One boy wrote that the river was the reason the village existed at all, because the first families had come to build \
+a mill, and the mill had needed the water more than the people had needed anything else.
+
+By the end of the year the school had started a small museum in the room behind the library. Parents brought old \
+photographs, tools and letters, and the children wrote labels for each object. The museum opened on a rainy Saturday \
+in June. More than two hundred people came, which was nearly everyone who lived in the valley, and the council \
+announced that afternoon that the bridge would finally be rebuilt.
+
+Scientists who study rivers say that the shape of a valley records its history. A steep, narrow channel suggests \
+fast water and hard rock; a broad plain with gentle bends points to a slower river carrying fine sediment over many \
+thousands of years. Floods move that sediment in sudden bursts, and a single storm can change the course of a stream \
+more than a century of ordinary weather. Engineers who design bridges must therefore plan not only for the river as \
+it is today, but for the river as it might become.
+"""
+
+DEFAULT_WINDOW = 256  # tokens per scored window
+DEFAULT_BUDGET = 1024  # tokens scored in all
+
+
+def read_eval_text(path: str | os.PathLike | None) -> tuple[str, str]:
+    """The held-out text and where it came from (``"built-in sample"`` or the file's name).
+
+    Raises:
+        DataError: the file is missing, unreadable or too short to score.
+    """
+    if path is None:
+        return SAMPLE_TEXT, "built-in sample"
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise DataError(f"cannot read the evaluation text {p} ({e.strerror or e}); give a UTF-8 text file with --eval-text.") from None
+    if len(text.split()) < 50:
+        raise DataError(f"the evaluation text {p} has fewer than 50 words; give a longer UTF-8 text file with --eval-text.")
+    return text, p.name
+
+
+def token_windows(tokenizer_file: str | os.PathLike, text: str, window: int = DEFAULT_WINDOW,
+                  budget: int = DEFAULT_BUDGET) -> np.ndarray:
+    """The text's token ids cut into consecutive windows of ``window`` tokens, at most ``budget``
+    tokens in all: an int64 array ``(n_windows, size)``, ``size <= window`` so that a text shorter than the
+    budget is used nearly whole."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    tok.no_padding()
+    tok.no_truncation()
+    ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)[:budget]
+    if len(ids) < 2:
+        raise DataError("the evaluation text gives fewer than 2 tokens; give a longer text with --eval-text.")
+    n = -(-len(ids) // window)  # windows of equal length covering (nearly) every token
+    size = len(ids) // n
+    return ids[: n * size].reshape(n, size)
+
+
+def decoder_feeds(input_names: list[str], ids: np.ndarray, past_shape: Mapping[str, tuple] | None = None) -> dict[str, np.ndarray]:
+    """Feeds for one pass of a decoder graph over ``ids`` (batch, seq) from the first position: ones
+    for the mask, positions 0.., and an empty cache for a graph that takes one."""
+    batch, seq = ids.shape
+    feeds: dict[str, np.ndarray] = {}
+    for name in input_names:
+        if name == "input_ids":
+            feeds[name] = ids
+        elif name == "attention_mask":
+            feeds[name] = np.ones((batch, seq), dtype=np.int64)
+        elif name == "position_ids":
+            feeds[name] = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()
+        elif name.startswith("past_key_values") and past_shape is not None:
+            heads, dim = past_shape[name]
+            feeds[name] = np.zeros((batch, heads, 0, dim), dtype=np.float32)
+    return feeds
+
+
+def score_run(run: Callable[[dict], Mapping[str, np.ndarray]], feeds_for: Callable[[np.ndarray], dict],
+              windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token negative log-likelihood and top-1 predictions of a decoder ``run`` over ``windows``,
+    one window per call (memory holds one window's logits): two arrays ``(n_windows, window - 1)``."""
+    nll, top = [], []
+    for row in windows:
+        logits = np.asarray(run(feeds_for(row[None, :]))["logits"][0], dtype=np.float64)  # (seq, vocab)
+        n, t = _nll(logits[:-1], row[1:])
+        nll.append(n)
+        top.append(t)
+    return np.stack(nll), np.stack(top)
+
+
+def torch_scores(folder: str | os.PathLike, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`score_run` for the Hugging Face model in ``folder`` as the installed transformers computes it (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+
+    def run(feeds: dict) -> dict:
+        with torch.no_grad():
+            return {"logits": model(input_ids=torch.from_numpy(feeds["input_ids"])).logits.numpy()}
+
+    try:
+        return score_run(run, lambda ids: {"input_ids": ids}, windows)
+    finally:
+        del model
+
+
+def compare(ours: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np.ndarray], names=("artifact", "source")) -> dict[str, Any]:
+    """Perplexities, their relative difference (``ours / reference - 1``) and top-1 agreement."""
+    ppl = float(np.exp(ours[0].mean()))
+    ref = float(np.exp(reference[0].mean()))
+    return {
+        f"perplexity_{names[0]}": round(ppl, 4), f"perplexity_{names[1]}": round(ref, 4),
+        "perplexity_rel_diff": round(ppl / ref - 1.0, 6), "top1_agreement": round(float((ours[1] == reference[1]).mean()), 6),
+        "eval_tokens": int(ours[0].size),
+    }
+
+
+def check_language_model(folder: Path, manifest: Any, source_folder: Path, eval_text: str | os.PathLike | None = None) -> dict[str, Any]:
+    """The artifact in ``folder`` against its source's transformers model on held-out text."""
+    from slimml.runtime.loader import load
+
+    text, origin = read_eval_text(eval_text)
+    windows = token_windows(folder / manifest.tokenizer["file"], text)
+    reference = torch_scores(source_folder, windows)
+    model = load(folder, device="cpu")
+    try:
+        names = [t.name for t in manifest.inputs]
+        past = past_shapes(manifest.inputs)
+        ours = score_run(model.run, lambda ids: decoder_feeds(names, ids, past), windows)
+    finally:
+        model.close()
+    return compare(ours, reference) | {"eval_text": origin}
+
+
+def past_shapes(inputs: list[Any]) -> dict[str, tuple[int, int]]:
+    """``name -> (kv_heads, head_dim)`` of a decoder's cache inputs (shape ``(batch, heads, past, dim)``)."""
+    return {t.name: (int(t.shape[1]), int(t.shape[3])) for t in inputs
+            if t.name.startswith("past_key_values") and len(t.shape) == 4}
+
+
+def is_language_model(manifest: Any) -> bool:
+    """A decoder with a tokenizer whose output is ``logits`` over the vocabulary."""
+    return (str(manifest.task).startswith("text-generation") and manifest.tokenizer is not None
+            and any(t.name == "logits" for t in manifest.outputs) and any(t.name == "input_ids" for t in manifest.inputs))
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Negative log-likelihood of ``targets`` under ``logits`` (seq, vocab), and the argmax per position."""
+    m = logits.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(logits - m).sum(axis=-1)) + m[:, 0]
+    return lse - logits[np.arange(len(targets)), targets], logits.argmax(axis=-1)

