@@ -38,11 +38,39 @@ class Model(Engine):
         if manifest.preprocessor and manifest.preprocessor.get("kind") == "image" and self.image_input is not None:
             self.images = ImageProcessor.from_file(safe_path(folder, manifest.preprocessor["file"]))
 
-    def generate(self, prompts, max_new_tokens: int = 32, **kwargs):
-        """Greedy text generation for decoder artifacts; see :func:`slimml.runtime.tasks.generate.generate`."""
+    @property
+    def engine(self) -> Engine:
+        """The engine that runs the shards (this model itself, until tasks hold an engine)."""
+        return self
+
+    @property
+    def text(self) -> TextEncoder | None:
+        """The artifact's tokenizer (``.tokenizer`` is a ``tokenizers.Tokenizer``), or None."""
+        return self._text
+
+    def generate(self, prompts, max_new_tokens: int | None = None, config=None, **options):
+        """Continue prompts with a decoder artifact: greedy, or sampled (``temperature``, ``top_k``,
+        ``top_p``, ``repetition_penalty``, ``seed``), with ``stop`` strings and ``stop_token_ids``;
+        see :func:`slimml.runtime.tasks.generate.generate`."""
         from slimml.runtime.tasks.generate import generate
 
-        return generate(self, prompts, max_new_tokens=max_new_tokens, **kwargs)
+        if max_new_tokens is not None:
+            options["max_new_tokens"] = max_new_tokens
+        return generate(self, prompts, config, **options)
+
+    def stream(self, prompt, config=None, **options):
+        """One prompt's continuation as text pieces, yielded as they are produced; see
+        :func:`slimml.runtime.tasks.generate.stream`."""
+        from slimml.runtime.tasks.generate import stream
+
+        return stream(self, prompt, config, **options)
+
+    def chat(self, messages, config=None, stream: bool = False, **options):
+        """The assistant's reply to ``messages`` through the model's chat template (an iterator of
+        text pieces with ``stream=True``); see :func:`slimml.runtime.tasks.generate.chat`."""
+        from slimml.runtime.tasks.generate import chat
+
+        return chat(self, messages, config, stream=stream, **options)
 
     def classify(self, inputs, top_k: int | None = 5, batch_size: int = 32) -> list[list[dict]]:
         """Labels and scores for classifier artifacts: images (paths, PIL images or HxWx3 uint8

@@ -471,6 +471,14 @@ def generate(
     artifact: Artifact,
     prompt: Annotated[list[str], typer.Option("--prompt", help="A prompt (repeat for a batch).")],
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to add per prompt at most.")] = 32,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy (the most likely token each step).")] = 0.0,
+    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens only (0: off).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off).")] = 1.0,
+    repetition_penalty: Annotated[float, typer.Option(help="Divide the logits of tokens already seen by this (1: off).")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling: the same seed gives the same text.")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop where this text appears; it is not printed (repeat).")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user message in the model's chat template.")] = False,
+    truncate: Annotated[bool, typer.Option("--truncate", help="Keep the end of a prompt longer than the model's context instead of refusing it.")] = False,
     device: Device = "cpu",
     resident: Resident = None,
     prefetch: Prefetch = None,
@@ -478,20 +486,39 @@ def generate(
     pin: Pin = None,
     as_json: AsJson = False,
 ):
-    """Continue prompts greedily with a decoder artifact (converted with --task text-generation)."""
+    """Continue prompts with a decoder artifact (converted with --task text-generation[-with-past]),
+    printing the text as it comes: greedy by default, sampled with --temperature."""
     from slimml.runtime import load
+    from slimml.runtime.tasks.generation import GenerationConfig
 
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()), truncate=truncate)
     model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
-    result = model.generate(list(prompt), max_new_tokens=max_new_tokens)
-    if as_json:
-        print(json.dumps({"texts": result.texts, "tokens": result.tokens, "seconds": round(result.seconds, 3),
-                          "tokens_per_s": round(result.tokens_per_s, 2)}))
+    if getattr(model.manifest, "seq2seq", None):  # an encoder-decoder answers; greedy only
+        result = model.generate(list(prompt), max_new_tokens=max_new_tokens)
+        if not as_json:
+            for p, text in zip(prompt, result.texts):
+                console.print(f"[bold]{p}[/bold] -> {text}")
+    elif as_json:
+        result = model.chat([[{"role": "user", "content": p}] for p in prompt], config) if chat else model.generate(list(prompt), config=config)
+    else:
+        made, seconds = 0, 0.0
+        for p in prompt:  # one at a time, so that each prompt's text prints as it is produced
+            console.print(f"[bold]{p}[/bold]", end="\n" if chat else "", highlight=False)
+            pieces = model.chat([{"role": "user", "content": p}], config, stream=True) if chat else model.stream(p, config)
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            made, seconds = made + len(pieces.result.tokens[0]), seconds + pieces.result.seconds
+        err.print(f"{made} tokens in {seconds:.2f} s ({made / seconds if seconds else 0:.1f} tokens/s)")
         return
-    seq2seq = getattr(model.manifest, "seq2seq", None)  # an encoder-decoder answers; a decoder continues
-    for p, text in zip(prompt, result.texts):
-        console.print(f"[bold]{p}[/bold] -> {text}" if seq2seq else f"[bold]{p}[/bold]{text}")
+    if as_json:
+        print(json.dumps({"texts": result.texts, "tokens": result.tokens, "finish_reasons": result.finish_reasons,
+                          "seconds": round(result.seconds, 3), "tokens_per_s": round(result.tokens_per_s, 2)}))
+        return
     err.print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s)")
 
 

@@ -1,31 +1,30 @@
-"""Greedy text generation for decoder artifacts, with a KV cache when the artifact has one.
+"""Text generation for decoder artifacts: greedy or sampled, stop strings and ids, streamed text,
+chat templates, batches of prompts of different lengths.
 
-Two kinds of decoder artifact:
-
-- ``--task text-generation-with-past`` (recommended): inputs ``input_ids``, ``attention_mask``,
-  ``position_ids`` and ``past_key_values.N.key/value``; outputs ``logits`` and ``present.N.*``.
-  The splitter routes each layer's past/present to that layer's shard, so the cache lives beside
-  the streamed layers: the prompt is one pass, and each new token one pass over one position.
-- ``--task text-generation`` (cache-free): each new token is one pass over the whole sequence.
-
-Either way a streamed model loads each shard once per token (never once per layer per token), and
-prompts are batched (left-padded) so one pass serves them all.
+The parts live in :mod:`slimml.runtime.tasks.generation`; this module puts them together:
+prompts checked once -> the decode loop's passes -> the sampler -> per prompt, its stop ids,
+its text as it comes and its stop strings. Either way a streamed model loads each shard once per
+token (never once per layer per token), and prompts are batched (left-padded) so one pass serves
+them all.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-from slimml.errors import FeedError, SlimmlError
+from slimml.runtime.tasks.generation.chat import ChatTemplate
+from slimml.runtime.tasks.generation.config import GenerationConfig
+from slimml.runtime.tasks.generation.loop import DecodeLoop
+from slimml.runtime.tasks.generation.prompts import prepare
+from slimml.runtime.tasks.generation.sampling import Sampler
+from slimml.runtime.tasks.generation.stopping import TextStream
 
-if TYPE_CHECKING:
-    from slimml.runtime.loader import Model
-
-_EOS_TOKENS = ("</s>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>", "<eos>")
+__all__ = ["Generation", "GenerationConfig", "GenerationStream", "chat", "chat_prompt", "generate", "stream"]
 
 
 @dataclass
@@ -33,10 +32,14 @@ class Generation:
     """What :func:`generate` returns.
 
     Attributes:
-        tokens: per prompt, the new token ids (stopping at, and including, the end-of-sequence id).
-        texts: per prompt, the new text decoded, when the prompts were strings.
+        tokens: per prompt, the new token ids (ending with, and including, the end-of-sequence or
+            stop id, or the token that completed a stop string).
+        texts: per prompt, the new text (without a stop string), when the prompts were strings.
+        finish_reasons: per prompt, ``"stop"`` (an end id or a stop string) or ``"length"``
+            (max_new_tokens, or the model's context, reached), as OpenAI reports it.
         seconds: wall time of the whole generation.
         passes: model passes run (one per new token).
+        prompt_tokens: tokens in the prompts (without padding).
         prefill_s: wall time of the first pass (the prompts; time to the first token).
     """
 
@@ -47,6 +50,7 @@ class Generation:
     prompt_tokens: int = 0
     prefill_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    finish_reasons: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -64,106 +68,161 @@ class Generation:
         return later / (self.seconds - self.prefill_s) if self.seconds > self.prefill_s and later else 0.0
 
 
-def generate(
-    model: Model,
-    prompts: list[str] | list[list[int]] | np.ndarray,
-    max_new_tokens: int = 32,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
-) -> Generation:
-    """Continue each prompt greedily (the most likely token each step), batched.
+class GenerationStream:
+    """Text pieces as generation produces them: ``(prompt index, piece)`` pairs, or the pieces
+    alone for one prompt (``indexed=False``, as :func:`stream` and ``chat(stream=True)`` give).
+    Once it is exhausted, ``result`` holds the :class:`Generation` (tokens, finish reasons, timings).
+    """
+
+    def __init__(self, steps: Generator[tuple[int, str], None, Generation], indexed: bool = True):
+        self._steps = steps
+        self.indexed = indexed
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, str]] | Iterator[str]:
+        steps = self._steps
+        while True:
+            try:
+                i, piece = next(steps)
+            except StopIteration as done:
+                self.result = done.value
+                return
+            yield (i, piece) if self.indexed else piece
+
+
+def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *, stream: bool = False,
+             on_text: Callable[[int, str], None] | None = None, **options: Any) -> Generation | GenerationStream:
+    """Continue each prompt, batched: greedy by default, sampled with a temperature.
 
     Args:
-        model: a loaded ``text-generation`` artifact (streamed or resident).
-        prompts: texts (the artifact must ship a tokenizer), or token id lists / a 2-D id array.
-        max_new_tokens: tokens to add per prompt at most.
-        eos_token_id: stop a prompt once it emits this id (default: the tokenizer's end token).
-        pad_token_id: the id used to left-pad shorter prompts (masked out; default 0 or the
-            tokenizer's pad id).
+        model: a loaded ``text-generation`` artifact (streamed or resident); it has ``engine``,
+            ``text`` (its tokenizer, or None), ``folder`` and ``manifest``.
+        prompts: a text or texts (the artifact must ship a tokenizer), or token id lists / a
+            2-D id array. Prompts of different lengths are left-padded into one batch.
+        config: a :class:`GenerationConfig`; ``options`` set its fields one by one instead
+            (``max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0, stop=["\\n\\n"]``).
+        stream: return a :class:`GenerationStream` of ``(prompt index, text piece)`` instead.
+        on_text: called with ``(prompt index, text piece)`` as each piece is ready.
 
     Returns:
-        A :class:`Generation` with the new tokens (and texts) per prompt.
+        A :class:`Generation`: per prompt, the new tokens, text and finish reason.
+
+    Raises:
+        ConfigError: a setting out of range (the message names the range).
+        FeedError: a prompt with ids outside the vocabulary, or longer than the model's context
+            (unless ``truncate=True``).
 
     Example:
         >>> model = load("artifacts/my-llama", memory_budget="2GB")
         >>> model.generate(["The capital of France is"], max_new_tokens=8).texts
+        >>> model.generate(["Once upon a time"], temperature=0.8, top_p=0.95, seed=1, stop=["."]).texts
     """
-    names = {t.name for t in model.manifest.inputs}
-    if not model.manifest.task.startswith("text-generation") or "input_ids" not in names or "logits" not in {t.name for t in model.outputs}:
-        raise SlimmlError(
-            f"the artifact {model.folder} is a {model.manifest.task!r} model without input_ids -> logits; "
-            "generate() needs a decoder converted with --task text-generation."
-        )
-    if max_new_tokens < 1:
-        raise FeedError(f"max_new_tokens must be >= 1, got {max_new_tokens}.")
-    texts = isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, str) for p in prompts)
-    tok = model._text.tokenizer if model._text is not None else None
-    if texts:
-        if tok is None:
-            raise SlimmlError(f"the artifact {model.folder} has no tokenizer; pass token ids instead of text.")
-        ids = [e.ids[: sum(e.attention_mask)] for e in tok.encode_batch(list(prompts))]
-    else:
-        ids = [list(map(int, p)) for p in np.asarray(prompts, dtype=object)] if len(prompts) else []
-    if not ids or any(len(p) == 0 for p in ids):
-        raise FeedError("generate() needs at least one non-empty prompt.")
-    if eos_token_id is None and tok is not None:
-        eos_token_id = next((tok.token_to_id(t) for t in _EOS_TOKENS if tok.token_to_id(t) is not None), None)
-    if pad_token_id is None:
-        pad_token_id = int((model.manifest.tokenizer or {}).get("pad_id") or 0)
+    config = GenerationConfig.of(config, **options)
+    steps = _steps(model, prompts, config)
+    return GenerationStream(steps) if stream else _drain(steps, on_text)
 
+
+def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None = None, **options: Any) -> GenerationStream:
+    """The text of one prompt's continuation, piece by piece as it is produced (never half a
+    character, never the start of what may still become a stop string); ``.result`` is the
+    :class:`Generation` once the pieces are all read.
+
+    Example:
+        >>> for piece in model.stream("Tell me a story.", max_new_tokens=100, temperature=0.7, seed=0):
+        ...     print(piece, end="", flush=True)
+    """
+    one = [prompt] if isinstance(prompt, str) else [list(prompt)]
+    return GenerationStream(_steps(model, one, GenerationConfig.of(config, **options)), indexed=False)
+
+
+def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], config: GenerationConfig | None = None,
+         *, stream: bool = False, **options: Any) -> Generation | GenerationStream:
+    """The assistant's reply to a conversation, rendered with the model's chat template.
+
+    Args:
+        messages: ``[{"role": "system"|"user"|"assistant", "content": "..."}, ...]``, or a list of
+            such conversations for a batch.
+        stream: return a :class:`GenerationStream` of the reply's text pieces instead (pairs of
+            conversation index and piece for a batch).
+
+    Returns:
+        A :class:`Generation` whose ``texts`` are the replies.
+
+    Example:
+        >>> model.chat([{"role": "user", "content": "What is 2+2?"}], max_new_tokens=32).texts[0]
+    """
+    conversations = messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
+    rendered = [chat_prompt(model, m) for m in conversations]
+    config = GenerationConfig.of(config, **options)
+    if stream:
+        return GenerationStream(_steps(model, rendered, config, raw_text=True), indexed=len(rendered) > 1)
+    return _drain(_steps(model, rendered, config, raw_text=True))
+
+
+def chat_prompt(model: Any, messages: list[dict[str, Any]], **variables: Any) -> str:
+    """The prompt text the chat template makes of ``messages``, the assistant's turn opened."""
+    return chat_template(model).render(messages, add_generation_prompt=True, **variables)
+
+
+def chat_template(model: Any) -> ChatTemplate:
+    """The model's :class:`ChatTemplate`, read and compiled once."""
+    template = model.__dict__.get("_chat_template")
+    if template is None:
+        template = model.__dict__["_chat_template"] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer)
+    return template
+
+
+def _drain(steps: Generator[tuple[int, str], None, Generation], on_text: Callable[[int, str], None] | None = None) -> Generation:
+    """Run ``steps`` to the end, handing each piece to ``on_text``; its :class:`Generation`."""
+    while True:
+        try:
+            i, piece = next(steps)
+        except StopIteration as done:
+            return done.value
+        if on_text is not None:
+            on_text(i, piece)
+
+
+def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = False) -> Generator[tuple[int, str], None, Generation]:
+    """The generation itself: yields ``(prompt index, text piece)``, returns the :class:`Generation`."""
     t0 = time.perf_counter()
-    batch = len(ids)
-    width = max(map(len, ids))
-    seq = np.full((batch, width), pad_token_id, dtype=np.int64)
-    mask = np.zeros((batch, width), dtype=np.int64)
-    for i, p in enumerate(ids):  # left padding: every prompt's last token sits at the end
-        seq[i, width - len(p):] = p
-        mask[i, width - len(p):] = 1
+    job = prepare(model, prompts, config, raw_text)
+    batch = len(job.ids)
+    loop = DecodeLoop(model.engine, job.ids, job.pad_id, job.steps)
+    texts = [TextStream(job.tokenizer, p, config.stop) for p in job.ids] if job.tokenizer is not None else None
     new: list[list[int]] = [[] for _ in range(batch)]
+    finish = ["length"] * batch
     done = np.zeros(batch, dtype=bool)
-    passes = 0
-    cache = _empty_cache(model, batch)  # None for a cache-free artifact
-    for _ in range(max_new_tokens):
-        step_ids = seq if cache is None or passes == 0 else seq[:, -1:]
-        feeds = {"input_ids": step_ids, "attention_mask": mask}
-        if "position_ids" in names:
-            pos = np.where(mask > 0, np.cumsum(mask, axis=1) - 1, 1).astype(np.int64)
-            feeds["position_ids"] = pos[:, -step_ids.shape[1]:]
-        if cache is not None:
-            feeds.update(cache)
-        out = model.run(feeds)
-        if passes == 0:
+    sampler: Sampler | None = None
+    prefill_s = 0.0
+    for step in range(job.steps):
+        logits = loop.next_logits()  # (B, vocab)
+        if step == 0:
             prefill_s = time.perf_counter() - t0
-        logits = out["logits"]  # (B, T, vocab)
-        if cache is not None:
-            cache = {name: out[name.replace("past_key_values.", "present.", 1)] for name in cache}
-        passes += 1
-        nxt = logits[:, -1, :].argmax(axis=-1).astype(np.int64)  # (B,)
-        nxt = np.where(done, pad_token_id, nxt)
+            sampler = Sampler(config, job.ids, logits.shape[-1])
+        nxt = np.where(done, job.pad_id, sampler(logits))  # (B,); a finished prompt's row runs on, ignored
         for i in np.flatnonzero(~done):
-            new[i].append(int(nxt[i]))
-        if eos_token_id is not None:
-            done |= nxt == eos_token_id
-        seq = np.concatenate([seq, nxt[:, None]], axis=1)
-        mask = np.concatenate([mask, (~done | (nxt == eos_token_id))[:, None].astype(np.int64)], axis=1)
-        if done.all():
+            token = int(nxt[i])
+            new[i].append(token)
+            if token in job.end_ids:
+                finish[i], done[i] = "stop", True
+                piece = texts[i].finish() if texts is not None else ""
+            elif texts is not None:
+                piece = texts[i].push(token)
+                if texts[i].stopped:
+                    finish[i], done[i] = "stop", True
+            else:
+                piece = ""
+            if piece:
+                yield int(i), piece
+        if done.all() or step == job.steps - 1:
             break
-    out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts else None
-    return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
-                      prompt_tokens=sum(map(len, ids)), prefill_s=prefill_s)
-
-
-def _empty_cache(model: Model, batch: int) -> dict[str, np.ndarray] | None:
-    """A zero-length cache per ``past_key_values.*`` input (the first step has no past), or None."""
-    outputs = {t.name for t in model.outputs}
-    cache = {}
-    for t in model.manifest.inputs:
-        if not t.name.startswith("past_key_values."):
-            continue
-        if t.name.replace("past_key_values.", "present.", 1) not in outputs:
-            raise SlimmlError(f"the artifact takes {t.name} but outputs no matching present.*; re-convert it.")
-        if not all(isinstance(d, int) for d in t.shape[1:2] + t.shape[3:]):
-            raise SlimmlError(f"cannot tell the cache shape of {t.name} ({t.shape}); re-convert the model.")
-        shape = [batch, t.shape[1], 0, *t.shape[3:]]  # (B, kv_heads, past=0, head_dim)
-        cache[t.name] = np.zeros(shape, dtype=np.dtype(t.dtype))
-    return cache or None
+        sampler.add(nxt)
+        loop.append(nxt)
+    for i in np.flatnonzero(~done):  # max_new_tokens, or the context, reached
+        piece = texts[i].finish() if texts is not None else ""
+        if piece:
+            yield int(i), piece
+    return Generation(tokens=new, texts=[t.text for t in texts] if texts is not None and job.texts else None,
+                      seconds=time.perf_counter() - t0, passes=loop.passes, prompt_tokens=sum(map(len, job.ids)),
+                      prefill_s=prefill_s, finish_reasons=finish)

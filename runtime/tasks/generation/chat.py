@@ -1,0 +1,160 @@
+"""The model's chat template, rendered with Jinja2 exactly as transformers' ``apply_chat_template``
+renders it (``transformers/utils/chat_template_utils.py``): a sandboxed environment with
+``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension and a pass-through
+``{% generation %}`` tag; ``raise_exception``, ``strftime_now`` and a ``tojson`` that keeps
+non-ASCII text; the special tokens (``bos_token``, ``eos_token``, ...) as variables.
+
+Where the template comes from, first found wins: the manifest's tokenizer entry
+(``"chat_template": "<file in the artifact>"``, written by ``slimml convert``), then
+``chat_template.jinja`` or ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of
+``{name, template}`` of which ``default`` is used) in the artifact folder.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from slimml.errors import ArtifactError, FeedError, SlimmlError
+from slimml.runtime.artifact.manifest import safe_path
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+                  "additional_special_tokens")  # transformers' SPECIAL_TOKENS_ATTRIBUTES
+
+
+class ChatTemplate:
+    """A compiled chat template and the special tokens it may use.
+
+    Args:
+        source: the Jinja2 template text.
+        special: special token names -> their text (``{"bos_token": "<s>", ...}``).
+        where: the file it came from, for messages.
+    """
+
+    def __init__(self, source: str, special: dict[str, Any] | None = None, where: str = "the chat template"):
+        import jinja2
+        from jinja2.ext import Extension, loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        class Generation(Extension):  # {% generation %}...{% endgeneration %}: marks assistant text; renders it
+            tags = {"generation"}
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self.where = where
+        self.special = {k: v for k, v in (special or {}).items() if v}  # as transformers' special_tokens_map: set ones only
+        try:
+            self.template = env.from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ArtifactError(f"{where} does not parse (line {e.lineno}: {_line(e.message)}); fix the template or "
+                                "re-convert the model from a folder whose template works.") from None
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
+        """The prompt text for ``messages`` (``[{"role": "user", "content": "Hi"}, ...]``), ending
+        with the assistant's turn opened when ``add_generation_prompt``. ``variables`` reach the
+        template too (e.g. ``tools``, ``documents``, ``enable_thinking``)."""
+        check_messages(messages)
+        context = {"tools": None, "documents": None, **self.special, **variables}
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+        except Exception as e:  # raise_exception in the template, an undefined name, a type error in it
+            raise SlimmlError(f"{self.where} failed to render these messages ({type(e).__name__}: {_line(str(e))}); "
+                              "fix the messages (roles, their order) or the template.") from None
+
+    @classmethod
+    def of_artifact(cls, folder: Path, spec: dict[str, Any] | None) -> ChatTemplate:
+        """The chat template of the artifact in ``folder`` whose manifest tokenizer entry is ``spec``."""
+        spec = spec or {}
+        config = _tokenizer_config(folder)
+        special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if k in config}
+        special.update({k: spec[k] for k in SPECIAL_TOKENS if isinstance(spec.get(k), str)})
+        if isinstance(spec.get("chat_template"), str):
+            path = safe_path(folder, spec["chat_template"])
+            return cls(_read(path), special, str(path))
+        if (folder / "chat_template.jinja").is_file():
+            return cls(_read(folder / "chat_template.jinja"), special, str(folder / "chat_template.jinja"))
+        found = config.get("chat_template")
+        where = str(folder / "tokenizer_config.json")
+        if isinstance(found, list):
+            named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
+            if not isinstance(named.get("default"), str):
+                raise ArtifactError(f"{where} has chat templates {', '.join(map(str, named))} but none named 'default'; "
+                                    "name the one to use 'default'.")
+            found = named["default"]
+        if isinstance(found, str):
+            return cls(found, special, where)
+        raise SlimmlError(f"the artifact {folder} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                          "chat_template); re-convert it from a model folder that has one, or format the prompt "
+                          "yourself and call generate().")
+
+
+def check_messages(messages: Any) -> None:
+    """Refuse anything but a non-empty list of ``{"role": str, "content": ...}`` dicts."""
+    fix = 'pass a list of {"role": ..., "content": ...} dicts, e.g. [{"role": "user", "content": "Hi"}].'
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise FeedError(f"messages must be a non-empty list, got {type(messages).__name__}; {fix}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise FeedError(f"message {i} is a {type(m).__name__}, not a dict; {fix}")
+        if not isinstance(m.get("role"), str):
+            raise FeedError(f"message {i} has no string 'role'; {fix}")
+        if "content" not in m and not m.get("tool_calls"):
+            raise FeedError(f"message {i} has no 'content'; {fix}")
+
+
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"could not read {path} ({_line(str(e))}); fix or remove it.") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"could not read the chat template {path} ({_line(str(e))}); re-convert the model.") from None
+
+
+def _token_text(v: Any) -> Any:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    if isinstance(v, dict):
+        return v.get("content")
+    if isinstance(v, list):
+        return [_token_text(x) for x in v]
+    return v
+
+
+def _line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _raise_exception(message):
+    import jinja2
+
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' own: Jinja's tojson escapes HTML characters, which templates do not expect
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format):
+    return datetime.now().strftime(format)

@@ -1,0 +1,114 @@
+"""What to generate: one dataclass that checks itself, as transformers' ``GenerationConfig`` and
+OpenAI's sampling parameters mean each field."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from slimml.errors import ConfigError
+
+MAX_STOP_STRINGS = 16  # OpenAI takes 4; more than a handful is a mistake, not a use
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to continue a prompt.
+
+    Attributes:
+        max_new_tokens: tokens to add per prompt at most (fewer where the model's context ends).
+        temperature: divides the logits before sampling; 0 picks the most likely token (greedy).
+        top_k: sample among the k most likely tokens only; 0 turns it off.
+        top_p: sample among the most likely tokens whose probabilities add up to top_p (nucleus);
+            1 turns it off.
+        repetition_penalty: logits of tokens already in the prompt or the output are divided by it
+            (multiplied where negative), as transformers does; 1 turns it off.
+        seed: seeds numpy's ``Generator`` for sampling: the same seed gives the same tokens.
+            None draws a fresh seed.
+        stop: strings that end a prompt's generation where they appear in its text (also across
+            token boundaries); the stop string itself is not returned.
+        stop_token_ids: token ids that end a prompt's generation, beside the end-of-sequence id.
+        eos_token_id: the end-of-sequence id(s); None takes the tokenizer's.
+        pad_token_id: left-pads shorter prompts of a batch (masked out); None takes the tokenizer's or 0.
+        truncate: a prompt longer than the model's context keeps its last tokens instead of
+            being refused.
+
+    Example:
+        >>> GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0, stop=["\\n\\n"])
+    """
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # greedy by default: same answer every call, as llama.cpp with --temp 0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    truncate: bool = False
+
+    def __post_init__(self) -> None:
+        _whole("max_new_tokens", self.max_new_tokens, 1)
+        _number("temperature", self.temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
+        _whole("top_k", self.top_k, 0, "(0 turns it off)")
+        _number("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
+        _number("repetition_penalty", self.repetition_penalty, "> 0 (1 turns it off)", lambda v: v > 0)
+        if self.seed is not None and not is_int(self.seed):
+            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}; pass e.g. seed=0.")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ConfigError(f"stop has {len(stop)} strings, more than {MAX_STOP_STRINGS}; keep the ones that matter.")
+        if any(s == "" for s in stop):
+            raise ConfigError("stop has an empty string, which would stop at once; remove it.")
+        ids = (self.stop_token_ids,) if is_int(self.stop_token_ids) else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
+            raise ConfigError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}.")
+        eos = self.eos_token_id
+        if eos is not None and not (is_int(eos) and eos >= 0) and not (
+                isinstance(eos, (list, tuple)) and all(is_int(i) and i >= 0 for i in eos)):
+            raise ConfigError(f"eos_token_id must be a token id >= 0, a list of them, or None, got {eos!r}.")
+        if self.pad_token_id is not None and not (is_int(self.pad_token_id) and self.pad_token_id >= 0):
+            raise ConfigError(f"pad_token_id must be a token id >= 0 or None, got {self.pad_token_id!r}.")
+        if not isinstance(self.truncate, bool):
+            raise ConfigError(f"truncate must be True or False, got {self.truncate!r}.")
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        if isinstance(eos, (list, tuple)):
+            object.__setattr__(self, "eos_token_id", tuple(int(i) for i in eos))
+
+    @property
+    def greedy(self) -> bool:
+        """True when every step takes the most likely token (temperature 0, or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def of(cls, config: GenerationConfig | None = None, **options: Any) -> GenerationConfig:
+        """``config`` (default: all defaults) with ``options`` set; an unknown option is refused,
+        naming the ones there are."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ConfigError(f"unknown generation option {unknown[0]!r}; the options are {', '.join(sorted(names))}.")
+        if config is not None and not isinstance(config, cls):
+            raise ConfigError(f"config must be a GenerationConfig, got {type(config).__name__}.")
+        return replace(config, **options) if config is not None else cls(**options)
+
+
+def is_int(v: Any) -> bool:
+    """A whole number (a numpy one too), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _whole(name: str, v: Any, lo: int, note: str = "") -> None:
+    if not is_int(v) or v < lo:
+        raise ConfigError(f"{name} must be a whole number >= {lo}{' ' + note if note else ''}, got {v!r}.")
+
+
+def _number(name: str, v: Any, rule: str, ok) -> None:
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or v != v or not ok(v):
+        raise ConfigError(f"{name} must be {rule}, got {v!r}.")

@@ -1,0 +1,142 @@
+"""Prompts in, checked once against the model: token ids in its vocabulary, lengths within its
+context (refused with the limit, or cut from the left only when asked), stop strings that can fit.
+
+After this the decode loop trusts its feeds (``Engine.run_trusted``) and checks nothing per token.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from slimml.errors import FeedError, SlimmlError
+from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+_EOS_TOKENS = ("</s>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>", "<eos>", "<|end_of_text|>")
+_untruncated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TextEncoder -> its tokenizer, no truncation
+
+
+@dataclass
+class Prompts:
+    """Checked prompts: ``ids`` per prompt, how many new tokens fit (``steps``), and the ids that end one."""
+
+    ids: list[list[int]]
+    texts: bool  # the prompts came as text (so the answers go back as text)
+    steps: int  # passes to run at most: max_new_tokens, or fewer where the context ends
+    end_ids: frozenset[int]  # the end-of-sequence id(s) and stop_token_ids
+    pad_id: int
+    tokenizer: Tokenizer | None
+
+
+def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = False) -> Prompts:
+    """Encode and check ``prompts`` (texts or token id lists) for ``model`` under ``config``.
+
+    ``raw_text``: the texts are rendered chat templates, which carry their own special tokens
+    (encoded without adding any, as transformers' ``apply_chat_template`` does).
+    """
+    text = model.text
+    tok = untruncated(text) if text is not None else None
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    texts = isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(p, str) for p in prompts)
+    if texts:
+        if tok is None:
+            raise SlimmlError(f"the artifact {model.folder} has no tokenizer; pass token ids instead of text.")
+        ids = [e.ids for e in tok.encode_batch(list(prompts), add_special_tokens=not raw_text)]
+    else:
+        ids = _id_lists(prompts)
+    if not ids or any(len(p) == 0 for p in ids):
+        raise FeedError("generate() needs at least one non-empty prompt; give a text or a list of token ids.")
+    engine = model.engine
+    vocab = engine.vocab_size
+    if vocab is not None:
+        for i, p in enumerate(ids):
+            bad = next((k for k, t in enumerate(p) if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise FeedError(f"prompt {i} has token id {p[bad]} at position {bad}, outside the model's vocabulary "
+                                f"of {vocab}; use ids in [0, {vocab}).")
+    if config.stop and tok is None:
+        raise SlimmlError(f"stop strings are matched on the text, but the artifact {model.folder} has no tokenizer; "
+                          "use stop_token_ids instead.")
+    context = engine.max_sequence_length
+    steps = config.max_new_tokens
+    if context is not None:
+        ids = [_fit(i, p, context, config) for i, p in enumerate(ids)]
+        for i, s in enumerate(config.stop):
+            n = len(tok.encode(s, add_special_tokens=False).ids)
+            if n > context:
+                raise FeedError(f"stop string {i} is {n} tokens long, longer than the model's context of {context} "
+                                "tokens, so it can never appear; shorten it.")
+        steps = min(steps, context - max(map(len, ids)))
+    return Prompts(ids=ids, texts=texts, steps=steps, end_ids=frozenset(end_ids(model, config, tok)),
+                   pad_id=pad_id(model, config), tokenizer=tok)
+
+
+def untruncated(text: Any) -> Tokenizer:
+    """The TextEncoder's tokenizer without its truncation (a prompt too long is refused or cut
+    here, never silently by the tokenizer), made once per encoder."""
+    tok = _untruncated.get(text)
+    if tok is None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(text.tokenizer.to_str())
+        tok.no_truncation()
+        tok.no_padding()
+        _untruncated[text] = tok
+    return tok
+
+
+def end_ids(model: Any, config: GenerationConfig, tok: Tokenizer | None) -> set[int]:
+    """The ids that end a prompt: ``config.eos_token_id`` (else the tokenizer's end token, as the
+    manifest names it or as known names find it) and ``config.stop_token_ids``."""
+    eos = config.eos_token_id
+    if eos is None and tok is not None:
+        spec = (model.manifest.tokenizer or {})
+        named = spec.get("eos_token_id")
+        if is_int(named):
+            eos = int(named)
+        else:
+            names = ([spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []) + list(_EOS_TOKENS)
+            eos = next((tok.token_to_id(t) for t in names if tok.token_to_id(t) is not None), None)
+    found = set() if eos is None else {eos} if is_int(eos) else set(eos)
+    return found | set(config.stop_token_ids)
+
+
+def pad_id(model: Any, config: GenerationConfig) -> int:
+    if config.pad_token_id is not None:
+        return config.pad_token_id
+    return int((model.manifest.tokenizer or {}).get("pad_id") or 0)
+
+
+def _id_lists(prompts: Any) -> list[list[int]]:
+    if isinstance(prompts, np.ndarray):
+        if prompts.ndim != 2 or prompts.dtype.kind not in "iu":
+            raise FeedError(f"prompts as an array must be 2-D integer token ids, got {prompts.ndim}-D {prompts.dtype}; "
+                            "pass a list of id lists for prompts of different lengths.")
+        return prompts.astype(np.int64).tolist()
+    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
+        raise FeedError(f"prompts must be a text, a list of texts, or a list of token id lists, got {type(prompts).__name__}.")
+    out = []
+    for i, p in enumerate(prompts):
+        if not all(is_int(t) for t in p):
+            raise FeedError(f"prompt {i} has a token id that is not an integer; pass whole numbers, or texts.")
+        out.append([int(t) for t in p])
+    return out
+
+
+def _fit(i: int, ids: list[int], context: int, config: GenerationConfig) -> list[int]:
+    """``ids`` if at least one new token fits after it in ``context``; else refused, or, with
+    ``truncate``, its last tokens: room for max_new_tokens, but never less than half the context."""
+    if len(ids) < context:
+        return ids
+    if not config.truncate:
+        raise FeedError(f"prompt {i} has {len(ids)} tokens; the model's context is {context}, which leaves no room "
+                        f"for new tokens; shorten it to at most {context - 1} tokens or pass truncate=True.")
+    keep = context - min(config.max_new_tokens, context // 2)
+    return ids[-keep:]
