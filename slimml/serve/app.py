@@ -19,20 +19,22 @@ from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from slimml.errors import FeedError, IntegrityError, RequestError, SlimmlError
 from slimml.serve import protocol
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
+from slimml.serve.llm import RETRY_AFTER_S, LLMService
 
 api = FastAPI(title="slimml", docs_url=None, redoc_url=None)
 
 
 @api.exception_handler(RequestError)
 async def _request_error(request: Request, e: RequestError):
-    return JSONResponse(protocol.error_body(str(e), e.status), status_code=e.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+    return JSONResponse(protocol.error_body(str(e), e.status), status_code=e.status, headers=headers)
 
 
 @api.exception_handler(FeedError)
@@ -67,6 +69,10 @@ class SlimmlServer:
             self.model = load(self.config.artifact, threads=max(1, int(cpus)) if cpus else None,
                               memory_budget=self.config.memory_budget)
         self.name = self.config.name or self.model.manifest.name
+        self._llm = None
+        if self.model.manifest.task.startswith("text-generation") and not self.config.stages:
+            self._llm = LLMService(self.model, self.name, self.config.max_new_tokens, self.config.max_running,
+                                   self.config.max_waiting)
         self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size),
                                     self.config.max_batch_size, self.config.batch_wait_ms / 1000)
 
@@ -125,6 +131,26 @@ class SlimmlServer:
         prompts, n = protocol.generate_request(data, self.config.max_new_tokens, self.config.max_texts)
         gen = await asyncio.to_thread(self.model.generate, prompts, n)
         return protocol.generate_response(gen, self.name, n)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, chat=True)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool):
+        data = await self._body(request)
+        if self._llm is None:
+            raise RequestError(f"this artifact is a {self.model.manifest.task!r} model, not a language model served "
+                               "here, so it has no /v1/chat/completions or /v1/completions; use POST /v1/embeddings "
+                               "or POST /v1/run.", 404)
+        protocol.check_model(data, self.name)
+        answer = await self._llm.answer(data, chat)
+        if isinstance(answer, dict):
+            return Response(protocol.dumps(answer), media_type="application/json")
+        return StreamingResponse(answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @api.get("/health")
     async def health(self):

@@ -31,7 +31,10 @@ class ServeConfig:
             32; in process, 128-token texts ran 146-154 texts/s at 16 against 139-150 at 32).
         max_body_bytes: larger request bodies get 413 (8 MiB: about 40,000 short sentences).
         max_texts: texts per embeddings request, at most; more gets 413.
-        max_new_tokens: the most tokens one generate request may ask for.
+        max_new_tokens: the most tokens one generate, chat or completions request may ask for.
+        max_running: language models: answers generated together, one model pass a token for all
+            of them (continuous batching: a request joins at the next step, leaves when done).
+        max_waiting: language models: requests queued for a place in the batch; more get 429.
         max_ongoing_requests: requests a replica holds at once (batching needs at least
             max_batch_size); more wait in Serve's queue.
         memory_budget: passed to ``load`` (streams the model within that many bytes).
@@ -51,13 +54,15 @@ class ServeConfig:
     max_body_bytes: int = 8 << 20
     max_texts: int = 2048
     max_new_tokens: int = 512
+    max_running: int = 16
+    max_waiting: int = 64
     max_ongoing_requests: int = 128
     memory_budget: str | None = None
     access_log: bool = False
 
     def __post_init__(self):
         whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024,
-                 "max_texts": 1, "max_new_tokens": 1, "max_ongoing_requests": 1}
+                 "max_texts": 1, "max_new_tokens": 1, "max_ongoing_requests": 1, "max_running": 1, "max_waiting": 0}
         for name, low in whole.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -73,6 +78,8 @@ class ServeConfig:
             )
         if self.max_ongoing_requests < self.max_batch_size:
             self.max_ongoing_requests = self.max_batch_size  # else batches could never fill
+        # a language model's queue is its own: Serve must let in every request it may run or queue
+        self.max_ongoing_requests = max(self.max_ongoing_requests, self.max_running + self.max_waiting + 8)
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeConfig:
