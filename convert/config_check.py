@@ -1,0 +1,104 @@
+"""Refuse a model config the installed transformers would misread.
+
+transformers ignores config keys it does not know and falls back to its defaults. A config
+written by a newer transformers can hold settings under new names: transformers 5 keeps RoPE
+under ``rope_parameters``, which 4.57 ignores, falling back to ``rope_theta = 10000``. SmolLM2
+(``rope_theta`` 100000) converted that way is +8% perplexity while every check comparing the
+artifact with the (equally misread) torch model passes. So a key that this transformers does
+not know, in a config from a newer transformers, stops the conversion with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from slimml.errors import SourceError
+
+# keys that change nothing in the computation, whatever the version that wrote them
+_HARMLESS = {
+    "transformers_version", "architectures", "dtype", "torch_dtype", "_name_or_path", "_model_name_or_path",
+    "auto_map", "model_type", "use_cache", "output_attentions", "output_hidden_states", "return_dict",
+    "_attn_implementation_autoset", "initializer_range", "quantization_config", "layer_types",
+}
+
+# keys newer transformers writes, and where the installed version wants what they hold
+_MOVES = {
+    "rope_parameters": "copy rope_parameters.rope_theta to a top-level \"rope_theta\" (and any other "
+                       "rope_parameters entries, with rope_type, to \"rope_scaling\")",
+}
+
+
+def check_config(folder: str | Path) -> None:
+    """Raise :class:`SourceError` when ``folder/config.json`` holds keys the installed transformers ignores.
+
+    Only configs written by a newer transformers than the installed one are checked for unknown
+    keys (older ones are what this version was written to read); ``rope_parameters`` without a
+    top-level ``rope_theta`` is refused whatever the version, since it always means a misread RoPE.
+
+    Raises:
+        SourceError: one line naming the keys and the fix (upgrade transformers, or move the key).
+    """
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # the exporter words a missing or broken config itself
+    import transformers
+
+    installed = transformers.__version__
+    wrote = str(config.get("transformers_version") or "")
+    unknown = _unknown_keys(config)
+    dangerous = [k for k in unknown if k in _MOVES]
+    if "rope_parameters" in config and "rope_theta" not in config and "rope_parameters" not in dangerous:
+        if not _knows(config.get("model_type"), "rope_parameters"):
+            dangerous.append("rope_parameters")
+    if not dangerous and not (unknown and _newer(wrote, installed)):
+        return
+    keys = dangerous or unknown
+    fixes = "; ".join(_MOVES[k] for k in keys if k in _MOVES)
+    by = f"transformers {wrote}" if wrote else "another transformers version"
+    raise SourceError(
+        f"{path} was written by {by} and holds {', '.join(repr(k) for k in keys)}, which the installed "
+        f"transformers {installed} ignores, so the model would be converted wrongly with its defaults. Edit "
+        f"config.json: {fixes or 'translate those keys to what this version reads, or remove them'} (slimml's "
+        "exporter, optimum-onnx 0.1.0, needs transformers<4.58, so upgrading transformers is not the fix yet)."
+    )
+
+
+def _unknown_keys(config: dict[str, Any]) -> list[str]:
+    """Top-level keys that the installed config class neither declares nor sets by default."""
+    known = _known_keys(config.get("model_type"))
+    if known is None:
+        return []
+    return sorted(k for k in config if k not in known and k not in _HARMLESS)
+
+
+def _known_keys(model_type: Any) -> set[str] | None:
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        cls_config = AutoConfig.for_model(str(model_type))
+    except Exception:  # a model type this transformers does not know: the exporter says so
+        return None
+    known = set(cls_config.to_dict()) | set(PretrainedConfig().to_dict())
+    known |= set(getattr(type(cls_config), "attribute_map", {}))
+    import inspect
+
+    known |= set(inspect.signature(type(cls_config).__init__).parameters)
+    return known
+
+
+def _knows(model_type: Any, key: str) -> bool:
+    known = _known_keys(model_type)
+    return known is not None and key in known
+
+
+def _newer(wrote: str, installed: str) -> bool:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(wrote).release[:2] > Version(installed).release[:2]
+    except InvalidVersion:
+        return False
