@@ -155,7 +155,10 @@ class SlimmlServer:
     @api.get("/health")
     async def health(self):
         await asyncio.to_thread(self.model.check_files)  # IntegrityError -> 503
-        return {"status": "ok", "model": self.name}
+        body = {"status": "ok", "model": self.name}
+        if self._llm is not None:  # answers being generated, waiting, and the batch's KV cache in bytes
+            body["generation"] = self._llm.worker.load
+        return body
 
     @api.get("/v1/models")
     async def models(self):

@@ -72,7 +72,7 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     if mt is not None:
         if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_tokens_limit:
             raise RequestError(f'"{key}" must be a whole number from 1 to {max_tokens_limit} (this server\'s '
-                               f"limit), got {_show(mt)}; ask for fewer tokens.")
+                               f"limit), got {_show(mt)}.")
         req.max_tokens = mt
     req.temperature = _number(data, "temperature", 1.0, 0.0, 2.0, "from 0 to 2 (0 is greedy)")
     req.top_p = _number(data, "top_p", 1.0, 0.0, 1.0, "in (0, 1]", open_low=True)
