@@ -12,6 +12,7 @@ request gets 429 with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
@@ -48,9 +49,11 @@ class DecodeWorker:
             self._wake.notify()
 
     @property
-    def load(self) -> dict[str, int]:
-        """Sequences running and waiting, and the bytes of the running batch's KV cache."""
-        return {"running": len(self.batch.rows), "waiting": len(self._waiting), "cache_bytes": self.batch.cache_bytes}
+    def load(self) -> dict[str, int | None]:
+        """Sequences running and waiting, the bytes of the running batch's KV cache, and the
+        replica's resident memory (Linux; None elsewhere)."""
+        return {"running": len(self.batch.rows), "waiting": len(self._waiting), "cache_bytes": self.batch.cache_bytes,
+                "rss_bytes": _rss()}
 
     def close(self) -> None:
         with self._wake:
@@ -179,6 +182,14 @@ class LLMService:
 
     def close(self) -> None:
         self.worker.close()
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _failure(seq: Sequence) -> str:
