@@ -171,12 +171,15 @@ class SlimmlServer:
         self.model.check_files()
 
 
-def app(config: ServeConfig, cpus_per_replica: float | None = None):
+def app(config: ServeConfig, cpus_per_replica: float | None = None, memory_bytes: int | None = None):
     """The Serve application for ``config`` (bind it with ``serve.run``)."""
     cpus = config.cpus_per_replica or cpus_per_replica or 1  # fractional when replicas outnumber CPUs
+    actor = {"num_cpus": 0 if config.stages else cpus}
+    if memory_bytes:  # a streamed model: Ray places a replica only on a node with room for its budget
+        actor["memory"] = memory_bytes
     return SlimmlServer.options(
         num_replicas=config.replicas, max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0 if config.stages else cpus},
+        ray_actor_options=actor,
     ).bind(config.to_args())
 
 

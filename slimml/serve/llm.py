@@ -184,6 +184,21 @@ class LLMService:
         self.worker.close()
 
 
+def replica_bytes(manifest: Any, memory_budget: str | int, max_running: int) -> int:
+    """The memory one replica of a streamed language model asks Ray for: its weight budget plus the
+    KV cache of ``max_running`` answers at the model's full context (fp32 or the cache's dtype)."""
+    import numpy as np
+
+    from slimml.runtime.engine.budget import parse_bytes
+
+    context = int((manifest.source or {}).get("max_position_embeddings") or 2048)
+    per_token = 0
+    for t in manifest.inputs:  # past_key_values.N.key/value: (batch, kv_heads, past, head_dim)
+        if t.name.startswith("past_key_values.") and all(isinstance(d, int) for d in (t.shape[1], t.shape[3])):
+            per_token += t.shape[1] * t.shape[3] * np.dtype(t.dtype).itemsize
+    return parse_bytes(memory_budget) + max_running * context * per_token
+
+
 def _rss() -> int | None:
     try:
         with open("/proc/self/statm") as f:
