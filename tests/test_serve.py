@@ -199,3 +199,9 @@ def test_a_killed_replica_is_replaced(server):
         except (http.client.HTTPException, OSError):
             client = Client(server)
     assert oks == 20
+
+
+def test_chat_to_an_embedding_model_names_the_endpoints_it_has(server):
+    status, body = Client(server).request("POST", "/v1/chat/completions",
+                                          {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "/v1/embeddings" in body["error"]["message"]

@@ -27,13 +27,14 @@ from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from slimml.errors import ArtifactError, FeedError, IntegrityError, RequestError, SlimmlError, StageError, TaskError
 import slimml.serve.protocol as protocol
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
+from slimml.serve.llm import RETRY_AFTER_S, LLMService
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="slimml", docs_url=None, redoc_url=None)
@@ -109,7 +110,7 @@ api.add_middleware(_Guard)
 
 @api.exception_handler(RequestError)
 async def _request_error(request: Request, e: RequestError):
-    return _error(str(e), e.status)
+    return _error(str(e), e.status, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None)
 
 
 @api.exception_handler(FeedError)
@@ -192,6 +193,10 @@ class SlimmlServer:
         self.name = self.config.name or self.model.manifest.name
         params = inspect.signature(self.model.generate).parameters if hasattr(self.model, "generate") else {}
         self._cancels = "cancel" in params  # generate(cancel=Event) stops decoding when the client goes away
+        self._llm = None  # a language model's chat and completions: one continuous batch per replica
+        if self.model.kind == "text-generation" and not self.config.stages:
+            self._llm = LLMService(self.model, self.name, self.config.max_new_tokens, self.config.max_running,
+                                   self.config.max_waiting, self.config.max_text_chars)
         self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size),
                                     self.config.max_batch_size, self.config.batch_wait_ms / 1000)
 
@@ -265,10 +270,35 @@ class SlimmlServer:
             raise
         return protocol.generate_response(gen, self.name, n)
 
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, chat=True)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: Request, chat: bool):
+        data = await self._body(request)
+        if self._llm is None:
+            works = "POST /v1/embeddings" if self.model.supports("encode_with_counts") else (
+                "POST /v1/generate" if self.model.supports("generate") else None)
+            use = f"use {works}, or POST /v1/run for its raw outputs" if works else "use POST /v1/run for its raw outputs"
+            raise RequestError(f"this artifact is a {self.model.kind!r} model, not a language model served here, so it "
+                               f"has no /v1/chat/completions or /v1/completions; {use}.", 400)
+        protocol.check_model(data, self.name)
+        answer = await self._llm.answer(data, chat)
+        if isinstance(answer, dict):
+            return Response(protocol.dumps(answer), media_type="application/json")
+        return StreamingResponse(answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
     @api.get("/health")
     async def health(self):
         await asyncio.to_thread(self.model.check_files)  # IntegrityError -> 503
-        return {"status": "ok", "model": self.name}
+        body = {"status": "ok", "model": self.name}
+        if self._llm is not None:  # answers being generated, waiting, and the batch's KV cache in bytes
+            body["generation"] = self._llm.worker.load
+        return body
 
     @api.get("/v1/models")
     async def models(self):
@@ -281,13 +311,16 @@ class SlimmlServer:
         self.model.check_files()
 
 
-def app(config: ServeConfig, cpus_per_replica: float | None = None):
+def app(config: ServeConfig, cpus_per_replica: float | None = None, memory_bytes: int | None = None):
     """The Serve application for ``config`` (bind it with ``serve.run``)."""
     cpus = config.cpus_per_replica or cpus_per_replica or 1  # fractional when replicas outnumber CPUs
+    actor = {"num_cpus": 0 if config.stages else cpus}
+    if memory_bytes:  # a streamed model: Ray places a replica only on a node with room for its budget
+        actor["memory"] = memory_bytes
     return SlimmlServer.options(
         num_replicas=config.replicas, max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
-        ray_actor_options={"num_cpus": 0 if config.stages else cpus},
+        ray_actor_options=actor,
     ).bind(config.to_args())
 
 

@@ -46,7 +46,11 @@ class ServeConfig:
         max_response_values: values in one /v1/run response, at most, counted from the output
             shapes before the model runs (4,194,304: 16 MiB as float32; a 32,000-token decoder's logits for 131 tokens);
             more gets 413.
-        max_new_tokens: the most tokens one generate request may ask for.
+        max_new_tokens: the most tokens one generate, chat or completions request may ask for.
+        max_running: language models: answers generated together, one model pass a token for all
+            of them (continuous batching: a request joins at the next step, leaves when done).
+        max_waiting: language models: requests queued for a place in the batch; more get 429
+            with Retry-After. max_running + max_waiting must fit max_ongoing_requests.
         max_ongoing_requests: requests a replica works on at once (each holds its body and its
             share of a batch); more wait in Serve's queue.
         max_queued_requests: requests waiting for a replica, at most; more get 503 at once.
@@ -79,6 +83,8 @@ class ServeConfig:
     max_batch_tokens: int | None = None
     max_response_values: int = 1 << 22
     max_new_tokens: int = 512
+    max_running: int = 16
+    max_waiting: int = 64
     max_ongoing_requests: int = 128
     max_queued_requests: int = 512
     body_timeout_s: float = 30.0
@@ -93,7 +99,7 @@ class ServeConfig:
     def __post_init__(self):
         whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024, "max_bodies_bytes": 1024,
                  "max_texts": 1, "max_text_chars": 1, "max_response_values": 1, "max_new_tokens": 1,
-                 "max_ongoing_requests": 1, "max_queued_requests": 1}
+                 "max_ongoing_requests": 1, "max_queued_requests": 1, "max_running": 1, "max_waiting": 0}
         for name, low in whole.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
@@ -118,6 +124,10 @@ class ServeConfig:
                                          or not self.api_key.isprintable() or " " in self.api_key):
             raise ConfigError("api_key must be at least 16 printable characters without spaces (e.g. from "
                               "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`).")
+        if self.max_running + self.max_waiting > self.max_ongoing_requests:
+            raise ConfigError(f"max_running ({self.max_running}) + max_waiting ({self.max_waiting}) is more than "
+                              f"max_ongoing_requests ({self.max_ongoing_requests}), so Serve would queue requests the "
+                              "batch could take; raise --max-ongoing-requests or lower --max-running/--max-waiting.")
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeConfig:

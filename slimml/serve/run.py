@@ -63,11 +63,14 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         for s in previous:
             signal.signal(s, lambda *_: stop.set())
     try:
-        cpus = sum(n["cpus"] for n in nodes_with_cpus())
+        nodes = nodes_with_cpus()
+        cpus = sum(n["cpus"] for n in nodes)
+        memory = _replica_memory(config, nodes)
         # the proxy's own end-to-end limit, a little after the replica's (whose 408 names the flag)
         ray_serve.start(http_options={"host": host, "port": proxy_port, "request_timeout_s": config.request_timeout_s + 5})
         try:
-            ray_serve.run(app(config, cpus_per_replica=cpus / config.replicas), name="slimml", route_prefix="/",
+            ray_serve.run(app(config, cpus_per_replica=cpus / config.replicas, memory_bytes=memory), name="slimml",
+                          route_prefix="/",
                           logging_config={"enable_access_log": config.access_log})
         except RuntimeError as e:  # Serve's own "Deploying application ... failed"
             raise SlimmlError(
@@ -89,6 +92,26 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             if threading.current_thread() is threading.main_thread():
                 for s, handler in previous.items():
                     signal.signal(s, handler)
+
+
+def _replica_memory(config: ServeConfig, nodes: list[dict]) -> int | None:
+    """For a streamed language model (``memory_budget`` set): the bytes each replica asks Ray for
+    (its budget and a full KV cache), refused in one line when the nodes cannot hold the replicas."""
+    manifest = read_manifest(config.artifact)
+    if not config.memory_budget or not manifest.task.startswith("text-generation"):
+        return None
+    from slimml.runtime.engine.budget import fmt_bytes
+    from slimml.serve.llm import replica_bytes
+
+    need = replica_bytes(manifest, config.memory_budget, config.max_running)
+    fit = sum(n["memory"] // need for n in nodes)
+    if fit < config.replicas:
+        per_node = ", ".join(f"{n['address']}: {n['memory'] // need}" for n in nodes)
+        raise ConfigError(f"each replica needs {fmt_bytes(need)} (--memory-budget {config.memory_budget} and the KV cache "
+                          f"of --max-running {config.max_running} answers at full context), so the cluster holds "
+                          f"{fit} of the {config.replicas} replicas asked ({per_node}); lower --replicas, "
+                          "--memory-budget or --max-running, or add nodes.")
+    return need
 
 
 def _direct_ingress(host: str, port: int, config: ServeConfig, address: str | None) -> int:

@@ -1,0 +1,219 @@
+"""A replica's language-model service: OpenAI chat and completions over one continuous batch.
+
+Requests are checked on their own (a bad one fails alone), then wait for the decode worker, a
+thread that runs :class:`~slimml.runtime.tasks.generation.continuous.ContinuousBatch`: between two
+steps it admits the waiting sequences (prefilled together in one pass), then steps every running
+sequence in one pass. Text reaches each request's event loop as it is made, for server-sent
+events or the whole answer. A client that goes away cancels its sequence, which leaves the batch
+at the next step with its cache. Beyond ``max_running`` decoding and ``max_waiting`` queued, a
+request gets 429 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from slimml.errors import FeedError, RequestError, SlimmlError
+from slimml.runtime.tasks.generation.config import GenerationConfig
+from slimml.runtime.tasks.generation.continuous import ContinuousBatch, Sequence
+from slimml.serve import openai
+
+RETRY_AFTER_S = 1  # what a 429 tells a client to wait
+
+
+class DecodeWorker:
+    """The thread that owns the running batch: admits waiting sequences between steps."""
+
+    def __init__(self, model: Any, max_running: int, max_waiting: int):
+        self.batch = ContinuousBatch(model, max_batch=max_running)
+        self.max_waiting = max_waiting
+        self._waiting: deque[Sequence] = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="slimml-decode", daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue ``seq`` for the next step; 429 when the queue is full."""
+        with self._wake:
+            if len(self._waiting) >= self.max_waiting:
+                raise RequestError(f"the server is busy: {len(self.batch.rows)} answers are being generated and "
+                                   f"{len(self._waiting)} wait; retry in {RETRY_AFTER_S} s (or start the server "
+                                   "with a larger --max-waiting).", 429)
+            self._waiting.append(seq)
+            self._wake.notify()
+
+    @property
+    def load(self) -> dict[str, int | None]:
+        """Sequences running and waiting, the bytes of the running batch's KV cache, and the
+        replica's resident memory (Linux; None elsewhere)."""
+        return {"running": len(self.batch.rows), "waiting": len(self._waiting), "cache_bytes": self.batch.cache_bytes,
+                "rss_bytes": _rss()}
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        batch = self.batch
+        while True:
+            with self._wake:
+                while not self._stopped and not self._waiting and not batch.rows:
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                joining = [self._waiting.popleft() for _ in range(min(batch.free, len(self._waiting)))]
+            try:
+                if joining:
+                    batch.admit(joining)
+                batch.step()
+            except Exception as e:  # noqa: BLE001 - a bug here must end the requests, not hang them
+                for s in joining:
+                    if s.finish_reason is None:
+                        ContinuousBatch._end(s, "error", e)
+                batch.cancel_all(e)
+        batch.cancel_all()
+        for s in self._waiting:
+            ContinuousBatch._end(s, "cancelled")
+
+
+class LLMService:
+    """Chat and completions for one causal-LM model in a replica.
+
+    Args:
+        model: the loaded causal-LM task.
+        name: the model name clients send.
+        max_tokens: the most tokens one request may ask for.
+        max_running: sequences decoding together (the batch).
+        max_waiting: requests queued for the batch before 429.
+        max_text_chars: characters of a prompt (all messages together) at most; more gets 413.
+    """
+
+    def __init__(self, model: Any, name: str, max_tokens: int, max_running: int, max_waiting: int,
+                 max_text_chars: int = 16_384):
+        self.model = model
+        self.name = name
+        self.max_tokens = max_tokens
+        self.max_text_chars = max_text_chars
+        self.worker = DecodeWorker(model, max_running, max_waiting)
+
+    async def answer(self, data: dict[str, Any], chat: bool):
+        """The response to a chat (``chat=True``) or completions body: a whole JSON body, or an
+        async iterator of server-sent events when the request streams."""
+        req = openai.completion_request(data, chat, self.max_tokens)
+        chars = sum(len(m["content"]) for m in req.messages) if chat else len(req.prompt)
+        if chars > self.max_text_chars:  # before any tokenizing: a prompt is never cut, it is refused
+            raise RequestError(f"the prompt has {chars} characters, more than this server takes ({self.max_text_chars}); "
+                               "shorten it, or start the server with a larger --max-text-chars.", 413)
+        events: asyncio.Queue = asyncio.Queue()
+        seq = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
+        self.worker.submit(seq)
+        answer = openai.Answer(req, self.name)
+        if req.stream:
+            return self._stream(seq, events, answer)
+        try:
+            text = []
+            while True:
+                kind, value = await events.get()
+                if kind == "text":
+                    text.append(value)
+                else:
+                    break
+        finally:
+            seq.cancel()  # no-op once finished; a client gone mid-answer frees the batch's row
+        self._raise_failure(seq)
+        return answer.whole("".join(text), seq.finish_reason, len(seq.ids), len(seq.tokens))
+
+    def _sequence(self, req: openai.CompletionRequest, loop: asyncio.AbstractEventLoop, put) -> Sequence:
+        """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop`` (runs on
+        a thread: rendering and tokenizing)."""
+        from slimml.runtime.tasks.generate import chat_prompt
+
+        if req.chat:
+            try:
+                prompt, raw = chat_prompt(self.model, req.messages), True
+            except FeedError as e:
+                raise RequestError(str(e)) from None
+            except SlimmlError as e:  # the template refused the messages, or there is none: no paths in the body
+                detail = str(e).replace(str(self.model.folder), "the model")
+                raise RequestError(f"{detail} (POST /v1/completions takes a plain prompt.)") from None
+        else:
+            prompt, raw = req.prompt, False
+        context = self.model.engine.max_sequence_length
+        limit = req.max_tokens or self.max_tokens
+        config = GenerationConfig(max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, repetition_penalty=req.repetition_penalty, seed=req.seed,
+                                  stop=tuple(req.stop))
+        try:
+            seq = self.worker.batch.prepare(
+                prompt, config, raw_text=raw,
+                on_text=lambda piece: loop.call_soon_threadsafe(put, ("text", piece)),
+                on_done=lambda s: loop.call_soon_threadsafe(put, ("done", s)))
+        except FeedError as e:
+            raise RequestError(str(e)) from None
+        if req.max_tokens is not None and context is not None and len(seq.ids) + req.max_tokens > context:
+            raise RequestError(f"the prompt is {len(seq.ids)} tokens and max_tokens is {req.max_tokens}: "
+                               f"{len(seq.ids) + req.max_tokens} in all, more than the model's context of {context} "
+                               "tokens; shorten the prompt or ask for fewer tokens.")
+        return seq
+
+    async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                kind, value = await events.get()
+                if kind == "text":
+                    yield openai.sse(answer.chunk(value))
+                    continue
+                if seq.finish_reason == "error":
+                    yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "code": 500}})
+                else:
+                    yield openai.sse(answer.chunk("", seq.finish_reason))
+                    if answer.req.include_usage:
+                        yield openai.sse(answer.usage_chunk(len(seq.ids), len(seq.tokens)))
+                yield openai.sse("[DONE]")
+                return
+        finally:
+            seq.cancel()  # the client went away (or the stream ended): the row leaves the batch
+
+    @staticmethod
+    def _raise_failure(seq: Sequence) -> None:
+        if seq.finish_reason == "error":
+            raise SlimmlError(_failure(seq))
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def replica_bytes(manifest: Any, memory_budget: str | int, max_running: int) -> int:
+    """The memory one replica of a streamed language model asks Ray for: its weight budget plus the
+    KV cache of ``max_running`` answers at the model's full context (fp32 or the cache's dtype)."""
+    import numpy as np
+
+    from slimml.runtime.engine.budget import parse_bytes
+
+    context = int((manifest.source or {}).get("max_position_embeddings") or 2048)
+    per_token = 0
+    for t in manifest.inputs:  # past_key_values.N.key/value: (batch, kv_heads, past, head_dim)
+        if t.name.startswith("past_key_values.") and all(isinstance(d, int) for d in (t.shape[1], t.shape[3])):
+            per_token += t.shape[1] * t.shape[3] * np.dtype(t.dtype).itemsize
+    return parse_bytes(memory_budget) + max_running * context * per_token
+
+
+def _rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _failure(seq: Sequence) -> str:
+    kind = type(seq.error).__name__ if seq.error is not None else "error"
+    return f"generation failed ({kind}); the server logged it. Retry the request."

@@ -1,0 +1,241 @@
+"""OpenAI's chat and completions bodies: requests parsed and checked, responses and stream chunks built.
+
+Framework-free, like :mod:`slimml.serve.protocol`: every refusal is a
+:class:`~slimml.errors.RequestError` (a 4xx whose message names the problem and the fix), which
+the app turns into OpenAI's error body. The shapes follow OpenAI's API reference for
+``POST /v1/chat/completions`` and ``POST /v1/completions``: ``n`` must be 1, ``stream`` sends
+server-sent events ending with ``data: [DONE]``, ``stream_options.include_usage`` adds a last
+chunk with ``usage`` and no choices.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from slimml.errors import RequestError
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_STOP = 4  # OpenAI's limit on "stop" strings
+# fields a client may send that change nothing here, accepted so that standard clients work
+_IGNORED = {"model", "user", "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+            "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", "service_tier",
+            "stream_options", "echo", "best_of", "suffix", "max_completion_tokens", "messages", "prompt", "n",
+            "stream", "max_tokens", "temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty"}
+
+
+@dataclass
+class CompletionRequest:
+    """One chat or completions request, checked.
+
+    Attributes:
+        chat: True for ``/v1/chat/completions`` (``messages``), False for ``/v1/completions`` (``prompt``).
+        messages: the chat messages (``{"role", "content"}``), for chat.
+        prompt: the prompt text (completions) or token ids.
+        max_tokens: tokens to generate at most (None: up to the context).
+        temperature, top_p, top_k, repetition_penalty, seed: sampling (temperature 0 is greedy).
+        stop: up to 4 strings that end the answer (not included in it).
+        stream: send server-sent events; include_usage: a last chunk with ``usage``.
+    """
+
+    chat: bool
+    messages: list[dict[str, str]] | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+
+
+def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) -> CompletionRequest:
+    """Check a chat (``chat=True``) or completions request body; ``max_tokens_limit`` is the
+    server's cap on ``max_tokens`` (the context is checked once the prompt is tokenized)."""
+    req = CompletionRequest(chat=chat)
+    if chat:
+        req.messages = _messages(data)
+    else:
+        req.prompt = _prompt(data)
+    n = data.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise RequestError(f'"n" must be 1: this server returns one choice a request, got {n!r}; send n separate '
+                           "requests (with different seeds) for several answers.")
+    key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
+    mt = data.get(key)
+    if mt is not None:
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_tokens_limit:
+            raise RequestError(f'"{key}" must be a whole number from 1 to {max_tokens_limit} (this server\'s '
+                               f"limit), got {_show(mt)}.")
+        req.max_tokens = mt
+    req.temperature = _number(data, "temperature", 1.0, 0.0, 2.0, "from 0 to 2 (0 is greedy)")
+    req.top_p = _number(data, "top_p", 1.0, 0.0, 1.0, "in (0, 1]", open_low=True)
+    req.repetition_penalty = _number(data, "repetition_penalty", 1.0, 0.0, 10.0, "in (0, 10]", open_low=True)
+    top_k = data.get("top_k", 0)
+    if top_k is None:
+        top_k = 0
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0 or top_k > 1 << 20:
+        raise RequestError(f'"top_k" must be a whole number >= 0 (0: off), got {_show(top_k)}.')
+    req.top_k = top_k
+    seed = data.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise RequestError(f'"seed" must be a whole number from 0 to 2**63-1, got {_show(seed)}.')
+    req.seed = seed
+    req.stop = _stop(data.get("stop"))
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError(f'"stream" must be true or false, got {_show(stream)}.')
+    req.stream = stream
+    options = data.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise RequestError('"stream_options" must be an object such as {"include_usage": true}.')
+        if not stream:
+            raise RequestError('"stream_options" is only allowed with "stream": true.')
+        usage = options.get("include_usage", False)
+        if not isinstance(usage, bool):
+            raise RequestError('"stream_options.include_usage" must be true or false.')
+        req.include_usage = usage
+    return req
+
+
+def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
+    messages = data.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError('a chat request needs "messages": a non-empty list of {"role": ..., "content": ...}.')
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise RequestError(f'"messages"[{i}] must be an object with "role" and "content", got '
+                               f"{_show(m)}.")
+        role, content = m["role"], m["content"]
+        if role not in ROLES:
+            raise RequestError(f'"messages"[{i}].role {_show(role)} is not a known role; use one of {", ".join(ROLES)}.')
+        if isinstance(content, list):  # OpenAI's content parts: only text parts are understood here
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(f'"messages"[{i}].content has a part that is not {{"type": "text", "text": ...}}; '
+                                       "this model takes text only.")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise RequestError(f'"messages"[{i}].content must be a string, got {_show(content)}.')
+        out.append({"role": role, "content": content})
+    return out
+
+
+def _prompt(data: dict[str, Any]) -> str | list[int]:
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # OpenAI allows a list of prompts; one is what n=1 answers
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError('"prompt" is empty; give the text to continue.')
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise RequestError(f'"prompt" holds {len(prompt)} prompts; send one prompt a request.')
+    raise RequestError('a completions request needs "prompt": a non-empty text (or a list of token ids).')
+
+
+def _number(data: dict[str, Any], key: str, default: float, low: float, high: float, what: str,
+            open_low: bool = False) -> float:
+    v = data.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or v < low or v > high or (open_low and v <= low):
+        raise RequestError(f'"{key}" must be a number {what}, got {_show(v)}.')
+    return float(v)
+
+
+def _stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError('"stop" must be a non-empty string or a list of non-empty strings.')
+    if len(stops) > MAX_STOP:
+        raise RequestError(f'"stop" has {len(stops)} strings; at most {MAX_STOP} are allowed.')
+    return list(stops)
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class Answer:
+    """Builds the response bodies and stream chunks of one request."""
+
+    def __init__(self, req: CompletionRequest, model: str):
+        self.req = req
+        self.model = model
+        self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self._first = True
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The non-streamed response."""
+        if self.req.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            body = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = self._head("text_completion")
+        body["choices"] = [choice]
+        body["usage"] = self.usage(prompt_tokens, completion_tokens)
+        return body
+
+    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+        """One streamed piece of text (or the last, with its finish reason)."""
+        if self.req.chat:
+            delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
+            if self._first:
+                delta = {"role": "assistant", **delta}
+            self._first = False
+            body = self._head("chat.completion.chunk")
+            body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else:
+            body = self._head("text_completion")
+            body["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        if self.req.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
+        body = self._head("chat.completion.chunk" if self.req.chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = self.usage(prompt_tokens, completion_tokens)
+        return body
+
+
+def sse(body: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line (``data: [DONE]`` for the string)."""
+    if isinstance(body, str):
+        return f"data: {body}\n\n".encode()
+    import orjson
+
+    return b"data: " + orjson.dumps(body) + b"\n\n"
