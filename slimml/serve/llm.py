@@ -21,7 +21,7 @@ from typing import Any
 from slimml.errors import FeedError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import ContinuousBatch, Sequence
-from slimml.serve import openai
+import slimml.serve.openai as openai
 
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait
 
