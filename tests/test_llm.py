@@ -33,27 +33,15 @@ GGUF = SMOL / "SmolLM2-135M-Instruct.Q4_1.gguf" if SMOL else None
 
 
 @pytest.fixture(scope="session")
-def lee_slice(tmp_path_factory) -> Path:
-    """About 850 tokens of real English news text."""
-    text = (GENSIM / "test" / "test_data" / "lee_background.cor").read_text(encoding="utf-8")
-    path = tmp_path_factory.mktemp("text") / "lee.txt"
-    path.write_text(text[:4000], encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="session")
-def smol(tmp_path_factory, lee_slice):
-    """The GGUF converted once (fp32), and transformers' model and tokenizer read from the same file."""
+def smol(smollm2_converted):
+    """The GGUF converted once (fp32, with its KV cache), and transformers' model and tokenizer read
+    from the same file."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from slimml.convert import ConvertConfig, convert
-
-    root = tmp_path_factory.mktemp("smol")
-    report = convert(GGUF, root / "fp32", ConvertConfig(measure_latency=False, eval_text=lee_slice))
     model = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
-    return {"root": root, "art": root / "fp32", "report": report, "torch": model, "tokenizer": tokenizer}
+    return {**smollm2_converted, "torch": model, "tokenizer": tokenizer}
 
 
 def test_fp32_perplexity_equals_transformers(smol):
@@ -76,16 +64,8 @@ def test_fp32_greedy_tokens_equal_transformers_generate(smol):
     with torch.no_grad():
         want = smol["torch"].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False,
                                       min_new_tokens=32)[0, ids.shape[1]:].tolist()
-    model = load(smol["art"])
-    seq = ids.numpy()
-    got = []
-    for _ in range(32):  # the cache-free graph: the whole sequence each step
-        n = seq.shape[1]
-        logits = model.run({"input_ids": seq, "attention_mask": np.ones_like(seq),
-                            "position_ids": np.arange(n, dtype=np.int64)[None]})["logits"]
-        nxt = int(logits[0, -1].argmax())
-        got.append(nxt)
-        seq = np.concatenate([seq, [[nxt]]], axis=1)
+    model = load(smol["art"])  # with its KV cache: the prompt in one pass, then one position a token
+    got = model.generate([ids[0].tolist()], max_new_tokens=32, eos_token_id=()).tokens[0]  # no end token: all 32
     model.close()
     assert got == want, (tok.decode(got), tok.decode(want))
 

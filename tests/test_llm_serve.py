@@ -37,7 +37,7 @@ def server(ray_env, smollm2_artifact):
     from slimml.serve import ServeConfig, serve
 
     port, urls, stop = free_port(), [], threading.Event()
-    config = ServeConfig(str(smollm2_artifact), name="smollm2", max_running=4, max_waiting=6, max_new_tokens=64)
+    config = ServeConfig(str(smollm2_artifact), name="smollm2", max_running=4, max_waiting=8, max_new_tokens=64)
     thread = threading.Thread(target=serve, args=(config,), kwargs={"port": port, "ready": urls.append, "stop": stop},
                               daemon=True)
     thread.start()
@@ -117,7 +117,7 @@ def test_a_client_that_drops_mid_stream_leaves_nothing_running(server):
     conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
-    assert r.fp.readline().startswith(b"data: ")  # the first piece arrived: it is generating
+    assert r.read(6) == b"data: "  # the first piece arrived: it is generating
     conn.sock.close()  # gone mid-answer
     conn.close()
     deadline = time.monotonic() + 30
@@ -171,8 +171,11 @@ def test_bad_chat_requests_get_openai_errors(client, change, words):
 def test_a_prompt_longer_than_the_context_and_malformed_json_are_refused(server, client, local):
     context = local.engine.max_sequence_length
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="smollm2", prompt="word " * (context + 10), max_tokens=4)
+        client.completions.create(model="smollm2", prompt=[1] * (context + 10), max_tokens=4)
     assert f"context is {context}" in e.value.body["message"]
+    with pytest.raises(openai.APIStatusError) as e:  # characters are bounded before any tokenizing
+        client.completions.create(model="smollm2", prompt="word " * 5000, max_tokens=4)
+    assert e.value.status_code == 413 and "--max-text-chars" in e.value.body["message"]
     conn = http.client.HTTPConnection("127.0.0.1", server, timeout=30)
     conn.request("POST", "/v1/chat/completions", body=b"{not json", headers={"Content-Type": "application/json"})
     r = conn.getresponse()

@@ -32,6 +32,8 @@ class DecodeWorker:
     def __init__(self, model: Any, max_running: int, max_waiting: int):
         self.batch = ContinuousBatch(model, max_batch=max_running)
         self.max_waiting = max_waiting
+        self.capacity = max_running + max_waiting  # answers in the batch, being admitted, or queued
+        self._inflight = 0
         self._waiting: deque[Sequence] = deque()
         self._wake = threading.Condition()
         self._stopped = False
@@ -39,12 +41,21 @@ class DecodeWorker:
         self._thread.start()
 
     def submit(self, seq: Sequence) -> None:
-        """Queue ``seq`` for the next step; 429 when the queue is full."""
+        """Queue ``seq`` for the next step; 429 when the batch and the queue are full."""
         with self._wake:
-            if len(self._waiting) >= self.max_waiting:
-                raise RequestError(f"the server is busy: {len(self.batch.rows)} answers are being generated and "
-                                   f"{len(self._waiting)} wait; retry in {RETRY_AFTER_S} s (or start the server "
-                                   "with a larger --max-waiting).", 429)
+            if self._inflight >= self.capacity:
+                raise RequestError(f"the server is busy: {self._inflight} answers are being generated or wait for a "
+                                   f"place; retry in {RETRY_AFTER_S} s (or start the server with a larger "
+                                   "--max-waiting).", 429)
+            self._inflight += 1
+            done = seq.on_done
+
+            def on_done(s: Sequence) -> None:
+                with self._wake:
+                    self._inflight -= 1
+                done(s)
+
+            seq.on_done = on_done
             self._waiting.append(seq)
             self._wake.notify()
 

@@ -282,10 +282,12 @@ def error_body(message: str, status: int) -> dict[str, Any]:
 
 # an absolute path (or one under ~), and an IPv4 address with or without a port
 _PATH = re.compile(r"(?<![\w.:/])(?:~|/(?=[^\s/]))[^\s'\"(),;:]*")
+_ROUTE = re.compile(r"/(?:v1/[\w/]+|health)\.?$")  # this API's own endpoints, which messages name on purpose
 _ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b")
 
 
 def public(message: str) -> str:
     """``message`` without server paths (each becomes its last part) or node addresses."""
-    message = _PATH.sub(lambda m: m.group(0).rstrip("/.").rsplit("/", 1)[-1] or "<path>", message)
+    message = _PATH.sub(lambda m: m.group(0) if _ROUTE.match(m.group(0)) else
+                        m.group(0).rstrip("/.").rsplit("/", 1)[-1] or "<path>", message)
     return _ADDRESS.sub("<address>", message)
