@@ -234,6 +234,17 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"  # tied embeddings
     node("MatMul", [h, data.add("lm_head.weight", w[head].T)], ["logits"], "/lm_head/MatMul")
     data.close()
+    # contrib ops defeat ONNX's shape inference: type what may cross a shard boundary
+    seq = ["batch_size", "sequence_length"]
+    typed = {"seqlens_k": (TensorProto.INT32, ["batch_size"]), "total_seq_len": (TensorProto.INT32, []),
+             "mask_sum": (TensorProto.INT64, ["batch_size"]), "seqlens_k_i64": (TensorProto.INT64, ["batch_size"]),
+             "mask_shape": (TensorProto.INT64, [2]), "total_i64": (TensorProto.INT64, [])}
+    known = {"logits", *(o.name for o in outputs)}
+    value_info = [helper.make_tensor_value_info(n.output[0], *typed.get(n.output[0], (TensorProto.FLOAT, None)))
+                  for n in nodes if n.output[0] not in known]
+    for vi in value_info:
+        if vi.name.endswith(("residual", "output")) and "GroupQueryAttention" not in vi.name and vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+            vi.CopyFrom(helper.make_tensor_value_info(vi.name, TensorProto.FLOAT, [*seq, hidden]))
     graph = helper.make_graph(
         nodes, "slimml-fused-decoder",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
@@ -241,7 +252,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
          *inputs],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", int(c["vocab_size"])]),
          *outputs],
-        initializer=data.initializers,
+        initializer=data.initializers, value_info=value_info,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(_MS, 1)],
                               producer_name="slimml-fused")

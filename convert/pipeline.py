@@ -171,6 +171,10 @@ def convert(
                 manifest.checks = check_seq2seq(tmp, manifest, src, exported, SAMPLE_TEXTS)
             elif exported.layerwise:
                 manifest.checks = verify_layerwise(tmp, manifest, exported)
+            elif exported.info.get("exporter") == "fused":
+                from slimml.convert.check_decoder import verify_decoder
+
+                manifest.checks = verify_decoder(tmp, manifest, src, exported)
             else:
                 manifest.checks = verify(tmp, manifest, src, exported)
         else:
@@ -437,7 +441,8 @@ def _write_manifest(folder: Path, src: Source, exported: Exported, chains: dict,
         source=src.describe() | exported.info,
         steps=[
             {"step": "export", **{k: v for k, v in asdict(config.export).items() if v is not None},
-             "exporter": "layerwise (optimum-onnx template)" if exported.layerwise else _exporter(src)},
+             "exporter": "layerwise (optimum-onnx template)" if exported.layerwise
+             else "fused (slimml, GroupQueryAttention)" if exported.info.get("exporter") == "fused" else _exporter(src)},
             {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None},
              "shards": sum(len(specs) for _, specs in chains.values())},
         ],

@@ -66,7 +66,7 @@ def convert(
     grad_accum: Annotated[int, typer.Option(help="Distillation: batches whose gradients make one step (effective batch N x the batch size, at the memory of one batch).")] = 1,
     mixed_precision: Annotated[str, typer.Option(help="Distillation: auto (measured: the faster of fp32 and the device's native low precision), off, bf16, fp16 (CUDA).")] = "auto",
     checkpointing: Annotated[bool, typer.Option("--checkpointing", help="Distillation: activation checkpointing of the student's layers (less memory, more compute).")] = False,
-    exporter: Annotated[str, typer.Option(help="auto, optimum (traces the whole model) or layerwise (Llama-family decoders bigger than memory, one layer at a time).")] = "auto",
+    exporter: Annotated[str, typer.Option(help="auto, optimum (traces the whole model), layerwise (Llama-family decoders bigger than memory, one layer at a time) or fused (Llama-family decoders as ONNX Runtime's fused decoder graph: the fastest to generate with).")] = "auto",
     quantize: Quantize = "none",
     calibration: Calibration = None,
     max_drop: MaxDrop = None,
