@@ -84,6 +84,19 @@ class Engine:
         self._check_watch()
         return self.plan.run(feeds, outputs or self._outputs)
 
+    def kv_cache(self, batch: int, capacity: int):
+        """A decoder's cache for one generation, in buffers bound in place (``engine.kv_cache``).
+
+        Returns:
+            A :class:`~slimml.runtime.engine.kv_cache.KVCache` whose ``step(input_ids,
+            attention_mask)`` runs one pass and returns the logits; ``None`` when the artifact's
+            attention cannot share past and present (not converted with ``--exporter fused``):
+            feed ``past_key_values.*`` through :meth:`run_trusted` then.
+        """
+        from slimml.runtime.engine.kv_cache import KVCache, shares_buffers
+
+        return KVCache(self, batch, capacity) if shares_buffers(self) else None
+
     def verify(self) -> None:
         """Re-hash every file of the artifact against the manifest, as ``load`` did.
 
