@@ -248,7 +248,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     graph = helper.make_graph(
         nodes, "slimml-fused-decoder",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "past_sequence_length + sequence_length"]),
          *inputs],
         [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", int(c["vocab_size"])]),
          *outputs],
