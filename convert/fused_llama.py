@@ -175,10 +175,10 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     def linear(x: str, names: list[str], prefix: str, out: str, bias: bool = False) -> str:
         """x @ W^T with the weights of ``names`` packed along the output (one MatMul), plus bias."""
         weight = np.concatenate([w[f"{n}.weight"] for n in names], axis=0).T  # (in, out)
-        node("MatMul", [x, data.add(f"{prefix}.weight", weight)], [out + ("_mm" if bias else "")], f"{prefix}/MatMul")
+        node("MatMul", [x, data.add(f"{prefix}.weight", weight)], [out + ("_mm" if bias else "")], f"{out}/MatMul")
         if bias:
             b = np.concatenate([w[f"{n}.bias"] for n in names])
-            node("Add", [out + "_mm", data.add(f"{prefix}.bias", b)], [out], f"{prefix}/Add")
+            node("Add", [out + "_mm", data.add(f"{prefix}.bias", b)], [out], f"{out}/Add")
         return out
 
     # positions from the mask: seqlens_k = tokens seen - 1 per row, total = the mask's width
