@@ -149,6 +149,77 @@ def run_llamacpp(path: str, ids: list[list[int]], new: int, threads: int) -> dic
     return best
 
 
+def make_gguf(folder: str, out: str, ftype: str = "Q4_0", threads: int = 2) -> str:
+    """A Llama folder (safetensors) as a llama.cpp GGUF of ``ftype`` (``Q4_0``, ``Q8_0``, ``Q4_K_M``).
+
+    The weights go to an F16 GGUF with the ``gguf`` package (tensor names and the q/k row order of
+    llama.cpp's ``convert_hf_to_gguf.py``; a placeholder vocabulary of the model's size, which
+    speed does not depend on), then ``llama_cpp.llama_model_quantize`` makes ``ftype``.
+    """
+    import ctypes
+
+    import gguf
+    import llama_cpp
+    import numpy as np
+    from safetensors import safe_open
+
+    c = json.loads((Path(folder) / "config.json").read_text())
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    f16 = str(Path(out).with_suffix(".f16.gguf"))
+    w = gguf.GGUFWriter(f16, "llama")
+    w.add_context_length(c.get("max_position_embeddings", 2048))
+    w.add_embedding_length(c["hidden_size"])
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_freq_base(float(c.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
+    w.add_rope_dimension_count(c["hidden_size"] // heads)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("llama")
+    vocab = c["vocab_size"]
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, vocab)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([2, 3, 3] + [1] * (vocab - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def permute(x: np.ndarray, n: int) -> np.ndarray:  # HF's rotary halves -> llama.cpp's interleaved rows
+        return x.reshape(n, 2, x.shape[0] // n // 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                x = f.get_tensor(name).float().numpy()
+                if name in names:
+                    new = names[name]
+                else:
+                    _, _, i, rest = name.split(".", 3)
+                    new = f"blk.{i}.{parts[rest.removesuffix('.weight')]}.weight"
+                    if rest.startswith("self_attn.q_proj"):
+                        x = permute(x, heads)
+                    elif rest.startswith("self_attn.k_proj"):
+                        x = permute(x, kv)
+                w.add_tensor(new, x.astype(np.float32 if x.ndim == 1 else np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    if llama_cpp.llama_model_quantize(f16.encode(), out.encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama_model_quantize failed for {out}")
+    Path(f16).unlink()
+    return out
+
+
 RUNNERS = {"slimml": run_slimml, "slimml-cache": run_slimml_cache, "og": run_og, "llamacpp": run_llamacpp}
 
 
@@ -191,11 +262,16 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--out", default="benchmarks/results/llm_decode.json")
+    p.add_argument("--make-gguf", nargs=3, metavar=("FOLDER", "OUT", "FTYPE"),
+                   help="write a llama.cpp GGUF (Q4_0, Q8_0, ...) of a Llama folder and exit")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return _worker(args)
+    if args.make_gguf:
+        print(make_gguf(*args.make_gguf, threads=args.threads))
+        return
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), SLIMML_THREADS=str(args.threads), HF_HUB_OFFLINE="1")
     rows = []
     for rnd in range(args.rounds):

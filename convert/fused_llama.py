@@ -32,7 +32,7 @@ from onnx import TensorProto, helper
 from slimml.errors import ExportError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-OPSET = 17
+OPSET = 21  # what ORT's MatMulNBits quantizer writes: every shard of the artifact the same, so they merge
 _MS = "com.microsoft"
 
 

@@ -58,7 +58,8 @@ class KVCache:
     """
 
     def __init__(self, engine: Engine, batch: int, capacity: int):
-        limit = engine.max_sequence_length
+        # the rotary tables of a fused graph hold max_position_embeddings rows
+        limit = engine.max_sequence_length or engine.manifest.source.get("max_position_embeddings")
         if limit and capacity > limit:
             raise FeedError(f"a cache of {capacity} positions is longer than the model's {limit}; "
                             "ask for fewer new tokens or a shorter prompt.")
