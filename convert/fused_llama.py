@@ -236,9 +236,9 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     data.close()
     # contrib ops defeat ONNX's shape inference: type what may cross a shard boundary
     seq = ["batch_size", "sequence_length"]
-    typed = {"seqlens_k": (TensorProto.INT32, ["batch_size"]), "total_seq_len": (TensorProto.INT32, []),
+    typed = {"seqlens_k": (TensorProto.INT32, ["batch_size"]), "total_seq_len": (TensorProto.INT32, None),
              "mask_sum": (TensorProto.INT64, ["batch_size"]), "seqlens_k_i64": (TensorProto.INT64, ["batch_size"]),
-             "mask_shape": (TensorProto.INT64, [2]), "total_i64": (TensorProto.INT64, [])}
+             "mask_shape": (TensorProto.INT64, [2]), "total_i64": (TensorProto.INT64, None)}
     known = {"logits", *(o.name for o in outputs)}
     value_info = [helper.make_tensor_value_info(n.output[0], *typed.get(n.output[0], (TensorProto.FLOAT, None)))
                   for n in nodes if n.output[0] not in known]

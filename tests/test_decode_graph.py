@@ -133,3 +133,36 @@ def test_fused_refuses_a_head_size_gqa_cannot_run(tiny_llama_dir, tmp_path):
 
     with pytest.raises(ExportError, match=r"multiple of 16, not 8\. Use --exporter optimum\.$"):
         export_fused(tiny_llama_dir, tmp_path / "x")
+
+
+def _family(name: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    if name == "qwen2":  # q/k/v biases, tied embeddings
+        return Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, use_sliding_window=False))
+    if name == "mistral":
+        return MistralForCausalLM(MistralConfig(**shape, sliding_window=None))
+    return LlamaForCausalLM(LlamaConfig(**shape, rope_theta=500000.0, rope_scaling={  # Llama 3's RoPE scaling
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "llama3-rope"])
+def test_fused_families_match_torch(name, tmp_path):
+    import onnxruntime as ort
+    import torch
+
+    from slimml.convert.fused_llama import export_fused
+
+    torch.manual_seed(0)
+    model = _family(name).eval()
+    model.save_pretrained(tmp_path / "hf")
+    session = ort.InferenceSession(str(export_fused(tmp_path / "hf", tmp_path / "onnx")), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(0).integers(3, 512, size=(2, 40))  # past original_max_position_embeddings
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    feeds |= {f"past_key_values.{i}.{kv}": np.zeros((2, 2, 0, 16), np.float32) for i in range(2) for kv in ("key", "value")}
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(session.run(["logits"], feeds)[0] - want).max() < 1e-4
