@@ -19,7 +19,7 @@ from slimml.errors import ExportError, SourceError
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-EXPORTERS = ("auto", "optimum", "layerwise")
+EXPORTERS = ("auto", "optimum", "layerwise", "fused")
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
@@ -34,14 +34,18 @@ class ExportConfig:
         exporter: for Hugging Face folders, ``"optimum"`` (the model is traced whole, so it must
             fit in memory), ``"layerwise"`` (a Llama-family decoder, one layer in memory at a time:
             ``convert.layerwise``) or ``"auto"``: layerwise when the weights take more than a third
-            of the memory available, optimum otherwise.
+            of the memory available, optimum otherwise; ``"fused"``: a Llama-family decoder written
+            from its safetensors as ONNX Runtime's fused decoder graph (GroupQueryAttention with
+            rotary, packed projections: ``convert.fused_llama``), the fast one to decode.
     """
 
     opset: int | None = field(default=None, metadata={"help": "ONNX opset."})
     task: str = field(default="auto", metadata={"help": "Hugging Face task to export, or 'auto'."})
     dynamic_batch: bool = True
-    exporter: str = field(default="auto", metadata={"help": "auto, optimum (traces the whole model) or layerwise "
-                                                    "(Llama-family decoders bigger than memory, one layer at a time)."})
+    exporter: str = field(default="auto", metadata={"help": "auto, optimum (traces the whole model), layerwise "
+                                                    "(Llama-family decoders bigger than memory, one layer at a time) or "
+                                                    "fused (Llama-family decoders as ONNX Runtime's fused decoder graph: "
+                                                    "the fastest to generate with)."})
 
     def __post_init__(self):
         if self.opset is not None and not 11 <= self.opset <= 23:
@@ -78,6 +82,8 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
     if config.exporter == "layerwise" and source.kind != "huggingface":
         raise SourceError(f"--exporter layerwise exports Hugging Face model folders; {source.name} is a {source.kind} "
                           "source. Leave --exporter out.")
+    if config.exporter == "fused":
+        return _export_fused(source, work_dir, config)
     if source.kind == "onnx":
         return _export_onnx_file(source, work_dir)
     if source.kind == "torch":
@@ -110,6 +116,21 @@ def _export_layerwise(source: Source, work_dir: Path, config: ExportConfig) -> E
     exported.layerwise = {"template": template, "folder": source.path, "depth": depth}
     exported.info = {"hf_task": "text-generation", **_config_facts(source.path), "exporter": "layerwise"}
     return exported
+
+
+def _export_fused(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
+    """A decoder with its cache as ONNX Runtime's fused graph (``convert.fused_llama``)."""
+    from slimml.convert.fused_llama import export_fused
+
+    if source.kind != "huggingface" or config.task not in ("auto", "text-generation", "text-generation-with-past"):
+        raise SourceError(f"--exporter fused exports a Llama-family model folder as text-generation-with-past; "
+                          f"{source.name} is a {source.kind} source asked for as {config.task!r}. Leave --exporter out.")
+    onnx_dir = work_dir / "onnx"
+    path = export_fused(source.path, onnx_dir)
+    tokenizer = _tokenizer_info(source.path, onnx_dir, None)
+    return Exported(onnx_path=path, task="text-generation-with-past", tokenizer=tokenizer,
+                    tokenizer_dir=onnx_dir if tokenizer else None,
+                    info={"hf_task": "text-generation-with-past", **_config_facts(source.path), "exporter": "fused"})
 
 
 def _export_onnx_file(source: Source, work_dir: Path) -> Exported:

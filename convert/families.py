@@ -71,6 +71,10 @@ def check(family: str, folder: Path, manifest: Manifest, src: Source, exported: 
         return check_seq2seq(folder, manifest, src, exported, SAMPLE_TEXTS)
     if family == "layerwise":
         return verify_layerwise(folder, manifest, exported)
+    if exported.info.get("exporter") == "fused":  # GroupQueryAttention: checked from an empty cache
+        from slimml.convert.check_decoder import verify_decoder
+
+        return verify_decoder(folder, manifest, src, exported)
     return verify(folder, manifest, src, exported)
 
 

@@ -170,7 +170,8 @@ def _check_inputs(config: ConvertConfig) -> None:
 
 def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWriter) -> list[dict[str, Any]]:
     """The manifest's records of the export and the shard steps."""
-    exporter = "layerwise (optimum-onnx template)" if exported.layerwise else _exporter(src)
+    exporter = ("layerwise (optimum-onnx template)" if exported.layerwise
+                else "fused (slimml, GroupQueryAttention)" if exported.info.get("exporter") == "fused" else _exporter(src))
     return [
         {"step": "export", **{k: v for k, v in asdict(config.export).items() if v is not None}, "exporter": exporter},
         {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None},

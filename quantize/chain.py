@@ -73,6 +73,9 @@ def batches(manifest: Manifest, text: TextEncoder | None, texts: list[str], batc
             if name.endswith("ids") and "type" not in name and "position" not in name:
                 # token ids from the bottom of the vocabulary: valid for any vocabulary size
                 feeds[name] = np.random.default_rng(seed + i).integers(0, 100, size=value.shape).astype(value.dtype)
+        if manifest.source.get("exporter") == "fused":  # GroupQueryAttention: batched prompts read an empty cache
+            feeds = {n: v[:, :, :0] if n.startswith("past_key_values.") else v for n, v in feeds.items()}
+            feeds["attention_mask"] = np.ones_like(feeds["input_ids"], dtype=feeds["attention_mask"].dtype)
         out.append(feeds)
     return out
 

@@ -113,6 +113,19 @@ class Engine:
         """A value ``run_trusted(keep_on_device=...)`` returned, as a host array."""
         return self.backend.to_host(value)
 
+    def kv_cache(self, batch: int, capacity: int):
+        """A decoder's cache for one generation, in buffers bound in place (``engine.kv_cache``).
+
+        Returns:
+            A :class:`~slimml.runtime.engine.kv_cache.KVCache` whose ``step(input_ids,
+            attention_mask)`` runs one pass and returns the logits; ``None`` when the artifact's
+            attention cannot share past and present (not converted with ``--exporter fused``):
+            feed ``past_key_values.*`` through :meth:`run_trusted` then.
+        """
+        from slimml.runtime.engine.kv_cache import KVCache, shares_buffers
+
+        return KVCache(self, batch, capacity) if shares_buffers(self) else None
+
     def verify(self) -> None:
         """Re-hash every file of the artifact against the manifest, as ``load`` did.
 

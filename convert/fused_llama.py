@@ -1,0 +1,261 @@
+"""The ``fused`` exporter: a Llama-family decoder written straight from its safetensors as the graph
+ONNX Runtime decodes fastest on CPU (docs/llm_decode.md).
+
+Per layer: ``SimplifiedLayerNormalization`` (RMSNorm), one MatMul for q, k and v packed,
+``GroupQueryAttention`` with the rotary embedding inside it (``do_rotary``, cos/sin tables in the
+graph), one MatMul for gate and up packed, SiLU, the down MatMul. Fewer, larger MatMuls than a
+traced graph (4 per layer instead of 7), and attention in one kernel that reads the cache in place
+when past and present share a buffer (:mod:`slimml.runtime.engine.kv_cache`).
+
+Inputs and outputs keep the names of optimum's with-past graph, so every loop that drives one
+drives this one: ``input_ids``, ``attention_mask`` (B, past + S), ``past_key_values.N.key/value``
+(B, kv_heads, past, head_dim) in; ``logits`` and ``present.N.key/value`` out. The positions come
+from the mask (``seqlens_k``): prompts of one batch are the same length, or right-padded.
+
+No torch graph is traced and no transformers model is built: the weights are read one tensor at
+a time (bf16/fp16 files become fp32) and appended to one external data file, so exporting needs
+about one tensor of memory, and the config is read as it is written (``rope_theta`` at the top
+or under transformers 5's ``rope_parameters``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from slimml.errors import ExportError
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+OPSET = 21  # what ORT's MatMulNBits quantizer writes: every shard of the artifact the same, so they merge
+_MS = "com.microsoft"
+
+
+def can_export_fused(folder: Path) -> str | None:
+    """None when ``folder`` is a decoder this exporter writes; else why not (one line)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return f"{folder} has no readable config.json"
+    archs = config.get("architectures") or []
+    if not any(a in ARCHITECTURES for a in archs):
+        return f"the fused exporter writes {', '.join(ARCHITECTURES)}; {folder.name} is {archs or 'of no named architecture'}"
+    if not list(folder.glob("*.safetensors")):
+        return f"the fused exporter reads safetensors weights; {folder} has none"
+    hidden, heads = config.get("hidden_size", 0), config.get("num_attention_heads", 1)
+    head_dim = config.get("head_dim") or hidden // heads
+    if head_dim % 16:
+        return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16, not {head_dim}"
+    rope = _rope(config)
+    if isinstance(rope, str):
+        return rope
+    if config.get("sliding_window") and config.get("use_sliding_window", config.get("model_type") == "mistral"):
+        return "a sliding attention window is not written by the fused exporter yet"
+    return None
+
+
+def _rope(config: dict[str, Any]) -> dict[str, Any] | str:
+    """theta and scaling, wherever the config keeps them; a string says why they cannot be honoured."""
+    params = dict(config.get("rope_parameters") or {})  # transformers 5
+    params.update({k: v for k, v in (config.get("rope_scaling") or {}).items()})
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        return f"RoPE scaling {kind!r} is not written by the fused exporter yet"
+    return {"theta": float(theta), "type": kind, **{k: v for k, v in params.items() if k not in ("rope_type", "type")}}
+
+
+def _inv_freq(rope: dict[str, Any], dim: int) -> np.ndarray:
+    inv = 1.0 / (rope["theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if rope["type"] == "linear":
+        inv = inv / float(rope["factor"])
+    elif rope["type"] == "llama3":  # transformers' _compute_llama3_parameters
+        factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        mid = (wavelen <= old / low) & (wavelen >= old / high)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv
+
+
+class _Weights:
+    """The safetensors tensors of a folder by name, read one at a time as float32."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self._files = {}
+        for path in sorted(folder.glob("*.safetensors")):
+            handle = safe_open(str(path), framework="pt")
+            for name in handle.keys():
+                self._files[name] = handle
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._files:
+            raise ExportError(f"the weights have no tensor {name!r}; the folder is not a complete {ARCHITECTURES[0]} checkpoint.")
+        return self._files[name].get_tensor(name).float().numpy()
+
+
+class _Writer:
+    """Initializers appended to one external data file as they are made (one tensor in memory)."""
+
+    def __init__(self, data_path: Path):
+        self.path = data_path
+        self.file = open(data_path, "wb")
+        self.initializers: list[TensorProto] = []
+        self.names: set[str] = set()
+
+    def add(self, name: str, array: np.ndarray) -> str:
+        if name in self.names:  # a constant several layers share
+            return name
+        self.names.add(name)
+        array = np.ascontiguousarray(array)
+        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+        if array.nbytes < 1024:  # small constants stay inside the graph
+            t.raw_data = array.tobytes()
+        else:
+            offset = self.file.tell()
+            pad = (-offset) % 64  # aligned, so the data can be memory-mapped
+            self.file.write(b"\0" * pad)
+            offset += pad
+            self.file.write(array.tobytes())
+            t.data_location = TensorProto.EXTERNAL
+            for k, v in (("location", self.path.name), ("offset", str(offset)), ("length", str(array.nbytes))):
+                t.external_data.add(key=k, value=v)
+        self.initializers.append(t)
+        return name
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def export_fused(folder: Path, out_dir: Path) -> Path:
+    """Write ``out_dir/model.onnx`` (+ ``model.onnx.data``) for the decoder in ``folder``.
+
+    Returns:
+        The graph's path.
+
+    Raises:
+        ExportError: the folder is not a decoder this exporter writes (the message says why and
+            to use ``--exporter optimum``).
+    """
+    why = can_export_fused(folder)
+    if why:
+        raise ExportError(f"--exporter fused cannot export {folder}: {why}. Use --exporter optimum.")
+    c = json.loads((folder / "config.json").read_text())
+    hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    eps = float(c.get("rms_norm_eps", 1e-6))
+    positions = int(c.get("max_position_embeddings", 2048))
+    act = c.get("hidden_act", "silu")
+    if act != "silu":
+        raise ExportError(f"--exporter fused writes SiLU MLPs; {folder.name} uses {act!r}. Use --exporter optimum.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "model.onnx"
+    w = _Weights(folder)
+    data = _Writer(out_dir / "model.onnx.data")
+    nodes: list[onnx.NodeProto] = []
+
+    def node(op: str, ins: list[str], outs: list[str], name: str, domain: str = "", **attrs) -> list[str]:
+        nodes.append(helper.make_node(op, ins, outs, name=name, domain=domain, **attrs))
+        return outs
+
+    def linear(x: str, names: list[str], prefix: str, out: str, bias: bool = False) -> str:
+        """x @ W^T with the weights of ``names`` packed along the output (one MatMul), plus bias."""
+        weight = np.concatenate([w[f"{n}.weight"] for n in names], axis=0).T  # (in, out)
+        node("MatMul", [x, data.add(f"{prefix}.weight", weight)], [out + ("_mm" if bias else "")], f"{out}/MatMul")
+        if bias:
+            b = np.concatenate([w[f"{n}.bias"] for n in names])
+            node("Add", [out + "_mm", data.add(f"{prefix}.bias", b)], [out], f"{out}/Add")
+        return out
+
+    # positions from the mask: seqlens_k = tokens seen - 1 per row, total = the mask's width
+    node("ReduceSum", ["attention_mask", data.add("one_axis", np.array([1], np.int64))], ["mask_sum"],
+         "/model/attn_mask/ReduceSum", keepdims=0)
+    node("Sub", ["mask_sum", data.add("one_i64", np.array(1, np.int64))], ["seqlens_k_i64"], "/model/attn_mask/Sub")
+    node("Cast", ["seqlens_k_i64"], ["seqlens_k"], "/model/attn_mask/Cast", to=TensorProto.INT32)
+    node("Shape", ["attention_mask"], ["mask_shape"], "/model/attn_mask/Shape")
+    node("Gather", ["mask_shape", data.add("one_idx", np.array(1, np.int64))], ["total_i64"], "/model/attn_mask/Gather", axis=0)
+    node("Cast", ["total_i64"], ["total_seq_len"], "/model/attn_mask/Cast_1", to=TensorProto.INT32)
+    inv = _inv_freq(_rope(c), head_dim)
+    angles = np.outer(np.arange(positions, dtype=np.float64), inv)  # (positions, head_dim / 2)
+    cos = data.add("cos_cache", np.cos(angles).astype(np.float32))
+    sin = data.add("sin_cache", np.sin(angles).astype(np.float32))
+
+    node("Gather", [data.add("model.embed_tokens.weight", w["model.embed_tokens.weight"]), "input_ids"],
+         ["/model/embed_tokens/output"], "/model/embed_tokens/Gather")
+    x = "/model/embed_tokens/output"
+    qkv_bias = f"model.layers.0.self_attn.q_proj.bias" in w
+    inputs, outputs = [], []
+    for i in range(layers):
+        p, hf = f"/model/layers.{i}", f"model.layers.{i}"
+        h = node("SimplifiedLayerNormalization", [x, data.add(f"{hf}.input_layernorm.weight", w[f"{hf}.input_layernorm.weight"])],
+                 [f"{p}/input_layernorm/output"], f"{p}/input_layernorm/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
+        qkv = linear(h, [f"{hf}.self_attn.{n}_proj" for n in "qkv"], f"{hf}.self_attn.qkv_proj", f"{p}/attn/qkv", qkv_bias)
+        past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+        pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
+        node("GroupQueryAttention", [qkv, "", "", past_k, past_v, "seqlens_k", "total_seq_len", cos, sin],
+             [f"{p}/attn/output", pres_k, pres_v], f"{p}/attn/GroupQueryAttention", domain=_MS,
+             num_heads=heads, kv_num_heads=kv_heads, scale=1.0 / math.sqrt(head_dim), do_rotary=1,
+             rotary_interleaved=0, local_window_size=-1)
+        o = linear(f"{p}/attn/output", [f"{hf}.self_attn.o_proj"], f"{hf}.self_attn.o_proj", f"{p}/attn/o_proj")
+        x1 = node("Add", [x, o], [f"{p}/attn/residual"], f"{p}/attn/residual/Add")[0]
+        h2 = node("SimplifiedLayerNormalization",
+                  [x1, data.add(f"{hf}.post_attention_layernorm.weight", w[f"{hf}.post_attention_layernorm.weight"])],
+                  [f"{p}/post_attention_layernorm/output"], f"{p}/post_attention_layernorm/LayerNorm", axis=-1,
+                  epsilon=eps, stash_type=1)[0]
+        gu = linear(h2, [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"], f"{hf}.mlp.gate_up_proj", f"{p}/mlp/gate_up")
+        inter = int(c["intermediate_size"])
+        node("Split", [gu, data.add(f"split_{inter}", np.array([inter, inter], np.int64))],
+             [f"{p}/mlp/gate", f"{p}/mlp/up"], f"{p}/mlp/Split", axis=-1)
+        node("Sigmoid", [f"{p}/mlp/gate"], [f"{p}/mlp/sigmoid"], f"{p}/mlp/Sigmoid")
+        node("Mul", [f"{p}/mlp/gate", f"{p}/mlp/sigmoid"], [f"{p}/mlp/silu"], f"{p}/mlp/Mul")
+        node("Mul", [f"{p}/mlp/silu", f"{p}/mlp/up"], [f"{p}/mlp/act"], f"{p}/mlp/Mul_1")
+        d = linear(f"{p}/mlp/act", [f"{hf}.mlp.down_proj"], f"{hf}.mlp.down_proj", f"{p}/mlp/down")
+        x = node("Add", [x1, d], [f"{p}/mlp/residual"], f"{p}/mlp/residual/Add")[0]
+        for n in (past_k, past_v):
+            inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch_size", kv_heads, "past_sequence_length", head_dim]))
+        for n in (pres_k, pres_v):
+            outputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch_size", kv_heads, "total_sequence_length", head_dim]))
+    h = node("SimplifiedLayerNormalization", [x, data.add("model.norm.weight", w["model.norm.weight"])],
+             ["/model/norm/output"], "/model/norm/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
+    head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"  # tied embeddings
+    node("MatMul", [h, data.add("lm_head.weight", w[head].T)], ["logits"], "/lm_head/MatMul")
+    data.close()
+    # contrib ops defeat ONNX's shape inference: type what may cross a shard boundary
+    seq = ["batch_size", "sequence_length"]
+    typed = {"seqlens_k": (TensorProto.INT32, ["batch_size"]), "total_seq_len": (TensorProto.INT32, None),
+             "mask_sum": (TensorProto.INT64, ["batch_size"]), "seqlens_k_i64": (TensorProto.INT64, ["batch_size"]),
+             "mask_shape": (TensorProto.INT64, [2]), "total_i64": (TensorProto.INT64, None)}
+    known = {"logits", *(o.name for o in outputs)}
+    value_info = [helper.make_tensor_value_info(n.output[0], *typed.get(n.output[0], (TensorProto.FLOAT, None)))
+                  for n in nodes if n.output[0] not in known]
+    for vi in value_info:
+        if vi.name.endswith(("residual", "output")) and "GroupQueryAttention" not in vi.name and vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+            vi.CopyFrom(helper.make_tensor_value_info(vi.name, TensorProto.FLOAT, [*seq, hidden]))
+    graph = helper.make_graph(
+        nodes, "slimml-fused-decoder",
+        [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+         helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "past_sequence_length + sequence_length"]),
+         *inputs],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", int(c["vocab_size"])]),
+         *outputs],
+        initializer=data.initializers, value_info=value_info,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(_MS, 1)],
+                              producer_name="slimml-fused")
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path

@@ -1,0 +1,168 @@
+"""The fused decoder graph (``convert --exporter fused``) and the engine's in-place KV cache.
+
+A tiny Llama (head size 16, as GroupQueryAttention needs a multiple of 16) is converted both ways;
+the fused graph's greedy tokens must equal the traced (optimum) graph's and transformers', through
+``generate`` and through the engine's cache, resident and streamed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from slimml.errors import ExportError, FeedError
+
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def llama16(tmp_path_factory):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama16")
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+def _convert(folder, out, exporter, quantize=None):
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+
+    return convert(folder, out, ConvertConfig(export=ExportConfig(task="text-generation-with-past", exporter=exporter),
+                                              verify=exporter == "fused", measure_latency=False, quantize=quantize))
+
+
+@pytest.fixture(scope="module")
+def arts(llama16, tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode_arts")
+    reports = {e: _convert(llama16, root / e, e) for e in ("optimum", "fused")}
+    return root, reports
+
+
+def _prompts():
+    return np.random.default_rng(0).integers(3, 512, size=(2, 7))
+
+
+def _greedy_with_cache(model, ids: np.ndarray, new: int) -> list[list[int]]:
+    """The loop a task runs on the engine's hook: prompt pass, then one position per token."""
+    b, s = ids.shape
+    cache = model.kv_cache(batch=b, capacity=s + new)
+    logits = cache.step(ids, np.ones((b, s), np.int64))
+    out = []
+    for t in range(new):
+        nxt = logits[:, -1].argmax(-1).astype(np.int64)
+        out.append(nxt)
+        if t < new - 1:
+            logits = cache.step(nxt[:, None], np.ones((b, cache.length + 1), np.int64))
+    return np.stack(out, 1).tolist()
+
+
+def test_fused_matches_torch_and_the_traced_graph(llama16, arts):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from slimml.runtime import load
+
+    root, reports = arts
+    checks = reports["fused"].checks
+    assert checks["top1_agreement"] == 1.0 and checks["max_abs_diff_vs_torch"] < 1e-4
+    ids = _prompts()
+    old = load(root / "optimum").generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=-1).tokens
+    fused = load(root / "fused")
+    assert fused.generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=-1).tokens == old
+    with torch.no_grad():
+        hf = LlamaForCausalLM.from_pretrained(llama16).eval()
+        want = hf.generate(torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
+                           max_new_tokens=NEW, do_sample=False, pad_token_id=0)[:, ids.shape[1]:].tolist()
+    assert old == want
+    ops = {n.op_type for p in sorted((root / "fused").glob("shard_*.onnx")) for n in __import__("onnx").load(
+        str(p), load_external_data=False).graph.node}
+    assert "GroupQueryAttention" in ops
+
+
+@pytest.mark.parametrize("resident", [None, 2])
+def test_engine_cache_in_place_equals_generate(arts, resident):
+    from slimml.runtime import load
+
+    root, _ = arts
+    ids = _prompts()
+    want = load(root / "optimum").generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=-1).tokens
+    model = load(root / "fused", resident=resident, pack=False)
+    assert _greedy_with_cache(model, ids, NEW) == want
+    cache = model.kv_cache(batch=2, capacity=ids.shape[1] + NEW)
+    cache.step(ids, np.ones(ids.shape, np.int64))
+    assert cache.length == ids.shape[1] and next(iter(cache.buffers.values())).shape == (2, 2, ids.shape[1] + NEW, 16)
+    model.close()
+
+
+def test_int4_fused_keeps_the_old_graphs_tokens(llama16, tmp_path):
+    from slimml.quantize.config import WeightOnlyConfig
+    from slimml.runtime import load
+
+    ids = _prompts()
+    tokens = {}
+    for exporter in ("optimum", "fused"):
+        _convert(llama16, tmp_path / exporter, exporter, WeightOnlyConfig(bits=4))
+        model = load(tmp_path / exporter)
+        tokens[exporter] = model.generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=-1).tokens
+        if exporter == "fused":  # every shard at the quantizer's opset: the resident model is one session
+            assert model.plan.sessions == 1
+    assert tokens["fused"] == tokens["optimum"]
+
+
+def test_cache_refuses_what_does_not_fit(arts):
+    from slimml.runtime import load
+
+    root, _ = arts
+    assert load(root / "optimum").kv_cache(batch=1, capacity=8) is None  # concatenating graph: no shared buffer
+    model = load(root / "fused")
+    cache = model.kv_cache(batch=1, capacity=8)
+    with pytest.raises(FeedError, match="do not fit a cache of batch 1"):
+        cache.step(np.ones((1, 4), np.int64), np.ones((1, 5), np.int64))
+    with pytest.raises(FeedError, match="holds 8 positions and is full"):
+        cache.step(np.ones((1, 9), np.int64), np.ones((1, 9), np.int64))
+    with pytest.raises(FeedError, match="longer than the model's 128"):
+        model.kv_cache(batch=1, capacity=500)
+
+
+def test_fused_refuses_a_head_size_gqa_cannot_run(tiny_llama_dir, tmp_path):
+    from slimml.convert.fused_llama import export_fused
+
+    with pytest.raises(ExportError, match=r"multiple of 16, not 8\. Use --exporter optimum\.$"):
+        export_fused(tiny_llama_dir, tmp_path / "x")
+
+
+def _family(name: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128)
+    if name == "qwen2":  # q/k/v biases, tied embeddings
+        return Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True, use_sliding_window=False))
+    if name == "mistral":
+        return MistralForCausalLM(MistralConfig(**shape, sliding_window=None))
+    return LlamaForCausalLM(LlamaConfig(**shape, rope_theta=500000.0, rope_scaling={  # Llama 3's RoPE scaling
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}))
+
+
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "llama3-rope"])
+def test_fused_families_match_torch(name, tmp_path):
+    import onnxruntime as ort
+    import torch
+
+    from slimml.convert.fused_llama import export_fused
+
+    torch.manual_seed(0)
+    model = _family(name).eval()
+    model.save_pretrained(tmp_path / "hf")
+    session = ort.InferenceSession(str(export_fused(tmp_path / "hf", tmp_path / "onnx")), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(0).integers(3, 512, size=(2, 40))  # past original_max_position_embeddings
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    feeds |= {f"past_key_values.{i}.{kv}": np.zeros((2, 2, 0, 16), np.float32) for i in range(2) for kv in ("key", "value")}
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(session.run(["logits"], feeds)[0] - want).max() < 1e-4
