@@ -50,10 +50,10 @@ def run_slimml(path: str, ids: list[list[int]], new: int, threads: int) -> dict:
     from slimml.runtime import load
 
     model = load(path, threads=threads)
-    model.generate([p[:16] for p in ids], max_new_tokens=4, eos_token_id=-1)  # warm-up: sessions, arenas
+    model.generate([p[:16] for p in ids], max_new_tokens=4, eos_token_id=())  # warm-up: sessions, arenas
 
     def once() -> dict:
-        g = model.generate(ids, max_new_tokens=new, eos_token_id=-1)
+        g = model.generate(ids, max_new_tokens=new, eos_token_id=())
         return {"prefill_s": g.prefill_s, "decode_s": g.seconds - g.prefill_s, "new": [len(t) for t in g.tokens]}
 
     return _fastest(once)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from slimml.errors import SlimmlError
+
 from slimml.errors import ExportError, FeedError
 
 NEW = 10
@@ -70,9 +72,9 @@ def test_fused_matches_torch_and_the_traced_graph(llama16, arts):
     checks = reports["fused"].checks
     assert checks["top1_agreement"] == 1.0 and checks["max_abs_diff_vs_torch"] < 1e-4
     ids = _prompts()
-    old = load(root / "optimum").generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=-1).tokens
+    old = load(root / "optimum").generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=()).tokens
     fused = load(root / "fused")
-    assert fused.generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=-1).tokens == old
+    assert fused.generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=()).tokens == old
     with torch.no_grad():
         hf = LlamaForCausalLM.from_pretrained(llama16).eval()
         want = hf.generate(torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long),
@@ -89,7 +91,7 @@ def test_engine_cache_in_place_equals_generate(arts, resident):
 
     root, _ = arts
     ids = _prompts()
-    want = load(root / "optimum").generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=-1).tokens
+    want = load(root / "optimum").generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=()).tokens
     model = load(root / "fused", resident=resident, pack=False)
     assert _greedy_with_cache(model, ids, NEW) == want
     cache = model.kv_cache(batch=2, capacity=ids.shape[1] + NEW)
@@ -107,7 +109,7 @@ def test_int4_fused_keeps_the_old_graphs_tokens(llama16, tmp_path):
     for exporter in ("optimum", "fused"):
         _convert(llama16, tmp_path / exporter, exporter, WeightOnlyConfig(bits=4))
         model = load(tmp_path / exporter)
-        tokens[exporter] = model.generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=-1).tokens
+        tokens[exporter] = model.generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=()).tokens
         if exporter == "fused":  # every shard at the quantizer's opset: the resident model is one session
             assert model.plan.sessions == 1
     assert tokens["fused"] == tokens["optimum"]
@@ -126,6 +128,8 @@ def test_cache_refuses_what_does_not_fit(arts):
         cache.step(np.ones((1, 9), np.int64), np.ones((1, 9), np.int64))
     with pytest.raises(FeedError, match="longer than the model's 128"):
         model.kv_cache(batch=1, capacity=500)
+    with pytest.raises(SlimmlError, match="takes a batch of prompts of one length"):  # no padded batch for GQA
+        model.generate([[1, 2, 3], [4, 5]], max_new_tokens=2)
 
 
 def test_fused_refuses_a_head_size_gqa_cannot_run(tiny_llama_dir, tmp_path):

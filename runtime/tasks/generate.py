@@ -21,7 +21,7 @@ import numpy as np
 
 from slimml.runtime.tasks.generation.chat import ChatTemplate
 from slimml.runtime.tasks.generation.config import GenerationConfig
-from slimml.runtime.tasks.generation.loop import DecodeLoop
+from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_loop
 from slimml.runtime.tasks.generation.prompts import Prompts, prepare
 from slimml.runtime.tasks.generation.sampling import Sampler
 from slimml.runtime.tasks.generation.stopping import TextStream
@@ -199,11 +199,11 @@ def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = 
     a generator that yields ``(prompt index, text piece)`` and returns the :class:`Generation`."""
     t0 = time.perf_counter()
     job = prepare(model, prompts, config, raw_text)
-    loop = DecodeLoop(model.engine, job.ids, job.pad_id, job.steps)
+    loop = decode_loop(model.engine, job.ids, job.pad_id, job.steps)
     return _passes(job, loop, config, t0, cancel)
 
 
-def _passes(job: Prompts, loop: DecodeLoop, config: GenerationConfig, t0: float,
+def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig, t0: float,
             cancel: threading.Event | None) -> Generator[tuple[int, str], None, Generation]:
     batch = len(job.ids)
     texts = [TextStream(job.tokenizer, p, config.stop) for p in job.ids] if job.tokenizer is not None else None

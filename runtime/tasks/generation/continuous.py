@@ -88,6 +88,10 @@ class ContinuousBatch:
         if names is None:
             raise SlimmlError(f"the artifact {model.folder} has no KV cache, so sequences cannot share passes; "
                               "re-convert it with --task text-generation-with-past.")
+        from slimml.runtime.engine.kv_cache import shares_buffers
+
+        if shares_buffers(self.engine):  # fused attention takes no padded batch: one answer at a time
+            self.max_batch = 1
         self._cache_names = list(names)
         self._outputs = ["logits", *(_present(n) for n in self._cache_names)]
         self._id_dtype = np.dtype(specs["input_ids"].dtype)
@@ -117,6 +121,9 @@ class ContinuousBatch:
         """Prefill ``seqs`` together in one pass, give each its first token, and add those not
         yet finished to the batch."""
         seqs = [s for s in seqs if not self._left(s)]
+        if len(seqs) > self.free:
+            raise SlimmlError(f"{len(seqs)} sequences cannot join a batch with room for {self.free}; admit fewer "
+                              "(this is a slimml bug).")
         if not seqs:
             return
         width = max(len(s.ids) for s in seqs)

@@ -23,6 +23,52 @@ import numpy as np
 from slimml.errors import SlimmlError
 
 
+class CacheLoop:
+    """:class:`DecodeLoop`'s passes through the engine's in-place cache (``Engine.kv_cache``: an
+    artifact whose attention shares past and present, ``--exporter fused``): nothing is copied
+    or concatenated per token. Prompts of one length only (a fused batch is not padded).
+
+    Args:
+        cache: the engine's :class:`~slimml.runtime.engine.kv_cache.KVCache` for this generation.
+        prompts: token ids per prompt, all of one length.
+    """
+
+    def __init__(self, cache: Any, prompts: list[list[int]]):
+        self.cache = cache
+        self.pending = np.asarray(prompts, dtype=np.int64)  # (B, P), then (B, 1) each step
+        self.passes = 0
+
+    def next_logits(self) -> np.ndarray:
+        """Run the next pass; the last position's logits, (B, vocab)."""
+        b, s = self.pending.shape
+        logits = self.cache.step(self.pending, np.ones((b, self.cache.length + s), dtype=np.int64))
+        self.passes += 1
+        return logits[:, -1, :]
+
+    def append(self, ids: np.ndarray) -> None:
+        """The next token of every prompt, (B,): fed by the next pass."""
+        self.pending = np.asarray(ids, dtype=np.int64).reshape(-1, 1)
+
+
+def decode_loop(engine: Any, prompts: list[list[int]], pad_id: int, steps: int) -> CacheLoop | DecodeLoop:
+    """The fastest loop the artifact allows: its in-place cache where it has one and the prompts
+    are of one length, else :class:`DecodeLoop`.
+
+    Raises:
+        SlimmlError: prompts of different lengths for an artifact whose attention cannot take a
+            padded batch (``--exporter fused``).
+    """
+    from slimml.runtime.engine.kv_cache import shares_buffers
+
+    if not shares_buffers(engine):
+        return DecodeLoop(engine, prompts, pad_id, steps)
+    if len(set(map(len, prompts))) != 1:
+        raise SlimmlError(f"the artifact {engine.folder} runs fused attention (--exporter fused), which takes a batch of "
+                          "prompts of one length; generate prompts of different lengths one at a time, or convert with "
+                          "--exporter optimum.")
+    return CacheLoop(engine.kv_cache(len(prompts), len(prompts[0]) + steps), prompts)
+
+
 class DecodeLoop:
     """Passes of one batch of left-padded prompts through ``engine``.
 
