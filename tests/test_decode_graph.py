@@ -10,9 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from slimml.errors import SlimmlError
 
-from slimml.errors import ExportError, FeedError
+from slimml.errors import ExportError, FeedError, SlimmlError
 
 NEW = 10
 
