@@ -6,7 +6,10 @@ ONNX Runtime sessions. Nothing downloads: ``HF_HUB_OFFLINE=1`` is set for the wh
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -97,6 +100,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(config, start_s: float = 180):
+    """``slimml serve`` of ``config`` on 127.0.0.1 in a thread; yields its port, stops it (and its
+    Ray) after."""
+    from slimml.serve import serve
+
+    port, urls, stop = free_port(), [], threading.Event()
+    thread = threading.Thread(target=serve, args=(config,), kwargs={"port": port, "ready": urls.append, "stop": stop},
+                              daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_s
+    while not urls:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+    try:
+        yield port
+    finally:
+        stop.set()
+        thread.join(120)
+        assert not thread.is_alive(), "the server did not stop"
 
 
 @pytest.fixture(scope="session")

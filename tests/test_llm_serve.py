@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import free_port
+from conftest import serving
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -34,21 +34,11 @@ def local(smollm2_artifact):
 
 @pytest.fixture(scope="module")
 def server(ray_env, smollm2_artifact):
-    from slimml.serve import ServeConfig, serve
+    from slimml.serve import ServeConfig
 
-    port, urls, stop = free_port(), [], threading.Event()
     config = ServeConfig(str(smollm2_artifact), name="smollm2", max_running=4, max_waiting=8, max_new_tokens=64)
-    thread = threading.Thread(target=serve, args=(config,), kwargs={"port": port, "ready": urls.append, "stop": stop},
-                              daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 180
-    while not urls:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
-    yield port
-    stop.set()
-    thread.join(120)
-    assert not thread.is_alive(), "the server did not stop"
+    with serving(config) as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import STS_DEV, free_port
+from conftest import STS_DEV, serving
 
 from slimml.runtime import load
 
@@ -51,21 +51,11 @@ class Client:
 
 @pytest.fixture(scope="module")
 def server(ray_env, default_artifact):
-    from slimml.serve import ServeConfig, serve
+    from slimml.serve import ServeConfig
 
-    port, urls, stop = free_port(), [], threading.Event()
     config = ServeConfig(str(default_artifact), replicas=2, max_texts=64, max_body_bytes=64 << 10, max_batch_size=32)
-    thread = threading.Thread(target=serve, args=(config,), kwargs={"port": port, "ready": urls.append, "stop": stop},
-                              daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 180
-    while not urls:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
-    yield port
-    stop.set()
-    thread.join(120)
-    assert not thread.is_alive(), "the server did not stop"
+    with serving(config) as port:
+        yield port
     assert not ray.is_initialized()
 
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from conftest import free_port
+from conftest import free_port, serving
 
 from slimml.runtime import load
 
@@ -72,21 +72,11 @@ def rss_mb(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def server(ray_env, tiny_llama_past_artifact):
-    from slimml.serve import ServeConfig, serve
+    from slimml.serve import ServeConfig
 
-    port, urls, stop = free_port(), [], threading.Event()
     config = ServeConfig(str(tiny_llama_past_artifact), api_key=KEY, **LIMITS)
-    thread = threading.Thread(target=serve, args=(config,), kwargs={"port": port, "ready": urls.append, "stop": stop},
-                              daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 180
-    while not urls:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
-    yield port
-    stop.set()
-    thread.join(120)
-    assert not thread.is_alive(), "the server did not stop"
+    with serving(config) as port:
+        yield port
 
 
 def _ids(rows: int, tokens: int) -> list[list[int]]:
