@@ -98,7 +98,9 @@ def _replica_memory(config: ServeConfig, nodes: list[dict]) -> int | None:
     """For a streamed language model (``memory_budget`` set): the bytes each replica asks Ray for
     (its budget and a full KV cache), refused in one line when the nodes cannot hold the replicas."""
     manifest = read_manifest(config.artifact)
-    if not config.memory_budget or not manifest.task.startswith("text-generation"):
+    from slimml.runtime.tasks.registry import kind_of
+
+    if not config.memory_budget or kind_of(manifest) != "text-generation":  # the registry says what it is for
         return None
     from slimml.runtime.engine.budget import fmt_bytes
     from slimml.serve.llm import replica_bytes
