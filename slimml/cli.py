@@ -20,6 +20,7 @@ from slimml.cli_options import Options, OptionValues, config_options
 from slimml.convert.config import ConvertConfig, DistillConfig, ExportConfig, PruneConfig, ShardConfig
 from slimml.errors import SlimmlError
 from slimml.quantize.config import QuantizeOptions
+from slimml.runtime.engine.config import LoadConfig
 
 app = typer.Typer(
     name="slimml",
@@ -32,15 +33,11 @@ console = Console()
 err = Console(stderr=True)
 
 Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `slimml convert`.")]
-Device = Annotated[str, typer.Option(help="cpu, cuda, or auto (CUDA where a GPU works, else CPU).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]
 Progress = Annotated[bool, typer.Option("--progress", help="Show a progress bar over the batches (on stderr).")]
 BaselineIn = Annotated[Optional[Path], typer.Option(help="Compare with this baseline file; exit 3 on a regression.")]
 BaselineOut = Annotated[Optional[Path], typer.Option(help="Write what this run measured as a baseline file.")]
-Resident = Annotated[Optional[int], typer.Option("--resident", "-k", help="Shards loaded at once (K); fewer than the shard count streams the model.")]
-Prefetch = Annotated[Optional[int], typer.Option("--prefetch", "-p", help="Shards the loader brings in ahead of the one computing (P).")]
 Budget = Annotated[Optional[str], typer.Option("--memory-budget", help="Memory for loaded shards, e.g. 4GB; picks K and P.")]
-Pin = Annotated[Optional[list[int]], typer.Option("--pin", help="A shard to keep loaded (repeat; -1 is the last).")]
 @app.command()
 @config_options(
     export=Options(ExportConfig, only=("task", "opset")),
@@ -223,6 +220,7 @@ def info(artifact: Artifact, as_json: AsJson = False):
 
 
 @app.command()
+@config_options(loading=Options(LoadConfig, only=("device",)))
 def run(
     artifact: Artifact,
     texts: Annotated[Optional[list[str]], typer.Argument(help="Texts: to embed, classify, or score images against.")] = None,
@@ -232,7 +230,7 @@ def run(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per transcript at most (--audio).")] = 128,
     input: Annotated[Optional[Path], typer.Option("--input", help="An .npz file of named input arrays.")] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="Classes shown per input (classifiers).")] = 5,
-    device: Device = "cpu",
+    loading: OptionValues = None,
     progress: Progress = False,
     as_json: AsJson = False,
 ):
@@ -248,7 +246,7 @@ def run(
     texts = [*(texts or []), *(text or [])]
     if sum(map(bool, (texts or image, audio, input))) != 1:
         raise SlimmlError("give texts (TEXT or --text), --image files, --audio files or --input FILE.npz: one kind of input.")
-    model = load(artifact, device=device)
+    model = load(artifact, loading.build())
     if audio:
         if "audio" not in model.accepts:
             raise SlimmlError(f"{artifact} is not a speech model (it has no audio feature extractor); --audio needs one, e.g. Whisper.")
@@ -315,10 +313,11 @@ def _print_classes(names: list[str], results: list[list[dict]], as_json: bool) -
 
 
 @app.command("eval")
+@config_options(loading=Options(LoadConfig, only=("device",)))
 def eval_(
     artifact: Artifact,
     data: Annotated[Path, typer.Option(help="CSV with sentence1,sentence2,score (STS style).")],
-    device: Device = "cpu",
+    loading: OptionValues = None,
     batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 32,
     progress: Progress = False,
     baseline: BaselineIn = None,
@@ -334,7 +333,7 @@ def eval_(
     tol = Tolerances(accuracy_drop=max_accuracy_drop)
     old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
     read_sts(data)  # a bad data file fails before the model loads
-    model = load(artifact, device=device)
+    model = load(artifact, loading.build())
     result = evaluate_sts(model, data, batch_size=batch_size, show_progress=progress)
     now = Baseline.from_eval(result, model.manifest.name, data)
     if as_json:
@@ -345,26 +344,24 @@ def eval_(
 
 
 @app.command()
+@config_options(loading=Options(LoadConfig, only=("device", "resident", "prefetch", "memory_budget", "pin")))
 def bench(
     artifact: Artifact,
     batch: Annotated[int, typer.Option(help="Batch size.")] = 1,
     seq: Annotated[int, typer.Option(help="Sequence length for dynamic axes.")] = 128,
     runs: Annotated[int, typer.Option(help="Timed runs.")] = 50,
-    device: Device = "cpu",
+    loading: OptionValues = None,
     baseline: BaselineIn = None,
     save_baseline: BaselineOut = None,
     max_latency_increase: Annotated[float, typer.Option(help="Percent the p50 latency may rise above --baseline.")] = 50.0,
     max_size_increase: Annotated[float, typer.Option(help="Percent the model size may grow above --baseline.")] = 1.0,
-    resident: Resident = None,
-    prefetch: Prefetch = None,
-    memory_budget: Budget = None,
-    pin: Pin = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="Try every K,P: e.g. '2,3,4' or '2,3,4:0,1' (K values:P values).")] = None,
     sweep_out: Annotated[Path, typer.Option("--sweep-out", help="Folder for the sweep's table, CSV and PNG plot.")] = Path("sweep"),
     component: Annotated[Optional[str], typer.Option("--component", help="For an artifact of components: the one to time (default: each).")] = None,
     as_json: AsJson = False,
 ):
     """Latency p50/p90, throughput, peak RSS and size of an artifact; streaming counters; a K,P sweep."""
+    device, pin = loading["device"], loading["pin"]
     from slimml.runtime import load
     from slimml.runtime.tools.baseline import Baseline, Tolerances, check_settings
     from slimml.runtime.tools.bench import bench as do_bench
@@ -392,7 +389,7 @@ def bench(
         console.print(f"wrote {result.table}, {result.csv}" + (f", {result.plot}" if result.plot else
                       " (no plot: pip install 'slimml[bench]' for matplotlib)"))
         return
-    model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
+    model = load(artifact, loading.build())
     parts = model.parts
     if parts:  # several graphs: each is timed on its own sample inputs
         if component is None:
@@ -455,6 +452,7 @@ def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
 
 
 @app.command()
+@config_options(loading=Options(LoadConfig, only=("device", "resident", "prefetch", "memory_budget", "pin")))
 def generate(
     artifact: Artifact,
     prompt: Annotated[list[str], typer.Option("--prompt", help="A prompt (repeat for a batch).")],
@@ -467,11 +465,7 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop where this text appears; it is not printed (repeat).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user message in the model's chat template.")] = False,
     truncate: Annotated[bool, typer.Option("--truncate", help="Keep the end of a prompt longer than the model's context instead of refusing it.")] = False,
-    device: Device = "cpu",
-    resident: Resident = None,
-    prefetch: Prefetch = None,
-    memory_budget: Budget = None,
-    pin: Pin = None,
+    loading: OptionValues = None,
     as_json: AsJson = False,
 ):
     """Continue prompts with a decoder artifact (converted with --task text-generation[-with-past]),
@@ -482,7 +476,7 @@ def generate(
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()), truncate=truncate)
-    model = load(artifact, device=device, resident=resident, prefetch=prefetch, memory_budget=memory_budget, pin=pin)
+    model = load(artifact, loading.build())
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
     if not model.supports("stream"):  # an encoder-decoder answers; greedy only
