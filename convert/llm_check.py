@@ -149,10 +149,12 @@ def check_language_model(folder: Path, manifest: Any, source_folder: Path, eval_
     from slimml.runtime.loader import load
 
     text, origin = read_eval_text(eval_text)
-    windows = token_windows(folder / manifest.tokenizer["file"], text)
-    reference = torch_scores(source_folder, windows)
     model = load(folder, device="cpu")
     try:
+        context = model.max_sequence_length  # a window never passes the model's positions
+        window = min(DEFAULT_WINDOW, context) if context else DEFAULT_WINDOW
+        windows = token_windows(folder / manifest.tokenizer["file"], text, window=window)
+        reference = torch_scores(source_folder, windows)
         names = [t.name for t in manifest.inputs]
         past = past_shapes(manifest.inputs)
         ours = score_run(model.run, lambda ids: decoder_feeds(names, ids, past), windows)

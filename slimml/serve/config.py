@@ -50,7 +50,7 @@ class ServeConfig:
         max_running: language models: answers generated together, one model pass a token for all
             of them (continuous batching: a request joins at the next step, leaves when done).
         max_waiting: language models: requests queued for a place in the batch; more get 429
-            with Retry-After. max_running + max_waiting must fit max_ongoing_requests.
+            with Retry-After. Past max_ongoing_requests, Serve's own queue holds them first.
         max_ongoing_requests: requests a replica works on at once (each holds its body and its
             share of a batch); more wait in Serve's queue.
         max_queued_requests: requests waiting for a replica, at most; more get 503 at once.
@@ -124,10 +124,6 @@ class ServeConfig:
                                          or not self.api_key.isprintable() or " " in self.api_key):
             raise ConfigError("api_key must be at least 16 printable characters without spaces (e.g. from "
                               "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`).")
-        if self.max_running + self.max_waiting > self.max_ongoing_requests:
-            raise ConfigError(f"max_running ({self.max_running}) + max_waiting ({self.max_waiting}) is more than "
-                              f"max_ongoing_requests ({self.max_ongoing_requests}), so Serve would queue requests the "
-                              "batch could take; raise --max-ongoing-requests or lower --max-running/--max-waiting.")
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeConfig:
