@@ -191,6 +191,8 @@ def for_language_model(config, manifest):
               if f.name in ("calibration", "calibration_size", "guard", "exclude_shards", "eval_text")}
     if isinstance(config, Int8DynamicConfig):
         return WeightOnlyConfig(bits=8, block_size=32, symmetric=True, backend="lm", **common)
+    if isinstance(config, WeightOnlyConfig) and config.backend == "ort" and (config.block_size, config.accuracy_level) != (32, None):
+        return config  # blocks or a compute type chosen in Python (e.g. block 128, accuracy_level 4: the fastest decode) are honoured
     if isinstance(config, WeightOnlyConfig) and config.backend == "ort":
         return WeightOnlyConfig(bits=config.bits, block_size=32, symmetric=config.bits == 8, backend="lm",
                                 accuracy_level=config.accuracy_level, **common)
