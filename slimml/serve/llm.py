@@ -157,23 +157,36 @@ class LLMService:
                 raise RequestError(f"{detail} (POST /v1/completions takes a plain prompt.)") from None
         else:
             prompt, raw = req.prompt, False
+        ids = self._ids(prompt, raw)
         context = self.model.engine.max_sequence_length
         limit = req.max_tokens or self.max_tokens
+        if req.max_tokens is None and context is not None and ids is not None:  # OpenAI's: up to the context
+            limit = max(1, min(limit, context - len(ids)))
         config = GenerationConfig(max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, repetition_penalty=req.repetition_penalty, seed=req.seed,
                                   stop=tuple(req.stop))
-        try:
+        try:  # the prompt's length within the context, with max_tokens: refused here with the limits
             seq = self.worker.batch.prepare(
-                prompt, config, raw_text=raw,
+                prompt if ids is None else ids, config, raw_text=raw,
                 on_text=lambda piece: loop.call_soon_threadsafe(put, ("text", piece)),
                 on_done=lambda s: loop.call_soon_threadsafe(put, ("done", s)))
         except FeedError as e:
             raise RequestError(str(e)) from None
-        if req.max_tokens is not None and context is not None and len(seq.ids) + req.max_tokens > context:
-            raise RequestError(f"the prompt is {len(seq.ids)} tokens and max_tokens is {req.max_tokens}: "
-                               f"{len(seq.ids) + req.max_tokens} in all, more than the model's context of {context} "
-                               "tokens; shorten the prompt or ask for fewer tokens.")
         return seq
+
+    def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:
+        """The prompt's token ids, as generation would encode it (None: the model has no tokenizer)."""
+        if not isinstance(prompt, str):
+            return prompt
+        if self.model.text is None:
+            return None
+        from slimml.runtime.tasks.generation.prompts import check_unicode, untruncated
+
+        try:
+            check_unicode([prompt])
+        except FeedError as e:
+            raise RequestError(str(e)) from None
+        return untruncated(self.model.text).encode(prompt, add_special_tokens=not raw).ids
 
     async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer) -> AsyncIterator[bytes]:
         try:

@@ -49,7 +49,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     if texts:
         if tok is None:
             raise SlimmlError(f"the artifact {model.folder} has no tokenizer; pass token ids instead of text.")
-        _check_unicode(prompts)
+        check_unicode(prompts)
         limits = getattr(model, "limits", None)
         texts_in = limits.cut(list(prompts)) if limits is not None else list(prompts)  # bounded before tokenizing
         ids = [e.ids for e in tok.encode_batch(texts_in, add_special_tokens=not raw_text)]
@@ -87,7 +87,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
                    pad_id=pad_id(model, config), tokenizer=tok)
 
 
-def _check_unicode(texts: list[str]) -> None:
+def check_unicode(texts: list[str]) -> None:
     for i, t in enumerate(texts):
         try:
             t.encode("utf-8")
