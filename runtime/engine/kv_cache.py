@@ -77,7 +77,8 @@ class KVCache:
             self.buffers[t.name] = buf
             self._values[t.name] = self._values[PRESENT + t.name[len(PAST):]] = value
         self._outputs = [t.name for t in engine.manifest.outputs if not t.name.startswith(PRESENT)]
-        self._bindings: dict[int, Any] = {}  # id(step) -> its IOBinding, the cache bound once
+        self._blocks: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}  # (start, stop) -> values over those rows
+        self._bindings: dict[tuple[int, int, int], Any] = {}  # (id(step), start, stop) -> its IOBinding, bound once
 
     @property
     def nbytes(self) -> int:
@@ -104,41 +105,88 @@ class KVCache:
         if self.length + s > self.capacity:
             raise FeedError(f"the cache holds {self.capacity} positions and is full ({self.length} + {s}); "
                             "make it with a larger capacity.")
+        logits = self.run(input_ids, attention_mask)
+        self.length += s
+        return logits
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """One pass over rows ``[start, stop)`` of the cache (all rows by default), each row's
+        positions taken from its mask: the caller keeps each row's length (``length`` is not moved).
+
+        The rows of a pass are one contiguous block of the buffers, bound as a batch of their own:
+        a batch keeps its live rows first and runs only those. A pass over more than one position
+        per row must be those rows' first (GroupQueryAttention's limit), its prompts right-padded.
+
+        Args:
+            input_ids: int64 (b, S), b = stop - start.
+            attention_mask: int64 (b, W), W <= capacity: row i holds ``sum(mask[i])`` positions after
+                this pass (its past plus its S new ones); only the sums and the width matter.
+            rows: ``(start, stop)``, a block of the cache's rows.
+
+        Returns:
+            The logits, (b, S, vocab).
+        """
+        start, stop = rows or (0, self.batch)
+        if not 0 <= start < stop <= self.batch or input_ids.shape[0] != stop - start or attention_mask.shape[0] != stop - start \
+                or attention_mask.shape[1] > self.capacity:
+            raise FeedError(f"cache pass over rows {start}:{stop}: input_ids {input_ids.shape} and attention_mask "
+                            f"{attention_mask.shape} do not fit a cache of {self.batch} rows and {self.capacity} positions.")
         self.engine._check_watch()  # a file changed since load is refused, as by run()
         env: dict[str, Any] = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                                "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64)}
+        values = self._block(start, stop)
         plan = self.engine.plan
         streamer = plan.streamer
         with plan._lock or nullcontext(), streamer.one_pass() if streamer is not None else nullcontext():
             for seg in plan.segments:
                 if seg.kind == "resident":
                     for st in seg.steps:
-                        self._run(st, env)
+                        self._run(st, env, values, (start, stop))
                 else:
                     for i in seg.shards:
                         slot = streamer.take(i)
                         t0 = time.perf_counter()
                         try:
-                            self._run(seg.steps[i], env, slot.weights)
+                            self._run(seg.steps[i], env, values, (start, stop), slot.weights)
                         finally:
                             streamer.release(time.perf_counter() - t0)
-        self.length += s
         logits = env["logits"]
         return logits.numpy() if isinstance(logits, ort.OrtValue) else logits
 
-    def _run(self, st: Step, env: dict[str, Any], weights: dict | None = None) -> None:
+    def move_row(self, src: int, dst: int, positions: int) -> None:
+        """Copy row ``src``'s first ``positions`` cached positions into row ``dst`` (a batch that
+        keeps its live rows first fills the hole a finished row left)."""
+        if src != dst:
+            for buf in self.buffers.values():
+                buf[dst, :, :positions] = buf[src, :, :positions]
+
+    def _block(self, start: int, stop: int) -> dict[str, ort.OrtValue]:
+        """Past and present names -> OrtValues over rows [start, stop) of the buffers (made once)."""
+        if (start, stop) == (0, self.batch):
+            return self._values
+        values = self._blocks.get((start, stop))
+        if values is None:
+            values = {}
+            for name, buf in self.buffers.items():  # rows of a (B, h, L, d) C-order buffer: one contiguous block
+                values[name] = values[PRESENT + name[len(PAST):]] = ort.OrtValue.ortvalue_from_numpy(buf[start:stop])
+            self._blocks[(start, stop)] = values
+        return values
+
+    def _run(self, st: Step, env: dict[str, Any], cache: dict[str, ort.OrtValue], rows: tuple[int, int],
+             weights: dict | None = None) -> None:
         names = st.names or {}
-        binding = self._bindings.get(id(st))
+        key = (id(st), *rows)
+        binding = self._bindings.get(key)
         if binding is None or weights is not None:  # a streamed step's weights change slot each pass
             binding = st.session.io_binding()
             for name in [*st.inputs, *st.outputs]:
-                if name in self._values:
+                if name in cache:
                     bind = binding.bind_ortvalue_input if name in st.inputs else binding.bind_ortvalue_output
-                    bind(names.get(name, name), self._values[name])
+                    bind(names.get(name, name), cache[name])
             if weights is None:
-                self._bindings[id(st)] = binding
+                self._bindings[key] = binding
         for name in st.inputs:
-            if name in self._values:
+            if name in cache:
                 continue
             value = env[name]
             if isinstance(value, ort.OrtValue):
@@ -147,7 +195,7 @@ class KVCache:
                 binding.bind_cpu_input(names.get(name, name), value)
         for name, value in (weights or {}).items():
             binding.bind_cpu_input(names.get(name, name), value)
-        fresh = [n for n in st.outputs if n not in self._values]
+        fresh = [n for n in st.outputs if n not in cache]
         for name in fresh:
             binding.bind_output(names.get(name, name), "cpu")
         try:

@@ -4,8 +4,9 @@ chat templates, batches of prompts of different lengths.
 The parts live in :mod:`slimml.runtime.tasks.generation`; this module puts them together:
 prompts checked once -> the decode loop's passes -> the sampler -> per prompt, its stop ids,
 its text as it comes and its stop strings. Either way a streamed model loads each shard once per
-token (never once per layer per token), and prompts are batched (left-padded) so one pass serves
-them all.
+token (never once per layer per token), and prompts of different lengths are one batch, so one
+pass serves them all (left-padded for a traced graph; right-padded, each row at its own position,
+on the engine's in-place cache of a fused one).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
         model: a loaded ``text-generation`` artifact (streamed or resident); it has ``engine``,
             ``text`` (its tokenizer, or None), ``folder`` and ``manifest``.
         prompts: a text or texts (the artifact must ship a tokenizer), or token id lists / a
-            2-D id array. Prompts of different lengths are left-padded into one batch.
+            2-D id array. Prompts of different lengths run as one batch.
         config: a :class:`GenerationConfig`; ``options`` set its fields one by one instead
             (``max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0, stop=["\\n\\n"]``).
         stream: return a :class:`GenerationStream` of ``(prompt index, text piece)`` instead.
@@ -219,7 +220,8 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
         if step == 0:
             prefill_s = time.perf_counter() - t0
             sampler = Sampler(config, job.ids, logits.shape[-1])
-        nxt = np.where(done, job.pad_id, sampler(logits))  # (B,); a finished prompt's row runs on, ignored
+        nxt = np.where(done, job.pad_id, sampler(logits))  # (B,); a finished prompt's row is ignored
+        was = done.copy()
         for i in np.flatnonzero(~done):
             token = int(nxt[i])
             new[i].append(token)
@@ -236,6 +238,7 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
                 yield int(i), piece
         if done.all() or step == job.steps - 1:
             break
+        loop.finish(np.flatnonzero(done & ~was).tolist())  # the fused loop stops running them
         sampler.add(nxt)
         loop.append(nxt)
     for i in np.flatnonzero(~done):  # max_new_tokens, or the context, reached

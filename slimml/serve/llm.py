@@ -2,8 +2,9 @@
 
 Requests are checked on their own (a bad one fails alone), then wait for the decode worker, a
 thread that runs :class:`~slimml.runtime.tasks.generation.continuous.ContinuousBatch`: between two
-steps it admits the waiting sequences (prefilled together in one pass), then steps every running
-sequence in one pass. Text reaches each request's event loop as it is made, for server-sent
+steps it admits the waiting sequences (prefilled together in one pass, up to ``prefill_tokens``
+prompt tokens a step, so that a burst of new requests does not stall the running answers), then
+steps every running sequence in one pass. Text reaches each request's event loop as it is made, for server-sent
 events or the whole answer. A client that goes away cancels its sequence, which leaves the batch
 at the next step with its cache. Beyond ``max_running`` decoding and ``max_waiting`` queued, a
 request gets 429 with ``Retry-After``.
@@ -20,7 +21,7 @@ from typing import Any
 
 from slimml.errors import FeedError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
-from slimml.runtime.tasks.generation.continuous import ContinuousBatch, Sequence
+from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
 import slimml.serve.openai as openai
 
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait
@@ -29,8 +30,8 @@ RETRY_AFTER_S = 1  # what a 429 tells a client to wait
 class DecodeWorker:
     """The thread that owns the running batch: admits waiting sequences between steps."""
 
-    def __init__(self, model: Any, max_running: int, max_waiting: int):
-        self.batch = ContinuousBatch(model, max_batch=max_running)
+    def __init__(self, model: Any, max_running: int, max_waiting: int, prefill_tokens: int = PREFILL_TOKENS):
+        self.batch = ContinuousBatch(model, max_batch=max_running, prefill_tokens=prefill_tokens)
         self.max_waiting = max_waiting
         self.capacity = max_running + max_waiting  # answers in the batch, being admitted, or queued
         self._inflight = 0
@@ -80,7 +81,7 @@ class DecodeWorker:
                     self._wake.wait()
                 if self._stopped:
                     break
-                joining = [self._waiting.popleft() for _ in range(min(batch.free, len(self._waiting)))]
+                joining = batch.take(self._waiting)  # the prefill budget's worth, oldest first
             try:
                 if joining:
                     batch.admit(joining)
@@ -105,15 +106,16 @@ class LLMService:
         max_running: sequences decoding together (the batch).
         max_waiting: requests queued for the batch before 429.
         max_text_chars: characters of a prompt (all messages together) at most; more gets 413.
+        prefill_tokens: prompt tokens prefilled between two decode steps (at least one prompt).
     """
 
     def __init__(self, model: Any, name: str, max_tokens: int, max_running: int, max_waiting: int,
-                 max_text_chars: int = 16_384):
+                 max_text_chars: int = 16_384, prefill_tokens: int = PREFILL_TOKENS):
         self.model = model
         self.name = name
         self.max_tokens = max_tokens
         self.max_text_chars = max_text_chars
-        self.worker = DecodeWorker(model, max_running, max_waiting)
+        self.worker = DecodeWorker(model, max_running, max_waiting, prefill_tokens)
 
     async def answer(self, data: dict[str, Any], chat: bool):
         """The response to a chat (``chat=True``) or completions body: a whole JSON body, or an

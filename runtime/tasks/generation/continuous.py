@@ -2,12 +2,12 @@
 
 Every pass of the model serves all running sequences at once (for a streamed model each pass reads
 the weights once, whoever shares it). A sequence that arrives waits for the current step to end;
-the waiting ones are prefilled together in one pass (left-padded), then their caches join the
-batch's. One cache holds the whole batch, per layer ``(B, kv_heads, L, head_dim)``, with a mask
-``(B, L)`` marking each row's real positions: a row shorter than the batch is left-padded with
-masked zeros, which attention ignores, so each sequence decodes as it would alone. Rows that
-finish are dropped from the cache at once, and leading columns that no row uses any more are
-cut, so memory follows the sequences alive.
+between two steps the waiting ones are prefilled (together in one pass, up to a budget of prompt
+tokens so that running answers keep flowing), then decode with the batch. Each sequence's cache
+is a row of the batch's (:mod:`~slimml.runtime.tasks.generation.rows`): on a fused graph
+(``--exporter fused``) rows of the engine's in-place buffers, each at its own position, the live
+rows first so that a pass runs only them; on a traced graph one growing cache, left-padded. Rows
+that finish or are cancelled leave the batch at once, their cache with them.
 
 Each sequence keeps its own sampler (its seed, temperature, penalty) and its own text stream
 (stop strings, incremental text), exactly as :func:`~slimml.runtime.tasks.generate.generate` does
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,12 +26,13 @@ import numpy as np
 
 from slimml.errors import SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
-from slimml.runtime.tasks.generation.loop import _empty_cache, _present
+from slimml.runtime.tasks.generation.loop import _empty_cache
 from slimml.runtime.tasks.generation.prompts import prepare
+from slimml.runtime.tasks.generation.rows import GrowingRows, SlotRows
 from slimml.runtime.tasks.generation.sampling import Sampler
 from slimml.runtime.tasks.generation.stopping import TextStream
 
-TRIM_AT = 32  # unused leading cache columns tolerated before the cache is cut (a copy)
+PREFILL_TOKENS = 512  # prompt tokens (padding included) prefilled between two steps, beyond the first prompt
 
 
 @dataclass
@@ -68,39 +70,37 @@ class Sequence:
 class ContinuousBatch:
     """The running batch of a causal-LM task: ``admit`` sequences, ``step`` them all, one pass each.
 
-    Not thread-safe by itself: one thread (a server's decode worker) calls ``admit`` and ``step``;
-    other threads only ``cancel`` sequences.
+    Not thread-safe by itself: one thread (a server's decode worker) calls ``take``, ``admit`` and
+    ``step``; other threads only ``cancel`` sequences.
 
     Args:
         model: the causal-LM task (``.engine``, ``.text``, ``.folder``, ``.manifest``).
         max_batch: the most sequences decoding at once.
+        prefill_tokens: prompt tokens (padded) prefilled between two steps; a longer prompt is
+            prefilled alone. Smaller keeps running answers flowing, larger serves a burst's first
+            tokens sooner.
     """
 
-    def __init__(self, model: Any, max_batch: int = 16):
+    def __init__(self, model: Any, max_batch: int = 16, prefill_tokens: int = PREFILL_TOKENS):
         self.model = model
         self.engine = model.engine
         self.max_batch = max_batch
+        self.prefill_tokens = prefill_tokens
         specs = {t.name: t for t in self.engine.inputs}
         if "input_ids" not in specs or "logits" not in {t.name for t in self.engine.outputs}:
             raise SlimmlError(f"the artifact {model.folder} is not a decoder (no input_ids -> logits); continuous "
                               "batching needs one converted with --task text-generation-with-past.")
-        names = _empty_cache(self.engine, 1)
-        if names is None:
+        if _empty_cache(self.engine, 1) is None:
             raise SlimmlError(f"the artifact {model.folder} has no KV cache, so sequences cannot share passes; "
                               "re-convert it with --task text-generation-with-past.")
         from slimml.runtime.engine.kv_cache import shares_buffers
 
-        if shares_buffers(self.engine):  # fused attention takes no padded batch: one answer at a time
-            self.max_batch = 1
-        self._cache_names = list(names)
-        self._outputs = ["logits", *(_present(n) for n in self._cache_names)]
-        self._id_dtype = np.dtype(specs["input_ids"].dtype)
-        self._has_positions = "position_ids" in specs
-        self.rows: list[Sequence] = []
-        self.cache: dict[str, np.ndarray] | None = None  # name -> (B, kv_heads, L, head_dim)
-        self.mask = np.zeros((0, 0), dtype=np.int64)  # (B, L): 1 where a row has a real position
-        self.positions = np.zeros(0, dtype=np.int64)  # (B,): the position of each row's next token
-        self.last = np.zeros(0, dtype=np.int64)  # (B,): each row's newest token, fed next step
+        if shares_buffers(self.engine):
+            context = self.engine.max_sequence_length or self.engine.manifest.source.get("max_position_embeddings")
+            self.cache: SlotRows | GrowingRows = SlotRows(self.engine, max_batch, int(context or 2048))
+        else:
+            self.cache = GrowingRows(self.engine)
+        self.rows: list[Sequence] = []  # in the order of the cache's rows
         self.passes = 0
         self.lock = threading.Lock()  # held by a pass; a reader of the batch's state may take it
 
@@ -117,39 +117,42 @@ class ContinuousBatch:
         """Sequences that can join now."""
         return self.max_batch - len(self.rows)
 
+    def take(self, waiting: deque[Sequence]) -> list[Sequence]:
+        """The waiting sequences (oldest first) to admit before the next step: as many as there
+        are free rows and the prefill budget allows (at least one)."""
+        joining: list[Sequence] = []
+        width = 0
+        while waiting and len(joining) < self.free:
+            head = waiting[0]
+            if head.cancelled:  # gone before its turn: ended without a pass
+                self._left(waiting.popleft())
+                continue
+            wider = max(width, len(head.ids))
+            if joining and wider * (len(joining) + 1) > self.prefill_tokens:
+                break
+            joining.append(waiting.popleft())
+            width = wider
+        return joining
+
     def admit(self, seqs: list[Sequence]) -> None:
-        """Prefill ``seqs`` together in one pass, give each its first token, and add those not
-        yet finished to the batch."""
+        """Prefill ``seqs`` together in one pass, give each its first token, and keep those not
+        yet finished in the batch."""
         seqs = [s for s in seqs if not self._left(s)]
         if len(seqs) > self.free:
             raise SlimmlError(f"{len(seqs)} sequences cannot join a batch with room for {self.free}; admit fewer "
                               "(this is a slimml bug).")
         if not seqs:
             return
-        width = max(len(s.ids) for s in seqs)
-        ids = np.zeros((len(seqs), width), dtype=self._id_dtype)
-        mask = np.zeros((len(seqs), width), dtype=np.int64)
-        for r, s in enumerate(seqs):  # left padding: each prompt ends at the last column
-            ids[r, width - len(s.ids):] = s.ids
-            mask[r, width - len(s.ids):] = 1
-        feeds = {"input_ids": ids, "attention_mask": mask}
-        if self._has_positions:
-            feeds["position_ids"] = np.where(mask > 0, np.cumsum(mask, axis=1) - 1, 1).astype(np.int64)
-        feeds.update(_empty_cache(self.engine, len(seqs)))
-        out = self._pass(feeds, seqs)
-        if out is None:
+        logits = self._pass(self.cache.prefill, seqs)
+        if logits is None:
             return
-        logits = out["logits"][:, -1, :]  # (k, vocab)
-        keep = []
+        self.rows += seqs
+        done = []
         for r, s in enumerate(seqs):
             s.sampler = Sampler(s.config, [s.ids], logits.shape[-1])
-            if self._token(s, logits[r : r + 1]):
-                keep.append(r)
-        if not keep:
-            return
-        cache = {n: out[_present(n)][keep] for n in self._cache_names}
-        lengths = [len(seqs[r].ids) for r in keep]
-        self._join(cache, mask[keep], [seqs[r] for r in keep], lengths)
+            if not self._token(s, logits[r : r + 1]):
+                done.append(len(self.rows) - len(seqs) + r)
+        self._drop(done)
 
     def step(self) -> None:
         """One pass over every running sequence: each gets its next token; finished and cancelled
@@ -157,51 +160,40 @@ class ContinuousBatch:
         self._drop([r for r, s in enumerate(self.rows) if s.cancelled])
         if not self.rows:
             return
-        b = len(self.rows)
-        mask = np.concatenate([self.mask, np.ones((b, 1), dtype=self.mask.dtype)], axis=1)  # (B, L + 1)
-        feeds = {"input_ids": self.last.reshape(b, 1).astype(self._id_dtype), "attention_mask": mask}
-        if self._has_positions:
-            feeds["position_ids"] = self.positions.reshape(b, 1).copy()
-        feeds.update(self.cache)
-        out = self._pass(feeds, self.rows)
-        if out is None:
-            self.rows, self.cache = [], None
+        logits = self._pass(self.cache.decode, self.rows)
+        if logits is None:
             return
-        self.cache = {n: out[_present(n)] for n in self._cache_names}
-        self.mask = mask
-        self.positions += 1
-        logits = out["logits"][:, -1, :]  # (B, vocab)
-        done = [r for r, s in enumerate(self.rows) if not self._token(s, logits[r : r + 1])]
-        for r, s in enumerate(self.rows):
-            if s.tokens:
-                self.last[r] = s.tokens[-1]
-        self._drop(done)
+        self._drop([r for r, s in enumerate(self.rows) if not self._token(s, logits[r : r + 1])])
 
     def cancel_all(self, error: BaseException | None = None) -> None:
         """End every running sequence (the server is stopping, or a pass failed)."""
         for s in self.rows:
             self._end(s, "error" if error else "cancelled", error)
-        self.rows, self.cache = [], None
-        self.mask = np.zeros((0, 0), dtype=np.int64)
-        self.positions = self.last = np.zeros(0, dtype=np.int64)
+        self.rows = []
+        self.cache.clear()
 
     @property
     def cache_bytes(self) -> int:
         """Bytes the batch's KV cache holds now."""
-        return sum(a.nbytes for a in (self.cache or {}).values())
+        return self.cache.nbytes
 
     # ---- inside
 
-    def _pass(self, feeds: dict[str, np.ndarray], seqs: list[Sequence]) -> dict[str, np.ndarray] | None:
+    def _pass(self, run: Callable[[list[Sequence]], np.ndarray], seqs: list[Sequence]) -> np.ndarray | None:
+        """``run(seqs)`` (a prefill or a decode pass). On failure ``seqs`` end with the error (a
+        failed prefill leaves the running batch as it was; a failed decode empties it)."""
         try:
             with self.lock:
-                out = self.engine.run_trusted(feeds, self._outputs)
+                logits = run(seqs)
         except Exception as e:  # noqa: BLE001 - the pass's failure is each of its sequences' answer
             for s in seqs:
                 self._end(s, "error", e)
+            if seqs is self.rows:
+                self.rows = []
+                self.cache.clear()
             return None
         self.passes += 1
-        return out
+        return logits
 
     def _token(self, s: Sequence, logits: np.ndarray) -> bool:
         """Sample ``s``'s next token from its (1, vocab) logits and hand out its text; False once
@@ -240,49 +232,8 @@ class ContinuousBatch:
             s.on_done(s)
         return False
 
-    def _join(self, cache: dict[str, np.ndarray], mask: np.ndarray, seqs: list[Sequence], lengths: list[int]) -> None:
-        """Add prefilled rows (their cache ``(k, h, P, d)`` and mask ``(k, P)``) to the batch,
-        left-padding whichever side is shorter."""
-        if self.cache is None or not self.rows:
-            self.cache, self.mask = cache, mask.astype(np.int64)
-            self.positions = np.array(lengths, dtype=np.int64)
-            self.last = np.array([s.tokens[-1] for s in seqs], dtype=np.int64)
-            self.rows = list(seqs)
-            return
-        have, new = self.mask.shape[1], mask.shape[1]
-        width = max(have, new)
-        self.cache = {n: np.concatenate([_left_pad(self.cache[n], width), _left_pad(cache[n], width)], axis=0)
-                      for n in self._cache_names}
-        self.mask = np.concatenate([_left_pad(self.mask, width), _left_pad(mask.astype(np.int64), width)], axis=0)
-        self.positions = np.concatenate([self.positions, np.array(lengths, dtype=np.int64)])
-        self.last = np.concatenate([self.last, np.array([s.tokens[-1] for s in seqs], dtype=np.int64)])
-        self.rows += seqs
-
     def _drop(self, rows: list[int]) -> None:
-        """Remove ``rows`` from the batch, and cache columns no row uses any more."""
-        if rows:
-            keep = [r for r in range(len(self.rows)) if r not in set(rows)]
-            self.rows = [self.rows[r] for r in keep]
-            if not keep:
-                self.cache = None
-                self.mask = np.zeros((0, 0), dtype=np.int64)
-                self.positions = self.last = np.zeros(0, dtype=np.int64)
-                return
-            self.cache = {n: a[keep] for n, a in self.cache.items()}
-            self.mask, self.positions, self.last = self.mask[keep], self.positions[keep], self.last[keep]
-        if self.cache is not None and self.mask.size:
-            unused = int(np.argmax(self.mask.any(axis=0)))  # leading columns masked in every row
-            if unused >= TRIM_AT:
-                self.cache = {n: np.ascontiguousarray(a[:, :, unused:]) for n, a in self.cache.items()}
-                self.mask = np.ascontiguousarray(self.mask[:, unused:])
-
-
-def _left_pad(a: np.ndarray, width: int) -> np.ndarray:
-    """``a`` (cache ``(B, h, L, d)`` or mask ``(B, L)``) with zero columns before it up to ``width``."""
-    axis = 2 if a.ndim == 4 else 1
-    short = width - a.shape[axis]
-    if short <= 0:
-        return a
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (short, 0)
-    return np.pad(a, pad)
+        """Remove ``rows`` from the batch, their cache with them."""
+        if rows or not self.rows:
+            order = self.cache.drop(rows)
+            self.rows = [self.rows[r] for r in order]

@@ -26,47 +26,82 @@ from slimml.errors import SlimmlError
 class CacheLoop:
     """:class:`DecodeLoop`'s passes through the engine's in-place cache (``Engine.kv_cache``: an
     artifact whose attention shares past and present, ``--exporter fused``): nothing is copied
-    or concatenated per token. Prompts of one length only (a fused batch is not padded).
+    or concatenated per token.
+
+    Prompts of different lengths are one batch: right-padded in the first pass (from an empty
+    cache, as GroupQueryAttention needs), each row's logits taken at its last real position, then
+    one position per row per pass, each row at its own position (from its mask's sum). Rows that
+    finish leave the pass: the live rows are kept first in the cache (a finished row's place is
+    filled by the last live row's cache) and only they run.
 
     Args:
         cache: the engine's :class:`~slimml.runtime.engine.kv_cache.KVCache` for this generation.
-        prompts: token ids per prompt, all of one length.
+        prompts: token ids per prompt.
     """
 
     def __init__(self, cache: Any, prompts: list[list[int]]):
         self.cache = cache
-        self.pending = np.asarray(prompts, dtype=np.int64)  # (B, P), then (B, 1) each step
+        batch, width = len(prompts), max(map(len, prompts))
+        self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # (B,) positions each prompt holds
+        self.pending = np.zeros((batch, width), dtype=np.int64)  # (B, W) right-padded, then (B, 1) each step
+        for i, p in enumerate(prompts):
+            self.pending[i, : len(p)] = p
+        self.slot = np.arange(batch)  # prompt -> its cache row; the live prompts hold rows [0, live)
+        self.order = list(range(batch))  # cache row -> prompt
+        self.live = batch
         self.passes = 0
 
     def next_logits(self) -> np.ndarray:
-        """Run the next pass; the last position's logits, (B, vocab)."""
-        b, s = self.pending.shape
-        logits = self.cache.step(self.pending, np.ones((b, self.cache.length + s), dtype=np.int64))
+        """Run the next pass; each prompt's last position's logits, (B, vocab) (zeros for finished ones)."""
+        live = self.order[: self.live]
+        first = self.passes == 0
+        ids = self.pending if first else self.pending[live]
+        seen = self.lengths[live] if first else self.lengths[live] + 1  # each row's positions after this pass
+        logits = self.cache.run(ids, _mask(seen, ids.shape[1] if first else None), rows=(0, self.live))
         self.passes += 1
-        return logits[:, -1, :]
+        if not first:
+            self.lengths[live] += 1
+        last = logits[np.arange(len(live)), seen - 1 if first else 0]  # (live, vocab)
+        if self.live == len(self.order):
+            return last
+        out = np.zeros((len(self.order), last.shape[-1]), dtype=last.dtype)
+        out[live] = last
+        return out
 
     def append(self, ids: np.ndarray) -> None:
-        """The next token of every prompt, (B,): fed by the next pass."""
+        """The next token of every prompt, (B,): fed by the next pass (finished prompts' are ignored)."""
         self.pending = np.asarray(ids, dtype=np.int64).reshape(-1, 1)
+
+    def finish(self, prompts: list[int]) -> None:
+        """``prompts`` are done: their rows leave the passes (the last live rows move into their places)."""
+        for p in prompts:
+            row = int(self.slot[p])
+            if row >= self.live:
+                continue
+            last = self.live - 1
+            moved = self.order[last]
+            if row != last:  # the last live row fills the hole, its cache with it
+                self.cache.move_row(last, row, int(self.lengths[moved]))
+                self.order[row], self.order[last] = moved, p
+                self.slot[moved], self.slot[p] = row, last
+            self.live -= 1
+
+
+def _mask(seen: np.ndarray, width: int | None = None) -> np.ndarray:
+    """A mask (b, width) whose row i sums to ``seen[i]`` (the graph reads only the sums and the
+    width); ``width`` defaults to the longest row."""
+    width = int(seen.max()) if width is None else width
+    return (np.arange(width)[None, :] < seen[:, None]).astype(np.int64)
 
 
 def decode_loop(engine: Any, prompts: list[list[int]], pad_id: int, steps: int) -> CacheLoop | DecodeLoop:
-    """The fastest loop the artifact allows: its in-place cache where it has one and the prompts
-    are of one length, else :class:`DecodeLoop`.
-
-    Raises:
-        SlimmlError: prompts of different lengths for an artifact whose attention cannot take a
-            padded batch (``--exporter fused``).
-    """
+    """The fastest loop the artifact allows: its in-place cache where it has one (``--exporter
+    fused``), else :class:`DecodeLoop`."""
     from slimml.runtime.engine.kv_cache import shares_buffers
 
     if not shares_buffers(engine):
         return DecodeLoop(engine, prompts, pad_id, steps)
-    if len(set(map(len, prompts))) != 1:
-        raise SlimmlError(f"the artifact {engine.folder} runs fused attention (--exporter fused), which takes a batch of "
-                          "prompts of one length; generate prompts of different lengths one at a time, or convert with "
-                          "--exporter optimum.")
-    return CacheLoop(engine.kv_cache(len(prompts), len(prompts[0]) + steps), prompts)
+    return CacheLoop(engine.kv_cache(len(prompts), max(map(len, prompts)) + steps), prompts)
 
 
 class DecodeLoop:
@@ -123,6 +158,9 @@ class DecodeLoop:
         if self.cache is not None:  # the present of this pass is the past of the next
             self.cache = {name: out[_present(name)] for name in self.cache}
         return out["logits"][:, -1, :]  # (B, T, vocab) -> (B, vocab)
+
+    def finish(self, prompts: list[int]) -> None:
+        """``prompts`` are done (a padded batch runs on with every row: nothing to do)."""
 
     def append(self, ids: np.ndarray) -> None:
         """Add the next token of every prompt, (B,), to the sequence."""

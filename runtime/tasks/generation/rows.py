@@ -1,0 +1,211 @@
+"""The running batch's KV cache, one class per kind of decoder graph.
+
+:class:`~slimml.runtime.tasks.generation.continuous.ContinuousBatch` keeps the sequences (their
+samplers, text, ends); a rows object keeps their cache, one row per sequence in the same order,
+and runs the passes:
+
+- :class:`SlotRows`, for a graph whose attention shares past and present (``--exporter fused``,
+  GroupQueryAttention): one buffer per layer of ``max_rows`` rows, bound in place
+  (:class:`~slimml.runtime.engine.kv_cache.KVCache`). New sequences are prefilled into the free
+  rows after the live ones (right-padded, from an empty cache, as GroupQueryAttention needs), then
+  every live row decodes in one pass, each at its own position. The live rows stay first: a row
+  that leaves is filled by the last live row's cache, and a pass runs only the live rows, so a
+  batch of 16 rows with 3 sequences costs what 3 do. The buffer starts small and doubles when a
+  row needs more positions, and is freed when the batch empties.
+- :class:`GrowingRows`, for a traced graph (optimum, ``present = concat(past, new)``): one cache
+  ``(B, kv_heads, L, head_dim)`` left-padded with a mask, concatenated when sequences join, cut
+  when they leave.
+
+Both take and give rows in the batch's order: ``prefill(seqs)`` appends rows and returns their
+first logits, ``decode(seqs)`` feeds every row its newest token, ``drop(rows)`` returns the new
+order as old row indices.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from slimml.runtime.tasks.generation.loop import _empty_cache, _mask, _present
+
+if TYPE_CHECKING:
+    from slimml.runtime.tasks.generation.continuous import Sequence
+
+TRIM_AT = 32  # unused leading cache columns tolerated before a growing cache is cut (a copy)
+FIRST_CAPACITY = 256  # positions a slot buffer starts with; it doubles up to the context
+
+
+class SlotRows:
+    """The batch's cache in the engine's in-place buffers (a fused graph).
+
+    Args:
+        engine: the decoder's engine (``kv_cache`` gives the buffers).
+        max_rows: the most sequences at once.
+        context: the most positions one row may reach.
+    """
+
+    def __init__(self, engine: Any, max_rows: int, context: int):
+        self.engine = engine
+        self.max_rows = max_rows
+        self.context = context
+        self.cache: Any = None  # the KVCache, made at the first prefill and freed when the batch empties
+        self.lengths = np.zeros(max_rows, dtype=np.int64)  # positions each row holds
+        self.live = 0  # rows [0, live) hold sequences
+
+    @property
+    def nbytes(self) -> int:
+        return self.cache.nbytes if self.cache is not None else 0
+
+    def prefill(self, seqs: list[Sequence]) -> np.ndarray:
+        """Prefill ``seqs`` into the rows after the live ones, in one right-padded pass; their last
+        positions' logits, (k, vocab)."""
+        lens = np.array([len(s.ids) for s in seqs], dtype=np.int64)
+        start, stop = self.live, self.live + len(seqs)
+        self._room(int(lens.max()) + 1)
+        ids = np.zeros((len(seqs), int(lens.max())), dtype=np.int64)
+        for r, s in enumerate(seqs):
+            ids[r, : len(s.ids)] = s.ids
+        logits = self.cache.run(ids, _mask(lens), rows=(start, stop))  # (k, W, vocab)
+        self.lengths[start:stop] = lens
+        self.live = stop
+        return logits[np.arange(len(seqs)), lens - 1]
+
+    def decode(self, seqs: list[Sequence]) -> np.ndarray:
+        """One position for every live row: its newest token; the logits, (live, vocab)."""
+        live = self.live
+        ids = np.array([s.tokens[-1] for s in seqs], dtype=np.int64).reshape(live, 1)
+        seen = self.lengths[:live] + 1
+        self._room(int(seen.max()))
+        logits = self.cache.run(ids, _mask(seen), rows=(0, live))
+        self.lengths[:live] = seen
+        return logits[:, 0]
+
+    def drop(self, rows: list[int]) -> list[int]:
+        """Free ``rows``: the live rows after the new end move into the holes (their cache with
+        them). Returns the new order, old row indices."""
+        gone = set(rows)
+        n = self.live - len(gone)
+        order = list(range(n))
+        holes = [r for r in sorted(gone) if r < n]
+        movers = [r for r in range(n, self.live) if r not in gone]
+        for hole, mover in zip(holes, movers):
+            self.cache.move_row(mover, hole, int(self.lengths[mover]))
+            self.lengths[hole] = self.lengths[mover]
+            order[hole] = mover
+        self.live = n
+        if n == 0:
+            self.clear()
+        return order
+
+    def clear(self) -> None:
+        """Free the buffers (the batch is empty)."""
+        self.cache, self.live = None, 0
+
+    def _room(self, positions: int) -> None:
+        """Buffers that hold ``positions`` per row: made, or doubled with the live rows copied."""
+        old = self.cache
+        if old is not None and positions <= old.capacity:
+            return
+        capacity = max(positions, FIRST_CAPACITY) if old is None else max(positions, 2 * old.capacity)
+        cache = self.engine.kv_cache(self.max_rows, min(capacity, self.context))
+        if old is not None:
+            held = int(self.lengths[: self.live].max(initial=0))
+            for name, buf in cache.buffers.items():
+                buf[: self.live, :, :held] = old.buffers[name][: self.live, :, :held]
+        self.cache = cache
+
+
+class GrowingRows:
+    """The batch's cache as arrays the graph returns (a traced graph): left-padded, concatenated.
+
+    Args:
+        engine: the decoder's engine (``run_trusted`` runs the passes).
+    """
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        specs = {t.name: t for t in engine.inputs}
+        self.names = list(_empty_cache(engine, 1))
+        self.outputs = ["logits", *(_present(n) for n in self.names)]
+        self.id_dtype = np.dtype(specs["input_ids"].dtype)
+        self.has_positions = "position_ids" in specs
+        self.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.cache or {}).values())
+
+    def clear(self) -> None:
+        self.cache: dict[str, np.ndarray] | None = None  # name -> (B, kv_heads, L, head_dim)
+        self.mask = np.zeros((0, 0), dtype=np.int64)  # (B, L): 1 where a row has a real position
+        self.positions = np.zeros(0, dtype=np.int64)  # (B,): the position of each row's next token
+
+    def prefill(self, seqs: list[Sequence]) -> np.ndarray:
+        """Prefill ``seqs`` together (left-padded) and append their rows; their last logits, (k, vocab)."""
+        width = max(len(s.ids) for s in seqs)
+        ids = np.zeros((len(seqs), width), dtype=self.id_dtype)
+        mask = np.zeros((len(seqs), width), dtype=np.int64)
+        for r, s in enumerate(seqs):  # left padding: each prompt ends at the last column
+            ids[r, width - len(s.ids):] = s.ids
+            mask[r, width - len(s.ids):] = 1
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if self.has_positions:
+            feeds["position_ids"] = np.where(mask > 0, np.cumsum(mask, axis=1) - 1, 1).astype(np.int64)
+        feeds.update(_empty_cache(self.engine, len(seqs)))
+        out = self.engine.run_trusted(feeds, self.outputs)
+        self._join({n: out[_present(n)] for n in self.names}, mask, [len(s.ids) for s in seqs])
+        return out["logits"][:, -1, :]
+
+    def decode(self, seqs: list[Sequence]) -> np.ndarray:
+        """One position for every row: its newest token; the logits, (B, vocab)."""
+        b = len(seqs)
+        mask = np.concatenate([self.mask, np.ones((b, 1), dtype=self.mask.dtype)], axis=1)  # (B, L + 1)
+        last = np.array([s.tokens[-1] for s in seqs], dtype=self.id_dtype).reshape(b, 1)
+        feeds = {"input_ids": last, "attention_mask": mask}
+        if self.has_positions:
+            feeds["position_ids"] = self.positions.reshape(b, 1).copy()
+        feeds.update(self.cache)
+        out = self.engine.run_trusted(feeds, self.outputs)
+        self.cache = {n: out[_present(n)] for n in self.names}
+        self.mask = mask
+        self.positions += 1
+        return out["logits"][:, -1, :]
+
+    def drop(self, rows: list[int]) -> list[int]:
+        """Remove ``rows``, and cache columns no row uses any more; the kept rows keep their order."""
+        keep = [r for r in range(len(self.positions)) if r not in set(rows)]
+        if not keep:
+            self.clear()
+            return []
+        if rows:
+            self.cache = {n: a[keep] for n, a in self.cache.items()}
+            self.mask, self.positions = self.mask[keep], self.positions[keep]
+        unused = int(np.argmax(self.mask.any(axis=0)))  # leading columns masked in every row
+        if unused >= TRIM_AT:
+            self.cache = {n: np.ascontiguousarray(a[:, :, unused:]) for n, a in self.cache.items()}
+            self.mask = np.ascontiguousarray(self.mask[:, unused:])
+        return keep
+
+    def _join(self, cache: dict[str, np.ndarray], mask: np.ndarray, lengths: list[int]) -> None:
+        """Append prefilled rows (cache ``(k, h, P, d)``, mask ``(k, P)``), left-padding the shorter side."""
+        if self.cache is None:
+            self.cache, self.mask = cache, mask.astype(np.int64)
+            self.positions = np.array(lengths, dtype=np.int64)
+            return
+        width = max(self.mask.shape[1], mask.shape[1])
+        self.cache = {n: np.concatenate([_left_pad(self.cache[n], width), _left_pad(cache[n], width)], axis=0)
+                      for n in self.names}
+        self.mask = np.concatenate([_left_pad(self.mask, width), _left_pad(mask.astype(np.int64), width)], axis=0)
+        self.positions = np.concatenate([self.positions, np.array(lengths, dtype=np.int64)])
+
+
+def _left_pad(a: np.ndarray, width: int) -> np.ndarray:
+    """``a`` (cache ``(B, h, L, d)`` or mask ``(B, L)``) with zero columns before it up to ``width``."""
+    axis = 2 if a.ndim == 4 else 1
+    short = width - a.shape[axis]
+    if short <= 0:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (short, 0)
+    return np.pad(a, pad)
