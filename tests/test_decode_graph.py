@@ -127,8 +127,67 @@ def test_cache_refuses_what_does_not_fit(arts):
         cache.step(np.ones((1, 9), np.int64), np.ones((1, 9), np.int64))
     with pytest.raises(FeedError, match="longer than the model's 128"):
         model.kv_cache(batch=1, capacity=500)
-    with pytest.raises(SlimmlError, match="takes a batch of prompts of one length"):  # no padded batch for GQA
-        model.generate([[1, 2, 3], [4, 5]], max_new_tokens=2)
+    with pytest.raises(FeedError, match=r"rows 1:3: .* do not fit a cache of 1 rows and 8 positions"):
+        cache.run(np.ones((2, 1), np.int64), np.ones((2, 2), np.int64), rows=(1, 3))
+
+
+def _mixed():
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, 512, size=n).tolist() for n in (7, 3, 11, 1, 5, 9, 2, 4)]
+
+
+@pytest.mark.parametrize("resident", [None, 2])
+def test_prompts_of_different_lengths_are_one_batch_equal_to_each_alone(arts, resident):
+    from slimml.runtime import load
+
+    root, _ = arts
+    model = load(root / "fused", resident=resident, pack=False)
+    prompts = _mixed()
+    ends = ()
+    for second in (False, True):  # rows that run to the end; then rows that stop early and leave the pass
+        alone = [model.generate([p], max_new_tokens=NEW, eos_token_id=ends).tokens[0] for p in prompts]
+        batch = model.generate(prompts, max_new_tokens=NEW, eos_token_id=ends)
+        assert batch.tokens == alone and batch.passes == NEW
+        assert batch.tokens == load(root / "optimum").generate(prompts, max_new_tokens=NEW, eos_token_id=ends).tokens
+        ends = ends if second else (alone[0][2], alone[3][5], alone[6][1])
+    assert {len(t) for t in batch.tokens} != {NEW}  # some rows did stop early
+    model.close()
+
+
+@pytest.mark.parametrize("exporter", ["fused", "optimum"])
+def test_continuous_batch_rows_join_and_leave_each_answer_as_alone(arts, exporter, monkeypatch):
+    from collections import deque
+
+    from slimml.runtime import load
+    from slimml.runtime.tasks.generation import rows
+    from slimml.runtime.tasks.generation.config import GenerationConfig
+    from slimml.runtime.tasks.generation.continuous import ContinuousBatch
+
+    monkeypatch.setattr(rows, "FIRST_CAPACITY", 8)  # the slot buffer grows while rows hold positions
+    root, _ = arts
+    model = load(root / exporter)
+    prompts = _mixed()
+    configs = [GenerationConfig(max_new_tokens=6 + i % 5, temperature=0.9 if i % 2 else 0.0, seed=i, eos_token_id=(402,))
+               for i in range(len(prompts))]
+    alone = [model.generate([p], config=c).tokens[0] for p, c in zip(prompts, configs)]
+    batch = ContinuousBatch(model, max_batch=3, prefill_tokens=12)  # 3 rows, at most 12 prompt tokens a step
+    waiting = deque(batch.prepare(p, c) for p, c in zip(prompts, configs))
+    seqs = list(waiting)
+    seqs[5].cancel()  # gone before its turn
+    admitted, most = [], 0
+    while waiting or batch.rows:
+        joining = batch.take(waiting)
+        admitted.append(len(joining))
+        batch.admit(joining)
+        most = max(most, len(batch.rows))
+        if seqs[2].tokens and not seqs[2].finish_reason:
+            seqs[2].cancel()  # gone mid-answer: its row is freed at the next step
+        batch.step()
+    assert [s.tokens for i, s in enumerate(seqs) if i not in (2, 5)] == [a for i, a in enumerate(alone) if i not in (2, 5)]
+    assert seqs[2].tokens == alone[2][: len(seqs[2].tokens)]
+    assert [seqs[i].finish_reason for i in (2, 5, 7)] == ["cancelled", "cancelled", "length"]
+    assert most == 3 and max(admitted) <= 3 and batch.cache_bytes == 0 and not batch.rows
+    assert batch.passes < sum(len(a) for a in alone)  # passes were shared
 
 
 def test_fused_refuses_a_head_size_gqa_cannot_run(tiny_llama_dir, tmp_path):

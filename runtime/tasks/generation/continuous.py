@@ -157,7 +157,8 @@ class ContinuousBatch:
     def step(self) -> None:
         """One pass over every running sequence: each gets its next token; finished and cancelled
         ones leave the batch."""
-        self._drop([r for r, s in enumerate(self.rows) if s.cancelled])
+        gone = [r for r, s in enumerate(self.rows) if self._left(s)]  # cancelled since the last step
+        self._drop(gone)
         if not self.rows:
             return
         logits = self._pass(self.cache.decode, self.rows)
