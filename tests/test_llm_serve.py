@@ -100,6 +100,31 @@ def test_concurrent_requests_share_passes_and_each_gets_its_own_answer(client, l
     assert got == want
 
 
+def test_simultaneous_clients_sharing_the_batch_get_their_answers_alone(client, local):
+    """Chat and completions, greedy and seeded-sampled, streamed and not, of different lengths, all
+    at once (more than max_running, so some wait and join mid-way): each equals its answer alone."""
+    asks = [(i, f"Name {i + 2} animals that live in the sea.", 6 + 3 * (i % 4), 0.8 if i % 2 else 0.0) for i in range(7)]
+
+    def want(i, text, n, t):
+        options = dict(max_new_tokens=n, temperature=t, seed=100 + i)
+        if i % 3:
+            return local.chat([{"role": "user", "content": text}], **options).texts[0]
+        return local.generate([text], **options).texts[0]
+
+    def ask(i, text, n, t):
+        body = dict(model="smollm2", max_tokens=n, temperature=t, seed=100 + i, stream=i >= 4)
+        if i % 3:
+            r = client.chat.completions.create(messages=[{"role": "user", "content": text}], **body)
+            return "".join(c.choices[0].delta.content or "" for c in r if c.choices) if i >= 4 else r.choices[0].message.content
+        r = client.completions.create(prompt=text, **body)
+        return "".join(c.choices[0].text for c in r) if i >= 4 else r.choices[0].text
+
+    alone = [want(*a) for a in asks]
+    with ThreadPoolExecutor(len(asks)) as ex:
+        together = list(ex.map(lambda a: ask(*a), asks))
+    assert together == alone
+
+
 def test_a_client_that_drops_mid_stream_leaves_nothing_running(server):
     conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
     body = {"model": "smollm2", "messages": MESSAGES, "max_tokens": 64, "temperature": 0.7, "seed": 1, "stream": True,

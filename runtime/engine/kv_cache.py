@@ -18,6 +18,12 @@ The hook a decode loop calls is :meth:`Engine.kv_cache` (engine.py)::
     logits = cache.step(input_ids, attention_mask)    # (B, S) ids, (B, cache.length + S) mask
     ...                                               # -> logits (B, S, vocab); cache.length += S
     cache.step(next_ids[:, None], mask)               # one position per row
+
+Rows at positions of their own (prompts of different lengths, a continuous batch) use ``run``: a
+pass over a block of rows, each row's positions read from its mask's sum (``seqlens_k``), the
+caller keeping each row's length; ``move_row`` copies a row's cache into another row::
+
+    logits = cache.run(ids, mask, rows=(0, live))     # (live, S) ids, mask (live, W), W <= capacity
 """
 
 from __future__ import annotations
