@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from typing import TYPE_CHECKING
@@ -236,43 +237,65 @@ def _anonymous(ranges: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]
 
 
 def _read_into(path: Path, ranges: list[tuple[int, int, int]]) -> None:
-    """Read the packed file's bytes into the ranges, in file order, in large reads that bypass the
-    page cache (``O_DIRECT``: in a memory cgroup cached pages count against the cap, and a buffered
-    read there measured half the speed), else buffered and dropped from the cache after.
+    """Read the packed file's bytes into the ranges: pieces of ``_READ`` bytes, ``_READERS`` at a
+    time (a disk reads faster with a queue), bypassing the page cache (``O_DIRECT``: in a memory
+    cgroup cached pages count against the cap, and a buffered read there measured half the
+    speed); where the file system refuses that, buffered and dropped from the cache after.
 
     Raises:
         ArtifactError: the file is shorter than the ranges say.
     """
+    direct = hasattr(os, "O_DIRECT")
     try:
-        fd, direct = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT")
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
     except OSError:  # a file system without O_DIRECT (tmpfs)
         fd, direct = os.open(path, os.O_RDONLY), False
     try:
         size = os.fstat(fd).st_size
-        for addr, length, offset in sorted(ranges, key=lambda r: r[2]):
-            n = max(0, min(length, size - offset))
-            if direct:  # whole blocks: the ranges are whole pages of the file and of memory
-                n = min(length, -(-n // _PAGE) * _PAGE)
-            view = memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
-            done = 0
-            while done < n:  # the GIL is released while the kernel reads
-                try:
-                    step = os.preadv(fd, [view[done:done + _READ]], offset + done)
-                except OSError as e:
-                    if not direct or e.errno != errno.EINVAL:
-                        raise
-                    os.close(fd)  # the file system refused the direct read: read through the cache
-                    fd, direct = os.open(path, os.O_RDONLY), False
-                    continue
-                if step <= 0:
-                    break  # the end of the file (the last page's tail)
-                done += step
-            if done < max(0, min(length, size - offset)):
-                raise ArtifactError(f"{path} ended early; delete its folder (slimml rebuilds it)")
-            if not direct:
+        pieces = [(addr + k, min(_READ, length - k), offset + k)
+                  for addr, length, offset in sorted(ranges, key=lambda r: r[2]) for k in range(0, length, _READ)]
+        pieces = [p for p in pieces if p[2] < size]
+        if not pieces:
+            return
+        try:
+            _read_piece(fd, pieces[0], size, direct)
+        except OSError as e:
+            if not direct or e.errno != errno.EINVAL:
+                raise
+            os.close(fd)  # the file system refused the direct read: read through the cache
+            fd, direct = os.open(path, os.O_RDONLY), False
+            _read_piece(fd, pieces[0], size, direct)
+        list(_pool().map(lambda p: _read_piece(fd, p, size, direct), pieces[1:]))
+        if not direct:
+            for _, length, offset in ranges:
                 os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _read_piece(fd: int, piece: tuple[int, int, int], size: int, direct: bool) -> None:
+    """Read ``piece`` (address, length, file offset) of the file whose size is ``size``."""
+    addr, length, offset = piece
+    want = min(length, size - offset)
+    n = min(length, -(-want // _PAGE) * _PAGE) if direct else want  # O_DIRECT: whole pages (the ranges are)
+    view = memoryview((ctypes.c_ubyte * n).from_address(addr)).cast("B")
+    done = 0
+    while done < want:  # the GIL is released while the kernel reads
+        step = os.preadv(fd, [view[done:n]], offset + done)
+        if step <= 0:
+            raise ArtifactError(f"the packed file ended early (fd {fd}); delete its cache folder (slimml rebuilds it)")
+        done += step
+
+
+_READERS = 4  # reads in flight while a slot fills
+_readers: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _readers
+    if _readers is None:
+        _readers = ThreadPoolExecutor(_READERS, thread_name_prefix="slimml-read")
+    return _readers
 
 
 def _libc():
@@ -288,7 +311,7 @@ def _libc():
 
 _madvise = _libc()
 _PROT_READ, _PROT_WRITE, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 1, 2, 0x02, 0x10, 0x20
-_READ = 8 << 20  # bytes per read call
+_READ = 4 << 20  # bytes per read call
 _PAGE = mmap.PAGESIZE
 _MADV_HUGEPAGE = 14
 
