@@ -3,6 +3,9 @@ cache cannot hold are read in (not paged) where ONNX Runtime mapped their packed
 
 from __future__ import annotations
 
+import os
+import sys
+
 import numpy as np
 import pytest
 
@@ -59,6 +62,12 @@ def test_read_in_slots_equal_resident_and_free_their_memory(mlp_artifact, monkey
     for index, ranges in source.ranges.items():
         assert not set(packed._mappings(source.entries[index].data)) & set(ranges)
     assert model.stats.bytes_loaded >= 3 * sum(n for r in source.ranges.values() for _, n, _ in r)
+    # slots were filled in populated buffers and their pages moved where the sessions read them
+    # (mremap), on a kernel that can; one buffer per slot in use, at most the plan's two
+    buffers = source._buffers
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    assert buffers.moves == (sys.platform.startswith("linux") and release >= (5, 7))  # MREMAP_DONTUNMAP
+    assert 1 <= len(buffers.made) <= 2
 
 
 def test_trim_heap_runs():
