@@ -14,6 +14,10 @@ cache (``SLIMML_CACHE_DIR``, default ``~/.cache/slimml``), written once atomical
 folders with every file's sha256, which ``load`` checks as it checks the artifact's shards (and
 a pass checks again if a file changed since, ``Model.verify()`` always):
 :mod:`slimml.runtime.engine.cache`. A damaged cache entry is refused, naming the folder to delete.
+
+Where the memory left cannot hold the streamed shards in the page cache (a memory cgroup smaller
+than the model), slots read the packed bytes in themselves instead of paging them:
+:mod:`slimml.runtime.engine.read_in`.
 """
 
 from __future__ import annotations

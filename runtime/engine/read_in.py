@@ -158,7 +158,11 @@ def fill(path: Path, ranges: list[Range], buffers: Buffers, owner: object) -> Fi
         for _, length, _ in ordered:
             places.append(at)
             at += length
-        read_into(path, [(buf + p, length, offset) for p, (_, length, offset) in zip(places, ordered)])
+        try:
+            read_into(path, [(buf + p, length, offset) for p, (_, length, offset) in zip(places, ordered)])
+        except BaseException:
+            buffers.give(buf)
+            raise
         for i, ((addr, length, _), p) in enumerate(zip(ordered, places)):
             if not _move(buf + p, addr, length):  # a kernel without MREMAP_DONTUNMAP: read in place from now on
                 for (a, n, _), q in zip(ordered[:i], places):
