@@ -16,6 +16,7 @@ from slimml.runtime.artifact.manifest import Manifest
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9}
+STREAM_SLOTS = 2  # a budget that pins shards keeps this many slots to stream the rest (one computing, one loading)
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -199,8 +200,12 @@ def plan_stream(
         raise ConfigError(f"resident={resident!r} must be a whole number >= 1 (shards loaded at once).")
     if prefetch is not None and (not isinstance(prefetch, int) or prefetch < 0):
         raise ConfigError(f"prefetch={prefetch!r} must be a whole number >= 0 (shards loaded ahead).")
-    stream = [i for i in range(n) if i not in pinned]
     reason = ""
+    if budget is not None and resident is None and prefetch is None and not pinned and total > budget:
+        pinned, reason = _auto_pin(sizes, budget)
+        if pinned:
+            resident = len(pinned) + STREAM_SLOTS
+    stream = [i for i in range(n) if i not in pinned]
     if resident is None:
         if budget is None:
             resident = n if prefetch is None else len(pinned) + 1 + prefetch
@@ -242,6 +247,26 @@ def plan_stream(
             + f". Use resident={fits} or fewer, or raise the budget."
         )
     return StreamPlan(resident, prefetch, pinned, stream, peak, total, reason.strip(), sizes, budget)
+
+
+def _auto_pin(sizes: list[int], budget: int, slots: int = STREAM_SLOTS) -> tuple[list[int], str]:
+    """The shards to keep loaded under ``budget`` when the model does not fit: as many as fit beside
+    ``slots`` streaming slots (the largest of the rest), the first and last shards first (the
+    embeddings and the head), then in order. A pass over more shards than slots reuses none of them,
+    so memory beyond the slots the loader needs is better spent on shards never read again: every
+    shard pinned is a shard less to read per pass (per generated token)."""
+    n = len(sizes)
+    pinned: list[int] = []
+    for c in dict.fromkeys([0, n - 1, *range(1, n - 1)]):
+        trial = pinned + [c]
+        rest = sorted((sizes[i] for i in range(n) if i not in trial), reverse=True)
+        if len(rest) < slots or sum(sizes[i] for i in trial) + sum(rest[:slots]) > budget:
+            continue
+        pinned = trial
+    if not pinned:
+        return [], ""
+    return sorted(pinned), (f"pinned {len(pinned)} shard(s), the most that fit the {fmt_bytes(budget)} budget beside "
+                            f"{slots} streaming slots: a pass reads only the others.")
 
 
 def _fit(sizes: list[int], pinned: list[int], stream: list[int], budget: int) -> int:

@@ -11,7 +11,7 @@ import onnxruntime as ort
 
 from slimml.errors import ConfigError
 from slimml.runtime.engine.backends.base import Backend
-from slimml.runtime.engine.budget import available_memory
+from slimml.runtime.engine.budget import available_memory, shard_bytes
 from slimml.runtime.engine.packed import PackedSlots, supported
 from slimml.runtime.engine.slots import FedSlots
 
@@ -29,6 +29,10 @@ log = logging.getLogger("slimml")
 # batch 1 0.88x the time, batch 32 0.93x; the d3-p50 student at batch 1 0.88x. fp32 graphs are
 # unchanged (same outputs, same time). CUDA keeps every fusion.
 CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
+
+# streamed shards are read in (not paged through the cache) when the memory free is below this
+# many times the model's bytes on disk (the packed weights are ~1.1x them, plus what stays resident)
+READ_IN_MARGIN = 2
 
 
 class CpuBackend(Backend):
@@ -57,7 +61,11 @@ class CpuBackend(Backend):
             raise ConfigError(f"pack=True cannot be honoured: {why}. Use pack=None (the default) or pack=False.")
         if config.pack is False or why:
             return FedSlots(folder, manifest, self, config)
-        return PackedSlots(folder, manifest, self, config)
+        # the page cache can hold the streamed shards, or the kernel would evict them before their
+        # next pass (and, in a memory cgroup, the pages of what stays resident): then read them in
+        # ourselves and drop them from the cache
+        tight = available_memory() < READ_IN_MARGIN * sum(shard_bytes(manifest))
+        return PackedSlots(folder, manifest, self, config, read_in=tight)
 
     def fallback_source(self, folder: Path, manifest: Manifest, config: LoadConfig) -> WeightSource | None:
         if config.pack:  # asked for packing: its failure is the error
