@@ -1,7 +1,7 @@
 """A bounded load test of ``slimml serve`` for a language model: many clients, mixed requests, drops.
 
     python benchmarks/load_llm_serve.py --artifact ART [--requests 500] [--concurrency 32]
-        [--max-tokens 16] [--max-running 16] [--max-waiting 8] [--drop-every 7] [--max-seconds 540]
+        [--max-tokens 16] [--max-running 16] [--max-waiting 64] [--drop-every 7] [--max-seconds 540]
         [--token-prompts] [--quick] [--out benchmarks/results/llm_serve_load.json]
 
 It starts ``slimml serve ART`` on 127.0.0.1 (its own process group, stopped at the end), warms it
@@ -202,7 +202,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-running", type=int, default=16, help="the server's --max-running")
-    ap.add_argument("--max-waiting", type=int, default=8, help="the server's --max-waiting (low: 429s are met)")
+    ap.add_argument("--max-waiting", type=int, default=64,
+                    help="the server's --max-waiting (its default; 8 with 32 clients: 429s are met and retried)")
     ap.add_argument("--drop-every", type=int, default=7, help="every Nth streamed request is dropped mid-stream")
     ap.add_argument("--max-seconds", type=float, default=540, help="the load's own limit (unanswered ones are errors)")
     ap.add_argument("--token-prompts", action="store_true", help="token-id completions only (no tokenizer)")
