@@ -320,3 +320,55 @@ def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled_and_bodie
         served._guard.update(old)
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_stream_past_its_timeout_ends_with_an_error_event_and_done():
+    """A server-sent stream cut at the request's deadline ends as streams end: OpenAI's error
+    event (408, naming the flag), then ``data: [DONE]``, and a complete chunked body, so that a
+    client can tell a cut answer from a whole one."""
+    import asyncio
+
+    import uvicorn
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from slimml.serve import app as served
+
+    api = FastAPI()
+    api.add_middleware(served._Guard)
+    cancelled = threading.Event()
+
+    @api.get("/stream")
+    async def stream():
+        async def events():
+            yield b'data: {"piece": 1}\n\n'
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    old = dict(served._guard)
+    served._guard.update(timeout_s=0.5, key_sha256=None)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        status, _, raw = request(port, "GET", "/stream")
+        events = raw.split(b"\n\n")
+        assert status == 200 and events[0] == b'data: {"piece": 1}' and events[-2:] == [b"data: [DONE]", b""], raw
+        error = json.loads(events[1].removeprefix(b"data: "))["error"]
+        assert error["code"] == 408 and "--request-timeout-s" in error["message"]
+        assert cancelled.wait(5)
+    finally:
+        served._guard.update(old)
+        server.should_exit = True
+        thread.join(10)
