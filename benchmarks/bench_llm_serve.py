@@ -165,7 +165,7 @@ def weight_bytes(artifact: Path) -> int:
 
 def command(kind: str, args, port: int) -> list[str]:
     if kind.startswith("slimml"):
-        cmd = [sys.executable, "-m", "slimml", "serve", str(args.artifact), "--port", str(port),
+        cmd = [args.slimml_python, "-m", "slimml", "serve", str(args.artifact), "--port", str(port),
                "--max-running", str(max(args.clients)), "--max-waiting", "64"]
         return cmd + (["--memory-budget", args.budget] if kind == "slimml-streamed" else [])
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(args.gguf), "--n_threads", str(args.threads),
@@ -175,7 +175,9 @@ def command(kind: str, args, port: int) -> list[str]:
 
 def start(cmd: list[str], threads: int, log: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"), start_new_session=True)
+    # run from the log's folder: `python -m slimml` imports the interpreter's own slimml, not one in our working folder
+    return subprocess.Popen(cmd, env=env, cwd=log.parent, stdout=subprocess.DEVNULL, stderr=log.open("wb"),
+                            start_new_session=True)
 
 
 def wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
@@ -204,14 +206,16 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def one_request(client, model: str, prompt: str, max_tokens: int, deadline: float) -> dict:
-    """One streamed chat; closed at ``deadline`` (then ``cut``, its tokens counted as chunks)."""
+def one_request(client, model: str, prompt: str, max_tokens: int, deadline: float, open_streams: set) -> dict:
+    """One streamed chat; closed at ``deadline`` (then ``cut``, its tokens counted as chunks): by
+    this thread at its next chunk, or by :func:`clients_run`'s watchdog while it waits for one."""
     t0 = time.perf_counter()
     times, tokens, finish, cut = [], None, None, False
     try:
         stream = client.with_options(timeout=max(1.0, deadline - time.monotonic())).chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True})
+        open_streams.add(stream)
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 times.append(time.perf_counter())
@@ -228,6 +232,8 @@ def one_request(client, model: str, prompt: str, max_tokens: int, deadline: floa
             raise
         del e
         cut = True
+    finally:
+        open_streams.discard(locals().get("stream"))
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {"ttft": times[0] - t0 if times else None, "gaps": gaps, "tokens": tokens if tokens is not None else len(times),
             "from_usage": tokens is not None, "finish": "cut" if cut else finish}
@@ -248,7 +254,7 @@ def clients_run(port: int, model: str, clients: int, requests: int, max_tokens: 
             if time.monotonic() > deadline:
                 return
             try:
-                out = one_request(client, model, PROMPTS[(c + r) % len(PROMPTS)], max_tokens, deadline)
+                out = one_request(client, model, PROMPTS[(c + r) % len(PROMPTS)], max_tokens, deadline, open_streams)
             except Exception as e:  # noqa: BLE001 - counted and reported, the run goes on
                 with lock:
                     errors.append(f"{type(e).__name__}: {str(e)[:200]}")
@@ -256,10 +262,18 @@ def clients_run(port: int, model: str, clients: int, requests: int, max_tokens: 
             with lock:
                 results.append(out)
 
+    open_streams: set = set()
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
     for t in threads:
         t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for stream in list(open_streams):  # still waiting at the deadline (a server answering one at a time)
+        try:
+            stream.close()
+        except Exception:  # noqa: BLE001 - closing a stream another thread reads may race; it is cut either way
+            pass
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
@@ -335,9 +349,12 @@ def main() -> None:
                     help="first write, into DIR, copies of --artifact and --gguf sharing one byte-fallback vocabulary "
                          "and the Zephyr template (for random-weight models with a placeholder vocabulary), and serve those")
     ap.add_argument("--source", type=Path, default=None, help="with --prepare: the HF folder (its config's vocab_size)")
+    ap.add_argument("--slimml-python", default=sys.executable,
+                    help="the interpreter that runs `slimml serve` (another checkout's venv; default: this one)")
     ap.add_argument("--quick", action="store_true", help="one round, one request of 32 tokens per client")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "llm_serve.json")
     args = ap.parse_args()
+    args.artifact, args.gguf = args.artifact.resolve(), args.gguf.resolve() if args.gguf else None
     if args.quick:
         args.rounds, args.requests, args.max_tokens, args.max_seconds = 1, 1, 32, min(args.max_seconds, 90)
     if args.prepare is not None:
