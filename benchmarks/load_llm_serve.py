@@ -1,21 +1,26 @@
 """A bounded load test of ``slimml serve`` for a language model: many clients, mixed requests, drops.
 
     python benchmarks/load_llm_serve.py --artifact ART [--requests 500] [--concurrency 32]
-        [--max-tokens 16] [--max-running 16] [--max-waiting 64] [--drop-every 7] [--max-seconds 540]
-        [--token-prompts] [--quick] [--out benchmarks/results/llm_serve_load.json]
+        [--max-tokens 16] [--max-running 16] [--max-waiting 64] [--drop-every 7] [--warmup 64]
+        [--passes 1] [--max-seconds 540] [--token-prompts] [--slimml-python PY] [--quick]
+        [--out benchmarks/results/llm_serve_load.json]
 
 It starts ``slimml serve ART`` on 127.0.0.1 (its own process group, stopped at the end), warms it
-with one burst of ``--concurrency`` requests, lets it idle, and reads the replica's resident memory
+with ``--warmup`` requests of the same mix, lets it idle, and reads the replica's resident memory
 from ``/health``. Then ``--concurrency`` threads of the ``openai`` client send ``--requests``
-requests in turn: chat and completions, streamed and not; every ``--drop-every``-th streamed one
-is closed after its second chunk (a client that goes away). A 429 is answered as a client would:
-wait its ``Retry-After`` and send again (counted, and one without the header is an error).
-Meanwhile a thread asks ``/health`` every 0.2 s (its worst latency and any failure recorded).
+requests in turn (``--passes`` times): chat and completions, streamed and not; every
+``--drop-every``-th streamed one is closed after its second chunk (a client that goes away). A
+429 is answered as a client would: wait its ``Retry-After`` and send again (counted; one without
+the header is an error). Meanwhile a thread asks ``/health`` every 0.2 s (its worst latency and
+any failure recorded). Last, ``max_running + max_waiting`` one-token requests at once: an idle
+server takes them all, unless places in the batch or queue were not given back.
 
 Passes when: no errors (a request that failed, an answer without a finish reason or usage, a
 stream that ended without one); ``/health`` answered every time; once idle, nothing running or
-waiting and the batch's cache empty; and the replica's memory within 10% of the level before the
-load. ``--token-prompts`` sends token ids to /v1/completions only (a model without a tokenizer).
+waiting and the batch's cache empty; the capacity probe met no 429; the replica's memory within
+10% of its level before the load (and, over several passes, within 5% of the first pass's: a
+leak grows every pass, an allocator's high-water mark does not). ``--token-prompts`` sends token
+ids to /v1/completions only (a model without a tokenizer).
 """
 
 from __future__ import annotations
@@ -178,7 +183,35 @@ def check(report: dict) -> list[str]:
         bad.append(f"not idle after the load: {idle}")
     if before.get("rss_bytes") and idle.get("rss_bytes") and idle["rss_bytes"] > 1.10 * before["rss_bytes"]:
         bad.append(f"memory {idle['rss_bytes'] / before['rss_bytes']:.2f}x its level before the load")
+    if report["capacity_probe"]["busy"]:
+        bad.append(f"{report['capacity_probe']['busy']} of {report['capacity_probe']['sent']} requests sent at once "
+                   "to an idle server within its caps got 429: places in the batch or queue were not given back")
+    rss = [p["rss_bytes"] for p in report["passes"] if p["rss_bytes"]]
+    if len(rss) > 1 and rss[-1] > 1.05 * rss[0]:
+        bad.append(f"memory grew {rss[-1] / rss[0]:.2f}x from the first pass to the last")
     return bad
+
+
+def capacity_probe(port: int, model: str, n: int, token_prompts: bool) -> dict:
+    """``n`` one-token requests at once (``max_running + max_waiting``: what an idle server takes
+    without a 429); a 429 means places were not given back after the load (a leak of the count)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def ask(i: int) -> str:
+        try:
+            client.completions.create(model=model, prompt=[[1 + i % 50, 2]] if token_prompts else PROMPTS[i % len(PROMPTS)],
+                                      max_tokens=1)
+            return "ok"
+        except openai.RateLimitError:
+            return "busy"
+        except Exception as e:  # noqa: BLE001 - reported
+            return type(e).__name__
+
+    with ThreadPoolExecutor(n) as pool:
+        got = list(pool.map(ask, range(n)))
+    return {"sent": n, "ok": got.count("ok"), "busy": got.count("busy"), "other": len(got) - got.count("ok") - got.count("busy")}
 
 
 def model_name(port: int) -> str:
@@ -206,17 +239,24 @@ def main() -> None:
                     help="the server's --max-waiting (its default; 8 with 32 clients: 429s are met and retried)")
     ap.add_argument("--drop-every", type=int, default=7, help="every Nth streamed request is dropped mid-stream")
     ap.add_argument("--max-seconds", type=float, default=540, help="the load's own limit (unanswered ones are errors)")
+    ap.add_argument("--warmup", type=int, default=64, help="requests of the same mix before memory is read")
+    ap.add_argument("--slimml-python", default=sys.executable,
+                    help="the interpreter that runs `slimml serve` (another checkout's venv; default: this one)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the load this many times, the replica's memory read after each (a leak grows with "
+                         "every pass, an allocator's high-water mark does not)")
     ap.add_argument("--token-prompts", action="store_true", help="token-id completions only (no tokenizer)")
     ap.add_argument("--quick", action="store_true", help="100 requests, 16 concurrent, 8 tokens")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "llm_serve_load.json")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.concurrency, args.max_tokens = 100, 16, 8
+        args.requests, args.concurrency, args.max_tokens, args.warmup = 100, 16, 8, 32
     port = free_port()
-    cmd = [sys.executable, "-m", "slimml", "serve", str(args.artifact), "--port", str(port), "--max-running",
+    cmd = [args.slimml_python, "-m", "slimml", "serve", str(args.artifact.resolve()), "--port", str(port), "--max-running",
            str(args.max_running), "--max-waiting", str(args.max_waiting)]
     log = Path(os.environ.get("TMPDIR", "/tmp")) / "load_llm_serve.log"
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"), start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=log.parent, stdout=subprocess.DEVNULL, stderr=log.open("wb"),  # its own slimml
+                            start_new_session=True)
     try:
         deadline = time.monotonic() + 300
         while health(port, 5)[1] is None:
@@ -225,12 +265,20 @@ def main() -> None:
             time.sleep(1)
         model = model_name(port)
         first = settle(port, idle_s=0)
-        warm = run_load(port, model, args.concurrency, args.concurrency, args.max_tokens, 0, args.token_prompts, 300)
+        warm = run_load(port, model, args.warmup, args.concurrency, args.max_tokens, args.drop_every,
+                        args.token_prompts, 300)
         before = settle(port)
+        passes = []
         with HealthWatch(port) as watch:
-            load = run_load(port, model, args.requests, args.concurrency, args.max_tokens, args.drop_every,
-                            args.token_prompts, args.max_seconds)
-        after = settle(port)
+            for _ in range(args.passes):
+                load = run_load(port, model, args.requests, args.concurrency, args.max_tokens, args.drop_every,
+                                args.token_prompts, args.max_seconds)
+                after = settle(port)
+                passes.append({**{k: load[k] for k in ("ok", "dropped", "errors", "retried_429", "wall_s")},
+                               "rss_bytes": after["generation"].get("rss_bytes")})
+        probe = capacity_probe(port, model, args.max_running + args.max_waiting, args.token_prompts)
+        load = {k: sum(p[k] for p in passes) for k in ("ok", "dropped", "errors", "retried_429", "wall_s")} | {
+            "error_samples": load["error_samples"]}
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -242,7 +290,7 @@ def main() -> None:
               "load": load, "warm_up": {k: warm[k] for k in ("ok", "errors", "retried_429")},
               "health": {"polls": len(lat), "failures": watch.failures, "max_s": round(lat[-1], 4) if lat else None,
                          "p50_s": round(lat[len(lat) // 2], 4) if lat else None},
-              "started": first, "before": before, "after": after}
+              "started": first, "before": before, "after": after, "passes": passes, "capacity_probe": probe}
     rss0, rss1 = before["generation"].get("rss_bytes"), after["generation"].get("rss_bytes")
     report["rss_after_over_before"] = round(rss1 / rss0, 3) if rss0 and rss1 else None
     report["problems"] = check(report)
