@@ -21,6 +21,7 @@ from slimml.convert.config import ConvertConfig, DistillConfig, ExportConfig, Pr
 from slimml.errors import SlimmlError
 from slimml.quantize.config import QuantizeOptions
 from slimml.runtime.engine.config import LoadConfig
+from slimml.serve.config import ServeConfig
 
 app = typer.Typer(
     name="slimml",
@@ -509,46 +510,22 @@ def generate(
 
 
 @app.command("serve")
+@config_options(serving=Options(ServeConfig))
 def serve_(
     artifact: Artifact,
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for other machines).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
-    replicas: Annotated[int, typer.Option(help="Serve replicas, each with its own copy of the model.")] = 1,
-    stages: Annotated[int, typer.Option(help="Run the model as S pipeline stages on Ray actors (0: inside each replica).")] = 0,
-    max_batch_size: Annotated[int, typer.Option(help="Most texts gathered from concurrent requests into one encode call (run 16 at a time, sorted by length, a batch per core).")] = 1024,
-    batch_wait_ms: Annotated[float, typer.Option(help="How long a batch waits for more requests to join it.")] = 5.0,
     address: Annotated[Optional[str], typer.Option(help="Ray cluster to join ('auto' after `ray start`); default: a local Ray.")] = None,
-    memory_budget: Budget = None,
-    max_running: Annotated[int, typer.Option(help="Language models: answers generated together, one model pass a token for all (continuous batching).")] = 16,
-    max_waiting: Annotated[int, typer.Option(help="Language models: requests queued for a place in the batch; more get 429 with Retry-After.")] = 64,
     direct_ingress: Annotated[bool, typer.Option("--direct-ingress", help="One replica answers HTTP on --port itself, without Serve's proxy in between (Ray Serve's direct ingress): 0.87-0.90x of in-process encode at 32 texts a request on 2 cores, against 0.73x through the proxy. A replica that crashes leaves the port refusing connections for about a minute, until Serve's replacement listens.")] = False,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="SLIMML_API_KEY", show_envvar=True, help="Every endpoint but /health needs `Authorization: Bearer KEY` (401 without). Prefer the SLIMML_API_KEY variable: a flag shows in the process list.")] = None,
-    max_texts: Annotated[int, typer.Option(help="Rows of one request (texts, prompts, a run's batch) at most; more gets 413.")] = 2048,
-    max_text_chars: Annotated[int, typer.Option(help="Characters of one text kept before tokenizing (bounds the tokenizer's time).")] = 16_384,
-    max_batch_tokens: Annotated[Optional[int], typer.Option(help="Rows x tokens of one /v1/run or /v1/generate request (prompt plus new tokens) at most; more gets 413. Default: 8192, fewer for vocabularies past 8,192 tokens (a pass's logits within 256 MiB).")] = None,
-    max_response_values: Annotated[int, typer.Option(help="Values in one /v1/run response at most, counted from the output shapes before the model runs; more gets 413.")] = 1 << 22,
-    max_new_tokens: Annotated[int, typer.Option(help="The most new tokens one generate, chat or completions request may ask for.")] = 512,
-    max_body_bytes: Annotated[int, typer.Option(help="Larger request bodies get 413.")] = 8 << 20,
-    max_bodies_bytes: Annotated[int, typer.Option(help="Request body bytes one replica holds at once, over all its requests (parsed JSON costs about 9x); more gets 503.")] = 64 << 20,
-    max_ongoing_requests: Annotated[int, typer.Option(help="Requests a replica works on at once; more wait in Serve's queue.")] = 128,
-    max_queued_requests: Annotated[int, typer.Option(help="Requests waiting for a replica at most; more get 503 at once.")] = 512,
-    body_timeout_s: Annotated[float, typer.Option(help="Seconds a client may take to send its body; later gets 408.")] = 30.0,
-    request_timeout_s: Annotated[float, typer.Option(help="Seconds one request may take end to end; later gets 408 and its work is cancelled.")] = 300.0,
-    openapi: Annotated[bool, typer.Option("--openapi", help="Serve the API's schema at /openapi.json (off by default).")] = False,
+    serving: OptionValues = None,
 ):
     """Serve an artifact over HTTP on Ray Serve (needs the serve extra); Ctrl-C or SIGTERM stops it."""
     from slimml.scale.cluster import require_ray
-    from slimml.serve import ServeConfig, serve
+    from slimml.serve import serve
 
     require_ray()
-    config = ServeConfig(str(artifact), replicas=replicas, stages=stages, max_batch_size=max_batch_size,
-                         batch_wait_ms=batch_wait_ms, memory_budget=memory_budget, api_key=api_key or None,
-                         max_texts=max_texts, max_text_chars=max_text_chars, max_batch_tokens=max_batch_tokens,
-                         max_response_values=max_response_values,
-                         max_new_tokens=max_new_tokens, max_body_bytes=max_body_bytes, max_bodies_bytes=max_bodies_bytes,
-                         max_ongoing_requests=max_ongoing_requests, max_queued_requests=max_queued_requests,
-                         body_timeout_s=body_timeout_s, request_timeout_s=request_timeout_s, openapi=openapi,
-                         max_running=max_running, max_waiting=max_waiting)
+    serving.values["api_key"] = serving["api_key"] or None  # an empty SLIMML_API_KEY is no key
+    config = serving.build(artifact=str(artifact))
     serve(config, host=host, port=port, address=address, direct_ingress=direct_ingress,
           ready=lambda url: err.print(f"serving {artifact} at {url} (POST /v1/embeddings, /v1/chat/completions, "
                                       "/v1/completions, /v1/generate or /v1/run, as the model allows; GET /health, /v1/models); Ctrl-C stops"))

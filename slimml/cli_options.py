@@ -14,6 +14,7 @@ Field metadata:
         ``("--checkpointing",)`` for a switch with no ``--no-`` form); short ones alone are added
         to it (``["-k"]``: ``--resident -k``). Default: ``--`` and the field's name dashed, after
         the group's prefix (``--distill-layers``); a bool gets ``--name/--no-name``.
+    envvar: an environment variable that gives the value when the flag is absent (``SLIMML_API_KEY``).
     type: what the command line parses, where the annotation is a union it cannot take. Default:
         the one type beside ``None``; ``Path`` for ``str | os.PathLike``; ``str`` for ``int | str``;
         a repeated option (``list[int]``) for ``tuple[int, ...]``.
@@ -163,7 +164,8 @@ def _parameters(dest: str, group: Options) -> list[inspect.Parameter]:
         kind = group.cli_type(f)
         if default is None:
             kind = Optional[kind]
-        option = typer.Option(*group.flags(f), help=f.metadata["help"])
+        env = {"envvar": f.metadata["envvar"], "show_envvar": True} if "envvar" in f.metadata else {}
+        option = typer.Option(*group.flags(f), help=f.metadata["help"], **env)
         out.append(inspect.Parameter(_param_name(dest, f), inspect.Parameter.KEYWORD_ONLY, default=default,
                                      annotation=Annotated[kind, option]))
     return out

@@ -173,3 +173,41 @@ def test_serve_stages_put_a_pipeline_behind_generate(ray_env, tiny_llama_past_ar
         assert body["usage"]["completion_tokens"] == sum(map(len, want))
         status, body = post(f"{url}/v1/embeddings", {"input": ["hi"]})
         assert status == 400 and "not a sentence-embedding one" in body["error"]["message"]
+
+
+# every flag `slimml serve` had before its flags came from ServeConfig's fields
+OLD_FLAGS = ("--host", "--port", "--replicas", "--stages", "--max-batch-size", "--batch-wait-ms", "--address",
+             "--memory-budget", "--max-running", "--max-waiting", "--direct-ingress", "--api-key", "--max-texts",
+             "--max-text-chars", "--max-batch-tokens", "--max-response-values", "--max-new-tokens", "--max-body-bytes",
+             "--max-bodies-bytes", "--max-ongoing-requests", "--max-queued-requests", "--body-timeout-s",
+             "--request-timeout-s", "--openapi")
+
+
+def test_serve_flags_come_from_serve_config(tiny_bert_artifact, ray_env):
+    """Each ServeConfig field with help is a flag (the old names kept); values reach the config, which
+    refuses a bad one in one line before Ray starts; SLIMML_API_KEY still gives the key."""
+    import dataclasses
+
+    from slimml.serve import ServeConfig
+
+    env = dict(os.environ, COLUMNS="200", TERM="dumb", NO_COLOR="1")
+    env.pop("SLIMML_API_KEY", None)
+    shown = subprocess.run([sys.executable, "-m", "slimml", "serve", "--help"], capture_output=True, text=True,
+                           env=env, timeout=120).stdout
+    names = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(ServeConfig) if "help" in f.metadata}
+    for flag in (*OLD_FLAGS, *names):
+        assert flag in shown, flag
+    assert "SLIMML_API_KEY" in shown
+
+    def refused(*args: str, **more: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "slimml", "serve", str(tiny_bert_artifact), *args, "--port",
+                            str(free_port())], capture_output=True, text=True, env={**env, **more}, timeout=120)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        return " ".join(r.stderr.split())
+
+    sessions = set((ray_env / "ray").glob("session_2*"))
+    assert "max_running must be a whole number >= 1, got 0" in refused("--max-running", "0")
+    assert "batch_wait_ms must be between 0 and 10000, got 20000.0" in refused("--batch-wait-ms", "20000")
+    assert "api_key must be at least 16 printable characters" in refused(SLIMML_API_KEY="short")
+    assert "api_key must be at least 16 printable characters" in refused("--api-key", "short")
+    assert set((ray_env / "ray").glob("session_2*")) == sessions  # Ray never started

@@ -10,6 +10,7 @@ sent at the same time, all succeed with the outputs of in-process ``generate``.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -260,12 +261,37 @@ def test_the_api_key_guards_every_endpoint_but_health(server):
     assert request(port, "GET", "/openapi.json", headers=AUTH)[0] == 404  # off unless asked
 
 
+@contextlib.contextmanager
+def guarded(api, **guard):
+    """``api`` (behind the replica's middleware) on uvicorn in a thread, no Ray, with the middleware's
+    limits set to ``guard``; yields its port, stops it and restores the limits after."""
+    import uvicorn
+
+    from slimml.serve import app as served
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    old = dict(served._guard)
+    served._guard.update(guard)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield port
+    finally:
+        served._guard.update(old)
+        server.should_exit = True
+        thread.join(10)
+
+
 def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled_and_bodies_share_a_pool():
     """The replica's middleware on its own (uvicorn, no Ray): the route is cancelled at the deadline,
     and body bytes past the replica's pool are refused with 503."""
     import asyncio
 
-    import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
 
@@ -291,17 +317,7 @@ def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled_and_bodie
             raise
         return {}
 
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    old = dict(served._guard)
-    served._guard.update(timeout_s=0.5, key_sha256=None, bodies_bytes=1000)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with guarded(api, timeout_s=0.5, key_sha256=None, bodies_bytes=1000) as port:
         t0 = time.monotonic()
         status, body, _ = request(port, "GET", "/slow")
         assert status == 408 and body["error"]["message"] == (
@@ -316,7 +332,40 @@ def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled_and_bodie
         while served._guard["held"] and time.monotonic() < until:  # released once the route has returned
             time.sleep(0.01)
         assert served._guard["held"] == 0
-    finally:
-        served._guard.update(old)
-        server.should_exit = True
-        thread.join(10)
+
+
+def test_a_stream_past_its_timeout_ends_with_an_error_event_and_done():
+    """A server-sent stream cut at the request's deadline ends as streams end: OpenAI's error
+    event (408, naming the flag), then ``data: [DONE]``, and a complete chunked body, so that a
+    client can tell a cut answer from a whole one."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from slimml.serve import app as served
+
+    api = FastAPI()
+    api.add_middleware(served._Guard)
+    cancelled = threading.Event()
+
+    @api.get("/stream")
+    async def stream():
+        async def events():
+            yield b'data: {"piece": 1}\n\n'
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.set()
+                raise
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    with guarded(api, timeout_s=0.5, key_sha256=None) as port:
+        status, _, raw = request(port, "GET", "/stream")
+        events = raw.split(b"\n\n")
+        assert status == 200 and events[0] == b'data: {"piece": 1}' and events[-2:] == [b"data: [DONE]", b""], raw
+        error = json.loads(events[1].removeprefix(b"data: "))["error"]
+        assert error["code"] == 408 and "--request-timeout-s" in error["message"]
+        assert cancelled.wait(5)

@@ -35,6 +35,7 @@ import slimml.serve.protocol as protocol
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
 from slimml.serve.llm import RETRY_AFTER_S, LLMService
+from slimml.serve.openai import sse
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="slimml", docs_url=None, redoc_url=None)
@@ -87,22 +88,35 @@ class _Guard:
             held += size
             return message
 
-        started = False
+        started = ended = events = False
 
         async def sending(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, ended, events
+            if message["type"] == "http.response.start":
+                started = True
+                events = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                             for k, v in message.get("headers", []))
+            elif message["type"] == "http.response.body":
+                ended = not message.get("more_body", False)
             await send(message)
 
         try:
             await asyncio.wait_for(self.app(scope, receiving, sending), _guard["timeout_s"])
         except asyncio.TimeoutError:
+            timeout = _guard["timeout_s"]
+            message = (f"the request took longer than this server allows ({timeout:g} s); send smaller requests, "
+                       "or raise the limit (slimml serve --request-timeout-s).")
             if not started:
-                timeout = _guard["timeout_s"]
-                await _error(f"the request took longer than this server allows ({timeout:g} s); send smaller requests, "
-                             "or raise the limit (slimml serve --request-timeout-s).", 408)(scope, receive, send)
+                await _error(message, 408)(scope, receive, send)
+            elif events and not ended:  # a stream cut at its deadline says so and ends as streams end, not mid-air
+                await send({"type": "http.response.body", "body": _sse_timeout(message), "more_body": False})
         finally:
             _guard["held"] -= held
+
+
+def _sse_timeout(message: str) -> bytes:
+    """The end of a stream cut at its deadline: OpenAI's error event, then ``[DONE]``."""
+    return sse(protocol.error_body(message, 408)) + sse("[DONE]")
 
 
 api.add_middleware(_Guard)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from slimml.errors import ConfigError
@@ -13,6 +13,8 @@ from slimml.errors import ConfigError
 @dataclass
 class ServeConfig:
     """Options of ``slimml serve`` and of the importable application (``slimml.serve.app:build``).
+
+    Each field with ``metadata["help"]`` is a flag of ``slimml serve`` (:mod:`slimml.cli_options`).
 
     Attributes:
         artifact: the artifact folder (the same path on every node of a cluster).
@@ -68,31 +70,58 @@ class ServeConfig:
     """
 
     artifact: str
-    name: str | None = None
-    replicas: int = 1
-    cpus_per_replica: float | None = None
-    stages: int = 0
-    microbatch: int = 4
-    max_batch_size: int = 1024
-    batch_wait_ms: float = 5.0
-    batch_size: int = 16
-    max_body_bytes: int = 8 << 20
-    max_bodies_bytes: int = 64 << 20
-    max_texts: int = 2048
-    max_text_chars: int = 16_384
-    max_batch_tokens: int | None = None
-    max_response_values: int = 1 << 22
-    max_new_tokens: int = 512
-    max_running: int = 16
-    max_waiting: int = 64
-    max_ongoing_requests: int = 128
-    max_queued_requests: int = 512
-    body_timeout_s: float = 30.0
-    request_timeout_s: float = 300.0
-    memory_budget: str | None = None
-    access_log: bool = False
-    api_key: str | None = None
-    openapi: bool = False
+    name: str | None = field(default=None, metadata={
+        "help": "The model name clients send and /v1/models lists (default: the manifest's)."})
+    replicas: int = field(default=1, metadata={"help": "Serve replicas, each with its own copy of the model."})
+    cpus_per_replica: float | None = field(default=None, metadata={
+        "help": "CPUs Ray gives each replica, its ONNX Runtime threads (default: the cluster's CPUs / replicas)."})
+    stages: int = field(default=0, metadata={
+        "help": "Run the model as S pipeline stages on Ray actors (0: inside each replica)."})
+    microbatch: int = field(default=4, metadata={"help": "With --stages: microbatches in flight through the stages."})
+    max_batch_size: int = field(default=1024, metadata={
+        "help": "Most texts gathered from concurrent requests into one encode call (run 16 at a time, sorted by "
+                "length, a batch per core)."})
+    batch_wait_ms: float = field(default=5.0, metadata={"help": "How long a batch waits for more requests to join it."})
+    batch_size: int = field(default=16, metadata={"help": "Texts per model call inside one encode call."})
+    max_body_bytes: int = field(default=8 << 20, metadata={"help": "Larger request bodies get 413."})
+    max_bodies_bytes: int = field(default=64 << 20, metadata={
+        "help": "Request body bytes one replica holds at once, over all its requests (parsed JSON costs about "
+                "9x); more gets 503."})
+    max_texts: int = field(default=2048, metadata={
+        "help": "Rows of one request (texts, prompts, a run's batch) at most; more gets 413."})
+    max_text_chars: int = field(default=16_384, metadata={
+        "help": "Characters of one text kept before tokenizing (bounds the tokenizer's time)."})
+    max_batch_tokens: int | None = field(default=None, metadata={
+        "help": "Rows x tokens of one /v1/run or /v1/generate request (prompt plus new tokens) at most; more gets "
+                "413. Default: 8192, fewer for vocabularies past 8,192 tokens (a pass's logits within 256 MiB)."})
+    max_response_values: int = field(default=1 << 22, metadata={
+        "help": "Values in one /v1/run response at most, counted from the output shapes before the model runs; "
+                "more gets 413."})
+    max_new_tokens: int = field(default=512, metadata={
+        "help": "The most new tokens one generate, chat or completions request may ask for."})
+    max_running: int = field(default=16, metadata={
+        "help": "Language models: answers generated together, one model pass a token for all (continuous "
+                "batching)."})
+    max_waiting: int = field(default=64, metadata={
+        "help": "Language models: requests queued for a place in the batch; more get 429 with Retry-After."})
+    max_ongoing_requests: int = field(default=128, metadata={
+        "help": "Requests a replica works on at once; more wait in Serve's queue."})
+    max_queued_requests: int = field(default=512, metadata={
+        "help": "Requests waiting for a replica at most; more get 503 at once."})
+    body_timeout_s: float = field(default=30.0, metadata={
+        "help": "Seconds a client may take to send its body; later gets 408."})
+    request_timeout_s: float = field(default=300.0, metadata={
+        "help": "Seconds one request may take end to end; later gets 408 and its work is cancelled."})
+    memory_budget: str | None = field(default=None, metadata={
+        "help": "Memory for loaded shards, e.g. 4GB; picks K and P."})
+    access_log: bool = field(default=False, metadata={
+        "help": "Have Serve log every request (a line per request costs CPU).", "flags": ("--access-log",)})
+    api_key: str | None = field(default=None, metadata={
+        "help": "Every endpoint but /health needs `Authorization: Bearer KEY` (401 without). Prefer the "
+                "SLIMML_API_KEY variable: a flag shows in the process list.",
+        "flags": ("--api-key",), "envvar": "SLIMML_API_KEY"})
+    openapi: bool = field(default=False, metadata={
+        "help": "Serve the API's schema at /openapi.json (off by default).", "flags": ("--openapi",)})
     api_key_sha256: str | None = None  # what replicas get instead of the key (set by to_args)
     manifest_sha256: str | None = None  # the driver's manifest.json: replicas and stages refuse another
 
