@@ -53,6 +53,7 @@ class ServeConfig:
             of them (continuous batching: a request joins at the next step, leaves when done).
         max_waiting: language models: requests queued for a place in the batch; more get 429
             with Retry-After. Past max_ongoing_requests, Serve's own queue holds them first.
+        prefill_tokens: language models: prompt tokens prefilled between two decode steps.
         max_ongoing_requests: requests a replica works on at once (each holds its body and its
             share of a batch); more wait in Serve's queue.
         max_queued_requests: requests waiting for a replica, at most; more get 503 at once.
@@ -104,6 +105,9 @@ class ServeConfig:
                 "batching)."})
     max_waiting: int = field(default=64, metadata={
         "help": "Language models: requests queued for a place in the batch; more get 429 with Retry-After."})
+    prefill_tokens: int = field(default=512, metadata={
+        "help": "Language models: prompt tokens prefilled between two decode steps (at least one prompt a step); "
+                "lower keeps running streams smooth, higher admits a burst sooner."})
     max_ongoing_requests: int = field(default=128, metadata={
         "help": "Requests a replica works on at once; more wait in Serve's queue."})
     max_queued_requests: int = field(default=512, metadata={
@@ -128,7 +132,7 @@ class ServeConfig:
     def __post_init__(self):
         whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024, "max_bodies_bytes": 1024,
                  "max_texts": 1, "max_text_chars": 1, "max_response_values": 1, "max_new_tokens": 1,
-                 "max_ongoing_requests": 1, "max_queued_requests": 1, "max_running": 1, "max_waiting": 0}
+                 "max_ongoing_requests": 1, "max_queued_requests": 1, "max_running": 1, "max_waiting": 0, "prefill_tokens": 1}
         for name, low in whole.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
