@@ -56,6 +56,10 @@ def can_export_fused(folder: Path) -> str | None:
         return rope
     if config.get("sliding_window") and config.get("use_sliding_window", config.get("model_type") == "mistral"):
         return "a sliding attention window is not written by the fused exporter yet"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"the fused exporter writes SiLU MLPs; {folder.name} uses {config.get('hidden_act')!r}"
+    if config.get("attention_bias") or config.get("mlp_bias"):  # Qwen2's q/k/v biases are written; o_proj's and the MLP's not
+        return "output-projection and MLP biases are not written by the fused exporter yet"
     return None
 
 
@@ -159,9 +163,6 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     head_dim = int(c.get("head_dim") or hidden // heads)
     eps = float(c.get("rms_norm_eps", 1e-6))
     positions = int(c.get("max_position_embeddings", 2048))
-    act = c.get("hidden_act", "silu")
-    if act != "silu":
-        raise ExportError(f"--exporter fused writes SiLU MLPs; {folder.name} uses {act!r}. Use --exporter optimum.")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.onnx"
     w = _Weights(folder)
