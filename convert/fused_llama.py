@@ -190,10 +190,17 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     node("Shape", ["attention_mask"], ["mask_shape"], "/model/attn_mask/Shape")
     node("Gather", ["mask_shape", data.add("one_idx", np.array(1, np.int64))], ["total_i64"], "/model/attn_mask/Gather", axis=0)
     node("Cast", ["total_i64"], ["total_seq_len"], "/model/attn_mask/Cast_1", to=TensorProto.INT32)
+    # the rotary tables, cut to the mask's width once, before the first layer: what crosses into each
+    # layer's shard is (total, head_dim / 2), not a copy of the whole table (2 MB a shard for 8192 positions)
     inv = _inv_freq(_rope(c), head_dim)
     angles = np.outer(np.arange(positions, dtype=np.float64), inv)  # (positions, head_dim / 2)
-    cos = data.add("cos_cache", np.cos(angles).astype(np.float32))
-    sin = data.add("sin_cache", np.sin(angles).astype(np.float32))
+    node("Slice", ["mask_shape", data.add("one_axis", np.array([1], np.int64)), data.add("two_1d", np.array([2], np.int64))],
+         ["total_1d"], "/model/rotary/Slice_total")
+    zero = data.add("zero_1d", np.array([0], np.int64))
+    cos, sin = "cos_cache", "sin_cache"
+    for name, table in ((cos, np.cos(angles)), (sin, np.sin(angles))):
+        node("Slice", [data.add(f"{name}_table", table.astype(np.float32)), zero, "total_1d", zero], [name],
+             f"/model/rotary/Slice_{name}")
 
     node("Gather", [data.add("model.embed_tokens.weight", w["model.embed_tokens.weight"]), "input_ids"],
          ["/model/embed_tokens/output"], "/model/embed_tokens/Gather")
@@ -239,7 +246,9 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     seq = ["batch_size", "sequence_length"]
     typed = {"seqlens_k": (TensorProto.INT32, ["batch_size"]), "total_seq_len": (TensorProto.INT32, None),
              "mask_sum": (TensorProto.INT64, ["batch_size"]), "seqlens_k_i64": (TensorProto.INT64, ["batch_size"]),
-             "mask_shape": (TensorProto.INT64, [2]), "total_i64": (TensorProto.INT64, None)}
+             "mask_shape": (TensorProto.INT64, [2]), "total_i64": (TensorProto.INT64, None),
+             "total_1d": (TensorProto.INT64, [1]), cos: (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2]),
+             sin: (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2])}
     known = {"logits", *(o.name for o in outputs)}
     value_info = [helper.make_tensor_value_info(n.output[0], *typed.get(n.output[0], (TensorProto.FLOAT, None)))
                   for n in nodes if n.output[0] not in known]
