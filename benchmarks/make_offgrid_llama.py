@@ -127,7 +127,10 @@ def save(model, tok, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.config.torch_dtype = "float32"
     model.save_pretrained(str(out), safe_serialization=True)
-    tok.save_pretrained(str(out))
+    # the fast tokenizer only: a GGUF's slow (sentencepiece) tokenizer would save the GGUF file itself as
+    # tokenizer.model, which llama.cpp's convert_hf_to_gguf.py then fails to parse
+    tok.save_pretrained(str(out), legacy_format=False)
+    (out / "tokenizer.model").unlink(missing_ok=True)
 
 
 def perplexity(folder: Path, text_file: Path, window: int = 512, budget: int = 2048) -> float:
