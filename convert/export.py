@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.convert.sources import Source, max_seq_length, sentence_transformers_pooling
-from slimml.errors import ExportError, SourceError
+from slimml.errors import ExportError, SlimmlError, SourceError
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -33,19 +33,23 @@ class ExportConfig:
         dynamic_batch: make dim 0 of every torch-module input and output dynamic.
         exporter: for Hugging Face folders, ``"optimum"`` (the model is traced whole, so it must
             fit in memory), ``"layerwise"`` (a Llama-family decoder, one layer in memory at a time:
-            ``convert.layerwise``) or ``"auto"``: layerwise when the weights take more than a third
-            of the memory available, optimum otherwise; ``"fused"``: a Llama-family decoder written
-            from its safetensors as ONNX Runtime's fused decoder graph (GroupQueryAttention with
-            rotary, packed projections: ``convert.fused_llama``), the fast one to decode.
+            ``convert.layerwise``), ``"fused"``: a Llama-family decoder written from its safetensors
+            as ONNX Runtime's fused decoder graph with its KV cache (GroupQueryAttention with rotary,
+            packed projections: ``convert.fused_llama``), the fast one to decode; or ``"auto"``:
+            fused for a decoder it can write (Llama, Mistral without a sliding window, Qwen2; task
+            ``auto`` or ``text-generation-with-past``), layerwise for a cache-free decoder whose weights
+            take more than a third of the memory available, optimum otherwise. A decoder that
+            fused cannot write falls back to optimum, with the reason in ``Exported.note``.
     """
 
     opset: int | None = field(default=None, metadata={"help": "ONNX opset."})
     task: str = field(default="auto", metadata={"help": "Hugging Face task to export, or 'auto'."})
     dynamic_batch: bool = True
-    exporter: str = field(default="auto", metadata={"help": "auto, optimum (traces the whole model), layerwise "
-                                                    "(Llama-family decoders bigger than memory, one layer at a time) or "
-                                                    "fused (Llama-family decoders as ONNX Runtime's fused decoder graph: "
-                                                    "the fastest to generate with)."})
+    exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral and Qwen2 decoders, else "
+                                                    "optimum), optimum (traces the whole model), layerwise (Llama-family "
+                                                    "decoders bigger than memory, one layer at a time, no cache) or fused "
+                                                    "(Llama-family decoders as ONNX Runtime's fused decoder graph with its "
+                                                    "KV cache: the fastest to generate with)."})
 
     def __post_init__(self):
         if self.opset is not None and not 11 <= self.opset <= 23:
@@ -69,6 +73,7 @@ class Exported:
     seq2seq: dict[str, Any] | None = None  # how its generation starts and stops (see runtime.seq2seq)
     layerwise: dict[str, Any] | None = None  # {"template", "folder", "depth"}: onnx_path is a 3-layer template
     info: dict[str, Any] = field(default_factory=dict)
+    note: str | None = None  # why "auto" did not choose the fused exporter for a decoder (one line)
 
 
 def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -> Exported:
@@ -90,7 +95,33 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
         return _export_module(source, work_dir, config)
     if _layerwise(source.path, config):
         return _export_layerwise(source, work_dir, config)
-    return _export_huggingface(source, work_dir, config)
+    note = None
+    if config.exporter == "auto":
+        fused, note = _auto_fused(source.path, config.task)
+        if fused:
+            try:
+                return _export_fused(source, work_dir, config)
+            except (SlimmlError, KeyError, ValueError, TypeError) as e:  # never a failure: today's exporter instead
+                shutil.rmtree(work_dir / "onnx", ignore_errors=True)
+                note = f"the fused exporter failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    exported = _export_huggingface(source, work_dir, config)
+    if note:
+        exported.note = f"{note}; exported with optimum-onnx"
+    return exported
+
+
+def _auto_fused(folder: Path, task: str) -> tuple[bool, str | None]:
+    """Whether ``--exporter auto`` writes ``folder`` with the fused exporter, else why not (a decoder's
+    reason, None for other models): a decoder asked for with its cache, or with task ``auto`` (a
+    causal LM is converted to generate, and generating wants the cache)."""
+    from slimml.convert.fused_llama import can_export_fused
+
+    if task not in ("auto", "text-generation-with-past"):
+        return False, None
+    if task == "auto" and (_task_from_config_or_none(folder) != "text-generation" or sentence_transformers_pooling(folder)):
+        return False, None
+    why = can_export_fused(folder)
+    return why is None, why and f"the fused exporter cannot write it ({why})"
 
 
 def _layerwise(folder: Path, config: ExportConfig) -> bool:

@@ -2,8 +2,8 @@
 ONNX Runtime decodes fastest on CPU (docs/llm_decode.md).
 
 Per layer: ``SimplifiedLayerNormalization`` (RMSNorm), one MatMul for q, k and v packed,
-``GroupQueryAttention`` with the rotary embedding inside it (``do_rotary``, cos/sin tables in the
-graph), one MatMul for gate and up packed, SiLU, the down MatMul. Fewer, larger MatMuls than a
+``GroupQueryAttention`` with the rotary embedding inside it (``do_rotary``; the cos/sin
+tables for the positions in use computed once, before the first layer), one MatMul for gate and up packed, SiLU, the down MatMul. Fewer, larger MatMuls than a
 traced graph (4 per layer instead of 7), and attention in one kernel that reads the cache in place
 when past and present share a buffer (:mod:`slimml.runtime.engine.kv_cache`).
 
@@ -56,6 +56,10 @@ def can_export_fused(folder: Path) -> str | None:
         return rope
     if config.get("sliding_window") and config.get("use_sliding_window", config.get("model_type") == "mistral"):
         return "a sliding attention window is not written by the fused exporter yet"
+    if config.get("hidden_act", "silu") != "silu":
+        return f"the fused exporter writes SiLU MLPs; {folder.name} uses {config.get('hidden_act')!r}"
+    if config.get("attention_bias") or config.get("mlp_bias"):  # Qwen2's q/k/v biases are written; o_proj's and the MLP's not
+        return "output-projection and MLP biases are not written by the fused exporter yet"
     return None
 
 
@@ -158,10 +162,6 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     kv_heads = int(c.get("num_key_value_heads") or heads)
     head_dim = int(c.get("head_dim") or hidden // heads)
     eps = float(c.get("rms_norm_eps", 1e-6))
-    positions = int(c.get("max_position_embeddings", 2048))
-    act = c.get("hidden_act", "silu")
-    if act != "silu":
-        raise ExportError(f"--exporter fused writes SiLU MLPs; {folder.name} uses {act!r}. Use --exporter optimum.")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.onnx"
     w = _Weights(folder)
@@ -189,10 +189,17 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     node("Shape", ["attention_mask"], ["mask_shape"], "/model/attn_mask/Shape")
     node("Gather", ["mask_shape", data.add("one_idx", np.array(1, np.int64))], ["total_i64"], "/model/attn_mask/Gather", axis=0)
     node("Cast", ["total_i64"], ["total_seq_len"], "/model/attn_mask/Cast_1", to=TensorProto.INT32)
-    inv = _inv_freq(_rope(c), head_dim)
-    angles = np.outer(np.arange(positions, dtype=np.float64), inv)  # (positions, head_dim / 2)
-    cos = data.add("cos_cache", np.cos(angles).astype(np.float32))
-    sin = data.add("sin_cache", np.sin(angles).astype(np.float32))
+    # the rotary tables for positions 0..total-1, computed once before the first layer as transformers
+    # computes them (fp32 positions x inv_freq, cos, sin): no table stored, and what crosses into each
+    # layer's shard is (total, head_dim / 2), not a copy of a max_position_embeddings table per shard
+    inv = _inv_freq(_rope(c), head_dim).astype(np.float32)
+    node("Cast", ["total_i64"], ["total_f"], "/model/rotary/Cast", to=TensorProto.FLOAT)
+    node("Range", [data.add("zero_f", np.array(0.0, np.float32)), "total_f", data.add("one_f", np.array(1.0, np.float32))],
+         ["positions_f"], "/model/rotary/Range")
+    node("Unsqueeze", ["positions_f", data.add("one_axis", np.array([1], np.int64))], ["positions_col"], "/model/rotary/Unsqueeze")
+    node("Mul", ["positions_col", data.add("inv_freq", inv)], ["angles"], "/model/rotary/Mul")  # (total, head_dim / 2)
+    cos = node("Cos", ["angles"], ["cos_cache"], "/model/rotary/Cos")[0]
+    sin = node("Sin", ["angles"], ["sin_cache"], "/model/rotary/Sin")[0]
 
     node("Gather", [data.add("model.embed_tokens.weight", w["model.embed_tokens.weight"]), "input_ids"],
          ["/model/embed_tokens/output"], "/model/embed_tokens/Gather")
@@ -238,7 +245,12 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     seq = ["batch_size", "sequence_length"]
     typed = {"seqlens_k": (TensorProto.INT32, ["batch_size"]), "total_seq_len": (TensorProto.INT32, None),
              "mask_sum": (TensorProto.INT64, ["batch_size"]), "seqlens_k_i64": (TensorProto.INT64, ["batch_size"]),
-             "mask_shape": (TensorProto.INT64, [2]), "total_i64": (TensorProto.INT64, None)}
+             "mask_shape": (TensorProto.INT64, [2]), "total_i64": (TensorProto.INT64, None),
+             "total_f": (TensorProto.FLOAT, None), "positions_f": (TensorProto.FLOAT, ["total_sequence_length"]),
+             "positions_col": (TensorProto.FLOAT, ["total_sequence_length", 1]),
+             "angles": (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2]),
+             cos: (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2]),
+             sin: (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2])}
     known = {"logits", *(o.name for o in outputs)}
     value_info = [helper.make_tensor_value_info(n.output[0], *typed.get(n.output[0], (TensorProto.FLOAT, None)))
                   for n in nodes if n.output[0] not in known]

@@ -127,6 +127,8 @@ def convert(
                 manifest.checks |= check_language_model(w.folder, manifest, src.path, config.eval_text)
         else:
             verify_files(w.folder, manifest)
+        if exported.note:  # why a decoder did not get the fast graph: shown with the report
+            source_checks["exporter_note"] = exported.note
         manifest.checks = {**source_checks, **manifest.checks}
         if config.quantize is not None:
             manifest = _quantize_step(w, manifest, config.quantize, step)
@@ -173,7 +175,8 @@ def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWr
     exporter = ("layerwise (optimum-onnx template)" if exported.layerwise
                 else "fused (slimml, GroupQueryAttention)" if exported.info.get("exporter") == "fused" else _exporter(src))
     return [
-        {"step": "export", **{k: v for k, v in asdict(config.export).items() if v is not None}, "exporter": exporter},
+        {"step": "export", **{k: v for k, v in asdict(config.export).items() if v is not None}, "exporter": exporter,
+         **({"note": exported.note} if exported.note else {})},
         {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None},
          "shards": w.shard_count},
     ]
