@@ -18,7 +18,7 @@ import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and N
 import slimml.quantize.chain as ch
 from slimml.quantize.calibration import calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
-from slimml.quantize.decoder import for_language_model
+from slimml.quantize.decoder import activation_aware, calibration_feeds, for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.quantize.registry import ShardContext, backend_for
 from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, read_manifest, verify_files
@@ -217,6 +217,8 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     # holds only what crosses the current boundary, not every layer's activations
     calib_feeds = feeds[0] if feeds else ch.batches(manifest, text, calib)
     envs = [dict(f) for f in calib_feeds] if isinstance(config, Int8StaticConfig) else None
+    if envs is None and activation_aware(config) and manifest.tokenizer:  # the fitted 4-bit grid weighs by activations
+        envs = calibration_feeds(src, manifest, calib)
     last_read = {t.name: s.index for s in manifest.shards for t in s.inputs}
     backend = backend_for(config)
     firsts = [onnx.load(str(p), load_external_data=False) for p in float_files]
@@ -312,6 +314,10 @@ def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files
     record = {"step": "quantize", **describe(config), "calibration": origin,
               "quantized_shards": sorted(quant_files),
               "float_shards": {str(k): v for k, v in sorted(float_why.items())}}
+    lm = [n["lm_weights"] for n in notes.values() if n.get("lm_weights")]
+    if lm:  # the decoder recipe (quantize/grids.py), and whether calibration activations weighed it
+        record["recipe"] = lm[0]["recipe"] + (", activation-aware (calibration text)" if any(n["activation_aware"] for n in lm) else "")
+        record["scaled_ffn"] = sum(n["scaled_ffn"] for n in lm)  # FFN down projections scaled first (quantize/equalize.py)
     fused = {str(i): n["fused"] for i, n in notes.items() if n.get("fused")}
     if fused:
         record["fused"] = fused

@@ -208,7 +208,8 @@ def test_llama_cpp_grids_come_back_exactly(bits):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from slimml.quantize.decoder import _matmul_nbits
+    from slimml.quantize.decoder import matmul_nbits_node
+    from slimml.quantize.grids import Recipe
 
     rng = np.random.default_rng(0)
     d = (rng.random((96, 4)) * 0.01).astype(np.float16).astype(np.float32)
@@ -217,7 +218,8 @@ def test_llama_cpp_grids_come_back_exactly(bits):
     q[..., 1] = 15 if bits == 4 else 127
     m = (-rng.random((96, 4)) * 0.05).astype(np.float16).astype(np.float32) if bits == 4 else np.zeros((96, 4), np.float32)
     w = (d[..., None] * q + m[..., None]).reshape(96, 128).T.astype(np.float32)  # (K=128, N=96)
-    nodes, tensors = _matmul_nbits(helper.make_node("MatMul", ["x", "W"], ["y"]), w, bits, 32, None, {})
+    recipe = Recipe(bits=bits, block_size=32, accuracy_level=None, grid="gguf")
+    nodes, tensors = matmul_nbits_node(helper.make_node("MatMul", ["x", "W"], ["y"]), w, recipe, bits, {})
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", 128])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], tensors)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
