@@ -105,7 +105,7 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig,
     t0 = time.perf_counter()
     step = on_step or (lambda _msg: None)
     manifest = _read_float_artifact(src)
-    config = for_language_model(config, manifest)  # a decoder gets weight-only blocks (quantize/decoder.py)
+    config = for_language_model(config, manifest, src)  # a decoder gets weight-only blocks (quantize/decoder.py)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
     if config.guard is not None and config.guard.eval_file is not None:
@@ -279,7 +279,10 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         float_size_mb=manifest.total_bytes / 1e6, quantized_shards=sorted(quant_files),
         float_shards=dict(sorted(float_why.items())), checks=guard.checks,
     )
-    return report, _record(manifest, config, origin, quant_files, float_why, notes)
+    record = _record(manifest, config, origin, quant_files, float_why, notes)
+    if "recipe" in record:  # a decoder's recipe (and block size) in the report and the manifest's checks
+        report.checks["recipe"] = record["recipe"]
+    return report, record
 
 
 def _providers() -> list[str]:

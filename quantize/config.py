@@ -160,7 +160,9 @@ class WeightOnlyConfig(_Common):
         grid: language-model backend only (``quantize/grids.py``): ``"gguf"`` keeps a 4-bit GGUF
             source's own grid, ``"fitted"`` searches each block's scale and zero point; None: the
             backend's choice.
-        sensitive_layers: language-model backend, 4 bits: layers whose FFN down projection stays 8-bit.
+        sensitive_layers: language-model backend, 4 bits: layers whose FFN down, attention output
+            and V projections stay 8-bit.
+        embedding_bits: language-model backend: the token embedding table's bits (8; 4 for an untied one).
     """
 
     bits: int = 4
@@ -170,6 +172,7 @@ class WeightOnlyConfig(_Common):
     backend: str = "ort"
     grid: str | None = None
     sensitive_layers: tuple[int, ...] = ()
+    embedding_bits: int = 8
 
     def __post_init__(self):
         self._check_common()
@@ -183,6 +186,8 @@ class WeightOnlyConfig(_Common):
         if self.grid not in (None, "gguf", "fitted"):
             raise ConfigError(f"grid must be 'gguf' or 'fitted' (or None: the backend's choice), got {self.grid!r}.")
         self.sensitive_layers = tuple(int(i) for i in self.sensitive_layers)
+        if self.embedding_bits not in (4, 8):
+            raise ConfigError(f"embedding_bits must be 4 or 8, got {self.embedding_bits!r}.")
 
 
 @dataclass

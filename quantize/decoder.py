@@ -20,6 +20,7 @@ looked-up rows), so that a tied embedding is stored once (``quantize/tied.py``).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -81,7 +82,7 @@ def recipe_of(config: WeightOnlyConfig) -> Recipe:
     grid = config.grid or "fitted"
     return Recipe(bits=config.bits, block_size=32 if grid == "gguf" else config.block_size,
                   accuracy_level=config.accuracy_level, grid=grid, zero_points=not config.symmetric,
-                  sensitive_layers=config.sensitive_layers)
+                  sensitive_layers=config.sensitive_layers, embedding_bits=config.embedding_bits)
 
 
 @register(WeightOnlyConfig, "lm")
@@ -115,7 +116,10 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
             if w.shape[1] % block:
                 new_nodes.append(node)
                 continue
-            made, tensors = _gather_int8(node, w, block)
+            if recipe.embedding_bits == 4:
+                made, tensors = _gather_int4(node, w, block)
+            else:
+                made, tensors = _gather_int8(node, w, block)
         else:
             name = node.input[1]
             w = numpy_helper.to_array(inits[name]).astype(np.float32)  # (K, N)
@@ -232,15 +236,56 @@ def _gather_int8(node: onnx.NodeProto, w: np.ndarray, block: int):
     return made, tensors
 
 
-def for_language_model(config, manifest):
-    """The config to use on ``manifest``'s artifact: for a language model, the CLI's words become
-    this backend's decoder recipes; other artifacts, and explicit configs, keep theirs.
+def _gather_int4(node: onnx.NodeProto, w: np.ndarray, block: int):
+    """An untied embedding on the fitted 4-bit grid: gather the packed rows, scales and zero points,
+    unpack the two nibbles of each byte, dequantize only those rows: (..., hidden) float."""
+    vocab, hidden = w.shape
+    q, d, z = fit_blocks(w.reshape(vocab, hidden // block, block).astype(np.float32))
+    base = f"{node.input[0]}_q4"
+    tensors = [numpy_helper.from_array(pack_nibbles(q), base), numpy_helper.from_array(d, base + "_d16"),
+               numpy_helper.from_array(z, base + "_z"),
+               numpy_helper.from_array(np.array(16.0, np.float32), base + "_16"),
+               numpy_helper.from_array(np.array([-1], np.int64), base + "_axis"),
+               numpy_helper.from_array(np.array([0, 0, hidden // block, block], np.int64), base + "_blocks"),
+               numpy_helper.from_array(np.array([0, 0, hidden], np.int64), base + "_shape")]
+    axis = [a for a in node.attribute if a.name == "axis"]
+    if axis and axis[0].i != 0:
+        raise ValueError("an embedding Gather on an axis other than 0")
+    ids, b = node.input[1], base
+    made = [
+        helper.make_node("Gather", [b, ids], [b + "_rows"], axis=0),  # (B, S, blocks, block / 2) uint8
+        helper.make_node("Gather", [b + "_d16", ids], [b + "_rd16"], axis=0),  # (B, S, blocks)
+        helper.make_node("Gather", [b + "_z", ids], [b + "_rz8"], axis=0),
+        helper.make_node("Cast", [b + "_rows"], [b + "_f"], to=TensorProto.FLOAT),
+        helper.make_node("Div", [b + "_f", b + "_16"], [b + "_f16"]),
+        helper.make_node("Floor", [b + "_f16"], [b + "_hi"]),  # the second value of each byte
+        helper.make_node("Mul", [b + "_hi", b + "_16"], [b + "_hi16"]),
+        helper.make_node("Sub", [b + "_f", b + "_hi16"], [b + "_lo"]),  # the first
+        helper.make_node("Unsqueeze", [b + "_lo", b + "_axis"], [b + "_lo1"]),
+        helper.make_node("Unsqueeze", [b + "_hi", b + "_axis"], [b + "_hi1"]),
+        helper.make_node("Concat", [b + "_lo1", b + "_hi1"], [b + "_pairs"], axis=-1),  # (B, S, blocks, block / 2, 2)
+        helper.make_node("Reshape", [b + "_pairs", b + "_blocks"], [b + "_q"]),  # (B, S, blocks, block)
+        helper.make_node("Cast", [b + "_rz8"], [b + "_rz"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", [b + "_rd16"], [b + "_rd"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", [b + "_rz", b + "_axis"], [b + "_z1"]),
+        helper.make_node("Unsqueeze", [b + "_rd", b + "_axis"], [b + "_s1"]),
+        helper.make_node("Sub", [b + "_q", b + "_z1"], [b + "_c"]),
+        helper.make_node("Mul", [b + "_c", b + "_s1"], [b + "_m"]),
+        helper.make_node("Reshape", [b + "_m", b + "_shape"], [node.output[0]]),
+    ]
+    return made, tensors
+
+
+def for_language_model(config, manifest, folder=None):
+    """The config to use on ``manifest``'s artifact (in ``folder``): for a language model, the CLI's
+    words become this backend's decoder recipes; other artifacts, and explicit configs, keep theirs.
 
     * ``int8`` (dynamic int8 activations: +71% perplexity on SmolLM2) and ``int8-weights``:
       symmetric 8-bit blocks of :data:`INT8_BLOCK`, accuracy_level 4.
     * ``int4-weights``: a source read from a Q4_0/Q4_1 GGUF file keeps its grid (blocks of 32);
       other weights get the fitted grid (integer zero points, searched scales, blocks of
-      :data:`INT4_BLOCK`, accuracy_level 4, Q4_K_M's more-bits layers' FFN down at 8 bits).
+      :data:`INT4_BLOCK`, accuracy_level 4), with as many layers' FFN down, O and V at 8 bits as
+      fit in llama.cpp's Q4_K_M size of the same model (``quantize/budget.py``).
 
     A ``WeightOnlyConfig(backend="ort")`` with a block size or accuracy level of its own (not the
     CLI's block 32, level unset) is honoured as written, as is any ``backend="lm"`` config.
@@ -253,18 +298,35 @@ def for_language_model(config, manifest):
     common = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.name in ("calibration", "calibration_size", "guard", "exclude_shards", "eval_text")}
     if isinstance(config, Int8DynamicConfig):
-        return WeightOnlyConfig(bits=8, block_size=INT8_BLOCK, accuracy_level=FAST_LEVEL, backend="lm", **common)
+        return decoder_config(8, **common)
     if not isinstance(config, WeightOnlyConfig) or config.backend != "ort" or (config.block_size, config.accuracy_level) != (32, None):
         return config  # NNCF, static, fp16, the lm backend, or blocks / a compute type chosen in Python
-    if config.bits == 8:
+    return decoder_config(config.bits, manifest, folder, **common)
+
+
+def decoder_config(bits: int, manifest=None, folder=None, **common) -> WeightOnlyConfig:
+    """The default decoder recipe (``backend="lm"``) at ``bits`` for the float artifact ``manifest`` in
+    ``folder`` (its layers, its weights' shapes, and its source's quantization as convert recorded it).
+
+    Example:
+        >>> m = read_manifest("art_fp32")
+        >>> quantize("art_fp32", "art_int4", decoder_config(4, m, Path("art_fp32")))
+    """
+    if bits == 8:
         return WeightOnlyConfig(bits=8, block_size=INT8_BLOCK, accuracy_level=FAST_LEVEL, backend="lm", **common)
-    source = str(manifest.checks.get("source_quantization", "")).split(" ")[0]
+    source = str(manifest.checks.get("source_quantization", "")).split(" ")[0] if manifest is not None else ""
     if source == "Q4_1":
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
                                 symmetric=False, **common)
     if source == "Q4_0":  # an integer-zero-point grid of 32: the fitted search finds each block exactly
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
                                 symmetric=False, **common)
-    layers = more_bits_layers(int(manifest.source.get("num_hidden_layers") or 0))
+    if folder is not None:
+        from slimml.quantize.budget import q4_k_m_plan
+
+        plan = q4_k_m_plan(Path(folder), manifest, INT4_BLOCK)
+        layers, embedding = plan.sensitive_layers, plan.embedding_bits
+    else:
+        layers, embedding = more_bits_layers(int(manifest.source.get("num_hidden_layers") or 0) if manifest else 0), 8
     return WeightOnlyConfig(bits=4, block_size=INT4_BLOCK, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
-                            symmetric=False, sensitive_layers=layers, **common)
+                            symmetric=False, sensitive_layers=layers, embedding_bits=embedding, **common)

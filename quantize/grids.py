@@ -38,8 +38,9 @@ class Recipe:
         accuracy_level: MatMulNBits' compute type (4: int8 activations, the fast one at M=1).
         grid: ``"gguf"`` (keep a GGUF source's 4-bit grid; blocks of 32) or ``"fitted"``.
         zero_points: fitted 4-bit blocks carry an integer zero point (asymmetric).
-        sensitive_layers: layers whose FFN down projection (and a separate V projection) stay at
-            8 bits in a 4-bit model, as llama.cpp's Q4_K_M keeps them at 6 bits.
+        sensitive_layers: layers whose FFN down, attention output and a separate V projection stay
+            at 8 bits in a 4-bit model, as llama.cpp's Q4_K_M keeps V and down at 6 bits.
+        embedding_bits: the token embedding's table: 8, or 4 (fitted) for an untied embedding.
     """
 
     bits: int = 4
@@ -48,18 +49,17 @@ class Recipe:
     grid: str = "fitted"
     zero_points: bool = True
     sensitive_layers: tuple[int, ...] = ()
+    embedding_bits: int = 8
 
     def describe(self) -> str:
         """``"fitted int4 (asymmetric, blocks of 128, accuracy_level 4)"``: for the report and manifest."""
+        level = self.accuracy_level if self.accuracy_level is not None else "unset"
         if self.bits == 8:
-            kind = "symmetric"
-        elif self.grid == "gguf":
-            kind = "the source's GGUF grid kept"
-        else:
-            kind = "asymmetric" if self.zero_points else "symmetric"
-        extra = f", FFN down and V of {len(self.sensitive_layers)} layers at 8 bits" if self.sensitive_layers and self.bits == 4 else ""
-        return (f"{self.grid} int{self.bits} ({kind}, blocks of {self.block_size}, "
-                f"accuracy_level {self.accuracy_level if self.accuracy_level is not None else 'unset'}{extra})")
+            return f"int8 (symmetric, blocks of {self.block_size}, accuracy_level {level})"
+        kind = "the source's GGUF grid kept" if self.grid == "gguf" else "asymmetric" if self.zero_points else "symmetric"
+        extra = f", FFN down, V and O of {len(self.sensitive_layers)} layers at 8 bits" if self.sensitive_layers else ""
+        extra += ", 4-bit embedding" if self.embedding_bits == 4 else ""
+        return f"{self.grid} int4 ({kind}, blocks of {self.block_size}, accuracy_level {level}{extra})"
 
 
 def more_bits_layers(n_layers: int) -> tuple[int, ...]:
@@ -72,11 +72,11 @@ _LAYER = re.compile(r"layers?[._/](\d+)[._/]")
 
 
 def is_sensitive(name: str, recipe: Recipe) -> bool:
-    """A weight that stays 8-bit in a 4-bit recipe: FFN down or a separate V projection of a sensitive layer."""
+    """A weight that stays 8-bit in a 4-bit recipe: FFN down, attention output or a separate V projection of a sensitive layer."""
     found = _LAYER.search(name)
     if not found or int(found.group(1)) not in recipe.sensitive_layers:
         return False
-    return bool(re.search(r"down|v_proj|ffn_down|attn_v", name))
+    return bool(re.search(r"down|v_proj|o_proj|ffn_down|attn_v|attn_output", name))
 
 
 def block_for(k: int, block: int) -> int:

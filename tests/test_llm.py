@@ -183,7 +183,10 @@ def test_quantized_perplexity_within_one_percent(smol, lee_slice, tmp_path, sche
     # embedding stored once; the rest is tokenizer.json (3.5 MB) and the graphs
     assert report.size_mb < (150 if scheme == "int8" else 103), report.size_mb
     step = json.loads((tmp_path / scheme / "manifest.json").read_text())["steps"][-1]
-    assert step["backend"] == "lm" and step["block_size"] == 32
+    # the decoder recipes (quantize/decoder.py): 8-bit blocks of 128 at accuracy_level 4; the Q4_1 source's own grid
+    assert step["backend"] == "lm" and step["accuracy_level"] == 4
+    assert (step["block_size"], step["grid"]) == ((128, None) if scheme == "int8" else (32, "gguf")), step
+    assert step["recipe"].startswith("int8 (symmetric, blocks of 128" if scheme == "int8" else "gguf int4 (the source's GGUF grid kept"), step
     assert step["tied_embedding"].startswith("stored once")
     assert (tmp_path / scheme / "chat_template.jinja").is_file()
 

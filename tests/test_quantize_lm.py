@@ -114,7 +114,7 @@ def test_fitted_recipe_on_a_tiny_llama(tiny_llama_dir, tmp_path):
                               sensitive_layers=(1,), calibration_size=8)
     quantize(art, tmp_path / "q4", config)
     step = json.loads((tmp_path / "q4" / "manifest.json").read_text())["steps"][-1]
-    assert step["recipe"].startswith("fitted int4 (asymmetric, blocks of 128, accuracy_level 4, FFN down and V of 1 layers at 8 bits")
+    assert step["recipe"].startswith("fitted int4 (asymmetric, blocks of 128, accuracy_level 4, FFN down, V and O of 1 layers at 8 bits")
     seen = []
     for f in sorted((tmp_path / "q4").glob("shard_*.onnx")):
         for node in onnx.load(str(f), load_external_data=False).graph.node:
@@ -124,11 +124,16 @@ def test_fitted_recipe_on_a_tiny_llama(tiny_llama_dir, tmp_path):
             assert node.op_type != "MatMul" or "lm_head" not in node.name
     assert len(seen) == 3 * 7 + 1  # q, k, v, o, gate, up, down per layer, and lm_head
     for name, bits, block, level, inputs in seen:
-        eight = "layers.1" in name and ("down" in name or "v_proj" in name)  # (lm_head: 512 columns, 4-bit here)
+        eight = "layers.1" in name and ("down" in name or "v_proj" in name or "o_proj" in name)  # (lm_head: 512 columns, 4-bit here)
         want_block = 64 if "down" in name else 32  # K = 64 (intermediate) or 32 (hidden): the largest block dividing it
         assert (bits, block, level, inputs) == ((8, want_block, 4, 3) if eight else (4, want_block, 4, 4)), name
     from slimml.convert.llm_check import decoder_feeds
 
+    from slimml.quantize.budget import q4_k_m_plan
+    from slimml.runtime.artifact.manifest import read_manifest
+
+    plan = q4_k_m_plan(art, read_manifest(art))  # llama.cpp's Q4_K_M size of this model, filled our way
+    assert plan.embedding_bits == 4 and 0 < plan.planned_mb <= plan.budget_mb and plan.sensitive_layers
     ids = np.random.default_rng(0).integers(0, 512, (1, 12))
     fp, q4 = load(art), load(tmp_path / "q4")
     a, b = (m.run(decoder_feeds([t.name for t in m.manifest.inputs], ids))["logits"] for m in (fp, q4))
@@ -148,7 +153,7 @@ def test_for_language_model_picks_the_recipe():
     off_grid = for_language_model(WeightOnlyConfig(bits=4), _lm_manifest())
     assert (off_grid.backend, off_grid.grid, off_grid.block_size, off_grid.accuracy_level, off_grid.symmetric) == \
         ("lm", "fitted", 128, 4, False)
-    assert off_grid.sensitive_layers == more_bits_layers(8) == (0, 4, 7)
+    assert off_grid.sensitive_layers == more_bits_layers(8) == (0, 3, 6, 7)  # llama.cpp use_more_bits
     q4_1 = for_language_model(WeightOnlyConfig(bits=4), _lm_manifest("Q4_1 (Q4_1 x210, F32 x61, Q8_0 x1)"))
     assert (q4_1.grid, q4_1.block_size) == ("gguf", 32)
     q4_0 = for_language_model(WeightOnlyConfig(bits=4), _lm_manifest("Q4_0 (Q4_0 x210)"))
@@ -206,3 +211,24 @@ def test_ffn_scaling_keeps_the_function(fused):
     np.testing.assert_allclose(run(), before, rtol=1e-4, atol=1e-6)
     rows = np.abs(numpy_helper.to_array(init_map["Wd"])).max(axis=1)
     assert rows.max() / rows.min() < 0.5 * (np.abs(down).max(axis=1).max() / np.abs(down).max(axis=1).min())
+
+
+def test_four_bit_embedding_rows_come_back():
+    """An untied embedding on the fitted 4-bit grid: the looked-up rows are the table's dequantized rows."""
+    from onnx import numpy_helper
+
+    from slimml.quantize.decoder import _gather_int4
+
+    rng = np.random.default_rng(5)
+    table = (rng.standard_normal((50, 192)) * 0.1).astype(np.float32)
+    made, tensors = _gather_int4(helper.make_node("Gather", ["E", "ids"], ["h"]), table, 64)
+    graph = helper.make_graph(made, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, "s"])],
+                              [helper.make_tensor_value_info("h", TensorProto.FLOAT, None)], tensors)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    ids = np.array([[3, 0, 49, 3]], np.int64)
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    q, s, z = fit_blocks(table.reshape(50, 3, 64))
+    want = dequantize(q, s, z).reshape(50, 192)[ids]
+    assert got.shape == (1, 4, 192) and np.array_equal(got, want)
+    assert sum(t.raw_data.__len__() for t in tensors if t.name.endswith("_q4")) == 50 * 96  # two codes a byte
+    assert numpy_helper.to_array(next(t for t in tensors if t.name.endswith("_z"))).max() <= 15
