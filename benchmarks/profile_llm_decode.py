@@ -12,7 +12,7 @@ alternated round by round; times relative to 4-bit block 32 level 4 (onnxruntime
     python benchmarks/profile_llm_decode.py graph /tmp/decode/og_int4/model.onnx --prompt 128 --steps 32
     python benchmarks/profile_llm_decode.py graph ARTIFACT_FOLDER          # merges the shards first
     python benchmarks/profile_llm_decode.py matmul --rounds 9
-    python benchmarks/profile_llm_decode.py matmul --rounds 5 --only 8-bit
+    python benchmarks/profile_llm_decode.py matmul --rounds 5 --only 8-bit,b128
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def profile_matmul(rounds: int, threads: int, only: str | None = None) -> None:
     """MatMulNBits as the language-model backend writes it: each config x (2048x5632, 5632x2048) x
     (M=1, M=128), alternated round by round; medians, relative to 4-bit block 32 level 4."""
     rng = np.random.default_rng(0)
-    configs = [c for c in MATMUL_CONFIGS if only is None or only in c[0] or c[0].startswith("4-bit b32 L4 (")]
+    configs = [c for c in MATMUL_CONFIGS if only is None or any(o in c[0] for o in only.split(",")) or c[0].startswith("4-bit b32 L4 (")]
     shapes = [(2048, 5632), (5632, 2048)]
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
@@ -178,7 +178,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--only", default=None, help="matmul: only the configs whose label holds this text")
+    p.add_argument("--only", default=None, help="matmul: only the configs whose label holds one of these comma-separated texts")
     args = p.parse_args()
     if args.what == "graph":
         profile_graph(args.path, args.prompt, args.steps, args.threads)

@@ -20,13 +20,10 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from slimml.quantize.grids import block_for, more_bits_layers
+from slimml.quantize.grids import LM_HEAD_MIN_COLUMNS, SENSITIVE, block_for, layer_of, more_bits_layers
 
 Q4_K, Q5_0, Q6_K, Q8_0 = 4.5, 5.5, 6.5625, 8.5  # llama.cpp's bits a weight, scales included
-_LAYER = re.compile(r"layers?[._/](\d+)[._/]")
-_SENSITIVE = re.compile(r"down|v_proj|o_proj")
 _MORE_BITS = re.compile(r"down|v_proj")  # what Q4_K_M gives Q6_K in its more-bits layers
-LM_HEAD_MIN_COLUMNS = 16384
 
 
 @dataclass
@@ -47,8 +44,7 @@ def _matrices(folder: Path, manifest: Any) -> tuple[list[tuple[str, int, int, in
         for node in model.graph.node:
             if node.op_type == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
                 k, n = inits[node.input[1]].dims
-                found = _LAYER.search(node.name)
-                rows.append((node.name, k, n, int(found.group(1)) if found else None))
+                rows.append((node.name, k, n, layer_of(node.name)))
                 if n >= LM_HEAD_MIN_COLUMNS:
                     head = (spec, node.input[1])
             elif node.op_type == "Gather" and node.input[0] in inits and len(inits[node.input[0]].dims) == 2:
@@ -90,7 +86,7 @@ def q4_k_m_plan(folder: Path, manifest: Any, block: int = 128) -> Plan:
             budget += k * n * ((Q6_K if whole else Q8_0) if up else (Q4_K if whole else Q5_0))
             four = k * n * (4 + 20 / block_for(k, block))
             ours += four
-            if layer is not None and _SENSITIVE.search(name):
+            if layer is not None and SENSITIVE.search(name):
                 extra[layer] = extra.get(layer, 0.0) + k * n * (8 + 16 / block_for(k, block)) - four
     chosen = []
     for layer in [*sorted(more), *[i for i in range(n_layers) if i not in more]]:

@@ -28,10 +28,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from slimml.quantize.config import WeightOnlyConfig
 from slimml.quantize.equalize import equalize_ffn
-from slimml.quantize.grids import Recipe, block_for, fit_blocks, is_sensitive, more_bits_layers, pack_nibbles, q4_1_blocks, q8_blocks
+from slimml.quantize.grids import (LM_HEAD_MIN_COLUMNS, Recipe, block_for, fit_blocks, is_sensitive, more_bits_layers,
+                                   pack_nibbles, q4_1_blocks, q8_blocks)
 from slimml.quantize.registry import ShardContext, register, weight_matmuls
 
-LM_HEAD_MIN_COLUMNS = 16384  # a MatMul this wide (N = vocabulary) is the output projection
 INT4_BLOCK, INT8_BLOCK = 128, 128  # the decoder defaults, chosen at M=1 (docs/quantize.md, "Decoder recipes")
 FAST_LEVEL = 4  # MatMulNBits' int8 compute: 2.8x fp32's speed at M=1
 CALIBRATION_TOKENS, CALIBRATION_WINDOW = 1024, 256  # enough for each input channel's mean square to settle

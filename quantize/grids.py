@@ -68,15 +68,20 @@ def more_bits_layers(n_layers: int) -> tuple[int, ...]:
     return tuple(i for i in range(n_layers) if i < e or i >= 7 * n_layers // 8 or (i - e) % 3 == 2)
 
 
+LM_HEAD_MIN_COLUMNS = 16384  # a MatMul this wide (N = vocabulary) is the output projection
 _LAYER = re.compile(r"layers?[._/](\d+)[._/]")
+SENSITIVE = re.compile(r"down|v_proj|o_proj|ffn_down|attn_v|attn_output")  # the roles kept at 8 bits
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index in a node name such as ``/model/layers.4/mlp/down_proj/MatMul``."""
+    found = _LAYER.search(name)
+    return int(found.group(1)) if found else None
 
 
 def is_sensitive(name: str, recipe: Recipe) -> bool:
     """A weight that stays 8-bit in a 4-bit recipe: FFN down, attention output or a separate V projection of a sensitive layer."""
-    found = _LAYER.search(name)
-    if not found or int(found.group(1)) not in recipe.sensitive_layers:
-        return False
-    return bool(re.search(r"down|v_proj|o_proj|ffn_down|attn_v|attn_output", name))
+    return layer_of(name) in recipe.sensitive_layers and bool(SENSITIVE.search(name))
 
 
 def block_for(k: int, block: int) -> int:
