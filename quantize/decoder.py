@@ -28,6 +28,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from slimml.quantize.config import WeightOnlyConfig
 from slimml.quantize.equalize import equalize_ffn
+from slimml.quantize.gptq import gptq_blocks
 from slimml.quantize.grids import (LM_HEAD_MIN_COLUMNS, Recipe, block_for, fit_blocks, is_sensitive, more_bits_layers,
                                    pack_nibbles, q4_1_blocks, q8_blocks)
 from slimml.quantize.registry import ShardContext, register, weight_matmuls
@@ -52,9 +53,10 @@ def calibration_feeds(folder, manifest, texts: list[str]) -> list[dict[str, np.n
     return [decoder_feeds(names, w[None, :], past) for w in windows]
 
 
-def input_mean_squares(model: onnx.ModelProto, rows: list[dict[str, np.ndarray]], names: list[str]) -> dict[str, np.ndarray]:
-    """Each of ``names`` (MatMul inputs inside the shard ``model``): its mean square per last-axis
-    channel over the calibration ``rows`` (the shard's recorded inputs), float32 (K,)."""
+def input_moments(model: onnx.ModelProto, rows: list[dict[str, np.ndarray]], names: list[str]) -> dict[str, np.ndarray]:
+    """Each of ``names`` (MatMul inputs inside the shard ``model``): its second moments ``X^T X / n``
+    over the calibration ``rows`` (the shard's recorded inputs), float64 (K, K); the diagonal is
+    each channel's mean square."""
     import onnxruntime as ort
 
     probe = onnx.ModelProto()
@@ -65,16 +67,16 @@ def input_mean_squares(model: onnx.ModelProto, rows: list[dict[str, np.ndarray]]
     probe.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in wanted)
     session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
     sums: dict[str, np.ndarray] = {}
-    count = 0
+    counts: dict[str, int] = {}
     for row in rows:
         feeds = {i.name: row[i.name] for i in session.get_inputs()}
         values = dict(zip(wanted, session.run(wanted, feeds))) if wanted else {}
         values.update({n: row[n] for n in names if n in graph_inputs})
         for n, v in values.items():
             v = v.reshape(-1, v.shape[-1]).astype(np.float64)
-            sums[n] = sums.get(n, 0.0) + (v * v).sum(axis=0)
-        count += int(np.prod(next(iter(values.values())).shape[:-1])) if values else 0
-    return {n: (v / max(count, 1)).astype(np.float32) + 1e-12 for n, v in sums.items()}
+            sums[n] = sums.get(n, 0.0) + v.T @ v
+            counts[n] = counts.get(n, 0) + v.shape[0]
+    return {n: v / max(counts[n], 1) for n, v in sums.items()}
 
 
 def recipe_of(config: WeightOnlyConfig) -> Recipe:
@@ -101,7 +103,7 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
     done = {tuple(n.output) for n in nodes}
     importance = {}
     if ctx.reader is not None and activation_aware(config):  # the calibration text's activations reach this shard
-        importance = input_mean_squares(model, ctx.reader.rows, [n.input[0] for n in nodes if n.op_type == "MatMul"])
+        importance = input_moments(model, ctx.reader.rows, [n.input[0] for n in nodes if n.op_type == "MatMul"])
     scaled = 0
     if recipe.bits == 4 and recipe.grid == "fitted":  # FFN down's input channels scaled before its blocks
         scaled = equalize_ffn(model, inits, importance, lambda k: block_for(k, recipe.block_size))
@@ -154,7 +156,8 @@ def matmul_nbits_node(node: onnx.NodeProto, w: np.ndarray, recipe: Recipe, bits:
     ``d * (q - 8)``) plus ``blocksum(x) @ (m + 8 d)``, a matmul 32x smaller: MatMulNBits' float
     zero points would represent ``m`` directly but run ~20x slower (ORT 1.32), and integer zero
     points cannot hold ``m``. ``sums`` caches one block sum per input (q, k and v read the same one).
-    ``importance``: (K,) mean squared input activation per channel, weighing the fitted grid's search.
+    ``importance``: the input's second moments (K, K) from the calibration text: the fitted grid's
+    blocks are then chosen by GPTQ's error feedback (``quantize/gptq.py``), its search weighed by them.
     """
     k, n = w.shape
     q4_1 = bits == 4 and recipe.grid == "gguf"
@@ -167,8 +170,10 @@ def matmul_nbits_node(node: onnx.NodeProto, w: np.ndarray, recipe: Recipe, bits:
     elif q4_1:
         q, d, m = q4_1_blocks(wt)
     else:
-        imp = None if importance is None else np.pad(importance, (0, pad), constant_values=1.0)
-        q, d, z = fit_blocks(wt, recipe.zero_points, imp)
+        if importance is not None and not pad:
+            q, d, z = gptq_blocks(wt.reshape(n, k), importance, block, recipe.zero_points)
+        else:
+            q, d, z = fit_blocks(wt, recipe.zero_points)
         z = pack_nibbles(z).reshape(-1) if recipe.zero_points else None
     if bits == 4:
         q = pack_nibbles(q)  # two codes a byte, the first in the low nibble

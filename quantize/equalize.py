@@ -100,11 +100,12 @@ def down_scales(down: np.ndarray, mean_square: np.ndarray | None, block: int) ->
 def equalize_ffn(model: onnx.ModelProto, inits: dict[str, onnx.TensorProto], importance: dict[str, np.ndarray],
                  block_of) -> int:
     """Scale each FFN down projection's input channels (and its up projection's columns) in place in
-    ``inits``; ``importance`` (MatMul input name -> mean square) follows the scaling. Returns how many."""
+    ``inits``; ``importance`` (MatMul input name -> (K, K) second moments) follows the scaling. Returns how many."""
     done = 0
     for down_node, up_name, cols in ffn_pairs(model, inits):
         down = numpy_helper.to_array(inits[down_node.input[1]]).astype(np.float32)
-        ms = importance.get(down_node.input[0])
+        moments = importance.get(down_node.input[0])  # (K, K) second moments of down's input, or None
+        ms = None if moments is None else np.diag(moments).astype(np.float32)
         s = down_scales(down, ms, block_of(down.shape[0]))
         if s is None:
             continue
@@ -112,7 +113,7 @@ def equalize_ffn(model: onnx.ModelProto, inits: dict[str, onnx.TensorProto], imp
         up[:, cols] /= s[None, :]
         inits[up_name].CopyFrom(numpy_helper.from_array(up, up_name))
         inits[down_node.input[1]].CopyFrom(numpy_helper.from_array(down * s[:, None], down_node.input[1]))
-        if ms is not None:
-            importance[down_node.input[0]] = ms / (s * s)
+        if moments is not None:  # x' = x / s
+            importance[down_node.input[0]] = moments / np.outer(s, s)
         done += 1
     return done
