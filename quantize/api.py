@@ -319,7 +319,7 @@ def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files
               "float_shards": {str(k): v for k, v in sorted(float_why.items())}}
     lm = [n["lm_weights"] for n in notes.values() if n.get("lm_weights")]
     if lm:  # the decoder recipe (quantize/grids.py), and whether calibration activations weighed it
-        record["recipe"] = lm[0]["recipe"] + (", activation-aware (calibration text)" if any(n["activation_aware"] for n in lm) else "")
+        record["recipe"] = lm[0]["recipe"] + (", GPTQ on the calibration text" if any(n["activation_aware"] for n in lm) else "")
         record["scaled_ffn"] = sum(n["scaled_ffn"] for n in lm)  # FFN down projections scaled first (quantize/equalize.py)
     fused = {str(i): n["fused"] for i, n in notes.items() if n.get("fused")}
     if fused:

@@ -7,7 +7,10 @@ Dynamic int8 activations cost SmolLM2-135M +71% perplexity; ONNX Runtime's int4 
 * ``grid="gguf"`` (a 4-bit GGUF source): llama.cpp's Q4_1 blocks of 32 kept exactly (SmolLM2:
   +0.00% perplexity); see :func:`matmul_nbits_node` for how ``m`` is applied.
 * ``grid="fitted"`` (any other weights): ONNX Runtime's own format, an integer zero point and a
-  searched scale per block of 128, accuracy_level 4: the fast kernel at batch-1 decode.
+  searched scale per block of 128, accuracy_level 4: the fast kernel at batch-1 decode; with a
+  tokenizer, the calibration text's activations drive the FFN scaling (``quantize/equalize.py``)
+  and GPTQ's error feedback (``quantize/gptq.py``); FFN down, O and V of as many layers as fit in
+  llama.cpp's Q4_K_M size stay 8-bit (``quantize/budget.py``).
 * 8 bits: symmetric blocks (Q8_0's scheme), accuracy_level 4.
 
 Scales are float16 on disk (as llama.cpp stores them; a Cast that ONNX Runtime folds at load feeds
