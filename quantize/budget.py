@@ -23,7 +23,7 @@ from onnx import numpy_helper
 from slimml.quantize.grids import LM_HEAD_MIN_COLUMNS, SENSITIVE, block_for, layer_of, more_bits_layers
 
 Q4_K, Q5_0, Q6_K, Q8_0 = 4.5, 5.5, 6.5625, 8.5  # llama.cpp's bits a weight, scales included
-_MORE_BITS = re.compile(r"down|v_proj")  # what Q4_K_M gives Q6_K in its more-bits layers
+_MORE_BITS = re.compile(r"down|(^|[^a-z])v_proj")  # what Q4_K_M gives Q6_K in its more-bits layers
 
 
 @dataclass
@@ -34,10 +34,11 @@ class Plan:
     planned_mb: float  # ours: the weights and tokenizer.json
 
 
-def _matrices(folder: Path, manifest: Any) -> tuple[list[tuple[str, int, int, int | None]], bool]:
+def _matrices(folder: Path, manifest: Any) -> tuple[list[tuple[str, int, int, int | None]], bool, int]:
     """``(name, K, N, layer)`` of every weight MatMul, the embedding as ``("embedding", hidden, vocab, None)``;
-    and whether the embedding and the output projection hold the same values (tied)."""
-    rows, table, head = [], None, None
+    whether the embedding and the output projection hold the same values (tied); the bytes of every
+    other initializer (norms, rotary caches: they stay as they are)."""
+    rows, table, head, other = [], None, None, 0
     for spec in manifest.shards:
         model = onnx.load(str(folder / spec.file), load_external_data=False)
         inits = {t.name: t for t in model.graph.initializer}
@@ -51,8 +52,11 @@ def _matrices(folder: Path, manifest: Any) -> tuple[list[tuple[str, int, int, in
                 vocab, hidden = inits[node.input[0]].dims
                 rows.append(("embedding", hidden, vocab, None))
                 table = (spec, node.input[0])
+        weights = {n.input[1] for n in model.graph.node if n.op_type == "MatMul"} | {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
+        other += sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+                     for t in inits.values() if t.name not in weights)
     tied = table is not None and head is not None and np.array_equal(_array(folder, *table), _array(folder, *head).T)
-    return rows, tied
+    return rows, tied, other
 
 
 def _array(folder: Path, spec: Any, name: str) -> np.ndarray:
@@ -66,11 +70,11 @@ def q4_k_m_plan(folder: Path, manifest: Any, block: int = 128) -> Plan:
     """The layers (in ``use_more_bits`` order, then the rest) whose FFN down, O and V fit at 8 bits
     within Q4_K_M's size; an untied embedding is stored 4-bit, a tied one 8-bit once (with the output)."""
     n_layers = int(manifest.source.get("num_hidden_layers") or 0)
-    rows, tied = _matrices(folder, manifest)
+    rows, tied, other = _matrices(folder, manifest)
     more = set(more_bits_layers(n_layers))
     budget = 0.0
     tokenizer = folder / manifest.tokenizer["file"] if manifest.tokenizer else None
-    ours = 8.0 * tokenizer.stat().st_size if tokenizer is not None and tokenizer.is_file() else 0.0  # GGUF holds its vocabulary too
+    ours = 8.0 * other + (8.0 * tokenizer.stat().st_size if tokenizer is not None and tokenizer.is_file() else 0.0)  # GGUF holds its vocabulary too
     extra: dict[int, float] = {}
     for name, k, n, layer in rows:
         whole = k % 256 == 0

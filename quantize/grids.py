@@ -70,7 +70,7 @@ def more_bits_layers(n_layers: int) -> tuple[int, ...]:
 
 LM_HEAD_MIN_COLUMNS = 16384  # a MatMul this wide (N = vocabulary) is the output projection
 _LAYER = re.compile(r"layers?[._/](\d+)[._/]")
-SENSITIVE = re.compile(r"down|v_proj|o_proj|ffn_down|attn_v|attn_output")  # the roles kept at 8 bits
+SENSITIVE = re.compile(r"down|(^|[^a-z])v_proj|o_proj|attn_v|attn_output")  # the roles kept at 8 bits (not a fused qkv_proj)
 
 
 def layer_of(name: str) -> int | None:
