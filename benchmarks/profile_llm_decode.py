@@ -4,13 +4,15 @@
 slimml artifact's shards merged), a prompt pass then decode steps with past and present in one
 buffer; prints each op type's share of the prompt pass and of a decoded token.
 
-``matmul``: one 4-bit MatMulNBits (2048 x 5632) at block sizes 32-256 and accuracy levels 0 and 4,
-M=1 (a decode step) and M=128 (a prompt), alternated round by round; times relative to block 32,
-level 4 (onnxruntime-genai's builder).
+``matmul``: one weight MatMul (2048 x 5632 and 5632 x 2048) as quantize/decoder.py writes it, 4 and
+8 bits, block sizes 32-256, accuracy level unset or 4, with and without integer zero points, the
+GGUF Q4_1 grid (with its block-sum correction) and fp32; M=1 (a decode step) and M=128 (a prompt),
+alternated round by round; times relative to 4-bit block 32 level 4 (onnxruntime-genai's builder).
 
     python benchmarks/profile_llm_decode.py graph /tmp/decode/og_int4/model.onnx --prompt 128 --steps 32
     python benchmarks/profile_llm_decode.py graph ARTIFACT_FOLDER          # merges the shards first
     python benchmarks/profile_llm_decode.py matmul --rounds 9
+    python benchmarks/profile_llm_decode.py matmul --rounds 5 --only 8-bit,b128
 """
 
 from __future__ import annotations
@@ -85,46 +87,87 @@ def profile_graph(path: Path, prompt: int, steps: int, threads: int) -> None:
         print(f"  {op:34s} prompt {100 * p / tp:5.1f}%   decode {100 * d / td:5.1f}%")
 
 
-def profile_matmul(rounds: int, threads: int) -> None:
+MATMUL_CONFIGS = [  # (label, bits, block, accuracy_level, integer zero points)
+    ("4-bit b32 L4 (onnxruntime-genai)", 4, 32, 4, False),
+    ("4-bit b32 L4 zp", 4, 32, 4, True),
+    ("4-bit b64 L4", 4, 64, 4, False),
+    ("4-bit b64 L4 zp", 4, 64, 4, True),
+    ("4-bit b128 L4", 4, 128, 4, False),
+    ("4-bit b128 L4 zp", 4, 128, 4, True),
+    ("4-bit b256 L4 zp", 4, 256, 4, True),
+    ("4-bit b32 unset", 4, 32, None, False),
+    ("4-bit b32 gguf Q4_1 unset", 4, 32, None, "gguf"),
+    ("4-bit b32 gguf Q4_1 L4", 4, 32, 4, "gguf"),
+    ("8-bit b32 unset", 8, 32, None, False),
+    ("8-bit b32 L4", 8, 32, 4, False),
+    ("8-bit b64 L4", 8, 64, 4, False),
+    ("8-bit b128 L4", 8, 128, 4, False),
+    ("8-bit b256 L4", 8, 256, 4, False),
+    ("8-bit b128 L4 zp", 8, 128, 4, True),
+    ("fp32 MatMul", 32, 0, None, False),
+]
+
+
+def _matmul_graph(w: np.ndarray, bits: int, block: int, level, zp) -> bytes:
+    """One weight MatMul of ``w`` (K, N) as slimml's language-model backend writes it (quantize/decoder.py)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    k, n = 2048, 5632
+    from slimml.quantize.decoder import matmul_nbits_node
+    from slimml.quantize.grids import Recipe
+
+    k, n = w.shape
+    node = helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")
+    if bits == 32:
+        nodes, inits = [node], [numpy_helper.from_array(w, "W")]
+    else:
+        grid = "gguf" if zp == "gguf" else "fitted"
+        recipe = Recipe(bits=bits, block_size=block, accuracy_level=level, grid=grid, zero_points=zp is True)
+        nodes, inits = matmul_nbits_node(node, w, recipe, bits, {})
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "M", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "M", n])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    return m.SerializeToString()
+
+
+def profile_matmul(rounds: int, threads: int, only: str | None = None) -> None:
+    """MatMulNBits as the language-model backend writes it: each config x (2048x5632, 5632x2048) x
+    (M=1, M=128), alternated round by round; medians, relative to 4-bit block 32 level 4."""
     rng = np.random.default_rng(0)
-    w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
-
-    def session(block: int, level: int) -> ort.InferenceSession:
-        g = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])],
-                              [numpy_helper.from_array(w, "W")])
-        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-        m.ir_version = 8
-        q = MatMulNBitsQuantizer(m, algo_config=DefaultWeightOnlyQuantConfig(
-            block_size=block, is_symmetric=True, accuracy_level=level, bits=4))
-        q.process()
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        return ort.InferenceSession(q.model.model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-
-    configs = [(32, 4), (64, 4), (128, 4), (256, 4), (32, 0)]
-    sessions = {c: session(*c) for c in configs}
-    xs = [(rng.standard_normal((1, k)).astype(np.float32), 200), (rng.standard_normal((128, k)).astype(np.float32), 5)]
-    times = {c: [[], []] for c in configs}
+    configs = [c for c in MATMUL_CONFIGS if only is None or any(o in c[0] for o in only.split(",")) or c[0].startswith("4-bit b32 L4 (")]
+    shapes = [(2048, 5632), (5632, 2048)]
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    sessions = {}
+    for k, n in shapes:
+        w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
+        for c in configs:
+            sessions[(c[0], k)] = ort.InferenceSession(_matmul_graph(w, *c[1:]), so, providers=["CPUExecutionProvider"])
+    xs = {k: [(rng.standard_normal((1, 1, k)).astype(np.float32), 100), (rng.standard_normal((1, 128, k)).astype(np.float32), 3)]
+          for k, _ in shapes}
+    times = collections.defaultdict(list)  # (label, K, M) -> seconds per run
     for _ in range(rounds):
-        for c, s in sessions.items():
-            for j, (x, reps) in enumerate(xs):
+        for (label, k), s in sessions.items():
+            for x, reps in xs[k]:
                 s.run(None, {"x": x})
                 t = time.perf_counter()
                 for _ in range(reps):
                     s.run(None, {"x": x})
-                times[c][j].append((time.perf_counter() - t) / reps)
-    base = times[(32, 4)]
-    for c, (one, many) in times.items():
-        r1 = np.median(np.array(one) / np.array(base[0]))
-        r128 = np.median(np.array(many) / np.array(base[1]))
-        print(f"block {c[0]:3d} accuracy_level {c[1]}: M=1 {r1:.2f}x   M=128 {r128:.2f}x   (of block 32, level 4)")
+                times[(label, k, x.shape[1])].append((time.perf_counter() - t) / reps)
+    base = configs[0][0]
+    rows = {}
+    print(f"{'config':34s}" + "".join(f"  {k}x{n} M={m:<4d}" for k, n in shapes for m in (1, 128)) + "   (time / first row; us)")
+    for c in configs:
+        cells = []
+        for k, n in shapes:
+            for m in (1, 128):
+                r = float(np.median(np.array(times[(c[0], k, m)]) / np.array(times[(base, k, m)])))
+                us = float(np.median(times[(c[0], k, m)])) * 1e6
+                rows[f"{c[0]} {k}x{n} M={m}"] = {"ratio": round(r, 3), "us": round(us, 1)}
+                cells.append(f"  {r:5.2f} ({us:7.0f})  ")
+        print(f"{c[0]:34s}" + "".join(cells))
+    print(json.dumps(rows))
 
 
 def main() -> None:
@@ -135,11 +178,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", default=None, help="matmul: only the configs whose label holds one of these comma-separated texts")
     args = p.parse_args()
     if args.what == "graph":
         profile_graph(args.path, args.prompt, args.steps, args.threads)
     else:
-        profile_matmul(args.rounds, args.threads)
+        profile_matmul(args.rounds, args.threads, args.only)
 
 
 if __name__ == "__main__":

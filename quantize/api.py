@@ -18,7 +18,7 @@ import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and N
 import slimml.quantize.chain as ch
 from slimml.quantize.calibration import calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
-from slimml.quantize.decoder import for_language_model
+from slimml.quantize.decoder import activation_aware, calibration_feeds, for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.quantize.registry import ShardContext, backend_for
 from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, read_manifest, verify_files
@@ -105,7 +105,7 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig,
     t0 = time.perf_counter()
     step = on_step or (lambda _msg: None)
     manifest = _read_float_artifact(src)
-    config = for_language_model(config, manifest)  # a decoder gets weight-only blocks (quantize/decoder.py)
+    config = for_language_model(config, manifest, src)  # a decoder gets weight-only blocks (quantize/decoder.py)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
     if config.guard is not None and config.guard.eval_file is not None:
@@ -217,6 +217,8 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     # holds only what crosses the current boundary, not every layer's activations
     calib_feeds = feeds[0] if feeds else ch.batches(manifest, text, calib)
     envs = [dict(f) for f in calib_feeds] if isinstance(config, Int8StaticConfig) else None
+    if envs is None and activation_aware(config) and manifest.tokenizer:  # the fitted 4-bit grid weighs by activations
+        envs = calibration_feeds(src, manifest, calib)
     last_read = {t.name: s.index for s in manifest.shards for t in s.inputs}
     backend = backend_for(config)
     firsts = [onnx.load(str(p), load_external_data=False) for p in float_files]
@@ -277,7 +279,10 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         float_size_mb=manifest.total_bytes / 1e6, quantized_shards=sorted(quant_files),
         float_shards=dict(sorted(float_why.items())), checks=guard.checks,
     )
-    return report, _record(manifest, config, origin, quant_files, float_why, notes)
+    record = _record(manifest, config, origin, quant_files, float_why, notes)
+    if "recipe" in record:  # a decoder's recipe (and block size) in the report and the manifest's checks
+        report.checks["recipe"] = record["recipe"]
+    return report, record
 
 
 def _providers() -> list[str]:
@@ -312,6 +317,10 @@ def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files
     record = {"step": "quantize", **describe(config), "calibration": origin,
               "quantized_shards": sorted(quant_files),
               "float_shards": {str(k): v for k, v in sorted(float_why.items())}}
+    lm = [n["lm_weights"] for n in notes.values() if n.get("lm_weights")]
+    if lm:  # the decoder recipe (quantize/grids.py), and whether calibration activations weighed it
+        record["recipe"] = lm[0]["recipe"] + (", GPTQ on the calibration text" if any(n["activation_aware"] for n in lm) else "")
+        record["scaled_ffn"] = sum(n["scaled_ffn"] for n in lm)  # FFN down projections scaled first (quantize/equalize.py)
     fused = {str(i): n["fused"] for i, n in notes.items() if n.get("fused")}
     if fused:
         record["fused"] = fused

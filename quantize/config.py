@@ -157,6 +157,12 @@ class WeightOnlyConfig(_Common):
         backend: ``"ort"`` (ONNX Runtime's ``MatMulNBitsQuantizer``) or ``"nncf"``
             (``nncf.compress_weights``, data-free: int8 per output channel, int4 in blocks of
             ``block_size``).
+        grid: language-model backend only (``quantize/grids.py``): ``"gguf"`` keeps a 4-bit GGUF
+            source's own grid, ``"fitted"`` searches each block's scale and zero point; None: the
+            backend's choice.
+        sensitive_layers: language-model backend, 4 bits: layers whose FFN down, attention output
+            and V projections stay 8-bit.
+        embedding_bits: language-model backend: the token embedding table's bits (8; 4 for an untied one).
     """
 
     bits: int = 4
@@ -164,6 +170,9 @@ class WeightOnlyConfig(_Common):
     symmetric: bool = True
     accuracy_level: int | None = None
     backend: str = "ort"
+    grid: str | None = None
+    sensitive_layers: tuple[int, ...] = ()
+    embedding_bits: int = 8
 
     def __post_init__(self):
         self._check_common()
@@ -174,6 +183,11 @@ class WeightOnlyConfig(_Common):
             raise ConfigError(f"block_size must be a power of two >= 16, got {self.block_size!r}.")
         if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ConfigError(f"accuracy_level must be 0..4, got {self.accuracy_level!r}.")
+        if self.grid not in (None, "gguf", "fitted"):
+            raise ConfigError(f"grid must be 'gguf' or 'fitted' (or None: the backend's choice), got {self.grid!r}.")
+        self.sensitive_layers = tuple(int(i) for i in self.sensitive_layers)
+        if self.embedding_bits not in (4, 8):
+            raise ConfigError(f"embedding_bits must be 4 or 8, got {self.embedding_bits!r}.")
 
 
 @dataclass

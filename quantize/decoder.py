@@ -1,36 +1,99 @@
-"""Weight-only quantization for language models (``backend="lm"``): llama.cpp's grids in MatMulNBits.
+"""Weight-only quantization for language models (``backend="lm"``): MatMulNBits on a chosen grid.
 
 Dynamic int8 activations cost SmolLM2-135M +71% perplexity; ONNX Runtime's int4 quantizer
-(symmetric, integer zero points) +35%. This backend writes, for each MatMul with a float weight,
-a ``MatMulNBits`` whose blocks follow llama.cpp's formats, with float16 scales on disk (as
-llama.cpp stores them; a Cast that ONNX Runtime folds at load feeds the float32 kernel):
+(symmetric, blocks of 32) +35%. This backend writes, for each MatMul with a float weight, a
+``MatMulNBits`` whose blocks follow a :class:`~slimml.quantize.grids.Recipe` (``quantize/grids.py``):
 
-* 4 bits: blocks of 32 along the input dimension, min/max per block, ``w = d * q + m``
-  (llama.cpp's Q4_1). Weights that came from a Q4_1 GGUF file sit exactly on that grid and come
-  back unchanged (SmolLM2: +0.00% perplexity). See :func:`_matmul_nbits` for how ``m`` is applied.
-* 8 bits: blocks of 32, symmetric (Q8_0: ``w = d * q``, ``d = max|w| / 127``).
+* ``grid="gguf"`` (a 4-bit GGUF source): llama.cpp's Q4_1 blocks of 32 kept exactly (SmolLM2:
+  +0.00% perplexity); see :func:`matmul_nbits_node` for how ``m`` is applied.
+* ``grid="fitted"`` (any other weights): ONNX Runtime's own format, an integer zero point and a
+  searched scale per block of 128, accuracy_level 4: the fast kernel at batch-1 decode; with a
+  tokenizer, the calibration text's activations drive the FFN scaling (``quantize/equalize.py``)
+  and GPTQ's error feedback (``quantize/gptq.py``); FFN down, O and V of as many layers as fit in
+  llama.cpp's Q4_K_M size stay 8-bit (``quantize/budget.py``).
+* 8 bits: symmetric blocks (Q8_0's scheme), accuracy_level 4.
 
-The output projection (``lm_head``, the widest matrix and the most sensitive) gets 8 bits in both
-schemes, as llama.cpp keeps its output tensor at 6-8 bits; the token embedding (a ``Gather``) is
-stored as 8-bit rows in the same layout, dequantized after the lookup (only the looked-up rows),
-so that a tied embedding is stored once (``quantize/tied.py``).
+Scales are float16 on disk (as llama.cpp stores them; a Cast that ONNX Runtime folds at load feeds
+the float32 kernel). The output projection (``lm_head``, the widest matrix and the most
+sensitive) gets 8 bits, as llama.cpp keeps its output tensor at 6-8 bits; the token embedding (a
+``Gather``) is stored as 8-bit rows in the same layout, dequantized after the lookup (only the
+looked-up rows), so that a tied embedding is stored once (``quantize/tied.py``).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from slimml.quantize.registry import ShardContext, register, weight_matmuls
 from slimml.quantize.config import WeightOnlyConfig
+from slimml.quantize.equalize import equalize_ffn
+from slimml.quantize.gptq import gptq_blocks
+from slimml.quantize.grids import (LM_HEAD_MIN_COLUMNS, Recipe, block_for, fit_blocks, is_sensitive, more_bits_layers,
+                                   pack_nibbles, q4_1_blocks, q8_blocks)
+from slimml.quantize.registry import ShardContext, register, weight_matmuls
 
-LM_HEAD_MIN_COLUMNS = 16384  # a MatMul this wide (N = vocabulary) is the output projection
+INT4_BLOCK, INT8_BLOCK = 128, 128  # the decoder defaults, chosen at M=1 (docs/quantize.md, "Decoder recipes")
+FAST_LEVEL = 4  # MatMulNBits' int8 compute: 2.8x fp32's speed at M=1
+CALIBRATION_TOKENS, CALIBRATION_WINDOW = 1024, 256  # enough for each input channel's mean square to settle
+
+
+def activation_aware(config) -> bool:
+    """The fitted 4-bit grid weighs each block's error by its input channels' mean squared activation."""
+    return isinstance(config, WeightOnlyConfig) and config.backend == "lm" and config.bits == 4 and (config.grid or "fitted") == "fitted"
+
+
+def calibration_feeds(folder, manifest, texts: list[str]) -> list[dict[str, np.ndarray]]:
+    """Decoder feeds over the calibration text (not the evaluation text): windows of
+    :data:`CALIBRATION_WINDOW` tokens, :data:`CALIBRATION_TOKENS` in all."""
+    from slimml.convert.llm_check import decoder_feeds, past_shapes, token_windows
+
+    windows = token_windows(folder / manifest.tokenizer["file"], "\n\n".join(texts), CALIBRATION_WINDOW, CALIBRATION_TOKENS)
+    names, past = [t.name for t in manifest.inputs], past_shapes(manifest.inputs)
+    return [decoder_feeds(names, w[None, :], past) for w in windows]
+
+
+def input_moments(model: onnx.ModelProto, rows: list[dict[str, np.ndarray]], names: list[str]) -> dict[str, np.ndarray]:
+    """Each of ``names`` (MatMul inputs inside the shard ``model``): its second moments ``X^T X / n``
+    over the calibration ``rows`` (the shard's recorded inputs), float64 (K, K); the diagonal is
+    each channel's mean square."""
+    import onnxruntime as ort
+
+    probe = onnx.ModelProto()
+    probe.CopyFrom(model)
+    graph_inputs = {i.name for i in probe.graph.input}
+    wanted = [n for n in dict.fromkeys(names) if n not in graph_inputs]
+    del probe.graph.output[:]
+    probe.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in wanted)
+    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = {}
+    for row in rows:
+        feeds = {i.name: row[i.name] for i in session.get_inputs()}
+        values = dict(zip(wanted, session.run(wanted, feeds))) if wanted else {}
+        values.update({n: row[n] for n in names if n in graph_inputs})
+        for n, v in values.items():
+            v = v.reshape(-1, v.shape[-1]).astype(np.float64)
+            sums[n] = sums.get(n, 0.0) + v.T @ v
+            counts[n] = counts.get(n, 0) + v.shape[0]
+    return {n: v / max(counts[n], 1) for n, v in sums.items()}
+
+
+def recipe_of(config: WeightOnlyConfig) -> Recipe:
+    """The :class:`Recipe` a ``backend="lm"`` config asks for."""
+    grid = config.grid or "fitted"
+    return Recipe(bits=config.bits, block_size=32 if grid == "gguf" else config.block_size,
+                  accuracy_level=config.accuracy_level, grid=grid, zero_points=not config.symmetric,
+                  sensitive_layers=config.sensitive_layers, embedding_bits=config.embedding_bits)
 
 
 @register(WeightOnlyConfig, "lm")
 def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardContext) -> onnx.ModelProto | None:
     """Quantize one shard of a decoder: MatMul weights to MatMulNBits, the embedding Gather to int8 rows."""
+    recipe = recipe_of(config)
     nodes = weight_matmuls(model, ("MatMul", "Gather"))
     if not nodes:
         return None
@@ -41,6 +104,12 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
             readers[i] = readers.get(i, 0) + 1
     new_nodes, drop, add, sums = [], set(), [], {}
     done = {tuple(n.output) for n in nodes}
+    importance = {}
+    if ctx.reader is not None and activation_aware(config):  # the calibration text's activations reach this shard
+        importance = input_moments(model, ctx.reader.rows, [n.input[0] for n in nodes if n.op_type == "MatMul"])
+    scaled = 0
+    if recipe.bits == 4 and recipe.grid == "fitted":  # FFN down's input channels scaled before its blocks
+        scaled = equalize_ffn(model, inits, importance, lambda k: block_for(k, recipe.block_size))
     for node in model.graph.node:
         if tuple(node.output) not in done:
             new_nodes.append(node)
@@ -48,17 +117,23 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
         if node.op_type == "Gather":
             name = node.input[0]
             w = numpy_helper.to_array(inits[name]).astype(np.float32)  # (vocab, hidden)
-            if w.shape[1] % config.block_size:
+            block = block_for(w.shape[1], recipe.block_size)
+            if w.shape[1] % block:
                 new_nodes.append(node)
                 continue
-            made, tensors = _gather_int8(node, w, config.block_size)
+            if recipe.embedding_bits == 4:
+                made, tensors = _gather_int4(node, w, block)
+            else:
+                made, tensors = _gather_int8(node, w, block)
         else:
             name = node.input[1]
             w = numpy_helper.to_array(inits[name]).astype(np.float32)  # (K, N)
-            bits = 8 if w.shape[1] >= LM_HEAD_MIN_COLUMNS else config.bits
-            if bits == 4 and w.shape[0] % config.block_size:
-                bits = 8  # a 4-bit block needs whole blocks of the input: this one stays 8-bit
-            made, tensors = _matmul_nbits(node, w, bits, config.block_size, config.accuracy_level, sums)
+            bits = recipe.bits
+            if w.shape[1] >= LM_HEAD_MIN_COLUMNS or (bits == 4 and is_sensitive(f"{node.name} {name}", recipe)):
+                bits = 8
+            if bits == 4 and recipe.grid == "gguf" and w.shape[0] % 32:
+                bits = 8  # the Q4_1 correction needs whole blocks of the input: this one stays 8-bit
+            made, tensors = matmul_nbits_node(node, w, recipe, bits, sums, importance.get(node.input[0]))
         new_nodes.extend(made)
         add.extend(tensors)
         readers[name] -= 1
@@ -71,61 +146,54 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
     model.graph.initializer.extend(keep + add)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    ctx.notes["lm_weights"] = {"bits": config.bits, "block_size": config.block_size}
+    ctx.notes["lm_weights"] = {"recipe": recipe.describe(), "activation_aware": bool(importance), "scaled_ffn": scaled}
     return model
 
 
-def quantize_blocks(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Blocks of ``block`` values along the last axis of ``w`` (rows, K): codes (rows, K/block, block)
-    uint8, float16 scales ``d`` (rows, K/block) and, for 4 bits, float16 block minimums ``m``.
+def matmul_nbits_node(node: onnx.NodeProto, w: np.ndarray, recipe: Recipe, bits: int, sums: dict[str, str],
+                      importance: np.ndarray | None = None):
+    """The nodes and initializers computing ``x @ w`` (``w``: (K, N) float32) as ``recipe`` stores it at ``bits``.
 
-    4 bits: min/max per block, ``w ~ d * q + m`` (llama.cpp's Q4_1); 8 bits: symmetric,
-    ``w ~ d * (q - 128)`` (Q8_0). ``d`` and ``m`` are rounded to float16 (as llama.cpp stores them)
-    before the codes are chosen, so the codes fit the stored values.
-    """
-    rows, k = w.shape
-    b = w.reshape(rows, k // block, block).astype(np.float32)
-    if bits == 8:
-        d = (np.abs(b).max(axis=-1) / 127.0).astype(np.float16)
-        d = np.where(d == 0, np.float16(1), d)
-        q = np.clip(np.rint(b / d.astype(np.float32)[..., None]), -127, 127) + 128
-        return q.astype(np.uint8), d, None
-    lo, hi = b.min(axis=-1), b.max(axis=-1)
-    m = lo.astype(np.float16)
-    d = ((hi - m.astype(np.float32)) / 15.0).astype(np.float16)
-    d = np.where(d == 0, np.float16(1), d)
-    q = np.clip(np.rint((b - m.astype(np.float32)[..., None]) / d.astype(np.float32)[..., None]), 0, 15)
-    return q.astype(np.uint8), d, m
-
-
-def _matmul_nbits(node: onnx.NodeProto, w: np.ndarray, bits: int, block: int, level: int | None, sums: dict[str, str]):
-    """MatMulNBits for ``x @ w``, reading float16 ``d`` (and ``m``) through Casts ONNX Runtime folds at load.
-
-    4 bits: ``w = d * q + m`` per block is computed as ``MatMulNBits(x, q, d)`` (its default zero
-    point 8: ``d * (q - 8)``) plus ``blocksum(x) @ (m + 8 d)``, a matmul 32x smaller: MatMulNBits'
-    float zero points would represent ``m`` directly but run ~20x slower (ORT 1.32), and integer
-    zero points cannot hold ``m`` (+32% perplexity on SmolLM2 instead of +0%). ``sums`` caches one
-    block sum per input (q, k and v read the same one).
+    MatMulNBits reads float16 ``d`` through a Cast that ONNX Runtime folds at load. The GGUF Q4_1
+    grid (``w = d * q + m``) is computed as ``MatMulNBits(x, q, d)`` (its default zero point 8:
+    ``d * (q - 8)``) plus ``blocksum(x) @ (m + 8 d)``, a matmul 32x smaller: MatMulNBits' float
+    zero points would represent ``m`` directly but run ~20x slower (ORT 1.32), and integer zero
+    points cannot hold ``m``. ``sums`` caches one block sum per input (q, k and v read the same one).
+    ``importance``: the input's second moments (K, K) from the calibration text: the fitted grid's
+    blocks are then chosen by GPTQ's error feedback (``quantize/gptq.py``), its search weighed by them.
     """
     k, n = w.shape
+    q4_1 = bits == 4 and recipe.grid == "gguf"
+    block = 32 if q4_1 else block_for(k, recipe.block_size)
     pad = (-k) % block
-    if bits == 4 and pad:
-        raise ValueError(f"4-bit blocks need K divisible by {block}")
-    wt = np.pad(w.T, ((0, 0), (0, pad)))  # (N, K padded): MatMulNBits stores B transposed
-    q, d, m = quantize_blocks(wt, bits, block)
+    wt = np.pad(w.T, ((0, 0), (0, pad))).reshape(n, (k + pad) // block, block)  # MatMulNBits stores B transposed
+    m = z = None
+    if bits == 8:
+        q, d = q8_blocks(wt)
+    elif q4_1:
+        q, d, m = q4_1_blocks(wt)
+    else:
+        if importance is not None and not pad:
+            q, d, z = gptq_blocks(wt.reshape(n, k), importance, block, recipe.zero_points)
+        else:
+            q, d, z = fit_blocks(wt, recipe.zero_points)
+        z = pack_nibbles(z).reshape(-1) if recipe.zero_points else None
     if bits == 4:
-        q = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # two codes a byte, the first in the low nibble
+        q = pack_nibbles(q)  # two codes a byte, the first in the low nibble
     base = f"{node.input[1]}_q{bits}"
     tensors = [numpy_helper.from_array(q, base), numpy_helper.from_array(d, base + "_d16"),
                numpy_helper.from_array(np.array([-1], np.int64), base + "_flat")]
     made = [helper.make_node("Cast", [base + "_d16"], [base + "_d32"], to=TensorProto.FLOAT),
             helper.make_node("Reshape", [base + "_d32", base + "_flat"], [base + "_scales"])]
+    inputs = [node.input[0], base, base + "_scales"]
+    if z is not None:
+        tensors.append(numpy_helper.from_array(z, base + "_zp"))
+        inputs.append(base + "_zp")
     attrs = {"K": k, "N": n, "bits": bits, "block_size": block}
-    if level is not None:
-        attrs["accuracy_level"] = level
+    if recipe.accuracy_level is not None:
+        attrs["accuracy_level"] = recipe.accuracy_level
     out = node.output[0] if m is None else base + "_main"
-    made.append(helper.make_node("MatMulNBits", [node.input[0], base, base + "_scales"], [out],
-                                 name=(node.name or base) + "_Q", domain="com.microsoft", **attrs))
+    made.append(helper.make_node("MatMulNBits", inputs, [out], name=(node.name or base) + "_Q", domain="com.microsoft", **attrs))
     if m is None:
         return made, tensors
     x = node.input[0]
@@ -153,7 +221,7 @@ def _gather_int8(node: onnx.NodeProto, w: np.ndarray, block: int):
     blocks, block) uint8 and (vocab, blocks) float16 scales), so a tied embedding can be stored once.
     """
     vocab, hidden = w.shape
-    q, d, _ = quantize_blocks(w, 8, block)
+    q, d = q8_blocks(w.reshape(vocab, hidden // block, block))
     base = f"{node.input[0]}_q8"
     tensors = [numpy_helper.from_array(q, base), numpy_helper.from_array(d, base + "_d16"),
                numpy_helper.from_array(np.array([128.0], np.float32), base + "_zero"),
@@ -176,12 +244,60 @@ def _gather_int8(node: onnx.NodeProto, w: np.ndarray, block: int):
     return made, tensors
 
 
-def for_language_model(config, manifest):
-    """The config to use on ``manifest``'s artifact: for a language model, the word ``int8`` (dynamic
-    int8 activations, +71% perplexity on SmolLM2) and ONNX Runtime's int4/int8 weights become this
-    backend's weight-only blocks of 32; other artifacts, and explicit NNCF or static configs, keep theirs."""
-    import dataclasses
+def _gather_int4(node: onnx.NodeProto, w: np.ndarray, block: int):
+    """An untied embedding on the fitted 4-bit grid: gather the packed rows, scales and zero points,
+    unpack the two nibbles of each byte, dequantize only those rows: (..., hidden) float."""
+    vocab, hidden = w.shape
+    q, d, z = fit_blocks(w.reshape(vocab, hidden // block, block).astype(np.float32))
+    base = f"{node.input[0]}_q4"
+    tensors = [numpy_helper.from_array(pack_nibbles(q), base), numpy_helper.from_array(d, base + "_d16"),
+               numpy_helper.from_array(z, base + "_z"),
+               numpy_helper.from_array(np.array(16.0, np.float32), base + "_16"),
+               numpy_helper.from_array(np.array([-1], np.int64), base + "_axis"),
+               numpy_helper.from_array(np.array([0, 0, hidden // block, block], np.int64), base + "_blocks"),
+               numpy_helper.from_array(np.array([0, 0, hidden], np.int64), base + "_shape")]
+    axis = [a for a in node.attribute if a.name == "axis"]
+    if axis and axis[0].i != 0:
+        raise ValueError("an embedding Gather on an axis other than 0")
+    ids, b = node.input[1], base
+    made = [
+        helper.make_node("Gather", [b, ids], [b + "_rows"], axis=0),  # (B, S, blocks, block / 2) uint8
+        helper.make_node("Gather", [b + "_d16", ids], [b + "_rd16"], axis=0),  # (B, S, blocks)
+        helper.make_node("Gather", [b + "_z", ids], [b + "_rz8"], axis=0),
+        helper.make_node("Cast", [b + "_rows"], [b + "_f"], to=TensorProto.FLOAT),
+        helper.make_node("Div", [b + "_f", b + "_16"], [b + "_f16"]),
+        helper.make_node("Floor", [b + "_f16"], [b + "_hi"]),  # the second value of each byte
+        helper.make_node("Mul", [b + "_hi", b + "_16"], [b + "_hi16"]),
+        helper.make_node("Sub", [b + "_f", b + "_hi16"], [b + "_lo"]),  # the first
+        helper.make_node("Unsqueeze", [b + "_lo", b + "_axis"], [b + "_lo1"]),
+        helper.make_node("Unsqueeze", [b + "_hi", b + "_axis"], [b + "_hi1"]),
+        helper.make_node("Concat", [b + "_lo1", b + "_hi1"], [b + "_pairs"], axis=-1),  # (B, S, blocks, block / 2, 2)
+        helper.make_node("Reshape", [b + "_pairs", b + "_blocks"], [b + "_q"]),  # (B, S, blocks, block)
+        helper.make_node("Cast", [b + "_rz8"], [b + "_rz"], to=TensorProto.FLOAT),
+        helper.make_node("Cast", [b + "_rd16"], [b + "_rd"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", [b + "_rz", b + "_axis"], [b + "_z1"]),
+        helper.make_node("Unsqueeze", [b + "_rd", b + "_axis"], [b + "_s1"]),
+        helper.make_node("Sub", [b + "_q", b + "_z1"], [b + "_c"]),
+        helper.make_node("Mul", [b + "_c", b + "_s1"], [b + "_m"]),
+        helper.make_node("Reshape", [b + "_m", b + "_shape"], [node.output[0]]),
+    ]
+    return made, tensors
 
+
+def for_language_model(config, manifest, folder=None):
+    """The config to use on ``manifest``'s artifact (in ``folder``): for a language model, the CLI's
+    words become this backend's decoder recipes; other artifacts, and explicit configs, keep theirs.
+
+    * ``int8`` (dynamic int8 activations: +71% perplexity on SmolLM2) and ``int8-weights``:
+      symmetric 8-bit blocks of :data:`INT8_BLOCK`, accuracy_level 4.
+    * ``int4-weights``: a source read from a Q4_0/Q4_1 GGUF file keeps its grid (blocks of 32);
+      other weights get the fitted grid (integer zero points, searched scales, blocks of
+      :data:`INT4_BLOCK`, accuracy_level 4), with as many layers' FFN down, O and V at 8 bits as
+      fit in llama.cpp's Q4_K_M size of the same model (``quantize/budget.py``).
+
+    A ``WeightOnlyConfig(backend="ort")`` with a block size or accuracy level of its own (not the
+    CLI's block 32, level unset) is honoured as written, as is any ``backend="lm"`` config.
+    """
     from slimml.convert.llm_check import is_language_model
     from slimml.quantize.config import Int8DynamicConfig
 
@@ -190,10 +306,35 @@ def for_language_model(config, manifest):
     common = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.name in ("calibration", "calibration_size", "guard", "exclude_shards", "eval_text")}
     if isinstance(config, Int8DynamicConfig):
-        return WeightOnlyConfig(bits=8, block_size=32, symmetric=True, backend="lm", **common)
-    if isinstance(config, WeightOnlyConfig) and config.backend == "ort" and (config.block_size, config.accuracy_level) != (32, None):
-        return config  # blocks or a compute type chosen in Python (e.g. block 128, accuracy_level 4: the fastest decode) are honoured
-    if isinstance(config, WeightOnlyConfig) and config.backend == "ort":
-        return WeightOnlyConfig(bits=config.bits, block_size=32, symmetric=config.bits == 8, backend="lm",
-                                accuracy_level=config.accuracy_level, **common)
-    return config
+        return decoder_config(8, **common)
+    if not isinstance(config, WeightOnlyConfig) or config.backend != "ort" or (config.block_size, config.accuracy_level) != (32, None):
+        return config  # NNCF, static, fp16, the lm backend, or blocks / a compute type chosen in Python
+    return decoder_config(config.bits, manifest, folder, **common)
+
+
+def decoder_config(bits: int, manifest=None, folder=None, **common) -> WeightOnlyConfig:
+    """The default decoder recipe (``backend="lm"``) at ``bits`` for the float artifact ``manifest`` in
+    ``folder`` (its layers, its weights' shapes, and its source's quantization as convert recorded it).
+
+    Example:
+        >>> m = read_manifest("art_fp32")
+        >>> quantize("art_fp32", "art_int4", decoder_config(4, m, Path("art_fp32")))
+    """
+    if bits == 8:
+        return WeightOnlyConfig(bits=8, block_size=INT8_BLOCK, accuracy_level=FAST_LEVEL, backend="lm", **common)
+    source = str(manifest.checks.get("source_quantization", "")).split(" ")[0] if manifest is not None else ""
+    if source == "Q4_1":
+        return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
+                                symmetric=False, **common)
+    if source == "Q4_0":  # an integer-zero-point grid of 32: the fitted search finds each block exactly
+        return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
+                                symmetric=False, **common)
+    if folder is not None:
+        from slimml.quantize.budget import q4_k_m_plan
+
+        plan = q4_k_m_plan(Path(folder), manifest, INT4_BLOCK)
+        layers, embedding = plan.sensitive_layers, plan.embedding_bits
+    else:
+        layers, embedding = more_bits_layers(int(manifest.source.get("num_hidden_layers") or 0) if manifest else 0), 8
+    return WeightOnlyConfig(bits=4, block_size=INT4_BLOCK, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
+                            symmetric=False, sensitive_layers=layers, embedding_bits=embedding, **common)

@@ -183,7 +183,10 @@ def test_quantized_perplexity_within_one_percent(smol, lee_slice, tmp_path, sche
     # embedding stored once; the rest is tokenizer.json (3.5 MB) and the graphs
     assert report.size_mb < (150 if scheme == "int8" else 103), report.size_mb
     step = json.loads((tmp_path / scheme / "manifest.json").read_text())["steps"][-1]
-    assert step["backend"] == "lm" and step["block_size"] == 32
+    # the decoder recipes (quantize/decoder.py): 8-bit blocks of 128 at accuracy_level 4; the Q4_1 source's own grid
+    assert step["backend"] == "lm" and step["accuracy_level"] == 4
+    assert (step["block_size"], step["grid"]) == ((128, None) if scheme == "int8" else (32, "gguf")), step
+    assert step["recipe"].startswith("int8 (symmetric, blocks of 128" if scheme == "int8" else "gguf int4 (the source's GGUF grid kept"), step
     assert step["tied_embedding"].startswith("stored once")
     assert (tmp_path / scheme / "chat_template.jinja").is_file()
 
@@ -208,7 +211,8 @@ def test_llama_cpp_grids_come_back_exactly(bits):
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
-    from slimml.quantize.decoder import _matmul_nbits
+    from slimml.quantize.decoder import matmul_nbits_node
+    from slimml.quantize.grids import Recipe
 
     rng = np.random.default_rng(0)
     d = (rng.random((96, 4)) * 0.01).astype(np.float16).astype(np.float32)
@@ -217,7 +221,8 @@ def test_llama_cpp_grids_come_back_exactly(bits):
     q[..., 1] = 15 if bits == 4 else 127
     m = (-rng.random((96, 4)) * 0.05).astype(np.float16).astype(np.float32) if bits == 4 else np.zeros((96, 4), np.float32)
     w = (d[..., None] * q + m[..., None]).reshape(96, 128).T.astype(np.float32)  # (K=128, N=96)
-    nodes, tensors = _matmul_nbits(helper.make_node("MatMul", ["x", "W"], ["y"]), w, bits, 32, None, {})
+    recipe = Recipe(bits=bits, block_size=32, accuracy_level=None, grid="gguf")
+    nodes, tensors = matmul_nbits_node(helper.make_node("MatMul", ["x", "W"], ["y"]), w, recipe, bits, {})
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", 128])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], tensors)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])

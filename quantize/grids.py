@@ -1,0 +1,176 @@
+"""The values a block of decoder weights may take: the ``grid`` of the language-model backend.
+
+One concept, two grids (:class:`Recipe`'s ``grid``):
+
+* ``"gguf"``: the source was a llama.cpp 4-bit GGUF file, so its weights already sit on a grid of
+  32-value blocks; they keep it exactly. Q4_1 (``w = d * q + m``) is stored as llama.cpp stores it
+  (:func:`q4_1_blocks`; ``quantize/decoder.py`` applies ``m`` through a block-sum MatMul). Q4_0
+  (``w = d * (q - 8)``) is an integer-zero-point grid, which :func:`fit_blocks` finds exactly.
+* ``"fitted"`` (any other weights: fp32/fp16/bf16 sources): ONNX Runtime's own 4-bit format,
+  ``w = s * (q - z)`` with an integer zero point ``z`` (uint4) per block, in blocks of 128 along the
+  input dimension (the fastest at batch-1 decode, ``benchmarks/profile_llm_decode.py matmul``).
+  Each block's ``(s, z)`` is searched to minimise a weighted squared error (llama.cpp's
+  ``make_qkx2_quants``): weights ``sqrt(mean(w^2)) + |w|`` per value, times each input channel's
+  mean squared activation when calibration text ran (llama.cpp's importance matrix).
+
+8-bit blocks are symmetric (Q8_0: ``w = d * (q - 128)``, ``d = max|w| / 127``) in both grids.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+GRIDS = ("gguf", "fitted")
+SEARCH_STEPS = 7  # candidate scales per block: (max - min) / c for c in 14..16
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the language-model backend stores one decoder's weight matrices.
+
+    Args:
+        bits: 4 or 8, for the layers' MatMuls (the output projection and embedding are always 8-bit).
+        block_size: values per scale along the input dimension (a smaller power of two where it
+            does not divide a matrix's input size).
+        accuracy_level: MatMulNBits' compute type (4: int8 activations, the fast one at M=1).
+        grid: ``"gguf"`` (keep a GGUF source's 4-bit grid; blocks of 32) or ``"fitted"``.
+        zero_points: fitted 4-bit blocks carry an integer zero point (asymmetric).
+        sensitive_layers: layers whose FFN down, attention output and a separate V projection stay
+            at 8 bits in a 4-bit model, as llama.cpp's Q4_K_M keeps V and down at 6 bits.
+        embedding_bits: the token embedding's table: 8, or 4 (fitted) for an untied embedding.
+    """
+
+    bits: int = 4
+    block_size: int = 128
+    accuracy_level: int | None = 4
+    grid: str = "fitted"
+    zero_points: bool = True
+    sensitive_layers: tuple[int, ...] = ()
+    embedding_bits: int = 8
+
+    def describe(self) -> str:
+        """``"fitted int4 (asymmetric, blocks of 128, accuracy_level 4)"``: for the report and manifest."""
+        level = self.accuracy_level if self.accuracy_level is not None else "unset"
+        if self.bits == 8:
+            return f"int8 (symmetric, blocks of {self.block_size}, accuracy_level {level})"
+        kind = "the source's GGUF grid kept" if self.grid == "gguf" else "asymmetric" if self.zero_points else "symmetric"
+        extra = f", FFN down, V and O of {len(self.sensitive_layers)} layers at 8 bits" if self.sensitive_layers else ""
+        extra += ", 4-bit embedding" if self.embedding_bits == 4 else ""
+        return f"{self.grid} int4 ({kind}, blocks of {self.block_size}, accuracy_level {level}{extra})"
+
+
+def more_bits_layers(n_layers: int) -> tuple[int, ...]:
+    """The layers llama.cpp's Q4_K_M gives more bits (``use_more_bits``): the first and last eighth, every third between."""
+    e = n_layers // 8
+    return tuple(i for i in range(n_layers) if i < e or i >= 7 * n_layers // 8 or (i - e) % 3 == 2)
+
+
+LM_HEAD_MIN_COLUMNS = 16384  # a MatMul this wide (N = vocabulary) is the output projection
+_LAYER = re.compile(r"layers?[._/](\d+)[._/]")
+SENSITIVE = re.compile(r"down|(^|[^a-z])v_proj|o_proj|attn_v|attn_output")  # the roles kept at 8 bits (not a fused qkv_proj)
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index in a node name such as ``/model/layers.4/mlp/down_proj/MatMul``."""
+    found = _LAYER.search(name)
+    return int(found.group(1)) if found else None
+
+
+def is_sensitive(name: str, recipe: Recipe) -> bool:
+    """A weight that stays 8-bit in a 4-bit recipe: FFN down, attention output or a separate V projection of a sensitive layer."""
+    return layer_of(name) in recipe.sensitive_layers and bool(SENSITIVE.search(name))
+
+
+def block_for(k: int, block: int) -> int:
+    """The largest power of two <= ``block`` (and >= 16) dividing ``k``; ``block`` itself when none does."""
+    b = block
+    while b >= 16:
+        if k % b == 0:
+            return b
+        b //= 2
+    return block
+
+
+def q8_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric 8-bit blocks (Q8_0) of ``b`` (rows, blocks, block): codes uint8 (zero 128), float16 scales."""
+    d = (np.abs(b).max(axis=-1) / 127.0).astype(np.float16)
+    d = np.where(d == 0, np.float16(1), d)
+    q = np.clip(np.rint(b / d.astype(np.float32)[..., None]), -127, 127) + 128
+    return q.astype(np.uint8), d
+
+
+def q4_1_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """llama.cpp's Q4_1 of ``b`` (rows, blocks, block): codes 0..15, float16 ``d`` and ``m`` (``w = d q + m``).
+
+    ``d`` and ``m`` are rounded to float16 (as llama.cpp stores them) before the codes are chosen,
+    so a block read from a Q4_1 file comes back exactly.
+    """
+    lo, hi = b.min(axis=-1), b.max(axis=-1)
+    m = lo.astype(np.float16)
+    d = ((hi - m.astype(np.float32)) / 15.0).astype(np.float16)
+    d = np.where(d == 0, np.float16(1), d)
+    q = np.clip(np.rint((b - m.astype(np.float32)[..., None]) / d.astype(np.float32)[..., None]), 0, 15)
+    return q.astype(np.uint8), d, m
+
+
+def fit_blocks(b: np.ndarray, zero_points: bool = True, importance: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """4-bit blocks of ``b`` (rows, blocks, block): codes 0..15, float16 scales ``s`` and uint8 zero points
+    ``z`` (``w ~ s * (q - z)``; all 8 when ``zero_points`` is off), searched per block.
+
+    Candidates: ``s = (max - min) / c`` for ``c`` in 14..16 and ``s = max|w| / 8`` (Q4_0's scale,
+    so a Q4_0 source is found exactly), each with the nearest integer zero point and then the
+    least-squares ``s`` for its codes; the candidate with the smallest weighted squared error wins.
+
+    Args:
+        b: the weights, transposed and blocked: (N, K / block, block) float32.
+        zero_points: asymmetric blocks (integer zero point 0..15) instead of a fixed 8.
+        importance: (K,) mean squared input activation per input channel, or None.
+    """
+    b = b.astype(np.float32)
+    wts = np.sqrt((b * b).mean(axis=-1, keepdims=True)) + np.abs(b)  # make_qkx2_quants' weights
+    if importance is not None:
+        wts = wts * importance.astype(np.float32).reshape(1, *b.shape[1:])
+    amax_signed = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+    lo, hi = np.minimum(b.min(axis=-1), 0), np.maximum(b.max(axis=-1), 0)
+    cands = []
+    if zero_points:
+        cands += [((hi - lo) / c, None) for c in np.linspace(14.0, 16.0, SEARCH_STEPS)]
+        cands.append((np.abs(amax_signed) / 8, np.where(amax_signed < 0, 8, 7)))  # Q4_0: the extreme at code 0 or 15
+    else:
+        cands += [(np.abs(amax_signed) / c, np.full(lo.shape, 8)) for c in np.linspace(7.0, 8.5, SEARCH_STEPS)]
+    best_err = best_s = best_z = None
+    for s0, z0 in cands:
+        s0 = np.where(s0 > 0, s0, 1.0).astype(np.float32)
+        z = np.clip(np.rint(-lo / s0), 0, 15) if z0 is None else z0
+        z = z.astype(np.float32)[..., None]
+        q = np.clip(np.rint(b / s0[..., None]) + z, 0, 15) - z
+        num, den = (wts * b * q).sum(axis=-1), (wts * q * q).sum(axis=-1)
+        s = np.where(den > 0, num / np.where(den > 0, den, 1), s0)  # least squares for these codes
+        s = np.where(s > 0, s, s0).astype(np.float16).astype(np.float32)
+        for scale in (s, s0.astype(np.float16).astype(np.float32)):
+            q = np.clip(np.rint(b / scale[..., None]) + z, 0, 15) - z
+            err = (wts * (scale[..., None] * q - b) ** 2).sum(axis=-1)
+            if best_err is None:
+                best_err, best_s, best_z = err, scale, z[..., 0]
+            else:
+                better = err < best_err
+                best_err = np.where(better, err, best_err)
+                best_s, best_z = np.where(better, scale, best_s), np.where(better, z[..., 0], best_z)
+    q = np.clip(np.rint(b / best_s[..., None]) + best_z[..., None], 0, 15)
+    return q.astype(np.uint8), best_s.astype(np.float16), best_z.astype(np.uint8)
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Two 4-bit values a byte along the last axis, the first in the low nibble (an odd count is padded)."""
+    if q.shape[-1] % 2:
+        q = np.concatenate([q, np.zeros((*q.shape[:-1], 1), q.dtype)], axis=-1)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+
+
+def dequantize(q: np.ndarray, s: np.ndarray, z: np.ndarray | float) -> np.ndarray:
+    """``s * (q - z)`` per block: (rows, blocks, block) float32, for tests and error bounds."""
+    z = np.asarray(z, np.float32)
+    return s.astype(np.float32)[..., None] * (q.astype(np.float32) - (z[..., None] if z.ndim else z))
