@@ -167,7 +167,8 @@ def command(kind: str, args, port: int) -> list[str]:
     if kind.startswith("slimml"):
         cmd = [args.slimml_python, "-m", "slimml", "serve", str(args.artifact), "--port", str(port),
                "--max-running", str(max(args.clients)), "--max-waiting", "64"]
-        return cmd + (["--memory-budget", args.budget] if kind == "slimml-streamed" else [])
+        return cmd + (["--memory-budget", args.budget] if kind == "slimml-streamed" else []) + (
+            ["--direct-ingress"] if kind == "slimml-direct" else [])
     return [sys.executable, "-m", "llama_cpp.server", "--model", str(args.gguf), "--n_threads", str(args.threads),
             "--n_ctx", str(args.n_ctx), "--chat_format", args.template, "--interrupt_requests", "False",
             "--host", "127.0.0.1", "--port", str(port)]
@@ -239,8 +240,10 @@ def one_request(client, model: str, prompt: str, max_tokens: int, deadline: floa
             "from_usage": tokens is not None, "finish": "cut" if cut else finish}
 
 
-def clients_run(port: int, model: str, clients: int, requests: int, max_tokens: int, seconds: float) -> dict:
-    """``clients`` threads, each sending ``requests`` streamed chats back to back, within ``seconds``."""
+def clients_run(port: int, model: str, clients: int, requests: int, max_tokens: int, seconds: float,
+                ramp: float = 0.0) -> dict:
+    """``clients`` threads, each sending ``requests`` streamed chats back to back, within ``seconds``;
+    client ``c`` sends its first after ``c * ramp / clients`` seconds (0: all at once, a burst)."""
     import openai
 
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
@@ -250,6 +253,7 @@ def clients_run(port: int, model: str, clients: int, requests: int, max_tokens: 
     deadline = time.monotonic() + seconds
 
     def worker(c: int) -> None:
+        time.sleep(c * ramp / clients)
         for r in range(requests):
             if time.monotonic() > deadline:
                 return
@@ -339,12 +343,15 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=2, help="requests per client, back to back")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--ramp", type=float, default=0.0,
+                    help="seconds over which the N clients start (0: all at once); e.g. 4 for arrivals spread as a "
+                         "running service sees them")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of every system, alternated")
     ap.add_argument("--max-seconds", type=float, default=300,
                     help="each (system, clients) run is closed after this long: answers still streaming are cut "
                          "and counted as made (finish 'cut'), so a slow server bounds the run, not hangs it")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's --n_threads (slimml takes Ray's CPUs)")
-    ap.add_argument("--systems", nargs="+", default=None, help="a subset of: slimml slimml-streamed llama.cpp")
+    ap.add_argument("--systems", nargs="+", default=None, help="a subset of: slimml slimml-streamed llama.cpp slimml-direct (--direct-ingress: no Serve proxy)")
     ap.add_argument("--prepare", type=Path, default=None, metavar="DIR",
                     help="first write, into DIR, copies of --artifact and --gguf sharing one byte-fallback vocabulary "
                          "and the Zephyr template (for random-weight models with a placeholder vocabulary), and serve those")
@@ -381,7 +388,7 @@ def main() -> None:
                 name = model_name(port)
                 clients_run(port, name, 1, 1, 4, args.max_seconds)  # warm-up, not counted
                 for n in args.clients:
-                    run = clients_run(port, name, n, args.requests, args.max_tokens, args.max_seconds)
+                    run = clients_run(port, name, n, args.requests, args.max_tokens, args.max_seconds, args.ramp)
                     runs[kind][n].append(run)
                     print(f"round {rnd + 1} {kind:16s} clients {n:3d}: {run['tokens_per_s']:7.1f} tok/s "
                           f"({run['tokens']} tokens in {run['wall_s']:.1f} s, {len(run['errors'])} errors)", flush=True)

@@ -239,8 +239,15 @@ def _spawn(args, system: str, group: Cgroup | None, load: dict | None = None, pr
                ["--no-repack"] if no_repack else [])
     if group is not None:
         group.reset()
-    p = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=group.enter if group else None,
-                       timeout=args.timeout)
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=group.enter if group else None,
+                           timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # thrashing in the cap: a result (at most new / timeout tokens/s), not a crash
+        out = {"error": f"did not finish in --timeout {args.timeout} s", "timed_out": True,
+               "decode_tok_s_at_most": round(args.new / args.timeout, 4)}
+        if group is not None:
+            out["cgroup"] = group.peak()
+        return out
     if p.returncode != 0:
         tail = (p.stderr or "").strip().splitlines()[-3:]
         out = {"error": f"exit {p.returncode}" + (" (killed: out of memory in the cap?)" if p.returncode < 0 else ""),
