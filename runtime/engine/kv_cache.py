@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 PAST = "past_key_values."
 PRESENT = "present."
+_SHRINK = ort.RunOptions()  # free the CPU arena's unused chunks when a run ends (prompt passes)
+_SHRINK.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 FUSED_EXPORTERS = ("fused",)  # graphs whose attention shares past and present (GroupQueryAttention)
 
 
@@ -141,19 +143,22 @@ class KVCache:
         env: dict[str, Any] = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                                "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64)}
         values = self._block(start, stop)
+        # a prompt pass allocates (b, S, vocab) logits and S-long activations: give that arena memory
+        # back when the pass ends, so a burst of long prompts does not stay as the process's size
+        run_options = _SHRINK if input_ids.shape[1] > 1 else None
         plan = self.engine.plan
         streamer = plan.streamer
         with plan._lock or nullcontext(), streamer.one_pass() if streamer is not None else nullcontext():
             for seg in plan.segments:
                 if seg.kind == "resident":
                     for st in seg.steps:
-                        self._run(st, env, values, (start, stop))
+                        self._run(st, env, values, (start, stop), None, run_options)
                 else:
                     for i in seg.shards:
                         slot = streamer.take(i)
                         t0 = time.perf_counter()
                         try:
-                            self._run(seg.steps[i], env, values, (start, stop), slot.weights)
+                            self._run(seg.steps[i], env, values, (start, stop), slot.weights, run_options)
                         finally:
                             streamer.release(time.perf_counter() - t0)
         logits = env["logits"]
@@ -179,7 +184,7 @@ class KVCache:
         return values
 
     def _run(self, st: Step, env: dict[str, Any], cache: dict[str, ort.OrtValue], rows: tuple[int, int],
-             weights: dict | None = None) -> None:
+             weights: dict | None = None, run_options: ort.RunOptions | None = None) -> None:
         names = st.names or {}
         key = (id(st), *rows)
         binding = self._bindings.get(key)
@@ -205,7 +210,7 @@ class KVCache:
         for name in fresh:
             binding.bind_output(names.get(name, name), "cpu")
         try:
-            st.session.run_with_iobinding(binding)
+            st.session.run_with_iobinding(binding, run_options)
         except Exception as e:  # onnxruntime's own exception classes
             raise st._error(e) from None
         # get_outputs lists the outputs in the order first bound: the cache's, then the fresh ones

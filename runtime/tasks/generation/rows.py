@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from slimml.runtime.engine.packed import trim_heap
 from slimml.runtime.tasks.generation.loop import _empty_cache, _mask, _present
 
 if TYPE_CHECKING:
@@ -99,8 +100,11 @@ class SlotRows:
         return order
 
     def clear(self) -> None:
-        """Free the buffers (the batch is empty)."""
+        """Free the buffers (the batch is empty), and give the freed heap back to the system."""
+        had = self.cache is not None
         self.cache, self.live = None, 0
+        if had:
+            trim_heap()
 
     def _room(self, positions: int) -> None:
         """Buffers that hold ``positions`` per row: made, or doubled with the live rows copied."""
