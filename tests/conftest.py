@@ -178,13 +178,17 @@ def tiny_bert_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """A 3-layer Llama causal LM with random weights (a decoder, a second architecture)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), hidden_size=32, intermediate_size=64)
+
+
+def save_tiny_llama(folder: Path, hidden_size: int, intermediate_size: int) -> Path:
+    """A 3-layer Llama (4 heads, 2 KV heads, vocabulary 512) with seeded random weights, saved in ``folder``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    config = LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = LlamaConfig(vocab_size=512, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
     LlamaForCausalLM(config).eval().save_pretrained(folder)
     return folder
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 
+from conftest import save_tiny_llama
 from slimml.errors import ExportError, FeedError, SlimmlError
 
 NEW = 10
@@ -18,15 +19,7 @@ NEW = 10
 
 @pytest.fixture(scope="module")
 def llama16(tmp_path_factory):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("llama16")
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("llama16"), hidden_size=64, intermediate_size=96)  # head size 16
 
 
 def _convert(folder, out, exporter, quantize=None):
