@@ -215,8 +215,8 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     float_files = ch.shard_paths(src, manifest)
     # static calibration: each batch's tensors, advanced one float shard at a time, so memory
     # holds only what crosses the current boundary, not every layer's activations
-    calib_feeds = feeds[0] if feeds else ch.batches(manifest, text, calib)
-    envs = [dict(f) for f in calib_feeds] if isinstance(config, Int8StaticConfig) else None
+    envs = ([dict(f) for f in (feeds[0] if feeds else ch.batches(manifest, text, calib))]
+            if isinstance(config, Int8StaticConfig) else None)
     if envs is None and activation_aware(config) and manifest.tokenizer:  # the fitted 4-bit grid weighs by activations
         envs = calibration_feeds(src, manifest, calib)
     last_read = {t.name: s.index for s in manifest.shards for t in s.inputs}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slimml.errors import ConfigError
+from slimml.quantize.grids import GRIDS
 
 BACKENDS = ("ort", "nncf")
 LM_BACKEND = "lm"  # weight-only blocks for language models (quantize/decoder.py), chosen for them by quantize
@@ -183,7 +184,7 @@ class WeightOnlyConfig(_Common):
             raise ConfigError(f"block_size must be a power of two >= 16, got {self.block_size!r}.")
         if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
             raise ConfigError(f"accuracy_level must be 0..4, got {self.accuracy_level!r}.")
-        if self.grid not in (None, "gguf", "fitted"):
+        if self.grid not in (None, *GRIDS):
             raise ConfigError(f"grid must be 'gguf' or 'fitted' (or None: the backend's choice), got {self.grid!r}.")
         self.sensitive_layers = tuple(int(i) for i in self.sensitive_layers)
         if self.embedding_bits not in (4, 8):

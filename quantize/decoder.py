@@ -62,13 +62,16 @@ def input_moments(model: onnx.ModelProto, rows: list[dict[str, np.ndarray]], nam
     each channel's mean square."""
     import onnxruntime as ort
 
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    graph_inputs = {i.name for i in probe.graph.input}
+    graph_inputs = {i.name for i in model.graph.input}
     wanted = [n for n in dict.fromkeys(names) if n not in graph_inputs]
-    del probe.graph.output[:]
-    probe.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in wanted)
-    session = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+    outputs = list(model.graph.output)  # the shard's own outputs, put back below (no copy of its weights)
+    try:
+        del model.graph.output[:]
+        model.graph.output.extend(helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in wanted)
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    finally:
+        del model.graph.output[:]
+        model.graph.output.extend(outputs)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
     for row in rows:

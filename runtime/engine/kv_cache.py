@@ -43,6 +43,12 @@ if TYPE_CHECKING:
 
 PAST = "past_key_values."
 PRESENT = "present."
+def position_limit(engine: Engine) -> int | None:
+    """The most positions a sequence may hold (a fused graph's rotary tables hold
+    ``max_position_embeddings`` rows); None where the artifact does not say."""
+    return engine.max_sequence_length or engine.manifest.source.get("max_position_embeddings")
+
+
 _SHRINK = ort.RunOptions()  # free the CPU arena's unused chunks when a run ends (prompt passes)
 _SHRINK.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 FUSED_EXPORTERS = ("fused",)  # graphs whose attention shares past and present (GroupQueryAttention)
@@ -66,8 +72,7 @@ class KVCache:
     """
 
     def __init__(self, engine: Engine, batch: int, capacity: int):
-        # the rotary tables of a fused graph hold max_position_embeddings rows
-        limit = engine.max_sequence_length or engine.manifest.source.get("max_position_embeddings")
+        limit = position_limit(engine)
         if limit and capacity > limit:
             raise FeedError(f"a cache of {capacity} positions is longer than the model's {limit}; "
                             "ask for fewer new tokens or a shorter prompt.")

@@ -57,7 +57,7 @@ def supported() -> str | None:
     """Why packed streaming cannot run here, or None when it can."""
     if not sys.platform.startswith("linux"):
         return "it needs Linux (madvise on ONNX Runtime's mappings)"
-    if _libc() is None:
+    if reads.libc_fn("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int) is None:
         return "the C library's madvise is not reachable"
     return None
 
@@ -126,7 +126,7 @@ class PackedSlots:
         self.sessions[index] = session  # the mappings live as long as the session: kept while slots may advise them
         if self.read_in:
             ranges = reads.anonymous(ranges)
-        _advise(ranges, _MADV_DONTNEED)  # nothing stays in memory until a slot brings it in
+        reads.advise(ranges, _MADV_DONTNEED)  # nothing stays in memory until a slot brings it in
         self.ranges[index] = ranges
         trim_heap()
         return session
@@ -143,8 +143,8 @@ class PackedSlots:
             return Slot(index, {}, nbytes, reads.fill(entry.data, ranges, self._buffers, self.sessions[index]))
         # map the pages in here, on the loader thread: left to the compute, the faults cost it more
         # (measured: decode 11.4-11.9 tok/s against 14.5 with the pages populated ahead)
-        if not _advise(ranges, _MADV_POPULATE_READ):  # kernels before 5.14: ask for read-ahead
-            _advise(ranges, _MADV_WILLNEED)
+        if not reads.advise(ranges, _MADV_POPULATE_READ):  # kernels before 5.14: ask for read-ahead
+            reads.advise(ranges, _MADV_WILLNEED)
         return Slot(index, {}, nbytes, _Pages(ranges, self.sessions[index]))
 
     def check_cache(self, deep: bool = False) -> None:
@@ -211,7 +211,7 @@ class _Pages:
         self.ranges, self.owner = ranges, owner
 
     def close(self) -> None:
-        _advise(self.ranges, _MADV_DONTNEED)
+        reads.advise(self.ranges, _MADV_DONTNEED)
         self.owner = None
 
 
@@ -228,28 +228,8 @@ def _mappings(path: Path) -> list[tuple[int, int, int]]:
     return out
 
 
-def _libc():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _libc()
-def _trim_fn():
-    try:
-        fn = ctypes.CDLL(None).malloc_trim  # glibc only
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
-
-
-_malloc_trim = _trim_fn() if sys.platform.startswith("linux") else None
+_malloc_trim = (reads.libc_fn("malloc_trim", [ctypes.c_size_t], ctypes.c_int)  # glibc only
+                if sys.platform.startswith("linux") else None)
 
 
 def trim_heap() -> None:
@@ -263,10 +243,3 @@ def trim_heap() -> None:
     """
     if _malloc_trim is not None:
         _malloc_trim(0)
-
-
-def _advise(ranges: list[tuple[int, int, int]], advice: int) -> bool:
-    ok = True
-    for addr, length, _ in ranges:
-        ok = _madvise(addr, length, advice) == 0 and ok
-    return ok

@@ -43,7 +43,8 @@ _MADV_DONTNEED, _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 4, 14, 23
 _FAILED = ctypes.c_void_p(-1).value
 
 
-def _libc_fn(name: str, args: list, res):
+def libc_fn(name: str, args: list, res):
+    """The C library's function ``name`` with its argument and result types, or None where it has none."""
     try:
         fn = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
@@ -52,12 +53,12 @@ def _libc_fn(name: str, args: list, res):
     return fn
 
 
-_mmap = _libc_fn("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long],
+_mmap = libc_fn("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long],
                  ctypes.c_void_p)
-_munmap = _libc_fn("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
-_mremap = _libc_fn("mremap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p],
+_munmap = libc_fn("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
+_mremap = libc_fn("mremap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p],
                    ctypes.c_void_p)
-_madvise = _libc_fn("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
+_madvise = libc_fn("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
 
 
 def supported() -> bool:

@@ -93,10 +93,10 @@ class ContinuousBatch:
         if _empty_cache(self.engine, 1) is None:
             raise SlimmlError(f"the artifact {model.folder} has no KV cache, so sequences cannot share passes; "
                               "re-convert it with --task text-generation-with-past.")
-        from slimml.runtime.engine.kv_cache import shares_buffers
+        from slimml.runtime.engine.kv_cache import position_limit, shares_buffers
 
         if shares_buffers(self.engine):
-            context = self.engine.max_sequence_length or self.engine.manifest.source.get("max_position_embeddings")
+            context = position_limit(self.engine)
             self.cache: SlotRows | GrowingRows = SlotRows(self.engine, max_batch, int(context or 2048))
         else:
             self.cache = GrowingRows(self.engine)
