@@ -47,21 +47,20 @@ def _matrices(folder: Path, manifest: Any) -> tuple[list[tuple[str, int, int, in
                 k, n = inits[node.input[1]].dims
                 rows.append((node.name, k, n, layer_of(node.name)))
                 if n >= LM_HEAD_MIN_COLUMNS:
-                    head = (spec, node.input[1])
+                    head = inits[node.input[1]]
             elif node.op_type == "Gather" and node.input[0] in inits and len(inits[node.input[0]].dims) == 2:
                 vocab, hidden = inits[node.input[0]].dims
                 rows.append(("embedding", hidden, vocab, None))
-                table = (spec, node.input[0])
+                table = inits[node.input[0]]
         weights = {n.input[1] for n in model.graph.node if n.op_type == "MatMul"} | {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
         other += sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
                      for t in inits.values() if t.name not in weights)
-    tied = table is not None and head is not None and np.array_equal(_array(folder, *table), _array(folder, *head).T)
+    tied = table is not None and head is not None and np.array_equal(_array(folder, table), _array(folder, head).T)
     return rows, tied, other
 
 
-def _array(folder: Path, spec: Any, name: str) -> np.ndarray:
-    model = onnx.load(str(folder / spec.file), load_external_data=False)
-    t = next(t for t in model.graph.initializer if t.name == name)
+def _array(folder: Path, t: onnx.TensorProto) -> np.ndarray:
+    """A weight whose graph is already read, its data from the artifact's files."""
     onnx.external_data_helper.load_external_data_for_tensor(t, str(folder))
     return numpy_helper.to_array(t)
 
