@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from slimml.convert.export import Exported
+from slimml.convert.llm_check import decoder_feeds, past_shapes
 from slimml.convert.reference import reference_for
 from slimml.convert.sources import Source
 from slimml.runtime.artifact.manifest import Manifest
@@ -35,11 +36,7 @@ def verify_decoder(folder: Path, manifest: Manifest, src: Source, exported: Expo
     del ref
     model = load(folder, device="cpu")  # the artifact's own integrity check runs here
     try:
-        cache = {}
-        for t in model.inputs:
-            if t.name.startswith("past_key_values."):
-                cache[t.name] = np.zeros((batch, t.shape[1], 0, t.shape[3]), dtype=np.dtype(t.dtype))
-        got = model.run(feeds | cache)["logits"]
+        got = model.run(decoder_feeds([t.name for t in model.inputs], ids, past_shapes(model.inputs)))["logits"]
     finally:
         model.close()
     a = got.reshape(-1, got.shape[-1]).astype(np.float64)

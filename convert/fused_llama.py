@@ -7,10 +7,13 @@ tables for the positions in use computed once, before the first layer), one MatM
 traced graph (4 per layer instead of 7), and attention in one kernel that reads the cache in place
 when past and present share a buffer (:mod:`slimml.runtime.engine.kv_cache`).
 
-Inputs and outputs keep the names of optimum's with-past graph, so every loop that drives one
-drives this one: ``input_ids``, ``attention_mask`` (B, past + S), ``past_key_values.N.key/value``
-(B, kv_heads, past, head_dim) in; ``logits`` and ``present.N.key/value`` out. The positions come
-from the mask (``seqlens_k``): prompts of one batch are the same length, or right-padded.
+Inputs and outputs keep the names of optimum's with-past graph: ``input_ids``, ``attention_mask``
+(B, past + S), ``past_key_values.N.key/value`` (B, kv_heads, past, head_dim) in; ``logits`` and
+``present.N.key/value`` out. The positions come from the mask (``seqlens_k``): prompts of one
+batch are the same length, or right-padded. One input more, ``logits_index`` (B, n): the positions
+of the pass whose logits are computed, ``logits`` being (B, n, vocab). A decode loop asks for each
+row's last real position, so a 512-token prompt pass computes one row of logits instead of 512
+(on SmolLM2 the head is a fifth of the model's multiply-adds); perplexity asks for every position.
 
 No torch graph is traced and no transformers model is built: the weights are read one tensor at
 a time (bf16/fp16 files become fp32) and appended to one external data file, so exporting needs
@@ -236,6 +239,14 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
             inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch_size", kv_heads, "past_sequence_length", head_dim]))
         for n in (pres_k, pres_v):
             outputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch_size", kv_heads, "total_sequence_length", head_dim]))
+    # logits only where they are read: the positions ``logits_index`` (B, n) names in each row (the
+    # last real one while generating, every one for perplexity), gathered before the norm and lm_head
+    node("Unsqueeze", ["logits_index", data.add("two_axis", np.array([2], np.int64))], ["logits_index_col"],
+         "/model/logits_index/Unsqueeze")
+    node("Expand", ["logits_index_col", data.add("hidden_shape", np.array([1, 1, hidden], np.int64))], ["logits_index_wide"],
+         "/model/logits_index/Expand")
+    x = node("GatherElements", [x, "logits_index_wide"], ["/model/logits_index/output"], "/model/logits_index/GatherElements",
+             axis=1)[0]
     h = node("SimplifiedLayerNormalization", [x, data.add("model.norm.weight", w["model.norm.weight"])],
              ["/model/norm/output"], "/model/norm/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
     head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"  # tied embeddings
@@ -250,19 +261,23 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
              "positions_col": (TensorProto.FLOAT, ["total_sequence_length", 1]),
              "angles": (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2]),
              cos: (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2]),
-             sin: (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2])}
+             sin: (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2]),
+             "logits_index_col": (TensorProto.INT64, ["batch_size", "logits_length", 1]),
+             "logits_index_wide": (TensorProto.INT64, ["batch_size", "logits_length", hidden]),
+             "/model/logits_index/output": (TensorProto.FLOAT, ["batch_size", "logits_length", hidden]),
+             "/model/norm/output": (TensorProto.FLOAT, ["batch_size", "logits_length", hidden])}
     known = {"logits", *(o.name for o in outputs)}
     value_info = [helper.make_tensor_value_info(n.output[0], *typed.get(n.output[0], (TensorProto.FLOAT, None)))
                   for n in nodes if n.output[0] not in known]
     for vi in value_info:
-        if vi.name.endswith(("residual", "output")) and "GroupQueryAttention" not in vi.name and vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+        if vi.name.endswith(("residual", "output")) and vi.name not in typed and vi.type.tensor_type.elem_type == TensorProto.FLOAT:
             vi.CopyFrom(helper.make_tensor_value_info(vi.name, TensorProto.FLOAT, [*seq, hidden]))
     graph = helper.make_graph(
         nodes, "slimml-fused-decoder",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
          helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "past_sequence_length + sequence_length"]),
-         *inputs],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", int(c["vocab_size"])]),
+         *inputs, helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["batch_size", "logits_length"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "logits_length", int(c["vocab_size"])]),
          *outputs],
         initializer=data.initializers, value_info=value_info,
     )

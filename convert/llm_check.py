@@ -87,7 +87,8 @@ def token_windows(tokenizer_file: str | os.PathLike, text: str, window: int = DE
 
 def decoder_feeds(input_names: list[str], ids: np.ndarray, past_shape: Mapping[str, tuple] | None = None) -> dict[str, np.ndarray]:
     """Feeds for one pass of a decoder graph over ``ids`` (batch, seq) from the first position: ones
-    for the mask, positions 0.., and an empty cache for a graph that takes one."""
+    for the mask, positions 0.., an empty cache for a graph that takes one, and every position's
+    logits from a graph that computes only those it is asked for (``logits_index``)."""
     batch, seq = ids.shape
     feeds: dict[str, np.ndarray] = {}
     for name in input_names:
@@ -95,7 +96,7 @@ def decoder_feeds(input_names: list[str], ids: np.ndarray, past_shape: Mapping[s
             feeds[name] = ids
         elif name == "attention_mask":
             feeds[name] = np.ones((batch, seq), dtype=np.int64)
-        elif name == "position_ids":
+        elif name in ("position_ids", "logits_index"):
             feeds[name] = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()
         elif name.startswith("past_key_values") and past_shape is not None:
             heads, dim = past_shape[name]

@@ -92,6 +92,25 @@ def test_engine_cache_in_place_equals_generate(arts, resident):
     model.close()
 
 
+@pytest.mark.parametrize("resident", [None, 2])
+def test_logits_only_where_they_are_read(arts, resident):
+    """A right-padded prompt pass asked for each row's last real position computes one row of
+    logits per prompt, equal to the every-position pass's logits there."""
+    from slimml.runtime import load
+
+    root, _ = arts
+    model = load(root / "fused", resident=resident, pack=False)
+    assert any(t.name == "logits_index" for t in model.inputs)
+    lens = np.array([7, 4])
+    ids = np.where(np.arange(7)[None, :] < lens[:, None], _prompts(), 0)
+    mask = (np.arange(7)[None, :] < lens[:, None]).astype(np.int64)
+    full = model.kv_cache(batch=2, capacity=8).run(ids, mask)  # (2, 7, vocab)
+    last = model.kv_cache(batch=2, capacity=8).run(ids, mask, at=lens - 1)  # (2, vocab)
+    assert full.shape[:2] == (2, 7) and last.shape == (2, full.shape[-1])
+    np.testing.assert_allclose(last, full[[0, 1], lens - 1], atol=1e-5)
+    model.close()
+
+
 def test_int4_fused_keeps_the_old_graphs_tokens(llama16, tmp_path):
     from slimml.quantize.config import WeightOnlyConfig
     from slimml.runtime import load
@@ -218,6 +237,7 @@ def test_fused_families_match_torch(name, tmp_path):
     ids = np.random.default_rng(0).integers(3, 512, size=(2, 40))  # past original_max_position_embeddings
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     feeds |= {f"past_key_values.{i}.{kv}": np.zeros((2, 2, 0, 16), np.float32) for i in range(2) for kv in ("key", "value")}
+    feeds["logits_index"] = np.broadcast_to(np.arange(40), (2, 40)).copy()  # every position's logits
     with torch.no_grad():
         want = model(torch.tensor(ids)).logits.numpy()
     assert np.abs(session.run(["logits"], feeds)[0] - want).max() < 1e-4

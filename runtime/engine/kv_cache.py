@@ -23,7 +23,8 @@ Rows at positions of their own (prompts of different lengths, a continuous batch
 pass over a block of rows, each row's positions read from its mask's sum (``seqlens_k``), the
 caller keeping each row's length; ``move_row`` copies a row's cache into another row::
 
-    logits = cache.run(ids, mask, rows=(0, live))     # (live, S) ids, mask (live, W), W <= capacity
+    logits = cache.run(ids, mask, rows=(0, live), at=last)   # (live, S) ids, mask (live, W), W <= capacity
+                                                               # -> (live, vocab) at each row's position ``last``
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 
 PAST = "past_key_values."
 PRESENT = "present."
+LOGITS_INDEX = "logits_index"  # (B, n) positions whose logits a fused graph computes (convert/fused_llama.py)
+
+
 def position_limit(engine: Engine) -> int | None:
     """The most positions a sequence may hold (a fused graph's rotary tables hold
     ``max_position_embeddings`` rows); None where the artifact does not say."""
@@ -90,6 +94,7 @@ class KVCache:
             self.buffers[t.name] = buf
             self._values[t.name] = self._values[PRESENT + t.name[len(PAST):]] = value
         self._outputs = [t.name for t in engine.manifest.outputs if not t.name.startswith(PRESENT)]
+        self._indexed = any(t.name == LOGITS_INDEX for t in engine.manifest.inputs)
         self._blocks: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}  # (start, stop) -> values over those rows
         self._bindings: dict[tuple[int, int, int], Any] = {}  # (id(step), start, stop) -> its IOBinding, bound once
 
@@ -122,7 +127,8 @@ class KVCache:
         self.length += s
         return logits
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, rows: tuple[int, int] | None = None) -> np.ndarray:
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, rows: tuple[int, int] | None = None,
+            at: np.ndarray | None = None) -> np.ndarray:
         """One pass over rows ``[start, stop)`` of the cache (all rows by default), each row's
         positions taken from its mask: the caller keeps each row's length (``length`` is not moved).
 
@@ -135,9 +141,11 @@ class KVCache:
             attention_mask: int64 (b, W), W <= capacity: row i holds ``sum(mask[i])`` positions after
                 this pass (its past plus its S new ones); only the sums and the width matter.
             rows: ``(start, stop)``, a block of the cache's rows.
+            at: int (b,): the one position of each row whose logits are wanted (its last real one);
+                a graph that takes ``logits_index`` computes only those.
 
         Returns:
-            The logits, (b, S, vocab).
+            The logits, (b, vocab) at ``at``; (b, S, vocab) without it.
         """
         start, stop = rows or (0, self.batch)
         if not 0 <= start < stop <= self.batch or input_ids.shape[0] != stop - start or attention_mask.shape[0] != stop - start \
@@ -147,6 +155,10 @@ class KVCache:
         self.engine._check_watch()  # a file changed since load is refused, as by run()
         env: dict[str, Any] = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                                "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64)}
+        if self._indexed:  # the graph computes logits only at the positions it is given
+            b, s = input_ids.shape
+            env[LOGITS_INDEX] = (np.asarray(at, dtype=np.int64).reshape(b, 1) if at is not None
+                                 else np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy())
         values = self._block(start, stop)
         # a prompt pass allocates (b, S, vocab) logits and S-long activations: give that arena memory
         # back when the pass ends, so a burst of long prompts does not stay as the process's size
@@ -167,7 +179,10 @@ class KVCache:
                         finally:
                             streamer.release(time.perf_counter() - t0)
         logits = env["logits"]
-        return logits.numpy() if isinstance(logits, ort.OrtValue) else logits
+        logits = logits.numpy() if isinstance(logits, ort.OrtValue) else logits
+        if at is None:
+            return logits
+        return logits[:, 0] if self._indexed else logits[np.arange(len(logits)), np.asarray(at)]
 
     def move_row(self, src: int, dst: int, positions: int) -> None:
         """Copy row ``src``'s first ``positions`` cached positions into row ``dst`` (a batch that

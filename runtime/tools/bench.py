@@ -23,7 +23,7 @@ def sample_feeds(
 
     Token ids are drawn from [1000, 2000), inside any real vocabulary, or from [1, vocab_size / 2)
     for a vocabulary smaller than that; masks are ones; token type and position ids follow their
-    usual meaning; float inputs are standard normal. ``source``: the manifest's facts about the
+    usual meaning (``logits_index``: every position); float inputs are standard normal. ``source``: the manifest's facts about the
     source model (``vocab_size``, and for images ``num_channels`` and ``image_size``, which size
     a 4-D float input's dynamic axes as ``(batch, channels, size, size)``).
     """
@@ -51,7 +51,7 @@ def sample_feeds(
                 value = np.ones(shape, dtype=dtype)
             elif "type" in lname:
                 value = np.zeros(shape, dtype=dtype)
-            elif "position" in lname and len(shape) >= 1:
+            elif ("position" in lname or lname.endswith("_index")) and len(shape) >= 1:  # logits_index: every position
                 value = np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
             else:
                 value = rng.integers(lo, hi, size=shape).astype(dtype)

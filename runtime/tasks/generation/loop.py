@@ -57,11 +57,11 @@ class CacheLoop:
         first = self.passes == 0
         ids = self.pending if first else self.pending[live]
         seen = self.lengths[live] if first else self.lengths[live] + 1  # each row's positions after this pass
-        logits = self.cache.run(ids, _mask(seen, ids.shape[1] if first else None), rows=(0, self.live))
+        at = seen - 1 if first else np.zeros(len(live), dtype=np.int64)  # each row's last real position
+        last = self.cache.run(ids, _mask(seen, ids.shape[1] if first else None), rows=(0, self.live), at=at)  # (live, vocab)
         self.passes += 1
         if not first:
             self.lengths[live] += 1
-        last = logits[np.arange(len(live)), seen - 1 if first else 0]  # (live, vocab)
         if self.live == len(self.order):
             return last
         out = np.zeros((len(self.order), last.shape[-1]), dtype=last.dtype)

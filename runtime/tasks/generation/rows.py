@@ -67,10 +67,10 @@ class SlotRows:
         ids = np.zeros((len(seqs), int(lens.max())), dtype=np.int64)
         for r, s in enumerate(seqs):
             ids[r, : len(s.ids)] = s.ids
-        logits = self.cache.run(ids, _mask(lens), rows=(start, stop))  # (k, W, vocab)
+        logits = self.cache.run(ids, _mask(lens), rows=(start, stop), at=lens - 1)  # (k, vocab)
         self.lengths[start:stop] = lens
         self.live = stop
-        return logits[np.arange(len(seqs)), lens - 1]
+        return logits
 
     def decode(self, seqs: list[Sequence]) -> np.ndarray:
         """One position for every live row: its newest token; the logits, (live, vocab)."""
@@ -78,9 +78,9 @@ class SlotRows:
         ids = np.array([s.tokens[-1] for s in seqs], dtype=np.int64).reshape(live, 1)
         seen = self.lengths[:live] + 1
         self._room(int(seen.max()))
-        logits = self.cache.run(ids, _mask(seen), rows=(0, live))
+        logits = self.cache.run(ids, _mask(seen), rows=(0, live), at=np.zeros(live, dtype=np.int64))
         self.lengths[:live] = seen
-        return logits[:, 0]
+        return logits
 
     def drop(self, rows: list[int]) -> list[int]:
         """Free ``rows``: the live rows after the new end move into the holes (their cache with
