@@ -73,12 +73,11 @@ def run_slimml_cache(path: str, ids: list[list[int]], new: int, threads: int) ->
         b, s = prompt.shape
         t0 = time.perf_counter()
         cache = model.kv_cache(batch=b, capacity=s + n)
-        logits = cache.step(prompt, np.ones((b, s), np.int64))
-        nxt = logits[:, -1].argmax(-1)
+        last = np.full(b, s - 1)  # logits at each row's last position only (what generate asks for)
+        nxt = cache.step(prompt, np.ones((b, s), np.int64), at=last).argmax(-1)
         t1 = time.perf_counter()
         for _ in range(n - 1):
-            logits = cache.step(nxt[:, None].astype(np.int64), np.ones((b, cache.length + 1), np.int64))
-            nxt = logits[:, -1].argmax(-1)
+            nxt = cache.step(nxt[:, None].astype(np.int64), np.ones((b, cache.length + 1), np.int64), at=last * 0).argmax(-1)
         t2 = time.perf_counter()
         return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "new": [n] * b}
 

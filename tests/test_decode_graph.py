@@ -108,6 +108,11 @@ def test_logits_only_where_they_are_read(arts, resident):
     last = model.kv_cache(batch=2, capacity=8).run(ids, mask, at=lens - 1)  # (2, vocab)
     assert full.shape[:2] == (2, 7) and last.shape == (2, full.shape[-1])
     np.testing.assert_allclose(last, full[[0, 1], lens - 1], atol=1e-5)
+    feeds = {t.name: np.zeros((2, 2, 0, 16), np.float32) for t in model.inputs if t.name.startswith("past_key_values.")}
+    feeds |= {"input_ids": ids, "attention_mask": mask}
+    for bad in (7, -1):  # a position the pass does not have: one line naming the range, not ONNX Runtime's error
+        with pytest.raises(FeedError, match=r"'logits_index' asks for position .*outside this pass's 0\.\.6"):
+            model.run(feeds | {"logits_index": np.array([[bad], [0]])})
     model.close()
 
 

@@ -9,6 +9,8 @@ import numpy as np
 from slimml.errors import FeedError
 from slimml.runtime.artifact.manifest import TensorSpec
 
+LOGITS_INDEX = "logits_index"  # (B, n): the positions of a pass whose logits a fused decoder computes
+
 
 SEQUENCE_AXES = ("seq", "length", "token")  # names of the dynamic axes that count tokens
 
@@ -37,7 +39,7 @@ class FeedChecker:
             named = [(d, w) for d, w in enumerate(s.shape) if isinstance(w, str)]
             seq = [d for d, w in named if counts_tokens(w)] if max_seq is not None else []
             dtype = np.dtype(s.dtype)
-            ids = vocab_size is not None and s.name == "input_ids" and dtype.kind in "iu"
+            ids = (vocab_size is not None and s.name == "input_ids" or s.name == LOGITS_INDEX) and dtype.kind in "iu"
             unsigned = np.dtype(f"u{dtype.itemsize}") if ids else None  # ids seen unsigned: negatives are huge
             self.plan.append((s.name, dtype, len(s.shape), fixed, named, seq, unsigned, dtype.kind in "fc"))
 
@@ -65,9 +67,10 @@ class FeedChecker:
                     # one pass finds ids past the end and, seen unsigned, negative ones. argmax has
                     # no ufunc-reduction set-up: right after an ORT pass has evicted the caches, 128
                     # ids took 12.7 us by argmax, 16.6 us by max over a list, 31 us by .max()
-                    if unsigned is not None:
+                    if unsigned is not None:  # ids below the vocabulary; logits_index below the pass's length
                         u = v.view(unsigned)
-                        if u.item(u.argmax()) >= self.vocab_size:
+                        limit = self.vocab_size if name == "input_ids" else _positions(feeds)
+                        if limit is None or u.item(u.argmax()) >= limit:
                             break
                     if floats and not allow_nonfinite and not _sum_finite(v) and not np.isfinite(v).all():
                         break  # the sum is finite unless some value is not (or it overflowed: then look)
@@ -100,7 +103,8 @@ def check_feeds(
         FeedError: unknown or missing names, wrong dtype, wrong rank, a fixed dimension that
             differs, an empty batch (other axes may be zero-length, as a first
             decoding step's past is), inputs whose shared dynamic axes disagree, a sequence
-            longer than ``max_seq``, or NaN/inf in a float input.
+            longer than ``max_seq``, NaN/inf in a float input, or a ``logits_index`` position
+            outside the pass's tokens.
     """
     if not isinstance(feeds, Mapping):
         raise FeedError(
@@ -167,6 +171,13 @@ def check_feeds(
                     f"input 'input_ids' holds {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size}), the "
                     f"first {int(value[where])} at index {where}; encode text with this model's tokenizer (model.tokenize)"
                 )
+        elif name == LOGITS_INDEX and value.dtype.kind in "iu" and (positions := _positions(out) or _positions(feeds)):
+            bad = (value < 0) | (value >= positions)
+            if bad.any():
+                problems.append(
+                    f"input {LOGITS_INDEX!r} asks for position {int(value[bad][0])}, outside this pass's 0..{positions - 1}; "
+                    "give positions of the pass's own tokens (each row's last real one, or every one)"
+                )
         elif value.dtype.kind in "fc" and not allow_nonfinite:
             bad = ~np.isfinite(value)
             if bad.any():
@@ -180,6 +191,13 @@ def check_feeds(
     if problems:
         raise FeedError("bad feeds: " + "; ".join(problems) + ".")
     return out
+
+
+def _positions(feeds: Mapping[str, object]) -> int | None:
+    """The positions of the pass ``feeds`` make (``input_ids``' length), or None without them."""
+    ids = feeds.get("input_ids")
+    shape = getattr(ids, "shape", None)
+    return int(shape[-1]) if shape else None
 
 
 def _sum_finite(v: np.ndarray) -> bool:

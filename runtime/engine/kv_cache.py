@@ -17,7 +17,7 @@ The hook a decode loop calls is :meth:`Engine.kv_cache` (engine.py)::
     cache = model.kv_cache(batch=B, capacity=prompt_len + max_new_tokens)   # None: not a fused graph
     logits = cache.step(input_ids, attention_mask)    # (B, S) ids, (B, cache.length + S) mask
     ...                                               # -> logits (B, S, vocab); cache.length += S
-    cache.step(next_ids[:, None], mask)               # one position per row
+    cache.step(next_ids[:, None], mask, at=zeros)     # one position per row -> (B, vocab)
 
 Rows at positions of their own (prompts of different lengths, a continuous batch) use ``run``: a
 pass over a block of rows, each row's positions read from its mask's sum (``seqlens_k``), the
@@ -37,6 +37,7 @@ import numpy as np
 import onnxruntime as ort
 
 from slimml.errors import FeedError
+from slimml.runtime.engine.feeds import LOGITS_INDEX
 
 if TYPE_CHECKING:
     from slimml.runtime.engine.engine import Engine
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 PAST = "past_key_values."
 PRESENT = "present."
-LOGITS_INDEX = "logits_index"  # (B, n) positions whose logits a fused graph computes (convert/fused_llama.py)
 
 
 def position_limit(engine: Engine) -> int | None:
@@ -102,15 +102,16 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())
 
-    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def step(self, input_ids: np.ndarray, attention_mask: np.ndarray, at: np.ndarray | None = None) -> np.ndarray:
         """One pass over ``input_ids`` (B, S), its cache read and extended in place.
 
         Args:
             input_ids: int64 (B, S): the prompt on the first pass, then one new token per row.
             attention_mask: int64 (B, length + S), 1 for real tokens (rows right-padded or full).
+            at: int (B,): the one position of each row whose logits are wanted (as in :meth:`run`).
 
         Returns:
-            The logits, (B, S, vocab).
+            The logits, (B, vocab) at ``at``; (B, S, vocab) without it.
 
         Raises:
             FeedError: shapes that do not fit this cache.
@@ -123,7 +124,7 @@ class KVCache:
         if self.length + s > self.capacity:
             raise FeedError(f"the cache holds {self.capacity} positions and is full ({self.length} + {s}); "
                             "make it with a larger capacity.")
-        logits = self.run(input_ids, attention_mask)
+        logits = self.run(input_ids, attention_mask, at=at)
         self.length += s
         return logits
 
