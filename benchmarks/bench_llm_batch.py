@@ -70,7 +70,7 @@ def idle_rows(model, rows: int = 16, live: int = 3, prompt: int = 64, passes: in
 
     cache = model.kv_cache(rows, prompt + 2 * passes + 2)
     ids = np.random.default_rng(0).integers(3, model.engine.vocab_size or 32000, size=(live, prompt))
-    cache.run(ids, _mask(np.full(live, prompt)), rows=(0, live))
+    cache.run(ids, _mask(np.full(live, prompt)), rows=(0, live), at=np.full(live, prompt - 1))
     lengths = np.zeros(rows, dtype=np.int64)
     lengths[:live] = prompt
     times = {"live_rows_only_s": [], "all_rows_s": []}
@@ -80,7 +80,7 @@ def idle_rows(model, rows: int = 16, live: int = 3, prompt: int = 64, passes: in
             seen = lengths[:n] + 1
             seen[live:] = 1  # an idle row attends one position
             t = time.perf_counter()
-            cache.run(np.ones((n, 1), np.int64), _mask(seen), rows=(0, n))
+            cache.run(np.ones((n, 1), np.int64), _mask(seen), rows=(0, n), at=np.zeros(n, np.int64))
             times[kind].append(time.perf_counter() - t)
             lengths[:live] += 1
     out = {k: statistics.median(v) for k, v in times.items()}

@@ -58,11 +58,14 @@ def profile_graph(path: Path, prompt: int, steps: int, threads: int) -> None:
         bufs = {i.name: np.zeros((1, i.shape[1], prompt + steps, head), np.float32) for i in past}
         values = {n: ort.OrtValue.ortvalue_from_numpy(b) for n, b in bufs.items()}
         ids = np.random.default_rng(0).integers(3, 32000, size=(1, prompt)).astype(np.int64)
+        indexed = any(i.name == "logits_index" for i in s.get_inputs())
 
         def run(x: np.ndarray, total: int) -> None:
             b = s.io_binding()
             b.bind_cpu_input("input_ids", x)
             b.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+            if indexed:  # a fused graph computes the logits of the positions it is given: the last one
+                b.bind_cpu_input("logits_index", np.full((1, 1), x.shape[1] - 1, np.int64))
             for n, v in values.items():
                 b.bind_ortvalue_input(n, v)
                 b.bind_ortvalue_output(n.replace("past_key_values.", "present."), v)

@@ -171,7 +171,7 @@ def check_feeds(
                     f"input 'input_ids' holds {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size}), the "
                     f"first {int(value[where])} at index {where}; encode text with this model's tokenizer (model.tokenize)"
                 )
-        elif name == LOGITS_INDEX and value.dtype.kind in "iu" and (positions := _positions(out) or _positions(feeds)):
+        elif name == LOGITS_INDEX and value.dtype.kind in "iu" and (positions := _positions(out) or _positions(feeds)) is not None:
             bad = (value < 0) | (value >= positions)
             if bad.any():
                 problems.append(

@@ -59,8 +59,10 @@ FUSED_EXPORTERS = ("fused",)  # graphs whose attention shares past and present (
 
 
 def shares_buffers(engine: Engine) -> bool:
-    """True when the artifact's attention can read and write its cache in one buffer."""
-    return engine.manifest.source.get("exporter") in FUSED_EXPORTERS
+    """True when the artifact's attention can read and write its cache in one buffer (a fused
+    graph: by its exporter, or by the ``logits_index`` input only that graph takes)."""
+    return (engine.manifest.source.get("exporter") in FUSED_EXPORTERS
+            or any(t.name == LOGITS_INDEX for t in engine.manifest.inputs))
 
 
 class KVCache:
@@ -161,8 +163,9 @@ class KVCache:
             env[LOGITS_INDEX] = (np.asarray(at, dtype=np.int64).reshape(b, 1) if at is not None
                                  else np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy())
         values = self._block(start, stop)
-        # a prompt pass allocates (b, S, vocab) logits and S-long activations: give that arena memory
-        # back when the pass ends, so a burst of long prompts does not stay as the process's size
+        # a prompt pass allocates S-long activations (and (b, S, vocab) logits from a graph without
+        # logits_index): give that arena memory back when the pass ends, so a burst of long prompts
+        # does not stay as the process's size
         run_options = _SHRINK if input_ids.shape[1] > 1 else None
         plan = self.engine.plan
         streamer = plan.streamer

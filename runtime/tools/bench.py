@@ -51,7 +51,7 @@ def sample_feeds(
                 value = np.ones(shape, dtype=dtype)
             elif "type" in lname:
                 value = np.zeros(shape, dtype=dtype)
-            elif ("position" in lname or lname.endswith("_index")) and len(shape) >= 1:  # logits_index: every position
+            elif ("position" in lname or lname == "logits_index") and len(shape) >= 1:  # logits_index: every position
                 value = np.broadcast_to(np.arange(shape[-1], dtype=dtype), shape).copy()
             else:
                 value = rng.integers(lo, hi, size=shape).astype(dtype)
