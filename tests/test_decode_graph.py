@@ -116,6 +116,56 @@ def test_logits_only_where_they_are_read(arts, resident):
     model.close()
 
 
+def _without_logits_index(src, dst):
+    """A copy of the fused artifact ``src`` as the release before ``logits_index`` wrote it: logits
+    of every position (the gather taken out of its shard, the input out of the manifest)."""
+    import hashlib
+    import json
+    import shutil
+
+    import onnx
+
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["inputs"] = [t for t in manifest["inputs"] if t["name"] != "logits_index"]
+    for shard in manifest["shards"]:
+        path = dst / shard["file"]
+        graph = onnx.load(str(path), load_external_data=False)
+        gather = [n for n in graph.graph.node if n.op_type == "GatherElements"]
+        if not gather:
+            continue
+        taken = {n.output[0] for n in graph.graph.node if "logits_index" in n.name}
+        kept = [n for n in graph.graph.node if n.output[0] not in taken]
+        for n in kept:
+            n.input[:] = [gather[0].input[0] if i == gather[0].output[0] else i for i in n.input]
+        del graph.graph.node[:]
+        graph.graph.node.extend(kept)
+        kept_inputs = [i for i in graph.graph.input if i.name != "logits_index"]
+        del graph.graph.input[:]
+        graph.graph.input.extend(kept_inputs)
+        onnx.save(graph, str(path))
+        shard["inputs"] = [t for t in shard["inputs"] if t["name"] != "logits_index"]
+        data = path.read_bytes()
+        for f in manifest["files"]:
+            if f["path"] == shard["file"]:
+                f["bytes"], f["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def test_artifacts_from_before_logits_index_still_decode(arts, tmp_path):
+    """A fused artifact written before ``logits_index`` generates the same tokens, its logits
+    picked from every position (prompts of different lengths: the right-padded first pass)."""
+    from slimml.runtime import load
+
+    root, _ = arts
+    old = load(_without_logits_index(root / "fused", tmp_path / "old"))
+    assert not any(t.name == "logits_index" for t in old.inputs)
+    prompts = [p[:n] for p, n in zip(_prompts().tolist(), (7, 4))]
+    want = load(root / "fused").generate(prompts, max_new_tokens=NEW, eos_token_id=()).tokens
+    assert old.generate(prompts, max_new_tokens=NEW, eos_token_id=()).tokens == want
+
+
 def test_int4_fused_keeps_the_old_graphs_tokens(llama16, tmp_path):
     from slimml.quantize.config import WeightOnlyConfig
     from slimml.runtime import load
