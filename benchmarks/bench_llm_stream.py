@@ -24,6 +24,8 @@ Usage (root; the TinyLlama-shaped model of issue 25, docs/llm_decode.md):
     python benchmarks/bench_llm_stream.py --artifact /tmp/decode/art2_b128 \
         --gguf /tmp/decode/tinyllama-q4_0.gguf --rounds 2 --out benchmarks/results/llm_stream.json
     python benchmarks/bench_llm_stream.py ... --quick      # one round, 8 new tokens
+    python benchmarks/bench_llm_stream.py ... --rows 1 16 --budget 90MB \
+        --out benchmarks/results/llm_stream_rows.json      # slimml alone: 1 prompt against 16 at once
 """
 
 from __future__ import annotations
@@ -55,10 +57,10 @@ def _rss() -> int:
     return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _prompt(length: int, vocab: int = 32000) -> list[int]:
+def _prompt(length: int, vocab: int = 32000, seed: int = 0) -> list[int]:
     import numpy as np
 
-    return np.random.default_rng(0).integers(VOCAB_LO, vocab, size=length).tolist()
+    return np.random.default_rng(seed).integers(VOCAB_LO, vocab, size=length).tolist()
 
 
 def worker_slimml(args) -> dict:
@@ -71,7 +73,7 @@ def worker_slimml(args) -> dict:
     load_s = time.perf_counter() - t0
     if args.prepare_only:
         return {"load_s": load_s, "plan": model.engine.plan.describe()}
-    ids = [_prompt(args.prompt)]
+    ids = [_prompt(args.prompt, seed=i) for i in range(args.worker_rows)]  # one prompt per row
     io0, t0 = _io(), time.perf_counter()
     first = model.generate(ids, max_new_tokens=1, eos_token_id=())  # prefill alone: the first token
     prefill_s = time.perf_counter() - t0
@@ -81,12 +83,12 @@ def worker_slimml(args) -> dict:
     decode_s = time.perf_counter() - t1 - g.prefill_s
     io2 = _io()
     stats = model.engine.stats.to_json()
-    new = len(g.tokens[0])
+    made = sum(len(t) - 1 for t in g.tokens)  # every row's tokens after its first (the prompt pass's)
     passes = max(stats.get("passes", 0), 1)
     return {
-        "tokens": g.tokens[0], "first": first.tokens[0], "load_s": round(load_s, 3),
+        "rows": len(ids), "tokens": g.tokens[0], "first": first.tokens[0], "load_s": round(load_s, 3),
         "prefill_s": round(prefill_s, 3), "decode_s": round(decode_s, 3),
-        "decode_tok_s": round((new - 1) / decode_s, 3),
+        "decode_tok_s": round(made / decode_s, 3),  # all rows together
         # the whole generate (its prompt pass included) over its passes: reads per pass
         "read_bytes": io2 - io1, "read_bytes_per_token": (io2 - io1) // passes,
         "prefill_read_bytes": io1 - io0,
@@ -232,9 +234,10 @@ class Cgroup:
 
 
 def _spawn(args, system: str, group: Cgroup | None, load: dict | None = None, prepare: bool = False,
-           no_repack: bool = False) -> dict:
+           no_repack: bool = False, rows: int = 1) -> dict:
     cmd = [sys.executable, __file__, "--worker", system, "--artifact", str(args.artifact), "--gguf", str(args.gguf),
            "--threads", str(args.threads), "--prompt", str(args.prompt), "--new", str(args.new),
+           "--worker-rows", str(rows),
            "--load", json.dumps(load or {})] + (["--prepare-only"] if prepare else []) + (
                ["--no-repack"] if no_repack else [])
     if group is not None:
@@ -289,6 +292,10 @@ def main() -> None:
     ap.add_argument("--worker", choices=["slimml", "llama"], help=argparse.SUPPRESS)
     ap.add_argument("--prepare-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-repack", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--worker-rows", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--rows", type=int, nargs="+", default=None,
+                    help="instead of the comparison: slimml streamed in the cap generating for this many prompts "
+                         "at once (e.g. 1 16), each pass serving every row; aggregate tokens/s per row count")
     args = ap.parse_args()
     if args.worker:
         args.load = args.load or "{}"
@@ -315,6 +322,8 @@ def main() -> None:
     print("prepared:", prep.get("plan", prep), file=sys.stderr)
     streamed_files = _packed_files(args, load)
     cold = [*artifact_files, args.gguf, *streamed_files]
+    if args.rows:
+        return _rows_run(args, cap, floor, load, artifact_bytes, cold)
     rounds = []
     with Cgroup(cap) as group:
         for r in range(args.rounds):
@@ -338,6 +347,33 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report["summary"], indent=1))
+
+
+def _rows_run(args, cap: int, floor: int, load: dict, artifact_bytes: int, cold: list[Path]) -> None:
+    """slimml streamed in the cap at each of ``--rows`` prompts at once, cold each time, rounds
+    alternating the order: what one pass read from disk serves, as the server's batch shares it."""
+    rounds = []
+    with Cgroup(cap) as group:
+        for r in range(args.rounds):
+            row = {}
+            for n in args.rows if r % 2 == 0 else args.rows[::-1]:
+                _drop(cold)
+                res = row[f"rows_{n}"] = _spawn(args, "slimml", group, load, rows=n)
+                res.pop("tokens", None)
+                print(f"round {r} slimml streamed, {n} rows: {res.get('decode_tok_s', res.get('error'))} tok/s, "
+                      f"{res.get('read_bytes_per_token', 0) / 1e6:.0f} MB read a pass", file=sys.stderr)
+            rounds.append(row)
+    one = f"rows_{min(args.rows)}"
+    summary = [{f"{k}_tok_s": v.get("decode_tok_s", 0.0) for k, v in row.items()}
+               | {f"{k}_over_{one}": round(v.get("decode_tok_s", 0.0) / row[one]["decode_tok_s"], 2)
+                  for k, v in row.items() if k != one and row[one].get("decode_tok_s")} for row in rounds]
+    report = {"benchmark": "llm_stream_rows", "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {"cores": os.cpu_count(), "load_avg": os.getloadavg()}, "artifact": str(args.artifact),
+              "artifact_bytes": artifact_bytes, "cap_bytes": cap, "python_ort_floor_bytes": floor, "slimml_load": load,
+              "threads": args.threads, "prompt": args.prompt, "new_tokens": args.new, "rounds": rounds, "summary": summary}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
 
 
 def _floor(args) -> int:

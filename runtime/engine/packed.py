@@ -92,6 +92,7 @@ class PackedSlots:
         # the streamed shards do not fit in the page cache beside the rest: read them in ourselves
         self.read_in = read_in and reads.supported()
         self._buffers: reads.Buffers | None = None
+        large_allocations_off_heap()  # a batch's prompt pass must not leave the heap at its high-water mark
         if self.read_in:
             self.how = "pre-packed weights read from the cache in large reads, dropped from the page cache"
         self.sessions: dict[int, object] = {}
@@ -230,6 +231,27 @@ def _mappings(path: Path) -> list[tuple[int, int, int]]:
 
 _malloc_trim = (reads.libc_fn("malloc_trim", [ctypes.c_size_t], ctypes.c_int)  # glibc only
                 if sys.platform.startswith("linux") else None)
+
+
+_mallopt = reads.libc_fn("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int) if sys.platform.startswith("linux") else None
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+OFF_HEAP_BYTES = 1 << 20  # allocations this large or larger are mapped and unmapped on their own
+
+
+def large_allocations_off_heap() -> None:
+    """Fix glibc's mmap threshold at :data:`OFF_HEAP_BYTES`, so that large activations are mapped
+    on their own and go back to the system when freed (elsewhere nothing).
+
+    glibc raises the threshold (up to 32 MB) after the first large free, and from then on large
+    tensors land on the heap, where a freed block below a live one cannot be given back: a
+    streamed int4 1.1B Llama prefilling 16 prompts of 32 tokens peaked at 689 MB of anonymous
+    memory (587 MB after the pass, 110 MB after ``malloc_trim``), enough to be killed in a 293 MB
+    cgroup; with the threshold fixed it peaked at 328 MB and kept 134 MB. The price is fresh pages
+    for each large tensor: that prompt pass took 1.9 s instead of 1.5 s (uncapped; under a cap the
+    pass waits on the disk). Decode passes allocate less than a MiB a tensor up to batch 16.
+    """
+    if _mallopt is not None:
+        _mallopt(_M_MMAP_THRESHOLD, OFF_HEAP_BYTES)
 
 
 def trim_heap() -> None:
