@@ -11,6 +11,8 @@ reversed every other round):
 - ``slimml``: ``slimml serve ART --max-running 16`` (Ray Serve, continuous batching), the model resident;
 - ``slimml-streamed``: the same with ``--memory-budget`` (``third``: a third of the weight bytes,
   what the user of a small machine would give; the rest streams, each pass shared by the batch);
+  with ``--cap 1300MB`` (root, cgroup v1) inside a memory cgroup of that size around the server and
+  every process it starts (Ray's own hold ~850 MB), started cold: the weights come from the disk;
 - ``llama.cpp``: ``python -m llama_cpp.server --model FILE.gguf --n_threads T --n_ctx 2048
   --chat_format zephyr --interrupt_requests False`` (llama-cpp-python's own OpenAI server; by
   default a new request cuts the running stream short, so users with several clients turn that
@@ -174,11 +176,26 @@ def command(kind: str, args, port: int) -> list[str]:
             "--host", "127.0.0.1", "--port", str(port)]
 
 
-def start(cmd: list[str], threads: int, log: Path) -> subprocess.Popen:
+def start(cmd: list[str], threads: int, log: Path, group=None) -> subprocess.Popen:
+    """The server, in its own session (and inside ``group``, a memory cgroup, with all it starts)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     # run from the log's folder: `python -m slimml` imports the interpreter's own slimml, not one in our working folder
     return subprocess.Popen(cmd, env=env, cwd=log.parent, stdout=subprocess.DEVNULL, stderr=log.open("wb"),
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=group.enter if group is not None else None)
+
+
+def capped(cap: str | None):
+    """A memory cgroup of ``cap`` around the streamed server and every process it starts (Ray's
+    too), the page cache dropped first so its weights come from the disk; None without a cap."""
+    if cap is None:
+        return None
+    from bench_llm_stream import Cgroup  # this folder's cgroup v1 helper (root)
+
+    from slimml.runtime.engine.budget import parse_bytes
+
+    subprocess.run(["sync"], check=False)
+    Path("/proc/sys/vm/drop_caches").write_text("1")
+    return Cgroup(parse_bytes(cap))
 
 
 def wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
@@ -205,6 +222,18 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def release(group) -> None:
+    """End what is left in ``group`` (Ray's processes outside the server's process group), say its
+    peak, and remove it."""
+    print(f"cgroup peak {group.peak()['peak_bytes'] / 1e6:.0f} MB of {group.limit / 1e6:.0f} MB", flush=True)
+    for pid in (group.path / "cgroup.procs").read_text().split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    group.__exit__(None, None, None)
 
 
 def one_request(client, model: str, prompt: str, max_tokens: int, deadline: float, open_streams: set) -> dict:
@@ -338,6 +367,9 @@ def main() -> None:
     ap.add_argument("--budget", default="third",
                     help="--memory-budget of the streamed run, e.g. 200MB; 'third': a third of the weights; 'none': no streamed run")
     ap.add_argument("--gguf", type=Path, default=None, help="the same model and bits as GGUF, for llama-cpp-python's server")
+    ap.add_argument("--cap", default=None,
+                    help="run the streamed server inside a memory cgroup of this size around all its processes "
+                         "(e.g. 1300MB; root, cgroup v1), cold: a model larger than the memory it has")
     ap.add_argument("--template", default="zephyr", help="llama.cpp's --chat_format (the artifact's template must match it)")
     ap.add_argument("--n-ctx", type=int, default=2048, help="llama.cpp's --n_ctx (the model's context)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
@@ -382,7 +414,10 @@ def main() -> None:
         for kind in systems if rnd % 2 == 0 else systems[::-1]:  # alternated: neither always first
             port = free_port()
             log = logs / f"{kind}.log"
-            proc = start(command(kind, args, port), args.threads, log)
+            group = capped(args.cap) if kind == "slimml-streamed" else None
+            if group is not None:
+                group.__enter__()
+            proc = start(command(kind, args, port), args.threads, log, group)
             try:
                 wait_ready(port, proc, log)
                 name = model_name(port)
@@ -394,6 +429,8 @@ def main() -> None:
                           f"({run['tokens']} tokens in {run['wall_s']:.1f} s, {len(run['errors'])} errors)", flush=True)
             finally:
                 stop(proc)
+                if group is not None:
+                    release(group)
     report = {"args": {k: str(v) for k, v in vars(args).items()}, "commands": commands,
               "seconds": round(time.time() - t_start), "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
               "systems": {k: [summary(runs[k][n], args.max_tokens) for n in args.clients] for k in systems}}
