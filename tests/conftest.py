@@ -80,6 +80,15 @@ def tiny_onnx_mlp(path: Path, layers: int = 4, hidden: int = 8, seed: int = 0) -
     return path
 
 
+def mlp_artifact_in(tmp: Path, layers: int, hidden: int) -> Path:
+    """:func:`tiny_onnx_mlp` converted into ``tmp / "art"`` (split per layer, no latency measured)."""
+    from slimml.convert import ConvertConfig, convert
+
+    out = tmp / "art"
+    convert(tiny_onnx_mlp(tmp / "mlp.onnx", layers=layers, hidden=hidden), out, ConvertConfig(measure_latency=False))
+    return out
+
+
 @pytest.fixture(scope="session", autouse=True)
 def packed_cache(tmp_path_factory) -> Path:
     """Streamed shards' pre-packed weights go to a temporary folder, never the home folder."""

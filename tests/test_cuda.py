@@ -7,7 +7,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from conftest import tiny_onnx_mlp
+from conftest import mlp_artifact_in
 from slimml.errors import IntegrityError
 from slimml.runtime import load
 
@@ -21,12 +21,7 @@ HIDDEN = 512  # biases large enough to be stored outside the graph, so the layer
 
 
 def _chain(tmp_path_factory, hidden: int):
-    from slimml.convert import ConvertConfig, convert
-
-    tmp = tmp_path_factory.mktemp(f"cuda_mlp{hidden}")
-    out = tmp / "art"
-    convert(tiny_onnx_mlp(tmp / "mlp.onnx", layers=8, hidden=hidden), out, ConvertConfig(measure_latency=False))
-    return out
+    return mlp_artifact_in(tmp_path_factory.mktemp(f"cuda_mlp{hidden}"), layers=8, hidden=hidden)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from conftest import tiny_onnx_mlp
+from conftest import mlp_artifact_in
 from slimml.errors import ConfigError, DeviceError
 from slimml.runtime import LoadConfig, load
 from slimml.runtime.artifact.manifest import read_manifest
@@ -29,12 +29,7 @@ HIDDEN = 16
 @pytest.fixture(scope="module")
 def mlp(tmp_path_factory):
     """A 4-block ONNX MLP split per layer."""
-    from slimml.convert import ConvertConfig, convert
-
-    tmp = tmp_path_factory.mktemp("engine_mlp")
-    out = tmp / "art"
-    convert(tiny_onnx_mlp(tmp / "mlp.onnx", layers=4, hidden=HIDDEN), out, ConvertConfig(measure_latency=False))
-    return out
+    return mlp_artifact_in(tmp_path_factory.mktemp("engine_mlp"), layers=4, hidden=HIDDEN)
 
 
 def _feeds(batch: int = 2, seed: int = 0) -> dict[str, np.ndarray]:

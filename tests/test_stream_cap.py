@@ -14,18 +14,13 @@ from slimml.runtime.artifact.manifest import read_manifest
 from slimml.runtime.engine import packed
 from slimml.runtime.engine.backends import cpu
 from slimml.runtime.engine.budget import STREAM_SLOTS, plan_stream
-from conftest import tiny_onnx_mlp
+from conftest import mlp_artifact_in
 
 
 @pytest.fixture(scope="module")
 def mlp_artifact(tmp_path_factory):
     """A 6-block ONNX MLP split per layer."""
-    from slimml.convert import ConvertConfig, convert
-
-    tmp = tmp_path_factory.mktemp("stream_cap_mlp")
-    out = tmp / "art"
-    convert(tiny_onnx_mlp(tmp / "mlp.onnx", layers=6, hidden=32), out, ConvertConfig(measure_latency=False))
-    return out
+    return mlp_artifact_in(tmp_path_factory.mktemp("stream_cap_mlp"), layers=6, hidden=32)
 
 
 def _feeds(seed=0):

@@ -18,7 +18,7 @@ import onnx
 import pytest
 from onnx import helper
 
-from conftest import tiny_onnx_mlp
+from conftest import mlp_artifact_in
 
 from slimml.errors import ConfigError, FeedError, IntegrityError
 from slimml.runtime import load
@@ -27,12 +27,7 @@ from slimml.runtime import load
 @pytest.fixture(scope="module")
 def mlp_artifact(tmp_path_factory):
     """A 4-block ONNX MLP split per layer: shards to stream through the pre-packed cache."""
-    from slimml.convert import ConvertConfig, convert
-
-    tmp = tmp_path_factory.mktemp("trust_mlp")
-    out = tmp / "art"
-    convert(tiny_onnx_mlp(tmp / "mlp.onnx", layers=4, hidden=32), out, ConvertConfig(measure_latency=False))
-    return out
+    return mlp_artifact_in(tmp_path_factory.mktemp("trust_mlp"), layers=4, hidden=32)
 
 
 def _feeds(batch=3, hidden=32):

@@ -61,8 +61,12 @@ FUSED_EXPORTERS = ("fused",)  # graphs whose attention shares past and present (
 def shares_buffers(engine: Engine) -> bool:
     """True when the artifact's attention can read and write its cache in one buffer (a fused
     graph: by its exporter, or by the ``logits_index`` input only that graph takes)."""
-    return (engine.manifest.source.get("exporter") in FUSED_EXPORTERS
-            or any(t.name == LOGITS_INDEX for t in engine.manifest.inputs))
+    return engine.manifest.source.get("exporter") in FUSED_EXPORTERS or takes_logits_index(engine)
+
+
+def takes_logits_index(engine: Engine) -> bool:
+    """True when the graph computes logits only at the positions its ``logits_index`` names."""
+    return any(t.name == LOGITS_INDEX for t in engine.manifest.inputs)
 
 
 class KVCache:
@@ -96,7 +100,7 @@ class KVCache:
             self.buffers[t.name] = buf
             self._values[t.name] = self._values[PRESENT + t.name[len(PAST):]] = value
         self._outputs = [t.name for t in engine.manifest.outputs if not t.name.startswith(PRESENT)]
-        self._indexed = any(t.name == LOGITS_INDEX for t in engine.manifest.inputs)
+        self._indexed = takes_logits_index(engine)
         self._blocks: dict[tuple[int, int], dict[str, ort.OrtValue]] = {}  # (start, stop) -> values over those rows
         self._bindings: dict[tuple[int, int, int], Any] = {}  # (id(step), start, stop) -> its IOBinding, bound once
 
