@@ -79,7 +79,9 @@ def token_windows(tokenizer_file: str | os.PathLike, text: str, window: int = DE
     tok.no_truncation()
     ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)[:budget]
     if len(ids) < 2:
-        raise DataError("the evaluation text gives fewer than 2 tokens; give a longer text with --eval-text.")
+        raise DataError(f"the model's tokenizer ({Path(tokenizer_file).name}) turns the evaluation text ({len(text)} "
+                        f"characters) into {len(ids)} token(s), too few to score: give a longer text with --eval-text, "
+                        "or, if the text is long, fix the tokenizer (a GGUF file's tokenizer.ggml.* fields).")
     n = -(-len(ids) // window)  # windows of equal length covering (nearly) every token
     size = len(ids) // n
     return ids[: n * size].reshape(n, size)
@@ -161,7 +163,14 @@ def check_language_model(folder: Path, manifest: Any, source_folder: Path, eval_
         ours = score_run(model.run, lambda ids: decoder_feeds(names, ids, past), windows)
     finally:
         model.close()
-    return compare(ours, reference) | {"eval_text": origin}
+    found = compare(ours, reference) | {"eval_text": origin}
+    vocab = int(manifest.source.get("vocab_size") or 0)
+    if vocab and found["perplexity_source"] > 2 * vocab:  # worse than guessing among the vocabulary
+        found["source_note"] = (f"the source model itself scores perplexity {found['perplexity_source']:.4g} on the "
+                                f"eval text, over twice its vocabulary ({vocab}): its tokenizer or weights are broken "
+                                "(a GGUF file: check its tokenizer.ggml.* fields); fix the source, or pass --eval-text "
+                                "with text it was trained on")
+    return found
 
 
 def past_shapes(inputs: list[Any]) -> dict[str, tuple[int, int]]:

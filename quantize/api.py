@@ -321,6 +321,9 @@ def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files
     if lm:  # the decoder recipe (quantize/grids.py), and whether calibration activations weighed it
         record["recipe"] = lm[0]["recipe"] + (", GPTQ on the calibration text" if any(n["activation_aware"] for n in lm) else "")
         record["scaled_ffn"] = sum(n["scaled_ffn"] for n in lm)  # FFN down projections scaled first (quantize/equalize.py)
+        if any("grid_kept" in n or "grid_8bit" in n for n in lm):  # a GGUF source's 4-bit matrices kept, and those of more bits
+            record["gguf_grid"] = {"kept_4bit": sum(n.get("grid_kept", 0) for n in lm), "at_8bit": sum(n.get("grid_8bit", 0) for n in lm)}
+            record["recipe"] += f": {record['gguf_grid']['kept_4bit']} matrices kept, {record['gguf_grid']['at_8bit']} of more bits at 8"
     fused = {str(i): n["fused"] for i, n in notes.items() if n.get("fused")}
     if fused:
         record["fused"] = fused

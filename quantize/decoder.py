@@ -4,8 +4,9 @@ Dynamic int8 activations cost SmolLM2-135M +71% perplexity; ONNX Runtime's int4 
 (symmetric, blocks of 32) +35%. This backend writes, for each MatMul with a float weight, a
 ``MatMulNBits`` whose blocks follow a :class:`~slimml.quantize.grids.Recipe` (``quantize/grids.py``):
 
-* ``grid="gguf"`` (a 4-bit GGUF source): llama.cpp's Q4_1 blocks of 32 kept exactly (SmolLM2:
-  +0.00% perplexity); see :func:`matmul_nbits_node` for how ``m`` is applied.
+* ``grid="gguf"`` (a 4-bit GGUF source): the file's own 4-bit blocks of 32 (Q4_1, Q4_K) kept
+  (SmolLM2's Q4_1: +0.00% perplexity), its tensors of more bits at 8; see :func:`matmul_nbits_node`
+  for how ``m`` is applied.
 * ``grid="fitted"`` (any other weights): ONNX Runtime's own format, an integer zero point and a
   searched scale per block of 128, accuracy_level 4: the fast kernel at batch-1 decode; with a
   tokenizer, the calibration text's activations drive the FFN scaling (``quantize/equalize.py``)
@@ -23,6 +24,7 @@ looked-up rows), so that a tied embedding is stored once (``quantize/tied.py``).
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +35,7 @@ from slimml.quantize.config import WeightOnlyConfig
 from slimml.quantize.equalize import equalize_ffn
 from slimml.quantize.gptq import gptq_blocks
 from slimml.quantize.grids import (LM_HEAD_MIN_COLUMNS, Recipe, block_for, fit_blocks, is_sensitive, more_bits_layers,
-                                   pack_nibbles, q4_1_blocks, q8_blocks)
+                                   gguf_blocks, pack_nibbles, q8_blocks)
 from slimml.quantize.registry import ShardContext, register, weight_matmuls
 
 INT4_BLOCK, INT8_BLOCK = 128, 128  # the decoder defaults, chosen at M=1 (docs/quantize.md, "Decoder recipes")
@@ -105,7 +107,7 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
     for n in model.graph.node:
         for i in n.input:
             readers[i] = readers.get(i, 0) + 1
-    new_nodes, drop, add, sums = [], set(), [], {}
+    new_nodes, drop, add, sums, counts = [], set(), [], {}, {}
     done = {tuple(n.output) for n in nodes}
     importance = {}
     if ctx.reader is not None and activation_aware(config):  # the calibration text's activations reach this shard
@@ -124,8 +126,9 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
             if w.shape[1] % block:
                 new_nodes.append(node)
                 continue
-            if recipe.embedding_bits == 4:
-                made, tensors = _gather_int4(node, w, block)
+            on_grid = gguf_blocks(w.reshape(w.shape[0], -1, 32)) if recipe.grid == "gguf" and w.shape[1] % 32 == 0 else None
+            if recipe.embedding_bits == 4 and (recipe.grid != "gguf" or on_grid is not None):
+                made, tensors = _gather_int4(node, w, block, on_grid)
             else:
                 made, tensors = _gather_int8(node, w, block)
         else:
@@ -135,8 +138,11 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
             if w.shape[1] >= LM_HEAD_MIN_COLUMNS or (bits == 4 and is_sensitive(f"{node.name} {name}", recipe)):
                 bits = 8
             if bits == 4 and recipe.grid == "gguf" and w.shape[0] % 32:
-                bits = 8  # the Q4_1 correction needs whole blocks of the input: this one stays 8-bit
+                bits = 8  # the block-sum correction needs whole blocks of the input: this one stays 8-bit
             made, tensors = matmul_nbits_node(node, w, recipe, bits, sums, importance.get(node.input[0]))
+            if recipe.grid == "gguf" and recipe.bits == 4 and w.shape[1] < LM_HEAD_MIN_COLUMNS:
+                key = "grid_kept" if any(a.name == "bits" and a.i == 4 for n in made for a in n.attribute) else "grid_8bit"
+                counts[key] = counts.get(key, 0) + 1
         new_nodes.extend(made)
         add.extend(tensors)
         readers[name] -= 1
@@ -149,7 +155,7 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
     model.graph.initializer.extend(keep + add)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    ctx.notes["lm_weights"] = {"recipe": recipe.describe(), "activation_aware": bool(importance), "scaled_ffn": scaled}
+    ctx.notes["lm_weights"] = {"recipe": recipe.describe(), "activation_aware": bool(importance), "scaled_ffn": scaled, **counts}
     return model
 
 
@@ -157,8 +163,9 @@ def matmul_nbits_node(node: onnx.NodeProto, w: np.ndarray, recipe: Recipe, bits:
                       importance: np.ndarray | None = None):
     """The nodes and initializers computing ``x @ w`` (``w``: (K, N) float32) as ``recipe`` stores it at ``bits``.
 
-    MatMulNBits reads float16 ``d`` through a Cast that ONNX Runtime folds at load. The GGUF Q4_1
-    grid (``w = d * q + m``) is computed as ``MatMulNBits(x, q, d)`` (its default zero point 8:
+    MatMulNBits reads float16 ``d`` through a Cast that ONNX Runtime folds at load. The GGUF grid
+    (``w = d * q + m``, :func:`~slimml.quantize.grids.gguf_blocks`; a weight off it is stored at 8
+    bits in blocks of 128) is computed as ``MatMulNBits(x, q, d)`` (its default zero point 8:
     ``d * (q - 8)``) plus ``blocksum(x) @ (m + 8 d)``, a matmul 32x smaller: MatMulNBits' float
     zero points would represent ``m`` directly but run ~20x slower (ORT 1.32), and integer zero
     points cannot hold ``m``. ``sums`` caches one block sum per input (q, k and v read the same one).
@@ -166,15 +173,20 @@ def matmul_nbits_node(node: onnx.NodeProto, w: np.ndarray, recipe: Recipe, bits:
     blocks are then chosen by GPTQ's error feedback (``quantize/gptq.py``), its search weighed by them.
     """
     k, n = w.shape
-    q4_1 = bits == 4 and recipe.grid == "gguf"
-    block = 32 if q4_1 else block_for(k, recipe.block_size)
+    gguf = bits == 4 and recipe.grid == "gguf"
+    block = 32 if gguf else block_for(k, recipe.block_size)
     pad = (-k) % block
     wt = np.pad(w.T, ((0, 0), (0, pad))).reshape(n, (k + pad) // block, block)  # MatMulNBits stores B transposed
     m = z = None
+    found = gguf_blocks(wt) if gguf else None
+    if gguf and found is None:  # not on a 4-bit grid (the source gave it more bits): 8-bit blocks of 128
+        bits, block = 8, block_for(k, INT8_BLOCK)
+        pad = (-k) % block
+        wt = np.pad(w.T, ((0, 0), (0, pad))).reshape(n, (k + pad) // block, block)
     if bits == 8:
         q, d = q8_blocks(wt)
-    elif q4_1:
-        q, d, m = q4_1_blocks(wt)
+    elif found is not None:
+        q, d, m = found
     else:
         if importance is not None and not pad:
             q, d, z = gptq_blocks(wt.reshape(n, k), importance, block, recipe.zero_points)
@@ -247,11 +259,16 @@ def _gather_int8(node: onnx.NodeProto, w: np.ndarray, block: int):
     return made, tensors
 
 
-def _gather_int4(node: onnx.NodeProto, w: np.ndarray, block: int):
-    """An untied embedding on the fitted 4-bit grid: gather the packed rows, scales and zero points,
-    unpack the two nibbles of each byte, dequantize only those rows: (..., hidden) float."""
+def _gather_int4(node: onnx.NodeProto, w: np.ndarray, block: int, gguf: tuple | None = None):
+    """An untied embedding at 4 bits: gather the packed rows, scales and zero points (``s (q - z)``,
+    the fitted grid) or offsets (``d q + m``, a GGUF source's own grid: ``gguf`` is its
+    :func:`~slimml.quantize.grids.gguf_blocks` in blocks of 32), unpack the two nibbles of each
+    byte, dequantize only those rows: (..., hidden) float."""
     vocab, hidden = w.shape
-    q, d, z = fit_blocks(w.reshape(vocab, hidden // block, block).astype(np.float32))
+    if gguf is not None:
+        (q, d, z), block = gguf, 32  # z: the float16 offset m
+    else:
+        q, d, z = fit_blocks(w.reshape(vocab, hidden // block, block).astype(np.float32))
     base = f"{node.input[0]}_q4"
     tensors = [numpy_helper.from_array(pack_nibbles(q), base), numpy_helper.from_array(d, base + "_d16"),
                numpy_helper.from_array(z, base + "_z"),
@@ -280,10 +297,14 @@ def _gather_int4(node: onnx.NodeProto, w: np.ndarray, block: int):
         helper.make_node("Cast", [b + "_rd16"], [b + "_rd"], to=TensorProto.FLOAT),
         helper.make_node("Unsqueeze", [b + "_rz", b + "_axis"], [b + "_z1"]),
         helper.make_node("Unsqueeze", [b + "_rd", b + "_axis"], [b + "_s1"]),
-        helper.make_node("Sub", [b + "_q", b + "_z1"], [b + "_c"]),
-        helper.make_node("Mul", [b + "_c", b + "_s1"], [b + "_m"]),
-        helper.make_node("Reshape", [b + "_m", b + "_shape"], [node.output[0]]),
     ]
+    if gguf is not None:  # d q + m
+        made += [helper.make_node("Mul", [b + "_q", b + "_s1"], [b + "_c"]),
+                 helper.make_node("Add", [b + "_c", b + "_z1"], [b + "_m"])]
+    else:  # s (q - z)
+        made += [helper.make_node("Sub", [b + "_q", b + "_z1"], [b + "_c"]),
+                 helper.make_node("Mul", [b + "_c", b + "_s1"], [b + "_m"])]
+    made.append(helper.make_node("Reshape", [b + "_m", b + "_shape"], [node.output[0]]))
     return made, tensors
 
 
@@ -293,7 +314,8 @@ def for_language_model(config, manifest, folder=None):
 
     * ``int8`` (dynamic int8 activations: +71% perplexity on SmolLM2) and ``int8-weights``:
       symmetric 8-bit blocks of :data:`INT8_BLOCK`, accuracy_level 4.
-    * ``int4-weights``: a source read from a Q4_0/Q4_1 GGUF file keeps its grid (blocks of 32);
+    * ``int4-weights``: a source read from a GGUF file of mostly Q4_0, Q4_1 or Q4_K tensors keeps
+      their grid (blocks of 32; its tensors of more bits, Q4_K_M's Q6_K, at 8);
       other weights get the fitted grid (integer zero points, searched scales, blocks of
       :data:`INT4_BLOCK`, accuracy_level 4), with as many layers' FFN down, O and V at 8 bits as
       fit in llama.cpp's Q4_K_M size of the same model (``quantize/budget.py``).
@@ -309,27 +331,48 @@ def for_language_model(config, manifest, folder=None):
     common = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
               if f.name in ("calibration", "calibration_size", "guard", "exclude_shards", "eval_text")}
     if isinstance(config, Int8DynamicConfig):
-        return decoder_config(8, **common)
+        return decoder_config(8, manifest, folder, **common)
     if not isinstance(config, WeightOnlyConfig) or config.backend != "ort" or (config.block_size, config.accuracy_level) != (32, None):
         return config  # NNCF, static, fp16, the lm backend, or blocks / a compute type chosen in Python
     return decoder_config(config.bits, manifest, folder, **common)
 
 
-def decoder_config(bits: int, manifest=None, folder=None, **common) -> WeightOnlyConfig:
+GGUF_GRIDS = ("Q4_1", "Q4_K")  # GGUF tensor types whose blocks of 32 are w = d * q + m: the "gguf" grid keeps them
+
+
+def gguf_tensor_types(manifest) -> dict[str, int]:
+    """How many of a GGUF source's weight tensors each type holds (``{"Q4_K": 135, "Q6_K": 21}``); {} for other sources."""
+    if manifest is None:
+        return {}
+    found = (manifest.source.get("gguf") or {}).get("gguf_tensor_types") or {}
+    if not found:  # the report's line: "Q4_1 (Q4_1 x210, F32 x61, Q8_0 x1)"
+        found = dict(re.findall(r"(\w+) x(\d+)", str(manifest.checks.get("source_quantization", ""))))
+    return {t: int(n) for t, n in found.items() if t not in ("F32", "F16", "BF16")}
+
+
+def decoder_config(bits: int, manifest=None, folder=None, keep_grid: bool = True, **common) -> WeightOnlyConfig:
     """The default decoder recipe (``backend="lm"``) at ``bits`` for the float artifact ``manifest`` in
     ``folder`` (its layers, its weights' shapes, and its source's quantization as convert recorded it).
+
+    ``keep_grid=False`` fits a 4-bit GGUF source's weights again as any other weights, at the
+    Q4_K_M size: smaller and faster than keeping its blocks of 32, and further from the source
+    (docs/quantize.md, "A GGUF source keeps its grid").
 
     Example:
         >>> m = read_manifest("art_fp32")
         >>> quantize("art_fp32", "art_int4", decoder_config(4, m, Path("art_fp32")))
     """
-    if bits == 8:
+    if bits == 8:  # blocks of 128 even for a Q8_0 source: its own blocks of 32 run 1.25-2.2x slower at M=1
         return WeightOnlyConfig(bits=8, block_size=INT8_BLOCK, accuracy_level=FAST_LEVEL, backend="lm", **common)
+    types = gguf_tensor_types(manifest) if keep_grid else {}
     source = str(manifest.checks.get("source_quantization", "")).split(" ")[0] if manifest is not None else ""
-    if source == "Q4_1":
+    if sum(types.get(t, 0) for t in GGUF_GRIDS) > sum(types.values()) / 2:  # mostly Q4_1 / Q4_K: keep them
+        from slimml.quantize.budget import q4_k_m_plan  # (its embedding bits: a tied table is stored once, 8-bit)
+
+        embedding = q4_k_m_plan(Path(folder), manifest, 32).embedding_bits if folder is not None else 8
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
-                                symmetric=False, **common)
-    if source == "Q4_0":  # an integer-zero-point grid of 32: the fitted search finds each block exactly
+                                symmetric=False, embedding_bits=embedding, **common)
+    if source == "Q4_0" and keep_grid:  # an integer-zero-point grid of 32: the fitted search finds each block exactly
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
                                 symmetric=False, **common)
     if folder is not None:

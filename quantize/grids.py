@@ -2,10 +2,13 @@
 
 One concept, two grids (:class:`Recipe`'s ``grid``):
 
-* ``"gguf"``: the source was a llama.cpp 4-bit GGUF file, so its weights already sit on a grid of
-  32-value blocks; they keep it exactly. Q4_1 (``w = d * q + m``) is stored as llama.cpp stores it
-  (:func:`q4_1_blocks`; ``quantize/decoder.py`` applies ``m`` through a block-sum MatMul). Q4_0
-  (``w = d * (q - 8)``) is an integer-zero-point grid, which :func:`fit_blocks` finds exactly.
+* ``"gguf"``: the source was a llama.cpp 4-bit GGUF file, so its 4-bit tensors already sit on a
+  grid of 32-value blocks ``w = d * q + m`` (Q4_1; Q4_K's sub-blocks, whose ``d`` and ``m`` are a
+  6-bit multiple of a float16 per 256 values; Q4_0, ``m = -8 d``). :func:`gguf_blocks` finds each
+  block's grid from the weights themselves (no second reading of the file) and keeps it, up to the
+  float16 rounding of ``d`` and ``m`` (exact for Q4_0 and Q4_1); ``quantize/decoder.py`` applies
+  ``m`` through a block-sum MatMul. A tensor that is not on such a grid (Q4_K_M's Q6_K and Q5_0
+  tensors, a Q8_0 output) had more bits in the source and stays at 8.
 * ``"fitted"`` (any other weights: fp32/fp16/bf16 sources): ONNX Runtime's own 4-bit format,
   ``w = s * (q - z)`` with an integer zero point ``z`` (uint4) per block, in blocks of 128 along the
   input dimension (the fastest at batch-1 decode, ``benchmarks/profile_llm_decode.py matmul``).
@@ -102,15 +105,27 @@ def q8_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(np.uint8), d
 
 
-def q4_1_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """llama.cpp's Q4_1 of ``b`` (rows, blocks, block): codes 0..15, float16 ``d`` and ``m`` (``w = d q + m``).
+def gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The 4-bit grid ``b`` (rows, blocks, block) already sits on, as codes 0..15 and float16 ``d`` and
+    ``m`` (``w = d q + m``), or None when some block is not on one (the tensor had more bits).
 
-    ``d`` and ``m`` are rounded to float16 (as llama.cpp stores them) before the codes are chosen,
-    so a block read from a Q4_1 file comes back exactly.
+    A block's step is the smallest gap between its distinct values (a multiple of its own step, so
+    every value is ``min + k * step`` for an integer ``k``); the block is on a 4-bit grid when each
+    value is within 1% of a step of such a point and ``k <= 15``. ``d`` and ``m`` are then rounded to
+    float16 (as llama.cpp stores them) before the codes are chosen, so Q4_0 and Q4_1 blocks come
+    back exactly and Q4_K's (``d`` a float16 times a 6-bit scale) within float16 rounding.
     """
+    b = b.astype(np.float32)
     lo, hi = b.min(axis=-1), b.max(axis=-1)
+    gaps = np.diff(np.sort(b, axis=-1), axis=-1)
+    real = gaps > (hi - lo)[..., None] * 2.0 ** -12  # equal codes give equal floats: smaller gaps are not steps
+    step = np.where(real, gaps, np.inf).min(axis=-1)
+    step = np.where(np.isfinite(step), step, 1.0)  # a constant block: any step
+    k = (b - lo[..., None]) / step[..., None]
+    if np.abs(k - np.rint(k)).max(initial=0.0) > 0.01 or np.rint(k).max(initial=0.0) > 15:
+        return None
     m = lo.astype(np.float16)
-    d = ((hi - m.astype(np.float32)) / 15.0).astype(np.float16)
+    d = step.astype(np.float16)
     d = np.where(d == 0, np.float16(1), d)
     q = np.clip(np.rint((b - m.astype(np.float32)[..., None]) / d.astype(np.float32)[..., None]), 0, 15)
     return q.astype(np.uint8), d, m

@@ -204,10 +204,30 @@ def test_a_folder_holding_one_gguf_is_that_file(tmp_path):
         find_gguf(tmp_path)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_llama_cpp_grids_come_back_exactly(bits):
-    """Weights on Q4_1's grid (blocks of 32, w = d * q + m, fp16 d and m) or Q8_0's run through
-    MatMulNBits as the float weights do."""
+def _gguf_like(kind: str, rng) -> np.ndarray:
+    """(96 rows, 4 blocks, 32) weights on one of llama.cpp's grids, as gguf-py dequantizes them."""
+    f16 = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    d = f16(rng.random((96, 4)) * 0.01)
+    if kind == "Q4_1":  # w = d q + m, fp16 d and m; the block's min and max are codes 0 and 15
+        q = rng.integers(0, 16, (96, 4, 32))
+        q[..., 0], q[..., 1] = 0, 15
+        return d[..., None] * q + f16(-rng.random((96, 4)) * 0.05)[..., None]
+    big, bigmin = f16(rng.random((96, 1)) * 1e-3), f16(rng.random((96, 1)) * 1e-3)
+    a = big * rng.integers(1, 64, (96, 4))  # a 6-bit scale under an fp16 one per 256 values
+    if kind == "Q4_K":  # w = (D sc) q - (Dmin mn); the codes need not reach 0 or 15
+        mn = np.clip(np.rint(8 * a / bigmin), 0, 63)
+        return (a[..., None] * rng.integers(1, 15, (96, 4, 32)) - (bigmin * mn)[..., None]).astype(np.float32)
+    if kind == "Q6_K":  # w = (D sc) (q - 32)
+        return (a[..., None] * rng.integers(-32, 32, (96, 4, 32))).astype(np.float32)
+    q = rng.integers(-127, 128, (96, 4, 32))  # Q8_0: w = d q, the extremes on the grid
+    q[..., 0], q[..., 1] = -127, 127
+    return d[..., None] * q
+
+
+@pytest.mark.parametrize("kind, bits, tol", [("Q4_1", 4, 1e-5), ("Q4_K", 4, 2e-3), ("Q6_K", 8, 1e-2), ("Q8_0", 8, 1e-5)])
+def test_llama_cpp_grids_come_back_exactly(kind, bits, tol):
+    """Weights on Q4_1's or Q8_0's grid run through MatMulNBits exactly as the float weights do, Q4_K's
+    within float16 rounding of its scales; Q6_K's (more than 4 bits) go to 8 bits in a 4-bit model."""
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
@@ -215,18 +235,31 @@ def test_llama_cpp_grids_come_back_exactly(bits):
     from slimml.quantize.grids import Recipe
 
     rng = np.random.default_rng(0)
-    d = (rng.random((96, 4)) * 0.01).astype(np.float16).astype(np.float32)
-    q = rng.integers(0, 16, (96, 4, 32)) if bits == 4 else rng.integers(-127, 128, (96, 4, 32))
-    q[..., 0] = 0 if bits == 4 else -127  # min/max blocks: the extremes are on the grid
-    q[..., 1] = 15 if bits == 4 else 127
-    m = (-rng.random((96, 4)) * 0.05).astype(np.float16).astype(np.float32) if bits == 4 else np.zeros((96, 4), np.float32)
-    w = (d[..., None] * q + m[..., None]).reshape(96, 128).T.astype(np.float32)  # (K=128, N=96)
-    recipe = Recipe(bits=bits, block_size=32, accuracy_level=None, grid="gguf")
-    nodes, tensors = matmul_nbits_node(helper.make_node("MatMul", ["x", "W"], ["y"]), w, recipe, bits, {})
+    w = _gguf_like(kind, rng).reshape(96, 128).T.astype(np.float32)  # (K=128, N=96)
+    recipe = Recipe(bits=4 if kind != "Q8_0" else 8, block_size=32, accuracy_level=None, grid="gguf")
+    nodes, tensors = matmul_nbits_node(helper.make_node("MatMul", ["x", "W"], ["y"]), w, recipe, recipe.bits, {})
+    assert [a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"] == [bits]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", 128])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], tensors)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
     x = rng.standard_normal((1, 5, 128)).astype(np.float32)
     got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     want = x @ w
-    assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
+    assert np.abs(got - want).max() < tol * np.abs(want).max()
+
+
+@pytest.mark.parametrize("types, bits, want", [
+    ({"Q4_K": 135, "Q6_K": 21}, 4, ("gguf", 32)),  # a 1.1B Llama's Q4_K_M: its Q4_K blocks kept
+    ({"Q4_1": 210, "Q8_0": 1}, 4, ("gguf", 32)),  # SmolLM2's Q4_1 file
+    ({"Q5_0": 166, "Q4_K": 16, "Q8_0": 15, "Q6_K": 14}, 4, ("fitted", 128)),  # SmolLM2's Q4_K_M: mostly 5-bit
+    ({"Q8_0": 210}, 8, (None, 128)),  # 8 bits: blocks of 128 (a Q8_0 file's own blocks of 32 decode 1.25-2.2x slower)
+])
+def test_a_gguf_source_keeps_its_own_grid(types, bits, want):
+    """The default decoder recipe follows the GGUF source's tensor types (quantize/decoder.py)."""
+    from types import SimpleNamespace
+
+    from slimml.quantize.decoder import decoder_config
+
+    manifest = SimpleNamespace(source={"num_hidden_layers": 4, "gguf": {"gguf_tensor_types": {**types, "F32": 9}}}, checks={})
+    config = decoder_config(bits, manifest)
+    assert (config.grid, config.block_size) == want
