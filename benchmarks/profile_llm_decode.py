@@ -111,6 +111,16 @@ MATMUL_CONFIGS = [  # (label, bits, block, accuracy_level, integer zero points)
 ]
 
 
+def _on_q4_1_grid(w: np.ndarray) -> np.ndarray:
+    """``w`` (K, N) rounded to llama.cpp's Q4_1 along K (blocks of 32, fp16 ``d`` and ``m``), as a Q4_1 file holds it."""
+    k, n = w.shape
+    b = w.T.reshape(n, k // 32, 32)
+    m = b.min(axis=-1).astype(np.float16).astype(np.float32)
+    d = ((b.max(axis=-1) - m) / 15).astype(np.float16).astype(np.float32)
+    q = np.clip(np.rint((b - m[..., None]) / np.where(d > 0, d, 1)[..., None]), 0, 15)
+    return np.ascontiguousarray((d[..., None] * q + m[..., None]).reshape(n, k).T.astype(np.float32))
+
+
 def _matmul_graph(w: np.ndarray, bits: int, block: int, level, zp) -> bytes:
     """One weight MatMul of ``w`` (K, N) as slimml's language-model backend writes it (quantize/decoder.py)."""
     import onnx
@@ -125,6 +135,8 @@ def _matmul_graph(w: np.ndarray, bits: int, block: int, level, zp) -> bytes:
         nodes, inits = [node], [numpy_helper.from_array(w, "W")]
     else:
         grid = "gguf" if zp == "gguf" else "fitted"
+        if grid == "gguf":  # the weights of a Q4_1 source (off a grid, the gguf grid would store them at 8 bits)
+            w = _on_q4_1_grid(w)
         recipe = Recipe(bits=bits, block_size=block, accuracy_level=level, grid=grid, zero_points=zp is True)
         nodes, inits = matmul_nbits_node(node, w, recipe, bits, {})
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "M", k])],

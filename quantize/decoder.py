@@ -126,7 +126,9 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
             if w.shape[1] % block:
                 new_nodes.append(node)
                 continue
-            on_grid = gguf_blocks(w.reshape(w.shape[0], -1, 32)) if recipe.grid == "gguf" and w.shape[1] % 32 == 0 else None
+            on_grid = None
+            if recipe.embedding_bits == 4 and recipe.grid == "gguf" and w.shape[1] % 32 == 0:
+                on_grid = gguf_blocks(w.reshape(w.shape[0], -1, 32))
             if recipe.embedding_bits == 4 and (recipe.grid != "gguf" or on_grid is not None):
                 made, tensors = _gather_int4(node, w, block, on_grid)
             else:
@@ -165,10 +167,13 @@ def matmul_nbits_node(node: onnx.NodeProto, w: np.ndarray, recipe: Recipe, bits:
 
     MatMulNBits reads float16 ``d`` through a Cast that ONNX Runtime folds at load. The GGUF grid
     (``w = d * q + m``, :func:`~slimml.quantize.grids.gguf_blocks`; a weight off it is stored at 8
-    bits in blocks of 128) is computed as ``MatMulNBits(x, q, d)`` (its default zero point 8:
-    ``d * (q - 8)``) plus ``blocksum(x) @ (m + 8 d)``, a matmul 32x smaller: MatMulNBits' float
-    zero points would represent ``m`` directly but run ~20x slower (ORT 1.32), and integer zero
-    points cannot hold ``m``. ``sums`` caches one block sum per input (q, k and v read the same one).
+    bits in blocks of 128) is computed as ``MatMulNBits(x, q, d, z)`` with the integer zero point
+    ``z`` nearest ``-m / d`` (``d * (q - z)``) plus ``blocksum(x) @ r``, ``r = m + d z`` (what ``z``
+    leaves of ``m``, at most half a step where ``-m / d`` is in 0..15), a matmul 32x smaller. ``r``
+    is itself an 8-bit MatMulNBits at the recipe's accuracy level (float32 when the level is
+    unset: MLAS has no fast float 8-bit kernel): a float32 ``r`` took a quarter of the kept grid's
+    MatMul time at M=1. MatMulNBits' float zero points would represent ``m`` directly but run ~20x
+    slower (ORT 1.32). ``sums`` caches one block sum per input (q, k and v read the same one).
     ``importance``: the input's second moments (K, K) from the calibration text: the fitted grid's
     blocks are then chosen by GPTQ's error feedback (``quantize/gptq.py``), its search weighed by them.
     """
@@ -187,6 +192,10 @@ def matmul_nbits_node(node: onnx.NodeProto, w: np.ndarray, recipe: Recipe, bits:
         q, d = q8_blocks(wt)
     elif found is not None:
         q, d, m = found
+        d32 = d.astype(np.float32)
+        zq = np.clip(np.rint(-m.astype(np.float32) / d32), 0, 15)
+        m = m.astype(np.float32) + d32 * zq  # r: what the integer zero point leaves of m, (N, blocks)
+        z = pack_nibbles(zq.astype(np.uint8)).reshape(-1)
     else:
         if importance is not None and not pad:
             q, d, z = gptq_blocks(wt.reshape(n, k), importance, block, recipe.zero_points)
@@ -218,14 +227,22 @@ def matmul_nbits_node(node: onnx.NodeProto, w: np.ndarray, recipe: Recipe, bits:
         tensors.append(numpy_helper.from_array(np.array([-1], np.int64), sums[x] + "_axis"))
         made += [helper.make_node("Reshape", [x, sums[x] + "_shape"], [sums[x] + "_b"]),
                  helper.make_node("ReduceSum", [sums[x] + "_b", sums[x] + "_axis"], [sums[x]], keepdims=0)]
-    tensors += [numpy_helper.from_array(np.ascontiguousarray(m.T), base + "_m16"),  # (blocks, N)
-                numpy_helper.from_array(np.array(8.0, np.float32), base + "_eight")]
-    made += [helper.make_node("Cast", [base + "_m16"], [base + "_m32"], to=TensorProto.FLOAT),
-             helper.make_node("Transpose", [base + "_d32"], [base + "_dT"], perm=[1, 0]),
-             helper.make_node("Mul", [base + "_dT", base + "_eight"], [base + "_8d"]),
-             helper.make_node("Add", [base + "_m32", base + "_8d"], [base + "_offset"]),  # m + 8 d: (blocks, N)
-             helper.make_node("MatMul", [sums[x], base + "_offset"], [base + "_corr"]),
-             helper.make_node("Add", [out, base + "_corr"], [node.output[0]])]
+    blocks = k // block
+    if recipe.accuracy_level is None:  # r as float32: exact, and the fast path without int8 compute
+        tensors.append(numpy_helper.from_array(np.ascontiguousarray(m.T), base + "_r"))  # (blocks, N)
+        made.append(helper.make_node("MatMul", [sums[x], base + "_r"], [base + "_corr"]))
+    else:  # r as 8-bit blocks along the block sums
+        rb = block_for(blocks, INT8_BLOCK)
+        rb = rb if blocks % rb == 0 else 16  # no power of two divides the count: the least padding
+        rpad = (-blocks) % rb
+        rq, rd = q8_blocks(np.pad(m, ((0, 0), (0, rpad))).reshape(n, (blocks + rpad) // rb, rb))
+        tensors += [numpy_helper.from_array(rq, base + "_r"), numpy_helper.from_array(rd, base + "_r_d16")]
+        made += [helper.make_node("Cast", [base + "_r_d16"], [base + "_r_d32"], to=TensorProto.FLOAT),
+                 helper.make_node("Reshape", [base + "_r_d32", base + "_flat"], [base + "_r_scales"]),
+                 helper.make_node("MatMulNBits", [sums[x], base + "_r", base + "_r_scales"], [base + "_corr"],
+                                  name=(node.name or base) + "_R", domain="com.microsoft", K=blocks, N=n, bits=8,
+                                  block_size=rb, accuracy_level=recipe.accuracy_level)]
+    made.append(helper.make_node("Add", [out, base + "_corr"], [node.output[0]]))
     return made, tensors
 
 
@@ -364,7 +381,8 @@ def decoder_config(bits: int, manifest=None, folder=None, keep_grid: bool = True
     """
     if bits == 8:  # blocks of 128 even for a Q8_0 source: its own blocks of 32 run 1.25-2.2x slower at M=1
         return WeightOnlyConfig(bits=8, block_size=INT8_BLOCK, accuracy_level=FAST_LEVEL, backend="lm", **common)
-    types = gguf_tensor_types(manifest) if keep_grid else {}
+    student = manifest is not None and bool(manifest.source.get("student_of"))  # distilled or pruned: new weights
+    types = gguf_tensor_types(manifest) if keep_grid and not student else {}
     source = str(manifest.checks.get("source_quantization", "")).split(" ")[0] if manifest is not None else ""
     if sum(types.get(t, 0) for t in GGUF_GRIDS) > sum(types.values()) / 2:  # mostly Q4_1 / Q4_K: keep them
         from slimml.quantize.budget import q4_k_m_plan  # (its embedding bits: a tied table is stored once, 8-bit)
@@ -372,7 +390,7 @@ def decoder_config(bits: int, manifest=None, folder=None, keep_grid: bool = True
         embedding = q4_k_m_plan(Path(folder), manifest, 32).embedding_bits if folder is not None else 8
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
                                 symmetric=False, embedding_bits=embedding, **common)
-    if source == "Q4_0" and keep_grid:  # an integer-zero-point grid of 32: the fitted search finds each block exactly
+    if source == "Q4_0" and keep_grid and not student:  # an integer-zero-point grid of 32: the fitted search finds each block exactly
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
                                 symmetric=False, **common)
     if folder is not None:

@@ -4,12 +4,13 @@ One concept, two grids (:class:`Recipe`'s ``grid``):
 
 * ``"gguf"``: the source was a llama.cpp 4-bit GGUF file, so its 4-bit tensors already sit on a
   grid of 32-value blocks ``w = d * q + m`` (Q4_1; Q4_K's sub-blocks, whose ``d`` and ``m`` are a
-  6-bit multiple of a float16 per 256 values; Q4_0, ``m = -8 d``). :func:`gguf_blocks` finds each
-  block's grid from the weights themselves (no second reading of the file) and keeps it, up to the
-  float16 rounding of ``d`` and ``m`` (exact for Q4_0 and Q4_1); ``quantize/decoder.py`` applies
+  6-bit multiple of a float16 per 256 values). :func:`gguf_blocks` finds each block's grid from
+  the weights themselves (no second reading of the file) and keeps it, up to the float16 rounding
+  of ``d`` and ``m`` (exact for Q4_1, whose blocks hold codes 0 and 15); ``quantize/decoder.py`` applies
   ``m`` through a block-sum MatMul. A tensor that is not on such a grid (Q4_K_M's Q6_K and Q5_0
   tensors, a Q8_0 output) had more bits in the source and stays at 8.
-* ``"fitted"`` (any other weights: fp32/fp16/bf16 sources): ONNX Runtime's own 4-bit format,
+* ``"fitted"`` (any other weights: fp32/fp16/bf16 sources; Q4_0 in blocks of 32, whose integer
+  zero point 8 it finds exactly): ONNX Runtime's own 4-bit format,
   ``w = s * (q - z)`` with an integer zero point ``z`` (uint4) per block, in blocks of 128 along the
   input dimension (the fastest at batch-1 decode, ``benchmarks/profile_llm_decode.py matmul``).
   Each block's ``(s, z)`` is searched to minimise a weighted squared error (llama.cpp's
@@ -43,7 +44,8 @@ class Recipe:
         zero_points: fitted 4-bit blocks carry an integer zero point (asymmetric).
         sensitive_layers: layers whose FFN down, attention output and a separate V projection stay
             at 8 bits in a 4-bit model, as llama.cpp's Q4_K_M keeps V and down at 6 bits.
-        embedding_bits: the token embedding's table: 8, or 4 (fitted) for an untied embedding.
+        embedding_bits: the token embedding's table: 8, or 4 for an untied embedding (on the fitted
+            grid, or kept on a GGUF source's grid; 8 where it is off that grid).
     """
 
     bits: int = 4
@@ -109,20 +111,32 @@ def gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | No
     """The 4-bit grid ``b`` (rows, blocks, block) already sits on, as codes 0..15 and float16 ``d`` and
     ``m`` (``w = d q + m``), or None when some block is not on one (the tensor had more bits).
 
-    A block's step is the smallest gap between its distinct values (a multiple of its own step, so
-    every value is ``min + k * step`` for an integer ``k``); the block is on a 4-bit grid when each
-    value is within 1% of a step of such a point and ``k <= 15``. ``d`` and ``m`` are then rounded to
-    float16 (as llama.cpp stores them) before the codes are chosen, so Q4_0 and Q4_1 blocks come
-    back exactly and Q4_K's (``d`` a float16 times a 6-bit scale) within float16 rounding.
+    The smallest gap between a block's distinct values is a whole number ``j`` of its step (``j``
+    is 1 unless no two neighbouring codes occur), so the step is the first of ``gap / j``
+    (``j`` = 1..15) that puts every value within 1% of a step of ``min + k * step`` with an integer
+    ``k <= 15``. ``d`` and ``m`` are then rounded to float16 (as llama.cpp stores them) before the
+    codes are chosen: Q4_1 blocks come back exactly, Q4_K's (``d`` a float16 times a 6-bit scale)
+    within float16 rounding (at most ~1% of a step).
     """
     b = b.astype(np.float32)
     lo, hi = b.min(axis=-1), b.max(axis=-1)
     gaps = np.diff(np.sort(b, axis=-1), axis=-1)
     real = gaps > (hi - lo)[..., None] * 2.0 ** -12  # equal codes give equal floats: smaller gaps are not steps
-    step = np.where(real, gaps, np.inf).min(axis=-1)
-    step = np.where(np.isfinite(step), step, 1.0)  # a constant block: any step
-    k = (b - lo[..., None]) / step[..., None]
-    if np.abs(k - np.rint(k)).max(initial=0.0) > 0.01 or np.rint(k).max(initial=0.0) > 15:
+    gap = np.where(real, gaps, np.inf).min(axis=-1)
+    gap = np.where(np.isfinite(gap), gap, 1.0)  # a constant block: any step
+    levels = (hi - lo) / gap  # gap / j as the step puts the block's max at code j * levels
+    if levels.max(initial=0.0) > 15.5:
+        return None  # some block spans more than 16 levels of its smallest gap: off any 4-bit grid
+    step = np.full_like(gap, np.nan)
+    for j in range(1, 16):  # the first divisor of the smallest gap that puts each block on a grid
+        todo = np.isnan(step) & (j * levels <= 15.5)
+        if not todo.any():
+            break
+        s = gap[todo] / j
+        k = (b[todo] - lo[todo][..., None]) / s[..., None]
+        fits = (np.abs(k - np.rint(k)).max(axis=-1) <= 0.01) & (np.rint(k).max(axis=-1) <= 15)
+        step[todo] = np.where(fits, s, np.nan)
+    if np.isnan(step).any():
         return None
     m = lo.astype(np.float16)
     d = step.astype(np.float16)

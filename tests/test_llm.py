@@ -248,6 +248,18 @@ def test_llama_cpp_grids_come_back_exactly(kind, bits, tol):
     assert np.abs(got - want).max() < tol * np.abs(want).max()
 
 
+def test_a_block_without_neighbouring_codes_is_still_on_its_grid():
+    """Codes {0, 13, 15}: the smallest gap is two steps; the grid is still found, exactly."""
+    from slimml.quantize.grids import gguf_blocks
+
+    q = np.random.default_rng(0).choice([0, 13, 15], size=(4, 2, 32))
+    q[..., :3] = [0, 13, 15]
+    d, m = np.float16(0.01), np.float16(-0.07)
+    w = (np.float32(d) * q + np.float32(m)).astype(np.float32)
+    codes, dd, mm = gguf_blocks(w)
+    assert np.array_equal(dd.astype(np.float32)[..., None] * codes + mm.astype(np.float32)[..., None], w)
+
+
 @pytest.mark.parametrize("types, bits, want", [
     ({"Q4_K": 135, "Q6_K": 21}, 4, ("gguf", 32)),  # a 1.1B Llama's Q4_K_M: its Q4_K blocks kept
     ({"Q4_1": 210, "Q8_0": 1}, 4, ("gguf", 32)),  # SmolLM2's Q4_1 file
@@ -263,3 +275,6 @@ def test_a_gguf_source_keeps_its_own_grid(types, bits, want):
     manifest = SimpleNamespace(source={"num_hidden_layers": 4, "gguf": {"gguf_tensor_types": {**types, "F32": 9}}}, checks={})
     config = decoder_config(bits, manifest)
     assert (config.grid, config.block_size) == want
+    if bits == 4:  # a student distilled or pruned from the file has new weights: fitted
+        manifest.source["student_of"] = "teacher"
+        assert decoder_config(bits, manifest).grid == "fitted"
