@@ -381,21 +381,22 @@ def decoder_config(bits: int, manifest=None, folder=None, keep_grid: bool = True
     """
     if bits == 8:  # blocks of 128 even for a Q8_0 source: its own blocks of 32 run 1.25-2.2x slower at M=1
         return WeightOnlyConfig(bits=8, block_size=INT8_BLOCK, accuracy_level=FAST_LEVEL, backend="lm", **common)
+    from slimml.quantize.budget import q4_k_m_plan
+
     student = manifest is not None and bool(manifest.source.get("student_of"))  # distilled or pruned: new weights
     types = gguf_tensor_types(manifest) if keep_grid and not student else {}
-    source = str(manifest.checks.get("source_quantization", "")).split(" ")[0] if manifest is not None else ""
-    if sum(types.get(t, 0) for t in GGUF_GRIDS) > sum(types.values()) / 2:  # mostly Q4_1 / Q4_K: keep them
-        from slimml.quantize.budget import q4_k_m_plan  # (its embedding bits: a tied table is stored once, 8-bit)
 
+    def mostly(kinds: tuple[str, ...]) -> bool:
+        return sum(types.get(t, 0) for t in kinds) > sum(types.values()) / 2
+
+    if mostly(GGUF_GRIDS):  # keep them; the embedding bits as the budget's (a tied table is stored once, 8-bit)
         embedding = q4_k_m_plan(Path(folder), manifest, 32).embedding_bits if folder is not None else 8
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
                                 symmetric=False, embedding_bits=embedding, **common)
-    if source == "Q4_0" and keep_grid and not student:  # an integer-zero-point grid of 32: the fitted search finds each block exactly
+    if mostly(("Q4_0",)):  # an integer-zero-point grid of 32: the fitted search finds each block exactly
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
                                 symmetric=False, **common)
     if folder is not None:
-        from slimml.quantize.budget import q4_k_m_plan
-
         plan = q4_k_m_plan(Path(folder), manifest, INT4_BLOCK)
         layers, embedding = plan.sensitive_layers, plan.embedding_bits
     else:
