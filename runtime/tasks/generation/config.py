@@ -19,6 +19,8 @@ class GenerationConfig:
     Attributes:
         max_new_tokens: tokens to add per prompt at most (fewer where the model's context ends).
         temperature: divides the logits before sampling; 0 picks the most likely token (greedy).
+        do_sample: as transformers reads it: False is greedy whatever the temperature; True with
+            temperature 0 samples at temperature 1 (transformers' default); None follows the temperature.
         top_k: sample among the k most likely tokens only; 0 turns it off.
         top_p: sample among the most likely tokens whose probabilities add up to top_p (nucleus);
             1 turns it off.
@@ -40,6 +42,7 @@ class GenerationConfig:
 
     max_new_tokens: int = 32
     temperature: float = 0.0  # greedy by default: same answer every call, as llama.cpp with --temp 0
+    do_sample: bool | None = None
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
@@ -74,6 +77,10 @@ class GenerationConfig:
             raise ConfigError(f"eos_token_id must be a token id >= 0, a list of them, or None, got {eos!r}.")
         if self.pad_token_id is not None and not (is_int(self.pad_token_id) and self.pad_token_id >= 0):
             raise ConfigError(f"pad_token_id must be a token id >= 0 or None, got {self.pad_token_id!r}.")
+        if self.do_sample is not None and not isinstance(self.do_sample, bool):
+            raise ConfigError(f"do_sample must be True, False or None, got {self.do_sample!r}.")
+        if self.do_sample and self.temperature == 0:
+            object.__setattr__(self, "temperature", 1.0)
         if not isinstance(self.truncate, bool):
             raise ConfigError(f"truncate must be True or False, got {self.truncate!r}.")
         object.__setattr__(self, "stop", tuple(stop))
@@ -83,8 +90,8 @@ class GenerationConfig:
 
     @property
     def greedy(self) -> bool:
-        """True when every step takes the most likely token (temperature 0, or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when every step takes the most likely token (temperature 0, top_k 1, or do_sample=False)."""
+        return self.do_sample is False or self.temperature == 0 or self.top_k == 1
 
     @classmethod
     def of(cls, config: GenerationConfig | None = None, **options: Any) -> GenerationConfig:

@@ -6,13 +6,15 @@ After this the decode loop trusts its feeds (``Engine.run_trusted``) and checks 
 
 from __future__ import annotations
 
+import json
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slimml.errors import FeedError, SlimmlError
+from slimml.errors import ArtifactError, FeedError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
 from slimml.runtime.tasks.limits import Limits
 
@@ -111,19 +113,40 @@ def untruncated(text: Any) -> Tokenizer:
 
 
 def end_ids(model: Any, config: GenerationConfig, tok: Tokenizer | None) -> set[int]:
-    """The ids that end a prompt: ``config.eos_token_id``, else the end token the manifest names
-    and, as llama.cpp's end-of-generation set, every known end token of the vocabulary (a chat
-    model's turn ends with ``<|im_end|>`` or ``<|eot_id|>`` though its eos is another); with
-    ``config.stop_token_ids``."""
+    """The ids that end a prompt: ``config.eos_token_id``, else the end ids the model names
+    (the artifact's ``generation_config.json`` ``eos_token_id``, an id or a list as transformers
+    reads it, and the manifest's ``eos_token``/``eos_token_id``) and, as llama.cpp's
+    end-of-generation set, every known end token of the vocabulary (a chat model's turn ends with
+    ``<|im_end|>`` or ``<|eot_id|>`` though its eos is another); with ``config.stop_token_ids``."""
     eos = config.eos_token_id
-    if eos is None and tok is not None:
+    if eos is None:
         spec = model.manifest.tokenizer or {}
-        named = [spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []
-        eos = {tok.token_to_id(t) for t in [*named, *_EOS_TOKENS]} - {None}
-        if is_int(spec.get("eos_token_id")):
-            eos.add(int(spec["eos_token_id"]))
-    found = set() if eos is None else {eos} if is_int(eos) else set(eos)
-    return found | set(config.stop_token_ids)
+        eos = set(_ids(spec.get("eos_token_id"))) | set(_ids(_generation_config(model.folder).get("eos_token_id")))
+        if tok is not None:
+            named = [spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []
+            eos |= {tok.token_to_id(t) for t in [*named, *_EOS_TOKENS]} - {None}
+    return set(_ids(eos)) | set(config.stop_token_ids)
+
+
+def _ids(v: Any) -> list[int]:
+    """A token id or a list of them (as generation_config.json writes ``eos_token_id``) as a list."""
+    if is_int(v):
+        return [int(v)] if v >= 0 else []
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [int(i) for i in v if is_int(i) and i >= 0]
+    return []
+
+
+def _generation_config(folder: Any) -> dict[str, Any]:
+    """The artifact's ``generation_config.json`` (copied from the source folder), or {}."""
+    path = Path(folder) / "generation_config.json" if folder is not None else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"could not read {path} ({' '.join(str(e).split())}); fix or remove it.") from None
+    return found if isinstance(found, dict) else {}
 
 
 def pad_id(model: Any, config: GenerationConfig) -> int:

@@ -3,8 +3,10 @@
 The processors run in the order transformers runs them (``_get_logits_processor``): repetition
 penalty, then temperature, top-k and top-p, each keeping the tokens transformers keeps, so that a
 transformers user's settings mean the same here. Sampling draws one uniform number per prompt per
-step from one ``numpy.random.Generator`` seeded by ``seed``: the same seed, prompts and model give
-the same tokens.
+step from its own ``numpy.random.Generator`` seeded by ``seed``, as a served request draws from
+its own: the same seed, prompt and model give the same tokens, alone or in a batch of any size (so
+the same prompt twice in one batch with one seed gives the same tokens twice; ``seed=None`` draws
+a fresh seed per prompt).
 
 Per step this must cost little beside a model pass (a 49k vocabulary, every token): top-k and
 top-p work on candidates picked by ``np.partition`` (O(vocab)) and sort only those, never the
@@ -31,7 +33,7 @@ class Sampler:
 
     def __init__(self, config: GenerationConfig, prompts: list[list[int]], vocab: int):
         self.config = config
-        self.rng = np.random.Generator(np.random.PCG64(config.seed))
+        self.rngs = [np.random.Generator(np.random.PCG64(config.seed)) for _ in prompts]  # one a prompt
         self.seen: np.ndarray | None = None  # (B, vocab) bool, only with a repetition penalty
         if config.repetition_penalty != 1.0:
             self.seen = np.zeros((len(prompts), vocab), dtype=bool)
@@ -43,11 +45,11 @@ class Sampler:
         scores = self._penalised(logits)
         if self.config.greedy:
             return scores.argmax(axis=-1).astype(np.int64)
-        u = self.rng.random(len(scores))  # one draw a row, every step: the stream of draws never depends on the logits
         out = np.empty(len(scores), dtype=np.int64)
         for row in range(len(scores)):
+            u = self.rngs[row].random()  # one draw a row, every step: the draws never depend on the logits or the batch
             ids, kept = self._keep(scores[row])
-            k = draw(np.exp(kept - kept.max()), u[row])  # float32: float64 temporaries of a vocabulary cost page faults
+            k = draw(np.exp(kept - kept.max()), u)  # float32: float64 temporaries of a vocabulary cost page faults
             out[row] = k if ids is None else ids[k]
         return out
 
