@@ -85,7 +85,8 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     # tokens within the call's budget (model.limits, raised for trusted input)
     limits = getattr(model, "limits", None) or Limits()
     limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size)
-    return Prompts(ids=ids, texts=texts, steps=steps, end_ids=frozenset(end_ids(model, config, tok)),
+    ends = end_ids(model, config, tok) | (special_stops(tok, config.stop) if tok is not None else set())
+    return Prompts(ids=ids, texts=texts, steps=steps, end_ids=frozenset(ends),
                    pad_id=pad_id(model, config), tokenizer=tok)
 
 
@@ -126,6 +127,15 @@ def end_ids(model: Any, config: GenerationConfig, tok: Tokenizer | None) -> set[
             named = [spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []
             eos |= {tok.token_to_id(t) for t in [*named, *_EOS_TOKENS]} - {None}
     return set(_ids(eos)) | set(config.stop_token_ids)
+
+
+def special_stops(tok: Tokenizer, stop: tuple[str, ...]) -> set[int]:
+    """Ids of the stop strings that are special tokens (``"<|eot_id|>"``): the text leaves special
+    tokens out, so such a stop string is matched by its id."""
+    if not stop:
+        return set()
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return {special[s] for s in stop if s in special}
 
 
 def _ids(v: Any) -> list[int]:
