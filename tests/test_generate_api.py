@@ -82,9 +82,27 @@ def test_sampled_tokens_follow_the_model_probabilities(llama, tiny_llama_dir):
         logits = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()(torch.tensor([prompt])).logits[0, -1].numpy()
     top = np.argsort(-logits)[:4]
     p = np.exp((logits[top] - logits[top].max()) / 0.05)  # a low temperature: the 4 most likely tokens differ clearly
-    got = llama.generate([prompt] * 800, max_new_tokens=1, temperature=0.05, top_k=4).tokens  # seed None: each row its own
-    counts = np.array([sum(t[0] == k for t in got) for k in top]) / 800
-    assert counts.sum() == 1 and np.abs(counts - p / p.sum()).max() < 0.06, (counts, p / p.sum())
+    got = llama.generate([prompt] * 800, max_new_tokens=1, temperature=0.05, top_k=4, seed=list(range(800))).tokens
+    counts = np.array([sum(t[0] == k for t in got) for k in top])
+    assert counts.sum() == 800 and np.abs(counts / 800 - p / p.sum()).max() < 0.05, (counts, p / p.sum())
+    with pytest.raises(ConfigError, match="^seed has 2 values for 3 prompts; give one per prompt, or one integer.$"):
+        llama.generate(PROMPTS, temperature=1.0, seed=[1, 2])
+
+
+def test_min_new_tokens_holds_back_the_end_ids_as_transformers(llama, tiny_llama_dir):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    prompt = [5, 6, 7, 8]
+    tokens = llama.generate([prompt], max_new_tokens=12, eos_token_id=()).tokens[0]
+    ends = [tokens[1], tokens[4]]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=12,
+                           min_new_tokens=6, do_sample=False, eos_token_id=ends, pad_token_id=0)[0, 4:].tolist()
+    got = llama.generate([prompt], max_new_tokens=12, min_new_tokens=6, eos_token_id=ends)
+    assert got.tokens[0] == want[: next((k + 1 for k, t in enumerate(want) if t in ends), len(want))]
+    assert len(got.tokens[0]) > 6 or got.finish_reasons == ["length"]
 
 
 def test_end_ids_from_generation_config_and_special_stop_strings(llama, bpe, tiny_llama_past_artifact, tmp_path):

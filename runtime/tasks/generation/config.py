@@ -17,7 +17,10 @@ class GenerationConfig:
     """How to continue a prompt.
 
     Attributes:
-        max_new_tokens: tokens to add per prompt at most (fewer where the model's context ends).
+        max_new_tokens: tokens to add per prompt at most. A prompt plus max_new_tokens past the
+            model's context is refused (with ``truncate``, fewer new tokens are made instead).
+        min_new_tokens: the end ids (eos and stop_token_ids) cannot be chosen before this many
+            new tokens, as transformers' ``min_new_tokens`` (stop strings still stop).
         temperature: divides the logits before sampling; 0 picks the most likely token (greedy).
         do_sample: as transformers reads it: False is greedy whatever the temperature; True with
             temperature 0 samples at temperature 1 (transformers' default); None follows the temperature.
@@ -26,8 +29,9 @@ class GenerationConfig:
             1 turns it off.
         repetition_penalty: logits of tokens already in the prompt or the output are divided by it
             (multiplied where negative), as transformers does; 1 turns it off.
-        seed: seeds numpy's ``Generator`` for sampling: the same seed gives the same tokens.
-            None draws a fresh seed.
+        seed: seeds numpy's ``Generator`` for sampling. Each prompt draws from its own generator,
+            so the same seed gives a prompt the same tokens alone or in any batch (the same prompt
+            twice in a batch too); a list gives one seed per prompt. None draws fresh seeds.
         stop: strings that end a prompt's generation where they appear in its text (also across
             token boundaries); the stop string itself is not returned.
         stop_token_ids: token ids that end a prompt's generation, beside the end-of-sequence id.
@@ -41,12 +45,13 @@ class GenerationConfig:
     """
 
     max_new_tokens: int = 32
+    min_new_tokens: int = 0
     temperature: float = 0.0  # greedy by default: same answer every call, as llama.cpp with --temp 0
     do_sample: bool | None = None
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: int | tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     eos_token_id: int | tuple[int, ...] | None = None
@@ -55,12 +60,16 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         _whole("max_new_tokens", self.max_new_tokens, 1)
+        _whole("min_new_tokens", self.min_new_tokens, 0)
         _number("temperature", self.temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
         _whole("top_k", self.top_k, 0, "(0 turns it off)")
         _number("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
         _number("repetition_penalty", self.repetition_penalty, "> 0 (1 turns it off)", lambda v: v > 0)
-        if self.seed is not None and not is_int(self.seed):
-            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}; pass e.g. seed=0.")
+        seed = self.seed
+        if seed is not None and not is_int(seed) and not (
+                isinstance(seed, (list, tuple)) and seed and all(is_int(v) for v in seed)):
+            raise ConfigError(f"seed must be an integer, a list of them (one per prompt) or None, got {seed!r}; "
+                              "pass e.g. seed=0.")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}.")
@@ -85,6 +94,8 @@ class GenerationConfig:
             raise ConfigError(f"truncate must be True or False, got {self.truncate!r}.")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        if isinstance(seed, list):
+            object.__setattr__(self, "seed", tuple(seed))
         if isinstance(eos, (list, tuple)):
             object.__setattr__(self, "eos_token_id", tuple(int(i) for i in eos))
 

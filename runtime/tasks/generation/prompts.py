@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slimml.errors import ArtifactError, FeedError, SlimmlError
+from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
 from slimml.runtime.tasks.limits import Limits
 
@@ -59,6 +59,8 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
         ids = _id_lists(prompts)
     if not ids or any(len(p) == 0 for p in ids):
         raise FeedError("generate() needs at least one non-empty prompt; give a text or a list of token ids.")
+    if isinstance(config.seed, tuple) and len(config.seed) != len(ids):
+        raise ConfigError(f"seed has {len(config.seed)} values for {len(ids)} prompts; give one per prompt, or one integer.")
     engine = model.engine
     vocab = engine.vocab_size
     if vocab is not None:

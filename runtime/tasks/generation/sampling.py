@@ -29,11 +29,15 @@ class Sampler:
         config: the checked generation settings.
         prompts: each prompt's token ids (they count as seen, as in transformers).
         vocab: the logits' last dimension.
+        ends: the ids that end a prompt, kept from being chosen for ``config.min_new_tokens`` steps.
     """
 
-    def __init__(self, config: GenerationConfig, prompts: list[list[int]], vocab: int):
+    def __init__(self, config: GenerationConfig, prompts: list[list[int]], vocab: int, ends: frozenset[int] = frozenset()):
         self.config = config
-        self.rngs = [np.random.Generator(np.random.PCG64(config.seed)) for _ in prompts]  # one a prompt
+        self.ends = np.array(sorted(i for i in ends if 0 <= i < vocab), dtype=np.int64)
+        self.made = 0  # tokens chosen so far (add() counts them)
+        seeds = config.seed if isinstance(config.seed, tuple) else [config.seed] * len(prompts)
+        self.rngs = [np.random.Generator(np.random.PCG64(int(s) if s is not None else None)) for s in seeds]  # one a prompt (prepare() checked a list's length)
         self.seen: np.ndarray | None = None  # (B, vocab) bool, only with a repetition penalty
         if config.repetition_penalty != 1.0:
             self.seen = np.zeros((len(prompts), vocab), dtype=bool)
@@ -67,15 +71,22 @@ class Sampler:
 
     def add(self, ids: np.ndarray) -> None:
         """Count the tokens just chosen, (B,), as seen."""
+        self.made += 1
         if self.seen is not None:
             self.seen[np.arange(len(ids)), ids] = True
 
     def _penalised(self, logits: np.ndarray) -> np.ndarray:
         """Repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``): a seen token's
-        logit is divided by the penalty where positive, multiplied where negative."""
-        if self.seen is None:
+        logit is divided by the penalty where positive, multiplied where negative; end ids at -inf
+        before ``min_new_tokens`` (``MinNewTokensLengthLogitsProcessor``)."""
+        early = self.made < self.config.min_new_tokens and len(self.ends)
+        if self.seen is None and not early:
             return logits.astype(np.float32, copy=False)
         scores = logits.astype(np.float32, copy=True)
+        if early:
+            scores[:, self.ends] = -np.inf
+        if self.seen is None:
+            return scores
         rows, cols = np.nonzero(self.seen)
         v = scores[rows, cols]
         p = np.float32(self.config.repetition_penalty)
