@@ -85,7 +85,7 @@ class ChatTemplate:
     def of_artifact(cls, folder: Path, spec: dict[str, Any] | None) -> ChatTemplate:
         """The chat template of the artifact in ``folder`` whose manifest tokenizer entry is ``spec``."""
         spec = spec or {}
-        config = _tokenizer_config(folder)
+        config = folder_json(folder, "tokenizer_config.json")
         special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if k in config}
         special.update({k: spec[k] for k in SPECIAL_TOKENS if isinstance(spec.get(k), str)})
         if isinstance(spec.get("chat_template"), str):
@@ -154,8 +154,10 @@ def _cut_at_tag(text: str, final: str, where: str) -> str:
     return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
-def _tokenizer_config(folder: Path) -> dict[str, Any]:
-    path = folder / "tokenizer_config.json"
+def folder_json(folder: Path, name: str) -> dict[str, Any]:
+    """The JSON object in ``folder/name`` (``tokenizer_config.json``, ``generation_config.json``), or {}
+    where there is none."""
+    path = Path(folder) / name
     if not path.is_file():
         return {}
     try:

@@ -6,15 +6,14 @@ After this the decode loop trusts its feeds (``Engine.run_trusted``) and checks 
 
 from __future__ import annotations
 
-import json
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
+from slimml.errors import ConfigError, FeedError, SlimmlError
+from slimml.runtime.tasks.generation.chat import folder_json
 from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
 from slimml.runtime.tasks.limits import Limits
 
@@ -124,7 +123,9 @@ def end_ids(model: Any, config: GenerationConfig, tok: Tokenizer | None) -> set[
     eos = config.eos_token_id
     if eos is None:
         spec = model.manifest.tokenizer or {}
-        eos = set(_ids(spec.get("eos_token_id"))) | set(_ids(_generation_config(model.folder).get("eos_token_id")))
+        folder = getattr(model, "folder", None)
+        generation = folder_json(folder, "generation_config.json") if folder is not None else {}
+        eos = set(_ids(spec.get("eos_token_id"))) | set(_ids(generation.get("eos_token_id")))
         if tok is not None:
             named = [spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []
             eos |= {tok.token_to_id(t) for t in [*named, *_EOS_TOKENS]} - {None}
@@ -147,18 +148,6 @@ def _ids(v: Any) -> list[int]:
     if isinstance(v, (list, tuple, set, frozenset)):
         return [int(i) for i in v if is_int(i) and i >= 0]
     return []
-
-
-def _generation_config(folder: Any) -> dict[str, Any]:
-    """The artifact's ``generation_config.json`` (copied from the source folder), or {}."""
-    path = Path(folder) / "generation_config.json" if folder is not None else None
-    if path is None or not path.is_file():
-        return {}
-    try:
-        found = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ArtifactError(f"could not read {path} ({' '.join(str(e).split())}); fix or remove it.") from None
-    return found if isinstance(found, dict) else {}
 
 
 def pad_id(model: Any, config: GenerationConfig) -> int:

@@ -36,8 +36,8 @@ class Sampler:
         self.config = config
         self.ends = np.array(sorted(i for i in ends if 0 <= i < vocab), dtype=np.int64)
         self.made = 0  # tokens chosen so far (add() counts them)
-        seeds = config.seed if isinstance(config.seed, tuple) else [config.seed] * len(prompts)
-        self.rngs = [np.random.Generator(np.random.PCG64(int(s) if s is not None else None)) for s in seeds]  # one a prompt (prepare() checked a list's length)
+        seeds = config.seed if isinstance(config.seed, tuple) else [config.seed] * len(prompts)  # a list: prepare() checked it
+        self.rngs = [np.random.Generator(np.random.PCG64(None if s is None else int(s))) for s in seeds]  # one a prompt
         self.seen: np.ndarray | None = None  # (B, vocab) bool, only with a repetition penalty
         if config.repetition_penalty != 1.0:
             self.seen = np.zeros((len(prompts), vocab), dtype=bool)
