@@ -501,8 +501,8 @@ def generate(
     else:
         made, seconds = 0, 0.0
         for p, messages in zip(prompt, conversations):  # one at a time, so that each prompt's text prints as it is produced
+            pieces = model.chat(messages, config, stream=True) if chat else model.stream(p, config)  # refuses before printing
             console.print(Text(p, style="bold"), end="\n" if chat else "", highlight=False)  # Text: a prompt's [brackets] are not markup
-            pieces = model.chat(messages, config, stream=True) if chat else model.stream(p, config)
             for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()

@@ -203,7 +203,7 @@ def test_a_streamed_model_generates_the_resident_tokens(llama):
     streamed.close()
 
 
-def test_cli_prints_prompts_as_text_with_system_and_stop_ids(llama):
+def test_cli_prints_prompts_as_text_with_system_and_stop_ids(llama, bpe, tiny_llama_past_artifact, tmp_path):
     def slimml(*args):
         return subprocess.run([sys.executable, "-m", "slimml", "generate", str(llama.folder), *map(str, args)],
                               capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
@@ -219,6 +219,12 @@ def test_cli_prints_prompts_as_text_with_system_and_stop_ids(llama):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tokens"] == llama.chat(messages, max_new_tokens=8, stop_token_ids=[stop]).tokens
     assert want.tokens  # the plain prompt ran as text, not markup
+    gemma = with_tokenizer(tiny_llama_past_artifact, tmp_path / "gemma", bpe, GEMMA)
+    r = subprocess.run([sys.executable, "-m", "slimml", "generate", str(gemma), "--prompt", "hi", "--chat", "--system", "x"],
+                       capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert r.returncode == 1 and r.stdout == ""  # refused before the prompt is printed, in one line
+    assert r.stderr == (f"error: {gemma / 'chat_template.jinja'} failed to render these messages (TemplateError: System role "
+                        "not supported); fix the messages (roles, their order) or the template.\n")
 
 
 @pytest.fixture(scope="module")
