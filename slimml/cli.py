@@ -15,6 +15,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from slimml.cli_options import Options, OptionValues, config_options
 from slimml.convert.config import ConvertConfig, DistillConfig, ExportConfig, PruneConfig, ShardConfig
@@ -464,7 +465,9 @@ def generate(
     repetition_penalty: Annotated[float, typer.Option(help="Divide the logits of tokens already seen by this (1: off).")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="Seed for sampling: the same seed gives the same text.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop where this text appears; it is not printed (repeat).")] = None,
+    stop_token_id: Annotated[Optional[list[int]], typer.Option("--stop-token-id", help="Stop after this token id, beside the end-of-sequence ones (repeat).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user message in the model's chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", help="With --chat: a system message before each prompt.")] = None,
     truncate: Annotated[bool, typer.Option("--truncate", help="Keep the end of a prompt longer than the model's context instead of refusing it.")] = False,
     loading: OptionValues = None,
     as_json: AsJson = False,
@@ -476,7 +479,12 @@ def generate(
     from slimml.runtime.tasks.generation import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()), truncate=truncate)
+                              repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()),
+                              stop_token_ids=tuple(stop_token_id or ()), truncate=truncate)
+    if system is not None and not chat:
+        raise ConfigError("--system is a chat message; add --chat, or put the text in --prompt.")
+    head = [{"role": "system", "content": system}] if system is not None else []
+    conversations = [[*head, {"role": "user", "content": p}] for p in prompt]
     model = load(artifact, loading.build())
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
@@ -487,14 +495,14 @@ def generate(
         result = model.generate(list(prompt), max_new_tokens=max_new_tokens)
         if not as_json:
             for p, text in zip(prompt, result.texts):
-                console.print(f"[bold]{p}[/bold] -> {text}")
+                console.print(Text(p, style="bold") + Text(f" -> {text}"))
     elif as_json:
-        result = model.chat([[{"role": "user", "content": p}] for p in prompt], config) if chat else model.generate(list(prompt), config=config)
+        result = model.chat(conversations, config) if chat else model.generate(list(prompt), config=config)
     else:
         made, seconds = 0, 0.0
-        for p in prompt:  # one at a time, so that each prompt's text prints as it is produced
-            console.print(f"[bold]{p}[/bold]", end="\n" if chat else "", highlight=False)
-            pieces = model.chat([{"role": "user", "content": p}], config, stream=True) if chat else model.stream(p, config)
+        for p, messages in zip(prompt, conversations):  # one at a time, so that each prompt's text prints as it is produced
+            pieces = model.chat(messages, config, stream=True) if chat else model.stream(p, config)  # refuses before printing
+            console.print(Text(p, style="bold"), end="\n" if chat else "", highlight=False)  # Text: a prompt's [brackets] are not markup
             for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()

@@ -294,15 +294,18 @@ CONFIG_ERRORS = [
     ({"top_p": 1.5}, "top_p must be in (0, 1] (1 turns it off), got 1.5."),
     ({"top_k": -1}, "top_k must be a whole number >= 0 (0 turns it off), got -1."),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0 (1 turns it off), got 0.0."),
-    ({"seed": "1"}, "seed must be an integer or None, got '1'; pass e.g. seed=0."),
-    ({"seed": 1.5}, "seed must be an integer or None, got 1.5; pass e.g. seed=0."),
-    ({"seed": True}, "seed must be an integer or None, got True; pass e.g. seed=0."),
+    ({"seed": "1"}, "seed must be an integer, a list of them (one per prompt) or None, got '1'; "
+                   "pass e.g. seed=0."),
+    ({"seed": 1.5}, "seed must be an integer, a list of them (one per prompt) or None, got 1.5; "
+                   "pass e.g. seed=0."),
+    ({"seed": True}, "seed must be an integer, a list of them (one per prompt) or None, got True; "
+                   "pass e.g. seed=0."),
     ({"max_new_tokens": 0}, "max_new_tokens must be a whole number >= 1, got 0."),
     ({"stop": [""]}, "stop has an empty string, which would stop at once; remove it."),
     ({"stop": ["a"] * 17}, "stop has 17 strings, more than 16; keep the ones that matter."),
     ({"stop": [1]}, "stop must be a string or a list of strings, got [1]."),
     ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids >= 0, got [-1]."),
-    ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are eos_token_id, max_new_tokens, "
+    ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, max_new_tokens, min_new_tokens, "
                          "pad_token_id, repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
 ]
 

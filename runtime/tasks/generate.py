@@ -147,7 +147,8 @@ def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None 
 
 
 def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], config: GenerationConfig | None = None,
-         *, stream: bool = False, **options: Any) -> Generation | GenerationStream:
+         *, stream: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
+         chat_template_kwargs: dict[str, Any] | None = None, **options: Any) -> Generation | GenerationStream:
     """The assistant's reply to a conversation, rendered with the model's chat template.
 
     Args:
@@ -155,6 +156,12 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
             such conversations for a batch.
         stream: return a :class:`GenerationStream` of the reply's text pieces instead (pairs of
             conversation index and piece for a batch).
+        add_generation_prompt: open the assistant's turn after the messages (as transformers'
+            ``apply_chat_template`` means it); False renders the messages alone.
+        continue_final_message: continue the last message (an assistant's reply begun) instead of
+            starting a new turn, as transformers does; not with ``add_generation_prompt``.
+        chat_template_kwargs: more variables for the template (``tools``, ``documents``,
+            ``enable_thinking``, ...).
 
     Returns:
         A :class:`Generation` whose ``texts`` are the replies.
@@ -162,17 +169,28 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     Example:
         >>> model.chat([{"role": "user", "content": "What is 2+2?"}], max_new_tokens=32).texts[0]
     """
-    conversations = messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
-    rendered = [chat_prompt(model, m) for m in conversations]
+    conversations = messages if messages and isinstance(messages, (list, tuple)) and isinstance(messages[0], (list, tuple)) \
+        else [messages]
     config = GenerationConfig.of(config, **options)
+    rendered = [chat_prompt(model, m, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                            **(chat_template_kwargs or {})) for m in conversations]
     if stream:
         return GenerationStream(_steps(model, rendered, config, raw_text=True), indexed=len(rendered) > 1)
     return _drain(_steps(model, rendered, config, raw_text=True))
 
 
-def chat_prompt(model: Any, messages: list[dict[str, Any]], **variables: Any) -> str:
-    """The prompt text the chat template makes of ``messages``, the assistant's turn opened."""
-    return chat_template(model).render(messages, add_generation_prompt=True, **variables)
+def chat_prompt(model: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, **variables: Any) -> str:
+    """The prompt text the chat template makes of ``messages``: what transformers'
+    ``tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` gives.
+    ``variables`` reach the template (``tools``, ``enable_thinking``, ...).
+
+    Example:
+        >>> chat_prompt(model, [{"role": "user", "content": "Hi"}])
+        '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n'
+    """
+    return chat_template(model).render(messages, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message, **variables)
 
 
 def chat_template(model: Any) -> ChatTemplate:
@@ -219,7 +237,7 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
         logits = loop.next_logits()  # (B, vocab)
         if step == 0:
             prefill_s = time.perf_counter() - t0
-            sampler = Sampler(config, job.ids, logits.shape[-1])
+            sampler = Sampler(config, job.ids, logits.shape[-1], job.end_ids)
         nxt = np.where(done, job.pad_id, sampler(logits))  # (B,); a finished prompt's row is ignored
         was = done.copy()
         for i in np.flatnonzero(~done):

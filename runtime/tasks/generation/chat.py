@@ -17,7 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from slimml.errors import ArtifactError, FeedError, SlimmlError
+from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
 from slimml.runtime.artifact.manifest import safe_path
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
@@ -61,23 +61,31 @@ class ChatTemplate:
             raise ArtifactError(f"{where} does not parse (line {e.lineno}: {_line(e.message)}); fix the template or "
                                 "re-convert the model from a folder whose template works.") from None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **variables: Any) -> str:
         """The prompt text for ``messages`` (``[{"role": "user", "content": "Hi"}, ...]``), ending
-        with the assistant's turn opened when ``add_generation_prompt``. ``variables`` reach the
-        template too (e.g. ``tools``, ``documents``, ``enable_thinking``)."""
+        with the assistant's turn opened when ``add_generation_prompt``, or inside the last message
+        when ``continue_final_message`` (as transformers cuts it). ``variables`` reach the template
+        too (e.g. ``tools``, ``documents``, ``enable_thinking``)."""
         check_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise ConfigError("continue_final_message continues the last message and add_generation_prompt opens a new "
+                              "turn; pass add_generation_prompt=False with continue_final_message=True.")
+        if continue_final_message:
+            messages, final = _tagged(messages)
         context = {"tools": None, "documents": None, **self.special, **variables}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
         except Exception as e:  # raise_exception in the template, an undefined name, a type error in it
             raise SlimmlError(f"{self.where} failed to render these messages ({type(e).__name__}: {_line(str(e))}); "
                               "fix the messages (roles, their order) or the template.") from None
+        return _cut_at_tag(text, final, self.where) if continue_final_message else text
 
     @classmethod
     def of_artifact(cls, folder: Path, spec: dict[str, Any] | None) -> ChatTemplate:
         """The chat template of the artifact in ``folder`` whose manifest tokenizer entry is ``spec``."""
         spec = spec or {}
-        config = _tokenizer_config(folder)
+        config = folder_json(folder, "tokenizer_config.json")
         special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if k in config}
         special.update({k: spec[k] for k in SPECIAL_TOKENS if isinstance(spec.get(k), str)})
         if isinstance(spec.get("chat_template"), str):
@@ -114,8 +122,42 @@ def check_messages(messages: Any) -> None:
             raise FeedError(f"message {i} has no 'content'; {fix}")
 
 
-def _tokenizer_config(folder: Path) -> dict[str, Any]:
-    path = folder / "tokenizer_config.json"
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker at the end of the message to continue
+
+
+def _tagged(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """``messages`` with the marker after the last message's text (its last text block); and that text."""
+    last = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, (list, tuple)):
+        blocks = [dict(b) if isinstance(b, dict) else b for b in content]
+        block = next((b for b in reversed(blocks) if isinstance(b, dict) and isinstance(b.get("text"), str)), None)
+        if block is None:
+            raise FeedError("continue_final_message needs text in the last message, which has none; add a text block "
+                            "or pass continue_final_message=False.")
+        final, block["text"] = block["text"], block["text"] + CONTINUE_TAG
+        last["content"] = blocks
+    elif isinstance(content, str):
+        final, last["content"] = content, content + CONTINUE_TAG
+    else:
+        raise FeedError("continue_final_message needs the last message's content as text; give it a string "
+                        "or pass continue_final_message=False.")
+    return [*messages[:-1], last], final
+
+
+def _cut_at_tag(text: str, final: str, where: str) -> str:
+    """The rendered ``text`` cut right after the final message's text, as transformers cuts it."""
+    if final.strip() not in text or CONTINUE_TAG.strip() not in text:
+        raise SlimmlError(f"{where} dropped part of the final message, so it cannot be continued; pass "
+                          "continue_final_message=False or fix the template.")
+    at = text.rindex(CONTINUE_TAG.strip())
+    return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+
+
+def folder_json(folder: Path, name: str) -> dict[str, Any]:
+    """The JSON object in ``folder/name`` (``tokenizer_config.json``, ``generation_config.json``), or {}
+    where there is none."""
+    path = Path(folder) / name
     if not path.is_file():
         return {}
     try:

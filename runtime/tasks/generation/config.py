@@ -17,15 +17,21 @@ class GenerationConfig:
     """How to continue a prompt.
 
     Attributes:
-        max_new_tokens: tokens to add per prompt at most (fewer where the model's context ends).
+        max_new_tokens: tokens to add per prompt at most. A prompt plus max_new_tokens past the
+            model's context is refused (with ``truncate``, fewer new tokens are made instead).
+        min_new_tokens: the end ids (eos and stop_token_ids) cannot be chosen before this many
+            new tokens, as transformers' ``min_new_tokens`` (stop strings still stop).
         temperature: divides the logits before sampling; 0 picks the most likely token (greedy).
+        do_sample: as transformers reads it: False is greedy whatever the temperature; True with
+            temperature 0 samples at temperature 1 (transformers' default); None follows the temperature.
         top_k: sample among the k most likely tokens only; 0 turns it off.
         top_p: sample among the most likely tokens whose probabilities add up to top_p (nucleus);
             1 turns it off.
         repetition_penalty: logits of tokens already in the prompt or the output are divided by it
             (multiplied where negative), as transformers does; 1 turns it off.
-        seed: seeds numpy's ``Generator`` for sampling: the same seed gives the same tokens.
-            None draws a fresh seed.
+        seed: seeds numpy's ``Generator`` for sampling. Each prompt draws from its own generator,
+            so the same seed gives a prompt the same tokens alone or in any batch (the same prompt
+            twice in a batch too); a list gives one seed per prompt. None draws fresh seeds.
         stop: strings that end a prompt's generation where they appear in its text (also across
             token boundaries); the stop string itself is not returned.
         stop_token_ids: token ids that end a prompt's generation, beside the end-of-sequence id.
@@ -39,11 +45,13 @@ class GenerationConfig:
     """
 
     max_new_tokens: int = 32
+    min_new_tokens: int = 0
     temperature: float = 0.0  # greedy by default: same answer every call, as llama.cpp with --temp 0
+    do_sample: bool | None = None
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
-    seed: int | None = None
+    seed: int | tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     eos_token_id: int | tuple[int, ...] | None = None
@@ -52,12 +60,16 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         _whole("max_new_tokens", self.max_new_tokens, 1)
+        _whole("min_new_tokens", self.min_new_tokens, 0)
         _number("temperature", self.temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
         _whole("top_k", self.top_k, 0, "(0 turns it off)")
         _number("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
         _number("repetition_penalty", self.repetition_penalty, "> 0 (1 turns it off)", lambda v: v > 0)
-        if self.seed is not None and not is_int(self.seed):
-            raise ConfigError(f"seed must be an integer or None, got {self.seed!r}; pass e.g. seed=0.")
+        seed = self.seed
+        if seed is not None and not is_int(seed) and not (
+                isinstance(seed, (list, tuple)) and seed and all(is_int(v) for v in seed)):
+            raise ConfigError(f"seed must be an integer, a list of them (one per prompt) or None, got {seed!r}; "
+                              "pass e.g. seed=0.")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}.")
@@ -74,17 +86,23 @@ class GenerationConfig:
             raise ConfigError(f"eos_token_id must be a token id >= 0, a list of them, or None, got {eos!r}.")
         if self.pad_token_id is not None and not (is_int(self.pad_token_id) and self.pad_token_id >= 0):
             raise ConfigError(f"pad_token_id must be a token id >= 0 or None, got {self.pad_token_id!r}.")
+        if self.do_sample is not None and not isinstance(self.do_sample, bool):
+            raise ConfigError(f"do_sample must be True, False or None, got {self.do_sample!r}.")
+        if self.do_sample and self.temperature == 0:
+            object.__setattr__(self, "temperature", 1.0)
         if not isinstance(self.truncate, bool):
             raise ConfigError(f"truncate must be True or False, got {self.truncate!r}.")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        if isinstance(seed, list):
+            object.__setattr__(self, "seed", tuple(seed))
         if isinstance(eos, (list, tuple)):
             object.__setattr__(self, "eos_token_id", tuple(int(i) for i in eos))
 
     @property
     def greedy(self) -> bool:
-        """True when every step takes the most likely token (temperature 0, or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when every step takes the most likely token (temperature 0, top_k 1, or do_sample=False)."""
+        return self.do_sample is False or self.temperature == 0 or self.top_k == 1
 
     @classmethod
     def of(cls, config: GenerationConfig | None = None, **options: Any) -> GenerationConfig:

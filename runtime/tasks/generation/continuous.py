@@ -149,7 +149,7 @@ class ContinuousBatch:
         self.rows += seqs
         done = []
         for r, s in enumerate(seqs):
-            s.sampler = Sampler(s.config, [s.ids], logits.shape[-1])
+            s.sampler = Sampler(s.config, [s.ids], logits.shape[-1], s.end_ids)
             if not self._token(s, logits[r : r + 1]):
                 done.append(len(self.rows) - len(seqs) + r)
         self._drop(done)

