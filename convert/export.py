@@ -19,6 +19,7 @@ from slimml.errors import ExportError, SlimmlError, SourceError
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
 EXPORTERS = ("auto", "optimum", "layerwise", "fused")
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
@@ -345,6 +346,9 @@ def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[
     pad_token = tok.pad_token or tok.eos_token
     pad_id = tok.convert_tokens_to_ids(pad_token) if pad_token is not None else 0
     info = {"file": TOKENIZER_FILE, "max_length": int(max_len), "pad_token": pad_token, "pad_id": int(pad_id)}
+    if (folder / GENERATION_CONFIG_FILE).is_file():  # the end ids generate reads (Llama-3's eos is a list)
+        shutil.copy2(folder / GENERATION_CONFIG_FILE, onnx_dir / GENERATION_CONFIG_FILE)
+        info["generation_config"] = GENERATION_CONFIG_FILE
     return info | chat_entry(folder, onnx_dir, tok)
 
 

@@ -95,7 +95,10 @@ def _add_assets(w: ArtifactWriter, exported: Exported) -> list[str]:
     if exported.tokenizer is not None:
         record = dict(exported.tokenizer)
         template = record.pop("chat_template", None)  # a file beside the tokenizer: shipped and hashed with it
+        generation = record.pop("generation_config", None)  # the source's generation_config.json: listed and hashed
         w.add_tokenizer(exported.tokenizer_dir / record["file"], record)
+        if generation:
+            w.add_file(exported.tokenizer_dir / generation, generation, listed=True)
         if template:
             w.add_chat_template(exported.tokenizer_dir / template, template)
         found.append(Tokenizer.KEY)

@@ -16,6 +16,7 @@ from test_generate import PROMPTS, bpe, llama, with_tokenizer  # noqa: F401  (mo
 
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime import load
+from slimml.runtime.artifact.manifest import file_entry, read_manifest
 from slimml.runtime.tasks.generate import chat_prompt
 from slimml.runtime.tasks.generation.chat import ChatTemplate
 from slimml.runtime.tasks.generation.prompts import special_stops
@@ -110,8 +111,12 @@ def test_end_ids_from_generation_config_and_special_stop_strings(llama, bpe, tin
     tokens = llama.generate([prompt], max_new_tokens=16, eos_token_id=()).tokens[0]
     art = with_tokenizer(tiny_llama_past_artifact, tmp_path / "gen", bpe)
     (art / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokens[9], tokens[6]]}))
-    got = load(art).generate([prompt], max_new_tokens=16)
     cut = min(tokens.index(tokens[9]), tokens.index(tokens[6])) + 1
+    assert load(art).generate([prompt], max_new_tokens=16).tokens[0][:cut + 1] == tokens[:cut + 1]  # unlisted: not read
+    manifest = read_manifest(art)
+    manifest.files.append(file_entry(art, art / "generation_config.json"))  # as convert lists the source's copy
+    manifest.write(art)
+    got = load(art).generate([prompt], max_new_tokens=16)
     assert got.tokens[0] == tokens[:cut] and got.finish_reasons == ["stop"]
     assert special_stops(bpe, ("<|im_end|>", "x", "<|endoftext|>")) == {2, 0}  # matched by id: the text skips them
     full = llama.generate([prompt], max_new_tokens=8, eos_token_id=())

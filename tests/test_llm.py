@@ -111,6 +111,8 @@ def test_with_past_conversion_of_a_folder_with_its_tokenizer(small_folder, tmp_p
     assert abs(report.checks["perplexity_rel_diff"]) < 1e-3  # an empty cache scores the text as the source does
     manifest = json.loads((tmp_path / "past" / "manifest.json").read_text())
     assert any(i["name"] == "past_key_values.0.key" for i in manifest["inputs"])
+    if (small_folder / "generation_config.json").is_file():  # shipped and listed: generate reads its end ids
+        assert "generation_config.json" in {f["path"] for f in manifest["files"]}
 
 
 def test_config_from_newer_transformers_is_refused(small_folder, tmp_path):

@@ -20,6 +20,7 @@ from slimml.runtime.tasks.limits import Limits
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
+GENERATION_CONFIG = "generation_config.json"  # the artifact's copy of the source's (convert lists it)
 _EOS_TOKENS = ("</s>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>", "<eos>", "<|end_of_text|>", "<end_of_turn>")
 _untruncated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TextEncoder -> its tokenizer, no truncation
 
@@ -124,7 +125,8 @@ def end_ids(model: Any, config: GenerationConfig, tok: Tokenizer | None) -> set[
     if eos is None:
         spec = model.manifest.tokenizer or {}
         folder = getattr(model, "folder", None)
-        generation = folder_json(folder, "generation_config.json") if folder is not None else {}
+        listed = folder is not None and GENERATION_CONFIG in {f.path for f in model.manifest.files}  # hashed at load
+        generation = folder_json(folder, GENERATION_CONFIG) if listed else {}
         eos = set(_ids(spec.get("eos_token_id"))) | set(_ids(generation.get("eos_token_id")))
         if tok is not None:
             named = [spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []
