@@ -40,7 +40,7 @@ from slimml.quantize.registry import ShardContext, register, weight_matmuls
 
 INT4_BLOCK, INT8_BLOCK = 128, 128  # the decoder defaults, chosen at M=1 (docs/quantize.md, "Decoder recipes")
 FAST_LEVEL = 4  # MatMulNBits' int8 compute: 2.8x fp32's speed at M=1
-CALIBRATION_TOKENS, CALIBRATION_WINDOW = 1024, 256  # enough for each input channel's mean square to settle
+CALIBRATION_TOKENS, CALIBRATION_WINDOW = 4096, 256  # GPTQ's second moments: 1024 tokens left H short of full rank (+15.8% against +10.8% on smol_rot)
 
 
 def activation_aware(config) -> bool:
