@@ -41,14 +41,12 @@ def check_config(folder: str | Path) -> None:
         SourceError: one line naming the keys and the fix (upgrade transformers, or move the key).
     """
     path = Path(folder) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return  # the exporter words a missing or broken config itself
+    config = _read(path)
     import transformers
 
     installed = transformers.__version__
     wrote = str(config.get("transformers_version") or "")
+    _check_model_type(path, config, wrote, installed)
     unknown = _unknown_keys(config)
     dangerous = [k for k in unknown if k in _MOVES]
     if "rope_parameters" in config and "rope_theta" not in config and "rope_parameters" not in dangerous:
@@ -64,6 +62,43 @@ def check_config(folder: str | Path) -> None:
         f"transformers {installed} ignores, so the model would be converted wrongly with its defaults. Edit "
         f"config.json: {fixes or 'translate those keys to what this version reads, or remove them'} (slimml's "
         "exporter, optimum-onnx 0.1.0, needs transformers<4.58, so upgrading transformers is not the fix yet)."
+    )
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """``config.json`` as a dict; a file that is not a JSON object is refused in one line."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise SourceError(f"{path} cannot be read ({e.strerror or type(e).__name__}); check its permissions.") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise SourceError(f"{path} is not valid JSON{where}; fix it, or save the model again with "
+                          "`model.save_pretrained(folder)`.") from None
+    if not isinstance(config, dict):
+        raise SourceError(f"{path} holds a JSON {type(config).__name__}, not an object of config keys; save the "
+                          "model again with `model.save_pretrained(folder)`.")
+    return config
+
+
+def _check_model_type(path: Path, config: dict[str, Any], wrote: str, installed: str) -> None:
+    """Refuse a config without ``model_type``, or with one the installed transformers does not know
+    (code the folder brings itself, ``auto_map``, is the exporter's to judge)."""
+    if "auto_map" in config:
+        return
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise SourceError(f"{path} has no \"model_type\", so transformers cannot tell which model it is; add it "
+                          "(e.g. \"model_type\": \"llama\"), or save the model again with `model.save_pretrained(folder)`.")
+    from transformers import CONFIG_MAPPING
+
+    if model_type in CONFIG_MAPPING:
+        return
+    by = f", written by transformers {wrote}," if wrote else ""
+    raise SourceError(
+        f"{path}{by} names model_type {model_type!r}, which the installed transformers {installed} does not know; "
+        "convert a model of an architecture this transformers has (slimml's exporter, optimum-onnx 0.1.0, needs "
+        "transformers<4.58), or export it to ONNX yourself and convert the .onnx file."
     )
 
 
@@ -102,3 +137,49 @@ def _newer(wrote: str, installed: str) -> bool:
         return Version(wrote).release[:2] > Version(installed).release[:2]
     except InvalidVersion:
         return False
+
+
+def check_tokenizer(folder: str | Path) -> None:
+    """Raise :class:`SourceError` when the folder's ``tokenizer.json`` or chat template is broken,
+    before anything is exported (a model folder without them takes token ids, and has no chat).
+
+    Raises:
+        SourceError: one line naming the file, what is wrong, and the fix.
+    """
+    folder = Path(folder)
+    tokenizer = folder / "tokenizer.json"
+    if tokenizer.is_file():
+        try:
+            from tokenizers import Tokenizer
+
+            Tokenizer.from_file(str(tokenizer))
+        except Exception as e:  # tokenizers' own parse error, e.g. "EOF while parsing an object at line 1"
+            why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+            raise SourceError(f"{tokenizer} is not a tokenizer the tokenizers library can read ({why}); save it "
+                              "again with `tokenizer.save_pretrained(folder)`, or delete it to convert a model that "
+                              "takes token ids only.") from None
+    template, where = _chat_template(folder)
+    if template is None:
+        return
+    import jinja2
+
+    try:  # as transformers compiles it: loop controls on
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise SourceError(f"the chat template in {where} is not valid Jinja (line {e.lineno}: {str(e.message).rstrip(".")}); fix it, "
+                          "or remove it to convert the model without a chat template.") from None
+
+
+def _chat_template(folder: Path) -> tuple[str | None, Path]:
+    """The chat template as transformers finds it: ``chat_template.jinja``, else tokenizer_config.json's."""
+    path = folder / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace"), path
+    path = folder / "tokenizer_config.json"
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None, path  # transformers words a broken tokenizer_config.json itself
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    return (template, path) if isinstance(template, str) and template.strip() else (None, path)

@@ -462,7 +462,7 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens only (0: off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off).")] = 1.0,
     repetition_penalty: Annotated[float, typer.Option(help="Divide the logits of tokens already seen by this (1: off).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling: the same seed gives the same text.")] = None,
+    seed: Annotated[Optional[int], typer.Option(min=0, help="Seed for sampling: the same seed gives the same text.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop where this text appears; it is not printed (repeat).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user message in the model's chat template.")] = False,
     truncate: Annotated[bool, typer.Option("--truncate", help="Keep the end of a prompt longer than the model's context instead of refusing it.")] = False,
@@ -532,11 +532,24 @@ def serve_(
 
 
 def main() -> None:
-    """Entry point: run the app, turning slimml errors into one line and exit code 1."""
+    """Entry point: run the app, turning slimml errors into one line and exit code 1, and a
+    command line Typer cannot parse (an unknown option, ``--seed abc``) into one line and exit code 2."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except SlimmlError as e:
         if os.environ.get("SLIMML_DEBUG"):
             raise
         err.print(f"[bold red]error:[/bold red] {e}", highlight=False, soft_wrap=True)
         sys.exit(1)
+    except typer.Abort:
+        err.print("aborted.")
+        sys.exit(1)
+    except Exception as e:
+        if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
+            raise
+        # click's UsageError, BadParameter, NoSuchOption (vendored by Typer): the user's command line
+        where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "slimml"
+        err.print(f"[bold red]error:[/bold red] {e.format_message().rstrip('.')}; see `{where} --help`.",
+                  highlight=False, soft_wrap=True, markup=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n without standalone mode

@@ -48,7 +48,8 @@ def check_model(data: dict[str, Any], served: str) -> None:
     """A request that names a model must name the one served here."""
     name = data.get("model")
     if name is not None and name != served:
-        raise RequestError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models).", 404)
+        raise RequestError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models).", 404,
+                           param="model")
 
 
 def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None = None) -> list[str]:
@@ -273,11 +274,12 @@ def dumps(body: dict[str, Any]) -> bytes:
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def error_body(message: str, status: int) -> dict[str, Any]:
-    """OpenAI's error shape, the message with server paths and node addresses taken out (the
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape (``message``, ``type``, ``param``: the field at fault or null,
+    ``code``: the HTTP status), the message with server paths and node addresses taken out (the
     server logs them; a client has no use for them, an attacker some)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": public(message), "type": kind, "code": status}}
+    return {"error": {"message": public(message), "type": kind, "param": param, "code": status}}
 
 
 # an absolute path (or one under ~), and an IPv4 address with or without a port
