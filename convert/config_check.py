@@ -166,7 +166,8 @@ def check_tokenizer(folder: str | Path) -> None:
     try:  # as transformers compiles it: loop controls on
         jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
     except jinja2.TemplateSyntaxError as e:
-        raise SourceError(f"the chat template in {where} is not valid Jinja (line {e.lineno}: {str(e.message).rstrip(".")}); fix it, "
+        why = str(e.message).rstrip(".")
+        raise SourceError(f"the chat template in {where} is not valid Jinja (line {e.lineno}: {why}); fix it, "
                           "or remove it to convert the model without a chat template.") from None
 
 

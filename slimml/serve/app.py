@@ -266,6 +266,10 @@ class SlimmlServer:
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request):
         data = await self._body(request)
+        if self._llm is not None and not self.model.supports("encode_with_counts"):
+            raise RequestError(f"this artifact is a language model ({self.model.kind!r}), not a sentence-embedding one, so "
+                               "it has no /v1/embeddings; use POST /v1/chat/completions or POST /v1/completions, or "
+                               "serve an embedding artifact for embeddings.", 400)
         self._needs("encode_with_counts")
         protocol.check_model(data, self.name)
         texts = protocol.embedding_texts(data, self.config.max_texts, self.config.max_text_chars)

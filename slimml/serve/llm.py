@@ -175,7 +175,7 @@ class LLMService:
                 on_text=lambda piece: loop.call_soon_threadsafe(put, ("text", piece)),
                 on_done=lambda s: loop.call_soon_threadsafe(put, ("done", s)))
         except FeedError as e:
-            raise RequestError(str(e)) from None
+            raise RequestError(str(e), param="messages" if req.chat else "prompt") from None
         return seq
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:

@@ -75,11 +75,13 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     if mt is not None:
         if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_tokens_limit:
             raise RequestError(f'"{key}" must be a whole number from 1 to {max_tokens_limit} (this server\'s '
-                               f"limit), got {_show(mt)}.", param=key)
+                               f"limit, set by slimml serve --max-new-tokens), got {_show(mt)}.", param=key)
         req.max_tokens = mt
     req.temperature = _number(data, "temperature", 1.0, 0.0, 2.0, "from 0 to 2 (0 is greedy)")
     req.top_p = _number(data, "top_p", 1.0, 0.0, 1.0, "in (0, 1]", open_low=True)
     req.repetition_penalty = _number(data, "repetition_penalty", 1.0, 0.0, 10.0, "in (0, 10]", open_low=True)
+    for key in ("presence_penalty", "frequency_penalty"):  # accepted and ignored, as OpenAI's defaults; checked all the same
+        _number(data, key, 0.0, -2.0, 2.0, "from -2 to 2")
     top_k = data.get("top_k", 0)
     if top_k is None:
         top_k = 0
@@ -147,6 +149,10 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
             raise RequestError(f'"messages"[{i}].role {_show(role)} is not a known role; use one of {", ".join(ROLES)}.',
                                param=f"messages[{i}].role")
         if isinstance(content, list):  # OpenAI's content parts: only text parts are understood here
+            if not content:
+                raise RequestError(f'"messages"[{i}].content is an empty list of parts; send at least one '
+                                   '{"type": "text", "text": ...} part, or the content as a string.',
+                                   param=f"messages[{i}].content")
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
