@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from slimml.cli_options import Options, OptionValues, config_options
@@ -539,7 +540,7 @@ def main() -> None:
     except SlimmlError as e:
         if os.environ.get("SLIMML_DEBUG"):
             raise
-        err.print(f"[bold red]error:[/bold red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)  # a path "[x]" is text
         sys.exit(1)
     except typer.Abort:
         err.print("aborted.")
@@ -549,7 +550,7 @@ def main() -> None:
             raise
         # click's UsageError, BadParameter, NoSuchOption (vendored by Typer): the user's command line
         where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "slimml"
-        err.print(f"[bold red]error:[/bold red] {e.format_message().rstrip('.')}; see `{where} --help`.",
-                  highlight=False, soft_wrap=True, markup=True)
+        err.print(f"[bold red]error:[/bold red] {escape(e.format_message().rstrip('.'))}; see `{where} --help`.",
+                  highlight=False, soft_wrap=True)
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n without standalone mode
