@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from slimml.errors import SourceError
+from slimml.errors import ArtifactError, SourceError
 
 # keys that change nothing in the computation, whatever the version that wrote them
 _HARMLESS = {
@@ -161,14 +161,13 @@ def check_tokenizer(folder: str | Path) -> None:
     template, where = _chat_template(folder)
     if template is None:
         return
-    import jinja2
+    from slimml.runtime.tasks.generation.chat import ChatTemplate
 
-    try:  # as transformers compiles it: loop controls on
-        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
-    except jinja2.TemplateSyntaxError as e:
-        why = str(e.message).rstrip(".")
-        raise SourceError(f"the chat template in {where} is not valid Jinja (line {e.lineno}: {why}); fix it, "
-                          "or remove it to convert the model without a chat template.") from None
+    try:  # compiled as the artifact's chat() will compile it (transformers' extensions and globals)
+        ChatTemplate(template, where=f"the chat template in {where}")
+    except ArtifactError as e:  # "... does not parse (line N: why); fix the template or re-convert ..."
+        message = str(e).split("; fix the template")[0]
+        raise SourceError(f"{message}; fix it, or remove it to convert the model without a chat template.") from None
 
 
 def _chat_template(folder: Path) -> tuple[str | None, Path]:

@@ -135,7 +135,8 @@ def test_config_from_newer_transformers_is_refused(small_folder, tmp_path):
     ({"config.json": '{"model_type": "llama9", "transformers_version": "5.30.0"}'},
      r"written by transformers 5\.30\.0, names model_type 'llama9', which the installed transformers .* does not know"),
     ({"tokenizer.json": '{"version": "1.0", "model": {'}, r"tokenizer\.json is not a tokenizer .* save it again"),
-    ({"chat_template.jinja": "{% for m in messages %}{{ m.content "}, r"chat template in .* is not valid Jinja \(line 1"),
+    ({"chat_template.jinja": "{% for m in messages %}{{ m.content "}, r"chat template in .* does not parse \(line 1: .*; fix it"),
+    ({"chat_template.jinja": "{{ messages | no_such_filter }}"}, "No filter named 'no_such_filter'"),
 ])
 def test_a_broken_model_folder_is_refused_before_anything_is_written(tmp_path, files, match):
     from slimml.convert import convert
