@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from slimml.errors import ArtifactError, SourceError
+from slimml.errors import ArtifactError, SlimmlError, SourceError
 
 # keys that change nothing in the computation, whatever the version that wrote them
 _HARMLESS = {
@@ -164,10 +164,16 @@ def check_tokenizer(folder: str | Path) -> None:
     from slimml.runtime.tasks.generation.chat import ChatTemplate
 
     try:  # compiled as the artifact's chat() will compile it (transformers' extensions and globals)
-        ChatTemplate(template, where=f"the chat template in {where}")
+        chat = ChatTemplate(template, where=f"the chat template in {where}")
     except ArtifactError as e:  # "... does not parse (line N: why); fix the template or re-convert ..."
         message = str(e).split("; fix the template")[0]
         raise SourceError(f"{message}; fix it, or remove it to convert the model without a chat template.") from None
+    try:  # a template may refuse some conversations (a system role), never a lone user message
+        chat.render([{"role": "user", "content": "Hello"}])
+    except SlimmlError as e:
+        why = str(e).split(" failed to render these messages ", 1)[-1].split("; fix the messages")[0]
+        raise SourceError(f"the chat template in {where} cannot render even one user message {why}; fix it, or "
+                          "remove it to convert the model without a chat template.") from None
 
 
 def _chat_template(folder: Path) -> tuple[str | None, Path]:

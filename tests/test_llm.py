@@ -137,6 +137,8 @@ def test_config_from_newer_transformers_is_refused(small_folder, tmp_path):
     ({"tokenizer.json": '{"version": "1.0", "model": {'}, r"tokenizer\.json is not a tokenizer .* save it again"),
     ({"chat_template.jinja": "{% for m in messages %}{{ m.content "}, r"chat template in .* does not parse \(line 1: .*; fix it"),
     ({"chat_template.jinja": "{{ messages | no_such_filter }}"}, "No filter named 'no_such_filter'"),
+    ({"chat_template.jinja": "{{ raise_exception('no chat here') }}"},
+     r"cannot render even one user message \(TemplateError: no chat here\); fix it"),
 ])
 def test_a_broken_model_folder_is_refused_before_anything_is_written(tmp_path, files, match):
     from slimml.convert import convert
