@@ -542,6 +542,13 @@ def main() -> None:
             raise
         err.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)  # a path "[x]" is text
         sys.exit(1)
+    except OSError as e:  # a path the library did not expect to fail on (a name too long, a link loop)
+        if os.environ.get("SLIMML_DEBUG"):
+            raise
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        err.print(f"[bold red]error:[/bold red] {escape(e.strerror or str(e))}{escape(where)}; check the path and its "
+                  "permissions (SLIMML_DEBUG=1 shows the traceback).", highlight=False, soft_wrap=True)
+        sys.exit(1)
     except typer.Abort:
         err.print("aborted.")
         sys.exit(1)

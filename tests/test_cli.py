@@ -93,8 +93,12 @@ def test_an_output_under_a_file_or_over_a_folder_of_something_else_is_refused_fi
     (tmp_path / "file").write_text("mine")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    for out, words in ((tmp_path / "file" / "art", "is a file, so the output"), (tmp_path / "full", "is not empty")):
+    for out, words in ((tmp_path / "file" / "art", "is not a folder, so the output"), (tmp_path / "full", "is not empty")):
         r = slimml("convert", mlp_onnx, "-o", out)
         assert r.returncode == 1 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    long = tmp_path / ("x" * 300)  # a name past the file system's limit, as an output and as an input
+    for args in (("convert", mlp_onnx, "-o", long), ("quantize", long, "-o", tmp_path / "q"), ("info", long)):
+        r = slimml(*args)
+        assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full", "mlp.onnx"]
     assert (tmp_path / "file").read_text() == "mine" and [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
