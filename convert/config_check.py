@@ -164,16 +164,33 @@ def check_tokenizer(folder: str | Path) -> None:
     from slimml.runtime.tasks.generation.chat import ChatTemplate
 
     try:  # compiled as the artifact's chat() will compile it (transformers' extensions and globals)
-        chat = ChatTemplate(template, where=f"the chat template in {where}")
+        chat = ChatTemplate(template, _special_tokens(folder), where=f"the chat template in {where}")
     except ArtifactError as e:  # "... does not parse (line N: why); fix the template or re-convert ..."
         message = str(e).split("; fix the template")[0]
         raise SourceError(f"{message}; fix it, or remove it to convert the model without a chat template.") from None
-    try:  # a template may refuse some conversations (a system role), never a lone user message
+    try:  # a template may refuse some conversations (a system role), never a lone user message (bos_token given)
         chat.render([{"role": "user", "content": "Hello"}])
     except SlimmlError as e:
+        if "(UndefinedError:" in str(e):  # a name the tokenizer's files may give at run time: chat() words it then
+            return
         why = str(e).split(" failed to render these messages ", 1)[-1].split("; fix the messages")[0]
         raise SourceError(f"the chat template in {where} cannot render even one user message {why}; fix it, or "
                           "remove it to convert the model without a chat template.") from None
+
+
+def _special_tokens(folder: Path) -> dict[str, str]:
+    """``bos_token``, ``eos_token``, ... as strings, from tokenizer_config.json (and special_tokens_map.json)."""
+    special: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            raw = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        for key, value in raw.items() if isinstance(raw, dict) else ():
+            value = value.get("content") if isinstance(value, dict) else value
+            if key.endswith("_token") and isinstance(value, str):
+                special[key] = value
+    return special
 
 
 def _chat_template(folder: Path) -> tuple[str | None, Path]:
