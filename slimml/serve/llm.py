@@ -174,8 +174,9 @@ class LLMService:
                 prompt if ids is None else ids, config, raw_text=raw,
                 on_text=lambda piece: loop.call_soon_threadsafe(put, ("text", piece)),
                 on_done=lambda s: loop.call_soon_threadsafe(put, ("done", s)))
-        except FeedError as e:
-            raise RequestError(str(e), param="messages" if req.chat else "prompt") from None
+        except FeedError as e:  # the prompt (or a stop string) against the context and the batch's budget
+            field = "stop" if str(e).startswith("stop") else "messages" if req.chat else "prompt"
+            raise RequestError(str(e), param=field) from None
         return seq
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:
