@@ -184,6 +184,7 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"response_format": {"type": "json_object"}}, '"response_format"'),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, '"tools"'),
     ({"presence_penalty": "x"}, '"presence_penalty" must be a number from -2 to 2'),
+    ({"stop": "x" * 50_000}, "so it can never appear; shorten it"),
 ])
 def test_bad_chat_requests_get_openai_errors(client, change, words):
     body = {"model": "smollm2", "messages": MESSAGES, "max_tokens": 8, **change}
