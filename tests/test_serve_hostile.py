@@ -379,3 +379,19 @@ def test_a_stream_past_its_timeout_ends_with_an_error_event_and_done():
         error = json.loads(events[1].removeprefix(b"data: "))["error"]
         assert error["code"] == 408 and "--request-timeout-s" in error["message"]
         assert cancelled.wait(5)
+
+
+def test_a_port_in_use_or_a_host_not_of_this_machine_is_refused_before_ray_starts(tiny_llama_past_artifact):
+    from slimml.errors import ConfigError
+    from slimml.serve import ServeConfig, serve
+
+    config = ServeConfig(str(tiny_llama_past_artifact))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"cannot listen on 127.0.0.1:{port} \(Address already in use\); choose another --port"):
+            serve(config, port=port)
+    with pytest.raises(ConfigError, match="cannot listen on 'no such host'.*give --host an address of this machine"):
+        serve(config, host="no such host", port=free_port())
+    assert not ray.is_initialized()
