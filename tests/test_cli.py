@@ -102,3 +102,8 @@ def test_an_output_under_a_file_or_over_a_folder_of_something_else_is_refused_fi
         assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full", "mlp.onnx"]
     assert (tmp_path / "file").read_text() == "mine" and [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+
+
+def test_a_model_file_given_for_an_artifact_says_to_convert_it_first(mlp_onnx):
+    r = slimml("info", mlp_onnx)
+    assert r.returncode == 1 and f"{mlp_onnx} is a file, not an artifact folder; convert it first" in r.stderr
