@@ -394,4 +394,3 @@ def test_a_port_in_use_or_a_host_not_of_this_machine_is_refused_before_ray_start
             serve(config, port=port)
     with pytest.raises(ConfigError, match="cannot listen on 'no such host'.*give --host an address of this machine"):
         serve(config, host="no such host", port=free_port())
-    assert not ray.is_initialized()
