@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from slimml.errors import SourceError
+from slimml.errors import ArtifactError, SlimmlError, SourceError
 
 # keys that change nothing in the computation, whatever the version that wrote them
 _HARMLESS = {
@@ -41,14 +41,12 @@ def check_config(folder: str | Path) -> None:
         SourceError: one line naming the keys and the fix (upgrade transformers, or move the key).
     """
     path = Path(folder) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return  # the exporter words a missing or broken config itself
+    config = _read(path)
     import transformers
 
     installed = transformers.__version__
     wrote = str(config.get("transformers_version") or "")
+    _check_model_type(path, config, wrote, installed)
     unknown = _unknown_keys(config)
     dangerous = [k for k in unknown if k in _MOVES]
     if "rope_parameters" in config and "rope_theta" not in config and "rope_parameters" not in dangerous:
@@ -64,6 +62,43 @@ def check_config(folder: str | Path) -> None:
         f"transformers {installed} ignores, so the model would be converted wrongly with its defaults. Edit "
         f"config.json: {fixes or 'translate those keys to what this version reads, or remove them'} (slimml's "
         "exporter, optimum-onnx 0.1.0, needs transformers<4.58, so upgrading transformers is not the fix yet)."
+    )
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """``config.json`` as a dict; a file that is not a JSON object is refused in one line."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise SourceError(f"{path} cannot be read ({e.strerror or type(e).__name__}); check its permissions.") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        where = f" at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+        raise SourceError(f"{path} is not valid JSON{where}; fix it, or save the model again with "
+                          "`model.save_pretrained(folder)`.") from None
+    if not isinstance(config, dict):
+        raise SourceError(f"{path} holds a JSON {type(config).__name__}, not an object of config keys; save the "
+                          "model again with `model.save_pretrained(folder)`.")
+    return config
+
+
+def _check_model_type(path: Path, config: dict[str, Any], wrote: str, installed: str) -> None:
+    """Refuse a config without ``model_type``, or with one the installed transformers does not know
+    (code the folder brings itself, ``auto_map``, is the exporter's to judge)."""
+    if "auto_map" in config:
+        return
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise SourceError(f"{path} has no \"model_type\", so transformers cannot tell which model it is; add it "
+                          "(e.g. \"model_type\": \"llama\"), or save the model again with `model.save_pretrained(folder)`.")
+    from transformers import CONFIG_MAPPING
+
+    if model_type in CONFIG_MAPPING:
+        return
+    by = f", written by transformers {wrote}," if wrote else ""
+    raise SourceError(
+        f"{path}{by} names model_type {model_type!r}, which the installed transformers {installed} does not know; "
+        "convert a model of an architecture this transformers has (slimml's exporter, optimum-onnx 0.1.0, needs "
+        "transformers<4.58), or export it to ONNX yourself and convert the .onnx file."
     )
 
 
@@ -102,3 +137,72 @@ def _newer(wrote: str, installed: str) -> bool:
         return Version(wrote).release[:2] > Version(installed).release[:2]
     except InvalidVersion:
         return False
+
+
+def check_tokenizer(folder: str | Path) -> None:
+    """Raise :class:`SourceError` when the folder's ``tokenizer.json`` or chat template is broken,
+    before anything is exported (a model folder without them takes token ids, and has no chat).
+
+    Raises:
+        SourceError: one line naming the file, what is wrong, and the fix.
+    """
+    folder = Path(folder)
+    tokenizer = folder / "tokenizer.json"
+    if tokenizer.is_file():
+        try:
+            from tokenizers import Tokenizer
+
+            Tokenizer.from_file(str(tokenizer))
+        except Exception as e:  # tokenizers' own parse error, e.g. "EOF while parsing an object at line 1"
+            why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+            raise SourceError(f"{tokenizer} is not a tokenizer the tokenizers library can read ({why}); save it "
+                              "again with `tokenizer.save_pretrained(folder)`, or delete it to convert a model that "
+                              "takes token ids only.") from None
+    template, where = _chat_template(folder)
+    if template is None:
+        return
+    from slimml.runtime.tasks.generation.chat import ChatTemplate
+
+    try:  # compiled as the artifact's chat() will compile it (transformers' extensions and globals)
+        chat = ChatTemplate(template, _special_tokens(folder), where=f"the chat template in {where}")
+    except ArtifactError as e:  # "... does not parse (line N: why); fix the template or re-convert ..."
+        message = str(e).split("; fix the template")[0]
+        raise SourceError(f"{message}; fix it, or remove it to convert the model without a chat template.") from None
+    try:  # a template may refuse some conversations (a system role), never a lone user message (bos_token given)
+        chat.render([{"role": "user", "content": "Hello"}])
+    except SlimmlError as e:
+        if "(UndefinedError:" in str(e):  # a name the tokenizer's files may give at run time: chat() words it then
+            return
+        why = str(e).split(" failed to render these messages ", 1)[-1].split("; fix the messages")[0]
+        raise SourceError(f"the chat template in {where} cannot render even one user message {why}; fix it, or "
+                          "remove it to convert the model without a chat template.") from None
+
+
+def _special_tokens(folder: Path) -> dict[str, str]:
+    """``bos_token``, ``eos_token``, ... as strings, from tokenizer_config.json (and special_tokens_map.json)."""
+    special: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            raw = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        for key, value in raw.items() if isinstance(raw, dict) else ():
+            value = value.get("content") if isinstance(value, dict) else value
+            if key.endswith("_token") and isinstance(value, str):
+                special[key] = value
+    return special
+
+
+def _chat_template(folder: Path) -> tuple[str | None, Path]:
+    """The chat template as transformers finds it: ``chat_template.jinja``, else tokenizer_config.json's."""
+    path = folder / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8", errors="replace"), path
+    path = folder / "tokenizer_config.json"
+    try:
+        template = json.loads(path.read_text(encoding="utf-8")).get("chat_template") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None, path  # transformers words a broken tokenizer_config.json itself
+    if isinstance(template, list):  # several named templates: the default one
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    return (template, path) if isinstance(template, str) and template.strip() else (None, path)

@@ -84,9 +84,10 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
                 f"{path} is a folder without config.json, so it is not a Hugging Face model folder; "
                 "save one with `model.save_pretrained(folder)` or give a model file."
             )
-        from slimml.convert.config_check import check_config
+        from slimml.convert.config_check import check_config, check_tokenizer
 
         check_config(path)  # a config this transformers would misread fails before anything is written
+        check_tokenizer(path)  # so does a corrupt tokenizer.json or a chat template that does not parse
         return Source(kind="huggingface", name=path.resolve().name, path=path)
     suffix = path.suffix.lower()
     if suffix == ".onnx":

@@ -14,6 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -463,7 +464,7 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens only (0: off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off).")] = 1.0,
     repetition_penalty: Annotated[float, typer.Option(help="Divide the logits of tokens already seen by this (1: off).")] = 1.0,
-    seed: Annotated[Optional[int], typer.Option(help="Seed for sampling: the same seed gives the same text.")] = None,
+    seed: Annotated[Optional[int], typer.Option(min=0, help="Seed for sampling: the same seed gives the same text.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop where this text appears; it is not printed (repeat).")] = None,
     stop_token_id: Annotated[Optional[list[int]], typer.Option("--stop-token-id", help="Stop after this token id, beside the end-of-sequence ones (repeat).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user message in the model's chat template.")] = False,
@@ -540,11 +541,31 @@ def serve_(
 
 
 def main() -> None:
-    """Entry point: run the app, turning slimml errors into one line and exit code 1."""
+    """Entry point: run the app, turning slimml errors into one line and exit code 1, and a
+    command line Typer cannot parse (an unknown option, ``--seed abc``) into one line and exit code 2."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except SlimmlError as e:
         if os.environ.get("SLIMML_DEBUG"):
             raise
-        err.print(f"[bold red]error:[/bold red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)  # a path "[x]" is text
         sys.exit(1)
+    except OSError as e:  # a path the library did not expect to fail on (a name too long, a link loop)
+        if os.environ.get("SLIMML_DEBUG"):
+            raise
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        err.print(f"[bold red]error:[/bold red] {escape(e.strerror or str(e))}{escape(where)}; check the path and its "
+                  "permissions (SLIMML_DEBUG=1 shows the traceback).", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except typer.Abort:
+        err.print("aborted.")
+        sys.exit(1)
+    except Exception as e:
+        if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
+            raise
+        # click's UsageError, BadParameter, NoSuchOption (vendored by Typer): the user's command line
+        where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "slimml"
+        err.print(f"[bold red]error:[/bold red] {escape(e.format_message().rstrip('.'))}; see `{where} --help`.",
+                  highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n without standalone mode

@@ -48,11 +48,13 @@ class StageError(SlimmlError):
 
 
 class RequestError(SlimmlError):
-    """An HTTP request the server refuses: ``status`` is its 4xx code, the message says how to fix it."""
+    """An HTTP request the server refuses: ``status`` is its 4xx code, the message says how to fix it,
+    ``param`` names the request field at fault (OpenAI's ``error.param``), when there is one."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, param: str | None = None):
         super().__init__(message)
         self.status = status
+        self.param = param
 
 
 class TaskError(SlimmlError):

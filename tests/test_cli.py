@@ -74,3 +74,36 @@ def test_eval_with_a_bad_data_file(tiny_bert_artifact, tmp_path):
     r = slimml("eval", tiny_bert_artifact, "--data", bad)
     assert r.returncode == 1
     assert "lacks the column(s) ['sentence1', 'sentence2', 'score']" in r.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (("generate", "nowhere", "--prompt", "hi", "--seed", "abc"), "Invalid value for '--seed'"),
+    (("generate", "nowhere", "--prompt", "hi", "--seed", "-1"), "Invalid value for '--seed'"),
+    (("generate", "nowhere", "--prompt", "hi", "--quantize", "int4"), "No such option: --quantize"),
+    (("info",), "Missing argument"),
+])
+def test_a_command_line_typer_cannot_parse_is_one_line_and_exit_2(args, words):
+    r = slimml(*args)
+    assert r.returncode == 2 and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0] and "--help`" in lines[0], r.stderr
+
+
+def test_an_output_under_a_file_or_over_a_folder_of_something_else_is_refused_first(mlp_onnx, tmp_path):
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    for out, words in ((tmp_path / "file" / "art", "is not a folder, so the output"), (tmp_path / "full", "is not empty")):
+        r = slimml("convert", mlp_onnx, "-o", out)
+        assert r.returncode == 1 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    long = tmp_path / ("x" * 300)  # a name past the file system's limit, as an output and as an input
+    for args in (("convert", mlp_onnx, "-o", long), ("quantize", long, "-o", tmp_path / "q"), ("info", long)):
+        r = slimml(*args)
+        assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full", "mlp.onnx"]
+    assert (tmp_path / "file").read_text() == "mine" and [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+
+
+def test_a_model_file_given_for_an_artifact_says_to_convert_it_first(mlp_onnx):
+    r = slimml("info", mlp_onnx)
+    assert r.returncode == 1 and f"{mlp_onnx} is a file, not an artifact folder; convert it first" in r.stderr

@@ -130,6 +130,40 @@ def test_config_from_newer_transformers_is_refused(small_folder, tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("files, match", [
+    ({"config.json": "{not json"}, "config.json is not valid JSON at line 1 column 2; fix it"),
+    ({"config.json": "[1, 2]"}, "holds a JSON list, not an object of config keys"),
+    ({"config.json": '{"architectures": ["LlamaForCausalLM"]}'}, 'has no "model_type", so transformers cannot tell'),
+    ({"config.json": '{"model_type": "llama9", "transformers_version": "5.30.0"}'},
+     r"written by transformers 5\.30\.0, names model_type 'llama9', which the installed transformers .* does not know"),
+    ({"tokenizer.json": '{"version": "1.0", "model": {'}, r"tokenizer\.json is not a tokenizer .* save it again"),
+    ({"chat_template.jinja": "{% for m in messages %}{{ m.content "}, r"chat template in .* does not parse \(line 1: .*; fix it"),
+    ({"chat_template.jinja": "{{ messages | no_such_filter }}"}, "No filter named 'no_such_filter'"),
+    ({"chat_template.jinja": "{{ raise_exception('no chat here') }}"},
+     r"cannot render even one user message \(TemplateError: no chat here\); fix it"),
+])
+def test_a_broken_model_folder_is_refused_before_anything_is_written(tmp_path, files, match):
+    from slimml.convert import convert
+
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    with pytest.raises(SourceError, match=match):
+        convert(folder, tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]
+
+
+def test_a_decoder_of_a_short_context_converts_with_its_latency(tiny_llama_dir, tmp_path):
+    """The latency sample of a with-past decoder holds one cached token: a 128-position model times 127 new ones."""
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+
+    report = convert(tiny_llama_dir, tmp_path / "art", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
+                                                                     verify=False))
+    assert report.checks["latency_ms_b1_s128"] > 0
+
+
 def _tiny_gguf(path: Path, arch: str) -> Path:
     import gguf
 

@@ -173,14 +173,37 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "is not a known role"),
     ({"seed": "seven"}, '"seed" must be a whole number'),
     ({"model": "gpt-4"}, "is not served here"),
+    ({"max_tokens": "10"}, '"max_tokens" must be a whole number'),
+    ({"temperature": "hot"}, '"temperature" must be a number from 0 to 2'),
+    ({"stream": "yes"}, '"stream" must be true or false'),
+    ({"top_k": -1}, '"top_k" must be a whole number >= 0'),
+    ({"messages": [{"role": "user", "content": []}]}, "is an empty list of parts"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "this model takes text only: send text parts"),
+    ({"logprobs": True}, '"logprobs" True is not supported by this server; leave it out'),
+    ({"response_format": {"type": "json_object"}}, '"response_format"'),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, '"tools"'),
+    ({"presence_penalty": "x"}, '"presence_penalty" must be a number from -2 to 2'),
+    ({"stop": "x" * 50_000}, "so it can never appear; shorten it"),
 ])
 def test_bad_chat_requests_get_openai_errors(client, change, words):
     body = {"model": "smollm2", "messages": MESSAGES, "max_tokens": 8, **change}
+    extra = {k: body.pop(k) for k in ("top_k",) if k in body}  # not in the client's signature: sent as it is
     with pytest.raises(openai.APIStatusError) as e:
-        client.chat.completions.create(**body)
+        client.chat.completions.create(**body, extra_body=extra or None)
     assert 400 <= e.value.status_code < 500
     assert words in e.value.body["message"], e.value.body
-    assert e.value.body["type"] == "invalid_request_error"
+    assert e.value.body["type"] == "invalid_request_error" and set(e.value.body) == {"message", "type", "param", "code"}
+    field = next(iter(change))
+    assert e.value.body["param"] is not None and e.value.body["param"].startswith(field), e.value.body
+
+
+def test_text_parts_and_unknown_fields_are_taken_as_openai_takes_them(client):
+    parts = [{"type": "text", "text": "What is the capital "}, {"type": "text", "text": "of France?"}]
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": parts}], max_tokens=8,
+                                       temperature=0, extra_body={"no_such_field": {"x": 1}}, presence_penalty=0)
+    want = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == want.choices[0].message.content
 
 
 def test_a_prompt_longer_than_the_context_and_malformed_json_are_refused(server, client, local):
@@ -197,7 +220,10 @@ def test_a_prompt_longer_than_the_context_and_malformed_json_are_refused(server,
     assert r.status == 400 and "not valid JSON" in json.loads(r.read())["error"]["message"]
     conn.request("POST", "/v1/embeddings", body=json.dumps({"input": "hi"}), headers={"Content-Type": "application/json"})
     r = conn.getresponse()
-    assert 400 <= r.status < 500 and "/v1/" in json.loads(r.read())["error"]["message"]
+    assert 400 <= r.status < 500 and "POST /v1/chat/completions" in json.loads(r.read())["error"]["message"]
+    conn.request("GET", "/v1/chat/completions")
+    r = conn.getresponse()
+    assert r.status == 405 and "send POST /v1/chat/completions" in json.loads(r.read())["error"]["message"]
     conn.close()
     assert health(server)["status"] == "ok"
 

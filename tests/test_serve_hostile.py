@@ -139,6 +139,14 @@ HOSTILE = [
     ("declared body over the limit", "/v1/generate", None, 413, "--max-body-bytes"),
     ("deep nesting", "/v1/run", b'{"inputs": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", 400, None),
     ("embeddings on a decoder", "/v1/embeddings", {"input": ["a"]}, 400, "not a sentence-embedding"),
+    ("completions: past the context", "/v1/completions", {"prompt": _ids(1, 130)[0], "max_tokens": 4}, 400,
+     "context is 128, which leaves no room"),
+    ("completions: max_tokens past the context", "/v1/completions", {"prompt": _ids(1, 100)[0], "max_tokens": 60}, 400,
+     "ask for at most 28 tokens"),
+    ("chat: logprobs asked", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
+     400, '"logprobs" True is not supported'),
+    ("GET on a POST route", "/v1/chat/completions", None, 405, "is not allowed; send POST /v1/chat/completions"),
+    ("no such route", "/v1/nothing", {}, 404, "there is no POST /v1/nothing here"),
     ("no key", "/v1/generate", {"prompt": [[1]]}, 401, "needs an API key"),
     ("wrong key", "/v1/models", None, 401, "needs an API key"),
     ("schema hidden", "/openapi.json", None, 404, None),
@@ -160,7 +168,7 @@ def _send(port: int, case) -> tuple[int, dict, bytes]:
             raw = _read_response(s)
         status = int(raw.split(b" ", 2)[1])
         return status, json.loads(raw.split(b"\r\n\r\n", 1)[1] or b"{}"), raw
-    if path == "/openapi.json" or what == "wrong key":
+    if path == "/openapi.json" or what == "wrong key" or what.startswith("GET"):
         return request(port, "GET", path, headers=headers)
     return request(port, "POST", path, body, headers)
 
@@ -214,6 +222,8 @@ def test_every_hostile_request_gets_its_4xx_while_an_honest_client_is_served(ser
         message = (payload.get("error") or {}).get("message", "")
         if status != want_status or (needle and needle not in message):
             failures.append((what, status, raw[:300]))
+        if set(payload.get("error") or {}) != {"message", "type", "param", "code"}:
+            failures.append((what, "not OpenAI's error body", raw[:300]))
         if _PATHS.search(raw) or str(tiny_llama_past_artifact).encode() in raw:
             failures.append((what, "server path or address in the body", raw[:300]))
         if status == 500 or b"Traceback" in raw:
@@ -369,3 +379,18 @@ def test_a_stream_past_its_timeout_ends_with_an_error_event_and_done():
         error = json.loads(events[1].removeprefix(b"data: "))["error"]
         assert error["code"] == 408 and "--request-timeout-s" in error["message"]
         assert cancelled.wait(5)
+
+
+def test_a_port_in_use_or_a_host_not_of_this_machine_is_refused_before_ray_starts(tiny_llama_past_artifact):
+    from slimml.errors import ConfigError
+    from slimml.serve import ServeConfig, serve
+
+    config = ServeConfig(str(tiny_llama_past_artifact))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"cannot listen on 127.0.0.1:{port} \(Address already in use\); choose another --port"):
+            serve(config, port=port)
+    with pytest.raises(ConfigError, match="cannot listen on 'no such host'.*give --host an address of this machine"):
+        serve(config, host="no such host", port=free_port())

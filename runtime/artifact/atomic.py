@@ -54,6 +54,22 @@ def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
 
 
 def check_output(out: Path) -> None:
+    """Refuse, before any work, an output that is a file, lies under a file, cannot be written, or
+    is a folder of something else (a folder holding an artifact is replaced once the new one is done)."""
+    try:
+        _check_output(out)
+    except OSError as e:  # a name too long, a loop of links: looking at the path fails
+        raise os_error(e, out) from None
+
+
+def _check_output(out: Path) -> None:
+    blocked = _file_in_path(out)
+    if blocked is not None:
+        raise ConfigError(f"{blocked} is not a folder, so the output {out} cannot be made under it; give -o a path inside "
+                          "a folder.")
+    place = next((p for p in (out, *out.parents) if p.exists()), None)
+    if place is not None and place.is_dir() and not os.access(place, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write under {place} (no permission, or a read-only place); choose a writable folder with -o.")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"the output {out} is a file; give a folder path with -o.")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
@@ -189,9 +205,31 @@ def _alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def _file_in_path(out: Path) -> Path | None:
+    """The nearest existing part of ``out``'s path above it, when that part is not a folder."""
+    for p in out.parents:
+        if os.path.lexists(p):  # a link to nothing (or a loop) is in the way as much as a file
+            return None if p.is_dir() else p
+    return None
+
+
 def os_error(e: OSError, out: Path) -> SlimmlError:
+    """An OSError met while writing ``out``, as one line with what to do."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):  # full disk, quota, or a file-size limit
         return SlimmlError(f"the disk is full while writing {out} ({e.strerror}); free space or choose another folder with -o. Nothing was left at {out}.")
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return SlimmlError(f"cannot write to {out} ({e.strerror}); choose a writable folder with -o.")
-    return SlimmlError(f"writing {out} failed: {e}.")
+    try:
+        blocked = _file_in_path(out)
+    except OSError:
+        blocked = None
+    if blocked is not None or e.errno == errno.ENOTDIR:
+        return SlimmlError(f"{blocked or 'a part of its path'} is not a folder, so the output {out} cannot be made under "
+                           "it; give -o a path inside a folder.")
+    if e.errno == errno.ENOENT:  # a place that takes no new folders (/proc), or one removed under us
+        return SlimmlError(f"cannot make {out} ({e.strerror}): {out.parent} takes no new folders; choose a writable "
+                           "folder with -o.")
+    if e.errno == errno.ENAMETOOLONG:
+        return SlimmlError(f"the output path {out} is too long for the file system; give a shorter one with -o.")
+    why = e.strerror or type(e).__name__
+    return SlimmlError(f"writing {out} failed ({why}); choose another folder with -o, and check the disk it is on.")

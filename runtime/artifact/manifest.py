@@ -268,9 +268,14 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
             version, or names a path that escapes the folder.
     """
     folder = Path(folder)
+    if folder.is_file():  # a model file given where its converted artifact belongs
+        raise ArtifactError(
+            f"{folder} is a file, not an artifact folder; convert it first (`slimml convert {folder} -o FOLDER`) "
+            "and give that folder."
+        )
     if not folder.is_dir():
         raise ArtifactError(
-            f"{folder} is not an artifact folder: it does not exist or is a file. "
+            f"{folder} is not an artifact folder: it does not exist. "
             "Give the folder that `slimml convert` wrote (it holds manifest.json)."
         )
     path = folder / MANIFEST_NAME

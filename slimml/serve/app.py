@@ -28,6 +28,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from slimml.errors import ArtifactError, FeedError, IntegrityError, RequestError, SlimmlError, StageError, TaskError
@@ -46,10 +47,10 @@ _guard: dict[str, Any] = {"key_sha256": None, "openapi": False, "timeout_s": 300
 _OPEN = {"/health"}  # answered without the key: load balancers and Serve's probes
 
 
-def _error(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+def _error(message: str, status: int, headers: dict[str, str] | None = None, param: str | None = None) -> JSONResponse:
     if status >= 500 or message != protocol.public(message):
         log.warning("slimml: answered %d: %s", status, message)  # the whole message, paths included, stays here
-    return JSONResponse(protocol.error_body(message, status), status_code=status, headers=headers)
+    return JSONResponse(protocol.error_body(message, status, param), status_code=status, headers=headers)
 
 
 class _Guard:
@@ -124,7 +125,25 @@ api.add_middleware(_Guard)
 
 @api.exception_handler(RequestError)
 async def _request_error(request: Request, e: RequestError):
-    return _error(str(e), e.status, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None)
+    return _error(str(e), e.status, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None, e.param)
+
+
+ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/generate, POST /v1/run, "
+          "GET /health, GET /v1/models")
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, e: StarletteHTTPException):
+    # FastAPI's own refusals (no such route, a method the route does not take) in OpenAI's body
+    where = f"{request.method} {request.url.path}"
+    allow = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow")
+    if e.status_code == 405 and allow:
+        message = f"{where} is not allowed; send {' or '.join(m.strip() for m in allow.split(','))} {request.url.path}."
+    elif e.status_code == 404:
+        message = f"there is no {where} here; this server answers {ROUTES}."
+    else:
+        message = f"{where}: {e.detail}."
+    return _error(message, e.status_code, dict(e.headers) if e.headers else None)
 
 
 @api.exception_handler(FeedError)
@@ -247,6 +266,10 @@ class SlimmlServer:
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request):
         data = await self._body(request)
+        if self._llm is not None and not self.model.supports("encode_with_counts"):
+            raise RequestError(f"this artifact is a language model ({self.model.kind!r}), not a sentence-embedding one, so "
+                               "it has no /v1/embeddings; use POST /v1/chat/completions or POST /v1/completions, or "
+                               "serve an embedding artifact for embeddings.", 400)
         self._needs("encode_with_counts")
         protocol.check_model(data, self.name)
         texts = protocol.embedding_texts(data, self.config.max_texts, self.config.max_text_chars)

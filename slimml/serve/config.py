@@ -153,6 +153,10 @@ class ServeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86_400:
                 raise ConfigError(f"{name} must be a number of seconds from 0 to 86400, got {v!r}.")
+        if self.memory_budget is not None:  # "memory budget 'lots' is not a size; ..." before Ray starts
+            from slimml.runtime.engine.budget import parse_bytes
+
+            parse_bytes(self.memory_budget)
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 16
                                          or not self.api_key.isprintable() or " " in self.api_key):
             raise ConfigError("api_key must be at least 16 printable characters without spaces (e.g. from "

@@ -161,6 +161,8 @@ class LLMService:
             prompt, raw = req.prompt, False
         ids = self._ids(prompt, raw)
         context = self.model.engine.max_sequence_length
+        if ids is not None and context is not None:  # in the request's own terms (no truncate=True over HTTP)
+            _check_context(len(ids), req.max_tokens, context, "messages" if req.chat else "prompt")
         limit = req.max_tokens or self.max_tokens
         if req.max_tokens is None and context is not None and ids is not None:  # OpenAI's: up to the context
             limit = max(1, min(limit, context - len(ids)))
@@ -172,8 +174,9 @@ class LLMService:
                 prompt if ids is None else ids, config, raw_text=raw,
                 on_text=lambda piece: loop.call_soon_threadsafe(put, ("text", piece)),
                 on_done=lambda s: loop.call_soon_threadsafe(put, ("done", s)))
-        except FeedError as e:
-            raise RequestError(str(e)) from None
+        except FeedError as e:  # the prompt (or a stop string) against the context and the batch's budget
+            field = "stop" if str(e).startswith("stop") else "messages" if req.chat else "prompt"
+            raise RequestError(str(e), param=field) from None
         return seq
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:
@@ -198,7 +201,7 @@ class LLMService:
                     yield openai.sse(answer.chunk(value))
                     continue
                 if seq.finish_reason == "error":
-                    yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "code": 500}})
+                    yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "param": None, "code": 500}})
                 else:
                     yield openai.sse(answer.chunk("", seq.finish_reason))
                     if answer.req.include_usage:
@@ -238,6 +241,17 @@ def _rss() -> int | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _check_context(tokens: int, max_tokens: int | None, context: int, field: str) -> None:
+    """Refuse a prompt that leaves no room in the context, or no room for ``max_tokens``."""
+    if tokens >= context:
+        raise RequestError(f"the prompt is {tokens} tokens, and this model's context is {context}, which leaves no room "
+                           f"for an answer; shorten {field} to at most {context - 1} tokens.", param=field)
+    if max_tokens is not None and tokens + max_tokens > context:
+        raise RequestError(f"the prompt's {tokens} tokens plus max_tokens={max_tokens} are more than this model's context "
+                           f"of {context}; ask for at most {context - tokens} tokens, or shorten {field}.",
+                           param="max_tokens")
 
 
 def _failure(seq: Sequence) -> str:

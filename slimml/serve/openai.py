@@ -57,80 +57,115 @@ class CompletionRequest:
 
 def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) -> CompletionRequest:
     """Check a chat (``chat=True``) or completions request body; ``max_tokens_limit`` is the
-    server's cap on ``max_tokens`` (the context is checked once the prompt is tokenized)."""
+    server's cap on ``max_tokens`` (the context is checked once the prompt is tokenized). Fields
+    this server does not use are ignored, as OpenAI's are; those that would change the answer
+    in a way it cannot give (``logprobs``, ``echo``, ``best_of``, JSON mode, ``tools``) are refused."""
     req = CompletionRequest(chat=chat)
+    _refuse_unsupported(data)
     if chat:
         req.messages = _messages(data)
     else:
         req.prompt = _prompt(data)
     n = data.get("n", 1)
     if n != 1 or isinstance(n, bool):
-        raise RequestError(f'"n" must be 1: this server returns one choice a request, got {n!r}; send n separate '
-                           "requests (with different seeds) for several answers.")
+        raise RequestError(f'"n" must be 1: this server returns one choice a request, got {_show(n)}; send n separate '
+                           "requests (with different seeds) for several answers.", param="n")
     key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
     mt = data.get(key)
     if mt is not None:
         if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_tokens_limit:
             raise RequestError(f'"{key}" must be a whole number from 1 to {max_tokens_limit} (this server\'s '
-                               f"limit), got {_show(mt)}.")
+                               f"limit, set by slimml serve --max-new-tokens), got {_show(mt)}.", param=key)
         req.max_tokens = mt
     req.temperature = _number(data, "temperature", 1.0, 0.0, 2.0, "from 0 to 2 (0 is greedy)")
     req.top_p = _number(data, "top_p", 1.0, 0.0, 1.0, "in (0, 1]", open_low=True)
     req.repetition_penalty = _number(data, "repetition_penalty", 1.0, 0.0, 10.0, "in (0, 10]", open_low=True)
+    for key in ("presence_penalty", "frequency_penalty"):  # accepted and ignored, as OpenAI's defaults; checked all the same
+        _number(data, key, 0.0, -2.0, 2.0, "from -2 to 2")
     top_k = data.get("top_k", 0)
     if top_k is None:
         top_k = 0
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0 or top_k > 1 << 20:
-        raise RequestError(f'"top_k" must be a whole number >= 0 (0: off), got {_show(top_k)}.')
+        raise RequestError(f'"top_k" must be a whole number >= 0 (0: off), got {_show(top_k)}.', param="top_k")
     req.top_k = top_k
     seed = data.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise RequestError(f'"seed" must be a whole number from 0 to 2**63-1, got {_show(seed)}.')
+        raise RequestError(f'"seed" must be a whole number from 0 to 2**63-1, got {_show(seed)}.', param="seed")
     req.seed = seed
     req.stop = _stop(data.get("stop"))
     stream = data.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise RequestError(f'"stream" must be true or false, got {_show(stream)}.')
+        raise RequestError(f'"stream" must be true or false, got {_show(stream)}.', param="stream")
     req.stream = stream
     options = data.get("stream_options")
     if options is not None:
         if not isinstance(options, dict):
-            raise RequestError('"stream_options" must be an object such as {"include_usage": true}.')
+            raise RequestError('"stream_options" must be an object such as {"include_usage": true}.', param="stream_options")
         if not stream:
-            raise RequestError('"stream_options" is only allowed with "stream": true.')
+            raise RequestError('"stream_options" is only allowed with "stream": true; add "stream": true or drop it.',
+                               param="stream_options")
         usage = options.get("include_usage", False)
         if not isinstance(usage, bool):
-            raise RequestError('"stream_options.include_usage" must be true or false.')
+            raise RequestError('"stream_options.include_usage" must be true or false.', param="stream_options")
         req.include_usage = usage
     return req
+
+
+def _refuse_unsupported(data: dict[str, Any]) -> None:
+    """Refuse the OpenAI fields that would change the answer in a way this server cannot give
+    (log-probabilities, echo, several candidates, JSON mode, tool calls), rather than ignore them
+    and answer something else than asked; their "off" values pass."""
+    asks = {
+        "logprobs": data.get("logprobs") not in (None, False, 0),
+        "top_logprobs": data.get("top_logprobs") not in (None, 0),
+        "echo": data.get("echo") not in (None, False),
+        "best_of": data.get("best_of") not in (None, 1),
+        "response_format": isinstance(data.get("response_format"), dict)
+                           and data["response_format"].get("type") not in (None, "text"),
+        "tools": bool(data.get("tools")) and data.get("tool_choice") != "none",
+    }
+    fixes = {"logprobs": "leave it out", "top_logprobs": "leave it out", "echo": "leave it out (the prompt is what you sent)",
+             "best_of": "leave it out, or send 1", "response_format": 'leave it out, or send {"type": "text"}',
+             "tools": "leave it out (this model answers in plain text)"}
+    for key, asked in asks.items():
+        if asked:
+            raise RequestError(f'"{key}" {_show(data[key])} is not supported by this server; {fixes[key]}.', param=key)
 
 
 def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError('a chat request needs "messages": a non-empty list of {"role": ..., "content": ...}.')
+        raise RequestError('a chat request needs "messages": a non-empty list of {"role": ..., "content": ...}.',
+                           param="messages")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise RequestError(f'"messages"[{i}] must be an object with "role" and "content", got '
-                               f"{_show(m)}.")
+                               f"{_show(m)}.", param=f"messages[{i}]")
         role, content = m["role"], m["content"]
         if role not in ROLES:
-            raise RequestError(f'"messages"[{i}].role {_show(role)} is not a known role; use one of {", ".join(ROLES)}.')
+            raise RequestError(f'"messages"[{i}].role {_show(role)} is not a known role; use one of {", ".join(ROLES)}.',
+                               param=f"messages[{i}].role")
         if isinstance(content, list):  # OpenAI's content parts: only text parts are understood here
+            if not content:
+                raise RequestError(f'"messages"[{i}].content is an empty list of parts; send at least one '
+                                   '{"type": "text", "text": ...} part, or the content as a string.',
+                                   param=f"messages[{i}].content")
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise RequestError(f'"messages"[{i}].content has a part that is not {{"type": "text", "text": ...}}; '
-                                       "this model takes text only.")
+                                       "this model takes text only: send text parts, or the content as a string.",
+                                       param=f"messages[{i}].content")
                 texts.append(part["text"])
             content = "".join(texts)
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise RequestError(f'"messages"[{i}].content must be a string, got {_show(content)}.')
+            raise RequestError(f'"messages"[{i}].content must be a string or a list of text parts, got {_show(content)}.',
+                               param=f"messages[{i}].content")
         out.append({"role": role, "content": content})
     return out
 
@@ -141,13 +176,13 @@ def _prompt(data: dict[str, Any]) -> str | list[int]:
         prompt = prompt[0]  # OpenAI allows a list of prompts; one is what n=1 answers
     if isinstance(prompt, str):
         if not prompt:
-            raise RequestError('"prompt" is empty; give the text to continue.')
+            raise RequestError('"prompt" is empty; give the text to continue.', param="prompt")
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1:
-        raise RequestError(f'"prompt" holds {len(prompt)} prompts; send one prompt a request.')
-    raise RequestError('a completions request needs "prompt": a non-empty text (or a list of token ids).')
+        raise RequestError(f'"prompt" holds {len(prompt)} prompts; send one prompt a request.', param="prompt")
+    raise RequestError('a completions request needs "prompt": a non-empty text (or a list of token ids).', param="prompt")
 
 
 def _number(data: dict[str, Any], key: str, default: float, low: float, high: float, what: str,
@@ -157,7 +192,7 @@ def _number(data: dict[str, Any], key: str, default: float, low: float, high: fl
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
             or v < low or v > high or (open_low and v <= low):
-        raise RequestError(f'"{key}" must be a number {what}, got {_show(v)}.')
+        raise RequestError(f'"{key}" must be a number {what}, got {_show(v)}.', param=key)
     return float(v)
 
 
@@ -166,9 +201,10 @@ def _stop(stop: Any) -> list[str]:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError('"stop" must be a non-empty string or a list of non-empty strings.')
+        raise RequestError('"stop" must be a non-empty string or a list of non-empty strings.', param="stop")
     if len(stops) > MAX_STOP:
-        raise RequestError(f'"stop" has {len(stops)} strings; at most {MAX_STOP} are allowed.')
+        raise RequestError(f'"stop" has {len(stops)} strings; at most {MAX_STOP} are allowed: keep the ones that matter.',
+                           param="stop")
     return list(stops)
 
 

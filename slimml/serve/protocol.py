@@ -48,7 +48,8 @@ def check_model(data: dict[str, Any], served: str) -> None:
     """A request that names a model must name the one served here."""
     name = data.get("model")
     if name is not None and name != served:
-        raise RequestError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models).", 404)
+        raise RequestError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models).", 404,
+                           param="model")
 
 
 def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None = None) -> list[str]:
@@ -56,27 +57,29 @@ def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None 
     here, per request, so one client's bad text never fails a batch it would share with others),
     cut to ``max_chars``."""
     if "input" not in data:
-        raise RequestError('an embeddings request needs "input": a text or a list of texts.')
+        raise RequestError('an embeddings request needs "input": a text or a list of texts.', param="input")
     texts = data["input"]
     if isinstance(texts, str):
         texts = [texts]
     if not isinstance(texts, list):
-        raise RequestError(f'"input" must be a text or a list of texts, got a JSON {_json_type(texts)}.')
+        raise RequestError(f'"input" must be a text or a list of texts, got a JSON {_json_type(texts)}.', param="input")
     if not texts:
-        raise RequestError('"input" is an empty list; give at least one text.')
+        raise RequestError('"input" is an empty list; give at least one text.', param="input")
     if len(texts) > max_texts:
         raise RequestError(f'"input" has {len(texts)} texts, more than this server takes ({max_texts}); send them '
-                           "in smaller requests, or raise the limit (slimml serve --max-texts).", 413)
+                           "in smaller requests, or raise the limit (slimml serve --max-texts).", 413, param="input")
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             what = "token ids" if isinstance(t, (int, list)) else f"a JSON {_json_type(t)}"
-            raise RequestError(f'"input"[{i}] is {what}, not a text; send texts (this server tokenizes them).')
+            raise RequestError(f'"input"[{i}] is {what}, not a text; send texts (this server tokenizes them).',
+                               param=f"input[{i}]")
         if not t:
-            raise RequestError(f'"input"[{i}] is an empty text; embeddings need at least one character.')
+            raise RequestError(f'"input"[{i}] is an empty text; embeddings need at least one character.',
+                               param=f"input[{i}]")
     texts = checked_texts(texts, '"input"', max_chars)
     fmt = data.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        raise RequestError(f'"encoding_format" must be "float" or "base64", got {fmt!r}.')
+        raise RequestError(f'"encoding_format" must be "float" or "base64", got {fmt!r:.40}.', param="encoding_format")
     return texts
 
 
@@ -273,11 +276,12 @@ def dumps(body: dict[str, Any]) -> bytes:
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-def error_body(message: str, status: int) -> dict[str, Any]:
-    """OpenAI's error shape, the message with server paths and node addresses taken out (the
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape (``message``, ``type``, ``param``: the field at fault or null,
+    ``code``: the HTTP status), the message with server paths and node addresses taken out (the
     server logs them; a client has no use for them, an attacker some)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": public(message), "type": kind, "code": status}}
+    return {"error": {"message": public(message), "type": kind, "param": param, "code": status}}
 
 
 # an absolute path (or one under ~), and an IPv4 address with or without a port

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import signal
@@ -45,11 +46,13 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     manifest = read_manifest(config.artifact)
     verify_files(config.artifact, manifest)
     config = dataclasses.replace(config, manifest_sha256=manifest.sha256)  # every replica and stage checks its copy
+    if not 0 < port < 65536:
+        raise ConfigError(f"port must be from 1 to 65535, got {port}.")
+    if address is None and not direct_ingress:  # a Ray this call starts: the port must be free here (one line, not Serve's traceback)
+        _check_listen(host, port)
     if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("slimml: serving on %s without an API key: anyone who reaches this port can use the model; "
                     "set --api-key or SLIMML_API_KEY", host)
-    if not 0 < port < 65536:
-        raise ConfigError(f"port must be from 1 to 65535, got {port}.")
     proxy_port = _direct_ingress(host, port, config, address) if direct_ingress else port
     from ray import serve as ray_serve
 
@@ -67,7 +70,12 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         cpus = sum(n["cpus"] for n in nodes)
         memory = _replica_memory(config, nodes)
         # the proxy's own end-to-end limit, a little after the replica's (whose 408 names the flag)
-        ray_serve.start(http_options={"host": host, "port": proxy_port, "request_timeout_s": config.request_timeout_s + 5})
+        try:
+            ray_serve.start(http_options={"host": host, "port": proxy_port,
+                                          "request_timeout_s": config.request_timeout_s + 5})
+        except RuntimeError as e:  # Serve's proxy: "Failed to bind to address ..." (taken since the check above)
+            raise ConfigError(f"Ray Serve could not listen on {host}:{proxy_port} ({str(e).splitlines()[0]}); choose "
+                              "another --port, or stop what listens there.") from None
         try:
             ray_serve.run(app(config, cpus_per_replica=cpus / config.replicas, memory_bytes=memory), name="slimml",
                           route_prefix="/",
@@ -92,6 +100,27 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             if threading.current_thread() is threading.main_thread():
                 for s, handler in previous.items():
                     signal.signal(s, handler)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Refuse, before Ray starts, an address this machine cannot listen on: a port something else
+    holds, or a host that is not one of its addresses."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:  # socket.gaierror: "Name or service not known"
+        raise ConfigError(f"cannot listen on {host!r} ({e.strerror or e}); give --host an address of this machine, "
+                          "e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface).") from None
+    family, kind, proto, _, where = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will: a port in TIME_WAIT is free
+        try:
+            s.bind(where)
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                raise ConfigError(f"cannot listen on {host} ({e.strerror}): it is not an address of this machine; give "
+                                  "--host one of its addresses, or 0.0.0.0 (every interface).") from None
+            raise ConfigError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port, or stop "
+                              "what listens there.") from None
 
 
 def _replica_memory(config: ServeConfig, nodes: list[dict]) -> int | None:
