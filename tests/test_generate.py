@@ -300,6 +300,8 @@ CONFIG_ERRORS = [
                    "pass e.g. seed=0."),
     ({"seed": True}, "seed must be an integer, a list of them (one per prompt) or None, got True; "
                    "pass e.g. seed=0."),
+    ({"seed": -1}, "seed must not be negative, got -1; pass a seed of 0 or more (e.g. seed=0)."),
+    ({"seed": [0, -2]}, "seed must not be negative, got [0, -2]; pass a seed of 0 or more (e.g. seed=0)."),
     ({"max_new_tokens": 0}, "max_new_tokens must be a whole number >= 1, got 0."),
     ({"stop": [""]}, "stop has an empty string, which would stop at once; remove it."),
     ({"stop": ["a"] * 17}, "stop has 17 strings, more than 16; keep the ones that matter."),
@@ -328,7 +330,7 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
     refused(FeedError, "prompt 0 has token id -1 at position 0, outside the model's vocabulary of 512; use ids in [0, 512).",
             llama.stream, [-1])  # a stream refuses when made, not at its first piece
     refused(FeedError, "prompt 0 has 130 tokens; the model's context is 128, which leaves no room for new tokens; "
-            "shorten it to at most 127 tokens or pass truncate=True.", llama.generate, [list(range(130))])
+            "shorten it to at most 127 tokens or pass truncate=True (slimml generate --truncate).", llama.generate, [list(range(130))])
     cut = llama.generate([list(range(130))], max_new_tokens=8, truncate=True)
     assert cut.prompt_tokens == 120 and cut.tokens == llama.generate([list(range(10, 130))], max_new_tokens=8).tokens
     refused(FeedError, "a prompt of 125 tokens plus max_new_tokens=8 is more than this model's 128 positions; shorten "

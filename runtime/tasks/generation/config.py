@@ -70,6 +70,8 @@ class GenerationConfig:
                 isinstance(seed, (list, tuple)) and seed and all(is_int(v) for v in seed)):
             raise ConfigError(f"seed must be an integer, a list of them (one per prompt) or None, got {seed!r}; "
                               "pass e.g. seed=0.")
+        if seed is not None and any(int(v) < 0 for v in (seed if isinstance(seed, (list, tuple)) else [seed])):
+            raise ConfigError(f"seed must not be negative, got {seed!r}; pass a seed of 0 or more (e.g. seed=0).")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ConfigError(f"stop must be a string or a list of strings, got {self.stop!r}.")

@@ -181,6 +181,6 @@ def _fit(i: int, ids: list[int], context: int, config: GenerationConfig) -> list
         return ids
     if not config.truncate:
         raise FeedError(f"prompt {i} has {len(ids)} tokens; the model's context is {context}, which leaves no room "
-                        f"for new tokens; shorten it to at most {context - 1} tokens or pass truncate=True.")
+                        f"for new tokens; shorten it to at most {context - 1} tokens or pass truncate=True (slimml generate --truncate).")
     keep = context - min(config.max_new_tokens, context // 2)
     return ids[-keep:]
