@@ -57,8 +57,6 @@ def can_export_fused(folder: Path) -> str | None:
     rope = _rope(config)
     if isinstance(rope, str):
         return rope
-    if config.get("sliding_window") and config.get("use_sliding_window", config.get("model_type") == "mistral"):
-        return "a sliding attention window is not written by the fused exporter yet"
     if config.get("hidden_act", "silu") != "silu":
         return f"the fused exporter writes SiLU MLPs; {folder.name} uses {config.get('hidden_act')!r}"
     if config.get("attention_bias") or config.get("mlp_bias"):  # Qwen2's q/k/v biases are written; o_proj's and the MLP's not
@@ -75,6 +73,25 @@ def _rope(config: dict[str, Any]) -> dict[str, Any] | str:
     if kind not in ("default", "linear", "llama3"):
         return f"RoPE scaling {kind!r} is not written by the fused exporter yet"
     return {"theta": float(theta), "type": kind, **{k: v for k, v in params.items() if k not in ("rope_type", "type")}}
+
+
+def _windows(config: dict[str, Any]) -> list[int]:
+    """Per layer, GroupQueryAttention's ``local_window_size``: -1 for full attention, else the sliding
+    window (the same number of positions as transformers' mask: measured equal logits, 14 tokens
+    through a window of 8). Mistral slides in every layer when ``sliding_window`` is set; Qwen2
+    only with ``use_sliding_window``, in the layers ``layer_types`` names (by default those from
+    ``max_window_layers`` on), as transformers 4.57 reads the config."""
+    layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window"):
+        window = None
+    if not window:
+        return [-1] * layers
+    types = config.get("layer_types")
+    if types is None and config.get("model_type") == "qwen2":
+        first = int(config.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return [int(window) if (types is None or types[i] == "sliding_attention") else -1 for i in range(layers)]
 
 
 def _inv_freq(rope: dict[str, Any], dim: int) -> np.ndarray:
@@ -208,6 +225,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
          ["/model/embed_tokens/output"], "/model/embed_tokens/Gather")
     x = "/model/embed_tokens/output"
     qkv_bias = f"model.layers.0.self_attn.q_proj.bias" in w
+    windows = _windows(c)
     inputs, outputs = [], []
     for i in range(layers):
         p, hf = f"/model/layers.{i}", f"model.layers.{i}"
@@ -219,7 +237,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         node("GroupQueryAttention", [qkv, "", "", past_k, past_v, "seqlens_k", "total_seq_len", cos, sin],
              [f"{p}/attn/output", pres_k, pres_v], f"{p}/attn/GroupQueryAttention", domain=_MS,
              num_heads=heads, kv_num_heads=kv_heads, scale=1.0 / math.sqrt(head_dim), do_rotary=1,
-             rotary_interleaved=0, local_window_size=-1)
+             rotary_interleaved=0, local_window_size=windows[i])
         o = linear(f"{p}/attn/output", [f"{hf}.self_attn.o_proj"], f"{hf}.self_attn.o_proj", f"{p}/attn/o_proj")
         x1 = node("Add", [x, o], [f"{p}/attn/residual"], f"{p}/attn/residual/Add")[0]
         h2 = node("SimplifiedLayerNormalization",
