@@ -112,7 +112,8 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
     import logging
     import warnings
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -122,9 +123,6 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
         import accelerate  # noqa: F401  (transformers refuses GGUF without it)
     except ImportError:
         raise SourceError("reading a GGUF file needs accelerate; `pip install accelerate` (part of the convert extra).") from None
-    import transformers
-    from transformers import AutoConfig
-
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar over the tensors
             warnings.simplefilter("ignore")
