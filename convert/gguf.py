@@ -150,7 +150,9 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
     - ``head_dim`` from ``attention.key_length`` where the config says otherwise (the reader leaves
       Qwen3's at the class default, 128, and a Qwen3 of another head size does not load);
     - ``partial_rotary_factor`` from ``rope.dimension_count`` (Phi-3 / Phi-4-mini, StableLM);
-    - Phi-3's ``sliding_window`` (``attention.sliding_window``, 0 for none).
+    - Phi-3's ``sliding_window`` (``attention.sliding_window``, 0 for none);
+    - GPT-2's ``n_positions`` from ``context_length`` (the reader sets only ``n_ctx``, and the
+      position table of any GPT-2 whose context is not 1024 does not load).
     """
     from gguf import GGUFReader
 
@@ -168,6 +170,9 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
     window = _field(reader, f"{arch}.attention.sliding_window")
     if arch == "phi3" and window and getattr(config, "sliding_window", None) != int(window):
         fixes["sliding_window"] = int(window)
+    context = _field(reader, f"{arch}.context_length")
+    if arch == "gpt2" and context and getattr(config, "n_positions", None) != int(context):
+        fixes["n_positions"] = int(context)
     return fixes
 
 

@@ -168,3 +168,26 @@ def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
     assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+@pytest.mark.parametrize("arch, fields, config, want", [
+    ("gpt2", {"context_length": 256}, "GPT2Config", {"n_positions": 256}),
+    ("phi3", {"rope.dimension_count": 24, "attention.sliding_window": 2047}, "Phi3Config",
+     {"partial_rotary_factor": 0.75, "sliding_window": 2047}),
+    ("qwen3", {"attention.key_length": 64}, "Qwen3Config", {"head_dim": 64}),
+    ("llama", {"attention.key_length": 32, "rope.dimension_count": 32}, "LlamaConfig", {}),
+])
+def test_config_values_the_gguf_reader_drops_are_read_from_the_file(tmp_path, arch, fields, config, want):
+    gguf = pytest.importorskip("gguf")
+    from slimml.convert.gguf import missed_config
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    for key, value in fields.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    shape = {"hidden_size": 128, "num_attention_heads": 4} if arch != "gpt2" else {}
+    assert missed_config(tmp_path / "m.gguf", getattr(transformers, config)(**shape)) == want
