@@ -36,7 +36,7 @@ class ExportConfig:
             ``convert.layerwise``), ``"fused"``: a Llama-family decoder written from its safetensors
             as ONNX Runtime's fused decoder graph with its KV cache (GroupQueryAttention with rotary,
             packed projections: ``convert.fused_llama``), the fast one to decode; or ``"auto"``:
-            fused for a decoder it can write (Llama, Mistral without a sliding window, Qwen2; task
+            fused for a decoder it can write (Llama, Mistral, Qwen2, Qwen3, Phi-3; task
             ``auto`` or ``text-generation-with-past``), layerwise for a cache-free decoder whose weights
             take more than a third of the memory available, optimum otherwise. A decoder that
             fused cannot write falls back to optimum, with the reason in ``Exported.note``.
@@ -45,7 +45,7 @@ class ExportConfig:
     opset: int | None = field(default=None, metadata={"help": "ONNX opset."})
     task: str = field(default="auto", metadata={"help": "Hugging Face task to export, or 'auto'."})
     dynamic_batch: bool = True
-    exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral and Qwen2 decoders, else "
+    exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders, else "
                                                     "optimum), optimum (traces the whole model), layerwise (Llama-family "
                                                     "decoders bigger than memory, one layer at a time, no cache) or fused "
                                                     "(Llama-family decoders as ONNX Runtime's fused decoder graph with its "
@@ -239,7 +239,15 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
                 local_files_only=True, do_validation=False, no_post_process=True, device="cpu",
             )
     except Exception as e:
-        raise ExportError(f"optimum-onnx could not export {folder} as {task!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        first = str(e).splitlines()[0] if str(e) else ""
+        if "unsupported architecture" in first:  # optimum's long advice on custom ONNX configs, in one line with a fix
+            kind = _read_config(folder).get("model_type", "this")
+            raise ExportError(
+                f"neither of slimml's exporters writes a {kind!r} model (optimum-onnx does not know the architecture; "
+                "the fused exporter writes Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders): export it to ONNX yourself "
+                "(torch.onnx.export) and convert the .onnx file."
+            ) from None
+        raise ExportError(f"optimum-onnx could not export {folder} as {task!r}: {type(e).__name__}: {first}") from None
     graphs = {name: onnx_dir / f"{name}_model.onnx" for name in ("encoder", "decoder", "decoder_with_past")}
     if seq2seq and all(p.is_file() for p in graphs.values()):
         onnx_path = graphs["encoder"]
