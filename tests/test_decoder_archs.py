@@ -212,3 +212,17 @@ def test_an_architecture_no_exporter_writes_is_refused_in_one_line(tmp_path):
         assert not (tmp_path / "art").exists()
     else:  # a later optimum-onnx exports it: then it must match torch
         assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+
+
+def test_a_tokenizer_that_cannot_encode_the_eval_text_is_named(tmp_path):
+    """transformers' tokenizer from a Gemma GGUF without an unknown token fails on any character
+    outside its vocabulary: the check names the tokenizer and --eval-text, in one line."""
+    from tokenizers import Tokenizer, models
+
+    from slimml.convert.llm_check import token_windows
+    from slimml.errors import DataError
+
+    Tokenizer(models.Unigram([("a", -1.0), ("b", -1.0)], unk_id=None)).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(DataError, match=r"^the model's tokenizer \(tokenizer.json\) cannot encode the evaluation text "
+                                        r"\(.*\); give a text it can encode with --eval-text"):
+        token_windows(tmp_path / "tokenizer.json", "ab x " * 60)
