@@ -1,5 +1,7 @@
 """The ``fused`` exporter: a Llama-family decoder written straight from its safetensors as the graph
-ONNX Runtime decodes fastest on CPU (docs/llm_decode.md).
+ONNX Runtime decodes fastest on CPU (docs/llm_decode.md). Llama, Mistral and Qwen2 (q/k/v biases,
+sliding windows as GroupQueryAttention's ``local_window_size``), Qwen3 (an RMSNorm over each q and
+k head) and Phi-3 (q/k/v and gate/up stored packed).
 
 Per layer: ``SimplifiedLayerNormalization`` (RMSNorm), one MatMul for q, k and v packed,
 ``GroupQueryAttention`` with the rotary embedding inside it (``do_rotary``; the cos/sin
