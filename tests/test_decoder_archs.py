@@ -226,3 +226,25 @@ def test_a_tokenizer_that_cannot_encode_the_eval_text_is_named(tmp_path):
     with pytest.raises(DataError, match=r"^the model's tokenizer \(tokenizer.json\) cannot encode the evaluation text "
                                         r"\(.*\); give a text it can encode with --eval-text"):
         token_windows(tmp_path / "tokenizer.json", "ab x " * 60)
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("newer", r"^transformers .* does not know hf's model type 'newfangled'; install a transformers that does"),
+    ("custom code", r"^hf needs its own modeling code \(auto_map in its config\), which slimml does not run; export it"),
+])
+def test_a_folder_transformers_cannot_build_is_refused_in_one_line(tmp_path, kind, match):
+    from slimml.convert import ConvertConfig, convert
+
+    _model("mistral-window").save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if kind == "newer":
+        config |= {"model_type": "newfangled", "architectures": ["NewfangledForCausalLM"]}
+    else:
+        config |= {"model_type": "mycustom", "architectures": ["MyForCausalLM"],
+                   "auto_map": {"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyModel"}}
+        (tmp_path / "hf" / "configuration_my.py").write_text("from transformers import MistralConfig\n\n\n"
+                                                            "class MyConfig(MistralConfig):\n    model_type = 'mycustom'\n")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match=match):
+        convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert not (tmp_path / "art").exists()
