@@ -19,6 +19,7 @@ from slimml.errors import SourceError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # what gguf-py's reader (and transformers through it) reads
+_MOE_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's name -> transformers'
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*), for the report
 _FILE_TYPES = {
@@ -81,7 +82,8 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    # transformers renames llama.cpp's "qwen2moe"/"qwen3moe" before it looks its list up
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and _MOE_NAMES.get(arch) not in GGUF_SUPPORTED_ARCHITECTURES:
         import transformers
 
         raise SourceError(
@@ -151,6 +153,7 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
       Qwen3's at the class default, 128, and a Qwen3 of another head size does not load);
     - ``partial_rotary_factor`` from ``rope.dimension_count`` (Phi-3 / Phi-4-mini, StableLM);
     - Phi-3's ``sliding_window`` (``attention.sliding_window``, 0 for none);
+    - Qwen2/3-MoE's expert sizes (``expert_feed_forward_length``, ``expert_shared_feed_forward_length``);
     - GPT-2's ``n_positions`` from ``context_length`` (the reader sets only ``n_ctx``, and the
       position table of any GPT-2 whose context is not 1024 does not load).
     """
@@ -170,6 +173,11 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
     window = _field(reader, f"{arch}.attention.sliding_window")
     if arch == "phi3" and window and getattr(config, "sliding_window", None) != int(window):
         fixes["sliding_window"] = int(window)
+    for key, attr in (("expert_feed_forward_length", "moe_intermediate_size"),  # Qwen2/3-MoE: left at the class default
+                      ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        value = _field(reader, f"{arch}.{key}")
+        if value and hasattr(config, attr) and getattr(config, attr) != int(value):
+            fixes[attr] = int(value)
     context = _field(reader, f"{arch}.context_length")
     if arch == "gpt2" and context and getattr(config, "n_positions", None) != int(context):
         fixes["n_positions"] = int(context)

@@ -176,6 +176,8 @@ def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
      {"partial_rotary_factor": 0.75, "sliding_window": 2047}),
     ("qwen3", {"attention.key_length": 64}, "Qwen3Config", {"head_dim": 64}),
     ("llama", {"attention.key_length": 32, "rope.dimension_count": 32}, "LlamaConfig", {}),
+    ("qwen3moe", {"attention.key_length": 64, "expert_feed_forward_length": 64}, "Qwen3MoeConfig",
+     {"head_dim": 64, "moe_intermediate_size": 64}),
 ])
 def test_config_values_the_gguf_reader_drops_are_read_from_the_file(tmp_path, arch, fields, config, want):
     gguf = pytest.importorskip("gguf")
@@ -191,6 +193,10 @@ def test_config_values_the_gguf_reader_drops_are_read_from_the_file(tmp_path, ar
     w.close()
     shape = {"hidden_size": 128, "num_attention_heads": 4} if arch != "gpt2" else {}
     assert missed_config(tmp_path / "m.gguf", getattr(transformers, config)(**shape)) == want
+    if arch == "qwen3moe":  # llama.cpp's name for what transformers lists as qwen3_moe: read, not refused
+        from slimml.convert.gguf import inspect_gguf
+
+        assert inspect_gguf(tmp_path / "m.gguf")["architecture"] == "qwen3moe"
 
 
 def test_an_architecture_no_exporter_writes_is_refused_in_one_line(tmp_path):
