@@ -16,8 +16,12 @@ from slimml.convert.export import Exported
 from slimml.convert.llm_check import decoder_feeds, past_shapes
 from slimml.convert.reference import reference_for
 from slimml.convert.sources import Source
+from slimml.errors import ExportError
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.loader import load
+
+# the float graph computes what torch computes, up to float rounding: a real mismatch is far below these
+MIN_COSINE, MIN_TOP1 = 0.999, 0.95
 
 
 def verify_decoder(folder: Path, manifest: Manifest, src: Source, exported: Exported,
@@ -42,5 +46,12 @@ def verify_decoder(folder: Path, manifest: Manifest, src: Source, exported: Expo
     a = got.reshape(-1, got.shape[-1]).astype(np.float64)
     b = want.reshape(-1, want.shape[-1]).astype(np.float64)
     cos = (a * b).sum(1) / np.clip(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30, None)
-    return {"max_abs_diff_vs_torch": round(float(np.abs(a - b).max()), 8), "cosine_vs_torch": round(float(cos.min()), 8),
-            "top1_agreement": round(float((a.argmax(1) == b.argmax(1)).mean()), 6), "reference": "torch, empty cache"}
+    checks = {"max_abs_diff_vs_torch": round(float(np.abs(a - b).max()), 8), "cosine_vs_torch": round(float(cos.min()), 8),
+              "top1_agreement": round(float((a.argmax(1) == b.argmax(1)).mean()), 6), "reference": "torch, empty cache"}
+    if checks["cosine_vs_torch"] < MIN_COSINE or checks["top1_agreement"] < MIN_TOP1:  # never a silently wrong float model
+        raise ExportError(
+            f"the fused graph of {src.name} disagrees with the source model in torch (cosine {checks['cosine_vs_torch']:.4g}, "
+            f"top-1 agreement {checks['top1_agreement']:.3g}): the fused exporter misreads this architecture; "
+            "convert with --exporter optimum."
+        )
+    return checks

@@ -37,7 +37,7 @@ class ExportConfig:
             ``convert.layerwise``), ``"fused"``: a Llama-family decoder written from its safetensors
             as ONNX Runtime's fused decoder graph with its KV cache (GroupQueryAttention with rotary,
             packed projections: ``convert.fused_llama``), the fast one to decode; or ``"auto"``:
-            fused for a decoder it can write (Llama, Mistral without a sliding window, Qwen2; task
+            fused for a decoder it can write (Llama, Mistral, Qwen2, Qwen3, Phi-3; task
             ``auto`` or ``text-generation-with-past``), layerwise for a cache-free decoder whose weights
             take more than a third of the memory available, optimum otherwise. A decoder that
             fused cannot write falls back to optimum, with the reason in ``Exported.note``.
@@ -46,7 +46,7 @@ class ExportConfig:
     opset: int | None = field(default=None, metadata={"help": "ONNX opset."})
     task: str = field(default="auto", metadata={"help": "Hugging Face task to export, or 'auto'."})
     dynamic_batch: bool = True
-    exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral and Qwen2 decoders, else "
+    exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders, else "
                                                     "optimum), optimum (traces the whole model), layerwise (Llama-family "
                                                     "decoders bigger than memory, one layer at a time, no cache) or fused "
                                                     "(Llama-family decoders as ONNX Runtime's fused decoder graph with its "
@@ -240,7 +240,7 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
                 local_files_only=True, do_validation=False, no_post_process=True, device="cpu",
             )
     except Exception as e:
-        raise ExportError(f"optimum-onnx could not export {folder} as {task!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise _optimum_failure(folder, task, e) from None
     graphs = {name: onnx_dir / f"{name}_model.onnx" for name in ("encoder", "decoder", "decoder_with_past")}
     if seq2seq and all(p.is_file() for p in graphs.values()):
         onnx_path = graphs["encoder"]
@@ -263,6 +263,28 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
 
 
 _SEQ2SEQ_TASKS = ("text2text-generation", "automatic-speech-recognition")
+
+
+def _optimum_failure(folder: Path, task: str, e: Exception) -> ExportError:
+    """optimum-onnx's exception as one line; the failures a user can act on say what to do."""
+    first = str(e).splitlines()[0] if str(e) else ""
+    kind = _read_config(folder).get("model_type")
+    if "unsupported architecture" in first:  # optimum's long advice on custom ONNX configs
+        return ExportError(
+            f"neither of slimml's exporters writes a {kind!r} model (optimum-onnx does not know the architecture; "
+            "the fused exporter writes Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders): export it to ONNX yourself "
+            "(torch.onnx.export) and convert the .onnx file.")
+    if "does not recognize this architecture" in first:  # a model type newer than the installed transformers
+        import transformers
+
+        return ExportError(
+            f"transformers {transformers.__version__} does not know {folder.name}'s model type {kind!r}; install a "
+            "transformers that does, or export the model to ONNX yourself and convert the .onnx file.")
+    if "contains custom code" in first:  # trust_remote_code: slimml does not run a folder's own Python
+        return ExportError(
+            f"{folder.name} needs its own modeling code (auto_map in its config), which slimml does not run; export "
+            "it to ONNX yourself (with trust_remote_code=True) and convert the .onnx file.")
+    return ExportError(f"optimum-onnx could not export {folder} as {task!r}: {type(e).__name__}: {first}")
 
 
 def _read_config(folder: Path) -> dict[str, Any]:

@@ -1,5 +1,7 @@
 """The ``fused`` exporter: a Llama-family decoder written straight from its safetensors as the graph
-ONNX Runtime decodes fastest on CPU (docs/llm_decode.md).
+ONNX Runtime decodes fastest on CPU (docs/llm_decode.md). Llama, Mistral and Qwen2 (q/k/v biases,
+sliding windows as GroupQueryAttention's ``local_window_size``), Qwen3 (an RMSNorm over each q and
+k head) and Phi-3 (q/k/v and gate/up stored packed).
 
 Per layer: ``SimplifiedLayerNormalization`` (RMSNorm), one MatMul for q, k and v packed,
 ``GroupQueryAttention`` with the rotary embedding inside it (``do_rotary``; the cos/sin
@@ -34,7 +36,7 @@ from onnx import TensorProto, helper
 
 from slimml.errors import ExportError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 OPSET = 21  # what ORT's MatMulNBits quantizer writes: every shard of the artifact the same, so they merge
 _MS = "com.microsoft"
 
@@ -57,8 +59,8 @@ def can_export_fused(folder: Path) -> str | None:
     rope = _rope(config)
     if isinstance(rope, str):
         return rope
-    if config.get("sliding_window") and config.get("use_sliding_window", config.get("model_type") == "mistral"):
-        return "a sliding attention window is not written by the fused exporter yet"
+    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
+        return f"a partial rotary embedding (factor {config['partial_rotary_factor']}) is not written by the fused exporter yet"
     if config.get("hidden_act", "silu") != "silu":
         return f"the fused exporter writes SiLU MLPs; {folder.name} uses {config.get('hidden_act')!r}"
     if config.get("attention_bias") or config.get("mlp_bias"):  # Qwen2's q/k/v biases are written; o_proj's and the MLP's not
@@ -75,6 +77,25 @@ def _rope(config: dict[str, Any]) -> dict[str, Any] | str:
     if kind not in ("default", "linear", "llama3"):
         return f"RoPE scaling {kind!r} is not written by the fused exporter yet"
     return {"theta": float(theta), "type": kind, **{k: v for k, v in params.items() if k not in ("rope_type", "type")}}
+
+
+def _windows(config: dict[str, Any]) -> list[int]:
+    """Per layer, GroupQueryAttention's ``local_window_size``: -1 for full attention, else the sliding
+    window (the same number of positions as transformers' mask: measured equal logits, 14 tokens
+    through a window of 8). Mistral slides in every layer when ``sliding_window`` is set; Qwen2
+    only with ``use_sliding_window``, in the layers ``layer_types`` names (by default those from
+    ``max_window_layers`` on), as transformers 4.57 reads the config."""
+    layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        window = None
+    if not window:
+        return [-1] * layers
+    types = config.get("layer_types")
+    if types is None and config.get("model_type") in ("qwen2", "qwen3"):
+        first = int(config.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return [int(window) if (types is None or types[i] == "sliding_attention") else -1 for i in range(layers)]
 
 
 def _inv_freq(rope: dict[str, Any], dim: int) -> np.ndarray:
@@ -208,25 +229,44 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
          ["/model/embed_tokens/output"], "/model/embed_tokens/Gather")
     x = "/model/embed_tokens/output"
     qkv_bias = f"model.layers.0.self_attn.q_proj.bias" in w
+    packed = "model.layers.0.self_attn.qkv_proj.weight" in w  # Phi-3 stores q/k/v and gate/up packed already
+    qk_norm = "model.layers.0.self_attn.q_norm.weight" in w
+
+    def head_norm(x: str, weight: str, name: str, n: int) -> str:
+        """RMSNorm over each head_dim slice of (B, S, n * head_dim): reshaped to (B, S * n, head_dim) and back."""
+        flat = node("Reshape", [x, data.add(f"heads_shape_{head_dim}", np.array([0, -1, head_dim], np.int64))],
+                    [f"{name}/heads"], f"{name}/Reshape")[0]
+        normed = node("SimplifiedLayerNormalization", [flat, data.add(weight, w[weight])], [f"{name}/normed"],
+                      f"{name}/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
+        return node("Reshape", [normed, data.add(f"rows_shape_{n * head_dim}", np.array([0, -1, n * head_dim], np.int64))],
+                    [f"{name}/rows"], f"{name}/Reshape_1")[0]
+    windows = _windows(c)
     inputs, outputs = [], []
     for i in range(layers):
         p, hf = f"/model/layers.{i}", f"model.layers.{i}"
         h = node("SimplifiedLayerNormalization", [x, data.add(f"{hf}.input_layernorm.weight", w[f"{hf}.input_layernorm.weight"])],
                  [f"{p}/input_layernorm/output"], f"{p}/input_layernorm/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
-        qkv = linear(h, [f"{hf}.self_attn.{n}_proj" for n in "qkv"], f"{hf}.self_attn.qkv_proj", f"{p}/attn/qkv", qkv_bias)
+        qkv = linear(h, [f"{hf}.self_attn.qkv_proj"] if packed else [f"{hf}.self_attn.{n}_proj" for n in "qkv"],
+                     f"{hf}.self_attn.qkv_proj", f"{p}/attn/qkv", qkv_bias)
+        qkv_in = [qkv, "", ""]
+        if qk_norm:  # Qwen3: an RMSNorm over each head of q and of k, before the rotary embedding (inside GQA)
+            q, k, v = node("Split", [qkv, data.add("split_qkv", np.array([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))],
+                           [f"{p}/attn/q", f"{p}/attn/k", f"{p}/attn/v"], f"{p}/attn/Split", axis=-1)
+            qkv_in = [head_norm(q, f"{hf}.self_attn.q_norm.weight", f"{p}/attn/q_norm", heads), head_norm(k, f"{hf}.self_attn.k_norm.weight", f"{p}/attn/k_norm", kv_heads), v]
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
-        node("GroupQueryAttention", [qkv, "", "", past_k, past_v, "seqlens_k", "total_seq_len", cos, sin],
+        node("GroupQueryAttention", [*qkv_in, past_k, past_v, "seqlens_k", "total_seq_len", cos, sin],
              [f"{p}/attn/output", pres_k, pres_v], f"{p}/attn/GroupQueryAttention", domain=_MS,
              num_heads=heads, kv_num_heads=kv_heads, scale=1.0 / math.sqrt(head_dim), do_rotary=1,
-             rotary_interleaved=0, local_window_size=-1)
+             rotary_interleaved=0, local_window_size=windows[i])
         o = linear(f"{p}/attn/output", [f"{hf}.self_attn.o_proj"], f"{hf}.self_attn.o_proj", f"{p}/attn/o_proj")
         x1 = node("Add", [x, o], [f"{p}/attn/residual"], f"{p}/attn/residual/Add")[0]
         h2 = node("SimplifiedLayerNormalization",
                   [x1, data.add(f"{hf}.post_attention_layernorm.weight", w[f"{hf}.post_attention_layernorm.weight"])],
                   [f"{p}/post_attention_layernorm/output"], f"{p}/post_attention_layernorm/LayerNorm", axis=-1,
                   epsilon=eps, stash_type=1)[0]
-        gu = linear(h2, [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"], f"{hf}.mlp.gate_up_proj", f"{p}/mlp/gate_up")
+        gu = linear(h2, [f"{hf}.mlp.gate_up_proj"] if packed else [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"],
+                    f"{hf}.mlp.gate_up_proj", f"{p}/mlp/gate_up")
         inter = int(c["intermediate_size"])
         node("Split", [gu, data.add(f"split_{inter}", np.array([inter, inter], np.int64))],
              [f"{p}/mlp/gate", f"{p}/mlp/up"], f"{p}/mlp/Split", axis=-1)

@@ -19,6 +19,7 @@ from slimml.errors import SourceError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # what gguf-py's reader (and transformers through it) reads
+_MOE_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's name -> transformers'
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*), for the report
 _FILE_TYPES = {
@@ -81,7 +82,8 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    # transformers renames llama.cpp's "qwen2moe"/"qwen3moe" before it looks its list up
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES and _MOE_NAMES.get(arch) not in GGUF_SUPPORTED_ARCHITECTURES:
         import transformers
 
         raise SourceError(
@@ -112,7 +114,8 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
     import logging
     import warnings
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -122,15 +125,63 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
         import accelerate  # noqa: F401  (transformers refuses GGUF without it)
     except ImportError:
         raise SourceError("reading a GGUF file needs accelerate; `pip install accelerate` (part of the convert extra).") from None
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar over the tensors
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype="float32")
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar over the tensors
+            warnings.simplefilter("ignore")
+            config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+            for key, value in missed_config(path, config).items():
+                setattr(config, key, value)
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config, dtype="float32")
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise SourceError(
+            f"transformers {transformers.__version__} could not read the model in {path} ({type(e).__name__}: {first}); "
+            "convert the original Hugging Face folder of this model instead."
+        ) from None
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     if isinstance(eos, int) and tokenizer.convert_ids_to_tokens(eos) is not None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)  # the file's eos id; the GGUF tokenizer may name another
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
+
+
+def missed_config(path: Path, config: Any) -> dict[str, Any]:
+    """Config values the file holds and transformers 4.57's GGUF reader drops, as ``config`` attributes.
+
+    - ``head_dim`` from ``attention.key_length`` where the config says otherwise (the reader leaves
+      Qwen3's at the class default, 128, and a Qwen3 of another head size does not load);
+    - ``partial_rotary_factor`` from ``rope.dimension_count`` (Phi-3 / Phi-4-mini, StableLM);
+    - Phi-3's ``sliding_window`` (``attention.sliding_window``, 0 for none);
+    - Qwen2/3-MoE's expert sizes (``expert_feed_forward_length``, ``expert_shared_feed_forward_length``);
+    - GPT-2's ``n_positions`` from ``context_length`` (the reader sets only ``n_ctx``, and the
+      position table of any GPT-2 whose context is not 1024 does not load).
+    """
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = _field(reader, "general.architecture")
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    fixes: dict[str, Any] = {}
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    if key_length and int(key_length) != head_dim:
+        fixes["head_dim"] = head_dim = int(key_length)
+    rotary = _field(reader, f"{arch}.rope.dimension_count")
+    if rotary and head_dim and hasattr(config, "partial_rotary_factor") and int(rotary) != round(config.partial_rotary_factor * head_dim):
+        fixes["partial_rotary_factor"] = int(rotary) / head_dim
+    window = _field(reader, f"{arch}.attention.sliding_window")
+    if arch == "phi3" and window and getattr(config, "sliding_window", None) != int(window):
+        fixes["sliding_window"] = int(window)
+    for key, attr in (("expert_feed_forward_length", "moe_intermediate_size"),  # Qwen2/3-MoE: left at the class default
+                      ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        value = _field(reader, f"{arch}.{key}")
+        if value and hasattr(config, attr) and getattr(config, attr) != int(value):
+            fixes[attr] = int(value)
+    context = _field(reader, f"{arch}.context_length")
+    if arch == "gpt2" and context and getattr(config, "n_positions", None) != int(context):
+        fixes["n_positions"] = int(context)
+    return fixes
 
 
 def _field(reader: Any, key: str) -> Any:

@@ -77,7 +77,12 @@ def token_windows(tokenizer_file: str | os.PathLike, text: str, window: int = DE
     tok = Tokenizer.from_file(str(tokenizer_file))
     tok.no_padding()
     tok.no_truncation()
-    ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)[:budget]
+    try:
+        ids = np.asarray(tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)[:budget]
+    except Exception as e:  # tokenizers' own: a character outside a vocabulary with no unknown token
+        raise DataError(f"the model's tokenizer ({Path(tokenizer_file).name}) cannot encode the evaluation text ({e}); "
+                        "give a text it can encode with --eval-text, or fix the tokenizer (a GGUF file: its "
+                        "tokenizer.ggml.unknown_token_id).") from None
     if len(ids) < 2:
         raise DataError(f"the model's tokenizer ({Path(tokenizer_file).name}) turns the evaluation text ({len(text)} "
                         f"characters) into {len(ids)} token(s), too few to score: give a longer text with --eval-text, "

@@ -1,0 +1,256 @@
+"""Decoders beyond Llama through the fused exporter (``convert/fused_llama.py``), from a Hugging Face
+folder and from a GGUF file: sliding attention windows (Mistral, Qwen2), Qwen3's per-head q/k norms,
+Phi-3's packed projections, and a Qwen3 GGUF whose head size is not transformers' default.
+
+Each model is tiny (2 layers, hidden 64, vocabulary 300) with seeded random weights; the artifact's
+greedy tokens must equal transformers' ``generate(do_sample=False)`` past the sliding window.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from slimml.errors import ExportError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+FUSED = "fused (slimml, GroupQueryAttention)"
+VOCAB, PROMPT, NEW = 300, 12, 10  # prompt + new tokens run well past a window of 8
+
+
+def _model(name: str):
+    from transformers import (MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1)
+    if name == "mistral-window":  # every layer slides
+        return MistralForCausalLM(MistralConfig(**shape, sliding_window=8))
+    if name == "qwen2-window":  # the layers from max_window_layers on slide
+        return Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=1))
+    if name == "qwen3":  # q/k norms per head; a head size other than hidden / heads
+        return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32, tie_word_embeddings=True))
+    return Phi3ForCausalLM(Phi3Config(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2))  # q/k/v, gate/up packed
+
+
+def _greedy(model, ids: np.ndarray) -> list[int]:
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long), max_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def _generate(art, ids: np.ndarray) -> list[int]:
+    from slimml.runtime.loader import load
+
+    model = load(art)
+    try:
+        return model.generate(ids.tolist(), max_new_tokens=NEW, eos_token_id=()).tokens[0]
+    finally:
+        model.close()
+
+
+def _exporter(art) -> str:
+    steps = json.loads((art / "manifest.json").read_text())["steps"]
+    return next(s for s in steps if s["step"] == "export")["exporter"]
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3"])
+def test_fused_decoders_generate_as_transformers(name, tmp_path):
+    from slimml.convert import ConvertConfig, convert
+
+    model = _model(name).eval()
+    model.save_pretrained(tmp_path / "hf")
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert _exporter(tmp_path / "art") == FUSED and "exporter_note" not in report.checks
+    assert report.task == "text-generation-with-past" and report.checks["top1_agreement"] == 1.0
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+def test_a_fused_graph_that_disagrees_with_torch_is_refused(tmp_path, monkeypatch):
+    """A misread window (one position short) stands for any fused-exporter bug: the float check
+    refuses the artifact in one line naming --exporter optimum, and nothing is written."""
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert import fused_llama
+
+    _model("mistral-window").save_pretrained(tmp_path / "hf")
+    windows = fused_llama._windows
+    monkeypatch.setattr(fused_llama, "_windows", lambda c: [w - 1 for w in windows(c)])
+    with pytest.raises(ExportError, match=r"disagrees with the source model in torch .* convert with --exporter optimum\.$"):
+        convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert not (tmp_path / "art").exists()
+
+
+def test_a_partial_rotary_embedding_falls_back_to_optimum(tmp_path):
+    from slimml.convert.fused_llama import can_export_fused
+
+    model = _model("phi3")
+    model.config.partial_rotary_factor = 0.5
+    model.config.architectures = ["Phi3ForCausalLM"]
+    model.config.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").touch()
+    assert "partial rotary embedding (factor 0.5)" in can_export_fused(tmp_path)
+
+
+def _gguf_tokenizer_fields(writer) -> None:
+    """A byte-level BPE of VOCAB tokens trained here, written as llama.cpp writes a "gpt2" tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the cat sat on the mat", "a model of the decoder", "tokens and their merges"] * 20, trainer)
+    state = json.loads(tok.to_str())["model"]
+    vocab = sorted(state["vocab"], key=state["vocab"].get)
+    vocab += [f"<|unused{i}|>" for i in range(VOCAB - len(vocab))]  # a small corpus stops the trainer early
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(vocab)
+    writer.add_token_types([3 if t.startswith("<|") else 1 for t in vocab])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["merges"]])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+
+
+def _qwen3_gguf(model, path) -> None:
+    """``model`` as a float32 GGUF file, names and metadata as llama.cpp's converter writes a Qwen3."""
+    gguf = pytest.importorskip("gguf")
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "qwen3")
+    for key, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
+                       ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
+                       ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv", c.num_key_value_heads),
+                       ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim)):
+        w.add_uint32(f"qwen3.{key}", value)
+    w.add_float32("qwen3.rope.freq_base", float(c.rope_theta))
+    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+    w.add_file_type(0)
+    _gguf_tokenizer_fields(w)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":  # tied: llama.cpp writes no output tensor
+            continue
+        parts = name.split(".")
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.weight"
+        w.add_tensor(gname, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
+    """transformers 4.57 reads a Qwen3 GGUF's head size as its class default (128); slimml reads the
+    file's attention.key_length, so a Qwen3 of head size 32 converts and generates as the model."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from slimml.convert import ConvertConfig, convert
+
+    model = _model("qwen3").eval()
+    _qwen3_gguf(model, tmp_path / "tiny-qwen3.gguf")
+    report = convert(tmp_path / "tiny-qwen3.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+@pytest.mark.parametrize("arch, fields, config, want", [
+    ("gpt2", {"context_length": 256}, "GPT2Config", {"n_positions": 256}),
+    ("phi3", {"rope.dimension_count": 24, "attention.sliding_window": 2047}, "Phi3Config",
+     {"partial_rotary_factor": 0.75, "sliding_window": 2047}),
+    ("qwen3", {"attention.key_length": 64}, "Qwen3Config", {"head_dim": 64}),
+    ("llama", {"attention.key_length": 32, "rope.dimension_count": 32}, "LlamaConfig", {}),
+    ("qwen3moe", {"attention.key_length": 64, "expert_feed_forward_length": 64}, "Qwen3MoeConfig",
+     {"head_dim": 64, "moe_intermediate_size": 64}),
+])
+def test_config_values_the_gguf_reader_drops_are_read_from_the_file(tmp_path, arch, fields, config, want):
+    gguf = pytest.importorskip("gguf")
+    from slimml.convert.gguf import missed_config
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    for key, value in fields.items():
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    shape = {"hidden_size": 128, "num_attention_heads": 4} if arch != "gpt2" else {}
+    assert missed_config(tmp_path / "m.gguf", getattr(transformers, config)(**shape)) == want
+    if arch == "qwen3moe":  # llama.cpp's name for what transformers lists as qwen3_moe: read, not refused
+        from slimml.convert.gguf import inspect_gguf
+
+        assert inspect_gguf(tmp_path / "m.gguf")["architecture"] == "qwen3moe"
+
+
+def test_an_architecture_no_exporter_writes_is_refused_in_one_line(tmp_path):
+    """Starcoder2: optimum-onnx 0.1.0 does not know it and the fused exporter does not write it."""
+    from slimml.convert import ConvertConfig, convert
+
+    if not hasattr(transformers, "Starcoder2Config"):
+        pytest.skip("this transformers has no Starcoder2")
+    torch.manual_seed(0)
+    config = transformers.Starcoder2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    transformers.Starcoder2ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    try:
+        report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    except ExportError as e:
+        assert str(e) == ("neither of slimml's exporters writes a 'starcoder2' model (optimum-onnx does not know the "
+                          "architecture; the fused exporter writes Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders): "
+                          "export it to ONNX yourself (torch.onnx.export) and convert the .onnx file.")
+        assert not (tmp_path / "art").exists()
+    else:  # a later optimum-onnx exports it: then it must match torch
+        assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+
+
+def test_a_tokenizer_that_cannot_encode_the_eval_text_is_named(tmp_path):
+    """transformers' tokenizer from a Gemma GGUF without an unknown token fails on any character
+    outside its vocabulary: the check names the tokenizer and --eval-text, in one line."""
+    from tokenizers import Tokenizer, models
+
+    from slimml.convert.llm_check import token_windows
+    from slimml.errors import DataError
+
+    Tokenizer(models.Unigram([("a", -1.0), ("b", -1.0)], unk_id=None)).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(DataError, match=r"^the model's tokenizer \(tokenizer.json\) cannot encode the evaluation text "
+                                        r"\(.*\); give a text it can encode with --eval-text"):
+        token_windows(tmp_path / "tokenizer.json", "ab x " * 60)
+
+
+@pytest.mark.parametrize("kind, match", [
+    ("newer", r"^transformers .* does not know hf's model type 'newfangled'; install a transformers that does"),
+    ("custom code", r"^hf needs its own modeling code \(auto_map in its config\), which slimml does not run; export it"),
+])
+def test_a_folder_transformers_cannot_build_is_refused_in_one_line(tmp_path, kind, match):
+    from slimml.convert import ConvertConfig, convert
+
+    _model("mistral-window").save_pretrained(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    if kind == "newer":
+        config |= {"model_type": "newfangled", "architectures": ["NewfangledForCausalLM"]}
+    else:
+        config |= {"model_type": "mycustom", "architectures": ["MyForCausalLM"],
+                   "auto_map": {"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyModel"}}
+        (tmp_path / "hf" / "configuration_my.py").write_text("from transformers import MistralConfig\n\n\n"
+                                                            "class MyConfig(MistralConfig):\n    model_type = 'mycustom'\n")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match=match):
+        convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert not (tmp_path / "art").exists()
