@@ -10,7 +10,7 @@ import json
 import logging
 import shutil
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -105,9 +105,26 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
             except (SlimmlError, KeyError, ValueError, TypeError) as e:  # never a failure: today's exporter instead
                 shutil.rmtree(work_dir / "onnx", ignore_errors=True)
                 note = f"the fused exporter failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    if note and config.task == "auto":  # a decoder fused cannot write: optimum's graph, with its cache where it can
+        return _optimum_decoder(source, work_dir, config, note)
     exported = _export_huggingface(source, work_dir, config)
     if note:
         exported.note = f"{note}; exported with optimum-onnx"
+    return exported
+
+
+def _optimum_decoder(source: Source, work_dir: Path, config: ExportConfig, note: str) -> Exported:
+    """A causal LM the fused exporter cannot write, exported by optimum-onnx with its KV cache (what
+    generating wants: each token then reads the cache, not the whole sequence again); where optimum
+    cannot write the cache, without it, the report's note saying so."""
+    try:
+        exported = _export_huggingface(source, work_dir, replace(config, task="text-generation-with-past"))
+        exported.note = f"{note}; exported with optimum-onnx, with its KV cache"
+    except ExportError as e:
+        shutil.rmtree(work_dir / "onnx", ignore_errors=True)
+        exported = _export_huggingface(source, work_dir, replace(config, task="text-generation"))
+        exported.note = (f"{note}; optimum-onnx could not write its KV cache ({str(e).splitlines()[0][:160]}), "
+                         "so each generated token runs the whole sequence again")
     return exported
 
 

@@ -47,7 +47,7 @@ def test_encode_matches_torch_mean_pooling(tiny_bert_artifact, tiny_bert_dir):
 def test_decoder_llama_converts_per_layer_with_a_head_shard(tiny_llama_dir, tmp_path):
     report = convert(tiny_llama_dir, tmp_path / "llama", FAST)
     manifest = load(tmp_path / "llama").manifest
-    assert report.task == "text-generation"
+    assert report.task == "text-generation-with-past"  # fused cannot write head size 8: optimum, with its cache
     assert [s.layers for s in manifest.shards] == [[], ["model/layers.0"], ["model/layers.1"], ["model/layers.2"], []]
     assert manifest.shards[-1].outputs[0].name == "logits"
     assert report.checks["max_abs_diff"] <= 1e-5

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from slimml.convert import ConvertConfig, ExportConfig, convert
+from slimml.runtime import load
 
 FUSED = "fused (slimml, GroupQueryAttention)"
 
@@ -45,7 +46,7 @@ def test_default_convert_of_a_llama_writes_the_fused_graph_with_its_cache(tmp_pa
     assert "exporter_note" not in report.checks
     assert report.checks["top1_agreement"] == 1.0 and report.checks["cosine_vs_torch"] > 0.99999
 
-    from slimml.runtime.loader import load
+
 
     ids = np.random.default_rng(0).integers(3, 512, size=(1, 9))
     with torch.no_grad():
@@ -70,12 +71,18 @@ def test_with_past_falls_back_to_optimum_with_the_reason(tiny_llama_dir, tmp_pat
 
 
 def test_a_llama_with_mlp_biases_falls_back_and_matches_torch(tmp_path):
-    """Biases fused does not write: optimum's cache-free graph (the default task's), checked against torch."""
+    """Biases fused does not write: optimum's graph with its KV cache (generating wants it), checked against torch."""
     _llama(tmp_path / "hf", mlp_bias=True)
     report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
-    assert report.task == "text-generation"
-    assert "MLP biases" in report.checks["exporter_note"]
+    assert report.task == "text-generation-with-past"
+    assert "MLP biases" in report.checks["exporter_note"] and report.checks["exporter_note"].endswith("with its KV cache")
     assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+    art = load(tmp_path / "art")
+    try:
+        assert any(t.name.startswith("past_key_values") for t in art.manifest.inputs)
+        assert len(art.generate([[5, 9, 11]], max_new_tokens=4, eos_token_id=()).tokens[0]) == 4
+    finally:
+        art.close()
 
 
 @pytest.mark.parametrize("task", ["text-generation", "auto"])
