@@ -378,7 +378,7 @@ def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[
     max_len = max_seq_length(folder) if pooling else None
     positions = _config_facts(folder).get("max_position_embeddings")  # the text tower's, for two-tower models
     if not max_len:
-        unset = 512 if not isinstance(positions, int) or not _is_decoder(folder) else positions  # a decoder: its context
+        unset = 512 if not isinstance(positions, int) or not is_causal_lm(folder) else positions  # a decoder: its context
         max_len = tok.model_max_length if 0 < tok.model_max_length < 100_000 else unset
     if isinstance(positions, int) and 0 < positions < max_len:
         max_len = positions  # a tokenizer borrowed from a longer model must not overrun the positions
@@ -456,7 +456,8 @@ def _config_facts(folder: Path) -> dict[str, Any]:
     return facts
 
 
-def _is_decoder(folder: Path) -> bool:
+def is_causal_lm(folder: Path) -> bool:
+    """Whether the folder's config names a causal LM (its task is text generation)."""
     return _task_from_config_or_none(folder) == "text-generation"
 
 

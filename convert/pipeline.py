@@ -22,7 +22,7 @@ import numpy as np
 from slimml.convert.families import check, times_batches, write_chains
 from slimml.convert.config import ConvertConfig
 from slimml.convert.distill.distill import DistillConfig
-from slimml.convert.export import ExportConfig, Exported, export
+from slimml.convert.export import Exported, export
 from slimml.convert.llm_check import check_language_model, is_language_model, read_eval_text
 from slimml.convert.sources import Source, resolve
 from slimml.errors import ConfigError, ExportError, SlimmlError
@@ -247,6 +247,7 @@ def _shrink(src: Source, out: Path, work: Path, config: ConvertConfig, step, on_
     ``distill.teacher_memory_budget``, and the report compares the student with it.
     """
     from slimml.convert.distill.distill import check, shrink
+    from slimml.convert.distill.teacher import teacher_export
 
     if src.kind != "huggingface":
         raise ConfigError(
@@ -261,7 +262,7 @@ def _shrink(src: Source, out: Path, work: Path, config: ConvertConfig, step, on_
     if not (teacher_art.is_dir() and stamp.is_file() and stamp.read_text() == fingerprint):
         step("converting the teacher")
         stamp.unlink(missing_ok=True)
-        convert(src.path, teacher_art, ConvertConfig(export=ExportConfig(opset=config.export.opset), verify=False,
+        convert(src.path, teacher_art, ConvertConfig(export=teacher_export(src.path, config.export.opset), verify=False,
                                                      measure_latency=False))
         stamp.write_text(fingerprint)
     what = " and ".join(w for w, c in (("distilling", config.distill and config.distill.layers), ("pruning", config.prune)) if c)

@@ -179,8 +179,9 @@ def test_serve_answers_embeddings_to_a_decoder_with_a_400_naming_generate(ray_en
         url = f"http://127.0.0.1:{port}"
         status, body = post(f"{url}/v1/embeddings", {"input": ["hi"]})
         assert status == 400 and body["error"]["message"] == (
-            "this artifact is a 'text-generation-with-past' model, not a sentence-embedding one, so it has no "
-            "/v1/embeddings; use POST /v1/generate, or POST /v1/run for its raw outputs.")
+            "this artifact is a language model ('text-generation'), not a sentence-embedding one, so it has no "
+            "/v1/embeddings; use POST /v1/chat/completions or POST /v1/completions, or serve an embedding artifact "
+            "for embeddings.")
         status, body = post(f"{url}/v1/generate", {"prompt": [[5, 6, 7]], "max_new_tokens": 2})
         assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
     finally:

@@ -22,11 +22,13 @@ from slimml.convert.distill.distill import shrink as _shrink
 from slimml.convert.distill.prune import PruneConfig
 
 
-def convert_teacher(teacher_dir: str | os.PathLike, out: Path) -> Path:
+def convert_teacher(teacher_dir: str | os.PathLike, out: Path, opset: int | None = None) -> Path:
     """Convert the teacher into a float artifact at ``out`` (unchecked: its outputs are only read)."""
+    from slimml.convert.distill.teacher import teacher_export
     from slimml.convert.pipeline import ConvertConfig, convert
 
-    return convert(teacher_dir, out, ConvertConfig(verify=False, measure_latency=False)).out
+    return convert(teacher_dir, out, ConvertConfig(export=teacher_export(teacher_dir, opset), verify=False,
+                                                   measure_latency=False)).out
 
 
 @functools.wraps(_shrink)

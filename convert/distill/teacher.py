@@ -107,6 +107,14 @@ def teacher_outputs(artifact: Path, kind: str, ids: list[list[int]], pad_id: int
     return TeacherOutputs(kind, arrays, meta["sha256"], cache_dir, size, rebuilt, stats)
 
 
+def teacher_export(folder: str | os.PathLike, opset: int | None = None):
+    """How the teacher is exported: a causal LM as its cache-free graph (distillation reads whole
+    texts, and layer outputs, from it; never a KV cache), anything else as ``convert`` would."""
+    from slimml.convert.export import ExportConfig, is_causal_lm
+
+    return ExportConfig(opset=opset, task="text-generation" if is_causal_lm(Path(folder)) else "auto")
+
+
 def check_budget(artifact: Path, memory_budget: int | str | None) -> None:
     """A budget too small for the teacher's largest shard is refused before anything trains."""
     if memory_budget is None:
