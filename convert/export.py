@@ -283,7 +283,8 @@ _SEQ2SEQ_TASKS = ("text2text-generation", "automatic-speech-recognition")
 
 
 def _optimum_failure(folder: Path, task: str, e: Exception) -> ExportError:
-    """optimum-onnx's exception as one line; the failures a user can act on say what to do."""
+    """optimum-onnx's exception as one line; the failures a user can act on say what to do (a model
+    type the installed transformers does not know never reaches here: ``config_check`` refuses it)."""
     first = str(e).splitlines()[0] if str(e) else ""
     kind = _read_config(folder).get("model_type")
     if "unsupported architecture" in first:  # optimum's long advice on custom ONNX configs
@@ -291,12 +292,6 @@ def _optimum_failure(folder: Path, task: str, e: Exception) -> ExportError:
             f"neither of slimml's exporters writes a {kind!r} model (optimum-onnx does not know the architecture; "
             "the fused exporter writes Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders): export it to ONNX yourself "
             "(torch.onnx.export) and convert the .onnx file.")
-    if "does not recognize this architecture" in first:  # a model type newer than the installed transformers
-        import transformers
-
-        return ExportError(
-            f"transformers {transformers.__version__} does not know {folder.name}'s model type {kind!r}; install a "
-            "transformers that does, or export the model to ONNX yourself and convert the .onnx file.")
     if "contains custom code" in first:  # trust_remote_code: slimml does not run a folder's own Python
         return ExportError(
             f"{folder.name} needs its own modeling code (auto_map in its config), which slimml does not run; export "
