@@ -60,8 +60,8 @@ def check_config(folder: str | Path) -> None:
     raise SourceError(
         f"{path} was written by {by} and holds {', '.join(repr(k) for k in keys)}, which the installed "
         f"transformers {installed} ignores, so the model would be converted wrongly with its defaults. Edit "
-        f"config.json: {fixes or 'translate those keys to what this version reads, or remove them'} (slimml's "
-        "exporter, optimum-onnx 0.1.0, needs transformers<4.58, so upgrading transformers is not the fix yet)."
+        f"config.json: {fixes or 'translate those keys to what this version reads, or remove them'}, or install the "
+        f"transformers that wrote it (pip install 'transformers>={wrote or 5}'; the fused and torch exporters work with it)."
     )
 
 
@@ -97,8 +97,8 @@ def _check_model_type(path: Path, config: dict[str, Any], wrote: str, installed:
     by = f", written by transformers {wrote}," if wrote else ""
     raise SourceError(
         f"{path}{by} names model_type {model_type!r}, which the installed transformers {installed} does not know; "
-        "convert a model of an architecture this transformers has (slimml's exporter, optimum-onnx 0.1.0, needs "
-        "transformers<4.58), or export it to ONNX yourself and convert the .onnx file."
+        f"install a transformers that knows it (pip install -U transformers; slimml's fused and torch exporters work "
+        "with transformers 5), or export it to ONNX yourself and convert the .onnx file."
     )
 
 

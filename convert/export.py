@@ -20,7 +20,7 @@ from slimml.errors import ExportError, SlimmlError, SourceError
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
-EXPORTERS = ("auto", "optimum", "layerwise", "fused")
+EXPORTERS = ("auto", "optimum", "torch", "layerwise", "fused")
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
@@ -32,14 +32,17 @@ class ExportConfig:
         opset: ONNX opset (default: optimum's choice for HF models, 17 for torch modules).
         task: Hugging Face task, or ``"auto"`` to infer it from the model's config.
         dynamic_batch: make dim 0 of every torch-module input and output dynamic.
-        exporter: for Hugging Face folders, ``"optimum"`` (the model is traced whole, so it must
-            fit in memory), ``"layerwise"`` (a Llama-family decoder, one layer in memory at a time:
+        exporter: for Hugging Face folders, ``"optimum"`` (optimum-onnx traces the model whole, so it
+            must fit in memory; it needs transformers < 4.58), ``"torch"`` (``torch.onnx.export`` of a
+            single-graph model, encoders and classifiers, with any transformers: ``convert.export_torch``),
+            ``"layerwise"`` (a Llama-family decoder, one layer in memory at a time:
             ``convert.layerwise``), ``"fused"``: a Llama-family decoder written from its safetensors
             as ONNX Runtime's fused decoder graph with its KV cache (GroupQueryAttention with rotary,
             packed projections: ``convert.fused_llama``), the fast one to decode; or ``"auto"``:
             fused for a decoder it can write (Llama, Mistral, Qwen2, Qwen3, Phi-3; task
             ``auto`` or ``text-generation-with-past``), layerwise for a cache-free decoder whose weights
-            take more than a third of the memory available, optimum otherwise. A decoder that
+            take more than a third of the memory available, optimum otherwise (torch where optimum-onnx
+            does not load with the installed transformers). A decoder that
             fused cannot write falls back to optimum, with the reason in ``Exported.note``.
     """
 
@@ -47,7 +50,8 @@ class ExportConfig:
     task: str = field(default="auto", metadata={"help": "Hugging Face task to export, or 'auto'."})
     dynamic_batch: bool = True
     exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders, else "
-                                                    "optimum), optimum (traces the whole model), layerwise (Llama-family "
+                                                    "optimum, or torch where optimum-onnx does not load), optimum (traces the whole model; transformers < 4.58), "
+                                                    "torch (torch.onnx.export of an encoder or classifier, any transformers), layerwise (Llama-family "
                                                     "decoders bigger than memory, one layer at a time, no cache) or fused "
                                                     "(Llama-family decoders as ONNX Runtime's fused decoder graph with its "
                                                     "KV cache: the fastest to generate with)."})
@@ -222,16 +226,6 @@ def _export_module(source: Source, work_dir: Path, config: ExportConfig) -> Expo
 
 
 def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
-    try:
-        from optimum.exporters.onnx import main_export
-    except ImportError as e:  # measured: optimum-onnx 0.1.0 does not import under transformers 5 (get_parameter_dtype)
-        import transformers
-
-        raise ExportError(
-            f"optimum-onnx, slimml's exporter, does not load with transformers {transformers.__version__} ({e}); "
-            "install the convert extra's versions: pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0'."
-        ) from None
-
     folder = source.path
     pooling = sentence_transformers_pooling(folder)
     if pooling is not None:
@@ -245,19 +239,13 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         out_task = task.removesuffix("-with-past")
         task = out_task + "-with-past"
     onnx_dir = work_dir / "onnx"
-    logging.getLogger("optimum").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
+    exporter = _traced_exporter(folder, task, config)
+    if exporter == "torch":
+        from slimml.convert.export_torch import export_torch
 
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            main_export(
-                str(folder), output=onnx_dir, task=task, opset=config.opset, library_name="transformers",
-                local_files_only=True, do_validation=False, no_post_process=True, device="cpu",
-            )
-    except Exception as e:
-        raise _optimum_failure(folder, task, e) from None
+        export_torch(folder, onnx_dir / "model.onnx", task, config.opset)
+    else:
+        _optimum_export(folder, onnx_dir, task, config)
     graphs = {name: onnx_dir / f"{name}_model.onnx" for name in ("encoder", "decoder", "decoder_with_past")}
     if seq2seq and all(p.is_file() for p in graphs.values()):
         onnx_path = graphs["encoder"]
@@ -275,8 +263,57 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         onnx_path=onnx_path, task=out_task, pooling=pooling, tokenizer=tokenizer,
         tokenizer_dir=onnx_dir if tokenizer else None, preprocessor=_preprocessor(folder, onnx_path),
         labels=_labels(folder, task), graphs=graphs, seq2seq=_seq2seq_spec(folder) if graphs else None,
-        info={"hf_task": task, **_config_facts(folder)},
+        info={"hf_task": task, **_config_facts(folder), "exporter": exporter},
     )
+
+
+def _traced_exporter(folder: Path, task: str, config: ExportConfig) -> str:
+    """``"optimum"`` or ``"torch"`` for a model traced whole: the one asked for, else optimum-onnx where it
+    loads (transformers < 4.58) and the torch exporter where it does not and can write the model."""
+    from slimml.convert.export_torch import torch_export_reason
+
+    if config.exporter in ("optimum", "torch"):
+        if config.exporter == "torch" and (why := torch_export_reason(folder, task, _read_config(folder))):
+            raise SourceError(f"{why}; leave --exporter out.")
+        return config.exporter
+    if _optimum_loads() is None:
+        return "optimum"
+    return "torch" if torch_export_reason(folder, task, _read_config(folder)) is None else "optimum"
+
+
+def _optimum_loads() -> str | None:
+    """None when optimum-onnx imports, else why not (it needs transformers < 4.58)."""
+    try:
+        import optimum.exporters.onnx  # noqa: F401
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def _optimum_export(folder: Path, onnx_dir: Path, task: str, config: ExportConfig) -> None:
+    """optimum-onnx's ``main_export`` of ``folder`` as ``task`` into ``onnx_dir``."""
+    if (why := _optimum_loads()) is not None:  # measured: optimum-onnx 0.1.0 does not import under transformers 5
+        import transformers
+
+        raise ExportError(
+            f"exporting this model as {task!r} needs optimum-onnx, which does not load with transformers "
+            f"{transformers.__version__} ({why}); install it with the transformers it supports: "
+            "pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0' (the fused exporter writes Llama-family decoders "
+            "and the torch exporter encoders and classifiers with any transformers).")
+    from optimum.exporters.onnx import main_export
+    from transformers.utils import logging as hf_logging
+
+    logging.getLogger("optimum").setLevel(logging.ERROR)
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            main_export(
+                str(folder), output=onnx_dir, task=task, opset=config.opset, library_name="transformers",
+                local_files_only=True, do_validation=False, no_post_process=True, device="cpu",
+            )
+    except Exception as e:
+        raise _optimum_failure(folder, task, e) from None
 
 
 _SEQ2SEQ_TASKS = ("text2text-generation", "automatic-speech-recognition")
@@ -356,8 +393,14 @@ def _labels(folder: Path, task: str) -> list[str] | None:
     return [str(id2label.get(str(i), id2label.get(i))) for i in ids]
 
 
+_TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                    "sentencepiece.bpe.model")
+
+
 def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[str, Any] | None:
     """Make sure ``onnx_dir`` holds a fast ``tokenizer.json``; describe how to pad and truncate."""
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None  # no tokenizer (transformers 5 would build an empty one from the config)
     try:
         from transformers import AutoTokenizer
 

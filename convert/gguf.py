@@ -142,6 +142,9 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     if isinstance(eos, int) and tokenizer.convert_ids_to_tokens(eos) is not None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)  # the file's eos id; the GGUF tokenizer may name another
+    if getattr(model, "hf_quantizer", None) is not None:  # transformers 5 marks a GGUF model quantized (its weights
+        model.hf_quantizer = None                            # are dequantized floats) and then refuses to save it
+        model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
 

@@ -95,6 +95,7 @@ def convert(
 
     _check_inputs(config)  # a bad calibration, evaluation or STS file fails before any work
     step("reading the source")
+    _quiet_transformers()
     src = resolve(source, example_inputs)
     out = Path(out) if out is not None else Path("artifacts") / (src.name + _default_suffix(config))
     check_output(out)
@@ -156,6 +157,17 @@ def convert(
     )
 
 
+def _quiet_transformers() -> None:
+    """transformers' warnings and progress bars (transformers 5 draws one for every model it loads)
+    off: the report says what matters."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def _check_inputs(config: ConvertConfig) -> None:
     """Read the files the later stages need now, so a bad one fails before the export."""
     if config.quantize is not None:
@@ -168,12 +180,25 @@ def _check_inputs(config: ConvertConfig) -> None:
         from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.compare_on)
+    if config.distill is not None or config.prune is not None:
+        _check_transformers_for_students()
+
+
+def _check_transformers_for_students() -> None:
+    """Distillation and pruning build students with transformers 4.57's model surgery (``prune_heads``,
+    a config's ``pruned_heads``), which transformers 5 removed; refused before any work."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        raise ConfigError(
+            f"--distill-layers and --prune need transformers 4.57 (transformers {transformers.__version__} removed the "
+            "head pruning they use); install it with pip install 'slimml[optimum]' (or 'transformers==4.57.6'), "
+            "or convert without them.")
 
 
 def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWriter) -> list[dict[str, Any]]:
     """The manifest's records of the export and the shard steps."""
-    exporter = ("layerwise (optimum-onnx template)" if exported.layerwise
-                else "fused (slimml, GroupQueryAttention)" if exported.info.get("exporter") == "fused" else _exporter(src))
+    exporter = "layerwise (optimum-onnx template)" if exported.layerwise else _exporter(src, exported.info.get("exporter"))
     return [
         {"step": "export", **{k: v for k, v in asdict(config.export).items() if v is not None}, "exporter": exporter,
          **({"note": exported.note} if exported.note else {})},
@@ -304,5 +329,10 @@ def _quantize_step(w: ArtifactWriter, manifest: Manifest, qconfig: Any, step: Ca
     return w.adopt(qtmp)
 
 
-def _exporter(src: Source) -> str:
-    return {"huggingface": "optimum-onnx", "torch": "torch.onnx", "onnx": "none (ONNX source)"}[src.kind]
+def _exporter(src: Source, name: str | None) -> str:
+    """The export step's ``exporter`` entry: what wrote the graph."""
+    if name == "fused":
+        return "fused (slimml, GroupQueryAttention)"
+    if name == "torch" or src.kind == "torch":
+        return "torch.onnx"
+    return {"huggingface": "optimum-onnx", "onnx": "none (ONNX source)"}[src.kind]

@@ -130,7 +130,7 @@ def _qwen3_gguf(model, path) -> None:
                        ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv", c.num_key_value_heads),
                        ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim)):
         w.add_uint32(f"qwen3.{key}", value)
-    w.add_float32("qwen3.rope.freq_base", float(c.rope_theta))
+    w.add_float32("qwen3.rope.freq_base", float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]))
     w.add_float32("qwen3.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
     w.add_file_type(0)
     _gguf_tokenizer_fields(w)
@@ -235,7 +235,7 @@ def test_a_tokenizer_that_cannot_encode_the_eval_text_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("kind, match", [
-    ("newer", r"names model_type 'newfangled', which the installed transformers .* does not know; convert a model"),
+    ("newer", r"names model_type 'newfangled', which the installed transformers .* does not know; install a transformers that knows it"),
     ("custom code", r"^hf needs its own modeling code \(auto_map in its config\), which slimml does not run; export it"),
 ])
 def test_a_folder_transformers_cannot_build_is_refused_in_one_line(tmp_path, kind, match):

@@ -280,7 +280,8 @@ def test_smollm2_chat_template_renders_as_transformers(smollm2):
             tokenizer = tok.backend_tokenizer
 
         ids = untruncated(Text()).encode(rendered, add_special_tokens=False).ids
-        assert ids == tok.apply_chat_template(messages, add_generation_prompt=True)
+        want = tok.apply_chat_template(messages, add_generation_prompt=True)
+        assert ids == (want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want)  # transformers 5: a dict
     (folder / "chat_template.jinja").unlink()  # the template inside tokenizer_config.json, as older folders keep it
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = [{"name": "default", "template": tok.chat_template}]

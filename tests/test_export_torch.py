@@ -1,0 +1,96 @@
+"""The torch exporter (``--exporter torch``): encoders and classifiers through ``torch.onnx.export``,
+with any transformers (optimum-onnx 0.1.0 needs transformers < 4.58; ``--exporter auto`` takes this
+one where optimum-onnx does not load). Its graph must be what optimum's is to the rest of slimml:
+same inputs and outputs, same layer shards, same numbers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from slimml.convert import ConvertConfig, ExportConfig, convert  # noqa: E402
+from slimml.errors import SlimmlError  # noqa: E402
+from slimml.runtime import load  # noqa: E402
+
+TORCH = ConvertConfig(export=ExportConfig(exporter="torch"), measure_latency=False)
+TEXTS = ["A man is playing a guitar.", "The weather is lovely today, isn't it?", "short"]
+
+
+def _export_step(out) -> dict:
+    manifest = json.loads((out / "manifest.json").read_text())
+    return next(s for s in manifest["steps"] if s["step"] == "export")
+
+
+def test_the_default_model_exported_by_torch_equals_the_default_export(default_artifact, tmp_path):
+    """Under transformers 4.57 the default export is optimum-onnx's: the two graphs agree."""
+    report = convert(None, tmp_path / "art", TORCH)
+    assert _export_step(tmp_path / "art")["exporter"] == "torch.onnx"
+    assert report.checks["max_abs_diff_vs_torch"] <= 1e-4
+    ours, theirs = load(tmp_path / "art"), load(default_artifact)
+    try:
+        assert len(ours.manifest.shards) == len(theirs.manifest.shards)  # the same layer cuts
+        got, want = ours.encode(TEXTS), theirs.encode(TEXTS)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    finally:
+        ours.close(), theirs.close()
+
+
+def test_a_text_classifier_exported_by_torch_classifies_as_torch_does(tmp_path):
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    labels = ["negative", "neutral", "positive"]
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=128, num_labels=3, id2label=dict(enumerate(labels)))).eval()
+    model.save_pretrained(tmp_path / "src")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tokenizer.save_pretrained(tmp_path / "src")
+    report = convert(tmp_path / "src", tmp_path / "art", TORCH)
+    assert report.task == "text-classification" and report.checks["max_abs_diff_vs_torch"] <= 1e-4
+    with torch.no_grad():  # texts of different lengths in one batch: the sequence axis is dynamic
+        want = torch.softmax(model(**tokenizer(TEXTS, padding=True, return_tensors="pt")).logits, -1).numpy()
+    art = load(tmp_path / "art")
+    try:
+        for row, classes in zip(want, art.classify(TEXTS, top_k=None)):
+            assert [c["label"] for c in classes] == [labels[i] for i in np.argsort(-row, kind="stable")]
+            np.testing.assert_allclose([c["score"] for c in classes], np.sort(row)[::-1], atol=1e-5)
+    finally:
+        art.close()
+
+
+def test_an_image_classifier_exported_by_torch_takes_any_batch(tmp_path):
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    model = ViTForImageClassification(ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                intermediate_size=64, image_size=32, patch_size=8, num_labels=2)).eval()
+    model.save_pretrained(tmp_path / "src")
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "src")
+    report = convert(tmp_path / "src", tmp_path / "art", TORCH)
+    assert report.task == "image-classification" and report.checks["max_abs_diff_vs_torch"] <= 1e-4
+    pixels = np.random.default_rng(0).standard_normal((5, 3, 32, 32)).astype(np.float32)
+    with torch.no_grad():
+        want = model(pixel_values=torch.from_numpy(pixels)).logits.numpy()
+    art = load(tmp_path / "art")
+    try:
+        np.testing.assert_allclose(art.run({"pixel_values": pixels})["logits"], want, atol=1e-4)
+    finally:
+        art.close()
+
+
+def test_the_torch_exporter_refuses_an_encoder_decoder_in_one_line(tmp_path):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8)
+                               ).save_pretrained(tmp_path / "t5")
+    with pytest.raises(SlimmlError, match="single-graph models.*leave --exporter out") as e:
+        convert(tmp_path / "t5", tmp_path / "art", TORCH)
+    assert "\n" not in str(e.value) and not (tmp_path / "art").exists()
