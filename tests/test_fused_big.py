@@ -100,3 +100,19 @@ def test_the_sharder_links_each_layers_data_file_instead_of_copying_it(llama_wit
     assert len(specs) == 5
     for spec, group in zip(specs, ["embed", "layers.0", "layers.1", "layers.2", "head"]):
         assert os.stat(tmp_path / "art" / spec.data).st_ino == os.stat(tmp_path / "onnx" / f"model.{group}.data").st_ino
+
+
+def test_int4_of_a_decoder_bigger_than_memory_runs_its_guard_streamed(llama_with_tokenizer, small_memory, tmp_path):
+    from slimml.quantize.config import QuantizeOptions
+
+    folder, _ = llama_with_tokenizer
+    config = ConvertConfig(quantize=QuantizeOptions(scheme="int4-weights", target="cpu").to_config(), measure_latency=False)
+    report = convert(folder, tmp_path / "int4", config)
+    assert report.task == "text-generation-with-past"
+    assert report.checks["quantize_drop_metric"] == "perplexity_increase_pct"  # the guard's passes, shard by shard
+    assert report.checks["quantize_top1_agreement"] > 0.5
+    art = load(tmp_path / "int4", memory_budget="1GB")
+    try:
+        assert len(art.generate([[5, 6, 7]], max_new_tokens=4, eos_token_id=()).tokens[0]) == 4
+    finally:
+        art.close()
