@@ -3,6 +3,9 @@
 The sample feeds of :func:`slimml.convert.pipeline.verify` hold a random past, which a graph whose
 attention reads its positions off the mask refuses (and which says nothing a real decode does):
 here the artifact and the source model in torch each read the same prompts from an empty cache.
+A model bigger than a third of the memory available is checked without ever being whole in
+memory: torch runs it one layer at a time (``layerwise.streamed_reference``) and the artifact is
+streamed (``layerwise.check_load_options``); the report says so.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from typing import Any
 import numpy as np
 
 from slimml.convert.export import Exported
+from slimml.convert.layerwise import bigger_than_memory, check_load_options, streamed_reference
 from slimml.convert.llm_check import decoder_feeds, past_shapes
 from slimml.convert.reference import reference_for
 from slimml.convert.sources import Source
+from slimml.convert.weights import weight_bytes
 from slimml.errors import ExportError
 from slimml.runtime.artifact.manifest import Manifest
+from slimml.runtime.engine.budget import fmt_bytes
 from slimml.runtime.loader import load
 
 # the float graph computes what torch computes, up to float rounding: a real mismatch is far below these
@@ -35,10 +41,12 @@ def verify_decoder(folder: Path, manifest: Manifest, src: Source, exported: Expo
     vocab = int(exported.info.get("vocab_size") or 32)
     ids = np.random.default_rng(0).integers(min(3, vocab - 1), vocab, size=(batch, length)).astype(np.int64)
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    ref = reference_for(src, exported, ["logits"])
+    streamed = bigger_than_memory(weight_bytes(src.path))
+    ref = streamed_reference(src.path) if streamed else reference_for(src, exported, ["logits"])
     want = ref(dict(feeds))["logits"]
     del ref
-    model = load(folder, device="cpu")  # the artifact's own integrity check runs here
+    options = check_load_options(manifest)
+    model = load(folder, device="cpu", **options)  # the artifact's own integrity check runs here
     try:
         got = model.run(decoder_feeds([t.name for t in model.inputs], ids, past_shapes(model.inputs)))["logits"]
     finally:
@@ -47,7 +55,10 @@ def verify_decoder(folder: Path, manifest: Manifest, src: Source, exported: Expo
     b = want.reshape(-1, want.shape[-1]).astype(np.float64)
     cos = (a * b).sum(1) / np.clip(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30, None)
     checks = {"max_abs_diff_vs_torch": round(float(np.abs(a - b).max()), 8), "cosine_vs_torch": round(float(cos.min()), 8),
-              "top1_agreement": round(float((a.argmax(1) == b.argmax(1)).mean()), 6), "reference": "torch, empty cache"}
+              "top1_agreement": round(float((a.argmax(1) == b.argmax(1)).mean()), 6),
+              "reference": "torch, layer by layer (bigger than memory), empty cache" if streamed else "torch, empty cache"}
+    if options:
+        checks["artifact_run"] = f"streamed (memory_budget {fmt_bytes(options['memory_budget'])}): bigger than memory"
     if checks["cosine_vs_torch"] < MIN_COSINE or checks["top1_agreement"] < MIN_TOP1:  # never a silently wrong float model
         raise ExportError(
             f"the fused graph of {src.name} disagrees with the source model in torch (cosine {checks['cosine_vs_torch']:.4g}, "

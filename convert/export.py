@@ -98,10 +98,8 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
         return _export_onnx_file(source, work_dir)
     if source.kind == "torch":
         return _export_module(source, work_dir, config)
-    if _layerwise(source.path, config):
-        return _export_layerwise(source, work_dir, config)
     note = None
-    if config.exporter == "auto":
+    if config.exporter == "auto":  # fused first, whatever the size: it reads one tensor at a time
         fused, note = _auto_fused(source.path, config.task)
         if fused:
             try:
@@ -109,6 +107,8 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
             except (SlimmlError, KeyError, ValueError, TypeError) as e:  # never a failure: today's exporter instead
                 shutil.rmtree(work_dir / "onnx", ignore_errors=True)
                 note = f"the fused exporter failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    if _layerwise(source.path, config):  # cache-free asked for, or fused could not write it: too big to trace
+        return _export_layerwise(source, work_dir, config, note)
     if note and config.task == "auto":  # a decoder fused cannot write: optimum's graph, with its cache where it can
         return _optimum_decoder(source, work_dir, config, note)
     exported = _export_huggingface(source, work_dir, config)
@@ -158,8 +158,9 @@ def _layerwise(folder: Path, config: ExportConfig) -> bool:
             and weight_bytes(folder) * 3 > available_memory())
 
 
-def _export_layerwise(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
-    """Export a three-layer template of ``source``; ``convert.layerwise`` writes the real shards from it."""
+def _export_layerwise(source: Source, work_dir: Path, config: ExportConfig, note: str | None = None) -> Exported:
+    """Export a three-layer template of ``source``; ``convert.layerwise`` writes the real shards from it.
+    ``note``: why the fused exporter did not write it (the report says the graph has no KV cache)."""
     from slimml.convert.layerwise import make_template
 
     template = work_dir / "template"
@@ -168,6 +169,8 @@ def _export_layerwise(source: Source, work_dir: Path, config: ExportConfig) -> E
                                    ExportConfig(opset=config.opset, task="text-generation", exporter="optimum"))
     exported.layerwise = {"template": template, "folder": source.path, "depth": depth}
     exported.info = {"hf_task": "text-generation", **_config_facts(source.path), "exporter": "layerwise"}
+    if note:
+        exported.note = f"{note}; exported layer by layer without its KV cache (too big to trace whole)"
     return exported
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -114,34 +115,62 @@ def _inv_freq(rope: dict[str, Any], dim: int) -> np.ndarray:
 
 
 class _Weights:
-    """The safetensors tensors of a folder by name, read one at a time as float32."""
+    """The safetensors tensors of a folder by name, read one at a time as float32 (plain reads, no mmap)."""
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
+        from slimml.convert.weights import PlainSafetensors
 
-        self._files = {}
-        for path in sorted(folder.glob("*.safetensors")):
-            handle = safe_open(str(path), framework="pt")
-            for name in handle.keys():
-                self._files[name] = handle
+        self._tensors = PlainSafetensors(folder)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return name in self._tensors
 
     def __getitem__(self, name: str) -> np.ndarray:
-        if name not in self._files:
+        if name not in self._tensors:
             raise ExportError(f"the weights have no tensor {name!r}; the folder is not a complete {ARCHITECTURES[0]} checkpoint.")
-        return self._files[name].get_tensor(name).float().numpy()
+        return self._tensors[name]
+
+    def transposed(self, names: list[str]) -> np.ndarray:
+        """The tensors ``names`` (each (out_i, in)) stacked along out and transposed: (in, sum out_i),
+        filled one tensor at a time (memory: the result and one of them)."""
+        for n in names:
+            if n not in self._tensors:
+                self[n]  # the missing tensor's error
+        rows = [self._tensors.shape(n)[0] for n in names]
+        out = np.empty((self._tensors.shape(names[0])[1], sum(rows)), np.float32)
+        at = 0
+        for n, r in zip(names, rows):
+            out[:, at:at + r] = self[n].T
+            at += r
+        return out
 
 
 class _Writer:
-    """Initializers appended to one external data file as they are made (one tensor in memory)."""
+    """Initializers appended to external data files as they are made (one tensor in memory).
 
-    def __init__(self, data_path: Path):
-        self.path = data_path
-        self.file = open(data_path, "wb")
+    Each group of weights (the embeddings, each layer, the head) gets a file of its own,
+    ``model.<group>.data``: the sharder then links a shard's file into the artifact instead of
+    copying it (:func:`slimml.convert.shard.shard`). Written pages are flushed to disk and
+    dropped from the page cache every ``SYNC_BYTES``: a memory cgroup charges dirty pages to the
+    writer, and a model bigger than the cgroup would fill it with them.
+    """
+
+    SYNC_BYTES = 256 << 20
+    ALIGN = 4096  # a page: ONNX Runtime maps external data whose offsets are page-aligned
+
+    def __init__(self, out_dir: Path):
+        self.dir = out_dir
+        self.file = None
+        self.location = ""
+        self.unsynced = 0
         self.initializers: list[TensorProto] = []
         self.names: set[str] = set()
+
+    def group(self, name: str) -> None:
+        """Start ``model.<name>.data``: the weights added from now on go there."""
+        self.close()
+        self.location = f"model.{name}.data"
+        self.file = open(self.dir / self.location, "wb")
 
     def add(self, name: str, array: np.ndarray) -> str:
         if name in self.names:  # a constant several layers share
@@ -152,23 +181,39 @@ class _Writer:
         if array.nbytes < 1024:  # small constants stay inside the graph
             t.raw_data = array.tobytes()
         else:
+            if self.file is None:
+                self.group("weights")
             offset = self.file.tell()
-            pad = (-offset) % 64  # aligned, so the data can be memory-mapped
+            pad = (-offset) % self.ALIGN
             self.file.write(b"\0" * pad)
             offset += pad
-            self.file.write(array.tobytes())
+            self.file.write(memoryview(array.reshape(-1)).cast("B"))  # no bytes copy of a 100 MB tensor
+            self.unsynced += array.nbytes
+            if self.unsynced >= self.SYNC_BYTES:
+                self._drop()
             t.data_location = TensorProto.EXTERNAL
-            for k, v in (("location", self.path.name), ("offset", str(offset)), ("length", str(array.nbytes))):
+            for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(array.nbytes))):
                 t.external_data.add(key=k, value=v)
         self.initializers.append(t)
         return name
 
+    def _drop(self) -> None:
+        """Write the file's pages to disk and drop them from the page cache."""
+        self.file.flush()
+        os.fdatasync(self.file.fileno())
+        os.posix_fadvise(self.file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        self.unsynced = 0
+
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self._drop()
+            self.file.close()
+            self.file = None
 
 
 def export_fused(folder: Path, out_dir: Path) -> Path:
-    """Write ``out_dir/model.onnx`` (+ ``model.onnx.data``) for the decoder in ``folder``.
+    """Write ``out_dir/model.onnx`` (+ ``model.<group>.data`` files, one for the embeddings, one per
+    layer, one for the head) for the decoder in ``folder``; memory holds about one packed weight.
 
     Returns:
         The graph's path.
@@ -189,7 +234,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.onnx"
     w = _Weights(folder)
-    data = _Writer(out_dir / "model.onnx.data")
+    data = _Writer(out_dir)
     nodes: list[onnx.NodeProto] = []
 
     def node(op: str, ins: list[str], outs: list[str], name: str, domain: str = "", **attrs) -> list[str]:
@@ -198,7 +243,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
 
     def linear(x: str, names: list[str], prefix: str, out: str, bias: bool = False) -> str:
         """x @ W^T with the weights of ``names`` packed along the output (one MatMul), plus bias."""
-        weight = np.concatenate([w[f"{n}.weight"] for n in names], axis=0).T  # (in, out)
+        weight = w.transposed([f"{n}.weight" for n in names])  # (in, out)
         node("MatMul", [x, data.add(f"{prefix}.weight", weight)], [out + ("_mm" if bias else "")], f"{out}/MatMul")
         if bias:
             b = np.concatenate([w[f"{n}.bias"] for n in names])
@@ -225,6 +270,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     cos = node("Cos", ["angles"], ["cos_cache"], "/model/rotary/Cos")[0]
     sin = node("Sin", ["angles"], ["sin_cache"], "/model/rotary/Sin")[0]
 
+    data.group("embed")
     node("Gather", [data.add("model.embed_tokens.weight", w["model.embed_tokens.weight"]), "input_ids"],
          ["/model/embed_tokens/output"], "/model/embed_tokens/Gather")
     x = "/model/embed_tokens/output"
@@ -244,6 +290,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     inputs, outputs = [], []
     for i in range(layers):
         p, hf = f"/model/layers.{i}", f"model.layers.{i}"
+        data.group(f"layers.{i}")
         h = node("SimplifiedLayerNormalization", [x, data.add(f"{hf}.input_layernorm.weight", w[f"{hf}.input_layernorm.weight"])],
                  [f"{p}/input_layernorm/output"], f"{p}/input_layernorm/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
         qkv = linear(h, [f"{hf}.self_attn.qkv_proj"] if packed else [f"{hf}.self_attn.{n}_proj" for n in "qkv"],
@@ -279,6 +326,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
             inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch_size", kv_heads, "past_sequence_length", head_dim]))
         for n in (pres_k, pres_v):
             outputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch_size", kv_heads, "total_sequence_length", head_dim]))
+    data.group("head")
     # logits only where they are read: the positions ``logits_index`` (B, n) names in each row (the
     # last real one while generating, every one for perplexity), gathered before the norm and lm_head
     node("Unsqueeze", ["logits_index", data.add("two_axis", np.array([2], np.int64))], ["logits_index_col"],
@@ -290,7 +338,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     h = node("SimplifiedLayerNormalization", [x, data.add("model.norm.weight", w["model.norm.weight"])],
              ["/model/norm/output"], "/model/norm/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
     head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"  # tied embeddings
-    node("MatMul", [h, data.add("lm_head.weight", w[head].T)], ["logits"], "/lm_head/MatMul")
+    node("MatMul", [h, data.add("lm_head.weight", w.transposed([head]))], ["logits"], "/lm_head/MatMul")
     data.close()
     # contrib ops defeat ONNX's shape inference: type what may cross a shard boundary
     seq = ["batch_size", "sequence_length"]

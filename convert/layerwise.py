@@ -231,7 +231,14 @@ def streamed_reference(folder: Path) -> Any:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    reader = SafetensorsReader(folder)
+    from slimml.convert.weights import PlainSafetensors
+
+    plain = PlainSafetensors(folder)  # plain reads, dropped from the page cache: nothing mapped stays charged
+    reader = plain if plain.index else SafetensorsReader(folder)
+
+    def tensor(name: str) -> Any:
+        return torch.from_numpy(plain[name]) if reader is plain else reader.torch(name).to(torch.float32)
+
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     depth = config.num_hidden_layers
     config.num_hidden_layers = 1
@@ -243,7 +250,7 @@ def streamed_reference(folder: Path) -> Any:
         for name, p in model.named_parameters():
             if ".layers." not in name:
                 source = name if name in reader else "model.embed_tokens.weight"  # tied heads
-                p.copy_(reader.torch(source).to(torch.float32))
+                p.copy_(tensor(source))
 
     class Streamed(torch.nn.Module):
         def __init__(self, index: int):
@@ -254,7 +261,7 @@ def streamed_reference(folder: Path) -> Any:
         def forward(self, *args, **kwargs):
             with torch.no_grad():
                 for name, p in shared.named_parameters():
-                    p.copy_(reader.torch(f"model.layers.{self.index}.{name}").to(torch.float32))
+                    p.copy_(tensor(f"model.layers.{self.index}.{name}"))
             return shared(*args, **kwargs)
 
     model.model.layers = torch.nn.ModuleList([Streamed(i) for i in range(depth)])
@@ -268,3 +275,22 @@ def streamed_reference(folder: Path) -> Any:
         return {"logits": out.logits.numpy()}
 
     return run
+
+
+def bigger_than_memory(nbytes: int) -> bool:
+    """Whether a model of ``nbytes`` takes more than a third of the memory available (a machine's or
+    its memory cgroup's): too big to trace whole, to load whole in torch or to run resident beside it."""
+    from slimml.runtime.engine.budget import available_memory
+
+    return nbytes * 3 > available_memory()
+
+
+def check_load_options(manifest: Any) -> dict[str, Any]:
+    """How a check loads an artifact: resident when it fits, else streamed (``memory_budget`` a third of
+    the memory available, at least two of its largest shards; no pre-packed cache on disk)."""
+    from slimml.runtime.engine.budget import available_memory, shard_bytes
+
+    sizes = shard_bytes(manifest)
+    if not bigger_than_memory(sum(sizes)):
+        return {}
+    return {"memory_budget": max(available_memory() // 3, 2 * max(sizes)), "pack": False}

@@ -129,6 +129,11 @@ def torch_scores(folder: str | os.PathLike, windows: np.ndarray) -> tuple[np.nda
     import torch
     from transformers import AutoModelForCausalLM
 
+    from slimml.convert.layerwise import bigger_than_memory, streamed_reference
+    from slimml.convert.weights import weight_bytes
+
+    if bigger_than_memory(weight_bytes(Path(folder))):  # never whole in memory: one layer at a time
+        return score_run(streamed_reference(Path(folder)), lambda ids: {"input_ids": ids}, windows)
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
 
     def run(feeds: dict) -> dict:
@@ -154,10 +159,11 @@ def compare(ours: tuple[np.ndarray, np.ndarray], reference: tuple[np.ndarray, np
 
 def check_language_model(folder: Path, manifest: Any, source_folder: Path, eval_text: str | os.PathLike | None = None) -> dict[str, Any]:
     """The artifact in ``folder`` against its source's transformers model on held-out text."""
+    from slimml.convert.layerwise import check_load_options
     from slimml.runtime.loader import load
 
     text, origin = read_eval_text(eval_text)
-    model = load(folder, device="cpu")
+    model = load(folder, device="cpu", **check_load_options(manifest))  # streamed when bigger than memory
     try:
         context = model.max_sequence_length  # a window never passes the model's positions
         window = min(DEFAULT_WINDOW, context) if context else DEFAULT_WINDOW

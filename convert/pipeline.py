@@ -141,7 +141,10 @@ def convert(
                                        config.distill.teacher_memory_budget if config.distill else None)
             manifest.checks["vs_teacher"] = against
         latency = None
-        if config.measure_latency and times_batches(family):
+        if config.measure_latency and times_batches(family) and _bigger_than_memory(manifest):
+            manifest.checks["latency_note"] = ("not measured: bigger than a third of the memory available, it would run "
+                                               "streamed; time it with `slimml bench ART --memory-budget SIZE`")
+        elif config.measure_latency and times_batches(family):
             step("measuring latency")
             latency = _latency(w.folder)
             manifest.checks["latency_ms_b1_s128"] = round(latency, 3)
@@ -205,6 +208,12 @@ def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWr
         {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None},
          "shards": w.shard_count},
     ]
+
+
+def _bigger_than_memory(manifest: Manifest) -> bool:
+    from slimml.convert.layerwise import bigger_than_memory
+
+    return bigger_than_memory(manifest.total_bytes)
 
 
 def _latency(folder: Path) -> float:

@@ -84,6 +84,7 @@ class _Graph:
     live: np.ndarray  # live[i]: activations crossing a cut before node i (i in 0..n)
     cum_bytes: np.ndarray  # cum_bytes[i]: weight bytes first used by nodes[:i]
     layer_of: list[str | None]
+    files: dict[str, set[str]]  # external data file -> the weights stored in it
 
 
 def shard(model_path: str | os.PathLike, out_dir: str | os.PathLike, config: ShardConfig | None = None,
@@ -155,6 +156,11 @@ def _analyse(model: onnx.ModelProto) -> _Graph:
                 seen.add(name)
                 node_bytes[i] += _nbytes(weights[name])
     cum = np.concatenate([[0], np.cumsum(node_bytes)])
+    files: dict[str, set[str]] = {}
+    for t in graph.initializer:
+        location = _location(t)
+        if location is not None:
+            files.setdefault(location, set()).add(t.name)
     return _Graph(
         nodes=nodes,
         uses=uses,
@@ -165,6 +171,7 @@ def _analyse(model: onnx.ModelProto) -> _Graph:
         live=live,
         cum_bytes=cum,
         layer_of=[_layer_key(nd) for nd in nodes],
+        files=files,
     )
 
 
@@ -276,10 +283,15 @@ def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_di
     data = f"{file}.data"
     initializers = []
     weight_bytes = 0
+    linked = _link_data(g, weight_names, Path(src_dir), Path(out_dir) / data)
     for name in weight_names:
         t = onnx.TensorProto()
         t.CopyFrom(g.weights[name])
-        if external_data_helper.uses_external_data(t):
+        if linked and _location(t) is not None:  # the bytes are in place already: point at the linked file
+            for entry in t.external_data:
+                if entry.key == "location":
+                    entry.value = data
+        elif external_data_helper.uses_external_data(t):
             external_data_helper.load_external_data_for_tensor(t, str(src_dir))
             t.data_location = onnx.TensorProto.DEFAULT
             del t.external_data[:]
@@ -290,8 +302,10 @@ def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_di
     out.ir_version = model.ir_version
     out.functions.extend(model.functions)
     path = Path(out_dir) / file
-    has_data = any(_nbytes(t) >= _WEIGHT_MIN_BYTES for t in initializers)
-    if has_data:
+    has_data = linked or any(_nbytes(t) >= _WEIGHT_MIN_BYTES for t in initializers)
+    if linked:
+        onnx.save_model(out, str(path))
+    elif has_data:
         onnx.save_model(out, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=data, size_threshold=_WEIGHT_MIN_BYTES)
     else:
@@ -306,6 +320,37 @@ def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_di
         outputs=[_spec(vi) for vi in outputs],
         layers=layers,
     )
+
+
+def _location(t: onnx.TensorProto) -> str | None:
+    """The external data file a weight's bytes are in, or None for a weight stored in the graph."""
+    import onnx
+
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    return next((e.value for e in t.external_data if e.key == "location"), None)
+
+
+def _link_data(g: _Graph, weight_names: list[str], src_dir: Path, target: Path) -> bool:
+    """When a shard's weights are all of one external data file of the source and nothing else is in
+    it (the fused exporter writes a file per layer), make that file the shard's data file: a hard
+    link, or a copy across file systems; no tensor passes through memory. True when it did."""
+    import shutil
+
+    big = [g.weights[n] for n in weight_names if _nbytes(g.weights[n]) >= _WEIGHT_MIN_BYTES]
+    locations = {_location(t) for t in big}
+    if len(locations) != 1 or None in locations:
+        return False
+    location = locations.pop()
+    source = src_dir / location
+    if g.files.get(location) != {t.name for t in big} or Path(location).name != location or not source.is_file():
+        return False
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or links refused
+        shutil.copyfile(source, target)
+    return True
 
 
 def _value_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:

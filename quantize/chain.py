@@ -31,13 +31,25 @@ class Chain:
     """
 
     def __init__(self, manifest: Manifest, files: list[Path], text: TextEncoder | None = None, device: str = "cpu"):
+        from slimml.convert.layerwise import bigger_than_memory
+
         self.manifest = manifest
-        self.sessions = [make_session(f, device) for f in files]
+        self.files, self.device = list(files), device
+        size = sum(p.stat().st_size for f in files for p in (Path(f), Path(f"{f}.data")) if p.is_file())
+        # a model bigger than memory: each shard's session made for its turn in a pass, then dropped
+        self.sessions = None if bigger_than_memory(size) else [make_session(f, device) for f in files]
         self.text = text
+
+    def _sessions(self):
+        if self.sessions is not None:
+            yield from self.sessions
+        else:
+            for f in self.files:
+                yield make_session(f, self.device)
 
     def run(self, feeds: dict[str, np.ndarray], keep_all: bool = False) -> dict[str, np.ndarray]:
         env = dict(feeds)
-        for session in self.sessions:
+        for session in self._sessions():
             wanted = [o.name for o in session.get_outputs()]
             values = session.run(wanted, {i.name: env[i.name] for i in session.get_inputs()})
             env.update(zip(wanted, values))
