@@ -96,12 +96,35 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
             f"{path} holds a {arch!r} encoder-decoder; slimml converts GGUF decoders (llama, qwen2, ...). "
             "Convert the original Hugging Face folder of this model instead."
         )
+    _check_tokenizer(path, reader)
     file_type = _field(reader, "general.file_type")
     return {
         "format": "gguf", "gguf_version": version, "architecture": arch,
         "gguf_file_type": _FILE_TYPES.get(file_type, str(file_type)) if file_type is not None else None,
         "gguf_tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors).most_common()),
     }
+
+
+def _check_tokenizer(path: Path, reader: Any) -> None:
+    """Refuse a byte-level BPE vocabulary labelled as sentencepiece (``tokenizer.ggml.model = "llama"``).
+
+    llama.cpp's ``convert_hf_to_gguf.py`` writes one from a folder whose tokenizer looks like
+    sentencepiece to it (a ``tokenizer.json`` with byte fallback, as transformers saves a GGUF's
+    tokenizer): every space then reads as an unknown token, and the model, source and artifact
+    alike, scores perplexity ~10^4 on English text, so comparing the two cannot catch it.
+    """
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if _field(reader, "tokenizer.ggml.model") != "llama" or field is None:
+        return
+    tokens = field.contents()
+    byte_level = sum(t.startswith("\u0120") for t in tokens)  # "Ġ": GPT-2's byte for a space
+    if byte_level > len(tokens) // 10 and not any("\u2581" in t for t in tokens):  # "▁": sentencepiece's space
+        raise SourceError(
+            f"{path} labels its tokenizer sentencepiece ('llama') but its vocabulary is byte-level BPE "
+            f"({byte_level} of {len(tokens)} tokens start with 'Ġ'), so text would read as unknown tokens; "
+            "re-make the file with llama.cpp's convert_hf_to_gguf.py from a folder whose tokenizer.json is the "
+            "original (no tokenizer.model, no byte fallback)."
+        )
 
 
 def gguf_to_folder(path: Path, folder: Path) -> None:

@@ -1,0 +1,60 @@
+"""GGUF in across llama.cpp's file types: what the report says the source held, and files no reader should trust.
+
+The sweep over real files is ``benchmarks/sweep_gguf_types.py``; these tests write tiny GGUFs with gguf-py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from slimml.errors import SourceError
+
+gguf = pytest.importorskip("gguf")
+
+
+def _gguf(path, tokenizer: str | None = None, tokens: list[str] | None = None, file_type: int | None = None,
+          tensors: dict | None = None):
+    """A one-layer llama GGUF header (and tensors), the tokenizer fields as given."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    if file_type is not None:
+        w.add_file_type(file_type)
+    if tokenizer is not None:
+        w.add_tokenizer_model(tokenizer)
+        w.add_token_list(tokens)
+    for name, (data, kind) in (tensors or {"token_embd.weight": (np.zeros((8, 32), np.float32), None)}).items():
+        if kind is None:
+            w.add_tensor(name, data)
+        else:  # raw quantized bytes: (rows, bytes per row) uint8 and the GGML type
+            w.add_tensor(name, data, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+BYTE_LEVEL = ["<|endoftext|>", "a", "b", "Ġthe", "Ġcat", "Ġsat", "Ġon", "Ġmat", "the", "cat"]
+
+
+def test_a_byte_level_vocabulary_labelled_sentencepiece_is_refused(tmp_path):
+    """llama.cpp's converter writes such a file from a folder transformers saved from a GGUF: every
+    space reads as unknown, source and artifact score the same absurd perplexity, so it is refused."""
+    from slimml.convert import convert
+
+    bad = _gguf(tmp_path / "bad.gguf", "llama", BYTE_LEVEL)
+    with pytest.raises(SourceError, match=r"labels its tokenizer sentencepiece \('llama'\) but its vocabulary is "
+                                          r"byte-level BPE \(5 of 10 tokens start with 'Ġ'\).*convert_hf_to_gguf.py"):
+        convert(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tokenizer, tokens", [
+    ("gpt2", BYTE_LEVEL),  # what llama.cpp writes for SmolLM2, Llama 3, Qwen
+    ("llama", ["<unk>", "<s>", "</s>", "▁the", "▁cat", "Ġ", "a"]),  # a sentencepiece vocabulary
+])
+def test_a_consistent_tokenizer_is_read(tmp_path, tokenizer, tokens):
+    from slimml.convert.gguf import inspect_gguf
+
+    assert inspect_gguf(_gguf(tmp_path / "ok.gguf", tokenizer, tokens))["architecture"] == "llama"
