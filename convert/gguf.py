@@ -10,6 +10,7 @@ source's quantization (GGUF file type and tensor types).
 
 from __future__ import annotations
 
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -74,6 +75,15 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
         size = path.stat().st_size
         short = [t.name for t in reader.tensors if int(t.data_offset) + int(t.n_bytes) > size]
     except Exception as e:  # gguf-py's own errors on a cut file ("cannot reshape array ...")
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))
+        if unknown:  # a type newer than the installed gguf-py (llama.cpp adds them: MXFP4, NVFP4, Q1_0, ...)
+            from importlib.metadata import version
+
+            raise SourceError(
+                f"{path} holds tensors of GGML type {unknown.group(1)}, which the installed gguf {version('gguf')} "
+                "does not know (a newer llama.cpp quantization); `pip install -U gguf`, or convert a file of a common "
+                "type (F16, Q8_0, Q4_K_M)."
+            ) from None
         raise SourceError(
             f"{path} is truncated or damaged (gguf could not read it: {type(e).__name__}); download or copy it again."
         ) from None

@@ -58,3 +58,19 @@ def test_a_consistent_tokenizer_is_read(tmp_path, tokenizer, tokens):
     from slimml.convert.gguf import inspect_gguf
 
     assert inspect_gguf(_gguf(tmp_path / "ok.gguf", tokenizer, tokens))["architecture"] == "llama"
+
+
+def test_a_tensor_type_the_installed_gguf_does_not_know_is_named(tmp_path):
+    """A type newer than gguf-py (llama.cpp keeps adding them) is not 'truncated or damaged': it says to upgrade."""
+    import struct
+
+    from slimml.convert.gguf import inspect_gguf
+
+    data = bytearray(_gguf(tmp_path / "ok.gguf").read_bytes())
+    at = data.index(b"token_embd.weight") + len(b"token_embd.weight")
+    at += 4 + 8 * struct.unpack_from("<I", data, at)[0]  # n_dims, then the dims: the type follows
+    struct.pack_into("<I", data, at, 99)
+    (tmp_path / "new.gguf").write_bytes(bytes(data))
+    with pytest.raises(SourceError, match=r"holds tensors of GGML type 99, which the installed gguf .* does not know "
+                                          r".*`pip install -U gguf`"):
+        inspect_gguf(tmp_path / "new.gguf")
