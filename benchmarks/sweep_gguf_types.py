@@ -35,7 +35,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_llm_quality import _size, _versions, fp32_folder, lee_text, llama_cpp_src, smollm2_gguf  # noqa: E402
+from bench_llm_quality import (_size, _versions, fp32_folder, lee_text, llama_cpp_src, llamacpp_scores,  # noqa: E402
+                               smollm2_gguf)
 
 TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q5_1", "Q4_K_S", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K",
          "IQ4_NL", "IQ4_XS")
@@ -104,6 +105,13 @@ def make_ggufs(folder: Path, work: Path, types, threads: int, donor: Path) -> di
     return out
 
 
+def llamacpp_perplexity(path: Path, windows, threads: int) -> float:
+    """llama.cpp's own perplexity of the file on the windows convert's check scores (same token ids)."""
+    import numpy as np
+
+    return round(float(np.exp(llamacpp_scores(path, windows, threads)[0].mean())), 4)
+
+
 def slimml_row(gguf: Path, scheme: str, art: Path, text: Path, generate: bool) -> dict:
     """``slimml convert`` (and ``generate``) of one file in their own processes, and what the report says."""
     shutil.rmtree(art, ignore_errors=True)
@@ -138,7 +146,7 @@ def slimml_row(gguf: Path, scheme: str, art: Path, text: Path, generate: bool) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--types", default=None, help=f"comma list of llama.cpp types (default: {','.join(TYPES)})")
-    ap.add_argument("--schemes", default=None, help="comma list of default, int4-weights, int8")
+    ap.add_argument("--schemes", default=None, help="comma list of default, int4-weights, int8 ('' for llama.cpp's perplexity only)")
     ap.add_argument("--quick", action="store_true", help=f"{','.join(QUICK_TYPES)}; default and int4-weights")
     ap.add_argument("--work", type=Path, default=Path("/tmp/slimml-gguf-sweep"), help="GGUFs and artifacts (kept between runs)")
     ap.add_argument("--threads", type=int, default=2)
@@ -146,7 +154,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "gguf_types.json")
     args = ap.parse_args()
     types = args.types.split(",") if args.types else list(QUICK_TYPES if args.quick else TYPES)
-    schemes = args.schemes.split(",") if args.schemes else (["default", "int4-weights"] if args.quick else list(SCHEMES))
+    schemes = [x for x in args.schemes.split(",") if x] if args.schemes is not None else (["default", "int4-weights"] if args.quick else list(SCHEMES))
 
     t0 = time.perf_counter()
     work = args.work
@@ -161,6 +169,22 @@ def main() -> None:
         else:
             rows[t] = {"refused": path}
     command = "python benchmarks/sweep_gguf_types.py " + " ".join(sys.argv[1:])
+
+    def save() -> None:
+        result = {"model": model.name, "eval_text": text.name, "results": {**old, **rows},
+                  "seconds": round(time.perf_counter() - t0, 1), "versions": _versions(), "command": command}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    from slimml.convert.llm_check import DEFAULT_BUDGET, DEFAULT_WINDOW, token_windows
+
+    # the windows convert's check scores (its window and budget, the file's tokenizer as transformers saves it)
+    windows = token_windows(work / "hf_fp32" / "tokenizer.json", text.read_text(encoding="utf-8"), DEFAULT_WINDOW, DEFAULT_BUDGET)
+    for t, path in ggufs.items():
+        if isinstance(path, Path) and "llamacpp_perplexity" not in rows[t]:
+            rows[t]["llamacpp_perplexity"] = llamacpp_perplexity(path, windows, args.threads)
+            print(t, "llama.cpp perplexity", rows[t]["llamacpp_perplexity"], flush=True)
+    save()
     for scheme in schemes:  # every type's default convert first: the reading of each file is the main check
         for t, path in ggufs.items():
             if not isinstance(path, Path) or (scheme != "default" and t not in QUANTIZED_TYPES and args.types is None):
@@ -170,10 +194,7 @@ def main() -> None:
             print(t, scheme, json.dumps(rows[t][scheme]), flush=True)
             if not args.keep:
                 shutil.rmtree(art, ignore_errors=True)
-            result = {"model": model.name, "eval_text": text.name, "results": {**old, **rows},
-                      "seconds": round(time.perf_counter() - t0, 1), "versions": _versions(), "command": command}
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=2) + "\n")  # after each row: a long sweep keeps what it measured
+            save()  # after each row: a long sweep keeps what it measured
     print(table({**old, **rows}))
     print(f"wrote {args.out}")
 
