@@ -89,6 +89,14 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
         ) from None
     if short:
         raise SourceError(f"{path} is truncated: tensor {short[0]!r} ends past the end of the file; download or copy it again.")
+    parts = _field(reader, "split.count")
+    if parts and int(parts) > 1:  # transformers reads one file: the other parts' tensors would be missing
+        first = re.sub(r"-\d{5}-of-(\d{5})\.gguf$", r"-00001-of-\1.gguf", path.name)
+        raise SourceError(
+            f"{path} is part {int(_field(reader, 'split.no') or 0) + 1} of {int(parts)} of a split GGUF, which slimml "
+            f"reads only whole; merge the parts with llama.cpp's `llama-gguf-split --merge {first} merged.gguf`, "
+            "then convert merged.gguf."
+        )
     arch = _field(reader, "general.architecture")
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 

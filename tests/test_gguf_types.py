@@ -74,3 +74,21 @@ def test_a_tensor_type_the_installed_gguf_does_not_know_is_named(tmp_path):
     with pytest.raises(SourceError, match=r"holds tensors of GGML type 99, which the installed gguf .* does not know "
                                           r".*`pip install -U gguf`"):
         inspect_gguf(tmp_path / "new.gguf")
+
+
+def test_a_part_of_a_split_gguf_is_refused_with_the_merge_command(tmp_path):
+    """transformers reads one file; the other parts' tensors would be missing (and initialised at random)."""
+    from slimml.convert import convert
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama", split_max_tensors=1)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
+    w.add_tensor("output_norm.weight", np.zeros((32,), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SourceError, match=r"m-00002-of-00002.gguf is part 2 of 2 of a split GGUF.*"
+                                          r"`llama-gguf-split --merge m-00001-of-00002.gguf merged.gguf`"):
+        convert(tmp_path / "m-00002-of-00002.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
