@@ -129,10 +129,11 @@ def slimml_row(gguf: Path, scheme: str, art: Path, text: Path, generate: bool) -
     checks = json.loads((art / "manifest.json").read_text()).get("checks", {})
     row["size_mb"] = round(_size(art) / 1e6, 2)
     row["source_quantization"] = checks.get("source_quantization")
-    for key in ("perplexity_source", "perplexity_artifact", "perplexity_rel_diff", "perplexity_float",
-                "perplexity_quantized", "drop", "drop_metric", "top1_agreement", "recipe", "exporter_note"):
+    for key in ("perplexity_source", "perplexity_artifact", "perplexity_rel_diff", "top1_agreement", "source_note"):
         if key in checks:
             row[key] = checks[key]
+    # --quantize: the guard's checks, prefixed (perplexity of the quantized against the float artifact)
+    row |= {k: v for k, v in checks.items() if k.startswith("quantize_") and not isinstance(v, (dict, list))}
     quant = next((s for s in json.loads((art / "manifest.json").read_text()).get("steps", []) if s.get("step") == "quantize"), None)
     if quant:
         row["recipe"] = quant.get("recipe")
@@ -151,6 +152,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/slimml-gguf-sweep"), help="GGUFs and artifacts (kept between runs)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--keep", action="store_true", help="keep the artifacts")
+    ap.add_argument("--resume", action="store_true", help="skip the rows --out already holds (exit code 0)")
     ap.add_argument("--out", type=Path, default=HERE / "results" / "gguf_types.json")
     args = ap.parse_args()
     types = args.types.split(",") if args.types else list(QUICK_TYPES if args.quick else TYPES)
@@ -189,6 +191,8 @@ def main() -> None:
         for t, path in ggufs.items():
             if not isinstance(path, Path) or (scheme != "default" and t not in QUANTIZED_TYPES and args.types is None):
                 continue
+            if args.resume and (old.get(t, {}).get(scheme) or {}).get("rc") == 0:
+                continue
             art = work / "art" / f"{t}-{scheme}"
             rows[t][scheme] = slimml_row(path, scheme, art, text, generate=t in GENERATE and scheme != "int8")
             print(t, scheme, json.dumps(rows[t][scheme]), flush=True)
@@ -200,26 +204,27 @@ def main() -> None:
 
 
 def table(rows: dict[str, dict]) -> str:
-    """A markdown table: type, source MB, artifact MB and perplexity change per scheme, the report's source line."""
-    lines = ["| type | source MB | default MB (ppl vs source) | int4 MB (ppl) | int8 MB (ppl) | report: source quantization |",
-             "| --- | ---: | --- | --- | --- | --- |"]
+    """A markdown table: the file, its perplexity as transformers and llama.cpp read it, the report's line, each artifact."""
+    lines = ["| type | file MB | source ppl: transformers / llama.cpp | fp32 artifact vs source | int4 MB (ppl vs fp32) "
+             "| int8 MB (ppl vs fp32) | report: source quantization |", "| --- | ---: | --- | --- | --- | --- | --- |"]
 
     def cell(r: dict | None) -> str:
         if not r:
             return "-"
         if r.get("rc"):
-            return f"rc {r['rc']}: {r.get('error', '')[:60]}"
-        if "drop" in r and r.get("drop_metric") == "perplexity_increase_pct":
-            return f"{r['size_mb']} ({r['drop']:+.2f}% vs fp32)"
-        return f"{r['size_mb']} ({100 * r.get('perplexity_rel_diff', float('nan')):+.3f}%)"
+            return f"exit {r['rc']}: {r.get('error', '')[:60]}"
+        if r.get("quantize_drop_metric") == "perplexity_increase_pct":
+            return f"{r['size_mb']} ({r['quantize_drop']:+.1f}%)"
+        return f"{r['size_mb']} MB, {100 * r.get('perplexity_rel_diff', float('nan')):+.4f}%"
 
     for t, r in rows.items():
         if "refused" in r:
-            lines.append(f"| {t} | - | {r['refused']} | | | |")
+            lines.append(f"| {t} | {r['refused']} | | | | | |")
             continue
-        src = (r.get("default") or {}).get("source_quantization", "")
-        lines.append(f"| {t} | {r.get('source_size_mb')} | {cell(r.get('default'))} | {cell(r.get('int4-weights'))} | "
-                     f"{cell(r.get('int8'))} | {src} |")
+        d = r.get("default") or {}
+        ppl = f"{d.get('perplexity_source', float('nan')):.2f} / {r.get('llamacpp_perplexity', float('nan')):.2f}"
+        lines.append(f"| {t} | {r.get('source_size_mb')} | {ppl} | {cell(d)} | {cell(r.get('int4-weights'))} | "
+                     f"{cell(r.get('int8'))} | `{d.get('source_quantization', '')}` |")
     return "\n".join(lines)
 
 
