@@ -10,6 +10,7 @@ source's quantization (GGUF file type and tensor types).
 
 from __future__ import annotations
 
+import re
 import struct
 from collections import Counter
 from pathlib import Path
@@ -74,11 +75,28 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
         size = path.stat().st_size
         short = [t.name for t in reader.tensors if int(t.data_offset) + int(t.n_bytes) > size]
     except Exception as e:  # gguf-py's own errors on a cut file ("cannot reshape array ...")
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))
+        if unknown:  # a type newer than the installed gguf-py (llama.cpp adds them: MXFP4, NVFP4, Q1_0, ...)
+            from importlib.metadata import version
+
+            raise SourceError(
+                f"{path} holds tensors of GGML type {unknown.group(1)}, which the installed gguf {version('gguf')} "
+                "does not know (a newer llama.cpp quantization); `pip install -U gguf`, or convert a file of a common "
+                "type (F16, Q8_0, Q4_K_M)."
+            ) from None
         raise SourceError(
             f"{path} is truncated or damaged (gguf could not read it: {type(e).__name__}); download or copy it again."
         ) from None
     if short:
         raise SourceError(f"{path} is truncated: tensor {short[0]!r} ends past the end of the file; download or copy it again.")
+    parts = _field(reader, "split.count")
+    if parts and int(parts) > 1:  # transformers reads one file: the other parts' tensors would be missing
+        first = re.sub(r"-\d{5}-of-(\d{5})\.gguf$", r"-00001-of-\1.gguf", path.name)
+        raise SourceError(
+            f"{path} is part {int(_field(reader, 'split.no') or 0) + 1} of {int(parts)} of a split GGUF, which slimml "
+            f"reads only whole; merge the parts with llama.cpp's `llama-gguf-split --merge {first} merged.gguf`, "
+            "then convert merged.gguf."
+        )
     arch = _field(reader, "general.architecture")
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
@@ -96,12 +114,35 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
             f"{path} holds a {arch!r} encoder-decoder; slimml converts GGUF decoders (llama, qwen2, ...). "
             "Convert the original Hugging Face folder of this model instead."
         )
+    _check_tokenizer(path, reader)
     file_type = _field(reader, "general.file_type")
     return {
         "format": "gguf", "gguf_version": version, "architecture": arch,
         "gguf_file_type": _FILE_TYPES.get(file_type, str(file_type)) if file_type is not None else None,
         "gguf_tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors).most_common()),
     }
+
+
+def _check_tokenizer(path: Path, reader: Any) -> None:
+    """Refuse a byte-level BPE vocabulary labelled as sentencepiece (``tokenizer.ggml.model = "llama"``).
+
+    llama.cpp's ``convert_hf_to_gguf.py`` writes one from a folder whose tokenizer looks like
+    sentencepiece to it (a ``tokenizer.json`` with byte fallback, as transformers saves a GGUF's
+    tokenizer): every space then reads as an unknown token, and the model, source and artifact
+    alike, scores perplexity ~10^4 on English text, so comparing the two cannot catch it.
+    """
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if _field(reader, "tokenizer.ggml.model") != "llama" or field is None:
+        return
+    tokens = field.contents()
+    byte_level = sum(t.startswith("\u0120") for t in tokens)  # "Ġ": GPT-2's byte for a space
+    if byte_level > len(tokens) // 10 and not any("\u2581" in t for t in tokens):  # "▁": sentencepiece's space
+        raise SourceError(
+            f"{path} labels its tokenizer sentencepiece ('llama') but its vocabulary is byte-level BPE "
+            f"({byte_level} of {len(tokens)} tokens start with 'Ġ'), so text would read as unknown tokens; "
+            "re-make the file with llama.cpp's convert_hf_to_gguf.py from a folder whose tokenizer.json is the "
+            "original (no tokenizer.model, no byte fallback)."
+        )
 
 
 def gguf_to_folder(path: Path, folder: Path) -> None:
