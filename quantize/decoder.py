@@ -34,7 +34,7 @@ from onnx import TensorProto, helper, numpy_helper
 from slimml.quantize.config import WeightOnlyConfig
 from slimml.quantize.equalize import equalize_ffn
 from slimml.quantize.gptq import gptq_blocks
-from slimml.quantize.grids import (LM_HEAD_MIN_COLUMNS, Recipe, block_for, fit_blocks, is_sensitive, more_bits_layers,
+from slimml.quantize.grids import (LM_HEAD_MIN_COLUMNS, Recipe, block_for, fit_blocks, is_sensitive, layer_of, more_bits_layers,
                                    gguf_blocks, pack_nibbles, q8_blocks)
 from slimml.quantize.registry import ShardContext, register, weight_matmuls
 
@@ -393,6 +393,10 @@ def decoder_config(bits: int, manifest=None, folder=None, keep_grid: bool = True
         embedding = q4_k_m_plan(Path(folder), manifest, 32).embedding_bits if folder is not None else 8
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
                                 symmetric=False, embedding_bits=embedding, **common)
+    if not types and folder is not None and not student and floats_on_grid(Path(folder), manifest):
+        embedding = q4_k_m_plan(Path(folder), manifest, 32).embedding_bits  # float weights dequantized from Q4_1/Q4_K
+        return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
+                                symmetric=False, embedding_bits=embedding, **common)
     if mostly(("Q4_0",)):  # an integer-zero-point grid of 32: the fitted search finds each block exactly
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
                                 symmetric=False, **common)
@@ -403,3 +407,30 @@ def decoder_config(bits: int, manifest=None, folder=None, keep_grid: bool = True
         layers, embedding = more_bits_layers(int(manifest.source.get("num_hidden_layers") or 0) if manifest else 0), 8
     return WeightOnlyConfig(bits=4, block_size=INT4_BLOCK, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
                             symmetric=False, sensitive_layers=layers, embedding_bits=embedding, **common)
+
+
+def floats_on_grid(folder: Path, manifest, layers: int = 2) -> bool:
+    """Whether a float artifact's layer weights already sit on a 4-bit grid of 32-value blocks
+    (``w = d * q + m``, :func:`~slimml.quantize.grids.gguf_blocks`): a model saved in fp32 after being
+    dequantized from a Q4_1 or Q4_K file, or trained on such a grid. Every weight MatMul of the first
+    ``layers`` layers is checked (a few MB); the "gguf" grid then keeps those blocks as they are,
+    where fitting blocks of 128 across four of them would lose a quarter of the model's quality."""
+    from slimml.quantize.budget import _array
+
+    checked = 0
+    for spec in manifest.shards:
+        model = onnx.load(str(folder / spec.file), load_external_data=False)
+        inits = {t.name: t for t in model.graph.initializer}
+        for node in model.graph.node:
+            w = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+            layer = layer_of(node.name)
+            if w is None or len(w.dims) != 2 or layer is None or layer >= layers or w.dims[0] % 32 or w.dims[1] >= LM_HEAD_MIN_COLUMNS:
+                continue
+            k, n = w.dims
+            values = _array(folder, w).astype(np.float32).T.reshape(n, k // 32, 32)  # blocks along the input
+            if gguf_blocks(values) is None:
+                return False
+            checked += 1
+        if checked and all(layer_of(n.name) is None or layer_of(n.name) >= layers for n in model.graph.node):
+            break
+    return checked > 0

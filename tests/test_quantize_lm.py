@@ -251,3 +251,47 @@ def test_gptq_lowers_the_output_error_on_correlated_inputs():
     fed = dequantize(q, s, z).reshape(n, k)
     err = lambda wq: np.linalg.norm(x @ (w - wq).T)  # noqa: E731
     assert err(fed) < 0.7 * err(plain), (err(fed), err(plain))
+
+
+def test_float_weights_already_on_a_4bit_grid_keep_it(tmp_path):
+    """A model saved in fp32 after being dequantized from Q4_1 (SmolLM2's fp32 weights, many published
+    fp16 checkpoints of 4-bit models): its blocks of 32 are found in the float weights and kept, so
+    int4 is the float model; weights off any grid still get the fitted recipe."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.quantize import quantize
+    from slimml.quantize.decoder import decoder_config, floats_on_grid
+    from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.runtime.loader import load
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).eval()
+    model.save_pretrained(tmp_path / "off")  # the random weights, off any grid
+    with torch.no_grad():  # Q4_1: w = d * q + m per 32 inputs, d and m float16
+        for name, p in model.named_parameters():
+            if "layers." in name and name.endswith("proj.weight"):
+                b = p.reshape(p.shape[0], -1, 32)
+                lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+                d = ((hi - lo) / 15).half().float()
+                m = lo.half().float()
+                p.copy_((torch.clamp(torch.round((b - m) / d), 0, 15) * d + m).reshape(p.shape))
+    model.save_pretrained(tmp_path / "on")
+    for kind in ("on", "off"):
+        convert(tmp_path / kind, tmp_path / f"{kind}-fp32", ConvertConfig(verify=False, measure_latency=False))
+    on, off = read_manifest(tmp_path / "on-fp32"), read_manifest(tmp_path / "off-fp32")
+    assert floats_on_grid(tmp_path / "on-fp32", on) and not floats_on_grid(tmp_path / "off-fp32", off)
+    assert decoder_config(4, off, tmp_path / "off-fp32").grid == "fitted"
+    config = decoder_config(4, on, tmp_path / "on-fp32")
+    assert (config.grid, config.block_size) == ("gguf", 32)
+    quantize(tmp_path / "on-fp32", tmp_path / "on-q4", config)
+    step = json.loads((tmp_path / "on-q4" / "manifest.json").read_text())["steps"][-1]
+    assert step["recipe"].startswith("gguf int4"), step
+    ids = np.random.default_rng(0).integers(3, 512, (1, 12)).tolist()
+    fp, q4 = load(tmp_path / "on-fp32"), load(tmp_path / "on-q4")
+    try:
+        assert q4.generate(ids, max_new_tokens=8, eos_token_id=()).tokens == fp.generate(ids, max_new_tokens=8, eos_token_id=()).tokens
+    finally:
+        fp.close(), q4.close()
