@@ -393,13 +393,13 @@ def decoder_config(bits: int, manifest=None, folder=None, keep_grid: bool = True
         embedding = q4_k_m_plan(Path(folder), manifest, 32).embedding_bits if folder is not None else 8
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
                                 symmetric=False, embedding_bits=embedding, **common)
-    if not types and folder is not None and not student and floats_on_grid(Path(folder), manifest):
-        embedding = q4_k_m_plan(Path(folder), manifest, 32).embedding_bits  # float weights dequantized from Q4_1/Q4_K
-        return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
-                                symmetric=False, embedding_bits=embedding, **common)
     if mostly(("Q4_0",)):  # an integer-zero-point grid of 32: the fitted search finds each block exactly
         return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="fitted",
                                 symmetric=False, **common)
+    if keep_grid and folder is not None and not student and floats_on_grid(Path(folder), manifest):
+        embedding = q4_k_m_plan(Path(folder), manifest, 32).embedding_bits  # weights dequantized from Q4_1/Q4_K
+        return WeightOnlyConfig(bits=4, block_size=32, accuracy_level=FAST_LEVEL, backend="lm", grid="gguf",
+                                symmetric=False, embedding_bits=embedding, **common)
     if folder is not None:
         plan = q4_k_m_plan(Path(folder), manifest, INT4_BLOCK)
         layers, embedding = plan.sensitive_layers, plan.embedding_bits
@@ -412,7 +412,8 @@ def decoder_config(bits: int, manifest=None, folder=None, keep_grid: bool = True
 def floats_on_grid(folder: Path, manifest, layers: int = 2) -> bool:
     """Whether a float artifact's layer weights already sit on a 4-bit grid of 32-value blocks
     (``w = d * q + m``, :func:`~slimml.quantize.grids.gguf_blocks`): a model saved in fp32 after being
-    dequantized from a Q4_1 or Q4_K file, or trained on such a grid. Every weight MatMul of the first
+    dequantized from a Q4_1 or Q4_K file, or trained on such a grid (or its float16, bfloat16 or
+    Q8_0 copy, within a tenth of a step). Every weight MatMul of the first
     ``layers`` layers is checked (a few MB); the "gguf" grid then keeps those blocks as they are,
     where fitting blocks of 128 across four of them would lose a quarter of the model's quality."""
     from slimml.quantize.budget import _array

@@ -107,7 +107,35 @@ def q8_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(np.uint8), d
 
 
+SNAP_TOLERANCE = 0.1  # of a step: a float16, bfloat16 or Q8_0 copy of Q4_1 blocks lies within ~6% of its grid
+
+
 def gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The 4-bit grid of ``b`` (:func:`exact_gguf_blocks`), else, where every block is within
+    ``SNAP_TOLERANCE`` of a step of Q4_1's grid (code 0 at its minimum, 15 at its maximum), that grid:
+    the values of a float16, bfloat16 or Q8_0 copy of a Q4_1 model snapped back onto it. Weights off
+    any grid miss by far more (each of 30 free values would have to land near a level)."""
+    found = exact_gguf_blocks(b)
+    if found is not None:
+        return found
+    b = b.astype(np.float32)
+    lo, hi = b.min(axis=-1), b.max(axis=-1)
+    m = lo.astype(np.float16)
+    d = ((hi - lo) / 15).astype(np.float16)
+    d = np.where(d == 0, np.float16(1), d)
+    k = (b - m.astype(np.float32)[..., None]) / d.astype(np.float32)[..., None]
+    if np.abs(k - np.rint(k)).max(initial=0.0) > SNAP_TOLERANCE:
+        return None
+    q = np.clip(np.rint(k), 0, 15)
+    qc = q - q.mean(axis=-1, keepdims=True)  # d and m again by least squares over the block's 32 values: the
+    var = (qc * qc).sum(axis=-1)              # copy's rounding averages out of them
+    fit = np.where(var > 0, (qc * b).sum(axis=-1) / np.where(var > 0, var, 1), d.astype(np.float32))
+    d = np.where(fit == 0, 1, fit).astype(np.float16)
+    m = (b.mean(axis=-1) - d.astype(np.float32) * q.mean(axis=-1)).astype(np.float16)
+    return q.astype(np.uint8), d, m
+
+
+def exact_gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The 4-bit grid ``b`` (rows, blocks, block) already sits on, as codes 0..15 and float16 ``d`` and
     ``m`` (``w = d q + m``), or None when some block is not on one (the tensor had more bits).
 

@@ -295,3 +295,30 @@ def test_float_weights_already_on_a_4bit_grid_keep_it(tmp_path):
         assert q4.generate(ids, max_new_tokens=8, eos_token_id=()).tokens == fp.generate(ids, max_new_tokens=8, eos_token_id=()).tokens
     finally:
         fp.close(), q4.close()
+
+
+def test_a_float16_bfloat16_or_q8_0_copy_of_q4_1_blocks_snaps_back_onto_its_grid():
+    import torch
+
+    from slimml.quantize.grids import gguf_blocks, q8_blocks
+
+    rng = np.random.default_rng(3)
+    d = (rng.random((64, 6)) * 0.01 + 1e-3).astype(np.float16).astype(np.float32)
+    m = (-d * rng.uniform(5, 10, (64, 6))).astype(np.float16).astype(np.float32)  # blocks around zero, as weights are
+    codes = rng.integers(0, 16, (64, 6, 32))
+    codes[..., 0], codes[..., 1] = 0, 15  # Q4_1: a block's minimum and maximum are codes 0 and 15
+    w = (d[..., None] * codes + m[..., None]).astype(np.float32)
+    q8, s8 = q8_blocks(w)
+    copies = {"float16": w.astype(np.float16).astype(np.float32),
+              "bfloat16": torch.from_numpy(w).bfloat16().float().numpy(),
+              "Q8_0": (s8.astype(np.float32)[..., None] * (q8.astype(np.float32) - 128))}
+    for name, copy in copies.items():
+        found = gguf_blocks(copy)
+        assert found is not None, name
+        q, dd, mm = found
+        assert np.array_equal(q, codes), name  # the original codes, so the original values
+        back = dd.astype(np.float32)[..., None] * q + mm.astype(np.float32)[..., None]
+        assert np.abs(back - w).mean() <= np.abs(copy - w).mean() * 1.01, name  # no further from the original than the copy
+    assert gguf_blocks(rng.standard_normal((64, 6, 32)).astype(np.float32)) is None  # off any grid
+    six_bit = rng.integers(0, 64, (64, 6, 32)).astype(np.float32) * 0.001  # Q6_K-like: more levels stay off it
+    assert gguf_blocks(six_bit) is None
