@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 
 from slimml.convert.export import Exported
-from slimml.convert.layerwise import bigger_than_memory, check_load_options, streamed_reference
+from slimml.convert.layerwise import check_load_options, streamed_reference
 from slimml.convert.llm_check import decoder_feeds, past_shapes
 from slimml.convert.reference import reference_for
 from slimml.convert.sources import Source
 from slimml.convert.weights import weight_bytes
 from slimml.errors import ExportError
 from slimml.runtime.artifact.manifest import Manifest
-from slimml.runtime.engine.budget import fmt_bytes
+from slimml.runtime.engine.budget import bigger_than_memory, fmt_bytes
 from slimml.runtime.loader import load
 
 # the float graph computes what torch computes, up to float rounding: a real mismatch is far below these

@@ -149,13 +149,13 @@ def _auto_fused(folder: Path, task: str) -> tuple[bool, str | None]:
 def _layerwise(folder: Path, config: ExportConfig) -> bool:
     from slimml.convert.layerwise import can_export_layerwise, check_layerwise_request
     from slimml.convert.weights import weight_bytes
-    from slimml.runtime.engine.budget import available_memory
+    from slimml.runtime.engine.budget import bigger_than_memory
 
     if config.exporter == "layerwise":
         check_layerwise_request(folder, config.task)
         return True
     return (config.exporter == "auto" and config.task in ("auto", "text-generation") and can_export_layerwise(folder)
-            and weight_bytes(folder) * 3 > available_memory())
+            and bigger_than_memory(weight_bytes(folder)))
 
 
 def _export_layerwise(source: Source, work_dir: Path, config: ExportConfig, note: str | None = None) -> Exported:

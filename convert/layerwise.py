@@ -277,18 +277,10 @@ def streamed_reference(folder: Path) -> Any:
     return run
 
 
-def bigger_than_memory(nbytes: int) -> bool:
-    """Whether a model of ``nbytes`` takes more than a third of the memory available (a machine's or
-    its memory cgroup's): too big to trace whole, to load whole in torch or to run resident beside it."""
-    from slimml.runtime.engine.budget import available_memory
-
-    return nbytes * 3 > available_memory()
-
-
 def check_load_options(manifest: Any) -> dict[str, Any]:
     """How a check loads an artifact: resident when it fits, else streamed (``memory_budget`` a third of
     the memory available, at least two of its largest shards; no pre-packed cache on disk)."""
-    from slimml.runtime.engine.budget import available_memory, shard_bytes
+    from slimml.runtime.engine.budget import available_memory, bigger_than_memory, shard_bytes
 
     sizes = shard_bytes(manifest)
     if not bigger_than_memory(sum(sizes)):

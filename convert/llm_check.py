@@ -129,8 +129,9 @@ def torch_scores(folder: str | os.PathLike, windows: np.ndarray) -> tuple[np.nda
     import torch
     from transformers import AutoModelForCausalLM
 
-    from slimml.convert.layerwise import bigger_than_memory, streamed_reference
+    from slimml.convert.layerwise import streamed_reference
     from slimml.convert.weights import weight_bytes
+    from slimml.runtime.engine.budget import bigger_than_memory
 
     if bigger_than_memory(weight_bytes(Path(folder))):  # never whole in memory: one layer at a time
         return score_run(streamed_reference(Path(folder)), lambda ids: {"input_ids": ids}, windows)

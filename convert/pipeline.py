@@ -29,6 +29,7 @@ from slimml.errors import ConfigError, ExportError, SlimmlError
 from slimml.runtime.artifact.atomic import check_output
 from slimml.runtime.artifact.manifest import Manifest, verify_files
 from slimml.runtime.artifact.writer import ArtifactWriter
+from slimml.runtime.engine.budget import bigger_than_memory
 from slimml.runtime.loader import load
 from slimml.runtime.tools.bench import sample_feeds, time_runs
 
@@ -141,7 +142,7 @@ def convert(
                                        config.distill.teacher_memory_budget if config.distill else None)
             manifest.checks["vs_teacher"] = against
         latency = None
-        if config.measure_latency and times_batches(family) and _bigger_than_memory(manifest):
+        if config.measure_latency and times_batches(family) and bigger_than_memory(manifest.total_bytes):
             manifest.checks["latency_note"] = ("not measured: bigger than a third of the memory available, it would run "
                                                "streamed; time it with `slimml bench ART --memory-budget SIZE`")
         elif config.measure_latency and times_batches(family):
@@ -208,12 +209,6 @@ def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWr
         {"step": "shard", **{k: v for k, v in asdict(config.shard).items() if v is not None},
          "shards": w.shard_count},
     ]
-
-
-def _bigger_than_memory(manifest: Manifest) -> bool:
-    from slimml.convert.layerwise import bigger_than_memory
-
-    return bigger_than_memory(manifest.total_bytes)
 
 
 def _latency(folder: Path) -> float:

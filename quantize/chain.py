@@ -31,7 +31,7 @@ class Chain:
     """
 
     def __init__(self, manifest: Manifest, files: list[Path], text: TextEncoder | None = None, device: str = "cpu"):
-        from slimml.convert.layerwise import bigger_than_memory
+        from slimml.runtime.engine.budget import bigger_than_memory
 
         self.manifest = manifest
         self.files, self.device = list(files), device

@@ -67,6 +67,12 @@ def available_memory() -> int:
     return max(0, avail)
 
 
+def bigger_than_memory(nbytes: int) -> bool:
+    """Whether a model of ``nbytes`` takes more than a third of :func:`available_memory`: too big to
+    trace whole, to load whole in torch, or to run resident beside either."""
+    return nbytes * 3 > available_memory()
+
+
 def _reclaimable(usage_file: str) -> int:
     """Clean page cache of the cgroup whose usage file is ``usage_file``: counted in its usage, but the
     kernel drops it when a process of the group needs the memory."""
