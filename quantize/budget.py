@@ -55,11 +55,11 @@ def _matrices(folder: Path, manifest: Any) -> tuple[list[tuple[str, int, int, in
         weights = {n.input[1] for n in model.graph.node if n.op_type == "MatMul"} | {n.input[0] for n in model.graph.node if n.op_type == "Gather"}
         other += sum(int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
                      for t in inits.values() if t.name not in weights)
-    tied = table is not None and head is not None and np.array_equal(_array(folder, table), _array(folder, head).T)
+    tied = table is not None and head is not None and np.array_equal(weight_array(folder, table), weight_array(folder, head).T)
     return rows, tied, other
 
 
-def _array(folder: Path, t: onnx.TensorProto) -> np.ndarray:
+def weight_array(folder: Path, t: onnx.TensorProto) -> np.ndarray:
     """A weight whose graph is already read, its data from the artifact's files."""
     onnx.external_data_helper.load_external_data_for_tensor(t, str(folder))
     return numpy_helper.to_array(t)

@@ -416,22 +416,23 @@ def floats_on_grid(folder: Path, manifest, layers: int = 2) -> bool:
     Q8_0 copy, within a tenth of a step). Every weight MatMul of the first
     ``layers`` layers is checked (a few MB); the "gguf" grid then keeps those blocks as they are,
     where fitting blocks of 128 across four of them would lose a quarter of the model's quality."""
-    from slimml.quantize.budget import _array
+    from slimml.quantize.budget import weight_array
 
     checked = 0
     for spec in manifest.shards:
         model = onnx.load(str(folder / spec.file), load_external_data=False)
         inits = {t.name: t for t in model.graph.initializer}
+        shard_layers = {layer_of(node.name) for node in model.graph.node} - {None}
+        if checked and shard_layers and min(shard_layers) >= layers:
+            break  # past the layers checked
         for node in model.graph.node:
             w = inits.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
             layer = layer_of(node.name)
             if w is None or len(w.dims) != 2 or layer is None or layer >= layers or w.dims[0] % 32 or w.dims[1] >= LM_HEAD_MIN_COLUMNS:
                 continue
             k, n = w.dims
-            values = _array(folder, w).astype(np.float32).T.reshape(n, k // 32, 32)  # blocks along the input
+            values = weight_array(folder, w).astype(np.float32).T.reshape(n, k // 32, 32)  # blocks along the input
             if gguf_blocks(values) is None:
                 return False
             checked += 1
-        if checked and all(layer_of(n.name) is None or layer_of(n.name) >= layers for n in model.graph.node):
-            break
     return checked > 0
