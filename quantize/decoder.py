@@ -412,8 +412,8 @@ def decoder_config(bits: int, manifest=None, folder=None, keep_grid: bool = True
 def floats_on_grid(folder: Path, manifest, layers: int = 2) -> bool:
     """Whether a float artifact's layer weights already sit on a 4-bit grid of 32-value blocks
     (``w = d * q + m``, :func:`~slimml.quantize.grids.gguf_blocks`): a model saved in fp32 after being
-    dequantized from a Q4_1 or Q4_K file, or trained on such a grid (or its float16, bfloat16 or
-    Q8_0 copy, within a tenth of a step). Every weight MatMul of the first
+    dequantized from a Q4_1 or Q4_K file, or trained on such a grid, or a copy of one at 5 bits or
+    more: float16, bfloat16, Q8_0, Q6_K, Q5_x). Every weight MatMul of the first
     ``layers`` layers is checked (a few MB); the "gguf" grid then keeps those blocks as they are,
     where fitting blocks of 128 across four of them would lose a quarter of the model's quality."""
     from slimml.quantize.budget import weight_array

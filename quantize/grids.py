@@ -6,9 +6,10 @@ One concept, two grids (:class:`Recipe`'s ``grid``):
   grid of 32-value blocks ``w = d * q + m`` (Q4_1; Q4_K's sub-blocks, whose ``d`` and ``m`` are a
   6-bit multiple of a float16 per 256 values). :func:`gguf_blocks` finds each block's grid from
   the weights themselves (no second reading of the file) and keeps it, up to the float16 rounding
-  of ``d`` and ``m`` (exact for Q4_1, whose blocks hold codes 0 and 15); ``quantize/decoder.py`` applies
-  ``m`` through a block-sum MatMul. A tensor that is not on such a grid (Q4_K_M's Q6_K and Q5_0
-  tensors, a Q8_0 output) had more bits in the source and stays at 8.
+  of ``d`` and ``m`` (exact for Q4_1, whose blocks hold codes 0 and 15), or, for a copy of such a
+  model at 5 bits or more (F16 to Q5_0, e.g. Q4_K_M's Q5_0 and Q6_K tensors), the grid it was
+  copied from; ``quantize/decoder.py`` applies ``m`` through a block-sum MatMul. A tensor on no
+  such grid (an 8-bit output, IQ4_NL's non-uniform levels) had more bits in the source and stays at 8.
 * ``"fitted"`` (any other weights: fp32/fp16/bf16 sources; Q4_0 in blocks of 32, whose integer
   zero point 8 it finds exactly): ONNX Runtime's own 4-bit format,
   ``w = s * (q - z)`` with an integer zero point ``z`` (uint4) per block, in blocks of 128 along the
@@ -107,32 +108,52 @@ def q8_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.astype(np.uint8), d
 
 
-SNAP_TOLERANCE = 0.1  # of a step: a float16, bfloat16 or Q8_0 copy of Q4_1 blocks lies within ~6% of its grid
+SNAP_MEAN = 0.2  # steps: a >= 5-bit copy of Q4_1 blocks lies 0.00-0.15 from its grid on average, weights off any grid ~0.25
+SNAP_FAR, SNAP_FAR_SHARE = 0.35, 0.02  # and few of its values far from it (Q5_0 0.5%; off any grid ~30%, IQ4_NL 13%)
+SNAP_FITS = 3  # rounds of "codes, then d and m by least squares"
 
 
 def gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The 4-bit grid of ``b`` (:func:`exact_gguf_blocks`), else, where every block is within
-    ``SNAP_TOLERANCE`` of a step of Q4_1's grid (code 0 at its minimum, 15 at its maximum), that grid:
-    the values of a float16, bfloat16 or Q8_0 copy of a Q4_1 model snapped back onto it. Weights off
-    any grid miss by far more (each of 30 free values would have to land near a level)."""
+    """The 4-bit grid of ``b`` (:func:`exact_gguf_blocks`), else the Q4_1 grid (code 0 at a block's
+    minimum, 15 at its maximum) that ``b`` is a copy of: the values of a float16, bfloat16, Q8_0,
+    Q6_K, Q5_K, Q5_1 or Q5_0 copy of a Q4_1 model, snapped back onto it.
+
+    Each block's ``d`` and ``m`` start from its minimum and maximum and are refitted by least squares
+    over its 32 values (``SNAP_FITS`` rounds), so the copy's rounding averages out of them; a Q5_1
+    copy keeps both ends exactly and rounds every block alike (codes 1-7 down, 8-14 up), so its
+    blocks take ``d`` and ``m`` from the ends. ``b`` is a
+    copy when its values lie on average within ``SNAP_MEAN`` of a step of their grid and at most
+    ``SNAP_FAR_SHARE`` of them further than ``SNAP_FAR``: a copy at 5 bits or more lands 0.00-0.15
+    away on average and almost none further than 0.35 (``benchmarks/sweep_gguf_types.py``'s files;
+    Q5_0, which keeps neither the minimum nor the maximum, misplaces 0.3% of codes by one). Weights
+    off any grid are ~0.25 away on average, ~30% of them further than 0.35 (uniformly between
+    levels); a 5- or 6-bit grid of such weights puts a quarter to a half of its levels between
+    the 4-bit ones, and IQ4_NL's non-uniform copy 13%: those are None."""
     found = exact_gguf_blocks(b)
     if found is not None:
         return found
     b = b.astype(np.float32)
     lo, hi = b.min(axis=-1), b.max(axis=-1)
-    m = lo.astype(np.float16)
-    d = ((hi - lo) / 15).astype(np.float16)
-    d = np.where(d == 0, np.float16(1), d)
-    k = (b - m.astype(np.float32)[..., None]) / d.astype(np.float32)[..., None]
-    if np.abs(k - np.rint(k)).max(initial=0.0) > SNAP_TOLERANCE:
+    d = np.where(hi > lo, (hi - lo) / 15, 1.0)
+    m = lo
+    for _ in range(SNAP_FITS):
+        q = np.clip(np.rint((b - m[..., None]) / d[..., None]), 0, 15)
+        qc = q - q.mean(axis=-1, keepdims=True)
+        var = (qc * qc).sum(axis=-1)
+        fit = np.where(var > 0, (qc * b).sum(axis=-1) / np.where(var > 0, var, 1), d)
+        d = np.where(fit > 0, fit, d)
+        m = b.mean(axis=-1) - d * q.mean(axis=-1)
+    five = (hi - lo) / 31  # a Q5_1 copy (31 steps from its minimum to its maximum) keeps both ends exactly,
+    k = (b - lo[..., None]) / np.where(five > 0, five, 1)[..., None]  # and its rounding, the same for every
+    ends = (five > 0) & (np.abs(k - np.rint(k)).max(axis=-1) <= 0.01)  # block, would bias least squares
+    d16 = np.where(ends, (hi - lo) / 15, d).astype(np.float16)
+    d16 = np.where(d16 == 0, np.float16(1), d16)
+    m16 = np.where(ends, lo, b.mean(axis=-1) - d16.astype(np.float32) * q.mean(axis=-1)).astype(np.float16)  # m after d's rounding
+    q = np.clip(np.rint((b - m16.astype(np.float32)[..., None]) / d16.astype(np.float32)[..., None]), 0, 15)
+    miss = np.abs(b - (d16.astype(np.float32)[..., None] * q + m16.astype(np.float32)[..., None])) / d16.astype(np.float32)[..., None]
+    if miss.size == 0 or miss.mean() > SNAP_MEAN or (miss > SNAP_FAR).mean() > SNAP_FAR_SHARE:
         return None
-    q = np.clip(np.rint(k), 0, 15)
-    qc = q - q.mean(axis=-1, keepdims=True)  # d and m again by least squares over the block's 32 values: the
-    var = (qc * qc).sum(axis=-1)              # copy's rounding averages out of them
-    fit = np.where(var > 0, (qc * b).sum(axis=-1) / np.where(var > 0, var, 1), d.astype(np.float32))
-    d = np.where(fit == 0, 1, fit).astype(np.float16)
-    m = (b.mean(axis=-1) - d.astype(np.float32) * q.mean(axis=-1)).astype(np.float16)
-    return q.astype(np.uint8), d, m
+    return q.astype(np.uint8), d16, m16
 
 
 def exact_gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
