@@ -185,6 +185,55 @@ def test_llama_pruning_removes_whole_kv_groups_and_neurons_and_matches_torch(lla
     assert not list(tmp_path.glob(".pruned.*"))  # checkpoint, cache and teacher artifact removed
 
 
+@pytest.fixture(scope="module")
+def llama16_dir(tmp_path_factory):
+    """A 2-layer Llama whose head size (16) the fused exporter writes: 4 heads, 2 KV groups, a tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama16")
+    LlamaForCausalLM(LlamaConfig(vocab_size=30522, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(folder)
+    return folder
+
+
+def test_a_fused_teacher_gives_every_positions_logits_of_right_padded_texts(llama16_dir, tmp_path):
+    """Where optimum-onnx does not load (transformers 5), a decoder's teacher is its fused graph, run
+    from an empty cache with every position in ``logits_index``: each text's logits equal torch's."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from slimml.convert.distill.teacher import _feeds
+
+    art = convert(llama16_dir, tmp_path / "t", ConvertConfig(
+        export=ExportConfig(exporter="fused", task="text-generation-with-past"), verify=False, measure_latency=False)).out
+    model = load(art)
+    ids = [[101, 2023, 2003, 1037, 3231, 102], [101, 2460, 102]]
+    got = model.run(_feeds(model.inputs, ids, pad_id=0))["logits"]
+    ref = LlamaForCausalLM.from_pretrained(llama16_dir).eval()
+    for row, text in enumerate(ids):
+        with torch.no_grad():
+            want = ref(input_ids=torch.tensor([text])).logits[0].numpy()
+        np.testing.assert_allclose(got[row, :len(text)], want, rtol=0, atol=1e-4)
+
+
+def test_llama_pruned_with_any_transformers_exports_fused_and_matches_torch(llama16_dir, texts_file, tmp_path):
+    """A Llama the fused exporter writes is pruned and converted under transformers 4.57 and 5 alike:
+    the student is the fused decoder, checked against the pruned model itself."""
+    report = convert(llama16_dir, tmp_path / "pruned", ConvertConfig(
+        distill=DistillConfig(data=texts_file, max_steps=2, batch_size=8), prune=PruneConfig(0.5, importance_batches=2),
+        measure_latency=False))
+    prune = next(s for s in report.steps if s["step"] == "prune")
+    assert prune["heads_per_layer"] == 2 and prune["kv_heads_per_layer"] == 1 and prune["ffn_per_layer"] == 32
+    assert next(s for s in report.steps if s["step"] == "export")["exporter"].startswith("fused")
+    assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+    assert abs(report.checks["perplexity_rel_diff"]) < 1e-3 and report.checks["top1_agreement"] > 0.99
+
+
 def test_mixed_precision_the_device_cannot_do_is_refused(monkeypatch):
     from slimml.convert.distill import precision
 
