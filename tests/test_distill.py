@@ -149,6 +149,37 @@ def test_pruned_model_equals_the_original_with_those_heads_and_neurons_zeroed(fa
             assert torch.equal(native(input_ids=ids).last_hidden_state, got), transformers.__version__
 
 
+def test_a_pruned_folder_converts_with_the_torch_exporter_and_equals_the_pruned_model(tmp_path):
+    """The path transformers 5 takes (no optimum-onnx), run under any transformers: the torch exporter
+    and the check's reference read the pruned folder through slimml's loader, so the artifact has
+    the pruned shapes, the same layer shards, and computes what the pruned model computes."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from slimml.convert import ExportConfig
+    from slimml.convert.distill import prune as pr
+
+    torch.manual_seed(0)
+    model = BertModel(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=16, max_position_embeddings=32)).eval()
+    pr.apply_plan(model, {"heads": [[0, 3], [1, 2]], "ffn": [list(range(8)), list(range(8, 16))]})
+    model.save_pretrained(tmp_path / "pruned")
+    report = convert(tmp_path / "pruned", tmp_path / "art", ConvertConfig(export=ExportConfig(exporter="torch"),
+                                                                           measure_latency=False))
+    assert report.checks["max_abs_diff_vs_torch"] < 1e-5
+    art = load(report.out)
+    assert [s.layers for s in art.manifest.shards] == [[], ["encoder/layer.0"], ["encoder/layer.1"]]
+    layer = report.out / art.manifest.shards[-1].file
+    weights = [list(t.dims) for t in onnx.load(str(layer), load_external_data=False).graph.initializer if len(t.dims) == 2]
+    assert sorted(weights) == sorted([[32, 16]] * 3 + [[16, 32]] + [[32, 8]] + [[8, 32]])
+    ids = np.array([[5, 17, 42, 9, 3, 60], [8, 2, 77, 0, 0, 0]], dtype=np.int64)
+    mask = (ids != 0).astype(np.int64)
+    got = art.run({"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})["last_hidden_state"]
+    with torch.no_grad():
+        want = model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state.numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
 def test_heads_pruned_twice_are_recorded_in_the_original_numbering(tmp_path):
     """A pruned encoder pruned again (a pruned folder as the teacher) records every removed head as
     the unpruned model numbers them, so its folder reads back."""
