@@ -195,8 +195,9 @@ def llama16_dir(tmp_path_factory):
 
     torch.manual_seed(0)
     folder = tmp_path_factory.mktemp("llama16")
-    LlamaForCausalLM(LlamaConfig(vocab_size=30522, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)).save_pretrained(folder)
+    config = LlamaConfig(vocab_size=30522, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(folder)
     return folder
 

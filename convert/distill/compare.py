@@ -2,8 +2,8 @@
 
 After ``--distill-layers`` / ``--prune``, the teacher is converted too (float, unsharded checks
 off) in the work folder, and both artifacts are timed round after round in this one process at
-batch 1 x seq 128 (fewer where a model's positions end sooner), so the ratio holds on a noisy machine. With an STS file, both are also scored
-(Spearman x100 of the embeddings' cosine).
+batch 1 x seq 128 (fewer where a model's positions end sooner), so the ratio holds on a noisy
+machine. With an STS file, both are also scored (Spearman x100 of the embeddings' cosine).
 """
 
 from __future__ import annotations

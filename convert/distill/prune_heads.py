@@ -53,6 +53,8 @@ def remove_heads(model: Any, keep: dict[int, list[int]]) -> None:
         att.num_attention_heads, att.all_head_size = len(heads), len(heads) * d
         present = [h for h in range(config.num_attention_heads) if h not in record.get(i, ())]  # now -> original
         record[i] = sorted(set(range(config.num_attention_heads)) - {present[h] for h in heads})
+        if hasattr(layer.attention, "pruned_heads"):  # transformers 4.57's own record, kept consistent
+            layer.attention.pruned_heads = set(record[i])
     config.pruned_heads = {i: h for i, h in sorted(record.items()) if h}
 
 
@@ -95,7 +97,8 @@ def from_pretrained(load: Callable[..., Any], folder: str | os.PathLike, **kwarg
         model = load(folder, config=config, ignore_mismatched_sizes=True, **kwargs)
     finally:
         hf_logging.set_verbosity(verbosity)
-    remove_heads(model, {i: [h for h in range(config.num_attention_heads) if h not in heads] for i, heads in removed.items()})
+    every = range(config.num_attention_heads)
+    remove_heads(model, {i: [h for h in every if h not in heads] for i, heads in removed.items()})
     _copy_attention(model, Path(folder), list(removed))
     return model
 
@@ -119,7 +122,8 @@ def _copy_attention(model: Any, folder: Path, layers: list[int]) -> None:
             if tensor is None or tuple(tensor.shape) != tuple(param.shape):
                 raise SourceError(
                     f"{folder}: the weight {key} has shape {None if tensor is None else list(tensor.shape)}, not the "
-                    f"{list(param.shape)} its config's pruned_heads gives; save the pruned model again with save_pretrained.")
+                    f"{list(param.shape)} its config's pruned_heads gives; save the pruned model again with "
+                    "save_pretrained.")
             param.copy_(tensor.to(param.dtype))
 
 
