@@ -93,7 +93,8 @@ def test_sentence_model_distilled_and_pruned_shrinks_and_runs(tiny_bert_dir, tex
     assert [s.layers for s in m.shards if s.layers] == [["encoder/layer.0"]]
     # Q, K, V: (32 -> 1 head x 16), attention out (16 -> 32), FFN in/out (32 <-> 32 neurons): real shapes
     layer_file = report.out / m.shards[-1].file
-    weights = [list(t.dims) for t in onnx.load(str(layer_file), load_external_data=False).graph.initializer if len(t.dims) == 2]
+    weights = [list(t.dims) for t in onnx.load(str(layer_file), load_external_data=False).graph.initializer
+               if len(t.dims) == 2 and not t.name.startswith("embeddings.")]  # one layer: 5's graph cuts it in (docs)
     assert sorted(weights) == sorted([[32, 16]] * 3 + [[16, 32]] + [[32, 32]] * 2)
     assert m.checks["max_abs_diff"] <= 1e-5 and m.checks["embedding_cosine_vs_torch"] >= 0.9999
     emb = model.encode(["A man plays a guitar.", "Two dogs run."])
