@@ -12,6 +12,7 @@ from slimml.convert import ConvertConfig, convert
 from slimml.convert.distill import DistillConfig, evenly_spaced, shrink
 from slimml.convert.distill.distill_data import load_texts
 from slimml.convert.distill.prune import PruneConfig
+from slimml.convert.export import _optimum_loads
 from slimml.errors import ConfigError, DataError
 from slimml.runtime import load
 from conftest import STS_TRAIN
@@ -247,6 +248,8 @@ def test_classifier_distilled_with_kl_and_pruned(tiny_classifier_dir, texts_file
     assert [o.name for o in m.outputs] == ["logits"]
 
 
+@pytest.mark.skipif(_optimum_loads() is not None, reason="its teacher (head size 8: not the fused exporter's) needs "
+                    "optimum-onnx (transformers 4.57)")
 def test_decoder_layer_distillation_with_kl(tiny_decoder_dir, texts_file, tmp_path):
     steps = shrink(tiny_decoder_dir, tmp_path / "student", DistillConfig(layers=2, data=texts_file, max_steps=2, batch_size=8))
     assert steps[0]["objective"] == "lm-kl" and steps[0]["kept_teacher_layers"] == [0, 2]
