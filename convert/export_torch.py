@@ -45,9 +45,11 @@ def export_torch(folder: Path, onnx_path: Path, task: str, opset: int | None = N
     import torch
     from optimum.exporters.tasks import TasksManager  # optimum's task -> model class map (base optimum, any transformers)
 
+    from slimml.convert.distill.prune_heads import from_pretrained  # a pruned encoder's folder reads the same way
+
     try:
-        model = TasksManager.get_model_from_task(task, str(folder), library_name="transformers", local_files_only=True,
-                                                 attn_implementation="eager")
+        model = from_pretrained(lambda f, **kw: TasksManager.get_model_from_task(
+            task, str(f), library_name="transformers", local_files_only=True, attn_implementation="eager", **kw), folder)
     except Exception as e:
         raise ExportError(f"transformers could not load {folder} as {task!r} ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0]}); pass --task with the model's task.") from None

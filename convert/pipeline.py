@@ -184,20 +184,6 @@ def _check_inputs(config: ConvertConfig) -> None:
         from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.compare_on)
-    if config.prune is not None:
-        _check_transformers_for_pruning()
-
-
-def _check_transformers_for_pruning() -> None:
-    """Pruning removes attention heads with transformers 4.57's model surgery (``prune_heads``, a
-    config's ``pruned_heads``), which transformers 5 removed; refused before any work."""
-    import transformers
-
-    if int(transformers.__version__.split(".")[0]) >= 5:
-        raise ConfigError(
-            f"--prune needs transformers 4.57 (transformers {transformers.__version__} removed the head pruning it "
-            "uses); install it with pip install 'slimml[optimum]' (or 'transformers==4.57.6'), or distill without "
-            "--prune.")
 
 
 def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWriter) -> list[dict[str, Any]]:

@@ -69,13 +69,16 @@ def reference_for(source: Source, exported: Exported, output_names: list[str]) -
 
 
 def _load_hf(source: Source, exported: Exported):
+    from slimml.convert.distill.prune_heads import from_pretrained  # a pruned encoder's folder reads the same way
+
     task = exported.info.get("hf_task", "feature-extraction")
     if task == "feature-extraction":
         from transformers import AutoModel
 
-        model = AutoModel.from_pretrained(str(source.path), local_files_only=True)
+        model = from_pretrained(lambda f, **kw: AutoModel.from_pretrained(str(f), local_files_only=True, **kw), source.path)
     else:
         from optimum.exporters.tasks import TasksManager
 
-        model = TasksManager.get_model_from_task(task, str(source.path), library_name="transformers", local_files_only=True)
+        model = from_pretrained(lambda f, **kw: TasksManager.get_model_from_task(
+            task, str(f), library_name="transformers", local_files_only=True, **kw), source.path)
     return model.eval()

@@ -12,9 +12,14 @@ from slimml.convert import ConvertConfig, ExportConfig, convert
 from slimml.convert.distill import DistillConfig, shrink
 from slimml.convert.distill.prune import PruneConfig
 from slimml.convert.distill.teacher import check_budget, teacher_outputs
+from slimml.convert.export import _optimum_loads
 from slimml.errors import ConfigError
 from slimml.runtime import load
 from conftest import STS_TRAIN
+
+# The layer-wise teacher (an optimum-onnx template) and this file's head-size-8 Llama, which the fused
+# exporter does not write, need optimum-onnx, which transformers 5 does not load.
+needs_optimum = pytest.mark.skipif(_optimum_loads() is not None, reason="needs optimum-onnx (transformers 4.57)")
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +72,7 @@ def _feeds(texts=("A man is playing a guitar.", "Short.")):
             "position_ids": np.clip(mask.cumsum(1) - 1, 0, None)}
 
 
+@needs_optimum
 def test_layerwise_export_matches_torch_and_the_whole_model_export(llama_dir, teacher_artifact, tmp_path):
     import torch
     from transformers import LlamaForCausalLM
@@ -86,6 +92,7 @@ def test_layerwise_export_matches_torch_and_the_whole_model_export(llama_dir, te
     assert np.abs(ours - want)[mask].max() < 1e-4
 
 
+@needs_optimum
 def test_teacher_outputs_are_cached_reused_and_rebuilt_when_stale(teacher_artifact, tmp_path):
     ids = [[101, 2000 + i, 2001 + i, 102][: 2 + i % 3] for i in range(40)]
     cache = tmp_path / "cache"
@@ -111,6 +118,7 @@ def test_teacher_outputs_are_cached_reused_and_rebuilt_when_stale(teacher_artifa
     assert fixed.rebuilt == "its files do not match their sha256 (changed or damaged)" and fixed.sha256 == other.sha256
 
 
+@needs_optimum
 def test_a_killed_teacher_pass_resumes_where_it_stopped(teacher_artifact, tmp_path):
     ids = [[101, 3000 + i, 102] for i in range(64)]
     whole = teacher_outputs(teacher_artifact, "lm-kl", ids, 0, tmp_path / "whole", None, top_k=4)
@@ -135,6 +143,7 @@ def test_a_killed_teacher_pass_resumes_where_it_stopped(teacher_artifact, tmp_pa
     assert seen[0] > 16 and resumed.sha256 == whole.sha256
 
 
+@needs_optimum
 def test_a_budget_below_the_largest_teacher_shard_is_refused_before_training(teacher_artifact, llama_dir, texts_file, tmp_path):
     with pytest.raises(ConfigError) as e:
         check_budget(teacher_artifact, "10KB")
@@ -145,6 +154,7 @@ def test_a_budget_below_the_largest_teacher_shard_is_refused_before_training(tea
     assert not (tmp_path / "s").exists() and not (tmp_path / "cache").exists()
 
 
+@needs_optimum
 def test_decoder_distilled_with_a_streamed_teacher_learns_and_accumulates(llama_dir, teacher_artifact, texts_file, tmp_path):
     config = DistillConfig(layers=2, data=texts_file, batch_size=8, grad_accum=2, epochs=3, lr=3e-3,
                            teacher_memory_budget="8MB", mixed_precision="off", checkpointing=True)
@@ -173,6 +183,7 @@ def test_student_starts_from_the_teachers_own_layers_read_tensor_by_tensor(llama
     assert torch.equal(student.lm_head.weight, teacher.lm_head.weight)
 
 
+@needs_optimum
 def test_llama_pruning_removes_whole_kv_groups_and_neurons_and_matches_torch(llama_dir, texts_file, tmp_path):
     report = convert(llama_dir, tmp_path / "pruned", ConvertConfig(
         distill=DistillConfig(data=texts_file, max_steps=2, batch_size=8), prune=PruneConfig(0.5, importance_batches=2),
@@ -183,6 +194,56 @@ def test_llama_pruning_removes_whole_kv_groups_and_neurons_and_matches_torch(lla
     config = json.loads((tmp_path / "pruned" / "manifest.json").read_text())["source"]
     assert config["model_type"] == "llama"
     assert not list(tmp_path.glob(".pruned.*"))  # checkpoint, cache and teacher artifact removed
+
+
+@pytest.fixture(scope="module")
+def llama16_dir(tmp_path_factory):
+    """A 2-layer Llama whose head size (16) the fused exporter writes: 4 heads, 2 KV groups, a tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama16")
+    config = LlamaConfig(vocab_size=30522, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(folder)
+    return folder
+
+
+def test_a_fused_teacher_gives_every_positions_logits_of_right_padded_texts(llama16_dir, tmp_path):
+    """Where optimum-onnx does not load (transformers 5), a decoder's teacher is its fused graph, run
+    from an empty cache with every position in ``logits_index``: each text's logits equal torch's."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from slimml.convert.distill.teacher import _feeds
+
+    art = convert(llama16_dir, tmp_path / "t", ConvertConfig(
+        export=ExportConfig(exporter="fused", task="text-generation-with-past"), verify=False, measure_latency=False)).out
+    model = load(art)
+    ids = [[101, 2023, 2003, 1037, 3231, 102], [101, 2460, 102]]
+    got = model.run(_feeds(model.inputs, ids, pad_id=0))["logits"]
+    ref = LlamaForCausalLM.from_pretrained(llama16_dir).eval()
+    for row, text in enumerate(ids):
+        with torch.no_grad():
+            want = ref(input_ids=torch.tensor([text])).logits[0].numpy()
+        np.testing.assert_allclose(got[row, :len(text)], want, rtol=0, atol=1e-4)
+
+
+def test_llama_pruned_with_any_transformers_exports_fused_and_matches_torch(llama16_dir, texts_file, tmp_path):
+    """A Llama the fused exporter writes is pruned and converted under transformers 4.57 and 5 alike:
+    the student is the fused decoder, checked against the pruned model itself."""
+    report = convert(llama16_dir, tmp_path / "pruned", ConvertConfig(
+        distill=DistillConfig(data=texts_file, max_steps=2, batch_size=8), prune=PruneConfig(0.5, importance_batches=2),
+        measure_latency=False))
+    prune = next(s for s in report.steps if s["step"] == "prune")
+    assert prune["heads_per_layer"] == 2 and prune["kv_heads_per_layer"] == 1 and prune["ffn_per_layer"] == 32
+    assert next(s for s in report.steps if s["step"] == "export")["exporter"].startswith("fused")
+    assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+    assert abs(report.checks["perplexity_rel_diff"]) < 1e-3 and report.checks["top1_agreement"] > 0.99
 
 
 def test_mixed_precision_the_device_cannot_do_is_refused(monkeypatch):
@@ -217,6 +278,7 @@ def test_a_convert_killed_in_export_resumes_from_the_finished_student(tiny_bert_
     assert shards(resumed) == shards(whole)
 
 
+@needs_optimum
 def test_a_student_whose_training_state_cannot_fit_is_refused_before_it_is_built(llama_dir, teacher_artifact, texts_file,
                                                                                  tmp_path, monkeypatch):
     from slimml.runtime.engine import budget

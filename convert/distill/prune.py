@@ -2,9 +2,11 @@
 
 Importance is first-order Taylor (|w * dL/dw| summed over a head's or a neuron's weights, with the
 gradient of the distillation loss over a few batches; Molchanov et al. 2019). Every layer loses the
-same fraction, so the pruned model is still described by one config (``intermediate_size``,
-``pruned_heads``), saves with ``save_pretrained`` and exports with optimum like the original. A
-short distillation pass afterwards (``convert.distill``) recovers the accuracy.
+same fraction, so the pruned model is still described by one config (``intermediate_size``, and
+``pruned_heads`` for an encoder, which :mod:`.prune_heads` writes and reads back the same way under
+transformers 4.57 and 5; ``head_dim`` and the head counts for a decoder), saves with
+``save_pretrained`` and exports like the original. A short distillation pass afterwards
+(``convert.distill``) recovers the accuracy.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from slimml.convert.distill.prune_heads import BERT_LIKE, remove_heads, slice_linear
 from slimml.errors import ConfigError
 
-# model_type -> how its layers are laid out. BERT-like encoders share module names; Llama-family
-# decoders group their query heads around shared key-value heads (grouped-query attention).
-BERT_LIKE = ("bert", "roberta", "xlm-roberta", "electra", "camembert")
+# model_type -> how its layers are laid out. BERT-like encoders (prune_heads.BERT_LIKE) share module
+# names; Llama-family decoders group their query heads around shared key-value heads (grouped-query attention).
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 VOCAB_DEFAULT_MAX = 0.3  # words outside the distillation data need their tokens: 0.5 -> 0.3 gave STSb dev +0.5
 
@@ -176,15 +178,11 @@ def apply_plan(model: Any, kept: dict[str, Any]) -> None:
         return
     import torch
 
-    n_heads = model.config.num_attention_heads
-    to_prune = {i: sorted(set(range(n_heads)) - set(h)) for i, h in enumerate(kept["heads"])}
-    to_prune = {i: h for i, h in to_prune.items() if h}
-    if to_prune:
-        model.prune_heads(to_prune)  # transformers slices Q, K, V rows and the output columns
+    remove_heads(model, dict(enumerate(kept["heads"])))  # slices Q, K, V rows and the output columns
     for layer, neurons in zip(encoder_layers(model), kept["ffn"]):
         idx = torch.tensor(neurons, dtype=torch.long)
-        layer.intermediate.dense = _slice_linear(layer.intermediate.dense, idx, dim=0)
-        layer.output.dense = _slice_linear(layer.output.dense, idx, dim=1)
+        layer.intermediate.dense = slice_linear(layer.intermediate.dense, idx, dim=0)
+        layer.output.dense = slice_linear(layer.output.dense, idx, dim=1)
     model.config.intermediate_size = len(kept["ffn"][0])
 
 
@@ -199,31 +197,17 @@ def _apply_decoder(model: Any, kept: dict[str, Any]) -> None:
         att, mlp = layer.self_attn, layer.mlp
         q_rows = torch.tensor([g * per * d + r for g in keep_groups for r in range(per * d)], dtype=torch.long)
         kv_rows = torch.tensor([g * d + r for g in keep_groups for r in range(d)], dtype=torch.long)
-        att.q_proj = _slice_linear(att.q_proj, q_rows, dim=0)
-        att.k_proj = _slice_linear(att.k_proj, kv_rows, dim=0)
-        att.v_proj = _slice_linear(att.v_proj, kv_rows, dim=0)
-        att.o_proj = _slice_linear(att.o_proj, q_rows, dim=1)
+        att.q_proj = slice_linear(att.q_proj, q_rows, dim=0)
+        att.k_proj = slice_linear(att.k_proj, kv_rows, dim=0)
+        att.v_proj = slice_linear(att.v_proj, kv_rows, dim=0)
+        att.o_proj = slice_linear(att.o_proj, q_rows, dim=1)
         idx = torch.tensor(neurons, dtype=torch.long)
-        mlp.gate_proj = _slice_linear(mlp.gate_proj, idx, dim=0)
-        mlp.up_proj = _slice_linear(mlp.up_proj, idx, dim=0)
-        mlp.down_proj = _slice_linear(mlp.down_proj, idx, dim=1)
+        mlp.gate_proj = slice_linear(mlp.gate_proj, idx, dim=0)
+        mlp.up_proj = slice_linear(mlp.up_proj, idx, dim=0)
+        mlp.down_proj = slice_linear(mlp.down_proj, idx, dim=1)
         mlp.intermediate_size = len(neurons)
     kept_groups = len(kept["heads"][0])
     config.head_dim = d  # no longer hidden_size / heads
     config.num_attention_heads = kept_groups * per
     config.num_key_value_heads = kept_groups
     config.intermediate_size = len(kept["ffn"][0])
-
-
-def _slice_linear(lin: Any, idx: Any, dim: int) -> Any:
-    """A new Linear keeping output rows (dim 0) or input columns (dim 1) ``idx``."""
-    import torch
-
-    weight = lin.weight.detach().index_select(dim, idx).clone()
-    out_f, in_f = weight.shape
-    new = torch.nn.Linear(in_f, out_f, bias=lin.bias is not None, dtype=weight.dtype)
-    with torch.no_grad():
-        new.weight.copy_(weight)
-        if lin.bias is not None:
-            new.bias.copy_(lin.bias.detach()[idx] if dim == 0 else lin.bias.detach())
-    return new

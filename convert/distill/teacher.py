@@ -109,10 +109,20 @@ def teacher_outputs(artifact: Path, kind: str, ids: list[list[int]], pad_id: int
 
 def teacher_export(folder: str | os.PathLike, opset: int | None = None):
     """How the teacher is exported: a causal LM as its cache-free graph (distillation reads whole
-    texts, and layer outputs, from it; never a KV cache), anything else as ``convert`` would."""
-    from slimml.convert.export import ExportConfig, is_causal_lm
+    texts, and layer outputs, from it; never a KV cache), anything else as ``convert`` would.
 
-    return ExportConfig(opset=opset, task="text-generation" if is_causal_lm(Path(folder)) else "auto")
+    Where optimum-onnx, which writes the cache-free graph, does not load (transformers 5), a decoder
+    the fused exporter writes is exported with it: run from an empty cache with every position in
+    ``logits_index``, it gives the same logits (see :func:`_feeds`).
+    """
+    from slimml.convert.export import ExportConfig, _optimum_loads, is_causal_lm
+    from slimml.convert.fused_llama import can_export_fused
+
+    if not is_causal_lm(Path(folder)):
+        return ExportConfig(opset=opset, task="auto")
+    if _optimum_loads() is not None and can_export_fused(Path(folder)) is None:
+        return ExportConfig(opset=opset, task="text-generation-with-past", exporter="fused")
+    return ExportConfig(opset=opset, task="text-generation")
 
 
 def check_budget(artifact: Path, memory_budget: int | str | None) -> None:
@@ -133,7 +143,12 @@ def check_budget(artifact: Path, memory_budget: int | str | None) -> None:
         )
 
 
-def _feeds(names: list[str], ids: list[list[int]], pad_id: int) -> dict[str, np.ndarray]:
+def _feeds(inputs: list[Any], ids: list[list[int]], pad_id: int) -> dict[str, np.ndarray]:
+    """One batch of texts, right-padded, for the teacher's ``inputs``; a fused decoder's cache starts
+    empty and it computes the logits of every position."""
+    from slimml.convert.llm_check import past_shapes
+
+    names = [t.name for t in inputs]
     width = max(len(s) for s in ids)
     batch = np.full((len(ids), width), pad_id, dtype=np.int64)
     mask = np.zeros((len(ids), width), dtype=np.int64)
@@ -141,7 +156,10 @@ def _feeds(names: list[str], ids: list[list[int]], pad_id: int) -> dict[str, np.
         batch[r, : len(s)] = s
         mask[r, : len(s)] = 1
     all_feeds = {"input_ids": batch, "attention_mask": mask, "token_type_ids": np.zeros_like(batch),
-                 "position_ids": np.clip(np.cumsum(mask, axis=1) - 1, 0, None)}
+                 "position_ids": np.clip(np.cumsum(mask, axis=1) - 1, 0, None),
+                 "logits_index": np.broadcast_to(np.arange(width, dtype=np.int64), batch.shape).copy()}
+    for name, (heads, dim) in past_shapes(inputs).items():
+        all_feeds[name] = np.zeros((len(ids), heads, 0, dim), dtype=np.float32)
     missing = [n for n in names if n not in all_feeds]
     if missing:
         raise ConfigError(f"the teacher artifact needs inputs {missing} that text distillation cannot give.")
@@ -177,7 +195,6 @@ def _fill(artifact, kind, ids, lengths, pad_id, cache_dir: Path, meta, memory_bu
 
     cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the teacher's outputs: this user's only
     model = load(artifact, device="cpu", memory_budget=memory_budget)
-    names = [t.name for t in model.inputs]
     order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
     if "shapes" not in meta:
         meta["shapes"] = _shapes(model, kind, lengths, top_k)
@@ -194,7 +211,7 @@ def _fill(artifact, kind, ids, lengths, pad_id, cache_dir: Path, meta, memory_bu
             if stop <= meta["done"]:
                 continue
             rows = order[start:stop]
-            out = model.run(_feeds(names, [ids[i] for i in rows], pad_id))
+            out = model.run(_feeds(model.inputs, [ids[i] for i in rows], pad_id))
             _store(kind, arrays, out, rows, lengths, offsets, top_k)
             for a in arrays.values():
                 a.flush()
