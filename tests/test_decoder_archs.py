@@ -78,11 +78,11 @@ def test_a_fused_graph_that_disagrees_with_torch_is_refused(tmp_path, monkeypatc
     """A misread window (one position short) stands for any fused-exporter bug: the float check
     refuses the artifact in one line naming --exporter optimum, and nothing is written."""
     from slimml.convert import ConvertConfig, convert
-    from slimml.convert import fused_llama
+    from slimml.convert import fused_family
 
     _model("mistral-window").save_pretrained(tmp_path / "hf")
-    windows = fused_llama._windows
-    monkeypatch.setattr(fused_llama, "_windows", lambda c: [w - 1 for w in windows(c)])
+    windows = fused_family._windows
+    monkeypatch.setattr(fused_family, "_windows", lambda c: [w - 1 for w in windows(c)])
     with pytest.raises(ExportError, match=r"disagrees with the source model in torch .* convert with --exporter optimum\.$"):
         convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert not (tmp_path / "art").exists()
