@@ -23,8 +23,10 @@ configs the same way, but for the legacy ``hidden_act: "gelu"`` of Gemma 1 check
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -182,3 +184,15 @@ def inv_freq(rope: dict[str, Any], dim: int) -> np.ndarray:
         mid = (wavelen <= old / low) & (wavelen >= old / high)
         inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
     return inv
+
+
+def reference_kwargs(folder: str | Path) -> dict[str, Any]:
+    """``from_pretrained`` keywords that make transformers compute the model in ``folder`` as it was
+    trained, for the checks that compare against it: eager attention where the config soft-caps the
+    attention scores (Gemma 2), which transformers 4.57's default SDPA path drops without a word
+    (measured: logits 4.1 apart on a tiny Gemma 2 with a cap of 1; transformers 5 runs Gemma 2 eagerly)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") else {}

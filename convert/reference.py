@@ -77,5 +77,8 @@ def _load_hf(source: Source, exported: Exported):
     else:
         from optimum.exporters.tasks import TasksManager
 
-        model = TasksManager.get_model_from_task(task, str(source.path), library_name="transformers", local_files_only=True)
+        from slimml.convert.fused_family import reference_kwargs
+
+        model = TasksManager.get_model_from_task(task, str(source.path), library_name="transformers", local_files_only=True,
+                                                 **reference_kwargs(source.path))
     return model.eval()

@@ -1,6 +1,7 @@
 """Decoders beyond Llama through the fused exporter (``convert/fused_llama.py``), from a Hugging Face
 folder and from a GGUF file: sliding attention windows (Mistral, Qwen2), Qwen3's per-head q/k norms,
-Phi-3's packed projections, and a Qwen3 GGUF whose head size is not transformers' default.
+Phi-3's packed projections, a Qwen3 GGUF whose head size is not transformers' default, and Gemma,
+Gemma 2 and Gemma 3 (scaled embeddings, ``1 + w`` norms, GELU, soft-capping, local/global RoPE).
 
 Each model is tiny (2 layers, hidden 64, vocabulary 300) with seeded random weights; the artifact's
 greedy tokens must equal transformers' ``generate(do_sample=False)`` past the sliding window.
@@ -22,7 +23,35 @@ FUSED = "fused (slimml, GroupQueryAttention)"
 VOCAB, PROMPT, NEW = 300, 12, 10  # prompt + new tokens run well past a window of 8
 
 
+def _gemma(name: str, window: int = 4, **extra):
+    """A tiny Gemma with what sets it apart exercised: random norm weights (``x * (1 + w)``), head size
+    32 with ``query_pre_attn_scalar`` 24 (the attention scale), a window of 4, Gemma 2's soft-capping at
+    caps the random scores and logits reach, Gemma 3's local and global layers (linear scaling on the
+    global RoPE only). Eager attention: transformers 4.57's SDPA drops Gemma 2's soft-capping."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=128, initializer_range=0.1,
+                 attn_implementation="eager", **extra)
+    if name == "gemma":
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**shape))
+    elif name == "gemma2":
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **shape, sliding_window=window, query_pre_attn_scalar=24, attn_logit_softcapping=1.0, final_logit_softcapping=1.5))
+    else:
+        shape.setdefault("query_pre_attn_scalar", 24)
+        shape.setdefault("layer_types", ["sliding_attention", "full_attention"])
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **shape, sliding_window=window, rope_scaling={"rope_type": "linear", "factor": 4.0}))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:  # Gemma initializes them to 0 (a norm of 1 + 0)
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
 def _model(name: str):
+    if name.startswith("gemma"):
+        return _gemma(name)
     from transformers import (MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
@@ -61,7 +90,7 @@ def _exporter(art) -> str:
     return next(s for s in steps if s["step"] == "export")["exporter"]
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
 def test_fused_decoders_generate_as_transformers(name, tmp_path):
     from slimml.convert import ConvertConfig, convert
 
@@ -72,6 +101,66 @@ def test_fused_decoders_generate_as_transformers(name, tmp_path):
     assert report.task == "text-generation-with-past" and report.checks["top1_agreement"] == 1.0
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
+def test_fused_gemma_logits_equal_transformers_past_the_window(name, tmp_path):
+    """A 10-token prompt, then 6 tokens decoded from the cache, past a window of 4: at every step the
+    fused graph's logits equal transformers' (eager attention, its own cache)."""
+    import onnxruntime as ort
+
+    from slimml.convert.fused_llama import export_fused
+
+    model = _gemma(name)
+    model.save_pretrained(tmp_path / "hf")
+    session = ort.InferenceSession(str(export_fused(tmp_path / "hf", tmp_path / "onnx")), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    seq = np.random.default_rng(0).integers(3, VOCAB, size=(1, 10))
+    empty = np.zeros((1, 2, 0, 32), np.float32)  # (B, kv_heads, past, head_dim)
+    feeds = {"input_ids": seq, "attention_mask": np.ones_like(seq), "logits_index": np.arange(10)[None],
+             **{f"past_key_values.{i}.{t}": empty for i in range(2) for t in ("key", "value")}}
+    cache, diffs = None, []
+    for _ in range(7):
+        out = dict(zip(names, session.run(None, feeds)))
+        with torch.no_grad():
+            ref = model(torch.tensor(feeds["input_ids"]), past_key_values=cache, use_cache=True)
+        cache = ref.past_key_values
+        diffs.append(float(np.abs(out["logits"] - ref.logits.numpy()).max()))
+        token = np.array([[int(ref.logits[0, -1].argmax())]])
+        seq = np.concatenate([seq, token], axis=1)
+        feeds = {"input_ids": token, "attention_mask": np.ones_like(seq), "logits_index": np.zeros((1, 1), np.int64),
+                 **{f"past_key_values.{i}.{t}": out[f"present.{i}.{t}"] for i in range(2) for t in ("key", "value")}}
+    assert max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_the_layer_by_layer_reference_keeps_each_layers_type(name, tmp_path):
+    """The check of a decoder bigger than memory runs torch one layer at a time: Gemma's sliding and
+    global layers (Gemma 3: with their own RoPE) each run as their own type, Gemma 2 eagerly."""
+    from slimml.convert.layerwise import streamed_reference
+
+    model = _gemma(name)
+    model.save_pretrained(tmp_path / "hf")
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, 10))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(streamed_reference(tmp_path / "hf")({"input_ids": ids})["logits"] - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("scheme", ["int4-weights", "int8"])
+def test_a_quantized_gemma_generates(scheme, tmp_path):
+    """The decoder recipes quantize the fused Gemma graph (FastGelu MLP, sandwich norms, scaled tied
+    embedding) and it generates; random weights, so no claim on the tokens."""
+    from slimml.convert import ConvertConfig, convert
+    from slimml.quantize.config import scheme_config
+
+    _gemma("gemma3").save_pretrained(tmp_path / "hf")
+    _save_tokenizer(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False, quantize=scheme_config(scheme)))
+    steps = json.loads((tmp_path / "art" / "manifest.json").read_text())["steps"]
+    assert steps[-1]["step"] == "quantize" and steps[-1]["backend"] == "lm", steps[-1]
+    tokens = _generate(tmp_path / "art", np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT)))
+    assert len(tokens) == NEW and all(0 <= t < VOCAB for t in tokens)
 
 
 def test_a_fused_graph_that_disagrees_with_torch_is_refused(tmp_path, monkeypatch):
@@ -99,16 +188,30 @@ def test_a_partial_rotary_embedding_falls_back_to_optimum(tmp_path):
     assert "partial rotary embedding (factor 0.5)" in can_export_fused(tmp_path)
 
 
-def _gguf_tokenizer_fields(writer) -> None:
-    """A byte-level BPE of VOCAB tokens trained here, written as llama.cpp writes a "gpt2" tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def _bpe():
+    """A byte-level BPE of at most VOCAB tokens, trained here on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["the cat sat on the mat", "a model of the decoder", "tokens and their merges"] * 20, trainer)
-    state = json.loads(tok.to_str())["model"]
+    return tok
+
+
+def _save_tokenizer(folder) -> None:
+    """A tokenizer beside the model, as every real folder has one: what makes it a language model to
+    quantize's decoder recipes and to convert's perplexity check."""
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=_bpe(), bos_token="<|endoftext|>", eos_token="<|endoftext|>").save_pretrained(folder)
+
+
+def _gguf_tokenizer_fields(writer) -> None:
+    """A byte-level BPE of VOCAB tokens trained here, written as llama.cpp writes a "gpt2" tokenizer."""
+    state = json.loads(_bpe().to_str())["model"]
     vocab = sorted(state["vocab"], key=state["vocab"].get)
     vocab += [f"<|unused{i}|>" for i in range(VOCAB - len(vocab))]  # a small corpus stops the trainer early
     writer.add_tokenizer_model("gpt2")
