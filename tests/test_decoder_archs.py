@@ -31,7 +31,8 @@ def _gemma(name: str, window: int = 4, **extra):
     torch.manual_seed(0)
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=128, initializer_range=0.1,
-                 attn_implementation="eager", **extra)
+                 attn_implementation="eager")
+    shape.update(extra)
     if name == "gemma":
         model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**shape))
     elif name == "gemma2":
@@ -223,39 +224,52 @@ def _gguf_tokenizer_fields(writer) -> None:
     writer.add_eos_token_id(0)
 
 
-def _qwen3_gguf(model, path) -> None:
-    """``model`` as a float32 GGUF file, names and metadata as llama.cpp's converter writes a Qwen3."""
+def _gguf(model, path, arch: str, tokenizer=None, norm_offset: float = 0.0, **fields) -> None:
+    """``model`` as a float32 GGUF file, names and metadata as llama.cpp's converter writes ``arch``
+    (``fields``: more ``arch.KEY`` values; ``norm_offset``: added to the norms, as llama.cpp stores
+    Gemma's ``1 + w``)."""
     gguf = pytest.importorskip("gguf")
     c = model.config
-    w = gguf.GGUFWriter(str(path), "qwen3")
+    w = gguf.GGUFWriter(str(path), arch)
     for key, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
                        ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
                        ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv", c.num_key_value_heads),
                        ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim)):
-        w.add_uint32(f"qwen3.{key}", value)
-    w.add_float32("qwen3.rope.freq_base", float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]))
-    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+        w.add_uint32(f"{arch}.{key}", value)
+    theta = getattr(c, "rope_theta", None) or c.rope_parameters.get("rope_theta") or c.rope_parameters["full_attention"]["rope_theta"]
+    w.add_float32(f"{arch}.rope.freq_base", float(theta))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+    for key, value in fields.items():
+        (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     w.add_file_type(0)
-    _gguf_tokenizer_fields(w)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    (tokenizer or _gguf_tokenizer_fields)(w)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":  # tied: llama.cpp writes no output tensor
             continue
-        parts = name.split(".")
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        else:
-            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.weight"
-        w.add_tensor(gname, t.float().numpy())
+        a = t.float().numpy() + (norm_offset if "norm" in name else 0.0)
+        w.add_tensor(names.get_name(name[: -len(".weight")]) + ".weight", a.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _sentencepiece_fields(writer) -> None:
+    """A sentencepiece ("llama") vocabulary of VOCAB tokens as Gemma's GGUF files hold one: pad, eos,
+    bos, unk, the 256 byte tokens (byte fallback), then words."""
+    words = ["\u2581" + w for w in ("the cat sat on mat a model of decoder tokens and their merges is it to in for"
+                                     " with as was by at be this from or an are not but all were when we there can").split()]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), *words]
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens[:VOCAB])
+    writer.add_token_scores([0.0] * 260 + [-float(i + 1) for i in range(VOCAB - 260)])
+    writer.add_token_types([3, 3, 3, 2, *([6] * 256), *([1] * (VOCAB - 260))])
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
 
 
 def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
@@ -266,8 +280,26 @@ def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
     from slimml.convert import ConvertConfig, convert
 
     model = _model("qwen3").eval()
-    _qwen3_gguf(model, tmp_path / "tiny-qwen3.gguf")
+    _gguf(model, tmp_path / "tiny-qwen3.gguf", "qwen3")
     report = convert(tmp_path / "tiny-qwen3.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+def test_a_gemma3_gguf_converts_fused(tmp_path):
+    """A Gemma 3 GGUF as llama.cpp writes one (norms stored as 1 + w, a sentencepiece vocabulary, no
+    attention scale, linear RoPE scaling for the global layers): transformers' reader leaves the
+    scale at 256 and drops the scaling; slimml reads both as llama.cpp runs the file, and the artifact
+    generates as the model. Six layers: five sliding (a window of 4), one global."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from slimml.convert import ConvertConfig, convert
+
+    model = _gemma("gemma3", num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32)  # llama.cpp: head_dim
+    _gguf(model, tmp_path / "tiny-gemma3.gguf", "gemma3", tokenizer=_sentencepiece_fields, norm_offset=1.0,
+          **{"attention.sliding_window": 4, "rope.scaling.type": "linear", "rope.scaling.factor": 4.0})
+    report = convert(tmp_path / "tiny-gemma3.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
