@@ -78,6 +78,8 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
     rope = _rope(config)
     if isinstance(rope, str):
         return rope
+    if float(rope.get("partial_rotary_factor") or 1.0) != 1.0:  # transformers 5 keeps it in rope_parameters
+        return f"a partial rotary embedding (factor {rope['partial_rotary_factor']}) is not written by the fused exporter yet"
     act = config.get("hidden_act", "silu")
     if ACTIVATIONS.get(act) != "silu":
         return f"the fused exporter writes SiLU MLPs for {arch}; this one uses {act!r}"
