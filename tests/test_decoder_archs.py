@@ -36,8 +36,9 @@ def _gemma(name: str, window: int = 4, **extra):
     if name == "gemma":
         model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**shape))
     elif name == "gemma2":
+        shape.setdefault("query_pre_attn_scalar", 24)
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-            **shape, sliding_window=window, query_pre_attn_scalar=24, attn_logit_softcapping=1.0, final_logit_softcapping=1.5))
+            **shape, sliding_window=window, attn_logit_softcapping=1.0, final_logit_softcapping=1.5))
     else:
         shape.setdefault("query_pre_attn_scalar", 24)
         shape.setdefault("layer_types", ["sliding_attention", "full_attention"])
@@ -104,16 +105,21 @@ def test_fused_decoders_generate_as_transformers(name, tmp_path):
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
 
 
-@pytest.mark.parametrize("name", ["gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma", "gemma-legacy-gelu", "gemma2", "gemma3"])
 def test_fused_gemma_logits_equal_transformers_past_the_window(name, tmp_path):
     """A 10-token prompt, then 6 tokens decoded from the cache, past a window of 4: at every step the
-    fused graph's logits equal transformers' (eager attention, its own cache)."""
+    fused graph's logits equal transformers' (eager attention, its own cache). Gemma 1 checkpoints
+    say ``hidden_act: "gelu"``: exact GELU to transformers 4.57, the tanh one to 5; each as read."""
     import onnxruntime as ort
 
     from slimml.convert.fused_llama import export_fused
 
-    model = _gemma(name)
+    model = _gemma(name.split("-")[0])
     model.save_pretrained(tmp_path / "hf")
+    if name == "gemma-legacy-gelu":
+        config = json.loads((tmp_path / "hf" / "config.json").read_text())
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
     session = ort.InferenceSession(str(export_fused(tmp_path / "hf", tmp_path / "onnx")), providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     seq = np.random.default_rng(0).integers(3, VOCAB, size=(1, 10))
@@ -287,19 +293,25 @@ def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
 
 
-def test_a_gemma3_gguf_converts_fused(tmp_path):
-    """A Gemma 3 GGUF as llama.cpp writes one (norms stored as 1 + w, a sentencepiece vocabulary, no
-    attention scale, linear RoPE scaling for the global layers): transformers' reader leaves the
-    scale at 256 and drops the scaling; slimml reads both as llama.cpp runs the file, and the artifact
-    generates as the model. Six layers: five sliding (a window of 4), one global."""
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_converts_fused(arch, tmp_path):
+    """A Gemma 2/3 GGUF as llama.cpp writes one (norms stored as 1 + w, a sentencepiece vocabulary, no
+    attention scale; Gemma 2's soft-caps, Gemma 3's linear RoPE scaling for the global layers):
+    transformers' reader leaves the scale at 256, the caps at their defaults and drops the scaling;
+    slimml reads them as llama.cpp runs the file, and the artifact generates as the model. Gemma 3
+    with six layers: five sliding (a window of 4), one global."""
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
     from slimml.convert import ConvertConfig, convert
 
-    model = _gemma("gemma3", num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32)  # llama.cpp: head_dim
-    _gguf(model, tmp_path / "tiny-gemma3.gguf", "gemma3", tokenizer=_sentencepiece_fields, norm_offset=1.0,
-          **{"attention.sliding_window": 4, "rope.scaling.type": "linear", "rope.scaling.factor": 4.0})
-    report = convert(tmp_path / "tiny-gemma3.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    if arch == "gemma2":
+        model = _gemma(arch, query_pre_attn_scalar=32)  # llama.cpp's scale: head_dim
+        fields = {"attention.sliding_window": 4, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 1.5}
+    else:
+        model = _gemma(arch, num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32)
+        fields = {"attention.sliding_window": 4, "rope.scaling.type": "linear", "rope.scaling.factor": 4.0}
+    _gguf(model, tmp_path / f"tiny-{arch}.gguf", arch, tokenizer=_sentencepiece_fields, norm_offset=1.0, **fields)
+    report = convert(tmp_path / f"tiny-{arch}.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
