@@ -90,7 +90,7 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
 def _gemma(config: dict[str, Any], arch: str, head_dim: int, transformers_major: int) -> Family | str:
     layers = int(config["num_hidden_layers"])
     first = arch == "GemmaForCausalLM"
-    act = config.get("hidden_act") if first else config.get("hidden_activation") or "gelu_pytorch_tanh"
+    act = (config.get("hidden_act") if first else config.get("hidden_activation")) or "gelu_pytorch_tanh"
     if first and act == "gelu" and transformers_major >= 5:  # transformers 5 reads the legacy "gelu" as the tanh one
         act = "gelu_pytorch_tanh"
     if ACTIVATIONS.get(act) not in ("gelu_tanh", "gelu"):
@@ -105,20 +105,23 @@ def _gemma(config: dict[str, Any], arch: str, head_dim: int, transformers_major:
             return rope
         return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=[-1] * layers, ropes=[rope] * layers,
                       activation=ACTIVATIONS[act], embed_scale=math.sqrt(int(config["hidden_size"])), norm_offset=1.0)
+    # a key the config leaves out takes transformers' class default (Gemma 2's caps 50 and 30, 1e6 for
+    # Gemma 3's rope_theta, a window of 4096, query_pre_attn_scalar 256); one written as null means none
+    second = arch == "Gemma2ForCausalLM"
     types = _gemma_layer_types(config, arch, layers)
-    window = int(config.get("sliding_window") or 0)
+    window = int(config.get("sliding_window", 4096) or 0)
     ropes = []
     for t in types:
-        rope = _rope(config, t) if arch == "Gemma3ForCausalLM" else _rope(config)
+        rope = _rope(config) if second else _rope(config, t, default_theta=1e6)
         if isinstance(rope, str):
             return rope
         ropes.append(rope)
     return Family(
-        head_dim=head_dim, scale=float(config.get("query_pre_attn_scalar") or head_dim) ** -0.5,
+        head_dim=head_dim, scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
         windows=[window if (t == "sliding_attention" and window) else -1 for t in types], ropes=ropes,
         activation=ACTIVATIONS[act], embed_scale=math.sqrt(int(config["hidden_size"])), norm_offset=1.0, sandwich=True,
-        softcap=float(config.get("attn_logit_softcapping") or 0.0) if arch == "Gemma2ForCausalLM" else 0.0,
-        final_softcap=float(config.get("final_logit_softcapping") or 0.0))
+        softcap=float(config.get("attn_logit_softcapping", 50.0) or 0.0) if second else 0.0,
+        final_softcap=float(config.get("final_logit_softcapping", 30.0 if second else None) or 0.0))
 
 
 def _gemma_layer_types(config: dict[str, Any], arch: str, layers: int) -> list[str]:
@@ -131,7 +134,7 @@ def _gemma_layer_types(config: dict[str, Any], arch: str, layers: int) -> list[s
     return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
 
 
-def _rope(config: dict[str, Any], layer_type: str | None = None) -> dict[str, Any] | str:
+def _rope(config: dict[str, Any], layer_type: str | None = None, default_theta: float = 10000.0) -> dict[str, Any] | str:
     """theta and scaling, wherever the config keeps them; a string says why they cannot be honoured.
 
     ``layer_type`` (Gemma 3): transformers 5 keeps one ``rope_parameters`` entry per layer type; 4.57
@@ -146,7 +149,7 @@ def _rope(config: dict[str, Any], layer_type: str | None = None) -> dict[str, An
     else:
         params = dict(config.get("rope_parameters") or {}) if layer_type is None else {}  # transformers 5 (one type)
         params.update(config.get("rope_scaling") or {})
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    theta = params.get("rope_theta", config.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind not in ("default", "linear", "llama3"):
         return f"RoPE scaling {kind!r} is not written by the fused exporter yet"
@@ -197,4 +200,5 @@ def reference_kwargs(folder: str | Path) -> dict[str, Any]:
         config = json.loads((Path(folder) / "config.json").read_text())
     except (OSError, ValueError):
         return {}
-    return {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") else {}
+    capped = config.get("model_type") == "gemma2" or config.get("attn_logit_softcapping")  # Gemma 2's default cap: 50
+    return {"attn_implementation": "eager"} if capped else {}

@@ -7,8 +7,9 @@ family changes is read from its config by :mod:`slimml.convert.fused_family`.
 
 Per layer: ``SimplifiedLayerNormalization`` (RMSNorm), one MatMul for q, k and v packed,
 ``GroupQueryAttention`` with the rotary embedding inside it (``do_rotary``; the cos/sin
-tables for the positions in use computed once, before the first layer), one MatMul for gate and up packed, SiLU, the down MatMul. Fewer, larger MatMuls than a
-traced graph (4 per layer instead of 7), and attention in one kernel that reads the cache in place
+tables for the positions in use computed once, before the first layer), one MatMul for gate and up
+packed, SiLU (Gemma: ``FastGelu``), the down MatMul; Gemma 2/3 add a norm after attention and one
+after the MLP. Fewer, larger MatMuls than a traced graph (4 per layer instead of 7), and attention in one kernel that reads the cache in place
 when past and present share a buffer (:mod:`slimml.runtime.engine.kv_cache`).
 
 Inputs and outputs keep the names of optimum's with-past graph: ``input_ids``, ``attention_mask``
@@ -22,16 +23,14 @@ row's last real position, so a 512-token prompt pass computes one row of logits 
 No torch graph is traced and no transformers model is built: the weights are read one tensor at
 a time (bf16/fp16 files become fp32) and appended to one external data file, so exporting needs
 about one tensor of memory, and the config is read as it is written (``rope_theta`` at the top
-or under transformers 5's ``rope_parameters``).
+or under transformers 5's ``rope_parameters``, one entry per layer type for Gemma 3).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
