@@ -81,7 +81,8 @@ class _Weights:
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._tensors:
-            raise ExportError(f"the weights have no tensor {name!r}; the folder is not a complete {ARCHITECTURES[0]} checkpoint.")
+            raise ExportError(f"the weights have no tensor {name!r}; the folder is not a complete checkpoint of its architecture "
+                              "(its safetensors files do not match config.json): re-save or re-download it.")
         return self._tensors[name]
 
     def transposed(self, names: list[str]) -> np.ndarray:
