@@ -325,6 +325,8 @@ def test_a_gemma_gguf_converts_fused(arch, tmp_path):
     ("llama", {"attention.key_length": 32, "rope.dimension_count": 32}, "LlamaConfig", {}),
     ("qwen3moe", {"attention.key_length": 64, "expert_feed_forward_length": 64}, "Qwen3MoeConfig",
      {"head_dim": 64, "moe_intermediate_size": 64}),
+    ("gemma2", {"block_count": 46}, "Gemma2Config", {"query_pre_attn_scalar": 32}),  # the 27B: hidden / heads
+    ("gemma3", {"block_count": 26, "attention.key_length": 64}, "Gemma3TextConfig", {"head_dim": 64, "query_pre_attn_scalar": 64}),
 ])
 def test_config_values_the_gguf_reader_drops_are_read_from_the_file(tmp_path, arch, fields, config, want):
     gguf = pytest.importorskip("gguf")
