@@ -36,10 +36,10 @@ class ExportConfig:
             must fit in memory; it needs transformers < 4.58), ``"torch"`` (``torch.onnx.export`` of a
             single-graph model, encoders and classifiers, with any transformers: ``convert.export_torch``),
             ``"layerwise"`` (a Llama-family decoder, one layer in memory at a time:
-            ``convert.layerwise``), ``"fused"``: a Llama-family decoder written from its safetensors
-            as ONNX Runtime's fused decoder graph with its KV cache (GroupQueryAttention with rotary,
-            packed projections: ``convert.fused_llama``), the fast one to decode; or ``"auto"``:
-            fused for a decoder it can write (Llama, Mistral, Qwen2, Qwen3, Phi-3; task
+            ``convert.layerwise``), ``"fused"``: a decoder written from its safetensors as ONNX
+            Runtime's fused decoder graph with its KV cache (GroupQueryAttention with rotary, packed
+            projections: ``convert.fused_llama``), the fast one to decode; or ``"auto"``: fused for a
+            decoder it can write (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 text; task
             ``auto`` or ``text-generation-with-past``), layerwise for a cache-free decoder whose weights
             take more than a third of the memory available, optimum otherwise (torch where optimum-onnx
             does not load with the installed transformers). A decoder that
@@ -49,11 +49,11 @@ class ExportConfig:
     opset: int | None = field(default=None, metadata={"help": "ONNX opset."})
     task: str = field(default="auto", metadata={"help": "Hugging Face task to export, or 'auto'."})
     dynamic_batch: bool = True
-    exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders, else "
+    exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 1/2/3 decoders, else "
                                                     "optimum, or torch where optimum-onnx does not load), optimum (traces the whole model; transformers < 4.58), "
                                                     "torch (torch.onnx.export of an encoder or classifier, any transformers), layerwise (Llama-family "
                                                     "decoders bigger than memory, one layer at a time, no cache) or fused "
-                                                    "(Llama-family decoders as ONNX Runtime's fused decoder graph with its "
+                                                    "(Llama-family and Gemma decoders as ONNX Runtime's fused decoder graph with its "
                                                     "KV cache: the fastest to generate with)."})
 
     def __post_init__(self):
@@ -179,7 +179,7 @@ def _export_fused(source: Source, work_dir: Path, config: ExportConfig) -> Expor
     from slimml.convert.fused_llama import export_fused
 
     if source.kind != "huggingface" or config.task not in ("auto", "text-generation", "text-generation-with-past"):
-        raise SourceError(f"--exporter fused exports a Llama-family model folder as text-generation-with-past; "
+        raise SourceError(f"--exporter fused exports a Llama-family or Gemma model folder as text-generation-with-past; "
                           f"{source.name} is a {source.kind} source asked for as {config.task!r}. Leave --exporter out.")
     onnx_dir = work_dir / "onnx"
     path = export_fused(source.path, onnx_dir)
@@ -301,7 +301,7 @@ def _optimum_export(folder: Path, onnx_dir: Path, task: str, config: ExportConfi
         raise ExportError(
             f"exporting this model as {task!r} needs optimum-onnx, which does not load with transformers "
             f"{transformers.__version__} ({why}); install it with the transformers it supports: "
-            "pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0' (the fused exporter writes Llama-family decoders "
+            "pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0' (the fused exporter writes Llama-family and Gemma decoders "
             "and the torch exporter encoders and classifiers with any transformers).")
     from optimum.exporters.onnx import main_export
     from transformers.utils import logging as hf_logging
@@ -325,12 +325,14 @@ _SEQ2SEQ_TASKS = ("text2text-generation", "automatic-speech-recognition")
 def _optimum_failure(folder: Path, task: str, e: Exception) -> ExportError:
     """optimum-onnx's exception as one line; the failures a user can act on say what to do (a model
     type the installed transformers does not know never reaches here: ``config_check`` refuses it)."""
+    from slimml.convert.fused_family import NAMES
+
     first = str(e).splitlines()[0] if str(e) else ""
     kind = _read_config(folder).get("model_type")
     if "unsupported architecture" in first:  # optimum's long advice on custom ONNX configs
         return ExportError(
             f"neither of slimml's exporters writes a {kind!r} model (optimum-onnx does not know the architecture; "
-            "the fused exporter writes Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders): export it to ONNX yourself "
+            f"the fused exporter writes {NAMES} decoders): export it to ONNX yourself "
             "(torch.onnx.export) and convert the .onnx file.")
     if "contains custom code" in first:  # trust_remote_code: slimml does not run a folder's own Python
         return ExportError(

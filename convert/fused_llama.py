@@ -1,12 +1,15 @@
-"""The ``fused`` exporter: a Llama-family decoder written straight from its safetensors as the graph
-ONNX Runtime decodes fastest on CPU (docs/llm_decode.md). Llama, Mistral and Qwen2 (q/k/v biases,
-sliding windows as GroupQueryAttention's ``local_window_size``), Qwen3 (an RMSNorm over each q and
-k head) and Phi-3 (q/k/v and gate/up stored packed).
+"""The ``fused`` exporter: a decoder written straight from its safetensors as the graph ONNX Runtime
+decodes fastest on CPU (docs/llm_decode.md). Llama, Mistral and Qwen2 (q/k/v biases, sliding
+windows as GroupQueryAttention's ``local_window_size``), Qwen3 (an RMSNorm over each q and k head),
+Phi-3 (q/k/v and gate/up stored packed), Gemma, Gemma 2 and Gemma 3 text (scaled embeddings,
+``1 + w`` norms, GELU, four norms per layer, soft-capping, a local and a global RoPE): what each
+family changes is read from its config by :mod:`slimml.convert.fused_family`.
 
 Per layer: ``SimplifiedLayerNormalization`` (RMSNorm), one MatMul for q, k and v packed,
 ``GroupQueryAttention`` with the rotary embedding inside it (``do_rotary``; the cos/sin
-tables for the positions in use computed once, before the first layer), one MatMul for gate and up packed, SiLU, the down MatMul. Fewer, larger MatMuls than a
-traced graph (4 per layer instead of 7), and attention in one kernel that reads the cache in place
+tables for the positions in use computed once, before the first layer), one MatMul for gate and up
+packed, SiLU (Gemma: ``FastGelu``), the down MatMul; Gemma 2/3 add a norm after attention and one
+after the MLP. Fewer, larger MatMuls than a traced graph (4 per layer instead of 7), and attention in one kernel that reads the cache in place
 when past and present share a buffer (:mod:`slimml.runtime.engine.kv_cache`).
 
 Inputs and outputs keep the names of optimum's with-past graph: ``input_ids``, ``attention_mask``
@@ -20,24 +23,22 @@ row's last real position, so a 512-token prompt pass computes one row of logits 
 No torch graph is traced and no transformers model is built: the weights are read one tensor at
 a time (bf16/fp16 files become fp32) and appended to one external data file, so exporting needs
 about one tensor of memory, and the config is read as it is written (``rope_theta`` at the top
-or under transformers 5's ``rope_parameters``).
+or under transformers 5's ``rope_parameters``, one entry per layer type for Gemma 3).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from slimml.convert.fused_family import ARCHITECTURES, NAMES, Family, inv_freq, read_family
 from slimml.errors import ExportError
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 OPSET = 21  # what ORT's MatMulNBits quantizer writes: every shard of the artifact the same, so they merge
 _MS = "com.microsoft"
 
@@ -50,68 +51,21 @@ def can_export_fused(folder: Path) -> str | None:
         return f"{folder} has no readable config.json"
     archs = config.get("architectures") or []
     if not any(a in ARCHITECTURES for a in archs):
-        return f"the fused exporter writes {', '.join(ARCHITECTURES)}; {folder.name} is {archs or 'of no named architecture'}"
+        return f"the fused exporter writes {NAMES} decoders; {folder.name} is {archs or 'of no named architecture'}"
     if not list(folder.glob("*.safetensors")):
         return f"the fused exporter reads safetensors weights; {folder} has none"
-    hidden, heads = config.get("hidden_size", 0), config.get("num_attention_heads", 1)
-    head_dim = config.get("head_dim") or hidden // heads
-    if head_dim % 16:
-        return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16, not {head_dim}"
-    rope = _rope(config)
-    if isinstance(rope, str):
-        return rope
-    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
-        return f"a partial rotary embedding (factor {config['partial_rotary_factor']}) is not written by the fused exporter yet"
-    if config.get("hidden_act", "silu") != "silu":
-        return f"the fused exporter writes SiLU MLPs; {folder.name} uses {config.get('hidden_act')!r}"
-    if config.get("attention_bias") or config.get("mlp_bias"):  # Qwen2's q/k/v biases are written; o_proj's and the MLP's not
-        return "output-projection and MLP biases are not written by the fused exporter yet"
-    return None
+    family = read_family(config, _transformers_major())
+    return family if isinstance(family, str) else None
 
 
-def _rope(config: dict[str, Any]) -> dict[str, Any] | str:
-    """theta and scaling, wherever the config keeps them; a string says why they cannot be honoured."""
-    params = dict(config.get("rope_parameters") or {})  # transformers 5
-    params.update({k: v for k, v in (config.get("rope_scaling") or {}).items()})
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
-        return f"RoPE scaling {kind!r} is not written by the fused exporter yet"
-    return {"theta": float(theta), "type": kind, **{k: v for k, v in params.items() if k not in ("rope_type", "type")}}
+def _transformers_major() -> int:
+    """The installed transformers' major version (5 when none is installed: the current reading)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-
-def _windows(config: dict[str, Any]) -> list[int]:
-    """Per layer, GroupQueryAttention's ``local_window_size``: -1 for full attention, else the sliding
-    window (the same number of positions as transformers' mask: measured equal logits, 14 tokens
-    through a window of 8). Mistral slides in every layer when ``sliding_window`` is set; Qwen2
-    only with ``use_sliding_window``, in the layers ``layer_types`` names (by default those from
-    ``max_window_layers`` on), as transformers 4.57 reads the config."""
-    layers = int(config["num_hidden_layers"])
-    window = config.get("sliding_window")
-    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
-        window = None
-    if not window:
-        return [-1] * layers
-    types = config.get("layer_types")
-    if types is None and config.get("model_type") in ("qwen2", "qwen3"):
-        first = int(config.get("max_window_layers", 28))
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-    return [int(window) if (types is None or types[i] == "sliding_attention") else -1 for i in range(layers)]
-
-
-def _inv_freq(rope: dict[str, Any], dim: int) -> np.ndarray:
-    inv = 1.0 / (rope["theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    if rope["type"] == "linear":
-        inv = inv / float(rope["factor"])
-    elif rope["type"] == "llama3":  # transformers' _compute_llama3_parameters
-        factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
-        old = float(rope["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - low) / (high - low)
-        scaled = np.where(wavelen > old / low, inv / factor, inv)
-        mid = (wavelen <= old / low) & (wavelen >= old / high)
-        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return inv
+    try:
+        return int(version("transformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return 5
 
 
 class _Weights:
@@ -127,7 +81,8 @@ class _Weights:
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._tensors:
-            raise ExportError(f"the weights have no tensor {name!r}; the folder is not a complete {ARCHITECTURES[0]} checkpoint.")
+            raise ExportError(f"the weights have no tensor {name!r}; the folder is not a complete checkpoint of its architecture "
+                              "(its safetensors files do not match config.json): re-save or re-download it.")
         return self._tensors[name]
 
     def transposed(self, names: list[str]) -> np.ndarray:
@@ -226,10 +181,11 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     if why:
         raise ExportError(f"--exporter fused cannot export {folder}: {why}. Use --exporter optimum.")
     c = json.loads((folder / "config.json").read_text())
+    fam: Family = read_family(c, _transformers_major())
     hidden, layers = int(c["hidden_size"]), int(c["num_hidden_layers"])
     heads = int(c["num_attention_heads"])
     kv_heads = int(c.get("num_key_value_heads") or heads)
-    head_dim = int(c.get("head_dim") or hidden // heads)
+    head_dim = fam.head_dim
     eps = float(c.get("rms_norm_eps", 1e-6))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "model.onnx"
@@ -250,6 +206,12 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
             node("Add", [out + "_mm", data.add(f"{prefix}.bias", b)], [out], f"{out}/Add")
         return out
 
+    def rms_norm(x: str, weight: str, name: str, out: str = "output") -> str:
+        """RMSNorm in float32 (``stash_type``); Gemma's ``x * (1 + w)`` as the stored weight ``1 + w``."""
+        scale = w[weight] + np.float32(fam.norm_offset) if fam.norm_offset else w[weight]
+        return node("SimplifiedLayerNormalization", [x, data.add(weight, scale)], [f"{name}/{out}"], f"{name}/LayerNorm",
+                    axis=-1, epsilon=eps, stash_type=1)[0]
+
     # positions from the mask: seqlens_k = tokens seen - 1 per row, total = the mask's width
     node("ReduceSum", ["attention_mask", data.add("one_axis", np.array([1], np.int64))], ["mask_sum"],
          "/model/attn_mask/ReduceSum", keepdims=0)
@@ -260,21 +222,30 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     node("Cast", ["total_i64"], ["total_seq_len"], "/model/attn_mask/Cast_1", to=TensorProto.INT32)
     # the rotary tables for positions 0..total-1, computed once before the first layer as transformers
     # computes them (fp32 positions x inv_freq, cos, sin): no table stored, and what crosses into each
-    # layer's shard is (total, head_dim / 2), not a copy of a max_position_embeddings table per shard
-    inv = _inv_freq(_rope(c), head_dim).astype(np.float32)
+    # layer's shard is (total, head_dim / 2), not a copy of a max_position_embeddings table per shard.
+    # One pair per distinct RoPE (Gemma 3: the local layers' and the global layers')
     node("Cast", ["total_i64"], ["total_f"], "/model/rotary/Cast", to=TensorProto.FLOAT)
     node("Range", [data.add("zero_f", np.array(0.0, np.float32)), "total_f", data.add("one_f", np.array(1.0, np.float32))],
          ["positions_f"], "/model/rotary/Range")
     node("Unsqueeze", ["positions_f", data.add("one_axis", np.array([1], np.int64))], ["positions_col"], "/model/rotary/Unsqueeze")
-    node("Mul", ["positions_col", data.add("inv_freq", inv)], ["angles"], "/model/rotary/Mul")  # (total, head_dim / 2)
-    cos = node("Cos", ["angles"], ["cos_cache"], "/model/rotary/Cos")[0]
-    sin = node("Sin", ["angles"], ["sin_cache"], "/model/rotary/Sin")[0]
+    tables: dict[bytes, tuple[str, str]] = {}
+    layer_tables = []
+    for rope in fam.ropes:
+        inv = inv_freq(rope, head_dim).astype(np.float32)
+        if inv.tobytes() not in tables:
+            k = f"_{len(tables)}" if tables else ""  # the first pair keeps the names of a one-RoPE graph
+            node("Mul", ["positions_col", data.add(f"inv_freq{k}", inv)], [f"angles{k}"], f"/model/rotary/Mul{k}")  # (total, head_dim / 2)
+            tables[inv.tobytes()] = (node("Cos", [f"angles{k}"], [f"cos_cache{k}"], f"/model/rotary/Cos{k}")[0],
+                                     node("Sin", [f"angles{k}"], [f"sin_cache{k}"], f"/model/rotary/Sin{k}")[0])
+        layer_tables.append(tables[inv.tobytes()])
 
     data.group("embed")
-    node("Gather", [data.add("model.embed_tokens.weight", w["model.embed_tokens.weight"]), "input_ids"],
-         ["/model/embed_tokens/output"], "/model/embed_tokens/Gather")
-    x = "/model/embed_tokens/output"
-    qkv_bias = f"model.layers.0.self_attn.q_proj.bias" in w
+    x = node("Gather", [data.add("model.embed_tokens.weight", w["model.embed_tokens.weight"]), "input_ids"],
+             ["/model/embed_tokens/output"], "/model/embed_tokens/Gather")[0]
+    if fam.embed_scale:  # Gemma: sqrt(hidden) in float32, as transformers casts it to the hidden dtype
+        x = node("Mul", [x, data.add("embed_scale", np.array(fam.embed_scale, np.float32))], ["/model/embed_tokens/scaled"],
+                 "/model/embed_tokens/Mul")[0]
+    qkv_bias = "model.layers.0.self_attn.q_proj.bias" in w
     packed = "model.layers.0.self_attn.qkv_proj.weight" in w  # Phi-3 stores q/k/v and gate/up packed already
     qk_norm = "model.layers.0.self_attn.q_norm.weight" in w
 
@@ -282,45 +253,56 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         """RMSNorm over each head_dim slice of (B, S, n * head_dim): reshaped to (B, S * n, head_dim) and back."""
         flat = node("Reshape", [x, data.add(f"heads_shape_{head_dim}", np.array([0, -1, head_dim], np.int64))],
                     [f"{name}/heads"], f"{name}/Reshape")[0]
-        normed = node("SimplifiedLayerNormalization", [flat, data.add(weight, w[weight])], [f"{name}/normed"],
-                      f"{name}/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
+        normed = rms_norm(flat, weight, name, "normed")
         return node("Reshape", [normed, data.add(f"rows_shape_{n * head_dim}", np.array([0, -1, n * head_dim], np.int64))],
                     [f"{name}/rows"], f"{name}/Reshape_1")[0]
-    windows = _windows(c)
+
+    def mlp(h: str, hf: str, p: str) -> str:
+        """down(act(gate) * up), gate and up in one MatMul: act SiLU, or GELU (tanh: FastGelu) for Gemma."""
+        gu = linear(h, [f"{hf}.mlp.gate_up_proj"] if packed else [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"],
+                    f"{hf}.mlp.gate_up_proj", f"{p}/mlp/gate_up")
+        inter = int(c["intermediate_size"])
+        gate, up = node("Split", [gu, data.add(f"split_{inter}", np.array([inter, inter], np.int64))],
+                        [f"{p}/mlp/gate", f"{p}/mlp/up"], f"{p}/mlp/Split", axis=-1)
+        if fam.activation == "silu":
+            node("Sigmoid", [gate], [f"{p}/mlp/sigmoid"], f"{p}/mlp/Sigmoid")
+            act = node("Mul", [gate, f"{p}/mlp/sigmoid"], [f"{p}/mlp/silu"], f"{p}/mlp/Mul")[0]
+        elif fam.activation == "gelu_tanh":
+            act = node("FastGelu", [gate], [f"{p}/mlp/gelu"], f"{p}/mlp/FastGelu", domain=_MS)[0]
+        else:  # exact GELU (erf): transformers 4.x's reading of Gemma 1's legacy "gelu"
+            act = node("Gelu", [gate], [f"{p}/mlp/gelu"], f"{p}/mlp/Gelu", domain=_MS)[0]
+        node("Mul", [act, up], [f"{p}/mlp/act"], f"{p}/mlp/Mul_1")
+        return linear(f"{p}/mlp/act", [f"{hf}.mlp.down_proj"], f"{hf}.mlp.down_proj", f"{p}/mlp/down")
+
     inputs, outputs = [], []
+    attn_out = {}  # GQA's output: heads * head_dim wide, which need not be hidden (Qwen3, Gemma)
     for i in range(layers):
         p, hf = f"/model/layers.{i}", f"model.layers.{i}"
         data.group(f"layers.{i}")
-        h = node("SimplifiedLayerNormalization", [x, data.add(f"{hf}.input_layernorm.weight", w[f"{hf}.input_layernorm.weight"])],
-                 [f"{p}/input_layernorm/output"], f"{p}/input_layernorm/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
+        h = rms_norm(x, f"{hf}.input_layernorm.weight", f"{p}/input_layernorm")
         qkv = linear(h, [f"{hf}.self_attn.qkv_proj"] if packed else [f"{hf}.self_attn.{n}_proj" for n in "qkv"],
                      f"{hf}.self_attn.qkv_proj", f"{p}/attn/qkv", qkv_bias)
         qkv_in = [qkv, "", ""]
-        if qk_norm:  # Qwen3: an RMSNorm over each head of q and of k, before the rotary embedding (inside GQA)
+        if qk_norm:  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k, before the rotary embedding (inside GQA)
             q, k, v = node("Split", [qkv, data.add("split_qkv", np.array([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))],
                            [f"{p}/attn/q", f"{p}/attn/k", f"{p}/attn/v"], f"{p}/attn/Split", axis=-1)
             qkv_in = [head_norm(q, f"{hf}.self_attn.q_norm.weight", f"{p}/attn/q_norm", heads), head_norm(k, f"{hf}.self_attn.k_norm.weight", f"{p}/attn/k_norm", kv_heads), v]
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
+        cos, sin = layer_tables[i]
         node("GroupQueryAttention", [*qkv_in, past_k, past_v, "seqlens_k", "total_seq_len", cos, sin],
              [f"{p}/attn/output", pres_k, pres_v], f"{p}/attn/GroupQueryAttention", domain=_MS,
-             num_heads=heads, kv_num_heads=kv_heads, scale=1.0 / math.sqrt(head_dim), do_rotary=1,
-             rotary_interleaved=0, local_window_size=windows[i])
+             num_heads=heads, kv_num_heads=kv_heads, scale=fam.scale, do_rotary=1,
+             rotary_interleaved=0, local_window_size=fam.windows[i], **({"softcap": fam.softcap} if fam.softcap else {}))
+        attn_out[f"{p}/attn/output"] = (TensorProto.FLOAT, ["batch_size", "sequence_length", heads * head_dim])
         o = linear(f"{p}/attn/output", [f"{hf}.self_attn.o_proj"], f"{hf}.self_attn.o_proj", f"{p}/attn/o_proj")
+        if fam.sandwich:  # Gemma 2/3: the attention's output normed before the residual, the MLP's input and output too
+            o = rms_norm(o, f"{hf}.post_attention_layernorm.weight", f"{p}/post_attention_layernorm")
         x1 = node("Add", [x, o], [f"{p}/attn/residual"], f"{p}/attn/residual/Add")[0]
-        h2 = node("SimplifiedLayerNormalization",
-                  [x1, data.add(f"{hf}.post_attention_layernorm.weight", w[f"{hf}.post_attention_layernorm.weight"])],
-                  [f"{p}/post_attention_layernorm/output"], f"{p}/post_attention_layernorm/LayerNorm", axis=-1,
-                  epsilon=eps, stash_type=1)[0]
-        gu = linear(h2, [f"{hf}.mlp.gate_up_proj"] if packed else [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"],
-                    f"{hf}.mlp.gate_up_proj", f"{p}/mlp/gate_up")
-        inter = int(c["intermediate_size"])
-        node("Split", [gu, data.add(f"split_{inter}", np.array([inter, inter], np.int64))],
-             [f"{p}/mlp/gate", f"{p}/mlp/up"], f"{p}/mlp/Split", axis=-1)
-        node("Sigmoid", [f"{p}/mlp/gate"], [f"{p}/mlp/sigmoid"], f"{p}/mlp/Sigmoid")
-        node("Mul", [f"{p}/mlp/gate", f"{p}/mlp/sigmoid"], [f"{p}/mlp/silu"], f"{p}/mlp/Mul")
-        node("Mul", [f"{p}/mlp/silu", f"{p}/mlp/up"], [f"{p}/mlp/act"], f"{p}/mlp/Mul_1")
-        d = linear(f"{p}/mlp/act", [f"{hf}.mlp.down_proj"], f"{hf}.mlp.down_proj", f"{p}/mlp/down")
+        pre_mlp = "pre_feedforward_layernorm" if fam.sandwich else "post_attention_layernorm"
+        d = mlp(rms_norm(x1, f"{hf}.{pre_mlp}.weight", f"{p}/{pre_mlp}"), hf, p)
+        if fam.sandwich:
+            d = rms_norm(d, f"{hf}.post_feedforward_layernorm.weight", f"{p}/post_feedforward_layernorm")
         x = node("Add", [x1, d], [f"{p}/mlp/residual"], f"{p}/mlp/residual/Add")[0]
         for n in (past_k, past_v):
             inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch_size", kv_heads, "past_sequence_length", head_dim]))
@@ -335,37 +317,46 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
          "/model/logits_index/Expand")
     x = node("GatherElements", [x, "logits_index_wide"], ["/model/logits_index/output"], "/model/logits_index/GatherElements",
              axis=1)[0]
-    h = node("SimplifiedLayerNormalization", [x, data.add("model.norm.weight", w["model.norm.weight"])],
-             ["/model/norm/output"], "/model/norm/LayerNorm", axis=-1, epsilon=eps, stash_type=1)[0]
+    h = rms_norm(x, "model.norm.weight", "/model/norm")
     head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"  # tied embeddings
-    node("MatMul", [h, data.add("lm_head.weight", w.transposed([head]))], ["logits"], "/lm_head/MatMul")
+    if fam.final_softcap:  # Gemma 2: logits tanh(x / c) * c
+        cap = data.add("final_softcap", np.array(fam.final_softcap, np.float32))
+        node("MatMul", [h, data.add("lm_head.weight", w.transposed([head]))], ["/lm_head/output"], "/lm_head/MatMul")
+        node("Div", ["/lm_head/output", cap], ["/lm_head/softcap/Div_output"], "/lm_head/softcap/Div")
+        node("Tanh", ["/lm_head/softcap/Div_output"], ["/lm_head/softcap/Tanh_output"], "/lm_head/softcap/Tanh")
+        node("Mul", ["/lm_head/softcap/Tanh_output", cap], ["logits"], "/lm_head/softcap/Mul")
+    else:
+        node("MatMul", [h, data.add("lm_head.weight", w.transposed([head]))], ["logits"], "/lm_head/MatMul")
     data.close()
     # contrib ops defeat ONNX's shape inference: type what may cross a shard boundary
     seq = ["batch_size", "sequence_length"]
+    vocab = int(c["vocab_size"])
     typed = {"seqlens_k": (TensorProto.INT32, ["batch_size"]), "total_seq_len": (TensorProto.INT32, None),
              "mask_sum": (TensorProto.INT64, ["batch_size"]), "seqlens_k_i64": (TensorProto.INT64, ["batch_size"]),
              "mask_shape": (TensorProto.INT64, [2]), "total_i64": (TensorProto.INT64, None),
              "total_f": (TensorProto.FLOAT, None), "positions_f": (TensorProto.FLOAT, ["total_sequence_length"]),
              "positions_col": (TensorProto.FLOAT, ["total_sequence_length", 1]),
-             "angles": (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2]),
-             cos: (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2]),
-             sin: (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2]),
              "logits_index_col": (TensorProto.INT64, ["batch_size", "logits_length", 1]),
              "logits_index_wide": (TensorProto.INT64, ["batch_size", "logits_length", hidden]),
              "/model/logits_index/output": (TensorProto.FLOAT, ["batch_size", "logits_length", hidden]),
-             "/model/norm/output": (TensorProto.FLOAT, ["batch_size", "logits_length", hidden])}
+             "/model/norm/output": (TensorProto.FLOAT, ["batch_size", "logits_length", hidden]),
+             **{n: (TensorProto.FLOAT, ["batch_size", "logits_length", vocab])
+                for n in ("/lm_head/output", "/lm_head/softcap/Div_output", "/lm_head/softcap/Tanh_output")}, **attn_out}
+    for k, (cos, sin) in enumerate(tables.values()):
+        for n in (cos, sin, f"angles_{k}" if k else "angles"):
+            typed[n] = (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2])
     known = {"logits", *(o.name for o in outputs)}
     value_info = [helper.make_tensor_value_info(n.output[0], *typed.get(n.output[0], (TensorProto.FLOAT, None)))
                   for n in nodes if n.output[0] not in known]
     for vi in value_info:
-        if vi.name.endswith(("residual", "output")) and vi.name not in typed and vi.type.tensor_type.elem_type == TensorProto.FLOAT:
+        if vi.name.endswith(("residual", "output", "scaled")) and vi.name not in typed and vi.type.tensor_type.elem_type == TensorProto.FLOAT:
             vi.CopyFrom(helper.make_tensor_value_info(vi.name, TensorProto.FLOAT, [*seq, hidden]))
     graph = helper.make_graph(
         nodes, "slimml-fused-decoder",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
          helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "past_sequence_length + sequence_length"]),
          *inputs, helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["batch_size", "logits_length"])],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "logits_length", int(c["vocab_size"])]),
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "logits_length", vocab]),
          *outputs],
         initializer=data.initializers, value_info=value_info,
     )

@@ -199,7 +199,8 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
     - Phi-3's ``sliding_window`` (``attention.sliding_window``, 0 for none);
     - Qwen2/3-MoE's expert sizes (``expert_feed_forward_length``, ``expert_shared_feed_forward_length``);
     - GPT-2's ``n_positions`` from ``context_length`` (the reader sets only ``n_ctx``, and the
-      position table of any GPT-2 whose context is not 1024 does not load).
+      position table of any GPT-2 whose context is not 1024 does not load);
+    - Gemma 2/3's attention scale, soft-capping and Gemma 3's global RoPE scaling (``_gemma_config``).
     """
     from gguf import GGUFReader
 
@@ -222,9 +223,41 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
         value = _field(reader, f"{arch}.{key}")
         if value and hasattr(config, attr) and getattr(config, attr) != int(value):
             fixes[attr] = int(value)
+    if arch in ("gemma2", "gemma3"):
+        fixes.update(_gemma_config(reader, arch, config, hidden, heads, head_dim))
     context = _field(reader, f"{arch}.context_length")
     if arch == "gpt2" and context and getattr(config, "n_positions", None) != int(context):
         fixes["n_positions"] = int(context)
+    return fixes
+
+
+def _gemma_config(reader: Any, arch: str, config: Any, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """What a Gemma 2/3 GGUF means and transformers' reader leaves at its class defaults:
+
+    - ``query_pre_attn_scalar``: the file has none; llama.cpp scales attention by ``head_dim ** -0.5``,
+      by ``(hidden / heads) ** -0.5`` for the 27B models (46 layers for Gemma 2, 62 for Gemma 3), as
+      Google's configs do; the reader leaves 256, wrong for both 27B models;
+    - Gemma 2's ``attn_logit_softcapping`` and ``final_logit_softcapping`` as the file writes them;
+    - Gemma 3's ``rope.scaling`` (linear, factor 8 on the 4B and larger models): global layers only.
+    """
+    fixes: dict[str, Any] = {}
+    layers = int(_field(reader, f"{arch}.block_count") or 0)
+    scalar = hidden // heads if (arch, layers) in (("gemma2", 46), ("gemma3", 62)) else head_dim
+    if scalar and getattr(config, "query_pre_attn_scalar", None) != scalar:
+        fixes["query_pre_attn_scalar"] = scalar
+    for key in ("attn_logit_softcapping", "final_logit_softcapping") if arch == "gemma2" else ():
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None and getattr(config, key, None) != float(value):
+            fixes[key] = float(value)
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if arch == "gemma3" and _field(reader, f"{arch}.rope.scaling.type") == "linear" and factor and float(factor) != 1.0:
+        scaling = {"rope_type": "linear", "factor": float(factor)}
+        nested = getattr(config, "rope_parameters", None)
+        if isinstance(nested, dict) and isinstance(nested.get("full_attention"), dict):  # transformers 5: per layer type
+            if {k: nested["full_attention"].get(k) for k in scaling} != scaling:
+                fixes["rope_parameters"] = {**nested, "full_attention": {**nested["full_attention"], **scaling}}
+        elif (getattr(config, "rope_scaling", None) or {}).get("factor") != float(factor):
+            fixes["rope_scaling"] = scaling
     return fixes
 
 

@@ -239,13 +239,17 @@ def streamed_reference(folder: Path) -> Any:
     def tensor(name: str) -> Any:
         return torch.from_numpy(plain[name]) if reader is plain else reader.torch(name).to(torch.float32)
 
+    from slimml.convert.fused_family import reference_kwargs
+
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     depth = config.num_hidden_layers
-    config.num_hidden_layers = 1
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = config.layer_types[:1]
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
-    shared = model.model.layers[0]
+    types = list(config.layer_types) if isinstance(getattr(config, "layer_types", None), list) else None
+    kinds = list(dict.fromkeys(types)) if types else [None]  # one shared layer per layer type (Gemma 2/3 alternate)
+    config.num_hidden_layers = len(kinds)
+    if types:
+        config.layer_types = kinds
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **reference_kwargs(folder)).eval()
+    shared_by_kind = dict(zip(kinds, model.model.layers))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".layers." not in name:
@@ -256,9 +260,11 @@ def streamed_reference(folder: Path) -> Any:
         def __init__(self, index: int):
             super().__init__()
             self.index = index
-            self.attention_type = getattr(shared, "attention_type", None)
+            self.shared = [shared_by_kind[types[index] if types else None]]  # a list: not a submodule of each
+            self.attention_type = getattr(self.shared[0], "attention_type", None)
 
         def forward(self, *args, **kwargs):
+            shared = self.shared[0]
             with torch.no_grad():
                 for name, p in shared.named_parameters():
                     p.copy_(tensor(f"model.layers.{self.index}.{name}"))
@@ -266,8 +272,8 @@ def streamed_reference(folder: Path) -> Any:
 
     model.model.layers = torch.nn.ModuleList([Streamed(i) for i in range(depth)])
     model.config.num_hidden_layers = depth
-    if isinstance(getattr(model.config, "layer_types", None), list):
-        model.config.layer_types = model.config.layer_types * depth
+    if types:
+        model.config.layer_types = types
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.inference_mode():

@@ -135,7 +135,10 @@ def torch_scores(folder: str | os.PathLike, windows: np.ndarray) -> tuple[np.nda
 
     if bigger_than_memory(weight_bytes(Path(folder))):  # never whole in memory: one layer at a time
         return score_run(streamed_reference(Path(folder)), lambda ids: {"input_ids": ids}, windows)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+    from slimml.convert.fused_family import reference_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True,
+                                                 **reference_kwargs(folder)).eval()
 
     def run(feeds: dict) -> dict:
         with torch.no_grad():

@@ -79,6 +79,9 @@ def _load_hf(source: Source, exported: Exported):
     else:
         from optimum.exporters.tasks import TasksManager
 
+        from slimml.convert.fused_family import reference_kwargs
+
         model = from_pretrained(lambda f, **kw: TasksManager.get_model_from_task(
-            task, str(f), library_name="transformers", local_files_only=True, **kw), source.path)
+            task, str(f), library_name="transformers", local_files_only=True, **reference_kwargs(source.path), **kw),
+            source.path)
     return model.eval()

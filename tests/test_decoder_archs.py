@@ -1,6 +1,7 @@
 """Decoders beyond Llama through the fused exporter (``convert/fused_llama.py``), from a Hugging Face
 folder and from a GGUF file: sliding attention windows (Mistral, Qwen2), Qwen3's per-head q/k norms,
-Phi-3's packed projections, and a Qwen3 GGUF whose head size is not transformers' default.
+Phi-3's packed projections, a Qwen3 GGUF whose head size is not transformers' default, and Gemma,
+Gemma 2 and Gemma 3 (scaled embeddings, ``1 + w`` norms, GELU, soft-capping, local/global RoPE).
 
 Each model is tiny (2 layers, hidden 64, vocabulary 300) with seeded random weights; the artifact's
 greedy tokens must equal transformers' ``generate(do_sample=False)`` past the sliding window.
@@ -22,7 +23,37 @@ FUSED = "fused (slimml, GroupQueryAttention)"
 VOCAB, PROMPT, NEW = 300, 12, 10  # prompt + new tokens run well past a window of 8
 
 
+def _gemma(name: str, window: int = 4, **extra):
+    """A tiny Gemma with what sets it apart exercised: random norm weights (``x * (1 + w)``), head size
+    32 with ``query_pre_attn_scalar`` 24 (the attention scale), a window of 4, Gemma 2's soft-capping at
+    caps the random scores and logits reach, Gemma 3's local and global layers (linear scaling on the
+    global RoPE only). Eager attention: transformers 4.57's SDPA drops Gemma 2's soft-capping."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=128, initializer_range=0.1,
+                 attn_implementation="eager")
+    shape.update(extra)
+    if name == "gemma":
+        model = transformers.GemmaForCausalLM(transformers.GemmaConfig(**shape))
+    elif name == "gemma2":
+        shape.setdefault("query_pre_attn_scalar", 24)
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **shape, sliding_window=window, attn_logit_softcapping=1.0, final_logit_softcapping=1.5))
+    else:
+        shape.setdefault("query_pre_attn_scalar", 24)
+        shape.setdefault("layer_types", ["sliding_attention", "full_attention"])
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **shape, sliding_window=window, rope_scaling={"rope_type": "linear", "factor": 4.0}))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:  # Gemma initializes them to 0 (a norm of 1 + 0)
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
 def _model(name: str):
+    if name.startswith("gemma"):
+        return _gemma(name)
     from transformers import (MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                               Qwen3Config, Qwen3ForCausalLM)
 
@@ -61,7 +92,7 @@ def _exporter(art) -> str:
     return next(s for s in steps if s["step"] == "export")["exporter"]
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
 def test_fused_decoders_generate_as_transformers(name, tmp_path):
     from slimml.convert import ConvertConfig, convert
 
@@ -74,15 +105,80 @@ def test_fused_decoders_generate_as_transformers(name, tmp_path):
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
 
 
+@pytest.mark.parametrize("name", ["gemma", "gemma-legacy-gelu", "gemma2", "gemma3"])
+def test_fused_gemma_logits_equal_transformers_past_the_window(name, tmp_path):
+    """A 10-token prompt, then 6 tokens decoded from the cache, past a window of 4: at every step the
+    fused graph's logits equal transformers' (eager attention, its own cache). Gemma 1 checkpoints
+    say ``hidden_act: "gelu"``: exact GELU to transformers 4.57, the tanh one to 5; each as read."""
+    import onnxruntime as ort
+
+    from slimml.convert.fused_llama import export_fused
+
+    model = _gemma(name.split("-")[0])
+    model.save_pretrained(tmp_path / "hf")
+    if name == "gemma-legacy-gelu":
+        config = json.loads((tmp_path / "hf" / "config.json").read_text())
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    session = ort.InferenceSession(str(export_fused(tmp_path / "hf", tmp_path / "onnx")), providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    seq = np.random.default_rng(0).integers(3, VOCAB, size=(1, 10))
+    empty = np.zeros((1, 2, 0, 32), np.float32)  # (B, kv_heads, past, head_dim)
+    feeds = {"input_ids": seq, "attention_mask": np.ones_like(seq), "logits_index": np.arange(10)[None],
+             **{f"past_key_values.{i}.{t}": empty for i in range(2) for t in ("key", "value")}}
+    cache, diffs = None, []
+    for _ in range(7):
+        out = dict(zip(names, session.run(None, feeds)))
+        with torch.no_grad():
+            ref = model(torch.tensor(feeds["input_ids"]), past_key_values=cache, use_cache=True)
+        cache = ref.past_key_values
+        diffs.append(float(np.abs(out["logits"] - ref.logits.numpy()).max()))
+        token = np.array([[int(ref.logits[0, -1].argmax())]])
+        seq = np.concatenate([seq, token], axis=1)
+        feeds = {"input_ids": token, "attention_mask": np.ones_like(seq), "logits_index": np.zeros((1, 1), np.int64),
+                 **{f"past_key_values.{i}.{t}": out[f"present.{i}.{t}"] for i in range(2) for t in ("key", "value")}}
+    assert max(diffs) < 1e-4, diffs
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_the_layer_by_layer_reference_keeps_each_layers_type(name, tmp_path):
+    """The check of a decoder bigger than memory runs torch one layer at a time: Gemma's sliding and
+    global layers (Gemma 3: with their own RoPE) each run as their own type, Gemma 2 eagerly."""
+    from slimml.convert.layerwise import streamed_reference
+
+    model = _gemma(name)
+    model.save_pretrained(tmp_path / "hf")
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, 10))
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    assert np.abs(streamed_reference(tmp_path / "hf")({"input_ids": ids})["logits"] - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("scheme", ["int4-weights", "int8"])
+def test_a_quantized_gemma_generates(scheme, tmp_path):
+    """The decoder recipes quantize the fused Gemma graph (FastGelu MLP, sandwich norms, scaled tied
+    embedding) and it generates; random weights, so no claim on the tokens."""
+    from slimml.convert import ConvertConfig, convert
+    from slimml.quantize.config import scheme_config
+
+    _gemma("gemma3").save_pretrained(tmp_path / "hf")
+    _save_tokenizer(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False, quantize=scheme_config(scheme)))
+    steps = json.loads((tmp_path / "art" / "manifest.json").read_text())["steps"]
+    assert steps[-1]["step"] == "quantize" and steps[-1]["backend"] == "lm", steps[-1]
+    tokens = _generate(tmp_path / "art", np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT)))
+    assert len(tokens) == NEW and all(0 <= t < VOCAB for t in tokens)
+
+
 def test_a_fused_graph_that_disagrees_with_torch_is_refused(tmp_path, monkeypatch):
     """A misread window (one position short) stands for any fused-exporter bug: the float check
     refuses the artifact in one line naming --exporter optimum, and nothing is written."""
     from slimml.convert import ConvertConfig, convert
-    from slimml.convert import fused_llama
+    from slimml.convert import fused_family
 
     _model("mistral-window").save_pretrained(tmp_path / "hf")
-    windows = fused_llama._windows
-    monkeypatch.setattr(fused_llama, "_windows", lambda c: [w - 1 for w in windows(c)])
+    windows = fused_family._windows
+    monkeypatch.setattr(fused_family, "_windows", lambda c: [w - 1 for w in windows(c)])
     with pytest.raises(ExportError, match=r"disagrees with the source model in torch .* convert with --exporter optimum\.$"):
         convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert not (tmp_path / "art").exists()
@@ -99,16 +195,30 @@ def test_a_partial_rotary_embedding_falls_back_to_optimum(tmp_path):
     assert "partial rotary embedding (factor 0.5)" in can_export_fused(tmp_path)
 
 
-def _gguf_tokenizer_fields(writer) -> None:
-    """A byte-level BPE of VOCAB tokens trained here, written as llama.cpp writes a "gpt2" tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def _bpe():
+    """A byte-level BPE of at most VOCAB tokens, trained here on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(["the cat sat on the mat", "a model of the decoder", "tokens and their merges"] * 20, trainer)
-    state = json.loads(tok.to_str())["model"]
+    return tok
+
+
+def _save_tokenizer(folder) -> None:
+    """A tokenizer beside the model, as every real folder has one: what makes it a language model to
+    quantize's decoder recipes and to convert's perplexity check."""
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=_bpe(), bos_token="<|endoftext|>", eos_token="<|endoftext|>").save_pretrained(folder)
+
+
+def _gguf_tokenizer_fields(writer) -> None:
+    """A byte-level BPE of VOCAB tokens trained here, written as llama.cpp writes a "gpt2" tokenizer."""
+    state = json.loads(_bpe().to_str())["model"]
     vocab = sorted(state["vocab"], key=state["vocab"].get)
     vocab += [f"<|unused{i}|>" for i in range(VOCAB - len(vocab))]  # a small corpus stops the trainer early
     writer.add_tokenizer_model("gpt2")
@@ -120,39 +230,52 @@ def _gguf_tokenizer_fields(writer) -> None:
     writer.add_eos_token_id(0)
 
 
-def _qwen3_gguf(model, path) -> None:
-    """``model`` as a float32 GGUF file, names and metadata as llama.cpp's converter writes a Qwen3."""
+def _gguf(model, path, arch: str, tokenizer=None, norm_offset: float = 0.0, **fields) -> None:
+    """``model`` as a float32 GGUF file, names and metadata as llama.cpp's converter writes ``arch``
+    (``fields``: more ``arch.KEY`` values; ``norm_offset``: added to the norms, as llama.cpp stores
+    Gemma's ``1 + w``)."""
     gguf = pytest.importorskip("gguf")
     c = model.config
-    w = gguf.GGUFWriter(str(path), "qwen3")
+    w = gguf.GGUFWriter(str(path), arch)
     for key, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
                        ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
                        ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv", c.num_key_value_heads),
                        ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim)):
-        w.add_uint32(f"qwen3.{key}", value)
-    w.add_float32("qwen3.rope.freq_base", float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]))
-    w.add_float32("qwen3.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+        w.add_uint32(f"{arch}.{key}", value)
+    theta = getattr(c, "rope_theta", None) or c.rope_parameters.get("rope_theta") or c.rope_parameters["full_attention"]["rope_theta"]
+    w.add_float32(f"{arch}.rope.freq_base", float(theta))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", float(c.rms_norm_eps))
+    for key, value in fields.items():
+        (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
     w.add_file_type(0)
-    _gguf_tokenizer_fields(w)
-    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-             "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    (tokenizer or _gguf_tokenizer_fields)(w)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight":  # tied: llama.cpp writes no output tensor
             continue
-        parts = name.split(".")
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        else:
-            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.weight"
-        w.add_tensor(gname, t.float().numpy())
+        a = t.float().numpy() + (norm_offset if "norm" in name else 0.0)
+        w.add_tensor(names.get_name(name[: -len(".weight")]) + ".weight", a.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _sentencepiece_fields(writer) -> None:
+    """A sentencepiece ("llama") vocabulary of VOCAB tokens as Gemma's GGUF files hold one: pad, eos,
+    bos, unk, the 256 byte tokens (byte fallback), then words."""
+    words = ["\u2581" + w for w in ("the cat sat on mat a model of decoder tokens and their merges is it to in for"
+                                     " with as was by at be this from or an are not but all were when we there can").split()]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), *words]
+    tokens += [f"<unused{i}>" for i in range(VOCAB - len(tokens))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens[:VOCAB])
+    writer.add_token_scores([0.0] * 260 + [-float(i + 1) for i in range(VOCAB - 260)])
+    writer.add_token_types([3, 3, 3, 2, *([6] * 256), *([1] * (VOCAB - 260))])
+    writer.add_pad_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_bos_token_id(2)
+    writer.add_unk_token_id(3)
 
 
 def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
@@ -163,8 +286,32 @@ def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
     from slimml.convert import ConvertConfig, convert
 
     model = _model("qwen3").eval()
-    _qwen3_gguf(model, tmp_path / "tiny-qwen3.gguf")
+    _gguf(model, tmp_path / "tiny-qwen3.gguf", "qwen3")
     report = convert(tmp_path / "tiny-qwen3.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_converts_fused(arch, tmp_path):
+    """A Gemma 2/3 GGUF as llama.cpp writes one (norms stored as 1 + w, a sentencepiece vocabulary, no
+    attention scale; Gemma 2's soft-caps, Gemma 3's linear RoPE scaling for the global layers):
+    transformers' reader leaves the scale at 256, the caps at their defaults and drops the scaling;
+    slimml reads them as llama.cpp runs the file, and the artifact generates as the model. Gemma 3
+    with six layers: five sliding (a window of 4), one global."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from slimml.convert import ConvertConfig, convert
+
+    if arch == "gemma2":
+        model = _gemma(arch, query_pre_attn_scalar=32)  # llama.cpp's scale: head_dim
+        fields = {"attention.sliding_window": 4, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 1.5}
+    else:
+        model = _gemma(arch, num_hidden_layers=6, layer_types=None, query_pre_attn_scalar=32)
+        fields = {"attention.sliding_window": 4, "rope.scaling.type": "linear", "rope.scaling.factor": 4.0}
+    _gguf(model, tmp_path / f"tiny-{arch}.gguf", arch, tokenizer=_sentencepiece_fields, norm_offset=1.0, **fields)
+    report = convert(tmp_path / f"tiny-{arch}.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
@@ -178,6 +325,8 @@ def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
     ("llama", {"attention.key_length": 32, "rope.dimension_count": 32}, "LlamaConfig", {}),
     ("qwen3moe", {"attention.key_length": 64, "expert_feed_forward_length": 64}, "Qwen3MoeConfig",
      {"head_dim": 64, "moe_intermediate_size": 64}),
+    ("gemma2", {"block_count": 46}, "Gemma2Config", {"query_pre_attn_scalar": 32}),  # the 27B: hidden / heads
+    ("gemma3", {"block_count": 26, "attention.key_length": 64}, "Gemma3TextConfig", {"head_dim": 64, "query_pre_attn_scalar": 64}),
 ])
 def test_config_values_the_gguf_reader_drops_are_read_from_the_file(tmp_path, arch, fields, config, want):
     gguf = pytest.importorskip("gguf")
@@ -213,7 +362,8 @@ def test_an_architecture_no_exporter_writes_is_refused_in_one_line(tmp_path):
         report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
     except ExportError as e:
         assert str(e) == ("neither of slimml's exporters writes a 'starcoder2' model (optimum-onnx does not know the "
-                          "architecture; the fused exporter writes Llama, Mistral, Qwen2, Qwen3 and Phi-3 decoders): "
+                          "architecture; the fused exporter writes Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2 and "
+                          "Gemma 3 (text) decoders): "
                           "export it to ONNX yourself (torch.onnx.export) and convert the .onnx file.")
         assert not (tmp_path / "art").exists()
     else:  # a later optimum-onnx exports it: then it must match torch

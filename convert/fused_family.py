@@ -1,0 +1,204 @@
+"""What a decoder family changes in the fused graph (``convert/fused_llama.py``), read from its config.json.
+
+The fused graph is one shape (RMSNorm, packed q/k/v, GroupQueryAttention with the rotary embedding
+inside, packed gate/up, the down projection); a family is the handful of values that shape takes:
+
+- Llama, Mistral, Qwen2, Qwen3, Phi-3: SiLU, attention scale ``head_dim ** -0.5``, one RoPE for
+  every layer, sliding windows where Mistral and Qwen2 slide;
+- Gemma (``GemmaForCausalLM``): embeddings times ``sqrt(hidden)``, RMSNorm ``x * (1 + w)`` (the 1
+  folded into the stored weight: the same float32 product transformers computes), GELU with the tanh
+  approximation (``FastGelu``, ONNX Runtime's fused kernel; matches torch to 1e-6);
+- Gemma 2: also four norms per layer (after attention and around the MLP), attention scale
+  ``query_pre_attn_scalar ** -0.5``, soft-capped attention scores (GQA's ``softcap``) and logits
+  (``tanh(x / c) * c``), a sliding window on alternate layers;
+- Gemma 3 (text, ``Gemma3ForCausalLM``): Gemma 2 without the soft-capping, a per-head q/k RMSNorm
+  (as Qwen3, with Gemma's ``1 + w``), five sliding layers to one global, and two RoPEs: local layers
+  ``rope_local_base_freq`` (10000) without scaling, global layers ``rope_theta`` with ``rope_scaling``
+  (transformers 5 keeps both under ``rope_parameters``, one entry per layer type).
+
+Each value was checked against transformers' own modeling code, 4.57.6 and 5.24 (both read the same
+configs the same way, but for the legacy ``hidden_act: "gelu"`` of Gemma 1 checkpoints, exact GELU in
+4.57 and the tanh approximation in 5: the installed version's reading is followed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ARCHITECTURES = LLAMA_LIKE + GEMMA
+NAMES = "Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2 and Gemma 3 (text)"
+# transformers' activation names -> the op that computes them
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
+
+
+@dataclass
+class Family:
+    """The values the fused graph takes for one decoder (per-layer lists have one entry per layer)."""
+
+    head_dim: int
+    scale: float  # attention scale: head_dim ** -0.5; Gemma 2/3 query_pre_attn_scalar ** -0.5
+    windows: list[int]  # GroupQueryAttention's local_window_size: -1 full attention, else the window
+    ropes: list[dict[str, Any]]  # each layer's RoPE (theta, type, scaling): Gemma 3's local and global differ
+    activation: str = "silu"  # silu(gate) * up; gelu_tanh (FastGelu) or gelu (erf) of gate, times up
+    embed_scale: float | None = None  # Gemma: the looked-up rows times sqrt(hidden), in float32
+    norm_offset: float = 0.0  # Gemma's RMSNorm x * (1 + w): 1.0, added to each stored norm weight
+    sandwich: bool = False  # Gemma 2/3: norm after attention, before and after the MLP (4 per layer)
+    softcap: float = 0.0  # Gemma 2: attention scores tanh(s / c) * c (GQA's softcap; 0: none)
+    final_softcap: float = 0.0  # Gemma 2: logits tanh(x / c) * c
+
+
+def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family | str:
+    """The fused graph's values for ``config``, or why this exporter cannot honour it (one line).
+
+    ``transformers_major``: the installed transformers' major version (Gemma 1's legacy
+    ``hidden_act: "gelu"`` is exact GELU in 4.x and the tanh approximation in 5).
+    """
+    archs = config.get("architectures") or []
+    arch = next((a for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        return f"the fused exporter writes {NAMES} decoders; this model is {archs or 'of no named architecture'}"
+    hidden, heads = int(config.get("hidden_size", 0)), int(config.get("num_attention_heads", 1))
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    if head_dim % 16:
+        return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16, not {head_dim}"
+    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
+        return f"a partial rotary embedding (factor {config['partial_rotary_factor']}) is not written by the fused exporter yet"
+    if config.get("attention_bias") or config.get("mlp_bias"):  # Qwen2's q/k/v biases are written; o_proj's and the MLP's not
+        return "output-projection and MLP biases are not written by the fused exporter yet"
+    if arch in GEMMA:
+        return _gemma(config, arch, head_dim, transformers_major)
+    rope = _rope(config)
+    if isinstance(rope, str):
+        return rope
+    if float(rope.get("partial_rotary_factor") or 1.0) != 1.0:  # transformers 5 keeps it in rope_parameters
+        return f"a partial rotary embedding (factor {rope['partial_rotary_factor']}) is not written by the fused exporter yet"
+    act = config.get("hidden_act", "silu")
+    if ACTIVATIONS.get(act) != "silu":
+        return f"the fused exporter writes SiLU MLPs for {arch}; this one uses {act!r}"
+    layers = int(config["num_hidden_layers"])
+    return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=[rope] * layers)
+
+
+def _gemma(config: dict[str, Any], arch: str, head_dim: int, transformers_major: int) -> Family | str:
+    layers = int(config["num_hidden_layers"])
+    first = arch == "GemmaForCausalLM"
+    act = (config.get("hidden_act") if first else config.get("hidden_activation")) or "gelu_pytorch_tanh"
+    if first and act == "gelu" and transformers_major >= 5:  # transformers 5 reads the legacy "gelu" as the tanh one
+        act = "gelu_pytorch_tanh"
+    if ACTIVATIONS.get(act) not in ("gelu_tanh", "gelu"):
+        return f"the fused exporter writes Gemma's GELU MLPs; this {arch} uses {act!r}"
+    if config.get("use_bidirectional_attention"):
+        return "a Gemma with bidirectional attention (an embedding model) is not a decoder the fused exporter writes"
+    if arch == "Gemma3ForCausalLM" and config.get("attn_logit_softcapping"):  # transformers' Gemma 3 ignores it
+        return "a Gemma 3 config with attn_logit_softcapping set (transformers does not apply it) is not written by the fused exporter"
+    if first:
+        rope = _rope(config)
+        if isinstance(rope, str):
+            return rope
+        return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=[-1] * layers, ropes=[rope] * layers,
+                      activation=ACTIVATIONS[act], embed_scale=math.sqrt(int(config["hidden_size"])), norm_offset=1.0)
+    # a key the config leaves out takes transformers' class default (Gemma 2's caps 50 and 30, 1e6 for
+    # Gemma 3's rope_theta, a window of 4096, query_pre_attn_scalar 256); one written as null means none
+    second = arch == "Gemma2ForCausalLM"
+    types = _gemma_layer_types(config, arch, layers)
+    window = int(config.get("sliding_window", 4096) or 0)
+    ropes = []
+    for t in types:
+        rope = _rope(config) if second else _rope(config, t, default_theta=1e6)
+        if isinstance(rope, str):
+            return rope
+        ropes.append(rope)
+    return Family(
+        head_dim=head_dim, scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
+        windows=[window if (t == "sliding_attention" and window) else -1 for t in types], ropes=ropes,
+        activation=ACTIVATIONS[act], embed_scale=math.sqrt(int(config["hidden_size"])), norm_offset=1.0, sandwich=True,
+        softcap=float(config.get("attn_logit_softcapping", 50.0) or 0.0) if second else 0.0,
+        final_softcap=float(config.get("final_logit_softcapping", 30.0 if second else None) or 0.0))
+
+
+def _gemma_layer_types(config: dict[str, Any], arch: str, layers: int) -> list[str]:
+    """``layer_types`` as written, else transformers' default: Gemma 2 slides in even layers, Gemma 3
+    in all but every ``sliding_window_pattern``-th (6)."""
+    types = config.get("layer_types")
+    if types:
+        return list(types)
+    pattern = 2 if arch == "Gemma2ForCausalLM" else int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6)
+    return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+
+
+def _rope(config: dict[str, Any], layer_type: str | None = None, default_theta: float = 10000.0) -> dict[str, Any] | str:
+    """theta and scaling, wherever the config keeps them; a string says why they cannot be honoured.
+
+    ``layer_type`` (Gemma 3): transformers 5 keeps one ``rope_parameters`` entry per layer type; 4.57
+    reads ``rope_theta`` and ``rope_scaling`` for global layers and ``rope_local_base_freq`` (no
+    scaling) for sliding ones.
+    """
+    nested = (config.get("rope_parameters") or {}).get(layer_type) if layer_type else None
+    if isinstance(nested, dict):  # transformers 5's Gemma 3: one entry per layer type
+        params = dict(nested)
+    elif layer_type == "sliding_attention":  # transformers 4.57's Gemma 3: local layers, no scaling
+        params = {"rope_theta": config.get("rope_local_base_freq") or 10000.0}
+    else:
+        params = dict(config.get("rope_parameters") or {}) if layer_type is None else {}  # transformers 5 (one type)
+        params.update(config.get("rope_scaling") or {})
+    theta = params.get("rope_theta", config.get("rope_theta", default_theta))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        return f"RoPE scaling {kind!r} is not written by the fused exporter yet"
+    return {"theta": float(theta), "type": kind, **{k: v for k, v in params.items() if k not in ("rope_type", "type")}}
+
+
+def _windows(config: dict[str, Any]) -> list[int]:
+    """Per layer, GroupQueryAttention's ``local_window_size``: -1 for full attention, else the sliding
+    window (the same number of positions as transformers' mask: measured equal logits, 14 tokens
+    through a window of 8). Mistral slides in every layer when ``sliding_window`` is set; Qwen2
+    only with ``use_sliding_window``, in the layers ``layer_types`` names (by default those from
+    ``max_window_layers`` on), as transformers 4.57 reads the config."""
+    layers = int(config["num_hidden_layers"])
+    window = config.get("sliding_window")
+    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+        window = None
+    if not window:
+        return [-1] * layers
+    types = config.get("layer_types")
+    if types is None and config.get("model_type") in ("qwen2", "qwen3"):
+        first = int(config.get("max_window_layers", 28))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return [int(window) if (types is None or types[i] == "sliding_attention") else -1 for i in range(layers)]
+
+
+def inv_freq(rope: dict[str, Any], dim: int) -> np.ndarray:
+    """RoPE's inverse frequencies (dim / 2,) as transformers computes them for ``rope``'s type."""
+    inv = 1.0 / (rope["theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if rope["type"] == "linear":
+        inv = inv / float(rope["factor"])
+    elif rope["type"] == "llama3":  # transformers' _compute_llama3_parameters
+        factor, low, high = float(rope["factor"]), float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        mid = (wavelen <= old / low) & (wavelen >= old / high)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv
+
+
+def reference_kwargs(folder: str | Path) -> dict[str, Any]:
+    """``from_pretrained`` keywords that make transformers compute the model in ``folder`` as it was
+    trained, for the checks that compare against it: eager attention where the config soft-caps the
+    attention scores (Gemma 2), which transformers 4.57's default SDPA path drops without a word
+    (measured: logits 4.1 apart on a tiny Gemma 2 with a cap of 1; transformers 5 runs Gemma 2 eagerly)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    capped = config.get("model_type") == "gemma2" or config.get("attn_logit_softcapping")  # Gemma 2's default cap: 50
+    return {"attn_implementation": "eager"} if capped else {}
