@@ -55,7 +55,7 @@ def check_config(folder: str | Path) -> None:
     if not dangerous and not (unknown and _newer(wrote, installed)):
         return
     keys = dangerous or unknown
-    fixes = "; ".join(_MOVES[k] for k in keys if k in _MOVES)
+    fixes = "; ".join(_move(k, config) for k in keys if k in _MOVES)
     by = f"transformers {wrote}" if wrote else "another transformers version"
     raise SourceError(
         f"{path} was written by {by} and holds {', '.join(repr(k) for k in keys)}, which the installed "
@@ -63,6 +63,17 @@ def check_config(folder: str | Path) -> None:
         f"config.json: {fixes or 'translate those keys to what this version reads, or remove them'}, or install the "
         f"transformers that wrote it (pip install 'transformers>={wrote or 5}'; the fused and torch exporters work with it)."
     )
+
+
+def _move(key: str, config: dict[str, Any]) -> str:
+    """Where the installed transformers wants what ``key`` holds: for a ``rope_parameters`` with one
+    entry per layer type (transformers 5's Gemma 3), each type's theta has its own 4.57 key."""
+    nested = config.get("rope_parameters") if key == "rope_parameters" else None
+    if isinstance(nested, dict) and any(isinstance(v, dict) for v in nested.values()):
+        return ("copy rope_parameters.full_attention.rope_theta to a top-level \"rope_theta\" (its other entries, "
+                "with rope_type, to \"rope_scaling\") and rope_parameters.sliding_attention.rope_theta to "
+                "\"rope_local_base_freq\"")
+    return _MOVES[key]
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -172,6 +172,9 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             for key, value in missed_config(path, config).items():
                 setattr(config, key, value)
+                rope = getattr(config, "rope_parameters", None)
+                if isinstance(rope, dict) and key in rope:  # transformers 5 reads RoPE values from rope_parameters
+                    rope[key] = value
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config, dtype="float32")
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     except (RuntimeError, ValueError, KeyError, TypeError, AttributeError, NotImplementedError) as e:
@@ -191,7 +194,7 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
 
 
 def missed_config(path: Path, config: Any) -> dict[str, Any]:
-    """Config values the file holds and transformers 4.57's GGUF reader drops, as ``config`` attributes.
+    """Config values the file holds and transformers' GGUF reader drops (4.57 and 5), as ``config`` attributes.
 
     - ``head_dim`` from ``attention.key_length`` where the config says otherwise (the reader leaves
       Qwen3's at the class default, 128, and a Qwen3 of another head size does not load);
@@ -213,7 +216,9 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
     if key_length and int(key_length) != head_dim:
         fixes["head_dim"] = head_dim = int(key_length)
     rotary = _field(reader, f"{arch}.rope.dimension_count")
-    if rotary and head_dim and hasattr(config, "partial_rotary_factor") and int(rotary) != round(config.partial_rotary_factor * head_dim):
+    factor = getattr(config, "partial_rotary_factor", None)  # transformers 5 keeps it in rope_parameters
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor") if factor is None else factor
+    if rotary and head_dim and factor is not None and int(rotary) != round(float(factor) * head_dim):
         fixes["partial_rotary_factor"] = int(rotary) / head_dim
     window = _field(reader, f"{arch}.attention.sliding_window")
     if arch == "phi3" and window and getattr(config, "sliding_window", None) != int(window):

@@ -94,3 +94,29 @@ def test_the_torch_exporter_refuses_an_encoder_decoder_in_one_line(tmp_path):
     with pytest.raises(SlimmlError, match="single-graph models.*leave --exporter out") as e:
         convert(tmp_path / "t5", tmp_path / "art", TORCH)
     assert "\n" not in str(e.value) and not (tmp_path / "art").exists()
+
+
+def test_attention_of_a_torch_exported_encoder_fuses_in_every_layer_shard(tmp_path):
+    """The torch exporter writes the attention ONNX Runtime's fusion matches, under transformers 4.57
+    and 5 alike: the additive mask 4.57 built (transformers 5's boolean one is ~50 ops the fusion
+    does not follow into a layer shard), the head counts spelled out in the reshapes, the scores
+    divided by sqrt(d). int8 then runs one QAttention per layer, as optimum's graph does."""
+    import onnx
+
+    from slimml.quantize import Int8DynamicConfig
+
+    report = convert(None, tmp_path / "art", ConvertConfig(export=ExportConfig(exporter="torch"), measure_latency=False,
+                                                           quantize=Int8DynamicConfig(calibration_size=16)))
+    assert report.checks["max_abs_diff_vs_torch"] <= 1e-4
+    art = tmp_path / "art"
+    manifest = json.loads((art / "manifest.json").read_text())
+    layers = manifest["source"]["num_hidden_layers"]
+    ops = [n.op_type for f in sorted(art.glob("shard_*.onnx")) for n in onnx.load(str(f), load_external_data=False).graph.node]
+    assert ops.count("QAttention") == layers and "Softmax" not in ops
+    model = load(art)
+    try:
+        emb = model.encode(TEXTS)
+        assert emb.shape == (3, 384) and np.all(np.isfinite(emb))
+        assert float(emb[0] @ emb[1]) < float(emb[0] @ emb[0])  # unit vectors, different texts
+    finally:
+        model.close()

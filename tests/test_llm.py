@@ -130,6 +130,23 @@ def test_config_from_newer_transformers_is_refused(small_folder, tmp_path):
     assert not out.exists()
 
 
+def test_a_gemma3_config_with_rope_parameters_per_layer_type_names_each_key(tmp_path):
+    """transformers 5's Gemma 3 keeps one rope_parameters entry per layer type: the advice names both."""
+    import transformers
+
+    from slimml.convert.config_check import check_config
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        pytest.skip(f"transformers {transformers.__version__} reads rope_parameters itself")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "transformers_version": "5.24.0",
+        "rope_parameters": {"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+                            "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}}))
+    with pytest.raises(SourceError, match=r"full_attention.rope_theta to a top-level \"rope_theta\".*sliding_attention"
+                                          r".rope_theta to \"rope_local_base_freq\""):
+        check_config(tmp_path)
+
+
 @pytest.mark.parametrize("files, match", [
     ({"config.json": "{not json"}, "config.json is not valid JSON at line 1 column 2; fix it"),
     ({"config.json": "[1, 2]"}, "holds a JSON list, not an object of config keys"),
