@@ -458,7 +458,8 @@ def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
 @config_options(loading=Options(LoadConfig, only=("device", "resident", "prefetch", "memory_budget", "pin")))
 def generate(
     artifact: Artifact,
-    prompt: Annotated[list[str], typer.Option("--prompt", help="A prompt (repeat for a batch).")],
+    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts, after the artifact (or --prompt).", show_default=False)] = None,
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="A prompt (repeat for a batch).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to add per prompt at most.")] = 32,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy (the most likely token each step).")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens only (0: off).")] = 0,
@@ -484,6 +485,10 @@ def generate(
                               stop_token_ids=tuple(stop_token_id or ()), truncate=truncate)
     if system is not None and not chat:
         raise ConfigError("--system is a chat message; add --chat, or put the text in --prompt.")
+    prompt = [*(prompts or ()), *(prompt or ())]
+    if not prompt:
+        raise ConfigError(f'no prompt given; add one after the artifact: slimml generate {artifact} "Once upon a time" '
+                          '(or --prompt TEXT, repeated for a batch).')
     head = [{"role": "system", "content": system}] if system is not None else []
     conversations = [[*head, {"role": "user", "content": p}] for p in prompt]
     model = load(artifact, loading.build())

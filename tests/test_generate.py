@@ -377,5 +377,10 @@ def test_cli_generate_streams_with_the_same_options(llama):
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tokens"] == llama.chat([[{"role": "user", "content": "hi"}],
                                                          [{"role": "user", "content": "the model"}]], max_new_tokens=4).tokens
+    r = slimml("the model", "--max-new-tokens", 10, "--temperature", 0.8, "--top-k", 50, "--top-p", 0.95,
+               "--repetition-penalty", 1.1, "--seed", 3)  # the prompt after the artifact, as llama.cpp's users type it
+    assert r.returncode == 0 and r.stdout == "the model" + want.texts[0] + "\n", r.stderr
+    r = slimml("--max-new-tokens", 4)
+    assert r.returncode == 1 and r.stderr.strip().startswith("error: no prompt given; add one after the artifact")
     r = slimml("--prompt", "hi", "--top-p", 2)
     assert r.returncode == 1 and r.stderr.strip() == "error: top_p must be in (0, 1] (1 turns it off), got 2.0."
