@@ -1,4 +1,4 @@
-"""Convert tiny random models of nine encoder/classifier families with one exporter (argv[1]: torch or optimum) and print whether the check against torch passes."""
+"""Convert tiny random models of nine encoder/classifier families with one exporter (argv[1]: torch or optimum) and print whether the check against torch passes; with argv[2] `int8`, quantized, and how many layers' attention fused (QAttention)."""
 import shutil
 import sys
 import tempfile
@@ -22,14 +22,24 @@ fams = {
  "albert": lambda: T.AlbertModel(T.AlbertConfig(**S, embedding_size=16)),
 }
 exp = sys.argv[1] if len(sys.argv) > 1 else "torch"
+int8 = len(sys.argv) > 2 and sys.argv[2] == "int8"
 work = Path(tempfile.mkdtemp(prefix="slimml-families-"))
 for name, make in fams.items():
     torch.manual_seed(0)
     root = work / name
     make().eval().save_pretrained(root / "src"); tok.save_pretrained(root / "src")
     try:
-        r = convert(root / "src", root / "art", ConvertConfig(export=ExportConfig(exporter=exp), measure_latency=False))
-        print(T.__version__, exp, name, "OK", r.task, "max abs diff vs torch", r.checks.get("max_abs_diff_vs_torch"))
+        quantize = None
+        if int8:
+            from slimml.quantize import Int8DynamicConfig
+            quantize = Int8DynamicConfig(calibration_size=16)
+        r = convert(root / "src", root / "art", ConvertConfig(export=ExportConfig(exporter=exp), measure_latency=False, quantize=quantize))
+        fused = ""
+        if int8:
+            import onnx
+            ops = [n.op_type for f in (root / "art").glob("shard_*.onnx") for n in onnx.load(str(f), load_external_data=False).graph.node]
+            fused = f", int8 QAttention {ops.count('QAttention')} of 2 layers"
+        print(T.__version__, exp, name, "OK", r.task, "max abs diff vs torch", r.checks.get("max_abs_diff_vs_torch"), fused)
     except Exception as e:
         print(T.__version__, exp, name, "FAIL", type(e).__name__, str(e)[:300])
 shutil.rmtree(work, ignore_errors=True)

@@ -126,9 +126,19 @@ def _spell_out_heads(model: Any) -> int:
         shapes = onnx.shape_inference.infer_shapes(model, data_prop=False).graph.value_info
     except Exception:
         return 0
-    dims = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim] for v in shapes}
+    dims = {v.name: [d.dim_value or d.dim_param or None for d in v.type.tensor_type.shape.dim] for v in shapes}
+    dims.update({v.name: [d.dim_value or d.dim_param or None for d in v.type.tensor_type.shape.dim] for v in graph.input})
     producers = {o: n for n in graph.node for o in n.output}
     consts = {n.output[0]: n for n in graph.node if n.op_type == "Constant"}
+
+    def dim_of(part: str) -> tuple[str, int] | None:  # Unsqueeze(Gather(Shape(x), k)): (x, k)
+        unsq = producers.get(part)
+        gather = producers.get(unsq.input[0]) if unsq is not None and unsq.op_type == "Unsqueeze" else None
+        shape = producers.get(gather.input[0]) if gather is not None and gather.op_type == "Gather" else None
+        if shape is None or shape.op_type != "Shape" or gather.input[1] not in consts:
+            return None
+        return shape.input[0], int(numpy_helper.to_array(consts[gather.input[1]].attribute[0].t).reshape(-1)[0])
+
     changed = 0
     for node in graph.node:
         concat = producers.get(node.input[1]) if node.op_type == "Reshape" else None
@@ -136,14 +146,19 @@ def _spell_out_heads(model: Any) -> int:
             continue
         values = [numpy_helper.to_array(consts[x].attribute[0].t) if x in consts else None for x in concat.input]
         start = next((k for k, v in enumerate(values) if v is not None and -1 in v.reshape(-1).tolist()), None)
-        if start is None or any(v is None for v in values[start:]):
+        if start != 2 or any(v is None for v in values[start:]):
+            continue
+        lead = [dim_of(x) for x in concat.input[:2]]  # the data's own batch and sequence dims, 0 and 1, kept
+        data = dims.get(node.input[0]) or []
+        if None in lead or [k for _, k in lead] != [0, 1] or not data[:2] or None in data[:2] or any(
+                (dims.get(x) or [])[:2] != data[:2] for x, _ in lead):
             continue
         tail = np.concatenate([v.reshape(-1) for v in values[start:]])  # (-1, head_size) or (-1,), in one or two Constants
-        shape = dims.get(node.input[0]) or []
-        if len(tail) == 2 and tail[0] == -1 and tail[1] > 0 and len(shape) == 3 and shape[2] and shape[2] % tail[1] == 0:
-            parts = [np.array([shape[2] // tail[1]]), np.array([tail[1]])]  # (b, s, -1, hs) -> (b, s, heads, hs)
-        elif len(tail) == 1 and len(shape) == 4 and all(shape[2:]):
-            parts = [np.array([shape[2] * shape[3]])]  # (b, s, h, hs) -> (b, s, h * hs)
+        static = [d if isinstance(d, int) and d > 0 else None for d in data[2:]]  # the hidden dims, fixed by the weights
+        if len(tail) == 2 and tail[0] == -1 and tail[1] > 0 and len(static) == 1 and static[0] and static[0] % tail[1] == 0:
+            parts = [np.array([static[0] // tail[1]]), np.array([tail[1]])]  # (b, s, -1, hs) -> (b, s, heads, hs)
+        elif len(tail) == 1 and len(static) == 2 and all(static):
+            parts = [np.array([static[0] * static[1]])]  # (b, s, h, hs) -> (b, s, h * hs)
         else:
             continue
         names = []
@@ -154,7 +169,7 @@ def _spell_out_heads(model: Any) -> int:
         concat.input[:] = [*concat.input[:start], *names]
         changed += 1
     if changed:
-        model.graph.CopyFrom(_sorted(graph))
+        _constants_first(graph)
     return changed
 
 
@@ -164,6 +179,7 @@ def _scale_as_division(graph: Any) -> int:
     ONNX Runtime's fusion takes the scores' ``Mul`` for the mask's and matches neither. Returns the
     nodes changed."""
     import numpy as np
+    import onnx
     from onnx import numpy_helper
 
     producers = {o: n for n in graph.node for o in n.output}
@@ -185,30 +201,23 @@ def _scale_as_division(graph: Any) -> int:
         value = numpy_helper.to_array(scale.attribute[0].t)
         if value.size != 1 or float(value.reshape(-1)[0]) == 0.0:
             continue
-        scale.attribute[0].t.CopyFrom(numpy_helper.from_array((np.float32(1.0) / value).astype(value.dtype), scale.attribute[0].t.name))
-        node.op_type = "Div"
+        name = f"{node.output[0]}_divisor"  # a Constant of its own: the scale's may be read elsewhere too
+        graph.node.append(onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
+            (np.float32(1.0) / value).astype(value.dtype), name)))
+        node.op_type, node.input[1] = "Div", name
         changed += 1
+    if changed:
+        _constants_first(graph)
     return changed
 
 
-def _sorted(graph: Any) -> Any:
-    """``graph`` with its nodes in an order where each comes after what it reads (the new Constants
-    were appended)."""
-    made = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
-    left, order = list(graph.node), []
-    while left:
-        ready = [n for n in left if all(i in made for i in n.input)]
-        if not ready:
-            order.extend(left)  # a cycle cannot happen here; keep what is left as it was
-            break
-        for n in ready:
-            made.update(n.output)
-        order.extend(ready)
-        ready_ids = {id(n) for n in ready}
-        left = [n for n in left if id(n) not in ready_ids]
+def _constants_first(graph: Any) -> None:
+    """The graph's ``Constant`` nodes (they read nothing) moved before the others, which keep their
+    order: the Constants the rewrites append then come before the nodes that read them."""
+    nodes = list(graph.node)
+    order = [n for n in nodes if n.op_type == "Constant" and not n.input] + [n for n in nodes if n.op_type != "Constant" or n.input]
     del graph.node[:]
     graph.node.extend(order)
-    return graph
 
 
 def _drop_wrapper_scope(graph: Any) -> None:
