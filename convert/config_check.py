@@ -69,11 +69,14 @@ def _move(key: str, config: dict[str, Any]) -> str:
     """Where the installed transformers wants what ``key`` holds: for a ``rope_parameters`` with one
     entry per layer type (transformers 5's Gemma 3), each type's theta has its own 4.57 key."""
     nested = config.get("rope_parameters") if key == "rope_parameters" else None
-    if isinstance(nested, dict) and any(isinstance(v, dict) for v in nested.values()):
-        return ("copy rope_parameters.full_attention.rope_theta to a top-level \"rope_theta\" (its other entries, "
-                "with rope_type, to \"rope_scaling\") and rope_parameters.sliding_attention.rope_theta to "
-                "\"rope_local_base_freq\"")
-    return _MOVES[key]
+    if not (isinstance(nested, dict) and any(isinstance(v, dict) for v in nested.values())):
+        return _MOVES[key]
+    if not str(config.get("model_type", "")).startswith("gemma3"):
+        return ("rope_parameters holds one entry per layer type: copy each type's values to the keys this "
+                "version's config class reads for that type")
+    return ("copy rope_parameters.full_attention.rope_theta to a top-level \"rope_theta\" (its other entries, "
+            "with rope_type, to \"rope_scaling\") and rope_parameters.sliding_attention.rope_theta to "
+            "\"rope_local_base_freq\"")
 
 
 def _read(path: Path) -> dict[str, Any]:

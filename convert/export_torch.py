@@ -91,10 +91,17 @@ def _takes_additive_mask(model: Any, names: tuple[str, ...], example: tuple[Any,
     (batch, 1, 1, seq) as with its 2-D ``attention_mask``: the mask transformers 4.57 built, four
     small ops ONNX Runtime's attention fusion traces back to the input. transformers 5 builds a
     boolean mask through ~50 ops (``Range``, ``GreaterOrEqual``, ``Where``) that it does not, so a
-    quantized encoder kept unfused attention (measured: batch-1 latency 1.16x on all-MiniLM-L6-v2)."""
+    quantized encoder kept unfused attention (measured: batch-1 latency 1.06-1.16x on all-MiniLM-L6-v2).
+    Only the encoders whose attention ONNX Runtime fuses (``quantize.fuse.FUSABLE_MODEL_TYPES``: full
+    attention in every layer) are asked: a model with sliding-window layers (ModernBERT) would take
+    the one mask for all of them, which the short example cannot show."""
     import torch
 
-    if "attention_mask" not in names:
+    from slimml.quantize.fuse import FUSABLE_MODEL_TYPES
+
+    config = model.config
+    windowed = any(getattr(config, k, None) for k in ("sliding_window", "local_attention", "layer_types"))
+    if "attention_mask" not in names or config.model_type not in FUSABLE_MODEL_TYPES or windowed:
         return False
     feeds = dict(zip(names, example))
     try:
@@ -199,8 +206,9 @@ def _scale_as_division(graph: Any) -> int:
         if add.op_type != "Add" or not any(u.op_type == "Softmax" for u in consumers.get(add.output[0], [])):
             continue
         value = numpy_helper.to_array(scale.attribute[0].t)
-        if value.size != 1 or float(value.reshape(-1)[0]) == 0.0:
-            continue
+        c = float(value.reshape(-1)[0]) if value.size == 1 else 0.0
+        if c <= 0.0 or abs(1.0 / (c * c) - round(1.0 / (c * c))) > 1e-3 * (1.0 / (c * c)):
+            continue  # not 1/sqrt(head size), the only scale ONNX Runtime's fused Attention computes
         name = f"{node.output[0]}_divisor"  # a Constant of its own: the scale's may be read elsewhere too
         graph.node.append(onnx.helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
             (np.float32(1.0) / value).astype(value.dtype), name)))
@@ -213,9 +221,12 @@ def _scale_as_division(graph: Any) -> int:
 
 def _constants_first(graph: Any) -> None:
     """The graph's ``Constant`` nodes (they read nothing) moved before the others, which keep their
-    order: the Constants the rewrites append then come before the nodes that read them."""
+    order: the Constants the rewrites append then come before the nodes that read them. Constants
+    nothing reads any more (what the rewrites replaced) are dropped."""
     nodes = list(graph.node)
-    order = [n for n in nodes if n.op_type == "Constant" and not n.input] + [n for n in nodes if n.op_type != "Constant" or n.input]
+    read = {i for n in nodes for i in n.input} | {o.name for o in graph.output}
+    order = [n for n in nodes if n.op_type == "Constant" and not n.input and n.output[0] in read] + [
+        n for n in nodes if n.op_type != "Constant" or n.input]
     del graph.node[:]
     graph.node.extend(order)
 
@@ -246,7 +257,7 @@ def _outputs_module(model: Any, names: tuple[str, ...], outputs: tuple[str, ...]
         def __init__(self, model, names, outputs):
             super().__init__()
             self.model, self.names, self.outputs = model, tuple(names), tuple(outputs)
-            self.slimml_mask = AdditiveMask() if additive_mask else None  # its nodes: /slimml_mask/..., apart from the model's
+            self.slimml_mask = _additive_mask_module() if additive_mask else None  # its nodes: /slimml_mask/..., apart from the model's
 
         def forward(self, *args):
             feeds = dict(zip(self.names, args))
@@ -255,11 +266,20 @@ def _outputs_module(model: Any, names: tuple[str, ...], outputs: tuple[str, ...]
             out = self.model(**feeds, return_dict=True)
             return tuple(out[o] for o in self.outputs)
 
+    return Outputs(model, names, outputs)
+
+
+def _additive_mask_module() -> Any:
+    import torch
+
     class AdditiveMask(torch.nn.Module):
+        """``attention_mask`` (batch, seq) as 4.57's additive mask (:func:`_additive`), in a module of
+        its own so that its nodes are named apart from the model's."""
+
         def forward(self, mask):
             return _additive(mask)
 
-    return Outputs(model, names, outputs)
+    return AdditiveMask()
 
 
 def _inputs(folder: Path, model: Any, task: str) -> tuple[tuple[str, ...], tuple[Any, ...], dict[str, dict[int, str]]]:

@@ -111,6 +111,7 @@ def q8_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 SNAP_MEAN = 0.2  # steps: a >= 5-bit copy of Q4_1 blocks lies 0.00-0.15 from its grid on average, weights off any grid ~0.25
 SNAP_FAR, SNAP_FAR_SHARE = 0.35, 0.02  # and few of its values far from it (Q5_0 0.5%; off any grid ~30%, IQ4_NL 13%)
 SNAP_FITS = 3  # rounds of "codes, then d and m by least squares"
+SNAP_TELLING = 8  # distinct values a block needs for its distance to the grid to count (a Q4_1 block of 32 has up to 16)
 
 
 def gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -128,12 +129,20 @@ def gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | No
     Q5_0, which keeps neither the minimum nor the maximum, misplaces 0.3% of codes by one). Weights
     off any grid are ~0.25 away on average, ~30% of them further than 0.35 (uniformly between
     levels); a 5- or 6-bit grid of such weights puts a quarter to a half of its levels between
-    the 4-bit ones, and IQ4_NL's non-uniform copy 13%: those are None."""
+    the 4-bit ones, and IQ4_NL's non-uniform copy 13%: those are None. Only blocks of at least
+    ``SNAP_TELLING`` distinct values count (zero or sparse blocks fit any grid), and they must be at
+    least half of the blocks; non-finite weights are None."""
+    if b.size == 0 or not np.isfinite(b).all():
+        return None
     found = exact_gguf_blocks(b)
     if found is not None:
         return found
     b = b.astype(np.float32)
     lo, hi = b.min(axis=-1), b.max(axis=-1)
+    distinct = (np.diff(np.sort(b, axis=-1), axis=-1) > 0).sum(axis=-1) + 1
+    telling = distinct >= SNAP_TELLING  # blocks of a few distinct values (zeros, sparse rows) fit any grid
+    if telling.mean() < 0.5:
+        return None  # too few blocks to tell a copy of a grid from weights off it
     d = np.where(hi > lo, (hi - lo) / 15, 1.0)
     m = lo
     for _ in range(SNAP_FITS):
@@ -151,7 +160,8 @@ def gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | No
     m16 = np.where(ends, lo, b.mean(axis=-1) - d16.astype(np.float32) * q.mean(axis=-1)).astype(np.float16)  # m after d's rounding
     q = np.clip(np.rint((b - m16.astype(np.float32)[..., None]) / d16.astype(np.float32)[..., None]), 0, 15)
     miss = np.abs(b - (d16.astype(np.float32)[..., None] * q + m16.astype(np.float32)[..., None])) / d16.astype(np.float32)[..., None]
-    if miss.size == 0 or miss.mean() > SNAP_MEAN or (miss > SNAP_FAR).mean() > SNAP_FAR_SHARE:
+    miss = miss[telling]
+    if miss.mean() > SNAP_MEAN or (miss > SNAP_FAR).mean() > SNAP_FAR_SHARE:
         return None
     return q.astype(np.uint8), d16, m16
 

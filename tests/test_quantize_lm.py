@@ -332,3 +332,11 @@ def test_a_float16_bfloat16_q8_0_or_5_bit_copy_of_q4_1_blocks_snaps_back_onto_it
         assert gguf_blocks(quants.dequantize(quants.quantize(normal.reshape(64, -1), t), t).reshape(normal.shape)) is None, kind
     six_bit = rng.integers(0, 64, (64, 6, 32)).astype(np.float32) * 0.001  # Q6_K-like: more levels stay off it
     assert gguf_blocks(six_bit) is None
+    sparse = normal * (rng.random(normal.shape) < 0.04)  # zero or near-empty blocks fit any grid: they do not vote
+    assert gguf_blocks(sparse) is None
+    rows = normal.copy()
+    rows[3:] = 0.0  # 95% zero rows
+    assert gguf_blocks(rows) is None
+    broken = w.copy()
+    broken[0, 0, 5] = np.nan
+    assert gguf_blocks(broken) is None
