@@ -111,6 +111,7 @@ def q8_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 SNAP_MEAN = 0.2  # steps: a >= 5-bit copy of Q4_1 blocks lies 0.00-0.15 from its grid on average, weights off any grid ~0.25
 SNAP_FAR, SNAP_FAR_SHARE = 0.35, 0.02  # and few of its values far from it (Q5_0 0.5%; off any grid ~30%, IQ4_NL 13%)
 SNAP_FITS = 3  # rounds of "codes, then d and m by least squares"
+Q5_IMAGES = np.rint(np.arange(16) * 31 / 15)  # where Q5_1 puts Q4_1's codes when both ends are 0 and 15
 SNAP_TELLING = 8  # distinct values a block needs for its distance to the grid to count (a Q4_1 block of 32 has up to 16)
 
 
@@ -154,7 +155,8 @@ def gguf_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | No
         m = b.mean(axis=-1) - d * q.mean(axis=-1)
     five = (hi - lo) / 31  # a Q5_1 copy (31 steps from its minimum to its maximum) keeps both ends exactly,
     k = (b - lo[..., None]) / np.where(five > 0, five, 1)[..., None]  # and its rounding, the same for every
-    ends = (five > 0) & (np.abs(k - np.rint(k)).max(axis=-1) <= 0.01)  # block, would bias least squares
+    ends = (five > 0) & (np.abs(k - np.rint(k)).max(axis=-1) <= 0.01)  # block, would bias least squares;
+    ends &= np.isin(np.rint(k), Q5_IMAGES).all(axis=-1)  # its codes are Q4_1's 0..15 rounded onto 31 steps
     d16 = np.where(ends, (hi - lo) / 15, d).astype(np.float16)
     d16 = np.where(d16 == 0, np.float16(1), d16)
     m16 = np.where(ends, lo, b.mean(axis=-1) - d16.astype(np.float32) * q.mean(axis=-1)).astype(np.float16)  # m after d's rounding

@@ -105,18 +105,26 @@ def from_pretrained(load: Callable[..., Any], folder: str | os.PathLike, **kwarg
 
 def _copy_attention(model: Any, folder: Path, layers: list[int]) -> None:
     """The folder's attention tensors of ``layers`` into the model's (sliced) ones, by name below
-    ``encoder.layer.`` (a classifier's checkpoint prefixes them with ``bert.``, a base model not)."""
+    ``encoder.layer.`` (a classifier's checkpoint prefixes them with ``bert.``, a base model not);
+    any other tensor whose shape differs from the model's is refused (it was loaded as random)."""
     import torch
 
     from slimml.convert.weights import open_weights
 
     weights = open_weights(folder)
-    stored = {n[n.index("encoder.layer."):]: n for n in weights.names() if "encoder.layer." in n}
+    names = set(weights.names())
+    stored = {n[n.index("encoder.layer."):]: n for n in names if "encoder.layer." in n}
     attention = tuple(f"encoder.layer.{i}.attention." for i in layers)
+    prefix = getattr(model, "base_model_prefix", "") or ""
     with torch.no_grad():
         for name, param in model.named_parameters():
             key = name[name.find("encoder.layer."):] if "encoder.layer." in name else ""
-            if not key.startswith(attention):
+            if not key.startswith(attention):  # ignore_mismatched_sizes would have left any other mismatch random
+                same = next((n for n in (name, name.removeprefix(f"{prefix}."), f"{prefix}.{name}") if n in names), None)
+                if same is not None and list(weights.shape(same)) != list(param.shape):
+                    raise SourceError(
+                        f"{folder}: the weight {same} has shape {list(weights.shape(same))}, not the {list(param.shape)} "
+                        "its config gives; save the pruned model again with save_pretrained.")
                 continue
             tensor = weights.torch(stored[key]) if key in stored else None
             if tensor is None or tuple(tensor.shape) != tuple(param.shape):
