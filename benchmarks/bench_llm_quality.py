@@ -89,26 +89,47 @@ def llama_cpp_src(work: Path, given: Path | None) -> Path:
 
 def llamacpp_ggufs(folder: Path, work: Path, src: Path, ftypes, threads: int = 2) -> dict[str, Path]:
     """``{"F32": f32.gguf, ftype: quantized.gguf, ...}`` made by llama.cpp's own tools from ``folder``."""
-    import llama_cpp
-
     f32 = work / "gguf" / "model.f32.gguf"
     f32.parent.mkdir(parents=True, exist_ok=True)
     if not f32.is_file():
-        r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-                            "--outfile", str(f32)], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"convert_hf_to_gguf.py failed (pip install sentencepiece if it is missing):\n{r.stderr[-2000:]}")
+        convert_to_f32(src, folder, f32)
     out = {"F32": f32}
     for ftype in ftypes:
         path = f32.with_name(f"model.{ftype}.gguf")
-        if not path.is_file():
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
-            params.nthread = threads
-            if llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), ctypes.byref(params)) != 0:
-                raise SystemExit(f"llama_model_quantize failed for {ftype}")
+        if not path.is_file() and not llama_quantize(f32, path, ftype, threads):
+            raise SystemExit(f"llama_model_quantize failed for {ftype}")
         out[ftype] = path
     return out
+
+
+def convert_to_f32(src: Path, folder: Path, f32: Path) -> None:
+    """llama.cpp's ``convert_hf_to_gguf.py --outtype f32`` of ``folder`` into ``f32``."""
+    r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
+                        "--outfile", str(f32)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed (pip install sentencepiece if it is missing):\n{r.stderr[-2000:]}")
+
+
+def llama_quantize(f32: Path, path: Path, ftype: str, threads: int) -> bool:
+    """``llama_cpp.llama_model_quantize`` of ``f32`` into ``path`` as ``ftype`` (e.g. ``Q4_K_M``); False if refused."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    return llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), ctypes.byref(params)) == 0
+
+
+def write_gguf_tensors(writer, reader) -> None:
+    """``reader``'s tensors, as they are, after the fields already added to ``writer``; closes it."""
+    for t in reader.tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in reader.tensors:
+        writer.write_tensor_data(t.data)
+    writer.close()
 
 
 def llamacpp_scores(path: Path, windows, threads: int = 2):

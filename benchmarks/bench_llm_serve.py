@@ -86,6 +86,7 @@ def prepare(source: Path, gguf_in: Path, artifact_in: Path, out: Path) -> tuple[
     import hashlib
 
     import gguf
+    from bench_llm_quality import write_gguf_tensors  # this folder's llama.cpp file helpers
 
     out.mkdir(parents=True, exist_ok=True)
     vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
@@ -143,14 +144,7 @@ def prepare(source: Path, gguf_in: Path, artifact_in: Path, out: Path) -> tuple[
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(True)
-    for t in reader.tensors:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in reader.tensors:
-        writer.write_tensor_data(t.data)
-    writer.close()
+    write_gguf_tensors(writer, reader)
     return art, gguf_out
 
 

@@ -27,7 +27,6 @@ Writes benchmarks/results/gguf_types.json.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
@@ -39,8 +38,8 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_llm_quality import (_size, _versions, fp32_folder, lee_text, llama_cpp_src, llamacpp_scores,  # noqa: E402
-                               smollm2_gguf)
+from bench_llm_quality import (_size, _versions, convert_to_f32, fp32_folder, lee_text, llama_cpp_src,  # noqa: E402
+                               llama_quantize, llamacpp_scores, smollm2_gguf, write_gguf_tensors)
 
 TYPES = ("F16", "BF16", "Q8_0", "Q6_K", "Q5_K_M", "Q5_0", "Q5_1", "Q4_K_S", "Q4_K_M", "Q4_0", "Q3_K_M", "Q2_K",
          "IQ4_NL", "IQ4_XS")
@@ -70,41 +69,24 @@ def with_tokenizer_of(out: Path, f32: Path, donor: Path) -> None:
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
-    for t in reader.tensors:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in reader.tensors:
-        writer.write_tensor_data(t.data)
-    writer.close()
+    write_gguf_tensors(writer, reader)
     out.replace(f32)
 
 
 def make_ggufs(folder: Path, work: Path, types, threads: int, donor: Path) -> dict[str, Path | str]:
     """``{type: file}`` by llama.cpp's own tools from ``folder``; a refused type maps to the reason."""
-    import llama_cpp
-
     f32 = work / "gguf" / "model.F32.gguf"
     f32.parent.mkdir(parents=True, exist_ok=True)
     if not f32.is_file():
-        src = llama_cpp_src(work, None)
-        r = subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "f32",
-                            "--outfile", str(f32)], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"convert_hf_to_gguf.py failed (pip install sentencepiece if missing):\n{r.stderr[-2000:]}")
+        convert_to_f32(llama_cpp_src(work, None), folder, f32)
         with_tokenizer_of(f32.with_suffix(".tmp"), f32, donor)
     out: dict[str, Path | str] = {}
     for t in types:
         path = f32.with_name(f"model.{t}.gguf")
-        if not path.is_file():
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{t}")
-            params.nthread = threads
-            if llama_cpp.llama_model_quantize(str(f32).encode(), str(path).encode(), ctypes.byref(params)) != 0:
-                path.unlink(missing_ok=True)
-                out[t] = "refused by llama_model_quantize (needs an importance matrix?)"
-                continue
+        if not path.is_file() and not llama_quantize(f32, path, t, threads):
+            path.unlink(missing_ok=True)
+            out[t] = "refused by llama_model_quantize (needs an importance matrix?)"
+            continue
         out[t] = path
     return out
 
