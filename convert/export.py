@@ -176,7 +176,7 @@ def _export_layerwise(source: Source, work_dir: Path, config: ExportConfig, note
 
 def _export_fused(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
     """A decoder with its cache as ONNX Runtime's fused graph (``convert.fused_llama``)."""
-    from slimml.convert.fused_llama import export_fused
+    from slimml.convert.fused_llama import export_fused, rope_facts
 
     if source.kind != "huggingface" or config.task not in ("auto", "text-generation", "text-generation-with-past"):
         raise SourceError(f"--exporter fused exports a Llama-family or Gemma model folder as text-generation-with-past; "
@@ -186,7 +186,8 @@ def _export_fused(source: Source, work_dir: Path, config: ExportConfig) -> Expor
     tokenizer = _tokenizer_info(source.path, onnx_dir, None)
     return Exported(onnx_path=path, task="text-generation-with-past", tokenizer=tokenizer,
                     tokenizer_dir=onnx_dir if tokenizer else None,
-                    info={"hf_task": "text-generation-with-past", **_config_facts(source.path), "exporter": "fused"})
+                    info={"hf_task": "text-generation-with-past", **_config_facts(source.path), **rope_facts(source.path),
+                          "exporter": "fused"})
 
 
 def _export_onnx_file(source: Source, work_dir: Path) -> Exported:

@@ -69,8 +69,6 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
     head_dim = int(config.get("head_dim") or hidden // heads)
     if head_dim % 16:
         return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16, not {head_dim}"
-    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
-        return f"a partial rotary embedding (factor {config['partial_rotary_factor']}) is not written by the fused exporter yet"
     if config.get("attention_bias") or config.get("mlp_bias"):  # Qwen2's q/k/v biases are written; o_proj's and the MLP's not
         return "output-projection and MLP biases are not written by the fused exporter yet"
     if arch in GEMMA:
@@ -78,8 +76,9 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
     rope = _rope(config)
     if isinstance(rope, str):
         return rope
-    if float(rope.get("partial_rotary_factor") or 1.0) != 1.0:  # transformers 5 keeps it in rope_parameters
-        return f"a partial rotary embedding (factor {rope['partial_rotary_factor']}) is not written by the fused exporter yet"
+    if int(head_dim * rope["partial_rotary_factor"]) % 16:
+        return (f"ONNX Runtime's GroupQueryAttention rotates a multiple of 16 values of each head, not "
+                f"{int(head_dim * rope['partial_rotary_factor'])} (head size {head_dim} x partial_rotary_factor {rope['partial_rotary_factor']})")
     act = config.get("hidden_act", "silu")
     if ACTIVATIONS.get(act) != "silu":
         return f"the fused exporter writes SiLU MLPs for {arch}; this one uses {act!r}"
@@ -99,6 +98,8 @@ def _gemma(config: dict[str, Any], arch: str, head_dim: int, transformers_major:
         return "a Gemma with bidirectional attention (an embedding model) is not a decoder the fused exporter writes"
     if arch == "Gemma3ForCausalLM" and config.get("attn_logit_softcapping"):  # transformers' Gemma 3 ignores it
         return "a Gemma 3 config with attn_logit_softcapping set (transformers does not apply it) is not written by the fused exporter"
+    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
+        return f"a partial rotary embedding (factor {config['partial_rotary_factor']}) on a Gemma is not written by the fused exporter"
     if first:
         rope = _rope(config)
         if isinstance(rope, str):
@@ -115,6 +116,8 @@ def _gemma(config: dict[str, Any], arch: str, head_dim: int, transformers_major:
         rope = _rope(config) if second else _rope(config, t, default_theta=1e6)
         if isinstance(rope, str):
             return rope
+        if rope["type"] in LIBRARY_ROPES:
+            return f"RoPE scaling {rope['type']!r} on a {arch} is not written by the fused exporter yet"
         ropes.append(rope)
     return Family(
         head_dim=head_dim, scale=float(config.get("query_pre_attn_scalar", 256)) ** -0.5,
@@ -151,9 +154,11 @@ def _rope(config: dict[str, Any], layer_type: str | None = None, default_theta: 
         params.update(config.get("rope_scaling") or {})
     theta = params.get("rope_theta", config.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind not in ("default", "linear", "llama3"):
-        return f"RoPE scaling {kind!r} is not written by the fused exporter yet"
-    return {"theta": float(theta), "type": kind, **{k: v for k, v in params.items() if k not in ("rope_type", "type")}}
+    if kind not in ("default", "linear", "llama3", *LIBRARY_ROPES):
+        return f"RoPE scaling {kind!r} (its frequencies change with the sequence's length) is not written by the fused exporter yet"
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))  # 5: in rope_parameters; 4.57: top level
+    return {"theta": float(theta), "type": kind, **{k: v for k, v in params.items() if k not in ("rope_type", "type")},
+            "partial_rotary_factor": float(partial or 1.0)}
 
 
 def _windows(config: dict[str, Any]) -> list[int]:
@@ -173,6 +178,59 @@ def _windows(config: dict[str, Any]) -> list[int]:
         first = int(config.get("max_window_layers", 28))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     return [int(window) if (types is None or types[i] == "sliding_attention") else -1 for i in range(layers)]
+
+
+@dataclass
+class Rotary:
+    """One RoPE as the fused graph computes it: angles = position x ``inv`` ((rotary_dim / 2,) float32),
+    cos and sin times ``scale`` (YaRN's and LongRoPE's attention factor). LongRoPE's ``inv_long`` takes
+    over at every position of a prompt pass whose sequence is longer than ``switch``, and in a decoding
+    pass at the positions from ``switch`` on (``convert.fused_llama._longrope_angles``). A rotary dimension below the head's (a partial
+    rotary embedding) rotates the first ``2 * len(inv)`` values of each head, as GroupQueryAttention does
+    for a cos table narrower than half the head."""
+
+    inv: np.ndarray
+    inv_long: np.ndarray | None = None
+    switch: int = 0
+    scale: float = 1.0
+
+    def key(self) -> bytes:
+        """Equal for two layers that can share one pair of tables."""
+        long = b"" if self.inv_long is None else self.inv_long.tobytes()
+        return self.inv.tobytes() + long + np.array([self.switch, self.scale], np.float64).tobytes()
+
+
+# computed by the installed transformers' own function (their details differ between 4.57 and 5)
+LIBRARY_ROPES = ("yarn", "longrope")
+
+
+def rotary(rope: dict[str, Any], config: dict[str, Any], head_dim: int) -> Rotary:
+    """The tables' values for one of :func:`read_family`'s ropes of the model whose config.json is ``config``.
+
+    default, linear and llama3 as transformers computes them (:func:`inv_freq`); YaRN and LongRoPE by the
+    installed transformers' ``ROPE_INIT_FUNCTIONS`` on the config as it reads it; LongRoPE's switch is
+    the original context (``original_max_position_embeddings``), where transformers switches.
+    """
+    if rope["type"] not in LIBRARY_ROPES:
+        dim = int(head_dim * float(rope.get("partial_rotary_factor") or 1.0))
+        return Rotary(inv_freq(rope, dim).astype(np.float32))
+    import torch
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+    init = ROPE_INIT_FUNCTIONS[rope["type"]]
+    with torch.no_grad():
+        inv, scale = init(cfg, None)
+        if rope["type"] != "longrope":
+            return Rotary(inv.float().numpy(), scale=float(scale))
+        params = getattr(cfg, "rope_parameters", None)  # transformers 5 keeps the original context there; 4.57 at the top
+        if isinstance(params, dict) and params.get("original_max_position_embeddings"):
+            switch = int(params["original_max_position_embeddings"])
+        else:
+            switch = int(getattr(cfg, "original_max_position_embeddings", None) or cfg.max_position_embeddings)
+        long, _ = init(cfg, None, seq_len=switch + 1)
+    return Rotary(inv.float().numpy(), long.float().numpy(), switch, float(scale))
 
 
 def inv_freq(rope: dict[str, Any], dim: int) -> np.ndarray:

@@ -31,12 +31,13 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from slimml.convert.fused_family import ARCHITECTURES, NAMES, Family, inv_freq, read_family
+from slimml.convert.fused_family import ARCHITECTURES, NAMES, Family, Rotary, read_family, rotary
 from slimml.errors import ExportError
 
 OPSET = 21  # what ORT's MatMulNBits quantizer writes: every shard of the artifact the same, so they merge
@@ -56,6 +57,24 @@ def can_export_fused(folder: Path) -> str | None:
         return f"the fused exporter reads safetensors weights; {folder} has none"
     family = read_family(config, _transformers_major())
     return family if isinstance(family, str) else None
+
+
+# transformers' Phi3ForCausalLM.prepare_inputs_for_generation (and PhiMoE's) drops the cache and runs the
+# whole sequence again when it first grows past LongRoPE's original context, so every key is rotated
+# with the long factors; other models keep their cache
+REPREFILL_TYPES = ("phi3", "phimoe")
+
+
+def rope_facts(folder: Path) -> dict[str, Any]:
+    """What the runtime must know of a LongRoPE graph (for the manifest's source): ``rope_switch``, the
+    sequence length past which its passes take the long factors, and ``rope_reprefill`` where the
+    model's generate runs the whole sequence again at that point. Empty for any other RoPE."""
+    c = json.loads((folder / "config.json").read_text())
+    fam = read_family(c, _transformers_major())
+    switches = {rotary(rope, c, fam.head_dim).switch for rope in fam.ropes if rope["type"] == "longrope"}
+    if not switches:
+        return {}
+    return {"rope_switch": min(switches), "rope_reprefill": c.get("model_type") in REPREFILL_TYPES}
 
 
 def _transformers_major() -> int:
@@ -166,6 +185,27 @@ class _Writer:
             self.file = None
 
 
+def _longrope_angles(node: Any, data: _Writer, r: Rotary, short: str, k: str) -> str:
+    """LongRoPE's angles: the long factors' at every position of a pass over more than one position
+    (a prompt, from an empty cache) whose sequence is longer than ``r.switch``, as transformers
+    computes such a pass; in a one-position pass (decoding), at the positions from the switch on,
+    each row by its own position (rows of a batch stay independent). Either way the keys already in
+    the cache keep the rotation they were written with."""
+    node("Mul", ["positions_col", data.add(f"inv_freq_long{k}", r.inv_long)], [f"angles_long{k}"], f"/model/rotary/MulLong{k}")
+    switch = data.add(f"rope_switch{k}", np.array(r.switch, np.int64))
+    node("Shape", ["input_ids"], [f"rope_ids_shape{k}"], f"/model/rotary/Shape{k}")
+    node("Gather", [f"rope_ids_shape{k}", data.add("one_idx", np.array(1, np.int64))], [f"rope_pass_len{k}"],
+         f"/model/rotary/Gather{k}", axis=0)
+    node("Greater", [f"rope_pass_len{k}", data.add("one_i64", np.array(1, np.int64))], [f"rope_prompt{k}"], f"/model/rotary/Prompt{k}")
+    node("Greater", ["total_i64", switch], [f"rope_past_switch{k}"], f"/model/rotary/PastSwitch{k}")
+    node("And", [f"rope_prompt{k}", f"rope_past_switch{k}"], [f"rope_pass_long{k}"], f"/model/rotary/And{k}")
+    node("GreaterOrEqual", ["positions_col", data.add(f"rope_switch_f{k}", np.array(r.switch, np.float32))],
+         [f"rope_position_long{k}"], f"/model/rotary/PositionLong{k}")
+    node("Or", [f"rope_position_long{k}", f"rope_pass_long{k}"], [f"rope_long{k}"], f"/model/rotary/Or{k}")
+    return node("Where", [f"rope_long{k}", f"angles_long{k}", short], [f"angles_chosen{k}"],
+                f"/model/rotary/Where{k}")[0]
+
+
 def export_fused(folder: Path, out_dir: Path) -> Path:
     """Write ``out_dir/model.onnx`` (+ ``model.<group>.data`` files, one for the embeddings, one per
     layer, one for the head) for the decoder in ``folder``; memory holds about one packed weight.
@@ -222,22 +262,42 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     node("Cast", ["total_i64"], ["total_seq_len"], "/model/attn_mask/Cast_1", to=TensorProto.INT32)
     # the rotary tables for positions 0..total-1, computed once before the first layer as transformers
     # computes them (fp32 positions x inv_freq, cos, sin): no table stored, and what crosses into each
-    # layer's shard is (total, head_dim / 2), not a copy of a max_position_embeddings table per shard.
+    # layer's shard is (total, rotary_dim / 2), not a copy of a max_position_embeddings table per shard.
     # One pair per distinct RoPE (Gemma 3: the local layers' and the global layers')
     node("Cast", ["total_i64"], ["total_f"], "/model/rotary/Cast", to=TensorProto.FLOAT)
     node("Range", [data.add("zero_f", np.array(0.0, np.float32)), "total_f", data.add("one_f", np.array(1.0, np.float32))],
          ["positions_f"], "/model/rotary/Range")
     node("Unsqueeze", ["positions_f", data.add("one_axis", np.array([1], np.int64))], ["positions_col"], "/model/rotary/Unsqueeze")
     tables: dict[bytes, tuple[str, str]] = {}
+    rope_typed: dict[str, tuple[int, list]] = {}  # the tables' value infos: rotary_dim / 2 wide
     layer_tables = []
+    made = {id(rope): rotary(rope, c, head_dim) for rope in fam.ropes}  # fam.ropes repeats one dict per RoPE
     for rope in fam.ropes:
-        inv = inv_freq(rope, head_dim).astype(np.float32)
-        if inv.tobytes() not in tables:
+        r = made[id(rope)]
+        if r.key() not in tables:
             k = f"_{len(tables)}" if tables else ""  # the first pair keeps the names of a one-RoPE graph
-            node("Mul", ["positions_col", data.add(f"inv_freq{k}", inv)], [f"angles{k}"], f"/model/rotary/Mul{k}")  # (total, head_dim / 2)
-            tables[inv.tobytes()] = (node("Cos", [f"angles{k}"], [f"cos_cache{k}"], f"/model/rotary/Cos{k}")[0],
-                                     node("Sin", [f"angles{k}"], [f"sin_cache{k}"], f"/model/rotary/Sin{k}")[0])
-        layer_tables.append(tables[inv.tobytes()])
+            angles = node("Mul", ["positions_col", data.add(f"inv_freq{k}", r.inv)], [f"angles{k}"],
+                          f"/model/rotary/Mul{k}")[0]  # (total, rotary_dim / 2)
+            if r.inv_long is not None:
+                angles = _longrope_angles(node, data, r, angles, k)
+            pair = []
+            for f in ("Cos", "Sin"):
+                t = node(f, [angles], [f"{f.lower()}_cache{k}" + ("_unscaled" if r.scale != 1.0 else "")], f"/model/rotary/{f}{k}")[0]
+                if r.scale != 1.0:  # YaRN's / LongRoPE's attention factor, on cos and sin as transformers applies it
+                    t = node("Mul", [t, data.add(f"rope_scale{k}", np.array(r.scale, np.float32))], [f"{f.lower()}_cache{k}"],
+                             f"/model/rotary/{f}Scale{k}")[0]
+                pair.append(t)
+            tables[r.key()] = (pair[0], pair[1])
+            for n in (angles, *pair, *(f"{f}_cache{k}_unscaled" for f in ("cos", "sin") if r.scale != 1.0)):
+                rope_typed[n] = (TensorProto.FLOAT, ["total_sequence_length", len(r.inv)])
+            if r.inv_long is not None:
+                rope_typed.update({f"angles{k}": rope_typed[angles], f"angles_long{k}": rope_typed[angles],
+                                   f"rope_pass_long{k}": (TensorProto.BOOL, []), f"rope_ids_shape{k}": (TensorProto.INT64, [2]),
+                                   f"rope_pass_len{k}": (TensorProto.INT64, []), f"rope_prompt{k}": (TensorProto.BOOL, []),
+                                   f"rope_past_switch{k}": (TensorProto.BOOL, []),
+                                   f"rope_position_long{k}": (TensorProto.BOOL, ["total_sequence_length", 1]),
+                                   f"rope_long{k}": (TensorProto.BOOL, ["total_sequence_length", 1])})
+        layer_tables.append(tables[r.key()])
 
     data.group("embed")
     x = node("Gather", [data.add("model.embed_tokens.weight", w["model.embed_tokens.weight"]), "input_ids"],
@@ -342,9 +402,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
              "/model/norm/output": (TensorProto.FLOAT, ["batch_size", "logits_length", hidden]),
              **{n: (TensorProto.FLOAT, ["batch_size", "logits_length", vocab])
                 for n in ("/lm_head/output", "/lm_head/softcap/Div_output", "/lm_head/softcap/Tanh_output")}, **attn_out}
-    for k, (cos, sin) in enumerate(tables.values()):
-        for n in (cos, sin, f"angles_{k}" if k else "angles"):
-            typed[n] = (TensorProto.FLOAT, ["total_sequence_length", head_dim // 2])
+    typed.update(rope_typed)
     known = {"logits", *(o.name for o in outputs)}
     value_info = [helper.make_tensor_value_info(n.output[0], *typed.get(n.output[0], (TensorProto.FLOAT, None)))
                   for n in nodes if n.output[0] not in known]

@@ -66,6 +66,16 @@ def _model(name: str):
         return Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     if name == "qwen3":  # q/k norms per head; a head size other than hidden / heads
         return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32, tie_word_embeddings=True))
+    if name == "qwen2-yarn":  # YaRN (Qwen2.5's long-context setting): blended frequencies, cos/sin times its attention factor
+        return Qwen2ForCausalLM(Qwen2Config(**shape, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                                   "original_max_position_embeddings": 32}))
+    if name == "phi3-longrope":  # Phi-4-mini's shape: LongRoPE over half of each head, original context 16 of 128
+        shape.update(num_attention_heads=2, num_key_value_heads=1)  # head size 32, 16 of it rotated
+        half = 8  # short/long factors: one per rotated pair
+        return Phi3ForCausalLM(Phi3Config(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2, partial_rotary_factor=0.5,
+                                          original_max_position_embeddings=16, rope_scaling={
+                                              "type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                                              "long_factor": [2.0 + 0.5 * i for i in range(half)]}))
     return Phi3ForCausalLM(Phi3Config(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2))  # q/k/v, gate/up packed
 
 
@@ -92,7 +102,8 @@ def _exporter(art) -> str:
     return next(s for s in steps if s["step"] == "export")["exporter"]
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3", "gemma", "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3", "qwen2-yarn", "phi3-longrope", "gemma",
+                                  "gemma2", "gemma3"])
 def test_fused_decoders_generate_as_transformers(name, tmp_path):
     from slimml.convert import ConvertConfig, convert
 
@@ -184,15 +195,69 @@ def test_a_fused_graph_that_disagrees_with_torch_is_refused(tmp_path, monkeypatc
     assert not (tmp_path / "art").exists()
 
 
-def test_a_partial_rotary_embedding_falls_back_to_optimum(tmp_path):
+def test_longrope_past_its_original_context_takes_the_long_factors(tmp_path):
+    """A prompt longer than LongRoPE's original context (20 > 16) runs with the long factors at every
+    position, as transformers switches; the logits equal its own at every position."""
+    import onnxruntime as ort
+
+    from slimml.convert.fused_llama import export_fused
+
+    model = _model("phi3-longrope").eval()
+    model.save_pretrained(tmp_path / "hf")
+    session = ort.InferenceSession(str(export_fused(tmp_path / "hf", tmp_path / "onnx")), providers=["CPUExecutionProvider"])
+    for length in (12, 20):  # short factors, then long
+        ids = np.random.default_rng(length).integers(3, VOCAB, size=(1, length))
+        empty = np.zeros((1, 1, 0, 32), np.float32)
+        feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "logits_index": np.arange(length)[None],
+                 **{f"past_key_values.{i}.{t}": empty for i in range(2) for t in ("key", "value")}}
+        with torch.no_grad():
+            want = model(torch.tensor(ids)).logits.numpy()
+        assert np.abs(session.run(["logits"], feeds)[0] - want).max() < 1e-4, length
+
+
+def test_longrope_prompts_on_either_side_of_the_switch_batch_as_alone(tmp_path):
+    """Prompts longer and shorter than LongRoPE's original context (16) in one batch: each is
+    prefilled with its own factors (passes of their own), so each answer equals transformers' for
+    that prompt alone, through generate and through the server's continuous batch."""
+    from collections import deque
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+    from slimml.runtime.tasks.generation.config import GenerationConfig
+    from slimml.runtime.tasks.generation.continuous import ContinuousBatch
+
+    model = _model("phi3-longrope").eval()
+    model.save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    source = json.loads((tmp_path / "art" / "manifest.json").read_text())["source"]
+    assert source["rope_switch"] == 16 and source["rope_reprefill"] is True
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in (20, 6, 18, 4)]
+    want = [_greedy(model, np.array([p]))[:6] for p in prompts]
+    art = load(tmp_path / "art")
+    try:
+        assert art.generate(prompts, max_new_tokens=6, eos_token_id=()).tokens == want
+        batch = ContinuousBatch(art, max_batch=4)
+        seqs = [batch.prepare(p, GenerationConfig(max_new_tokens=6, eos_token_id=())) for p in prompts]
+        waiting = deque(seqs)
+        while waiting or batch.rows:
+            batch.admit(batch.take(waiting))
+            batch.step()
+        assert [s.tokens for s in seqs] == want
+    finally:
+        art.close()
+
+
+def test_a_rotary_width_ort_cannot_take_falls_back_to_optimum(tmp_path):
+    """GroupQueryAttention rotates a multiple of 16 values of a head: a quarter of 16 is refused, by name."""
     from slimml.convert.fused_llama import can_export_fused
 
-    model = _model("phi3")
-    model.config.partial_rotary_factor = 0.5
-    model.config.architectures = ["Phi3ForCausalLM"]
-    model.config.save_pretrained(tmp_path)
+    config = transformers.Phi3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.25)
+    config.architectures = ["Phi3ForCausalLM"]
+    config.save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").touch()
-    assert "partial rotary embedding (factor 0.5)" in can_export_fused(tmp_path)
+    assert "rotates a multiple of 16 values of each head, not 4" in can_export_fused(tmp_path)
 
 
 def _bpe():
@@ -230,17 +295,18 @@ def _gguf_tokenizer_fields(writer) -> None:
     writer.add_eos_token_id(0)
 
 
-def _gguf(model, path, arch: str, tokenizer=None, norm_offset: float = 0.0, **fields) -> None:
+def _gguf(model, path, arch: str, tokenizer=None, norm_offset: float = 0.0, extra=None, **fields) -> None:
     """``model`` as a float32 GGUF file, names and metadata as llama.cpp's converter writes ``arch``
     (``fields``: more ``arch.KEY`` values; ``norm_offset``: added to the norms, as llama.cpp stores
     Gemma's ``1 + w``)."""
     gguf = pytest.importorskip("gguf")
     c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in (("block_count", c.num_hidden_layers), ("context_length", c.max_position_embeddings),
                        ("embedding_length", c.hidden_size), ("feed_forward_length", c.intermediate_size),
                        ("attention.head_count", c.num_attention_heads), ("attention.head_count_kv", c.num_key_value_heads),
-                       ("attention.key_length", c.head_dim), ("attention.value_length", c.head_dim)):
+                       ("attention.key_length", head_dim), ("attention.value_length", head_dim)):
         w.add_uint32(f"{arch}.{key}", value)
     theta = getattr(c, "rope_theta", None) or c.rope_parameters.get("rope_theta") or c.rope_parameters["full_attention"]["rope_theta"]
     w.add_float32(f"{arch}.rope.freq_base", float(theta))
@@ -250,8 +316,10 @@ def _gguf(model, path, arch: str, tokenizer=None, norm_offset: float = 0.0, **fi
     w.add_file_type(0)
     (tokenizer or _gguf_tokenizer_fields)(w)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    for name, a in (extra or {}).items():  # tensors llama.cpp adds (Phi-3's LongRoPE factors)
+        w.add_tensor(name, a)
     for name, t in model.state_dict().items():
-        if name == "lm_head.weight":  # tied: llama.cpp writes no output tensor
+        if name == "lm_head.weight" and c.tie_word_embeddings:  # tied: llama.cpp writes no output tensor
             continue
         a = t.float().numpy() + (norm_offset if "norm" in name else 0.0)
         w.add_tensor(names.get_name(name[: -len(".weight")]) + ".weight", a.astype(np.float32))
@@ -288,6 +356,31 @@ def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
     model = _model("qwen3").eval()
     _gguf(model, tmp_path / "tiny-qwen3.gguf", "qwen3")
     report = convert(tmp_path / "tiny-qwen3.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+def test_a_long_context_phi3_gguf_keeps_its_longrope(tmp_path):
+    """A Phi-3.5-style GGUF keeps LongRoPE as llama.cpp writes it (factor tensors, the original
+    context as a field), which transformers' reader drops: slimml reads it back, and the artifact
+    generates as the Hugging Face model, across the switch (the prompt 12, the switch at 16)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from slimml.convert import ConvertConfig, convert
+
+    model = _model("phi3-longrope").eval()
+    c = model.config
+    scaling = getattr(c, "rope_scaling", None) or c.rope_parameters
+    extra = {"rope_factors_short.weight": np.array(scaling["short_factor"], np.float32),
+             "rope_factors_long.weight": np.array(scaling["long_factor"], np.float32)}
+    def tokenizer(writer):  # Phi-3's reader wants a pad id
+        _gguf_tokenizer_fields(writer)
+        writer.add_pad_token_id(0)
+
+    _gguf(model, tmp_path / "tiny-phi3.gguf", "phi3", tokenizer=tokenizer, extra=extra, **{"rope.dimension_count": 16,
+          "rope.scaling.original_context_length": 16, "rope.scaling.attn_factor": 1.32})
+    report = convert(tmp_path / "tiny-phi3.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)

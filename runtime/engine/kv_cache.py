@@ -54,6 +54,24 @@ def position_limit(engine: Engine) -> int | None:
     return engine.max_sequence_length or engine.manifest.source.get("max_position_embeddings")
 
 
+def rope_switch(engine: Engine) -> int | None:
+    """A LongRoPE graph's switch (``convert.fused_llama.rope_facts``): a pass over more than one
+    position whose sequence is longer takes the long factors at every position, so a prompt pass
+    keeps the rows on either side of it apart. None for any other graph."""
+    switch = engine.manifest.source.get("rope_switch")
+    return int(switch) if switch else None
+
+
+def prompt_blocks(lengths: np.ndarray, switch: int | None) -> list[tuple[int, int]]:
+    """The prompt pass over rows of ``lengths`` split into runs of rows on one side of a LongRoPE
+    ``switch`` ((start, stop) pairs; one run without a switch)."""
+    if not switch or len(lengths) == 0:
+        return [(0, len(lengths))]
+    long = np.asarray(lengths) > switch
+    cuts = [0, *(int(i) + 1 for i in np.flatnonzero(long[1:] != long[:-1])), len(lengths)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
 _SHRINK = ort.RunOptions()  # free the CPU arena's unused chunks when a run ends (prompt passes)
 _SHRINK.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 FUSED_EXPORTERS = ("fused",)  # graphs whose attention shares past and present (GroupQueryAttention)

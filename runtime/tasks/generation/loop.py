@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import SlimmlError
+from slimml.runtime.engine.kv_cache import prompt_blocks
 
 
 class CacheLoop:
@@ -34,13 +35,22 @@ class CacheLoop:
     finish leave the pass: the live rows are kept first in the cache (a finished row's place is
     filled by the last live row's cache) and only they run.
 
+    A LongRoPE graph (``rope_switch``) prefills the prompts on either side of its switch in passes
+    of their own, and where the model's generate does so (Phi-3, ``reprefill``), a single sequence
+    that first grows past the switch is run again whole, as transformers and onnxruntime-genai do
+    at batch 1 (in a batch, its cache keeps the short factors' keys).
+
     Args:
         cache: the engine's :class:`~slimml.runtime.engine.kv_cache.KVCache` for this generation.
         prompts: token ids per prompt.
+        switch: the graph's LongRoPE switch, or None.
+        reprefill: run a single sequence again whole when it first grows past ``switch``.
     """
 
-    def __init__(self, cache: Any, prompts: list[list[int]]):
+    def __init__(self, cache: Any, prompts: list[list[int]], switch: int | None = None, reprefill: bool = False):
         self.cache = cache
+        self.switch = switch
+        self.history = [int(t) for t in prompts[0]] if reprefill and switch and len(prompts) == 1 else None
         batch, width = len(prompts), max(map(len, prompts))
         self.lengths = np.array([len(p) for p in prompts], dtype=np.int64)  # (B,) positions each prompt holds
         self.pending = np.zeros((batch, width), dtype=np.int64)  # (B, W) right-padded, then (B, 1) each step
@@ -54,23 +64,34 @@ class CacheLoop:
     def next_logits(self) -> np.ndarray:
         """Run the next pass; each prompt's last position's logits, (B, vocab) (zeros for finished ones)."""
         live = self.order[: self.live]
-        first = self.passes == 0
-        ids = self.pending if first else self.pending[live]
-        seen = self.lengths[live] if first else self.lengths[live] + 1  # each row's positions after this pass
-        at = seen - 1 if first else np.zeros(len(live), dtype=np.int64)  # each row's last real position
-        last = self.cache.run(ids, _mask(seen, ids.shape[1] if first else None), rows=(0, self.live), at=at)  # (live, vocab)
-        self.passes += 1
-        if not first:
+        if self.passes == 0:
+            last = np.concatenate([self._prompts(start, stop) for start, stop in prompt_blocks(self.lengths, self.switch)])
+        elif self.history is not None and self.lengths[0] == self.switch:  # growing past the switch: all again
+            seq = np.array([self.history], dtype=np.int64)
+            last = self.cache.run(seq, _mask(self.lengths + 1), rows=(0, 1), at=self.lengths.copy())
+            self.lengths += 1
+        else:
+            seen = self.lengths[live] + 1  # each row's positions after this pass
+            last = self.cache.run(self.pending[live], _mask(seen), rows=(0, self.live), at=np.zeros(len(live), dtype=np.int64))
             self.lengths[live] += 1
+        self.passes += 1
         if self.live == len(self.order):
             return last
         out = np.zeros((len(self.order), last.shape[-1]), dtype=last.dtype)
         out[live] = last
         return out
 
+    def _prompts(self, start: int, stop: int) -> np.ndarray:
+        """The prompt pass over rows [start, stop) (from their empty cache): their last positions' logits."""
+        seen = self.lengths[start:stop]
+        width = int(seen.max()) if (start, stop) != (0, len(self.lengths)) else self.pending.shape[1]
+        return self.cache.run(self.pending[start:stop, :width], _mask(seen, width), rows=(start, stop), at=seen - 1)
+
     def append(self, ids: np.ndarray) -> None:
         """The next token of every prompt, (B,): fed by the next pass (finished prompts' are ignored)."""
         self.pending = np.asarray(ids, dtype=np.int64).reshape(-1, 1)
+        if self.history is not None:
+            self.history.append(int(self.pending[0, 0]))
 
     def finish(self, prompts: list[int]) -> None:
         """``prompts`` are done: their rows leave the passes (the last live rows move into their places)."""
@@ -97,11 +118,12 @@ def _mask(seen: np.ndarray, width: int | None = None) -> np.ndarray:
 def decode_loop(engine: Any, prompts: list[list[int]], pad_id: int, steps: int) -> CacheLoop | DecodeLoop:
     """The fastest loop the artifact allows: its in-place cache where it has one (``--exporter
     fused``), else :class:`DecodeLoop`."""
-    from slimml.runtime.engine.kv_cache import shares_buffers
+    from slimml.runtime.engine.kv_cache import rope_switch, shares_buffers
 
     if not shares_buffers(engine):
         return DecodeLoop(engine, prompts, pad_id, steps)
-    return CacheLoop(engine.kv_cache(len(prompts), max(map(len, prompts)) + steps), prompts)
+    return CacheLoop(engine.kv_cache(len(prompts), max(map(len, prompts)) + steps), prompts, rope_switch(engine),
+                     bool(engine.manifest.source.get("rope_reprefill")))
 
 
 class DecodeLoop:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from slimml.runtime.engine.kv_cache import prompt_blocks, rope_switch
 from slimml.runtime.engine.packed import trim_heap
 from slimml.runtime.tasks.generation.loop import _empty_cache, _mask, _present
 
@@ -53,6 +54,7 @@ class SlotRows:
         self.cache: Any = None  # the KVCache, made at the first prefill and freed when the batch empties
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # positions each row holds
         self.live = 0  # rows [0, live) hold sequences
+        self.switch = rope_switch(engine)
 
     @property
     def nbytes(self) -> int:
@@ -64,10 +66,13 @@ class SlotRows:
         lens = np.array([len(s.ids) for s in seqs], dtype=np.int64)
         start, stop = self.live, self.live + len(seqs)
         self._room(int(lens.max()) + 1)
-        ids = np.zeros((len(seqs), int(lens.max())), dtype=np.int64)
-        for r, s in enumerate(seqs):
-            ids[r, : len(s.ids)] = s.ids
-        logits = self.cache.run(ids, _mask(lens), rows=(start, stop), at=lens - 1)  # (k, vocab)
+        parts = []
+        for a, b in prompt_blocks(lens, self.switch):  # a LongRoPE graph: prompts on either side of its switch apart
+            ids = np.zeros((b - a, int(lens[a:b].max())), dtype=np.int64)
+            for r, s in enumerate(seqs[a:b]):
+                ids[r, : len(s.ids)] = s.ids
+            parts.append(self.cache.run(ids, _mask(lens[a:b]), rows=(start + a, start + b), at=lens[a:b] - 1))
+        logits = np.concatenate(parts)  # (k, vocab)
         self.lengths[start:stop] = lens
         self.live = stop
         return logits
