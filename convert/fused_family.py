@@ -3,8 +3,10 @@
 The fused graph is one shape (RMSNorm, packed q/k/v, GroupQueryAttention with the rotary embedding
 inside, packed gate/up, the down projection); a family is the handful of values that shape takes:
 
-- Llama, Mistral, Qwen2, Qwen3, Phi-3: SiLU, attention scale ``head_dim ** -0.5``, one RoPE for
-  every layer, sliding windows where Mistral and Qwen2 slide;
+- Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3: SiLU, attention scale ``head_dim ** -0.5``, one RoPE
+  for every layer (default, linear, Llama 3, YaRN or LongRoPE; over part of each head where
+  ``partial_rotary_factor`` says so; none in SmolLM3's NoPE layers), sliding windows where Mistral
+  and Qwen2 slide; Granite's multipliers (embeddings, attention scale, each block's output, logits);
 - Gemma (``GemmaForCausalLM``): embeddings times ``sqrt(hidden)``, RMSNorm ``x * (1 + w)`` (the 1
   folded into the stored weight: the same float32 product transformers computes), GELU with the tanh
   approximation (``FastGelu``, ONNX Runtime's fused kernel; matches torch to 1e-6);
@@ -31,10 +33,11 @@ from typing import Any
 
 import numpy as np
 
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+              "SmolLM3ForCausalLM", "GraniteForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ARCHITECTURES = LLAMA_LIKE + GEMMA
-NAMES = "Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2 and Gemma 3 (text)"
+NAMES = "Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, Gemma, Gemma 2 and Gemma 3 (text)"
 # transformers' activation names -> the op that computes them
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
@@ -46,13 +49,16 @@ class Family:
     head_dim: int
     scale: float  # attention scale: head_dim ** -0.5; Gemma 2/3 query_pre_attn_scalar ** -0.5
     windows: list[int]  # GroupQueryAttention's local_window_size: -1 full attention, else the window
-    ropes: list[dict[str, Any]]  # each layer's RoPE (theta, type, scaling): Gemma 3's local and global differ
+    ropes: list[dict[str, Any] | None]  # each layer's RoPE (theta, type, scaling): Gemma 3's local and global
+    # differ; None for a layer without one (SmolLM3's NoPE layers)
     activation: str = "silu"  # silu(gate) * up; gelu_tanh (FastGelu) or gelu (erf) of gate, times up
     embed_scale: float | None = None  # Gemma: the looked-up rows times sqrt(hidden), in float32
     norm_offset: float = 0.0  # Gemma's RMSNorm x * (1 + w): 1.0, added to each stored norm weight
     sandwich: bool = False  # Gemma 2/3: norm after attention, before and after the MLP (4 per layer)
     softcap: float = 0.0  # Gemma 2: attention scores tanh(s / c) * c (GQA's softcap; 0: none)
     final_softcap: float = 0.0  # Gemma 2: logits tanh(x / c) * c
+    residual_scale: float = 1.0  # Granite: each block's output times residual_multiplier before its residual add
+    logits_divisor: float = 1.0  # Granite: logits / logits_scaling
 
 
 def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family | str:
@@ -76,14 +82,26 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
     rope = _rope(config)
     if isinstance(rope, str):
         return rope
-    if int(head_dim * rope["partial_rotary_factor"]) % 16:
-        return (f"ONNX Runtime's GroupQueryAttention rotates a multiple of 16 values of each head, not "
-                f"{int(head_dim * rope['partial_rotary_factor'])} (head size {head_dim} x partial_rotary_factor {rope['partial_rotary_factor']})")
+    rotated = int(head_dim * rope["partial_rotary_factor"])
+    if rotated % 16:
+        return (f"ONNX Runtime's GroupQueryAttention rotates a multiple of 16 values of each head, not {rotated} "
+                f"(head size {head_dim} x partial_rotary_factor {rope['partial_rotary_factor']})")
     act = config.get("hidden_act", "silu")
     if ACTIVATIONS.get(act) != "silu":
         return f"the fused exporter writes SiLU MLPs for {arch}; this one uses {act!r}"
     layers = int(config["num_hidden_layers"])
-    return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=[rope] * layers)
+    ropes: list[dict[str, Any] | None] = [rope] * layers
+    if arch == "SmolLM3ForCausalLM":  # no_rope_layers[i] == 0: layer i attends without a position embedding
+        every = int(config.get("no_rope_layer_interval", 4))
+        uses = config.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(layers)]
+        ropes = [rope if uses[i] else None for i in range(layers)]
+    if arch == "GraniteForCausalLM":  # Llama with four multipliers, each applied where transformers applies it
+        embed = float(config.get("embedding_multiplier", 1.0))
+        return Family(head_dim=head_dim, scale=float(config.get("attention_multiplier", 1.0)), windows=_windows(config),
+                      ropes=ropes, embed_scale=embed if embed != 1.0 else None,
+                      residual_scale=float(config.get("residual_multiplier", 1.0)),
+                      logits_divisor=float(config.get("logits_scaling", 1.0)))
+    return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=ropes)
 
 
 def _gemma(config: dict[str, Any], arch: str, head_dim: int, transformers_major: int) -> Family | str:
@@ -164,12 +182,12 @@ def _rope(config: dict[str, Any], layer_type: str | None = None, default_theta: 
 def _windows(config: dict[str, Any]) -> list[int]:
     """Per layer, GroupQueryAttention's ``local_window_size``: -1 for full attention, else the sliding
     window (the same number of positions as transformers' mask: measured equal logits, 14 tokens
-    through a window of 8). Mistral slides in every layer when ``sliding_window`` is set; Qwen2
-    only with ``use_sliding_window``, in the layers ``layer_types`` names (by default those from
+    through a window of 8). Mistral slides in every layer when ``sliding_window`` is set; Qwen2 (and
+    SmolLM3) only with ``use_sliding_window``, in the layers ``layer_types`` names (by default those from
     ``max_window_layers`` on), as transformers 4.57 reads the config."""
     layers = int(config["num_hidden_layers"])
     window = config.get("sliding_window")
-    if config.get("model_type") in ("qwen2", "qwen3") and not config.get("use_sliding_window"):
+    if config.get("model_type") in ("qwen2", "qwen3", "smollm3") and not config.get("use_sliding_window"):
         window = None
     if not window:
         return [-1] * layers

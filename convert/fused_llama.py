@@ -1,9 +1,10 @@
 """The ``fused`` exporter: a decoder written straight from its safetensors as the graph ONNX Runtime
 decodes fastest on CPU (docs/llm_decode.md). Llama, Mistral and Qwen2 (q/k/v biases, sliding
 windows as GroupQueryAttention's ``local_window_size``), Qwen3 (an RMSNorm over each q and k head),
-Phi-3 (q/k/v and gate/up stored packed), Gemma, Gemma 2 and Gemma 3 text (scaled embeddings,
-``1 + w`` norms, GELU, four norms per layer, soft-capping, a local and a global RoPE): what each
-family changes is read from its config by :mod:`slimml.convert.fused_family`.
+Phi-3 (q/k/v and gate/up stored packed; Phi-3.5 and Phi-4-mini's LongRoPE over part of each head),
+SmolLM3 (layers without RoPE), Granite (multipliers), Gemma, Gemma 2 and Gemma 3 text (scaled embeddings, ``1 + w`` norms,
+GELU, four norms per layer, soft-capping, a local and a global RoPE): what each family changes is
+read from its config by :mod:`slimml.convert.fused_family`.
 
 Per layer: ``SimplifiedLayerNormalization`` (RMSNorm), one MatMul for q, k and v packed,
 ``GroupQueryAttention`` with the rotary embedding inside it (``do_rotary``; the cos/sin
@@ -71,7 +72,7 @@ def rope_facts(folder: Path) -> dict[str, Any]:
     model's generate runs the whole sequence again at that point. Empty for any other RoPE."""
     c = json.loads((folder / "config.json").read_text())
     fam = read_family(c, _transformers_major())
-    switches = {rotary(rope, c, fam.head_dim).switch for rope in fam.ropes if rope["type"] == "longrope"}
+    switches = {rotary(rope, c, fam.head_dim).switch for rope in fam.ropes if rope and rope["type"] == "longrope"}
     if not switches:
         return {}
     return {"rope_switch": min(switches), "rope_reprefill": c.get("model_type") in REPREFILL_TYPES}
@@ -271,8 +272,11 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     tables: dict[bytes, tuple[str, str]] = {}
     rope_typed: dict[str, tuple[int, list]] = {}  # the tables' value infos: rotary_dim / 2 wide
     layer_tables = []
-    made = {id(rope): rotary(rope, c, head_dim) for rope in fam.ropes}  # fam.ropes repeats one dict per RoPE
+    made = {id(rope): rotary(rope, c, head_dim) for rope in fam.ropes if rope}  # fam.ropes repeats one dict per RoPE
     for rope in fam.ropes:
+        if rope is None:  # a layer without a position embedding (SmolLM3's NoPE layers)
+            layer_tables.append(None)
+            continue
         r = made[id(rope)]
         if r.key() not in tables:
             k = f"_{len(tables)}" if tables else ""  # the first pair keeps the names of a one-RoPE graph
@@ -334,6 +338,13 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         node("Mul", [act, up], [f"{p}/mlp/act"], f"{p}/mlp/Mul_1")
         return linear(f"{p}/mlp/act", [f"{hf}.mlp.down_proj"], f"{hf}.mlp.down_proj", f"{p}/mlp/down")
 
+    def residual_scaled(y: str, p: str) -> str:
+        """Granite: a block's output times residual_multiplier before its residual add."""
+        if fam.residual_scale == 1.0:
+            return y
+        return node("Mul", [y, data.add("residual_scale", np.array(fam.residual_scale, np.float32))], [f"{p}/residual_scaled"],
+                    f"{p}/residual/Mul")[0]
+
     inputs, outputs = [], []
     attn_out = {}  # GQA's output: heads * head_dim wide, which need not be hidden (Qwen3, Gemma)
     for i in range(layers):
@@ -349,20 +360,22 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
             qkv_in = [head_norm(q, f"{hf}.self_attn.q_norm.weight", f"{p}/attn/q_norm", heads), head_norm(k, f"{hf}.self_attn.k_norm.weight", f"{p}/attn/k_norm", kv_heads), v]
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
-        cos, sin = layer_tables[i]
-        node("GroupQueryAttention", [*qkv_in, past_k, past_v, "seqlens_k", "total_seq_len", cos, sin],
+        tables = list(layer_tables[i] or ())  # cos and sin; none for a NoPE layer
+        node("GroupQueryAttention", [*qkv_in, past_k, past_v, "seqlens_k", "total_seq_len", *tables],
              [f"{p}/attn/output", pres_k, pres_v], f"{p}/attn/GroupQueryAttention", domain=_MS,
-             num_heads=heads, kv_num_heads=kv_heads, scale=fam.scale, do_rotary=1,
+             num_heads=heads, kv_num_heads=kv_heads, scale=fam.scale, do_rotary=int(bool(tables)),
              rotary_interleaved=0, local_window_size=fam.windows[i], **({"softcap": fam.softcap} if fam.softcap else {}))
         attn_out[f"{p}/attn/output"] = (TensorProto.FLOAT, ["batch_size", "sequence_length", heads * head_dim])
         o = linear(f"{p}/attn/output", [f"{hf}.self_attn.o_proj"], f"{hf}.self_attn.o_proj", f"{p}/attn/o_proj")
         if fam.sandwich:  # Gemma 2/3: the attention's output normed before the residual, the MLP's input and output too
             o = rms_norm(o, f"{hf}.post_attention_layernorm.weight", f"{p}/post_attention_layernorm")
+        o = residual_scaled(o, f"{p}/attn")
         x1 = node("Add", [x, o], [f"{p}/attn/residual"], f"{p}/attn/residual/Add")[0]
         pre_mlp = "pre_feedforward_layernorm" if fam.sandwich else "post_attention_layernorm"
         d = mlp(rms_norm(x1, f"{hf}.{pre_mlp}.weight", f"{p}/{pre_mlp}"), hf, p)
         if fam.sandwich:
             d = rms_norm(d, f"{hf}.post_feedforward_layernorm.weight", f"{p}/post_feedforward_layernorm")
+        d = residual_scaled(d, f"{p}/mlp")
         x = node("Add", [x1, d], [f"{p}/mlp/residual"], f"{p}/mlp/residual/Add")[0]
         for n in (past_k, past_v):
             inputs.append(helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch_size", kv_heads, "past_sequence_length", head_dim]))
@@ -385,6 +398,10 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         node("Div", ["/lm_head/output", cap], ["/lm_head/softcap/Div_output"], "/lm_head/softcap/Div")
         node("Tanh", ["/lm_head/softcap/Div_output"], ["/lm_head/softcap/Tanh_output"], "/lm_head/softcap/Tanh")
         node("Mul", ["/lm_head/softcap/Tanh_output", cap], ["logits"], "/lm_head/softcap/Mul")
+    elif fam.logits_divisor != 1.0:  # Granite: logits / logits_scaling
+        node("MatMul", [h, data.add("lm_head.weight", w.transposed([head]))], ["/lm_head/output"], "/lm_head/MatMul")
+        node("Div", ["/lm_head/output", data.add("logits_divisor", np.array(fam.logits_divisor, np.float32))], ["logits"],
+             "/lm_head/Div")
     else:
         node("MatMul", [h, data.add("lm_head.weight", w.transposed([head]))], ["logits"], "/lm_head/MatMul")
     data.close()

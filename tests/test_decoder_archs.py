@@ -1,6 +1,7 @@
 """Decoders beyond Llama through the fused exporter (``convert/fused_llama.py``), from a Hugging Face
 folder and from a GGUF file: sliding attention windows (Mistral, Qwen2), Qwen3's per-head q/k norms,
-Phi-3's packed projections, a Qwen3 GGUF whose head size is not transformers' default, and Gemma,
+Phi-3's packed projections, YaRN, Phi-3.5's LongRoPE over half of each head, SmolLM3's layers
+without RoPE, Granite's multipliers, a Qwen3 GGUF whose head size is not transformers' default, and Gemma,
 Gemma 2 and Gemma 3 (scaled embeddings, ``1 + w`` norms, GELU, soft-capping, local/global RoPE).
 
 Each model is tiny (2 layers, hidden 64, vocabulary 300) with seeded random weights; the artifact's
@@ -66,6 +67,17 @@ def _model(name: str):
         return Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     if name == "qwen3":  # q/k norms per head; a head size other than hidden / heads
         return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32, tie_word_embeddings=True))
+    if name == "smollm3":  # no RoPE in every fourth layer (here layer 1 of 2), a sliding window in the others
+        from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+        return SmolLM3ForCausalLM(SmolLM3Config(
+            **shape, pad_token_id=0, bos_token_id=1, eos_token_id=2, no_rope_layers=[1, 0], use_sliding_window=True,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True))
+    if name == "granite":  # Llama with multipliers on the embeddings, the attention scores, each block's output, the logits
+        from transformers import GraniteConfig, GraniteForCausalLM
+
+        return GraniteForCausalLM(GraniteConfig(**shape, embedding_multiplier=12.0, attention_multiplier=0.1,
+                                                residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True))
     if name == "qwen2-yarn":  # YaRN (Qwen2.5's long-context setting): blended frequencies, cos/sin times its attention factor
         return Qwen2ForCausalLM(Qwen2Config(**shape, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                                    "original_max_position_embeddings": 32}))
@@ -102,8 +114,8 @@ def _exporter(art) -> str:
     return next(s for s in steps if s["step"] == "export")["exporter"]
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3", "qwen2-yarn", "phi3-longrope", "gemma",
-                                  "gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3", "qwen2-yarn", "phi3-longrope", "smollm3",
+                                  "granite", "gemma", "gemma2", "gemma3"])
 def test_fused_decoders_generate_as_transformers(name, tmp_path):
     from slimml.convert import ConvertConfig, convert
 
