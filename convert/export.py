@@ -39,7 +39,7 @@ class ExportConfig:
             ``convert.layerwise``), ``"fused"``: a decoder written from its safetensors as ONNX
             Runtime's fused decoder graph with its KV cache (GroupQueryAttention with rotary, packed
             projections: ``convert.fused_llama``), the fast one to decode; or ``"auto"``: fused for a
-            decoder it can write (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2, Gemma 3 text; task
+            decoder it can write (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, Gemma 1-3 text; task
             ``auto`` or ``text-generation-with-past``), layerwise for a cache-free decoder whose weights
             take more than a third of the memory available, optimum otherwise (torch where optimum-onnx
             does not load with the installed transformers). A decoder that

@@ -467,8 +467,8 @@ def test_an_architecture_no_exporter_writes_is_refused_in_one_line(tmp_path):
         report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
     except ExportError as e:
         assert str(e) == ("neither of slimml's exporters writes a 'starcoder2' model (optimum-onnx does not know the "
-                          "architecture; the fused exporter writes Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma 2 and "
-                          "Gemma 3 (text) decoders): "
+                          "architecture; the fused exporter writes Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, Gemma, "
+                          "Gemma 2 and Gemma 3 (text) decoders): "
                           "export it to ONNX yourself (torch.onnx.export) and convert the .onnx file.")
         assert not (tmp_path / "art").exists()
     else:  # a later optimum-onnx exports it: then it must match torch
