@@ -230,7 +230,8 @@ def test_longrope_past_its_original_context_takes_the_long_factors(tmp_path):
 def test_longrope_prompts_on_either_side_of_the_switch_batch_as_alone(tmp_path):
     """Prompts longer and shorter than LongRoPE's original context (16) in one batch: each is
     prefilled with its own factors (passes of their own), so each answer equals transformers' for
-    that prompt alone, through generate and through the server's continuous batch."""
+    that prompt alone, through generate and through the server's continuous batch (where a sequence
+    alone is run again whole when it grows past the switch, as generate runs it)."""
     from collections import deque
 
     from slimml.convert import ConvertConfig, convert
@@ -256,6 +257,13 @@ def test_longrope_prompts_on_either_side_of_the_switch_batch_as_alone(tmp_path):
             batch.admit(batch.take(waiting))
             batch.step()
         assert [s.tokens for s in seqs] == want
+        one = batch.prepare(prompts[1][:4], GenerationConfig(max_new_tokens=16, eos_token_id=()))  # alone, past the switch
+        batch.admit([one])
+        while batch.rows:
+            batch.step()
+        with torch.no_grad():  # transformers re-runs it at the switch too
+            ref = model.generate(torch.tensor([prompts[1][:4]]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+        assert one.tokens == ref[0, 4:].tolist()
     finally:
         art.close()
 

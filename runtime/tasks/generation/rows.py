@@ -11,7 +11,9 @@ and runs the passes:
   every live row decodes in one pass, each at its own position. The live rows stay first: a row
   that leaves is filled by the last live row's cache, and a pass runs only the live rows, so a
   batch of 16 rows with 3 sequences costs what 3 do. The buffer starts small and doubles when a
-  row needs more positions, and is freed when the batch empties.
+  row needs more positions, and is freed when the batch empties. A LongRoPE graph's prompts on
+  either side of its switch are prefilled apart, and a Phi-3 sequence running alone is run again
+  whole when it grows past the switch (as ``generate`` runs it: :class:`~.loop.CacheLoop`).
 - :class:`GrowingRows`, for a traced graph (optimum, ``present = concat(past, new)``): one cache
   ``(B, kv_heads, L, head_dim)`` left-padded with a mask, concatenated when sequences join, cut
   when they leave.
@@ -55,6 +57,7 @@ class SlotRows:
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # positions each row holds
         self.live = 0  # rows [0, live) hold sequences
         self.switch = rope_switch(engine)
+        self.reprefill = bool(self.switch and engine.manifest.source.get("rope_reprefill"))
 
     @property
     def nbytes(self) -> int:
@@ -80,9 +83,14 @@ class SlotRows:
     def decode(self, seqs: list[Sequence]) -> np.ndarray:
         """One position for every live row: its newest token; the logits, (live, vocab)."""
         live = self.live
-        ids = np.array([s.tokens[-1] for s in seqs], dtype=np.int64).reshape(live, 1)
         seen = self.lengths[:live] + 1
         self._room(int(seen.max()))
+        if self.reprefill and live == 1 and self.lengths[0] == self.switch:  # growing past LongRoPE's switch, alone:
+            whole = np.array([[*seqs[0].ids, *seqs[0].tokens]], dtype=np.int64)  # all again, as in-process generate
+            logits = self.cache.run(whole, _mask(seen), rows=(0, 1), at=seen - 1)
+            self.lengths[:1] = seen
+            return logits
+        ids = np.array([s.tokens[-1] for s in seqs], dtype=np.int64).reshape(live, 1)
         logits = self.cache.run(ids, _mask(seen), rows=(0, live), at=np.zeros(live, dtype=np.int64))
         self.lengths[:live] = seen
         return logits
