@@ -16,8 +16,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from slimml.convert.gguf_rope import rope_config
 from slimml.errors import SourceError
 
 GGUF_MAGIC = b"GGUF"
@@ -208,7 +207,9 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
     - Qwen2/3-MoE's expert sizes (``expert_feed_forward_length``, ``expert_shared_feed_forward_length``);
     - GPT-2's ``n_positions`` from ``context_length`` (the reader sets only ``n_ctx``, and the
       position table of any GPT-2 whose context is not 1024 does not load);
-    - Gemma 2/3's attention scale, soft-capping and Gemma 3's global RoPE scaling (``_gemma_config``).
+    - Gemma 2/3's attention scale, soft-capping and Gemma 3's global RoPE scaling (``_gemma_config``);
+    - a scaled RoPE (Llama 3's, linear, YaRN, Phi-3's LongRoPE: ``gguf_rope.rope_config``);
+    - a ``pad_token_id`` (a class default) beyond a smaller vocabulary: the file's own, or none.
     """
     from gguf import GGUFReader
 
@@ -238,36 +239,11 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
     context = _field(reader, f"{arch}.context_length")
     if arch == "gpt2" and context and getattr(config, "n_positions", None) != int(context):
         fixes["n_positions"] = int(context)
-    if arch == "phi3":
-        fixes.update(_longrope_config(reader, arch, config))
+    fixes.update(rope_config(reader, arch, config, _field))  # Llama 3's baked scaling, linear/YaRN fields, Phi-3's LongRoPE
     pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
     if isinstance(pad, int) and vocab and pad >= vocab:  # a class default (Phi-3's 32000) beyond a smaller vocabulary
         own = _field(reader, "tokenizer.ggml.padding_token_id")
         fixes["pad_token_id"] = int(own) if own is not None and int(own) < vocab else None
-    return fixes
-
-
-def _longrope_config(reader: Any, arch: str, config: Any) -> dict[str, Any]:
-    """A long-context Phi-3's LongRoPE (Phi-3.5-mini, Phi-4-mini, the 128k models): llama.cpp keeps its
-    factors as the tensors ``rope_factors_short``/``rope_factors_long`` and its original context as
-    ``rope.scaling.original_context_length``; transformers' reader drops them, so the model would run
-    with plain RoPE. The attention factor is left to transformers' default, the value llama.cpp's
-    converter writes (``rope.scaling.attn_factor``)."""
-    tensors = {t.name: t for t in reader.tensors}
-    short, long = tensors.get("rope_factors_short.weight"), tensors.get("rope_factors_long.weight")
-    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
-    if short is None or long is None or not original:
-        return {}
-    scaling = {"short_factor": [float(v) for v in np.asarray(short.data, np.float32).ravel()],
-               "long_factor": [float(v) for v in np.asarray(long.data, np.float32).ravel()]}
-    nested = getattr(config, "rope_parameters", None)  # transformers 5 (rope_type); 4.57's Phi3Config takes exactly type + factors
-    scaling["rope_type" if isinstance(nested, dict) else "type"] = "longrope"
-    have = nested or getattr(config, "rope_scaling", None) or {}
-    fixes: dict[str, Any] = {}
-    if {k: have.get(k) for k in ("short_factor", "long_factor")} != {k: scaling[k] for k in ("short_factor", "long_factor")}:
-        fixes["rope_scaling"] = scaling
-    if getattr(config, "original_max_position_embeddings", None) != int(original):
-        fixes["original_max_position_embeddings"] = int(original)
     return fixes
 
 

@@ -342,7 +342,11 @@ def _gguf(model, path, arch: str, tokenizer=None, norm_offset: float = 0.0, extr
         if name == "lm_head.weight" and c.tie_word_embeddings:  # tied: llama.cpp writes no output tensor
             continue
         a = t.float().numpy() + (norm_offset if "norm" in name else 0.0)
-        w.add_tensor(names.get_name(name[: -len(".weight")]) + ".weight", a.astype(np.float32))
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's interleaved rotary order
+            n = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
+            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        base, kind = name.rsplit(".", 1)  # weight or bias (Qwen2's q/k/v)
+        w.add_tensor(f"{names.get_name(base)}.{kind}", a.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -404,6 +408,81 @@ def test_a_long_context_phi3_gguf_keeps_its_longrope(tmp_path):
     assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+def _llama3_divisors(c) -> np.ndarray:
+    """llama.cpp's ``rope_freqs`` of a Llama 3 scaling, as its converter computes them."""
+    import math
+
+    r = getattr(c, "rope_scaling", None) or c.rope_parameters
+    theta = getattr(c, "rope_theta", None) or r["rope_theta"]
+    dim = c.hidden_size // c.num_attention_heads
+    low, high, old = r["low_freq_factor"], r["high_freq_factor"], r["original_max_position_embeddings"]
+    out = []
+    for f in 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)):
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(r["factor"])
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / r["factor"] + smooth))
+    return np.array(out, np.float32)
+
+
+@pytest.mark.parametrize("name", ["llama3", "yarn"])
+def test_a_scaled_rope_in_a_gguf_is_kept(name, tmp_path):
+    """transformers' GGUF reader keeps only rope.freq_base: a Llama 3.x file's baked ``rope_freqs``
+    (here with an original context of 32, not Llama's 8192, so the parameters are solved from the
+    divisors) and a file's YaRN fields are read back, and the artifact generates as the model."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from slimml.convert import ConvertConfig, convert
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, pad_token_id=0)
+    if name == "llama3":
+        model = LlamaForCausalLM(LlamaConfig(**shape, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})).eval()
+        _gguf(model, tmp_path / "m.gguf", "llama", extra={"rope_freqs.weight": _llama3_divisors(model.config)})
+    else:
+        model = _model("qwen2-yarn").eval()
+        _gguf(model, tmp_path / "m.gguf", "qwen2", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                                    "rope.scaling.original_context_length": 32})
+    report = convert(tmp_path / "m.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+def test_llama_3_2s_rope_freqs_give_back_its_own_scaling():
+    """Llama-3.2-1B's values (theta 500000, head size 64, factor 32, bounds 1 and 4, context 8192)."""
+    from types import SimpleNamespace
+
+    from slimml.convert.gguf_rope import _llama3
+
+    scaling = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    c = SimpleNamespace(rope_theta=500000.0, hidden_size=2048, num_attention_heads=32, rope_scaling=scaling)
+    assert _llama3(_llama3_divisors(c), c, "llama") == {"rope_type": "llama3", **scaling}
+
+
+def test_a_rope_freqs_tensor_no_llama3_scaling_makes_is_refused(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from slimml.convert.gguf import missed_config
+
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("rope_freqs.weight", np.array([1.0, 3.0, 1.5, 8.0], np.float32))  # not monotone: no llama3 scaling
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SlimmlError, match=r"rope_freqs tensor .* matches no Llama 3 scaling .* convert the original Hugging Face folder"):
+        missed_config(tmp_path / "m.gguf", transformers.LlamaConfig(hidden_size=32, num_attention_heads=4))
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
