@@ -7,6 +7,7 @@ inside, packed gate/up, the down projection); a family is the handful of values 
   for every layer (default, linear, Llama 3, YaRN or LongRoPE; over part of each head where
   ``partial_rotary_factor`` says so; none in SmolLM3's NoPE layers), sliding windows where Mistral
   and Qwen2 slide; Granite's multipliers (embeddings, attention scale, each block's output, logits);
+  OLMo 2's norms after attention and MLP (none before) and q/k norms over all heads at once;
 - Gemma (``GemmaForCausalLM``): embeddings times ``sqrt(hidden)``, RMSNorm ``x * (1 + w)`` (the 1
   folded into the stored weight: the same float32 product transformers computes), GELU with the tanh
   approximation (``FastGelu``, ONNX Runtime's fused kernel; matches torch to 1e-6);
@@ -34,10 +35,10 @@ from typing import Any
 import numpy as np
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-              "SmolLM3ForCausalLM", "GraniteForCausalLM")
+              "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ARCHITECTURES = LLAMA_LIKE + GEMMA
-NAMES = "Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, Gemma, Gemma 2 and Gemma 3 (text)"
+NAMES = "Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, Gemma, Gemma 2 and Gemma 3 (text)"
 # transformers' activation names -> the op that computes them
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
@@ -55,6 +56,7 @@ class Family:
     embed_scale: float | None = None  # Gemma: the looked-up rows times sqrt(hidden), in float32
     norm_offset: float = 0.0  # Gemma's RMSNorm x * (1 + w): 1.0, added to each stored norm weight
     sandwich: bool = False  # Gemma 2/3: norm after attention, before and after the MLP (4 per layer)
+    pre_norms: bool = True  # False: no norm before attention and MLP, only after (OLMo 2, with sandwich)
     softcap: float = 0.0  # Gemma 2: attention scores tanh(s / c) * c (GQA's softcap; 0: none)
     final_softcap: float = 0.0  # Gemma 2: logits tanh(x / c) * c
     residual_scale: float = 1.0  # Granite: each block's output times residual_multiplier before its residual add
@@ -95,6 +97,9 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
         every = int(config.get("no_rope_layer_interval", 4))
         uses = config.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(layers)]
         ropes = [rope if uses[i] else None for i in range(layers)]
+    if arch == "Olmo2ForCausalLM":  # norms after attention and MLP only; q/k normed over all heads (read from the weights)
+        return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=ropes,
+                      sandwich=True, pre_norms=False)
     if arch == "GraniteForCausalLM":  # Llama with four multipliers, each applied where transformers applies it
         embed = float(config.get("embedding_multiplier", 1.0))
         return Family(head_dim=head_dim, scale=float(config.get("attention_multiplier", 1.0)), windows=_windows(config),

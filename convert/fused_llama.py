@@ -2,7 +2,7 @@
 decodes fastest on CPU (docs/llm_decode.md). Llama, Mistral and Qwen2 (q/k/v biases, sliding
 windows as GroupQueryAttention's ``local_window_size``), Qwen3 (an RMSNorm over each q and k head),
 Phi-3 (q/k/v and gate/up stored packed; Phi-3.5 and Phi-4-mini's LongRoPE over part of each head),
-SmolLM3 (layers without RoPE), Granite (multipliers), Gemma, Gemma 2 and Gemma 3 text (scaled embeddings, ``1 + w`` norms,
+SmolLM3 (layers without RoPE), Granite (multipliers), OLMo 2 (norms after each block only), Gemma, Gemma 2 and Gemma 3 text (scaled embeddings, ``1 + w`` norms,
 GELU, four norms per layer, soft-capping, a local and a global RoPE): what each family changes is
 read from its config by :mod:`slimml.convert.fused_family`.
 
@@ -321,6 +321,12 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         return node("Reshape", [normed, data.add(f"rows_shape_{n * head_dim}", np.array([0, -1, n * head_dim], np.int64))],
                     [f"{name}/rows"], f"{name}/Reshape_1")[0]
 
+    def qk_normed(x: str, weight: str, name: str, n: int) -> str:
+        """Qwen3, Gemma 3: RMSNorm over each head; OLMo 2: over all n heads at once (its weight is n heads wide)."""
+        if w[weight].shape[0] == n * head_dim and n > 1:
+            return rms_norm(x, weight, name, "normed")
+        return head_norm(x, weight, name, n)
+
     def mlp(h: str, hf: str, p: str) -> str:
         """down(act(gate) * up), gate and up in one MatMul: act SiLU, or GELU (tanh: FastGelu) for Gemma."""
         gu = linear(h, [f"{hf}.mlp.gate_up_proj"] if packed else [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"],
@@ -350,14 +356,15 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     for i in range(layers):
         p, hf = f"/model/layers.{i}", f"model.layers.{i}"
         data.group(f"layers.{i}")
-        h = rms_norm(x, f"{hf}.input_layernorm.weight", f"{p}/input_layernorm")
+        h = rms_norm(x, f"{hf}.input_layernorm.weight", f"{p}/input_layernorm") if fam.pre_norms else x
         qkv = linear(h, [f"{hf}.self_attn.qkv_proj"] if packed else [f"{hf}.self_attn.{n}_proj" for n in "qkv"],
                      f"{hf}.self_attn.qkv_proj", f"{p}/attn/qkv", qkv_bias)
         qkv_in = [qkv, "", ""]
         if qk_norm:  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k, before the rotary embedding (inside GQA)
             q, k, v = node("Split", [qkv, data.add("split_qkv", np.array([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))],
                            [f"{p}/attn/q", f"{p}/attn/k", f"{p}/attn/v"], f"{p}/attn/Split", axis=-1)
-            qkv_in = [head_norm(q, f"{hf}.self_attn.q_norm.weight", f"{p}/attn/q_norm", heads), head_norm(k, f"{hf}.self_attn.k_norm.weight", f"{p}/attn/k_norm", kv_heads), v]
+            qkv_in = [qk_normed(q, f"{hf}.self_attn.q_norm.weight", f"{p}/attn/q_norm", heads),
+                      qk_normed(k, f"{hf}.self_attn.k_norm.weight", f"{p}/attn/k_norm", kv_heads), v]
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
         tables = list(layer_tables[i] or ())  # cos and sin; none for a NoPE layer
@@ -372,7 +379,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         o = residual_scaled(o, f"{p}/attn")
         x1 = node("Add", [x, o], [f"{p}/attn/residual"], f"{p}/attn/residual/Add")[0]
         pre_mlp = "pre_feedforward_layernorm" if fam.sandwich else "post_attention_layernorm"
-        d = mlp(rms_norm(x1, f"{hf}.{pre_mlp}.weight", f"{p}/{pre_mlp}"), hf, p)
+        d = mlp(rms_norm(x1, f"{hf}.{pre_mlp}.weight", f"{p}/{pre_mlp}") if fam.pre_norms else x1, hf, p)
         if fam.sandwich:
             d = rms_norm(d, f"{hf}.post_feedforward_layernorm.weight", f"{p}/post_feedforward_layernorm")
         d = residual_scaled(d, f"{p}/mlp")
