@@ -244,10 +244,14 @@ def streamed_reference(folder: Path) -> Any:
     config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     depth = config.num_hidden_layers
     types = list(config.layer_types) if isinstance(getattr(config, "layer_types", None), list) else None
-    kinds = list(dict.fromkeys(types)) if types else [None]  # one shared layer per layer type (Gemma 2/3 alternate)
+    nope = list(config.no_rope_layers) if isinstance(getattr(config, "no_rope_layers", None), list) else None
+    keys = [(types[i] if types else None, nope[i] if nope else None) for i in range(depth)]
+    kinds = list(dict.fromkeys(keys))  # one shared layer per kind of layer (Gemma 2/3 alternate, SmolLM3 drops RoPE)
     config.num_hidden_layers = len(kinds)
     if types:
-        config.layer_types = kinds
+        config.layer_types = [t for t, _ in kinds]
+    if nope:
+        config.no_rope_layers = [n for _, n in kinds]
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32, **reference_kwargs(folder)).eval()
     shared_by_kind = dict(zip(kinds, model.model.layers))
     with torch.no_grad():
@@ -260,7 +264,7 @@ def streamed_reference(folder: Path) -> Any:
         def __init__(self, index: int):
             super().__init__()
             self.index = index
-            self.shared = [shared_by_kind[types[index] if types else None]]  # a list: not a submodule of each
+            self.shared = [shared_by_kind[keys[index]]]  # a list: not a submodule of each
             self.attention_type = getattr(self.shared[0], "attention_type", None)
 
         def forward(self, *args, **kwargs):
@@ -274,6 +278,8 @@ def streamed_reference(folder: Path) -> Any:
     model.config.num_hidden_layers = depth
     if types:
         model.config.layer_types = types
+    if nope:
+        model.config.no_rope_layers = nope
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.inference_mode():

@@ -172,13 +172,14 @@ def test_fused_gemma_logits_equal_transformers_past_the_window(name, tmp_path):
     assert max(diffs) < 1e-4, diffs
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "smollm3"])
 def test_the_layer_by_layer_reference_keeps_each_layers_type(name, tmp_path):
     """The check of a decoder bigger than memory runs torch one layer at a time: Gemma's sliding and
-    global layers (Gemma 3: with their own RoPE) each run as their own type, Gemma 2 eagerly."""
+    global layers (Gemma 3: with their own RoPE) each run as their own type, Gemma 2 eagerly, and
+    SmolLM3's layers without RoPE without it."""
     from slimml.convert.layerwise import streamed_reference
 
-    model = _gemma(name)
+    model = _model(name)
     model.save_pretrained(tmp_path / "hf")
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, 10))
     with torch.no_grad():
