@@ -67,12 +67,13 @@ def _model(name: str):
         return Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     if name == "qwen3":  # q/k norms per head; a head size other than hidden / heads
         return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=32, tie_word_embeddings=True))
-    if name == "smollm3":  # no RoPE in every fourth layer (here layer 1 of 2), a sliding window in the others
+    if name.startswith("smollm3"):  # no RoPE in every fourth layer (here layer 1 of 2), a sliding window in the others
         from transformers import SmolLM3Config, SmolLM3ForCausalLM
 
-        return SmolLM3ForCausalLM(SmolLM3Config(
-            **shape, pad_token_id=0, bos_token_id=1, eos_token_id=2, no_rope_layers=[1, 0], use_sliding_window=True,
-            sliding_window=8, layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=True))
+        window = dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+        return SmolLM3ForCausalLM(SmolLM3Config(  # "smollm3-full": every layer full attention, as SmolLM3-3B's config
+            **shape, pad_token_id=0, bos_token_id=1, eos_token_id=2, no_rope_layers=[1, 0], tie_word_embeddings=True,
+            **({} if name == "smollm3-full" else window)))
     if name == "olmo2":  # norms after attention and MLP only, q/k normed over all heads at once
         from transformers import Olmo2Config, Olmo2ForCausalLM
 
@@ -172,7 +173,7 @@ def test_fused_gemma_logits_equal_transformers_past_the_window(name, tmp_path):
     assert max(diffs) < 1e-4, diffs
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "smollm3"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "smollm3-full"])
 def test_the_layer_by_layer_reference_keeps_each_layers_type(name, tmp_path):
     """The check of a decoder bigger than memory runs torch one layer at a time: Gemma's sliding and
     global layers (Gemma 3: with their own RoPE) each run as their own type, Gemma 2 eagerly, and
