@@ -471,6 +471,7 @@ def generate(
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user message in the model's chat template.")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="With --chat: a system message before each prompt.")] = None,
     truncate: Annotated[bool, typer.Option("--truncate", help="Keep the end of a prompt longer than the model's context instead of refusing it.")] = False,
+    prompt_lookup: Annotated[int, typer.Option(min=0, help="Also compute this many guessed positions a pass, copied from where the last tokens appeared before (same text, fewer passes when it quotes its prompt; 0: off).")] = 0,
     loading: OptionValues = None,
     as_json: AsJson = False,
 ):
@@ -482,7 +483,7 @@ def generate(
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()),
-                              stop_token_ids=tuple(stop_token_id or ()), truncate=truncate)
+                              stop_token_ids=tuple(stop_token_id or ()), truncate=truncate, prompt_lookup=prompt_lookup)
     if system is not None and not chat:
         raise ConfigError("--system is a chat message; add --chat, or put the text in --prompt.")
     prompt = [*(prompts or ()), *(prompt or ())]
@@ -495,7 +496,7 @@ def generate(
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
     if not model.supports("stream"):  # an encoder-decoder answers; greedy only
-        if chat or config != GenerationConfig(max_new_tokens=max_new_tokens, truncate=truncate):
+        if chat or config != GenerationConfig(max_new_tokens=max_new_tokens, truncate=truncate, prompt_lookup=prompt_lookup):
             raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily without a chat template; "
                               "drop --temperature, --top-k, --top-p, --repetition-penalty, --seed, --stop and --chat.")
         result = model.generate(list(prompt), max_new_tokens=max_new_tokens)

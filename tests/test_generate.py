@@ -309,7 +309,7 @@ CONFIG_ERRORS = [
     ({"stop": [1]}, "stop must be a string or a list of strings, got [1]."),
     ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids >= 0, got [-1]."),
     ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, max_new_tokens, min_new_tokens, "
-                         "pad_token_id, repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
+                         "pad_token_id, prompt_lookup, repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
 ]
 
 

@@ -62,6 +62,11 @@ def rope_switch(engine: Engine) -> int | None:
     return int(switch) if switch else None
 
 
+def rope_reprefill(engine: Engine) -> bool:
+    """Whether a single sequence that first grows past the LongRoPE switch is run again whole (Phi-3)."""
+    return bool(engine.manifest.source.get("rope_switch") and engine.manifest.source.get("rope_reprefill"))
+
+
 def prompt_blocks(lengths: np.ndarray, switch: int | None) -> list[tuple[int, int]]:
     """The prompt pass over rows of ``lengths`` split into runs of rows on one side of a LongRoPE
     ``switch`` ((start, stop) pairs; one run without a switch)."""

@@ -22,6 +22,7 @@ import numpy as np
 
 from slimml.runtime.tasks.generation.chat import ChatTemplate
 from slimml.runtime.tasks.generation.config import GenerationConfig
+from slimml.runtime.tasks.generation.lookup import lookup_loop
 from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_loop
 from slimml.runtime.tasks.generation.prompts import Prompts, prepare
 from slimml.runtime.tasks.generation.sampling import Sampler
@@ -43,7 +44,7 @@ class Generation:
         finish_reasons: per prompt, ``"stop"`` (an end id or a stop string) or ``"length"``
             (max_new_tokens, or the model's context, reached), as OpenAI reports it.
         seconds: wall time of the whole generation.
-        passes: model passes run (one per new token).
+        passes: model passes run (one per new token; fewer where ``prompt_lookup`` guesses held).
         prompt_tokens: tokens in the prompts (without padding).
         prefill_s: wall time of the first pass (the prompts; time to the first token).
     """
@@ -218,7 +219,8 @@ def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = 
     a generator that yields ``(prompt index, text piece)`` and returns the :class:`Generation`."""
     t0 = time.perf_counter()
     job = prepare(model, prompts, config, raw_text)
-    loop = decode_loop(model.engine, job.ids, job.pad_id, job.steps)
+    loop = (lookup_loop(model.engine, job.ids, job.steps, config.prompt_lookup)
+            or decode_loop(model.engine, job.ids, job.pad_id, job.steps))
     return _passes(job, loop, config, t0, cancel)
 
 

@@ -39,6 +39,10 @@ class GenerationConfig:
         pad_token_id: left-pads shorter prompts of a batch (masked out); None takes the tokenizer's or 0.
         truncate: a prompt longer than the model's context keeps its last tokens instead of
             being refused.
+        prompt_lookup: positions a pass may also compute by guessing that the text repeats what
+            followed its last few tokens earlier in the prompt or the text (prompt lookup): the
+            tokens are the same, fewer passes where text quotes its prompt (summaries, edits,
+            answers from passages). One prompt, a fused artifact; 0 turns it off (e.g. 4).
 
     Example:
         >>> GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0, stop=["\\n\\n"])
@@ -57,10 +61,12 @@ class GenerationConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     truncate: bool = False
+    prompt_lookup: int = 0
 
     def __post_init__(self) -> None:
         _whole("max_new_tokens", self.max_new_tokens, 1)
         _whole("min_new_tokens", self.min_new_tokens, 0)
+        _whole("prompt_lookup", self.prompt_lookup, 0, "(0 turns it off)")
         _number("temperature", self.temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
         _whole("top_k", self.top_k, 0, "(0 turns it off)")
         _number("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)

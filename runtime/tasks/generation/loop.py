@@ -117,13 +117,14 @@ def _mask(seen: np.ndarray, width: int | None = None) -> np.ndarray:
 
 def decode_loop(engine: Any, prompts: list[list[int]], pad_id: int, steps: int) -> CacheLoop | DecodeLoop:
     """The fastest loop the artifact allows: its in-place cache where it has one (``--exporter
-    fused``), else :class:`DecodeLoop`."""
-    from slimml.runtime.engine.kv_cache import rope_switch, shares_buffers
+    fused``), else :class:`DecodeLoop` (for one prompt with guessed positions:
+    :func:`~slimml.runtime.tasks.generation.lookup.lookup_loop`)."""
+    from slimml.runtime.engine.kv_cache import rope_reprefill, rope_switch, shares_buffers
 
     if not shares_buffers(engine):
         return DecodeLoop(engine, prompts, pad_id, steps)
     return CacheLoop(engine.kv_cache(len(prompts), max(map(len, prompts)) + steps), prompts, rope_switch(engine),
-                     bool(engine.manifest.source.get("rope_reprefill")))
+                     rope_reprefill(engine))
 
 
 class DecodeLoop:

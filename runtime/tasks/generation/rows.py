@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slimml.runtime.engine.kv_cache import prompt_blocks, rope_switch
+from slimml.runtime.engine.kv_cache import prompt_blocks, rope_reprefill, rope_switch
 from slimml.runtime.engine.packed import trim_heap
 from slimml.runtime.tasks.generation.loop import _empty_cache, _mask, _present
 
@@ -57,7 +57,7 @@ class SlotRows:
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # positions each row holds
         self.live = 0  # rows [0, live) hold sequences
         self.switch = rope_switch(engine)
-        self.reprefill = bool(self.switch and engine.manifest.source.get("rope_reprefill"))
+        self.reprefill = rope_reprefill(engine)
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,65 @@
+"""Prompt lookup (``GenerationConfig.prompt_lookup``): passes that also compute guessed positions,
+copied from where the text's last tokens appeared before. The tokens are the plain loop's; where the
+text quotes its prompt, fewer passes make them. Real weights: SmolLM2 (fp32) copying a news article."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from slimml.errors import ConfigError
+from slimml.runtime.tasks.generation.lookup import guess
+
+
+def test_a_guess_is_what_followed_the_latest_earlier_occurrence_of_the_tail():
+    seq = np.array([5, 6, 7, 8, 9, 1, 6, 7, 2, 3, 5, 6, 7])
+    assert guess(seq, 3).tolist() == [8, 9, 1]  # "5 6 7" appeared at 0 ("6 7", later at 6, would give 2 3 5): the 3-gram wins
+    assert guess(np.array([1, 2, 3, 4, 2, 3]), 5).tolist() == [4, 2, 3]  # no 3-gram: the 2-gram "2 3"
+    assert guess(np.array([1, 2, 3, 4]), 4).tolist() == []  # nothing repeats
+    assert guess(np.array([4, 4]), 2).tolist() == []  # too short for a 2-gram before the tail
+
+
+def test_prompt_lookup_is_checked():
+    from slimml.runtime.tasks.generation import GenerationConfig
+
+    with pytest.raises(ConfigError, match=r"prompt_lookup must be a whole number >= 0 \(0 turns it off\), got -1"):
+        GenerationConfig(prompt_lookup=-1)
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_artifact, lee_slice):
+    from slimml.runtime import load
+
+    model = load(smollm2_artifact)
+    article = lee_slice.read_text().split("\n")[0][:700]
+    yield model, [{"role": "user", "content": "Copy the following news article word for word.\n\n" + article}]
+    model.close()
+
+
+def test_a_copied_article_takes_fewer_passes_and_the_same_tokens(smol):
+    model, messages = smol
+    plain = model.chat(messages, max_new_tokens=48)
+    looked = model.chat(messages, max_new_tokens=48, prompt_lookup=4)
+    assert looked.tokens == plain.tokens and plain.passes == 48
+    assert looked.passes < 40, looked.passes  # measured 26 (the guesses hold along the copied text)
+
+
+def test_sampled_text_is_the_same_from_the_same_seed(smol):
+    """The sampler draws once per token whichever pass computed its logits."""
+    model, messages = smol
+    options = dict(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
+    assert model.chat(messages, prompt_lookup=4, **options).tokens == model.chat(messages, **options).tokens
+
+
+def test_a_batch_and_a_traced_graph_ignore_it(smol, tiny_llama_past_artifact):
+    from slimml.runtime import load
+
+    model, messages = smol
+    batch = model.chat([messages, messages], max_new_tokens=8, prompt_lookup=4)  # several prompts: the plain loop
+    assert batch.tokens[0] == batch.tokens[1] and batch.passes == 8
+    traced = load(tiny_llama_past_artifact)
+    try:
+        ids = [[3, 4, 5, 3, 4, 5, 3, 4]]
+        assert traced.generate(ids, max_new_tokens=6, prompt_lookup=3).tokens == traced.generate(ids, max_new_tokens=6).tokens
+    finally:
+        traced.close()
