@@ -63,3 +63,29 @@ def test_a_batch_and_a_traced_graph_ignore_it(smol, tiny_llama_past_artifact):
         assert traced.generate(ids, max_new_tokens=6, prompt_lookup=3).tokens == traced.generate(ids, max_new_tokens=6).tokens
     finally:
         traced.close()
+
+
+def test_the_servers_batch_uses_it_while_one_answer_runs_alone(smol):
+    """``slimml serve --prompt-lookup K``: the continuous batch guesses while one sequence runs alone
+    (the same tokens as generate, fewer passes) and stops guessing while others share the pass."""
+    from collections import deque
+
+    from slimml.runtime.tasks.generate import chat_prompt
+    from slimml.runtime.tasks.generation.config import GenerationConfig
+    from slimml.runtime.tasks.generation.continuous import ContinuousBatch
+
+    model, messages = smol
+    want = model.chat(messages, max_new_tokens=40).tokens[0]
+    batch = ContinuousBatch(model, max_batch=2)
+    prompt = chat_prompt(model, messages)
+    one = batch.prepare(prompt, GenerationConfig(max_new_tokens=40, prompt_lookup=4), raw_text=True)
+    batch.admit([one])
+    while batch.rows:
+        batch.step()
+    assert one.tokens == want and batch.cache.kept > 10, batch.cache.kept  # tokens made without a pass of their own
+    two = [batch.prepare(prompt, GenerationConfig(max_new_tokens=12, prompt_lookup=4), raw_text=True) for _ in range(2)]
+    waiting = deque(two)
+    while waiting or batch.rows:
+        batch.admit(batch.take(waiting))
+        batch.step()
+    assert [s.tokens for s in two] == [want[:12]] * 2  # sharing each pass: no guesses, the same tokens

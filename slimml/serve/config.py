@@ -108,6 +108,10 @@ class ServeConfig:
     prefill_tokens: int = field(default=512, metadata={
         "help": "Language models: prompt tokens prefilled between two decode steps (at least one prompt a step); "
                 "lower keeps running streams smooth, higher admits a burst sooner."})
+    prompt_lookup: int = field(default=0, metadata={
+        "help": "Language models: while one answer runs alone, positions a pass may also compute by guessing that "
+                "it repeats its prompt (prompt lookup: the same tokens, fewer passes when answers quote the prompt); "
+                "0: off."})
     max_ongoing_requests: int = field(default=128, metadata={
         "help": "Requests a replica works on at once; more wait in Serve's queue."})
     max_queued_requests: int = field(default=512, metadata={
@@ -132,7 +136,8 @@ class ServeConfig:
     def __post_init__(self):
         whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024, "max_bodies_bytes": 1024,
                  "max_texts": 1, "max_text_chars": 1, "max_response_values": 1, "max_new_tokens": 1,
-                 "max_ongoing_requests": 1, "max_queued_requests": 1, "max_running": 1, "max_waiting": 0, "prefill_tokens": 1}
+                 "max_ongoing_requests": 1, "max_queued_requests": 1, "max_running": 1, "max_waiting": 0, "prefill_tokens": 1,
+                 "prompt_lookup": 0}
         for name, low in whole.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:

@@ -110,8 +110,9 @@ class LLMService:
     """
 
     def __init__(self, model: Any, name: str, max_tokens: int, max_running: int, max_waiting: int,
-                 max_text_chars: int = 16_384, prefill_tokens: int = PREFILL_TOKENS):
+                 max_text_chars: int = 16_384, prefill_tokens: int = PREFILL_TOKENS, prompt_lookup: int = 0):
         self.model = model
+        self.prompt_lookup = prompt_lookup
         self.name = name
         self.max_tokens = max_tokens
         self.max_text_chars = max_text_chars
@@ -168,7 +169,7 @@ class LLMService:
             limit = max(1, min(limit, context - len(ids)))
         config = GenerationConfig(max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, repetition_penalty=req.repetition_penalty, seed=req.seed,
-                                  stop=tuple(req.stop))
+                                  stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
         try:  # the prompt's length within the context, with max_tokens: refused here with the limits
             seq = self.worker.batch.prepare(
                 prompt if ids is None else ids, config, raw_text=raw,
