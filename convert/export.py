@@ -39,7 +39,7 @@ class ExportConfig:
             ``convert.layerwise``), ``"fused"``: a decoder written from its safetensors as ONNX
             Runtime's fused decoder graph with its KV cache (GroupQueryAttention with rotary, packed
             projections: ``convert.fused_llama``), the fast one to decode; or ``"auto"``: fused for a
-            decoder it can write (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, Gemma 1-3 text; task
+            decoder it can write (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2/3, Gemma 1-3 text; task
             ``auto`` or ``text-generation-with-past``), layerwise for a cache-free decoder whose weights
             take more than a third of the memory available, optimum otherwise (torch where optimum-onnx
             does not load with the installed transformers). A decoder that
@@ -49,7 +49,7 @@ class ExportConfig:
     opset: int | None = field(default=None, metadata={"help": "ONNX opset."})
     task: str = field(default="auto", metadata={"help": "Hugging Face task to export, or 'auto'."})
     dynamic_batch: bool = True
-    exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2 and Gemma 1/2/3 decoders, else "
+    exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2/3 and Gemma 1/2/3 decoders, else "
                                                     "optimum, or torch where optimum-onnx does not load), optimum (traces the whole model; transformers < 4.58), "
                                                     "torch (torch.onnx.export of an encoder or classifier, any transformers), layerwise (Llama-family "
                                                     "decoders bigger than memory, one layer at a time, no cache) or fused "

@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-              "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM")
+              "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 ARCHITECTURES = LLAMA_LIKE + GEMMA
-NAMES = "Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, Gemma, Gemma 2 and Gemma 3 (text)"
+NAMES = "Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, OLMo 3, Gemma, Gemma 2 and Gemma 3 (text)"
 # transformers' activation names -> the op that computes them
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
@@ -81,6 +81,8 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
         return "output-projection and MLP biases are not written by the fused exporter yet"
     if arch in GEMMA:
         return _gemma(config, arch, head_dim, transformers_major)
+    if arch == "Olmo3ForCausalLM":
+        return _olmo3(config, head_dim)
     rope = _rope(config)
     if isinstance(rope, str):
         return rope
@@ -107,6 +109,31 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
                       residual_scale=float(config.get("residual_multiplier", 1.0)),
                       logits_divisor=float(config.get("logits_scaling", 1.0)))
     return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=ropes)
+
+
+def _olmo3(config: dict[str, Any], head_dim: int) -> Family | str:
+    """OLMo 3: OLMo 2's norms, three sliding layers to one global; the sliding layers' RoPE plain, the
+    global layers' with the config's scaling (YaRN for the long-context models). transformers 5 keeps
+    one ``rope_parameters`` entry per layer type; 4.57 reads ``rope_theta`` for both and
+    ``rope_scaling`` for the global layers."""
+    layers = int(config["num_hidden_layers"])
+    types = list(config.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)])
+    nested = isinstance((config.get("rope_parameters") or {}).get("full_attention"), dict)
+    ropes: dict[str, dict[str, Any]] = {}
+    for t in set(types):
+        if nested:
+            rope = _rope(config, t)
+        elif t == "sliding_attention":
+            rope = {"theta": float(config.get("rope_theta", 500000.0)), "type": "default", "partial_rotary_factor": 1.0}
+        else:
+            rope = _rope(config, default_theta=500000.0)
+        if isinstance(rope, str):
+            return rope
+        ropes[t] = rope
+    window = int(config.get("sliding_window") or 0)
+    return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), ropes=[ropes[t] for t in types],
+                  windows=[window if (t == "sliding_attention" and window) else -1 for t in types],
+                  sandwich=True, pre_norms=False)
 
 
 def _gemma(config: dict[str, Any], arch: str, head_dim: int, transformers_major: int) -> Family | str:
@@ -168,8 +195,8 @@ def _rope(config: dict[str, Any], layer_type: str | None = None, default_theta: 
     scaling) for sliding ones.
     """
     nested = (config.get("rope_parameters") or {}).get(layer_type) if layer_type else None
-    if isinstance(nested, dict):  # transformers 5's Gemma 3: one entry per layer type
-        params = dict(nested)
+    if isinstance(nested, dict):  # transformers 5's Gemma 3 and OLMo 3: one entry per layer type
+        params = {**nested, "layer_type": layer_type}
     elif layer_type == "sliding_attention":  # transformers 4.57's Gemma 3: local layers, no scaling
         params = {"rope_theta": config.get("rope_local_base_freq") or 10000.0}
     else:
@@ -244,7 +271,8 @@ def rotary(rope: dict[str, Any], config: dict[str, Any], head_dim: int) -> Rotar
     cfg = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     init = ROPE_INIT_FUNCTIONS[rope["type"]]
     with torch.no_grad():
-        inv, scale = init(cfg, None)
+        layer = {"layer_type": rope["layer_type"]} if rope.get("layer_type") else {}  # transformers 5, per layer type
+        inv, scale = init(cfg, None, **layer)
         if rope["type"] != "longrope":
             return Rotary(inv.float().numpy(), scale=float(scale))
         params = getattr(cfg, "rope_parameters", None)  # transformers 5 keeps the original context there; 4.57 at the top
@@ -252,7 +280,7 @@ def rotary(rope: dict[str, Any], config: dict[str, Any], head_dim: int) -> Rotar
             switch = int(params["original_max_position_embeddings"])
         else:
             switch = int(getattr(cfg, "original_max_position_embeddings", None) or cfg.max_position_embeddings)
-        long, _ = init(cfg, None, seq_len=switch + 1)
+        long, _ = init(cfg, None, seq_len=switch + 1, **layer)
     return Rotary(inv.float().numpy(), long.float().numpy(), switch, float(scale))
 
 

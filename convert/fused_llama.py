@@ -2,7 +2,7 @@
 decodes fastest on CPU (docs/llm_decode.md). Llama, Mistral and Qwen2 (q/k/v biases, sliding
 windows as GroupQueryAttention's ``local_window_size``), Qwen3 (an RMSNorm over each q and k head),
 Phi-3 (q/k/v and gate/up stored packed; Phi-3.5 and Phi-4-mini's LongRoPE over part of each head),
-SmolLM3 (layers without RoPE), Granite (multipliers), OLMo 2 (norms after each block only), Gemma, Gemma 2 and Gemma 3 text (scaled embeddings, ``1 + w`` norms,
+SmolLM3 (layers without RoPE), Granite (multipliers), OLMo 2 and 3 (norms after each block only), Gemma, Gemma 2 and Gemma 3 text (scaled embeddings, ``1 + w`` norms,
 GELU, four norms per layer, soft-capping, a local and a global RoPE): what each family changes is
 read from its config by :mod:`slimml.convert.fused_family`.
 

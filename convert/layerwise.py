@@ -267,6 +267,12 @@ def streamed_reference(folder: Path) -> Any:
             self.shared = [shared_by_kind[keys[index]]]  # a list: not a submodule of each
             self.attention_type = getattr(self.shared[0], "attention_type", None)
 
+        def __getattr__(self, name: str):  # what the model reads of a layer (OLMo 3: self_attn.attention_type)
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.__dict__["shared"][0], name)
+
         def forward(self, *args, **kwargs):
             shared = self.shared[0]
             with torch.no_grad():

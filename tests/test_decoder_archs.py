@@ -1,7 +1,7 @@
 """Decoders beyond Llama through the fused exporter (``convert/fused_llama.py``), from a Hugging Face
 folder and from a GGUF file: sliding attention windows (Mistral, Qwen2), Qwen3's per-head q/k norms,
 Phi-3's packed projections, YaRN, Phi-3.5's LongRoPE over half of each head, SmolLM3's layers
-without RoPE, Granite's multipliers, OLMo 2's norms, a Qwen3 GGUF whose head size is not transformers' default, and Gemma,
+without RoPE, Granite's multipliers, OLMo 2's norms, OLMo 3's sliding and YaRN global layers, a Qwen3 GGUF whose head size is not transformers' default, and Gemma,
 Gemma 2 and Gemma 3 (scaled embeddings, ``1 + w`` norms, GELU, soft-capping, local/global RoPE).
 
 Each model is tiny (2 layers, hidden 64, vocabulary 300) with seeded random weights; the artifact's
@@ -83,6 +83,18 @@ def _model(name: str):
                 if "norm" in n:  # initialized to 1: random, so a misplaced norm shows
                     p.normal_(1.0, 0.3)
         return model
+    if name == "olmo3":  # OLMo 2's norms; a sliding layer (plain RoPE, a window of 8) and a global one (YaRN)
+        from transformers import Olmo3Config, Olmo3ForCausalLM
+
+        model = Olmo3ForCausalLM(Olmo3Config(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=8,
+                                             layer_types=["sliding_attention", "full_attention"],
+                                             rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 32}))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "norm" in n:
+                    p.normal_(1.0, 0.3)
+        return model
     if name == "granite":  # Llama with multipliers on the embeddings, the attention scores, each block's output, the logits
         from transformers import GraniteConfig, GraniteForCausalLM
 
@@ -125,7 +137,7 @@ def _exporter(art) -> str:
 
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3", "qwen2-yarn", "phi3-longrope", "smollm3",
-                                  "granite", "olmo2", "gemma", "gemma2", "gemma3"])
+                                  "granite", "olmo2", "olmo3", "gemma", "gemma2", "gemma3"])
 def test_fused_decoders_generate_as_transformers(name, tmp_path):
     from slimml.convert import ConvertConfig, convert
 
@@ -173,7 +185,7 @@ def test_fused_gemma_logits_equal_transformers_past_the_window(name, tmp_path):
     assert max(diffs) < 1e-4, diffs
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "smollm3-full"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "smollm3-full", "olmo3"])
 def test_the_layer_by_layer_reference_keeps_each_layers_type(name, tmp_path):
     """The check of a decoder bigger than memory runs torch one layer at a time: Gemma's sliding and
     global layers (Gemma 3: with their own RoPE) each run as their own type, Gemma 2 eagerly, and
@@ -565,7 +577,7 @@ def test_an_architecture_no_exporter_writes_is_refused_in_one_line(tmp_path):
         report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
     except ExportError as e:
         assert str(e) == ("neither of slimml's exporters writes a 'starcoder2' model (optimum-onnx does not know the "
-                          "architecture; the fused exporter writes Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, "
+                          "architecture; the fused exporter writes Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, OLMo 3, "
                           "Gemma, "
                           "Gemma 2 and Gemma 3 (text) decoders): "
                           "export it to ONNX yourself (torch.onnx.export) and convert the .onnx file.")
