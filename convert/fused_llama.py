@@ -367,10 +367,10 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
                       qk_normed(k, f"{hf}.self_attn.k_norm.weight", f"{p}/attn/k_norm", kv_heads), v]
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
-        tables = list(layer_tables[i] or ())  # cos and sin; none for a NoPE layer
-        node("GroupQueryAttention", [*qkv_in, past_k, past_v, "seqlens_k", "total_seq_len", *tables],
+        cos_sin = list(layer_tables[i] or ())  # none for a NoPE layer
+        node("GroupQueryAttention", [*qkv_in, past_k, past_v, "seqlens_k", "total_seq_len", *cos_sin],
              [f"{p}/attn/output", pres_k, pres_v], f"{p}/attn/GroupQueryAttention", domain=_MS,
-             num_heads=heads, kv_num_heads=kv_heads, scale=fam.scale, do_rotary=int(bool(tables)),
+             num_heads=heads, kv_num_heads=kv_heads, scale=fam.scale, do_rotary=int(bool(cos_sin)),
              rotary_interleaved=0, local_window_size=fam.windows[i], **({"softcap": fam.softcap} if fam.softcap else {}))
         attn_out[f"{p}/attn/output"] = (TensorProto.FLOAT, ["batch_size", "sequence_length", heads * head_dim])
         o = linear(f"{p}/attn/output", [f"{hf}.self_attn.o_proj"], f"{hf}.self_attn.o_proj", f"{p}/attn/o_proj")

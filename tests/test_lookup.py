@@ -82,7 +82,7 @@ def test_the_servers_batch_uses_it_while_one_answer_runs_alone(smol):
     batch.admit([one])
     while batch.rows:
         batch.step()
-    assert one.tokens == want and batch.cache.kept > 10, batch.cache.kept  # tokens made without a pass of their own
+    assert one.tokens == want and batch.cache.lookahead.kept > 10, batch.cache.lookahead.kept  # tokens made without a pass of their own
     two = [batch.prepare(prompt, GenerationConfig(max_new_tokens=12, prompt_lookup=4), raw_text=True) for _ in range(2)]
     waiting = deque(two)
     while waiting or batch.rows:

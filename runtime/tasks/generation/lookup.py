@@ -43,6 +43,37 @@ def guess(tokens: np.ndarray, k: int, ngrams: tuple[int, ...] = NGRAMS) -> np.nd
     return tokens[:0]
 
 
+class Lookahead:
+    """One cache row's guessed positions: the pass that computes them beside the newest token, and
+    their logits, handed out while the sampler chooses the guesses (:class:`LookupLoop`, and the
+    server's batch while one answer runs alone)."""
+
+    def __init__(self) -> None:
+        self.ahead: list[tuple[int, np.ndarray]] = []  # (guessed token, the logits after it), in order
+        self.kept = 0  # tokens whose logits a guessed position had computed (no pass of their own)
+
+    def ready(self, token: int) -> np.ndarray | None:
+        """The next logits, (1, vocab), if ``token`` (the sampler's choice) is the next guess; else
+        None, and the rest are dropped (the cache positions they wrote are written over later)."""
+        if self.ahead and token == self.ahead[0][0]:
+            self.kept += 1
+            return self.ahead.pop(0)[1]
+        self.ahead = []
+        return None
+
+    def run(self, cache: Any, row: int, text: np.ndarray, length: int, k: int, switch: int | None) -> np.ndarray | None:
+        """A pass over the newest token (``text[-1]``, to be written at ``length``) and up to ``k``
+        guesses, on ``row`` of ``cache``; its first logits, (1, vocab). None where nothing repeats (or
+        the guesses would cross LongRoPE's ``switch``): the caller runs its plain pass."""
+        guesses = guess(text, min(k, cache.capacity - length - 1))
+        if len(guesses) == 0 or (switch and length < switch + 1 <= length + 1 + len(guesses)):
+            return None
+        ids = np.concatenate([text[-1:], guesses]).astype(np.int64)[None]  # (1, 1 + g)
+        logits = cache.run(ids, _mask(np.array([length + ids.shape[1]])), rows=(row, row + 1))[0]  # (1 + g, vocab)
+        self.ahead = [(int(t), logits[j + 1 : j + 2]) for j, t in enumerate(guesses)]
+        return logits[:1]
+
+
 def lookup_loop(engine: Any, prompts: list[list[int]], steps: int, k: int) -> LookupLoop | None:
     """A :class:`LookupLoop` where it applies (``k`` > 0, one prompt, a fused graph's in-place cache), else None."""
     from slimml.runtime.engine.kv_cache import rope_reprefill, rope_switch, shares_buffers
@@ -66,41 +97,27 @@ class LookupLoop(CacheLoop):
     def __init__(self, cache: Any, prompt: list[int], k: int, switch: int | None = None, reprefill: bool = False):
         super().__init__(cache, [prompt], switch, reprefill)
         self.k = k
-        self.seen = np.zeros(len(prompt) + cache.capacity, dtype=np.int64)  # the prompt and every token since
-        self.seen[: len(prompt)] = prompt
+        self.text = np.zeros(cache.capacity, dtype=np.int64)  # the prompt and every token since
+        self.text[: len(prompt)] = prompt
         self.count = len(prompt)
-        self.ahead: list[np.ndarray] = []  # logits already computed for the next positions, if their guesses hold
-        self.guessed: list[int] = []  # the guessed token each of ``ahead`` assumed
-        self.guesses = self.kept = 0  # guessed positions computed, and those the sampler chose
+        self.lookahead = Lookahead()
 
     def next_logits(self) -> np.ndarray:
         if self.passes == 0:
             return super().next_logits()
         token = int(self.pending[0, 0])
-        if self.ahead and token == self.guessed[0]:  # the guess held: its logits are ready, its position cached
-            self.guessed.pop(0)
-            self.kept += 1
-            self.lengths += 1
-            return self.ahead.pop(0)
-        self.ahead, self.guessed = [], []
-        room = self.cache.capacity - int(self.lengths[0]) - 1
-        guesses = guess(self.seen[: self.count], min(self.k, room)) if self.live and room > 0 else self.seen[:0]
-        length = int(self.lengths[0])
-        if self.switch and length < self.switch + 1 <= length + 1 + len(guesses):
-            guesses = guesses[:0]  # no pass of several positions across LongRoPE's switch
-        if len(guesses) == 0:
+        logits = self.lookahead.ready(token)
+        if logits is None and self.live:
+            logits = self.lookahead.run(self.cache, 0, self.text[: self.count], int(self.lengths[0]), self.k, self.switch)
+            if logits is not None:
+                self.passes += 1
+        if logits is None:
             return super().next_logits()
-        ids = np.concatenate([[token], guesses]).astype(np.int64)[None]  # (1, 1 + g)
-        logits = self.cache.run(ids, _mask(self.lengths + ids.shape[1]), rows=(0, 1))[0]  # (1 + g, vocab)
-        self.passes += 1
         self.lengths += 1
-        self.guesses += len(guesses)
-        self.ahead = [logits[j : j + 1] for j in range(1, len(logits))]
-        self.guessed = [int(t) for t in guesses]
-        return logits[:1]
+        return logits
 
     def append(self, ids: np.ndarray) -> None:
         super().append(ids)
-        if self.count < len(self.seen):
-            self.seen[self.count] = int(self.pending[0, 0])
+        if self.count < len(self.text):
+            self.text[self.count] = int(self.pending[0, 0])
             self.count += 1

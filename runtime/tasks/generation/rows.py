@@ -31,7 +31,7 @@ import numpy as np
 
 from slimml.runtime.engine.kv_cache import prompt_blocks, rope_reprefill, rope_switch
 from slimml.runtime.engine.packed import trim_heap
-from slimml.runtime.tasks.generation.lookup import guess
+from slimml.runtime.tasks.generation.lookup import Lookahead
 from slimml.runtime.tasks.generation.loop import _empty_cache, _mask, _present
 
 if TYPE_CHECKING:
@@ -58,8 +58,7 @@ class SlotRows:
         self.lengths = np.zeros(max_rows, dtype=np.int64)  # positions each row holds
         self.live = 0  # rows [0, live) hold sequences
         self.switch = rope_switch(engine)
-        self.ahead: list[tuple[int, np.ndarray]] = []  # prompt lookup, one row alone: (guessed token, its logits)
-        self.kept = 0  # tokens whose logits a guessed position had computed (no pass of their own)
+        self.lookahead = Lookahead()  # prompt lookup while one row runs alone
         self.reprefill = rope_reprefill(engine)
 
     @property
@@ -95,36 +94,31 @@ class SlotRows:
             return logits
         if live == 1 and seqs[0].config.prompt_lookup:
             return self._alone(seqs[0])
-        self.ahead = []
+        self.lookahead.ahead = []
         ids = np.array([s.tokens[-1] for s in seqs], dtype=np.int64).reshape(live, 1)
         logits = self.cache.run(ids, _mask(seen), rows=(0, live), at=np.zeros(live, dtype=np.int64))
         self.lengths[:live] = seen
         return logits
 
     def _alone(self, s: Sequence) -> np.ndarray:
-        """The one running sequence's next logits with prompt lookup (as ``lookup.LookupLoop``): from
-        the last pass's guessed positions while the sampler chose the guesses, else a pass over its
-        newest token and up to ``prompt_lookup`` guessed ones."""
-        token, length = s.tokens[-1], int(self.lengths[0])
-        if self.ahead and token == self.ahead[0][0]:
-            self.lengths[0] += 1
-            self.kept += 1
-            return self.ahead.pop(0)[1]
-        room = self.context - length - 1
-        guesses = guess(np.array([*s.ids, *s.tokens], dtype=np.int64), min(s.config.prompt_lookup, room)) if room > 0 else []
-        if self.switch and length < self.switch + 1 <= length + 1 + len(guesses):
-            guesses = guesses[:0]  # no pass of several positions across LongRoPE's switch
-        ids = np.array([[token, *guesses]], dtype=np.int64)
-        self._room(length + ids.shape[1])
-        logits = self.cache.run(ids, _mask(self.lengths[:1] + ids.shape[1]), rows=(0, 1))[0]  # (1 + g, vocab)
+        """The one running sequence's next logits with prompt lookup (:class:`~.lookup.Lookahead`):
+        from the last pass's guessed positions while the sampler chose the guesses, else a pass over
+        its newest token and up to ``prompt_lookup`` guessed ones, else its plain pass."""
+        length, k = int(self.lengths[0]), s.config.prompt_lookup
+        logits = self.lookahead.ready(s.tokens[-1])
+        if logits is None:
+            self._room(min(length + 1 + k, self.context))
+            logits = self.lookahead.run(self.cache, 0, np.array([*s.ids, *s.tokens], dtype=np.int64), length, k, self.switch)
+        if logits is None:
+            logits = self.cache.run(np.array([[s.tokens[-1]]], dtype=np.int64), _mask(self.lengths[:1] + 1), rows=(0, 1),
+                                    at=np.zeros(1, dtype=np.int64))
         self.lengths[0] += 1
-        self.ahead = [(int(t), logits[j + 1 : j + 2]) for j, t in enumerate(guesses)]
-        return logits[:1]
+        return logits
 
     def drop(self, rows: list[int]) -> list[int]:
         """Free ``rows``: the live rows after the new end move into the holes (their cache with
         them). Returns the new order, old row indices."""
-        self.ahead = []
+        self.lookahead.ahead = []
         gone = set(rows)
         n = self.live - len(gone)
         order = list(range(n))
@@ -141,7 +135,7 @@ class SlotRows:
 
     def clear(self) -> None:
         """Free the buffers (the batch is empty), and give the freed heap back to the system."""
-        self.ahead = []
+        self.lookahead.ahead = []
         had = self.cache is not None
         self.cache, self.live = None, 0
         if had:
