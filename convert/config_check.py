@@ -50,7 +50,8 @@ def check_config(folder: str | Path) -> None:
     unknown = _unknown_keys(config)
     dangerous = [k for k in unknown if k in _MOVES]
     if "rope_parameters" in config and "rope_theta" not in config and "rope_parameters" not in dangerous:
-        if not _knows(config.get("model_type"), "rope_parameters"):
+        if _known_keys(config.get("model_type")) is not None and not _knows(config.get("model_type"), "rope_parameters"):
+            # (a model type transformers does not know, its own code's: the exporter says what it does)
             dangerous.append("rope_parameters")
     if not dangerous and not (unknown and _newer(wrote, installed)):
         return

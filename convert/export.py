@@ -34,7 +34,8 @@ class ExportConfig:
         dynamic_batch: make dim 0 of every torch-module input and output dynamic.
         exporter: for Hugging Face folders, ``"optimum"`` (optimum-onnx traces the model whole, so it
             must fit in memory; it needs transformers < 4.58), ``"torch"`` (``torch.onnx.export`` of a
-            single-graph model, encoders and classifiers, with any transformers: ``convert.export_torch``),
+            single-graph model, encoders and classifiers, with any transformers: ``convert.export_torch``;
+            a causal LM with its KV cache: ``convert.export_torch_decoder``),
             ``"layerwise"`` (a Llama-family decoder, one layer in memory at a time:
             ``convert.layerwise``), ``"fused"``: a decoder written from its safetensors as ONNX
             Runtime's fused decoder graph with its KV cache (GroupQueryAttention with rotary, packed
@@ -43,7 +44,8 @@ class ExportConfig:
             ``auto`` or ``text-generation-with-past``), layerwise for a cache-free decoder whose weights
             take more than a third of the memory available, optimum otherwise (torch where optimum-onnx
             does not load with the installed transformers). A decoder that
-            fused cannot write falls back to optimum, with the reason in ``Exported.note``.
+            fused cannot write is traced with its KV cache (optimum, else torch where optimum-onnx does
+            not load or know it), with the reason in ``Exported.note``.
     """
 
     opset: int | None = field(default=None, metadata={"help": "ONNX opset."})
@@ -51,7 +53,7 @@ class ExportConfig:
     dynamic_batch: bool = True
     exporter: str = field(default="auto", metadata={"help": "auto (fused for Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2/3 and Gemma 1/2/3 decoders, else "
                                                     "optimum, or torch where optimum-onnx does not load), optimum (traces the whole model; transformers < 4.58), "
-                                                    "torch (torch.onnx.export of an encoder or classifier, any transformers), layerwise (Llama-family "
+                                                    "torch (torch.onnx.export of an encoder, classifier or decoder with its KV cache, any transformers), layerwise (Llama-family "
                                                     "decoders bigger than memory, one layer at a time, no cache) or fused "
                                                     "(Llama-family and Gemma decoders as ONNX Runtime's fused decoder graph with its "
                                                     "KV cache: the fastest to generate with)."})
@@ -109,26 +111,36 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
                 note = f"the fused exporter failed ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
     if _layerwise(source.path, config):  # cache-free asked for, or fused could not write it: too big to trace
         return _export_layerwise(source, work_dir, config, note)
-    if note and config.task == "auto":  # a decoder fused cannot write: optimum's graph, with its cache where it can
-        return _optimum_decoder(source, work_dir, config, note)
+    if note and config.task == "auto":  # a decoder fused cannot write: a traced graph, with its cache where it can
+        return _traced_decoder(source, work_dir, config, note)
+    if config.exporter == "torch" and config.task == "auto" and is_causal_lm(source.path):  # generating wants the cache
+        config = replace(config, task="text-generation-with-past")
     exported = _export_huggingface(source, work_dir, config)
     if note:
-        exported.note = f"{note}; exported with optimum-onnx"
+        exported.note = f"{note}; exported with {_EXPORTER_NAMES[exported.info['exporter']]}"
     return exported
 
 
-def _optimum_decoder(source: Source, work_dir: Path, config: ExportConfig, note: str) -> Exported:
-    """A causal LM the fused exporter cannot write, exported by optimum-onnx with its KV cache (what
-    generating wants: each token then reads the cache, not the whole sequence again); where optimum
-    cannot write the cache, without it, the report's note saying so."""
+_EXPORTER_NAMES = {"optimum": "optimum-onnx", "torch": "torch.onnx.export"}
+
+
+def _traced_decoder(source: Source, work_dir: Path, config: ExportConfig, note: str) -> Exported:
+    """A causal LM the fused exporter cannot write, traced whole (optimum-onnx, else the torch
+    exporter) with its KV cache (what generating wants: each token then reads the cache, not the whole
+    sequence again); where neither can write the cache, without it, the report's note saying so."""
+    from slimml.convert.export_torch_decoder import experts_reason
+
+    if why := experts_reason(_read_config(source.path)):  # neither traced exporter writes it
+        raise ExportError(f"{why}; convert a model slimml's exporters write, or export this one to ONNX yourself and "
+                          "convert the .onnx file.")
     try:
         exported = _export_huggingface(source, work_dir, replace(config, task="text-generation-with-past"))
-        exported.note = f"{note}; exported with optimum-onnx, with its KV cache"
+        exported.note = f"{note}; exported with {_EXPORTER_NAMES[exported.info['exporter']]}, with its KV cache"
     except ExportError as e:
         shutil.rmtree(work_dir / "onnx", ignore_errors=True)
         exported = _export_huggingface(source, work_dir, replace(config, task="text-generation"))
-        exported.note = (f"{note}; optimum-onnx could not write its KV cache ({str(e).splitlines()[0][:160]}), "
-                         "so each generated token runs the whole sequence again")
+        exported.note = (f"{note}; {_EXPORTER_NAMES[exported.info['exporter']]} could not write its KV cache "
+                         f"({str(e).splitlines()[0][:160]}), so each generated token runs the whole sequence again")
     return exported
 
 
@@ -244,12 +256,19 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         task = out_task + "-with-past"
     onnx_dir = work_dir / "onnx"
     exporter = _traced_exporter(folder, task, config)
+    if exporter == "optimum":
+        try:
+            _optimum_export(folder, onnx_dir, task, config)
+        except ExportError:  # a decoder optimum-onnx does not know (StarCoder2): the torch exporter's trace
+            if not _torch_decoder_fallback(folder, task, config):
+                raise
+            shutil.rmtree(onnx_dir, ignore_errors=True)
+            exporter = "torch"
     if exporter == "torch":
         from slimml.convert.export_torch import export_torch
+        from slimml.convert.export_torch_decoder import DECODER_TASKS, export_torch_decoder
 
-        export_torch(folder, onnx_dir / "model.onnx", task, config.opset)
-    else:
-        _optimum_export(folder, onnx_dir, task, config)
+        (export_torch_decoder if task in DECODER_TASKS else export_torch)(folder, onnx_dir / "model.onnx", task, config.opset)
     graphs = {name: onnx_dir / f"{name}_model.onnx" for name in ("encoder", "decoder", "decoder_with_past")}
     if seq2seq and all(p.is_file() for p in graphs.values()):
         onnx_path = graphs["encoder"]
@@ -274,15 +293,38 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
 def _traced_exporter(folder: Path, task: str, config: ExportConfig) -> str:
     """``"optimum"`` or ``"torch"`` for a model traced whole: the one asked for, else optimum-onnx where it
     loads (transformers < 4.58) and the torch exporter where it does not and can write the model."""
-    from slimml.convert.export_torch import torch_export_reason
-
     if config.exporter in ("optimum", "torch"):
-        if config.exporter == "torch" and (why := torch_export_reason(folder, task, _read_config(folder))):
+        if config.exporter == "torch" and (why := _torch_reason(folder, task)):
             raise SourceError(f"{why}; leave --exporter out.")
         return config.exporter
     if _optimum_loads() is None:
         return "optimum"
-    return "torch" if torch_export_reason(folder, task, _read_config(folder)) is None else "optimum"
+    why = _torch_reason(folder, task)
+    if why is not None and task.startswith("text-generation") and not _read_config(folder).get("is_encoder_decoder"):
+        raise ExportError(f"{why}; convert a model slimml's exporters write, or export this one to ONNX yourself "
+                          "and convert the .onnx file.")
+    return "torch" if why is None else "optimum"
+
+
+def _torch_reason(folder: Path, task: str) -> str | None:
+    """Why the torch exporter cannot write ``folder`` as ``task`` (a causal LM through
+    ``convert.export_torch_decoder``, any other model through ``convert.export_torch``), or None."""
+    from slimml.convert.export_torch import torch_export_reason
+    from slimml.convert.export_torch_decoder import DECODER_TASKS, decoder_export_reason
+
+    config = _read_config(folder)
+    if task in DECODER_TASKS and not config.get("is_encoder_decoder"):
+        return decoder_export_reason(config)
+    return torch_export_reason(folder, task, config)
+
+
+def _torch_decoder_fallback(folder: Path, task: str, config: ExportConfig) -> bool:
+    """Whether a decoder optimum-onnx failed on goes to the torch exporter: with ``--exporter auto``,
+    where optimum-onnx loads (else it was never tried) and the torch exporter writes the model."""
+    from slimml.convert.export_torch_decoder import DECODER_TASKS
+
+    return (config.exporter == "auto" and task in DECODER_TASKS and _optimum_loads() is None
+            and _torch_reason(folder, task) is None)
 
 
 def _optimum_loads() -> str | None:
@@ -336,9 +378,9 @@ def _optimum_failure(folder: Path, task: str, e: Exception) -> ExportError:
             f"the fused exporter writes {NAMES} decoders): export it to ONNX yourself "
             "(torch.onnx.export) and convert the .onnx file.")
     if "contains custom code" in first:  # trust_remote_code: slimml does not run a folder's own Python
-        return ExportError(
-            f"{folder.name} needs its own modeling code (auto_map in its config), which slimml does not run; export "
-            "it to ONNX yourself (with trust_remote_code=True) and convert the .onnx file.")
+        from slimml.convert.export_torch_decoder import custom_code_error
+
+        return custom_code_error(folder)
     return ExportError(f"optimum-onnx could not export {folder} as {task!r}: {type(e).__name__}: {first}")
 
 

@@ -4,14 +4,17 @@ optimum-onnx 0.1.0, the traced exporter, needs transformers < 4.58; this one wor
 installed transformers, 4.57 or 5. It writes the single-graph models (encoders and
 sentence-transformers, classifiers, masked LMs, extractive QA, ViT) with optimum's input and output
 names and dynamic axes, so the splitter, the runtime's tasks and the quantizers see the same graph.
-Decoders go through the fused exporter (``convert.fused_llama``); encoder-decoders and two-tower
-models still need optimum-onnx.
+Decoders go through the fused exporter (``convert.fused_llama``) where it writes them, else with
+their cache through ``convert.export_torch_decoder``; encoder-decoders and two-tower models still
+need optimum-onnx.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +38,14 @@ def torch_export_reason(folder: Path, task: str, config: dict[str, Any]) -> str 
     if config.get("is_encoder_decoder") or "text_config" in config or "vision_config" in config:
         return "the torch exporter writes single-graph models, not encoder-decoders or two-tower models"
     if task not in TORCH_TASKS:
-        return f"the torch exporter writes {', '.join(TORCH_TASKS)}, not {task!r}"
+        return f"the torch exporter writes {', '.join(TORCH_TASKS)} and causal LMs, not {task!r}"
     return None
 
 
 def export_torch(folder: Path, onnx_path: Path, task: str, opset: int | None = None) -> None:
     """Write ``folder``'s model for ``task`` to ``onnx_path`` (weights as external data beside it
-    when over 2 GB), inputs and outputs named as optimum names them, batch (and sequence) dynamic."""
-    import torch
+    when over 2 GB), inputs and outputs named as optimum names them, batch (and sequence) dynamic
+    (a causal LM: ``convert.export_torch_decoder``)."""
     from optimum.exporters.tasks import TasksManager  # optimum's task -> model class map (base optimum, any transformers)
 
     from slimml.convert.distill.prune_heads import from_pretrained  # a pruned encoder's folder reads the same way
@@ -59,17 +62,29 @@ def export_torch(folder: Path, onnx_path: Path, task: str, opset: int | None = N
     wrapper = _outputs_module(model, names, outputs, _takes_additive_mask(model, names, example, outputs)).eval()
     per_position = per_position and names[0] != "pixel_values"  # a ViT's hidden states: its patch count is fixed
     dynamic.update({o: {0: "batch_size", **({1: "sequence_length"} if per_position else {})} for o in outputs})
+    trace(wrapper, example, onnx_path, names, outputs, dynamic, opset,
+          failed=lambda why: f"torch.onnx.export could not write {folder} as {task!r} ({why}); install optimum-onnx "
+                             "with transformers 4.57 (pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0') and "
+                             "pass --exporter optimum.")
+
+
+def trace(wrapper: Any, example: tuple[Any, ...], onnx_path: Path, names: tuple[str, ...], outputs: tuple[str, ...],
+          dynamic: dict[str, dict[int, str]], opset: int | None, failed: Callable[[str], str],
+          patches: Any = None) -> None:
+    """``torch.onnx.export`` of ``wrapper`` (TorchScript tracing, constants folded) to ``onnx_path``,
+    then named as optimum names its graphs (:func:`_as_optimum_writes`). ``patches``: a context
+    manager held while tracing; ``failed(why)``: the one-line message when the trace fails."""
+    import torch
+
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with torch.no_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings(), patches or contextlib.nullcontext():
             warnings.simplefilter("ignore")
             torch.onnx.export(wrapper, example, str(onnx_path), input_names=list(names), output_names=list(outputs),
                               dynamic_axes=dynamic, opset_version=opset or DEFAULT_OPSET, dynamo=False,
                               do_constant_folding=True)
     except Exception as e:
-        raise ExportError(f"torch.onnx.export could not write {folder} as {task!r} ({type(e).__name__}: "
-                          f"{(str(e).splitlines() or [''])[0]}); install optimum-onnx with transformers 4.57 "
-                          "(pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0') and pass --exporter optimum.") from None
+        raise ExportError(failed(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")) from None
     _as_optimum_writes(onnx_path)
 
 

@@ -563,29 +563,6 @@ def test_config_values_the_gguf_reader_drops_are_read_from_the_file(tmp_path, ar
         assert inspect_gguf(tmp_path / "m.gguf")["architecture"] == "qwen3moe"
 
 
-def test_an_architecture_no_exporter_writes_is_refused_in_one_line(tmp_path):
-    """Starcoder2: optimum-onnx 0.1.0 does not know it and the fused exporter does not write it."""
-    from slimml.convert import ConvertConfig, convert
-
-    if not hasattr(transformers, "Starcoder2Config"):
-        pytest.skip("this transformers has no Starcoder2")
-    torch.manual_seed(0)
-    config = transformers.Starcoder2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    transformers.Starcoder2ForCausalLM(config).save_pretrained(tmp_path / "hf")
-    try:
-        report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
-    except ExportError as e:
-        assert str(e) == ("neither of slimml's exporters writes a 'starcoder2' model (optimum-onnx does not know the "
-                          "architecture; the fused exporter writes Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, OLMo 3, "
-                          "Gemma, "
-                          "Gemma 2 and Gemma 3 (text) decoders): "
-                          "export it to ONNX yourself (torch.onnx.export) and convert the .onnx file.")
-        assert not (tmp_path / "art").exists()
-    else:  # a later optimum-onnx exports it: then it must match torch
-        assert report.checks["max_abs_diff_vs_torch"] < 1e-4
-
-
 def test_a_tokenizer_that_cannot_encode_the_eval_text_is_named(tmp_path):
     """transformers' tokenizer from a Gemma GGUF without an unknown token fails on any character
     outside its vocabulary: the check names the tokenizer and --eval-text, in one line."""
