@@ -70,10 +70,11 @@ def export_torch(folder: Path, onnx_path: Path, task: str, opset: int | None = N
 
 def trace(wrapper: Any, example: tuple[Any, ...], onnx_path: Path, names: tuple[str, ...], outputs: tuple[str, ...],
           dynamic: dict[str, dict[int, str]], opset: int | None, failed: Callable[[str], str],
-          patches: Any = None) -> None:
+          patches: Any = None, custom_opsets: dict[str, int] | None = None) -> None:
     """``torch.onnx.export`` of ``wrapper`` (TorchScript tracing, constants folded) to ``onnx_path``,
     then named as optimum names its graphs (:func:`_as_optimum_writes`). ``patches``: a context
-    manager held while tracing; ``failed(why)``: the one-line message when the trace fails."""
+    manager held while tracing; ``custom_opsets``: the domains of ops a patch writes (ONNX Runtime's
+    ``com.microsoft``); ``failed(why)``: the one-line message when the trace fails."""
     import torch
 
     onnx_path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +83,7 @@ def trace(wrapper: Any, example: tuple[Any, ...], onnx_path: Path, names: tuple[
             warnings.simplefilter("ignore")
             torch.onnx.export(wrapper, example, str(onnx_path), input_names=list(names), output_names=list(outputs),
                               dynamic_axes=dynamic, opset_version=opset or DEFAULT_OPSET, dynamo=False,
-                              do_constant_folding=True)
+                              do_constant_folding=True, custom_opsets=custom_opsets)
     except Exception as e:
         raise ExportError(failed(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")) from None
     _as_optimum_writes(onnx_path)

@@ -17,9 +17,9 @@ The cache the traced model reads is a plain ``DynamicCache`` (every layer keeps 
 a sliding window is applied by the mask, as transformers computes it), so the present is always
 the past plus the new positions, the shape the decode loop feeds back.
 
-Mixture-of-experts decoders are refused: tracing records the experts the example happens to route
-to (transformers' eager experts) or gathers each token's expert weights (its batched experts), so
-the graph would compute a different model or hold a copy of the weights per token.
+A mixture-of-experts decoder's experts are written as ONNX Runtime's ``MoE`` op, routed at run time
+(``convert.trace_experts``; transformers 5). Under 4.x they are refused: there each family loops over
+the experts its example routes to, which a trace would keep.
 """
 
 from __future__ import annotations
@@ -47,12 +47,17 @@ def decoder_export_reason(config: dict[str, Any]) -> str | None:
 
 
 def experts_reason(config: dict[str, Any]) -> str | None:
-    """Why no slimml exporter writes a mixture-of-experts decoder (one line), or None for any other model."""
+    """Why no slimml exporter writes a mixture-of-experts decoder with the installed transformers
+    (one line), or None: under transformers 5 its experts are traced as ONNX Runtime's MoE op
+    (``convert.trace_experts``); 4.x keeps them in per-family Python loops a trace cannot follow."""
+    import transformers
+
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     experts = next((k for k in MOE_KEYS if isinstance(text.get(k), int) and text[k] > 1), None)
-    if experts:
-        return (f"mixture-of-experts decoders ({experts}: {text[experts]}) are not written by slimml's exporters yet "
-                "(tracing would keep only the experts the example routes to)")
+    if experts and int(transformers.__version__.split(".")[0]) < 5:
+        return (f"mixture-of-experts decoders ({experts}: {text[experts]}) convert with transformers 5 (pip install "
+                f"'transformers>=5'), not {transformers.__version__} (a trace would keep only the experts its example "
+                "routes to)")
     return None
 
 
@@ -65,11 +70,17 @@ def export_torch_decoder(folder: Path, onnx_path: Path, task: str, opset: int | 
     """
     from slimml.convert.export_torch import trace
 
+    from slimml.convert.trace_experts import DOMAIN, experts_modules, unsupported
+
     model = _load(folder)
+    if why := unsupported(model):
+        raise ExportError(f"{why}; convert a model slimml's exporters write, or export this one to ONNX yourself and "
+                          "convert the .onnx file.")
     with_past = task == "text-generation-with-past"
     names, example, dynamic, outputs = _example(model, with_past)
     wrapper = _decoder_module()(model, names, _layers(model) if with_past else 0).eval()
-    trace(wrapper, example, onnx_path, names, outputs, dynamic, opset, patches=_traceable(),
+    trace(wrapper, example, onnx_path, names, outputs, dynamic, opset, patches=_traceable(model),
+          custom_opsets={DOMAIN: 1} if experts_modules(model) else None,
           failed=lambda why: f"torch.onnx.export could not write {folder.name} ({type(model).__name__}) as {task!r} "
                              f"({why}); export it to ONNX yourself and convert the .onnx file.")
 
@@ -91,7 +102,7 @@ def _load(folder: Path) -> Any:
 
 
 @contextlib.contextmanager
-def _traceable() -> Iterator[None]:
+def _traceable(model: Any) -> Iterator[None]:
     """What ``torch.onnx.export``'s tracer cannot record, replaced by plain ops that compute the same
     while tracing (optimum-onnx patches the same three):
 
@@ -100,10 +111,14 @@ def _traceable() -> Iterator[None]:
     - 4.57's cache layers start as an empty tensor and concatenate the first keys onto it, which the
       trace keeps as a fixed shape: the first keys taken as they are;
     - ``repeat_interleave`` by a number (Cohere's interleaved rotary) is traced with the example's
-      length: an ``expand`` and ``flatten`` instead.
+      length: an ``expand`` and ``flatten`` instead;
+
+    and a mixture of experts computes through ONNX Runtime's MoE op (``convert.trace_experts``).
     """
     import torch
     from transformers import cache_utils, masking_utils
+
+    from slimml.convert.trace_experts import experts_as_moe_op
 
     saved = []
 
@@ -118,7 +133,8 @@ def _traceable() -> Iterator[None]:
     swap(torch, "repeat_interleave", _repeat_by_expanding(torch.repeat_interleave))
     swap(torch.Tensor, "repeat_interleave", _repeat_by_expanding(torch.Tensor.repeat_interleave))
     try:
-        yield
+        with experts_as_moe_op(model):
+            yield
     finally:
         for owner, name, value in reversed(saved):
             setattr(owner, name, value)

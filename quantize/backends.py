@@ -16,6 +16,7 @@ from pathlib import Path
 import onnx
 
 from slimml.quantize.config import Fp16Config, Int8DynamicConfig, Int8StaticConfig, WeightOnlyConfig
+from slimml.quantize.experts import quantize_experts
 from slimml.quantize.registry import Backend, ShardContext, backend_for, register, weight_matmuls  # noqa: F401
 
 def _roundtrip(fn: Callable[[Path, Path], None], model: onnx.ModelProto) -> onnx.ModelProto:
@@ -93,16 +94,33 @@ def weight_only(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCont
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     op_types = ("MatMul", "Gather")
+    experts = quantize_experts(model, 4 if config.bits == 4 else 8)  # a mixture of experts' MoE nodes to QMoE
+    if experts:
+        ctx.notes["experts"] = experts
     if not weight_matmuls(model, op_types):
-        return None
+        return model if experts else None
     algo = DefaultWeightOnlyQuantConfig(
         block_size=config.block_size, is_symmetric=config.symmetric, accuracy_level=config.accuracy_level,
         bits=config.bits, op_types_to_quantize=op_types, quant_axes=(("MatMul", 0), ("Gather", 1)),
     )
-    q = MatMulNBitsQuantizer(model, algo_config=algo)
+    q = MatMulNBitsQuantizer(_opset_21(model), algo_config=algo)
     with _quiet():
         q.process()
     return q.model.model
+
+
+def _opset_21(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` converted to opset 21 (onnx's version converter) where it is older: quantizing
+    ``Gather`` to 4 bits, ONNX Runtime's quantizer declares opset 21 without converting the nodes, so a
+    ``ReduceMean`` with opset 17's ``axes`` attribute (an RMSNorm traced by torch) became an invalid
+    graph. A model the converter cannot take (over 2 GB, an op it has no adapter for) is left as it is."""
+    version = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 21)
+    if version >= 21:
+        return model
+    try:
+        return onnx.version_converter.convert_version(model, 21)
+    except Exception:
+        return model
 
 
 @register(Fp16Config)

@@ -33,6 +33,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from slimml.quantize.config import WeightOnlyConfig
 from slimml.quantize.equalize import equalize_ffn
+from slimml.quantize.experts import quantize_experts
 from slimml.quantize.gptq import gptq_blocks
 from slimml.quantize.grids import (LM_HEAD_MIN_COLUMNS, Recipe, block_for, fit_blocks, is_sensitive, layer_of, more_bits_layers,
                                    gguf_blocks, pack_nibbles, q8_blocks)
@@ -99,9 +100,12 @@ def recipe_of(config: WeightOnlyConfig) -> Recipe:
 def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardContext) -> onnx.ModelProto | None:
     """Quantize one shard of a decoder: MatMul weights to MatMulNBits, the embedding Gather to int8 rows."""
     recipe = recipe_of(config)
+    experts = quantize_experts(model, 4 if recipe.bits == 4 else 8)  # a mixture of experts' MoE nodes to QMoE
     nodes = weight_matmuls(model, ("MatMul", "Gather"))
     if not nodes:
-        return None
+        if experts:
+            ctx.notes["experts"] = experts
+        return model if experts else None
     inits = {t.name: t for t in model.graph.initializer}
     readers: dict[str, int] = {}
     for n in model.graph.node:
@@ -158,6 +162,8 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     ctx.notes["lm_weights"] = {"recipe": recipe.describe(), "activation_aware": bool(importance), "scaled_ffn": scaled, **counts}
+    if experts:
+        ctx.notes["experts"] = experts
     return model
 
 

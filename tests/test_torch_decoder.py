@@ -6,7 +6,8 @@ for a batch of two prompts of different lengths (the left padding, the cache fed
 What sets each family apart: GPT-2 (learned positions, Conv1D), GPT-NeoX (partial rotary, parallel
 residual), Phi (LayerNorm, partial rotary, biases), Falcon (grouped KV heads), Cohere (interleaved
 rotary through ``repeat_interleave``), BLOOM (ALiBi, no positions), StarCoder2 (optimum-onnx 0.1.0
-does not know it: ``--exporter auto`` falls back to this exporter under 4.57 too).
+does not know it: ``--exporter auto`` falls back to this exporter under 4.57 too). Mixtures of
+experts (transformers 5) through ONNX Runtime's MoE op (``convert/trace_experts.py``).
 """
 
 from __future__ import annotations
@@ -55,11 +56,22 @@ def _expected(model, prompt: list[int], new: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def _generates_as(model, art_dir, new: int = 8) -> None:
+    """The artifact's greedy tokens for :data:`PROMPTS` (one batch) equal ``model.generate``'s, prompt by prompt."""
+    from slimml.runtime import load
+
+    art = load(art_dir)
+    try:
+        got = art.generate(PROMPTS, max_new_tokens=new, eos_token_id=()).tokens
+    finally:
+        art.close()
+    assert got == [_expected(model, p, new) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_a_decoder_fused_does_not_write_generates_as_transformers(name, tmp_path):
     from slimml.convert import ConvertConfig, convert
     from slimml.convert.export import ExportConfig
-    from slimml.runtime import load
 
     model = _save(name, tmp_path / "hf")
     exporter = "auto" if name == "starcoder2" else "torch"
@@ -69,12 +81,7 @@ def test_a_decoder_fused_does_not_write_generates_as_transformers(name, tmp_path
     assert report.checks["max_abs_diff_vs_torch"] < 1e-4
     steps = json.loads((tmp_path / "art" / "manifest.json").read_text())["steps"]
     assert next(s for s in steps if s["step"] == "export")["exporter"] == "torch.onnx"
-    art = load(tmp_path / "art")
-    try:
-        got = art.generate(PROMPTS, max_new_tokens=8, eos_token_id=()).tokens
-    finally:
-        art.close()
-    assert got == [_expected(model, p, 8) for p in PROMPTS]
+    _generates_as(model, tmp_path / "art")
 
 
 def test_without_the_cache_too(tmp_path):
@@ -95,14 +102,128 @@ def test_without_the_cache_too(tmp_path):
         art.close()
 
 
-def test_a_mixture_of_experts_is_refused_in_one_line(tmp_path):
-    """Tracing would record the experts the example routes to: refused by name, nothing written."""
+MOE = {
+    "mixtral": dict(SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(SMALL, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(SMALL, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      head_dim=16),
+    "deepseek_v3": dict(SMALL, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        first_k_dense_replace=1, n_group=1, topk_group=1),
+}
+TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x keeps experts in loops a trace cannot follow")
+@pytest.mark.parametrize("name", list(MOE))
+def test_a_mixture_of_experts_routes_every_token_at_run_time(name, tmp_path):
+    """Mixtral (renormalised top-k), Qwen2-MoE (raw weights, a shared expert), Qwen3-MoE, DeepSeek-V3
+    (grouped sigmoid routing, a dense first layer): the experts are ONNX Runtime's MoE op, fed the
+    model's own routing; greedy tokens for two prompts equal transformers' own."""
     from slimml.convert import ConvertConfig, convert
 
-    _save("mixtral", tmp_path / "hf", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    with pytest.raises(ExportError, match=r"^mixture-of-experts decoders \(num_local_experts: 4\) are not written by "
-                                          r"slimml's exporters yet .*; convert a model slimml's exporters write, or "
-                                          r"export this one to ONNX yourself and convert the .onnx file\.$"):
+    model = _save(name, tmp_path / "hf", **MOE[name])
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+    _generates_as(model, tmp_path / "art")
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x keeps experts in loops a trace cannot follow")
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantizing_a_mixture_of_experts_quantizes_its_experts(bits, tmp_path):
+    """``int4-weights`` / ``int8-weights``: the MoE nodes become QMoE (4-bit blocks of 32, 8-bit rows),
+    the artifact shrinks, and its logits stay those of the float artifact (cosine over a prompt)."""
+    import glob
+
+    import numpy as np
+    import onnx
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.quantize import WeightOnlyConfig, quantize
+    from slimml.runtime import load
+    from slimml.runtime.tasks.generation.loop import DecodeLoop
+
+    _save("qwen3_moe", tmp_path / "hf", **{**MOE["qwen3_moe"], "initializer_range": 0.02, "hidden_size": 128,
+                                           "moe_intermediate_size": 64})
+    convert(tmp_path / "hf", tmp_path / "fp32", ConvertConfig(measure_latency=False))
+    quantize(tmp_path / "fp32", tmp_path / "q", WeightOnlyConfig(bits=bits))
+    ops = {n.op_type for f in glob.glob(str(tmp_path / "q" / "**" / "*.onnx"), recursive=True)
+           for n in onnx.load(f, load_external_data=False).graph.node}
+    assert "QMoE" in ops and "MoE" not in ops
+
+    def size(folder):
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    assert size(tmp_path / "q") < 0.6 * size(tmp_path / "fp32")
+    prompts = [[(13 * i + 7 * j) % VOCAB for j in range(6 + i)] for i in range(4)]
+    logits = []
+    for folder in ("fp32", "q"):
+        art = load(tmp_path / folder)
+        try:  # each prompt's next-token logits, the prompts as one batch
+            logits.append(DecodeLoop(art.engine, prompts, pad_id=0, steps=1).next_logits().reshape(-1))
+        finally:
+            art.close()
+    a, b = logits
+    assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > (0.95 if bits == 4 else 0.9999)  # random weights: all matrices' noise
+
+
+@pytest.mark.parametrize("bits, width", [(4, 64), (4, 48), (8, 64)])
+def test_qmoe_computes_the_moe_of_its_dequantized_weights(bits, width):
+    """ONNX Runtime's QMoE kernel on ``quantize_experts``' codes and scales (4-bit blocks of 32, or rows
+    where the input is not a multiple of 32; 8-bit rows) equals its float MoE on the dequantized weights."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from slimml.quantize.experts import _block, _symmetric, quantize_experts
+
+    rng = np.random.default_rng(0)
+    experts, inner = 4, 32
+    w1 = rng.standard_normal((experts, 2 * inner, width)).astype(np.float32) * 0.1
+    w2 = rng.standard_normal((experts, width, inner)).astype(np.float32) * 0.1
+    attrs = dict(k=2, activation_type="swiglu", normalize_routing_weights=1, swiglu_fusion=1, activation_alpha=1.0,
+                 activation_beta=0.0, swiglu_limit=float("inf"))
+
+    def moe(a, b):
+        node = helper.make_node("MoE", ["x", "router", "w1", "b1", "w2", "b2"], ["y"], domain="com.microsoft", **attrs)
+        inits = [numpy_helper.from_array(t, n) for t, n in ((a, "w1"), (np.zeros((experts, 2 * inner), np.float32), "b1"),
+                                                             (b, "w2"), (np.zeros((experts, width), np.float32), "b2"))]
+        graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, width]),
+                                                  helper.make_tensor_value_info("router", TensorProto.FLOAT, [None, experts])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, width])], inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+    def dequantized(w):
+        block = _block(w, bits) if _block(w1, bits) == _block(w2, bits) else 0
+        codes, scales = _symmetric(w, bits, block)
+        if bits == 4:
+            codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(w.shape)
+        values = codes.astype(np.float32) - 2 ** (bits - 1)
+        groups = values.reshape(*w.shape[:2], -1, block or w.shape[2])
+        return (groups * (scales if block else scales[..., None])[..., None]).reshape(w.shape)
+
+    quantized = moe(w1, w2)
+    assert quantize_experts(quantized, bits)["moe_nodes"] == 1
+    assert [n.op_type for n in quantized.graph.node] == ["QMoE"]
+    feeds = {"x": rng.standard_normal((7, width)).astype(np.float32), "router": rng.standard_normal((7, experts)).astype(np.float32)}
+    got = ort.InferenceSession(quantized.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    want = ort.InferenceSession(moe(dequantized(w1), dequantized(w2)).SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    onnx.checker.check_model(quantized)
+    assert np.abs(got - want).max() < 1e-5
+
+
+@pytest.mark.skipif(TRANSFORMERS_5, reason="transformers 5 converts it")
+def test_a_mixture_of_experts_under_transformers_4_is_refused_in_one_line(tmp_path):
+    """Under 4.x a trace would record the experts the example routes to: refused by name, nothing written."""
+    from slimml.convert import ConvertConfig, convert
+
+    _save("mixtral", tmp_path / "hf", **MOE["mixtral"])
+    with pytest.raises(ExportError, match=r"^mixture-of-experts decoders \(num_local_experts: 4\) convert with "
+                                          r"transformers 5 \(pip install 'transformers>=5'\), not 4\..*; convert a "
+                                          r"model slimml's exporters write, or export this one to ONNX yourself"):
         convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert not (tmp_path / "art").exists()
 
