@@ -112,6 +112,8 @@ def _traceable(model: Any) -> Iterator[None]:
       trace keeps as a fixed shape: the first keys taken as they are;
     - ``repeat_interleave`` by a number (Cohere's interleaved rotary) is traced with the example's
       length: an ``expand`` and ``flatten`` instead;
+    - ``rms_norm`` and ``expm1`` (DiffLlama's norm, Apertus' xIELU activation) have no ONNX form at
+      opset 17: the same arithmetic in plain ops;
 
     and a mixture of experts computes through ONNX Runtime's MoE op (``convert.trace_experts``).
     """
@@ -132,6 +134,10 @@ def _traceable(model: Any) -> Iterator[None]:
             swap(cache_utils.DynamicLayer, "update", _first_keys_as_they_are(cache_utils.DynamicLayer.update))
     swap(torch, "repeat_interleave", _repeat_by_expanding(torch.repeat_interleave))
     swap(torch.Tensor, "repeat_interleave", _repeat_by_expanding(torch.Tensor.repeat_interleave))
+    swap(torch, "rms_norm", _rms_norm)
+    swap(torch.nn.functional, "rms_norm", _rms_norm)
+    swap(torch, "expm1", _expm1)
+    swap(torch.Tensor, "expm1", _expm1)
     try:
         with experts_as_moe_op(model):
             yield
@@ -170,6 +176,21 @@ def _first_keys_as_they_are(update: Any) -> Any:
         return update(self, key_states, value_states, *args, **kwargs)
 
     return first_update
+
+
+def _rms_norm(x: Any, normalized_shape: Any, weight: Any = None, eps: float | None = None) -> Any:
+    import torch
+
+    dims = tuple(range(-len(normalized_shape), 0))
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    out = x * torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + eps)
+    return out if weight is None else out * weight
+
+
+def _expm1(x: Any) -> Any:
+    import torch
+
+    return torch.exp(x) - 1.0
 
 
 def _repeat_by_expanding(repeat: Any) -> Any:

@@ -6,7 +6,8 @@ for a batch of two prompts of different lengths (the left padding, the cache fed
 What sets each family apart: GPT-2 (learned positions, Conv1D), GPT-NeoX (partial rotary, parallel
 residual), Phi (LayerNorm, partial rotary, biases), Falcon (grouped KV heads), Cohere (interleaved
 rotary through ``repeat_interleave``), BLOOM (ALiBi, no positions), StarCoder2 (optimum-onnx 0.1.0
-does not know it: ``--exporter auto`` falls back to this exporter under 4.57 too). Mixtures of
+does not know it: ``--exporter auto`` falls back to this exporter under 4.57 too), DiffLlama
+(``torch.rms_norm``, which has no ONNX form at opset 17). Mixtures of
 experts (transformers 5) through ONNX Runtime's MoE op (``convert/trace_experts.py``).
 """
 
@@ -33,6 +34,7 @@ FAMILIES = {
     "cohere": dict(SMALL, num_key_value_heads=2),
     "bloom": dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, initializer_range=0.3),
     "starcoder2": dict(SMALL, num_key_value_heads=2),
+    "diffllama": dict(SMALL, num_key_value_heads=2),
 }
 PROMPTS = [[5, 9, 13, 2, 7, 30, 41], [11, 4]]
 
