@@ -69,7 +69,6 @@ def export_torch_decoder(folder: Path, onnx_path: Path, task: str, opset: int | 
         ExportError: transformers could not load the model, or the trace failed (the first line says why).
     """
     from slimml.convert.export_torch import trace
-
     from slimml.convert.trace_experts import DOMAIN, experts_modules, unsupported
 
     model = _load(folder)
@@ -104,7 +103,7 @@ def _load(folder: Path) -> Any:
 @contextlib.contextmanager
 def _traceable(model: Any) -> Iterator[None]:
     """What ``torch.onnx.export``'s tracer cannot record, replaced by plain ops that compute the same
-    while tracing (optimum-onnx patches the same three):
+    while tracing (optimum-onnx patches the first four the same way):
 
     - transformers 4.57 builds attention masks through ``torch.vmap``, which fails the tracer
       (``unordered_map::at``): the same mask functions broadcast over index tensors instead (5 has no vmap);
@@ -134,10 +133,10 @@ def _traceable(model: Any) -> Iterator[None]:
             swap(cache_utils.DynamicLayer, "update", _first_keys_as_they_are(cache_utils.DynamicLayer.update))
     swap(torch, "repeat_interleave", _repeat_by_expanding(torch.repeat_interleave))
     swap(torch.Tensor, "repeat_interleave", _repeat_by_expanding(torch.Tensor.repeat_interleave))
-    swap(torch, "rms_norm", _rms_norm)
-    swap(torch.nn.functional, "rms_norm", _rms_norm)
-    swap(torch, "expm1", _expm1)
-    swap(torch.Tensor, "expm1", _expm1)
+    for owner, name, value in ((torch, "rms_norm", _rms_norm), (torch.nn.functional, "rms_norm", _rms_norm),
+                               (torch, "expm1", _expm1), (torch.Tensor, "expm1", _expm1)):
+        if hasattr(owner, name):
+            swap(owner, name, value)
     try:
         with experts_as_moe_op(model):
             yield
