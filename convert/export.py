@@ -266,9 +266,10 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
             exporter = "torch"
     if exporter == "torch":
         from slimml.convert.export_torch import export_torch
-        from slimml.convert.export_torch_decoder import DECODER_TASKS, export_torch_decoder
+        from slimml.convert.export_torch_decoder import export_torch_decoder
 
-        (export_torch_decoder if task in DECODER_TASKS else export_torch)(folder, onnx_dir / "model.onnx", task, config.opset)
+        write = export_torch_decoder if _traced_decoder_task(folder, task) else export_torch
+        write(folder, onnx_dir / "model.onnx", task, config.opset)
     graphs = {name: onnx_dir / f"{name}_model.onnx" for name in ("encoder", "decoder", "decoder_with_past")}
     if seq2seq and all(p.is_file() for p in graphs.values()):
         onnx_path = graphs["encoder"]
@@ -300,7 +301,7 @@ def _traced_exporter(folder: Path, task: str, config: ExportConfig) -> str:
     if _optimum_loads() is None:
         return "optimum"
     why = _torch_reason(folder, task)
-    if why is not None and task.startswith("text-generation") and not _read_config(folder).get("is_encoder_decoder"):
+    if why is not None and _traced_decoder_task(folder, task):
         raise ExportError(f"{why}; convert a model slimml's exporters write, or export this one to ONNX yourself "
                           "and convert the .onnx file.")
     return "torch" if why is None else "optimum"
@@ -310,21 +311,25 @@ def _torch_reason(folder: Path, task: str) -> str | None:
     """Why the torch exporter cannot write ``folder`` as ``task`` (a causal LM through
     ``convert.export_torch_decoder``, any other model through ``convert.export_torch``), or None."""
     from slimml.convert.export_torch import torch_export_reason
-    from slimml.convert.export_torch_decoder import DECODER_TASKS, decoder_export_reason
+    from slimml.convert.export_torch_decoder import decoder_export_reason
 
     config = _read_config(folder)
-    if task in DECODER_TASKS and not config.get("is_encoder_decoder"):
+    if _traced_decoder_task(folder, task):
         return decoder_export_reason(config)
     return torch_export_reason(folder, task, config)
 
 
-def _torch_decoder_fallback(folder: Path, task: str, config: ExportConfig) -> bool:
-    """Whether a decoder optimum-onnx failed on goes to the torch exporter: with ``--exporter auto``,
-    where optimum-onnx loads (else it was never tried) and the torch exporter writes the model."""
+def _traced_decoder_task(folder: Path, task: str) -> bool:
+    """Whether ``task`` asks for a causal LM (with or without its cache), not an encoder-decoder's graphs."""
     from slimml.convert.export_torch_decoder import DECODER_TASKS
 
-    return (config.exporter == "auto" and task in DECODER_TASKS and _optimum_loads() is None
-            and _torch_reason(folder, task) is None)
+    return task in DECODER_TASKS and not _read_config(folder).get("is_encoder_decoder")
+
+
+def _torch_decoder_fallback(folder: Path, task: str, config: ExportConfig) -> bool:
+    """Whether a decoder optimum-onnx failed on goes to the torch exporter: with ``--exporter auto``
+    (optimum-onnx was tried, so it loads) where the torch exporter writes the model."""
+    return config.exporter == "auto" and _traced_decoder_task(folder, task) and _torch_reason(folder, task) is None
 
 
 def _optimum_loads() -> str | None:

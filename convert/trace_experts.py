@@ -32,8 +32,8 @@ DOMAIN = "com.microsoft"
 
 def experts_modules(model: Any) -> list[Any]:
     """The model's experts modules (3-D ``gate_up_proj`` and ``down_proj`` parameters)."""
-    return [m for m in model.modules() if getattr(getattr(m, "gate_up_proj", None), "dim", lambda: 0)() == 3
-            and getattr(getattr(m, "down_proj", None), "dim", lambda: 0)() == 3]
+    return [m for m in model.modules() if getattr(getattr(m, "gate_up_proj", None), "ndim", 0) == 3
+            and getattr(getattr(m, "down_proj", None), "ndim", 0) == 3]
 
 
 def unsupported(model: Any) -> str | None:

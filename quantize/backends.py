@@ -94,8 +94,7 @@ def weight_only(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCont
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     op_types = ("MatMul", "Gather")
-    experts = quantize_experts(model, 4 if config.bits == 4 else 8)  # a mixture of experts' MoE nodes to QMoE
-    if experts:
+    if experts := quantize_experts(model, config.bits):  # a mixture of experts' MoE nodes to QMoE
         ctx.notes["experts"] = experts
     if not weight_matmuls(model, op_types):
         return model if experts else None

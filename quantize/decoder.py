@@ -100,11 +100,10 @@ def recipe_of(config: WeightOnlyConfig) -> Recipe:
 def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardContext) -> onnx.ModelProto | None:
     """Quantize one shard of a decoder: MatMul weights to MatMulNBits, the embedding Gather to int8 rows."""
     recipe = recipe_of(config)
-    experts = quantize_experts(model, 4 if recipe.bits == 4 else 8)  # a mixture of experts' MoE nodes to QMoE
+    if experts := quantize_experts(model, recipe.bits):  # a mixture of experts' MoE nodes to QMoE
+        ctx.notes["experts"] = experts
     nodes = weight_matmuls(model, ("MatMul", "Gather"))
     if not nodes:
-        if experts:
-            ctx.notes["experts"] = experts
         return model if experts else None
     inits = {t.name: t for t in model.graph.initializer}
     readers: dict[str, int] = {}
@@ -162,8 +161,6 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     ctx.notes["lm_weights"] = {"recipe": recipe.describe(), "activation_aware": bool(importance), "scaled_ffn": scaled, **counts}
-    if experts:
-        ctx.notes["experts"] = experts
     return model
 
 

@@ -27,8 +27,10 @@ BLOCK = 32
 
 
 def quantize_experts(model: onnx.ModelProto, bits: int) -> dict[str, Any]:
-    """Rewrite every ``MoE`` node of ``model`` whose expert weights are initializers as ``QMoE`` at
-    ``bits`` (4 or 8); what was done, for the manifest's notes (``{}`` when the model has none)."""
+    """Rewrite every ``MoE`` node of ``model`` whose expert weights are initializers as ``QMoE``: at 4
+    bits where the scheme's ``bits`` is 4, else at 8; what was done, for the manifest's notes (``{}``
+    when the model has none)."""
+    bits = 4 if bits == 4 else 8
     inits = {t.name: t for t in model.graph.initializer}
     nodes, add, drop, done = [], [], set(), 0
     for node in model.graph.node:
