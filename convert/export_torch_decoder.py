@@ -15,7 +15,10 @@ take optimum's graph:
 
 The cache the traced model reads is a plain ``DynamicCache`` (every layer keeps every position:
 a sliding window is applied by the mask, as transformers computes it), so the present is always
-the past plus the new positions, the shape the decode loop feeds back.
+the past plus the new positions, the shape the decode loop feeds back. ``N`` runs over the layers
+that keep a cache: Gemma 4's last layers read an earlier layer's keys and values and keep none, so
+they have no past or present. A model whose cache keeps a recurrent state (Mamba, linear attention,
+LFM2's convolutions: state-space and hybrid decoders) is refused by name.
 
 A mixture-of-experts decoder's experts are written as ONNX Runtime's ``MoE`` op, routed at run time
 (``convert.trace_experts``; transformers 5). Under 4.x they are refused: there each family loops over
@@ -31,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from slimml.errors import ExportError
+from slimml.errors import ExportError, SourceError
 
 DECODER_TASKS = ("text-generation-with-past", "text-generation")
 # config keys that mark a mixture-of-experts decoder (Mixtral, Qwen2/3-MoE, DeepSeek, OLMoE, Phi-3.5-MoE, ...)
@@ -77,7 +80,7 @@ def export_torch_decoder(folder: Path, onnx_path: Path, task: str, opset: int | 
                           "convert the .onnx file.")
     with_past = task == "text-generation-with-past"
     names, example, dynamic, outputs = _example(model, with_past)
-    wrapper = _decoder_module()(model, names, _layers(model) if with_past else 0).eval()
+    wrapper = _decoder_module()(model, names).eval()
     trace(wrapper, example, onnx_path, names, outputs, dynamic, opset, patches=_traceable(model),
           custom_opsets={DOMAIN: 1} if experts_modules(model) else None,
           failed=lambda why: f"torch.onnx.export could not write {folder.name} ({type(model).__name__}) as {task!r} "
@@ -241,9 +244,15 @@ def _example(model: Any, with_past: bool) -> tuple[tuple[str, ...], tuple[Any, .
     example = [tensors[n] for n in names]
     outputs: tuple[str, ...] = ("logits",)
     if with_past:
-        with torch.no_grad():
-            first = model(input_ids=ids[:, :start], use_cache=True)
-        for i, (key, value) in enumerate(cache_tensors(first.past_key_values)):
+        why = recurrent_layers(model)  # transformers 5: such a first pass may itself fail
+        if not why:
+            with torch.no_grad():
+                first = model(input_ids=ids[:, :start], use_cache=True)
+            why = recurrent_state(first, _layers(model), start)
+        if why:
+            raise SourceError(f"{type(model).__name__} {why} where slimml's decode loop needs keys and values per "
+                              "layer: state-space and hybrid decoders are not supported yet; convert a transformer decoder.")
+        for i, (key, value) in cache_tensors(first.past_key_values).items():
             for kind, t in (("key", key), ("value", value)):
                 names += (f"past_key_values.{i}.{kind}",)
                 example.append(t)
@@ -253,22 +262,61 @@ def _example(model: Any, with_past: bool) -> tuple[tuple[str, ...], tuple[Any, .
     return names, tuple(example), dynamic, outputs
 
 
-def cache_tensors(cache: Any) -> list[tuple[Any, Any]]:
-    """(key, value) per layer of a transformers cache (4.57's and 5's ``layers``, or the legacy tuples)."""
+def recurrent_layers(model: Any) -> str | None:
+    """transformers 5's cache for ``model``, read from its config: "keeps a recurrent state (...)" where
+    some layers keep one (Mamba, linear attention, a convolution), else None (and None under 4.x)."""
+    try:
+        from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+        layers = DynamicCache(config=model.config).layers
+    except Exception:  # 4.x, or a config the cache cannot read: the first pass tells
+        return None
+    kinds = sorted({type(layer).__name__ for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)})
+    return f"keeps a recurrent state ({', '.join(kinds)})" if kinds else None
+
+
+def recurrent_state(output: Any, layers: int, length: int) -> str | None:
+    """What a first pass's cache (``output.past_key_values``, over ``length`` positions) holds that is not
+    one key and one value tensor ``(batch, heads, positions, head)`` for each of at most ``layers`` layers (a
+    window may keep fewer positions; a layer reading another's cache keeps none) -- a recurrent state (Mamba's, linear attention's, a convolution's):
+    what the model does instead ("keeps a recurrent state (...)"), or None."""
+    cache = getattr(output, "past_key_values", None)
+    if cache is None:  # transformers 4.x's Mamba outputs: cache_params
+        state = getattr(output, "cache_params", None)
+        return f"keeps a recurrent state ({type(state).__name__})" if state is not None else "returns no cache"
+    try:
+        pairs = cache_tensors(cache)
+    except Exception:
+        return f"keeps a recurrent state ({type(cache).__name__})"
+    if not pairs or len(pairs) > layers or any(getattr(t, "ndim", 0) != 4 or not 0 < t.shape[2] <= length
+                                               for pair in pairs.values() for t in pair):
+        return f"keeps a recurrent state ({type(cache).__name__})"
+    return None
+
+
+def cache_tensors(cache: Any) -> dict[int, tuple[Any, Any]]:
+    """(key, value) by layer index of a transformers cache (4.57's and 5's ``layers``, or the legacy
+    tuples); a layer that reads another's cache and keeps none (Gemma 4's shared layers) has no entry."""
     if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return [(k, v) for k, v in cache]
+        return {i: (layer.keys, layer.values) for i, layer in enumerate(cache.layers)
+                if getattr(layer, "keys", None) is not None}
+    return {i: (k, v) for i, (k, v) in enumerate(cache)}
 
 
-def dynamic_cache(layers: list[tuple[Any, Any]]) -> Any:
-    """A transformers ``DynamicCache`` holding ``(key, value)`` per layer, every position in every layer
-    (4.57 and 5 build it the same way; 5 has no ``from_legacy_cache``)."""
+def dynamic_cache(layers: dict[int, tuple[Any, Any]]) -> Any:
+    """A transformers ``DynamicCache`` holding ``(key, value)`` at each layer index, every position in
+    every layer (4.57 and 5 build it the same way; 5 has no ``from_legacy_cache``)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    for i, (key, value) in enumerate(layers):
+    for i, (key, value) in sorted(layers.items()):
         cache.update(key, value, i)
     return cache
+
+
+def past_layers(names: Any) -> list[int]:
+    """The layer indices of the ``past_key_values.N.key`` names among ``names``, in order."""
+    return sorted(int(n.split(".")[1]) for n in names if n.startswith("past_key_values.") and n.endswith(".key"))
 
 
 def _decoder_module() -> type:
@@ -280,9 +328,9 @@ def _decoder_module() -> type:
         ``past_key_values.N.*`` tensors; returns ``logits`` and each layer's present key and value.
         The model sits under ``model``, so node names read as optimum's once the scope is dropped."""
 
-        def __init__(self, model, names, layers):
+        def __init__(self, model, names):
             super().__init__()
-            self.model, self.names, self.layers = model, tuple(names), layers
+            self.model, self.names, self.layers = model, tuple(names), past_layers(names)
             self.inputs = tuple(n for n in self.names if not n.startswith("past_key_values."))
 
         def forward(self, *args):
@@ -290,8 +338,9 @@ def _decoder_module() -> type:
             if not self.layers:
                 return self.model(**feeds, use_cache=False, return_dict=True).logits
             past = args[len(self.inputs):]
-            cache = dynamic_cache([(past[2 * i], past[2 * i + 1]) for i in range(self.layers)])  # the mask applies any window
+            cache = dynamic_cache({layer: (past[2 * i], past[2 * i + 1]) for i, layer in enumerate(self.layers)})  # the mask applies any window
             out = self.model(**feeds, past_key_values=cache, use_cache=True, return_dict=True)
-            return (out.logits, *[t for kv in cache_tensors(out.past_key_values) for t in kv])
+            present = cache_tensors(out.past_key_values)
+            return (out.logits, *[t for layer in self.layers for t in present[layer]])
 
     return Decoder

@@ -365,6 +365,14 @@ def _gguf(model, path, arch: str, tokenizer=None, norm_offset: float = 0.0, extr
         if name == "lm_head.weight" and c.tie_word_embeddings:  # tied: llama.cpp writes no output tensor
             continue
         a = t.float().numpy() + (norm_offset if "norm" in name else 0.0)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj", "mlp.gate.weight")):  # transformers 5's experts
+            block = f"blk.{name.split('.')[2]}"
+            inner = a.shape[1] // 2
+            parts = ({"gate_exps": a[:, :inner], "up_exps": a[:, inner:]} if name.endswith("gate_up_proj")
+                     else {"down_exps": a} if name.endswith("down_proj") else {"gate_inp": a})
+            for part, array in parts.items():
+                w.add_tensor(f"{block}.ffn_{part}.weight", np.ascontiguousarray(array, np.float32))
+            continue
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's interleaved rotary order
             n = c.num_attention_heads if "q_proj" in name else c.num_key_value_heads
             a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
@@ -404,6 +412,29 @@ def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
     _gguf(model, tmp_path / "tiny-qwen3.gguf", "qwen3")
     report = convert(tmp_path / "tiny-qwen3.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="mixtures of experts convert with transformers 5")
+def test_a_qwen3_moe_gguf_converts_with_its_experts(tmp_path):
+    """A Qwen3-MoE GGUF as llama.cpp writes one (experts as 3-D ``ffn_{gate,up,down}_exps``, the router
+    ``ffn_gate_inp``, the expert size in ``expert_feed_forward_length``): read into transformers 5's
+    experts, traced with ONNX Runtime's MoE op, it generates as the model."""
+    pytest.importorskip("gguf")
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from slimml.convert import ConvertConfig, convert
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=128, initializer_range=0.3, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)).eval()
+    _gguf(model, tmp_path / "tiny-qwen3moe.gguf", "qwen3moe", expert_count=4, expert_used_count=2,
+          expert_feed_forward_length=32)
+    report = convert(tmp_path / "tiny-qwen3moe.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["top1_agreement"] == 1.0 and report.checks["max_abs_diff_vs_torch"] < 1e-4
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
 

@@ -42,7 +42,7 @@ PROMPTS = [[5, 9, 13, 2, 7, 30, 41], [11, 4]]
 def _save(name: str, folder, **extra) -> object:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if not hasattr(transformers.models, name):
+    if name not in transformers.CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {name}")
     torch.manual_seed(0)
     config = AutoConfig.for_model(name, **{**FAMILIES.get(name, SMALL), **extra})
@@ -132,6 +132,27 @@ def test_a_mixture_of_experts_routes_every_token_at_run_time(name, tmp_path):
 
 
 @pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x keeps experts in loops a trace cannot follow")
+def test_gpt_oss_experts_and_attention_sinks(tmp_path):
+    """gpt-oss: experts stored transposed and interleaved, with biases, SwiGLU clamped at 7 (``up + 1``,
+    alpha 1.702: the MoE op's own attributes), attention sinks, a 4-token window on alternate layers;
+    greedy tokens past the window and the clamp equal transformers'."""
+    from slimml.convert import ConvertConfig, convert
+
+    model = _save("gpt_oss", tmp_path / "hf", **MOE["mixtral"], head_dim=16, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"])
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("_bias", "sinks")):
+                param.normal_(0.0, 0.5)
+            elif name.endswith("gate_up_proj"):
+                param.normal_(0.0, 2.0)  # gate values well past the clamp at 7
+    model.save_pretrained(tmp_path / "hf")
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+    _generates_as(model, tmp_path / "art")
+
+
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x keeps experts in loops a trace cannot follow")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantizing_a_mixture_of_experts_quantizes_its_experts(bits, tmp_path):
     """``int4-weights`` / ``int8-weights``: the MoE nodes become QMoE (4-bit blocks of 32, 8-bit rows),
@@ -170,10 +191,11 @@ def test_quantizing_a_mixture_of_experts_quantizes_its_experts(bits, tmp_path):
     assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > (0.95 if bits == 4 else 0.9999)  # random weights: all matrices' noise
 
 
-@pytest.mark.parametrize("bits, width", [(4, 64), (4, 48), (8, 64)])
-def test_qmoe_computes_the_moe_of_its_dequantized_weights(bits, width):
+@pytest.mark.parametrize("bits, width, clamped", [(4, 64, False), (4, 48, False), (8, 64, False), (4, 64, True), (8, 64, True)])
+def test_qmoe_computes_the_moe_of_its_dequantized_weights(bits, width, clamped):
     """ONNX Runtime's QMoE kernel on ``quantize_experts``' codes and scales (4-bit blocks of 32, or rows
-    where the input is not a multiple of 32; 8-bit rows) equals its float MoE on the dequantized weights."""
+    where the input is not a multiple of 32; 8-bit rows) equals its float MoE on the dequantized weights;
+    also with gpt-oss's experts (biases, SwiGLU clamped at 7 with alpha 1.702 and ``up + 1``)."""
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -183,15 +205,16 @@ def test_qmoe_computes_the_moe_of_its_dequantized_weights(bits, width):
 
     rng = np.random.default_rng(0)
     experts, inner = 4, 32
-    w1 = rng.standard_normal((experts, 2 * inner, width)).astype(np.float32) * 0.1
+    w1 = rng.standard_normal((experts, 2 * inner, width)).astype(np.float32) * (2.0 if clamped else 0.1)  # past the clamp
     w2 = rng.standard_normal((experts, width, inner)).astype(np.float32) * 0.1
-    attrs = dict(k=2, activation_type="swiglu", normalize_routing_weights=1, swiglu_fusion=1, activation_alpha=1.0,
-                 activation_beta=0.0, swiglu_limit=float("inf"))
+    b1, b2 = (rng.standard_normal(shape).astype(np.float32) * clamped for shape in ((experts, 2 * inner), (experts, width)))
+    attrs = dict(k=2, activation_type="swiglu", normalize_routing_weights=1, swiglu_fusion=1,
+                 activation_alpha=1.702 if clamped else 1.0, activation_beta=float(clamped),
+                 swiglu_limit=7.0 if clamped else float("inf"))
 
     def moe(a, b):
         node = helper.make_node("MoE", ["x", "router", "w1", "b1", "w2", "b2"], ["y"], domain="com.microsoft", **attrs)
-        inits = [numpy_helper.from_array(t, n) for t, n in ((a, "w1"), (np.zeros((experts, 2 * inner), np.float32), "b1"),
-                                                             (b, "w2"), (np.zeros((experts, width), np.float32), "b2"))]
+        inits = [numpy_helper.from_array(t, n) for t, n in ((a, "w1"), (b1, "b1"), (b, "w2"), (b2, "b2"))]
         graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, width]),
                                                   helper.make_tensor_value_info("router", TensorProto.FLOAT, [None, experts])],
                                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, width])], inits)
@@ -228,6 +251,44 @@ def test_a_mixture_of_experts_under_transformers_4_is_refused_in_one_line(tmp_pa
                                           r"model slimml's exporters write, or export this one to ONNX yourself"):
         convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert not (tmp_path / "art").exists()
+
+
+def test_gemma4_layers_that_share_another_layers_cache(tmp_path):
+    """Gemma 4: its last layers keep no cache and read an earlier layer's keys and values
+    (``num_kv_shared_layers``), keys serve as values (``attention_k_eq_v``), per-layer input embeddings,
+    a 4-token window on alternate layers: the graph has past and present only for the layers that keep
+    them, and greedy tokens past the window equal transformers'."""
+    from slimml.convert import ConvertConfig, convert
+
+    model = _save("gemma4_text", tmp_path / "hf", **{**SMALL, "initializer_range": 0.05, "num_hidden_layers": 4},
+                  num_key_value_heads=2, head_dim=16, sliding_window=4, vocab_size_per_layer_input=VOCAB,
+                  hidden_size_per_layer_input=16, num_kv_shared_layers=2, attention_k_eq_v=True,
+                  layer_types=["sliding_attention", "full_attention"] * 2)
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+    from slimml.runtime import load
+
+    art = load(tmp_path / "art")
+    try:
+        assert sorted(i.name for i in art.engine.inputs if i.name.startswith("past_key_values.")) == [
+            f"past_key_values.{layer}.{kind}" for layer in (0, 1) for kind in ("key", "value")]
+    finally:
+        art.close()
+    _generates_as(model, tmp_path / "art")
+
+
+def test_a_state_space_decoder_is_refused_in_one_line(tmp_path):
+    """Falcon-Mamba keeps a recurrent state, not keys and values per layer (transformers 4.57's
+    ``cache_params``, 5's linear-attention cache layers): refused by name, nothing written, where a
+    cache-free trace used to be tried and failed obscurely."""
+    from slimml.convert import ConvertConfig, convert
+    from slimml.errors import SourceError
+
+    _save("falcon_mamba", tmp_path / "hf", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8)
+    with pytest.raises(SourceError, match=r"^FalconMambaForCausalLM keeps a recurrent state \(\w+\) where slimml's decode "
+                                          r"loop needs keys and values per layer: .*convert a transformer decoder\.$"):
+        convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
 
 def test_continuous_batching_shares_passes_and_keeps_each_answer(tmp_path):
