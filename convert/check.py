@@ -22,6 +22,8 @@ from slimml.runtime.loader import load
 from slimml.runtime.tasks.inputs.text import TextEncoder
 from slimml.runtime.tools.bench import sample_feeds
 
+MIN_COSINE = 0.999  # a float graph slimml writes itself computes what the source does, or is not shipped
+
 SAMPLE_TEXTS = [
     "A man is playing a guitar on the street.",
     "The quick brown fox jumps over the lazy dog.",
@@ -65,6 +67,12 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
     if theirs is not None:
         ours = model.encode(SAMPLE_TEXTS)
         checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
+    if exported.info.get("exporter") == "torch" and checks.get("cosine_vs_torch", 1.0) < MIN_COSINE:  # float32, traced by slimml
+        raise ExportError(
+            f"the torch exporter's graph of {src.name} disagrees with the source model in torch (cosine "
+            f"{checks['cosine_vs_torch']:.4g}): slimml does not ship it; export this model to ONNX yourself and convert "
+            "the .onnx file."
+        )
     return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
 
 

@@ -249,9 +249,13 @@ def _example(model: Any, with_past: bool) -> tuple[tuple[str, ...], tuple[Any, .
             with torch.no_grad():
                 first = model(input_ids=ids[:, :start], use_cache=True)
             why = recurrent_state(first, _layers(model), start)
+        if why == NO_CACHE:  # --exporter auto then traces it without one
+            raise ExportError(f"{type(model).__name__} returns no cache from a pass that asks for one (use_cache=True); "
+                              "convert it with --task text-generation (each token then runs the whole sequence).")
         if why:
-            raise SourceError(f"{type(model).__name__} {why} where slimml's decode loop needs keys and values per "
-                              "layer: state-space and hybrid decoders are not supported yet; convert a transformer decoder.")
+            raise SourceError(f"{type(model).__name__} {why}, where slimml's decode loop needs one key and one value "
+                              "tensor per layer: state-space, hybrid and other cache layouts are not supported yet; "
+                              "convert a transformer decoder.")
         for i, (key, value) in cache_tensors(first.past_key_values).items():
             for kind, t in (("key", key), ("value", value)):
                 names += (f"past_key_values.{i}.{kind}",)
@@ -260,6 +264,9 @@ def _example(model: Any, with_past: bool) -> tuple[tuple[str, ...], tuple[Any, .
                 outputs += (f"present.{i}.{kind}",)
                 dynamic[f"present.{i}.{kind}"] = {0: "batch_size", 2: "past_sequence_length + sequence_length"}
     return names, tuple(example), dynamic, outputs
+
+
+NO_CACHE = "returns no cache"
 
 
 def recurrent_layers(model: Any) -> str | None:
@@ -276,27 +283,32 @@ def recurrent_layers(model: Any) -> str | None:
 
 
 def recurrent_state(output: Any, layers: int, length: int) -> str | None:
-    """What a first pass's cache (``output.past_key_values``, over ``length`` positions) holds that is not
-    one key and one value tensor ``(batch, heads, positions, head)`` for each of at most ``layers`` layers (a
-    window may keep fewer positions; a layer reading another's cache keeps none) -- a recurrent state (Mamba's, linear attention's, a convolution's):
-    what the model does instead ("keeps a recurrent state (...)"), or None."""
+    """What a first pass's cache (``output.past_key_values``, over ``length`` positions) is, in words,
+    where it is not one key and one value tensor ``(batch, heads, positions, head)`` for each of at
+    most ``layers`` layers (a window may keep fewer positions; a layer reading another's cache keeps
+    none): "keeps a recurrent state (...)" (Mamba's, RWKV's), "keeps its cache in a layout of its own
+    (...)", or :data:`NO_CACHE`; else None."""
     cache = getattr(output, "past_key_values", None)
-    if cache is None:  # transformers 4.x's Mamba outputs: cache_params
-        state = getattr(output, "cache_params", None)
-        return f"keeps a recurrent state ({type(state).__name__})" if state is not None else "returns no cache"
+    if cache is None:  # transformers 4.x's Mamba outputs: cache_params; RWKV's: state
+        state = next((v for v in (getattr(output, "cache_params", None), getattr(output, "state", None)) if v is not None), None)
+        kind = "state tensors" if isinstance(state, (list, tuple)) else type(state).__name__
+        return f"keeps a recurrent state ({kind})" if state is not None else NO_CACHE
     try:
         pairs = cache_tensors(cache)
     except Exception:
         return f"keeps a recurrent state ({type(cache).__name__})"
     if not pairs or len(pairs) > layers or any(getattr(t, "ndim", 0) != 4 or not 0 < t.shape[2] <= length
                                                for pair in pairs.values() for t in pair):
-        return f"keeps a recurrent state ({type(cache).__name__})"
+        shapes = sorted({tuple(getattr(t, "shape", ())) for pair in pairs.values() for t in pair})[:2]
+        return f"keeps its cache in a layout of its own ({type(cache).__name__}, {len(pairs)} layers, shapes {shapes})"
     return None
 
 
 def cache_tensors(cache: Any) -> dict[int, tuple[Any, Any]]:
     """(key, value) by layer index of a transformers cache (4.57's and 5's ``layers``, or the legacy
-    tuples); a layer that reads another's cache and keeps none (Gemma 4's shared layers) has no entry."""
+    tuples; an encoder-decoder cache's self-attention part: a BERT-style decoder under 4.57); a layer
+    that reads another's cache and keeps none (Gemma 4's shared layers) has no entry."""
+    cache = getattr(cache, "self_attention_cache", cache)
     if hasattr(cache, "layers"):
         return {i: (layer.keys, layer.values) for i, layer in enumerate(cache.layers)
                 if getattr(layer, "keys", None) is not None}

@@ -7,7 +7,7 @@ What sets each family apart: GPT-2 (learned positions, Conv1D), GPT-NeoX (partia
 residual), Phi (LayerNorm, partial rotary, biases), Falcon (grouped KV heads), Cohere (interleaved
 rotary through ``repeat_interleave``), BLOOM (ALiBi, no positions), StarCoder2 (optimum-onnx 0.1.0
 does not know it: ``--exporter auto`` falls back to this exporter under 4.57 too), DiffLlama
-(``torch.rms_norm``, which has no ONNX form at opset 17). Mixtures of
+(``torch.rms_norm``, which has no ONNX form at opset 17), RoBERTa as a decoder (positions as transformers' ``generate`` feeds them, 0-based). Mixtures of
 experts (transformers 5) through ONNX Runtime's MoE op (``convert/trace_experts.py``).
 """
 
@@ -35,6 +35,7 @@ FAMILIES = {
     "bloom": dict(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4, initializer_range=0.3),
     "starcoder2": dict(SMALL, num_key_value_heads=2),
     "diffllama": dict(SMALL, num_key_value_heads=2),
+    "roberta": dict(SMALL, is_decoder=True),
 }
 PROMPTS = [[5, 9, 13, 2, 7, 30, 41], [11, 4]]
 
@@ -285,8 +286,8 @@ def test_a_state_space_decoder_is_refused_in_one_line(tmp_path):
     from slimml.errors import SourceError
 
     _save("falcon_mamba", tmp_path / "hf", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=8)
-    with pytest.raises(SourceError, match=r"^FalconMambaForCausalLM keeps a recurrent state \(\w+\) where slimml's decode "
-                                          r"loop needs keys and values per layer: .*convert a transformer decoder\.$"):
+    with pytest.raises(SourceError, match=r"^FalconMambaForCausalLM keeps a recurrent state \(\w+\), where slimml's decode "
+                                          r"loop needs one key and one value tensor per layer: .*convert a transformer decoder\.$"):
         convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert [p.name for p in tmp_path.iterdir()] == ["hf"]
 
