@@ -67,6 +67,24 @@ def test_chat_greedy_and_seeded_equal_in_process(client, local):
     assert r.choices[0].message.content == want.texts[0]
 
 
+def test_a_conversations_next_turn_reuses_its_cache_and_says_so(client, local):
+    """The prefix store (``--prefix-cache``, on by default): the second turn's usage counts the
+    prompt tokens whose cache was copied (OpenAI's ``prompt_tokens_details.cached_tokens``), and
+    its answer is in-process greedy's."""
+    messages = [{"role": "system", "content": "You answer in one short sentence about the weather in cities."},
+                {"role": "user", "content": "What is the weather like in Paris in spring?"}]
+    first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And in Madrid?"}]
+    chunks = list(client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16, usage  # whole blocks of 16
+    assert usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+    want = local.chat(messages, max_new_tokens=12)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.texts[0]
+
+
 def test_streamed_chat_and_completions(client, local):
     pieces, usage, finish = [], None, None
     stream = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=24, temperature=0,
@@ -230,8 +248,10 @@ def test_a_prompt_longer_than_the_context_and_malformed_json_are_refused(server,
 
 def test_a_bounded_load_of_mixed_requests_has_no_errors_and_leaks_nothing(server, client):
     """96 chat requests, 12 at a time, streamed and not: all answered, /health up throughout, and
-    the replica's memory back near its level after a warm-up once idle."""
-    start = health(server)["generation"]["rss_bytes"]
+    the replica's memory back near its level after a warm-up once idle, but for what the prefix
+    store keeps (within its budget)."""
+    first = health(server)["generation"]
+    start = first["rss_bytes"] - first["prefix"]["bytes"] if first["rss_bytes"] else None
     errors, healthy, done = [], [], threading.Event()
 
     def watch():
@@ -261,5 +281,6 @@ def test_a_bounded_load_of_mixed_requests_has_no_errors_and_leaks_nothing(server
     assert errors == [] and healthy and all(healthy)
     end = health(server)["generation"]
     assert end["running"] == end["waiting"] == end["cache_bytes"] == 0
+    assert 0 < end["prefix"]["bytes"] <= 256_000_000 and end["prefix"]["reused_tokens"] > 0  # the template's system prompt
     if start is not None:
-        assert end["rss_bytes"] <= start * 1.10, (start, end["rss_bytes"])
+        assert end["rss_bytes"] - end["prefix"]["bytes"] <= start * 1.10, (start, end)

@@ -31,6 +31,10 @@ def test_config_from_serve_run_arguments():
     assert ServeConfig.from_args({"artifact": "a", "access_log": "True"}).access_log is True
     with pytest.raises(ConfigError, match="access_log must be true or false"):
         ServeConfig.from_args({"artifact": "a", "access_log": "maybe"})
+    assert ServeConfig("a").prefix_bytes == 256_000_000 and ServeConfig("a", prefix_cache="0").prefix_bytes == 0
+    assert ServeConfig.from_args({"artifact": "a", "prefix_cache": "1.5GiB"}).prefix_bytes == 3 << 29
+    with pytest.raises(ConfigError, match=r"prefix_cache: memory budget 'lots' is not a size; write it like '4GB'.* 0 turns it off"):
+        ServeConfig("a", prefix_cache="lots")
 
 
 def test_embedding_inputs():

@@ -6,6 +6,9 @@ from typing import Any
 
 from slimml.runtime.tasks.base import Task, register_task
 from slimml.runtime.tasks.generate import generate
+from slimml.runtime.tasks.generation.prefix import PrefixStore
+
+PREFIX_BYTES = 64 << 20  # KV cache kept in process for prompts that begin with text read before
 
 
 @register_task("text-generation")
@@ -13,12 +16,33 @@ class CausalLM(Task):
     """A decoder artifact (``--task text-generation[-with-past]``): :meth:`generate`,
     :meth:`stream` and :meth:`chat`.
 
-    The loop (:mod:`slimml.runtime.tasks.generate`) reads ``engine``, ``text``, ``folder`` and
-    ``manifest`` from this object.
+    The loop (:mod:`slimml.runtime.tasks.generate`) reads ``engine``, ``text``, ``folder``,
+    ``manifest`` and ``prefix`` from this object.
+
+    ``prefix`` keeps the KV cache of what one-prompt generations read and wrote (a fused graph's),
+    up to 64 MiB (:meth:`prefix_cache`): a prompt that begins with it (a chat's next turn, the same
+    system prompt) copies those positions and prefills only the rest.
     """
 
     methods = frozenset({"generate", "stream", "chat"})
     suggest = ("generate",)
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.prefix = PrefixStore(PREFIX_BYTES)
+
+    def prefix_cache(self, budget: int | str) -> None:
+        """Keep up to ``budget`` bytes (``"256MB"``) of KV cache for prompts that begin with
+        text this model read before; 0 turns it off and frees what it held.
+
+        Example:
+            >>> model.prefix_cache("256MB")   # long shared documents
+            >>> model.prefix_cache(0)         # every prompt prefilled whole
+        """
+        from slimml.runtime.engine.budget import parse_bytes
+
+        self.prefix.clear()
+        self.prefix = PrefixStore(0 if budget in (0, "0") else parse_bytes(budget))
 
     def generate(self, prompts: Any, max_new_tokens: int | None = None, config: Any = None, **options: Any):
         """Continue ``prompts`` (texts, or token id lists); see :func:`slimml.runtime.tasks.generate.generate`.

@@ -46,6 +46,8 @@ class Generation:
         seconds: wall time of the whole generation.
         passes: model passes run (one per new token; fewer where ``prompt_lookup`` guesses held).
         prompt_tokens: tokens in the prompts (without padding).
+        cached_tokens: of those, the tokens whose KV cache was copied from the model's prefix
+            store instead of prefilled (:meth:`CausalLM.prefix_cache`).
         prefill_s: wall time of the first pass (the prompts; time to the first token).
     """
 
@@ -54,6 +56,7 @@ class Generation:
     seconds: float = 0.0
     passes: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     prefill_s: float = 0.0
     extra: dict = field(default_factory=dict)
     finish_reasons: list[str] = field(default_factory=list)
@@ -64,8 +67,8 @@ class Generation:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        """Prompt tokens per second of the first pass."""
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+        """Prompt tokens prefilled (not copied from the prefix store) per second of the first pass."""
+        return (self.prompt_tokens - self.cached_tokens) / self.prefill_s if self.prefill_s else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -219,8 +222,9 @@ def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = 
     a generator that yields ``(prompt index, text piece)`` and returns the :class:`Generation`."""
     t0 = time.perf_counter()
     job = prepare(model, prompts, config, raw_text)
-    loop = (lookup_loop(model.engine, job.ids, job.steps, config.prompt_lookup)
-            or decode_loop(model.engine, job.ids, job.pad_id, job.steps))
+    prefix = getattr(model, "prefix", None)  # the model's store of text read before (CausalLM.prefix_cache)
+    loop = (lookup_loop(model.engine, job.ids, job.steps, config.prompt_lookup, prefix)
+            or decode_loop(model.engine, job.ids, job.pad_id, job.steps, prefix))
     return _passes(job, loop, config, t0, cancel)
 
 
@@ -261,10 +265,11 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
         loop.finish(np.flatnonzero(done & ~was).tolist())  # the fused loop stops running them
         sampler.add(nxt)
         loop.append(nxt)
+    loop.remember(new)  # one prompt's text, for the prompts that begin with it (a chat's next turn)
     for i in np.flatnonzero(~done):  # max_new_tokens, or the context, reached
         piece = texts[i].finish() if texts is not None else ""
         if piece:
             yield int(i), piece
     return Generation(tokens=new, texts=[t.text for t in texts] if texts is not None and job.texts else None,
                       seconds=time.perf_counter() - t0, passes=loop.passes, prompt_tokens=sum(map(len, job.ids)),
-                      prefill_s=prefill_s, finish_reasons=finish)
+                      cached_tokens=getattr(loop, "cached", 0), prefill_s=prefill_s, finish_reasons=finish)

@@ -54,6 +54,11 @@ class ServeConfig:
         max_waiting: language models: requests queued for a place in the batch; more get 429
             with Retry-After. Past max_ongoing_requests, Serve's own queue holds them first.
         prefill_tokens: language models: prompt tokens prefilled between two decode steps.
+        prefix_cache: language models (fused graphs): KV cache kept for prompts that begin with
+            text the replica read before (a system prompt, the conversation so far: chat clients
+            send it again every turn), so only the rest is prefilled; "0" keeps none. Requests
+            that share a prefix are faster, which another client can time: turn it off where
+            clients must not learn what others asked.
         max_ongoing_requests: requests a replica works on at once (each holds its body and its
             share of a batch); more wait in Serve's queue.
         max_queued_requests: requests waiting for a replica, at most; more get 503 at once.
@@ -112,6 +117,9 @@ class ServeConfig:
         "help": "Language models: while one answer runs alone, positions a pass may also compute by guessing that "
                 "it repeats its prompt (prompt lookup: the same tokens, fewer passes when answers quote the prompt); "
                 "0: off."})
+    prefix_cache: str = field(default="256MB", metadata={
+        "help": "Language models: KV cache kept for prompts that begin with text read before (a system prompt, "
+                "the conversation so far), so only the rest is prefilled; 0: none."})
     max_ongoing_requests: int = field(default=128, metadata={
         "help": "Requests a replica works on at once; more wait in Serve's queue."})
     max_queued_requests: int = field(default=512, metadata={
@@ -158,6 +166,10 @@ class ServeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86_400:
                 raise ConfigError(f"{name} must be a number of seconds from 0 to 86400, got {v!r}.")
+        try:
+            self.prefix_bytes
+        except ConfigError as e:
+            raise ConfigError(f"prefix_cache: {e} 0 turns it off.") from None
         if self.memory_budget is not None:  # "memory budget 'lots' is not a size; ..." before Ray starts
             from slimml.runtime.engine.budget import parse_bytes
 
@@ -166,6 +178,13 @@ class ServeConfig:
                                          or not self.api_key.isprintable() or " " in self.api_key):
             raise ConfigError("api_key must be at least 16 printable characters without spaces (e.g. from "
                               "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`).")
+
+    @property
+    def prefix_bytes(self) -> int:
+        """``prefix_cache`` in bytes (0: off)."""
+        from slimml.runtime.engine.budget import parse_bytes
+
+        return 0 if str(self.prefix_cache).strip() in ("0", "0B", "") else parse_bytes(self.prefix_cache)
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeConfig:

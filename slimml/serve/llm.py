@@ -4,7 +4,8 @@ Requests are checked on their own (a bad one fails alone), then wait for the dec
 thread that runs :class:`~slimml.runtime.tasks.generation.continuous.ContinuousBatch`: between two
 steps it admits the waiting sequences (prefilled together in one pass, up to ``prefill_tokens``
 prompt tokens a step, so that a burst of new requests does not stall the running answers), then
-steps every running sequence in one pass. Text reaches each request's event loop as it is made, for server-sent
+steps every running sequence in one pass. Prompts that begin with text the replica read before
+prefill only the rest (the batch's prefix store). Text reaches each request's event loop as it is made, for server-sent
 events or the whole answer. A client that goes away cancels its sequence, which leaves the batch
 at the next step with its cache. Beyond ``max_running`` decoding and ``max_waiting`` queued, a
 request gets 429 with ``Retry-After``.
@@ -30,8 +31,9 @@ RETRY_AFTER_S = 1  # what a 429 tells a client to wait
 class DecodeWorker:
     """The thread that owns the running batch: admits waiting sequences between steps."""
 
-    def __init__(self, model: Any, max_running: int, max_waiting: int, prefill_tokens: int = PREFILL_TOKENS):
-        self.batch = ContinuousBatch(model, max_batch=max_running, prefill_tokens=prefill_tokens)
+    def __init__(self, model: Any, max_running: int, max_waiting: int, prefill_tokens: int = PREFILL_TOKENS,
+                 prefix_bytes: int = 0):
+        self.batch = ContinuousBatch(model, max_batch=max_running, prefill_tokens=prefill_tokens, prefix_bytes=prefix_bytes)
         self.max_waiting = max_waiting
         self.capacity = max_running + max_waiting  # answers in the batch, being admitted, or queued
         self._inflight = 0
@@ -61,11 +63,13 @@ class DecodeWorker:
             self._wake.notify()
 
     @property
-    def load(self) -> dict[str, int | None]:
-        """Sequences running and waiting, the bytes of the running batch's KV cache, and the
-        replica's resident memory (Linux; None elsewhere)."""
+    def load(self) -> dict[str, Any]:
+        """Sequences running and waiting, the bytes of the running batch's KV cache, the prefix
+        store's figures (bytes held, prompt tokens looked up and reused), and the replica's
+        resident memory (Linux; None elsewhere)."""
+        prefix = self.batch.prefix.stats if self.batch.prefix is not None else None
         return {"running": len(self.batch.rows), "waiting": len(self._waiting), "cache_bytes": self.batch.cache_bytes,
-                "rss_bytes": _rss()}
+                "prefix": prefix, "rss_bytes": _rss()}
 
     def close(self) -> None:
         with self._wake:
@@ -107,16 +111,19 @@ class LLMService:
         max_waiting: requests queued for the batch before 429.
         max_text_chars: characters of a prompt (all messages together) at most; more gets 413.
         prefill_tokens: prompt tokens prefilled between two decode steps (at least one prompt).
+        prompt_lookup: guessed positions a pass may add while one answer runs alone (0: off).
+        prefix_bytes: KV cache kept for prompts that begin with text read before (0: none).
     """
 
     def __init__(self, model: Any, name: str, max_tokens: int, max_running: int, max_waiting: int,
-                 max_text_chars: int = 16_384, prefill_tokens: int = PREFILL_TOKENS, prompt_lookup: int = 0):
+                 max_text_chars: int = 16_384, prefill_tokens: int = PREFILL_TOKENS, prompt_lookup: int = 0,
+                 prefix_bytes: int = 0):
         self.model = model
         self.prompt_lookup = prompt_lookup
         self.name = name
         self.max_tokens = max_tokens
         self.max_text_chars = max_text_chars
-        self.worker = DecodeWorker(model, max_running, max_waiting, prefill_tokens)
+        self.worker = DecodeWorker(model, max_running, max_waiting, prefill_tokens, prefix_bytes)
 
     async def answer(self, data: dict[str, Any], chat: bool):
         """The response to a chat (``chat=True``) or completions body: a whole JSON body, or an
@@ -143,7 +150,7 @@ class LLMService:
         finally:
             seq.cancel()  # no-op once finished; a client gone mid-answer frees the batch's row
         self._raise_failure(seq)
-        return answer.whole("".join(text), seq.finish_reason, len(seq.ids), len(seq.tokens))
+        return answer.whole("".join(text), seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached)
 
     def _sequence(self, req: openai.CompletionRequest, loop: asyncio.AbstractEventLoop, put) -> Sequence:
         """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop`` (runs on
@@ -206,7 +213,7 @@ class LLMService:
                 else:
                     yield openai.sse(answer.chunk("", seq.finish_reason))
                     if answer.req.include_usage:
-                        yield openai.sse(answer.usage_chunk(len(seq.ids), len(seq.tokens)))
+                        yield openai.sse(answer.usage_chunk(len(seq.ids), len(seq.tokens), seq.cached))
                 yield openai.sse("[DONE]")
                 return
         finally:
@@ -221,9 +228,10 @@ class LLMService:
         self.worker.close()
 
 
-def replica_bytes(manifest: Any, memory_budget: str | int, max_running: int) -> int:
-    """The memory one replica of a streamed language model asks Ray for: its weight budget plus the
-    KV cache of ``max_running`` answers at the model's full context (fp32 or the cache's dtype)."""
+def replica_bytes(manifest: Any, memory_budget: str | int, max_running: int, prefix_bytes: int = 0) -> int:
+    """The memory one replica of a streamed language model asks Ray for: its weight budget, the
+    KV cache of ``max_running`` answers at the model's full context (fp32 or the cache's dtype),
+    and the prefix store's budget."""
     import numpy as np
 
     from slimml.runtime.engine.budget import parse_bytes
@@ -233,7 +241,7 @@ def replica_bytes(manifest: Any, memory_budget: str | int, max_running: int) -> 
     for t in manifest.inputs:  # past_key_values.N.key/value: (batch, kv_heads, past, head_dim)
         if t.name.startswith("past_key_values.") and all(isinstance(d, int) for d in (t.shape[1], t.shape[3])):
             per_token += t.shape[1] * t.shape[3] * np.dtype(t.dtype).itemsize
-    return parse_bytes(memory_budget) + max_running * context * per_token
+    return parse_bytes(memory_budget) + max_running * context * per_token + prefix_bytes
 
 
 def _rss() -> int | None:

@@ -227,11 +227,13 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """OpenAI's usage; ``cached_tokens``: prompt tokens whose cache the prefix store held."""
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0) -> dict[str, Any]:
         """The non-streamed response."""
         if self.req.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -241,7 +243,7 @@ class Answer:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
-        body["usage"] = self.usage(prompt_tokens, completion_tokens)
+        body["usage"] = self.usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
     def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
@@ -260,11 +262,11 @@ class Answer:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
         body = self._head("chat.completion.chunk" if self.req.chat else "text_completion")
         body["choices"] = []
-        body["usage"] = self.usage(prompt_tokens, completion_tokens)
+        body["usage"] = self.usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
 

@@ -125,7 +125,7 @@ def _check_listen(host: str, port: int) -> None:
 
 def _replica_memory(config: ServeConfig, nodes: list[dict]) -> int | None:
     """For a streamed language model (``memory_budget`` set): the bytes each replica asks Ray for
-    (its budget and a full KV cache), refused in one line when the nodes cannot hold the replicas."""
+    (its budget, a full KV cache and the prefix store), refused in one line when the nodes cannot hold the replicas."""
     manifest = read_manifest(config.artifact)
     from slimml.runtime.tasks.registry import kind_of
 
@@ -134,14 +134,15 @@ def _replica_memory(config: ServeConfig, nodes: list[dict]) -> int | None:
     from slimml.runtime.engine.budget import fmt_bytes
     from slimml.serve.llm import replica_bytes
 
-    need = replica_bytes(manifest, config.memory_budget, config.max_running)
+    need = replica_bytes(manifest, config.memory_budget, config.max_running, config.prefix_bytes)
     fit = sum(n["memory"] // need for n in nodes)
     if fit < config.replicas:
         per_node = ", ".join(f"{n['address']}: {n['memory'] // need}" for n in nodes)
-        raise ConfigError(f"each replica needs {fmt_bytes(need)} (--memory-budget {config.memory_budget} and the KV cache "
-                          f"of --max-running {config.max_running} answers at full context), so the cluster holds "
+        raise ConfigError(f"each replica needs {fmt_bytes(need)} (--memory-budget {config.memory_budget}, the KV cache "
+                          f"of --max-running {config.max_running} answers at full context and --prefix-cache "
+                          f"{config.prefix_cache}), so the cluster holds "
                           f"{fit} of the {config.replicas} replicas asked ({per_node}); lower --replicas, "
-                          "--memory-budget or --max-running, or add nodes.")
+                          "--memory-budget, --max-running or --prefix-cache, or add nodes.")
     return need
 
 

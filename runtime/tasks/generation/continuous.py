@@ -27,6 +27,7 @@ import numpy as np
 from slimml.errors import SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.loop import _empty_cache
+from slimml.runtime.tasks.generation.prefix import PrefixStore
 from slimml.runtime.tasks.generation.prompts import prepare
 from slimml.runtime.tasks.generation.rows import GrowingRows, SlotRows
 from slimml.runtime.tasks.generation.sampling import Sampler
@@ -56,6 +57,8 @@ class Sequence:
     first_token_s: float | None = None
     sampler: Sampler | None = None
     text: TextStream | None = None
+    prefix: list | None = None  # the stored blocks its prompt begins with, once looked up (until its prefill)
+    cached: int = 0  # prompt positions copied from the prefix store instead of prefilled
     _cancelled: bool = False
 
     def cancel(self) -> None:
@@ -78,10 +81,12 @@ class ContinuousBatch:
         max_batch: the most sequences decoding at once.
         prefill_tokens: prompt tokens (padded) prefilled between two steps; a longer prompt is
             prefilled alone. Smaller keeps running answers flowing, larger serves a burst's first
-            tokens sooner.
+            tokens sooner. Positions copied from the prefix store do not count.
+        prefix_bytes: bytes of KV cache kept for prompts that begin with text read before
+            (:class:`~slimml.runtime.tasks.generation.prefix.PrefixStore`; a fused graph's); 0: none.
     """
 
-    def __init__(self, model: Any, max_batch: int = 16, prefill_tokens: int = PREFILL_TOKENS):
+    def __init__(self, model: Any, max_batch: int = 16, prefill_tokens: int = PREFILL_TOKENS, prefix_bytes: int = 0):
         self.model = model
         self.engine = model.engine
         self.max_batch = max_batch
@@ -95,9 +100,10 @@ class ContinuousBatch:
                               "re-convert it with --task text-generation-with-past.")
         from slimml.runtime.engine.kv_cache import position_limit, shares_buffers
 
+        self.prefix = PrefixStore(prefix_bytes) if prefix_bytes else None
         if shares_buffers(self.engine):
             context = position_limit(self.engine)
-            self.cache: SlotRows | GrowingRows = SlotRows(self.engine, max_batch, int(context or 2048))
+            self.cache: SlotRows | GrowingRows = SlotRows(self.engine, max_batch, int(context or 2048), self.prefix)
         else:
             self.cache = GrowingRows(self.engine)
         self.rows: list[Sequence] = []  # in the order of the cache's rows
@@ -119,19 +125,28 @@ class ContinuousBatch:
 
     def take(self, waiting: deque[Sequence]) -> list[Sequence]:
         """The waiting sequences (oldest first) to admit before the next step: as many as there
-        are free rows and the prefill budget allows (at least one)."""
+        are free rows and the prefill budget allows (at least one). The prompts without a stored
+        prefix cost their padded width each; the others, the positions left to prefill. A prompt
+        that begins as one taken now does waits for the next step, to copy its cache."""
         joining: list[Sequence] = []
-        width = 0
+        width = fresh = after = 0  # the padded pass's width and rows; positions prefilled after a stored prefix
         while waiting and len(joining) < self.free:
             head = waiting[0]
             if head.cancelled:  # gone before its turn: ended without a pass
                 self._left(waiting.popleft())
                 continue
-            wider = max(width, len(head.ids))
-            if joining and wider * (len(joining) + 1) > self.prefill_tokens:
+            reused = self.cache.reuse(head)
+            if joining and not reused and self.cache.waits_for(head, joining):
+                break  # it begins as one joining now does: next step it copies that one's cache
+            cost = (width * fresh + after + len(head.ids) - reused if reused
+                    else max(width, len(head.ids)) * (fresh + 1) + after)
+            if joining and cost > self.prefill_tokens:
                 break
             joining.append(waiting.popleft())
-            width = wider
+            if reused:
+                after += len(head.ids) - reused
+            else:
+                width, fresh = max(width, len(head.ids)), fresh + 1
         return joining
 
     def admit(self, seqs: list[Sequence]) -> None:
@@ -143,6 +158,7 @@ class ContinuousBatch:
                               "(this is a slimml bug).")
         if not seqs:
             return
+        seqs.sort(key=lambda s: bool(self.cache.reuse(s)))  # the prompts prefilled whole first, in one pass
         logits = self._pass(self.cache.prefill, seqs)
         if logits is None:
             return
@@ -236,5 +252,5 @@ class ContinuousBatch:
     def _drop(self, rows: list[int]) -> None:
         """Remove ``rows`` from the batch, their cache with them."""
         if rows or not self.rows:
-            order = self.cache.drop(rows)
+            order = self.cache.drop(rows, self.rows)
             self.rows = [self.rows[r] for r in order]

@@ -74,13 +74,14 @@ class Lookahead:
         return logits[:1]
 
 
-def lookup_loop(engine: Any, prompts: list[list[int]], steps: int, k: int) -> LookupLoop | None:
+def lookup_loop(engine: Any, prompts: list[list[int]], steps: int, k: int, prefix: Any = None) -> LookupLoop | None:
     """A :class:`LookupLoop` where it applies (``k`` > 0, one prompt, a fused graph's in-place cache), else None."""
     from slimml.runtime.engine.kv_cache import rope_reprefill, rope_switch, shares_buffers
 
     if not k or len(prompts) != 1 or not shares_buffers(engine):
         return None
-    return LookupLoop(engine.kv_cache(1, len(prompts[0]) + steps), prompts[0], k, rope_switch(engine), rope_reprefill(engine))
+    return LookupLoop(engine.kv_cache(1, len(prompts[0]) + steps), prompts[0], k, rope_switch(engine), rope_reprefill(engine),
+                      prefix)
 
 
 class LookupLoop(CacheLoop):
@@ -91,11 +92,12 @@ class LookupLoop(CacheLoop):
         prompt: the prompt's token ids.
         k: guessed positions a pass may add (1 or more).
         switch: the graph's LongRoPE switch, or None (no guessed pass crosses it).
-        reprefill: as :class:`CacheLoop`.
+        reprefill, prefix: as :class:`CacheLoop`.
     """
 
-    def __init__(self, cache: Any, prompt: list[int], k: int, switch: int | None = None, reprefill: bool = False):
-        super().__init__(cache, [prompt], switch, reprefill)
+    def __init__(self, cache: Any, prompt: list[int], k: int, switch: int | None = None, reprefill: bool = False,
+                 prefix: Any = None):
+        super().__init__(cache, [prompt], switch, reprefill, prefix)
         self.k = k
         self.text = np.zeros(cache.capacity, dtype=np.int64)  # the prompt and every token since
         self.text[: len(prompt)] = prompt

@@ -22,6 +22,7 @@ import numpy as np
 
 from slimml.errors import SlimmlError
 from slimml.runtime.engine.kv_cache import prompt_blocks
+from slimml.runtime.tasks.generation.prefix import PrefixStore
 
 
 class CacheLoop:
@@ -40,15 +41,25 @@ class CacheLoop:
     that first grows past the switch is run again whole, as transformers and onnxruntime-genai do
     at batch 1 (in a batch, its cache keeps the short factors' keys).
 
+    One prompt with a :class:`~slimml.runtime.tasks.generation.prefix.PrefixStore` (the model's):
+    the positions it shares with text read before are copied from the store and only the rest is
+    prefilled; the prompt is stored once prefilled, and its whole text by :meth:`remember`.
+
     Args:
         cache: the engine's :class:`~slimml.runtime.engine.kv_cache.KVCache` for this generation.
         prompts: token ids per prompt.
         switch: the graph's LongRoPE switch, or None.
         reprefill: run a single sequence again whole when it first grows past ``switch``.
+        prefix: where one prompt's cache is looked up and kept (None, several prompts, or a
+            LongRoPE graph: prefilled whole).
     """
 
-    def __init__(self, cache: Any, prompts: list[list[int]], switch: int | None = None, reprefill: bool = False):
+    def __init__(self, cache: Any, prompts: list[list[int]], switch: int | None = None, reprefill: bool = False,
+                 prefix: PrefixStore | None = None):
         self.cache = cache
+        self.prefix = prefix if prefix is not None and prefix.budget > 0 and len(prompts) == 1 and not switch else None
+        self.prompt = [int(t) for t in prompts[0]] if self.prefix is not None else None
+        self.cached = 0  # prompt positions copied from ``prefix``
         self.switch = switch
         self.history = [int(t) for t in prompts[0]] if reprefill and switch and len(prompts) == 1 else None
         batch, width = len(prompts), max(map(len, prompts))
@@ -64,7 +75,9 @@ class CacheLoop:
     def next_logits(self) -> np.ndarray:
         """Run the next pass; each prompt's last position's logits, (B, vocab) (zeros for finished ones)."""
         live = self.order[: self.live]
-        if self.passes == 0:
+        if self.passes == 0 and self.prefix is not None:
+            last = self._after_prefix()
+        elif self.passes == 0:
             last = np.concatenate([self._prompts(start, stop) for start, stop in prompt_blocks(self.lengths, self.switch)])
         elif self.history is not None and self.lengths[0] == self.switch:  # growing past the switch: all again
             seq = np.array([self.history], dtype=np.int64)
@@ -86,6 +99,23 @@ class CacheLoop:
         seen = self.lengths[start:stop]
         width = int(seen.max()) if (start, stop) != (0, len(self.lengths)) else self.pending.shape[1]
         return self.cache.run(self.pending[start:stop, :width], _mask(seen, width), rows=(start, stop), at=seen - 1)
+
+    def _after_prefix(self) -> np.ndarray:
+        """The one prompt's pass over what the store does not hold (all of it when it holds
+        nothing), its stored positions copied first; the prompt is stored after."""
+        length = len(self.prompt)
+        path = self.prefix.match(self.prompt)
+        n = self.cached = self.prefix.load(path, self.cache.buffers, 0) if path else 0
+        last = self.cache.run(self.pending[:, n:length], _mask(self.lengths), rows=(0, 1), at=self.lengths - n - 1)
+        self.prefix.prompt_tokens += length
+        self.prefix.keep(self.prompt, self.cache.buffers, 0, length)
+        return last
+
+    def remember(self, tokens: list[list[int]]) -> None:
+        """The generation ended with ``tokens`` per prompt: store the one prompt's whole text (its
+        positions in the cache) for the prompts that begin with it."""
+        if self.prefix is not None and self.passes:
+            self.prefix.keep([*self.prompt, *tokens[0]], self.cache.buffers, 0, int(self.lengths[0]))
 
     def append(self, ids: np.ndarray) -> None:
         """The next token of every prompt, (B,): fed by the next pass (finished prompts' are ignored)."""
@@ -115,16 +145,17 @@ def _mask(seen: np.ndarray, width: int | None = None) -> np.ndarray:
     return (np.arange(width)[None, :] < seen[:, None]).astype(np.int64)
 
 
-def decode_loop(engine: Any, prompts: list[list[int]], pad_id: int, steps: int) -> CacheLoop | DecodeLoop:
+def decode_loop(engine: Any, prompts: list[list[int]], pad_id: int, steps: int,
+                prefix: PrefixStore | None = None) -> CacheLoop | DecodeLoop:
     """The fastest loop the artifact allows: its in-place cache where it has one (``--exporter
-    fused``), else :class:`DecodeLoop` (for one prompt with guessed positions:
-    :func:`~slimml.runtime.tasks.generation.lookup.lookup_loop`)."""
+    fused``; one prompt reuses what ``prefix`` holds), else :class:`DecodeLoop` (for one prompt
+    with guessed positions: :func:`~slimml.runtime.tasks.generation.lookup.lookup_loop`)."""
     from slimml.runtime.engine.kv_cache import rope_reprefill, rope_switch, shares_buffers
 
     if not shares_buffers(engine):
         return DecodeLoop(engine, prompts, pad_id, steps)
     return CacheLoop(engine.kv_cache(len(prompts), max(map(len, prompts)) + steps), prompts, rope_switch(engine),
-                     rope_reprefill(engine))
+                     rope_reprefill(engine), prefix)
 
 
 class DecodeLoop:
@@ -184,6 +215,9 @@ class DecodeLoop:
 
     def finish(self, prompts: list[int]) -> None:
         """``prompts`` are done (a padded batch runs on with every row: nothing to do)."""
+
+    def remember(self, tokens: list[list[int]]) -> None:
+        """Nothing is stored from a traced graph's cache."""
 
     def append(self, ids: np.ndarray) -> None:
         """Add the next token of every prompt, (B,), to the sequence."""

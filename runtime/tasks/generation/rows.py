@@ -14,13 +14,18 @@ and runs the passes:
   row needs more positions, and is freed when the batch empties. A LongRoPE graph's prompts on
   either side of its switch are prefilled apart, and a Phi-3 sequence running alone is run again
   whole when it grows past the switch (as ``generate`` runs it: :class:`~.loop.CacheLoop`).
+  With a :class:`~.prefix.PrefixStore`, a prompt that begins with text read before (the same
+  system prompt, an earlier turn of the conversation) gets those positions copied into its row
+  and only the rest prefilled, alone in its row; every prompt is stored once prefilled, and every
+  sequence's whole text when it leaves.
 - :class:`GrowingRows`, for a traced graph (optimum, ``present = concat(past, new)``): one cache
   ``(B, kv_heads, L, head_dim)`` left-padded with a mask, concatenated when sequences join, cut
   when they leave.
 
-Both take and give rows in the batch's order: ``prefill(seqs)`` appends rows and returns their
-first logits, ``decode(seqs)`` feeds every row its newest token, ``drop(rows)`` returns the new
-order as old row indices.
+Both take and give rows in the batch's order: ``reuse(seq)`` says how many of a waiting prompt's
+positions are stored already (none for a traced graph), ``prefill(seqs)`` appends rows and returns
+their first logits, ``decode(seqs)`` feeds every row its newest token, ``drop(rows, seqs)``
+returns the new order as old row indices.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from slimml.errors import SlimmlError
 from slimml.runtime.engine.kv_cache import prompt_blocks, rope_reprefill, rope_switch
 from slimml.runtime.engine.packed import trim_heap
 from slimml.runtime.tasks.generation.lookup import Lookahead
 from slimml.runtime.tasks.generation.loop import _empty_cache, _mask, _present
+from slimml.runtime.tasks.generation.prefix import BLOCK, MIN_REUSE, PrefixStore, common
 
 if TYPE_CHECKING:
     from slimml.runtime.tasks.generation.continuous import Sequence
@@ -48,9 +55,12 @@ class SlotRows:
         engine: the decoder's engine (``kv_cache`` gives the buffers).
         max_rows: the most sequences at once.
         context: the most positions one row may reach.
+        prefix: where prompts' caches are kept for the prompts that begin with them (None: every
+            prompt is prefilled whole). Not for a LongRoPE graph, whose keys depend on the
+            length of the pass that made them.
     """
 
-    def __init__(self, engine: Any, max_rows: int, context: int):
+    def __init__(self, engine: Any, max_rows: int, context: int, prefix: PrefixStore | None = None):
         self.engine = engine
         self.max_rows = max_rows
         self.context = context
@@ -60,26 +70,56 @@ class SlotRows:
         self.switch = rope_switch(engine)
         self.lookahead = Lookahead()  # prompt lookup while one row runs alone
         self.reprefill = rope_reprefill(engine)
+        self.prefix = prefix if prefix is not None and prefix.budget > 0 and not self.switch else None
 
     @property
     def nbytes(self) -> int:
         return self.cache.nbytes if self.cache is not None else 0
 
+    def reuse(self, s: Sequence) -> int:
+        """Positions of ``s``'s prompt whose cache is stored (kept on ``s`` until its prefill once
+        found; looked up again while none is: a prompt that waits may find what was stored since)."""
+        if self.prefix is None:
+            return 0
+        if not s.prefix:
+            s.prefix = self.prefix.match(s.ids)
+        return len(s.prefix) * BLOCK
+
+    def waits_for(self, s: Sequence, joining: list[Sequence]) -> bool:
+        """Whether ``s`` (nothing stored for it) begins as a prompt that joins now does: it then
+        waits one step and copies that one's cache (a burst of prompts over one document
+        prefills the document once)."""
+        return self.prefix is not None and any(common(s.ids, j.ids) >= MIN_REUSE for j in joining)
+
     def prefill(self, seqs: list[Sequence]) -> np.ndarray:
-        """Prefill ``seqs`` into the rows after the live ones, in one right-padded pass; their last
-        positions' logits, (k, vocab)."""
+        """Prefill ``seqs`` into the rows after the live ones: those with no stored prefix in one
+        right-padded pass (give them first), each of the others alone after its stored positions;
+        their last positions' logits, (k, vocab)."""
         lens = np.array([len(s.ids) for s in seqs], dtype=np.int64)
         start, stop = self.live, self.live + len(seqs)
         self._room(int(lens.max()) + 1)
+        fresh = next((j for j, s in enumerate(seqs) if s.prefix), len(seqs))  # the leading prompts stored nowhere
+        if any(not s.prefix for s in seqs[fresh:]):
+            raise SlimmlError("prefill: give the prompts without a stored prefix first (this is a slimml bug).")
         parts = []
-        for a, b in prompt_blocks(lens, self.switch):  # a LongRoPE graph: prompts on either side of its switch apart
+        for a, b in prompt_blocks(lens[:fresh], self.switch) if fresh else []:  # LongRoPE: either side of its switch apart
             ids = np.zeros((b - a, int(lens[a:b].max())), dtype=np.int64)
             for r, s in enumerate(seqs[a:b]):
                 ids[r, : len(s.ids)] = s.ids
             parts.append(self.cache.run(ids, _mask(lens[a:b]), rows=(start + a, start + b), at=lens[a:b] - 1))
+        for j in range(fresh, len(seqs)):  # after a cache, a pass over several positions runs one row
+            s, row = seqs[j], start + j
+            n = s.cached = self.prefix.load(s.prefix, self.cache.buffers, row)
+            parts.append(self.cache.run(np.array([s.ids[n:]], dtype=np.int64), _mask(lens[j : j + 1]), rows=(row, row + 1),
+                                        at=np.array([len(s.ids) - n - 1])))
         logits = np.concatenate(parts)  # (k, vocab)
         self.lengths[start:stop] = lens
         self.live = stop
+        for j, s in enumerate(seqs):
+            s.prefix = None
+            if self.prefix is not None:
+                self.prefix.prompt_tokens += len(s.ids)
+                self.prefix.keep(s.ids, self.cache.buffers, start + j, len(s.ids))
         return logits
 
     def decode(self, seqs: list[Sequence]) -> np.ndarray:
@@ -115,10 +155,16 @@ class SlotRows:
         self.lengths[0] += 1
         return logits
 
-    def drop(self, rows: list[int]) -> list[int]:
-        """Free ``rows``: the live rows after the new end move into the holes (their cache with
-        them). Returns the new order, old row indices."""
+    def drop(self, rows: list[int], seqs: list[Sequence]) -> list[int]:
+        """Free ``rows`` (of ``seqs``, the batch's sequences in row order; their text is stored
+        first): the live rows after the new end move into the holes (their cache with them).
+        Returns the new order, old row indices."""
         self.lookahead.ahead = []
+        if self.prefix is not None:
+            for r in rows:
+                s = seqs[r]
+                if s.finish_reason != "error":
+                    self.prefix.keep([*s.ids, *s.tokens], self.cache.buffers, r, int(self.lengths[r]))
         gone = set(rows)
         n = self.live - len(gone)
         order = list(range(n))
@@ -175,6 +221,13 @@ class GrowingRows:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in (self.cache or {}).values())
 
+    def reuse(self, s: Sequence) -> int:
+        """No prefix store for a traced graph: every prompt is prefilled whole."""
+        return 0
+
+    def waits_for(self, s: Sequence, joining: list[Sequence]) -> bool:
+        return False
+
     def clear(self) -> None:
         self.cache: dict[str, np.ndarray] | None = None  # name -> (B, kv_heads, L, head_dim)
         self.mask = np.zeros((0, 0), dtype=np.int64)  # (B, L): 1 where a row has a real position
@@ -211,7 +264,7 @@ class GrowingRows:
         self.positions += 1
         return out["logits"][:, -1, :]
 
-    def drop(self, rows: list[int]) -> list[int]:
+    def drop(self, rows: list[int], seqs: list[Sequence]) -> list[int]:
         """Remove ``rows``, and cache columns no row uses any more; the kept rows keep their order."""
         keep = [r for r in range(len(self.positions)) if r not in set(rows)]
         if not keep:
