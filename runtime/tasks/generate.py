@@ -272,4 +272,4 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
             yield int(i), piece
     return Generation(tokens=new, texts=[t.text for t in texts] if texts is not None and job.texts else None,
                       seconds=time.perf_counter() - t0, passes=loop.passes, prompt_tokens=sum(map(len, job.ids)),
-                      cached_tokens=getattr(loop, "cached", 0), prefill_s=prefill_s, finish_reasons=finish)
+                      cached_tokens=loop.cached, prefill_s=prefill_s, finish_reasons=finish)

@@ -103,12 +103,8 @@ class CacheLoop:
     def _after_prefix(self) -> np.ndarray:
         """The one prompt's pass over what the store does not hold (all of it when it holds
         nothing), its stored positions copied first; the prompt is stored after."""
-        length = len(self.prompt)
-        path = self.prefix.match(self.prompt)
-        n = self.cached = self.prefix.load(path, self.cache.buffers, 0) if path else 0
-        last = self.cache.run(self.pending[:, n:length], _mask(self.lengths), rows=(0, 1), at=self.lengths - n - 1)
-        self.prefix.prompt_tokens += length
-        self.prefix.keep(self.prompt, self.cache.buffers, 0, length)
+        last, self.cached = self.prefix.prefill(self.cache, 0, self.prompt, self.prefix.match(self.prompt))
+        self.prefix.read(self.prompt, self.cache.buffers, 0)
         return last
 
     def remember(self, tokens: list[list[int]]) -> None:
@@ -215,6 +211,8 @@ class DecodeLoop:
 
     def finish(self, prompts: list[int]) -> None:
         """``prompts`` are done (a padded batch runs on with every row: nothing to do)."""
+
+    cached = 0  # prompt positions copied from a prefix store: none, a traced graph's cache is not stored
 
     def remember(self, tokens: list[list[int]]) -> None:
         """Nothing is stored from a traced graph's cache."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -83,6 +84,21 @@ class PrefixStore:
                 buf[row, :, k * BLOCK : (k + 1) * BLOCK] = block.kv[i]
         self.reused_tokens += len(path) * BLOCK
         return len(path) * BLOCK
+
+    def prefill(self, cache: Any, row: int, ids: list[int], path: list[Block]) -> tuple[np.ndarray, int]:
+        """``ids`` prefilled on ``row`` of ``cache`` (a :class:`~slimml.runtime.engine.kv_cache.KVCache`,
+        the row empty): ``path``'s positions copied in, a pass over the rest (one row: after a cache,
+        a pass over several positions runs at batch 1). The last position's logits, (1, vocab), and
+        the positions copied."""
+        n = self.load(path, cache.buffers, row) if path else 0
+        logits = cache.run(np.array([ids[n:]], dtype=np.int64), np.ones((1, len(ids)), dtype=np.int64),
+                           rows=(row, row + 1), at=np.array([len(ids) - n - 1]))
+        return logits, n
+
+    def read(self, ids: list[int], buffers: dict[str, np.ndarray], row: int) -> None:
+        """A prompt ``ids`` is prefilled in ``row`` of ``buffers``: count it, and store it."""
+        self.prompt_tokens += len(ids)
+        self.keep(ids, buffers, row, len(ids))
 
     def keep(self, ids: list[int] | np.ndarray, buffers: dict[str, np.ndarray], row: int, positions: int) -> None:
         """Store the whole blocks of ``row``'s first ``positions`` positions of ``buffers``, made

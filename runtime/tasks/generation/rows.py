@@ -107,19 +107,16 @@ class SlotRows:
             for r, s in enumerate(seqs[a:b]):
                 ids[r, : len(s.ids)] = s.ids
             parts.append(self.cache.run(ids, _mask(lens[a:b]), rows=(start + a, start + b), at=lens[a:b] - 1))
-        for j in range(fresh, len(seqs)):  # after a cache, a pass over several positions runs one row
-            s, row = seqs[j], start + j
-            n = s.cached = self.prefix.load(s.prefix, self.cache.buffers, row)
-            parts.append(self.cache.run(np.array([s.ids[n:]], dtype=np.int64), _mask(lens[j : j + 1]), rows=(row, row + 1),
-                                        at=np.array([len(s.ids) - n - 1])))
+        for j in range(fresh, len(seqs)):
+            logits, seqs[j].cached = self.prefix.prefill(self.cache, start + j, seqs[j].ids, seqs[j].prefix)
+            parts.append(logits)
         logits = np.concatenate(parts)  # (k, vocab)
         self.lengths[start:stop] = lens
         self.live = stop
         for j, s in enumerate(seqs):
             s.prefix = None
             if self.prefix is not None:
-                self.prefix.prompt_tokens += len(s.ids)
-                self.prefix.keep(s.ids, self.cache.buffers, start + j, len(s.ids))
+                self.prefix.read(s.ids, self.cache.buffers, start + j)
         return logits
 
     def decode(self, seqs: list[Sequence]) -> np.ndarray:
