@@ -17,7 +17,10 @@ inside, packed gate/up, the down projection); a family is the handful of values 
 - Gemma 3 (text, ``Gemma3ForCausalLM``): Gemma 2 without the soft-capping, a per-head q/k RMSNorm
   (as Qwen3, with Gemma's ``1 + w``), five sliding layers to one global, and two RoPEs: local layers
   ``rope_local_base_freq`` (10000) without scaling, global layers ``rope_theta`` with ``rope_scaling``
-  (transformers 5 keeps both under ``rope_parameters``, one entry per layer type).
+  (transformers 5 keeps both under ``rope_parameters``, one entry per layer type);
+- mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): the attention of the
+  families above, and in the layers that route, ONNX Runtime's ``MoE`` op in place of the MLP
+  (:class:`Experts`, written by ``convert/fused_experts.py``).
 
 Each value was checked against transformers' own modeling code, 4.57.6 and 5.24 (both read the same
 configs the same way, but for the legacy ``hidden_act: "gelu"`` of Gemma 1 checkpoints, exact GELU in
@@ -37,8 +40,12 @@ import numpy as np
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
               "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-ARCHITECTURES = LLAMA_LIKE + GEMMA
-NAMES = "Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, OLMo 3, Gemma, Gemma 2 and Gemma 3 (text)"
+MIXTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
+            "GraniteMoeSharedForCausalLM")
+GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
+ARCHITECTURES = LLAMA_LIKE + GEMMA + MIXTURES
+NAMES = ("Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, OLMo 3, Gemma, Gemma 2 and Gemma 3 (text), and the "
+         "mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and Granite MoE")
 # transformers' activation names -> the op that computes them
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
@@ -61,6 +68,25 @@ class Family:
     final_softcap: float = 0.0  # Gemma 2: logits tanh(x / c) * c
     residual_scale: float = 1.0  # Granite: each block's output times residual_multiplier before its residual add
     logits_divisor: float = 1.0  # Granite: logits / logits_scaling
+    experts: Experts | None = None  # a mixture of experts: its routed layers' experts
+
+
+@dataclass
+class Experts:
+    """A mixture of experts' routed layers, as transformers computes them: a router (a linear layer, one
+    logit an expert), softmax over all experts, the ``top_k`` largest kept, renormalized to sum 1 or not
+    (``renormalize``: Mixtral and Granite always, Qwen and OLMoE where ``norm_topk_prob``), each chosen
+    expert a SiLU-gated MLP of width ``inner``; Qwen2-MoE adds a shared expert gated by a sigmoid of its
+    own linear layer, Granite MoE (shared) a shared MLP, both ``shared_inner`` wide."""
+
+    count: int
+    top_k: int
+    renormalize: bool
+    inner: int
+    sparse: list[bool]  # per layer: routed (True) or the dense MLP of ``intermediate_size`` (Qwen's mlp_only_layers)
+    layout: str  # where the weights are: "mlp" (Qwen, OLMoE), "mixtral" (w1/w3/w2), "granite" (input/output_linear)
+    shared_inner: int = 0
+    shared_gated: bool = False  # Qwen2-MoE: the shared expert times sigmoid(shared_expert_gate(x))
 
 
 def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family | str:
@@ -102,13 +128,38 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
     if arch == "Olmo2ForCausalLM":  # norms after attention and MLP only; q/k normed over all heads (read from the weights)
         return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=ropes,
                       sandwich=True, pre_norms=False)
-    if arch == "GraniteForCausalLM":  # Llama with four multipliers, each applied where transformers applies it
+    experts = _experts(config, arch, layers) if arch in MIXTURES else None
+    if isinstance(experts, str):
+        return experts
+    if arch in GRANITE:  # Llama with four multipliers, each applied where transformers applies it
         embed = float(config.get("embedding_multiplier", 1.0))
         return Family(head_dim=head_dim, scale=float(config.get("attention_multiplier", 1.0)), windows=_windows(config),
                       ropes=ropes, embed_scale=embed if embed != 1.0 else None,
                       residual_scale=float(config.get("residual_multiplier", 1.0)),
-                      logits_divisor=float(config.get("logits_scaling", 1.0)))
-    return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=ropes)
+                      logits_divisor=float(config.get("logits_scaling", 1.0)), experts=experts)
+    return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=ropes, experts=experts)
+
+
+def _experts(config: dict[str, Any], arch: str, layers: int) -> Experts | str:
+    """The routed layers of a mixture of experts (:class:`Experts`), or why they cannot be written.
+    Qwen3-MoE's count is ``num_experts`` as 4.57 saves it, ``num_local_experts`` as transformers 5 does."""
+    count = int(config.get("num_local_experts") or config.get("num_experts") or 0)
+    top_k = int(config.get("num_experts_per_tok") or 0)
+    if count < 2 or not 0 < top_k <= count:
+        return f"{arch}'s config names {count} experts, {top_k} a token: not a mixture the MoE op computes"
+    if config.get("clip_qkv"):
+        return "OLMoE's clip_qkv (q, k and v clamped) is not written by the fused exporter yet"
+    if arch in ("MixtralForCausalLM", "OlmoeForCausalLM") or arch in GRANITE:
+        inner, layout = int(config["intermediate_size"]), "granite" if arch in GRANITE else (
+            "mixtral" if arch == "MixtralForCausalLM" else "mlp")
+        renormalize = arch != "OlmoeForCausalLM" or bool(config.get("norm_topk_prob", False))
+        return Experts(count, top_k, renormalize, inner, [True] * layers, layout,
+                       shared_inner=int(config.get("shared_intermediate_size") or 0))
+    step, dense = int(config.get("decoder_sparse_step") or 1), set(config.get("mlp_only_layers") or ())
+    sparse = [i not in dense and (i + 1) % step == 0 for i in range(layers)]  # Qwen2/3-MoE's rule, 4.57 and 5
+    shared = int(config.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return Experts(count, top_k, bool(config.get("norm_topk_prob", False)), int(config["moe_intermediate_size"]), sparse,
+                   "mlp", shared_inner=shared, shared_gated=bool(shared))
 
 
 def _olmo3(config: dict[str, Any], head_dim: int) -> Family | str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from slimml.convert.fused_experts import Graph, routed_experts
 from slimml.convert.fused_family import ARCHITECTURES, NAMES, Family, Rotary, read_family, rotary
 from slimml.errors import ExportError
 
@@ -105,6 +107,11 @@ class _Weights:
                               "(its safetensors files do not match config.json): re-save or re-download it.")
         return self._tensors[name]
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self._tensors:
+            self[name]  # the missing tensor's error
+        return tuple(self._tensors.shape(name))
+
     def transposed(self, names: list[str]) -> np.ndarray:
         """The tensors ``names`` (each (out_i, in)) stacked along out and transposed: (in, sum out_i),
         filled one tensor at a time (memory: the result and one of them)."""
@@ -150,25 +157,39 @@ class _Writer:
     def add(self, name: str, array: np.ndarray) -> str:
         if name in self.names:  # a constant several layers share
             return name
-        self.names.add(name)
         array = np.ascontiguousarray(array)
-        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
         if array.nbytes < 1024:  # small constants stay inside the graph
-            t.raw_data = array.tobytes()
-        else:
-            if self.file is None:
-                self.group("weights")
-            offset = self.file.tell()
-            pad = (-offset) % self.ALIGN
-            self.file.write(b"\0" * pad)
-            offset += pad
-            self.file.write(memoryview(array.reshape(-1)).cast("B"))  # no bytes copy of a 100 MB tensor
-            self.unsynced += array.nbytes
+            self.names.add(name)
+            self.initializers.append(TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype),
+                                                 dims=array.shape, raw_data=array.tobytes()))
+            return name
+        return self.add_parts(name, array.shape, [array], array.dtype)
+
+    def add_parts(self, name: str, dims: tuple[int, ...], parts: Iterable[np.ndarray], dtype: Any = np.float32) -> str:
+        """An initializer of shape ``dims`` written from ``parts`` in order (an expert's weights at a
+        time: memory holds one of them, not the mixture's)."""
+        self.names.add(name)
+        if self.file is None:
+            self.group("weights")
+        offset = self.file.tell()
+        pad = (-offset) % self.ALIGN
+        self.file.write(b"\0" * pad)
+        offset += pad
+        length = 0
+        for part in parts:
+            part = np.ascontiguousarray(part, dtype)
+            self.file.write(memoryview(part.reshape(-1)).cast("B"))  # no bytes copy of a 100 MB tensor
+            length += part.nbytes
+            self.unsynced += part.nbytes
             if self.unsynced >= self.SYNC_BYTES:
                 self._drop()
-            t.data_location = TensorProto.EXTERNAL
-            for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(array.nbytes))):
-                t.external_data.add(key=k, value=v)
+        if length != int(np.prod(dims)) * np.dtype(dtype).itemsize:
+            raise ExportError(f"the weights of {name} are not {tuple(dims)}: the checkpoint does not match its config.json; "
+                              "re-save or re-download it.")
+        t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims=dims)
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", self.location), ("offset", str(offset)), ("length", str(length))):
+            t.external_data.add(key=k, value=v)
         self.initializers.append(t)
         return name
 
@@ -327,22 +348,30 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
             return rms_norm(x, weight, name, "normed")
         return head_norm(x, weight, name, n)
 
-    def mlp(h: str, hf: str, p: str) -> str:
+    def gated(h: str, ups: list[str], packed_name: str, down: str, inter: int, p: str) -> str:
         """down(act(gate) * up), gate and up in one MatMul: act SiLU, or GELU (tanh: FastGelu) for Gemma."""
-        gu = linear(h, [f"{hf}.mlp.gate_up_proj"] if packed else [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"],
-                    f"{hf}.mlp.gate_up_proj", f"{p}/mlp/gate_up")
-        inter = int(c["intermediate_size"])
+        gu = linear(h, ups, packed_name, f"{p}/gate_up")
         gate, up = node("Split", [gu, data.add(f"split_{inter}", np.array([inter, inter], np.int64))],
-                        [f"{p}/mlp/gate", f"{p}/mlp/up"], f"{p}/mlp/Split", axis=-1)
+                        [f"{p}/gate", f"{p}/up"], f"{p}/Split", axis=-1)
         if fam.activation == "silu":
-            node("Sigmoid", [gate], [f"{p}/mlp/sigmoid"], f"{p}/mlp/Sigmoid")
-            act = node("Mul", [gate, f"{p}/mlp/sigmoid"], [f"{p}/mlp/silu"], f"{p}/mlp/Mul")[0]
+            node("Sigmoid", [gate], [f"{p}/sigmoid"], f"{p}/Sigmoid")
+            act = node("Mul", [gate, f"{p}/sigmoid"], [f"{p}/silu"], f"{p}/Mul")[0]
         elif fam.activation == "gelu_tanh":
-            act = node("FastGelu", [gate], [f"{p}/mlp/gelu"], f"{p}/mlp/FastGelu", domain=_MS)[0]
+            act = node("FastGelu", [gate], [f"{p}/gelu"], f"{p}/FastGelu", domain=_MS)[0]
         else:  # exact GELU (erf): transformers 4.x's reading of Gemma 1's legacy "gelu"
-            act = node("Gelu", [gate], [f"{p}/mlp/gelu"], f"{p}/mlp/Gelu", domain=_MS)[0]
-        node("Mul", [act, up], [f"{p}/mlp/act"], f"{p}/mlp/Mul_1")
-        return linear(f"{p}/mlp/act", [f"{hf}.mlp.down_proj"], f"{hf}.mlp.down_proj", f"{p}/mlp/down")
+            act = node("Gelu", [gate], [f"{p}/gelu"], f"{p}/Gelu", domain=_MS)[0]
+        node("Mul", [act, up], [f"{p}/act"], f"{p}/Mul_1")
+        return linear(f"{p}/act", [down], down, f"{p}/down")
+
+    def mlp(h: str, hf: str, p: str) -> str:
+        return gated(h, [f"{hf}.mlp.gate_up_proj"] if packed else [f"{hf}.mlp.gate_proj", f"{hf}.mlp.up_proj"],
+                     f"{hf}.mlp.gate_up_proj", f"{hf}.mlp.down_proj", int(c["intermediate_size"]), f"{p}/mlp")
+
+    def ffn(h: str, hf: str, p: str, i: int) -> str:
+        """The layer's MLP, or its routed experts (a mixture of experts)."""
+        if fam.experts is None or not fam.experts.sparse[i]:
+            return mlp(h, hf, p)
+        return routed_experts(h, hf, p, fam.experts, Graph(w, data, node, linear, gated))
 
     def residual_scaled(y: str, p: str) -> str:
         """Granite: a block's output times residual_multiplier before its residual add."""
@@ -379,7 +408,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         o = residual_scaled(o, f"{p}/attn")
         x1 = node("Add", [x, o], [f"{p}/attn/residual"], f"{p}/attn/residual/Add")[0]
         pre_mlp = "pre_feedforward_layernorm" if fam.sandwich else "post_attention_layernorm"
-        d = mlp(rms_norm(x1, f"{hf}.{pre_mlp}.weight", f"{p}/{pre_mlp}") if fam.pre_norms else x1, hf, p)
+        d = ffn(rms_norm(x1, f"{hf}.{pre_mlp}.weight", f"{p}/{pre_mlp}") if fam.pre_norms else x1, hf, p, i)
         if fam.sandwich:
             d = rms_norm(d, f"{hf}.post_feedforward_layernorm.weight", f"{p}/post_feedforward_layernorm")
         d = residual_scaled(d, f"{p}/mlp")

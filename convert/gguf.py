@@ -204,7 +204,10 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
       Qwen3's at the class default, 128, and a Qwen3 of another head size does not load);
     - ``partial_rotary_factor`` from ``rope.dimension_count`` (Phi-3 / Phi-4-mini, StableLM);
     - Phi-3's ``sliding_window`` (``attention.sliding_window``, 0 for none);
-    - Qwen2/3-MoE's expert sizes (``expert_feed_forward_length``, ``expert_shared_feed_forward_length``);
+    - Qwen2/3-MoE's expert sizes (``expert_feed_forward_length``, ``expert_shared_feed_forward_length``)
+      and whether the top k experts' weights are renormalized (``norm_topk_prob``: the file's
+      ``expert_weights_norm``, else what llama.cpp computes for the architecture: Qwen3-MoE yes,
+      Qwen2-MoE no; transformers 4.57 leaves Qwen3-MoE's at the class default, no);
     - GPT-2's ``n_positions`` from ``context_length`` (the reader sets only ``n_ctx``, and the
       position table of any GPT-2 whose context is not 1024 does not load);
     - Gemma 2/3's attention scale, soft-capping and Gemma 3's global RoPE scaling (``_gemma_config``);
@@ -234,6 +237,10 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
         value = _field(reader, f"{arch}.{key}")
         if value and hasattr(config, attr) and getattr(config, attr) != int(value):
             fixes[attr] = int(value)
+    norm = _field(reader, f"{arch}.expert_weights_norm")
+    norm = bool(norm) if norm is not None else {"qwen3moe": True, "qwen2moe": False}.get(arch)
+    if norm is not None and hasattr(config, "norm_topk_prob") and bool(config.norm_topk_prob) != norm:
+        fixes["norm_topk_prob"] = norm
     if arch in ("gemma2", "gemma3"):
         fixes.update(_gemma_config(reader, arch, config, hidden, heads, head_dim))
     context = _field(reader, f"{arch}.context_length")

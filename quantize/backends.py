@@ -16,7 +16,7 @@ from pathlib import Path
 import onnx
 
 from slimml.quantize.config import Fp16Config, Int8DynamicConfig, Int8StaticConfig, WeightOnlyConfig
-from slimml.quantize.experts import quantize_experts
+from slimml.quantize.experts import quantize_experts, routers
 from slimml.quantize.registry import Backend, ShardContext, backend_for, register, weight_matmuls  # noqa: F401
 
 def _roundtrip(fn: Callable[[Path, Path], None], model: onnx.ModelProto) -> onnx.ModelProto:
@@ -53,11 +53,15 @@ def int8_dynamic(model: onnx.ModelProto, config: Int8DynamicConfig, ctx: ShardCo
     if ctx.fuse:
         model, stats = fuse_transformer(model)
         ctx.notes["fused"] = stats
+    if experts := quantize_experts(model, 8):  # a mixture of experts' MoE nodes to QMoE (8-bit rows)
+        ctx.notes["experts"] = experts
     if not weight_matmuls(model, ("MatMul", "Attention", "Gather", "EmbedLayerNormalization")):
-        return None
+        return model if experts else None
+    kept = routers(model)  # float: they choose the experts
+
     def run(src: Path, dst: Path) -> None:
         quantize_dynamic(
-            src, dst, op_types_to_quantize=list(config.op_types), per_channel=config.per_channel,
+            src, dst, op_types_to_quantize=list(config.op_types), per_channel=config.per_channel, nodes_to_exclude=kept,
             reduce_range=config.reduce_range, weight_type=QuantType.QInt8, use_external_data_format=True,
             # activation x activation products (Q.K^T, P.V) stay float: quantizing them costs
             # accuracy and, at these sizes, saves nothing
@@ -102,7 +106,7 @@ def weight_only(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCont
         block_size=config.block_size, is_symmetric=config.symmetric, accuracy_level=config.accuracy_level,
         bits=config.bits, op_types_to_quantize=op_types, quant_axes=(("MatMul", 0), ("Gather", 1)),
     )
-    q = MatMulNBitsQuantizer(_opset_21(model), algo_config=algo)
+    q = MatMulNBitsQuantizer(_opset_21(model), algo_config=algo, nodes_to_exclude=routers(model))
     with _quiet():
         q.process()
     return q.model.model

@@ -33,7 +33,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from slimml.quantize.config import WeightOnlyConfig
 from slimml.quantize.equalize import equalize_ffn
-from slimml.quantize.experts import quantize_experts
+from slimml.quantize.experts import quantize_experts, routers
 from slimml.quantize.gptq import gptq_blocks
 from slimml.quantize.grids import (LM_HEAD_MIN_COLUMNS, Recipe, block_for, fit_blocks, is_sensitive, layer_of, more_bits_layers,
                                    gguf_blocks, pack_nibbles, q8_blocks)
@@ -102,7 +102,8 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
     recipe = recipe_of(config)
     if experts := quantize_experts(model, recipe.bits):  # a mixture of experts' MoE nodes to QMoE
         ctx.notes["experts"] = experts
-    nodes = weight_matmuls(model, ("MatMul", "Gather"))
+    kept = set(routers(model))  # float: they choose the experts
+    nodes = [n for n in weight_matmuls(model, ("MatMul", "Gather")) if n.name not in kept]
     if not nodes:
         return model if experts else None
     inits = {t.name: t for t in model.graph.initializer}

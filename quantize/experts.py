@@ -12,6 +12,10 @@ bytes. ``QMoE`` runs the same routing and SwiGLU on symmetric integer weights:
 Measured on ONNX Runtime 1.32's CPU kernel: equal (1e-7) to the float MoE over the dequantized
 weights, at 4 bits in blocks of 32 and per row, and at 8 bits per row (its 8-bit blocks did not
 match, so 8 bits are per row).
+
+The routers stay float (:func:`routers`): a router is a MatMul of one column an expert, a few
+kilobytes a layer, and its logits choose the experts; at 4 bits a token whose two best experts are
+close goes to another one.
 """
 
 from __future__ import annotations
@@ -65,6 +69,19 @@ def quantize_experts(model: onnx.ModelProto, bits: int) -> dict[str, Any]:
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep + add)
     return {"moe_nodes": done, "bits": bits, "block": BLOCK if bits == 4 else "row"}
+
+
+def routers(model: onnx.ModelProto) -> list[str]:
+    """The router MatMuls of a graph holding a mixture of experts (``MoE`` or ``QMoE`` nodes): weight
+    MatMuls with no more columns than the mixture has experts (the router, one logit an expert;
+    Qwen2-MoE's one-column shared-expert gate). Empty for a graph without experts."""
+    inits = {t.name: t for t in model.graph.initializer}
+    experts = max((inits[n.input[2]].dims[0] for n in model.graph.node
+                   if n.op_type in ("MoE", "QMoE") and n.domain == DOMAIN and n.input[2] in inits), default=0)
+    if not experts:
+        return []
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in inits
+            and len(inits[n.input[1]].dims) == 2 and inits[n.input[1]].dims[1] <= experts]
 
 
 def _quantizable(node: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:

@@ -1,8 +1,9 @@
 """Decoders beyond Llama through the fused exporter (``convert/fused_llama.py``), from a Hugging Face
 folder and from a GGUF file: sliding attention windows (Mistral, Qwen2), Qwen3's per-head q/k norms,
 Phi-3's packed projections, YaRN, Phi-3.5's LongRoPE over half of each head, SmolLM3's layers
-without RoPE, Granite's multipliers, OLMo 2's norms, OLMo 3's sliding and YaRN global layers, a Qwen3 GGUF whose head size is not transformers' default, and Gemma,
-Gemma 2 and Gemma 3 (scaled embeddings, ``1 + w`` norms, GELU, soft-capping, local/global RoPE).
+without RoPE, Granite's multipliers, OLMo 2's norms, OLMo 3's sliding and YaRN global layers, a Qwen3 GGUF whose head size is not transformers' default, Gemma,
+Gemma 2 and Gemma 3 (scaled embeddings, ``1 + w`` norms, GELU, soft-capping, local/global RoPE), and
+mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE: ONNX Runtime's MoE op).
 
 Each model is tiny (2 layers, hidden 64, vocabulary 300) with seeded random weights; the artifact's
 greedy tokens must equal transformers' ``generate(do_sample=False)`` past the sliding window.
@@ -216,6 +217,76 @@ def test_a_quantized_gemma_generates(scheme, tmp_path):
     assert len(tokens) == NEW and all(0 <= t < VOCAB for t in tokens)
 
 
+MIXTURES = {  # each routing rule and weight layout the fused graph's MoE op is given
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),  # w1/w3/w2, renormalized
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),  # raw top-k weights, a sigmoid-gated shared expert
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16,
+                      norm_topk_prob=True, mlp_only_layers=[0]),  # renormalized, a dense first layer, q/k norms
+    "olmoe": dict(model_type="olmoe", num_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+                  eos_token_id=2),  # q/k normed over all heads
+    "granitemoeshared": dict(model_type="granitemoeshared", num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=48, embedding_multiplier=12.0, attention_multiplier=0.1,
+                             residual_multiplier=0.22, logits_scaling=8.0),  # stacked experts, a shared MLP, multipliers
+}
+
+
+def _mixture(name: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(MIXTURES[name])
+    model_type = kw.pop("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {model_type}")
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape, **kw)).eval()
+
+
+@pytest.mark.parametrize("name", list(MIXTURES))
+def test_fused_mixtures_of_experts_generate_as_transformers(name, tmp_path):
+    """Mixtures of experts through the fused graph, with transformers 4.57 as with 5: the experts are
+    ONNX Runtime's MoE op fed the router's logits, the router stays a float MatMul; greedy tokens equal
+    transformers' own (random weights large enough that the routing differs token to token)."""
+    import onnx
+
+    from slimml.convert import ConvertConfig, convert
+
+    model = _mixture(name)
+    model.save_pretrained(tmp_path / "hf")
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
+    ops = [n.op_type for f in (tmp_path / "art").glob("*.onnx") for n in onnx.load(f, load_external_data=False).graph.node]
+    assert ops.count("MoE") == (1 if name == "qwen3_moe" else 2)  # Qwen3-MoE's mlp_only_layers: layer 0 dense
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+@pytest.mark.parametrize("scheme", ["int4-weights", "int8"])
+def test_a_quantized_mixture_of_experts_keeps_its_routers_float(scheme, tmp_path):
+    """The decoder recipes on a fused mixture of experts: experts to QMoE (4-bit blocks of 32, 8-bit
+    rows), the other MatMuls to MatMulNBits, the routers (one column an expert) left float; it generates."""
+    import onnx
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.quantize.config import scheme_config
+
+    _mixture("qwen2_moe").save_pretrained(tmp_path / "hf")
+    _save_tokenizer(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False, quantize=scheme_config(scheme)))
+    steps = json.loads((tmp_path / "art" / "manifest.json").read_text())["steps"]
+    assert steps[-1]["step"] == "quantize" and steps[-1]["backend"] == "lm", steps[-1]
+    nodes = [n for f in (tmp_path / "art").glob("*.onnx") for n in onnx.load(f, load_external_data=False).graph.node]
+    qmoe = [n for n in nodes if n.op_type == "QMoE"]
+    assert len(qmoe) == 2 and not [n for n in nodes if n.op_type == "MoE"]
+    assert {a.i for n in qmoe for a in n.attribute if a.name == "expert_weight_bits"} == {4 if scheme == "int4-weights" else 8}
+    assert sorted(n.name for n in nodes if n.op_type == "MatMul") == sorted(
+        f"/model/layers.{i}/{p}moe/router/MatMul" for i in range(2) for p in ("", "shared_expert/"))
+    tokens = _generate(tmp_path / "art", np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT)))
+    assert len(tokens) == NEW and all(0 <= t < VOCAB for t in tokens)
+
+
 def test_a_fused_graph_that_disagrees_with_torch_is_refused(tmp_path, monkeypatch):
     """A misread window (one position short) stands for any fused-exporter bug: the float check
     refuses the artifact in one line naming --exporter optimum, and nothing is written."""
@@ -361,7 +432,17 @@ def _gguf(model, path, arch: str, tokenizer=None, norm_offset: float = 0.0, extr
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
     for name, a in (extra or {}).items():  # tensors llama.cpp adds (Phi-3's LongRoPE factors)
         w.add_tensor(name, a)
-    for name, t in model.state_dict().items():
+    state = model.state_dict()
+    experts = {}  # transformers 4.x: one tensor an expert, stacked as llama.cpp writes them (transformers 5's layout)
+    for name in [n for n in state if ".mlp.experts." in n and n.split(".")[5].isdigit()]:
+        layer, _, kind = name.rsplit(".", 5)[0], None, name.split(".")[6]
+        experts.setdefault((layer, kind), []).append(state.pop(name))
+    for (layer, kind), parts in experts.items():
+        if kind == "gate_proj":
+            state[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([torch.stack(parts), torch.stack(experts[layer, "up_proj"])], 1)
+        elif kind == "down_proj":
+            state[f"{layer}.mlp.experts.down_proj"] = torch.stack(parts)
+    for name, t in state.items():
         if name == "lm_head.weight" and c.tie_word_embeddings:  # tied: llama.cpp writes no output tensor
             continue
         a = t.float().numpy() + (norm_offset if "norm" in name else 0.0)
@@ -416,11 +497,10 @@ def test_a_qwen3_gguf_of_another_head_size_converts_fused(tmp_path):
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
 
 
-@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5, reason="mixtures of experts convert with transformers 5")
 def test_a_qwen3_moe_gguf_converts_with_its_experts(tmp_path):
     """A Qwen3-MoE GGUF as llama.cpp writes one (experts as 3-D ``ffn_{gate,up,down}_exps``, the router
-    ``ffn_gate_inp``, the expert size in ``expert_feed_forward_length``): read into transformers 5's
-    experts, traced with ONNX Runtime's MoE op, it generates as the model."""
+    ``ffn_gate_inp``, the expert size in ``expert_feed_forward_length``): read by transformers, written
+    by the fused exporter with ONNX Runtime's MoE op, it generates as the model."""
     pytest.importorskip("gguf")
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -435,6 +515,7 @@ def test_a_qwen3_moe_gguf_converts_with_its_experts(tmp_path):
           expert_feed_forward_length=32)
     report = convert(tmp_path / "tiny-qwen3moe.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert report.checks["top1_agreement"] == 1.0 and report.checks["max_abs_diff_vs_torch"] < 1e-4
+    assert _exporter(tmp_path / "art") == FUSED
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
 
@@ -570,7 +651,7 @@ def test_a_gemma_gguf_converts_fused(arch, tmp_path):
     ("qwen3", {"attention.key_length": 64}, "Qwen3Config", {"head_dim": 64}),
     ("llama", {"attention.key_length": 32, "rope.dimension_count": 32}, "LlamaConfig", {}),
     ("qwen3moe", {"attention.key_length": 64, "expert_feed_forward_length": 64}, "Qwen3MoeConfig",
-     {"head_dim": 64, "moe_intermediate_size": 64}),
+     {"head_dim": 64, "moe_intermediate_size": 64, "norm_topk_prob": True}),  # llama.cpp renormalizes Qwen3-MoE's
     ("gemma2", {"block_count": 46}, "Gemma2Config", {"query_pre_attn_scalar": 32}),  # the 27B: hidden / heads
     ("gemma3", {"block_count": 26, "attention.key_length": 64}, "Gemma3TextConfig", {"head_dim": 64, "query_pre_attn_scalar": 64}),
 ])

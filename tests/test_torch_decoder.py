@@ -125,9 +125,10 @@ def test_a_mixture_of_experts_routes_every_token_at_run_time(name, tmp_path):
     (grouped sigmoid routing, a dense first layer): the experts are ONNX Runtime's MoE op, fed the
     model's own routing; greedy tokens for two prompts equal transformers' own."""
     from slimml.convert import ConvertConfig, convert
+    from slimml.convert.export import ExportConfig
 
-    model = _save(name, tmp_path / "hf", **MOE[name])
-    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    model = _save(name, tmp_path / "hf", **MOE[name])  # the torch exporter: Mixtral and Qwen's go fused by default
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(export=ExportConfig(exporter="torch"), measure_latency=False))
     assert report.checks["max_abs_diff_vs_torch"] < 1e-4
     _generates_as(model, tmp_path / "art")
 
@@ -164,13 +165,14 @@ def test_quantizing_a_mixture_of_experts_quantizes_its_experts(bits, tmp_path):
     import onnx
 
     from slimml.convert import ConvertConfig, convert
+    from slimml.convert.export import ExportConfig
     from slimml.quantize import WeightOnlyConfig, quantize
     from slimml.runtime import load
     from slimml.runtime.tasks.generation.loop import DecodeLoop
 
     _save("qwen3_moe", tmp_path / "hf", **{**MOE["qwen3_moe"], "initializer_range": 0.02, "hidden_size": 128,
                                            "moe_intermediate_size": 64})
-    convert(tmp_path / "hf", tmp_path / "fp32", ConvertConfig(measure_latency=False))
+    convert(tmp_path / "hf", tmp_path / "fp32", ConvertConfig(export=ExportConfig(exporter="torch"), measure_latency=False))
     quantize(tmp_path / "fp32", tmp_path / "q", WeightOnlyConfig(bits=bits))
     ops = {n.op_type for f in glob.glob(str(tmp_path / "q" / "**" / "*.onnx"), recursive=True)
            for n in onnx.load(f, load_external_data=False).graph.node}
@@ -243,11 +245,12 @@ def test_qmoe_computes_the_moe_of_its_dequantized_weights(bits, width, clamped):
 
 @pytest.mark.skipif(TRANSFORMERS_5, reason="transformers 5 converts it")
 def test_a_mixture_of_experts_under_transformers_4_is_refused_in_one_line(tmp_path):
-    """Under 4.x a trace would record the experts the example routes to: refused by name, nothing written."""
+    """Under 4.x a trace would record the experts the example routes to: a mixture the fused graph does
+    not write (DeepSeek-V3's attention) is refused by name, nothing written."""
     from slimml.convert import ConvertConfig, convert
 
-    _save("mixtral", tmp_path / "hf", **MOE["mixtral"])
-    with pytest.raises(ExportError, match=r"^mixture-of-experts decoders \(num_local_experts: 4\) convert with "
+    _save("deepseek_v3", tmp_path / "hf", **MOE["deepseek_v3"])
+    with pytest.raises(ExportError, match=r"^mixture-of-experts decoders \(n_routed_experts: 4\) convert with "
                                           r"transformers 5 \(pip install 'transformers>=5'\), not 4\..*; convert a "
                                           r"model slimml's exporters write, or export this one to ONNX yourself"):
         convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
