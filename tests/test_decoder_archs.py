@@ -261,6 +261,15 @@ def test_fused_mixtures_of_experts_generate_as_transformers(name, tmp_path):
     assert ops.count("MoE") == (1 if name == "qwen3_moe" else 2)  # Qwen3-MoE's mlp_only_layers: layer 0 dense
     ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+    from slimml.runtime.loader import load
+
+    art = load(tmp_path / "art")  # prompts of other lengths in one batch: every row routed as alone
+    try:
+        prompts = [ids[0].tolist(), ids[0, :5].tolist()]
+        assert art.generate(prompts, max_new_tokens=6, eos_token_id=()).tokens == [
+            art.generate([p], max_new_tokens=6, eos_token_id=()).tokens[0] for p in prompts]
+    finally:
+        art.close()
 
 
 @pytest.mark.parametrize("scheme", ["int4-weights", "int8"])
