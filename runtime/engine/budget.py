@@ -42,6 +42,20 @@ def parse_bytes(value: int | float | str) -> int:
     return n
 
 
+def parse_bytes_or_off(value: int | float | str) -> int:
+    """:func:`parse_bytes` for a budget that a zero size (``0``, ``"0"``, ``"0B"``) or an empty
+    text turns off: 0 then.
+
+    Raises:
+        ConfigError: the text is not a size, or is negative.
+    """
+    text = str(value).strip()
+    m = _SIZE_RE.match(text)
+    if text == "" or (m and float(m.group(1)) == 0 and m.group(2).lower() in _UNITS):
+        return 0
+    return parse_bytes(value)
+
+
 def available_memory() -> int:
     """Bytes this process may still use: MemAvailable, or less under a memory cgroup's limit."""
     import os

@@ -39,10 +39,10 @@ class CausalLM(Task):
             >>> model.prefix_cache("256MB")   # long shared documents
             >>> model.prefix_cache(0)         # every prompt prefilled whole
         """
-        from slimml.runtime.engine.budget import parse_bytes
+        from slimml.runtime.engine.budget import parse_bytes_or_off
 
         self.prefix.clear()
-        self.prefix = PrefixStore(0 if budget in (0, "0") else parse_bytes(budget))
+        self.prefix = PrefixStore(parse_bytes_or_off(budget))
 
     def generate(self, prompts: Any, max_new_tokens: int | None = None, config: Any = None, **options: Any):
         """Continue ``prompts`` (texts, or token id lists); see :func:`slimml.runtime.tasks.generate.generate`.

@@ -182,9 +182,9 @@ class ServeConfig:
     @property
     def prefix_bytes(self) -> int:
         """``prefix_cache`` in bytes (0: off)."""
-        from slimml.runtime.engine.budget import parse_bytes
+        from slimml.runtime.engine.budget import parse_bytes_or_off
 
-        return 0 if str(self.prefix_cache).strip() in ("0", "0B", "") else parse_bytes(self.prefix_cache)
+        return parse_bytes_or_off(self.prefix_cache)
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeConfig:
