@@ -73,7 +73,8 @@ def _torch_reference(src: Source, exported: Exported, feeds: dict[str, np.ndarra
     from optimum.exporters.tasks import TasksManager
 
     task = exported.info.get("hf_task", "")
-    model = TasksManager.get_model_from_task(task, str(src.path), library_name="transformers", local_files_only=True).eval()
+    model = TasksManager.get_model_from_task(task, str(src.path), library_name="transformers", local_files_only=True,
+                                             torch_dtype=torch.float32).float().eval()  # as the artifact computes
     tensors = {k: torch.from_numpy(v) for k, v in feeds.items()}
     with torch.no_grad():
         encoded = model.get_encoder()(**tensors)

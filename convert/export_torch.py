@@ -46,13 +46,15 @@ def export_torch(folder: Path, onnx_path: Path, task: str, opset: int | None = N
     """Write ``folder``'s model for ``task`` to ``onnx_path`` (weights as external data beside it
     when over 2 GB), inputs and outputs named as optimum names them, batch (and sequence) dynamic
     (a causal LM: ``convert.export_torch_decoder``)."""
+    import torch
     from optimum.exporters.tasks import TasksManager  # optimum's task -> model class map (base optimum, any transformers)
 
     from slimml.convert.distill.prune_heads import from_pretrained  # a pruned encoder's folder reads the same way
 
     try:
         model = from_pretrained(lambda f, **kw: TasksManager.get_model_from_task(
-            task, str(f), library_name="transformers", local_files_only=True, attn_implementation="eager", **kw), folder)
+            task, str(f), library_name="transformers", local_files_only=True, attn_implementation="eager",
+            torch_dtype=torch.float32, **kw), folder).float()  # a float32 graph: transformers 5 loads bf16 files as bf16
     except Exception as e:
         raise ExportError(f"transformers could not load {folder} as {task!r} ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0]}); pass --task with the model's task.") from None

@@ -94,7 +94,7 @@ def _load(folder: Path) -> Any:
 
     try:
         model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, attn_implementation="eager",
-                                                     dtype=torch.float32)
+                                                     dtype=torch.float32).float()  # MXFP4 experts: bf16 on a CPU
     except Exception as e:
         if "auto_map" in _config(folder):  # trust_remote_code: slimml does not run a folder's own Python
             raise custom_code_error(folder) from None

@@ -1,7 +1,7 @@
 """A mixture of experts' routed layer in the fused graph (``convert/fused_llama.py``): ONNX Runtime's
 ``MoE`` op in place of the MLP, its experts' weights read from the checkpoint one expert at a time.
 
-What transformers computes (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE; 4.57 and 5 alike):
+What transformers computes (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss; 4.57 and 5 alike):
 the router's logits ``x @ W_r^T``, softmax over all experts, the ``top_k`` largest, renormalized to
 sum 1 or not, and the sum of the chosen experts' ``down(silu(gate(x)) * up(x))`` weighed by them.
 The op computes exactly that from the router's logits (measured equal to a numpy loop to 2e-6):
@@ -21,7 +21,11 @@ shared MLP are written beside the op, as the dense layers' MLP is.
 Weights, by layout: ``mlp.gate`` and ``mlp.experts.E.{gate,up,down}_proj`` (Qwen, OLMoE; or
 transformers 5's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``), ``block_sparse_moe.gate``
 and ``experts.E.w1/w3/w2`` (Mixtral: gate, up, down), ``block_sparse_moe.router.layer`` and the
-stacked ``input_linear`` ``[gate; up]`` / ``output_linear`` (Granite).
+stacked ``input_linear`` ``[gate; up]`` / ``output_linear`` (Granite), ``mlp.router`` (with a bias) and
+the stacked, transposed, already interleaved ``mlp.experts.gate_up_proj`` / ``down_proj`` with their
+biases (gpt-oss), or OpenAI's MXFP4 ``_blocks`` / ``_scales`` of them, decoded here. gpt-oss's SwiGLU
+is the op's clamped form: ``(clamp(up, -7, 7) + 1) * g * sigmoid(1.702 g)``, ``g = min(gate, 7)``
+(``activation_alpha``, ``activation_beta``, ``swiglu_limit``).
 """
 
 from __future__ import annotations
@@ -49,18 +53,23 @@ class Graph(NamedTuple):
 
 def routed_experts(h: str, hf: str, p: str, e: Experts, g: Graph) -> str:
     """The output of layer ``hf``'s experts for the normed input ``h`` (batch, sequence, hidden)."""
-    prefix = f"{hf}.mlp" if e.layout == "mlp" else f"{hf}.block_sparse_moe"
-    router = f"{prefix}.router.layer" if e.layout == "granite" else f"{prefix}.gate"
-    logits = g.linear(h, [router], router, f"{p}{ROUTER}")  # (batch, sequence, experts)
+    prefix = f"{hf}.mlp" if e.layout in ("mlp", "gpt_oss") else f"{hf}.block_sparse_moe"
+    router = {"granite": f"{prefix}.router.layer", "gpt_oss": f"{prefix}.router"}.get(e.layout, f"{prefix}.gate")
+    logits = g.linear(h, [router], router, f"{p}{ROUTER}")  # (batch, sequence, experts), gpt-oss's with its bias
     rows = g.node("Reshape", [logits, g.data.add(f"router_rows_{e.count}", np.array([-1, e.count], np.int64))],
                   [f"{p}/moe/router_rows"], f"{p}/moe/Reshape")[0]  # the op takes the logits as (tokens, experts)
     up, down = _expert_weights(g.weights, prefix, e)
     hidden = g.weights.shape(router + ".weight")[1]
     w1 = g.data.add_parts(f"{prefix}.experts.gate_up", (e.count, 2 * e.inner, hidden), up)
     w2 = g.data.add_parts(f"{prefix}.experts.down", (e.count, hidden, e.inner), down)
-    out = g.node("MoE", [h, rows, w1, "", w2, ""], [f"{p}/moe/output"], f"{p}/moe/MoE", domain=_MS, k=e.top_k,
+    b1 = b2 = ""
+    if e.layout == "gpt_oss":  # (experts, 2 * inner) interleaved as the rows are, (experts, hidden)
+        b1 = g.data.add(f"{prefix}.experts.gate_up_proj_bias", g.weights[f"{prefix}.experts.gate_up_proj_bias"])
+        b2 = g.data.add(f"{prefix}.experts.down_proj_bias", g.weights[f"{prefix}.experts.down_proj_bias"])
+    clamp = {"swiglu_limit": e.limit} if e.limit != float("inf") else {}
+    out = g.node("MoE", [h, rows, w1, b1, w2, b2], [f"{p}/moe/output"], f"{p}/moe/MoE", domain=_MS, k=e.top_k,
                  activation_type="swiglu", normalize_routing_weights=int(e.renormalize), swiglu_fusion=1,
-                 activation_alpha=1.0, activation_beta=0.0)[0]
+                 activation_alpha=e.alpha, activation_beta=e.beta, **clamp)[0]
     if not e.shared_inner:
         return out
     if e.layout == "granite":  # Granite MoE (shared): an MLP every token takes, [gate; up] stored packed
@@ -79,10 +88,13 @@ def routed_experts(h: str, hf: str, p: str, e: Experts, g: Graph) -> str:
 
 def _expert_weights(w: Any, prefix: str, e: Experts) -> tuple[Iterator[np.ndarray], Iterator[np.ndarray]]:
     """Each expert's gate/up rows interleaved (2 * inner, hidden) and its down projection (hidden, inner), in order."""
+    if e.layout == "gpt_oss":  # (experts, hidden, 2 * inner) gate/up interleaved, (experts, inner, hidden): transposed
+        return _gpt_oss_experts(w, f"{prefix}.experts.gate_up_proj", e), _gpt_oss_experts(w, f"{prefix}.experts.down_proj", e)
     stacked = {"granite": (f"{prefix}.input_linear.weight", f"{prefix}.output_linear.weight"),
                "mlp": (f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj")}.get(e.layout)
     if stacked and stacked[0] in w:  # (experts, 2 * inner, hidden) [gate; up] and (experts, hidden, inner)
-        return (_interleaved(x[:e.inner], x[e.inner:]) for x in w[stacked[0]]), iter(w[stacked[1]])
+        gate_up = (w.part(stacked[0], i) for i in range(e.count))  # one expert read at a time
+        return (_interleaved(x[:e.inner], x[e.inner:]) for x in gate_up), (w.part(stacked[1], i) for i in range(e.count))
     names = ("w1", "w3", "w2") if e.layout == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     up = (_interleaved(*(w[f"{prefix}.experts.{i}.{n}.weight"] for n in names[:2])) for i in range(e.count))
     down = (w[f"{prefix}.experts.{i}.{names[2]}.weight"] for i in range(e.count))
@@ -92,3 +104,21 @@ def _expert_weights(w: Any, prefix: str, e: Experts) -> tuple[Iterator[np.ndarra
 def _interleaved(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """(inner, hidden) gate and up rows as the op's SwiGLU reads them: gate 0, up 0, gate 1, up 1, ..."""
     return np.stack([gate, up], axis=1).reshape(2 * gate.shape[0], gate.shape[1])
+
+
+# MXFP4's 4-bit codes (e2m1): the value of each nibble, as OpenAI's checkpoints store gpt-oss's experts
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def _gpt_oss_experts(w: Any, name: str, e: Experts) -> Iterator[np.ndarray]:
+    """Each expert's ``name`` weight as the op reads it (out, in): a float checkpoint's (in, out) transposed,
+    or an MXFP4 one's ``_blocks`` (out, in / 32, 16 bytes, two codes a byte, low nibble first) times
+    ``2 ** (scale - 127)`` per block of 32 (``_scales``), which OpenAI stores already (out, in)."""
+    if name not in w and f"{name}_blocks" in w:
+        for i in range(e.count):
+            blocks, scales = w.codes(f"{name}_blocks", i), w.codes(f"{name}_scales", i).astype(np.int32) - 127
+            codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)  # (out, in / 32, 32)
+            yield np.ldexp(FP4_VALUES[codes], scales[..., None]).reshape(blocks.shape[0], -1)
+        return
+    for i in range(e.count):
+        yield w.part(name, i).T

@@ -18,9 +18,14 @@ inside, packed gate/up, the down projection); a family is the handful of values 
   (as Qwen3, with Gemma's ``1 + w``), five sliding layers to one global, and two RoPEs: local layers
   ``rope_local_base_freq`` (10000) without scaling, global layers ``rope_theta`` with ``rope_scaling``
   (transformers 5 keeps both under ``rope_parameters``, one entry per layer type);
-- mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE): the attention of the
+- mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE, gpt-oss): the attention of the
   families above, and in the layers that route, ONNX Runtime's ``MoE`` op in place of the MLP
-  (:class:`Experts`, written by ``convert/fused_experts.py``).
+  (:class:`Experts`, written by ``convert/fused_experts.py``); gpt-oss adds biases on every attention
+  projection and on the router, a sink logit per head (GroupQueryAttention's ``head_sink``), a window
+  on alternate layers, YaRN, and experts with biases and a clamped SwiGLU.
+
+Biases are written wherever the checkpoint has them (Qwen2's q/k/v, ``attention_bias`` and
+``mlp_bias`` Llamas, gpt-oss).
 
 Each value was checked against transformers' own modeling code, 4.57.6 and 5.24 (both read the same
 configs the same way, but for the legacy ``hidden_act: "gelu"`` of Gemma 1 checkpoints, exact GELU in
@@ -41,11 +46,11 @@ LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwe
               "SmolLM3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 MIXTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "GraniteMoeForCausalLM",
-            "GraniteMoeSharedForCausalLM")
+            "GraniteMoeSharedForCausalLM", "GptOssForCausalLM")
 GRANITE = ("GraniteForCausalLM", "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 ARCHITECTURES = LLAMA_LIKE + GEMMA + MIXTURES
 NAMES = ("Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM3, Granite, OLMo 2, OLMo 3, Gemma, Gemma 2 and Gemma 3 (text), and the "
-         "mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and Granite MoE")
+         "mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite MoE and gpt-oss")
 # transformers' activation names -> the op that computes them
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu"}
 
@@ -87,6 +92,11 @@ class Experts:
     layout: str  # where the weights are: "mlp" (Qwen, OLMoE), "mixtral" (w1/w3/w2), "granite" (input/output_linear)
     shared_inner: int = 0
     shared_gated: bool = False  # Qwen2-MoE: the shared expert times sigmoid(shared_expert_gate(x))
+    # the op's SwiGLU: (clamp(up, -limit, limit) + beta) * g * sigmoid(alpha * g), g = min(gate, limit);
+    # silu(gate) * up is alpha 1, beta 0, no limit; gpt-oss's is alpha 1.702, beta 1, limit 7
+    alpha: float = 1.0
+    beta: float = 0.0
+    limit: float = math.inf
 
 
 def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family | str:
@@ -103,8 +113,6 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
     head_dim = int(config.get("head_dim") or hidden // heads)
     if head_dim % 16:
         return f"ONNX Runtime's GroupQueryAttention needs a head size that is a multiple of 16, not {head_dim}"
-    if config.get("attention_bias") or config.get("mlp_bias"):  # Qwen2's q/k/v biases are written; o_proj's and the MLP's not
-        return "output-projection and MLP biases are not written by the fused exporter yet"
     if arch in GEMMA:
         return _gemma(config, arch, head_dim, transformers_major)
     if arch == "Olmo3ForCausalLM":
@@ -128,7 +136,7 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
     if arch == "Olmo2ForCausalLM":  # norms after attention and MLP only; q/k normed over all heads (read from the weights)
         return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=ropes,
                       sandwich=True, pre_norms=False)
-    experts = _experts(config, arch, layers) if arch in MIXTURES else None
+    experts = _experts(config, arch, layers, transformers_major) if arch in MIXTURES else None
     if isinstance(experts, str):
         return experts
     if arch in GRANITE:  # Llama with four multipliers, each applied where transformers applies it
@@ -140,15 +148,22 @@ def read_family(config: dict[str, Any], transformers_major: int = 5) -> Family |
     return Family(head_dim=head_dim, scale=1.0 / math.sqrt(head_dim), windows=_windows(config), ropes=ropes, experts=experts)
 
 
-def _experts(config: dict[str, Any], arch: str, layers: int) -> Experts | str:
+def _experts(config: dict[str, Any], arch: str, layers: int, transformers_major: int = 5) -> Experts | str:
     """The routed layers of a mixture of experts (:class:`Experts`), or why they cannot be written.
-    Qwen3-MoE's count is ``num_experts`` as 4.57 saves it, ``num_local_experts`` as transformers 5 does."""
+    Qwen3-MoE's count is ``num_experts`` as 4.57 saves it, ``num_local_experts`` as transformers 5 does.
+    gpt-oss's SwiGLU constants: 4.57 fixes them (1.702, 7), transformers 5 reads ``swiglu_alpha`` and
+    ``swiglu_limit`` (same defaults); the installed version's reading is followed."""
     count = int(config.get("num_local_experts") or config.get("num_experts") or 0)
     top_k = int(config.get("num_experts_per_tok") or 0)
     if count < 2 or not 0 < top_k <= count:
         return f"{arch}'s config names {count} experts, {top_k} a token: not a mixture the MoE op computes"
     if config.get("clip_qkv"):
         return "OLMoE's clip_qkv (q, k and v clamped) is not written by the fused exporter yet"
+    if arch == "GptOssForCausalLM":  # renormalized top k (softmax over the top logits), every layer routed
+        read = transformers_major >= 5
+        return Experts(count, top_k, True, int(config["intermediate_size"]), [True] * layers, "gpt_oss",
+                       alpha=float(config.get("swiglu_alpha", 1.702) if read else 1.702), beta=1.0,
+                       limit=float(config.get("swiglu_limit", 7.0) if read else 7.0))
     if arch in ("MixtralForCausalLM", "OlmoeForCausalLM") or arch in GRANITE:
         inner, layout = int(config["intermediate_size"]), "granite" if arch in GRANITE else (
             "mixtral" if arch == "MixtralForCausalLM" else "mlp")
@@ -275,6 +290,8 @@ def _windows(config: dict[str, Any]) -> list[int]:
     if not window:
         return [-1] * layers
     types = config.get("layer_types")
+    if types is None and config.get("model_type") == "gpt_oss":  # its config's default: alternate layers slide
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
     if types is None and config.get("model_type") in ("qwen2", "qwen3"):
         first = int(config.get("max_window_layers", 28))
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]

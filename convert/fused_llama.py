@@ -107,6 +107,18 @@ class _Weights:
                               "(its safetensors files do not match config.json): re-save or re-download it.")
         return self._tensors[name]
 
+    def part(self, name: str, index: int) -> np.ndarray:
+        """The ``index``-th slice of ``name`` along its first axis (one expert), float32."""
+        if name not in self._tensors:
+            self[name]  # the missing tensor's error
+        return self._tensors.part(name, index)
+
+    def codes(self, name: str, index: int) -> np.ndarray:
+        """The ``index``-th slice of the byte tensor ``name`` (MXFP4 blocks or scales)."""
+        if name not in self._tensors:
+            self[name]  # the missing tensor's error
+        return self._tensors.codes(name, index)
+
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self._tensors:
             self[name]  # the missing tensor's error
@@ -259,8 +271,11 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         nodes.append(helper.make_node(op, ins, outs, name=name, domain=domain, **attrs))
         return outs
 
-    def linear(x: str, names: list[str], prefix: str, out: str, bias: bool = False) -> str:
-        """x @ W^T with the weights of ``names`` packed along the output (one MatMul), plus bias."""
+    def linear(x: str, names: list[str], prefix: str, out: str) -> str:
+        """x @ W^T with the weights of ``names`` packed along the output (one MatMul), plus their biases
+        where the checkpoint has them (Qwen2's q/k/v, gpt-oss's attention and router, ``attention_bias``
+        and ``mlp_bias`` Llamas)."""
+        bias = all(f"{n}.bias" in w for n in names)
         weight = w.transposed([f"{n}.weight" for n in names])  # (in, out)
         node("MatMul", [x, data.add(f"{prefix}.weight", weight)], [out + ("_mm" if bias else "")], f"{out}/MatMul")
         if bias:
@@ -330,7 +345,6 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
     if fam.embed_scale:  # Gemma: sqrt(hidden) in float32, as transformers casts it to the hidden dtype
         x = node("Mul", [x, data.add("embed_scale", np.array(fam.embed_scale, np.float32))], ["/model/embed_tokens/scaled"],
                  "/model/embed_tokens/Mul")[0]
-    qkv_bias = "model.layers.0.self_attn.q_proj.bias" in w
     packed = "model.layers.0.self_attn.qkv_proj.weight" in w  # Phi-3 stores q/k/v and gate/up packed already
     qk_norm = "model.layers.0.self_attn.q_norm.weight" in w
 
@@ -387,7 +401,7 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         data.group(f"layers.{i}")
         h = rms_norm(x, f"{hf}.input_layernorm.weight", f"{p}/input_layernorm") if fam.pre_norms else x
         qkv = linear(h, [f"{hf}.self_attn.qkv_proj"] if packed else [f"{hf}.self_attn.{n}_proj" for n in "qkv"],
-                     f"{hf}.self_attn.qkv_proj", f"{p}/attn/qkv", qkv_bias)
+                     f"{hf}.self_attn.qkv_proj", f"{p}/attn/qkv")
         qkv_in = [qkv, "", ""]
         if qk_norm:  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k, before the rotary embedding (inside GQA)
             q, k, v = node("Split", [qkv, data.add("split_qkv", np.array([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], np.int64))],
@@ -397,7 +411,9 @@ def export_fused(folder: Path, out_dir: Path) -> Path:
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         pres_k, pres_v = f"present.{i}.key", f"present.{i}.value"
         cos_sin = list(layer_tables[i] or ())  # none for a NoPE layer
-        node("GroupQueryAttention", [*qkv_in, past_k, past_v, "seqlens_k", "total_seq_len", *cos_sin],
+        sink = f"{hf}.self_attn.sinks"  # gpt-oss: a logit per head that takes part in the softmax and attends to nothing
+        sinks = [*(cos_sin or ["", ""]), "", "", data.add(sink, w[sink])] if sink in w else []
+        node("GroupQueryAttention", [*qkv_in, past_k, past_v, "seqlens_k", "total_seq_len", *(sinks or cos_sin)],
              [f"{p}/attn/output", pres_k, pres_v], f"{p}/attn/GroupQueryAttention", domain=_MS,
              num_heads=heads, kv_num_heads=kv_heads, scale=fam.scale, do_rotary=int(bool(cos_sin)),
              rotary_interleaved=0, local_window_size=fam.windows[i], **({"softcap": fam.softcap} if fam.softcap else {}))

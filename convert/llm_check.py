@@ -138,7 +138,7 @@ def torch_scores(folder: str | os.PathLike, windows: np.ndarray) -> tuple[np.nda
     from slimml.convert.fused_family import reference_kwargs
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True,
-                                                 **reference_kwargs(folder)).eval()
+                                                 **reference_kwargs(folder)).float().eval()  # MXFP4 experts: bf16 on a CPU
 
     def run(feeds: dict) -> dict:
         with torch.no_grad():

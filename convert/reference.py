@@ -66,19 +66,25 @@ def reference_for(source: Source, exported: Exported, output_names: list[str]) -
 
 
 def _load_hf(source: Source, exported: Exported):
+    """The source model in float32, as the artifact computes: transformers 5 would load a bf16 checkpoint
+    in bf16 (its default ``dtype="auto"``), and MXFP4 experts are dequantized to bf16 on a CPU whatever
+    the dtype asked (gpt-oss), so the parameters are cast after loading too."""
+    import torch
+
     from slimml.convert.distill.prune_heads import from_pretrained  # a pruned encoder's folder reads the same way
 
     task = exported.info.get("hf_task", "feature-extraction")
     if task == "feature-extraction":
         from transformers import AutoModel
 
-        model = from_pretrained(lambda f, **kw: AutoModel.from_pretrained(str(f), local_files_only=True, **kw), source.path)
+        model = from_pretrained(lambda f, **kw: AutoModel.from_pretrained(str(f), local_files_only=True, dtype=torch.float32, **kw),
+                                source.path)
     else:
         from optimum.exporters.tasks import TasksManager
 
         from slimml.convert.fused_family import reference_kwargs
 
         model = from_pretrained(lambda f, **kw: TasksManager.get_model_from_task(
-            task, str(f), library_name="transformers", local_files_only=True, **reference_kwargs(source.path), **kw),
-            source.path)
-    return model.eval()
+            task, str(f), library_name="transformers", local_files_only=True, torch_dtype=torch.float32,
+            **reference_kwargs(source.path), **kw), source.path)
+    return model.float().eval()

@@ -122,9 +122,39 @@ class PlainSafetensors:
         return list(self.index[name][2])
 
     def __getitem__(self, name: str) -> Any:
+        return self.part(name)
+
+    def part(self, name: str, index: int | None = None) -> Any:
+        """Tensor ``name`` as float32, or only its ``index``-th slice along the first axis (one expert of
+        a stacked mixture: a contiguous run of the file, read without the rest)."""
+        import numpy as np
+
+        raw, dtype, shape = self._read(name, index)
+        if dtype == "BF16":  # the high half of a float32
+            wide = np.zeros(raw.size // 2, np.uint32)
+            wide[:] = raw.view(np.uint16)
+            return (wide << 16).view(np.float32).reshape(shape)
+        kinds = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
+        if dtype not in kinds:
+            raise SourceError(f"{self.index[name][0]}: tensor {name!r} is {dtype}, not a float type slimml reads; save the "
+                              "model in float32, float16 or bfloat16.")
+        return raw.view(kinds[dtype]).astype(np.float32, copy=False).reshape(shape)
+
+    def codes(self, name: str, index: int | None = None) -> Any:
+        """Tensor ``name`` (or its ``index``-th slice) as the bytes it stores: uint8, for MXFP4 blocks and scales."""
+        raw, dtype, shape = self._read(name, index)
+        if dtype not in ("U8", "I8"):
+            raise SourceError(f"{self.index[name][0]}: tensor {name!r} is {dtype}, where a quantized checkpoint stores "
+                              "bytes (U8); the checkpoint does not match its quantization_config: download it again.")
+        return raw.reshape(shape)
+
+    def _read(self, name: str, index: int | None) -> tuple[Any, str, list[int]]:
         import numpy as np
 
         path, dtype, shape, start, end = self.index[name]
+        if index is not None:  # the slice [index] of the first axis
+            step = (end - start) // shape[0]
+            start, end, shape = start + index * step, start + (index + 1) * step, shape[1:]
         raw = np.empty(end - start, np.uint8)
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -137,15 +167,7 @@ class PlainSafetensors:
             os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)  # read once: leave the cache to others
         finally:
             os.close(fd)
-        if dtype == "BF16":  # the high half of a float32
-            wide = np.zeros(raw.size // 2, np.uint32)
-            wide[:] = raw.view(np.uint16)
-            return (wide << 16).view(np.float32).reshape(shape)
-        kinds = {"F32": np.float32, "F16": np.float16, "F64": np.float64}
-        if dtype not in kinds:
-            raise SourceError(f"{path}: tensor {name!r} is {dtype}, not a float type slimml reads; save the model in "
-                              "float32, float16 or bfloat16.")
-        return raw.view(kinds[dtype]).astype(np.float32, copy=False).reshape(shape)
+        return raw, dtype, shape
 
 
 class TorchBinReader:

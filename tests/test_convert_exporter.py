@@ -74,12 +74,13 @@ def test_with_past_falls_back_to_optimum_with_the_reason(tiny_llama_dir, tmp_pat
     assert report.checks["exporter_note"] == step["note"]
 
 
-def test_a_llama_with_mlp_biases_falls_back_and_matches_torch(tmp_path):
-    """Biases fused does not write: optimum's graph with its KV cache (generating wants it), checked against torch."""
-    _llama(tmp_path / "hf", mlp_bias=True)
+def test_a_llama_fused_does_not_write_falls_back_and_matches_torch(tmp_path):
+    """An activation fused does not write (ReLU): optimum's graph with its KV cache (generating wants it),
+    checked against torch."""
+    _llama(tmp_path / "hf", hidden_act="relu")
     report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert report.task == "text-generation-with-past"
-    assert "MLP biases" in report.checks["exporter_note"] and report.checks["exporter_note"].endswith("with its KV cache")
+    assert "SiLU MLPs" in report.checks["exporter_note"] and report.checks["exporter_note"].endswith("with its KV cache")
     assert report.checks["max_abs_diff_vs_torch"] < 1e-4
     art = load(tmp_path / "art")
     try:

@@ -101,6 +101,15 @@ def _model(name: str):
 
         return GraniteForCausalLM(GraniteConfig(**shape, embedding_multiplier=12.0, attention_multiplier=0.1,
                                                 residual_multiplier=0.22, logits_scaling=8.0, tie_word_embeddings=True))
+    if name == "llama-bias":  # attention_bias and mlp_bias: q/k/v/o and gate/up/down biased (random, so each shows)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        model = LlamaForCausalLM(LlamaConfig(**shape, attention_bias=True, mlp_bias=True))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(".bias"):
+                    p.normal_(0.0, 0.3)
+        return model
     if name == "qwen2-yarn":  # YaRN (Qwen2.5's long-context setting): blended frequencies, cos/sin times its attention factor
         return Qwen2ForCausalLM(Qwen2Config(**shape, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                                    "original_max_position_embeddings": 32}))
@@ -138,7 +147,7 @@ def _exporter(art) -> str:
 
 
 @pytest.mark.parametrize("name", ["mistral-window", "qwen2-window", "qwen3", "phi3", "qwen2-yarn", "phi3-longrope", "smollm3",
-                                  "granite", "olmo2", "olmo3", "gemma", "gemma2", "gemma3"])
+                                  "granite", "olmo2", "olmo3", "gemma", "gemma2", "gemma3", "llama-bias"])
 def test_fused_decoders_generate_as_transformers(name, tmp_path):
     from slimml.convert import ConvertConfig, convert
 
@@ -228,6 +237,8 @@ MIXTURES = {  # each routing rule and weight layout the fused graph's MoE op is 
     "granitemoeshared": dict(model_type="granitemoeshared", num_local_experts=4, num_experts_per_tok=2,
                              shared_intermediate_size=48, embedding_multiplier=12.0, attention_multiplier=0.1,
                              residual_multiplier=0.22, logits_scaling=8.0),  # stacked experts, a shared MLP, multipliers
+    "gpt_oss": dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"]),  # biases, sinks, a window, YaRN, clamped SwiGLU
 }
 
 
@@ -241,7 +252,15 @@ def _mixture(name: str):
     torch.manual_seed(0)
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape, **kw)).eval()
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape, **kw)).eval()
+    if model_type == "gpt_oss":  # biases and sinks that matter, gate values well past the clamp at 7
+        with torch.no_grad():
+            for n, param in model.named_parameters():
+                if n.endswith(("_bias", "sinks", "proj.bias", "router.bias")):
+                    param.normal_(0.0, 0.5)
+                elif n.endswith("gate_up_proj"):
+                    param.normal_(0.0, 2.0)
+    return model
 
 
 @pytest.mark.parametrize("name", list(MIXTURES))
@@ -272,16 +291,72 @@ def test_fused_mixtures_of_experts_generate_as_transformers(name, tmp_path):
         art.close()
 
 
-@pytest.mark.parametrize("scheme", ["int4-weights", "int8"])
-def test_a_quantized_mixture_of_experts_keeps_its_routers_float(scheme, tmp_path):
+FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def _as_mxfp4(folder) -> None:
+    """gpt-oss's experts rewritten as OpenAI ships them: MXFP4 ``_blocks`` (two e2m1 codes a byte, low
+    nibble first, 32 values a block) and ``_scales`` (a power of two a block, biased by 127), stored
+    (experts, out, in), with the config's ``quantization_config``."""
+    from safetensors.numpy import load_file, save_file
+
+    for f in folder.glob("*.safetensors"):
+        tensors = {}
+        for name, w in load_file(f).items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[name] = w
+                continue
+            blocks = np.swapaxes(w.astype(np.float32), 1, 2).reshape(w.shape[0], w.shape[2], -1, 32)
+            exp = np.floor(np.log2(np.maximum(np.abs(blocks).max(-1), 1e-30))) - 2  # the largest value near 6 x 2^exp
+            codes = np.abs(blocks[..., None] / np.exp2(exp)[..., None, None] - FP4).argmin(-1).astype(np.uint8)
+            tensors[name + "_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
+            tensors[name + "_scales"] = (exp + 127).astype(np.uint8)
+        save_file(tensors, f, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def test_a_gpt_oss_checkpoint_in_mxfp4_converts_from_its_own_codes(tmp_path):
+    """gpt-oss as OpenAI ships it (experts in MXFP4): the fused exporter decodes the blocks itself, one
+    expert at a time; the check compares with transformers' float32 reading (it dequantizes MXFP4 to
+    bf16 on a CPU, cast back exactly: an e2m1 code times a power of two fits bf16), and greedy tokens equal it."""
+    from transformers import AutoModelForCausalLM
+
+    from slimml.convert import ConvertConfig, convert
+
+    _mixture("gpt_oss").save_pretrained(tmp_path / "hf")
+    _as_mxfp4(tmp_path / "hf")
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
+    assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).float().eval()
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
+def test_a_bfloat16_checkpoint_is_checked_against_its_float32_computation(tmp_path):
+    """transformers 5 loads a bf16 checkpoint in bf16 by default; the check computes the source in
+    float32, as the artifact does (in bf16 the same weights' logits differ by about 1e-2)."""
+    from slimml.convert import ConvertConfig, convert
+
+    _model("qwen3").to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["max_abs_diff_vs_torch"] < 1e-4
+
+
+@pytest.mark.parametrize("scheme, name", [("int4-weights", "qwen2_moe"), ("int8", "qwen2_moe"), ("int4-weights", "gpt_oss")])
+def test_a_quantized_mixture_of_experts_keeps_its_routers_float(scheme, name, tmp_path):
     """The decoder recipes on a fused mixture of experts: experts to QMoE (4-bit blocks of 32, 8-bit
-    rows), the other MatMuls to MatMulNBits, the routers (one column an expert) left float; it generates."""
+    rows; gpt-oss's biases and clamped SwiGLU kept), the other MatMuls to MatMulNBits, the routers (one
+    column an expert) left float; it generates."""
     import onnx
 
     from slimml.convert import ConvertConfig, convert
     from slimml.quantize.config import scheme_config
 
-    _mixture("qwen2_moe").save_pretrained(tmp_path / "hf")
+    _mixture(name).save_pretrained(tmp_path / "hf")
     _save_tokenizer(tmp_path / "hf")
     convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False, quantize=scheme_config(scheme)))
     steps = json.loads((tmp_path / "art" / "manifest.json").read_text())["steps"]
@@ -290,8 +365,12 @@ def test_a_quantized_mixture_of_experts_keeps_its_routers_float(scheme, tmp_path
     qmoe = [n for n in nodes if n.op_type == "QMoE"]
     assert len(qmoe) == 2 and not [n for n in nodes if n.op_type == "MoE"]
     assert {a.i for n in qmoe for a in n.attribute if a.name == "expert_weight_bits"} == {4 if scheme == "int4-weights" else 8}
+    routers = ("", "shared_expert/") if name == "qwen2_moe" else ("",)
     assert sorted(n.name for n in nodes if n.op_type == "MatMul") == sorted(
-        f"/model/layers.{i}/{p}moe/router/MatMul" for i in range(2) for p in ("", "shared_expert/"))
+        f"/model/layers.{i}/{p}moe/router/MatMul" for i in range(2) for p in routers)
+    if name == "gpt_oss":
+        assert all(n.input[4] and n.input[7] for n in qmoe)  # the experts' biases
+        assert {a.f for n in qmoe for a in n.attribute if a.name == "swiglu_limit"} == {7.0}
     tokens = _generate(tmp_path / "art", np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT)))
     assert len(tokens) == NEW and all(0 <= t < VOCAB for t in tokens)
 

@@ -139,6 +139,7 @@ def test_gpt_oss_experts_and_attention_sinks(tmp_path):
     alpha 1.702: the MoE op's own attributes), attention sinks, a 4-token window on alternate layers;
     greedy tokens past the window and the clamp equal transformers'."""
     from slimml.convert import ConvertConfig, convert
+    from slimml.convert.export import ExportConfig
 
     model = _save("gpt_oss", tmp_path / "hf", **MOE["mixtral"], head_dim=16, sliding_window=4,
                   layer_types=["sliding_attention", "full_attention"])
@@ -148,8 +149,8 @@ def test_gpt_oss_experts_and_attention_sinks(tmp_path):
                 param.normal_(0.0, 0.5)
             elif name.endswith("gate_up_proj"):
                 param.normal_(0.0, 2.0)  # gate values well past the clamp at 7
-    model.save_pretrained(tmp_path / "hf")
-    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    model.save_pretrained(tmp_path / "hf")  # the torch exporter: gpt-oss goes fused by default (tests/test_decoder_archs.py)
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(export=ExportConfig(exporter="torch"), measure_latency=False))
     assert report.checks["max_abs_diff_vs_torch"] < 1e-4
     _generates_as(model, tmp_path / "art")
 
