@@ -53,7 +53,7 @@ def int8_dynamic(model: onnx.ModelProto, config: Int8DynamicConfig, ctx: ShardCo
     if ctx.fuse:
         model, stats = fuse_transformer(model)
         ctx.notes["fused"] = stats
-    if experts := quantize_experts(model, 8):  # a mixture of experts' MoE nodes to QMoE (8-bit rows)
+    if experts := quantize_experts(model, 8, 4):  # a mixture of experts' MoE nodes to QMoE (8-bit blocks, int8 activations)
         ctx.notes["experts"] = experts
     if not weight_matmuls(model, ("MatMul", "Attention", "Gather", "EmbedLayerNormalization")):
         return model if experts else None
@@ -98,7 +98,7 @@ def weight_only(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCont
     from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     op_types = ("MatMul", "Gather")
-    if experts := quantize_experts(model, config.bits):  # a mixture of experts' MoE nodes to QMoE
+    if experts := quantize_experts(model, config.bits, config.accuracy_level):  # a mixture of experts' MoE nodes to QMoE
         ctx.notes["experts"] = experts
     if not weight_matmuls(model, op_types):
         return model if experts else None

@@ -100,7 +100,7 @@ def recipe_of(config: WeightOnlyConfig) -> Recipe:
 def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardContext) -> onnx.ModelProto | None:
     """Quantize one shard of a decoder: MatMul weights to MatMulNBits, the embedding Gather to int8 rows."""
     recipe = recipe_of(config)
-    if experts := quantize_experts(model, recipe.bits):  # a mixture of experts' MoE nodes to QMoE
+    if experts := quantize_experts(model, recipe.bits, recipe.accuracy_level):  # a mixture of experts' MoE nodes to QMoE
         ctx.notes["experts"] = experts
     kept = set(routers(model))  # float: they choose the experts
     nodes = [n for n in weight_matmuls(model, ("MatMul", "Gather")) if n.name not in kept]

@@ -348,9 +348,9 @@ def test_a_bfloat16_checkpoint_is_checked_against_its_float32_computation(tmp_pa
 
 @pytest.mark.parametrize("scheme, name", [("int4-weights", "qwen2_moe"), ("int8", "qwen2_moe"), ("int4-weights", "gpt_oss")])
 def test_a_quantized_mixture_of_experts_keeps_its_routers_float(scheme, name, tmp_path):
-    """The decoder recipes on a fused mixture of experts: experts to QMoE (4-bit blocks of 32, 8-bit
-    rows; gpt-oss's biases and clamped SwiGLU kept), the other MatMuls to MatMulNBits, the routers (one
-    column an expert) left float; it generates."""
+    """The decoder recipes on a fused mixture of experts: experts to QMoE (4-bit or 8-bit blocks of 32
+    computed at accuracy_level 4, as the dense layers; gpt-oss's biases and clamped SwiGLU kept), the
+    other MatMuls to MatMulNBits, the routers (one column an expert) left float; it generates."""
     import onnx
 
     from slimml.convert import ConvertConfig, convert
@@ -365,6 +365,8 @@ def test_a_quantized_mixture_of_experts_keeps_its_routers_float(scheme, name, tm
     qmoe = [n for n in nodes if n.op_type == "QMoE"]
     assert len(qmoe) == 2 and not [n for n in nodes if n.op_type == "MoE"]
     assert {a.i for n in qmoe for a in n.attribute if a.name == "expert_weight_bits"} == {4 if scheme == "int4-weights" else 8}
+    assert {(a.name, a.i) for n in qmoe for a in n.attribute if a.name in ("block_size", "accuracy_level")} == {
+        ("block_size", 32), ("accuracy_level", 4)}
     routers = ("", "shared_expert/") if name == "qwen2_moe" else ("",)
     assert sorted(n.name for n in nodes if n.op_type == "MatMul") == sorted(
         f"/model/layers.{i}/{p}moe/router/MatMul" for i in range(2) for p in routers)

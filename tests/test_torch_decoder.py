@@ -158,7 +158,8 @@ def test_gpt_oss_experts_and_attention_sinks(tmp_path):
 @pytest.mark.skipif(not TRANSFORMERS_5, reason="transformers 4.x keeps experts in loops a trace cannot follow")
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantizing_a_mixture_of_experts_quantizes_its_experts(bits, tmp_path):
-    """``int4-weights`` / ``int8-weights``: the MoE nodes become QMoE (4-bit blocks of 32, 8-bit rows),
+    """``int4-weights`` / ``int8-weights`` (ONNX Runtime's quantizer, no accuracy level): the MoE nodes
+    become QMoE (4-bit blocks of 32, 8-bit rows),
     the artifact shrinks, and its logits stay those of the float artifact (cosine over a prompt)."""
     import glob
 
@@ -198,7 +199,8 @@ def test_quantizing_a_mixture_of_experts_quantizes_its_experts(bits, tmp_path):
 @pytest.mark.parametrize("bits, width, clamped", [(4, 64, False), (4, 48, False), (8, 64, False), (4, 64, True), (8, 64, True)])
 def test_qmoe_computes_the_moe_of_its_dequantized_weights(bits, width, clamped):
     """ONNX Runtime's QMoE kernel on ``quantize_experts``' codes and scales (4-bit blocks of 32, or rows
-    where the input is not a multiple of 32; 8-bit rows) equals its float MoE on the dequantized weights;
+    where the input is not a multiple of 32; 8-bit rows), float activations (no accuracy level), equals
+    its float MoE on the dequantized weights;
     also with gpt-oss's experts (biases, SwiGLU clamped at 7 with alpha 1.702 and ``up + 1``)."""
     import numpy as np
     import onnx
@@ -241,6 +243,57 @@ def test_qmoe_computes_the_moe_of_its_dequantized_weights(bits, width, clamped):
     want = ort.InferenceSession(moe(dequantized(w1), dequantized(w2)).SerializeToString(),
                                 providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     onnx.checker.check_model(quantized)
+    assert np.abs(got - want).max() < 1e-5
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qmoe_at_accuracy_level_4_rounds_each_expert_input_to_int8_blocks(bits):
+    """The decoder recipes' experts (``accuracy_level`` 4, blocks of 32 at 4 and 8 bits) run on
+    MatMulNBits' kernels: the MoE of the dequantized weights with each expert's input and SwiGLU output
+    rounded to int8 in blocks of 32 (scale max / 127), as the dense layers are at level 4."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from slimml.quantize.experts import _symmetric, quantize_experts
+
+    rng = np.random.default_rng(1)
+    experts, hidden, inner, k = 4, 128, 64, 2
+    w1 = rng.standard_normal((experts, 2 * inner, hidden)).astype(np.float32) * 0.1
+    w2 = rng.standard_normal((experts, hidden, inner)).astype(np.float32) * 0.1
+    node = helper.make_node("MoE", ["x", "router", "w1", "", "w2", ""], ["y"], domain="com.microsoft", k=k,
+                            activation_type="swiglu", normalize_routing_weights=1, swiglu_fusion=1, activation_alpha=1.0,
+                            activation_beta=0.0)
+    graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, hidden]),
+                                              helper.make_tensor_value_info("router", TensorProto.FLOAT, [None, experts])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, hidden])],
+                              [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    assert quantize_experts(model, bits, 4) == {"moe_nodes": 1, "bits": bits, "block": 32, "accuracy_level": 4}
+
+    def dequantized(w):
+        codes, scales = _symmetric(w, bits, 32)
+        if bits == 4:
+            codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(w.shape)
+        values = (codes.astype(np.float32) - 2 ** (bits - 1)).reshape(*w.shape[:2], -1, 32)
+        return (values * scales[..., None]).reshape(w.shape)
+
+    def int8_blocks(a):
+        blocks = a.reshape(-1, 32)
+        scale = np.abs(blocks).max(axis=1, keepdims=True) / 127
+        return (np.rint(blocks / np.where(scale == 0, 1, scale)) * scale).reshape(a.shape)
+
+    x, router = rng.standard_normal((5, hidden)).astype(np.float32), rng.standard_normal((5, experts)).astype(np.float32)
+    d1, d2 = dequantized(w1), dequantized(w2)
+    want = np.zeros_like(x)
+    for t in range(len(x)):
+        top = np.argsort(-router[t])[:k]
+        weights = np.exp(router[t, top] - router[t, top].max())
+        for e, weight in zip(top, weights / weights.sum()):
+            h = d1[e] @ int8_blocks(x[t])
+            gate, up = h[0::2], h[1::2]
+            want[t] += weight * (d2[e] @ int8_blocks(gate / (1 + np.exp(-gate)) * up))
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x, "router": router})[0]
     assert np.abs(got - want).max() < 1e-5
 
 
