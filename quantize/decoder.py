@@ -63,6 +63,28 @@ def input_moments(model: onnx.ModelProto, rows: list[dict[str, np.ndarray]], nam
     """Each of ``names`` (MatMul inputs inside the shard ``model``): its second moments ``X^T X / n``
     over the calibration ``rows`` (the shard's recorded inputs), float64 (K, K); the diagonal is
     each channel's mean square."""
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, int] = {}
+    for values in _captured(model, rows, names):
+        for n, v in values.items():
+            v = v.reshape(-1, v.shape[-1]).astype(np.float64)
+            sums[n] = sums.get(n, 0.0) + v.T @ v
+            counts[n] = counts.get(n, 0) + v.shape[0]
+    return {n: v / max(counts[n], 1) for n, v in sums.items()}
+
+
+def input_samples(model: onnx.ModelProto, rows: list[dict[str, np.ndarray]], names: list[str]) -> dict[str, np.ndarray]:
+    """Each of ``names`` (tensors inside the shard ``model``) over the calibration ``rows``: every
+    position's vector, (positions, width) float32 (a mixture of experts' input and router logits)."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for values in _captured(model, rows, names):
+        for n, v in values.items():
+            parts.setdefault(n, []).append(v.reshape(-1, v.shape[-1]).astype(np.float32))
+    return {n: np.concatenate(v) for n, v in parts.items()}
+
+
+def _captured(model: onnx.ModelProto, rows: list[dict[str, np.ndarray]], names: list[str]):
+    """For each calibration row, ``{name: value}`` of ``names`` as the shard computes them."""
     import onnxruntime as ort
 
     graph_inputs = {i.name for i in model.graph.input}
@@ -75,17 +97,11 @@ def input_moments(model: onnx.ModelProto, rows: list[dict[str, np.ndarray]], nam
     finally:
         del model.graph.output[:]
         model.graph.output.extend(outputs)
-    sums: dict[str, np.ndarray] = {}
-    counts: dict[str, int] = {}
     for row in rows:
         feeds = {i.name: row[i.name] for i in session.get_inputs()}
         values = dict(zip(wanted, session.run(wanted, feeds))) if wanted else {}
         values.update({n: row[n] for n in names if n in graph_inputs})
-        for n, v in values.items():
-            v = v.reshape(-1, v.shape[-1]).astype(np.float64)
-            sums[n] = sums.get(n, 0.0) + v.T @ v
-            counts[n] = counts.get(n, 0) + v.shape[0]
-    return {n: v / max(counts[n], 1) for n, v in sums.items()}
+        yield values
 
 
 def recipe_of(config: WeightOnlyConfig) -> Recipe:
@@ -100,7 +116,12 @@ def recipe_of(config: WeightOnlyConfig) -> Recipe:
 def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardContext) -> onnx.ModelProto | None:
     """Quantize one shard of a decoder: MatMul weights to MatMulNBits, the embedding Gather to int8 rows."""
     recipe = recipe_of(config)
-    if experts := quantize_experts(model, recipe.bits, recipe.accuracy_level):  # a mixture of experts' MoE nodes to QMoE
+    routed = {}  # the experts' inputs and router logits over the calibration text: GPTQ for each expert
+    if ctx.reader is not None and recipe.bits == 4:
+        moe_inputs = [i for n in model.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft" for i in n.input[:2]]
+        if moe_inputs:
+            routed = input_samples(model, ctx.reader.rows, moe_inputs)
+    if experts := quantize_experts(model, recipe.bits, recipe.accuracy_level, fitted=recipe.bits == 4, samples=routed):
         ctx.notes["experts"] = experts
     kept = set(routers(model))  # float: they choose the experts
     nodes = [n for n in weight_matmuls(model, ("MatMul", "Gather")) if n.name not in kept]

@@ -1,12 +1,16 @@
 """A mixture of experts' expert weights quantized: ONNX Runtime's ``MoE`` node to its ``QMoE``.
 
-The torch exporter writes a mixture of experts as one ``com.microsoft.MoE`` node per layer
-(``convert/trace_experts.py``), its experts' weights float32 initializers: most of such a model's
-bytes. ``QMoE`` runs the same routing and SwiGLU on symmetric integer weights:
+The fused and torch exporters write a mixture of experts as one ``com.microsoft.MoE`` node per
+layer (``convert/fused_experts.py``, ``convert/trace_experts.py``), its experts' weights float32
+initializers: most of such a model's bytes. ``QMoE`` runs the same routing and SwiGLU on integer weights:
 
-- 4 bits: blocks of 32 along each row's input (one float32 scale a block, as llama.cpp's Q4_0),
-  codes offset by 8 and packed two to a byte, low nibble first; rows whose input is not a multiple
-  of 32 get one scale a row;
+- 4 bits, the decoder recipe: asymmetric blocks of 32 with zero points, each expert fitted as the
+  recipe fits a dense matrix (equalized, GPTQ over the tokens routed to it: :func:`_fitted_experts`);
+  measured on real weights (docs/quantize.md), +14.7% perplexity where round-to-nearest symmetric
+  blocks lost +128%;
+- 4 bits otherwise: symmetric blocks of 32 along each row's input (one float32 scale a block, as
+  llama.cpp's Q4_0), codes offset by 8 and packed two to a byte, low nibble first; rows whose input
+  is not a multiple of 32 get one scale a row;
 - 8 bits: blocks of 32 (Q8_0's) where the recipe computes with int8 activations (``accuracy_level``
   4, the decoder recipes and dynamic int8), else one scale a row; codes offset by 128.
 
@@ -36,38 +40,55 @@ DOMAIN = "com.microsoft"
 BLOCK = 32
 
 
-def quantize_experts(model: onnx.ModelProto, bits: int, accuracy_level: int | None = None) -> dict[str, Any]:
+def quantize_experts(model: onnx.ModelProto, bits: int, accuracy_level: int | None = None, fitted: bool = False,
+                     samples: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
     """Rewrite every ``MoE`` node of ``model`` whose expert weights are initializers as ``QMoE``: at 4
     bits where the scheme's ``bits`` is 4, else at 8, computing as the scheme's dense layers do
     (``accuracy_level`` 4: int8 activations); what was done, for the manifest's notes (``{}`` when
-    the model has none)."""
+    the model has none).
+
+    ``fitted`` (the decoder recipe at 4 bits with ``accuracy_level`` 4): each expert as the recipe
+    fits a dense matrix, in asymmetric blocks of :data:`FIT_BLOCK` (:func:`_fitted_experts`), with
+    GPTQ where ``samples`` holds the calibration text's layer inputs and router logits.
+    """
     bits = 4 if bits == 4 else 8
     fast = accuracy_level == 4
     inits = {t.name: t for t in model.graph.initializer}
-    nodes, add, drop, done = [], [], set(), 0
+    nodes, add, drop, done, kinds = [], [], set(), 0, set()
     for node in model.graph.node:
         if node.op_type != "MoE" or node.domain != DOMAIN or not _quantizable(node, inits):
             nodes.append(node)
             continue
         w1, w2 = (numpy_helper.to_array(inits[node.input[i]]).astype(np.float32) for i in (2, 4))
-        block1, block2 = _block(w1, bits, fast), _block(w2, bits, fast)
-        if block1 != block2:  # the op takes one block size for both projections: rows for both
-            block1 = block2 = 0
-        tensors = []
-        for name, w, block in ((node.input[2], w1, block1), (node.input[4], w2, block2)):
-            codes, scales = _symmetric(w, bits, block)
-            tensors += [numpy_helper.from_array(codes, f"{name}_q{bits}"), numpy_helper.from_array(scales, f"{name}_scales")]
+        b1 = numpy_helper.to_array(inits[node.input[3]]).astype(np.float32) if node.input[3] in inits else None
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        names = (node.input[2], node.input[4])
+        zeros = []
+        if fitted and bits == 4 and fast and all(w.shape[2] % FIT_BLOCK == 0 and w.shape[2] >= 2 * FIT_BLOCK for w in (w1, w2)):
+            block = FIT_BLOCK
+            x, logits = ((samples or {}).get(node.input[i]) for i in (0, 1))
+            fits = _fitted_experts(w1, w2, b1, block, attrs, x, logits)
+            tensors = [numpy_helper.from_array(a, f"{n}_{part}") for n, (codes, scales, z) in zip(names, fits)
+                       for part, a in (("q4", codes), ("scales", scales))]
+            zeros = [numpy_helper.from_array(z, f"{n}_zp") for n, (_, _, z) in zip(names, fits)]
+            kinds.add("fitted" + (", GPTQ" if x is not None and logits is not None else ""))
+        else:
+            block = _block(w1, bits, fast)
+            if block != _block(w2, bits, fast):  # the op takes one block size for both projections: rows for both
+                block = 0
+            tensors = [numpy_helper.from_array(a, f"{n}_{part}") for n, w in zip(names, (w1, w2))
+                       for part, a in zip((f"q{bits}", "scales"), _symmetric(w, bits, block))]
+            kinds.add("symmetric")
         biases = [node.input[i] if i < len(node.input) and _nonzero(inits.get(node.input[i])) else "" for i in (3, 5)]
         inputs = [node.input[0], node.input[1], tensors[0].name, tensors[1].name, biases[0],
-                  tensors[2].name, tensors[3].name, biases[1]]
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+                  tensors[2].name, tensors[3].name, biases[1], *(("", "", "", zeros[0].name, zeros[1].name) if zeros else ())]
         attrs["expert_weight_bits"] = bits
-        if block1:
-            attrs["block_size"] = block1
+        if block:
+            attrs["block_size"] = block
         if fast:
             attrs["accuracy_level"] = 4
         nodes.append(helper.make_node("QMoE", inputs, list(node.output), name=node.name, domain=DOMAIN, **attrs))
-        add += tensors
+        add += tensors + zeros
         drop |= {n for i, n in enumerate(node.input) if i in (2, 3, 4, 5) and n not in biases}
         done += 1
     if not done:
@@ -78,8 +99,79 @@ def quantize_experts(model: onnx.ModelProto, bits: int, accuracy_level: int | No
     keep = [t for t in model.graph.initializer if t.name not in drop or t.name in still]
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep + add)
-    return {"moe_nodes": done, "bits": bits, "block": BLOCK if bits == 4 or fast else "row",
+    return {"moe_nodes": done, "bits": bits, "grid": " and ".join(sorted(kinds)),
+            "block": FIT_BLOCK if "symmetric" not in kinds else BLOCK if bits == 4 or fast else "row",
             **({"accuracy_level": 4} if fast else {})}
+
+
+FIT_BLOCK = 32  # measured on real weights (docs/quantize.md): blocks of 64 lost 7 points more perplexity
+MIN_ROUTED = 64  # calibration tokens an expert needs for moments of its own (else every token's)
+GPTQ_BYTES = 1 << 28  # the float64 moments (and their inverses) of one group of experts
+
+
+def _fitted_experts(w1: np.ndarray, w2: np.ndarray, b1: np.ndarray | None, block: int, attrs: dict[str, Any],
+                    x: np.ndarray | None, logits: np.ndarray | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Both projections' (codes, scales, zero points) in asymmetric 4-bit blocks, as the decoder
+    recipe fits a dense matrix (:func:`~slimml.quantize.grids.fit_blocks`), the op's layout: codes
+    and zero points two a byte (low nibble first), scales float32.
+
+    With the calibration text's layer input ``x`` (tokens, hidden) and router ``logits``: each
+    expert's second moments over the tokens routed to it (:func:`_routed_moments`), then
+
+    - where the SwiGLU is plain (``silu(gate) * up``), its down projection's input channels are
+      scaled as the dense recipe scales an FFN's (:func:`~slimml.quantize.equalize.down_scales`),
+      the up rows divided by the same factors: the same function, rounded with less error;
+    - GPTQ on both projections (:func:`~slimml.quantize.gptq.gptq_blocks`), a group of experts at
+      a time (``GPTQ_BYTES``).
+    """
+    from slimml.quantize.equalize import down_scales
+    from slimml.quantize.gptq import gptq_blocks
+    from slimml.quantize.grids import fit_blocks, pack_nibbles
+
+    experts = w1.shape[0]
+    plain = float(attrs.get("activation_beta", 0.0)) == 0.0 and float(attrs.get("swiglu_limit", np.inf)) == np.inf
+    group = max(1, GPTQ_BYTES // (8 * max(w1.shape[2], w2.shape[2]) ** 2))
+    fits: list[list[tuple]] = [[], []]
+    for g0 in range(0, experts, group):
+        idx = range(g0, min(experts, g0 + group))
+        a1, a2 = w1[idx.start:idx.stop], w2[idx.start:idx.stop]
+        moments = None if x is None or logits is None else [
+            _routed_moments(x, logits, e, w1[e], None if b1 is None else b1[e], attrs) for e in idx]
+        if moments is not None and plain:
+            for j, (_, act) in enumerate(moments):
+                s = down_scales(a2[j].T, np.diag(act).astype(np.float32), block)
+                if s is not None:
+                    a1[j, 1::2] /= s[:, None]  # the up rows (interleaved with the gate's)
+                    a2[j] *= s[None, :]
+                    moments[j] = (moments[j][0], act / np.outer(s, s))
+        for j, a in enumerate((a1, a2)):
+            n, rows, width = a.shape
+            if moments is None:
+                fits[j].append(fit_blocks(a.reshape(n, rows, width // block, block), True))
+            else:
+                fits[j].append(gptq_blocks(a, np.stack([m[j] for m in moments]), block, True))
+    out = []
+    for j, w in enumerate((w1, w2)):
+        q, s, z = (np.concatenate(parts) for parts in zip(*fits[j]))
+        out.append((pack_nibbles(q.reshape(w.shape)), s.astype(np.float32), pack_nibbles(z)))
+    return out
+
+
+def _routed_moments(x: np.ndarray, logits: np.ndarray, expert: int, w1: np.ndarray, b1: np.ndarray | None,
+                    attrs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Expert ``expert``'s (``w1``: its interleaved gate/up rows) second moments of its two inputs over
+    the calibration tokens routed to it (in their top k): the layer input ``x`` (tokens, hidden), and
+    its SwiGLU output as the op computes it from the float weights; every token's where fewer than
+    ``MIN_ROUTED`` are routed to it. float64 (hidden, hidden) and (inner, inner)."""
+    k = int(attrs.get("k", 1))
+    alpha, beta = float(attrs.get("activation_alpha", 1.0)), float(attrs.get("activation_beta", 0.0))
+    limit = float(attrs.get("swiglu_limit", np.inf))
+    routed = (np.argsort(-logits, axis=1)[:, :k] == expert).any(axis=1)
+    rows = (x[routed] if routed.sum() >= MIN_ROUTED else x).astype(np.float64)
+    h = rows @ w1.T.astype(np.float64) + (0.0 if b1 is None else b1)
+    gate, up = np.minimum(h[:, 0::2], limit), np.clip(h[:, 1::2], -limit, limit)
+    act = gate / (1 + np.exp(-alpha * gate)) * (up + beta)
+    return rows.T @ rows / len(rows), act.T @ act / len(rows)
 
 
 def routers(model: onnx.ModelProto) -> list[str]:

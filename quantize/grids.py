@@ -217,12 +217,13 @@ def fit_blocks(b: np.ndarray, zero_points: bool = True, importance: np.ndarray |
     Args:
         b: the weights, transposed and blocked: (N, K / block, block) float32.
         zero_points: asymmetric blocks (integer zero point 0..15) instead of a fixed 8.
-        importance: (K,) mean squared input activation per input channel, or None.
+        importance: (K,) mean squared input activation per input channel, or None; for a stack
+            ``b`` (E, N, 1, block) of one block of each expert's rows, (E, block).
     """
     b = b.astype(np.float32)
     wts = np.sqrt((b * b).mean(axis=-1, keepdims=True)) + np.abs(b)  # make_qkx2_quants' weights
     if importance is not None:
-        wts = wts * importance.astype(np.float32).reshape(1, *b.shape[1:])
+        wts = wts * importance.astype(np.float32).reshape(*b.shape[:-3], 1, *b.shape[-2:])
     amax_signed = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)[..., 0]
     lo, hi = np.minimum(b.min(axis=-1), 0), np.maximum(b.max(axis=-1), 0)
     cands = []

@@ -372,6 +372,7 @@ def test_a_quantized_mixture_of_experts_keeps_its_routers_float(scheme, name, tm
         f"/model/layers.{i}/{p}moe/router/MatMul" for i in range(2) for p in routers)
     if name == "gpt_oss":
         assert all(n.input[4] and n.input[7] for n in qmoe)  # the experts' biases
+        assert all(n.input[11] and n.input[12] for n in qmoe)  # fitted asymmetric blocks: zero points
         assert {a.f for n in qmoe for a in n.attribute if a.name == "swiglu_limit"} == {7.0}
     tokens = _generate(tmp_path / "art", np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT)))
     assert len(tokens) == NEW and all(0 <= t < VOCAB for t in tokens)
