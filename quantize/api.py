@@ -217,11 +217,12 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     # holds only what crosses the current boundary, not every layer's activations
     envs = ([dict(f) for f in (feeds[0] if feeds else ch.batches(manifest, text, calib))]
             if isinstance(config, Int8StaticConfig) else None)
-    if envs is None and activation_aware(config) and manifest.tokenizer:  # the fitted 4-bit grid weighs by activations
-        envs = calibration_feeds(src, manifest, calib)
+    firsts = [onnx.load(str(p), load_external_data=False) for p in float_files]
+    experts = getattr(config, "backend", None) == "lm" and any(n.op_type == "MoE" for m in firsts for n in m.graph.node)
+    if envs is None and (activation_aware(config) or experts) and manifest.tokenizer:
+        envs = calibration_feeds(src, manifest, calib)  # the fitted 4-bit grid, and experts, weigh by activations
     last_read = {t.name: s.index for s in manifest.shards for t in s.inputs}
     backend = backend_for(config)
-    firsts = [onnx.load(str(p), load_external_data=False) for p in float_files]
     model_inputs = {vi.name: vi for m in firsts for vi in m.graph.input if vi.name in {t.name for t in manifest.inputs}}
     fuse = getattr(config, "fuse", False) and fusable(manifest.source)  # asked for, and the family has them
     quant_files: dict[int, Path] = {}
@@ -324,6 +325,10 @@ def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files
         if any("grid_kept" in n or "grid_8bit" in n for n in lm):  # a GGUF source's 4-bit matrices kept, and those of more bits
             record["gguf_grid"] = {"kept_4bit": sum(n.get("grid_kept", 0) for n in lm), "at_8bit": sum(n.get("grid_8bit", 0) for n in lm)}
             record["recipe"] += f": {record['gguf_grid']['kept_4bit']} matrices kept, {record['gguf_grid']['at_8bit']} of more bits at 8"
+    experts = [n["experts"] for n in notes.values() if n.get("experts")]
+    if experts:  # a mixture of experts' MoE nodes made QMoE (quantize/experts.py)
+        record["experts"] = {**experts[0], "moe_nodes": sum(e["moe_nodes"] for e in experts),
+                             "grid": " / ".join(sorted({e["grid"] for e in experts}))}
     fused = {str(i): n["fused"] for i, n in notes.items() if n.get("fused")}
     if fused:
         record["fused"] = fused

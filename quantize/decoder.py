@@ -117,7 +117,7 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
     """Quantize one shard of a decoder: MatMul weights to MatMulNBits, the embedding Gather to int8 rows."""
     recipe = recipe_of(config)
     routed = {}  # the experts' inputs and router logits over the calibration text: GPTQ for each expert
-    if ctx.reader is not None and recipe.bits == 4:
+    if ctx.reader is not None:
         moe_inputs = [i for n in model.graph.node if n.op_type == "MoE" and n.domain == "com.microsoft" for i in n.input[:2]]
         if moe_inputs:
             routed = input_samples(model, ctx.reader.rows, moe_inputs)

@@ -76,6 +76,11 @@ def quantize_experts(model: onnx.ModelProto, bits: int, accuracy_level: int | No
             block = _block(w1, bits, fast)
             if block != _block(w2, bits, fast):  # the op takes one block size for both projections: rows for both
                 block = 0
+            x, logits = ((samples or {}).get(node.input[i]) for i in (0, 1))
+            if block and x is not None and logits is not None and _plain(attrs, b1):  # 8 bits: the down inputs equalized
+                for e in range(len(w1)):  # one expert's moments at a time, its SwiGLU output's only
+                    _equalize_down(w1[e:e + 1], w2[e:e + 1], [_routed_moments(x, logits, e, w1[e], None, attrs, False)], block)
+                kinds.add("equalized")
             tensors = [numpy_helper.from_array(a, f"{n}_{part}") for n, w in zip(names, (w1, w2))
                        for part, a in zip((f"q{bits}", "scales"), _symmetric(w, bits, block))]
             kinds.add("symmetric")
@@ -124,12 +129,11 @@ def _fitted_experts(w1: np.ndarray, w2: np.ndarray, b1: np.ndarray | None, block
     - GPTQ on both projections (:func:`~slimml.quantize.gptq.gptq_blocks`), a group of experts at
       a time (``GPTQ_BYTES``).
     """
-    from slimml.quantize.equalize import down_scales
     from slimml.quantize.gptq import gptq_blocks
     from slimml.quantize.grids import fit_blocks, pack_nibbles
 
     experts = w1.shape[0]
-    plain = float(attrs.get("activation_beta", 0.0)) == 0.0 and float(attrs.get("swiglu_limit", np.inf)) == np.inf
+    plain = _plain(attrs, b1)
     group = max(1, GPTQ_BYTES // (8 * max(w1.shape[2], w2.shape[2]) ** 2))
     fits: list[list[tuple]] = [[], []]
     for g0 in range(0, experts, group):
@@ -138,12 +142,7 @@ def _fitted_experts(w1: np.ndarray, w2: np.ndarray, b1: np.ndarray | None, block
         moments = None if x is None or logits is None else [
             _routed_moments(x, logits, e, w1[e], None if b1 is None else b1[e], attrs) for e in idx]
         if moments is not None and plain:
-            for j, (_, act) in enumerate(moments):
-                s = down_scales(a2[j].T, np.diag(act).astype(np.float32), block)
-                if s is not None:
-                    a1[j, 1::2] /= s[:, None]  # the up rows (interleaved with the gate's)
-                    a2[j] *= s[None, :]
-                    moments[j] = (moments[j][0], act / np.outer(s, s))
+            moments = _equalize_down(a1, a2, moments, block)
         for j, a in enumerate((a1, a2)):
             n, rows, width = a.shape
             if moments is None:
@@ -157,12 +156,37 @@ def _fitted_experts(w1: np.ndarray, w2: np.ndarray, b1: np.ndarray | None, block
     return out
 
 
+def _plain(attrs: dict[str, Any], b1: np.ndarray | None) -> bool:
+    """``silu(gate) * up`` without biases: scaling an up row scales its SwiGLU output alike."""
+    plain = float(attrs.get("activation_beta", 0.0)) == 0.0 and float(attrs.get("swiglu_limit", np.inf)) == np.inf
+    return plain and (b1 is None or not b1.any())
+
+
+def _equalize_down(a1: np.ndarray, a2: np.ndarray, moments: list[tuple[np.ndarray, np.ndarray]],
+                   block: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Scale each expert's down-projection input channels (``a2``'s columns) as the dense recipe scales
+    an FFN's (:func:`~slimml.quantize.equalize.down_scales`) and divide its up rows (``a1``'s odd rows,
+    interleaved with the gate's) by the same factors, in place: the same function, rounded with less
+    error. Returns the moments with the SwiGLU output's rescaled to match."""
+    from slimml.quantize.equalize import down_scales
+
+    out = []
+    for j, (inputs, act) in enumerate(moments):
+        s = down_scales(a2[j].T, np.diag(act).astype(np.float32), block)
+        if s is not None:
+            a1[j, 1::2] /= s[:, None]
+            a2[j] *= s[None, :]
+            act = act / np.outer(s, s)
+        out.append((inputs, act))
+    return out
+
+
 def _routed_moments(x: np.ndarray, logits: np.ndarray, expert: int, w1: np.ndarray, b1: np.ndarray | None,
-                    attrs: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+                    attrs: dict[str, Any], inputs: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
     """Expert ``expert``'s (``w1``: its interleaved gate/up rows) second moments of its two inputs over
     the calibration tokens routed to it (in their top k): the layer input ``x`` (tokens, hidden), and
     its SwiGLU output as the op computes it from the float weights; every token's where fewer than
-    ``MIN_ROUTED`` are routed to it. float64 (hidden, hidden) and (inner, inner)."""
+    ``MIN_ROUTED`` are routed to it. float64 (hidden, hidden) (None unless ``inputs``) and (inner, inner)."""
     k = int(attrs.get("k", 1))
     alpha, beta = float(attrs.get("activation_alpha", 1.0)), float(attrs.get("activation_beta", 0.0))
     limit = float(attrs.get("swiglu_limit", np.inf))
@@ -171,7 +195,7 @@ def _routed_moments(x: np.ndarray, logits: np.ndarray, expert: int, w1: np.ndarr
     h = rows @ w1.T.astype(np.float64) + (0.0 if b1 is None else b1)
     gate, up = np.minimum(h[:, 0::2], limit), np.clip(h[:, 1::2], -limit, limit)
     act = gate / (1 + np.exp(-alpha * gate)) * (up + beta)
-    return rows.T @ rows / len(rows), act.T @ act / len(rows)
+    return (rows.T @ rows / len(rows) if inputs else None), act.T @ act / len(rows)
 
 
 def routers(model: onnx.ModelProto) -> list[str]:

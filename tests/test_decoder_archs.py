@@ -361,6 +361,8 @@ def test_a_quantized_mixture_of_experts_keeps_its_routers_float(scheme, name, tm
     convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False, quantize=scheme_config(scheme)))
     steps = json.loads((tmp_path / "art" / "manifest.json").read_text())["steps"]
     assert steps[-1]["step"] == "quantize" and steps[-1]["backend"] == "lm", steps[-1]
+    assert steps[-1]["experts"]["moe_nodes"] == 2 and steps[-1]["experts"]["grid"] == (  # calibrated: GPTQ / equalized
+        "fitted, GPTQ" if name == "gpt_oss" else "equalized and symmetric")  # Qwen2-MoE's experts: 32 wide, one block
     nodes = [n for f in (tmp_path / "art").glob("*.onnx") for n in onnx.load(f, load_external_data=False).graph.node]
     qmoe = [n for n in nodes if n.op_type == "QMoE"]
     assert len(qmoe) == 2 and not [n for n in nodes if n.op_type == "MoE"]
