@@ -109,20 +109,19 @@ class _Weights:
 
     def part(self, name: str, index: int) -> np.ndarray:
         """The ``index``-th slice of ``name`` along its first axis (one expert), float32."""
-        if name not in self._tensors:
-            self[name]  # the missing tensor's error
-        return self._tensors.part(name, index)
+        return self._tensors.part(self._known(name), index)
 
     def codes(self, name: str, index: int) -> np.ndarray:
         """The ``index``-th slice of the byte tensor ``name`` (MXFP4 blocks or scales)."""
-        if name not in self._tensors:
-            self[name]  # the missing tensor's error
-        return self._tensors.codes(name, index)
+        return self._tensors.codes(self._known(name), index)
 
     def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors.shape(self._known(name)))
+
+    def _known(self, name: str) -> str:
         if name not in self._tensors:
             self[name]  # the missing tensor's error
-        return tuple(self._tensors.shape(name))
+        return name
 
     def transposed(self, names: list[str]) -> np.ndarray:
         """The tensors ``names`` (each (out_i, in)) stacked along out and transposed: (in, sum out_i),

@@ -54,7 +54,7 @@ def quantize_experts(model: onnx.ModelProto, bits: int, accuracy_level: int | No
     bits = 4 if bits == 4 else 8
     fast = accuracy_level == 4
     inits = {t.name: t for t in model.graph.initializer}
-    nodes, add, drop, done, kinds = [], [], set(), 0, set()
+    nodes, add, drop, done, kinds, blocks = [], [], set(), 0, set(), set()
     for node in model.graph.node:
         if node.op_type != "MoE" or node.domain != DOMAIN or not _quantizable(node, inits):
             nodes.append(node)
@@ -63,23 +63,23 @@ def quantize_experts(model: onnx.ModelProto, bits: int, accuracy_level: int | No
         b1 = numpy_helper.to_array(inits[node.input[3]]).astype(np.float32) if node.input[3] in inits else None
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         names = (node.input[2], node.input[4])
+        x, logits = ((samples or {}).get(node.input[i]) for i in (0, 1))
+        top = None if x is None or logits is None else np.argsort(-logits, axis=1)[:, :int(attrs.get("k", 1))]
         zeros = []
         if fitted and bits == 4 and fast and all(w.shape[2] % FIT_BLOCK == 0 and w.shape[2] >= 2 * FIT_BLOCK for w in (w1, w2)):
             block = FIT_BLOCK
-            x, logits = ((samples or {}).get(node.input[i]) for i in (0, 1))
-            fits = _fitted_experts(w1, w2, b1, block, attrs, x, logits)
+            fits = _fitted_experts(w1, w2, b1, block, attrs, x, top)
             tensors = [numpy_helper.from_array(a, f"{n}_{part}") for n, (codes, scales, z) in zip(names, fits)
                        for part, a in (("q4", codes), ("scales", scales))]
             zeros = [numpy_helper.from_array(z, f"{n}_zp") for n, (_, _, z) in zip(names, fits)]
-            kinds.add("fitted" + (", GPTQ" if x is not None and logits is not None else ""))
+            kinds.add("fitted" + (", GPTQ" if top is not None else ""))
         else:
             block = _block(w1, bits, fast)
             if block != _block(w2, bits, fast):  # the op takes one block size for both projections: rows for both
                 block = 0
-            x, logits = ((samples or {}).get(node.input[i]) for i in (0, 1))
-            if block and x is not None and logits is not None and _plain(attrs, b1):  # 8 bits: the down inputs equalized
+            if block and top is not None and _plain(attrs, b1):  # the down inputs equalized
                 for e in range(len(w1)):  # one expert's moments at a time, its SwiGLU output's only
-                    _equalize_down(w1[e:e + 1], w2[e:e + 1], [_routed_moments(x, logits, e, w1[e], None, attrs, False)], block)
+                    _equalize_down(w1[e:e + 1], w2[e:e + 1], [_routed_moments(x, top, e, w1[e], None, attrs, False)], block)
                 kinds.add("equalized")
             tensors = [numpy_helper.from_array(a, f"{n}_{part}") for n, w in zip(names, (w1, w2))
                        for part, a in zip((f"q{bits}", "scales"), _symmetric(w, bits, block))]
@@ -90,6 +90,7 @@ def quantize_experts(model: onnx.ModelProto, bits: int, accuracy_level: int | No
         attrs["expert_weight_bits"] = bits
         if block:
             attrs["block_size"] = block
+        blocks.add(block or "row")
         if fast:
             attrs["accuracy_level"] = 4
         nodes.append(helper.make_node("QMoE", inputs, list(node.output), name=node.name, domain=DOMAIN, **attrs))
@@ -105,7 +106,7 @@ def quantize_experts(model: onnx.ModelProto, bits: int, accuracy_level: int | No
     del model.graph.initializer[:]
     model.graph.initializer.extend(keep + add)
     return {"moe_nodes": done, "bits": bits, "grid": " and ".join(sorted(kinds)),
-            "block": FIT_BLOCK if "symmetric" not in kinds else BLOCK if bits == 4 or fast else "row",
+            "block": blocks.pop() if len(blocks) == 1 else sorted(blocks, key=str),
             **({"accuracy_level": 4} if fast else {})}
 
 
@@ -115,12 +116,12 @@ GPTQ_BYTES = 1 << 28  # the float64 moments (and their inverses) of one group of
 
 
 def _fitted_experts(w1: np.ndarray, w2: np.ndarray, b1: np.ndarray | None, block: int, attrs: dict[str, Any],
-                    x: np.ndarray | None, logits: np.ndarray | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                    x: np.ndarray | None, top: np.ndarray | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Both projections' (codes, scales, zero points) in asymmetric 4-bit blocks, as the decoder
     recipe fits a dense matrix (:func:`~slimml.quantize.grids.fit_blocks`), the op's layout: codes
     and zero points two a byte (low nibble first), scales float32.
 
-    With the calibration text's layer input ``x`` (tokens, hidden) and router ``logits``: each
+    With the calibration text's layer input ``x`` (tokens, hidden) and each token's ``top`` k experts: each
     expert's second moments over the tokens routed to it (:func:`_routed_moments`), then
 
     - where the SwiGLU is plain (``silu(gate) * up``), its down projection's input channels are
@@ -138,9 +139,9 @@ def _fitted_experts(w1: np.ndarray, w2: np.ndarray, b1: np.ndarray | None, block
     fits: list[list[tuple]] = [[], []]
     for g0 in range(0, experts, group):
         idx = range(g0, min(experts, g0 + group))
-        a1, a2 = w1[idx.start:idx.stop], w2[idx.start:idx.stop]
-        moments = None if x is None or logits is None else [
-            _routed_moments(x, logits, e, w1[e], None if b1 is None else b1[e], attrs) for e in idx]
+        a1, a2 = w1[g0:idx.stop], w2[g0:idx.stop]  # views: equalized in place
+        moments = None if x is None or top is None else [
+            _routed_moments(x, top, e, w1[e], None if b1 is None else b1[e], attrs) for e in idx]
         if moments is not None and plain:
             moments = _equalize_down(a1, a2, moments, block)
         for j, a in enumerate((a1, a2)):
@@ -181,16 +182,15 @@ def _equalize_down(a1: np.ndarray, a2: np.ndarray, moments: list[tuple[np.ndarra
     return out
 
 
-def _routed_moments(x: np.ndarray, logits: np.ndarray, expert: int, w1: np.ndarray, b1: np.ndarray | None,
+def _routed_moments(x: np.ndarray, top: np.ndarray, expert: int, w1: np.ndarray, b1: np.ndarray | None,
                     attrs: dict[str, Any], inputs: bool = True) -> tuple[np.ndarray | None, np.ndarray]:
     """Expert ``expert``'s (``w1``: its interleaved gate/up rows) second moments of its two inputs over
-    the calibration tokens routed to it (in their top k): the layer input ``x`` (tokens, hidden), and
+    the calibration tokens routed to it (``top``: each token's k experts): the layer input ``x`` (tokens, hidden), and
     its SwiGLU output as the op computes it from the float weights; every token's where fewer than
     ``MIN_ROUTED`` are routed to it. float64 (hidden, hidden) (None unless ``inputs``) and (inner, inner)."""
-    k = int(attrs.get("k", 1))
     alpha, beta = float(attrs.get("activation_alpha", 1.0)), float(attrs.get("activation_beta", 0.0))
     limit = float(attrs.get("swiglu_limit", np.inf))
-    routed = (np.argsort(-logits, axis=1)[:, :k] == expert).any(axis=1)
+    routed = (top == expert).any(axis=1)
     rows = (x[routed] if routed.sum() >= MIN_ROUTED else x).astype(np.float64)
     h = rows @ w1.T.astype(np.float64) + (0.0 if b1 is None else b1)
     gate, up = np.minimum(h[:, 0::2], limit), np.clip(h[:, 1::2], -limit, limit)
