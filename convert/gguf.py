@@ -10,11 +10,12 @@ source's quantization (GGUF file type and tensor types).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from slimml.convert.gguf_rope import rope_config
 from slimml.errors import SourceError
@@ -151,7 +152,6 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
 
     Needs ``torch``, ``transformers``, ``gguf`` and ``accelerate`` (the ``convert`` extra).
     """
-    import contextlib
     import io
     import logging
     import warnings
@@ -168,7 +168,7 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
     except ImportError:
         raise SourceError("reading a GGUF file needs accelerate; `pip install accelerate` (part of the convert extra).") from None
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):  # its tqdm bar over the tensors
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), _reader_fixes():  # (stderr: its tqdm bar)
             warnings.simplefilter("ignore")
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             for key, value in missed_config(path, config).items():
@@ -252,6 +252,44 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
         own = _field(reader, "tokenizer.ggml.padding_token_id")
         fixes["pad_token_id"] = int(own) if own is not None and int(own) < vocab else None
     return fixes
+
+
+@contextlib.contextmanager
+def _reader_fixes() -> Iterator[None]:
+    """transformers' GGUF reader, while it reads, with two Qwen2-MoE faults mended (4.57 and 5):
+
+    - 4.57 renames ``qwen2moe`` to ``qwen2_moe`` before it reads the fields, and its config mapping
+      knows only ``qwen2moe``: every field is skipped, the config comes out at the class defaults
+      (2048 wide, 24 layers, 60 experts), and the weights fail to load. The mapping is lent the
+      second name (``qwen3moe`` is mapped as ``qwen3_moe`` already).
+    - the shared expert's gate: the reader adds a leading axis to make the 1-D vector of older files
+      a ``(1, hidden)`` matrix, and so makes the ``(1, hidden)`` that llama.cpp's converter writes now
+      ``(1, 1, hidden)``, which does not load. It is given the vector.
+    """
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    added = [new for old, new in _MOE_NAMES.items() if old in GGUF_CONFIG_MAPPING and new not in GGUF_CONFIG_MAPPING]
+    for old, new in _MOE_NAMES.items():
+        if new in added:
+            GGUF_CONFIG_MAPPING[new] = GGUF_CONFIG_MAPPING[old]
+    processor = TENSOR_PROCESSORS.get("qwen2moe")
+    process = processor.process if processor is not None else None
+
+    def flat_gate(self, weights, name, **kwargs):
+        if "ffn_gate_inp_shexp" in name and weights.ndim == 2:
+            weights = weights.reshape(-1)
+        return process(self, weights, name, **kwargs)
+
+    if processor is not None:
+        processor.process = flat_gate
+    try:
+        yield
+    finally:
+        for new in added:
+            GGUF_CONFIG_MAPPING.pop(new, None)
+        if processor is not None:
+            processor.process = process
 
 
 def _gemma_config(reader: Any, arch: str, config: Any, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:

@@ -613,6 +613,34 @@ def test_a_qwen3_moe_gguf_converts_with_its_experts(tmp_path):
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
 
 
+def test_a_qwen2_moe_gguf_converts_with_its_shared_expert(tmp_path):
+    """A Qwen2-MoE GGUF as llama.cpp's converter writes one now (the shared expert's gate a (1, hidden)
+    matrix): transformers 4.57 skips every field of the file (it reads them under ``qwen2_moe``, and
+    maps ``qwen2moe``) and both 4.57 and 5 make the gate (1, 1, hidden), so neither loads it alone;
+    slimml lends the reader both fixes, and the artifact generates as the model."""
+    pytest.importorskip("gguf")
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from slimml.convert import ConvertConfig, convert
+
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        norm_topk_prob=False, tie_word_embeddings=False)).eval()
+    _gguf(model, tmp_path / "tiny-qwen2moe.gguf", "qwen2moe", expert_count=4, expert_used_count=2,
+          expert_feed_forward_length=32, expert_shared_feed_forward_length=48)
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    mapped = set(GGUF_CONFIG_MAPPING)
+    report = convert(tmp_path / "tiny-qwen2moe.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert set(GGUF_CONFIG_MAPPING) == mapped  # lent only while the reader reads
+    assert report.checks["top1_agreement"] == 1.0 and _exporter(tmp_path / "art") == FUSED
+    ids = np.random.default_rng(0).integers(3, VOCAB, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+
+
 def test_a_long_context_phi3_gguf_keeps_its_longrope(tmp_path):
     """A Phi-3.5-style GGUF keeps LongRoPE as llama.cpp writes it (factor tensors, the original
     context as a field), which transformers' reader drops: slimml reads it back, and the artifact
