@@ -22,6 +22,7 @@ from slimml.errors import SourceError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # what gguf-py's reader (and transformers through it) reads
+_RECURRENT = {"mamba": "a state-space model", "lfm2": "short convolutions beside attention"}
 _MOE_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's name -> transformers'
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*), for the report
@@ -110,6 +111,12 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
             f"{path} holds a {arch!r} model, which transformers {transformers.__version__} cannot read from GGUF "
             f"(it reads {', '.join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer')))}); "
             "convert the original Hugging Face folder instead."
+        )
+    if arch in _RECURRENT:  # as their Hugging Face folders are refused (export_torch_decoder), before the reader runs
+        raise SourceError(
+            f"{path} holds a {arch!r} model ({_RECURRENT[arch]}), which keeps a recurrent state where slimml's decode loop "
+            "needs one key and one value tensor per layer: state-space and hybrid models are not supported yet; "
+            "convert a transformer decoder (llama, qwen2, qwen3, gemma, phi3, ...)."
         )
     if "t5" in str(arch):  # transformers reads these as encoder-decoders; slimml converts GGUF decoders
         raise SourceError(

@@ -198,6 +198,7 @@ def _tiny_gguf(path: Path, arch: str) -> Path:
     ("truncated", "is truncated or damaged"),
     ("version", "is GGUF version 99, which slimml reads only as versions 2, 3"),
     ("architecture", "holds a 'rwkv6' model, which transformers .* cannot read from GGUF"),
+    ("recurrent", "holds a 'lfm2' model .* state-space and hybrid models are not supported yet; convert a transformer decoder"),
     ("not gguf", "is not a GGUF file"),
 ])
 def test_bad_gguf_is_refused_before_anything_is_written(tmp_path, kind, match):
@@ -213,6 +214,8 @@ def test_bad_gguf_is_refused_before_anything_is_written(tmp_path, kind, match):
         bad.write_bytes(bytes(data))
     elif kind == "architecture":
         _tiny_gguf(bad, "rwkv6")
+    elif kind == "recurrent":  # transformers reads LFM2 from GGUF; its cache is not one key and value a layer
+        _tiny_gguf(bad, "lfm2")
     else:
         bad.write_bytes(b"PK\x03\x04 not a model")
     out = tmp_path / "out"
