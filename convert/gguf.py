@@ -22,8 +22,9 @@ from slimml.errors import SourceError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSIONS = (2, 3)  # what gguf-py's reader (and transformers through it) reads
+GPT_OSS = "gpt-oss"  # llama.cpp's name; read here, not through transformers (gguf_gpt_oss)
 _RECURRENT = {"mamba": "a state-space model", "lfm2": "short convolutions beside attention"}
-_MOE_NAMES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # llama.cpp's name -> transformers'
+_RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}  # llama.cpp -> transformers
 
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*), for the report
 _FILE_TYPES = {
@@ -103,8 +104,16 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
+    if arch == GPT_OSS:  # read by slimml itself (gguf_gpt_oss): the installed transformers need only know the model
+        from transformers import CONFIG_MAPPING
+
+        if "gpt_oss" not in CONFIG_MAPPING:
+            import transformers
+
+            raise SourceError(f"{path} holds a gpt-oss model, which transformers {transformers.__version__} does not "
+                              "know; `pip install -U 'transformers>=4.55'`.")
     # transformers renames llama.cpp's "qwen2moe"/"qwen3moe" before it looks its list up
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES and _MOE_NAMES.get(arch) not in GGUF_SUPPORTED_ARCHITECTURES:
+    elif arch not in GGUF_SUPPORTED_ARCHITECTURES and _RENAMED.get(arch) not in GGUF_SUPPORTED_ARCHITECTURES:
         import transformers
 
         raise SourceError(
@@ -127,9 +136,21 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
     file_type = _field(reader, "general.file_type")
     return {
         "format": "gguf", "gguf_version": version, "architecture": arch,
-        "gguf_file_type": _FILE_TYPES.get(file_type, str(file_type)) if file_type is not None else None,
+        "gguf_file_type": _file_type(file_type) if file_type is not None else None,
         "gguf_tensor_types": dict(Counter(t.tensor_type.name for t in reader.tensors).most_common()),
     }
+
+
+def _file_type(value: int) -> str:
+    """llama.cpp's name of a ``general.file_type`` (``Q4_K_M``), newer ones as the installed gguf names them."""
+    if value in _FILE_TYPES:
+        return _FILE_TYPES[value]
+    from gguf import LlamaFileType
+
+    try:
+        return LlamaFileType(int(value)).name.removeprefix("MOSTLY_")
+    except ValueError:
+        return str(value)
 
 
 def _check_tokenizer(path: Path, reader: Any) -> None:
@@ -157,8 +178,16 @@ def _check_tokenizer(path: Path, reader: Any) -> None:
 def gguf_to_folder(path: Path, folder: Path) -> None:
     """Write the GGUF model as a Hugging Face folder: dequantized weights, config, tokenizer, chat template.
 
-    Needs ``torch``, ``transformers``, ``gguf`` and ``accelerate`` (the ``convert`` extra).
+    Needs ``torch``, ``transformers``, ``gguf`` and ``accelerate`` (the ``convert`` extra). gpt-oss is
+    read by slimml itself (``gguf_gpt_oss``: no transformers reads its files whole).
     """
+    from gguf import GGUFReader
+
+    if _field(GGUFReader(str(path)), "general.architecture") == GPT_OSS:
+        from slimml.convert.gguf_gpt_oss import gpt_oss_folder
+
+        gpt_oss_folder(path, folder)
+        return
     import io
     import logging
     import warnings
@@ -276,8 +305,8 @@ def _reader_fixes() -> Iterator[None]:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
-    added = [new for old, new in _MOE_NAMES.items() if old in GGUF_CONFIG_MAPPING and new not in GGUF_CONFIG_MAPPING]
-    for old, new in _MOE_NAMES.items():
+    added = [new for old, new in _RENAMED.items() if old in GGUF_CONFIG_MAPPING and new not in GGUF_CONFIG_MAPPING]
+    for old, new in _RENAMED.items():
         if new in added:
             GGUF_CONFIG_MAPPING[new] = GGUF_CONFIG_MAPPING[old]
     processor = TENSOR_PROCESSORS.get("qwen2moe")

@@ -336,6 +336,129 @@ def test_a_gpt_oss_checkpoint_in_mxfp4_converts_from_its_own_codes(tmp_path):
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
 
 
+def _gpt_oss_gguf(folder, path, template: str) -> None:
+    """The gpt-oss folder as llama.cpp's converter (``conversion/gpt_oss.py``) writes it: gate and up split
+    from OpenAI's interleaved rows, MXFP4 experts repacked as GGML blocks (the scale byte, then 16 bytes
+    holding values 0-15 in low nibbles and 16-31 in high ones), float experts as (experts, out, in),
+    the sinks as ``attn_sinks.weight``, YaRN and the window as fields; an o200k byte-level BPE."""
+    gguf = pytest.importorskip("gguf")
+    from safetensors.numpy import load_file
+
+    c = json.loads((folder / "config.json").read_text())
+    rope = c.get("rope_scaling") or c["rope_parameters"]  # transformers 5 saves rope_parameters (theta inside)
+    state = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(f).items()}
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    for key, value in (("block_count", c["num_hidden_layers"]), ("context_length", c["max_position_embeddings"]),
+                       ("embedding_length", c["hidden_size"]), ("feed_forward_length", c["intermediate_size"]),
+                       ("attention.head_count", c["num_attention_heads"]), ("attention.head_count_kv", c["num_key_value_heads"]),
+                       ("attention.key_length", c["head_dim"]), ("attention.value_length", c["head_dim"]),
+                       ("expert_count", c["num_local_experts"]), ("expert_used_count", c["num_experts_per_tok"]),
+                       ("attention.sliding_window", c["sliding_window"]), ("expert_feed_forward_length", c["intermediate_size"]),
+                       ("rope.scaling.original_context_length", rope["original_max_position_embeddings"])):
+        w.add_uint32(f"gpt-oss.{key}", value)
+    for key, value in (("rope.freq_base", c.get("rope_theta") or rope["rope_theta"]),
+                       ("attention.layer_norm_rms_epsilon", c["rms_norm_eps"]), ("rope.scaling.factor", rope["factor"]),
+                       ("rope.scaling.yarn_beta_fast", rope["beta_fast"]), ("rope.scaling.yarn_beta_slow", rope["beta_slow"])):
+        w.add_float32(f"gpt-oss.{key}", float(value))
+    w.add_string("gpt-oss.rope.scaling.type", "yarn")
+    state_bpe = json.loads(_bpe().to_str())["model"]
+    vocab = sorted(state_bpe["vocab"], key=state_bpe["vocab"].get)
+    vocab += [f"<|reserved_{i}|>" for i in range(VOCAB - len(vocab) - 2)] + ["<|start|>", "<|return|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-4o")
+    w.add_token_list(vocab)
+    w.add_token_types([3 if t.startswith("<|") else 1 for t in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state_bpe["merges"]])
+    w.add_bos_token_id(VOCAB - 2)
+    w.add_eos_token_id(VOCAB - 1)
+    w.add_chat_template(template)
+
+    def ggml_mxfp4(blocks, scales):  # OpenAI's (..., n, 16) codes, low nibble first -> GGML's 17-byte blocks
+        codes = np.stack((blocks & 0x0F, blocks >> 4), -1).reshape(*blocks.shape[:-1], 32)
+        qs = codes[..., :16] | (codes[..., 16:] << 4)
+        return np.concatenate((scales[..., None], qs), -1).reshape(*blocks.shape[:-2], -1).astype(np.uint8)
+
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    names = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+             **{f"self_attn.{a}_proj.{k}": f"attn_{b}.{k}" for a, b in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "output"))
+                for k in ("weight", "bias")}}
+    mx = c.get("quantization_config", {}).get("quant_method") == "mxfp4"
+    for name, a in state.items():
+        if name in top:
+            w.add_tensor(top[name], a.astype(np.float32))
+            continue
+        i, rest = name.split(".")[2], name.split(".", 3)[3]
+        blk = f"blk.{i}."
+        if rest in names:
+            w.add_tensor(blk + names[rest], a.astype(np.float32))
+        elif rest == "mlp.experts.gate_up_proj_bias":
+            w.add_tensor(blk + "ffn_gate_exps.bias", np.ascontiguousarray(a[..., ::2], np.float32))
+            w.add_tensor(blk + "ffn_up_exps.bias", np.ascontiguousarray(a[..., 1::2], np.float32))
+        elif rest == "mlp.experts.down_proj_bias":
+            w.add_tensor(blk + "ffn_down_exps.bias", a.astype(np.float32))
+        elif rest == "mlp.experts.gate_up_proj_blocks":
+            scales = state[name.replace("_blocks", "_scales")]
+            w.add_tensor(blk + "ffn_gate_exps.weight", ggml_mxfp4(a[:, ::2], scales[:, ::2]), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            w.add_tensor(blk + "ffn_up_exps.weight", ggml_mxfp4(a[:, 1::2], scales[:, 1::2]), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        elif rest == "mlp.experts.down_proj_blocks":
+            w.add_tensor(blk + "ffn_down_exps.weight", ggml_mxfp4(a, state[name.replace("_blocks", "_scales")]),
+                         raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        elif rest == "mlp.experts.gate_up_proj":  # float experts: (experts, in, out) -> (experts, out, in)
+            w.add_tensor(blk + "ffn_gate_exps.weight", np.ascontiguousarray(a[..., ::2].transpose(0, 2, 1), np.float32))
+            w.add_tensor(blk + "ffn_up_exps.weight", np.ascontiguousarray(a[..., 1::2].transpose(0, 2, 1), np.float32))
+        elif rest == "mlp.experts.down_proj":
+            w.add_tensor(blk + "ffn_down_exps.weight", np.ascontiguousarray(a.transpose(0, 2, 1), np.float32))
+        else:
+            assert rest.endswith("_scales"), rest
+    w.add_file_type(38 if mx else 0)  # MOSTLY_MXFP4_MOE, ALL_F32
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("experts", ["mxfp4", "float"])
+def test_a_gpt_oss_gguf_is_read_by_slimml_and_keeps_its_mxfp4_codes(experts, tmp_path):
+    """A gpt-oss GGUF (no transformers reads one whole: 4.57 knows no gpt-oss GGUF, 5.24 misreads the
+    YaRN fields every such file has) is read by slimml: the folder it writes holds the source's
+    tensors byte for byte (the MXFP4 codes as OpenAI ships them), the artifact generates as the model,
+    and the tokenizer and chat template come from the file."""
+    from transformers import AutoModelForCausalLM
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.gguf_gpt_oss import gpt_oss_folder
+
+    src = tmp_path / "hf"
+    _mixture("gpt_oss").save_pretrained(src)
+    if experts == "mxfp4":
+        _as_mxfp4(src)
+    template = "{% for m in messages %}<|start|>{{ m['role'] }} {{ m['content'] }}<|return|>{% endfor %}"
+    _gpt_oss_gguf(src, tmp_path / "oss.gguf", template)
+    gpt_oss_folder(tmp_path / "oss.gguf", tmp_path / "read")
+    from safetensors.numpy import load_file
+
+    ours = {k: v for f in (tmp_path / "read").glob("*.safetensors") for k, v in load_file(f).items()}
+    theirs = {k: v for f in src.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert set(ours) == set(theirs) and all(np.array_equal(ours[k], theirs[k].astype(ours[k].dtype)) for k in ours)
+
+    report = convert(tmp_path / "oss.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).float().eval()
+    ids = np.random.default_rng(0).integers(3, VOCAB - 2, size=(1, PROMPT))
+    assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tmp_path / "art" / "tokenizer.json"))
+    text = "the cat sat on the mat"
+    assert tok.decode(tok.encode(text).ids) == text and tok.encode("<|start|>").ids[-1] == VOCAB - 2  # one id
+    manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert (tmp_path / "art" / manifest["tokenizer"]["chat_template"]).read_text() == template
+    assert manifest["source"]["gguf"]["gguf_file_type"] == (
+        "MXFP4_MOE" if experts == "mxfp4" else "F32")
+
+
 def test_a_bfloat16_checkpoint_is_checked_against_its_float32_computation(tmp_path):
     """transformers 5 loads a bf16 checkpoint in bf16 by default; the check computes the source in
     float32, as the artifact does (in bf16 the same weights' logits differ by about 1e-2)."""
