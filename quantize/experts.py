@@ -228,6 +228,23 @@ def _block(w: np.ndarray, bits: int, fast: bool = False) -> int:
     return BLOCK if (bits == 4 or fast) and w.shape[2] % BLOCK == 0 else 0
 
 
+LATTICE = 120  # a largest code every e2m1 block fits exactly: 120 / v * 0.5 is whole for v in 0.5, 1, ..., 6
+
+
+def _lattice_scales(groups: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """``scales`` (max / 127), or max / :data:`LATTICE` for the blocks that the latter holds exactly and
+    the former does not: an MXFP4 block (gpt-oss: e2m1 values, +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, times
+    2 ** e) is a multiple of max / 120 in every value whatever its largest is, so its 8-bit codes
+    reproduce it to float32 rounding, where max / 127 rounds each value by up to half a step."""
+    def exact(s: np.ndarray) -> np.ndarray:
+        q = groups / s[..., None]
+        return (np.abs(q - np.rint(q)) <= 1e-3).all(axis=-1)
+
+    lattice = scales * (127 / LATTICE)
+    use = exact(lattice) & ~exact(scales)
+    return np.where(use, lattice, scales)
+
+
 def _symmetric(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     """(codes, scales) of ``w`` (experts, rows, input): round to nearest on a symmetric grid, one scale
     a block (``block``) or a row (0); codes offset to unsigned, two 4-bit codes a byte."""
@@ -236,6 +253,8 @@ def _symmetric(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.nda
     groups = w.reshape(experts, rows, width // block if block else 1, block or width)
     scales = np.abs(groups).max(axis=-1) / top
     scales[scales == 0] = 1.0
+    if bits == 8 and block:  # blocks on a coarser lattice (MXFP4's e2m1 times a power of two) kept exactly
+        scales = _lattice_scales(groups, scales)
     codes = np.clip(np.rint(groups / scales[..., None]), -top - 1, top).astype(np.int16) + 2 ** (bits - 1)
     codes = codes.reshape(experts, rows, width).astype(np.uint8)
     if bits == 4:

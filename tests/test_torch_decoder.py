@@ -246,6 +246,28 @@ def test_qmoe_computes_the_moe_of_its_dequantized_weights(bits, width, clamped):
     assert np.abs(got - want).max() < 1e-5
 
 
+def test_8_bit_experts_keep_mxfp4_blocks_exactly():
+    """gpt-oss's experts come as MXFP4 (e2m1 codes times a power of two a block of 32): at 8 bits each
+    such block is stored on max / 120, which holds every e2m1 value whatever the block's largest, so
+    the codes give the source back to float32 rounding; other blocks keep max / 127."""
+    import numpy as np
+
+    from slimml.quantize.experts import _symmetric
+
+    rng = np.random.default_rng(0)
+    fp4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    w = (fp4[rng.integers(0, 8, (2, 4, 128))] * rng.choice([-1, 1], (2, 4, 128))).reshape(2, 4, 4, 32)
+    w *= np.exp2(rng.integers(-9, -3, (2, 4, 4, 1)))
+    w[0, 0, 0] = rng.normal(size=32) * 0.01  # one block on no lattice
+    w = w.reshape(2, 4, 128).astype(np.float32)
+    codes, scales = _symmetric(w, 8, 32)
+    back = ((codes.astype(np.float32) - 128).reshape(2, 4, 4, 32) * scales[..., None]).reshape(w.shape)
+    err = np.abs(back - w).reshape(2, 4, 4, 32).max(-1) / np.abs(w).reshape(2, 4, 4, 32).max(-1)
+    assert err[0, 0, 0] > 1e-4 and np.isclose(scales[0, 0, 0], np.abs(w[0, 0, :32]).max() / 127)
+    err[0, 0, 0] = 0
+    assert err.max() < 1e-6
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_qmoe_at_accuracy_level_4_rounds_each_expert_input_to_int8_blocks(bits):
     """The decoder recipes' experts (``accuracy_level`` 4, blocks of 32 at 4 and 8 bits) run on
