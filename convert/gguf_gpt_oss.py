@@ -36,6 +36,7 @@ _O200K = "|".join((
     r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
 ))
 _PRE_TOKENIZERS = {"gpt-4o": _O200K}
+_STOPS = ("<|return|>", "<|call|>", "<|endoftext|>")  # gpt-oss's generation_config.json stops
 _NAMES = {  # llama.cpp's name in a block -> transformers' (gpt-oss)
     "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
     "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias",
@@ -188,7 +189,9 @@ def _tokenizer(reader: Any, folder: Path, config: dict[str, Any]) -> None:
     if template:
         fast.chat_template = str(template)
     fast.save_pretrained(str(folder))
-    ends = [config[k] for k in ("eos_token_id",) if k in config]
-    ends += [int(v) for k in ("eot", "eom") if (v := _field(reader, f"tokenizer.ggml.{k}_token_id")) is not None and int(v) not in ends]
+    # the answer ends at eos and at OpenAI's own stops (its generation_config's); not at <|end|> (a GGUF's
+    # eot), which closes each message of the harmony format, the reasoning before the answer among them
+    ends = [config["eos_token_id"]] if "eos_token_id" in config else []
+    ends += [i for i, t in enumerate(tokens) if t in _STOPS and types[i] in (3, 4) and i not in ends]
     GenerationConfig(bos_token_id=config.get("bos_token_id"), eos_token_id=ends or None,
                      pad_token_id=config.get("pad_token_id")).save_pretrained(str(folder))

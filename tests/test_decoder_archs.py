@@ -363,7 +363,7 @@ def _gpt_oss_gguf(folder, path, template: str) -> None:
     w.add_string("gpt-oss.rope.scaling.type", "yarn")
     state_bpe = json.loads(_bpe().to_str())["model"]
     vocab = sorted(state_bpe["vocab"], key=state_bpe["vocab"].get)
-    vocab += [f"<|reserved_{i}|>" for i in range(VOCAB - len(vocab) - 2)] + ["<|start|>", "<|return|>"]
+    vocab += [f"<|reserved_{i}|>" for i in range(VOCAB - len(vocab) - 3)] + ["<|end|>", "<|start|>", "<|return|>"]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-4o")
     w.add_token_list(vocab)
@@ -371,6 +371,7 @@ def _gpt_oss_gguf(folder, path, template: str) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state_bpe["merges"]])
     w.add_bos_token_id(VOCAB - 2)
     w.add_eos_token_id(VOCAB - 1)
+    w.add_eot_token_id(VOCAB - 3)  # <|end|>: closes each harmony message, not the answer
     w.add_chat_template(template)
 
     def ggml_mxfp4(blocks, scales):  # OpenAI's (..., n, 16) codes, low nibble first -> GGML's 17-byte blocks
@@ -446,7 +447,7 @@ def test_a_gpt_oss_gguf_is_read_by_slimml_and_keeps_its_mxfp4_codes(experts, tmp
     report = convert(tmp_path / "oss.gguf", tmp_path / "art", ConvertConfig(measure_latency=False))
     assert _exporter(tmp_path / "art") == FUSED and report.checks["top1_agreement"] == 1.0
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).float().eval()
-    ids = np.random.default_rng(0).integers(3, VOCAB - 2, size=(1, PROMPT))
+    ids = np.random.default_rng(0).integers(3, VOCAB - 3, size=(1, PROMPT))
     assert _generate(tmp_path / "art", ids) == _greedy(model, ids)
     from tokenizers import Tokenizer
 
@@ -455,6 +456,7 @@ def test_a_gpt_oss_gguf_is_read_by_slimml_and_keeps_its_mxfp4_codes(experts, tmp
     assert tok.decode(tok.encode(text).ids) == text and tok.encode("<|start|>").ids[-1] == VOCAB - 2  # one id
     manifest = json.loads((tmp_path / "art" / "manifest.json").read_text())
     assert (tmp_path / "art" / manifest["tokenizer"]["chat_template"]).read_text() == template
+    assert json.loads((tmp_path / "read" / "generation_config.json").read_text())["eos_token_id"] == [VOCAB - 1, 0]  # and <|endoftext|>
     assert manifest["source"]["gguf"]["gguf_file_type"] == (
         "MXFP4_MOE" if experts == "mxfp4" else "F32")
 
