@@ -236,13 +236,15 @@ def _lattice_scales(groups: np.ndarray, scales: np.ndarray) -> np.ndarray:
     the former does not: an MXFP4 block (gpt-oss: e2m1 values, +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}, times
     2 ** e) is a multiple of max / 120 in every value whatever its largest is, so its 8-bit codes
     reproduce it to float32 rounding, where max / 127 rounds each value by up to half a step."""
-    def exact(s: np.ndarray) -> np.ndarray:
-        q = groups / s[..., None]
-        return (np.abs(q - np.rint(q)) <= 1e-3).all(axis=-1)
-
     lattice = scales * (127 / LATTICE)
-    use = exact(lattice) & ~exact(scales)
+    use = _exact(groups, lattice) & ~_exact(groups, scales)
     return np.where(use, lattice, scales)
+
+
+def _exact(groups: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """Which blocks of ``groups`` (..., blocks, block) are whole multiples of their scale."""
+    q = groups / scales[..., None]
+    return (np.abs(q - np.rint(q)) <= 1e-3).all(axis=-1)
 
 
 def _symmetric(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
