@@ -79,9 +79,8 @@ def _config(reader: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         return value
 
     layers, experts = int(need("block_count")), int(need("expert_count"))
-    if "blk.0.ffn_gate_exps.weight" not in tensors or "blk.0.attn_sinks.weight" not in tensors:
-        raise SourceError("the gpt-oss GGUF lacks the experts or the attention sinks of its first layer "
-                          "(blk.0.ffn_gate_exps / blk.0.attn_sinks); download or re-make the file.")
+    if "blk.0.ffn_gate_exps.weight" not in tensors:
+        raise SourceError("the gpt-oss GGUF has no experts in its first layer (blk.0.ffn_gate_exps); download or re-make the file.")
     vocab = int(tensors["token_embd.weight"].shape[-1])
     config = {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": vocab,
@@ -124,8 +123,13 @@ def _layer(tensors: dict[str, Any], i: int) -> dict[str, np.ndarray]:
     """Layer ``i``'s tensors under transformers' gpt-oss names."""
     blk, out = f"blk.{i}.", {}
     for g, hf in _NAMES.items():
-        if blk + g in tensors:
-            out[f"model.layers.{i}.{hf}"] = _float(tensors[blk + g])
+        for name in (blk + g, blk + g.removesuffix(".weight")):  # (the sinks: without ".weight" in early files)
+            if name in tensors:
+                out[f"model.layers.{i}.{hf}"] = _float(tensors[name])
+                break
+    missing = [hf for hf in _NAMES.values() if f"model.layers.{i}.{hf}" not in out and not hf.endswith("bias")]
+    if missing:
+        raise SourceError(f"the gpt-oss GGUF has no {missing[0]} for layer {i} (llama.cpp's blk.{i}.*); download or re-make the file.")
     pre = f"model.layers.{i}.mlp.experts."
     gate, up, down = (tensors[f"{blk}ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
     if gate.tensor_type == MXFP4:  # gate/up rows interleaved, as OpenAI stores them: (experts, 2 inter, hidden / 32, ...)
