@@ -58,7 +58,7 @@ def gpt_oss_folder(path: Path, folder: Path) -> None:
            "lm_head.weight": "output.weight"}
     _save(folder / "model-top.safetensors", {hf: _float(tensors[g]) for hf, g in top.items() if g in tensors}, index)
     for i in range(config["num_hidden_layers"]):
-        _save(folder / f"model-layer{i:03d}.safetensors", _layer(tensors, i), index)
+        _save(folder / f"model-layer{i:03d}.safetensors", _layer(tensors, i, _all_mxfp4(tensors)), index)
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=1))
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     _tokenizer(reader, folder, config)
@@ -103,7 +103,7 @@ def _config(reader: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
             "beta_fast": float(_field(reader, f"{ARCH}.rope.scaling.yarn_beta_fast", 32.0)),
             "beta_slow": float(_field(reader, f"{ARCH}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}
-    if any(t.tensor_type == MXFP4 for name, t in tensors.items() if "_exps." in name):
+    if _all_mxfp4(tensors):  # (a file that mixes types has its experts written as floats)
         config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     for key in ("bos", "eos", "padding"):
@@ -113,14 +113,18 @@ def _config(reader: Any, tensors: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _all_mxfp4(tensors: dict[str, Any]) -> bool:
+    return all(t.tensor_type == MXFP4 for name, t in tensors.items() if name.endswith("_exps.weight"))
+
+
 def _float(t: Any) -> np.ndarray:
     from gguf.quants import dequantize
 
     return np.ascontiguousarray(dequantize(t.data, t.tensor_type), np.float32)
 
 
-def _layer(tensors: dict[str, Any], i: int) -> dict[str, np.ndarray]:
-    """Layer ``i``'s tensors under transformers' gpt-oss names."""
+def _layer(tensors: dict[str, Any], i: int, mxfp4: bool) -> dict[str, np.ndarray]:
+    """Layer ``i``'s tensors under transformers' gpt-oss names; ``mxfp4``: the experts as OpenAI's MXFP4 blocks."""
     blk, out = f"blk.{i}.", {}
     for g, hf in _NAMES.items():
         for name in (blk + g, blk + g.removesuffix(".weight")):  # (the sinks: without ".weight" in early files)
@@ -132,7 +136,7 @@ def _layer(tensors: dict[str, Any], i: int) -> dict[str, np.ndarray]:
         raise SourceError(f"the gpt-oss GGUF has no {missing[0]} for layer {i} (llama.cpp's blk.{i}.*); download or re-make the file.")
     pre = f"model.layers.{i}.mlp.experts."
     gate, up, down = (tensors[f"{blk}ffn_{k}_exps.weight"] for k in ("gate", "up", "down"))
-    if gate.tensor_type == MXFP4:  # gate/up rows interleaved, as OpenAI stores them: (experts, 2 inter, hidden / 32, ...)
+    if mxfp4:  # gate/up rows interleaved, as OpenAI stores them: (experts, 2 inter, hidden / 32, ...)
         (gb, gs), (ub, us) = _openai_mxfp4(gate), _openai_mxfp4(up)
         out[pre + "gate_up_proj_blocks"] = _interleave(gb, ub, axis=1)
         out[pre + "gate_up_proj_scales"] = _interleave(gs, us, axis=1)
