@@ -166,6 +166,12 @@ def test_for_language_model_picks_the_recipe():
     assert for_language_model(explicit, _lm_manifest()) is explicit
     lm = WeightOnlyConfig(bits=4, block_size=64, backend="lm", grid="fitted")
     assert for_language_model(lm, _lm_manifest()) is lm
+    bare = _lm_manifest()  # a decoder with no tokenizer: the CLI's blocks, computed at int8 (accuracy_level 4)
+    bare.tokenizer = None
+    q = for_language_model(WeightOnlyConfig(bits=4), bare)
+    assert (q.backend, q.block_size, q.accuracy_level) == ("ort", 32, 4)
+    encoder = SimpleNamespace(**{**vars(bare), "task": "feature-extraction"})  # not a decoder: as written
+    assert for_language_model(WeightOnlyConfig(bits=4), encoder).accuracy_level is None
 
 
 def test_a_bad_grid_is_refused():
