@@ -74,20 +74,15 @@ def make(name: str, out: Path) -> None:
     config = getattr(transformers, cls)(vocab_size=len(tok), initializer_range=0.2, **kw)
     config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    sys.path.insert(0, str(HERE.parent / "tests"))
+    from test_decoder_archs import _as_mxfp4, _lively_gpt_oss
+
     if name.startswith("gpt_oss"):  # biases and sinks that matter, gate values past the SwiGLU clamp
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n.endswith(("_bias", "sinks", "proj.bias", "router.bias")):
-                    p.normal_(0.0, 0.5)
-                elif n.endswith("gate_up_proj"):
-                    p.normal_(0.0, 2.0)
+        _lively_gpt_oss(model)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "tokenizer.model").unlink(missing_ok=True)  # the GGUF itself, saved as the slow tokenizer's file
     if name == "gpt_oss_mx":
-        sys.path.insert(0, str(HERE.parent / "tests"))
-        from test_decoder_archs import _as_mxfp4
-
         _as_mxfp4(out)
 
 
@@ -166,7 +161,8 @@ def main() -> None:
             folder, gguf, args.work / "art" / name)
         print(name, json.dumps(results[name]), flush=True)
     out = HERE / "results" / f"gguf_archs_{transformers.__version__}.json"
-    out.write_text(json.dumps({"transformers": transformers.__version__, "archs": results}, indent=1))
+    earlier = json.loads(out.read_text())["archs"] if out.is_file() else {}  # --archs: the others' rows stay
+    out.write_text(json.dumps({"transformers": transformers.__version__, "archs": {**earlier, **results}}, indent=1))
     print("wrote", out)
 
 

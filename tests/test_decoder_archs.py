@@ -253,14 +253,19 @@ def _mixture(name: str):
     shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape, **kw)).eval()
-    if model_type == "gpt_oss":  # biases and sinks that matter, gate values well past the clamp at 7
-        with torch.no_grad():
-            for n, param in model.named_parameters():
-                if n.endswith(("_bias", "sinks", "proj.bias", "router.bias")):
-                    param.normal_(0.0, 0.5)
-                elif n.endswith("gate_up_proj"):
-                    param.normal_(0.0, 2.0)
+    if model_type == "gpt_oss":
+        _lively_gpt_oss(model)
     return model
+
+
+def _lively_gpt_oss(model) -> None:
+    """A random gpt-oss whose biases and sinks matter and whose gate values go well past the clamp at 7."""
+    with torch.no_grad():
+        for n, param in model.named_parameters():
+            if n.endswith(("_bias", "sinks", "proj.bias", "router.bias")):
+                param.normal_(0.0, 0.5)
+            elif n.endswith("gate_up_proj"):
+                param.normal_(0.0, 2.0)
 
 
 @pytest.mark.parametrize("name", list(MIXTURES))
