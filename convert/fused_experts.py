@@ -110,15 +110,20 @@ def _interleaved(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 
 
+def mxfp4_values(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """OpenAI's MXFP4 ``_blocks`` (..., in / 32, 16 bytes, two codes a byte, low nibble first) and
+    ``_scales`` (..., in / 32) as float32 (..., in): each code's e2m1 value times ``2 ** (scale - 127)``."""
+    codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)  # (..., in / 32, 32)
+    return np.ldexp(FP4_VALUES[codes], scales.astype(np.int32)[..., None] - 127).reshape(*blocks.shape[:-2], -1)
+
+
 def _gpt_oss_experts(w: Any, name: str, e: Experts) -> Iterator[np.ndarray]:
     """Each expert's ``name`` weight as the op reads it (out, in): a float checkpoint's (in, out) transposed,
     or an MXFP4 one's ``_blocks`` (out, in / 32, 16 bytes, two codes a byte, low nibble first) times
     ``2 ** (scale - 127)`` per block of 32 (``_scales``), which OpenAI stores already (out, in)."""
     if name not in w and f"{name}_blocks" in w:
         for i in range(e.count):
-            blocks, scales = w.codes(f"{name}_blocks", i), w.codes(f"{name}_scales", i).astype(np.int32) - 127
-            codes = np.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], -1)  # (out, in / 32, 32)
-            yield np.ldexp(FP4_VALUES[codes], scales[..., None]).reshape(blocks.shape[0], -1)
+            yield mxfp4_values(w.codes(f"{name}_blocks", i), w.codes(f"{name}_scales", i))
         return
     for i in range(e.count):
         yield w.part(name, i).T

@@ -237,6 +237,11 @@ def streamed_reference(folder: Path) -> Any:
     reader = plain if plain.index else SafetensorsReader(folder)
 
     def tensor(name: str) -> Any:
+        if name not in reader and f"{name}_blocks" in plain:  # gpt-oss's MXFP4 experts (experts, out, in): the float (experts, in, out)
+            from slimml.convert.fused_experts import mxfp4_values
+
+            values = mxfp4_values(plain.codes(f"{name}_blocks"), plain.codes(f"{name}_scales"))
+            return torch.from_numpy(np.ascontiguousarray(values.swapaxes(-1, -2)))
         return torch.from_numpy(plain[name]) if reader is plain else reader.torch(name).to(torch.float32)
 
     from slimml.convert.fused_family import reference_kwargs

@@ -466,6 +466,21 @@ def test_a_gpt_oss_gguf_is_read_by_slimml_and_keeps_its_mxfp4_codes(experts, tmp
         "MXFP4_MOE" if experts == "mxfp4" else "F32")
 
 
+def test_a_gpt_oss_in_mxfp4_bigger_than_memory_is_checked_layer_by_layer(tmp_path, monkeypatch):
+    """gpt-oss-20b in MXFP4 (13 GB) is more than a third of a 24 GB machine, so its check runs torch one
+    layer at a time: that reference decodes the MXFP4 experts too (it read only float tensors)."""
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.weights import weight_bytes
+    from slimml.runtime.engine import budget
+
+    _mixture("gpt_oss").save_pretrained(tmp_path / "hf")
+    _as_mxfp4(tmp_path / "hf")
+    monkeypatch.setattr(budget, "available_memory", lambda: 2 * weight_bytes(tmp_path / "hf"))
+    report = convert(tmp_path / "hf", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["reference"].startswith("torch, layer by layer")
+    assert report.checks["top1_agreement"] == 1.0 and report.checks["max_abs_diff_vs_torch"] < 1e-4
+
+
 def test_a_bfloat16_checkpoint_is_checked_against_its_float32_computation(tmp_path):
     """transformers 5 loads a bf16 checkpoint in bf16 by default; the check computes the source in
     float32, as the artifact does (in bf16 the same weights' logits differ by about 1e-2)."""
