@@ -151,6 +151,52 @@ def test_processors_score_as_transformers_does():
         np.testing.assert_allclose(ours[np.isfinite(ours)], want[np.isfinite(want)], rtol=1e-6)
 
 
+def test_presence_and_frequency_penalties_count_the_answers_tokens_as_openai():
+    """OpenAI's formula: ``logit - count * frequency_penalty - (count > 0) * presence_penalty``,
+    where count is how often the answer (not the prompt) already holds the token; after the
+    repetition penalty, before temperature."""
+    rng = np.random.default_rng(2)
+    vocab, prompts = 50, [[1, 2, 3], [4]]
+    logits = (rng.standard_normal((2, vocab)) * 3).astype(np.float32)
+    config = GenerationConfig(temperature=0.5, presence_penalty=0.4, frequency_penalty=1.5, repetition_penalty=1.2)
+    sampler = Sampler(config, prompts, vocab)
+    made = [[7, 7, 9], [4, 4, 4]]
+    for step in zip(*made):
+        sampler.add(np.array(step))
+    want = logits.copy()
+    for row, ids in enumerate(prompts):
+        for t in set(ids) | set(made[row]):  # transformers' repetition penalty: prompt and answer
+            want[row, t] = want[row, t] / 1.2 if want[row, t] > 0 else want[row, t] * 1.2
+        for t in set(made[row]):  # OpenAI's: the answer only
+            want[row, t] -= made[row].count(t) * 1.5 + 0.4
+    np.testing.assert_allclose(sampler.scores(logits), want / 0.5, rtol=1e-6)
+    assert GenerationConfig().presence_penalty == 0 and Sampler(GenerationConfig(), prompts, vocab).counts is None
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"logprobs": 21}, {"logprobs": -1}, {"logprobs": 1.5}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            GenerationConfig(**bad)
+
+
+def test_log_probabilities_are_the_models_softmax_with_the_most_likely_alternatives(llama):
+    got = llama.generate(PROMPTS, max_new_tokens=8, logprobs=3)
+    assert [len(lp) for lp in got.logprobs] == [len(t) for t in got.tokens]
+    for lps, tokens in zip(got.logprobs, got.tokens):
+        assert [e.id for e in lps] == tokens
+        for e in lps:  # greedy: the chosen token is the most likely one
+            assert len(e.top) == 3 and e.top[0] == (e.id, e.logprob) and e.logprob <= 0
+            assert e.top[0][1] >= e.top[1][1] >= e.top[2][1]
+    # the first token's log-probability is the log-softmax of the prompt pass's last logits
+    ids = np.array([PROMPTS[0]])
+    cache = {t.name: np.zeros([1, t.shape[1], 0, *t.shape[3:]], np.float32)
+             for t in llama.manifest.inputs if t.name.startswith("past_key_values.")}
+    logits = llama.run({"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None],
+                        **cache})["logits"][0, -1].astype(np.float64)
+    lse = logits.max() + np.log(np.exp(logits - logits.max()).sum())
+    assert abs(got.logprobs[0][0].logprob - (logits[got.tokens[0][0]] - lse)) < 1e-4
+    sampled = llama.generate(PROMPTS, max_new_tokens=8, logprobs=0, temperature=1.0, seed=3)
+    assert sampled.tokens == llama.generate(PROMPTS, max_new_tokens=8, temperature=1.0, seed=3).tokens
+    assert all(e.top == () for lps in sampled.logprobs for e in lps) and llama.generate(PROMPTS).logprobs is None
+
+
 def test_sampling_draws_in_proportion_to_the_probabilities():
     rng = np.random.default_rng(1)
     for n in (5, 1000, 49152, 49153):

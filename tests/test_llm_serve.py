@@ -106,6 +106,40 @@ def test_streamed_chat_and_completions(client, local):
     assert text == r.choices[0].text
 
 
+def test_log_probabilities_as_openai_shows_them_equal_in_process(client, local):
+    """Chat's ``logprobs``/``top_logprobs`` and completions' ``logprobs``: one entry a token of the
+    answer, whose bytes put together are the answer's text, with the in-process log-probabilities;
+    streamed, the chunks carry the same entries."""
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    want = local.chat(MESSAGES, max_new_tokens=16, logprobs=3)
+    content = r.choices[0].logprobs.content
+    ended = r.choices[0].finish_reason == "stop"  # by the end-of-sequence id, whose text is no part of the answer
+    assert len(content) == len(want.logprobs[0]) - ended == r.usage.completion_tokens - ended
+    assert bytes(b for e in content for b in e.bytes).decode() == r.choices[0].message.content == want.texts[0]
+    for e, w in zip(content, want.logprobs[0]):
+        assert abs(e.logprob - w.logprob) < 1e-3 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy: the most likely
+    chunks = list(client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=16, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    plain = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    c = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 8
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(8)] and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_presence_and_frequency_penalties_change_the_answer_as_in_process(client, local):
+    messages = [{"role": "user", "content": "Count from 1 to 20."}]
+    r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=30, temperature=0,
+                                       frequency_penalty=1.5, presence_penalty=0.5)
+    want = local.chat(messages, max_new_tokens=30, frequency_penalty=1.5, presence_penalty=0.5)
+    assert r.choices[0].message.content == want.texts[0] != local.chat(messages, max_new_tokens=30).texts[0]
+
+
 def test_concurrent_requests_share_passes_and_each_gets_its_own_answer(client, local):
     prompts = [f"List {n} colours:" for n in range(2, 10)]
     want = {p: local.generate([p], max_new_tokens=10).texts[0] for p in prompts}
@@ -198,7 +232,10 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"messages": [{"role": "user", "content": []}]}, "is an empty list of parts"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "this model takes text only: send text parts"),
-    ({"logprobs": True}, '"logprobs" True is not supported by this server; leave it out'),
+    ({"logprobs": "yes"}, '"logprobs" must be true or false'),
+    ({"top_logprobs": 3}, '"top_logprobs" needs "logprobs": true'),
+    ({"top_logprobs": 21, "logprobs": True}, '"top_logprobs" must be a whole number from 0 to 20'),
+    ({"frequency_penalty": 2.5}, '"frequency_penalty" must be a number from -2 to 2'),
     ({"response_format": {"type": "json_object"}}, '"response_format"'),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, '"tools"'),
     ({"presence_penalty": "x"}, '"presence_penalty" must be a number from -2 to 2'),

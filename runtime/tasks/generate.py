@@ -25,7 +25,7 @@ from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.lookup import lookup_loop
 from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_loop
 from slimml.runtime.tasks.generation.prompts import Prompts, prepare
-from slimml.runtime.tasks.generation.sampling import Sampler
+from slimml.runtime.tasks.generation.sampling import Sampler, TokenLogprob, token_logprobs
 from slimml.runtime.tasks.generation.stopping import TextStream
 
 _templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ChatTemplate, compiled once
@@ -49,6 +49,9 @@ class Generation:
         cached_tokens: of those, the tokens whose KV cache was copied from the model's prefix
             store instead of prefilled (:meth:`CausalLM.prefix_cache`).
         prefill_s: wall time of the first pass (the prompts; time to the first token).
+        logprobs: with ``GenerationConfig.logprobs`` set, per prompt, one
+            :class:`~slimml.runtime.tasks.generation.sampling.TokenLogprob` for each of ``tokens``
+            (the chosen token's log-probability under the model and the most likely alternatives).
     """
 
     tokens: list[list[int]]
@@ -60,6 +63,7 @@ class Generation:
     prefill_s: float = 0.0
     extra: dict = field(default_factory=dict)
     finish_reasons: list[str] = field(default_factory=list)
+    logprobs: list[list[TokenLogprob]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -235,6 +239,7 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
     new: list[list[int]] = [[] for _ in range(batch)]
     finish = ["length"] * batch
     done = np.zeros(batch, dtype=bool)
+    logprobs: list[list[TokenLogprob]] | None = None if config.logprobs is None else [[] for _ in range(batch)]
     sampler: Sampler | None = None
     prefill_s = 0.0
     for step in range(job.steps):
@@ -246,7 +251,11 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
             sampler = Sampler(config, job.ids, logits.shape[-1], job.end_ids)
         nxt = np.where(done, job.pad_id, sampler(logits))  # (B,); a finished prompt's row is ignored
         was = done.copy()
-        for i in np.flatnonzero(~done):
+        live = np.flatnonzero(~done)
+        if logprobs is not None:
+            for i, lp in zip(live, token_logprobs(logits[live], nxt[live], config.logprobs)):
+                logprobs[i].append(lp)
+        for i in live:
             token = int(nxt[i])
             new[i].append(token)
             if token in job.end_ids:
@@ -272,4 +281,4 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
             yield int(i), piece
     return Generation(tokens=new, texts=[t.text for t in texts] if texts is not None and job.texts else None,
                       seconds=time.perf_counter() - t0, passes=loop.passes, prompt_tokens=sum(map(len, job.ids)),
-                      cached_tokens=loop.cached, prefill_s=prefill_s, finish_reasons=finish)
+                      cached_tokens=loop.cached, prefill_s=prefill_s, finish_reasons=finish, logprobs=logprobs)

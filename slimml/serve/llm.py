@@ -124,6 +124,7 @@ class LLMService:
         self.max_tokens = max_tokens
         self.max_text_chars = max_text_chars
         self.worker = DecodeWorker(model, max_running, max_waiting, prefill_tokens, prefix_bytes)
+        self._token_bytes = None  # TokenBytes, made on the first request that asks for log-probabilities
 
     async def answer(self, data: dict[str, Any], chat: bool):
         """The response to a chat (``chat=True``) or completions body: a whole JSON body, or an
@@ -136,13 +137,13 @@ class LLMService:
         events: asyncio.Queue = asyncio.Queue()
         seq = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
         self.worker.submit(seq)
-        answer = openai.Answer(req, self.name)
+        answer = openai.Answer(req, self.name, self._bytes_of_tokens() if req.logprobs is not None else None)
         if req.stream:
             return self._stream(seq, events, answer)
         try:
             text = []
             while True:
-                kind, value = await events.get()
+                kind, value, _ = await events.get()
                 if kind == "text":
                     text.append(value)
                 else:
@@ -150,7 +151,19 @@ class LLMService:
         finally:
             seq.cancel()  # no-op once finished; a client gone mid-answer frees the batch's row
         self._raise_failure(seq)
-        return answer.whole("".join(text), seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached)
+        return answer.whole("".join(text), seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached,
+                            _answer_logprobs(seq, 0, None))
+
+    def _bytes_of_tokens(self):
+        if self._token_bytes is None:
+            from slimml.runtime.tasks.generation.detokenize import TokenBytes
+            from slimml.runtime.tasks.generation.prompts import untruncated
+
+            if self.model.text is None:
+                raise RequestError("this model has no tokenizer, so its tokens have no text to show log-probabilities "
+                                   "for; leave out logprobs.", param="logprobs")
+            self._token_bytes = TokenBytes(untruncated(self.model.text))
+        return self._token_bytes
 
     def _sequence(self, req: openai.CompletionRequest, loop: asyncio.AbstractEventLoop, put) -> Sequence:
         """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop`` (runs on
@@ -175,16 +188,19 @@ class LLMService:
         if req.max_tokens is None and context is not None and ids is not None:  # OpenAI's: up to the context
             limit = max(1, min(limit, context - len(ids)))
         config = GenerationConfig(max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, repetition_penalty=req.repetition_penalty, seed=req.seed,
-                                  stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
+                                  top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                  logprobs=req.logprobs, seed=req.seed, stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
+        box: list[Sequence] = []  # each piece goes out with the count of tokens made when it was handed out
         try:  # the prompt's length within the context, with max_tokens: refused here with the limits
             seq = self.worker.batch.prepare(
                 prompt if ids is None else ids, config, raw_text=raw,
-                on_text=lambda piece: loop.call_soon_threadsafe(put, ("text", piece)),
-                on_done=lambda s: loop.call_soon_threadsafe(put, ("done", s)))
+                on_text=lambda piece: loop.call_soon_threadsafe(put, ("text", piece, len(box[0].logprobs))),
+                on_done=lambda s: loop.call_soon_threadsafe(put, ("done", s, len(s.logprobs))))
         except FeedError as e:  # the prompt (or a stop string) against the context and the batch's budget
             field = "stop" if str(e).startswith("stop") else "messages" if req.chat else "prompt"
             raise RequestError(str(e), param=field) from None
+        box.append(seq)
         return seq
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:
@@ -202,16 +218,18 @@ class LLMService:
         return untruncated(self.model.text).encode(prompt, add_special_tokens=not raw).ids
 
     async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer) -> AsyncIterator[bytes]:
+        sent = 0  # tokens whose log-probabilities went out with a chunk
         try:
             while True:
-                kind, value = await events.get()
+                kind, value, made = await events.get()
                 if kind == "text":
-                    yield openai.sse(answer.chunk(value))
+                    yield openai.sse(answer.chunk(value, logprobs=_answer_logprobs(seq, sent, made)))
+                    sent = made
                     continue
                 if seq.finish_reason == "error":
                     yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "param": None, "code": 500}})
                 else:
-                    yield openai.sse(answer.chunk("", seq.finish_reason))
+                    yield openai.sse(answer.chunk("", seq.finish_reason, _answer_logprobs(seq, sent, None)))
                     if answer.req.include_usage:
                         yield openai.sse(answer.usage_chunk(len(seq.ids), len(seq.tokens), seq.cached))
                 yield openai.sse("[DONE]")
@@ -261,6 +279,12 @@ def _check_context(tokens: int, max_tokens: int | None, context: int, field: str
         raise RequestError(f"the prompt's {tokens} tokens plus max_tokens={max_tokens} are more than this model's context "
                            f"of {context}; ask for at most {context - tokens} tokens, or shorten {field}.",
                            param="max_tokens")
+
+
+def _answer_logprobs(seq: Sequence, start: int, end: int | None) -> list:
+    """The log-probabilities of ``seq``'s tokens ``start:end`` that are part of its answer (not
+    the end-of-sequence id that closed it, whose text is no part of the content)."""
+    return [e for e in seq.logprobs[start:end] if e.id not in seq.end_ids]
 
 
 def _failure(seq: Sequence) -> str:

@@ -14,12 +14,13 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from slimml.errors import RequestError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
+MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs: OpenAI's limits
 # fields a client may send that change nothing here, accepted so that standard clients work
 _IGNORED = {"model", "user", "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
             "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", "service_tier",
@@ -37,6 +38,9 @@ class CompletionRequest:
         prompt: the prompt text (completions) or token ids.
         max_tokens: tokens to generate at most (None: up to the context).
         temperature, top_p, top_k, repetition_penalty, seed: sampling (temperature 0 is greedy).
+        presence_penalty, frequency_penalty: OpenAI's penalties on the answer's own tokens.
+        logprobs: None, or return each token's log-probability with this many alternatives (chat:
+            ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs``).
         stop: up to 4 strings that end the answer (not included in it).
         stream: send server-sent events; include_usage: a last chunk with ``usage``.
     """
@@ -49,6 +53,9 @@ class CompletionRequest:
     top_p: float = 1.0
     top_k: int = 0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -59,7 +66,7 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     """Check a chat (``chat=True``) or completions request body; ``max_tokens_limit`` is the
     server's cap on ``max_tokens`` (the context is checked once the prompt is tokenized). Fields
     this server does not use are ignored, as OpenAI's are; those that would change the answer
-    in a way it cannot give (``logprobs``, ``echo``, ``best_of``, JSON mode, ``tools``) are refused."""
+    in a way it cannot give (``echo``, ``best_of``, JSON mode, ``tools``) are refused."""
     req = CompletionRequest(chat=chat)
     _refuse_unsupported(data)
     if chat:
@@ -80,8 +87,9 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     req.temperature = _number(data, "temperature", 1.0, 0.0, 2.0, "from 0 to 2 (0 is greedy)")
     req.top_p = _number(data, "top_p", 1.0, 0.0, 1.0, "in (0, 1]", open_low=True)
     req.repetition_penalty = _number(data, "repetition_penalty", 1.0, 0.0, 10.0, "in (0, 10]", open_low=True)
-    for key in ("presence_penalty", "frequency_penalty"):  # accepted and ignored, as OpenAI's defaults; checked all the same
-        _number(data, key, 0.0, -2.0, 2.0, "from -2 to 2")
+    req.presence_penalty = _number(data, "presence_penalty", 0.0, -2.0, 2.0, "from -2 to 2")
+    req.frequency_penalty = _number(data, "frequency_penalty", 0.0, -2.0, 2.0, "from -2 to 2")
+    req.logprobs = _logprobs(data, chat)
     top_k = data.get("top_k", 0)
     if top_k is None:
         top_k = 0
@@ -115,23 +123,46 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
 
 def _refuse_unsupported(data: dict[str, Any]) -> None:
     """Refuse the OpenAI fields that would change the answer in a way this server cannot give
-    (log-probabilities, echo, several candidates, JSON mode, tool calls), rather than ignore them
+    (echo, several candidates, JSON mode, tool calls), rather than ignore them
     and answer something else than asked; their "off" values pass."""
     asks = {
-        "logprobs": data.get("logprobs") not in (None, False, 0),
-        "top_logprobs": data.get("top_logprobs") not in (None, 0),
         "echo": data.get("echo") not in (None, False),
         "best_of": data.get("best_of") not in (None, 1),
         "response_format": isinstance(data.get("response_format"), dict)
                            and data["response_format"].get("type") not in (None, "text"),
         "tools": bool(data.get("tools")) and data.get("tool_choice") != "none",
     }
-    fixes = {"logprobs": "leave it out", "top_logprobs": "leave it out", "echo": "leave it out (the prompt is what you sent)",
+    fixes = {"echo": "leave it out (the prompt is what you sent)",
              "best_of": "leave it out, or send 1", "response_format": 'leave it out, or send {"type": "text"}',
              "tools": "leave it out (this model answers in plain text)"}
     for key, asked in asks.items():
         if asked:
             raise RequestError(f'"{key}" {_show(data[key])} is not supported by this server; {fixes[key]}.', param=key)
+
+
+def _logprobs(data: dict[str, Any], chat: bool) -> int | None:
+    """The alternatives to return beside each token's log-probability, or None (off): chat's
+    ``logprobs: true`` with ``top_logprobs`` (0 to 20), completions' ``logprobs`` (0 to 5)."""
+    most = MAX_TOP_LOGPROBS[chat]
+    if chat:
+        on, top = data.get("logprobs"), data.get("top_logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise RequestError(f'"logprobs" must be true or false, got {_show(on)}.', param="logprobs")
+        if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= most:
+                raise RequestError(f'"top_logprobs" must be a whole number from 0 to {most}, got {_show(top)}.',
+                                   param="top_logprobs")
+            if not on:
+                raise RequestError('"top_logprobs" needs "logprobs": true; add it, or drop "top_logprobs".',
+                                   param="top_logprobs")
+        return (top or 0) if on else None
+    k = data.get("logprobs")
+    if k is None:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= most:
+        raise RequestError(f'"logprobs" must be a whole number from 0 to {most} (the alternatives to return beside each '
+                           f"token) or null, got {_show(k)}.", param="logprobs")
+    return k
 
 
 def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
@@ -216,9 +247,11 @@ def _show(v: Any) -> str:
 class Answer:
     """Builds the response bodies and stream chunks of one request."""
 
-    def __init__(self, req: CompletionRequest, model: str):
+    def __init__(self, req: CompletionRequest, model: str, token_bytes: Callable[[int], bytes] | None = None):
         self.req = req
         self.model = model
+        self.token_bytes = token_bytes  # a token id's own bytes, for log-probabilities
+        self._offset = 0  # completions' text_offset of the next token
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self._first = True
@@ -232,32 +265,60 @@ class Answer:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-              cached_tokens: int = 0) -> dict[str, Any]:
-        """The non-streamed response."""
+    def logprobs(self, entries: list | None) -> dict[str, Any] | None:
+        """OpenAI's ``logprobs`` of a choice for ``entries`` (:class:`TokenLogprob`), or None when
+        the request did not ask: chat's ``content`` list, completions' parallel lists."""
+        if self.req.logprobs is None or entries is None:
+            return None
+        def show(token: int) -> tuple[str, bytes]:
+            raw = self.token_bytes(token) if self.token_bytes is not None else b""
+            return raw.decode("utf-8", errors="replace"), raw
+
         if self.req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            content = []
+            for e in entries:
+                text, raw = show(e.id)
+                top = [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in ((*show(i), lp) for i, lp in e.top)]
+                content.append({"token": text, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        tokens, offsets = [], []
+        for e in entries:
+            text, _ = show(e.id)
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{show(i)[0]: lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0, logprobs: list | None = None) -> dict[str, Any]:
+        """The non-streamed response; ``logprobs``: the answer's :class:`TokenLogprob` entries."""
+        if self.req.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs),
                       "finish_reason": finish_reason}
             body = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
             body = self._head("text_completion")
         body["choices"] = [choice]
         body["usage"] = self.usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
-    def chunk(self, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-        """One streamed piece of text (or the last, with its finish reason)."""
+    def chunk(self, text: str, finish_reason: str | None = None, logprobs: list | None = None) -> dict[str, Any]:
+        """One streamed piece of text (or the last, with its finish reason); ``logprobs``: the
+        :class:`TokenLogprob` entries of the tokens made since the chunk before."""
         if self.req.chat:
             delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
             if self._first:
                 delta = {"role": "assistant", **delta}
             self._first = False
             body = self._head("chat.completion.chunk")
-            body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+            body["choices"] = [{"index": 0, "delta": delta, "logprobs": self.logprobs(logprobs),
+                                "finish_reason": finish_reason}]
         else:
             body = self._head("text_completion")
-            body["choices"] = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+            body["choices"] = [{"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
+                                "finish_reason": finish_reason}]
         if self.req.include_usage:
             body["usage"] = None
         return body

@@ -9,6 +9,7 @@ from typing import Any
 
 from slimml.errors import ConfigError
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; more than a handful is a mistake, not a use
 
 
@@ -29,6 +30,14 @@ class GenerationConfig:
             1 turns it off.
         repetition_penalty: logits of tokens already in the prompt or the output are divided by it
             (multiplied where negative), as transformers does; 1 turns it off.
+        presence_penalty: subtracted from the logit of every token the answer already holds, as
+            OpenAI's ``presence_penalty`` (from -2 to 2; 0 turns it off). Counts the answer's tokens
+            only, not the prompt's.
+        frequency_penalty: subtracted from a token's logit once for every time the answer already
+            holds it, as OpenAI's ``frequency_penalty`` (from -2 to 2; 0 turns it off).
+        logprobs: also return each new token's log-probability under the model (its softmax before
+            any processor) and this many most likely alternatives, as OpenAI's ``top_logprobs``
+            (0 to 20); None turns it off. ``Generation.logprobs`` holds them.
         seed: seeds numpy's ``Generator`` for sampling. Each prompt draws from its own generator,
             so the same seed gives a prompt the same tokens alone or in any batch (the same prompt
             twice in a batch too); a list gives one seed per prompt. None draws fresh seeds.
@@ -55,6 +64,9 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
     seed: int | tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -71,6 +83,11 @@ class GenerationConfig:
         _whole("top_k", self.top_k, 0, "(0 turns it off)")
         _number("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
         _number("repetition_penalty", self.repetition_penalty, "> 0 (1 turns it off)", lambda v: v > 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            _number(name, getattr(self, name), "from -2 to 2 (0 turns it off)", lambda v: -2 <= v <= 2)
+        if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ConfigError(f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the alternatives to return "
+                              f"beside each token's own log-probability) or None (off), got {self.logprobs!r}.")
         seed = self.seed
         if seed is not None and not is_int(seed) and not (
                 isinstance(seed, (list, tuple)) and seed and all(is_int(v) for v in seed)):

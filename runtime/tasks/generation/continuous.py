@@ -30,7 +30,7 @@ from slimml.runtime.tasks.generation.loop import _empty_cache
 from slimml.runtime.tasks.generation.prefix import PrefixStore
 from slimml.runtime.tasks.generation.prompts import prepare
 from slimml.runtime.tasks.generation.rows import GrowingRows, SlotRows
-from slimml.runtime.tasks.generation.sampling import Sampler
+from slimml.runtime.tasks.generation.sampling import Sampler, TokenLogprob, token_logprobs
 from slimml.runtime.tasks.generation.stopping import TextStream
 
 PREFILL_TOKENS = 512  # prompt tokens (padding included) prefilled between two steps, beyond the first prompt
@@ -59,6 +59,7 @@ class Sequence:
     text: TextStream | None = None
     prefix: list | None = None  # the stored blocks its prompt begins with, once looked up (until its prefill)
     cached: int = 0  # prompt positions copied from the prefix store instead of prefilled
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, with config.logprobs set
     _cancelled: bool = False
 
     def cancel(self) -> None:
@@ -216,6 +217,8 @@ class ContinuousBatch:
         """Sample ``s``'s next token from its (1, vocab) logits and hand out its text; False once
         ``s`` is finished."""
         token = int(s.sampler(logits)[0])
+        if s.config.logprobs is not None:  # before its text is handed out: a reader of that text finds it
+            s.logprobs += token_logprobs(logits, np.array([token]), s.config.logprobs)
         if s.first_token_s is None:
             s.first_token_s = time.perf_counter() - s.submitted
         s.tokens.append(token)

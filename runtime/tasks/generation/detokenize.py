@@ -51,3 +51,47 @@ class Detokenizer:
             return ""  # a special token (skipped), or the first bytes of a character
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before) :]
+
+
+class TokenBytes:
+    """Each token's own bytes, as OpenAI's log-probabilities show a token (``token`` and ``bytes``):
+    a byte-level BPE token's characters mapped back to its bytes, a SentencePiece byte-fallback
+    token (``<0xE2>``) as its byte, ``▁`` as a space. A token that holds part of a character has
+    bytes that are not UTF-8 on their own; its text shows U+FFFD there."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        import json
+
+        self.tokenizer = tokenizer
+        decoder = json.dumps(json.loads(tokenizer.to_str()).get("decoder"))
+        self.byte_level = '"ByteLevel"' in decoder
+        self.unbyte = {c: b for b, c in _bytes_to_unicode().items()}
+
+    def __call__(self, token: int) -> bytes:
+        piece = self.tokenizer.id_to_token(int(token))
+        if piece is None:
+            return b""
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        if self.byte_level and all(c in self.unbyte for c in piece):
+            return bytes(self.unbyte[c] for c in piece)
+        return piece.replace("\u2581", " ").encode()
+
+    def text(self, token: int) -> str:
+        return self(token).decode("utf-8", errors="replace")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out

@@ -1,7 +1,8 @@
 """The next token from the last position's logits, with numpy.
 
 The processors run in the order transformers runs them (``_get_logits_processor``): repetition
-penalty, then temperature, top-k and top-p, each keeping the tokens transformers keeps, so that a
+penalty (then OpenAI's presence and frequency penalties, over the answer's own tokens), then
+temperature, top-k and top-p, each keeping the tokens transformers keeps, so that a
 transformers user's settings mean the same here. Sampling draws one uniform number per prompt per
 step from its own ``numpy.random.Generator`` seeded by ``seed``, as a served request draws from
 its own: the same seed, prompt and model give the same tokens, alone or in a batch of any size (so
@@ -15,6 +16,8 @@ whole vocabulary, unless the nucleus really spans most of it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from slimml.runtime.tasks.generation.config import GenerationConfig
@@ -22,8 +25,44 @@ from slimml.runtime.tasks.generation.config import GenerationConfig
 NUCLEUS_CANDIDATES = 256  # top-p looks among this many most likely tokens first (x4 until they hold p)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One chosen token's log-probability under the model, and the most likely alternatives.
+
+    Attributes:
+        id: the token chosen.
+        logprob: its natural log-probability: the log-softmax of the model's logits at that step,
+            before any processor (temperature, top-k/p, penalties), as OpenAI reports it.
+        top: ``(id, logprob)`` of the most likely tokens at that step, most likely first
+            (``GenerationConfig.logprobs`` of them).
+    """
+
+    id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, chosen: np.ndarray, k: int) -> list[TokenLogprob]:
+    """(B, vocab) logits of one step and the (B,) tokens chosen from them -> each row's
+    :class:`TokenLogprob` with its ``k`` most likely alternatives."""
+    out = []
+    for row, token in zip(logits, chosen):
+        v = row.astype(np.float32, copy=False)
+        m = float(v.max())
+        lse = m + float(np.log(np.exp(v - m, dtype=np.float32).sum(dtype=np.float64)))
+        top: tuple[tuple[int, float], ...] = ()
+        if k:
+            kk = min(k, len(v))
+            ids = np.argpartition(v, len(v) - kk)[len(v) - kk:]
+            ids = ids[np.argsort(-v[ids], kind="stable")]
+            top = tuple((int(i), float(v[i]) - lse) for i in ids)
+        out.append(TokenLogprob(int(token), float(v[int(token)]) - lse, top))
+    return out
+
+
 class Sampler:
-    """Picks each prompt's next token; remembers the tokens seen for the repetition penalty.
+    """Picks each prompt's next token; remembers the tokens seen for the repetition penalty, and
+    the answer's token counts for the presence and frequency penalties.
 
     Args:
         config: the checked generation settings.
@@ -43,6 +82,9 @@ class Sampler:
             self.seen = np.zeros((len(prompts), vocab), dtype=bool)
             for row, ids in enumerate(prompts):
                 self.seen[row, [i for i in ids if 0 <= i < vocab]] = True
+        self.counts: np.ndarray | None = None  # (B, vocab) int32: each token's count in the answer so far
+        if config.presence_penalty or config.frequency_penalty:
+            self.counts = np.zeros((len(prompts), vocab), dtype=np.int32)
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         """(B, vocab) logits of the last position -> (B,) int64 token ids."""
@@ -74,23 +116,29 @@ class Sampler:
         self.made += 1
         if self.seen is not None:
             self.seen[np.arange(len(ids)), ids] = True
+        if self.counts is not None:
+            np.add.at(self.counts, (np.arange(len(ids)), ids), 1)
 
     def _penalised(self, logits: np.ndarray) -> np.ndarray:
         """Repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``): a seen token's
         logit is divided by the penalty where positive, multiplied where negative; end ids at -inf
-        before ``min_new_tokens`` (``MinNewTokensLengthLogitsProcessor``)."""
+        before ``min_new_tokens`` (``MinNewTokensLengthLogitsProcessor``); then OpenAI's penalties:
+        ``logit - count * frequency_penalty - (count > 0) * presence_penalty`` over the answer's tokens."""
         early = self.made < self.config.min_new_tokens and len(self.ends)
-        if self.seen is None and not early:
+        if self.seen is None and self.counts is None and not early:
             return logits.astype(np.float32, copy=False)
         scores = logits.astype(np.float32, copy=True)
         if early:
             scores[:, self.ends] = -np.inf
-        if self.seen is None:
-            return scores
-        rows, cols = np.nonzero(self.seen)
-        v = scores[rows, cols]
-        p = np.float32(self.config.repetition_penalty)
-        scores[rows, cols] = np.where(v < 0, v * p, v / p)
+        if self.seen is not None:
+            rows, cols = np.nonzero(self.seen)
+            v = scores[rows, cols]
+            p = np.float32(self.config.repetition_penalty)
+            scores[rows, cols] = np.where(v < 0, v * p, v / p)
+        if self.counts is not None:
+            rows, cols = np.nonzero(self.counts)
+            n = self.counts[rows, cols].astype(np.float32)
+            scores[rows, cols] -= n * np.float32(self.config.frequency_penalty) + np.float32(self.config.presence_penalty)
         return scores
 
     def _keep(self, s: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
