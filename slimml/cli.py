@@ -465,6 +465,9 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens only (0: off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off).")] = 1.0,
     repetition_penalty: Annotated[float, typer.Option(help="Divide the logits of tokens already seen by this (1: off).")] = 1.0,
+    presence_penalty: Annotated[float, typer.Option(help="Subtract this from the logit of every token the answer already holds (OpenAI's; -2 to 2, 0: off).")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(help="Subtract this from a token's logit for each time the answer already holds it (OpenAI's; -2 to 2, 0: off).")] = 0.0,
+    logprobs: Annotated[Optional[int], typer.Option(help="With --json: each new token's log-probability and this many most likely alternatives (0 to 20).", show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option(min=0, help="Seed for sampling: the same seed gives the same text.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop where this text appears; it is not printed (repeat).")] = None,
     stop_token_id: Annotated[Optional[list[int]], typer.Option("--stop-token-id", help="Stop after this token id, beside the end-of-sequence ones (repeat).")] = None,
@@ -482,8 +485,11 @@ def generate(
     from slimml.runtime.tasks.generation import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop or ()),
+                              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                              frequency_penalty=frequency_penalty, logprobs=logprobs, seed=seed, stop=tuple(stop or ()),
                               stop_token_ids=tuple(stop_token_id or ()), truncate=truncate, prompt_lookup=prompt_lookup)
+    if logprobs is not None and not as_json:
+        raise ConfigError("--logprobs adds each token's log-probabilities to the JSON output; add --json.")
     if system is not None and not chat:
         raise ConfigError("--system is a chat message; add --chat, or put the text in --prompt.")
     prompt = [*(prompts or ()), *(prompt or ())]
@@ -518,8 +524,12 @@ def generate(
         err.print(f"{made} tokens in {seconds:.2f} s ({made / seconds if seconds else 0:.1f} tokens/s)")
         return
     if as_json:
-        print(json.dumps({"texts": result.texts, "tokens": result.tokens, "finish_reasons": result.finish_reasons,
-                          "seconds": round(result.seconds, 3), "tokens_per_s": round(result.tokens_per_s, 2)}))
+        out = {"texts": result.texts, "tokens": result.tokens, "finish_reasons": result.finish_reasons,
+               "seconds": round(result.seconds, 3), "tokens_per_s": round(result.tokens_per_s, 2)}
+        if getattr(result, "logprobs", None) is not None:
+            out["logprobs"] = [[{"id": e.id, "logprob": e.logprob, "top": [list(t) for t in e.top]} for e in row]
+                               for row in result.logprobs]
+        print(json.dumps(out))
         return
     err.print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s)")
 

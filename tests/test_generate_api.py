@@ -224,6 +224,15 @@ def test_cli_prints_prompts_as_text_with_system_and_stop_ids(llama, bpe, tiny_ll
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tokens"] == llama.chat(messages, max_new_tokens=8, stop_token_ids=[stop]).tokens
     assert want.tokens  # the plain prompt ran as text, not markup
+    r = slimml("--prompt", "hi", "--frequency-penalty", 1.5, "--presence-penalty", 0.5, "--max-new-tokens", 8, "--json",
+               "--logprobs", 2)
+    assert r.returncode == 0, r.stderr
+    got, want = json.loads(r.stdout), llama.generate(["hi"], max_new_tokens=8, frequency_penalty=1.5, presence_penalty=0.5,
+                                                      logprobs=2)
+    assert got["tokens"] == want.tokens and [e["id"] for e in got["logprobs"][0]] == want.tokens[0]
+    assert [len(e["top"]) for e in got["logprobs"][0]] == [2] * len(want.tokens[0])
+    r = slimml("--prompt", "hi", "--logprobs", 2)
+    assert r.returncode == 1 and r.stderr == "error: --logprobs adds each token's log-probabilities to the JSON output; add --json.\n"
     gemma = with_tokenizer(tiny_llama_past_artifact, tmp_path / "gemma", bpe, GEMMA)
     r = subprocess.run([sys.executable, "-m", "slimml", "generate", str(gemma), "--prompt", "hi", "--chat", "--system", "x"],
                        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
