@@ -18,6 +18,7 @@ from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime import load
 from slimml.runtime.artifact.manifest import file_entry, read_manifest
 from slimml.runtime.tasks.generate import chat_prompt
+from slimml.runtime.tasks.generation import GenerationConfig
 from slimml.runtime.tasks.generation.chat import ChatTemplate
 from slimml.runtime.tasks.generation.prompts import special_stops
 from slimml.runtime.tasks.generation.stopping import TextStream
@@ -275,3 +276,53 @@ def test_smollm2_batch_of_very_different_lengths_is_greedy_as_transformers(smol)
     penalised = model.generate(prompts[1:], max_new_tokens=8, eos_token_id=(), repetition_penalty=1.3, temperature=0.7,
                                do_sample=False)
     assert penalised.tokens == [reference(p, repetition_penalty=1.3) for p in prompts[1:]]
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+                                           "city": {"enum": ["Paris", "Rome", "Oslo"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def smol_model(smollm2_artifact):
+    return load(smollm2_artifact)
+
+
+def test_response_format_holds_the_answer_to_json_a_schema_a_regex_or_a_grammar(smol_model):
+    """SmolLM2, greedy and sampled: every answer parses, in the schema's shape, and ends by itself
+    (the end-of-sequence id comes once the format is complete)."""
+    messages = [{"role": "user", "content": "Describe a person (name, age, city) as JSON."}]
+    free = smol_model.chat(messages, max_new_tokens=40)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(free.texts[0])  # left free, this model fences its JSON in markdown and goes on talking
+    schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for options in ({}, {"temperature": 1.0, "seed": 4}, {"temperature": 0.7, "top_p": 0.95, "seed": 9}):
+        got = smol_model.chat(messages, max_new_tokens=60, response_format={"type": "json_object"}, **options)
+        assert isinstance(json.loads(got.texts[0]), dict) and got.finish_reasons == ["stop"], got.texts
+        got = smol_model.chat(messages, max_new_tokens=60, response_format=schema, **options)
+        person = json.loads(got.texts[0])
+        assert list(person) == ["name", "age", "city"] and isinstance(person["name"], str), person
+        assert isinstance(person["age"], int) and person["age"] >= 0 and person["city"] in {"Paris", "Rome", "Oslo"}
+    yes = smol_model.chat([{"role": "user", "content": "Is Paris in France?"}], max_new_tokens=8,
+                          response_format={"type": "regex", "regex": "(yes|no)"})
+    assert yes.texts[0] in {"yes", "no"} and yes.finish_reasons == ["stop"]
+    digits = smol_model.generate(["The year was"], max_new_tokens=12,
+                                 response_format={"type": "grammar", "grammar": 'start: " " /[0-9]{4}/ "."'})
+    assert len(digits.texts[0]) == 6 and digits.texts[0][1:5].isdigit() and digits.texts[0].endswith(".")
+    assert smol_model.chat(messages, max_new_tokens=8, response_format={"type": "text"}).tokens == \
+        smol_model.chat(messages, max_new_tokens=8).tokens
+
+
+@pytest.mark.parametrize("response_format, words", [
+    ({"type": "xml"}, "response_format type 'xml' is not known; use one of text, json_object, json_schema"),
+    ("json", "response_format type 'json' is not known"),
+    ({"type": "json_schema"}, "the schema as a JSON object under json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}, "JSON Schema cannot be used"),
+    ({"type": "regex", "regex": "("}, "regular expression cannot be used"),
+    ({"type": "grammar", "grammar": "start: oops"}, 'Lark grammar cannot be used (at 1(8): unknown name: "oops"'),
+    ({"type": "regex"}, 'response_format regex needs the regex as a string'),
+])
+def test_a_format_that_cannot_be_used_is_refused_in_one_line(response_format, words):
+    with pytest.raises(ConfigError) as e:
+        GenerationConfig(response_format=response_format)
+    assert words in str(e.value) and "\n" not in str(e.value)

@@ -140,6 +140,24 @@ def test_presence_and_frequency_penalties_change_the_answer_as_in_process(client
     assert r.choices[0].message.content == want.texts[0] != local.chat(messages, max_new_tokens=30).texts[0]
 
 
+def test_response_format_json_schema_answers_parse_and_equal_in_process(client, local):
+    """OpenAI's structured outputs: the answer is JSON in the schema's shape, greedy and seeded
+    alike as in process, streamed or not."""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Give a person's name and age as JSON."}]
+    for options in ({"temperature": 0}, {"temperature": 0.8, "seed": 5}):
+        r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=40, response_format=fmt, **options)
+        person = json.loads(r.choices[0].message.content)
+        assert set(person) == {"name", "age"} and isinstance(person["age"], int) and r.choices[0].finish_reason == "stop"
+        want = local.chat(messages, max_new_tokens=40, response_format=fmt, **options)
+        assert r.choices[0].message.content == want.texts[0]
+    chunks = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=40,
+                                            response_format={"type": "json_object"}, temperature=0, stream=True)
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), dict)
+
+
 def test_concurrent_requests_share_passes_and_each_gets_its_own_answer(client, local):
     prompts = [f"List {n} colours:" for n in range(2, 10)]
     want = {p: local.generate([p], max_new_tokens=10).texts[0] for p in prompts}
@@ -236,7 +254,9 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"top_logprobs": 3}, '"top_logprobs" needs "logprobs": true'),
     ({"top_logprobs": 21, "logprobs": True}, '"top_logprobs" must be a whole number from 0 to 20'),
     ({"frequency_penalty": 2.5}, '"frequency_penalty" must be a number from -2 to 2'),
-    ({"response_format": {"type": "json_object"}}, '"response_format"'),
+    ({"response_format": {"type": "xml"}}, "response_format type 'xml' is not known"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "JSON Schema cannot be used"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, '"tools"'),
     ({"presence_penalty": "x"}, '"presence_penalty" must be a number from -2 to 2'),
     ({"stop": "x" * 50_000}, "so it can never appear; shorten it"),

@@ -190,7 +190,8 @@ class LLMService:
         config = GenerationConfig(max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                   presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  logprobs=req.logprobs, seed=req.seed, stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
+                                  logprobs=req.logprobs, response_format=req.response_format, seed=req.seed,
+                                  stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
         box: list[Sequence] = []  # each piece goes out with the count of tokens made when it was handed out
         try:  # the prompt's length within the context, with max_tokens: refused here with the limits
             seq = self.worker.batch.prepare(

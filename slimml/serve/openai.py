@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from slimml.errors import RequestError
+from slimml.errors import ConfigError, RequestError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
@@ -41,6 +41,8 @@ class CompletionRequest:
         presence_penalty, frequency_penalty: OpenAI's penalties on the answer's own tokens.
         logprobs: None, or return each token's log-probability with this many alternatives (chat:
             ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs``).
+        response_format: None (free text), or the format the answer is held to (``json_object``,
+            ``json_schema``, slimml's ``regex`` and ``grammar``), checked.
         stop: up to 4 strings that end the answer (not included in it).
         stream: send server-sent events; include_usage: a last chunk with ``usage``.
     """
@@ -56,6 +58,7 @@ class CompletionRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -66,7 +69,7 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     """Check a chat (``chat=True``) or completions request body; ``max_tokens_limit`` is the
     server's cap on ``max_tokens`` (the context is checked once the prompt is tokenized). Fields
     this server does not use are ignored, as OpenAI's are; those that would change the answer
-    in a way it cannot give (``echo``, ``best_of``, JSON mode, ``tools``) are refused."""
+    in a way it cannot give (``echo``, ``best_of``, ``tools``) are refused."""
     req = CompletionRequest(chat=chat)
     _refuse_unsupported(data)
     if chat:
@@ -90,6 +93,7 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     req.presence_penalty = _number(data, "presence_penalty", 0.0, -2.0, 2.0, "from -2 to 2")
     req.frequency_penalty = _number(data, "frequency_penalty", 0.0, -2.0, 2.0, "from -2 to 2")
     req.logprobs = _logprobs(data, chat)
+    req.response_format = _response_format(data.get("response_format"))
     top_k = data.get("top_k", 0)
     if top_k is None:
         top_k = 0
@@ -123,21 +127,34 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
 
 def _refuse_unsupported(data: dict[str, Any]) -> None:
     """Refuse the OpenAI fields that would change the answer in a way this server cannot give
-    (echo, several candidates, JSON mode, tool calls), rather than ignore them
+    (echo, several candidates, tool calls), rather than ignore them
     and answer something else than asked; their "off" values pass."""
     asks = {
         "echo": data.get("echo") not in (None, False),
         "best_of": data.get("best_of") not in (None, 1),
-        "response_format": isinstance(data.get("response_format"), dict)
-                           and data["response_format"].get("type") not in (None, "text"),
         "tools": bool(data.get("tools")) and data.get("tool_choice") != "none",
     }
     fixes = {"echo": "leave it out (the prompt is what you sent)",
-             "best_of": "leave it out, or send 1", "response_format": 'leave it out, or send {"type": "text"}',
+             "best_of": "leave it out, or send 1",
              "tools": "leave it out (this model answers in plain text)"}
     for key, asked in asks.items():
         if asked:
             raise RequestError(f'"{key}" {_show(data[key])} is not supported by this server; {fixes[key]}.', param=key)
+
+
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``; slimml's ``regex``
+    and ``grammar`` too), checked and compiled now: a schema that cannot be used fails its own
+    request with a 400."""
+    if value is None or (isinstance(value, dict) and value.get("type") == "text"):
+        return None
+    from slimml.runtime.tasks.generation.structured import grammar_of
+
+    try:
+        grammar_of(value)
+    except ConfigError as e:
+        raise RequestError(str(e), param="response_format") from None
+    return value
 
 
 def _logprobs(data: dict[str, Any], chat: bool) -> int | None:

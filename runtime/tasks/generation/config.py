@@ -38,6 +38,12 @@ class GenerationConfig:
         logprobs: also return each new token's log-probability under the model (its softmax before
             any processor) and this many most likely alternatives, as OpenAI's ``top_logprobs``
             (0 to 20); None turns it off. ``Generation.logprobs`` holds them.
+        response_format: hold the answer to a format, as OpenAI's ``response_format``:
+            ``{"type": "json_object"}`` (a JSON object), ``{"type": "json_schema", "json_schema":
+            {"name": ..., "schema": {...}}}`` (JSON that the schema describes), or slimml's
+            ``{"type": "regex", "regex": ...}`` and ``{"type": "grammar", "grammar": <Lark>}``;
+            None or ``{"type": "text"}``: free text
+            (:mod:`~slimml.runtime.tasks.generation.structured`).
         seed: seeds numpy's ``Generator`` for sampling. Each prompt draws from its own generator,
             so the same seed gives a prompt the same tokens alone or in any batch (the same prompt
             twice in a batch too); a list gives one seed per prompt. None draws fresh seeds.
@@ -67,6 +73,7 @@ class GenerationConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None
+    response_format: dict | None = None
     seed: int | tuple[int, ...] | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -88,6 +95,10 @@ class GenerationConfig:
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ConfigError(f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the alternatives to return "
                               f"beside each token's own log-probability) or None (off), got {self.logprobs!r}.")
+        if self.response_format is not None:
+            from slimml.runtime.tasks.generation.structured import grammar_of
+
+            object.__setattr__(self, "grammar", grammar_of(self.response_format))  # checked once, here
         seed = self.seed
         if seed is not None and not is_int(seed) and not (
                 isinstance(seed, (list, tuple)) and seed and all(is_int(v) for v in seed)):
@@ -123,6 +134,8 @@ class GenerationConfig:
             object.__setattr__(self, "seed", tuple(seed))
         if isinstance(eos, (list, tuple)):
             object.__setattr__(self, "eos_token_id", tuple(int(i) for i in eos))
+
+    grammar = None  # llguidance's grammar of response_format (None: free text), set by __post_init__
 
     @property
     def greedy(self) -> bool:

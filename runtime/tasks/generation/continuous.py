@@ -57,6 +57,7 @@ class Sequence:
     first_token_s: float | None = None
     sampler: Sampler | None = None
     text: TextStream | None = None
+    tokenizer: Any = None  # the prompt's tokenizers.Tokenizer (None: the model has none)
     prefix: list | None = None  # the stored blocks its prompt begins with, once looked up (until its prefill)
     cached: int = 0  # prompt positions copied from the prefix store instead of prefilled
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, with config.logprobs set
@@ -117,6 +118,7 @@ class ContinuousBatch:
         job = prepare(self.model, [prompt], config, raw_text)
         seq = Sequence(ids=job.ids[0], config=config, steps=job.steps, end_ids=job.end_ids, **hooks)
         seq.text = TextStream(job.tokenizer, seq.ids, config.stop) if job.tokenizer is not None else None
+        seq.tokenizer = job.tokenizer
         return seq
 
     @property
@@ -166,7 +168,7 @@ class ContinuousBatch:
         self.rows += seqs
         done = []
         for r, s in enumerate(seqs):
-            s.sampler = Sampler(s.config, [s.ids], logits.shape[-1], s.end_ids)
+            s.sampler = Sampler(s.config, [s.ids], logits.shape[-1], s.end_ids, s.tokenizer)
             if not self._token(s, logits[r : r + 1]):
                 done.append(len(self.rows) - len(seqs) + r)
         self._drop(done)

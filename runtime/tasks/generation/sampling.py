@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from slimml.errors import ConfigError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 
 NUCLEUS_CANDIDATES = 256  # top-p looks among this many most likely tokens first (x4 until they hold p)
@@ -69,10 +70,20 @@ class Sampler:
         prompts: each prompt's token ids (they count as seen, as in transformers).
         vocab: the logits' last dimension.
         ends: the ids that end a prompt, kept from being chosen for ``config.min_new_tokens`` steps.
+        tokenizer: the prompts' ``tokenizers.Tokenizer``, for ``config.response_format``.
     """
 
-    def __init__(self, config: GenerationConfig, prompts: list[list[int]], vocab: int, ends: frozenset[int] = frozenset()):
+    def __init__(self, config: GenerationConfig, prompts: list[list[int]], vocab: int, ends: frozenset[int] = frozenset(),
+                 tokenizer=None):
         self.config = config
+        self.constraints = None  # one per prompt, with config.response_format
+        if config.grammar is not None:
+            from slimml.runtime.tasks.generation.structured import Constraint
+
+            if tokenizer is None:
+                raise ConfigError("response_format holds the answer's text to a format, but this artifact has no "
+                                  "tokenizer; re-convert it from a folder with its tokenizer, or leave response_format out.")
+            self.constraints = [Constraint(config.grammar, tokenizer, vocab, ends) for _ in prompts]
         self.ends = np.array(sorted(i for i in ends if 0 <= i < vocab), dtype=np.int64)
         self.made = 0  # tokens chosen so far (add() counts them)
         seeds = config.seed if isinstance(config.seed, tuple) else [config.seed] * len(prompts)  # a list: prepare() checked it
@@ -118,6 +129,9 @@ class Sampler:
             self.seen[np.arange(len(ids)), ids] = True
         if self.counts is not None:
             np.add.at(self.counts, (np.arange(len(ids)), ids), 1)
+        if self.constraints is not None:
+            for c, token in zip(self.constraints, ids):
+                c.consume(token)
 
     def _penalised(self, logits: np.ndarray) -> np.ndarray:
         """Repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``): a seen token's
@@ -125,7 +139,7 @@ class Sampler:
         before ``min_new_tokens`` (``MinNewTokensLengthLogitsProcessor``); then OpenAI's penalties:
         ``logit - count * frequency_penalty - (count > 0) * presence_penalty`` over the answer's tokens."""
         early = self.made < self.config.min_new_tokens and len(self.ends)
-        if self.seen is None and self.counts is None and not early:
+        if self.seen is None and self.counts is None and self.constraints is None and not early:
             return logits.astype(np.float32, copy=False)
         scores = logits.astype(np.float32, copy=True)
         if early:
@@ -139,6 +153,9 @@ class Sampler:
             rows, cols = np.nonzero(self.counts)
             n = self.counts[rows, cols].astype(np.float32)
             scores[rows, cols] -= n * np.float32(self.config.frequency_penalty) + np.float32(self.config.presence_penalty)
+        if self.constraints is not None:  # last: what the format allows, whatever the penalties did
+            for row, c in zip(scores, self.constraints):
+                c.mask(row)
         return scores
 
     def _keep(self, s: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
