@@ -313,6 +313,9 @@ def test_response_format_holds_the_answer_to_json_a_schema_a_regex_or_a_grammar(
     yes = smol_model.chat([{"role": "user", "content": "Is Paris in France?"}], max_new_tokens=8,
                           response_format={"type": "regex", "regex": "(yes|no)"})
     assert yes.texts[0] in {"yes", "no"} and yes.finish_reasons == ["stop"]
+    held = smol_model.chat([{"role": "user", "content": "Is Paris in France?"}], max_new_tokens=8, min_new_tokens=5,
+                           response_format={"type": "regex", "regex": "(yes|no)"})
+    assert held.texts[0] in {"yes", "no"} and held.finish_reasons == ["stop"]  # the format's end wins over min_new_tokens
     digits = smol_model.generate(["The year was"], max_new_tokens=12,
                                  response_format={"type": "grammar", "grammar": 'start: " " /[0-9]{4}/ "."'})
     assert len(digits.texts[0]) == 6 and digits.texts[0][1:5].isdigit() and digits.texts[0].endswith(".")

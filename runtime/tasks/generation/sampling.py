@@ -154,8 +154,8 @@ class Sampler:
             n = self.counts[rows, cols].astype(np.float32)
             scores[rows, cols] -= n * np.float32(self.config.frequency_penalty) + np.float32(self.config.presence_penalty)
         if self.constraints is not None:  # last: what the format allows, whatever the penalties did
-            for row, c in zip(scores, self.constraints):
-                c.mask(row)
+            for row, raw, c in zip(scores, logits, self.constraints):
+                c.mask(row, raw)
         return scores
 
     def _keep(self, s: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:

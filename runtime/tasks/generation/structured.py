@@ -80,15 +80,20 @@ class Constraint:
             raise ConfigError(f"response_format cannot be used with this model's tokenizer "
                               f"({_line(self.matcher.get_error())}); fix it, or leave response_format out.")
 
-    def mask(self, scores: np.ndarray) -> None:
-        """Set the (vocab,) ``scores`` of the tokens that cannot come next to -inf, in place. A
-        matcher that failed (a token it did not allow was forced on it) masks nothing."""
+    def mask(self, scores: np.ndarray, logits: np.ndarray) -> None:
+        """Set the (vocab,) ``scores`` of the tokens that cannot come next to -inf, in place. Where
+        the other processors left no allowed token (``min_new_tokens`` holding back the end that
+        the complete format needs), the format wins: the allowed tokens get their ``logits`` back.
+        A matcher that failed (a token it did not allow was forced on it) masks nothing."""
         if self.matcher.is_error():
             return
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: len(scores)].astype(bool)
-        if allowed.any():
-            scores[~allowed] = -np.inf
+        allowed = np.unpackbits(bits, bitorder="little")[: len(scores)].view(bool)
+        if not allowed.any():
+            return
+        scores[~allowed] = -np.inf
+        if not np.isfinite(scores[allowed]).any():
+            scores[allowed] = logits[allowed]
 
     def consume(self, token: int) -> None:
         if not self.matcher.is_error():
