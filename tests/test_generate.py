@@ -354,8 +354,9 @@ CONFIG_ERRORS = [
     ({"stop": ["a"] * 17}, "stop has 17 strings, more than 16; keep the ones that matter."),
     ({"stop": [1]}, "stop must be a string or a list of strings, got [1]."),
     ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids >= 0, got [-1]."),
-    ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, max_new_tokens, min_new_tokens, "
-                         "pad_token_id, prompt_lookup, repetition_penalty, seed, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
+    ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, frequency_penalty, "
+                         "logprobs, max_new_tokens, min_new_tokens, pad_token_id, presence_penalty, prompt_lookup, repetition_penalty, "
+                         "response_format, seed, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
 ]
 
 
@@ -410,8 +411,10 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
 
 def test_cli_generate_streams_with_the_same_options(llama):
     def slimml(*args):
-        return subprocess.run([sys.executable, "-m", "slimml", "generate", str(llama.folder), *map(str, args)],
-                              capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+        r = subprocess.run([sys.executable, "-m", "slimml", "generate", str(llama.folder), *map(str, args)],
+                           capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+        # the text as printed: text=True would turn a generated "\r" into "\n"
+        return subprocess.CompletedProcess(r.args, r.returncode, r.stdout.decode(), r.stderr.decode())
 
     options = dict(max_new_tokens=10, temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1, seed=3)
     want = llama.generate(["the model"], **options)

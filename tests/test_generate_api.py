@@ -319,6 +319,8 @@ def test_response_format_holds_the_answer_to_json_a_schema_a_regex_or_a_grammar(
     digits = smol_model.generate(["The year was"], max_new_tokens=12,
                                  response_format={"type": "grammar", "grammar": 'start: " " /[0-9]{4}/ "."'})
     assert len(digits.texts[0]) == 6 and digits.texts[0][1:5].isdigit() and digits.texts[0].endswith(".")
+    with pytest.raises(ConfigError, match="response_format cannot be used with this model's tokenizer"):
+        smol_model.chat(messages, stream=True, response_format={"type": "grammar", "grammar": 'start: "a" <[999999]>'})
     assert smol_model.chat(messages, max_new_tokens=8, response_format={"type": "text"}).tokens == \
         smol_model.chat(messages, max_new_tokens=8).tokens
 

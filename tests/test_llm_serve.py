@@ -126,6 +126,15 @@ def test_log_probabilities_as_openai_shows_them_equal_in_process(client, local):
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
     plain = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
+    text = r.choices[0].message.content  # a stop string inside a token: no entry for what it cut
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=16, temperature=0, logprobs=True,
+                                         stop=[stop])
+    kept = cut.choices[0].logprobs.content
+    assert cut.choices[0].message.content == text[: text.find(stop)] and len(kept) < len(content)
+    joined = bytes(b for e in kept for b in e.bytes).decode()  # the last token may straddle the cut
+    assert joined.startswith(cut.choices[0].message.content) and len(joined) - len(kept[-1].token) < len(text.split(stop)[0])
+    assert [e.token for e in kept] == [e.token for e in content[: len(kept)]]
     c = client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=0, logprobs=2)
     lp = c.choices[0].logprobs
     assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 8
@@ -257,6 +266,8 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"response_format": {"type": "xml"}}, "response_format type 'xml' is not known"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "JSON Schema cannot be used"),
+    ({"response_format": {"type": "grammar", "grammar": 'start: "a" <[999999]>'}},
+     "response_format cannot be used with this model's tokenizer"),  # found only with the tokenizer: still a 400
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, '"tools"'),
     ({"presence_penalty": "x"}, '"presence_penalty" must be a number from -2 to 2'),
     ({"stop": "x" * 50_000}, "so it can never appear; shorten it"),

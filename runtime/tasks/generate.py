@@ -248,7 +248,7 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
         logits = loop.next_logits()  # (B, vocab)
         if step == 0:
             prefill_s = time.perf_counter() - t0
-            sampler = Sampler(config, job.ids, logits.shape[-1], job.end_ids, job.tokenizer)
+            sampler = Sampler(config, job.ids, logits.shape[-1], job.end_ids, job.constraints)
         nxt = np.where(done, job.pad_id, sampler(logits))  # (B,); a finished prompt's row is ignored
         was = done.copy()
         live = np.flatnonzero(~done)

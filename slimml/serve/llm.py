@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slimml.errors import FeedError, RequestError, SlimmlError
+from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
 import slimml.serve.openai as openai
@@ -135,15 +135,16 @@ class LLMService:
             raise RequestError(f"the prompt has {chars} characters, more than this server takes ({self.max_text_chars}); "
                                "shorten it, or start the server with a larger --max-text-chars.", 413)
         events: asyncio.Queue = asyncio.Queue()
+        token_bytes = await asyncio.to_thread(self._bytes_of_tokens) if req.logprobs is not None else None
         seq = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
         self.worker.submit(seq)
-        answer = openai.Answer(req, self.name, self._bytes_of_tokens() if req.logprobs is not None else None)
+        answer = openai.Answer(req, self.name, token_bytes)
         if req.stream:
             return self._stream(seq, events, answer)
         try:
             text = []
             while True:
-                kind, value, _ = await events.get()
+                kind, value = await events.get()
                 if kind == "text":
                     text.append(value)
                 else:
@@ -151,8 +152,9 @@ class LLMService:
         finally:
             seq.cancel()  # no-op once finished; a client gone mid-answer frees the batch's row
         self._raise_failure(seq)
-        return answer.whole("".join(text), seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached,
-                            _answer_logprobs(seq, 0, None))
+        text = "".join(text)
+        return answer.whole(text, seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached,
+                            _answer_logprobs(seq, 0, len(text))[0])
 
     def _bytes_of_tokens(self):
         if self._token_bytes is None:
@@ -187,21 +189,24 @@ class LLMService:
         limit = req.max_tokens or self.max_tokens
         if req.max_tokens is None and context is not None and ids is not None:  # OpenAI's: up to the context
             limit = max(1, min(limit, context - len(ids)))
-        config = GenerationConfig(max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p,
-                                  top_k=req.top_k, repetition_penalty=req.repetition_penalty,
-                                  presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                  logprobs=req.logprobs, response_format=req.response_format, seed=req.seed,
-                                  stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
-        box: list[Sequence] = []  # each piece goes out with the count of tokens made when it was handed out
-        try:  # the prompt's length within the context, with max_tokens: refused here with the limits
+        try:  # the sampling fields are checked already; response_format's schema or grammar compiles here
+            config = GenerationConfig(max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p,
+                                      top_k=req.top_k, repetition_penalty=req.repetition_penalty,
+                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                                      logprobs=req.logprobs, response_format=req.response_format, seed=req.seed,
+                                      stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
+        except ConfigError as e:
+            raise RequestError(str(e), param="response_format" if "response_format" in str(e) else None) from None
+        try:  # the prompt's length within the context, with max_tokens, and the format: refused here
             seq = self.worker.batch.prepare(
                 prompt if ids is None else ids, config, raw_text=raw,
-                on_text=lambda piece: loop.call_soon_threadsafe(put, ("text", piece, len(box[0].logprobs))),
-                on_done=lambda s: loop.call_soon_threadsafe(put, ("done", s, len(s.logprobs))))
+                on_text=lambda piece: loop.call_soon_threadsafe(put, ("text", piece)),
+                on_done=lambda s: loop.call_soon_threadsafe(put, ("done", s)))
         except FeedError as e:  # the prompt (or a stop string) against the context and the batch's budget
             field = "stop" if str(e).startswith("stop") else "messages" if req.chat else "prompt"
             raise RequestError(str(e), param=field) from None
-        box.append(seq)
+        except ConfigError as e:  # a response_format this model's tokenizer cannot follow
+            raise RequestError(str(e), param="response_format") from None
         return seq
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:
@@ -219,18 +224,19 @@ class LLMService:
         return untruncated(self.model.text).encode(prompt, add_special_tokens=not raw).ids
 
     async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer) -> AsyncIterator[bytes]:
-        sent = 0  # tokens whose log-probabilities went out with a chunk
+        sent = shown = 0  # tokens whose log-probabilities went out; characters of text that went out
         try:
             while True:
-                kind, value, made = await events.get()
+                kind, value = await events.get()
                 if kind == "text":
-                    yield openai.sse(answer.chunk(value, logprobs=_answer_logprobs(seq, sent, made)))
-                    sent = made
+                    shown += len(value)
+                    entries, sent = _answer_logprobs(seq, sent, shown)
+                    yield openai.sse(answer.chunk(value, logprobs=entries))
                     continue
                 if seq.finish_reason == "error":
                     yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "param": None, "code": 500}})
                 else:
-                    yield openai.sse(answer.chunk("", seq.finish_reason, _answer_logprobs(seq, sent, None)))
+                    yield openai.sse(answer.chunk("", seq.finish_reason, _answer_logprobs(seq, sent, shown)[0]))
                     if answer.req.include_usage:
                         yield openai.sse(answer.usage_chunk(len(seq.ids), len(seq.tokens), seq.cached))
                 yield openai.sse("[DONE]")
@@ -282,10 +288,19 @@ def _check_context(tokens: int, max_tokens: int | None, context: int, field: str
                            param="max_tokens")
 
 
-def _answer_logprobs(seq: Sequence, start: int, end: int | None) -> list:
-    """The log-probabilities of ``seq``'s tokens ``start:end`` that are part of its answer (not
-    the end-of-sequence id that closed it, whose text is no part of the content)."""
-    return [e for e in seq.logprobs[start:end] if e.id not in seq.end_ids]
+def _answer_logprobs(seq: Sequence, start: int, shown: int) -> tuple[list, int]:
+    """The log-probabilities of ``seq``'s tokens from ``start`` on whose text begins within the
+    first ``shown`` characters of the answer handed out, as ``(entry, where its text begins)``
+    pairs, and the index of the first token not taken. A token whose text is held back (it may
+    begin a stop string) waits for its text; one cut with a stop string, or the end-of-sequence id
+    that closed the answer, never comes (neither is part of the content)."""
+    made = min(len(seq.logprobs), len(seq.starts))  # the decode thread appends to both
+    out, i = [], start
+    while i < made and seq.starts[i] < shown:
+        if seq.logprobs[i].id not in seq.end_ids:
+            out.append((seq.logprobs[i], seq.starts[i]))
+        i += 1
+    return out, i
 
 
 def _failure(seq: Sequence) -> str:

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from slimml.errors import ConfigError, RequestError
+from slimml.errors import RequestError
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
@@ -144,16 +144,13 @@ def _refuse_unsupported(data: dict[str, Any]) -> None:
 
 def _response_format(value: Any) -> dict[str, Any] | None:
     """OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``; slimml's ``regex``
-    and ``grammar`` too), checked and compiled now: a schema that cannot be used fails its own
-    request with a 400."""
+    and ``grammar`` too). Its schema or grammar is compiled off the event loop, with the request's
+    generation settings (``GenerationConfig``): one that cannot be used fails its own request, 400."""
     if value is None or (isinstance(value, dict) and value.get("type") == "text"):
         return None
-    from slimml.runtime.tasks.generation.structured import grammar_of
-
-    try:
-        grammar_of(value)
-    except ConfigError as e:
-        raise RequestError(str(e), param="response_format") from None
+    if not isinstance(value, dict):
+        raise RequestError(f'"response_format" must be an object such as {{"type": "json_object"}}, got {_show(value)}.',
+                           param="response_format")
     return value
 
 
@@ -268,7 +265,6 @@ class Answer:
         self.req = req
         self.model = model
         self.token_bytes = token_bytes  # a token id's own bytes, for log-probabilities
-        self._offset = 0  # completions' text_offset of the next token
         self.id = ("chatcmpl-" if req.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self._first = True
@@ -283,33 +279,34 @@ class Answer:
                 "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def logprobs(self, entries: list | None) -> dict[str, Any] | None:
-        """OpenAI's ``logprobs`` of a choice for ``entries`` (:class:`TokenLogprob`), or None when
-        the request did not ask: chat's ``content`` list, completions' parallel lists."""
+        """OpenAI's ``logprobs`` of a choice for ``entries``, pairs of a :class:`TokenLogprob` and
+        where its token's text begins in the answer; None when the request did not ask: chat's
+        ``content`` list, completions' parallel lists (``text_offset`` from those beginnings)."""
         if self.req.logprobs is None or entries is None:
             return None
-        def show(token: int) -> tuple[str, bytes]:
-            raw = self.token_bytes(token) if self.token_bytes is not None else b""
-            return raw.decode("utf-8", errors="replace"), raw
-
         if self.req.chat:
             content = []
-            for e in entries:
-                text, raw = show(e.id)
-                top = [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in ((*show(i), lp) for i, lp in e.top)]
+            for e, _ in entries:
+                text, raw = self._show(e.id)
+                top = [{"token": t, "logprob": lp, "bytes": list(b)} for t, b, lp in ((*self._show(i), lp) for i, lp in e.top)]
                 content.append({"token": text, "logprob": e.logprob, "bytes": list(raw), "top_logprobs": top})
             return {"content": content, "refusal": None}
-        tokens, offsets = [], []
-        for e in entries:
-            text, _ = show(e.id)
-            tokens.append(text)
-            offsets.append(self._offset)
-            self._offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{show(i)[0]: lp for i, lp in e.top} for e in entries], "text_offset": offsets}
+        return {"tokens": [self._show(e.id)[0] for e, _ in entries], "token_logprobs": [e.logprob for e, _ in entries],
+                "top_logprobs": [{self._show(i)[0]: lp for i, lp in e.top} for e, _ in entries],
+                "text_offset": [start for _, start in entries]}
+
+    def _show(self, token: int) -> tuple[str, bytes]:
+        """A token as OpenAI shows it: its text, or ``bytes:\\xNN...`` where its bytes are part of a
+        character (not UTF-8 alone); and its bytes."""
+        raw = self.token_bytes(token) if self.token_bytes is not None else b""
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
     def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
               cached_tokens: int = 0, logprobs: list | None = None) -> dict[str, Any]:
-        """The non-streamed response; ``logprobs``: the answer's :class:`TokenLogprob` entries."""
+        """The non-streamed response; ``logprobs``: the answer's entries (see :meth:`logprobs`)."""
         if self.req.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs),
                       "finish_reason": finish_reason}
@@ -323,7 +320,7 @@ class Answer:
 
     def chunk(self, text: str, finish_reason: str | None = None, logprobs: list | None = None) -> dict[str, Any]:
         """One streamed piece of text (or the last, with its finish reason); ``logprobs``: the
-        :class:`TokenLogprob` entries of the tokens made since the chunk before."""
+        entries (see :meth:`logprobs`) of the tokens whose text begins in this piece."""
         if self.req.chat:
             delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
             if self._first:

@@ -57,10 +57,11 @@ class Sequence:
     first_token_s: float | None = None
     sampler: Sampler | None = None
     text: TextStream | None = None
-    tokenizer: Any = None  # the prompt's tokenizers.Tokenizer (None: the model has none)
+    constraint: Any = None  # structured.Constraint: the format its answer is held to (None: free text)
     prefix: list | None = None  # the stored blocks its prompt begins with, once looked up (until its prefill)
     cached: int = 0  # prompt positions copied from the prefix store instead of prefilled
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one a token, with config.logprobs set
+    starts: list[int] = field(default_factory=list)  # with logprobs: where each token's text begins in the answer
     _cancelled: bool = False
 
     def cancel(self) -> None:
@@ -118,7 +119,7 @@ class ContinuousBatch:
         job = prepare(self.model, [prompt], config, raw_text)
         seq = Sequence(ids=job.ids[0], config=config, steps=job.steps, end_ids=job.end_ids, **hooks)
         seq.text = TextStream(job.tokenizer, seq.ids, config.stop) if job.tokenizer is not None else None
-        seq.tokenizer = job.tokenizer
+        seq.constraint = job.constraints[0] if job.constraints else None
         return seq
 
     @property
@@ -168,8 +169,13 @@ class ContinuousBatch:
         self.rows += seqs
         done = []
         for r, s in enumerate(seqs):
-            s.sampler = Sampler(s.config, [s.ids], logits.shape[-1], s.end_ids, s.tokenizer)
-            if not self._token(s, logits[r : r + 1]):
+            try:
+                s.sampler = Sampler(s.config, [s.ids], logits.shape[-1], s.end_ids,
+                                    [s.constraint] if s.constraint is not None else None)
+                going = self._token(s, logits[r : r + 1])
+            except Exception as e:  # noqa: BLE001 - one sequence's sampling failed: it ends, the batch goes on
+                going = self._end(s, "error", e)
+            if not going:
                 done.append(len(self.rows) - len(seqs) + r)
         self._drop(done)
 
@@ -220,6 +226,7 @@ class ContinuousBatch:
         ``s`` is finished."""
         token = int(s.sampler(logits)[0])
         if s.config.logprobs is not None:  # before its text is handed out: a reader of that text finds it
+            s.starts.append(len(s.text.full) if s.text is not None else 0)
             s.logprobs += token_logprobs(logits, np.array([token]), s.config.logprobs)
         if s.first_token_s is None:
             s.first_token_s = time.perf_counter() - s.submitted

@@ -66,6 +66,7 @@ class TokenBytes:
         decoder = json.dumps(json.loads(tokenizer.to_str()).get("decoder"))
         self.byte_level = '"ByteLevel"' in decoder
         self.unbyte = {c: b for b, c in _bytes_to_unicode().items()}
+        self.added = set(tokenizer.get_added_tokens_decoder())  # written as text, not in the byte alphabet
 
     def __call__(self, token: int) -> bytes:
         piece = self.tokenizer.id_to_token(int(token))
@@ -76,7 +77,7 @@ class TokenBytes:
                 return bytes([int(piece[3:5], 16)])
             except ValueError:
                 pass
-        if self.byte_level and all(c in self.unbyte for c in piece):
+        if self.byte_level and int(token) not in self.added and all(c in self.unbyte for c in piece):
             return bytes(self.unbyte[c] for c in piece)
         return piece.replace("\u2581", " ").encode()
 

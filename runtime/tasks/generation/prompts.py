@@ -35,6 +35,7 @@ class Prompts:
     end_ids: frozenset[int]  # the end-of-sequence id(s) and stop_token_ids
     pad_id: int
     tokenizer: Tokenizer | None
+    constraints: list | None = None  # one structured.Constraint per prompt, with config.response_format
 
 
 def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = False) -> Prompts:
@@ -87,9 +88,17 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     # tokens within the call's budget (model.limits, raised for trusted input)
     limits = getattr(model, "limits", None) or Limits()
     limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size)
-    ends = end_ids(model, config, tok) | (special_stops(tok, config.stop) if tok is not None else set())
-    return Prompts(ids=ids, texts=texts, steps=steps, end_ids=frozenset(ends),
-                   pad_id=pad_id(model, config), tokenizer=tok)
+    ends = frozenset(end_ids(model, config, tok) | (special_stops(tok, config.stop) if tok is not None else set()))
+    constraints = None
+    if config.grammar is not None:  # here, on the caller's thread: a format this tokenizer cannot follow fails now
+        from slimml.runtime.tasks.generation.structured import Constraint
+
+        if tok is None:
+            raise ConfigError(f"response_format holds the answer's text to a format, but the artifact {model.folder} has "
+                              "no tokenizer; re-convert it from a folder with its tokenizer, or leave response_format out.")
+        constraints = [Constraint(config.grammar, tok, vocab or tok.get_vocab_size(), ends) for _ in ids]
+    return Prompts(ids=ids, texts=texts, steps=steps, end_ids=ends, pad_id=pad_id(model, config), tokenizer=tok,
+                   constraints=constraints)
 
 
 def check_unicode(texts: list[str]) -> None:

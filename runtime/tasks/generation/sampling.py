@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from slimml.errors import ConfigError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 
 NUCLEUS_CANDIDATES = 256  # top-p looks among this many most likely tokens first (x4 until they hold p)
@@ -70,20 +69,14 @@ class Sampler:
         prompts: each prompt's token ids (they count as seen, as in transformers).
         vocab: the logits' last dimension.
         ends: the ids that end a prompt, kept from being chosen for ``config.min_new_tokens`` steps.
-        tokenizer: the prompts' ``tokenizers.Tokenizer``, for ``config.response_format``.
+        constraints: one :class:`~slimml.runtime.tasks.generation.structured.Constraint` per prompt
+            (``config.response_format``, built by ``prepare``), or None.
     """
 
     def __init__(self, config: GenerationConfig, prompts: list[list[int]], vocab: int, ends: frozenset[int] = frozenset(),
-                 tokenizer=None):
+                 constraints: list | None = None):
         self.config = config
-        self.constraints = None  # one per prompt, with config.response_format
-        if config.grammar is not None:
-            from slimml.runtime.tasks.generation.structured import Constraint
-
-            if tokenizer is None:
-                raise ConfigError("response_format holds the answer's text to a format, but this artifact has no "
-                                  "tokenizer; re-convert it from a folder with its tokenizer, or leave response_format out.")
-            self.constraints = [Constraint(config.grammar, tokenizer, vocab, ends) for _ in prompts]
+        self.constraints = constraints
         self.ends = np.array(sorted(i for i in ends if 0 <= i < vocab), dtype=np.int64)
         self.made = 0  # tokens chosen so far (add() counts them)
         seeds = config.seed if isinstance(config.seed, tuple) else [config.seed] * len(prompts)  # a list: prepare() checked it

@@ -26,7 +26,8 @@ from slimml.errors import ConfigError
 FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
 JSON_OPTIONS = {"whitespace_pattern": r"(?:[ ]?|\n[ \t]{0,20})"}  # llguidance's custom separators mis-mask "\":"
 
-_tokenizers: dict[tuple, tuple[Any, Any]] = {}  # (id(tokenizer), vocab, ends) -> (tokenizer, LLTokenizer)
+_tokenizers: dict[int, tuple[Any, dict]] = {}  # id(tokenizer) -> (tokenizer, {(vocab, ends): LLTokenizer})
+_PER_TOKENIZER = 8  # the (vocab, end ids) views kept of one tokenizer, the newest
 _lock = threading.Lock()
 
 
@@ -106,15 +107,21 @@ def ll_tokenizer(tokenizer: Any, vocab: int, ends: frozenset[int]) -> Any:
     ids that end an answer; made once (~0.3 s for 49k tokens). Not llguidance's own reading of the
     tokenizer's JSON: a GGUF vocabulary as transformers writes it (a byte-level BPE whose decoder
     also carries byte fallback) came out of that with every space-led token's bytes wrong."""
-    key = (id(tokenizer), vocab, tuple(sorted(ends)))
+    key = (vocab, tuple(sorted(ends)))
     with _lock:
-        hit = _tokenizers.get(key)
-        if hit is None or hit[0] is not tokenizer:
+        held = _tokenizers.get(id(tokenizer))
+        if held is None or held[0] is not tokenizer:  # the tokenizer is kept alive with its views: its id stays its own
+            held = _tokenizers[id(tokenizer)] = (tokenizer, {})
+        views = held[1]
+        made = views.pop(key, None)
+        if made is None:
             llg = _llguidance()
             made = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(tokenizer, vocab, ends)), n_vocab=vocab,
                                    eos_token=sorted(ends) or None)
-            hit = _tokenizers[key] = (tokenizer, made)  # the tokenizer kept alive with it: its id stays its own
-        return hit[1]
+            while len(views) >= _PER_TOKENIZER:
+                views.pop(next(iter(views)))  # the least recently used
+        views[key] = made
+        return made
 
 
 class _Vocabulary:
