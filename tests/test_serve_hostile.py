@@ -144,7 +144,7 @@ HOSTILE = [
     ("completions: max_tokens past the context", "/v1/completions", {"prompt": _ids(1, 100)[0], "max_tokens": 60}, 400,
      "ask for at most 28 tokens"),
     ("chat: logprobs asked", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True},
-     400, '"logprobs" True is not supported'),
+     400, "this model has no tokenizer, so its tokens have no text to show log-probabilities for"),
     ("GET on a POST route", "/v1/chat/completions", None, 405, "is not allowed; send POST /v1/chat/completions"),
     ("no such route", "/v1/nothing", {}, 404, "there is no POST /v1/nothing here"),
     ("no key", "/v1/generate", {"prompt": [[1]]}, 401, "needs an API key"),
