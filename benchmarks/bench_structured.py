@@ -9,7 +9,7 @@ article in one process:
 - ``slimml free``: the same request without it (what a model does when only asked);
 - ``llama.cpp schema`` (with ``--gguf``): llama-cpp-python's ``Llama.create_chat_completion`` with its
   own ``response_format={"type": "json_object", "schema": ...}`` on the same model file, as its users
-  run it.
+  run it; ``llama.cpp free``: the same call without it.
 
 For each: answers that parse as JSON, answers the schema accepts (``jsonschema``), how they ended,
 and tokens/s of the whole answer (prompt included).
@@ -27,13 +27,13 @@ import platform
 import time
 from pathlib import Path
 
-SCHEMA = {
+SCHEMA = {  # bounded, as a user bounds what a small model may write (it repeats a list's item until cut)
     "type": "object",
     "properties": {
-        "title": {"type": "string"},
-        "people": {"type": "array", "items": {"type": "string"}},
-        "places": {"type": "array", "items": {"type": "string"}},
-        "summary": {"type": "string"},
+        "title": {"type": "string", "maxLength": 80},
+        "people": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+        "places": {"type": "array", "items": {"type": "string", "maxLength": 40}, "maxItems": 4},
+        "summary": {"type": "string", "maxLength": 200},
     },
     "required": ["title", "people", "places", "summary"],
     "additionalProperties": False,
@@ -92,7 +92,8 @@ def main() -> None:
         from llama_cpp import Llama
 
         llm = Llama(model_path=args.gguf, n_ctx=2048, n_threads=args.threads, verbose=False)
-        systems["llama.cpp schema"] = lambda messages, s, seed: _llama(llm, messages, args.new, s, seed)
+        systems["llama.cpp schema"] = lambda messages, s, seed: _llama(llm, messages, args.new, s, seed, SCHEMA)
+        systems["llama.cpp free"] = lambda messages, s, seed: _llama(llm, messages, args.new, s, seed, None)
     for run in systems.values():  # warm-up: sessions, the format's token table
         run([{"role": "user", "content": "Hello"}], SETTINGS["greedy"], 0)
     rows = []
@@ -129,10 +130,10 @@ def _slimml(model, messages, new, options, seed, fmt):
     return g.texts[0], len(g.tokens[0]), g.finish_reasons[0], time.perf_counter() - t0
 
 
-def _llama(llm, messages, new, options, seed):
+def _llama(llm, messages, new, options, seed, schema):
     t0 = time.perf_counter()
-    r = llm.create_chat_completion(messages=messages, max_tokens=new, seed=seed,
-                                   response_format={"type": "json_object", "schema": SCHEMA},
+    fmt = {"response_format": {"type": "json_object", "schema": schema}} if schema is not None else {}
+    r = llm.create_chat_completion(messages=messages, max_tokens=new, seed=seed, **fmt,
                                    temperature=options["temperature"], top_p=options.get("top_p", 1.0))
     choice = r["choices"][0]
     return choice["message"]["content"], r["usage"]["completion_tokens"], choice["finish_reason"], time.perf_counter() - t0
