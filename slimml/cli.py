@@ -505,7 +505,8 @@ def generate(
     if not model.supports("stream"):  # an encoder-decoder answers; greedy only
         if chat or config != GenerationConfig(max_new_tokens=max_new_tokens, truncate=truncate, prompt_lookup=prompt_lookup):
             raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily without a chat template; "
-                              "drop --temperature, --top-k, --top-p, --repetition-penalty, --seed, --stop and --chat.")
+                              "drop --temperature, --top-k, --top-p, --repetition-penalty, --presence-penalty, --frequency-penalty, "
+                              "--logprobs, --response-format, --seed, --stop and --chat.")
         result = model.generate(list(prompt), max_new_tokens=max_new_tokens)
         if not as_json:
             for p, text in zip(prompt, result.texts):
