@@ -27,6 +27,8 @@ import platform
 import time
 from pathlib import Path
 
+from bench_prompt_lookup import lee_articles  # this folder's reader of gensim's news articles
+
 SCHEMA = {  # bounded, as a user bounds what a small model may write (it repeats a list's item until cut)
     "type": "object",
     "properties": {
@@ -41,17 +43,6 @@ SCHEMA = {  # bounded, as a user bounds what a small model may write (it repeats
 PROMPT = ("Read this news article and answer with JSON only: an object with \"title\" (a short title), \"people\" "
           "(the people named), \"places\" (the places named) and \"summary\" (one sentence).\n\n{article}")
 SETTINGS = {"greedy": {"temperature": 0.0}, "sampled": {"temperature": 0.7, "top_p": 0.95}}
-
-
-def lee_articles(count: int, chars: int) -> list[str]:
-    import importlib.util
-
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("pip install gensim: its wheel holds lee_background.cor")
-    path = Path(list(spec.submodule_search_locations)[0]) / "test" / "test_data" / "lee_background.cor"
-    lines = [line.strip() for line in path.read_text().splitlines() if len(line.strip()) > chars // 2]
-    return [line[:chars] for line in lines[:count]]
 
 
 def judge(text: str) -> dict:
