@@ -165,6 +165,19 @@ def test_response_format_json_schema_answers_parse_and_equal_in_process(client, 
     chunks = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=40,
                                             response_format={"type": "json_object"}, temperature=0, stream=True)
     assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), dict)
+    # held and free answers sharing the batch's passes: each gets what it gets alone
+    asks = [(f"Give a person's name and age as JSON ({n}).", fmt if n % 2 else None) for n in range(4)]
+
+    def ask(q):
+        extra = {"response_format": q[1]} if q[1] else {}
+        r = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": q[0]}], max_tokens=30,
+                                           temperature=0, **extra)
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(len(asks)) as ex:
+        got = list(ex.map(ask, asks))
+    assert got == [local.chat([{"role": "user", "content": q}], max_new_tokens=30, response_format=f).texts[0] for q, f in asks]
+    assert all(isinstance(json.loads(g), dict) for g, (_, f) in zip(got, asks) if f)
 
 
 def test_concurrent_requests_share_passes_and_each_gets_its_own_answer(client, local):
