@@ -485,9 +485,10 @@ def generate(
     from slimml.runtime import load
     from slimml.runtime.tasks.generation import GenerationConfig
 
-    config = GenerationConfig(response_format=_response_format(response_format), max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, logprobs=logprobs, seed=seed, stop=tuple(stop or ()),
+                              frequency_penalty=frequency_penalty, logprobs=logprobs,
+                              response_format=_response_format(response_format), seed=seed, stop=tuple(stop or ()),
                               stop_token_ids=tuple(stop_token_id or ()), truncate=truncate, prompt_lookup=prompt_lookup)
     if logprobs is not None and not as_json:
         raise ConfigError("--logprobs adds each token's log-probabilities to the JSON output; add --json.")
@@ -528,7 +529,7 @@ def generate(
     if as_json:
         out = {"texts": result.texts, "tokens": result.tokens, "finish_reasons": result.finish_reasons,
                "seconds": round(result.seconds, 3), "tokens_per_s": round(result.tokens_per_s, 2)}
-        if getattr(result, "logprobs", None) is not None:
+        if result.logprobs is not None:
             out["logprobs"] = [[{"id": e.id, "logprob": e.logprob, "top": [list(t) for t in e.top]} for e in row]
                                for row in result.logprobs]
         print(json.dumps(out))

@@ -81,9 +81,6 @@ class TokenBytes:
             return bytes(self.unbyte[c] for c in piece)
         return piece.replace("\u2581", " ").encode()
 
-    def text(self, token: int) -> str:
-        return self(token).decode("utf-8", errors="replace")
-
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, which byte-level BPE vocabularies are written in."""

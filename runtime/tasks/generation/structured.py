@@ -7,7 +7,7 @@ expression, or a Lark grammar.
 the tokens that cannot continue the format are masked out before sampling (their logits set to
 -inf), and the end-of-sequence ids are allowed only once the format is complete, so the answer
 parses. The masks come from llguidance (Microsoft's Rust library, which llama.cpp and vLLM use
-for the same job): about a millisecond a step for a 49k vocabulary.
+for the same job): about 0.03 ms a step for a 49k vocabulary.
 
 Whitespace between JSON tokens is bounded as llama.cpp's JSON grammar bounds it (one space, or a
 newline and up to 20 spaces or tabs): a small model left free to add whitespace can fill its
@@ -26,7 +26,7 @@ from slimml.errors import ConfigError
 FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
 JSON_OPTIONS = {"whitespace_pattern": r"(?:[ ]?|\n[ \t]{0,20})"}  # llguidance's custom separators mis-mask "\":"
 
-_tokenizers: dict[int, tuple[Any, dict]] = {}  # id(tokenizer) -> (tokenizer, {(vocab, ends): LLTokenizer})
+_tokenizers: dict[int, tuple[Any, list, dict]] = {}  # id(tokenizer) -> (tokenizer, its tokens' bytes, {(vocab, ends): LLTokenizer})
 _PER_TOKENIZER = 8  # the (vocab, end ids) views kept of one tokenizer, the newest
 _lock = threading.Lock()
 
@@ -75,7 +75,6 @@ class Constraint:
 
     def __init__(self, grammar: str, tokenizer: Any, vocab: int, ends: frozenset[int]):
         llg = _llguidance()
-        self.vocab = vocab
         self.matcher = llg.LLMatcher(ll_tokenizer(tokenizer, vocab, ends), grammar, log_level=0)
         if self.matcher.is_error():
             raise ConfigError(f"response_format cannot be used with this model's tokenizer "
@@ -111,12 +110,15 @@ def ll_tokenizer(tokenizer: Any, vocab: int, ends: frozenset[int]) -> Any:
     with _lock:
         held = _tokenizers.get(id(tokenizer))
         if held is None or held[0] is not tokenizer:  # the tokenizer is kept alive with its views: its id stays its own
-            held = _tokenizers[id(tokenizer)] = (tokenizer, {})
-        views = held[1]
+            from slimml.runtime.tasks.generation.detokenize import TokenBytes
+
+            piece = TokenBytes(tokenizer)  # read once a tokenizer, whatever the views made of it
+            held = _tokenizers[id(tokenizer)] = (tokenizer, [piece(i) for i in range(tokenizer.get_vocab_size())], {})
+        _, pieces, views = held
         made = views.pop(key, None)
         if made is None:
             llg = _llguidance()
-            made = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(tokenizer, vocab, ends)), n_vocab=vocab,
+            made = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(tokenizer, pieces, vocab, ends)), n_vocab=vocab,
                                    eos_token=sorted(ends) or None)
             while len(views) >= _PER_TOKENIZER:
                 views.pop(next(iter(views)))  # the least recently used
@@ -127,13 +129,9 @@ def ll_tokenizer(tokenizer: Any, vocab: int, ends: frozenset[int]) -> Any:
 class _Vocabulary:
     """What llguidance's ``TokenizerWrapper`` reads of a tokenizer."""
 
-    def __init__(self, tokenizer: Any, vocab: int, ends: frozenset[int]):
-        from slimml.runtime.tasks.generation.detokenize import TokenBytes
-
-        piece = TokenBytes(tokenizer)
+    def __init__(self, tokenizer: Any, pieces: list[bytes], vocab: int, ends: frozenset[int]):
         self.tokenizer = tokenizer
-        self.tokens = [piece(i) for i in range(min(vocab, tokenizer.get_vocab_size()))]
-        self.tokens += [b""] * (vocab - len(self.tokens))  # logits past the vocabulary: never text
+        self.tokens = pieces[:vocab] + [b""] * (vocab - len(pieces))  # logits past the vocabulary: never text
         self.special_token_ids = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special and i < vocab)
         self.eos_token_id = min(ends) if ends else None
         self.bos_token_id = None
