@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import serving
+from test_tool_calls import TIME, WEATHER
 
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
@@ -180,6 +181,38 @@ def test_response_format_json_schema_answers_parse_and_equal_in_process(client, 
     assert all(isinstance(json.loads(g), dict) for g, (_, f) in zip(got, asks) if f)
 
 
+def test_tool_calls_as_the_openai_client_reads_them_equal_in_process(client, local):
+    """``tools`` through the real client: the calls (SmolLM2's own template knows no tools, so the
+    generic format) come back as ``message.tool_calls`` with JSON arguments, finish reason
+    ``tool_calls``, the same as in process; streamed, the client's deltas add up to the same calls;
+    the tool's answer goes back as a ``tool`` message and the model answers it."""
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice in ("auto", "required", named):
+        r = client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER, TIME], tool_choice=choice,
+                                           max_tokens=60, temperature=0)
+        want = local.chat(ask, tools=[WEATHER, TIME], tool_choice=choice, max_new_tokens=60)
+        message = r.choices[0].message
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] \
+            == [(c.name, c.arguments) for c in want.tool_calls[0]]
+        assert message.content is None and r.choices[0].finish_reason == "tool_calls" == want.finish_reasons[0]
+        assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
+        if choice == named:
+            assert [c.function.name for c in message.tool_calls] == ["get_time"]
+        chunks = list(client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER, TIME],
+                                                     tool_choice=choice, max_tokens=60, temperature=0, stream=True))
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] \
+            == [(k, c.function.name, json.loads(c.function.arguments)) for k, c in enumerate(message.tool_calls)]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    call = message.tool_calls[0]
+    turn = [*ask, message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"time": "14:03"})}]
+    r = client.chat.completions.create(model="smollm2", messages=turn, tools=[WEATHER, TIME], tool_choice="none",
+                                       max_tokens=30, temperature=0)
+    assert r.choices[0].message.content == local.chat(turn, max_new_tokens=30).texts[0] and not r.choices[0].message.tool_calls
+
+
 def test_concurrent_requests_share_passes_and_each_gets_its_own_answer(client, local):
     prompts = [f"List {n} colours:" for n in range(2, 10)]
     want = {p: local.generate([p], max_new_tokens=10).texts[0] for p in prompts}
@@ -281,7 +314,19 @@ def test_a_full_queue_answers_429_with_retry_after(server):
      "JSON Schema cannot be used"),
     ({"response_format": {"type": "grammar", "grammar": 'start: "a" <[999999]>'}},
      "response_format cannot be used with this model's tokenizer"),  # found only with the tokenizer: still a 400
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, '"tools"'),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "must be 1 to 64 letters"),
+    ({"tools": "get_weather"}, "tools must be a non-empty list"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "nope"}}}}}]}, "the tools' parameters cannot be used"),
+    ({"tool_choice": "required"}, "needs tools to choose from"),
+    ({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "not among the tools (f)"),
+    ({"logprobs": True, "tools": [{"type": "function", "function": {"name": "f"}}]}, '"logprobs" with "tools"'),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}},
+     "tools and response_format both shape the answer"),
+    ({"messages": [*MESSAGES, {"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                    "function": {"name": "f", "arguments": "{x"}}]}]},
+     "has arguments that are not JSON"),
     ({"presence_penalty": "x"}, '"presence_penalty" must be a number from -2 to 2'),
     ({"stop": "x" * 50_000}, "so it can never appear; shorten it"),
 ])

@@ -44,6 +44,17 @@ class CausalLM(Task):
         self.prefix.clear()
         self.prefix = PrefixStore(parse_bytes_or_off(budget))
 
+    def use_chat_template(self, template: str) -> None:
+        """Render chats with ``template`` (a Jinja file's path, or the template's text) instead of
+        the artifact's own; e.g. a template that knows tools for a GGUF whose own does not.
+
+        Example:
+            >>> model.use_chat_template("qwen2.5_chat_template.jinja")
+        """
+        from slimml.runtime.tasks.generate import use_chat_template
+
+        use_chat_template(self, template)
+
     def generate(self, prompts: Any, max_new_tokens: int | None = None, config: Any = None, **options: Any):
         """Continue ``prompts`` (texts, or token id lists); see :func:`slimml.runtime.tasks.generate.generate`.
 

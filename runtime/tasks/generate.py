@@ -27,10 +27,11 @@ from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_l
 from slimml.runtime.tasks.generation.prompts import Prompts, prepare
 from slimml.runtime.tasks.generation.sampling import Sampler, TokenLogprob, token_logprobs
 from slimml.runtime.tasks.generation.stopping import TextStream
+from slimml.runtime.tasks.generation.tools import ToolCall, Tools, ToolUse, template_messages
 
 _templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ChatTemplate, compiled once
 
-__all__ = ["Generation", "GenerationConfig", "GenerationStream", "chat", "chat_prompt", "generate", "stream"]
+__all__ = ["Generation", "GenerationConfig", "GenerationStream", "chat", "chat_prompt", "generate", "stream", "use_chat_template"]
 
 
 @dataclass
@@ -49,6 +50,9 @@ class Generation:
         cached_tokens: of those, the tokens whose KV cache was copied from the model's prefix
             store instead of prefilled (:meth:`CausalLM.prefix_cache`).
         prefill_s: wall time of the first pass (the prompts; time to the first token).
+        tool_calls: from ``chat(..., tools=...)``, per conversation, the
+            :class:`~slimml.runtime.tasks.generation.tools.ToolCall` s the model made (their
+            finish reason is ``"tool_calls"``; ``texts`` hold the rest of each answer).
         logprobs: with ``GenerationConfig.logprobs`` set, per prompt, one
             :class:`~slimml.runtime.tasks.generation.sampling.TokenLogprob` for each of ``tokens``
             (the chosen token's log-probability under the model and the most likely alternatives).
@@ -64,6 +68,7 @@ class Generation:
     extra: dict = field(default_factory=dict)
     finish_reasons: list[str] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] | None = None
+    tool_calls: list[list[ToolCall]] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -156,57 +161,108 @@ def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None 
 
 def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], config: GenerationConfig | None = None,
          *, stream: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
-         chat_template_kwargs: dict[str, Any] | None = None, **options: Any) -> Generation | GenerationStream:
+         chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+         tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
+         **options: Any) -> Generation | GenerationStream:
     """The assistant's reply to a conversation, rendered with the model's chat template.
 
     Args:
-        messages: ``[{"role": "system"|"user"|"assistant", "content": "..."}, ...]``, or a list of
-            such conversations for a batch.
+        messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]``, or a
+            list of such conversations for a batch.
         stream: return a :class:`GenerationStream` of the reply's text pieces instead (pairs of
             conversation index and piece for a batch).
         add_generation_prompt: open the assistant's turn after the messages (as transformers'
             ``apply_chat_template`` means it); False renders the messages alone.
         continue_final_message: continue the last message (an assistant's reply begun) instead of
             starting a new turn, as transformers does; not with ``add_generation_prompt``.
-        chat_template_kwargs: more variables for the template (``tools``, ``documents``,
+        chat_template_kwargs: more variables for the template (``documents``,
             ``enable_thinking``, ...).
+        tools: functions the model may call, as OpenAI gives them (``[{"type": "function",
+            "function": {"name", "description", "parameters": <JSON Schema>}}]``): the calls come
+            back in ``Generation.tool_calls``, each fitting its function's schema
+            (:mod:`slimml.runtime.tasks.generation.tools`). A stream yields the text outside them.
+        tool_choice: ``"auto"`` (the default: text or calls), ``"required"``, ``"none"``, or
+            ``{"type": "function", "function": {"name": ...}}``.
+        parallel_tool_calls: allow more than one call in a reply; None: as the format has it (the
+            Hermes format's may hold several, the generic format's and Llama 3's one).
 
     Returns:
         A :class:`Generation` whose ``texts`` are the replies.
 
     Example:
         >>> model.chat([{"role": "user", "content": "What is 2+2?"}], max_new_tokens=32).texts[0]
+        >>> model.chat([{"role": "user", "content": "Weather in Paris?"}], tools=[weather]).tool_calls[0]
     """
     conversations = messages if messages and isinstance(messages, (list, tuple)) and isinstance(messages[0], (list, tuple)) \
         else [messages]
     config = GenerationConfig.of(config, **options)
-    rendered = [chat_prompt(model, m, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                            **(chat_template_kwargs or {})) for m in conversations]
+    checked = Tools.of(tools, tool_choice, parallel_tool_calls)
+    use = ToolUse.of(checked, chat_template(model).source) if checked is not None else None
+    variables = {**(chat_template_kwargs or {}), **(use.variables() if use is not None else {})}
+    rendered = [chat_prompt(model, use.messages(m) if use is not None else m,
+                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                            **variables) for m in conversations]
+    steps = _steps(model, rendered, use.config(config) if use is not None else config, raw_text=True)
+    if use is not None:
+        steps = _with_tools(steps, use, len(rendered))
     if stream:
-        return GenerationStream(_steps(model, rendered, config, raw_text=True), indexed=len(rendered) > 1)
-    return _drain(_steps(model, rendered, config, raw_text=True))
+        return GenerationStream(steps, indexed=len(rendered) > 1)
+    return _drain(steps)
+
+
+def _with_tools(steps: Generator[tuple[int, str], None, Generation], use: ToolUse,
+                count: int) -> Generator[tuple[int, str], None, Generation]:
+    """``steps`` with each answer's calls held back from its text and read into ``tool_calls``."""
+    readers = [use.text() for _ in range(count)]
+    while True:
+        try:
+            i, piece = next(steps)
+        except StopIteration as done:
+            result = done.value
+            break
+        piece = readers[i].feed(piece)
+        if piece:
+            yield i, piece
+    result.tool_calls = []
+    for i, reader in enumerate(readers):
+        rest, content, calls = reader.finish()
+        if rest:
+            yield i, rest
+        if result.texts is not None:
+            result.texts[i] = content
+        result.tool_calls.append(calls)
+        if calls and result.finish_reasons[i] == "stop":
+            result.finish_reasons[i] = "tool_calls"
+    return result
 
 
 def chat_prompt(model: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, **variables: Any) -> str:
     """The prompt text the chat template makes of ``messages``: what transformers'
     ``tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)`` gives.
-    ``variables`` reach the template (``tools``, ``enable_thinking``, ...).
+    ``variables`` reach the template (``tools``, ``enable_thinking``, ...). An assistant's
+    ``tool_calls`` may give their arguments as JSON text, as OpenAI sends them.
 
     Example:
         >>> chat_prompt(model, [{"role": "user", "content": "Hi"}])
         '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n'
     """
-    return chat_template(model).render(messages, add_generation_prompt=add_generation_prompt,
+    return chat_template(model).render(template_messages(messages), add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, **variables)
 
 
 def chat_template(model: Any) -> ChatTemplate:
-    """The model's :class:`ChatTemplate`, read and compiled once."""
+    """The model's :class:`ChatTemplate`, read and compiled once (or the one :func:`use_chat_template` gave)."""
     template = _templates.get(model)
     if template is None:
         template = _templates[model] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer)
     return template
+
+
+def use_chat_template(model: Any, template: str) -> None:
+    """Render ``model``'s chats with ``template`` (a Jinja file's path, or the template's text)
+    instead of the artifact's own: a GGUF whose template knows no tools, a fixed template."""
+    _templates[model] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer, override=template)
 
 
 def _drain(steps: Generator[tuple[int, str], None, Generation], on_text: Callable[[int, str], None] | None = None) -> Generation:
@@ -227,7 +283,8 @@ def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = 
     t0 = time.perf_counter()
     job = prepare(model, prompts, config, raw_text)
     prefix = getattr(model, "prefix", None)  # the model's store of text read before (CausalLM.prefix_cache)
-    loop = (lookup_loop(model.engine, job.ids, job.steps, config.prompt_lookup, prefix)
+    constraint = job.constraints[0] if job.constraints and len(job.ids) == 1 else None  # forced tokens: several a pass
+    loop = (lookup_loop(model.engine, job.ids, job.steps, config.prompt_lookup, prefix, constraint)
             or decode_loop(model.engine, job.ids, job.pad_id, job.steps, prefix))
     return _passes(job, loop, config, t0, cancel)
 

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
-from slimml.errors import ArtifactError, FeedError, IntegrityError, RequestError, SlimmlError, StageError, TaskError
+from slimml.errors import ArtifactError, ConfigError, FeedError, IntegrityError, RequestError, SlimmlError, StageError, TaskError
 import slimml.serve.protocol as protocol
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
@@ -227,6 +227,11 @@ class SlimmlServer:
         params = inspect.signature(self.model.generate).parameters if hasattr(self.model, "generate") else {}
         self._cancels = "cancel" in params  # generate(cancel=Event) stops decoding when the client goes away
         self._llm = None  # a language model's chat and completions: one continuous batch per replica
+        if self.config.chat_template is not None:
+            if not hasattr(self.model, "use_chat_template"):
+                raise ConfigError(f"chat_template is for language models, and {self.name} is a {self.model.kind} "
+                                  "artifact; leave --chat-template out.")
+            self.model.use_chat_template(self.config.chat_template)
         if self.model.kind == "text-generation" and not self.config.stages:
             self._llm = LLMService(self.model, self.name, self.config.max_new_tokens, self.config.max_running,
                                    self.config.max_waiting, self.config.max_text_chars,

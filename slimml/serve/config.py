@@ -59,6 +59,9 @@ class ServeConfig:
             send it again every turn), so only the rest is prefilled; "0" keeps none. Requests
             that share a prefix are faster, which another client can time: turn it off where
             clients must not learn what others asked.
+        chat_template: language models: a Jinja chat template file rendered instead of the
+            artifact's own (a GGUF's template that knows no tools, a fixed template); the same
+            path on every node.
         max_ongoing_requests: requests a replica works on at once (each holds its body and its
             share of a batch); more wait in Serve's queue.
         max_queued_requests: requests waiting for a replica, at most; more get 503 at once.
@@ -120,6 +123,9 @@ class ServeConfig:
     prefix_cache: str = field(default="256MB", metadata={
         "help": "Language models: KV cache kept for prompts that begin with text read before (a system prompt, "
                 "the conversation so far), so only the rest is prefilled; 0: none."})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "Language models: a Jinja chat template file used instead of the artifact's own (e.g. one that "
+                "knows tools); the same path on every node."})
     max_ongoing_requests: int = field(default=128, metadata={
         "help": "Requests a replica works on at once; more wait in Serve's queue."})
     max_queued_requests: int = field(default=512, metadata={
@@ -174,6 +180,14 @@ class ServeConfig:
             from slimml.runtime.engine.budget import parse_bytes
 
             parse_bytes(self.memory_budget)
+        if self.chat_template is not None:
+            from slimml.runtime.tasks.generation.chat import ChatTemplate
+
+            if not isinstance(self.chat_template, str) or not os.path.isfile(self.chat_template):
+                raise ConfigError(f"chat_template {self.chat_template!r} is not a file; give the path of a Jinja chat "
+                                  "template (e.g. chat_template.jinja).")
+            with open(self.chat_template, encoding="utf-8", errors="replace") as f:
+                ChatTemplate(f.read(), where=self.chat_template)  # a template that does not parse is refused here
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < 16
                                          or not self.api_key.isprintable() or " " in self.api_key):
             raise ConfigError("api_key must be at least 16 printable characters without spaces (e.g. from "

@@ -14,6 +14,7 @@ request gets 429 with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 from collections import deque
@@ -23,6 +24,7 @@ from typing import Any
 from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
+from slimml.runtime.tasks.generation.tools import ToolCall, ToolUse
 import slimml.serve.openai as openai
 
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait
@@ -131,16 +133,18 @@ class LLMService:
         async iterator of server-sent events when the request streams."""
         req = openai.completion_request(data, chat, self.max_tokens)
         chars = sum(len(m["content"]) for m in req.messages) if chat else len(req.prompt)
+        if req.tools is not None:  # the tools' descriptions become prompt text too
+            chars += len(json.dumps(req.tools.functions))
         if chars > self.max_text_chars:  # before any tokenizing: a prompt is never cut, it is refused
             raise RequestError(f"the prompt has {chars} characters, more than this server takes ({self.max_text_chars}); "
                                "shorten it, or start the server with a larger --max-text-chars.", 413)
         events: asyncio.Queue = asyncio.Queue()
         token_bytes = await asyncio.to_thread(self._bytes_of_tokens) if req.logprobs is not None else None
-        seq = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
+        seq, use = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
         self.worker.submit(seq)
         answer = openai.Answer(req, self.name, token_bytes)
         if req.stream:
-            return self._stream(seq, events, answer)
+            return self._stream(seq, events, answer, use)
         try:
             text = []
             while True:
@@ -153,6 +157,11 @@ class LLMService:
             seq.cancel()  # no-op once finished; a client gone mid-answer frees the batch's row
         self._raise_failure(seq)
         text = "".join(text)
+        if use is not None:
+            reader = use.text()
+            reader.feed(text)
+            _, content, calls = reader.finish()
+            return answer.whole(content, _finish(seq, calls), len(seq.ids), len(seq.tokens), seq.cached, tool_calls=calls)
         return answer.whole(text, seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached,
                             _answer_logprobs(seq, 0, len(text))[0])
 
@@ -167,14 +176,19 @@ class LLMService:
             self._token_bytes = TokenBytes(untruncated(self.model.text))
         return self._token_bytes
 
-    def _sequence(self, req: openai.CompletionRequest, loop: asyncio.AbstractEventLoop, put) -> Sequence:
-        """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop`` (runs on
-        a thread: rendering and tokenizing)."""
-        from slimml.runtime.tasks.generate import chat_prompt
+    def _sequence(self, req: openai.CompletionRequest, loop: asyncio.AbstractEventLoop, put) -> tuple[Sequence, ToolUse | None]:
+        """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop``, and how
+        its tool calls are written (runs on a thread: rendering and tokenizing)."""
+        from slimml.runtime.tasks.generate import chat_prompt, chat_template
 
+        use = None
         if req.chat:
             try:
-                prompt, raw = chat_prompt(self.model, req.messages), True
+                messages, variables = req.messages, {}
+                if req.tools is not None:
+                    use = ToolUse.of(req.tools, chat_template(self.model).source)
+                    messages, variables = use.messages(messages), use.variables()
+                prompt, raw = chat_prompt(self.model, messages, **variables), True
             except FeedError as e:
                 raise RequestError(str(e)) from None
             except SlimmlError as e:  # the template refused the messages, or there is none: no paths in the body
@@ -195,8 +209,11 @@ class LLMService:
                                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                       logprobs=req.logprobs, response_format=req.response_format, seed=req.seed,
                                       stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
+            if use is not None:
+                config = use.config(config)
         except ConfigError as e:
-            raise RequestError(str(e), param="response_format" if "response_format" in str(e) else None) from None
+            param = "tools" if use is not None else "response_format" if "response_format" in str(e) else None
+            raise RequestError(str(e), param=param) from None
         try:  # the prompt's length within the context, with max_tokens, and the format: refused here
             seq = self.worker.batch.prepare(
                 prompt if ids is None else ids, config, raw_text=raw,
@@ -205,9 +222,9 @@ class LLMService:
         except FeedError as e:  # the prompt (or a stop string) against the context and the batch's budget
             field = "stop" if str(e).startswith("stop") else "messages" if req.chat else "prompt"
             raise RequestError(str(e), param=field) from None
-        except ConfigError as e:  # a response_format this model's tokenizer cannot follow
-            raise RequestError(str(e), param="response_format") from None
-        return seq
+        except ConfigError as e:  # a response_format (or tools' grammar) this model's tokenizer cannot follow
+            raise RequestError(str(e), param="tools" if use is not None else "response_format") from None
+        return seq, use
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:
         """The prompt's token ids, as generation would encode it (None: the model has no tokenizer)."""
@@ -223,12 +240,19 @@ class LLMService:
             raise RequestError(str(e)) from None
         return untruncated(self.model.text).encode(prompt, add_special_tokens=not raw).ids
 
-    async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer) -> AsyncIterator[bytes]:
+    async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer,
+                      use: ToolUse | None = None) -> AsyncIterator[bytes]:
         sent = shown = 0  # tokens whose log-probabilities went out; characters of text that went out
+        reader = use.text() if use is not None else None  # calls held back from the text
         try:
             while True:
                 kind, value = await events.get()
                 if kind == "text":
+                    if reader is not None:
+                        value = reader.feed(value)
+                        if value:
+                            yield openai.sse(answer.chunk(value))
+                        continue
                     shown += len(value)
                     entries, sent = _answer_logprobs(seq, sent, shown)
                     yield openai.sse(answer.chunk(value, logprobs=entries))
@@ -236,7 +260,15 @@ class LLMService:
                 if seq.finish_reason == "error":
                     yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "param": None, "code": 500}})
                 else:
-                    yield openai.sse(answer.chunk("", seq.finish_reason, _answer_logprobs(seq, sent, shown)[0]))
+                    if reader is not None:  # the rest of the content, then the calls whole
+                        rest, _, calls = reader.finish()
+                        if rest:
+                            yield openai.sse(answer.chunk(rest))
+                        if calls:
+                            yield openai.sse(answer.tool_chunk(calls))
+                        yield openai.sse(answer.chunk("", _finish(seq, calls)))
+                    else:
+                        yield openai.sse(answer.chunk("", seq.finish_reason, _answer_logprobs(seq, sent, shown)[0]))
                     if answer.req.include_usage:
                         yield openai.sse(answer.usage_chunk(len(seq.ids), len(seq.tokens), seq.cached))
                 yield openai.sse("[DONE]")
@@ -301,6 +333,11 @@ def _answer_logprobs(seq: Sequence, start: int, shown: int) -> tuple[list, int]:
             out.append((seq.logprobs[i], seq.starts[i]))
         i += 1
     return out, i
+
+
+def _finish(seq: Sequence, calls: list[ToolCall]) -> str:
+    """OpenAI's finish reason of an answer with tools: ``tool_calls`` where it ended by itself with calls."""
+    return "tool_calls" if calls and seq.finish_reason == "stop" else seq.finish_reason
 
 
 def _failure(seq: Sequence) -> str:

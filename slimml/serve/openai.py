@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from slimml.errors import RequestError
+from slimml.errors import ConfigError, FeedError, RequestError
+from slimml.runtime.tasks.generation.tools import ToolCall, Tools, template_messages
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
@@ -44,6 +45,8 @@ class CompletionRequest:
         response_format: None (free text), or the format the answer is held to (``json_object``,
             ``json_schema``, slimml's ``regex`` and ``grammar``), checked.
         stop: up to 4 strings that end the answer (not included in it).
+        tools: chat only: the functions the model may call, checked with ``tool_choice`` and
+            ``parallel_tool_calls`` (None: none, or ``tool_choice`` "none").
         stream: send server-sent events; include_usage: a last chunk with ``usage``.
     """
 
@@ -59,6 +62,7 @@ class CompletionRequest:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     response_format: dict[str, Any] | None = None
+    tools: Tools | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -69,7 +73,7 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     """Check a chat (``chat=True``) or completions request body; ``max_tokens_limit`` is the
     server's cap on ``max_tokens`` (the context is checked once the prompt is tokenized). Fields
     this server does not use are ignored, as OpenAI's are; those that would change the answer
-    in a way it cannot give (``echo``, ``best_of``, ``tools``) are refused."""
+    in a way it cannot give (``echo``, ``best_of``) are refused."""
     req = CompletionRequest(chat=chat)
     _refuse_unsupported(data)
     if chat:
@@ -94,6 +98,9 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     req.frequency_penalty = _number(data, "frequency_penalty", 0.0, -2.0, 2.0, "from -2 to 2")
     req.logprobs = _logprobs(data, chat)
     req.response_format = _response_format(data.get("response_format"))
+    req.tools = _tools(data, chat)
+    if req.tools is not None and req.logprobs is not None:
+        raise RequestError('"logprobs" with "tools" is not supported by this server; leave out one of them.', param="logprobs")
     top_k = data.get("top_k", 0)
     if top_k is None:
         top_k = 0
@@ -127,19 +134,33 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
 
 def _refuse_unsupported(data: dict[str, Any]) -> None:
     """Refuse the OpenAI fields that would change the answer in a way this server cannot give
-    (echo, several candidates, tool calls), rather than ignore them
-    and answer something else than asked; their "off" values pass."""
+    (echo, several candidates), rather than ignore them and answer something else than asked;
+    their "off" values pass."""
     asks = {
         "echo": data.get("echo") not in (None, False),
         "best_of": data.get("best_of") not in (None, 1),
-        "tools": bool(data.get("tools")) and data.get("tool_choice") != "none",
     }
     fixes = {"echo": "leave it out (the prompt is what you sent)",
-             "best_of": "leave it out, or send 1",
-             "tools": "leave it out (this model answers in plain text)"}
+             "best_of": "leave it out, or send 1"}
     for key, asked in asks.items():
         if asked:
             raise RequestError(f'"{key}" {_show(data[key])} is not supported by this server; {fixes[key]}.', param=key)
+
+
+def _tools(data: dict[str, Any], chat: bool) -> Tools | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked (chat only)."""
+    tools, choice = data.get("tools"), data.get("tool_choice")
+    if not chat:
+        if tools or choice not in (None, "none"):
+            raise RequestError('"tools" are for POST /v1/chat/completions; send the request there with "messages".',
+                               param="tools")
+        return None
+    try:
+        return Tools.of(tools, choice, data.get("parallel_tool_calls"))
+    except ConfigError as e:
+        text = str(e)
+        param = next((k for k in ("tool_choice", "parallel_tool_calls") if text.startswith(k)), "tools")
+        raise RequestError(text, param=param) from None
 
 
 def _response_format(value: Any) -> dict[str, Any] | None:
@@ -186,10 +207,11 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
                            param="messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or "role" not in m or ("content" not in m and not calls):
             raise RequestError(f'"messages"[{i}] must be an object with "role" and "content", got '
                                f"{_show(m)}.", param=f"messages[{i}]")
-        role, content = m["role"], m["content"]
+        role, content = m["role"], m.get("content")
         if role not in ROLES:
             raise RequestError(f'"messages"[{i}].role {_show(role)} is not a known role; use one of {", ".join(ROLES)}.',
                                param=f"messages[{i}].role")
@@ -211,7 +233,20 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise RequestError(f'"messages"[{i}].content must be a string or a list of text parts, got {_show(content)}.',
                                param=f"messages[{i}].content")
-        out.append({"role": role, "content": content})
+        message: dict[str, Any] = {"role": role, "content": content}
+        if calls:  # an assistant's calls, read by the chat template (arguments as objects)
+            if role != "assistant" or not isinstance(calls, list):
+                raise RequestError(f'"messages"[{i}].tool_calls must be a list, on an assistant message.',
+                                   param=f"messages[{i}].tool_calls")
+            message["tool_calls"] = calls
+            try:
+                template_messages([message], first=i)
+            except FeedError as e:
+                raise RequestError(str(e), param=f"messages[{i}].tool_calls") from None
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                message[key] = m[key]
+        out.append(message)
     return out
 
 
@@ -305,11 +340,14 @@ class Answer:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
     def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-              cached_tokens: int = 0, logprobs: list | None = None) -> dict[str, Any]:
-        """The non-streamed response; ``logprobs``: the answer's entries (see :meth:`logprobs`)."""
+              cached_tokens: int = 0, logprobs: list | None = None, tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
+        """The non-streamed response; ``logprobs``: the answer's entries (see :meth:`logprobs`);
+        ``tool_calls``: the calls the model made (the message's ``content`` is then the rest, or null)."""
         if self.req.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": self.logprobs(logprobs),
-                      "finish_reason": finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tool_calls:
+                message = {"role": "assistant", "content": text or None, "tool_calls": [c.openai() for c in tool_calls]}
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
             body = self._head("chat.completion")
         else:
             choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
@@ -333,6 +371,18 @@ class Answer:
             body = self._head("text_completion")
             body["choices"] = [{"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
                                 "finish_reason": finish_reason}]
+        if self.req.include_usage:
+            body["usage"] = None
+        return body
+
+    def tool_chunk(self, tool_calls: list[ToolCall]) -> dict[str, Any]:
+        """The calls of a streamed chat answer, whole, in one chunk (``delta.tool_calls``, each with its ``index``)."""
+        delta: dict[str, Any] = {"tool_calls": [{"index": k, **c.openai()} for k, c in enumerate(tool_calls)]}
+        if self._first:
+            delta = {"role": "assistant", "content": None, **delta}
+        self._first = False
+        body = self._head("chat.completion.chunk")
+        body["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]
         if self.req.include_usage:
             body["usage"] = None
         return body

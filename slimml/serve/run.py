@@ -46,6 +46,12 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     manifest = read_manifest(config.artifact)
     verify_files(config.artifact, manifest)
     config = dataclasses.replace(config, manifest_sha256=manifest.sha256)  # every replica and stage checks its copy
+    if config.chat_template is not None:
+        from slimml.runtime.tasks.registry import kind_of
+
+        if kind_of(manifest) != "text-generation":
+            raise ConfigError(f"--chat-template is for language models, and {config.artifact} is a {kind_of(manifest)} "
+                              "artifact; leave --chat-template out.")
     if not 0 < port < 65536:
         raise ConfigError(f"port must be from 1 to 65535, got {port}.")
     if address is None and not direct_ingress:  # a Ray this call starts: the port must be free here (one line, not Serve's traceback)

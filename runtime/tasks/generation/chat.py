@@ -54,6 +54,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self.where = where
+        self.source = source
         self.special = {k: v for k, v in (special or {}).items() if v}  # as transformers' special_tokens_map: set ones only
         try:
             self.template = env.from_string(source)
@@ -82,12 +83,24 @@ class ChatTemplate:
         return _cut_at_tag(text, final, self.where) if continue_final_message else text
 
     @classmethod
-    def of_artifact(cls, folder: Path, spec: dict[str, Any] | None) -> ChatTemplate:
-        """The chat template of the artifact in ``folder`` whose manifest tokenizer entry is ``spec``."""
+    def of_artifact(cls, folder: Path, spec: dict[str, Any] | None, override: str | None = None) -> ChatTemplate:
+        """The chat template of the artifact in ``folder`` whose manifest tokenizer entry is ``spec``;
+        ``override``: a template file's path or a template's text to use instead (the artifact's
+        special tokens still fill it)."""
         spec = spec or {}
         config = folder_json(folder, "tokenizer_config.json")
         special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if k in config}
         special.update({k: spec[k] for k in SPECIAL_TOKENS if isinstance(spec.get(k), str)})
+        if override is not None:
+            if not isinstance(override, str) or not override:
+                raise ConfigError("chat_template must be a Jinja template's text or the path of its file; give one.")
+            if "{" not in override:  # no Jinja in it: a path
+                path = Path(override)
+                if not path.is_file():
+                    raise ConfigError(f"chat template {override} is not a file; give the path of a Jinja template "
+                                      "(e.g. chat_template.jinja) or the template's text.")
+                return cls(_read(path), special, str(path))
+            return cls(override, special, "the given chat template")
         if isinstance(spec.get("chat_template"), str):
             path = safe_path(folder, spec["chat_template"])
             return cls(_read(path), special, str(path))

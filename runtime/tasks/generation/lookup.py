@@ -27,6 +27,7 @@ import numpy as np
 from slimml.runtime.tasks.generation.loop import CacheLoop, _mask
 
 NGRAMS = (3, 2)  # the longest tail that appeared before wins; single tokens repeat by chance too often
+FORCED = 16  # forced tokens a pass may compute beside the newest one (they hold unless the model splits their text otherwise)
 
 
 def guess(tokens: np.ndarray, k: int, ngrams: tuple[int, ...] = NGRAMS) -> np.ndarray:
@@ -61,11 +62,15 @@ class Lookahead:
         self.ahead = []
         return None
 
-    def run(self, cache: Any, row: int, text: np.ndarray, length: int, k: int, switch: int | None) -> np.ndarray | None:
+    def run(self, cache: Any, row: int, text: np.ndarray, length: int, k: int, switch: int | None,
+            forced: list[int] | None = None) -> np.ndarray | None:
         """A pass over the newest token (``text[-1]``, to be written at ``length``) and up to ``k``
-        guesses, on ``row`` of ``cache``; its first logits, (1, vocab). None where nothing repeats (or
-        the guesses would cross LongRoPE's ``switch``): the caller runs its plain pass."""
-        guesses = guess(text, min(k, cache.capacity - length - 1))
+        guesses, on ``row`` of ``cache``; its first logits, (1, vocab). The guesses are ``forced``,
+        the tokens a format allows nothing else than (:meth:`Constraint.forced`), where there are
+        any, else the text's repeats. None where there is no guess (or the guesses would cross
+        LongRoPE's ``switch``): the caller runs its plain pass."""
+        room = cache.capacity - length - 1
+        guesses = np.array(forced[:room], dtype=np.int64) if forced else guess(text, min(k, room)) if k else text[:0]
         if len(guesses) == 0 or (switch and length < switch + 1 <= length + 1 + len(guesses)):
             return None
         ids = np.concatenate([text[-1:], guesses]).astype(np.int64)[None]  # (1, 1 + g)
@@ -74,31 +79,37 @@ class Lookahead:
         return logits[:1]
 
 
-def lookup_loop(engine: Any, prompts: list[list[int]], steps: int, k: int, prefix: Any = None) -> LookupLoop | None:
-    """A :class:`LookupLoop` where it applies (``k`` > 0, one prompt, a fused graph's in-place cache), else None."""
+def lookup_loop(engine: Any, prompts: list[list[int]], steps: int, k: int, prefix: Any = None,
+                constraint: Any = None) -> LookupLoop | None:
+    """A :class:`LookupLoop` where it applies (``k`` > 0 or a format's ``constraint``, one prompt, a
+    fused graph's in-place cache), else None."""
     from slimml.runtime.engine.kv_cache import rope_reprefill, rope_switch, shares_buffers
 
-    if not k or len(prompts) != 1 or not shares_buffers(engine):
+    if (not k and constraint is None) or len(prompts) != 1 or not shares_buffers(engine):
         return None
     return LookupLoop(engine.kv_cache(1, len(prompts[0]) + steps), prompts[0], k, rope_switch(engine), rope_reprefill(engine),
-                      prefix)
+                      prefix, constraint)
 
 
 class LookupLoop(CacheLoop):
-    """:class:`CacheLoop` for one prompt, each pass also computing up to ``k`` guessed positions.
+    """:class:`CacheLoop` for one prompt, each pass also computing up to ``k`` guessed positions,
+    or the tokens its format forces next.
 
     Args:
         cache: the engine's KV cache for this generation.
         prompt: the prompt's token ids.
-        k: guessed positions a pass may add (1 or more).
+        k: guessed positions a pass may add (0: only forced tokens).
         switch: the graph's LongRoPE switch, or None (no guessed pass crosses it).
         reprefill, prefix: as :class:`CacheLoop`.
+        constraint: the answer's format (:class:`~slimml.runtime.tasks.generation.structured.Constraint`),
+            whose forced tokens (up to :data:`FORCED`) a pass computes beside the newest one.
     """
 
     def __init__(self, cache: Any, prompt: list[int], k: int, switch: int | None = None, reprefill: bool = False,
-                 prefix: Any = None):
+                 prefix: Any = None, constraint: Any = None):
         super().__init__(cache, [prompt], switch, reprefill, prefix)
         self.k = k
+        self.constraint = constraint
         self.text = np.zeros(cache.capacity, dtype=np.int64)  # the prompt and every token since
         self.text[: len(prompt)] = prompt
         self.count = len(prompt)
@@ -110,7 +121,9 @@ class LookupLoop(CacheLoop):
         token = int(self.pending[0, 0])
         logits = self.lookahead.ready(token)
         if logits is None and self.live:
-            logits = self.lookahead.run(self.cache, 0, self.text[: self.count], int(self.lengths[0]), self.k, self.switch)
+            forced = self.constraint.forced(FORCED) if self.constraint is not None else None
+            logits = self.lookahead.run(self.cache, 0, self.text[: self.count], int(self.lengths[0]), self.k, self.switch,
+                                        forced)
             if logits is not None:
                 self.passes += 1
         if logits is None:

@@ -37,7 +37,7 @@ import numpy as np
 from slimml.errors import SlimmlError
 from slimml.runtime.engine.kv_cache import prompt_blocks, rope_reprefill, rope_switch
 from slimml.runtime.engine.packed import trim_heap
-from slimml.runtime.tasks.generation.lookup import Lookahead
+from slimml.runtime.tasks.generation.lookup import FORCED, Lookahead
 from slimml.runtime.tasks.generation.loop import _empty_cache, _mask, _present
 from slimml.runtime.tasks.generation.prefix import BLOCK, MIN_REUSE, PrefixStore, common
 
@@ -129,7 +129,7 @@ class SlotRows:
             logits = self.cache.run(whole, _mask(seen), rows=(0, 1), at=seen - 1)
             self.lengths[:1] = seen
             return logits
-        if live == 1 and seqs[0].config.prompt_lookup:
+        if live == 1 and (seqs[0].config.prompt_lookup or seqs[0].constraint is not None):
             return self._alone(seqs[0])
         self.lookahead.ahead = []
         ids = np.array([s.tokens[-1] for s in seqs], dtype=np.int64).reshape(live, 1)
@@ -140,12 +140,15 @@ class SlotRows:
     def _alone(self, s: Sequence) -> np.ndarray:
         """The one running sequence's next logits with prompt lookup (:class:`~.lookup.Lookahead`):
         from the last pass's guessed positions while the sampler chose the guesses, else a pass over
-        its newest token and up to ``prompt_lookup`` guessed ones, else its plain pass."""
+        its newest token and the tokens its format forces or up to ``prompt_lookup`` guessed ones,
+        else its plain pass."""
         length, k = int(self.lengths[0]), s.config.prompt_lookup
         logits = self.lookahead.ready(s.tokens[-1])
         if logits is None:
-            self._room(min(length + 1 + k, self.context))
-            logits = self.lookahead.run(self.cache, 0, np.array([*s.ids, *s.tokens], dtype=np.int64), length, k, self.switch)
+            forced = s.constraint.forced(FORCED) if s.constraint is not None else None
+            self._room(min(length + 1 + max(k, len(forced or ())), self.context))
+            logits = self.lookahead.run(self.cache, 0, np.array([*s.ids, *s.tokens], dtype=np.int64), length, k, self.switch,
+                                        forced)
         if logits is None:
             logits = self.cache.run(np.array([[s.tokens[-1]]], dtype=np.int64), _mask(self.lengths[:1] + 1), rows=(0, 1),
                                     at=np.zeros(1, dtype=np.int64))

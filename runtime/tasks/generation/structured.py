@@ -99,6 +99,14 @@ class Constraint:
         if not self.matcher.is_error():
             self.matcher.consume_token(int(token))
 
+    def forced(self, k: int) -> list[int]:
+        """Up to ``k`` tokens the format allows nothing else than, next (a JSON key, the text
+        between two fields, a call's name), as llguidance tokenizes them; the model may still
+        split that text otherwise (the loop then drops the rest)."""
+        if k <= 0 or self.matcher.is_error() or self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens())[:k]
+
 
 def ll_tokenizer(tokenizer: Any, vocab: int, ends: frozenset[int]) -> Any:
     """llguidance's view of a ``tokenizers.Tokenizer``: each token's own bytes

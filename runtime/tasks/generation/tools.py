@@ -1,0 +1,455 @@
+"""Tool calls: the functions a chat may call, how a model family's chat template writes a call,
+the grammar that holds each call to its function's parameters, and the calls read back out.
+
+A request gives ``tools`` (OpenAI's ``[{"type": "function", "function": {"name", "description",
+"parameters"}}]``) and ``tool_choice`` (``"auto"``, ``"required"``, ``"none"``, or one function by
+name). The chat template gets ``tools`` as transformers passes them; what the model writes is then
+read by its family's :class:`ToolFormat`, chosen from the template itself (as llama.cpp's server
+chooses): ``<tool_call>`` in the template is the Hermes format (Qwen 2.5 and 3, Hermes, SmolLM3),
+``<|python_tag|>`` or a "JSON for a function call" instruction is Llama 3.1-3.3's, and a template
+that knows no tools gets the generic format, where slimml describes the tools in a system message
+and the answer is one JSON object, ``{"tool_calls": [...]}`` or ``{"response": "..."}``.
+
+Every format is held by a grammar (:mod:`~slimml.runtime.tasks.generation.structured`): with
+``auto`` the model may write text freely, and once it begins a call, the call must name one of
+the functions and give arguments its JSON Schema allows; with ``required`` or a named function
+the answer is calls only. So a call that comes back always parses and always fits its schema (one
+cut by ``max_new_tokens`` excepted: it stays text).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from slimml.errors import ConfigError, FeedError
+
+NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+_WS = r"[ ]?"  # JSON whitespace in a call: compact (pretty-printed calls cost a small model a third more tokens)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: the function's ``name``, its ``arguments`` (parsed JSON, fitting
+    the function's schema) and an ``id`` that the tool's answer refers back to."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def openai(self) -> dict[str, Any]:
+        """OpenAI's shape: ``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}``."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+@dataclass(frozen=True)
+class Tools:
+    """The functions one chat may call, checked.
+
+    Attributes:
+        functions: OpenAI's tool entries (``{"type": "function", "function": {...}}``), as the
+            chat template gets them.
+        choice: ``"auto"`` (text or calls), ``"required"`` (at least one call), or the one
+            function's name that must be called.
+        parallel: more than one call in an answer (never with a named function: one call to it);
+            None: the format's default (:attr:`ToolFormat.parallel`).
+    """
+
+    functions: tuple[dict[str, Any], ...]
+    choice: str = "auto"
+    parallel: bool | None = None
+
+    @classmethod
+    def of(cls, tools: Any, tool_choice: Any = None, parallel_tool_calls: Any = None) -> Tools | None:
+        """The checked tools of a request, or None where there are none or ``tool_choice`` is
+        ``"none"`` (the chat goes on as plain text). A function may be given bare
+        (``{"name", "parameters"}``), as transformers takes it."""
+        if tools is None or (isinstance(tools, (list, tuple)) and not tools and tool_choice in (None, "none", "auto")):
+            if tool_choice not in (None, "none", "auto"):
+                raise ConfigError(f"tool_choice {_show(tool_choice)} needs tools to choose from; pass tools, or leave "
+                                  "tool_choice out.")
+            return None
+        if not isinstance(tools, (list, tuple)) or not tools:
+            raise ConfigError('tools must be a non-empty list of {"type": "function", "function": {"name": ..., '
+                              f'"parameters": {{...}}}}}}, got {_show(tools)}.')
+        functions = tuple(_function(i, t) for i, t in enumerate(tools))
+        names = [f["function"]["name"] for f in functions]
+        if len(set(names)) < len(names):
+            twice = next(n for n in names if names.count(n) > 1)
+            raise ConfigError(f"tools name the function {twice!r} twice; give each function once.")
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ConfigError(f"parallel_tool_calls must be true or false, got {_show(parallel_tool_calls)}.")
+        choice = "auto" if tool_choice is None else tool_choice
+        if choice == "none":
+            return None
+        if isinstance(choice, dict):
+            name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise ConfigError('tool_choice must be "auto", "required", "none" or {"type": "function", "function": '
+                                  f'{{"name": ...}}}}, got {_show(choice)}.')
+            if name not in names:
+                raise ConfigError(f"tool_choice names the function {name!r}, which is not among the tools "
+                                  f"({', '.join(names)}); name one of them.")
+            choice, parallel_tool_calls = name, False  # a named function: one call to it (OpenAI's, vLLM's)
+        elif choice not in ("auto", "required"):
+            raise ConfigError('tool_choice must be "auto", "required", "none" or {"type": "function", "function": '
+                              f'{{"name": ...}}}}, got {_show(choice)}.')
+        return cls(functions, choice, parallel_tool_calls)
+
+    def callable(self) -> list[dict[str, Any]]:
+        """The functions a call may name: all, or the one ``tool_choice`` named."""
+        return [f["function"] for f in self.functions
+                if self.choice in ("auto", "required") or f["function"]["name"] == self.choice]
+
+    def call_schema(self, arguments: str = "arguments") -> dict[str, Any]:
+        """The JSON Schema of one call ``{"name": ..., <arguments>: {...}}`` to a callable function."""
+        calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, arguments: _closed(f.get("parameters"))},
+                  "required": ["name", arguments], "additionalProperties": False} for f in self.callable()]
+        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+class ToolFormat:
+    """How one family of chat templates has the model write a call.
+
+    Attributes:
+        name: the format's name (reports, docs).
+        parallel: whether an answer may hold several calls when the request does not say
+            (``parallel_tool_calls`` not given).
+    """
+
+    name = ""
+    parallel = True
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        raise NotImplementedError
+
+    def messages(self, messages: list[dict[str, Any]], tools: Tools) -> list[dict[str, Any]]:
+        """The conversation as this family's template takes it (arguments as objects)."""
+        return template_messages(messages)
+
+    def grammar(self, tools: Tools) -> str:
+        """The Lark grammar (llguidance's dialect) of an answer."""
+        raise NotImplementedError
+
+    def content_end(self, text: str) -> int:
+        """How much of ``text``, an answer so far, is content whatever comes next (0: none yet)."""
+        return 0
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        """The answer's content (text outside the calls) and its calls."""
+        raise NotImplementedError
+
+
+FORMATS: list[type[ToolFormat]] = []  # first match wins; the generic format, last, matches any template
+
+
+def register_format(cls: type[ToolFormat]) -> type[ToolFormat]:
+    FORMATS.append(cls)
+    return cls
+
+
+def tool_format(template: str) -> ToolFormat:
+    """The :class:`ToolFormat` of the chat template whose source is ``template``."""
+    return next(cls for cls in FORMATS if cls.matches(template))()
+
+
+@register_format
+class Hermes(ToolFormat):
+    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block a call, after
+    any text (Qwen 2.5 and 3, Hermes 2 and 3, SmolLM3)."""
+
+    name = "hermes"
+    marker = "<tool_call>"
+
+    def content_end(self, text: str) -> int:
+        start = text.find(self.marker)
+        if start < 0:  # hold what may begin the marker, and trailing whitespace (it may precede a call)
+            start = len(text)
+            for k in range(min(len(self.marker) - 1, len(text)), 0, -1):
+                if self.marker.startswith(text[-k:]):
+                    start = len(text) - k
+                    break
+        return len(text[:start].rstrip())
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        return "<tool_call>" in template
+
+    def grammar(self, tools: Tools) -> str:
+        body = _json(tools.call_schema())
+        call = f'"<tool_call>\\n" {body} "\\n</tool_call>"'
+        if tools.choice != "auto":  # calls only, a newline between two
+            return f'start: call{" (NL call)*" if tools.parallel else ""} NL?\ncall: {call}\nNL: "\\n"\n'
+        # free text, and after "<tool_call>" a call that fits (the lazy head ends at the marker)
+        return (f"start: call{'*' if tools.parallel else '?'} TEXT\n"
+                f'call: head "\\n" {body} "\\n</tool_call>"\n'
+                'head[lazy]: TEXT "<tool_call>"\n'
+                "TEXT: /(.|\\n)*/\n")
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        calls, content, at = [], [], 0
+        for m in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
+            call = _call(m.group(1), "arguments")
+            if call is None:
+                continue
+            content.append(text[at : m.start()])
+            calls.append(call)
+            at = m.end()
+        content.append(text[at:].split("<tool_call>")[0])  # a call cut off by max_new_tokens is not content
+        return ("".join(content).strip() if calls else text), calls
+
+
+@register_format
+class Llama3(ToolFormat):
+    """Llama 3.1-3.3's JSON tool calls: the answer is ``{"name": ..., "parameters": {...}}`` (after
+    ``<|python_tag|>`` where the model writes it), one call; or text that does not begin with ``{``."""
+
+    name = "llama3"
+    parallel = False  # the format has one call an answer
+
+    def content_end(self, text: str) -> int:
+        head = text.lstrip()
+        if not head or head.startswith("{") or "<|python_tag|>".startswith(head[:14]) or head.startswith("<|python_tag|>"):
+            return 0  # the answer may still be, or is, a call
+        return len(text)
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        return "<|python_tag|>" in template or ("JSON for a function call" in template and '"parameters"' in template)
+
+    def grammar(self, tools: Tools) -> str:
+        body = _json(tools.call_schema("parameters"))
+        return f"start: {body}\n" if tools.choice != "auto" else f"start: TEXT | {body}\nTEXT: /[^{{](.|\\n)*/\n"
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        call = _call(body, "parameters") if body.startswith("{") else None
+        return ("", [call]) if call is not None else (text, [])
+
+
+@register_format
+class Generic(ToolFormat):
+    """Any template that knows no tools: a system message lists them, and the answer is one JSON
+    object, ``{"tool_calls": [{"name", "arguments"}, ...]}`` or ``{"response": "<text>"}`` (the
+    generic format of llama.cpp's server)."""
+
+    name = "generic"
+    parallel = False  # llama.cpp's server default: a model not trained on tools keeps appending calls
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        return True
+
+    def messages(self, messages: list[dict[str, Any]], tools: Tools) -> list[dict[str, Any]]:
+        out = []
+        for m in template_messages(messages):
+            if m.get("role") == "assistant" and m.get("tool_calls"):
+                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in m["tool_calls"]]
+                m = {"role": "assistant", "content": json.dumps({"tool_calls": calls}, ensure_ascii=False)}
+            elif m.get("role") == "assistant":
+                m = {**m, "content": json.dumps({"response": m.get("content") or ""}, ensure_ascii=False)}
+            out.append(m)
+        # every function listed whatever tool_choice says (the grammar holds the choice), so that requests
+        # with the same tools share the prompt's beginning, and its cache (the prefix store)
+        listing = "\n".join(json.dumps(f["function"], ensure_ascii=False) for f in tools.functions)
+        name = "<function name>" if tools.choice in ("auto", "required") else json.dumps(tools.choice)
+        how = (f'{{"tool_calls": [{{"name": {name}, "arguments": <its arguments as an object>}}]}} to call '
+               + ("functions" if tools.parallel else "one function"))
+        if tools.choice == "auto":
+            how += ', or {"response": <your answer as a string>} to answer directly'
+        text = (f"You can call these functions, described in JSON Schema:\n{listing}\n\n"
+                f"Answer with one JSON object: {how}.")
+        if out and out[0].get("role") == "system" and isinstance(out[0].get("content"), str):
+            return [{**out[0], "content": out[0]["content"] + "\n\n" + text}, *out[1:]]
+        return [{"role": "system", "content": text}, *out]
+
+    def grammar(self, tools: Tools) -> str:
+        calls: dict[str, Any] = {"type": "array", "items": tools.call_schema(), "minItems": 1}
+        if not tools.parallel:
+            calls["maxItems"] = 1
+        shape = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"], "additionalProperties": False}
+        if tools.choice == "auto":
+            answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                      "additionalProperties": False}
+            shape = {"anyOf": [shape, answer]}
+        return f"start: {_json(shape)}\n"
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            return text, []  # cut by max_new_tokens: the text as it is
+        if isinstance(value, dict) and isinstance(value.get("response"), str):
+            return value["response"], []
+        found = value.get("tool_calls") if isinstance(value, dict) else None
+        calls = [c for c in (_call(json.dumps(x), "arguments") for x in found or []) if c is not None]
+        return ("", calls) if calls else (text, [])
+
+
+class ToolText:
+    """One answer's text as it streams, with its calls held back: :meth:`feed` gives the content
+    that can go out now (text that cannot be part of a call), :meth:`finish` the rest of the
+    content and the calls once the answer is whole."""
+
+    def __init__(self, format: ToolFormat, parallel: bool = True):
+        self.format = format
+        self.parallel = parallel
+        self.text = ""
+        self.sent = 0  # characters of text handed out as content
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        end = self.format.content_end(self.text)
+        out = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return out
+
+    def finish(self) -> tuple[str, str, list[ToolCall]]:
+        """``(content not yet handed out, the whole content, the calls)``."""
+        content, calls = self.format.parse(self.text)
+        calls = calls if self.parallel else calls[:1]
+        handed = self.text[: self.sent]
+        if not content.startswith(handed):
+            handed = handed.lstrip()  # the content is stripped of leading whitespace
+        rest = content[len(handed):] if content.startswith(handed) else ""
+        return rest, content, calls
+
+
+def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: an assistant's ``tool_calls`` with their arguments as
+    objects (OpenAI sends them as JSON text; templates write ``arguments | tojson``). ``first``:
+    the first message's number, for messages."""
+    if not isinstance(messages, (list, tuple)):
+        return messages  # refused, in one line, where the template's messages are checked
+    out = []
+    for i, m in enumerate(messages, first):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if calls:
+            if not isinstance(calls, list):
+                raise FeedError(f"message {i}'s tool_calls must be a list of {{\"id\", \"type\": \"function\", "
+                                f"\"function\": {{\"name\", \"arguments\"}}}}, got {_show(calls)}.")
+            fixed = []
+            for k, c in enumerate(calls):
+                function = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                    raise FeedError(f"message {i}'s tool call {k} has no function name; give "
+                                    '{"type": "function", "function": {"name": ..., "arguments": ...}}.')
+                arguments = function.get("arguments", {})
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments) if arguments.strip() else {}
+                    except ValueError:
+                        raise FeedError(f"message {i}'s tool call {k} ({function['name']}) has arguments that are not "
+                                        "JSON; send them as a JSON object, or its text.") from None
+                fixed.append({**c, "type": "function", "function": {**function, "arguments": arguments}})
+            m = {**m, "tool_calls": fixed}
+            if m.get("content") is None:
+                m["content"] = ""
+        out.append(m)
+    return out
+
+
+def _function(i: int, tool: Any) -> dict[str, Any]:
+    """Tool ``i`` in OpenAI's shape, checked."""
+    fix = 'give {"type": "function", "function": {"name": ..., "description": ..., "parameters": {<JSON Schema>}}}'
+    if isinstance(tool, dict) and "function" not in tool and "name" in tool:
+        tool = {"type": "function", "function": tool}  # a bare function, as transformers takes it
+    if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
+        raise ConfigError(f"tools[{i}] is not a function tool ({_show(tool)}); {fix}.")
+    function = tool["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not NAME.match(name):
+        raise ConfigError(f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-', got {_show(name)}; rename it.")
+    parameters = function.get("parameters")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise ConfigError(f"tools[{i}].function.parameters must be a JSON Schema object, got {_show(parameters)}; {fix}.")
+    if function.get("description") is not None and not isinstance(function["description"], str):
+        raise ConfigError(f"tools[{i}].function.description must be text, got {_show(function['description'])}.")
+    return {"type": "function", "function": dict(function)}
+
+
+def _closed(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's parameters schema with no arguments beyond those it declares, unless it says
+    otherwise (``additionalProperties``), as OpenAI's strict function calling has it: a function
+    called with one it does not take fails, and a small model held to an open object keeps
+    inventing more of them until the answer runs out."""
+    if not parameters:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    if "properties" in parameters and "additionalProperties" not in parameters:
+        return {**parameters, "additionalProperties": False}
+    return parameters
+
+
+def _json(schema: dict[str, Any]) -> str:
+    """``%json {...}`` with JSON whitespace bounded."""
+    return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": _WS}})
+
+
+def _call(text: str, arguments: str) -> ToolCall | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get(arguments, value.get("arguments", value.get("parameters", {})))
+    return ToolCall(value["name"], args) if isinstance(args, dict) else None
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat with tools, as one model's template has them written: what the template gets,
+    what the answer is held to, and how it is read back.
+
+    Example:
+        >>> use = ToolUse.of(Tools.of([weather]), template_source)
+        >>> prompt = template.render(use.messages(messages), **use.variables())
+        >>> reader = use.text(); reader.feed(answer_text); rest, content, calls = reader.finish()
+    """
+
+    tools: Tools
+    format: ToolFormat
+
+    @classmethod
+    def of(cls, tools: Tools, template: str) -> ToolUse:
+        """The use of ``tools`` with the chat template whose source is ``template`` (an unset
+        ``parallel`` becomes the format's default)."""
+        from dataclasses import replace
+
+        format = tool_format(template)
+        return cls(tools if tools.parallel is not None else replace(tools, parallel=format.parallel), format)
+
+    def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self.format.messages(messages, self.tools)
+
+    def variables(self) -> dict[str, Any]:
+        """The template's variables: ``tools`` as transformers passes them."""
+        return {"tools": [dict(f) for f in self.tools.functions]}
+
+    def config(self, config: Any) -> Any:
+        """``config`` (a GenerationConfig) with the answer held to the format's grammar."""
+        from dataclasses import replace
+
+        if config.response_format is not None:
+            raise ConfigError("tools and response_format both shape the answer, and only one can; leave response_format "
+                              'out (a call\'s arguments already fit its schema), or pass tool_choice="none".')
+        try:
+            return replace(config, response_format={"type": "grammar", "grammar": self.format.grammar(self.tools)})
+        except ConfigError as e:  # a parameters schema llguidance cannot use
+            detail = str(e).split("(", 1)[-1].rsplit(")", 1)[0]
+            raise ConfigError(f"the tools' parameters cannot be used ({detail}); fix the function's parameters "
+                              "JSON Schema.") from None
+
+    def text(self) -> ToolText:
+        """The reader of one answer as it streams."""
+        return ToolText(self.format, self.tools.parallel)

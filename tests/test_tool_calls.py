@@ -1,0 +1,265 @@
+"""Tool calls (OpenAI's ``tools``): each family's format held by a grammar and read back, on the real SmolLM2.
+
+SmolLM2's own template knows no tools, so it gets the generic format (a system message lists the
+tools, the answer is one JSON object); the same model with a Qwen 2.5-style template
+(``HERMES``, below) writes ``<tool_call>`` blocks. Either way a call that comes back parses and
+fits its function's schema, streamed or not, and the text outside the calls is the content.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slimml.errors import ConfigError, FeedError
+from slimml.runtime import load
+from slimml.runtime.tasks.generation.tools import Generic, Hermes, Llama3, ToolText, Tools, tool_format
+
+pytestmark = pytest.mark.slow
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather now in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now in a time zone",
+    "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 40}}, "required": ["tz"]}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+# the tool parts of Qwen 2.5's chat template (Apache-2.0), the Hermes format
+HERMES = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+
+@pytest.fixture(scope="module")
+def generic(smollm2_artifact):
+    return load(smollm2_artifact)
+
+
+@pytest.fixture(scope="module")
+def hermes(smollm2_artifact, tmp_path_factory):
+    model = load(smollm2_artifact)
+    path = tmp_path_factory.mktemp("template") / "hermes.jinja"
+    path.write_text(HERMES, encoding="utf-8")
+    model.use_chat_template(str(path))
+    return model
+
+
+def _calls(generation):
+    return [(c.name, c.arguments) for c in generation.tool_calls[0]]
+
+
+def test_the_format_is_read_from_the_template():
+    assert isinstance(tool_format(HERMES), Hermes)
+    assert isinstance(tool_format("{{ '<|python_tag|>' }}"), Llama3)
+    assert isinstance(tool_format("{% for m in messages %}{{ m.content }}{% endfor %}"), Generic)
+
+
+@pytest.mark.parametrize("model_name", ["generic", "hermes"])
+def test_calls_fit_their_schema_and_leave_the_content(model_name, request):
+    """auto, required and a named function, greedy and seeded: every call names a tool and its
+    arguments fit the schema; the answer ends by itself with finish reason tool_calls. (One call
+    for required: SmolLM2 was not trained on tools and, left to make several, makes them until
+    max_new_tokens.)"""
+    model = request.getfixturevalue(model_name)
+    for choice, options in [("auto", {}), ("required", {"temperature": 0.8, "seed": 3, "parallel_tool_calls": False}),
+                            ({"type": "function", "function": {"name": "get_time"}}, {})]:
+        g = model.chat(ASK, tools=[WEATHER, TIME], tool_choice=choice, max_new_tokens=80, **options)
+        calls = _calls(g)
+        if choice == "auto" and not calls:  # the model may answer in text instead
+            assert g.texts[0] and g.finish_reasons == ["stop"]
+            continue
+        assert calls and g.finish_reasons == ["tool_calls"], (choice, g.texts, g.finish_reasons)
+        for name, args in calls:
+            want = {"get_weather": {"city"}, "get_time": {"tz"}}[name]
+            assert want <= set(args) <= want | {"unit"} and all(isinstance(v, str) for v in args.values())
+        if isinstance(choice, dict):
+            assert [n for n, _ in calls] == ["get_time"]
+        assert g.texts[0] == "" or "<tool_call>" not in g.texts[0]
+    generic_auto = request.getfixturevalue("generic").chat(ASK, tools=[WEATHER, TIME], max_new_tokens=80)
+    assert _calls(generic_auto) == [("get_weather", {"city": "Paris", "unit": "celsius"})]
+
+
+def test_a_stream_gives_the_content_and_the_result_the_calls(hermes, generic):
+    for model in (hermes, generic):
+        for choice in ("auto", "required"):
+            whole = model.chat(ASK, tools=[WEATHER, TIME], tool_choice=choice, max_new_tokens=80, parallel_tool_calls=False)
+            stream = model.chat(ASK, tools=[WEATHER, TIME], tool_choice=choice, max_new_tokens=80, parallel_tool_calls=False,
+                                stream=True)
+            assert "".join(stream) == whole.texts[0]
+            assert _calls(stream.result) == _calls(whole) and stream.result.finish_reasons == whole.finish_reasons
+
+
+def test_a_tool_result_goes_back_through_the_template(hermes, generic):
+    """The next turn: the assistant's call (arguments as OpenAI sends them, JSON text) and the
+    tool's answer are rendered by the template, and the model answers (in text with tool_choice none)."""
+    from slimml.runtime.tasks.generate import chat_prompt
+
+    for model in (generic, hermes):
+        call = model.chat(ASK, tools=[WEATHER], tool_choice="required", max_new_tokens=60).tool_calls[0][0]
+        turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.openai()]},
+                {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})}]
+        for choice in ("auto", "none"):
+            answer = model.chat(turn, tools=[WEATHER], tool_choice=choice, max_new_tokens=40)
+            if choice == "none":
+                assert answer.texts[0] and answer.tool_calls is None
+            else:  # a text answer, or another call (this model often calls again)
+                assert answer.texts[0] or answer.tool_calls[0]
+    rendered = chat_prompt(hermes, turn)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(call.arguments) in rendered
+    assert '<tool_response>\n{"temperature": 21' in rendered
+
+
+def test_streamed_text_never_shows_a_call_beginning():
+    """The Hermes reader holds back what may begin ``<tool_call>`` (and trailing whitespace), so a
+    stream cut anywhere gives content only."""
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for size in (1, 2, 3, 7):
+        reader = ToolText(Hermes())
+        out = "".join(reader.feed(text[i : i + size]) for i in range(0, len(text), size))
+        rest, content, calls = reader.finish()
+        assert out + rest == content == "Let me check." and [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    reader = ToolText(Llama3())
+    assert reader.feed(" ") == "" and reader.feed("Hello") == " Hello"
+
+
+@pytest.mark.parametrize("tools, choice, words", [
+    ("get_weather", None, "tools must be a non-empty list"),
+    ([{"type": "function", "function": {"name": "bad name!"}}], None, "must be 1 to 64 letters"),
+    ([WEATHER, WEATHER], None, "twice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, "must be a JSON Schema object"),
+    ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "not among the tools (get_weather)"),
+    ([WEATHER], "sometimes", 'tool_choice must be "auto", "required", "none"'),
+    (None, "required", "needs tools to choose from"),
+])
+def test_bad_tools_are_refused_in_one_line(tools, choice, words):
+    with pytest.raises(ConfigError, match=None) as e:
+        Tools.of(tools, choice)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tools_with_a_response_format_or_bad_arguments_are_refused(generic):
+    with pytest.raises(ConfigError, match="tools and response_format both shape the answer"):
+        generic.chat(ASK, tools=[WEATHER], response_format={"type": "json_object"}, max_new_tokens=8)
+    bad = [*ASK, {"role": "assistant", "content": None,
+                  "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}]
+    with pytest.raises(FeedError, match="has arguments that are not JSON"):
+        generic.chat(bad, tools=[WEATHER], max_new_tokens=8)
+    assert Tools.of([WEATHER], "none") is None and Tools.of([], None) is None
+
+
+def test_a_chat_template_that_is_not_a_file_or_does_not_parse_is_refused(smollm2_artifact, tmp_path):
+    from slimml.serve import ServeConfig
+
+    with pytest.raises(ConfigError, match="is not a file; give the path of a Jinja chat template"):
+        ServeConfig(str(smollm2_artifact), chat_template=str(tmp_path / "missing.jinja"))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}", encoding="utf-8")
+    with pytest.raises(Exception, match="does not parse"):
+        ServeConfig(str(smollm2_artifact), chat_template=str(broken))
+    with pytest.raises(ConfigError, match="is not a file"):
+        load(smollm2_artifact).use_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_served_with_a_hermes_template_the_client_gets_the_calls_and_the_streamed_text(ray_env, smollm2_artifact, hermes,
+                                                                                       tmp_path):
+    """``slimml serve --chat-template``: the Hermes format through the real client, streamed and
+    not, equal to in process; a text answer streams as text, never showing ``<tool_call>``."""
+    openai = pytest.importorskip("openai")
+    from conftest import serving
+    from slimml.serve import ServeConfig
+
+    path = tmp_path / "hermes.jinja"
+    path.write_text(HERMES, encoding="utf-8")
+    config = ServeConfig(str(smollm2_artifact), name="smollm2", max_running=4, max_new_tokens=80, chat_template=str(path))
+    with serving(config) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        for choice, parallel in (("required", False), ({"type": "function", "function": {"name": "get_time"}}, True)):
+            want = hermes.chat(ASK, tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=parallel, max_new_tokens=80)
+            r = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                               parallel_tool_calls=parallel, max_tokens=80, temperature=0)
+            got = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+            assert got == _calls(want) and r.choices[0].finish_reason == "tool_calls"
+            chunks = list(client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
+                                                         parallel_tool_calls=parallel, max_tokens=80, temperature=0, stream=True))
+            deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+            assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == got
+        want = hermes.chat(ASK, tools=[WEATHER, TIME], max_new_tokens=80)  # auto: this model answers in text
+        chunks = list(client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
+                                                     temperature=0, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == want.texts[0] and "<tool" not in text and len([c for c in chunks if c.choices]) > 3
+
+
+def test_forced_tokens_are_computed_several_a_pass_with_the_same_answer(generic, monkeypatch):
+    """What the format forces (a call's wrapper and name, a schema's keys) is computed beside the
+    newest token in one pass: fewer passes than tokens, the tokens of one pass a token (fp32)."""
+    import slimml.runtime.tasks.generation.lookup as lookup
+
+    named = {"type": "function", "function": {"name": "get_time"}}
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"], "additionalProperties": False}}}
+    asks = [(ASK, {"tools": [WEATHER, TIME], "tool_choice": named}),
+            ([{"role": "user", "content": "A person's name and age, as JSON."}], {"response_format": schema})]
+    for messages, options in asks:
+        fast = generic.chat(messages, max_new_tokens=60, **options)
+        monkeypatch.setattr(lookup, "FORCED", 0)
+        plain = generic.chat(messages, max_new_tokens=60, **options)
+        monkeypatch.undo()
+        assert fast.tokens == plain.tokens and plain.passes == len(plain.tokens[0])
+        assert fast.passes < len(fast.tokens[0]), (fast.passes, len(fast.tokens[0]))
