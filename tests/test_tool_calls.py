@@ -185,6 +185,9 @@ def test_streamed_text_never_shows_a_call_beginning():
     ([WEATHER], {"type": "function", "function": {"name": "get_time"}}, "not among the tools (get_weather)"),
     ([WEATHER], "sometimes", 'tool_choice must be "auto", "required", "none"'),
     (None, "required", "needs tools to choose from"),
+    ([{"type": "function", "function": {"name": "f\n"}}], None, "must be 1 to 64 letters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None,
+     "must describe an object"),
 ])
 def test_bad_tools_are_refused_in_one_line(tools, choice, words):
     with pytest.raises(ConfigError, match=None) as e:
@@ -263,3 +266,48 @@ def test_forced_tokens_are_computed_several_a_pass_with_the_same_answer(generic,
         monkeypatch.undo()
         assert fast.tokens == plain.tokens and plain.passes == len(plain.tokens[0])
         assert fast.passes < len(fast.tokens[0]), (fast.passes, len(fast.tokens[0]))
+
+
+def test_each_format_holds_its_calls_and_reads_them_back_whole(smollm2_artifact):
+    """The grammars against SmolLM2's tokenizer: Llama 3's free text cannot hide a call behind
+    whitespace; a schema's ``$defs`` references resolve in every format; a Hermes call whose
+    argument holds ``</tool_call>`` is read whole."""
+    import llguidance
+    import tokenizers
+
+    from slimml.runtime.tasks.generation.structured import ll_tokenizer
+
+    tok = tokenizers.Tokenizer.from_file(str(smollm2_artifact / "tokenizer.json"))
+    view = ll_tokenizer(tok, tok.get_vocab_size(), frozenset([2]))
+
+    def takes(fmt, tools, text):
+        matcher = llguidance.LLMatcher(view, llguidance.LLMatcher.grammar_from_lark(fmt.grammar(tools)), log_level=0)
+        return all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False).ids) and matcher.is_accepting()
+
+    weather = Tools.of([WEATHER])
+    assert takes(Llama3(), weather, "Hello.") and takes(Llama3(), weather, '\n{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert not takes(Llama3(), weather, ' {"name": "evil", "parameters": {}}')
+    booking = {"type": "function", "function": {"name": "book", "parameters": {
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/Place"}}, "required": ["to"]}}}
+    both = Tools.of([booking, WEATHER])
+    assert takes(Hermes(), both, '<tool_call>\n{"name": "book", "arguments": {"to": {"city": "Rome"}}}\n</tool_call>')
+    assert takes(Llama3(), both, '{"name": "book", "parameters": {"to": {"city": "Rome"}}}')
+    assert takes(Generic(), both, '{"tool_calls": [{"name": "book", "arguments": {"to": {"city": "Rome"}}}]}')
+    assert not takes(Generic(), both, '{"tool_calls": [{"name": "book", "arguments": {"to": {"town": "Rome"}}}]}')
+    content, calls = Hermes().parse('Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": "see </tool_call> here"}}\n</tool_call>')
+    assert content == "Sure." and [(c.name, c.arguments) for c in calls] == [("f", {"a": "see </tool_call> here"})]
+
+
+def test_a_template_path_with_braces_continue_final_message_and_tools(smollm2_artifact, tmp_path):
+    model = load(smollm2_artifact)
+    folder = tmp_path / "odd_{name}"
+    folder.mkdir()
+    (folder / "t.jinja").write_text(HERMES, encoding="utf-8")
+    model.use_chat_template(str(folder / "t.jinja"))  # a path, though it holds a brace
+    from slimml.runtime.tasks.generate import chat_prompt
+
+    assert chat_prompt(model, ASK).startswith("<|im_start|>system\nYou are a helpful assistant.")
+    with pytest.raises(ConfigError, match="continue_final_message continues a reply as text"):
+        model.chat([*ASK, {"role": "assistant", "content": "It is"}], tools=[WEATHER], continue_final_message=True,
+                   add_generation_prompt=False, max_new_tokens=4)

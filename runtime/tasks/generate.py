@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from slimml.errors import ConfigError
 from slimml.runtime.tasks.generation.chat import ChatTemplate
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.lookup import lookup_loop
@@ -197,6 +198,9 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
         else [messages]
     config = GenerationConfig.of(config, **options)
     checked = Tools.of(tools, tool_choice, parallel_tool_calls)
+    if checked is not None and continue_final_message:
+        raise ConfigError("continue_final_message continues a reply as text, and tools hold a reply to their format "
+                          'from its start; leave one out (tool_choice="none" keeps the tools in the conversation).')
     use = ToolUse.of(checked, chat_template(model).source) if checked is not None else None
     variables = {**(chat_template_kwargs or {}), **(use.variables() if use is not None else {})}
     rendered = [chat_prompt(model, use.messages(m) if use is not None else m,

@@ -133,7 +133,9 @@ class LLMService:
         async iterator of server-sent events when the request streams."""
         req = openai.completion_request(data, chat, self.max_tokens)
         chars = sum(len(m["content"]) for m in req.messages) if chat else len(req.prompt)
-        if req.tools is not None:  # the tools' descriptions become prompt text too
+        if chat:  # an assistant's calls, and the tools' descriptions, become prompt text too
+            chars += sum(len(json.dumps(m["tool_calls"])) for m in req.messages if m.get("tool_calls"))
+        if req.tools is not None:
             chars += len(json.dumps(req.tools.functions))
         if chars > self.max_text_chars:  # before any tokenizing: a prompt is never cut, it is refused
             raise RequestError(f"the prompt has {chars} characters, more than this server takes ({self.max_text_chars}); "

@@ -13,6 +13,7 @@ Where the template comes from, first found wins: the manifest's tokenizer entry
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -92,14 +93,15 @@ class ChatTemplate:
         special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if k in config}
         special.update({k: spec[k] for k in SPECIAL_TOKENS if isinstance(spec.get(k), str)})
         if override is not None:
-            if not isinstance(override, str) or not override:
-                raise ConfigError("chat_template must be a Jinja template's text or the path of its file; give one.")
-            if "{" not in override:  # no Jinja in it: a path
+            if isinstance(override, Path) or (isinstance(override, str) and os.path.isfile(override)):
                 path = Path(override)
                 if not path.is_file():
                     raise ConfigError(f"chat template {override} is not a file; give the path of a Jinja template "
                                       "(e.g. chat_template.jinja) or the template's text.")
                 return cls(_read(path), special, str(path))
+            if not isinstance(override, str) or "{" not in override:  # no Jinja in it: a path that is not there
+                raise ConfigError(f"chat template {str(override)[:80]!r} is not a file; give the path of a Jinja "
+                                  "template (e.g. chat_template.jinja) or the template's text.")
             return cls(override, special, "the given chat template")
         if isinstance(spec.get("chat_template"), str):
             path = safe_path(folder, spec["chat_template"])

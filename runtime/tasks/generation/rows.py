@@ -97,6 +97,7 @@ class SlotRows:
         their last positions' logits, (k, vocab)."""
         lens = np.array([len(s.ids) for s in seqs], dtype=np.int64)
         start, stop = self.live, self.live + len(seqs)
+        self.lookahead.ahead = []  # guessed positions past a row's length are not kept when the buffers grow
         self._room(int(lens.max()) + 1)
         fresh = next((j for j, s in enumerate(seqs) if s.prefix), len(seqs))  # the leading prompts stored nowhere
         if any(not s.prefix for s in seqs[fresh:]):
@@ -147,8 +148,8 @@ class SlotRows:
         if logits is None:
             forced = s.constraint.forced(FORCED) if s.constraint is not None else None
             self._room(min(length + 1 + max(k, len(forced or ())), self.context))
-            logits = self.lookahead.run(self.cache, 0, np.array([*s.ids, *s.tokens], dtype=np.int64), length, k, self.switch,
-                                        forced)
+            text = np.array([*s.ids, *s.tokens] if k else s.tokens[-1:], dtype=np.int64)  # the whole text for prompt lookup only
+            logits = self.lookahead.run(self.cache, 0, text, length, k, self.switch, forced)
         if logits is None:
             logits = self.cache.run(np.array([[s.tokens[-1]]], dtype=np.int64), _mask(self.lengths[:1] + 1), rows=(0, 1),
                                     at=np.zeros(1, dtype=np.int64))

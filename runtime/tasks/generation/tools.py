@@ -27,7 +27,8 @@ from typing import Any
 
 from slimml.errors import ConfigError, FeedError
 
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
+_CLOSE = re.compile(r"\s*</tool_call>")
 _WS = r"[ ]?"  # JSON whitespace in a call: compact (pretty-printed calls cost a small model a third more tokens)
 
 
@@ -106,10 +107,21 @@ class Tools:
                 if self.choice in ("auto", "required") or f["function"]["name"] == self.choice]
 
     def call_schema(self, arguments: str = "arguments") -> dict[str, Any]:
-        """The JSON Schema of one call ``{"name": ..., <arguments>: {...}}`` to a callable function."""
-        calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, arguments: _closed(f.get("parameters"))},
-                  "required": ["name", arguments], "additionalProperties": False} for f in self.callable()]
-        return calls[0] if len(calls) == 1 else {"anyOf": calls}
+        """The JSON Schema of one call ``{"name": ..., <arguments>: {...}}`` to a callable function.
+        The functions' ``$defs`` (and draft-7 ``definitions``) move to its root, where their
+        ``#/$defs/...`` references point once the parameters sit inside it (pydantic's schemas)."""
+        defs: dict[str, dict[str, Any]] = {}
+        calls = []
+        for f in self.callable():
+            parameters = dict(_closed(f.get("parameters")))
+            for key in ("$defs", "definitions"):
+                for name, value in (parameters.pop(key, None) or {}).items():
+                    if defs.setdefault(key, {}).setdefault(name, value) != value:
+                        raise ConfigError(f"two tools define {key}/{name} differently, and their references share one "
+                                          f"root; rename one of them (in {f['name']}).")
+            calls.append({"type": "object", "properties": {"name": {"const": f["name"]}, arguments: parameters},
+                          "required": ["name", arguments], "additionalProperties": False})
+        return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **defs}
 
 
 class ToolFormat:
@@ -193,14 +205,22 @@ class Hermes(ToolFormat):
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         calls, content, at = [], [], 0
-        for m in re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.S):
-            call = _call(m.group(1), "arguments")
+        for m in re.finditer(re.escape(self.marker), text):
+            if m.start() < at:
+                continue  # inside a call already read
+            rest = text[m.end():]
+            try:  # the JSON whole (a string in it may hold "</tool_call>"), then the closing tag
+                value, end = json.JSONDecoder().raw_decode(text, m.end() + len(rest) - len(rest.lstrip()))
+            except ValueError:
+                continue
+            close = _CLOSE.match(text, end)
+            call = _call(json.dumps(value), "arguments") if close else None
             if call is None:
                 continue
             content.append(text[at : m.start()])
             calls.append(call)
-            at = m.end()
-        content.append(text[at:].split("<tool_call>")[0])  # a call cut off by max_new_tokens is not content
+            at = close.end()
+        content.append(text[at:].split(self.marker)[0])  # a call cut off by max_new_tokens is not content
         return ("".join(content).strip() if calls else text), calls
 
 
@@ -224,7 +244,10 @@ class Llama3(ToolFormat):
 
     def grammar(self, tools: Tools) -> str:
         body = _json(tools.call_schema("parameters"))
-        return f"start: {body}\n" if tools.choice != "auto" else f"start: TEXT | {body}\nTEXT: /[^{{](.|\\n)*/\n"
+        if tools.choice != "auto":
+            return f"start: {body}\n"
+        # text whose first character past any whitespace is not "{", or (after any whitespace) a call that fits
+        return f"start: TEXT | WS? {body}\nTEXT: /[ \\t\\n]*[^{{ \\t\\n](.|\\n)*/\nWS: /[ \\t\\n]+/\n"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         body = text.strip().removeprefix("<|python_tag|>").strip()
@@ -269,7 +292,9 @@ class Generic(ToolFormat):
         return [{"role": "system", "content": text}, *out]
 
     def grammar(self, tools: Tools) -> str:
-        calls: dict[str, Any] = {"type": "array", "items": tools.call_schema(), "minItems": 1}
+        call = tools.call_schema()
+        defs = {k: call.pop(k) for k in ("$defs", "definitions") if k in call}  # to the answer's root, as references expect
+        calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
         if not tools.parallel:
             calls["maxItems"] = 1
         shape = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"], "additionalProperties": False}
@@ -277,7 +302,7 @@ class Generic(ToolFormat):
             answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
                       "additionalProperties": False}
             shape = {"anyOf": [shape, answer]}
-        return f"start: {_json(shape)}\n"
+        return f"start: {_json({**shape, **defs})}\n"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         try:
@@ -296,9 +321,10 @@ class ToolText:
     that can go out now (text that cannot be part of a call), :meth:`finish` the rest of the
     content and the calls once the answer is whole."""
 
-    def __init__(self, format: ToolFormat, parallel: bool = True):
+    def __init__(self, format: ToolFormat, parallel: bool = True, names: frozenset[str] | None = None):
         self.format = format
         self.parallel = parallel
+        self.names = names  # the functions a call may name (None: any)
         self.text = ""
         self.sent = 0  # characters of text handed out as content
 
@@ -312,6 +338,7 @@ class ToolText:
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         """``(content not yet handed out, the whole content, the calls)``."""
         content, calls = self.format.parse(self.text)
+        calls = [c for c in calls if self.names is None or c.name in self.names]
         calls = calls if self.parallel else calls[:1]
         handed = self.text[: self.sent]
         if not content.startswith(handed):
@@ -363,11 +390,14 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
         raise ConfigError(f"tools[{i}] is not a function tool ({_show(tool)}); {fix}.")
     function = tool["function"]
     name = function.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ConfigError(f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-', got {_show(name)}; rename it.")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise ConfigError(f"tools[{i}].function.parameters must be a JSON Schema object, got {_show(parameters)}; {fix}.")
+    if parameters is not None and parameters.get("type", "object") != "object":
+        raise ConfigError(f"tools[{i}].function.parameters must describe an object (\"type\": \"object\", the "
+                          f"arguments by name), got type {_show(parameters.get('type'))}; wrap the value in a property.")
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise ConfigError(f"tools[{i}].function.description must be text, got {_show(function['description'])}.")
     return {"type": "function", "function": dict(function)}
@@ -446,10 +476,10 @@ class ToolUse:
         try:
             return replace(config, response_format={"type": "grammar", "grammar": self.format.grammar(self.tools)})
         except ConfigError as e:  # a parameters schema llguidance cannot use
-            detail = str(e).split("(", 1)[-1].rsplit(")", 1)[0]
+            detail = str(e).split("(", 1)[-1].rsplit(")", 1)[0].split(" 1 | ")[0].strip()  # not the grammar's listing
             raise ConfigError(f"the tools' parameters cannot be used ({detail}); fix the function's parameters "
                               "JSON Schema.") from None
 
     def text(self) -> ToolText:
         """The reader of one answer as it streams."""
-        return ToolText(self.format, self.tools.parallel)
+        return ToolText(self.format, self.tools.parallel, frozenset(f["name"] for f in self.tools.callable()))
