@@ -177,6 +177,11 @@ def test_streamed_text_never_shows_a_call_beginning():
     assert reader.feed(" ") == "" and reader.feed("Hello") == " Hello"
 
 
+DEEP: dict = {"type": "string"}
+for _ in range(600):  # deeper than Python's recursion allows json.dumps to write
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
+
+
 @pytest.mark.parametrize("tools, choice, words", [
     ("get_weather", None, "tools must be a non-empty list"),
     ([{"type": "function", "function": {"name": "bad name!"}}], None, "must be 1 to 64 letters"),
@@ -188,6 +193,7 @@ def test_streamed_text_never_shows_a_call_beginning():
     ([{"type": "function", "function": {"name": "f\n"}}], None, "must be 1 to 64 letters"),
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}], None,
      "must describe an object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": DEEP}}], None, "nest deeper than 64 levels"),
 ])
 def test_bad_tools_are_refused_in_one_line(tools, choice, words):
     with pytest.raises(ConfigError, match=None) as e:

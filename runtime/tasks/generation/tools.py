@@ -28,6 +28,7 @@ from typing import Any
 from slimml.errors import ConfigError, FeedError
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
+MAX_DEPTH = 64  # JSON levels of one function's parameters schema (llguidance's own limit is lower for schemas)
 _CLOSE = re.compile(r"\s*</tool_call>")
 _WS = r"[ ]?"  # JSON whitespace in a call: compact (pretty-printed calls cost a small model a third more tokens)
 
@@ -395,12 +396,27 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
         raise ConfigError(f"tools[{i}].function.parameters must be a JSON Schema object, got {_show(parameters)}; {fix}.")
+    if parameters is not None and _depth(parameters) > MAX_DEPTH:
+        raise ConfigError(f"tools[{i}].function.parameters nest deeper than {MAX_DEPTH} levels; flatten the schema.")
     if parameters is not None and parameters.get("type", "object") != "object":
         raise ConfigError(f"tools[{i}].function.parameters must describe an object (\"type\": \"object\", the "
                           f"arguments by name), got type {_show(parameters.get('type'))}; wrap the value in a property.")
     if function.get("description") is not None and not isinstance(function["description"], str):
         raise ConfigError(f"tools[{i}].function.description must be text, got {_show(function['description'])}.")
     return {"type": "function", "function": dict(function)}
+
+
+def _depth(value: Any) -> int:
+    """How deep JSON ``value`` nests (without recursion: a hostile schema may nest thousands deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > MAX_DEPTH:
+                break
+            todo += [(x, d + 1) for x in (v.values() if isinstance(v, dict) else v)]
+    return deepest
 
 
 def _closed(parameters: dict[str, Any] | None) -> dict[str, Any]:
