@@ -87,6 +87,11 @@ def test_serve_bad_input_is_one_line_before_ray_starts(tmp_path, ray_env, tiny_b
     assert "does not match its sha256" in serve(str(bad))
     assert "Use one replica in front of the stages" in serve(str(tiny_bert_artifact), "--stages", "2", "--replicas", "2")
     assert "direct ingress serves one replica" in serve(str(tiny_bert_artifact), "--direct-ingress", "--replicas", "2")
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}", encoding="utf-8")
+    assert "--chat-template is for language models" in serve(str(tiny_bert_artifact), "--chat-template", str(template))
+    assert "is not a file; give the path of a Jinja chat template" in serve(str(tiny_bert_artifact), "--chat-template",
+                                                                            str(tmp_path / "none.jinja"))
     assert set((ray_env / "ray").glob("session_2*")) == sessions  # Ray never started
 
 
