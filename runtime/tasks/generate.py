@@ -28,7 +28,7 @@ from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_l
 from slimml.runtime.tasks.generation.prompts import Prompts, prepare
 from slimml.runtime.tasks.generation.sampling import Sampler, TokenLogprob, token_logprobs
 from slimml.runtime.tasks.generation.stopping import TextStream
-from slimml.runtime.tasks.generation.tools import ToolCall, Tools, ToolUse, template_messages
+from slimml.runtime.tasks.generation.tools import ToolCall, Tools, ToolUse, finish_reason, template_messages
 
 _templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ChatTemplate, compiled once
 
@@ -235,8 +235,7 @@ def _with_tools(steps: Generator[tuple[int, str], None, Generation], use: ToolUs
         if result.texts is not None:
             result.texts[i] = content
         result.tool_calls.append(calls)
-        if calls and result.finish_reasons[i] == "stop":
-            result.finish_reasons[i] = "tool_calls"
+        result.finish_reasons[i] = finish_reason(result.finish_reasons[i], calls)
     return result
 
 

@@ -24,7 +24,7 @@ from typing import Any
 from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
-from slimml.runtime.tasks.generation.tools import ToolCall, ToolUse
+from slimml.runtime.tasks.generation.tools import ToolUse, finish_reason
 import slimml.serve.openai as openai
 
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait
@@ -163,7 +163,8 @@ class LLMService:
             reader = use.text()
             reader.feed(text)
             _, content, calls = reader.finish()
-            return answer.whole(content, _finish(seq, calls), len(seq.ids), len(seq.tokens), seq.cached, tool_calls=calls)
+            return answer.whole(content, finish_reason(seq.finish_reason, calls), len(seq.ids), len(seq.tokens), seq.cached,
+                                tool_calls=calls)
         return answer.whole(text, seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached,
                             _answer_logprobs(seq, 0, len(text))[0])
 
@@ -268,7 +269,7 @@ class LLMService:
                             yield openai.sse(answer.chunk(rest))
                         if calls:
                             yield openai.sse(answer.tool_chunk(calls))
-                        yield openai.sse(answer.chunk("", _finish(seq, calls)))
+                        yield openai.sse(answer.chunk("", finish_reason(seq.finish_reason, calls)))
                     else:
                         yield openai.sse(answer.chunk("", seq.finish_reason, _answer_logprobs(seq, sent, shown)[0]))
                     if answer.req.include_usage:
@@ -335,11 +336,6 @@ def _answer_logprobs(seq: Sequence, start: int, shown: int) -> tuple[list, int]:
             out.append((seq.logprobs[i], seq.starts[i]))
         i += 1
     return out, i
-
-
-def _finish(seq: Sequence, calls: list[ToolCall]) -> str:
-    """OpenAI's finish reason of an answer with tools: ``tool_calls`` where it ended by itself with calls."""
-    return "tool_calls" if calls and seq.finish_reason == "stop" else seq.finish_reason
 
 
 def _failure(seq: Sequence) -> str:

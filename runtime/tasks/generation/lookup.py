@@ -70,7 +70,10 @@ class Lookahead:
         any, else the text's repeats. None where there is no guess (or the guesses would cross
         LongRoPE's ``switch``): the caller runs its plain pass."""
         room = cache.capacity - length - 1
-        guesses = np.array(forced[:room], dtype=np.int64) if forced else guess(text, min(k, room)) if k else text[:0]
+        if forced:
+            guesses = np.array(forced[:room], dtype=np.int64)
+        else:
+            guesses = guess(text, min(k, room)) if k else text[:0]
         if len(guesses) == 0 or (switch and length < switch + 1 <= length + 1 + len(guesses)):
             return None
         ids = np.concatenate([text[-1:], guesses]).astype(np.int64)[None]  # (1, 1 + g)

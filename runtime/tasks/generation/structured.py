@@ -65,8 +65,10 @@ def grammar_of(response_format: dict[str, Any] | None) -> str | None:
     error = llg.LLMatcher.validate_grammar(grammar)
     if error:
         what = {"json_object": "JSON", "json_schema": "JSON Schema", "regex": "regular expression", "grammar": "Lark grammar"}
-        raise ConfigError(f"response_format's {what[kind]} cannot be used ({_line(error)}); fix it, or leave "
-                          "response_format out.")
+        refused = ConfigError(f"response_format's {what[kind]} cannot be used ({_line(error)}); fix it, or leave "
+                              "response_format out.")
+        refused.detail = _line(error)  # llguidance's words alone, for a caller that says it its own way (tools)
+        raise refused
     return grammar
 
 

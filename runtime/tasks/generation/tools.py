@@ -142,8 +142,9 @@ class ToolFormat:
         raise NotImplementedError
 
     def messages(self, messages: list[dict[str, Any]], tools: Tools) -> list[dict[str, Any]]:
-        """The conversation as this family's template takes it (arguments as objects)."""
-        return template_messages(messages)
+        """The conversation as this family's template takes it (``chat_prompt`` reads the calls'
+        arguments into objects for every format)."""
+        return messages
 
     def grammar(self, tools: Tools) -> str:
         """The Lark grammar (llguidance's dialect) of an answer."""
@@ -235,7 +236,7 @@ class Llama3(ToolFormat):
 
     def content_end(self, text: str) -> int:
         head = text.lstrip()
-        if not head or head.startswith("{") or "<|python_tag|>".startswith(head[:14]) or head.startswith("<|python_tag|>"):
+        if not head or head.startswith("{") or "<|python_tag|>".startswith(head[:14]):
             return 0  # the answer may still be, or is, a call
         return len(text)
 
@@ -322,10 +323,9 @@ class ToolText:
     that can go out now (text that cannot be part of a call), :meth:`finish` the rest of the
     content and the calls once the answer is whole."""
 
-    def __init__(self, format: ToolFormat, parallel: bool = True, names: frozenset[str] | None = None):
+    def __init__(self, format: ToolFormat, tools: Tools | None = None):
         self.format = format
-        self.parallel = parallel
-        self.names = names  # the functions a call may name (None: any)
+        self.tools = tools  # the calls kept: to the functions it offers, one unless parallel (None: all)
         self.text = ""
         self.sent = 0  # characters of text handed out as content
 
@@ -339,8 +339,9 @@ class ToolText:
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         """``(content not yet handed out, the whole content, the calls)``."""
         content, calls = self.format.parse(self.text)
-        calls = [c for c in calls if self.names is None or c.name in self.names]
-        calls = calls if self.parallel else calls[:1]
+        if self.tools is not None:
+            names = {f["name"] for f in self.tools.callable()}
+            calls = [c for c in calls if c.name in names][: None if self.tools.parallel else 1]
         handed = self.text[: self.sent]
         if not content.startswith(handed):
             handed = handed.lstrip()  # the content is stripped of leading whitespace
@@ -380,6 +381,11 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
                 m["content"] = ""
         out.append(m)
     return out
+
+
+def finish_reason(reason: str, calls: list[ToolCall]) -> str:
+    """OpenAI's finish reason of an answer with tools: ``tool_calls`` where it ended by itself with calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _function(i: int, tool: Any) -> dict[str, Any]:
@@ -491,11 +497,11 @@ class ToolUse:
                               'out (a call\'s arguments already fit its schema), or pass tool_choice="none".')
         try:
             return replace(config, response_format={"type": "grammar", "grammar": self.format.grammar(self.tools)})
-        except ConfigError as e:  # a parameters schema llguidance cannot use
-            detail = str(e).split("(", 1)[-1].rsplit(")", 1)[0].split(" 1 | ")[0].strip()  # not the grammar's listing
+        except ConfigError as e:  # a parameters schema llguidance cannot use: its words, not the grammar's listing
+            detail = getattr(e, "detail", str(e)).split(" 1 | ")[0].strip()
             raise ConfigError(f"the tools' parameters cannot be used ({detail}); fix the function's parameters "
                               "JSON Schema.") from None
 
     def text(self) -> ToolText:
         """The reader of one answer as it streams."""
-        return ToolText(self.format, self.tools.parallel, frozenset(f["name"] for f in self.tools.callable()))
+        return ToolText(self.format, self.tools)
