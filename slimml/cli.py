@@ -474,6 +474,9 @@ def generate(
     stop_token_id: Annotated[Optional[list[int]], typer.Option("--stop-token-id", help="Stop after this token id, beside the end-of-sequence ones (repeat).")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt as a user message in the model's chat template.")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="With --chat: a system message before each prompt.")] = None,
+    tools: Annotated[Optional[str], typer.Option("--tools", help='With --chat: a JSON file of the functions the model may call, OpenAI\'s tools list ([{"type": "function", "function": {"name", "description", "parameters"}}]); each call prints after the text, and under "tool_calls" with --json.', show_default=False)] = None,
+    tool_choice: Annotated[str, typer.Option(help='With --tools: "auto" (text or calls), "required" (calls only), "none", or the name of the one function to call.')] = "auto",
+    chat_template: Annotated[Optional[str], typer.Option("--chat-template", help="With --chat: a Jinja chat template file rendered instead of the artifact's (e.g. one that knows tools).", show_default=False)] = None,
     truncate: Annotated[bool, typer.Option("--truncate", help="Keep the end of a prompt longer than the model's context instead of refusing it.")] = False,
     prompt_lookup: Annotated[int, typer.Option(min=0, help="Also compute this many guessed positions a pass, copied from where the last tokens appeared before (same text, fewer passes when it quotes its prompt; 0: off).")] = 0,
     loading: OptionValues = None,
@@ -494,6 +497,10 @@ def generate(
         raise ConfigError("--logprobs adds each token's log-probabilities to the JSON output; add --json.")
     if system is not None and not chat:
         raise ConfigError("--system is a chat message; add --chat, or put the text in --prompt.")
+    for flag, value in (("--tools", tools), ("--chat-template", chat_template)):
+        if value is not None and not chat:
+            raise ConfigError(f"{flag} is for chats; add --chat.")
+    offered = _tool_options(tools, tool_choice)
     prompt = [*(prompts or ()), *(prompt or ())]
     if not prompt:
         raise ConfigError(f'no prompt given; add one after the artifact: slimml generate {artifact} "Once upon a time" '
@@ -501,6 +508,8 @@ def generate(
     head = [{"role": "system", "content": system}] if system is not None else []
     conversations = [[*head, {"role": "user", "content": p}] for p in prompt]
     model = load(artifact, loading.build())
+    if chat_template is not None and model.supports("stream"):
+        model.use_chat_template(chat_template)
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
     if not model.supports("stream"):  # an encoder-decoder answers; greedy only
@@ -513,28 +522,53 @@ def generate(
             for p, text in zip(prompt, result.texts):
                 console.print(Text(p, style="bold") + Text(f" -> {text}"))
     elif as_json:
-        result = model.chat(conversations, config) if chat else model.generate(list(prompt), config=config)
+        result = model.chat(conversations, config, **offered) if chat else model.generate(list(prompt), config=config)
     else:
         made, seconds = 0, 0.0
         for p, messages in zip(prompt, conversations):  # one at a time, so that each prompt's text prints as it is produced
-            pieces = model.chat(messages, config, stream=True) if chat else model.stream(p, config)  # refuses before printing
+            pieces = model.chat(messages, config, stream=True, **offered) if chat else model.stream(p, config)  # refuses before printing
             console.print(Text(p, style="bold"), end="\n" if chat else "", highlight=False)  # Text: a prompt's [brackets] are not markup
             for piece in pieces:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
+            for call in (pieces.result.tool_calls or [[]])[0]:
+                sys.stdout.write(f"[tool call {call.id}] {call.name}({json.dumps(call.arguments, ensure_ascii=False)})\n")
             made, seconds = made + len(pieces.result.tokens[0]), seconds + pieces.result.seconds
         err.print(f"{made} tokens in {seconds:.2f} s ({made / seconds if seconds else 0:.1f} tokens/s)")
         return
     if as_json:
         out = {"texts": result.texts, "tokens": result.tokens, "finish_reasons": result.finish_reasons,
                "seconds": round(result.seconds, 3), "tokens_per_s": round(result.tokens_per_s, 2)}
+        if getattr(result, "tool_calls", None) is not None:
+            out["tool_calls"] = [[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in row] for row in result.tool_calls]
         if result.logprobs is not None:
             out["logprobs"] = [[{"id": e.id, "logprob": e.logprob, "top": [list(t) for t in e.top]} for e in row]
                                for row in result.logprobs]
         print(json.dumps(out))
         return
     err.print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s)")
+
+
+def _tool_options(path: str | None, choice: str) -> dict:
+    """``--tools FILE`` and ``--tool-choice`` as ``chat``'s ``tools`` and ``tool_choice`` (checked there)."""
+    from slimml.errors import ConfigError
+
+    if path is None:
+        if choice != "auto":
+            raise ConfigError("--tool-choice chooses among --tools; add --tools FILE, or leave --tool-choice out.")
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            tools = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"--tools {path} cannot be read ({e.strerror}); give a JSON file of OpenAI's tools list.") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--tools {path} is not JSON ({getattr(e, 'msg', e)}); write OpenAI's tools list, "
+                          '[{"type": "function", "function": {"name": ..., "parameters": {...}}}].') from None
+    if choice not in ("auto", "required", "none"):
+        choice = {"type": "function", "function": {"name": choice}}
+    return {"tools": tools, "tool_choice": choice}
 
 
 def _response_format(value: str | None) -> dict | None:

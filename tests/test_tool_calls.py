@@ -164,17 +164,47 @@ def test_a_tool_result_goes_back_through_the_template(hermes, generic):
     assert '<tool_response>\n{"temperature": 21' in rendered
 
 
-def test_streamed_text_never_shows_a_call_beginning():
-    """The Hermes reader holds back what may begin ``<tool_call>`` (and trailing whitespace), so a
-    stream cut anywhere gives content only."""
-    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    for size in (1, 2, 3, 7):
-        reader = ToolText(Hermes())
-        out = "".join(reader.feed(text[i : i + size]) for i in range(0, len(text), size))
-        rest, content, calls = reader.finish()
-        assert out + rest == content == "Let me check." and [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Oslo"})]
-    reader = ToolText(Llama3())
-    assert reader.feed(" ") == "" and reader.feed("Hello") == " Hello"
+def streamed_calls(pieces) -> list[tuple[str, dict]]:
+    """The calls that OpenAI-style pieces (``delta.tool_calls`` entries, dicts or the client's
+    objects) add up to, put together by ``index`` as clients do: the first piece's name, every
+    piece's arguments text."""
+    calls: dict[int, list] = {}
+    for p in pieces:
+        p = p if isinstance(p, dict) else p.model_dump()
+        call = calls.setdefault(p["index"], [None, ""])
+        call[0] = call[0] or p["function"].get("name")
+        call[1] += p["function"].get("arguments") or ""
+    return [(name, json.loads(arguments)) for _, (name, arguments) in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("format, text, content, calls", [
+    (Hermes(), 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os\\"lo {x}", "n": [1, {"a": '
+     '"]}"}]}}\n</tool_call>\n<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>', "Let me check.",
+     [("get_weather", {"city": 'Os"lo {x}', "n": [1, {"a": "]}"}]}), ("get_time", {})]),
+    (Hermes(), 'Sunny.\n<tool_call>\n{"name": "get_weather", "argu', "Sunny.", []),  # cut off by max_new_tokens: no content
+    (Llama3(), ' {"name": "get_weather", "parameters": {"city": "Oslo"}}', "", [("get_weather", {"city": "Oslo"})]),
+    (Llama3(), " Hello {x}", " Hello {x}", []),
+    (Generic(), '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time", '
+     '"arguments": {"tz": "\\u00e9\\ud83d\\ude00"}}]}', "", [("get_weather", {"city": "Oslo"}), ("get_time", {"tz": "é😀"})]),
+    (Generic(), '{"response": "Hi \\"there\\"\\n\\u00e9 \\ud83d\\ude00."}', 'Hi "there"\né 😀.', []),
+    (Generic(), '{"response": "Cut \\u00', "Cut ", []),
+])
+def test_a_stream_hands_out_content_and_each_call_in_pieces(format, text, content, calls):
+    """Fed in pieces of any size, the reader hands out content that the whole answer keeps (never
+    the start of a call), each call's id and name once written and then its arguments' JSON text as
+    it comes: put together as a client does, the pieces are the calls the whole answer holds."""
+    for size in (1, 2, 3, 7, len(text)):
+        reader = ToolText(format)
+        out, pieces = "", []
+        for i in range(0, len(text), size):
+            piece, deltas = reader.feed(text[i : i + size])
+            out, pieces = out + piece, pieces + [d.openai() for d in deltas]
+        rest, whole, got = reader.finish()
+        assert out + rest == whole == content and [(c.name, c.arguments) for c in got] == calls
+        assert streamed_calls(pieces) == calls and not reader.unsent(got)
+        assert [p["id"] for p in pieces if "id" in p] == [c.id for c in got]
+        if size == 1 and calls:
+            assert len(pieces) > 2 * len(calls)  # the arguments came in pieces, not whole
 
 
 DEEP: dict = {"type": "string"}
@@ -246,7 +276,7 @@ def test_served_with_a_hermes_template_the_client_gets_the_calls_and_the_streame
             chunks = list(client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], tool_choice=choice,
                                                          parallel_tool_calls=parallel, max_tokens=80, temperature=0, stream=True))
             deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
-            assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == got
+            assert streamed_calls(deltas) == got and len(deltas) > len(got)
         want = hermes.chat(ASK, tools=[WEATHER, TIME], max_new_tokens=80)  # auto: this model answers in text
         chunks = list(client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER, TIME], max_tokens=80,
                                                      temperature=0, stream=True))
@@ -317,3 +347,33 @@ def test_a_template_path_with_braces_continue_final_message_and_tools(smollm2_ar
     with pytest.raises(ConfigError, match="continue_final_message continues a reply as text"):
         model.chat([*ASK, {"role": "assistant", "content": "It is"}], tools=[WEATHER], continue_final_message=True,
                    add_generation_prompt=False, max_new_tokens=4)
+
+
+def test_slimml_generate_offers_tools_from_a_file(smollm2_artifact, hermes, tmp_path):
+    """``slimml generate --chat --tools FILE [--tool-choice] [--chat-template]``: the calls print
+    after the text (and under ``tool_calls`` with --json), the same as in process; misused flags
+    are refused in one line."""
+    from typer.testing import CliRunner
+
+    from slimml.cli import app
+
+    runner = CliRunner()
+    (tmp_path / "tools.json").write_text(json.dumps([WEATHER, TIME]), encoding="utf-8")
+    (tmp_path / "hermes.jinja").write_text(HERMES, encoding="utf-8")
+    ask = ["generate", str(smollm2_artifact), "--chat", ASK[0]["content"], "--tools", str(tmp_path / "tools.json"),
+           "--max-new-tokens", "60"]
+    r = runner.invoke(app, [*ask, "--tool-choice", "get_time", "--chat-template", str(tmp_path / "hermes.jinja"), "--json"])
+    assert r.exit_code == 0, r.output
+    want = hermes.chat(ASK, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}},
+                       max_new_tokens=60)
+    out = json.loads(r.stdout)
+    assert [(c["name"], c["arguments"]) for c in out["tool_calls"][0]] == _calls(want)
+    assert out["finish_reasons"] == ["tool_calls"]
+    r = runner.invoke(app, [*ask, "--tool-choice", "required"])
+    call = load(smollm2_artifact).chat(ASK, tools=[WEATHER, TIME], tool_choice="required", max_new_tokens=60).tool_calls[0][0]
+    assert r.exit_code == 0 and f"] {call.name}({json.dumps(call.arguments)})\n" in r.stdout, r.output
+    for args, words in ((["generate", str(smollm2_artifact), "hi", "--tools", str(tmp_path / "tools.json")], "add --chat"),
+                        ([*ask[:4], "--tools", str(tmp_path / "missing.json")], "cannot be read"),
+                        ([*ask[:4], "--tool-choice", "required"], "add --tools FILE")):
+        r = runner.invoke(app, args)
+        assert isinstance(r.exception, ConfigError) and words in str(r.exception)

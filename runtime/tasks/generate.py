@@ -224,7 +224,7 @@ def _with_tools(steps: Generator[tuple[int, str], None, Generation], use: ToolUs
         except StopIteration as done:
             result = done.value
             break
-        piece = readers[i].feed(piece)
+        piece, _ = readers[i].feed(piece)  # the calls come whole in the result
         if piece:
             yield i, piece
     result.tool_calls = []

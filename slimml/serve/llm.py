@@ -246,15 +246,17 @@ class LLMService:
     async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer,
                       use: ToolUse | None = None) -> AsyncIterator[bytes]:
         sent = shown = 0  # tokens whose log-probabilities went out; characters of text that went out
-        reader = use.text() if use is not None else None  # calls held back from the text
+        reader = use.text() if use is not None else None  # the calls read out of the text
         try:
             while True:
                 kind, value = await events.get()
                 if kind == "text":
-                    if reader is not None:
-                        value = reader.feed(value)
+                    if reader is not None:  # the content as it comes, each call's name and then its arguments in pieces
+                        value, calls = reader.feed(value)
                         if value:
                             yield openai.sse(answer.chunk(value))
+                        if calls:
+                            yield openai.sse(answer.tool_chunk(calls))
                         continue
                     shown += len(value)
                     entries, sent = _answer_logprobs(seq, sent, shown)
@@ -263,12 +265,12 @@ class LLMService:
                 if seq.finish_reason == "error":
                     yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "param": None, "code": 500}})
                 else:
-                    if reader is not None:  # the rest of the content, then the calls whole
+                    if reader is not None:  # the rest of the content, and any call not handed out yet, whole
                         rest, _, calls = reader.finish()
                         if rest:
                             yield openai.sse(answer.chunk(rest))
-                        if calls:
-                            yield openai.sse(answer.tool_chunk(calls))
+                        if reader.unsent(calls):
+                            yield openai.sse(answer.tool_chunk(reader.unsent(calls)))
                         yield openai.sse(answer.chunk("", finish_reason(seq.finish_reason, calls)))
                     else:
                         yield openai.sse(answer.chunk("", seq.finish_reason, _answer_logprobs(seq, sent, shown)[0]))

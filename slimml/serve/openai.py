@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from slimml.errors import ConfigError, FeedError, RequestError
-from slimml.runtime.tasks.generation.tools import ToolCall, Tools, template_messages
+from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, template_messages
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
@@ -375,9 +375,10 @@ class Answer:
             body["usage"] = None
         return body
 
-    def tool_chunk(self, tool_calls: list[ToolCall]) -> dict[str, Any]:
-        """The calls of a streamed chat answer, whole, in one chunk (``delta.tool_calls``, each with its ``index``)."""
-        delta: dict[str, Any] = {"tool_calls": [{"index": k, **c.openai()} for k, c in enumerate(tool_calls)]}
+    def tool_chunk(self, pieces: list[CallDelta]) -> dict[str, Any]:
+        """Pieces of a streamed chat answer's calls (``delta.tool_calls``: a call's first piece with
+        its ``index``, ``id`` and name, the next ones more of its arguments)."""
+        delta: dict[str, Any] = {"tool_calls": [p.openai() for p in pieces]}
         if self._first:
             delta = {"role": "assistant", "content": None, **delta}
         self._first = False

@@ -30,6 +30,14 @@ from slimml.errors import ConfigError, FeedError
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
 MAX_DEPTH = 64  # JSON levels of one function's parameters schema (llguidance's own limit is lower for schemas)
 _CLOSE = re.compile(r"\s*</tool_call>")
+_SPACE = re.compile(r"\s*")
+_COMMA = re.compile(r"\s*,\s*")
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')  # a call's start, in the formats' order
+_RESPONSE = re.compile(r'\s*\{\s*"response"\s*:\s*"')
+_CALLS = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[\s*')
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*("?)|[{}\[\]]')  # a string (group 1 empty while unfinished) or a bracket
+_STRING_BODY = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
+_CUT_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}$")
 _WS = r"[ ]?"  # JSON whitespace in a call: compact (pretty-printed calls cost a small model a third more tokens)
 
 
@@ -46,6 +54,29 @@ class ToolCall:
         """OpenAI's shape: ``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}``."""
         return {"id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+@dataclass(frozen=True)
+class CallDelta:
+    """A piece of a call as it streams, OpenAI's ``delta.tool_calls`` entry: a call's first piece
+    carries its ``id`` and ``name``, the pieces after it more of its arguments' JSON text (the
+    pieces of one ``index`` put together are its arguments)."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+    def openai(self) -> dict[str, Any]:
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+    @classmethod
+    def whole(cls, index: int, call: ToolCall) -> CallDelta:
+        """``call`` in one piece."""
+        return cls(index, json.dumps(call.arguments, ensure_ascii=False), call.id, call.name)
 
 
 @dataclass(frozen=True)
@@ -150,9 +181,15 @@ class ToolFormat:
         """The Lark grammar (llguidance's dialect) of an answer."""
         raise NotImplementedError
 
-    def content_end(self, text: str) -> int:
-        """How much of ``text``, an answer so far, is content whatever comes next (0: none yet)."""
-        return 0
+    def content(self, text: str) -> str:
+        """The content of ``text``, an answer so far, that stays content whatever comes next (it
+        only grows as the answer does)."""
+        return ""
+
+    def calls(self, text: str) -> list[str]:
+        """The JSON text of each call begun in ``text``, an answer so far, from its ``{`` (the
+        last one may be unfinished)."""
+        return []
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """The answer's content (text outside the calls) and its calls."""
@@ -180,7 +217,7 @@ class Hermes(ToolFormat):
     name = "hermes"
     marker = "<tool_call>"
 
-    def content_end(self, text: str) -> int:
+    def content(self, text: str) -> str:
         start = text.find(self.marker)
         if start < 0:  # hold what may begin the marker, and trailing whitespace (it may precede a call)
             start = len(text)
@@ -188,7 +225,20 @@ class Hermes(ToolFormat):
                 if self.marker.startswith(text[-k:]):
                     start = len(text) - k
                     break
-        return len(text[:start].rstrip())
+        return text[:start].rstrip()
+
+    def calls(self, text: str) -> list[str]:
+        out, at = [], 0
+        while (k := text.find(self.marker, at)) >= 0:
+            start = _SPACE.match(text, k + len(self.marker)).end()
+            if start == len(text):
+                break
+            end = _value_end(text, start)
+            out.append(text[start:end])
+            if end is None:
+                break
+            at = end
+        return out
 
     @staticmethod
     def matches(template: str) -> bool:
@@ -223,7 +273,7 @@ class Hermes(ToolFormat):
             calls.append(call)
             at = close.end()
         content.append(text[at:].split(self.marker)[0])  # a call cut off by max_new_tokens is not content
-        return ("".join(content).strip() if calls else text), calls
+        return ("".join(content).strip() if self.marker in text else text), calls
 
 
 @register_format
@@ -234,11 +284,15 @@ class Llama3(ToolFormat):
     name = "llama3"
     parallel = False  # the format has one call an answer
 
-    def content_end(self, text: str) -> int:
+    def content(self, text: str) -> str:
         head = text.lstrip()
         if not head or head.startswith("{") or "<|python_tag|>".startswith(head[:14]):
-            return 0  # the answer may still be, or is, a call
-        return len(text)
+            return ""  # the answer may still be, or is, a call
+        return text
+
+    def calls(self, text: str) -> list[str]:
+        body = text.strip().removeprefix("<|python_tag|>").lstrip()
+        return [body[: _value_end(body, 0)]] if body.startswith("{") else []
 
     @staticmethod
     def matches(template: str) -> bool:
@@ -306,11 +360,29 @@ class Generic(ToolFormat):
             shape = {"anyOf": [shape, answer]}
         return f"start: {_json({**shape, **defs})}\n"
 
+    def content(self, text: str) -> str:
+        m = _RESPONSE.match(text)
+        return _string_begun(text, m.end()) if m else ""
+
+    def calls(self, text: str) -> list[str]:
+        m = _CALLS.match(text)
+        out, at = [], m.end() if m else len(text)
+        while text.startswith("{", at):
+            end = _value_end(text, at)
+            out.append(text[at:end])
+            if end is None:
+                break
+            comma = _COMMA.match(text, end)
+            if comma is None:
+                break
+            at = comma.end()
+        return out
+
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         try:
             value = json.loads(text)
-        except ValueError:
-            return text, []  # cut by max_new_tokens: the text as it is
+        except ValueError:  # cut by max_new_tokens: the response begun, a call begun is dropped
+            return (self.content(text), []) if text.lstrip().startswith("{") else (text, [])
         if isinstance(value, dict) and isinstance(value.get("response"), str):
             return value["response"], []
         found = value.get("tool_calls") if isinstance(value, dict) else None
@@ -319,34 +391,61 @@ class Generic(ToolFormat):
 
 
 class ToolText:
-    """One answer's text as it streams, with its calls held back: :meth:`feed` gives the content
-    that can go out now (text that cannot be part of a call), :meth:`finish` the rest of the
-    content and the calls once the answer is whole."""
+    """One answer's text as it streams, read as content and calls: :meth:`feed` gives the content
+    that can go out now (text that cannot be part of a call) and the pieces of the calls made so
+    far (each call's name once written, then its arguments' JSON text as it comes), :meth:`finish`
+    the rest of the content and the calls once the answer is whole."""
 
     def __init__(self, format: ToolFormat, tools: Tools | None = None):
         self.format = format
         self.tools = tools  # the calls kept: to the functions it offers, one unless parallel (None: all)
         self.text = ""
-        self.sent = 0  # characters of text handed out as content
+        self.sent = 0  # characters of content handed out
+        self.handed = ""
+        self.streamed: list[list] = []  # per call handed out: [its id, its name, characters of its arguments handed out]
 
-    def feed(self, piece: str) -> str:
+    def feed(self, piece: str) -> tuple[str, list[CallDelta]]:
+        """``(content, call pieces)`` that ``piece``, the answer's next text, lets out."""
         self.text += piece
-        end = self.format.content_end(self.text)
-        out = self.text[self.sent : end] if end > self.sent else ""
-        self.sent = max(self.sent, end)
-        return out
+        content = self.format.content(self.text)
+        out = content[self.sent:]
+        self.sent = max(self.sent, len(content))
+        self.handed += out
+        deltas = []
+        for index, raw in enumerate(self.format.calls(self.text)):
+            m = _HEAD.match(raw)
+            if m is None or not self._keeps(m.group(1), index):
+                break  # its name is not whole yet
+            arguments = raw[m.end() : _value_end(raw, m.end())]  # the arguments' object, without the call's "}"
+            if index == len(self.streamed):
+                self.streamed.append(["call_" + uuid.uuid4().hex[:24], m.group(1), len(arguments)])
+                deltas.append(CallDelta(index, arguments, self.streamed[index][0], m.group(1)))
+            elif len(arguments) > self.streamed[index][2]:
+                deltas.append(CallDelta(index, arguments[self.streamed[index][2]:]))
+                self.streamed[index][2] = len(arguments)
+        return out, deltas
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
-        """``(content not yet handed out, the whole content, the calls)``."""
+        """``(content not yet handed out, the whole content, the calls)``; a call handed out in
+        pieces keeps the id its first piece gave it."""
         content, calls = self.format.parse(self.text)
-        if self.tools is not None:
-            names = {f["name"] for f in self.tools.callable()}
-            calls = [c for c in calls if c.name in names][: None if self.tools.parallel else 1]
-        handed = self.text[: self.sent]
+        calls = [c for k, c in enumerate(calls) if self._keeps(c.name, k)]
+        calls = [ToolCall(c.name, c.arguments, self.streamed[k][0])
+                 if k < len(self.streamed) and self.streamed[k][1] == c.name else c for k, c in enumerate(calls)]
+        handed = self.handed
         if not content.startswith(handed):
             handed = handed.lstrip()  # the content is stripped of leading whitespace
         rest = content[len(handed):] if content.startswith(handed) else ""
         return rest, content, calls
+
+    def unsent(self, calls: list[ToolCall]) -> list[CallDelta]:
+        """The calls of :meth:`finish` that no piece handed out yet, each whole."""
+        return [CallDelta.whole(k, c) for k, c in enumerate(calls) if k >= len(self.streamed)]
+
+    def _keeps(self, name: str, index: int) -> bool:
+        if self.tools is None:
+            return True
+        return (self.tools.parallel or index == 0) and any(f["name"] == name for f in self.tools.callable())
 
 
 def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
@@ -440,6 +539,32 @@ def _closed(parameters: dict[str, Any] | None) -> dict[str, Any]:
 def _json(schema: dict[str, Any]) -> str:
     """``%json {...}`` with JSON whitespace bounded."""
     return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": _WS}})
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array that begins at ``text[start]`` ends, or None while it is unfinished."""
+    depth, at = 0, start
+    while (m := _JSON_TOKEN.search(text, at)) is not None:
+        at = m.end()
+        c = m.group()[0]
+        if c == '"':
+            if not m.group(1):
+                return None  # a string still open
+        elif c in "{[":
+            depth += 1
+        else:
+            depth -= 1
+            if depth == 0:
+                return at
+    return None
+
+
+def _string_begun(text: str, start: int) -> str:
+    """The value so far of the JSON string whose text begins at ``text[start]`` (past its opening
+    quote), without an escape still cut off or a surrogate waiting for its pair."""
+    body = _STRING_BODY.match(text, start).group()
+    body = _CUT_SURROGATE.sub("", body)
+    return json.JSONDecoder(strict=False).decode('"' + body + '"')
 
 
 def _call(text: str, arguments: str) -> ToolCall | None:
