@@ -467,6 +467,7 @@ def generate(
     repetition_penalty: Annotated[float, typer.Option(help="Divide the logits of tokens already seen by this (1: off).")] = 1.0,
     presence_penalty: Annotated[float, typer.Option(help="Subtract this from the logit of every token the answer already holds (OpenAI's; -2 to 2, 0: off).")] = 0.0,
     frequency_penalty: Annotated[float, typer.Option(help="Subtract this from a token's logit for each time the answer already holds it (OpenAI's; -2 to 2, 0: off).")] = 0.0,
+    logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS: add BIAS (-100 to 100) to token ID's logit before sampling, as OpenAI's logit_bias; -100 keeps the token out (repeat).", show_default=False)] = None,
     logprobs: Annotated[Optional[int], typer.Option(help="With --json: each new token's log-probability and this many most likely alternatives (0 to 20).", show_default=False)] = None,
     response_format: Annotated[Optional[str], typer.Option(help='Hold the answer to a format: "json" (a JSON object), or OpenAI\'s response_format as JSON, e.g. \'{"type": "json_schema", "json_schema": {"schema": {...}}}\' (also {"type": "regex", "regex": ...} and {"type": "grammar", "grammar": LARK}).', show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option(min=0, help="Seed for sampling: the same seed gives the same text.")] = None,
@@ -490,7 +491,7 @@ def generate(
 
     config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, logprobs=logprobs,
+                              frequency_penalty=frequency_penalty, logit_bias=_logit_bias(logit_bias), logprobs=logprobs,
                               response_format=_response_format(response_format), seed=seed, stop=tuple(stop or ()),
                               stop_token_ids=tuple(stop_token_id or ()), truncate=truncate, prompt_lookup=prompt_lookup)
     if logprobs is not None and not as_json:
@@ -516,7 +517,7 @@ def generate(
         if chat or config != GenerationConfig(max_new_tokens=max_new_tokens, truncate=truncate, prompt_lookup=prompt_lookup):
             raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily without a chat template; "
                               "drop --temperature, --top-k, --top-p, --repetition-penalty, --presence-penalty, --frequency-penalty, "
-                              "--logprobs, --response-format, --seed, --stop and --chat.")
+                              "--logit-bias, --logprobs, --response-format, --seed, --stop and --chat.")
         result = model.generate(list(prompt), max_new_tokens=max_new_tokens)
         if not as_json:
             for p, text in zip(prompt, result.texts):
@@ -548,6 +549,20 @@ def generate(
         print(json.dumps(out))
         return
     err.print(f"{sum(map(len, result.tokens))} tokens in {result.seconds:.2f} s ({result.tokens_per_s:.1f} tokens/s)")
+
+
+def _logit_bias(values: list[str] | None) -> dict[str, float] | None:
+    """``--logit-bias ID=BIAS`` (repeated) as ``{ID: BIAS}`` (checked by GenerationConfig)."""
+    from slimml.errors import ConfigError
+
+    out: dict[str, float] = {}
+    for v in values or ():
+        token, _, bias = v.partition("=")
+        try:
+            out[token.strip()] = float(bias)
+        except ValueError:
+            raise ConfigError(f"--logit-bias {v!r} is not ID=BIAS; write e.g. --logit-bias 50256=-100.") from None
+    return out or None
 
 
 def _tool_options(path: str | None, choice: str) -> dict:

@@ -170,8 +170,17 @@ def test_presence_and_frequency_penalties_count_the_answers_tokens_as_openai():
         for t in set(made[row]):  # OpenAI's: the answer only
             want[row, t] -= made[row].count(t) * 1.5 + 0.4
     np.testing.assert_allclose(sampler.scores(logits), want / 0.5, rtol=1e-6)
+    biased = Sampler(GenerationConfig(temperature=0.5, logit_bias={"7": -100, 9: 2.5}, repetition_penalty=1.2), prompts, vocab)
+    want = logits.copy()  # OpenAI's logit_bias: added to the logits first, then the processors
+    want[:, 7] -= 100
+    want[:, 9] += 2.5
+    for row, ids in enumerate(prompts):
+        for t in set(ids):
+            want[row, t] = want[row, t] / 1.2 if want[row, t] > 0 else want[row, t] * 1.2
+    np.testing.assert_allclose(biased.scores(logits), want / 0.5, rtol=1e-6)
     assert GenerationConfig().presence_penalty == 0 and Sampler(GenerationConfig(), prompts, vocab).counts is None
-    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"logprobs": 21}, {"logprobs": -1}, {"logprobs": 1.5}):
+    for bad in ({"presence_penalty": 2.5}, {"frequency_penalty": -3}, {"logprobs": 21}, {"logprobs": -1}, {"logprobs": 1.5},
+                {"logit_bias": {"a": 1}}, {"logit_bias": {5: 100.5}}, {"logit_bias": 5}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             GenerationConfig(**bad)
 
@@ -355,7 +364,7 @@ CONFIG_ERRORS = [
     ({"stop": [1]}, "stop must be a string or a list of strings, got [1]."),
     ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids >= 0, got [-1]."),
     ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, frequency_penalty, "
-                         "logprobs, max_new_tokens, min_new_tokens, pad_token_id, presence_penalty, prompt_lookup, repetition_penalty, "
+                         "logit_bias, logprobs, max_new_tokens, min_new_tokens, pad_token_id, presence_penalty, prompt_lookup, repetition_penalty, "
                          "response_format, seed, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
 ]
 

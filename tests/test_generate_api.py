@@ -226,6 +226,11 @@ def test_cli_prints_prompts_as_text_with_system_and_stop_ids(llama, bpe, tiny_ll
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tokens"] == llama.chat(messages, max_new_tokens=8, stop_token_ids=[stop]).tokens
     assert want.tokens  # the plain prompt ran as text, not markup
+    first = llama.generate(["hi"], max_new_tokens=1).tokens[0][0]
+    r = slimml("--prompt", "hi", "--logit-bias", f"{first}=-100", "--max-new-tokens", 4, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == llama.generate(["hi"], max_new_tokens=4, logit_bias={first: -100}).tokens
+    assert json.loads(r.stdout)["tokens"][0][0] != first  # kept out
     r = slimml("--prompt", "hi", "--frequency-penalty", 1.5, "--presence-penalty", 0.5, "--max-new-tokens", 8, "--json",
                "--logprobs", 2)
     assert r.returncode == 0, r.stderr

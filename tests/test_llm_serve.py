@@ -148,6 +148,11 @@ def test_presence_and_frequency_penalties_change_the_answer_as_in_process(client
                                        frequency_penalty=1.5, presence_penalty=0.5)
     want = local.chat(messages, max_new_tokens=30, frequency_penalty=1.5, presence_penalty=0.5)
     assert r.choices[0].message.content == want.texts[0] != local.chat(messages, max_new_tokens=30).texts[0]
+    plain = local.chat(messages, max_new_tokens=8)
+    bias = {plain.tokens[0][0]: -100, plain.tokens[0][1]: 5}  # OpenAI's logit_bias: ids (as text in JSON) and biases
+    r = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=8, temperature=0,
+                                       logit_bias={str(k): v for k, v in bias.items()})
+    assert r.choices[0].message.content == local.chat(messages, max_new_tokens=8, logit_bias=bias).texts[0] != plain.texts[0]
 
 
 def test_response_format_json_schema_answers_parse_and_equal_in_process(client, local):
@@ -328,6 +333,9 @@ def test_a_full_queue_answers_429_with_retry_after(server):
                                                                     "function": {"name": "f", "arguments": "{x"}}]}]},
      "has arguments that are not JSON"),
     ({"presence_penalty": "x"}, '"presence_penalty" must be a number from -2 to 2'),
+    ({"logit_bias": {"abc": 1}}, '"logit_bias" has the key'),
+    ({"logit_bias": {"5": 101}}, "a bias is a number from -100 to 100"),
+    ({"logit_bias": {"99999999": -100}}, "outside the model's vocabulary of 49152"),
     ({"stop": "x" * 50_000}, "so it can never appear; shorten it"),
 ])
 def test_bad_chat_requests_get_openai_errors(client, change, words):

@@ -80,6 +80,21 @@ def test_generate_requests():
         protocol.generate_request({"prompt": ["hi", [1]]}, 16, 8)
 
 
+def test_openai_fields_that_would_change_the_answer_are_used_or_refused():
+    """``logit_bias`` is read (ids as JSON keys); ``echo``, ``best_of`` and ``suffix`` are refused
+    rather than ignored; their "off" values pass."""
+    openai = pytest.importorskip("slimml.serve.openai")
+    req = openai.completion_request({"prompt": "hi", "logit_bias": {"12": -100, " 7": 2.5}, "echo": False, "best_of": 1,
+                                     "suffix": ""}, False, 16)
+    assert req.logit_bias == {12: -100.0, 7: 2.5}
+    assert openai.completion_request({"prompt": "hi", "logit_bias": {}}, False, 16).logit_bias is None
+    for field, value in (("echo", True), ("best_of", 2), ("suffix", "}\n"), ("logit_bias", [1]), ("logit_bias", {"x": 1}),
+                         ("logit_bias", {"1": -101}), ("logit_bias", {str(i): 1 for i in range(1025)})):
+        with pytest.raises(RequestError) as e:
+            openai.completion_request({"prompt": "hi", field: value}, False, 16)
+        assert e.value.param == field, (field, str(e.value))
+
+
 def test_the_documented_serve_yaml_is_valid_and_builds(default_artifact):
     """docs/serve.yaml passes Ray Serve's own schema, and its import_path builds the application."""
     from pathlib import Path

@@ -210,7 +210,7 @@ class LLMService:
             config = GenerationConfig(max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p,
                                       top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                      logprobs=req.logprobs, response_format=req.response_format, seed=req.seed,
+                                      logit_bias=req.logit_bias, logprobs=req.logprobs, response_format=req.response_format, seed=req.seed,
                                       stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
             if use is not None:
                 config = use.config(config)
@@ -225,8 +225,9 @@ class LLMService:
         except FeedError as e:  # the prompt (or a stop string) against the context and the batch's budget
             field = "stop" if str(e).startswith("stop") else "messages" if req.chat else "prompt"
             raise RequestError(str(e), param=field) from None
-        except ConfigError as e:  # a response_format (or tools' grammar) this model's tokenizer cannot follow
-            raise RequestError(str(e), param="tools" if use is not None else "response_format") from None
+        except ConfigError as e:  # a response_format (or tools' grammar) this model's tokenizer cannot follow, a biased id
+            param = "logit_bias" if str(e).startswith("logit_bias") else "tools" if use is not None else "response_format"
+            raise RequestError(str(e), param=param) from None
         return seq, use
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:

@@ -21,12 +21,8 @@ from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, te
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
+MAX_LOGIT_BIAS = 1024  # token ids a request may bias
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs: OpenAI's limits
-# fields a client may send that change nothing here, accepted so that standard clients work
-_IGNORED = {"model", "user", "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-            "response_format", "tools", "tool_choice", "parallel_tool_calls", "metadata", "store", "service_tier",
-            "stream_options", "echo", "best_of", "suffix", "max_completion_tokens", "messages", "prompt", "n",
-            "stream", "max_tokens", "temperature", "top_p", "stop", "seed", "top_k", "repetition_penalty"}
 
 
 @dataclass
@@ -40,6 +36,7 @@ class CompletionRequest:
         max_tokens: tokens to generate at most (None: up to the context).
         temperature, top_p, top_k, repetition_penalty, seed: sampling (temperature 0 is greedy).
         presence_penalty, frequency_penalty: OpenAI's penalties on the answer's own tokens.
+        logit_bias: ``{token id: bias}`` added to the logits (OpenAI's; from -100 to 100), or None.
         logprobs: None, or return each token's log-probability with this many alternatives (chat:
             ``logprobs: true`` and ``top_logprobs``; completions: ``logprobs``).
         response_format: None (free text), or the format the answer is held to (``json_object``,
@@ -60,6 +57,7 @@ class CompletionRequest:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tools: Tools | None = None
@@ -96,6 +94,7 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     req.repetition_penalty = _number(data, "repetition_penalty", 1.0, 0.0, 10.0, "in (0, 10]", open_low=True)
     req.presence_penalty = _number(data, "presence_penalty", 0.0, -2.0, 2.0, "from -2 to 2")
     req.frequency_penalty = _number(data, "frequency_penalty", 0.0, -2.0, 2.0, "from -2 to 2")
+    req.logit_bias = _logit_bias(data.get("logit_bias"))
     req.logprobs = _logprobs(data, chat)
     req.response_format = _response_format(data.get("response_format"))
     req.tools = _tools(data, chat)
@@ -139,9 +138,11 @@ def _refuse_unsupported(data: dict[str, Any]) -> None:
     asks = {
         "echo": data.get("echo") not in (None, False),
         "best_of": data.get("best_of") not in (None, 1),
+        "suffix": data.get("suffix") not in (None, ""),
     }
     fixes = {"echo": "leave it out (the prompt is what you sent)",
-             "best_of": "leave it out, or send 1"}
+             "best_of": "leave it out, or send 1",
+             "suffix": "leave it out (this server continues a prompt; it does not fill in text before a suffix)"}
     for key, asked in asks.items():
         if asked:
             raise RequestError(f'"{key}" {_show(data[key])} is not supported by this server; {fixes[key]}.', param=key)
@@ -274,6 +275,27 @@ def _number(data: dict[str, Any], key: str, default: float, low: float, high: fl
             or v < low or v > high or (open_low and v <= low):
         raise RequestError(f'"{key}" must be a number {what}, got {_show(v)}.', param=key)
     return float(v)
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """``logit_bias``: ``{"<token id>": bias}`` with biases from -100 to 100 (the vocabulary is
+    checked with the prompt)."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
+        raise RequestError(f'"logit_bias" must be an object of at most {MAX_LOGIT_BIAS} token ids and their biases '
+                           f'from -100 to 100, e.g. {{"50256": -100}}, got {_show(value)}.', param="logit_bias")
+    out = {}
+    for key, bias in value.items():
+        token = key.strip() if isinstance(key, str) else ""
+        if not token.isdigit():
+            raise RequestError(f'"logit_bias" has the key {_show(key)}, which is not a token id; use the ids of this '
+                               'model\'s tokenizer as keys, e.g. {"50256": -100}.', param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise RequestError(f'"logit_bias" gives token {token} the bias {_show(bias)}; a bias is a number from -100 '
+                               "to 100.", param="logit_bias")
+        out[int(token)] = float(bias)
+    return out
 
 
 def _stop(stop: Any) -> list[str]:

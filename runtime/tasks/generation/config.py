@@ -35,6 +35,9 @@ class GenerationConfig:
             only, not the prompt's.
         frequency_penalty: subtracted from a token's logit once for every time the answer already
             holds it, as OpenAI's ``frequency_penalty`` (from -2 to 2; 0 turns it off).
+        logit_bias: ``{token id: bias}`` added to the model's logits before any processor, as
+            OpenAI's ``logit_bias`` (from -100 to 100: -100 keeps a token out, 100 all but forces
+            it; small values make a token more or less likely). Ids past the vocabulary are refused.
         logprobs: also return each new token's log-probability under the model (its softmax before
             any processor) and this many most likely alternatives, as OpenAI's ``top_logprobs``
             (0 to 20); None turns it off. ``Generation.logprobs`` holds them.
@@ -72,6 +75,7 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     logprobs: int | None = None
     response_format: dict | None = None
     seed: int | tuple[int, ...] | None = None
@@ -92,6 +96,7 @@ class GenerationConfig:
         _number("repetition_penalty", self.repetition_penalty, "> 0 (1 turns it off)", lambda v: v > 0)
         for name in ("presence_penalty", "frequency_penalty"):
             _number(name, getattr(self, name), "from -2 to 2 (0 turns it off)", lambda v: -2 <= v <= 2)
+        object.__setattr__(self, "logit_bias", _bias(self.logit_bias))
         if self.logprobs is not None and not (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ConfigError(f"logprobs must be a whole number from 0 to {MAX_TOP_LOGPROBS} (the alternatives to return "
                               f"beside each token's own log-probability) or None (off), got {self.logprobs!r}.")
@@ -158,6 +163,31 @@ class GenerationConfig:
 def is_int(v: Any) -> bool:
     """A whole number (a numpy one too), not a bool."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _bias(value: Any) -> tuple[tuple[int, float], ...] | None:
+    """``logit_bias`` as sorted ``(id, bias)`` pairs (hashable, one order), or None where empty.
+    Ids may come as text, as JSON object keys do."""
+    if value is None:
+        return None
+    pairs = value.items() if isinstance(value, dict) else value
+    fix = "give {token id: bias from -100 to 100}, e.g. {50256: -100}"
+    try:
+        pairs = list(pairs)
+    except TypeError:
+        raise ConfigError(f"logit_bias must be a mapping of token ids to biases, got {value!r}; {fix}.") from None
+    out = {}
+    for pair in pairs:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ConfigError(f"logit_bias must be a mapping of token ids to biases, got {value!r}; {fix}.")
+        key, bias = pair
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not is_int(token) or token < 0:
+            raise ConfigError(f"logit_bias has the key {key!r}, which is not a token id (a whole number >= 0); {fix}.")
+        if not isinstance(bias, numbers.Real) or isinstance(bias, bool) or not -100 <= bias <= 100:
+            raise ConfigError(f"logit_bias gives token {token} the bias {bias!r}; a bias is a number from -100 to 100.")
+        out[int(token)] = float(bias)
+    return tuple(sorted(out.items())) or None
 
 
 def _whole(name: str, v: Any, lo: int, note: str = "") -> None:

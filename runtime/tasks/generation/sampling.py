@@ -1,6 +1,7 @@
 """The next token from the last position's logits, with numpy.
 
-The processors run in the order transformers runs them (``_get_logits_processor``): repetition
+The processors run in the order transformers runs them (``_get_logits_processor``), after
+OpenAI's ``logit_bias`` (added to the logits first, as OpenAI and llama.cpp add it): repetition
 penalty (then OpenAI's presence and frequency penalties, over the answer's own tokens), then
 temperature, top-k and top-p, each keeping the tokens transformers keeps, so that a
 transformers user's settings mean the same here. Sampling draws one uniform number per prompt per
@@ -89,6 +90,10 @@ class Sampler:
         self.counts: np.ndarray | None = None  # (B, vocab) int32: each token's count in the answer so far
         if config.presence_penalty or config.frequency_penalty:
             self.counts = np.zeros((len(prompts), vocab), dtype=np.int32)
+        self.bias = None  # (ids, biases) of config.logit_bias, within the vocabulary (prepare() refused the others)
+        kept = [(t, b) for t, b in config.logit_bias or () if t < vocab]
+        if kept:
+            self.bias = (np.array([t for t, _ in kept], dtype=np.int64), np.array([b for _, b in kept], dtype=np.float32))
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
         """(B, vocab) logits of the last position -> (B,) int64 token ids."""
@@ -127,14 +132,16 @@ class Sampler:
                 c.consume(token)
 
     def _penalised(self, logits: np.ndarray) -> np.ndarray:
-        """Repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``): a seen token's
+        """OpenAI's ``logit_bias`` added; repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``): a seen token's
         logit is divided by the penalty where positive, multiplied where negative; end ids at -inf
         before ``min_new_tokens`` (``MinNewTokensLengthLogitsProcessor``); then OpenAI's penalties:
         ``logit - count * frequency_penalty - (count > 0) * presence_penalty`` over the answer's tokens."""
         early = self.made < self.config.min_new_tokens and len(self.ends)
-        if self.seen is None and self.counts is None and self.constraints is None and not early:
+        if self.seen is None and self.counts is None and self.constraints is None and self.bias is None and not early:
             return logits.astype(np.float32, copy=False)
         scores = logits.astype(np.float32, copy=True)
+        if self.bias is not None:
+            scores[:, self.bias[0]] += self.bias[1]
         if early:
             scores[:, self.ends] = -np.inf
         if self.seen is not None:
