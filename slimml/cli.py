@@ -527,7 +527,8 @@ def generate(
     else:
         made, seconds = 0, 0.0
         for p, messages in zip(prompt, conversations):  # one at a time, so that each prompt's text prints as it is produced
-            pieces = model.chat(messages, config, stream=True, **offered) if chat else model.stream(p, config)  # refuses before printing
+            pieces = (model.chat(messages, config, stream=True, reasoning="keep", **offered) if chat  # thoughts print as they come
+                      else model.stream(p, config))  # refuses before printing
             console.print(Text(p, style="bold"), end="\n" if chat else "", highlight=False)  # Text: a prompt's [brackets] are not markup
             for piece in pieces:
                 sys.stdout.write(piece)
@@ -541,6 +542,8 @@ def generate(
     if as_json:
         out = {"texts": result.texts, "tokens": result.tokens, "finish_reasons": result.finish_reasons,
                "seconds": round(result.seconds, 3), "tokens_per_s": round(result.tokens_per_s, 2)}
+        if getattr(result, "reasoning", None) is not None:
+            out["reasoning"] = result.reasoning
         if getattr(result, "tool_calls", None) is not None:
             out["tool_calls"] = [[{"id": c.id, "name": c.name, "arguments": c.arguments} for c in row] for row in result.tool_calls]
         if result.logprobs is not None:

@@ -26,6 +26,7 @@ from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.lookup import lookup_loop
 from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_loop
 from slimml.runtime.tasks.generation.prompts import Prompts, prepare
+from slimml.runtime.tasks.generation.reasoning import ReasoningText, closed, opened, thinks
 from slimml.runtime.tasks.generation.sampling import Sampler, TokenLogprob, token_logprobs
 from slimml.runtime.tasks.generation.stopping import TextStream
 from slimml.runtime.tasks.generation.tools import ToolCall, Tools, ToolUse, finish_reason, template_messages
@@ -51,6 +52,8 @@ class Generation:
         cached_tokens: of those, the tokens whose KV cache was copied from the model's prefix
             store instead of prefilled (:meth:`CausalLM.prefix_cache`).
         prefill_s: wall time of the first pass (the prompts; time to the first token).
+        reasoning: from ``chat`` with a reasoning model's template (``<think>`` blocks), per
+            conversation, its thoughts (None where it wrote none); ``texts`` hold the answers.
         tool_calls: from ``chat(..., tools=...)``, per conversation, the
             :class:`~slimml.runtime.tasks.generation.tools.ToolCall` s the model made (their
             finish reason is ``"tool_calls"``; ``texts`` hold the rest of each answer).
@@ -70,6 +73,7 @@ class Generation:
     finish_reasons: list[str] = field(default_factory=list)
     logprobs: list[list[TokenLogprob]] | None = None
     tool_calls: list[list[ToolCall]] | None = None
+    reasoning: list[str | None] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -164,7 +168,7 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
          *, stream: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
          chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
          tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-         **options: Any) -> Generation | GenerationStream:
+         reasoning: str = "split", **options: Any) -> Generation | GenerationStream:
     """The assistant's reply to a conversation, rendered with the model's chat template.
 
     Args:
@@ -186,6 +190,11 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
             ``{"type": "function", "function": {"name": ...}}``.
         parallel_tool_calls: allow more than one call in a reply; None: as the format has it (the
             Hermes format's may hold several, the generic format's and Llama 3's one).
+        reasoning: for a reasoning model (its template writes ``<think>`` blocks): ``"split"``
+            (the default) puts the thoughts in ``Generation.reasoning`` and the answer alone in
+            ``texts`` (a stream yields the answer's text only); ``"keep"`` leaves them in the text,
+            as the model wrote them. A reply held to a format (``response_format``, tools) does
+            not think: a block the prompt opens is closed empty.
 
     Returns:
         A :class:`Generation` whose ``texts`` are the replies.
@@ -201,17 +210,50 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     if checked is not None and continue_final_message:
         raise ConfigError("continue_final_message continues a reply as text, and tools hold a reply to their format "
                           'from its start; leave one out (tool_choice="none" keeps the tools in the conversation).')
-    use = ToolUse.of(checked, chat_template(model).source) if checked is not None else None
+    if reasoning not in ("split", "keep"):
+        raise ConfigError(f'reasoning must be "split" or "keep", got {reasoning!r}.')
+    source = chat_template(model).source
+    use = ToolUse.of(checked, source) if checked is not None else None
     variables = {**(chat_template_kwargs or {}), **(use.variables() if use is not None else {})}
     rendered = [chat_prompt(model, use.messages(m) if use is not None else m,
                             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                             **variables) for m in conversations]
-    steps = _steps(model, rendered, use.config(config) if use is not None else config, raw_text=True)
+    config = use.config(config) if use is not None else config
+    thinking = thinks(source) and not continue_final_message
+    if thinking and config.grammar is not None:
+        rendered = [closed(r) for r in rendered]
+    steps = _steps(model, rendered, config, raw_text=True)
+    if thinking and reasoning == "split":
+        steps = _with_reasoning(steps, [opened(r) for r in rendered])
     if use is not None:
         steps = _with_tools(steps, use, len(rendered))
     if stream:
         return GenerationStream(steps, indexed=len(rendered) > 1)
     return _drain(steps)
+
+
+def _with_reasoning(steps: Generator[tuple[int, str], None, Generation],
+                    inside: list[bool]) -> Generator[tuple[int, str], None, Generation]:
+    """``steps`` with each answer's thoughts held apart from its text, into ``reasoning``."""
+    readers = [ReasoningText(i) for i in inside]
+    while True:
+        try:
+            i, piece = next(steps)
+        except StopIteration as done:
+            result = done.value
+            break
+        _, piece = readers[i].feed(piece)
+        if piece:
+            yield i, piece
+    result.reasoning = []
+    for i, reader in enumerate(readers):
+        _, rest, thoughts, content = reader.finish()
+        if rest:
+            yield i, rest
+        if result.texts is not None:
+            result.texts[i] = content
+        result.reasoning.append(thoughts)
+    return result
 
 
 def _with_tools(steps: Generator[tuple[int, str], None, Generation], use: ToolUse,

@@ -236,7 +236,7 @@ class SlimmlServer:
             self._llm = LLMService(self.model, self.name, self.config.max_new_tokens, self.config.max_running,
                                    self.config.max_waiting, self.config.max_text_chars,
                                    prefill_tokens=self.config.prefill_tokens, prompt_lookup=self.config.prompt_lookup,
-                                   prefix_bytes=self.config.prefix_bytes)
+                                   prefix_bytes=self.config.prefix_bytes, reasoning=self.config.reasoning)
         self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size),
                                     self.config.max_batch_size, self.config.batch_wait_ms / 1000)
 

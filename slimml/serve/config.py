@@ -59,6 +59,8 @@ class ServeConfig:
             send it again every turn), so only the rest is prefilled; "0" keeps none. Requests
             that share a prefix are faster, which another client can time: turn it off where
             clients must not learn what others asked.
+        reasoning: language models with ``<think>`` blocks: "split" (thoughts as
+            ``reasoning_content``) or "keep" (left in the content).
         chat_template: language models: a Jinja chat template file rendered instead of the
             artifact's own (a GGUF's template that knows no tools, a fixed template); the same
             path on every node.
@@ -126,6 +128,10 @@ class ServeConfig:
     chat_template: str | None = field(default=None, metadata={
         "help": "Language models: a Jinja chat template file used instead of the artifact's own (e.g. one that "
                 "knows tools); the same path on every node."})
+    reasoning: str = field(default="split", metadata={
+        "help": "Language models whose template writes <think> blocks (Qwen3, DeepSeek-R1, SmolLM3): \"split\" "
+                "answers the thoughts as message.reasoning_content and the answer as content (llama.cpp's and "
+                "vLLM's field); \"keep\" leaves them in the content."})
     max_ongoing_requests: int = field(default=128, metadata={
         "help": "Requests a replica works on at once; more wait in Serve's queue."})
     max_queued_requests: int = field(default=512, metadata={
@@ -165,6 +171,8 @@ class ServeConfig:
                 f"stages={self.stages} with replicas={self.replicas}: each replica would hold a pipeline of its own. "
                 "Use one replica in front of the stages (--replicas 1), or replicas without stages."
             )
+        if self.reasoning not in ("split", "keep"):
+            raise ConfigError(f'reasoning must be "split" or "keep", got {self.reasoning!r}.')
         if self.max_batch_tokens is not None and (isinstance(self.max_batch_tokens, bool)
                                                   or not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1):
             raise ConfigError(f"max_batch_tokens must be a whole number >= 1, got {self.max_batch_tokens!r}.")

@@ -24,6 +24,7 @@ from typing import Any
 from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
+from slimml.runtime.tasks.generation.reasoning import ReasoningText, closed, opened, thinks
 from slimml.runtime.tasks.generation.tools import ToolUse, finish_reason
 import slimml.serve.openai as openai
 
@@ -115,12 +116,15 @@ class LLMService:
         prefill_tokens: prompt tokens prefilled between two decode steps (at least one prompt).
         prompt_lookup: guessed positions a pass may add while one answer runs alone (0: off).
         prefix_bytes: KV cache kept for prompts that begin with text read before (0: none).
+        reasoning: "split": a reasoning model's thoughts (``<think>`` blocks) answer as
+            ``reasoning_content``, apart from the content; "keep": left in the content.
     """
 
     def __init__(self, model: Any, name: str, max_tokens: int, max_running: int, max_waiting: int,
                  max_text_chars: int = 16_384, prefill_tokens: int = PREFILL_TOKENS, prompt_lookup: int = 0,
-                 prefix_bytes: int = 0):
+                 prefix_bytes: int = 0, reasoning: str = "split"):
         self.model = model
+        self.reasoning = reasoning
         self.prompt_lookup = prompt_lookup
         self.name = name
         self.max_tokens = max_tokens
@@ -137,16 +141,18 @@ class LLMService:
             chars += sum(len(json.dumps(m["tool_calls"])) for m in req.messages if m.get("tool_calls"))
         if req.tools is not None:
             chars += len(json.dumps(req.tools.functions))
+        if req.template_kwargs:
+            chars += len(json.dumps(req.template_kwargs))
         if chars > self.max_text_chars:  # before any tokenizing: a prompt is never cut, it is refused
             raise RequestError(f"the prompt has {chars} characters, more than this server takes ({self.max_text_chars}); "
                                "shorten it, or start the server with a larger --max-text-chars.", 413)
         events: asyncio.Queue = asyncio.Queue()
         token_bytes = await asyncio.to_thread(self._bytes_of_tokens) if req.logprobs is not None else None
-        seq, use = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
+        seq, use, inside = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
         self.worker.submit(seq)
         answer = openai.Answer(req, self.name, token_bytes)
         if req.stream:
-            return self._stream(seq, events, answer, use)
+            return self._stream(seq, events, answer, use, inside)
         try:
             text = []
             while True:
@@ -158,15 +164,20 @@ class LLMService:
         finally:
             seq.cancel()  # no-op once finished; a client gone mid-answer frees the batch's row
         self._raise_failure(seq)
-        text = "".join(text)
+        text = whole = "".join(text)
+        thoughts = None
+        if inside is not None:  # the thoughts apart from the answer
+            thinker = ReasoningText(inside)
+            thinker.feed(text)
+            _, _, thoughts, text = thinker.finish()
         if use is not None:
             reader = use.text()
             reader.feed(text)
             _, content, calls = reader.finish()
             return answer.whole(content, finish_reason(seq.finish_reason, calls), len(seq.ids), len(seq.tokens), seq.cached,
-                                tool_calls=calls)
+                                tool_calls=calls, reasoning=thoughts)
         return answer.whole(text, seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached,
-                            _answer_logprobs(seq, 0, len(text))[0])
+                            _answer_logprobs(seq, 0, len(whole))[0], reasoning=thoughts)
 
     def _bytes_of_tokens(self):
         if self._token_bytes is None:
@@ -179,19 +190,26 @@ class LLMService:
             self._token_bytes = TokenBytes(untruncated(self.model.text))
         return self._token_bytes
 
-    def _sequence(self, req: openai.CompletionRequest, loop: asyncio.AbstractEventLoop, put) -> tuple[Sequence, ToolUse | None]:
-        """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop``, and how
-        its tool calls are written (runs on a thread: rendering and tokenizing)."""
+    def _sequence(self, req: openai.CompletionRequest, loop: asyncio.AbstractEventLoop,
+                  put) -> tuple[Sequence, ToolUse | None, bool | None]:
+        """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop``, how its
+        tool calls are written, and whether its thoughts are read apart (None: not; else whether
+        the answer begins inside a ``<think>`` block). Runs on a thread: rendering and tokenizing."""
         from slimml.runtime.tasks.generate import chat_prompt, chat_template
 
-        use = None
+        use = inside = None
         if req.chat:
             try:
-                messages, variables = req.messages, {}
+                messages, variables = req.messages, dict(req.template_kwargs)
+                source = chat_template(self.model).source
                 if req.tools is not None:
-                    use = ToolUse.of(req.tools, chat_template(self.model).source)
-                    messages, variables = use.messages(messages), use.variables()
+                    use = ToolUse.of(req.tools, source)
+                    messages, variables = use.messages(messages), {**variables, **use.variables()}
                 prompt, raw = chat_prompt(self.model, messages, **variables), True
+                if thinks(source):  # a reasoning model: no thoughts where a format holds the answer from its start
+                    if use is not None or req.response_format is not None:
+                        prompt = closed(prompt)
+                    inside = opened(prompt) if self.reasoning == "split" else None
             except FeedError as e:
                 raise RequestError(str(e)) from None
             except SlimmlError as e:  # the template refused the messages, or there is none: no paths in the body
@@ -228,7 +246,7 @@ class LLMService:
         except ConfigError as e:  # a response_format (or tools' grammar) this model's tokenizer cannot follow, a biased id
             param = "logit_bias" if str(e).startswith("logit_bias") else "tools" if use is not None else "response_format"
             raise RequestError(str(e), param=param) from None
-        return seq, use
+        return seq, use, inside
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:
         """The prompt's token ids, as generation would encode it (None: the model has no tokenizer)."""
@@ -244,28 +262,43 @@ class LLMService:
             raise RequestError(str(e)) from None
         return untruncated(self.model.text).encode(prompt, add_special_tokens=not raw).ids
 
-    async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer,
-                      use: ToolUse | None = None) -> AsyncIterator[bytes]:
-        sent = shown = 0  # tokens whose log-probabilities went out; characters of text that went out
+    async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer, use: ToolUse | None = None,
+                      inside: bool | None = None) -> AsyncIterator[bytes]:
+        sent = shown = 0  # tokens whose log-probabilities went out; characters of the answer's text read
+        thinker = ReasoningText(inside) if inside is not None else None  # the thoughts apart from the answer
         reader = use.text() if use is not None else None  # the calls read out of the text
+
+        def chunks(thought: str, value: str, entries: list | None = None) -> list[bytes]:
+            """The events of some thoughts and of the answer's text: its content, and with tools the
+            pieces of its calls (each call's name, then its arguments as they come)."""
+            out, calls = [], []
+            if thought:
+                out.append(openai.sse(answer.chunk("", reasoning=thought)))
+            if reader is not None and value:
+                value, calls = reader.feed(value)
+            if value or entries:
+                out.append(openai.sse(answer.chunk(value, logprobs=entries)))
+            if calls:
+                out.append(openai.sse(answer.tool_chunk(calls)))
+            return out
+
         try:
             while True:
                 kind, value = await events.get()
                 if kind == "text":
-                    if reader is not None:  # the content as it comes, each call's name and then its arguments in pieces
-                        value, calls = reader.feed(value)
-                        if value:
-                            yield openai.sse(answer.chunk(value))
-                        if calls:
-                            yield openai.sse(answer.tool_chunk(calls))
-                        continue
                     shown += len(value)
-                    entries, sent = _answer_logprobs(seq, sent, shown)
-                    yield openai.sse(answer.chunk(value, logprobs=entries))
+                    entries, sent = _answer_logprobs(seq, sent, shown) if reader is None else (None, sent)
+                    thought, value = thinker.feed(value) if thinker is not None else ("", value)
+                    for chunk in chunks(thought, value, entries):
+                        yield chunk
                     continue
                 if seq.finish_reason == "error":
                     yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "param": None, "code": 500}})
                 else:
+                    if thinker is not None:  # what the reader held: the end of the thoughts, or of the answer
+                        thought, value, _, _ = thinker.finish()
+                        for chunk in chunks(thought, value):
+                            yield chunk
                     if reader is not None:  # the rest of the content, and any call not handed out yet, whole
                         rest, _, calls = reader.finish()
                         if rest:

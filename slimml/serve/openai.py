@@ -22,6 +22,9 @@ from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, te
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
+# chat template variables the server sets itself, which chat_template_kwargs may not replace
+_SET_BY_SERVER = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token",
+                            "eos_token", "raise_exception", "strftime_now"})
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs: OpenAI's limits
 
 
@@ -44,6 +47,8 @@ class CompletionRequest:
         stop: up to 4 strings that end the answer (not included in it).
         tools: chat only: the functions the model may call, checked with ``tool_choice`` and
             ``parallel_tool_calls`` (None: none, or ``tool_choice`` "none").
+        template_kwargs: chat only: more variables for the chat template (``chat_template_kwargs``,
+            as vLLM and llama.cpp's server take it, e.g. ``{"enable_thinking": false}``).
         stream: send server-sent events; include_usage: a last chunk with ``usage``.
     """
 
@@ -61,6 +66,7 @@ class CompletionRequest:
     logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tools: Tools | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -98,6 +104,7 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     req.logprobs = _logprobs(data, chat)
     req.response_format = _response_format(data.get("response_format"))
     req.tools = _tools(data, chat)
+    req.template_kwargs = _template_kwargs(data.get("chat_template_kwargs"), chat)
     if req.tools is not None and req.logprobs is not None:
         raise RequestError('"logprobs" with "tools" is not supported by this server; leave out one of them.', param="logprobs")
     top_k = data.get("top_k", 0)
@@ -244,7 +251,7 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
                 template_messages([message], first=i)
             except FeedError as e:
                 raise RequestError(str(e), param=f"messages[{i}].tool_calls") from None
-        for key in ("tool_call_id", "name"):
+        for key in ("tool_call_id", "name", "reasoning_content"):  # Qwen3's template reads an answer's thoughts
             if isinstance(m.get(key), str):
                 message[key] = m[key]
         out.append(message)
@@ -275,6 +282,26 @@ def _number(data: dict[str, Any], key: str, default: float, low: float, high: fl
             or v < low or v > high or (open_low and v <= low):
         raise RequestError(f'"{key}" must be a number {what}, got {_show(v)}.', param=key)
     return float(v)
+
+
+def _template_kwargs(value: Any, chat: bool) -> dict[str, Any]:
+    """``chat_template_kwargs``: an object of variables for the chat template, none of the ones
+    the server sets itself."""
+    if value is None or value == {}:
+        return {}
+    if not chat:
+        raise RequestError('"chat_template_kwargs" is for POST /v1/chat/completions; leave it out of a completions '
+                           "request.", param="chat_template_kwargs")
+    if not isinstance(value, dict):
+        raise RequestError(f'"chat_template_kwargs" must be an object of template variables, e.g. {{"enable_thinking": '
+                           f"false}}, got {_show(value)}.", param="chat_template_kwargs")
+    taken = sorted(set(value) & _SET_BY_SERVER)
+    if taken:
+        raise RequestError(f'"chat_template_kwargs" sets {taken[0]!r}, which the server sets itself; send it in its own '
+                           "field (messages, tools) or leave it out.", param="chat_template_kwargs")
+    if not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise RequestError('"chat_template_kwargs" keys must be names (letters, digits and _).', param="chat_template_kwargs")
+    return dict(value)
 
 
 def _logit_bias(value: Any) -> dict[int, float] | None:
@@ -362,13 +389,17 @@ class Answer:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
 
     def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
-              cached_tokens: int = 0, logprobs: list | None = None, tool_calls: list[ToolCall] | None = None) -> dict[str, Any]:
+              cached_tokens: int = 0, logprobs: list | None = None, tool_calls: list[ToolCall] | None = None,
+              reasoning: str | None = None) -> dict[str, Any]:
         """The non-streamed response; ``logprobs``: the answer's entries (see :meth:`logprobs`);
-        ``tool_calls``: the calls the model made (the message's ``content`` is then the rest, or null)."""
+        ``tool_calls``: the calls the model made (the message's ``content`` is then the rest, or null);
+        ``reasoning``: a reasoning model's thoughts (``message.reasoning_content``)."""
         if self.req.chat:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 message = {"role": "assistant", "content": text or None, "tool_calls": [c.openai() for c in tool_calls]}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
             body = self._head("chat.completion")
         else:
@@ -378,11 +409,15 @@ class Answer:
         body["usage"] = self.usage(prompt_tokens, completion_tokens, cached_tokens)
         return body
 
-    def chunk(self, text: str, finish_reason: str | None = None, logprobs: list | None = None) -> dict[str, Any]:
+    def chunk(self, text: str, finish_reason: str | None = None, logprobs: list | None = None,
+              reasoning: str | None = None) -> dict[str, Any]:
         """One streamed piece of text (or the last, with its finish reason); ``logprobs``: the
-        entries (see :meth:`logprobs`) of the tokens whose text begins in this piece."""
+        entries (see :meth:`logprobs`) of the tokens whose text begins in this piece; ``reasoning``:
+        a piece of a reasoning model's thoughts instead (``delta.reasoning_content``)."""
         if self.req.chat:
             delta: dict[str, Any] = {"content": text} if text or finish_reason is None else {}
+            if reasoning:
+                delta = {"reasoning_content": reasoning}
             if self._first:
                 delta = {"role": "assistant", **delta}
             self._first = False

@@ -1,0 +1,98 @@
+"""A reasoning model's thoughts (``<think>`` blocks) read apart from its answer: in process
+(``Generation.reasoning``) and served (``reasoning_content``), on the real SmolLM2 with a
+DeepSeek-R1-style template (the prompt opens the block) that Qwen3's ``enable_thinking`` closes."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from slimml.runtime import load
+from slimml.runtime.tasks.generation.reasoning import ReasoningText
+
+pytestmark = pytest.mark.slow
+
+THINK = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+         "{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}{% endif %}"
+         "{% set content = message['content'] %}"
+         "{% if message['role'] == 'assistant' and '</think>' in content %}"
+         "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+         "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+         "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+         "{% else %}{{ '<think>\\n' }}{% endif %}{% endif %}")
+ASK = [{"role": "user", "content": "What is two plus two?"}]
+ANSWER = {"type": "regex", "regex": "[A-Z][a-z]+( [a-z]+){0,3}\\."}
+
+
+@pytest.fixture(scope="module")
+def thinker(smollm2_artifact, tmp_path_factory):
+    model = load(smollm2_artifact)
+    path = tmp_path_factory.mktemp("template") / "think.jinja"
+    path.write_text(THINK, encoding="utf-8")
+    model.use_chat_template(str(path))
+    return model, path
+
+
+@pytest.mark.parametrize("inside, text, thoughts, content", [
+    (False, "<think>\nTwo and two.\n</think>\n\nFour.", "Two and two.", "Four."),
+    (True, "\nTwo and two.\n</think>\n\nFour.", "Two and two.", "Four."),
+    (True, "Cut off before </thi", "Cut off before </thi", ""),
+    (False, " No block <think> here", None, " No block <think> here"),
+    (False, "<think>\n\n</think>\n\nFour.", "", "Four."),
+])
+def test_thoughts_and_answer_come_apart_in_pieces_of_any_size(inside, text, thoughts, content):
+    for size in (1, 2, 5, len(text)):
+        reader, got = ReasoningText(inside), ["", ""]
+        for i in range(0, len(text), size):
+            for k, piece in enumerate(reader.feed(text[i : i + size])):
+                got[k] += piece
+        rest_thoughts, rest, whole_thoughts, whole = reader.finish()
+        assert (whole_thoughts, whole) == (thoughts, content)
+        assert (got[0] + rest_thoughts, got[1] + rest) == (thoughts or "", content)  # never a piece of a tag
+
+
+def test_chat_splits_the_thoughts_unless_kept_or_a_format_holds_the_answer(thinker):
+    model, _ = thinker
+    kept = model.chat(ASK, max_new_tokens=12, reasoning="keep")
+    split = model.chat(ASK, max_new_tokens=12)
+    assert split.reasoning == [kept.texts[0].strip()] and split.texts == [""] and kept.reasoning is None
+    assert split.tokens == kept.tokens and split.finish_reasons == ["length"]
+    off = model.chat(ASK, max_new_tokens=12, chat_template_kwargs={"enable_thinking": False})
+    assert off.reasoning == [None] and off.texts[0] and off.tokens != split.tokens
+    held = model.chat(ASK, max_new_tokens=12, response_format=ANSWER)  # a format: the block is closed empty
+    assert re.fullmatch(ANSWER["regex"], held.texts[0]) and held.reasoning == [None]
+    assert "".join(model.chat(ASK, max_new_tokens=12, stream=True)) == ""  # a stream yields the answer only
+
+
+def test_served_thoughts_come_as_reasoning_content(ray_env, smollm2_artifact, thinker):
+    """``slimml serve --chat-template``: ``message.reasoning_content`` and ``delta.reasoning_content``
+    as llama.cpp's and vLLM's servers give them, the same as in process; ``chat_template_kwargs``
+    reaches the template."""
+    openai = pytest.importorskip("openai")
+    from conftest import serving
+    from slimml.serve import ServeConfig
+
+    model, path = thinker
+    config = ServeConfig(str(smollm2_artifact), name="smollm2", max_running=4, max_new_tokens=40, chat_template=str(path))
+    with serving(config) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        want = model.chat(ASK, max_new_tokens=12)
+        r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=12, temperature=0)
+        message = r.choices[0].message
+        assert (message.reasoning_content, message.content) == (want.reasoning[0], want.texts[0])
+        chunks = [c.choices[0].delta for c in client.chat.completions.create(
+            model="smollm2", messages=ASK, max_tokens=12, temperature=0, stream=True) if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == want.reasoning[0]
+        assert "".join(d.content or "" for d in chunks) == ""
+        want = model.chat(ASK, max_new_tokens=12, chat_template_kwargs={"enable_thinking": False})
+        r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=12, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert r.choices[0].message.content == want.texts[0] and getattr(r.choices[0].message, "reasoning_content", None) is None
+        r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=12, temperature=0,
+                                           response_format={"type": "json_object"})
+        assert r.choices[0].message.content.startswith("{")  # a format: no thoughts
+        with pytest.raises(openai.BadRequestError, match="which the server sets itself"):
+            client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=4,
+                                           extra_body={"chat_template_kwargs": {"messages": []}})
