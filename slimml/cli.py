@@ -562,9 +562,12 @@ def _logit_bias(values: list[str] | None) -> dict[str, float] | None:
     for v in values or ():
         token, _, bias = v.partition("=")
         try:
+            if not (token.strip().isascii() and token.strip().isdigit()):
+                raise ValueError
             out[token.strip()] = float(bias)
         except ValueError:
-            raise ConfigError(f"--logit-bias {v!r} is not ID=BIAS; write e.g. --logit-bias 50256=-100.") from None
+            raise ConfigError(f"--logit-bias {v!r} is not ID=BIAS (a token id and a number); write e.g. --logit-bias "
+                              "50256=-100.") from None
     return out or None
 
 
@@ -573,7 +576,7 @@ def _tool_options(path: str | None, choice: str) -> dict:
     from slimml.errors import ConfigError
 
     if path is None:
-        if choice != "auto":
+        if choice not in ("auto", "none"):
             raise ConfigError("--tool-choice chooses among --tools; add --tools FILE, or leave --tool-choice out.")
         return {}
     try:

@@ -322,3 +322,14 @@ def smollm2_converted(tmp_path_factory, lee_slice) -> dict:
 def smollm2_artifact(smollm2_converted) -> Path:
     """SmolLM2 with its KV cache, tokenizer and chat template (fp32), converted once a session."""
     return smollm2_converted["art"]
+
+
+def templated(artifact, folder: Path, name: str, template: str):
+    """A model of ``artifact`` rendering its chats with ``template`` (written to ``folder/name``,
+    as ``slimml serve --chat-template`` takes it): ``(model, path)``."""
+    from slimml.runtime import load
+
+    model, path = load(artifact), folder / name
+    path.write_text(template, encoding="utf-8")
+    model.use_chat_template(str(path))
+    return model, path

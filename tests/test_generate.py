@@ -365,7 +365,7 @@ CONFIG_ERRORS = [
     ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids >= 0, got [-1]."),
     ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, frequency_penalty, "
                          "logit_bias, logprobs, max_new_tokens, min_new_tokens, pad_token_id, presence_penalty, prompt_lookup, repetition_penalty, "
-                         "response_format, seed, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
+                         "response_format, seed, skip_special_tokens, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
 ]
 
 

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from slimml.runtime import load
-from slimml.runtime.tasks.generation.reasoning import ReasoningText
+from slimml.runtime.tasks.generation.reasoning import Harmony, ThinkTags, reasoning_format
 
 pytestmark = pytest.mark.slow
 
@@ -28,23 +28,33 @@ ANSWER = {"type": "regex", "regex": "[A-Z][a-z]+( [a-z]+){0,3}\\."}
 
 @pytest.fixture(scope="module")
 def thinker(smollm2_artifact, tmp_path_factory):
-    model = load(smollm2_artifact)
-    path = tmp_path_factory.mktemp("template") / "think.jinja"
-    path.write_text(THINK, encoding="utf-8")
-    model.use_chat_template(str(path))
-    return model, path
+    from conftest import templated
+
+    return templated(smollm2_artifact, tmp_path_factory.mktemp("template"), "think.jinja", THINK)
 
 
-@pytest.mark.parametrize("inside, text, thoughts, content", [
-    (False, "<think>\nTwo and two.\n</think>\n\nFour.", "Two and two.", "Four."),
-    (True, "\nTwo and two.\n</think>\n\nFour.", "Two and two.", "Four."),
-    (True, "Cut off before </thi", "Cut off before </thi", ""),
-    (False, " No block <think> here", None, " No block <think> here"),
-    (False, "<think>\n\n</think>\n\nFour.", "", "Four."),
+HARMONY_OPENER = "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+
+
+@pytest.mark.parametrize("format, prompt, text, thoughts, content", [
+    (ThinkTags(), "<|im_start|>assistant\n", "<think>\nTwo and two.\n</think>\n\nFour.", "Two and two.", "Four."),
+    (ThinkTags(), "assistant\n<think>\n", "\nTwo and two.\n</think>\n\nFour.", "Two and two.", "Four."),
+    (ThinkTags(), "assistant\n<think>\n", "Cut off before </thi", "Cut off before </thi", ""),
+    (ThinkTags(), "assistant\n", " No block <think> here", None, " No block <think> here"),
+    (ThinkTags(), "assistant\n", "<think>\n\n</think>\n\nFour.", "", "Four."),
+    (Harmony(), HARMONY_OPENER, "<|channel|>analysis<|message|>User says hi. Reply.<|end|><|start|>assistant<|channel|>final"
+     "<|message|>Hello! <b>How</b> can I help?", "User says hi. Reply.", "Hello! <b>How</b> can I help?"),
+    (Harmony(), HARMONY_OPENER, "<|channel|>analysis<|message|>First.<|end|><|start|>assistant<|channel|>analysis<|message|>"
+     "Second.<|end|><|start|>assistant<|channel|>commentary<|message|>One moment.<|end|><|start|>assistant to=functions.f"
+     "<|channel|>commentary <|constrain|>json<|message|>{\"a\": 1}<|end|><|start|>assistant<|channel|>final<|message|>Done.",
+     "First.\n\nSecond.", "One moment.Done."),
+    (Harmony(), HARMONY_OPENER, "<|channel|>analysis<|message|>Cut in the thoughts <|en", "Cut in the thoughts <|en", ""),
+    (Harmony(), HARMONY_OPENER, "Plain text, no channels.", None, "Plain text, no channels."),
+    (Harmony(), HARMONY_OPENER + "<|channel|>final<|message|>", '{"a": 1}', None, '{"a": 1}'),  # a format's answer
 ])
-def test_thoughts_and_answer_come_apart_in_pieces_of_any_size(inside, text, thoughts, content):
+def test_thoughts_and_answer_come_apart_in_pieces_of_any_size(format, prompt, text, thoughts, content):
     for size in (1, 2, 5, len(text)):
-        reader, got = ReasoningText(inside), ["", ""]
+        reader, got = format.reader(prompt), ["", ""]
         for i in range(0, len(text), size):
             for k, piece in enumerate(reader.feed(text[i : i + size])):
                 got[k] += piece
@@ -96,3 +106,30 @@ def test_served_thoughts_come_as_reasoning_content(ray_env, smollm2_artifact, th
         with pytest.raises(openai.BadRequestError, match="which the server sets itself"):
             client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=4,
                                            extra_body={"chat_template_kwargs": {"messages": []}})
+
+
+# a harmony-shaped template (gpt-oss's format, written for this test): messages between <|start|>ROLE<|message|>
+# and <|end|>, the reply opened with <|start|>assistant
+HARMONY = ("{% for message in messages %}{{ '<|start|>' + message['role'] + '<|message|>' + message['content'] + '<|end|>' }}"
+           "{% endfor %}{% if add_generation_prompt %}{{ '<|start|>assistant' }}{% endif %}"
+           "{# replies: <|channel|>analysis<|message|>...<|end|><|start|>assistant<|channel|>final<|message|>... #}")
+
+
+def test_special_tokens_stay_in_the_text_when_asked_and_harmony_is_found(smollm2_artifact, tmp_path):
+    """``skip_special_tokens=False`` keeps a special token the answer holds (here forced by a
+    grammar) in its text, as harmony's channels need; a harmony template is read as harmony, and
+    an answer without channels is all content."""
+    model = load(smollm2_artifact)
+    grammar = {"type": "grammar", "grammar": "start: /[A-Z][a-z]{1,8}/ <|im_start|> /[a-z]{1,8}/"}
+    kept = model.generate(["The weather today is"], max_new_tokens=12, response_format=grammar, skip_special_tokens=False)
+    plain = model.generate(["The weather today is"], max_new_tokens=12, response_format=grammar)
+    assert kept.tokens == plain.tokens and "<|im_start|>" in kept.texts[0]
+    assert kept.texts[0].replace("<|im_start|>", "") == plain.texts[0]
+    path = tmp_path / "harmony.jinja"
+    path.write_text(HARMONY, encoding="utf-8")
+    model.use_chat_template(str(path))
+    assert isinstance(reasoning_format(HARMONY), Harmony) and isinstance(reasoning_format(THINK), ThinkTags)
+    assert reasoning_format("{{ messages[0]['content'] }}") is None
+    split, keep = model.chat(ASK, max_new_tokens=8), model.chat(ASK, max_new_tokens=8, reasoning="keep")
+    assert split.reasoning == [None] and split.texts == keep.texts and split.tokens == keep.tokens
+    assert Harmony().closed("<|start|>assistant").endswith("<|start|>assistant<|channel|>final<|message|>")

@@ -88,7 +88,11 @@ def test_openai_fields_that_would_change_the_answer_are_used_or_refused():
                                      "suffix": ""}, False, 16)
     assert req.logit_bias == {12: -100.0, 7: 2.5}
     assert openai.completion_request({"prompt": "hi", "logit_bias": {}}, False, 16).logit_bias is None
-    for field, value in (("echo", True), ("best_of", 2), ("suffix", "}\n"), ("logit_bias", [1]), ("logit_bias", {"x": 1}),
+    chat = openai.completion_request({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high",
+                                      "chat_template_kwargs": {"enable_thinking": False}}, True, 16)
+    assert chat.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}  # the template reads them
+    for field, value in (("echo", True), ("best_of", 2), ("suffix", "}\n"), ("reasoning_effort", "max"),
+                         ("chat_template_kwargs", {"enable_thinking": False}), ("logit_bias", [1]), ("logit_bias", {"x": 1}),
                          ("logit_bias", {"1": -101}), ("logit_bias", {str(i): 1 for i in range(1025)})):
         with pytest.raises(RequestError) as e:
             openai.completion_request({"prompt": "hi", field: value}, False, 16)

@@ -92,11 +92,9 @@ def generic(smollm2_artifact):
 
 @pytest.fixture(scope="module")
 def hermes(smollm2_artifact, tmp_path_factory):
-    model = load(smollm2_artifact)
-    path = tmp_path_factory.mktemp("template") / "hermes.jinja"
-    path.write_text(HERMES, encoding="utf-8")
-    model.use_chat_template(str(path))
-    return model
+    from conftest import templated
+
+    return templated(smollm2_artifact, tmp_path_factory.mktemp("template"), "hermes.jinja", HERMES)[0]
 
 
 def _calls(generation):
@@ -177,6 +175,18 @@ def streamed_calls(pieces) -> list[tuple[str, dict]]:
     return [(name, json.loads(arguments)) for _, (name, arguments) in sorted(calls.items())]
 
 
+def test_a_call_handed_out_keeps_its_id_though_a_block_before_it_was_no_call():
+    """A ``<tool_call>`` block left unclosed (free text, to the parser) between two calls: the
+    final calls keep the ids their pieces had, matched by name and arguments, not by position."""
+    reader = ToolText(Hermes())
+    pieces = reader.feed('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", '
+                         '"arguments": {"b": 1}}\nthen\n<tool_call>\n{"name": "g", "arguments": {"b": 2}}\n</tool_call>')[1]
+    _, _, calls = reader.finish()
+    ids = {p.id: (p.name, json.loads(p.arguments)) for p in pieces}
+    assert [(c.name, c.arguments) for c in calls] == [("f", {"a": 1}), ("g", {"b": 2})]
+    assert [ids[c.id] for c in calls] == [(c.name, c.arguments) for c in calls] and not reader.unsent(calls)
+
+
 @pytest.mark.parametrize("format, text, content, calls", [
     (Hermes(), 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os\\"lo {x}", "n": [1, {"a": '
      '"]}"}]}}\n</tool_call>\n<tool_call>\n{"name":"get_time","arguments":{}}\n</tool_call>', "Let me check.",
@@ -188,6 +198,9 @@ def streamed_calls(pieces) -> list[tuple[str, dict]]:
      '"arguments": {"tz": "\\u00e9\\ud83d\\ude00"}}]}', "", [("get_weather", {"city": "Oslo"}), ("get_time", {"tz": "é😀"})]),
     (Generic(), '{"response": "Hi \\"there\\"\\n\\u00e9 \\ud83d\\ude00."}', 'Hi "there"\né 😀.', []),
     (Generic(), '{"response": "Cut \\u00', "Cut ", []),
+    (Generic(), '{"response": "Write \\\\ud83d as \\ud83d\\ude00"}', "Write \\ud83d as 😀", []),  # an escaped backslash
+    (Hermes(), '\n Sure.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>', "Sure.", [("f", {})]),
+    (Llama3(), '\x0c{"name": "f", "parameters": {"x": 1}}', '\x0c{"name": "f", "parameters": {"x": 1}}', []),  # free text
 ])
 def test_a_stream_hands_out_content_and_each_call_in_pieces(format, text, content, calls):
     """Fed in pieces of any size, the reader hands out content that the whole answer keeps (never

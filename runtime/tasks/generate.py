@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.lookup import lookup_loop
 from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_loop
 from slimml.runtime.tasks.generation.prompts import Prompts, prepare
-from slimml.runtime.tasks.generation.reasoning import ReasoningText, closed, opened, thinks
+from slimml.runtime.tasks.generation.reasoning import ReasoningText, reasoning_format
 from slimml.runtime.tasks.generation.sampling import Sampler, TokenLogprob, token_logprobs
 from slimml.runtime.tasks.generation.stopping import TextStream
 from slimml.runtime.tasks.generation.tools import ToolCall, Tools, ToolUse, finish_reason, template_messages
@@ -190,11 +190,12 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
             ``{"type": "function", "function": {"name": ...}}``.
         parallel_tool_calls: allow more than one call in a reply; None: as the format has it (the
             Hermes format's may hold several, the generic format's and Llama 3's one).
-        reasoning: for a reasoning model (its template writes ``<think>`` blocks): ``"split"``
-            (the default) puts the thoughts in ``Generation.reasoning`` and the answer alone in
-            ``texts`` (a stream yields the answer's text only); ``"keep"`` leaves them in the text,
-            as the model wrote them. A reply held to a format (``response_format``, tools) does
-            not think: a block the prompt opens is closed empty.
+        reasoning: for a reasoning model (its template writes ``<think>`` blocks, or gpt-oss's
+            harmony channels): ``"split"`` (the default) puts the thoughts in
+            ``Generation.reasoning`` and the answer alone in ``texts`` (a stream yields the
+            answer's text only); ``"keep"`` leaves them in the text, as the model wrote them
+            (harmony's markers too). A reply held to a format (``response_format``, tools) does not
+            think: a block the prompt opens is closed empty, a harmony reply opens on its final channel.
 
     Returns:
         A :class:`Generation` whose ``texts`` are the replies.
@@ -219,12 +220,14 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
                             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                             **variables) for m in conversations]
     config = use.config(config) if use is not None else config
-    thinking = thinks(source) and not continue_final_message
-    if thinking and config.grammar is not None:
-        rendered = [closed(r) for r in rendered]
+    thinking = reasoning_format(source) if not continue_final_message else None
+    if thinking is not None and config.grammar is not None:
+        rendered = [thinking.closed(r) for r in rendered]
+    if thinking is not None and thinking.special_tokens:  # its markers are special tokens: the text keeps them
+        config = replace(config, skip_special_tokens=False)
     steps = _steps(model, rendered, config, raw_text=True)
-    if thinking and reasoning == "split":
-        steps = _with_reasoning(steps, [opened(r) for r in rendered])
+    if thinking is not None and reasoning == "split":
+        steps = _with_reasoning(steps, [thinking.reader(r) for r in rendered])
     if use is not None:
         steps = _with_tools(steps, use, len(rendered))
     if stream:
@@ -233,51 +236,50 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
 
 
 def _with_reasoning(steps: Generator[tuple[int, str], None, Generation],
-                    inside: list[bool]) -> Generator[tuple[int, str], None, Generation]:
+                    readers: list[ReasoningText]) -> Generator[tuple[int, str], None, Generation]:
     """``steps`` with each answer's thoughts held apart from its text, into ``reasoning``."""
-    readers = [ReasoningText(i) for i in inside]
-    while True:
-        try:
-            i, piece = next(steps)
-        except StopIteration as done:
-            result = done.value
-            break
-        _, piece = readers[i].feed(piece)
-        if piece:
-            yield i, piece
-    result.reasoning = []
-    for i, reader in enumerate(readers):
+    def settle(i: int, reader: ReasoningText, result: Generation) -> str:
         _, rest, thoughts, content = reader.finish()
-        if rest:
-            yield i, rest
+        result.reasoning = [*(result.reasoning or []), thoughts]
         if result.texts is not None:
             result.texts[i] = content
-        result.reasoning.append(thoughts)
-    return result
+        return rest
+
+    return _read(steps, readers, lambda reader, piece: reader.feed(piece)[1], settle)
 
 
 def _with_tools(steps: Generator[tuple[int, str], None, Generation], use: ToolUse,
                 count: int) -> Generator[tuple[int, str], None, Generation]:
     """``steps`` with each answer's calls held back from its text and read into ``tool_calls``."""
-    readers = [use.text() for _ in range(count)]
+    def settle(i: int, reader: Any, result: Generation) -> str:
+        rest, content, calls = reader.finish()
+        result.tool_calls = [*(result.tool_calls or []), calls]
+        if result.texts is not None:
+            result.texts[i] = content
+        result.finish_reasons[i] = finish_reason(result.finish_reasons[i], calls)
+        return rest
+
+    return _read(steps, [use.text() for _ in range(count)], lambda reader, piece: reader.feed(piece, calls=False)[0], settle)
+
+
+def _read(steps: Generator[tuple[int, str], None, Generation], readers: list, take: Callable[[Any, str], str],
+          settle: Callable[[int, Any, Generation], str]) -> Generator[tuple[int, str], None, Generation]:
+    """``steps`` with each answer's text passed through its reader: ``take(reader, piece)`` is
+    what goes out now; once the answers are whole, ``settle(i, reader, result)`` records what
+    answer ``i``'s reader read into the result and gives the rest of its text."""
     while True:
         try:
             i, piece = next(steps)
         except StopIteration as done:
             result = done.value
             break
-        piece, _ = readers[i].feed(piece)  # the calls come whole in the result
+        piece = take(readers[i], piece)
         if piece:
             yield i, piece
-    result.tool_calls = []
     for i, reader in enumerate(readers):
-        rest, content, calls = reader.finish()
+        rest = settle(i, reader, result)
         if rest:
             yield i, rest
-        if result.texts is not None:
-            result.texts[i] = content
-        result.tool_calls.append(calls)
-        result.finish_reasons[i] = finish_reason(result.finish_reasons[i], calls)
     return result
 
 
@@ -337,7 +339,8 @@ def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = 
 def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig, t0: float,
             cancel: threading.Event | None) -> Generator[tuple[int, str], None, Generation]:
     batch = len(job.ids)
-    texts = [TextStream(job.tokenizer, p, config.stop) for p in job.ids] if job.tokenizer is not None else None
+    texts = ([TextStream(job.tokenizer, p, config.stop, config.skip_special_tokens) for p in job.ids]
+             if job.tokenizer is not None else None)
     new: list[list[int]] = [[] for _ in range(batch)]
     finish = ["length"] * batch
     done = np.zeros(batch, dtype=bool)

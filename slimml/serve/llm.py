@@ -24,7 +24,7 @@ from typing import Any
 from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
-from slimml.runtime.tasks.generation.reasoning import ReasoningText, closed, opened, thinks
+from slimml.runtime.tasks.generation.reasoning import ReasoningText, reasoning_format
 from slimml.runtime.tasks.generation.tools import ToolUse, finish_reason
 import slimml.serve.openai as openai
 
@@ -148,11 +148,11 @@ class LLMService:
                                "shorten it, or start the server with a larger --max-text-chars.", 413)
         events: asyncio.Queue = asyncio.Queue()
         token_bytes = await asyncio.to_thread(self._bytes_of_tokens) if req.logprobs is not None else None
-        seq, use, inside = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
+        seq, use, thinker = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
         self.worker.submit(seq)
         answer = openai.Answer(req, self.name, token_bytes)
         if req.stream:
-            return self._stream(seq, events, answer, use, inside)
+            return self._stream(seq, events, answer, use, thinker)
         try:
             text = []
             while True:
@@ -166,8 +166,7 @@ class LLMService:
         self._raise_failure(seq)
         text = whole = "".join(text)
         thoughts = None
-        if inside is not None:  # the thoughts apart from the answer
-            thinker = ReasoningText(inside)
+        if thinker is not None:  # the thoughts apart from the answer
             thinker.feed(text)
             _, _, thoughts, text = thinker.finish()
         if use is not None:
@@ -191,13 +190,14 @@ class LLMService:
         return self._token_bytes
 
     def _sequence(self, req: openai.CompletionRequest, loop: asyncio.AbstractEventLoop,
-                  put) -> tuple[Sequence, ToolUse | None, bool | None]:
+                  put) -> tuple[Sequence, ToolUse | None, ReasoningText | None]:
         """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop``, how its
-        tool calls are written, and whether its thoughts are read apart (None: not; else whether
-        the answer begins inside a ``<think>`` block). Runs on a thread: rendering and tokenizing."""
+        tool calls are written, and the reader of its thoughts (None: they are not read apart).
+        Runs on a thread: rendering and tokenizing."""
         from slimml.runtime.tasks.generate import chat_prompt, chat_template
 
-        use = inside = None
+        use = reader = None
+        special = False  # the text keeps special tokens (harmony's channels)
         if req.chat:
             try:
                 messages, variables = req.messages, dict(req.template_kwargs)
@@ -206,10 +206,12 @@ class LLMService:
                     use = ToolUse.of(req.tools, source)
                     messages, variables = use.messages(messages), {**variables, **use.variables()}
                 prompt, raw = chat_prompt(self.model, messages, **variables), True
-                if thinks(source):  # a reasoning model: no thoughts where a format holds the answer from its start
+                thinking = reasoning_format(source)
+                if thinking is not None:  # a reasoning model: no thoughts where a format holds the answer from its start
                     if use is not None or req.response_format is not None:
-                        prompt = closed(prompt)
-                    inside = opened(prompt) if self.reasoning == "split" else None
+                        prompt = thinking.closed(prompt)
+                    special = thinking.special_tokens
+                    reader = thinking.reader(prompt) if self.reasoning == "split" else None
             except FeedError as e:
                 raise RequestError(str(e)) from None
             except SlimmlError as e:  # the template refused the messages, or there is none: no paths in the body
@@ -229,7 +231,8 @@ class LLMService:
                                       top_k=req.top_k, repetition_penalty=req.repetition_penalty,
                                       presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                                       logit_bias=req.logit_bias, logprobs=req.logprobs, response_format=req.response_format, seed=req.seed,
-                                      stop=tuple(req.stop), prompt_lookup=self.prompt_lookup)
+                                      stop=tuple(req.stop), prompt_lookup=self.prompt_lookup,
+                                      skip_special_tokens=not special)
             if use is not None:
                 config = use.config(config)
         except ConfigError as e:
@@ -246,7 +249,7 @@ class LLMService:
         except ConfigError as e:  # a response_format (or tools' grammar) this model's tokenizer cannot follow, a biased id
             param = "logit_bias" if str(e).startswith("logit_bias") else "tools" if use is not None else "response_format"
             raise RequestError(str(e), param=param) from None
-        return seq, use, inside
+        return seq, use, reader
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:
         """The prompt's token ids, as generation would encode it (None: the model has no tokenizer)."""
@@ -263,9 +266,8 @@ class LLMService:
         return untruncated(self.model.text).encode(prompt, add_special_tokens=not raw).ids
 
     async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer, use: ToolUse | None = None,
-                      inside: bool | None = None) -> AsyncIterator[bytes]:
+                      thinker: ReasoningText | None = None) -> AsyncIterator[bytes]:
         sent = shown = 0  # tokens whose log-probabilities went out; characters of the answer's text read
-        thinker = ReasoningText(inside) if inside is not None else None  # the thoughts apart from the answer
         reader = use.text() if use is not None else None  # the calls read out of the text
 
         def chunks(thought: str, value: str, entries: list | None = None) -> list[bytes]:

@@ -22,6 +22,7 @@ from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, te
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")  # OpenAI's reasoning_effort
 # chat template variables the server sets itself, which chat_template_kwargs may not replace
 _SET_BY_SERVER = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token",
                             "eos_token", "raise_exception", "strftime_now"})
@@ -79,7 +80,7 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     this server does not use are ignored, as OpenAI's are; those that would change the answer
     in a way it cannot give (``echo``, ``best_of``) are refused."""
     req = CompletionRequest(chat=chat)
-    _refuse_unsupported(data)
+    _refuse_unsupported(data, chat)
     if chat:
         req.messages = _messages(data)
     else:
@@ -105,6 +106,12 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     req.response_format = _response_format(data.get("response_format"))
     req.tools = _tools(data, chat)
     req.template_kwargs = _template_kwargs(data.get("chat_template_kwargs"), chat)
+    effort = data.get("reasoning_effort")
+    if effort is not None:  # OpenAI's; a reasoning model's template reads it (gpt-oss's)
+        if not chat or effort not in REASONING_EFFORTS:
+            raise RequestError(f'"reasoning_effort" must be one of {", ".join(REASONING_EFFORTS)} (chat requests), got '
+                               f"{_show(effort)}.", param="reasoning_effort")
+        req.template_kwargs.setdefault("reasoning_effort", effort)
     if req.tools is not None and req.logprobs is not None:
         raise RequestError('"logprobs" with "tools" is not supported by this server; leave out one of them.', param="logprobs")
     top_k = data.get("top_k", 0)
@@ -138,14 +145,14 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     return req
 
 
-def _refuse_unsupported(data: dict[str, Any]) -> None:
+def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
     """Refuse the OpenAI fields that would change the answer in a way this server cannot give
     (echo, several candidates), rather than ignore them and answer something else than asked;
     their "off" values pass."""
     asks = {
         "echo": data.get("echo") not in (None, False),
         "best_of": data.get("best_of") not in (None, 1),
-        "suffix": data.get("suffix") not in (None, ""),
+        "suffix": not chat and data.get("suffix") not in (None, ""),  # completions' field; chat has none
     }
     fixes = {"echo": "leave it out (the prompt is what you sent)",
              "best_of": "leave it out, or send 1",
@@ -315,7 +322,7 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
     out = {}
     for key, bias in value.items():
         token = key.strip() if isinstance(key, str) else ""
-        if not token.isdigit():
+        if not (token.isascii() and token.isdigit()):
             raise RequestError(f'"logit_bias" has the key {_show(key)}, which is not a token id; use the ids of this '
                                'model\'s tokenizer as keys, e.g. {"50256": -100}.', param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:

@@ -4,12 +4,14 @@ OpenAI's sampling parameters mean each field."""
 from __future__ import annotations
 
 import numbers
+import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from slimml.errors import ConfigError
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+_DIGITS = re.compile(r"\s*[0-9]+\s*")  # a token id written as text (a JSON object's key)
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; more than a handful is a mistake, not a use
 
 
@@ -38,6 +40,7 @@ class GenerationConfig:
         logit_bias: ``{token id: bias}`` added to the model's logits before any processor, as
             OpenAI's ``logit_bias`` (from -100 to 100: -100 keeps a token out, 100 all but forces
             it; small values make a token more or less likely). Ids past the vocabulary are refused.
+            Kept as sorted ``(id, bias)`` pairs (ids given as text, as JSON keys are, become ints).
         logprobs: also return each new token's log-probability under the model (its softmax before
             any processor) and this many most likely alternatives, as OpenAI's ``top_logprobs``
             (0 to 20); None turns it off. ``Generation.logprobs`` holds them.
@@ -55,6 +58,10 @@ class GenerationConfig:
         stop_token_ids: token ids that end a prompt's generation, beside the end-of-sequence id.
         eos_token_id: the end-of-sequence id(s); None takes the tokenizer's.
         pad_token_id: left-pads shorter prompts of a batch (masked out); None takes the tokenizer's or 0.
+        skip_special_tokens: leave special tokens (``<|im_start|>``, harmony's ``<|channel|>``)
+            out of the text, as transformers' ``decode`` and vLLM do by default; False keeps them
+            (``chat`` sets it for a template whose format is written in them). The end id that closes
+            an answer is never part of its text.
         truncate: a prompt longer than the model's context keeps its last tokens instead of
             being refused.
         prompt_lookup: positions a pass may also compute by guessing that the text repeats what
@@ -83,6 +90,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
+    skip_special_tokens: bool = True
     truncate: bool = False
     prompt_lookup: int = 0
 
@@ -131,8 +139,9 @@ class GenerationConfig:
             raise ConfigError(f"do_sample must be True, False or None, got {self.do_sample!r}.")
         if self.do_sample and self.temperature == 0:
             object.__setattr__(self, "temperature", 1.0)
-        if not isinstance(self.truncate, bool):
-            raise ConfigError(f"truncate must be True or False, got {self.truncate!r}.")
+        for name in ("truncate", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         if isinstance(seed, list):
@@ -181,7 +190,7 @@ def _bias(value: Any) -> tuple[tuple[int, float], ...] | None:
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             raise ConfigError(f"logit_bias must be a mapping of token ids to biases, got {value!r}; {fix}.")
         key, bias = pair
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        token = int(key) if isinstance(key, str) and _DIGITS.fullmatch(key) else key
         if not is_int(token) or token < 0:
             raise ConfigError(f"logit_bias has the key {key!r}, which is not a token id (a whole number >= 0); {fix}.")
         if not isinstance(bias, numbers.Real) or isinstance(bias, bool) or not -100 <= bias <= 100:

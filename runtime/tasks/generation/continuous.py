@@ -118,7 +118,8 @@ class ContinuousBatch:
         before it meets anyone else's)."""
         job = prepare(self.model, [prompt], config, raw_text)
         seq = Sequence(ids=job.ids[0], config=config, steps=job.steps, end_ids=job.end_ids, **hooks)
-        seq.text = TextStream(job.tokenizer, seq.ids, config.stop) if job.tokenizer is not None else None
+        seq.text = (TextStream(job.tokenizer, seq.ids, config.stop, config.skip_special_tokens)
+                    if job.tokenizer is not None else None)
         seq.constraint = job.constraints[0] if job.constraints else None
         return seq
 

@@ -24,10 +24,13 @@ class Detokenizer:
     Args:
         tokenizer: the artifact's ``tokenizers.Tokenizer``.
         prompt: the prompt's ids; its last few give the first new token its spacing.
+        skip_special: leave special tokens out of the text (``<|im_start|>``, harmony's
+            ``<|channel|>``), as transformers' ``decode(skip_special_tokens=True)``.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], skip_special: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special = skip_special
         self.ids = list(prompt[-CONTEXT_TOKENS:])
         self.prefix = 0  # ids[prefix:read] were decoded last time: the context of the next piece
         self.read = len(self.ids)
@@ -45,8 +48,8 @@ class Detokenizer:
         if self.read == len(self.ids):
             return ""
         decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        after = decode(self.ids[self.prefix :], skip_special_tokens=True)
+        before = decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip_special)
+        after = decode(self.ids[self.prefix :], skip_special_tokens=self.skip_special)
         if len(after) <= len(before) or (after.endswith(BROKEN) and not final):
             return ""  # a special token (skipped), or the first bytes of a character
         self.prefix, self.read = self.read, len(self.ids)

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 GENERATION_CONFIG = "generation_config.json"  # the artifact's copy of the source's (convert lists it)
-_EOS_TOKENS = ("</s>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>", "<eos>", "<|end_of_text|>", "<end_of_turn>")
+_EOS_TOKENS = ("</s>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>", "<eos>", "<|end_of_text|>", "<end_of_turn>",
+               "<|return|>", "<|call|>")  # the last two: harmony's (gpt-oss) ends of a reply and of a tool call
 _untruncated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TextEncoder -> its tokenizer, no truncation
 
 

@@ -1,93 +1,200 @@
 """A reasoning model's thoughts, read apart from its answer.
 
-Models trained to think before they answer (Qwen3, DeepSeek-R1 and its distillations, SmolLM3,
-Phi-4-reasoning, QwQ) write their thoughts between ``<think>`` and ``</think>``, then the answer.
-Their chat templates say so (the tags appear in them), and some open the block in the prompt
-itself (DeepSeek-R1's ends the assistant's turn opener with ``<think>\\n``), so that the answer
-begins inside it. OpenAI-compatible servers (llama.cpp's, vLLM's, DeepSeek's API) hand the
-thoughts out as ``reasoning_content`` and only the answer as ``content``; a client that shows
-only the content then shows the answer, and the next turn's template drops the thoughts itself.
+Models trained to think before they answer write their thoughts in a form their chat template
+teaches, then the answer:
 
-:class:`ReasoningText` reads an answer as it streams: :meth:`~ReasoningText.feed` gives the
-thoughts and the answer that can go out now (never a piece of a tag), :meth:`~ReasoningText.finish`
-the rest and the whole of each once the answer is done. An answer that never opens a block is all
-content; one cut off inside its block (``max_new_tokens``) is all thoughts.
+- ``<think>`` ... ``</think>`` (:class:`ThinkTags`: Qwen3, DeepSeek-R1 and its distillations,
+  SmolLM3, Phi-4-reasoning, QwQ). Some templates open the block in the prompt itself (DeepSeek-R1's
+  ends the assistant's turn opener with ``<think>\\n``), so that the answer begins inside it.
+- OpenAI's harmony format (:class:`Harmony`: gpt-oss): messages on channels,
+  ``<|channel|>analysis<|message|>`` thoughts ``<|end|>``, then ``<|start|>assistant<|channel|>final<|message|>``
+  the answer. Its markers are special tokens, which a text leaves out, so its answers are decoded
+  with them (``GenerationConfig.skip_special_tokens=False``) and read here.
+
+OpenAI-compatible servers (llama.cpp's, vLLM's, DeepSeek's API) hand the thoughts out as
+``reasoning_content`` and only the answer as ``content``; a client that shows the content then
+shows the answer. :class:`ReasoningText` reads an answer as it streams: :meth:`~ReasoningText.feed`
+gives the thoughts and the answer that can go out now (never a piece of a marker),
+:meth:`~ReasoningText.finish` the rest and the whole of each once the answer is done. An answer
+with no thoughts is all content; one cut off inside its thoughts (``max_new_tokens``) is all thoughts.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 OPEN, CLOSE = "<think>", "</think>"
+Split = Callable[[str, bool], "tuple[str, str, bool]"]  # (text so far, final) -> (thoughts, content, has thoughts)
 
 
-def thinks(template: str) -> bool:
-    """Whether the chat template whose source is ``template`` teaches ``<think>`` blocks."""
-    return CLOSE in template
+class ReasoningFormat:
+    """How one family of chat templates has the model think.
+
+    Attributes:
+        name: the format's name.
+        special_tokens: its markers are special tokens, which the answer's text must keep.
+    """
+
+    name = ""
+    special_tokens = False
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        raise NotImplementedError
+
+    def closed(self, prompt: str) -> str:
+        """``prompt`` made to open the answer itself, not thoughts: for an answer held to a format
+        (``response_format``, tools) from its first token."""
+        return prompt
+
+    def reader(self, prompt: str) -> ReasoningText:
+        """The reader of an answer to ``prompt`` as it streams."""
+        raise NotImplementedError
 
 
-def opened(prompt: str) -> bool:
-    """Whether the rendered ``prompt`` leaves a ``<think>`` block open, so that the answer begins
-    inside it (DeepSeek-R1's templates; Qwen3's with thinking off close an empty one)."""
-    return prompt.rstrip().endswith(OPEN)
+FORMATS: list[type[ReasoningFormat]] = []
 
 
-def closed(prompt: str) -> str:
-    """``prompt`` with a ``<think>`` block it leaves open closed empty (as Qwen3's template writes
-    it with thinking off): for an answer held to a format from its first token."""
-    return prompt.rstrip() + "\n\n" + CLOSE + "\n\n" if opened(prompt) else prompt
+def register_format(cls: type[ReasoningFormat]) -> type[ReasoningFormat]:
+    FORMATS.append(cls)
+    return cls
+
+
+def reasoning_format(template: str) -> ReasoningFormat | None:
+    """The :class:`ReasoningFormat` of the chat template whose source is ``template``, or None
+    where the template teaches no thinking."""
+    return next((cls() for cls in FORMATS if cls.matches(template)), None)
 
 
 class ReasoningText:
     """One answer's text as it streams, its thoughts apart from its content.
 
     Args:
-        inside: the answer begins inside a ``<think>`` block the prompt opened.
+        split: ``(text so far, final) -> (thoughts, content, whether it has thoughts)``: what the
+            text settles (all of it when final); each only grows as the text does.
     """
 
-    def __init__(self, inside: bool = False):
-        self.inside = inside
+    def __init__(self, split: Split):
+        self.split = split
         self.text = ""
         self.sent = [0, 0]  # characters of thoughts, of content handed out
 
     def feed(self, piece: str) -> tuple[str, str]:
         """``(thoughts, content)`` that ``piece``, the answer's next text, lets out."""
         self.text += piece
-        thoughts, content, _ = self._split(final=False)
+        thoughts, content, _ = self.split(self.text, False)
         out = thoughts[self.sent[0]:], content[self.sent[1]:]
         self.sent = [max(self.sent[0], len(thoughts)), max(self.sent[1], len(content))]
         return out
 
     def finish(self) -> tuple[str, str, str | None, str]:
         """``(thoughts not yet handed out, content not yet handed out, the whole thoughts or None
-        where the answer had no block, the whole content)``."""
-        thoughts, content, had = self._split(final=True)
+        where the answer had none, the whole content)``."""
+        thoughts, content, had = self.split(self.text, True)
         return thoughts[self.sent[0]:], content[self.sent[1]:], (thoughts if had else None), content
 
-    def _split(self, final: bool) -> tuple[str, str, bool]:
-        """The thoughts and the content that the text so far settles (all of it when ``final``),
-        and whether the answer has a block."""
-        text = self.text
-        start = 0 if self.inside else None
-        if start is None:
-            head = text.lstrip()
-            if head.startswith(OPEN):
-                start = len(text) - len(head) + len(OPEN)
-            elif not final and OPEN.startswith(head):
-                return "", "", False  # may still open a block
-            else:
-                return "", text, False
-        end = text.find(CLOSE, start)
-        if end < 0:
-            thoughts = text[start:]
-            if not final:  # hold what may begin the closing tag, and trailing whitespace
-                thoughts = _held(thoughts, CLOSE)
-            return thoughts.strip() if final else thoughts.lstrip(), "", True
-        return text[start:end].strip(), text[end + len(CLOSE):].lstrip(), True
+
+@register_format
+class ThinkTags(ReasoningFormat):
+    """``<think>`` thoughts ``</think>`` answer; the prompt may open the block."""
+
+    name = "think"
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        return CLOSE in template
+
+    def closed(self, prompt: str) -> str:  # an opened block closed empty, as Qwen3's template writes it with thinking off
+        return prompt.rstrip() + "\n\n" + CLOSE + "\n\n" if _opened(prompt) else prompt
+
+    def reader(self, prompt: str) -> ReasoningText:
+        inside = _opened(prompt)
+        return ReasoningText(lambda text, final: _think_split(text, final, inside))
 
 
-def _held(text: str, tag: str) -> str:
-    """``text`` without an end that may begin ``tag``, and without trailing whitespace."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            text = text[:-k]
+def _opened(prompt: str) -> bool:
+    """Whether ``prompt`` leaves a ``<think>`` block open, so that the answer begins inside it."""
+    return prompt.rstrip().endswith(OPEN)
+
+
+def _think_split(text: str, final: bool, inside: bool) -> tuple[str, str, bool]:
+    start = 0 if inside else None
+    if start is None:
+        head = text.lstrip()
+        if head.startswith(OPEN):
+            start = len(text) - len(head) + len(OPEN)
+        elif not final and OPEN.startswith(head):
+            return "", "", False  # may still open a block
+        else:
+            return "", text, False
+    end = text.find(CLOSE, start)
+    if end < 0:
+        thoughts = text[start:]
+        return (thoughts.strip(), "", True) if final else (_held(thoughts, (CLOSE,)).lstrip(), "", True)
+    return text[start:end].strip(), text[end + len(CLOSE):].lstrip(), True
+
+
+@register_format
+class Harmony(ReasoningFormat):
+    """OpenAI's harmony format (gpt-oss): the thoughts are the ``analysis`` channel's messages, the
+    answer the ``final`` channel's (and ``commentary`` addressed to no tool: a preamble to the user)."""
+
+    name = "harmony"
+    special_tokens = True
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        return "<|channel|>" in template and "<|message|>" in template
+
+    def closed(self, prompt: str) -> str:  # the answer opens on the final channel
+        return prompt + "<|channel|>final<|message|>" if prompt.endswith("<|start|>assistant") else prompt
+
+    def reader(self, prompt: str) -> ReasoningText:
+        inside = prompt.endswith("<|channel|>final<|message|>")
+        return ReasoningText(lambda text, final: ("", text, False) if inside else _harmony_split(text, final))
+
+
+_HEADER_STARTS = ("<|channel|>", "<|start|>")
+_BODY_END = re.compile(r"<\|(?:end|call|return)\|>|<\|start\|>")  # what ends a message's body
+_MARKERS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
+
+
+def _harmony_split(text: str, final: bool) -> tuple[str, str, bool]:
+    head = text.lstrip()
+    if not head.startswith(_HEADER_STARTS):  # no channels: the model answered plainly
+        if not final and any(t.startswith(head) for t in _HEADER_STARTS):
+            return "", "", False
+        return "", text, False
+    thoughts, content, at, had = [], [], 0, False
+    while (mark := text.find("<|message|>", at)) >= 0:
+        header, start = text[at:mark], mark + len("<|message|>")
+        end = _BODY_END.search(text, start)
+        body = text[start : end.start() if end else len(text)]
+        if end is None and not final:
+            body = _held(body, _MARKERS, strip=False)
+        channel = _CHANNEL.search(header)
+        name = channel.group(1) if channel else ""
+        if name == "analysis":
+            had = True
+            thoughts.append(body)
+        elif name == "final" or (name == "commentary" and "to=" not in header):
+            content.append(body)
+        if end is None:
             break
-    return text.rstrip()
+        at = end.start() if end.group() == "<|start|>" else end.end()
+    return "\n\n".join(thoughts), "".join(content), had
+
+
+def _held(text: str, tags: tuple[str, ...], strip: bool = True) -> str:
+    """``text`` without an end that may begin one of ``tags`` (and, with ``strip``, without
+    trailing whitespace)."""
+    cut = len(text)
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), 0, -1):
+            if tag.startswith(text[-k:]):
+                cut = min(cut, len(text) - k)
+                break
+    text = text[:cut]
+    return text.rstrip() if strip else text

@@ -23,10 +23,11 @@ class TextStream:
         tokenizer: the artifact's ``tokenizers.Tokenizer``.
         prompt: the prompt's token ids.
         stop: the stop strings (may be empty).
+        skip_special: leave special tokens out of the text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt: list[int], stop: tuple[str, ...] = ()):
-        self.detok = Detokenizer(tokenizer, prompt)
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int], stop: tuple[str, ...] = (), skip_special: bool = True):
+        self.detok = Detokenizer(tokenizer, prompt, skip_special)
         self.stop = stop
         self.longest = max(map(len, stop), default=0)
         self.full = ""  # all text decoded so far

@@ -35,9 +35,11 @@ _COMMA = re.compile(r"\s*,\s*")
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')  # a call's start, in the formats' order
 _RESPONSE = re.compile(r'\s*\{\s*"response"\s*:\s*"')
 _CALLS = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[\s*')
-_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*("?)|[{}\[\]]')  # a string (group 1 empty while unfinished) or a bracket
+_JSON_MARK = re.compile(r'["{}\[\]]')  # where a string or a bracket begins
+_STRING_REST = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*("?)')  # a string's text to its closing quote (group 1), or so far
+_HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
 _STRING_BODY = re.compile(r'(?:[^"\\]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*')
-_CUT_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}$")
+_GRAMMAR_WS = " \t\n"  # the whitespace the formats' grammars allow around a call
 _WS = r"[ ]?"  # JSON whitespace in a call: compact (pretty-printed calls cost a small model a third more tokens)
 
 
@@ -181,14 +183,15 @@ class ToolFormat:
         """The Lark grammar (llguidance's dialect) of an answer."""
         raise NotImplementedError
 
-    def content(self, text: str) -> str:
+    def content(self, text: str, memo: dict | None = None) -> str:
         """The content of ``text``, an answer so far, that stays content whatever comes next (it
-        only grows as the answer does)."""
+        only grows as the answer does); ``memo`` as for :meth:`calls`."""
         return ""
 
-    def calls(self, text: str) -> list[str]:
-        """The JSON text of each call begun in ``text``, an answer so far, from its ``{`` (the
-        last one may be unfinished)."""
+    def calls(self, text: str, memo: dict | None = None) -> list[tuple[int, int | None]]:
+        """Where each call begun in ``text``, an answer so far, has its JSON: ``(start, end)``
+        from its ``{``, ``end`` None while unfinished (the last one). ``memo`` keeps the scans
+        of earlier calls for the next, longer text."""
         return []
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -217,7 +220,7 @@ class Hermes(ToolFormat):
     name = "hermes"
     marker = "<tool_call>"
 
-    def content(self, text: str) -> str:
+    def content(self, text: str, memo: dict | None = None) -> str:
         start = text.find(self.marker)
         if start < 0:  # hold what may begin the marker, and trailing whitespace (it may precede a call)
             start = len(text)
@@ -225,16 +228,16 @@ class Hermes(ToolFormat):
                 if self.marker.startswith(text[-k:]):
                     start = len(text) - k
                     break
-        return text[:start].rstrip()
+        return text[:start].strip()
 
-    def calls(self, text: str) -> list[str]:
+    def calls(self, text: str, memo: dict | None = None) -> list[tuple[int, int | None]]:
         out, at = [], 0
         while (k := text.find(self.marker, at)) >= 0:
             start = _SPACE.match(text, k + len(self.marker)).end()
             if start == len(text):
                 break
-            end = _value_end(text, start)
-            out.append(text[start:end])
+            end = _value_end(text, start, memo)
+            out.append((start, end))
             if end is None:
                 break
             at = end
@@ -273,7 +276,7 @@ class Hermes(ToolFormat):
             calls.append(call)
             at = close.end()
         content.append(text[at:].split(self.marker)[0])  # a call cut off by max_new_tokens is not content
-        return ("".join(content).strip() if self.marker in text else text), calls
+        return ("".join(content).strip() if self.marker in text else text.strip()), calls
 
 
 @register_format
@@ -284,15 +287,18 @@ class Llama3(ToolFormat):
     name = "llama3"
     parallel = False  # the format has one call an answer
 
-    def content(self, text: str) -> str:
-        head = text.lstrip()
+    def content(self, text: str, memo: dict | None = None) -> str:
+        head = text.lstrip(_GRAMMAR_WS)
         if not head or head.startswith("{") or "<|python_tag|>".startswith(head[:14]):
             return ""  # the answer may still be, or is, a call
         return text
 
-    def calls(self, text: str) -> list[str]:
-        body = text.strip().removeprefix("<|python_tag|>").lstrip()
-        return [body[: _value_end(body, 0)]] if body.startswith("{") else []
+    def calls(self, text: str, memo: dict | None = None) -> list[tuple[int, int | None]]:
+        start = len(text) - len(text.lstrip(_GRAMMAR_WS))
+        if text.startswith("<|python_tag|>", start):
+            start += len("<|python_tag|>")
+            start += len(text) - start - len(text[start:].lstrip(_GRAMMAR_WS))
+        return [(start, _value_end(text, start, memo))] if text.startswith("{", start) else []
 
     @staticmethod
     def matches(template: str) -> bool:
@@ -306,7 +312,7 @@ class Llama3(ToolFormat):
         return f"start: TEXT | WS? {body}\nTEXT: /[ \\t\\n]*[^{{ \\t\\n](.|\\n)*/\nWS: /[ \\t\\n]+/\n"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        body = text.strip().removeprefix("<|python_tag|>").strip()
+        body = text.strip(_GRAMMAR_WS).removeprefix("<|python_tag|>").strip(_GRAMMAR_WS)
         call = _call(body, "parameters") if body.startswith("{") else None
         return ("", [call]) if call is not None else (text, [])
 
@@ -360,16 +366,17 @@ class Generic(ToolFormat):
             shape = {"anyOf": [shape, answer]}
         return f"start: {_json({**shape, **defs})}\n"
 
-    def content(self, text: str) -> str:
+    def content(self, text: str, memo: dict | None = None) -> str:
         m = _RESPONSE.match(text)
-        return _string_begun(text, m.end()) if m else ""
+        read = memo.setdefault("response", [0, ""]) if memo is not None else None  # how far its string was read
+        return _string_begun(text, m.end(), read) if m else ""
 
-    def calls(self, text: str) -> list[str]:
+    def calls(self, text: str, memo: dict | None = None) -> list[tuple[int, int | None]]:
         m = _CALLS.match(text)
         out, at = [], m.end() if m else len(text)
         while text.startswith("{", at):
-            end = _value_end(text, at)
-            out.append(text[at:end])
+            end = _value_end(text, at, memo)
+            out.append((at, end))
             if end is None:
                 break
             comma = _COMMA.match(text, end)
@@ -394,53 +401,63 @@ class ToolText:
     """One answer's text as it streams, read as content and calls: :meth:`feed` gives the content
     that can go out now (text that cannot be part of a call) and the pieces of the calls made so
     far (each call's name once written, then its arguments' JSON text as it comes), :meth:`finish`
-    the rest of the content and the calls once the answer is whole."""
+    the rest of the content and the calls once the answer is whole. Each piece costs about its
+    own length: what earlier pieces settled is not read again."""
 
     def __init__(self, format: ToolFormat, tools: Tools | None = None):
         self.format = format
         self.tools = tools  # the calls kept: to the functions it offers, one unless parallel (None: all)
         self.text = ""
-        self.sent = 0  # characters of content handed out
-        self.handed = ""
-        self.streamed: list[list] = []  # per call handed out: [its id, its name, characters of its arguments handed out]
+        self.handed = ""  # the content handed out
+        self.streamed: list[list] = []  # per call handed out: [its id, its name, its arguments' text handed out]
+        self._memo: dict = {}  # scans of the calls' JSON so far (see _value_end)
 
-    def feed(self, piece: str) -> tuple[str, list[CallDelta]]:
-        """``(content, call pieces)`` that ``piece``, the answer's next text, lets out."""
+    def feed(self, piece: str, calls: bool = True) -> tuple[str, list[CallDelta]]:
+        """``(content, call pieces)`` that ``piece``, the answer's next text, lets out; with
+        ``calls=False`` no call pieces (the calls are read whole by :meth:`finish`)."""
         self.text += piece
-        content = self.format.content(self.text)
-        out = content[self.sent:]
-        self.sent = max(self.sent, len(content))
+        text = self.text
+        content = self.format.content(text, self._memo)
+        out = content[len(self.handed):]
         self.handed += out
         deltas = []
-        for index, raw in enumerate(self.format.calls(self.text)):
-            m = _HEAD.match(raw)
+        for index, (start, end) in enumerate(self.format.calls(text, self._memo) if calls else ()):
+            if index < len(self.streamed) and self.streamed[index][3]:
+                continue  # handed out whole already
+            m = _HEAD.match(text, start)
             if m is None or not self._keeps(m.group(1), index):
                 break  # its name is not whole yet
-            arguments = raw[m.end() : _value_end(raw, m.end())]  # the arguments' object, without the call's "}"
+            stop = _value_end(text, m.end(), self._memo)  # the arguments' object, without the call's "}"
+            arguments = text[m.end() : stop if stop is not None else (end or len(text))]
             if index == len(self.streamed):
-                self.streamed.append(["call_" + uuid.uuid4().hex[:24], m.group(1), len(arguments)])
+                self.streamed.append(["call_" + uuid.uuid4().hex[:24], m.group(1), arguments, False])
                 deltas.append(CallDelta(index, arguments, self.streamed[index][0], m.group(1)))
-            elif len(arguments) > self.streamed[index][2]:
-                deltas.append(CallDelta(index, arguments[self.streamed[index][2]:]))
-                self.streamed[index][2] = len(arguments)
+            elif len(arguments) > len(self.streamed[index][2]):
+                deltas.append(CallDelta(index, arguments[len(self.streamed[index][2]):]))
+                self.streamed[index][2] = arguments
+            self.streamed[index][3] = stop is not None
         return out, deltas
 
     def finish(self) -> tuple[str, str, list[ToolCall]]:
         """``(content not yet handed out, the whole content, the calls)``; a call handed out in
-        pieces keeps the id its first piece gave it."""
+        pieces keeps the id its first piece gave it (matched by its name and arguments)."""
         content, calls = self.format.parse(self.text)
         calls = [c for k, c in enumerate(calls) if self._keeps(c.name, k)]
-        calls = [ToolCall(c.name, c.arguments, self.streamed[k][0])
-                 if k < len(self.streamed) and self.streamed[k][1] == c.name else c for k, c in enumerate(calls)]
-        handed = self.handed
-        if not content.startswith(handed):
-            handed = handed.lstrip()  # the content is stripped of leading whitespace
-        rest = content[len(handed):] if content.startswith(handed) else ""
+        free = list(range(len(self.streamed)))
+        for k, c in enumerate(calls):
+            same = next((i for i in free if self.streamed[i][1] == c.name and _loads(self.streamed[i][2]) == c.arguments), None)
+            if same is not None:
+                free.remove(same)
+                calls[k] = ToolCall(c.name, c.arguments, self.streamed[same][0])
+        rest = content[len(self.handed):] if content.startswith(self.handed) else ""
         return rest, content, calls
 
     def unsent(self, calls: list[ToolCall]) -> list[CallDelta]:
-        """The calls of :meth:`finish` that no piece handed out yet, each whole."""
-        return [CallDelta.whole(k, c) for k, c in enumerate(calls) if k >= len(self.streamed)]
+        """The calls of :meth:`finish` that no piece handed out, each whole, numbered after the
+        calls handed out in pieces."""
+        ids = {s[0] for s in self.streamed}
+        late = [c for c in calls if c.id not in ids]
+        return [CallDelta.whole(len(self.streamed) + k, c) for k, c in enumerate(late)]
 
     def _keeps(self, name: str, index: int) -> bool:
         if self.tools is None:
@@ -541,30 +558,64 @@ def _json(schema: dict[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": {"whitespace_pattern": _WS}})
 
 
-def _value_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array that begins at ``text[start]`` ends, or None while it is unfinished."""
-    depth, at = 0, start
-    while (m := _JSON_TOKEN.search(text, at)) is not None:
+def _value_end(text: str, start: int, memo: dict | None = None) -> int | None:
+    """Where the JSON object or array that begins at ``text[start]`` ends, or None while it is
+    unfinished. ``memo`` (per answer) keeps, per start, how far an unfinished scan got (at what
+    depth, whether inside a string) or where the value ended, so that a longer text of the same
+    answer is read on from there: each piece of an answer is read once."""
+    at, depth, inside = start, 0, False
+    if memo is not None and start in memo:
+        at, depth, inside, end = memo[start]
+        if end is not None:
+            return end
+    while True:
+        if inside:  # in a string: to its closing quote, or as far as whole characters and escapes go
+            m = _STRING_REST.match(text, at)
+            at, inside = m.end(), not m.group(1)
+            if inside:
+                break
+            continue
+        m = _JSON_MARK.search(text, at)
+        if m is None:
+            at = len(text)
+            break
         at = m.end()
-        c = m.group()[0]
+        c = m.group()
         if c == '"':
-            if not m.group(1):
-                return None  # a string still open
+            inside = True
         elif c in "{[":
             depth += 1
         else:
             depth -= 1
             if depth == 0:
+                if memo is not None:
+                    memo[start] = (at, 0, False, at)
                 return at
+    if memo is not None:
+        memo[start] = (at, depth, inside, None)
     return None
 
 
-def _string_begun(text: str, start: int) -> str:
+def _string_begun(text: str, start: int, read: list | None = None) -> str:
     """The value so far of the JSON string whose text begins at ``text[start]`` (past its opening
-    quote), without an escape still cut off or a surrogate waiting for its pair."""
-    body = _STRING_BODY.match(text, start).group()
-    body = _CUT_SURROGATE.sub("", body)
-    return json.JSONDecoder(strict=False).decode('"' + body + '"')
+    quote), without an escape still cut off or a high surrogate waiting for its pair. ``read``
+    (``[offset, value]``, per answer) carries what earlier calls read, to go on from there."""
+    at, value = (start, "") if read is None or read[0] < start else read
+    body = _STRING_BODY.match(text, at).group()
+    value += json.JSONDecoder(strict=False).decode('"' + body + '"') if body else ""
+    at += len(body)
+    if value and "\ud800" <= value[-1] <= "\udbff" and _HIGH_SURROGATE.fullmatch(text, at - 6, at):
+        value, at = value[:-1], at - 6  # an escaped high surrogate: read it again once its pair comes
+    if read is not None:
+        read[:] = [at, value]
+    return value
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
 
 
 def _call(text: str, arguments: str) -> ToolCall | None:
