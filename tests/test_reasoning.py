@@ -47,9 +47,13 @@ HARMONY_OPENER = "<|start|>user<|message|>Hi<|end|><|start|>assistant"
     (Harmony(), HARMONY_OPENER, "<|channel|>analysis<|message|>First.<|end|><|start|>assistant<|channel|>analysis<|message|>"
      "Second.<|end|><|start|>assistant<|channel|>commentary<|message|>One moment.<|end|><|start|>assistant to=functions.f"
      "<|channel|>commentary <|constrain|>json<|message|>{\"a\": 1}<|end|><|start|>assistant<|channel|>final<|message|>Done.",
-     "First.\n\nSecond.", "One moment.Done."),
+     "First.\n\nSecond.", "One moment.\n\nDone."),
     (Harmony(), HARMONY_OPENER, "<|channel|>analysis<|message|>Cut in the thoughts <|en", "Cut in the thoughts <|en", ""),
     (Harmony(), HARMONY_OPENER, "Plain text, no channels.", None, "Plain text, no channels."),
+    (Harmony(), HARMONY_OPENER, "<|channel|>analysis<|message|>Think.<|end|>Then text with no header.", "Think.",
+     "Then text with no header."),
+    (Harmony(), HARMONY_OPENER, ' to=functions.f<|channel|>commentary json<|message|>{"a": 1}', None, ""),  # a call first
+    (Harmony(), HARMONY_OPENER, "to be or not", None, "to be or not"),
     (Harmony(), HARMONY_OPENER + "<|channel|>final<|message|>", '{"a": 1}', None, '{"a": 1}'),  # a format's answer
 ])
 def test_thoughts_and_answer_come_apart_in_pieces_of_any_size(format, prompt, text, thoughts, content):

@@ -91,7 +91,14 @@ def test_openai_fields_that_would_change_the_answer_are_used_or_refused():
     chat = openai.completion_request({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high",
                                       "chat_template_kwargs": {"enable_thinking": False}}, True, 16)
     assert chat.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}  # the template reads them
-    for field, value in (("echo", True), ("best_of", 2), ("suffix", "}\n"), ("reasoning_effort", "max"),
+    assert openai.completion_request({"prompt": "hi", "reasoning_effort": "high"}, False, 16).template_kwargs == {}
+    for taken in ("messages", "model", "add_generation_prompt"):  # the server's own: refused, not a 500
+        with pytest.raises(RequestError, match="which the server sets itself"):
+            openai.completion_request({"messages": [{"role": "user", "content": "hi"}],
+                                       "chat_template_kwargs": {taken: 1}}, True, 16)
+    with pytest.raises(RequestError, match='"reasoning_effort" must be a word'):
+        openai.completion_request({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "very high!"}, True, 16)
+    for field, value in (("echo", True), ("best_of", 2), ("suffix", "}\n"),
                          ("chat_template_kwargs", {"enable_thinking": False}), ("logit_bias", [1]), ("logit_bias", {"x": 1}),
                          ("logit_bias", {"1": -101}), ("logit_bias", {str(i): 1 for i in range(1025)})):
         with pytest.raises(RequestError) as e:

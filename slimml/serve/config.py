@@ -131,7 +131,7 @@ class ServeConfig:
     reasoning: str = field(default="split", metadata={
         "help": "Language models whose template writes <think> blocks (Qwen3, DeepSeek-R1, SmolLM3): \"split\" "
                 "answers the thoughts as message.reasoning_content and the answer as content (llama.cpp's and "
-                "vLLM's field); \"keep\" leaves them in the content."})
+                "vLLM's field); \"keep\" leaves them in the content. gpt-oss's harmony thoughts always come apart."})
     max_ongoing_requests: int = field(default=128, metadata={
         "help": "Requests a replica works on at once; more wait in Serve's queue."})
     max_queued_requests: int = field(default=512, metadata={

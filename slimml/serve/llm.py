@@ -211,7 +211,8 @@ class LLMService:
                     if use is not None or req.response_format is not None:
                         prompt = thinking.closed(prompt)
                     special = thinking.special_tokens
-                    reader = thinking.reader(prompt) if self.reasoning == "split" else None
+                    # harmony's thoughts always come apart: its markers in a content sent back would be refused by its template
+                    reader = thinking.reader(prompt) if self.reasoning == "split" or thinking.special_tokens else None
             except FeedError as e:
                 raise RequestError(str(e)) from None
             except SlimmlError as e:  # the template refused the messages, or there is none: no paths in the body

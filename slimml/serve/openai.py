@@ -11,6 +11,7 @@ chunk with ``usage`` and no choices.
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,10 +23,10 @@ from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, te
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
 MAX_LOGIT_BIAS = 1024  # token ids a request may bias
-REASONING_EFFORTS = ("minimal", "low", "medium", "high")  # OpenAI's reasoning_effort
+_EFFORT = re.compile(r"[a-z]{1,16}")  # OpenAI's reasoning_effort: "none", "minimal", "low", "medium", "high", ...
 # chat template variables the server sets itself, which chat_template_kwargs may not replace
 _SET_BY_SERVER = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message", "bos_token",
-                            "eos_token", "raise_exception", "strftime_now"})
+                            "eos_token", "raise_exception", "strftime_now", "model", "self"})
 MAX_TOP_LOGPROBS = {True: 20, False: 5}  # chat's top_logprobs, completions' logprobs: OpenAI's limits
 
 
@@ -107,10 +108,10 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     req.tools = _tools(data, chat)
     req.template_kwargs = _template_kwargs(data.get("chat_template_kwargs"), chat)
     effort = data.get("reasoning_effort")
-    if effort is not None:  # OpenAI's; a reasoning model's template reads it (gpt-oss's)
-        if not chat or effort not in REASONING_EFFORTS:
-            raise RequestError(f'"reasoning_effort" must be one of {", ".join(REASONING_EFFORTS)} (chat requests), got '
-                               f"{_show(effort)}.", param="reasoning_effort")
+    if effort is not None and chat:  # OpenAI's ("low", "medium", "high", ...); a reasoning model's template reads it (gpt-oss's)
+        if not isinstance(effort, str) or not _EFFORT.fullmatch(effort):
+            raise RequestError(f'"reasoning_effort" must be a word such as "low", "medium" or "high", got {_show(effort)}.',
+                               param="reasoning_effort")
         req.template_kwargs.setdefault("reasoning_effort", effort)
     if req.tools is not None and req.logprobs is not None:
         raise RequestError('"logprobs" with "tools" is not supported by this server; leave out one of them.', param="logprobs")

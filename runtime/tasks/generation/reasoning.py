@@ -155,36 +155,44 @@ class Harmony(ReasoningFormat):
         return ReasoningText(lambda text, final: ("", text, False) if inside else _harmony_split(text, final))
 
 
-_HEADER_STARTS = ("<|channel|>", "<|start|>")
+_HEADER_STARTS = ("<|channel|>", "<|start|>", "to=")  # how a message's header begins (a recipient may come first)
 _BODY_END = re.compile(r"<\|(?:end|call|return)\|>|<\|start\|>")  # what ends a message's body
 _MARKERS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
 def _harmony_split(text: str, final: bool) -> tuple[str, str, bool]:
-    head = text.lstrip()
-    if not head.startswith(_HEADER_STARTS):  # no channels: the model answered plainly
-        if not final and any(t.startswith(head) for t in _HEADER_STARTS):
-            return "", "", False
-        return "", text, False
+    """A harmony reply's thoughts (its ``analysis`` messages) and answer (``final`` messages,
+    ``commentary`` to no one, and text written outside any header); messages to a tool
+    (``to=functions.NAME``) are neither."""
     thoughts, content, at, had = [], [], 0, False
-    while (mark := text.find("<|message|>", at)) >= 0:
-        header, start = text[at:mark], mark + len("<|message|>")
-        end = _BODY_END.search(text, start)
-        body = text[start : end.start() if end else len(text)]
+    while True:
+        head = text[at:].lstrip()
+        if not final and not head.startswith(_HEADER_STARTS) and any(t.startswith(head) for t in _HEADER_STARTS):
+            break  # a header may still begin here
+        header = None
+        if head.startswith(_HEADER_STARTS):
+            mark = text.find("<|message|>", at)
+            if mark < 0 and (not final or "<|" in text[at:]):
+                break  # a header still being written (or cut off: no part of the reply)
+            if mark >= 0:
+                header, at = text[at:mark], mark + len("<|message|>")
+        end = _BODY_END.search(text, at)
+        body = text[at : end.start() if end else len(text)]
         if end is None and not final:
             body = _held(body, _MARKERS, strip=False)
-        channel = _CHANNEL.search(header)
-        name = channel.group(1) if channel else ""
-        if name == "analysis":
+        name = (m.group(1) if (m := _CHANNEL.search(header)) else "") if header is not None else None
+        if header is not None and "to=" in header:
+            pass  # a call to a tool: not for the user
+        elif name == "analysis":
             had = True
             thoughts.append(body)
-        elif name == "final" or (name == "commentary" and "to=" not in header):
+        elif header is not None or body.strip():  # final, commentary to the user, or text outside any header
             content.append(body)
         if end is None:
             break
         at = end.start() if end.group() == "<|start|>" else end.end()
-    return "\n\n".join(thoughts), "".join(content), had
+    return "\n\n".join(thoughts), "\n\n".join(content), had
 
 
 def _held(text: str, tags: tuple[str, ...], strip: bool = True) -> str:

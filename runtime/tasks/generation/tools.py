@@ -467,8 +467,10 @@ class ToolText:
 
 def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
     """Messages as chat templates take them: an assistant's ``tool_calls`` with their arguments as
-    objects (OpenAI sends them as JSON text; templates write ``arguments | tojson``). ``first``:
-    the first message's number, for messages."""
+    objects (OpenAI sends them as JSON text; templates write ``arguments | tojson``), and its
+    ``reasoning_content`` (the thoughts a server handed out) also as ``thinking``, where gpt-oss's
+    template reads them (Qwen3's reads ``reasoning_content``). ``first``: the first message's
+    number, for messages."""
     if not isinstance(messages, (list, tuple)):
         return messages  # refused, in one line, where the template's messages are checked
     out = []
@@ -495,6 +497,8 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
             m = {**m, "tool_calls": fixed}
             if m.get("content") is None:
                 m["content"] = ""
+        if isinstance(m, dict) and isinstance(m.get("reasoning_content"), str) and "thinking" not in m:
+            m = {**m, "thinking": m["reasoning_content"]}
         out.append(m)
     return out
 
