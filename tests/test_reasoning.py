@@ -1,6 +1,7 @@
-"""A reasoning model's thoughts (``<think>`` blocks) read apart from its answer: in process
-(``Generation.reasoning``) and served (``reasoning_content``), on the real SmolLM2 with a
-DeepSeek-R1-style template (the prompt opens the block) that Qwen3's ``enable_thinking`` closes."""
+"""A reasoning model's thoughts (``<think>`` blocks, gpt-oss's harmony channels) read apart from its
+answer, in process (``Generation.reasoning``), on the real SmolLM2 with a DeepSeek-R1-style
+template (the prompt opens the block) that Qwen3's ``enable_thinking`` closes. Served
+(``reasoning_content``): ``test_tool_calls.py``, whose Hermes template opens a block when asked."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ ANSWER = {"type": "regex", "regex": "[A-Z][a-z]+( [a-z]+){0,3}\\."}
 def thinker(smollm2_artifact, tmp_path_factory):
     from conftest import templated
 
-    return templated(smollm2_artifact, tmp_path_factory.mktemp("template"), "think.jinja", THINK)
+    return templated(smollm2_artifact, tmp_path_factory.mktemp("template"), "think.jinja", THINK)[0]
 
 
 HARMONY_OPENER = "<|start|>user<|message|>Hi<|end|><|start|>assistant"
@@ -68,7 +69,7 @@ def test_thoughts_and_answer_come_apart_in_pieces_of_any_size(format, prompt, te
 
 
 def test_chat_splits_the_thoughts_unless_kept_or_a_format_holds_the_answer(thinker):
-    model, _ = thinker
+    model = thinker
     kept = model.chat(ASK, max_new_tokens=12, reasoning="keep")
     split = model.chat(ASK, max_new_tokens=12)
     assert split.reasoning == [kept.texts[0].strip()] and split.texts == [""] and kept.reasoning is None
@@ -78,38 +79,6 @@ def test_chat_splits_the_thoughts_unless_kept_or_a_format_holds_the_answer(think
     held = model.chat(ASK, max_new_tokens=12, response_format=ANSWER)  # a format: the block is closed empty
     assert re.fullmatch(ANSWER["regex"], held.texts[0]) and held.reasoning == [None]
     assert "".join(model.chat(ASK, max_new_tokens=12, stream=True)) == ""  # a stream yields the answer only
-
-
-def test_served_thoughts_come_as_reasoning_content(ray_env, smollm2_artifact, thinker):
-    """``slimml serve --chat-template``: ``message.reasoning_content`` and ``delta.reasoning_content``
-    as llama.cpp's and vLLM's servers give them, the same as in process; ``chat_template_kwargs``
-    reaches the template."""
-    openai = pytest.importorskip("openai")
-    from conftest import serving
-    from slimml.serve import ServeConfig
-
-    model, path = thinker
-    config = ServeConfig(str(smollm2_artifact), name="smollm2", max_running=4, max_new_tokens=40, chat_template=str(path))
-    with serving(config) as port:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
-        want = model.chat(ASK, max_new_tokens=12)
-        r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=12, temperature=0)
-        message = r.choices[0].message
-        assert (message.reasoning_content, message.content) == (want.reasoning[0], want.texts[0])
-        chunks = [c.choices[0].delta for c in client.chat.completions.create(
-            model="smollm2", messages=ASK, max_tokens=12, temperature=0, stream=True) if c.choices]
-        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == want.reasoning[0]
-        assert "".join(d.content or "" for d in chunks) == ""
-        want = model.chat(ASK, max_new_tokens=12, chat_template_kwargs={"enable_thinking": False})
-        r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=12, temperature=0,
-                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-        assert r.choices[0].message.content == want.texts[0] and getattr(r.choices[0].message, "reasoning_content", None) is None
-        r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=12, temperature=0,
-                                           response_format={"type": "json_object"})
-        assert r.choices[0].message.content.startswith("{")  # a format: no thoughts
-        with pytest.raises(openai.BadRequestError, match="which the server sets itself"):
-            client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=4,
-                                           extra_body={"chat_template_kwargs": {"messages": []}})
 
 
 # a harmony-shaped template (gpt-oss's format, written for this test): messages between <|start|>ROLE<|message|>

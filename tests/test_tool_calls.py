@@ -81,6 +81,10 @@ HERMES = r"""{%- if tools %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
+    {#- and, asked with enable_thinking, a <think> block opened, which the model ends with </think> (this test's, after Qwen3's) #}
+    {%- if enable_thinking is defined and enable_thinking %}
+        {{- '<think>\n' }}
+    {%- endif %}
 {%- endif %}
 """
 
@@ -270,7 +274,8 @@ def test_a_chat_template_that_is_not_a_file_or_does_not_parse_is_refused(smollm2
 def test_served_with_a_hermes_template_the_client_gets_the_calls_and_the_streamed_text(ray_env, smollm2_artifact, hermes,
                                                                                        tmp_path):
     """``slimml serve --chat-template``: the Hermes format through the real client, streamed and
-    not, equal to in process; a text answer streams as text, never showing ``<tool_call>``."""
+    not, equal to in process; a text answer streams as text, never showing ``<tool_call>``; with
+    ``chat_template_kwargs`` opening a ``<think>`` block, the thoughts come as ``reasoning_content``."""
     openai = pytest.importorskip("openai")
     from conftest import serving
     from slimml.serve import ServeConfig
@@ -295,6 +300,23 @@ def test_served_with_a_hermes_template_the_client_gets_the_calls_and_the_streame
                                                      temperature=0, stream=True))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == want.texts[0] and "<tool" not in text and len([c for c in chunks if c.choices]) > 3
+        # a reasoning model's thoughts (the template opens a <think> block when chat_template_kwargs asks): as
+        # reasoning_content, as llama.cpp's and vLLM's servers give them (runtime/tasks/generation/reasoning.py)
+        think = {"chat_template_kwargs": {"enable_thinking": True}}
+        want = hermes.chat(ASK, max_new_tokens=12, **think)
+        r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=12, temperature=0, extra_body=think)
+        assert (r.choices[0].message.reasoning_content, r.choices[0].message.content) == (want.reasoning[0], want.texts[0])
+        assert want.reasoning[0] and want.texts[0] == "" and want.finish_reasons == ["length"]  # cut off in its thoughts
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(
+            model="smollm2", messages=ASK, max_tokens=12, temperature=0, stream=True, extra_body=think) if c.choices]
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == want.reasoning[0]
+        assert not "".join(d.content or "" for d in deltas)
+        r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=12, temperature=0, extra_body=think,
+                                           response_format={"type": "json_object"})
+        assert r.choices[0].message.content.startswith("{") and getattr(r.choices[0].message, "reasoning_content", None) is None
+        with pytest.raises(openai.BadRequestError, match="which the server sets itself"):
+            client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=4,
+                                           extra_body={"chat_template_kwargs": {"messages": []}})
 
 
 def test_forced_tokens_are_computed_several_a_pass_with_the_same_answer(generic, monkeypatch):
@@ -362,7 +384,7 @@ def test_a_template_path_with_braces_continue_final_message_and_tools(smollm2_ar
                    add_generation_prompt=False, max_new_tokens=4)
 
 
-def test_slimml_generate_offers_tools_from_a_file(smollm2_artifact, hermes, tmp_path):
+def test_slimml_generate_offers_tools_from_a_file(smollm2_artifact, generic, hermes, tmp_path):
     """``slimml generate --chat --tools FILE [--tool-choice] [--chat-template]``: the calls print
     after the text (and under ``tool_calls`` with --json), the same as in process; misused flags
     are refused in one line."""
@@ -383,7 +405,7 @@ def test_slimml_generate_offers_tools_from_a_file(smollm2_artifact, hermes, tmp_
     assert [(c["name"], c["arguments"]) for c in out["tool_calls"][0]] == _calls(want)
     assert out["finish_reasons"] == ["tool_calls"]
     r = runner.invoke(app, [*ask, "--tool-choice", "required"])
-    call = load(smollm2_artifact).chat(ASK, tools=[WEATHER, TIME], tool_choice="required", max_new_tokens=60).tool_calls[0][0]
+    call = generic.chat(ASK, tools=[WEATHER, TIME], tool_choice="required", max_new_tokens=60).tool_calls[0][0]
     assert r.exit_code == 0 and f"] {call.name}({json.dumps(call.arguments)})\n" in r.stdout, r.output
     for args, words in ((["generate", str(smollm2_artifact), "hi", "--tools", str(tmp_path / "tools.json")], "add --chat"),
                         ([*ask[:4], "--tools", str(tmp_path / "missing.json")], "cannot be read"),
