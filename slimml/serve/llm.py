@@ -171,7 +171,7 @@ class LLMService:
             _, _, thoughts, text = thinker.finish()
         if use is not None:
             reader = use.text()
-            reader.feed(text)
+            reader.feed(text, calls=False)  # the calls are read whole by finish()
             _, content, calls = reader.finish()
             return answer.whole(content, finish_reason(seq.finish_reason, calls), len(seq.ids), len(seq.tokens), seq.cached,
                                 tool_calls=calls, reasoning=thoughts)

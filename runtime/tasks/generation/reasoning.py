@@ -181,10 +181,10 @@ def _harmony_split(text: str, final: bool) -> tuple[str, str, bool]:
         body = text[at : end.start() if end else len(text)]
         if end is None and not final:
             body = _held(body, _MARKERS, strip=False)
-        name = (m.group(1) if (m := _CHANNEL.search(header)) else "") if header is not None else None
+        channel = _CHANNEL.search(header) if header is not None else None
         if header is not None and "to=" in header:
             pass  # a call to a tool: not for the user
-        elif name == "analysis":
+        elif channel is not None and channel.group(1) == "analysis":
             had = True
             thoughts.append(body)
         elif header is not None or body.strip():  # final, commentary to the user, or text outside any header
