@@ -79,6 +79,10 @@ def test_chat_splits_the_thoughts_unless_kept_or_a_format_holds_the_answer(think
     held = model.chat(ASK, max_new_tokens=12, response_format=ANSWER)  # a format: the block is closed empty
     assert re.fullmatch(ANSWER["regex"], held.texts[0]) and held.reasoning == [None]
     assert "".join(model.chat(ASK, max_new_tokens=12, stream=True)) == ""  # a stream yields the answer only
+    parts = model.chat(ASK, max_new_tokens=40, stream="deltas")  # thoughts and answer, each piece as it comes
+    deltas = list(parts)
+    assert "".join(d.reasoning for d in deltas) == parts.result.reasoning[0] and len(deltas) > 2
+    assert "".join(d.content for d in deltas) == parts.result.texts[0] and not any(d.calls for d in deltas)
 
 
 # a harmony-shaped template (gpt-oss's format, written for this test): messages between <|start|>ROLE<|message|>

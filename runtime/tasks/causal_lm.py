@@ -77,9 +77,9 @@ class CausalLM(Task):
 
         return stream(self, prompt, config, **options)
 
-    def chat(self, messages: Any, config: Any = None, stream: bool = False, **options: Any):
+    def chat(self, messages: Any, config: Any = None, stream: bool | str = False, **options: Any):
         """The assistant's reply to ``messages`` through the model's chat template (text pieces
-        with ``stream=True``); see :func:`slimml.runtime.tasks.generate.chat`."""
+        with ``stream=True``, thoughts, text and call pieces with ``stream="deltas"``); see :func:`slimml.runtime.tasks.generate.chat`."""
         from slimml.runtime.tasks.generate import chat
 
         return chat(self, messages, config, stream=stream, **options)

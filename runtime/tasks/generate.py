@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,10 +26,10 @@ from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.lookup import lookup_loop
 from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_loop
 from slimml.runtime.tasks.generation.prompts import Prompts, prepare
-from slimml.runtime.tasks.generation.reasoning import ReasoningText, reasoning_format
+from slimml.runtime.tasks.generation.reply import ReplyDelta, ReplyFormat, ReplyReader
 from slimml.runtime.tasks.generation.sampling import Sampler, TokenLogprob, token_logprobs
 from slimml.runtime.tasks.generation.stopping import TextStream
-from slimml.runtime.tasks.generation.tools import ToolCall, Tools, ToolUse, finish_reason, template_messages
+from slimml.runtime.tasks.generation.tools import ToolCall, Tools, finish_reason, template_messages
 
 _templates: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its ChatTemplate, compiled once
 
@@ -165,7 +165,7 @@ def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None 
 
 
 def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], config: GenerationConfig | None = None,
-         *, stream: bool = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
+         *, stream: bool | str = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
          chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
          tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
          reasoning: str = "split", **options: Any) -> Generation | GenerationStream:
@@ -174,8 +174,12 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     Args:
         messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]``, or a
             list of such conversations for a batch.
-        stream: return a :class:`GenerationStream` of the reply's text pieces instead (pairs of
-            conversation index and piece for a batch).
+        stream: True: return a :class:`GenerationStream` of the reply's text pieces instead (its
+            answer, outside thoughts and calls; pairs of conversation index and piece for a
+            batch). ``"deltas"``: of :class:`~slimml.runtime.tasks.generation.reply.ReplyDelta` s
+            instead of text, each with the ``reasoning``, ``content`` and tool-call pieces
+            (``calls``: a call's name once written, then its arguments' JSON text) that piece
+            lets out, as a server streams OpenAI's ``delta``.
         add_generation_prompt: open the assistant's turn after the messages (as transformers'
             ``apply_chat_template`` means it); False renders the messages alone.
         continue_final_message: continue the last message (an assistant's reply begun) instead of
@@ -211,75 +215,55 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     if checked is not None and continue_final_message:
         raise ConfigError("continue_final_message continues a reply as text, and tools hold a reply to their format "
                           'from its start; leave one out (tool_choice="none" keeps the tools in the conversation).')
-    if reasoning not in ("split", "keep"):
-        raise ConfigError(f'reasoning must be "split" or "keep", got {reasoning!r}.')
-    source = chat_template(model).source
-    use = ToolUse.of(checked, source) if checked is not None else None
-    variables = {**(chat_template_kwargs or {}), **(use.variables() if use is not None else {})}
-    rendered = [chat_prompt(model, use.messages(m) if use is not None else m,
-                            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                            **variables) for m in conversations]
-    config = use.config(config) if use is not None else config
-    thinking = reasoning_format(source) if not continue_final_message else None
-    if thinking is not None and config.grammar is not None:
-        rendered = [thinking.closed(r) for r in rendered]
-    if thinking is not None and thinking.special_tokens:  # its markers are special tokens: the text keeps them
-        config = replace(config, skip_special_tokens=False)
+    if stream not in (False, True, "deltas"):
+        raise ConfigError(f'stream must be True, False or "deltas", got {stream!r}.')
+    form = ReplyFormat.of(chat_template(model).source, checked, reasoning, continued=continue_final_message)
+    variables = form.variables(chat_template_kwargs)
+    config = form.config(config)
+    rendered = [form.prompt(chat_prompt(model, form.messages(m), add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, **variables), config)
+                for m in conversations]
     steps = _steps(model, rendered, config, raw_text=True)
-    if thinking is not None and reasoning == "split":
-        steps = _with_reasoning(steps, [thinking.reader(r) for r in rendered])
-    if use is not None:
-        steps = _with_tools(steps, use, len(rendered))
+    deltas = stream == "deltas"
+    if form.reads or deltas:
+        steps = _replies(steps, form, [form.reader(r, pieces=deltas) for r in rendered], deltas)
     if stream:
         return GenerationStream(steps, indexed=len(rendered) > 1)
     return _drain(steps)
 
 
-def _with_reasoning(steps: Generator[tuple[int, str], None, Generation],
-                    readers: list[ReasoningText]) -> Generator[tuple[int, str], None, Generation]:
-    """``steps`` with each answer's thoughts held apart from its text, into ``reasoning``."""
-    def settle(i: int, reader: ReasoningText, result: Generation) -> str:
-        _, rest, thoughts, content = reader.finish()
-        result.reasoning = [*(result.reasoning or []), thoughts]
-        if result.texts is not None:
-            result.texts[i] = content
-        return rest
+def _replies(steps: Generator[tuple[int, str], None, Generation], form: ReplyFormat, readers: list[ReplyReader],
+             deltas: bool = False) -> Generator[tuple[int, Any], None, Generation]:
+    """``steps`` with each reply read by its reader: its content (with ``deltas``, each
+    :class:`ReplyDelta`) goes out as it comes; once the replies are whole, their thoughts go into
+    ``reasoning``, their calls into ``tool_calls`` (finish reason ``tool_calls``) and their
+    content into ``texts``."""
+    def out(delta: ReplyDelta) -> Any:
+        if deltas:
+            return delta if delta.reasoning or delta.content or delta.calls else None
+        return delta.content or None
 
-    return _read(steps, readers, lambda reader, piece: reader.feed(piece)[1], settle)
-
-
-def _with_tools(steps: Generator[tuple[int, str], None, Generation], use: ToolUse,
-                count: int) -> Generator[tuple[int, str], None, Generation]:
-    """``steps`` with each answer's calls held back from its text and read into ``tool_calls``."""
-    def settle(i: int, reader: Any, result: Generation) -> str:
-        rest, content, calls = reader.finish()
-        result.tool_calls = [*(result.tool_calls or []), calls]
-        if result.texts is not None:
-            result.texts[i] = content
-        result.finish_reasons[i] = finish_reason(result.finish_reasons[i], calls)
-        return rest
-
-    return _read(steps, [use.text() for _ in range(count)], lambda reader, piece: reader.feed(piece, calls=False)[0], settle)
-
-
-def _read(steps: Generator[tuple[int, str], None, Generation], readers: list, take: Callable[[Any, str], str],
-          settle: Callable[[int, Any, Generation], str]) -> Generator[tuple[int, str], None, Generation]:
-    """``steps`` with each answer's text passed through its reader: ``take(reader, piece)`` is
-    what goes out now; once the answers are whole, ``settle(i, reader, result)`` records what
-    answer ``i``'s reader read into the result and gives the rest of its text."""
     while True:
         try:
             i, piece = next(steps)
         except StopIteration as done:
             result = done.value
             break
-        piece = take(readers[i], piece)
-        if piece:
+        piece = out(readers[i].feed(piece))
+        if piece is not None:
             yield i, piece
     for i, reader in enumerate(readers):
-        rest = settle(i, reader, result)
-        if rest:
-            yield i, rest
+        rest, reply = reader.finish()
+        if reader.thoughts is not None:
+            result.reasoning = [*(result.reasoning or []), reply.reasoning]
+        if form.use is not None:
+            result.tool_calls = [*(result.tool_calls or []), list(reply.calls)]
+            result.finish_reasons[i] = finish_reason(result.finish_reasons[i], list(reply.calls))
+        if result.texts is not None:
+            result.texts[i] = reply.content
+        piece = out(rest)
+        if piece is not None:
+            yield i, piece
     return result
 
 

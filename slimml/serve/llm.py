@@ -19,13 +19,14 @@ import os
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
-from slimml.runtime.tasks.generation.reasoning import ReasoningText, reasoning_format
-from slimml.runtime.tasks.generation.tools import ToolUse, finish_reason
+from slimml.runtime.tasks.generation.reply import ReplyDelta, ReplyFormat, ReplyReader
+from slimml.runtime.tasks.generation.tools import finish_reason
 import slimml.serve.openai as openai
 
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait
@@ -148,11 +149,11 @@ class LLMService:
                                "shorten it, or start the server with a larger --max-text-chars.", 413)
         events: asyncio.Queue = asyncio.Queue()
         token_bytes = await asyncio.to_thread(self._bytes_of_tokens) if req.logprobs is not None else None
-        seq, use, thinker = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
+        seq, reader = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
         self.worker.submit(seq)
         answer = openai.Answer(req, self.name, token_bytes)
         if req.stream:
-            return self._stream(seq, events, answer, use, thinker)
+            return self._stream(seq, events, answer, reader)
         try:
             text = []
             while True:
@@ -164,19 +165,16 @@ class LLMService:
         finally:
             seq.cancel()  # no-op once finished; a client gone mid-answer frees the batch's row
         self._raise_failure(seq)
-        text = whole = "".join(text)
-        thoughts = None
-        if thinker is not None:  # the thoughts apart from the answer
-            thinker.feed(text)
-            _, _, thoughts, text = thinker.finish()
-        if use is not None:
-            reader = use.text()
-            reader.feed(text, calls=False)  # the calls are read whole by finish()
-            _, content, calls = reader.finish()
-            return answer.whole(content, finish_reason(seq.finish_reason, calls), len(seq.ids), len(seq.tokens), seq.cached,
-                                tool_calls=calls, reasoning=thoughts)
-        return answer.whole(text, seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached,
-                            _answer_logprobs(seq, 0, len(whole))[0], reasoning=thoughts)
+        text = "".join(text)
+        if reader is None:
+            return answer.whole(text, seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached,
+                                _answer_logprobs(seq, 0, len(text))[0])
+        reader.feed(text)  # the thoughts apart from the answer, and the calls (read whole by finish())
+        reply = reader.finish()[1]
+        calls = list(reply.calls)
+        return answer.whole(reply.content, finish_reason(seq.finish_reason, calls), len(seq.ids), len(seq.tokens),
+                            seq.cached, _answer_logprobs(seq, 0, len(text))[0] if reader.calls is None else None,
+                            tool_calls=calls or None, reasoning=reply.reasoning)
 
     def _bytes_of_tokens(self):
         if self._token_bytes is None:
@@ -190,29 +188,17 @@ class LLMService:
         return self._token_bytes
 
     def _sequence(self, req: openai.CompletionRequest, loop: asyncio.AbstractEventLoop,
-                  put) -> tuple[Sequence, ToolUse | None, ReasoningText | None]:
-        """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop``, how its
-        tool calls are written, and the reader of its thoughts (None: they are not read apart).
-        Runs on a thread: rendering and tokenizing."""
+                  put) -> tuple[Sequence, ReplyReader | None]:
+        """The checked sequence of ``req``, whose text and end ``put`` hands to ``loop``, and the
+        reader of its reply (None: its text is the answer). Runs on a thread: rendering and
+        tokenizing."""
         from slimml.runtime.tasks.generate import chat_prompt, chat_template
 
-        use = reader = None
-        special = False  # the text keeps special tokens (harmony's channels)
+        form = ReplyFormat()  # a completion's: plain text
         if req.chat:
             try:
-                messages, variables = req.messages, dict(req.template_kwargs)
-                source = chat_template(self.model).source
-                if req.tools is not None:
-                    use = ToolUse.of(req.tools, source)
-                    messages, variables = use.messages(messages), {**variables, **use.variables()}
-                prompt, raw = chat_prompt(self.model, messages, **variables), True
-                thinking = reasoning_format(source)
-                if thinking is not None:  # a reasoning model: no thoughts where a format holds the answer from its start
-                    if use is not None or req.response_format is not None:
-                        prompt = thinking.closed(prompt)
-                    special = thinking.special_tokens
-                    # harmony's thoughts always come apart: its markers in a content sent back would be refused by its template
-                    reader = thinking.reader(prompt) if self.reasoning == "split" or thinking.special_tokens else None
+                form = ReplyFormat.of(chat_template(self.model).source, req.tools, self.reasoning, served=True)
+                prompt, raw = chat_prompt(self.model, form.messages(req.messages), **form.variables(req.template_kwargs)), True
             except FeedError as e:
                 raise RequestError(str(e)) from None
             except SlimmlError as e:  # the template refused the messages, or there is none: no paths in the body
@@ -220,25 +206,23 @@ class LLMService:
                 raise RequestError(f"{detail} (POST /v1/completions takes a plain prompt.)") from None
         else:
             prompt, raw = req.prompt, False
+        try:  # the sampling fields are checked already; response_format's schema or grammar compiles here
+            config = form.config(GenerationConfig(
+                max_new_tokens=req.max_tokens or self.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                top_k=req.top_k, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias, logprobs=req.logprobs,
+                response_format=req.response_format, seed=req.seed, stop=tuple(req.stop), prompt_lookup=self.prompt_lookup))
+        except ConfigError as e:
+            param = "tools" if form.use is not None else "response_format" if "response_format" in str(e) else None
+            raise RequestError(str(e), param=param) from None
+        if req.chat:  # a reasoning model: no thoughts where a format holds the answer from its start
+            prompt = form.prompt(prompt, config)
         ids = self._ids(prompt, raw)
         context = self.model.engine.max_sequence_length
         if ids is not None and context is not None:  # in the request's own terms (no truncate=True over HTTP)
             _check_context(len(ids), req.max_tokens, context, "messages" if req.chat else "prompt")
-        limit = req.max_tokens or self.max_tokens
-        if req.max_tokens is None and context is not None and ids is not None:  # OpenAI's: up to the context
-            limit = max(1, min(limit, context - len(ids)))
-        try:  # the sampling fields are checked already; response_format's schema or grammar compiles here
-            config = GenerationConfig(max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p,
-                                      top_k=req.top_k, repetition_penalty=req.repetition_penalty,
-                                      presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                                      logit_bias=req.logit_bias, logprobs=req.logprobs, response_format=req.response_format, seed=req.seed,
-                                      stop=tuple(req.stop), prompt_lookup=self.prompt_lookup,
-                                      skip_special_tokens=not special)
-            if use is not None:
-                config = use.config(config)
-        except ConfigError as e:
-            param = "tools" if use is not None else "response_format" if "response_format" in str(e) else None
-            raise RequestError(str(e), param=param) from None
+            if req.max_tokens is None and context - len(ids) < config.max_new_tokens:  # OpenAI's: up to the context
+                config = replace(config, max_new_tokens=max(1, context - len(ids)))
         try:  # the prompt's length within the context, with max_tokens, and the format: refused here
             seq = self.worker.batch.prepare(
                 prompt if ids is None else ids, config, raw_text=raw,
@@ -248,9 +232,9 @@ class LLMService:
             field = "stop" if str(e).startswith("stop") else "messages" if req.chat else "prompt"
             raise RequestError(str(e), param=field) from None
         except ConfigError as e:  # a response_format (or tools' grammar) this model's tokenizer cannot follow, a biased id
-            param = "logit_bias" if str(e).startswith("logit_bias") else "tools" if use is not None else "response_format"
+            param = "logit_bias" if str(e).startswith("logit_bias") else "tools" if form.use is not None else "response_format"
             raise RequestError(str(e), param=param) from None
-        return seq, use, reader
+        return seq, form.reader(prompt, pieces=req.stream) if form.reads else None
 
     def _ids(self, prompt: str | list[int], raw: bool) -> list[int] | None:
         """The prompt's token ids, as generation would encode it (None: the model has no tokenizer)."""
@@ -266,23 +250,19 @@ class LLMService:
             raise RequestError(str(e)) from None
         return untruncated(self.model.text).encode(prompt, add_special_tokens=not raw).ids
 
-    async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer, use: ToolUse | None = None,
-                      thinker: ReasoningText | None = None) -> AsyncIterator[bytes]:
+    async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer,
+                      reader: ReplyReader | None = None) -> AsyncIterator[bytes]:
         sent = shown = 0  # tokens whose log-probabilities went out; characters of the answer's text read
-        reader = use.text() if use is not None else None  # the calls read out of the text
+        tokens = reader is None or reader.calls is None  # log-probabilities go with the content (not with tools)
 
-        def chunks(thought: str, value: str, entries: list | None = None) -> list[bytes]:
-            """The events of some thoughts and of the answer's text: its content, and with tools the
-            pieces of its calls (each call's name, then its arguments as they come)."""
-            out, calls = [], []
-            if thought:
-                out.append(openai.sse(answer.chunk("", reasoning=thought)))
-            if reader is not None and value:
-                value, calls = reader.feed(value)
-            if value or entries:
-                out.append(openai.sse(answer.chunk(value, logprobs=entries)))
-            if calls:
-                out.append(openai.sse(answer.tool_chunk(calls)))
+        def chunks(delta: ReplyDelta, entries: list | None = None) -> list[bytes]:
+            """The events of a piece of the reply: thoughts, content, and pieces of its calls (each
+            call's name, then its arguments as they come)."""
+            out = [openai.sse(answer.chunk("", reasoning=delta.reasoning))] if delta.reasoning else []
+            if delta.content or entries:
+                out.append(openai.sse(answer.chunk(delta.content, logprobs=entries)))
+            if delta.calls:
+                out.append(openai.sse(answer.tool_chunk(list(delta.calls))))
             return out
 
         try:
@@ -290,27 +270,21 @@ class LLMService:
                 kind, value = await events.get()
                 if kind == "text":
                     shown += len(value)
-                    entries, sent = _answer_logprobs(seq, sent, shown) if reader is None else (None, sent)
-                    thought, value = thinker.feed(value) if thinker is not None else ("", value)
-                    for chunk in chunks(thought, value, entries):
+                    entries, sent = _answer_logprobs(seq, sent, shown) if tokens else (None, sent)
+                    for chunk in chunks(reader.feed(value) if reader is not None else ReplyDelta(content=value), entries):
                         yield chunk
                     continue
                 if seq.finish_reason == "error":
                     yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "param": None, "code": 500}})
                 else:
-                    if thinker is not None:  # what the reader held: the end of the thoughts, or of the answer
-                        thought, value, _, _ = thinker.finish()
-                        for chunk in chunks(thought, value):
+                    reason = seq.finish_reason
+                    if reader is not None:  # what the reader held: the end of the thoughts or of the content, calls whole
+                        rest, reply = reader.finish()
+                        for chunk in chunks(rest):
                             yield chunk
-                    if reader is not None:  # the rest of the content, and any call not handed out yet, whole
-                        rest, _, calls = reader.finish()
-                        if rest:
-                            yield openai.sse(answer.chunk(rest))
-                        if reader.unsent(calls):
-                            yield openai.sse(answer.tool_chunk(reader.unsent(calls)))
-                        yield openai.sse(answer.chunk("", finish_reason(seq.finish_reason, calls)))
-                    else:
-                        yield openai.sse(answer.chunk("", seq.finish_reason, _answer_logprobs(seq, sent, shown)[0]))
+                        reason = finish_reason(reason, list(reply.calls))
+                    entries = _answer_logprobs(seq, sent, shown)[0] if tokens else None
+                    yield openai.sse(answer.chunk("", reason, entries))
                     if answer.req.include_usage:
                         yield openai.sse(answer.usage_chunk(len(seq.ids), len(seq.tokens), seq.cached))
                 yield openai.sse("[DONE]")

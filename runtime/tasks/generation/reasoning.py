@@ -21,8 +21,10 @@ with no thoughts is all content; one cut off inside its thoughts (``max_new_toke
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
+
+from slimml.runtime.tasks.generation import harmony
+from slimml.runtime.tasks.generation.harmony import held
 
 OPEN, CLOSE = "<think>", "</think>"
 Split = Callable[[str, bool], "tuple[str, str, bool]"]  # (text so far, final) -> (thoughts, content, has thoughts)
@@ -131,7 +133,7 @@ def _think_split(text: str, final: bool, inside: bool) -> tuple[str, str, bool]:
     end = text.find(CLOSE, start)
     if end < 0:
         thoughts = text[start:]
-        return (thoughts.strip(), "", True) if final else (_held(thoughts, (CLOSE,)).lstrip(), "", True)
+        return (thoughts.strip(), "", True) if final else (held(thoughts, (CLOSE,)).lstrip(), "", True)
     return text[start:end].strip(), text[end + len(CLOSE):].lstrip(), True
 
 
@@ -152,57 +154,4 @@ class Harmony(ReasoningFormat):
 
     def reader(self, prompt: str) -> ReasoningText:
         inside = prompt.endswith("<|channel|>final<|message|>")
-        return ReasoningText(lambda text, final: ("", text, False) if inside else _harmony_split(text, final))
-
-
-_HEADER_STARTS = ("<|channel|>", "<|start|>", "to=")  # how a message's header begins (a recipient may come first)
-_BODY_END = re.compile(r"<\|(?:end|call|return)\|>|<\|start\|>")  # what ends a message's body
-_MARKERS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
-_CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
-
-
-def _harmony_split(text: str, final: bool) -> tuple[str, str, bool]:
-    """A harmony reply's thoughts (its ``analysis`` messages) and answer (``final`` messages,
-    ``commentary`` to no one, and text written outside any header); messages to a tool
-    (``to=functions.NAME``) are neither."""
-    thoughts, content, at, had = [], [], 0, False
-    while True:
-        head = text[at:].lstrip()
-        if not final and not head.startswith(_HEADER_STARTS) and any(t.startswith(head) for t in _HEADER_STARTS):
-            break  # a header may still begin here
-        header = None
-        if head.startswith(_HEADER_STARTS):
-            mark = text.find("<|message|>", at)
-            if mark < 0 and (not final or "<|" in text[at:]):
-                break  # a header still being written (or cut off: no part of the reply)
-            if mark >= 0:
-                header, at = text[at:mark], mark + len("<|message|>")
-        end = _BODY_END.search(text, at)
-        body = text[at : end.start() if end else len(text)]
-        if end is None and not final:
-            body = _held(body, _MARKERS, strip=False)
-        channel = _CHANNEL.search(header) if header is not None else None
-        if header is not None and "to=" in header:
-            pass  # a call to a tool: not for the user
-        elif channel is not None and channel.group(1) == "analysis":
-            had = True
-            thoughts.append(body)
-        elif header is not None or body.strip():  # final, commentary to the user, or text outside any header
-            content.append(body)
-        if end is None:
-            break
-        at = end.start() if end.group() == "<|start|>" else end.end()
-    return "\n\n".join(thoughts), "\n\n".join(content), had
-
-
-def _held(text: str, tags: tuple[str, ...], strip: bool = True) -> str:
-    """``text`` without an end that may begin one of ``tags`` (and, with ``strip``, without
-    trailing whitespace)."""
-    cut = len(text)
-    for tag in tags:
-        for k in range(min(len(tag) - 1, len(text)), 0, -1):
-            if tag.startswith(text[-k:]):
-                cut = min(cut, len(text) - k)
-                break
-    text = text[:cut]
-    return text.rstrip() if strip else text
+        return ReasoningText(lambda text, final: ("", text, False) if inside else harmony.split(text, final))

@@ -23,9 +23,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from slimml.errors import ConfigError, FeedError
+from slimml.runtime.tasks.generation import harmony
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
 MAX_DEPTH = 64  # JSON levels of one function's parameters schema (llguidance's own limit is lower for schemas)
@@ -158,6 +159,16 @@ class Tools:
         return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **defs}
 
 
+class CallSpan(NamedTuple):
+    """Where one call begun in an answer has its JSON: from ``start`` to ``end`` (None while
+    unfinished). ``name``: None where the JSON is the whole call (``{"name": ..., "arguments":
+    {...}}``); else the function's name, read from around it, and the JSON its arguments alone."""
+
+    start: int
+    end: int | None
+    name: str | None = None
+
+
 class ToolFormat:
     """How one family of chat templates has the model write a call.
 
@@ -165,10 +176,15 @@ class ToolFormat:
         name: the format's name (reports, docs).
         parallel: whether an answer may hold several calls when the request does not say
             (``parallel_tool_calls`` not given).
+        whole_reply: its calls are messages of the reply's own format (harmony's), read from the
+            reply as the model wrote it, thoughts and all, and its grammar holds the thoughts too;
+            the content is the reasoning format's answer. False: calls are written in the answer
+            after any thoughts, and read from it.
     """
 
     name = ""
     parallel = True
+    whole_reply = False
 
     @staticmethod
     def matches(template: str) -> bool:
@@ -188,10 +204,10 @@ class ToolFormat:
         only grows as the answer does); ``memo`` as for :meth:`calls`."""
         return ""
 
-    def calls(self, text: str, memo: dict | None = None) -> list[tuple[int, int | None]]:
-        """Where each call begun in ``text``, an answer so far, has its JSON: ``(start, end)``
-        from its ``{``, ``end`` None while unfinished (the last one). ``memo`` keeps the scans
-        of earlier calls for the next, longer text."""
+    def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
+        """Where each call begun in ``text``, an answer so far, has its JSON, from its ``{``
+        (the last one's ``end`` None while unfinished). ``memo`` keeps the scans of earlier calls
+        for the next, longer text."""
         return []
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
@@ -213,6 +229,61 @@ def tool_format(template: str) -> ToolFormat:
 
 
 @register_format
+class Harmony(ToolFormat):
+    """gpt-oss's calls: harmony messages to ``functions.NAME`` on the commentary channel, their
+    body the arguments (:mod:`~slimml.runtime.tasks.generation.harmony`), after any thoughts; the
+    reply ends with ``<|call|>``. One call a reply (the model waits for its result)."""
+
+    name = "harmony"
+    parallel = False
+    whole_reply = True
+
+    @staticmethod
+    def matches(template: str) -> bool:  # gpt-oss's template writes an assistant's call ending with <|call|>
+        return "<|channel|>" in template and "<|message|>" in template and "<|call|>" in template
+
+    def grammar(self, tools: Tools) -> str:
+        rules, in_role, in_channel = [], [], []
+        for k, f in enumerate(tools.callable()):
+            rules += [f'r{k}: "{f["name"]}" <|channel|> "commentary" type? <|message|> a{k}',
+                      f'c{k}: "{f["name"]}" type? <|message|> a{k}', f"a{k}: {_json(_closed(f.get('parameters')))}"]
+            in_role.append(f"r{k}")
+            in_channel.append(f"c{k}")
+        # auto: thoughts and preambles to the user first, as the model writes them, then its answer or a call;
+        # required or a named function: the call alone (as llama.cpp's grammar has it). The recipient before
+        # the channel (as the template writes calls) or after it (as OpenAI's harmony guide does)
+        start = "step* (answer | call)" if tools.choice == "auto" else "call"
+        return (f"start: {start}\n"
+                'step: <|channel|> ("analysis" | "commentary") <|message|> TEXT <|end|> <|start|> "assistant"\n'
+                'answer: <|channel|> "final" <|message|> TEXT\n'
+                f'call: " to=functions." ({" | ".join(in_role)}) | <|channel|> "commentary to=functions." '
+                f'({" | ".join(in_channel)})\n'
+                'type: " json" | " " <|constrain|> "json"\n'
+                + "\n".join(rules) + "\nTEXT: /(.|\\n)*/\n")
+
+    def content(self, text: str, memo: dict | None = None) -> str:
+        return harmony.split(text, False)[1]
+
+    def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
+        out = []
+        for m in harmony.messages(text, False):
+            if m.recipient is not None and m.recipient.startswith("functions."):
+                start = _SPACE.match(text, m.start).end()
+                if text.startswith("{", start):
+                    out.append(CallSpan(start, _value_end(text, start, memo), m.recipient.removeprefix("functions.")))
+        return out
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        calls = []
+        for m in harmony.messages(text, True):
+            if m.recipient is not None and m.recipient.startswith("functions."):  # ended by <|call|>, an end id
+                arguments = _loads(m.body.strip())  # cut off by max_new_tokens: no call
+                if isinstance(arguments, dict) and NAME.fullmatch(m.recipient.removeprefix("functions.")):
+                    calls.append(ToolCall(m.recipient.removeprefix("functions."), arguments))
+        return harmony.split(text, True)[1], calls
+
+
+@register_format
 class Hermes(ToolFormat):
     """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block a call, after
     any text (Qwen 2.5 and 3, Hermes 2 and 3, SmolLM3)."""
@@ -230,14 +301,14 @@ class Hermes(ToolFormat):
                     break
         return text[:start].strip()
 
-    def calls(self, text: str, memo: dict | None = None) -> list[tuple[int, int | None]]:
+    def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         out, at = [], 0
         while (k := text.find(self.marker, at)) >= 0:
             start = _SPACE.match(text, k + len(self.marker)).end()
             if start == len(text):
                 break
             end = _value_end(text, start, memo)
-            out.append((start, end))
+            out.append(CallSpan(start, end))
             if end is None:
                 break
             at = end
@@ -293,12 +364,12 @@ class Llama3(ToolFormat):
             return ""  # the answer may still be, or is, a call
         return text
 
-    def calls(self, text: str, memo: dict | None = None) -> list[tuple[int, int | None]]:
+    def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         start = len(text) - len(text.lstrip(_GRAMMAR_WS))
         if text.startswith("<|python_tag|>", start):
             start += len("<|python_tag|>")
             start += len(text) - start - len(text[start:].lstrip(_GRAMMAR_WS))
-        return [(start, _value_end(text, start, memo))] if text.startswith("{", start) else []
+        return [CallSpan(start, _value_end(text, start, memo))] if text.startswith("{", start) else []
 
     @staticmethod
     def matches(template: str) -> bool:
@@ -371,12 +442,12 @@ class Generic(ToolFormat):
         read = memo.setdefault("response", [0, ""]) if memo is not None else None  # how far its string was read
         return _string_begun(text, m.end(), read) if m else ""
 
-    def calls(self, text: str, memo: dict | None = None) -> list[tuple[int, int | None]]:
+    def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         m = _CALLS.match(text)
         out, at = [], m.end() if m else len(text)
         while text.startswith("{", at):
             end = _value_end(text, at, memo)
-            out.append((at, end))
+            out.append(CallSpan(at, end))
             if end is None:
                 break
             comma = _COMMA.match(text, end)
@@ -421,17 +492,19 @@ class ToolText:
         out = content[len(self.handed):]
         self.handed += out
         deltas = []
-        for index, (start, end) in enumerate(self.format.calls(text, self._memo) if calls else ()):
+        for index, (start, end, name) in enumerate(self.format.calls(text, self._memo) if calls else ()):
             if index < len(self.streamed) and self.streamed[index][3]:
                 continue  # handed out whole already
-            m = _HEAD.match(text, start)
-            if m is None or not self._keeps(m.group(1), index):
+            if name is None:  # {"name": ..., "arguments": ...}: its arguments begin once its name is whole
+                m = _HEAD.match(text, start)
+                name, start = (m.group(1), m.end()) if m is not None else (None, start)
+            if name is None or not self._keeps(name, index):
                 break  # its name is not whole yet
-            stop = _value_end(text, m.end(), self._memo)  # the arguments' object, without the call's "}"
-            arguments = text[m.end() : stop if stop is not None else (end or len(text))]
+            stop = _value_end(text, start, self._memo)  # the arguments' object, without the call's "}"
+            arguments = text[start : stop if stop is not None else (end or len(text))]
             if index == len(self.streamed):
-                self.streamed.append(["call_" + uuid.uuid4().hex[:24], m.group(1), arguments, False])
-                deltas.append(CallDelta(index, arguments, self.streamed[index][0], m.group(1)))
+                self.streamed.append(["call_" + uuid.uuid4().hex[:24], name, arguments, False])
+                deltas.append(CallDelta(index, arguments, self.streamed[index][0], name))
             elif len(arguments) > len(self.streamed[index][2]):
                 deltas.append(CallDelta(index, arguments[len(self.streamed[index][2]):]))
                 self.streamed[index][2] = arguments
