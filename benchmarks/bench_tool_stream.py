@@ -4,6 +4,8 @@ A server hands each answer's text to its tool-call reader (``ToolText.feed``) pi
 its event loop: a reader that read the whole answer again each piece would cost a long answer
 seconds and stall every other stream. This feeds answers of 4,000 to 64,000 characters, 4 characters
 a piece (about a token), in each format, and reports microseconds a piece (the median of 3 runs).
+gpt-oss's harmony replies go through the whole reply reader (``ReplyReader``: thoughts, content and
+calls, as the server reads them), with and without tools.
 
     python benchmarks/bench_tool_stream.py [--out benchmarks/results/tool_stream.json]
 """
@@ -15,7 +17,11 @@ import json
 import statistics
 import time
 
-from slimml.runtime.tasks.generation.tools import Generic, Hermes, Llama3, ToolText
+from slimml.runtime.tasks.generation.reply import ReplyFormat
+from slimml.runtime.tasks.generation.tools import Generic, Hermes, Llama3, Tools, ToolText
+
+HARMONY = "<|channel|>analysis<|message|> ... <|call|>"  # what makes a template harmony's, with its calls
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def answers(n: int) -> dict:
@@ -31,11 +37,18 @@ def answers(n: int) -> dict:
         "generic, response": (Generic, json.dumps({"response": body})),
         "generic, response with escapes": (Generic, json.dumps({"response": "é😀\n" * (n // 3)})),
         "generic, one call": (Generic, '{"tool_calls": [{"name": "f", "arguments": ' + args + "}]}"),
+        "harmony, thoughts then a call": ("harmony tools", f"<|channel|>analysis<|message|>{body}<|end|><|start|>assistant"
+                                          f"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{args}"),
+        "harmony, thoughts then an answer": ("harmony", f"<|channel|>analysis<|message|>{body}<|end|><|start|>assistant"
+                                             f"<|channel|>final<|message|>{body}"),
     }
 
 
 def per_piece_us(format, text: str, step: int = 4) -> float:
-    reader = ToolText(format())
+    if isinstance(format, str):  # the whole reply's reader, as the server reads a harmony reply
+        reader = ReplyFormat.of(HARMONY, Tools.of([TOOL]) if format.endswith("tools") else None).reader("")
+    else:
+        reader = ToolText(format())
     t0 = time.perf_counter()
     for i in range(0, len(text), step):
         reader.feed(text[i : i + step])

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 _HEADER_STARTS = ("<|channel|>", "<|start|>", "to=")  # how a message's header begins (a recipient may come first)
 _BODY_END = re.compile(r"<\|(?:end|call|return)\|>|<\|start\|>")  # what ends a message's body
 MARKERS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+_LONGEST = max(map(len, MARKERS))
 _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 _RECIPIENT = re.compile(r"to=([^<\s]+)")
 
@@ -57,10 +58,15 @@ class Message:
         return m.group(1) if m else None
 
 
-def messages(text: str, final: bool) -> Iterator[Message]:
+def messages(text: str, final: bool, memo: dict | None = None) -> Iterator[Message]:
     """The messages of ``text``, a reply so far (all of it when ``final``): a header still being
-    written is not a message yet, and a body's end that may begin a marker is held back."""
+    written is not a message yet, and a body's end that may begin a marker is held back.
+    ``memo`` (per reply) keeps the messages that ended, which stay as they are however the reply
+    goes on, so that a longer text of the same reply is read on from the first that did not."""
     at = 0
+    if memo is not None:
+        yield from memo.get("ended", ())
+        at = memo.get("at", 0)
     while True:
         head = text[at:].lstrip()
         if not final and not head.startswith(_HEADER_STARTS) and any(t.startswith(head) for t in _HEADER_STARTS):
@@ -72,22 +78,29 @@ def messages(text: str, final: bool) -> Iterator[Message]:
                 return  # a header still being written (or cut off: no part of the reply)
             if mark >= 0:
                 header, at = text[at:mark], mark + len("<|message|>")
-        end = _BODY_END.search(text, at)
+        scanned = memo.get("scanned", (at, at)) if memo is not None else (at, at)  # a body's text searched before
+        end = _BODY_END.search(text, scanned[1] if scanned[0] == at else at)
+        if end is None and memo is not None:  # the next text is searched from here (a marker cut off included)
+            memo["scanned"] = (at, max(at, len(text) - _LONGEST + 1))
         body = text[at : end.start() if end else len(text)]
         if end is None and not final:
             body = held(body, MARKERS, strip=False)
-        yield Message(header, body, at, end is not None)
+        message = Message(header, body, at, end is not None)
+        yield message
         if end is None:
             return
         at = end.start() if end.group() == "<|start|>" else end.end()
+        if memo is not None:
+            memo.setdefault("ended", []).append(message)
+            memo["at"] = at
 
 
-def split(text: str, final: bool) -> tuple[str, str, bool]:
+def split(text: str, final: bool, memo: dict | None = None) -> tuple[str, str, bool]:
     """A reply's thoughts (its ``analysis`` messages) and answer (``final`` messages,
     ``commentary`` to no one, and text written outside any header), and whether it had thoughts;
-    messages to a tool (``to=functions.NAME``) are neither."""
+    messages to a tool (``to=functions.NAME``) are neither. ``memo`` as for :func:`messages`."""
     thoughts, content, had = [], [], False
-    for m in messages(text, final):
+    for m in messages(text, final, memo):
         if m.recipient is not None:
             continue  # a call to a tool: not for the user
         if m.channel == "analysis":

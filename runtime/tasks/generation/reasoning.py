@@ -153,5 +153,5 @@ class Harmony(ReasoningFormat):
         return prompt + "<|channel|>final<|message|>" if prompt.endswith("<|start|>assistant") else prompt
 
     def reader(self, prompt: str) -> ReasoningText:
-        inside = prompt.endswith("<|channel|>final<|message|>")
-        return ReasoningText(lambda text, final: ("", text, False) if inside else harmony.split(text, final))
+        inside, memo = prompt.endswith("<|channel|>final<|message|>"), {}  # the messages read so far
+        return ReasoningText(lambda text, final: ("", text, False) if inside else harmony.split(text, final, memo))

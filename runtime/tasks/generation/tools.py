@@ -262,11 +262,11 @@ class Harmony(ToolFormat):
                 + "\n".join(rules) + "\nTEXT: /(.|\\n)*/\n")
 
     def content(self, text: str, memo: dict | None = None) -> str:
-        return harmony.split(text, False)[1]
+        return harmony.split(text, False, memo.setdefault("harmony", {}) if memo is not None else None)[1]
 
     def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         out = []
-        for m in harmony.messages(text, False):
+        for m in harmony.messages(text, False, memo.setdefault("harmony", {}) if memo is not None else None):
             if m.recipient is not None and m.recipient.startswith("functions."):
                 start = _SPACE.match(text, m.start).end()
                 if text.startswith("{", start):
