@@ -527,13 +527,20 @@ def generate(
     else:
         made, seconds = 0, 0.0
         for p, messages in zip(prompt, conversations):  # one at a time, so that each prompt's text prints as it is produced
-            pieces = (model.chat(messages, config, stream=True, reasoning="keep", **offered) if chat  # thoughts print as they come
+            pieces = (model.chat(messages, config, stream="deltas", **offered) if chat  # thoughts print as they come
                       else model.stream(p, config))  # refuses before printing
             console.print(Text(p, style="bold"), end="\n" if chat else "", highlight=False)  # Text: a prompt's [brackets] are not markup
+            thinking = False
             for piece in pieces:
+                if chat:  # a reasoning model's thoughts between <think> tags, whatever its format writes
+                    text = ("" if thinking else "<think>\n") + piece.reasoning if piece.reasoning else ""
+                    thinking = thinking or bool(piece.reasoning)
+                    if piece.content and thinking:
+                        text, thinking = text + "\n</think>\n\n", False
+                    piece = text + piece.content
                 sys.stdout.write(piece)
                 sys.stdout.flush()
-            sys.stdout.write("\n")
+            sys.stdout.write("\n</think>\n" if thinking else "\n")
             for call in (pieces.result.tool_calls or [[]])[0]:
                 sys.stdout.write(f"[tool call {call.id}] {call.name}({json.dumps(call.arguments, ensure_ascii=False)})\n")
             made, seconds = made + len(pieces.result.tokens[0]), seconds + pieces.result.seconds

@@ -363,6 +363,10 @@ def test_a_prompt_longer_than_the_context_and_malformed_json_are_refused(server,
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt=[1] * (context + 10), max_tokens=4)
     assert f"context is {context}" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # the prompt is refused first (no format compiled for it)
+        client.completions.create(model="smollm2", prompt=[1] * (context + 10), max_tokens=4,
+                                  extra_body={"response_format": {"type": "regex", "regex": "("}})
+    assert f"context is {context}" in e.value.body["message"] and e.value.body["param"] == "prompt"
     with pytest.raises(openai.APIStatusError) as e:  # characters are bounded before any tokenizing
         client.completions.create(model="smollm2", prompt="word " * 5000, max_tokens=4)
     assert e.value.status_code == 413 and "--max-text-chars" in e.value.body["message"]

@@ -199,7 +199,9 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
             ``Generation.reasoning`` and the answer alone in ``texts`` (a stream yields the
             answer's text only); ``"keep"`` leaves them in the text, as the model wrote them
             (harmony's markers too). A reply held to a format (``response_format``, tools) does not
-            think: a block the prompt opens is closed empty, a harmony reply opens on its final channel.
+            think: a block the prompt opens is closed empty, a harmony reply opens on its final
+            channel. Except gpt-oss's own calls: with tools, a harmony reply may think before it
+            answers or calls (``tool_choice="auto"``), and its thoughts always come apart.
 
     Returns:
         A :class:`Generation` whose ``texts`` are the replies.
@@ -215,13 +217,14 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     if checked is not None and continue_final_message:
         raise ConfigError("continue_final_message continues a reply as text, and tools hold a reply to their format "
                           'from its start; leave one out (tool_choice="none" keeps the tools in the conversation).')
-    if stream not in (False, True, "deltas"):
+    if stream not in (False, None, True, "deltas"):
         raise ConfigError(f'stream must be True, False or "deltas", got {stream!r}.')
     form = ReplyFormat.of(chat_template(model).source, checked, reasoning, continued=continue_final_message)
     variables = form.variables(chat_template_kwargs)
+    formatted = config.grammar is not None  # a response_format holds the reply
     config = form.config(config)
     rendered = [form.prompt(chat_prompt(model, form.messages(m), add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message, **variables), config)
+                                        continue_final_message=continue_final_message, **variables), formatted)
                 for m in conversations]
     steps = _steps(model, rendered, config, raw_text=True)
     deltas = stream == "deltas"

@@ -19,7 +19,6 @@ import os
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
@@ -206,23 +205,24 @@ class LLMService:
                 raise RequestError(f"{detail} (POST /v1/completions takes a plain prompt.)") from None
         else:
             prompt, raw = req.prompt, False
+        if req.chat:  # a reasoning model: no thoughts where a format holds the answer from its start
+            prompt = form.prompt(prompt, formatted=req.response_format is not None)
+        ids = self._ids(prompt, raw)
+        context = self.model.engine.max_sequence_length
+        if ids is not None and context is not None:  # in the request's own terms (no truncate=True over HTTP)
+            _check_context(len(ids), req.max_tokens, context, "messages" if req.chat else "prompt")
+        limit = req.max_tokens or self.max_tokens
+        if req.max_tokens is None and context is not None and ids is not None:  # OpenAI's: up to the context
+            limit = max(1, min(limit, context - len(ids)))
         try:  # the sampling fields are checked already; response_format's schema or grammar compiles here
             config = form.config(GenerationConfig(
-                max_new_tokens=req.max_tokens or self.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                top_k=req.top_k, repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
+                max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
                 frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias, logprobs=req.logprobs,
                 response_format=req.response_format, seed=req.seed, stop=tuple(req.stop), prompt_lookup=self.prompt_lookup))
         except ConfigError as e:
             param = "tools" if form.use is not None else "response_format" if "response_format" in str(e) else None
             raise RequestError(str(e), param=param) from None
-        if req.chat:  # a reasoning model: no thoughts where a format holds the answer from its start
-            prompt = form.prompt(prompt, config)
-        ids = self._ids(prompt, raw)
-        context = self.model.engine.max_sequence_length
-        if ids is not None and context is not None:  # in the request's own terms (no truncate=True over HTTP)
-            _check_context(len(ids), req.max_tokens, context, "messages" if req.chat else "prompt")
-            if req.max_tokens is None and context - len(ids) < config.max_new_tokens:  # OpenAI's: up to the context
-                config = replace(config, max_new_tokens=max(1, context - len(ids)))
         try:  # the prompt's length within the context, with max_tokens, and the format: refused here
             seq = self.worker.batch.prepare(
                 prompt if ids is None else ids, config, raw_text=raw,

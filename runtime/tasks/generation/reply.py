@@ -101,7 +101,7 @@ class ReplyFormat:
 
     Example:
         >>> form = ReplyFormat.of(template.source, Tools.of([weather]))
-        >>> prompt = form.prompt(template.render(form.messages(messages), **form.variables()), config)
+        >>> prompt = form.prompt(template.render(form.messages(messages), **form.variables()), formatted=False)
         >>> reader = form.reader(prompt); delta = reader.feed(piece); rest, reply = reader.finish()
     """
 
@@ -146,17 +146,18 @@ class ReplyFormat:
 
     def config(self, config: Any) -> Any:
         """``config`` (a GenerationConfig) with the tools' grammar, and special tokens kept in the
-        text where the reasoning format's markers are special tokens."""
-        config = self.use.config(config) if self.use is not None else config
-        if self.thinking is not None and self.thinking.special_tokens:
-            config = replace(config, skip_special_tokens=False)
-        return config
+        text where the reasoning format's markers are special tokens (one ``replace``: each
+        compiles the grammar again)."""
+        keep = {"skip_special_tokens": False} if self.thinking is not None and self.thinking.special_tokens else {}
+        if self.use is not None:
+            return self.use.config(config, **keep)
+        return replace(config, **keep) if keep else config
 
-    def prompt(self, rendered: str, config: Any) -> str:
-        """The rendered prompt, made to open the answer itself where ``config`` (from
-        :meth:`config`) holds the reply to a format from its first token (``response_format``, or
-        tools whose grammar leaves out the thoughts)."""
-        held = config.grammar is not None and not (self.use is not None and self.use.format.whole_reply)
+    def prompt(self, rendered: str, formatted: bool) -> str:
+        """The rendered prompt, made to open the answer itself where the reply is held to a format
+        from its first token: ``formatted`` (a ``response_format`` holds it), or tools whose grammar
+        leaves out the thoughts."""
+        held = formatted or (self.use is not None and not self.use.format.whole_reply)
         return self.thinking.closed(rendered) if self.thinking is not None and held else rendered
 
     def reader(self, prompt: str, pieces: bool = True) -> ReplyReader:

@@ -741,15 +741,16 @@ class ToolUse:
         """The template's variables: ``tools`` as transformers passes them."""
         return {"tools": [dict(f) for f in self.tools.functions]}
 
-    def config(self, config: Any) -> Any:
-        """``config`` (a GenerationConfig) with the answer held to the format's grammar."""
+    def config(self, config: Any, **changes: Any) -> Any:
+        """``config`` (a GenerationConfig) with the answer held to the format's grammar (and
+        ``changes`` to its other fields, in the same ``replace``)."""
         from dataclasses import replace
 
         if config.response_format is not None:
             raise ConfigError("tools and response_format both shape the answer, and only one can; leave response_format "
                               'out (a call\'s arguments already fit its schema), or pass tool_choice="none".')
         try:
-            return replace(config, response_format={"type": "grammar", "grammar": self.format.grammar(self.tools)})
+            return replace(config, response_format={"type": "grammar", "grammar": self.format.grammar(self.tools)}, **changes)
         except ConfigError as e:  # a parameters schema llguidance cannot use: its words, not the grammar's listing
             detail = getattr(e, "detail", str(e)).split(" 1 | ")[0].strip()
             raise ConfigError(f"the tools' parameters cannot be used ({detail}); fix the function's parameters "
