@@ -218,6 +218,72 @@ def test_tool_calls_as_the_openai_client_reads_them_equal_in_process(client, loc
     assert r.choices[0].message.content == local.chat(turn, max_new_tokens=30).texts[0] and not r.choices[0].message.tool_calls
 
 
+def test_the_responses_api_answers_as_chat_does_whole_and_streamed(client, local):
+    """OpenAI's Responses API through the real client (``client.responses``): the text, the usage
+    and a function call equal in-process chat's (instructions as a system message first);
+    streamed, the client's own ``responses.stream`` puts the events together into the same
+    response; a call's output goes back as a ``function_call_output`` item and the model answers
+    it as chat answers a ``tool`` message; a reply cut at ``max_output_tokens`` is incomplete."""
+    system = "You are a terse assistant."
+    r = client.responses.create(model="smollm2", instructions=system, input="What is the capital of France?",
+                                max_output_tokens=24, temperature=0)
+    messages = [{"role": "system", "content": system}, *MESSAGES]
+    want = local.chat(messages, max_new_tokens=24)
+    assert r.output_text == want.texts[0] and r.status == ("incomplete" if want.finish_reasons[0] == "length" else "completed")
+    assert r.usage.output_tokens == len(want.tokens[0]) and r.usage.input_tokens == want.prompt_tokens
+    assert [o.type for o in r.output] == ["message"] and r.id.startswith("resp_") and r.store is False
+    with client.responses.stream(model="smollm2", instructions=system, input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "What is the capital of France?"}]}], max_output_tokens=24, temperature=0) as stream:
+        got = list(stream)
+    kinds = [e.type for e in got]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and [e.sequence_number for e in got] == list(range(len(got)))
+    assert "".join(e.delta for e in got if e.type == "response.output_text.delta") == want.texts[0]
+    assert kinds[-1] == ("response.incomplete" if want.finish_reasons[0] == "length" else "response.completed")
+    assert got[-1].response.output_text == want.texts[0] and got[-1].response.usage.output_tokens == len(want.tokens[0])
+    short = client.responses.create(model="smollm2", input="Tell me a long story.", max_output_tokens=3, temperature=0)
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    flat = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]  # the Responses API's tools are flat
+    r = client.responses.create(model="smollm2", input=ask, tools=flat, tool_choice="required", max_output_tokens=60,
+                                temperature=0)
+    want = local.chat(ask, tools=[WEATHER, TIME], tool_choice="required", max_new_tokens=60)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [(c.name, c.arguments) for c in want.tool_calls[0]]
+    with client.responses.stream(model="smollm2", input=ask, tools=flat, tool_choice="required", max_output_tokens=60,
+                                 temperature=0) as stream:
+        pieces = [e for e in stream if e.type == "response.function_call_arguments.delta"]
+    final = stream.get_final_response()
+    assert [(o.name, json.loads(o.arguments)) for o in final.output if o.type == "function_call"] \
+        == [(c.name, json.loads(c.arguments)) for c in calls] and len(pieces) > 1
+    turn = [*ask, {"type": "function_call", "call_id": calls[0].call_id, "name": calls[0].name,
+                   "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": json.dumps({"sky": "clear"})}]
+    r = client.responses.create(model="smollm2", input=turn, tools=flat, tool_choice="none", max_output_tokens=30,
+                                temperature=0)
+    chat_turn = [*ask, {"role": "assistant", "content": "", "tool_calls": [{"id": calls[0].call_id, "type": "function",
+                 "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]},
+                 {"role": "tool", "tool_call_id": calls[0].call_id, "content": json.dumps({"sky": "clear"})}]
+    assert r.output_text == local.chat(chat_turn, max_new_tokens=30).texts[0]
+
+
+@pytest.mark.parametrize("change, param, words", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "keeps no responses"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]", "hosted tools"),
+    ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0]", "does not take"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content", "text only"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "from 1 to 64"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": "nope"}}}, "text.format", "json_schema"),
+    ({"reasoning": {"effort": "very high!"}}, "reasoning.effort", '"reasoning.effort" must be a word'),
+    ({"include": ["message.output_text.logprobs"]}, "include", "leave it out"),
+    ({"input": []}, "input", 'needs "input"'),
+])
+def test_bad_responses_requests_get_openai_errors(client, change, param, words):
+    body = {"model": "smollm2", "input": "hi", "max_output_tokens": 8, **change}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(**body)
+    assert words in e.value.body["message"] and e.value.body["param"] == param, e.value.body
+
+
 def test_concurrent_requests_share_passes_and_each_gets_its_own_answer(client, local):
     prompts = [f"List {n} colours:" for n in range(2, 10)]
     want = {p: local.generate([p], max_new_tokens=10).texts[0] for p in prompts}

@@ -311,6 +311,18 @@ def test_served_with_a_hermes_template_the_client_gets_the_calls_and_the_streame
             model="smollm2", messages=ASK, max_tokens=12, temperature=0, stream=True, extra_body=think) if c.choices]
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == want.reasoning[0]
         assert not "".join(d.content or "" for d in deltas)
+        # the Responses API: the thoughts as a reasoning item, the Hermes calls as function_call items
+        r = client.responses.create(model="smollm2", input=ASK, max_output_tokens=12, temperature=0, extra_body=think)
+        assert [o.type for o in r.output] == ["reasoning", "message"] and r.status == "incomplete"
+        assert r.output[0].content[0].text == want.reasoning[0] and r.output_text == ""
+        with client.responses.stream(model="smollm2", input=ASK, max_output_tokens=12, temperature=0, extra_body=think) as s:
+            thought = "".join(e.delta for e in s if e.type == "response.reasoning_text.delta")
+        assert thought == want.reasoning[0]
+        flat = [{"type": "function", **t["function"]} for t in (WEATHER, TIME)]
+        r = client.responses.create(model="smollm2", input=ASK, tools=flat, tool_choice="required", parallel_tool_calls=False,
+                                    max_output_tokens=80, temperature=0)
+        want = hermes.chat(ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_new_tokens=80)
+        assert [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"] == _calls(want)
         r = client.chat.completions.create(model="smollm2", messages=ASK, max_tokens=12, temperature=0, extra_body=think,
                                            response_format={"type": "json_object"})
         assert r.choices[0].message.content.startswith("{") and getattr(r.choices[0].message, "reasoning_content", None) is None

@@ -128,7 +128,7 @@ async def _request_error(request: Request, e: RequestError):
     return _error(str(e), e.status, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None, e.param)
 
 
-ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/generate, POST /v1/run, "
+ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, POST /v1/generate, POST /v1/run, "
           "GET /health, GET /v1/models")
 
 
@@ -316,22 +316,26 @@ class SlimmlServer:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._complete(request, chat=True)
+        return await self._complete(request, "chat")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        return await self._complete(request, chat=False)
+        return await self._complete(request, "completions")
 
-    async def _complete(self, request: Request, chat: bool):
+    @api.post("/v1/responses")
+    async def responses(self, request: Request):
+        return await self._complete(request, "responses")
+
+    async def _complete(self, request: Request, api: str):
         data = await self._body(request)
         if self._llm is None:
             works = "POST /v1/embeddings" if self.model.supports("encode_with_counts") else (
                 "POST /v1/generate" if self.model.supports("generate") else None)
             use = f"use {works}, or POST /v1/run for its raw outputs" if works else "use POST /v1/run for its raw outputs"
             raise RequestError(f"this artifact is a {self.model.kind!r} model, not a language model served here, so it "
-                               f"has no /v1/chat/completions or /v1/completions; {use}.", 400)
+                               f"has no /v1/chat/completions, /v1/completions or /v1/responses; {use}.", 400)
         protocol.check_model(data, self.name)
-        answer = await self._llm.answer(data, chat)
+        answer = await self._llm.answer(data, api)
         if isinstance(answer, dict):
             return Response(protocol.dumps(answer), media_type="application/json")
         return StreamingResponse(answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

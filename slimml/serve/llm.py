@@ -24,9 +24,10 @@ from typing import Any
 from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
-from slimml.runtime.tasks.generation.reply import ReplyDelta, ReplyFormat, ReplyReader
+from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta, ReplyFormat, ReplyReader
 from slimml.runtime.tasks.generation.tools import finish_reason
 import slimml.serve.openai as openai
+import slimml.serve.responses as responses
 
 RETRY_AFTER_S = 1  # what a 429 tells a client to wait
 
@@ -132,10 +133,16 @@ class LLMService:
         self.worker = DecodeWorker(model, max_running, max_waiting, prefill_tokens, prefix_bytes)
         self._token_bytes = None  # TokenBytes, made on the first request that asks for log-probabilities
 
-    async def answer(self, data: dict[str, Any], chat: bool):
-        """The response to a chat (``chat=True``) or completions body: a whole JSON body, or an
-        async iterator of server-sent events when the request streams."""
-        req = openai.completion_request(data, chat, self.max_tokens)
+    async def answer(self, data: dict[str, Any], api: str = "chat"):
+        """The response to a ``chat`` (completions), ``completions`` or ``responses`` body (OpenAI's
+        three APIs): a whole JSON body, or an async iterator of server-sent events when the request
+        streams."""
+        if api == "responses":
+            req, echo = responses.responses_request(data, self.max_tokens)
+            out: Any = responses.ResponseAnswer(echo, self.name)
+        else:
+            req = openai.completion_request(data, api == "chat", self.max_tokens)
+        chat = req.chat
         chars = sum(len(m["content"]) for m in req.messages) if chat else len(req.prompt)
         if chat:  # an assistant's calls, and the tools' descriptions, become prompt text too
             chars += sum(len(json.dumps(m["tool_calls"])) for m in req.messages if m.get("tool_calls"))
@@ -148,11 +155,15 @@ class LLMService:
                                "shorten it, or start the server with a larger --max-text-chars.", 413)
         events: asyncio.Queue = asyncio.Queue()
         token_bytes = await asyncio.to_thread(self._bytes_of_tokens) if req.logprobs is not None else None
-        seq, reader = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
+        try:
+            seq, reader = await asyncio.to_thread(self._sequence, req, asyncio.get_running_loop(), events.put_nowait)
+        except RequestError as e:  # the format or the prompt, refused in the terms of the request's API
+            raise responses.in_terms(e) if api == "responses" else e from None
         self.worker.submit(seq)
-        answer = openai.Answer(req, self.name, token_bytes)
+        if api != "responses":
+            out = openai.Answer(req, self.name, token_bytes)
         if req.stream:
-            return self._stream(seq, events, answer, reader)
+            return self._stream(seq, events, out, reader)
         try:
             text = []
             while True:
@@ -165,15 +176,13 @@ class LLMService:
             seq.cancel()  # no-op once finished; a client gone mid-answer frees the batch's row
         self._raise_failure(seq)
         text = "".join(text)
+        usage = (len(seq.ids), len(seq.tokens), seq.cached)
         if reader is None:
-            return answer.whole(text, seq.finish_reason, len(seq.ids), len(seq.tokens), seq.cached,
-                                _answer_logprobs(seq, 0, len(text))[0])
+            return out.reply(Reply(text), seq.finish_reason, usage, _answer_logprobs(seq, 0, len(text))[0])
         reader.feed(text)  # the thoughts apart from the answer, and the calls (read whole by finish())
         reply = reader.finish()[1]
-        calls = list(reply.calls)
-        return answer.whole(reply.content, finish_reason(seq.finish_reason, calls), len(seq.ids), len(seq.tokens),
-                            seq.cached, _answer_logprobs(seq, 0, len(text))[0] if reader.calls is None else None,
-                            tool_calls=calls or None, reasoning=reply.reasoning)
+        return out.reply(reply, finish_reason(seq.finish_reason, list(reply.calls)), usage,
+                         _answer_logprobs(seq, 0, len(text))[0] if reader.calls is None else None)
 
     def _bytes_of_tokens(self):
         if self._token_bytes is None:
@@ -250,44 +259,36 @@ class LLMService:
             raise RequestError(str(e)) from None
         return untruncated(self.model.text).encode(prompt, add_special_tokens=not raw).ids
 
-    async def _stream(self, seq: Sequence, events: asyncio.Queue, answer: openai.Answer,
+    async def _stream(self, seq: Sequence, events: asyncio.Queue, out: Any,
                       reader: ReplyReader | None = None) -> AsyncIterator[bytes]:
+        """The events of a streamed answer, as ``out`` (an :class:`openai.Answer` or a
+        :class:`responses.ResponseAnswer`) writes them: its opening, each piece of the reply, its end."""
         sent = shown = 0  # tokens whose log-probabilities went out; characters of the answer's text read
         tokens = reader is None or reader.calls is None  # log-probabilities go with the content (not with tools)
-
-        def chunks(delta: ReplyDelta, entries: list | None = None) -> list[bytes]:
-            """The events of a piece of the reply: thoughts, content, and pieces of its calls (each
-            call's name, then its arguments as they come)."""
-            out = [openai.sse(answer.chunk("", reasoning=delta.reasoning))] if delta.reasoning else []
-            if delta.content or entries:
-                out.append(openai.sse(answer.chunk(delta.content, logprobs=entries)))
-            if delta.calls:
-                out.append(openai.sse(answer.tool_chunk(list(delta.calls))))
-            return out
-
         try:
+            for event in out.opening():
+                yield event
             while True:
                 kind, value = await events.get()
                 if kind == "text":
                     shown += len(value)
                     entries, sent = _answer_logprobs(seq, sent, shown) if tokens else (None, sent)
-                    for chunk in chunks(reader.feed(value) if reader is not None else ReplyDelta(content=value), entries):
-                        yield chunk
+                    for event in out.events(reader.feed(value) if reader is not None else ReplyDelta(content=value), entries):
+                        yield event
                     continue
                 if seq.finish_reason == "error":
-                    yield openai.sse({"error": {"message": _failure(seq), "type": "server_error", "param": None, "code": 500}})
-                else:
-                    reason = seq.finish_reason
-                    if reader is not None:  # what the reader held: the end of the thoughts or of the content, calls whole
-                        rest, reply = reader.finish()
-                        for chunk in chunks(rest):
-                            yield chunk
-                        reason = finish_reason(reason, list(reply.calls))
-                    entries = _answer_logprobs(seq, sent, shown)[0] if tokens else None
-                    yield openai.sse(answer.chunk("", reason, entries))
-                    if answer.req.include_usage:
-                        yield openai.sse(answer.usage_chunk(len(seq.ids), len(seq.tokens), seq.cached))
-                yield openai.sse("[DONE]")
+                    for event in out.failure(_failure(seq)):
+                        yield event
+                    return
+                reason = seq.finish_reason
+                if reader is not None:  # what the reader held: the end of the thoughts or of the content, calls whole
+                    rest, reply = reader.finish()
+                    for event in out.events(rest):
+                        yield event
+                    reason = finish_reason(reason, list(reply.calls))
+                entries = _answer_logprobs(seq, sent, shown)[0] if tokens else None
+                for event in out.ending(reason, (len(seq.ids), len(seq.tokens), seq.cached), entries):
+                    yield event
                 return
         finally:
             seq.cancel()  # the client went away (or the stream ended): the row leaves the batch

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from slimml.errors import ConfigError, FeedError, RequestError
+from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta
 from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, template_messages
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -452,6 +453,37 @@ class Answer:
         if self.req.include_usage:
             body["usage"] = None
         return body
+
+    def reply(self, reply: Reply, finish_reason: str, usage: tuple[int, int, int], entries: list | None = None) -> dict[str, Any]:
+        """The non-streamed response to a whole reply (``usage``: prompt, completion and cached tokens)."""
+        return self.whole(reply.content, finish_reason, *usage, entries, tool_calls=list(reply.calls) or None,
+                          reasoning=reply.reasoning)
+
+    def opening(self) -> list[bytes]:
+        """The events before any piece of a stream: none."""
+        return []
+
+    def events(self, delta: ReplyDelta, entries: list | None = None) -> list[bytes]:
+        """The events of a piece of a streamed reply: its thoughts, its text (with the entries of
+        its tokens' log-probabilities), and pieces of its calls."""
+        out = [sse(self.chunk("", reasoning=delta.reasoning))] if delta.reasoning else []
+        if delta.content or entries:
+            out.append(sse(self.chunk(delta.content, logprobs=entries)))
+        if delta.calls:
+            out.append(sse(self.tool_chunk(list(delta.calls))))
+        return out
+
+    def ending(self, finish_reason: str, usage: tuple[int, int, int], entries: list | None = None) -> list[bytes]:
+        """The last events: the finish reason, the usage (``stream_options.include_usage``), ``[DONE]``."""
+        out = [sse(self.chunk("", finish_reason, entries))]
+        if self.req.include_usage:
+            out.append(sse(self.usage_chunk(*usage)))
+        return out + [sse("[DONE]")]
+
+    @staticmethod
+    def failure(message: str) -> list[bytes]:
+        """The events of a generation that failed: OpenAI's error body, ``[DONE]``."""
+        return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": 500}}), sse("[DONE]")]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""
