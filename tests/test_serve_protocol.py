@@ -121,3 +121,76 @@ def test_the_documented_serve_yaml_is_valid_and_builds(default_artifact):
     assert app.import_path == "slimml.serve.app:build"
     application = build({**app.args, "artifact": str(default_artifact)})
     assert type(application).__name__ == "Application"
+
+
+def test_responses_input_items_read_into_a_chat_and_bad_ones_refused_in_its_terms():
+    """``POST /v1/responses``' ``input``: a call joins the assistant message before it, thoughts
+    go to the assistant message right after them, a tool's output is a ``tool`` message, the
+    instructions a system message first; refusals name the Responses field."""
+    from slimml.serve.responses import responses_request
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"a": 1}'}
+    req, echo = responses_request({"instructions": "Be brief.", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "q"}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]},
+        {"role": "assistant", "content": "Let me look."}, call,
+        {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "again"}]}, {**call, "call_id": "c2"}],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}], "max_output_tokens": 9}, 64)
+    assert [m["role"] for m in req.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert req.messages[2]["reasoning_content"] == "think" and [c["id"] for c in req.messages[2]["tool_calls"]] == ["c1"]
+    assert req.messages[4]["reasoning_content"] == "again" and req.messages[3] == {"role": "tool", "tool_call_id": "c1",
+                                                                                   "content": "42"}
+    assert req.max_tokens == 9 and [f["function"]["name"] for f in req.tools.functions] == ["f"] and echo["tool_choice"] == "auto"
+    for body, param in (({"input": "q", "previous_response_id": "r"}, "previous_response_id"),
+                        ({"input": [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": "x"}]}, "input[1].summary"),
+                        ({"input": [{"call_id": "c", "output": "x"}]}, "input[0]"),
+                        ({"input": [{"role": "system", "content": "x"}]}, "input"),
+                        ({"input": "q", "max_output_tokens": 0}, "max_output_tokens"),
+                        ({"input": "q", "reasoning": {"effort": 3}}, "reasoning.effort"),
+                        ({"input": "q", "tools": [{"type": "function", "name": "bad name"}]}, "tools")):
+        with pytest.raises(RequestError) as e:
+            responses_request(body, 64)
+        assert e.value.param == param and "max_tokens" not in str(e.value) and e.value.status == 400, str(e.value)
+
+
+def test_responses_stream_events_are_put_together_by_the_openai_client_into_the_whole_response():
+    """The events of a streamed reply (thoughts, text, a call whose arguments come in pieces, one
+    of them beside the next text) read by the ``openai`` client's own ``responses.stream``
+    accumulator give the response its ``response.completed`` event carries, and the same items as
+    the whole response to the same reply; a reply cut at ``max_output_tokens`` is incomplete."""
+    openai = pytest.importorskip("openai")
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta
+    from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall
+    from slimml.serve.responses import ResponseAnswer, responses_request
+
+    _, echo = responses_request({"input": "q"}, 64)
+    pieces = [ReplyDelta(reasoning="Th"), ReplyDelta(reasoning="ink."), ReplyDelta(content="Sure."),
+              ReplyDelta(calls=(CallDelta(0, '{"a": ', "call_1", "f"),)), ReplyDelta(content="!", calls=(CallDelta(0, "1}"),))]
+    for reason in ("stop", "length"):
+        answer = ResponseAnswer(echo, "m")
+        events = answer.opening() + [e for d in pieces for e in answer.events(d)] + answer.ending(reason, (5, 7, 0))
+        state = ResponseStreamState(input_tools=openai.NOT_GIVEN, text_format=openai.NOT_GIVEN)
+        parsed = []
+        for raw in events:
+            kind, data = raw.decode().split("\n", 1)
+            assert kind == "event: " + json.loads(data[len("data: "):])["type"]
+            parsed.append(construct_type(type_=ResponseStreamEvent, value=json.loads(data[len("data: "):])))
+            state.handle_event(parsed[-1])
+        assert [e.sequence_number for e in parsed] == list(range(len(parsed)))
+        final = parsed[-1].response
+        assert [o.type for o in final.output] == ["reasoning", "message", "function_call", "message"]
+        assert final.output[0].content[0].text == "Think." and final.output[2].arguments == '{"a": 1}'
+        assert final.output_text == "Sure.!" and final.usage.total_tokens == 12
+        if reason == "stop":
+            assert parsed[-1].type == "response.completed" and state._completed_response.output_text == "Sure.!"
+        else:
+            assert parsed[-1].type == "response.incomplete" and final.incomplete_details.reason == "max_output_tokens"
+            assert final.output[-1].status == "incomplete" and final.output[0].status == "completed"
+    whole = ResponseAnswer(echo, "m").reply(Reply("Sure.", "Think.", (ToolCall("f", {"a": 1}, "call_1"),)), "stop", (5, 7, 0))
+    assert [o["type"] for o in whole["output"]] == ["reasoning", "message", "function_call"]
+    assert ResponseAnswer(echo, "m").reply(Reply(""), "stop", (1, 1, 0))["output"][0]["type"] == "message"

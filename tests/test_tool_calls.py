@@ -313,7 +313,7 @@ def test_served_with_a_hermes_template_the_client_gets_the_calls_and_the_streame
         assert not "".join(d.content or "" for d in deltas)
         # the Responses API: the thoughts as a reasoning item, the Hermes calls as function_call items
         r = client.responses.create(model="smollm2", input=ASK, max_output_tokens=12, temperature=0, extra_body=think)
-        assert [o.type for o in r.output] == ["reasoning", "message"] and r.status == "incomplete"
+        assert [o.type for o in r.output] == ["reasoning"] and r.status == "incomplete"  # cut off in its thoughts
         assert r.output[0].content[0].text == want.reasoning[0] and r.output_text == ""
         with client.responses.stream(model="smollm2", input=ASK, max_output_tokens=12, temperature=0, extra_body=think) as s:
             thought = "".join(e.delta for e in s if e.type == "response.reasoning_text.delta")

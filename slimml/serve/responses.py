@@ -85,7 +85,8 @@ def responses_request(data: dict[str, Any], max_tokens_limit: int) -> tuple[Comp
     return req, echo
 
 
-_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
+_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format", "reasoning_effort": "reasoning.effort",
+          "shorten messages": "shorten input", '"messages"': '"input"', "].function.": "]."}
 
 
 def in_terms(e: RequestError) -> RequestError:
@@ -96,7 +97,7 @@ def in_terms(e: RequestError) -> RequestError:
         message = message.replace(chat, name)
     if param is not None:
         head = param.split("[")[0].split(".")[0]
-        param = "input" if head == "messages" else _NAMES.get(head, head) + param[len(head):]
+        param = "input" if head == "messages" else _NAMES.get(head, head) + param[len(head):].replace("].function.", "].")
     return RequestError(message, e.status, param=param)
 
 
@@ -118,15 +119,19 @@ def _messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise RequestError(f'"{where}" must be an object (a message or a function call item), got {_show(item)}.',
                                param=where)
-        kind = item.get("type", "message")
+        kind = item.get("type") or "message"
         if kind == "message":
             role = item.get("role")
+            if role is None:
+                raise RequestError(f'"{where}" has no "type" and no "role"; give a message its role ({{"role": "user", '
+                                   '"content": ...}) or an item its type ("function_call_output", ...).', param=where)
             if role not in _ROLES:
                 raise RequestError(f'"{where}".role {_show(role)} is not a known role; use one of {", ".join(_ROLES)}.',
                                    param=f"{where}.role")
             message: dict[str, Any] = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
             if role == "assistant" and thoughts is not None:
-                message["reasoning_content"], thoughts = thoughts, None
+                message["reasoning_content"] = thoughts
+            thoughts = None  # thoughts belong to the assistant message right after them
             out.append(message)
         elif kind == "function_call":
             name, arguments, call_id = item.get("name"), item.get("arguments", "{}"), item.get("call_id")
@@ -148,12 +153,19 @@ def _messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
             out.append({"role": "tool", "tool_call_id": call_id,
                         "content": output if isinstance(output, str) else _text(output, f"{where}.output")})
         elif kind == "reasoning":
-            parts = (item.get("content") or []) + (item.get("summary") or [])
-            thoughts = "\n\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            parts = []
+            for key in ("content", "summary"):
+                value = item.get(key) or []
+                if not isinstance(value, list):
+                    raise RequestError(f'"{where}.{key}" must be a list of {{"type": "reasoning_text", "text": ...}} '
+                                       f"parts, got {_show(value)}.", param=f"{where}.{key}")
+                parts += value
+            text = "\n\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+            thoughts = text or None
         else:
             raise RequestError(f'"{where}" is a {_show(kind)} item, which this server does not take; send messages, '
                                "function_call, function_call_output and reasoning items.", param=where)
-    if not any(m["role"] != "system" for m in out):
+    if all(m["role"] in ("system", "developer") for m in out):
         raise RequestError('"input" has no message to answer; add at least one {"role": "user", "content": ...}.',
                            param="input")
     return out
@@ -179,6 +191,9 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         raise RequestError('"tools" must be a list of {"type": "function", "name": ..., "parameters": {...}}.', param="tools")
     out = []
     for i, t in enumerate(tools):
+        if isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict):
+            out.append(t)  # the chat completions' shape, taken as it is
+            continue
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else t
             raise RequestError(f'"tools"[{i}] is a {_show(kind)} tool; this server runs none of OpenAI\'s hosted tools, '
@@ -225,6 +240,7 @@ class ResponseAnswer:
         self.created = int(time.time())
         self.output: list[dict[str, Any]] = []  # items written so far (streamed), the open one last
         self.open: tuple | None = None  # the open item: ("reasoning" | "message", None) or ("call", its index)
+        self.calls: dict[int, int] = {}  # a call's index -> its item's place in the output
         self.sequence = 0
 
     def body(self, status: str, output: list[dict[str, Any]], usage: tuple[int, int, int] | None = None,
@@ -237,7 +253,7 @@ class ResponseAnswer:
                 "usage": None}
         if usage is not None:
             prompt, completion, cached = usage
-            body["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+            body["usage"] = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
                              "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
                              "total_tokens": prompt + completion}
         return body
@@ -245,18 +261,16 @@ class ResponseAnswer:
     def reply(self, reply: Reply, finish_reason: str, usage: tuple[int, int, int], entries: list | None = None) -> dict[str, Any]:
         """The non-streamed response to a whole reply (``usage``: prompt, completion and cached
         tokens; no log-probabilities: ``include`` is refused)."""
-        items = []
-        if reply.reasoning is not None:
-            items.append(_reasoning_item(reply.reasoning, "completed"))
-        if reply.content or not reply.calls:
+        items = [_reasoning_item(reply.reasoning, "completed")] if reply.reasoning else []
+        if reply.content or not (items or reply.calls):  # a reply with nothing else is an empty message
             items.append(_message_item(reply.content, "completed"))
         items += [_call_item(c.id, c.name, json.dumps(c.arguments, ensure_ascii=False), "completed") for c in reply.calls]
         return self._final(items, finish_reason, usage)
 
     def _final(self, items: list[dict[str, Any]], finish_reason: str, usage: tuple[int, int, int]) -> dict[str, Any]:
         if finish_reason == "length":
-            for item in items:
-                item["status"] = "incomplete"
+            if items:  # the item the limit cut (the ones before it were done)
+                items[-1]["status"] = "incomplete"
             return self.body("incomplete", items, usage, incomplete="max_output_tokens")
         return self.body("completed", items, usage)
 
@@ -264,7 +278,7 @@ class ResponseAnswer:
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         self.sequence += 1
-        return sse({"type": kind, "sequence_number": self.sequence - 1, **fields})
+        return f"event: {kind}\n".encode() + sse({"type": kind, "sequence_number": self.sequence - 1, **fields})
 
     def opening(self) -> list[bytes]:
         """The events before any piece: the response created, in progress."""
@@ -274,7 +288,9 @@ class ResponseAnswer:
     def events(self, delta: ReplyDelta, entries: list | None = None) -> list[bytes]:
         """The events of a piece of the reply: its thoughts, its text, pieces of its calls (each in
         its own output item, opened as the reply moves on to it)."""
-        out = []
+        out, calls = [], list(delta.calls)
+        while calls and calls[0].name is None:  # more of a call begun in an earlier piece, written before this piece's text
+            out += self._arguments(calls.pop(0))
         if delta.reasoning:
             out += self._to(("reasoning", None), lambda: _reasoning_item("", "in_progress"))
             item = self.output[-1]
@@ -287,20 +303,32 @@ class ResponseAnswer:
             item["content"][0]["text"] += delta.content
             out.append(self._event("response.output_text.delta", item_id=item["id"], output_index=len(self.output) - 1,
                                    content_index=0, delta=delta.content, logprobs=[]))
-        for piece in delta.calls:
+        for piece in calls:
             if piece.name is not None:
                 out += self._to(("call", piece.index), lambda p=piece: _call_item(p.id, p.name, "", "in_progress"))
-            if piece.arguments and self.open == ("call", piece.index):
-                item = self.output[-1]
-                item["arguments"] += piece.arguments
-                out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                       output_index=len(self.output) - 1, delta=piece.arguments))
+                self.calls[piece.index] = len(self.output) - 1
+            out += self._arguments(piece)
         return out
+
+    def _arguments(self, piece: Any) -> list[bytes]:
+        """The event of more of a call's arguments, into the item of its call."""
+        index = self.calls.get(piece.index)
+        if not piece.arguments or index is None:
+            return []
+        item = self.output[index]
+        item["arguments"] += piece.arguments
+        return [self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=piece.arguments)]
 
     def ending(self, finish_reason: str, usage: tuple[int, int, int], entries: list | None = None) -> list[bytes]:
         """The last events: the open item done, the response completed (or incomplete at
         ``max_output_tokens``)."""
-        out = self._close()
+        cut = finish_reason == "length"
+        if not self.output:  # a reply with nothing in it is an empty message, as a whole one is
+            out = self._to(("message", None), lambda: _message_item("", "in_progress"))
+        else:
+            out = []
+        out += self._close("incomplete" if cut else "completed")
         body = self._final([dict(item) for item in self.output], finish_reason, usage)
         return out + [self._event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
                                   response=body)]
@@ -326,11 +354,11 @@ class ResponseAnswer:
                                    part={"type": "output_text", "text": "", "annotations": []}))
         return out
 
-    def _close(self) -> list[bytes]:
+    def _close(self, status: str = "completed") -> list[bytes]:
         if self.open is None:
             return []
         item, index = self.output[-1], len(self.output) - 1
-        item["status"] = "completed"
+        item["status"] = status
         out = []
         if item["type"] == "message":
             part = item["content"][0]
