@@ -47,6 +47,9 @@ def responses_request(data: dict[str, Any], max_tokens_limit: int) -> tuple[Comp
     if data.get("include"):
         raise RequestError(f'"include" {_show(data["include"])} is not supported by this server (no log-probabilities, '
                            "hosted tools or encrypted reasoning); leave it out.", param="include")
+    if data.get("top_logprobs") not in (None, 0):
+        raise RequestError('"top_logprobs" is not supported by this server\'s Responses API (no log-probabilities); leave '
+                           "it out, or ask POST /v1/chat/completions with logprobs.", param="top_logprobs")
     if data.get("truncation") not in (None, "disabled"):
         raise RequestError('"truncation" must be "disabled": a conversation longer than the context is refused with its '
                            "length, never cut; shorten input.", param="truncation")
@@ -215,7 +218,10 @@ def _format(text: Any) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format``."""
     if text is None:
         return None
-    format = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise RequestError(f'"text" must be an object such as {{"format": {{"type": "json_object"}}}}, got {_show(text)}.',
+                           param="text")
+    format = text.get("format")
     if format is None:
         return None
     if not isinstance(format, dict) or format.get("type") not in ("text", "json_object", "json_schema"):
