@@ -139,7 +139,6 @@ class LLMService:
         streams."""
         if api == "responses":
             req, echo = responses.responses_request(data, self.max_tokens)
-            out: Any = responses.ResponseAnswer(echo, self.name)
         else:
             req = openai.completion_request(data, api == "chat", self.max_tokens)
         chat = req.chat
@@ -160,8 +159,7 @@ class LLMService:
         except RequestError as e:  # the format or the prompt, refused in the terms of the request's API
             raise responses.in_terms(e) if api == "responses" else e from None
         self.worker.submit(seq)
-        if api != "responses":
-            out = openai.Answer(req, self.name, token_bytes)
+        out = responses.ResponseAnswer(echo, self.name) if api == "responses" else openai.Answer(req, self.name, token_bytes)
         if req.stream:
             return self._stream(seq, events, out, reader)
         try:
@@ -207,6 +205,8 @@ class LLMService:
             try:
                 form = ReplyFormat.of(chat_template(self.model).source, req.tools, self.reasoning, served=True)
                 prompt, raw = chat_prompt(self.model, form.messages(req.messages), **form.variables(req.template_kwargs)), True
+                # a reasoning model: no thoughts where a format holds the answer from its start
+                prompt = form.prompt(prompt, formatted=req.response_format is not None)
             except FeedError as e:
                 raise RequestError(str(e)) from None
             except SlimmlError as e:  # the template refused the messages, or there is none: no paths in the body
@@ -214,8 +214,6 @@ class LLMService:
                 raise RequestError(f"{detail} (POST /v1/completions takes a plain prompt.)") from None
         else:
             prompt, raw = req.prompt, False
-        if req.chat:  # a reasoning model: no thoughts where a format holds the answer from its start
-            prompt = form.prompt(prompt, formatted=req.response_format is not None)
         ids = self._ids(prompt, raw)
         context = self.model.engine.max_sequence_length
         if ids is not None and context is not None:  # in the request's own terms (no truncate=True over HTTP)

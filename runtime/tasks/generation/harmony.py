@@ -38,13 +38,11 @@ class Message:
         header: its header's text (None: text written outside any header).
         body: its body so far, without an end that may still become a marker.
         start: where the body begins in the reply's text.
-        ended: whether its end marker came.
     """
 
     header: str | None
     body: str
     start: int
-    ended: bool
 
     @property
     def channel(self) -> str | None:
@@ -85,7 +83,7 @@ def messages(text: str, final: bool, memo: dict | None = None) -> Iterator[Messa
         body = text[at : end.start() if end else len(text)]
         if end is None and not final:
             body = held(body, MARKERS, strip=False)
-        message = Message(header, body, at, end is not None)
+        message = Message(header, body, at)
         yield message
         if end is None:
             return

@@ -68,7 +68,8 @@ class ReplyReader:
 
     def feed(self, piece: str) -> ReplyDelta:
         """The :class:`ReplyDelta` that ``piece``, the reply's next text, lets out."""
-        self.text.append(piece)
+        if self.thoughts is None:  # the reply's text, for finish() (a thoughts reader keeps its own)
+            self.text.append(piece)
         thought, content = self.thoughts.feed(piece) if self.thoughts is not None else ("", piece)
         if self.calls is None:
             return ReplyDelta(thought, content)

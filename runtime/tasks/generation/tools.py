@@ -262,7 +262,7 @@ class Harmony(ToolFormat):
                 + "\n".join(rules) + "\nTEXT: /(.|\\n)*/\n")
 
     def content(self, text: str, memo: dict | None = None) -> str:
-        return harmony.split(text, False, memo.setdefault("harmony", {}) if memo is not None else None)[1]
+        return ""  # a whole-reply format: the reasoning format's reader gives the answer as it streams (ReplyReader)
 
     def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         out = []
