@@ -88,3 +88,22 @@ def _load_hf(source: Source, exported: Exported):
             task, str(f), library_name="transformers", local_files_only=True, torch_dtype=torch.float32,
             **reference_kwargs(source.path), **kw), source.path)
     return model.float().eval()
+
+
+def sentence_transformers_embed(source: Source, texts: list[str]) -> tuple[np.ndarray, str] | None:
+    """``(embeddings of texts, "sentence-transformers VERSION")`` from the source folder as its own
+    library computes them (its modules, pooling and normalisation, no prompt), or None where
+    sentence-transformers is not installed or cannot load the folder (the check then pools the
+    torch model's token states as the artifact does)."""
+    if source.kind != "huggingface" or not (source.path / "modules.json").is_file():
+        return None
+    try:
+        import sentence_transformers
+        from sentence_transformers import SentenceTransformer
+
+        model = SentenceTransformer(str(source.path), device="cpu", local_files_only=True)
+        emb = model.encode(texts, prompt="", convert_to_numpy=True, show_progress_bar=False)
+    except Exception:  # not installed, or a folder it cannot read (a pruned student): nothing to compare with
+        return None
+    return np.asarray(emb, dtype=np.float32), f"sentence-transformers {sentence_transformers.__version__}"
+

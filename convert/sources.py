@@ -158,22 +158,48 @@ def _checkpoint_source(path: Path, example_inputs: Any) -> Source:
     return _module_source(obj, example_inputs, name=path.stem, path=path)
 
 
+# sentence-transformers' pooling modes as its Pooling config names them: the name (5.x writes
+# "pooling_mode") and the flag (earlier versions write one boolean per mode)
+_ST_POOLING = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
+               "lasttoken": "pooling_mode_lasttoken", "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
+               "weightedmean": "pooling_mode_weightedmean_tokens"}
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")  # the modules an artifact carries (the graph, then numpy)
+
+
 def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
-    """Pooling and normalisation of a sentence-transformers folder (``modules.json``), else None."""
+    """Pooling and normalisation of a sentence-transformers folder (``modules.json``), else None.
+
+    Raises:
+        SourceError: a module the artifact cannot carry (a ``Dense`` projection after pooling, a
+            static embedding...), or a pooling it cannot compute (several modes joined), in one line.
+    """
     modules_file = folder / "modules.json"
     if not modules_file.is_file():
         return None
-    modules = json.loads(modules_file.read_text())
-    types = [m.get("type", "") for m in modules]
-    pooling_dir = next((folder / m["path"] for m in modules if m.get("type", "").endswith("Pooling")), None)
-    mode = "mean"
-    if pooling_dir is not None and (pooling_dir / "config.json").is_file():
-        cfg = json.loads((pooling_dir / "config.json").read_text())
-        if cfg.get("pooling_mode_cls_token"):
-            mode = "cls"
-        elif cfg.get("pooling_mode_max_tokens"):
-            mode = "max"
-    return {"mode": mode, "normalize": any(t.endswith("Normalize") for t in types), "output": "last_hidden_state"}
+    try:
+        modules = json.loads(modules_file.read_text())
+        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
+    except (ValueError, AttributeError, TypeError):
+        raise SourceError(f"{modules_file} is not sentence-transformers' list of modules; fix or remove it "
+                          "(without it the folder converts as a plain transformer).") from None
+    other = [k for k in kinds if k not in _ST_MODULES]
+    if other or not kinds or kinds[0] != "Transformer":
+        raise SourceError(f"{folder}'s sentence-transformers pipeline is {' -> '.join(kinds) or 'empty'}, and slimml "
+                          f"carries only {' -> '.join(_ST_MODULES)} into an artifact ({', '.join(other) or 'no Transformer first'} "
+                          "would be lost, and the embeddings with it); convert the transformer alone with --task "
+                          "feature-extraction and apply the rest to its token states yourself.")
+    mode = "mean"  # sentence-transformers' default
+    pooling = next((m for m, k in zip(modules, kinds) if k == "Pooling"), None)
+    config = folder / pooling.get("path", "") / "config.json" if pooling is not None else None
+    if config is not None and config.is_file():
+        cfg = json.loads(config.read_text())
+        named = cfg.get("pooling_mode")
+        modes = [named] if named is not None else [m for m, flag in _ST_POOLING.items() if cfg.get(flag)]
+        if len(modes) != 1 or modes[0] not in _ST_POOLING:
+            raise SourceError(f"{config} pools by {' + '.join(map(str, modes)) or 'no mode'}, which slimml cannot compute; "
+                              f"it takes one of {', '.join(_ST_POOLING)} (set one in that file, as the model was trained).")
+        mode = modes[0]
+    return {"mode": mode, "normalize": "Normalize" in kinds, "output": "last_hidden_state"}
 
 
 def max_seq_length(folder: Path) -> int | None:

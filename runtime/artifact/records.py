@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 ASSETS = ("tokenizer", "preprocessor")  # the records that name a file a component's inputs are made with
-POOLING_MODES = ("mean", "cls", "max", "none")
+POOLING_MODES = ("mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean", "none")  # sentence-transformers' names
 PREPROCESSOR_KINDS = ("image", "audio")
 
 
@@ -174,7 +174,7 @@ class Pooling(Record):
     """How a chain's token states become one embedding per text (sentence-transformers style)."""
 
     KEY: ClassVar[str] = "pooling"
-    mode: str  # "mean" | "cls" | "max" | "none" (the model pools itself)
+    mode: str  # one of POOLING_MODES; "none": the model pools itself
     output: str  # the model output that is pooled
     normalize: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
@@ -183,7 +183,7 @@ class Pooling(Record):
     def problems(cls, raw: Any, where: str = "pooling") -> list[str]:
         c = _Checks()
         if c.need(isinstance(raw, dict), where, "must be an object or null"):
-            c.need(raw.get("mode") in POOLING_MODES, f"{where}.mode", "must be mean, cls, max or none")
+            c.need(raw.get("mode") in POOLING_MODES, f"{where}.mode", f"must be one of {', '.join(POOLING_MODES)}")
             c.need(isinstance(raw.get("output"), str), f"{where}.output", "must name a model output")
             c.need(isinstance(raw.get("normalize", True), bool), f"{where}.normalize", "must be true or false")
         return c.found

@@ -9,6 +9,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from slimml.errors import ArtifactError, FeedError
+from slimml.runtime.artifact.records import POOLING_MODES
 from slimml.runtime.tasks.limits import Limits
 
 
@@ -95,11 +96,18 @@ def encode_texts(run, text: TextEncoder, pooling: dict[str, Any], encs: list, ba
 
 
 def pool(hidden: np.ndarray, attention_mask: np.ndarray, mode: str = "mean", normalize: bool = True) -> np.ndarray:
-    """Sentence embeddings from token states: (B, T, H) and mask (B, T) -> (B, H)."""
-    if mode == "mean":
+    """Sentence embeddings from token states: (B, T, H) and mask (B, T) -> (B, H), as
+    sentence-transformers' ``Pooling`` computes each mode (the texts padded on the right)."""
+    if mode in ("mean", "mean_sqrt_len_tokens", "weightedmean"):
         mask = attention_mask.astype(hidden.dtype)  # (B, T)
+        if mode == "weightedmean":  # each token weighted by its position, 1 for the first
+            mask = mask * np.arange(1, mask.shape[1] + 1, dtype=hidden.dtype)
         summed = np.matmul(mask[:, None, :], hidden)[:, 0, :]  # (B, H), without a (B, T, H) temporary
-        emb = summed / np.clip(mask.sum(axis=1, keepdims=True), 1e-9, None)
+        count = np.clip(mask.sum(axis=1, keepdims=True), 1e-9, None)
+        emb = summed / (np.sqrt(count) if mode == "mean_sqrt_len_tokens" else count)
+    elif mode == "lasttoken":  # each text's last token (decoder embedders: Qwen3-Embedding, gte-Qwen2)
+        last = attention_mask.shape[1] - 1 - np.argmax(attention_mask[:, ::-1] > 0, axis=1)
+        emb = hidden[np.arange(hidden.shape[0]), last]
     elif mode == "cls":
         emb = hidden[:, 0]
     elif mode == "max":
@@ -108,7 +116,7 @@ def pool(hidden: np.ndarray, attention_mask: np.ndarray, mode: str = "mean", nor
     elif mode == "none":  # the model pooled already (CLIP's text_embeds): (B, H)
         emb = hidden
     else:
-        raise ArtifactError(f"unknown pooling mode {mode!r} in the manifest; use mean, cls or max.")
+        raise ArtifactError(f"unknown pooling mode {mode!r} in the manifest; use one of {', '.join(POOLING_MODES)}.")
     emb = emb.astype(np.float32)
     if normalize:
         emb = emb / np.clip(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12, None)

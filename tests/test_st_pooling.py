@@ -1,0 +1,125 @@
+"""Sentence-transformers folders are read as the library reads them: every pooling mode in both
+of its config formats (5.x names the mode, earlier versions set one flag per mode), a decoder
+embedder pooled at its last token, and a pipeline slimml cannot carry refused in one line. The
+convert check compares the artifact's embeddings with sentence-transformers' own ``encode``, so a
+misread pipeline is refused, never shipped."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slimml.convert import ConvertConfig, convert
+from slimml.convert.sources import sentence_transformers_pooling
+from slimml.errors import ExportError, SourceError
+from slimml.runtime import load
+from slimml.runtime.tasks.inputs.text import pool
+
+MODES = ["mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean"]
+TEXTS = ["A man is playing a guitar.", "Someone plays music in the park on a sunny day.", "A cat."]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_pooling_mode_computes_what_sentence_transformers_computes(mode):
+    """Token states of texts of different lengths (padded on the right, as slimml pads): the
+    embedding of each mode equals sentence-transformers' ``Pooling`` on the same states."""
+    import torch
+    from sentence_transformers.models import Pooling
+
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((3, 7, 16)).astype(np.float32)
+    mask = np.array([[1] * 7, [1] * 4 + [0] * 3, [1] + [0] * 6], dtype=np.int64)
+    theirs = Pooling(16, pooling_mode=mode)({"token_embeddings": torch.from_numpy(hidden),
+                                             "attention_mask": torch.from_numpy(mask)})["sentence_embedding"]
+    np.testing.assert_allclose(pool(hidden, mask, mode, normalize=False), theirs.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _pooling(folder: Path, config: dict) -> Path:
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return folder
+
+
+@pytest.mark.parametrize("config, mode", [
+    ({"embedding_dimension": 32, "pooling_mode": "cls"}, "cls"),  # sentence-transformers 5.x
+    ({"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+      "pooling_mode_max_tokens": True}, "max"),  # earlier versions
+    ({"embedding_dimension": 32, "pooling_mode": "weightedmean"}, "weightedmean"),
+])
+def test_the_pooling_is_read_in_either_config_format(tiny_bert_dir, tmp_path, config, mode):
+    folder = shutil.copytree(tiny_bert_dir, tmp_path / "st")
+    assert sentence_transformers_pooling(_pooling(folder, config))["mode"] == mode
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda f: _pooling(f, {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}), "mean + cls"),
+    (lambda f: _pooling(f, {"pooling_mode": "attention"}), "attention"),
+    (lambda f: (f / "modules.json").write_text(json.dumps(json.loads((f / "modules.json").read_text()) + [
+        {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}])), "Dense"),
+    (lambda f: (f / "modules.json").write_text("{not json"), "not sentence-transformers' list"),
+])
+def test_a_pipeline_slimml_cannot_carry_is_refused_in_one_line(tiny_bert_dir, tmp_path, change, words):
+    folder = shutil.copytree(tiny_bert_dir, tmp_path / "st")
+    change(folder)
+    with pytest.raises(SourceError) as e:
+        convert(folder, tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert words in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "art").exists()
+
+
+@pytest.fixture(scope="module")
+def decoder_embedder(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 saved by sentence-transformers with last-token pooling (Qwen3-Embedding's
+    pipeline): its tokenizer ends each text with <|endoftext|>, the token that is pooled."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Normalize, Pooling, Transformer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3Model
+
+    torch.manual_seed(0)
+    base, out = tmp_path_factory.mktemp("qwen3_base"), tmp_path_factory.mktemp("qwen3_st") / "st"
+    Qwen3Model(Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, max_position_embeddings=512)).eval().save_pretrained(base)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([t.lower() for t in TEXTS] * 30, trainers.BpeTrainer(
+        vocab_size=480, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                            padding_side="left").save_pretrained(base)
+    SentenceTransformer(modules=[Transformer(str(base)), Pooling(64, pooling_mode="lasttoken"), Normalize()]).save(str(out))
+    return out
+
+
+def test_a_decoder_embedder_pools_its_last_token_as_sentence_transformers_does(decoder_embedder, tmp_path):
+    """Converted, the Qwen3 embedder's embeddings equal sentence-transformers' ``encode`` (which pads
+    on the left, slimml on the right: a causal model's last token sees the same text), and the
+    convert check says it compared with the library."""
+    from sentence_transformers import SentenceTransformer
+
+    report = convert(decoder_embedder, tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["embedding_cosine_vs_library"] >= 0.9999
+    assert report.checks["embedding_library"].startswith("sentence-transformers ")
+    model = load(tmp_path / "art")
+    assert model.manifest.pooling.mode == "lasttoken"
+    ours = model.encode(TEXTS)
+    theirs = SentenceTransformer(str(decoder_embedder), device="cpu").encode(TEXTS)
+    assert float((ours * theirs).sum(axis=1).min()) >= 0.9999
+
+
+def test_a_misread_pipeline_fails_the_check_against_the_library(decoder_embedder, tmp_path, monkeypatch):
+    """Were the pooling read otherwise than sentence-transformers reads it (mean for last-token, as
+    slimml read every 5.x folder before), the convert check refuses the artifact, and nothing is
+    left behind."""
+    import importlib
+
+    export = importlib.import_module("slimml.convert.export")  # the module (the package's `export` is its function)
+    monkeypatch.setattr(export, "sentence_transformers_pooling", lambda folder: {
+        "mode": "mean", "normalize": True, "output": "last_hidden_state"})
+    with pytest.raises(ExportError, match="disagree with sentence-transformers"):
+        convert(decoder_embedder, tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert not (tmp_path / "art").exists()
