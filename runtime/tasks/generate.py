@@ -25,7 +25,7 @@ from slimml.runtime.tasks.generation.chat import ChatTemplate
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.lookup import lookup_loop
 from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_loop
-from slimml.runtime.tasks.generation.prompts import Prompts, prepare
+from slimml.runtime.tasks.generation.prompts import Prompts, prepare, special_tokens
 from slimml.runtime.tasks.generation.reply import ReplyDelta, ReplyFormat, ReplyReader
 from slimml.runtime.tasks.generation.sampling import Sampler, TokenLogprob, token_logprobs
 from slimml.runtime.tasks.generation.stopping import TextStream
@@ -219,7 +219,8 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
                           'from its start; leave one out (tool_choice="none" keeps the tools in the conversation).')
     if stream not in (False, None, True, "deltas"):
         raise ConfigError(f'stream must be True, False or "deltas", got {stream!r}.')
-    form = ReplyFormat.of(chat_template(model).source, checked, reasoning, continued=continue_final_message)
+    form = ReplyFormat.of(chat_template(model).source, checked, reasoning, continued=continue_final_message,
+                          specials=special_tokens(model.text) if checked is not None else None)
     variables = form.variables(chat_template_kwargs)
     formatted = config.grammar is not None  # a response_format holds the reply
     config = form.config(config)

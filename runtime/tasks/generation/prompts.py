@@ -153,8 +153,18 @@ def special_stops(tok: Tokenizer, stop: tuple[str, ...]) -> set[int]:
     tokens out, so such a stop string is matched by its id."""
     if not stop:
         return set()
-    special = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    special = _specials(tok)
     return {special[s] for s in stop if s in special}
+
+
+def special_tokens(text: Any) -> dict[str, int]:
+    """The special tokens of a model's tokenizer (its TextEncoder, ``model.text``) by their text
+    (none without one)."""
+    return _specials(untruncated(text)) if text is not None else {}
+
+
+def _specials(tok: Tokenizer) -> dict[str, int]:
+    return {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
 
 
 def _ids(v: Any) -> list[int]:

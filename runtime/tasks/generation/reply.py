@@ -112,7 +112,7 @@ class ReplyFormat:
 
     @classmethod
     def of(cls, template: str, tools: Tools | None = None, reasoning: str = "split", *,
-           continued: bool = False, served: bool = False) -> ReplyFormat:
+           continued: bool = False, served: bool = False, specials: dict[str, int] | None = None) -> ReplyFormat:
         """The format of replies to a chat rendered with the template whose source is ``template``.
 
         Args:
@@ -123,11 +123,13 @@ class ReplyFormat:
                 as it comes, no thoughts read apart.
             served: the reply goes back to a client, which sends it back to the template: harmony's
                 thoughts always come apart (its template refuses a content holding its markers).
+            specials: the model's special tokens by text (a tool format's markers that are
+                special tokens are written as such in its grammar, and kept in the text).
         """
         if reasoning not in REASONING:
             raise ConfigError(f'reasoning must be "split" or "keep", got {reasoning!r}.')
         thinking = reasoning_format(template) if not continued else None
-        use = ToolUse.of(tools, template) if tools is not None else None
+        use = ToolUse.of(tools, template, specials) if tools is not None else None
         if thinking is not None and (thinking.special_tokens and served or use is not None and use.format.whole_reply):
             reasoning = "split"  # the calls are read from the same messages as the thoughts
         return cls(thinking, use, reasoning)

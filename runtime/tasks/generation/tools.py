@@ -6,7 +6,9 @@ A request gives ``tools`` (OpenAI's ``[{"type": "function", "function": {"name",
 name). The chat template gets ``tools`` as transformers passes them; what the model writes is then
 read by its family's :class:`ToolFormat`, chosen from the template itself (as llama.cpp's server
 chooses): ``<tool_call>`` in the template is the Hermes format (Qwen 2.5 and 3, Hermes, SmolLM3),
-``<|python_tag|>`` or a "JSON for a function call" instruction is Llama 3.1-3.3's, and a template
+``<|python_tag|>`` or a "JSON for a function call" instruction is Llama 3.1-3.3's, ``[TOOL_CALLS]``
+is Mistral's (a list of calls, or ``NAME[ARGS]{...}`` where the template writes ``[ARGS]``),
+harmony's ``<|call|>`` is gpt-oss's, and a template
 that knows no tools gets the generic format, where slimml describes the tools in a system message
 and the answer is one JSON object, ``{"tool_calls": [...]}`` or ``{"response": "..."}``.
 
@@ -19,6 +21,7 @@ cut by ``max_new_tokens`` excepted: it stays text).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -32,6 +35,8 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 MAX_DEPTH = 64  # JSON levels of one function's parameters schema (llguidance's own limit is lower for schemas)
 _CLOSE = re.compile(r"\s*</tool_call>")
 _SPACE = re.compile(r"\s*")
+_NINE = re.compile(r"[A-Za-z0-9]{9}")  # a call id as Mistral's templates take it
+_ALNUM = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 _COMMA = re.compile(r"\s*,\s*")
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')  # a call's start, in the formats' order
 _RESPONSE = re.compile(r'\s*\{\s*"response"\s*:\s*"')
@@ -141,10 +146,11 @@ class Tools:
         return [f["function"] for f in self.functions
                 if self.choice in ("auto", "required") or f["function"]["name"] == self.choice]
 
-    def call_schema(self, arguments: str = "arguments") -> dict[str, Any]:
-        """The JSON Schema of one call ``{"name": ..., <arguments>: {...}}`` to a callable function.
-        The functions' ``$defs`` (and draft-7 ``definitions``) move to its root, where their
-        ``#/$defs/...`` references point once the parameters sit inside it (pydantic's schemas)."""
+    def call_schema(self, arguments: str = "arguments", also: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON Schema of one call ``{"name": ..., <arguments>: {...}}`` to a callable function
+        (and the fields ``also`` after them, required: Mistral's ``id``). The functions' ``$defs``
+        (and draft-7 ``definitions``) move to its root, where their ``#/$defs/...`` references
+        point once the parameters sit inside it (pydantic's schemas)."""
         defs: dict[str, dict[str, Any]] = {}
         calls = []
         for f in self.callable():
@@ -154,10 +160,19 @@ class Tools:
                     if defs.setdefault(key, {}).setdefault(name, value) != value:
                         raise ConfigError(f"two tools define {key}/{name} differently, and their references share one "
                                           f"root; rename one of them (in {f['name']}).")
-            calls.append({"type": "object", "properties": {"name": {"const": f["name"]}, arguments: parameters},
-                          "required": ["name", arguments], "additionalProperties": False})
+            calls.append({"type": "object", "properties": {"name": {"const": f["name"]}, arguments: parameters, **(also or {})},
+                          "required": ["name", arguments, *(also or {})], "additionalProperties": False})
         return {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **defs}
 
+    def calls_schema(self, also: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(the JSON Schema of a list of calls, its definitions)``: one call or more as
+        :attr:`parallel` allows; the definitions go to the root of the answer that holds the list."""
+        call = self.call_schema(also=also)
+        defs = {k: call.pop(k) for k in ("$defs", "definitions") if k in call}
+        calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+        if not self.parallel:
+            calls["maxItems"] = 1
+        return calls, defs
 
 class CallSpan(NamedTuple):
     """Where one call begun in an answer has its JSON: from ``start`` to ``end`` (None while
@@ -180,11 +195,14 @@ class ToolFormat:
             reply as the model wrote it, thoughts and all, and its grammar holds the thoughts too;
             the content is the reasoning format's answer. False: calls are written in the answer
             after any thoughts, and read from it.
+        markers: the texts that mark its calls where a tokenizer may have them as special tokens
+            (Mistral's ``[TOOL_CALLS]``): where one is, the answer's text keeps special tokens.
     """
 
     name = ""
     parallel = True
     whole_reply = False
+    markers: tuple[str, ...] = ()
 
     @staticmethod
     def matches(template: str) -> bool:
@@ -195,8 +213,9 @@ class ToolFormat:
         arguments into objects for every format)."""
         return messages
 
-    def grammar(self, tools: Tools) -> str:
-        """The Lark grammar (llguidance's dialect) of an answer."""
+    def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
+        """The Lark grammar (llguidance's dialect) of an answer; ``specials``: the tokenizer's
+        special tokens by text (a marker that is one is written as its token, ``<[id]>``)."""
         raise NotImplementedError
 
     def content(self, text: str, memo: dict | None = None) -> str:
@@ -242,7 +261,7 @@ class Harmony(ToolFormat):
     def matches(template: str) -> bool:  # gpt-oss's template writes an assistant's call ending with <|call|>
         return "<|channel|>" in template and "<|message|>" in template and "<|call|>" in template
 
-    def grammar(self, tools: Tools) -> str:
+    def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
         rules, in_role, in_channel = [], [], []
         for k, f in enumerate(tools.callable()):
             rules += [f'r{k}: "{f["name"]}" <|channel|> "commentary" type? <|message|> a{k}',
@@ -292,14 +311,7 @@ class Hermes(ToolFormat):
     marker = "<tool_call>"
 
     def content(self, text: str, memo: dict | None = None) -> str:
-        start = text.find(self.marker)
-        if start < 0:  # hold what may begin the marker, and trailing whitespace (it may precede a call)
-            start = len(text)
-            for k in range(min(len(self.marker) - 1, len(text)), 0, -1):
-                if self.marker.startswith(text[-k:]):
-                    start = len(text) - k
-                    break
-        return text[:start].strip()
+        return _before(text, self.marker)
 
     def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         out, at = [], 0
@@ -318,7 +330,7 @@ class Hermes(ToolFormat):
     def matches(template: str) -> bool:
         return "<tool_call>" in template
 
-    def grammar(self, tools: Tools) -> str:
+    def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
         body = _json(tools.call_schema())
         call = f'"<tool_call>\\n" {body} "\\n</tool_call>"'
         if tools.choice != "auto":  # calls only, a newline between two
@@ -375,7 +387,7 @@ class Llama3(ToolFormat):
     def matches(template: str) -> bool:
         return "<|python_tag|>" in template or ("JSON for a function call" in template and '"parameters"' in template)
 
-    def grammar(self, tools: Tools) -> str:
+    def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
         body = _json(tools.call_schema("parameters"))
         if tools.choice != "auto":
             return f"start: {body}\n"
@@ -386,6 +398,124 @@ class Llama3(ToolFormat):
         body = text.strip(_GRAMMAR_WS).removeprefix("<|python_tag|>").strip(_GRAMMAR_WS)
         call = _call(body, "parameters") if body.startswith("{") else None
         return ("", [call]) if call is not None else (text, [])
+
+
+class _Mistral(ToolFormat):
+    """Mistral's calls, after ``[TOOL_CALLS]``: a special token in Mistral's own tokenizers (the
+    grammar writes it as that token, and the text keeps it), text in others. Its templates take a
+    call's id only as 9 letters or digits: the conversation's ids are mapped to such ids."""
+
+    marker = "[TOOL_CALLS]"
+
+    def messages(self, messages: list[dict[str, Any]], tools: Tools) -> list[dict[str, Any]]:
+        return _nine_letter_ids(template_messages(messages))
+
+    def content(self, text: str, memo: dict | None = None) -> str:
+        return _before(text, self.marker)
+
+
+@register_format
+class MistralJSON(_Mistral):
+    """``[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": "<9 letters or digits>"}, ...]``, one
+    list of calls after any text (Mistral 7B v0.3, Mistral Nemo, Mistral Small 3 and 3.1)."""
+
+    name = "mistral"
+    markers = ("[TOOL_CALLS]",)
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        return "[TOOL_CALLS]" in template and "[ARGS]" not in template
+
+    def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
+        calls, defs = tools.calls_schema(also={"id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}})
+        body = _json({**calls, **defs})
+        mark = _mark(self.marker, specials)
+        if tools.choice != "auto":
+            return f'start: {mark} " "? {body}\n'
+        if mark.startswith("<"):  # a special token: text cannot hold it
+            return f'start: TEXT | TEXT? {mark} " "? {body}\nTEXT: /(.|\\n)*/\n'
+        return (f'start: TEXT | head " "? {body}\nhead[lazy]: TEXT {mark}\n'  # the lazy head ends at the marker
+                "TEXT: /(.|\\n)*/\n")
+
+    def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
+        k = text.find(self.marker)
+        at = _SPACE.match(text, k + len(self.marker)).end() if k >= 0 else len(text)
+        if not text.startswith("[", at):
+            return []
+        out, at = [], _SPACE.match(text, at + 1).end()
+        while text.startswith("{", at):
+            end = _value_end(text, at, memo)
+            out.append(CallSpan(at, end))
+            comma = _COMMA.match(text, end) if end is not None else None
+            if comma is None:
+                break
+            at = comma.end()
+        return out
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        k = text.find(self.marker)
+        if k < 0:
+            return text.strip(), []
+        try:
+            found, _ = json.JSONDecoder().raw_decode(text, _SPACE.match(text, k + len(self.marker)).end())
+        except ValueError:  # cut off by max_new_tokens: no call
+            found = None
+        calls = [c for c in (_call(json.dumps(x), "arguments") for x in found) if c is not None] if isinstance(found, list) else []
+        return text[:k].strip(), calls
+
+
+@register_format
+class MistralArgs(_Mistral):
+    """``[TOOL_CALLS]NAME[ARGS]{...}`` a call (``[CALL_ID]`` and 9 letters or digits before
+    ``[ARGS]`` where the model writes them), the calls one after another after any text
+    (Mistral Small 3.2, Magistral, Devstral)."""
+
+    name = "mistral-args"
+    markers = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    _CALL = re.compile(r"\[TOOL_CALLS\]([A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]\s*")
+
+    @staticmethod
+    def matches(template: str) -> bool:
+        return "[TOOL_CALLS]" in template and "[ARGS]" in template
+
+    def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
+        mark, args, call_id = (_mark(m, specials) for m in self.markers)
+        rules = [f'c{k}: "{f["name"]}" ({call_id} ID)? {args} {_json(_closed(f.get("parameters")))}'
+                 for k, f in enumerate(tools.callable())]
+        body = "body: " + " | ".join(f"c{k}" for k in range(len(rules)))
+        more = f" ({mark} body)*" if tools.parallel else ""
+        if tools.choice != "auto":
+            start = f"start: {mark} body{more}"
+        elif mark.startswith("<"):  # a special token: text cannot hold it
+            start = f"start: TEXT | TEXT? {mark} body{more}"
+        else:
+            start = f"start: TEXT | head body{more}\nhead[lazy]: TEXT {mark}"
+        return "\n".join([start, body, *rules, "ID: /[A-Za-z0-9]{9}/", "TEXT: /(.|\\n)*/"]) + "\n"
+
+    def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
+        out = []
+        for m in self._CALL.finditer(text):
+            if not text.startswith("{", m.end()):
+                break
+            end = _value_end(text, m.end(), memo)
+            out.append(CallSpan(m.end(), end, m.group(1)))
+            if end is None:
+                break
+        return out
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        k = text.find(self.marker)
+        if k < 0:
+            return text.strip(), []
+        calls = []
+        for m in self._CALL.finditer(text):
+            try:
+                arguments, _ = json.JSONDecoder().raw_decode(text, m.end())
+            except ValueError:  # cut off by max_new_tokens: no call
+                break
+            if isinstance(arguments, dict):
+                calls.append(ToolCall(m.group(1), arguments))
+        return text[:k].strip(), calls
 
 
 @register_format
@@ -424,12 +554,8 @@ class Generic(ToolFormat):
             return [{**out[0], "content": out[0]["content"] + "\n\n" + text}, *out[1:]]
         return [{"role": "system", "content": text}, *out]
 
-    def grammar(self, tools: Tools) -> str:
-        call = tools.call_schema()
-        defs = {k: call.pop(k) for k in ("$defs", "definitions") if k in call}  # to the answer's root, as references expect
-        calls: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
-        if not tools.parallel:
-            calls["maxItems"] = 1
+    def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
+        calls, defs = tools.calls_schema()  # the definitions to the answer's root, as references expect
         shape = {"type": "object", "properties": {"tool_calls": calls}, "required": ["tool_calls"], "additionalProperties": False}
         if tools.choice == "auto":
             answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
@@ -581,6 +707,54 @@ def finish_reason(reason: str, calls: list[ToolCall]) -> str:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+def _before(text: str, marker: str) -> str:
+    """The text of an answer so far before its first ``marker`` (what may begin the marker at its
+    end held back, and trailing whitespace: it may precede a call)."""
+    start = text.find(marker)
+    if start < 0:
+        start = len(text)
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-k:]):
+                start = len(text) - k
+                break
+    return text[:start].strip()
+
+
+def _mark(marker: str, specials: dict[str, int] | None) -> str:
+    """``marker`` in a grammar: its special token (``<[id]>``, as llguidance names a token by its
+    id) where the tokenizer has one, else its text."""
+    return f"<[{specials[marker]}]>" if specials and marker in specials else json.dumps(marker)
+
+
+def _nine_letter_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each call's id, and each tool answer's ``tool_call_id``, as 9 letters or
+    digits (Mistral's templates refuse others): an id of that shape kept, any other mapped to one
+    by its hash (the same for the call and its answer); a tool answer without an id takes its
+    call's in order."""
+    out, waiting = [], []
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls = [{**c, "id": _nine(c.get("id") or f"{i}.{k}")} if isinstance(c, dict) else c
+                     for k, c in enumerate(m["tool_calls"])]
+            waiting = [c["id"] for c in calls if isinstance(c, dict)]
+            m = {**m, "tool_calls": calls}
+        elif isinstance(m, dict) and m.get("role") == "tool":
+            given = m.get("tool_call_id")
+            id = _nine(given) if isinstance(given, str) and given else (waiting[0] if waiting else _nine(str(i)))
+            waiting = [w for w in waiting if w != id]
+            m = {**m, "tool_call_id": id}
+        out.append(m)
+    return out
+
+
+def _nine(id: Any) -> str:
+    text = str(id)
+    if _NINE.fullmatch(text):
+        return text
+    n = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
+    return "".join(_ALNUM[(n // 62 ** k) % 62] for k in range(9))
+
+
 def _function(i: int, tool: Any) -> dict[str, Any]:
     """Tool ``i`` in OpenAI's shape, checked."""
     fix = 'give {"type": "function", "function": {"name": ..., "description": ..., "parameters": {<JSON Schema>}}}'
@@ -724,15 +898,18 @@ class ToolUse:
 
     tools: Tools
     format: ToolFormat
+    specials: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, tools: Tools, template: str) -> ToolUse:
+    def of(cls, tools: Tools, template: str, specials: dict[str, int] | None = None) -> ToolUse:
         """The use of ``tools`` with the chat template whose source is ``template`` (an unset
-        ``parallel`` becomes the format's default)."""
+        ``parallel`` becomes the format's default); ``specials``: the model's special tokens by
+        text, those of the format's markers kept."""
         from dataclasses import replace
 
         format = tool_format(template)
-        return cls(tools if tools.parallel is not None else replace(tools, parallel=format.parallel), format)
+        marks = {m: specials[m] for m in format.markers if specials and m in specials}
+        return cls(tools if tools.parallel is not None else replace(tools, parallel=format.parallel), format, marks)
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return self.format.messages(messages, self.tools)
@@ -749,8 +926,11 @@ class ToolUse:
         if config.response_format is not None:
             raise ConfigError("tools and response_format both shape the answer, and only one can; leave response_format "
                               'out (a call\'s arguments already fit its schema), or pass tool_choice="none".')
+        if self.specials:  # the calls' markers are special tokens, which the text must keep to be read
+            changes = {**changes, "skip_special_tokens": False}
         try:
-            return replace(config, response_format={"type": "grammar", "grammar": self.format.grammar(self.tools)}, **changes)
+            grammar = self.format.grammar(self.tools, self.specials)
+            return replace(config, response_format={"type": "grammar", "grammar": grammar}, **changes)
         except ConfigError as e:  # a parameters schema llguidance cannot use: its words, not the grammar's listing
             detail = getattr(e, "detail", str(e)).split(" 1 | ")[0].strip()
             raise ConfigError(f"the tools' parameters cannot be used ({detail}); fix the function's parameters "

@@ -1,0 +1,202 @@
+"""Mistral's tool calls: ``[TOOL_CALLS]`` then a list of calls (Mistral 7B v0.3, Nemo, Small 3 and
+3.1), or ``[TOOL_CALLS]NAME[ARGS]{...}`` a call (Small 3.2, Magistral, Devstral). In Mistral's own
+tokenizers the markers are special tokens: the grammar writes them as those tokens and the text
+keeps them, checked on a tiny model whose tokenizer has them (random weights: the grammar makes
+the shape, the schema the arguments). In any other tokenizer they are text, checked on the real
+SmolLM2. Either way the calls come back parsed, streamed in pieces, and the conversation's call
+ids reach the template as the 9 letters or digits Mistral's templates demand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from slimml.runtime.tasks.generation.chat import ChatTemplate
+from slimml.runtime.tasks.generation.reply import ReplyFormat
+from slimml.runtime.tasks.generation.tools import MistralArgs, MistralJSON, Tools, tool_format
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Oslo", "Paris"]}, "days": {"type": "integer"}},
+                                                "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]", "[ARGS]", "[CALL_ID]"]
+
+# Mistral-shaped templates with tools, written for these tests after the format of Mistral's own:
+# the tools before the last user message, a call's id refused unless 9 letters or digits
+_HEAD = ("{{- bos_token }}{%- for m in messages %}"
+         "{%- if m.role == 'user' %}{%- if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]"
+         "{%- endif %}[INST]{{ m.content }}[/INST]"
+         "{%- elif m.role == 'tool' %}{%- if m.tool_call_id | length != 9 %}"
+         "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+         "[TOOL_RESULTS]{\"content\": {{ m.content | tojson }}, \"call_id\": \"{{ m.tool_call_id }}\"}[/TOOL_RESULTS]"
+         "{%- elif m.role == 'assistant' and m.tool_calls %}")
+_TAIL = ("{%- elif m.role == 'assistant' %}{{ m.content }}{{ eos_token }}{%- endif %}{%- endfor %}")
+_ID_CHECK = ("{%- if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with "
+             "length 9!') }}{%- endif %}")
+NEMO = (_HEAD + "[TOOL_CALLS][{%- for c in m.tool_calls %}" + _ID_CHECK
+        + "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}, \"id\": \"{{ c.id }}\"}"
+          "{{ ', ' if not loop.last }}{%- endfor %}]{{ eos_token }}" + _TAIL)
+ARGS = (_HEAD + "{%- for c in m.tool_calls %}" + _ID_CHECK
+        + "[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]{{ c.function.arguments | tojson }}{%- endfor %}"
+          "{{ eos_token }}" + _TAIL)
+
+LIST_REPLY = 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}, "id": "a1B2c3D4e"}]'
+TWO_LIST = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}, '
+            '{"name": "get_time", "arguments": {}, "id": "Zz9Yy8Xx7"}]')
+ARGS_REPLY = '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": 2}[TOOL_CALLS]get_time[CALL_ID]Zz9Yy8Xx7[ARGS]{}'
+
+
+def test_the_mistral_formats_are_found_in_their_templates():
+    assert isinstance(tool_format(NEMO), MistralJSON) and isinstance(tool_format(ARGS), MistralArgs)
+
+
+@pytest.mark.parametrize("template, text, content, calls", [
+    (NEMO, LIST_REPLY, "Checking.", [("get_weather", {"city": "Oslo", "days": 2})]),
+    (NEMO, TWO_LIST, "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    (NEMO, "It is sunny in [Oslo].", "It is sunny in [Oslo].", []),
+    (NEMO, LIST_REPLY[:-20], "Checking.", []),  # cut off by max_new_tokens: no call
+    (ARGS, ARGS_REPLY, "", [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]),
+    (ARGS, "Sure. " + ARGS_REPLY[:-25], "Sure.", [("get_weather", {"city": "Oslo", "days": 2})]),
+])
+def test_a_mistral_reply_comes_apart_into_content_and_calls_in_pieces_of_any_size(template, text, content, calls):
+    """One reader, fed the reply in pieces of any size: the content and each call's pieces add up
+    to the whole reply's, and a call's name goes out before its arguments end."""
+    form = ReplyFormat.of(template, Tools.of([WEATHER, TIME], parallel_tool_calls=True))
+    for size in (1, 3, 8, len(text)):
+        reader, got, pieces = form.reader("[INST]x[/INST]"), "", []
+        for i in range(0, len(text), size):
+            delta = reader.feed(text[i : i + size])
+            got += delta.content
+            pieces += [d.openai() for d in delta.calls]
+        rest, reply = reader.finish()
+        pieces += [d.openai() for d in rest.calls]
+        assert (reply.content, [(c.name, c.arguments) for c in reply.calls]) == (content, calls)
+        assert got + rest.content == content
+        joined: dict[int, list] = {}
+        for p in pieces:
+            call = joined.setdefault(p["index"], [None, ""])
+            call[0] = call[0] or p["function"].get("name")
+            call[1] += p["function"]["arguments"]
+        whole = [(n, json.loads(a)) for n, a in joined.values()]
+        assert whole[: len(calls)] == calls and [p["id"] for p in pieces if "id" in p][: len(calls)] == [c.id for c in reply.calls]
+
+
+@pytest.mark.parametrize("template", [NEMO, ARGS])
+def test_a_conversation_with_openai_call_ids_renders_with_nine_letter_ids(template):
+    """A client's ids (``call_...``) are no Mistral ids: the call and its answer get the same 9
+    letters or digits; an answer without an id takes its call's; a Mistral id stays as it is."""
+    form = ReplyFormat.of(template, Tools.of([WEATHER, TIME]))
+    chat = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_8f2e0c1b9a7d4e6f", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+                {"id": "k9L8m7N6o", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_8f2e0c1b9a7d4e6f", "content": "sunny"},
+            {"role": "tool", "content": "noon"}]  # no id: the next call's
+    messages = form.messages(chat)
+    first, second = (c["id"] for c in messages[1]["tool_calls"])
+    assert len(first) == 9 and first.isalnum() and second == "k9L8m7N6o"
+    assert [m["tool_call_id"] for m in messages[2:]] == [first, second]
+    text = ChatTemplate(template, {"bos_token": "<s>", "eos_token": "</s>"}).render(messages, **form.variables())
+    assert text.count(first) == 2 and text.count(second) == 2 and "call_8f2e" not in text
+    assert form.messages(chat)[1]["tool_calls"][0]["id"] == first  # the same every time the conversation comes back
+
+
+@pytest.fixture(scope="module")
+def mistral_model(tmp_path_factory):
+    """A tiny random Llama whose tokenizer has Mistral's special tokens, converted with its KV cache."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("mistral")
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=1024)).eval().save_pretrained(folder)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=480, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the weather in Oslo and Paris", "get_weather get_time name arguments id",
+                             '{"city": "Oslo", "days": 2}'] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
+    out = tmp_path_factory.mktemp("mistral_art") / "art"
+    convert(folder, out, ConvertConfig(verify=False, measure_latency=False))
+    return load(out), out
+
+
+def _use(model, folder, name, template):
+    path = folder.parent / name
+    path.write_text(template, encoding="utf-8")
+    model.use_chat_template(str(path))
+    return model
+
+
+@pytest.mark.parametrize("template", [NEMO, ARGS])
+def test_a_mistral_model_held_to_a_call_writes_its_special_token_and_a_call_that_fits(mistral_model, template):
+    """With ``tool_choice`` required, the reply opens with the ``[TOOL_CALLS]`` token (kept in
+    the text to be read) and holds calls that parse and fit their schemas; streamed in pieces, the
+    same calls; the same seed, the same reply."""
+    model = _use(*mistral_model, f"t{len(template)}.jinja", template)
+    marker = model.text.tokenizer.token_to_id("[TOOL_CALLS]")
+    ask = dict(tools=[WEATHER, TIME], tool_choice="required", max_new_tokens=128, temperature=1.0, seed=5)
+    got, again = model.chat(ASK, **ask), model.chat(ASK, **ask)
+    assert got.tokens == again.tokens and got.tokens[0][0] == marker
+    assert got.finish_reasons == ["tool_calls"] and got.texts == [""] and got.tool_calls[0]
+    for call in got.tool_calls[0]:
+        if call.name == "get_weather":
+            assert call.arguments["city"] in ("Oslo", "Paris") and set(call.arguments) <= {"city", "days"}
+        else:
+            assert call.name == "get_time" and call.arguments == {}
+    parts = model.chat(ASK, stream="deltas", **ask)
+    pieces = [c for d in parts for c in d.calls]
+    assert parts.result.tokens == got.tokens
+    joined: dict[int, list] = {}
+    for p in pieces:
+        joined.setdefault(p.index, [p.name, ""])[1] += p.arguments
+    assert [(n, json.loads(a)) for n, a in joined.values()] == [(c.name, c.arguments) for c in got.tool_calls[0]]
+
+
+@pytest.mark.parametrize("format, reply", [(MistralJSON(), LIST_REPLY), (MistralJSON(), TWO_LIST),
+                                           (MistralArgs(), ARGS_REPLY), (MistralArgs(), "Sure. " + ARGS_REPLY)])
+def test_the_mistral_grammars_take_replies_as_mistral_writes_them_in_its_special_tokens(mistral_model, format, reply):
+    """The auto grammar, its markers as special tokens, takes Mistral's replies token by token
+    (text first or not, one call or several) and refuses a call to a function not offered; the
+    required grammar refuses text before the call."""
+    from slimml.runtime.tasks.generation.prompts import special_tokens
+    from slimml.runtime.tasks.generation.structured import Constraint, grammar_of
+
+    specials = {m: i for m, i in special_tokens(mistral_model[0].text).items() if m in format.markers}
+    tok = mistral_model[0].text.tokenizer
+
+    def takes(text: str, choice: str = "auto") -> bool:
+        grammar = format.grammar(Tools.of([WEATHER, TIME], choice, parallel_tool_calls=True), specials)
+        assert "<[" in grammar  # the markers as their tokens
+        held = Constraint(grammar_of({"type": "grammar", "grammar": grammar}), tok, tok.get_vocab_size(),
+                          frozenset({tok.token_to_id("</s>")}))
+        for t in tok.encode(text, add_special_tokens=False).ids:
+            held.consume(t)
+            if held.matcher.is_error():
+                return False
+        return True
+
+    assert takes(reply) and takes("It is sunny.")
+    assert not takes(reply.replace("get_weather", "get_news"))
+    assert takes(reply, "required") == (not reply.startswith(("Checking", "Sure")))
+
+
+def test_with_a_tokenizer_that_lacks_the_markers_they_are_text(smollm2_artifact, tmp_path):
+    """SmolLM2's tokenizer has no ``[TOOL_CALLS]`` token: the grammar writes the marker as text,
+    special tokens stay out of the text, and a call held by it comes back parsed and fitting."""
+    from conftest import templated
+
+    model, _ = templated(smollm2_artifact, tmp_path, "nemo.jinja", NEMO)
+    got = model.chat(ASK, tools=[WEATHER], tool_choice="required", max_new_tokens=48)
+    (call,) = got.tool_calls[0]
+    assert call.name == "get_weather" and call.arguments["city"] in ("Oslo", "Paris") and got.finish_reasons == ["tool_calls"]
+    assert MistralJSON().grammar(Tools.of([WEATHER], "required"), {}).startswith('start: "[TOOL_CALLS]"')
