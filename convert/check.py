@@ -57,7 +57,8 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
         if exported.pooling is not None:
             theirs = ref.embed(feeds)
         del ref
-    library = sentence_transformers_embed(src, SAMPLE_TEXTS) if exported.pooling is not None else None
+    library = (sentence_transformers_embed(src, SAMPLE_TEXTS)
+               if exported.pooling is not None and src.kind == "huggingface" and (src.path / "modules.json").is_file() else None)
     model = load(folder, device="cpu")  # the artifact's own integrity check runs here
     got = model.run(feeds)
     checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}
@@ -69,14 +70,15 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
         ours = model.encode(SAMPLE_TEXTS)
         checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
     if library is not None:  # the embeddings as the model's own library computes them: a misread pooling shows here
-        checks["embedding_cosine_vs_library"] = _min_cosine(model.encode(SAMPLE_TEXTS), library[0])
         checks["embedding_library"] = library[1]
+    if library is not None and library[0] is not None:
+        checks["embedding_cosine_vs_library"] = _min_cosine(model.encode(SAMPLE_TEXTS), library[0])
         if checks["embedding_cosine_vs_library"] < MIN_COSINE:
             raise ExportError(
                 f"the artifact's embeddings of {src.name} disagree with {library[1]}'s (cosine "
                 f"{checks['embedding_cosine_vs_library']:.4g}): its pipeline (modules.json, the pooling config) is read "
                 "otherwise than the library reads it, so slimml does not ship it; convert with --task "
-                "feature-extraction and pool its token states yourself, and report the folder's modules.json to slimml."
+                "feature-extraction (its token states out) and pool them yourself, and report the folder to slimml."
             )
     if exported.info.get("exporter") == "torch" and checks.get("cosine_vs_torch", 1.0) < MIN_COSINE:  # float32, traced by slimml
         raise ExportError(

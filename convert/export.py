@@ -243,7 +243,8 @@ def _export_module(source: Source, work_dir: Path, config: ExportConfig) -> Expo
 
 def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
     folder = source.path
-    pooling = sentence_transformers_pooling(folder)
+    # --task feature-extraction: the transformer's token states, whatever sentence-transformers pipeline it heads
+    pooling = sentence_transformers_pooling(folder) if config.task != "feature-extraction" else None
     if pooling is not None:
         task, out_task = "feature-extraction", "sentence-embedding"
     elif config.task != "auto":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import numpy as np
@@ -90,20 +91,26 @@ def _load_hf(source: Source, exported: Exported):
     return model.float().eval()
 
 
-def sentence_transformers_embed(source: Source, texts: list[str]) -> tuple[np.ndarray, str] | None:
+def sentence_transformers_embed(source: Source, texts: list[str]) -> tuple[np.ndarray | None, str]:
     """``(embeddings of texts, "sentence-transformers VERSION")`` from the source folder as its own
-    library computes them (its modules, pooling and normalisation, no prompt), or None where
-    sentence-transformers is not installed or cannot load the folder (the check then pools the
-    torch model's token states as the artifact does)."""
-    if source.kind != "huggingface" or not (source.path / "modules.json").is_file():
-        return None
+    library computes them (its modules, pooling and normalisation; float32, no prompt, every
+    dimension), or ``(None, why not)`` where sentence-transformers is not installed or cannot load
+    the folder (the check then pools the torch model's token states as the artifact does)."""
     try:
         import sentence_transformers
+        import torch
         from sentence_transformers import SentenceTransformer
-
-        model = SentenceTransformer(str(source.path), device="cpu", local_files_only=True)
+    except ImportError:
+        return None, "none (sentence-transformers is not installed)"
+    model = None
+    try:
+        model = SentenceTransformer(str(source.path), device="cpu", local_files_only=True,
+                                    model_kwargs={"dtype": torch.float32})
+        model.truncate_dim = None  # a Matryoshka model's default cut: the artifact keeps every dimension
         emb = model.encode(texts, prompt="", convert_to_numpy=True, show_progress_bar=False)
-    except Exception:  # not installed, or a folder it cannot read (a pruned student): nothing to compare with
-        return None
+    except Exception as e:  # a folder it cannot read (remote code, a pruned student's own files)
+        return None, f"none (sentence-transformers cannot load the folder: {type(e).__name__})"
+    finally:
+        del model
+        gc.collect()  # the library's model sits in reference cycles: freed before the artifact loads
     return np.asarray(emb, dtype=np.float32), f"sentence-transformers {sentence_transformers.__version__}"
-

@@ -174,8 +174,8 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
             static embedding...), or a pooling it cannot compute (several modes joined), in one line.
     """
     modules_file = folder / "modules.json"
-    if not modules_file.is_file():
-        return None
+    if not modules_file.is_file() or _st_model_type(folder) != "SentenceTransformer":
+        return None  # a CrossEncoder's modules.json holds its transformer alone: its config names its task
     try:
         modules = json.loads(modules_file.read_text())
         kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
@@ -187,19 +187,30 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
         raise SourceError(f"{folder}'s sentence-transformers pipeline is {' -> '.join(kinds) or 'empty'}, and slimml "
                           f"carries only {' -> '.join(_ST_MODULES)} into an artifact ({', '.join(other) or 'no Transformer first'} "
                           "would be lost, and the embeddings with it); convert the transformer alone with --task "
-                          "feature-extraction and apply the rest to its token states yourself.")
-    mode = "mean"  # sentence-transformers' default
+                          "feature-extraction (its token states out) and apply the rest to them yourself.")
+    modes = ["mean"]  # sentence-transformers' default, where the config names none
     pooling = next((m for m, k in zip(modules, kinds) if k == "Pooling"), None)
     config = folder / pooling.get("path", "") / "config.json" if pooling is not None else None
     if config is not None and config.is_file():
         cfg = json.loads(config.read_text())
-        named = cfg.get("pooling_mode")
-        modes = [named] if named is not None else [m for m, flag in _ST_POOLING.items() if cfg.get(flag)]
-        if len(modes) != 1 or modes[0] not in _ST_POOLING:
+        named = cfg.get("pooling_mode")  # 5.x: a name, or a list of names joined
+        modes = (list(named) if isinstance(named, (list, tuple)) else [named]) if named is not None \
+            else [m for m, flag in _ST_POOLING.items() if cfg.get(flag)] or ["mean"]
+        if len(modes) != 1 or not isinstance(modes[0], str) or modes[0] not in _ST_POOLING:
             raise SourceError(f"{config} pools by {' + '.join(map(str, modes)) or 'no mode'}, which slimml cannot compute; "
-                              f"it takes one of {', '.join(_ST_POOLING)} (set one in that file, as the model was trained).")
-        mode = modes[0]
-    return {"mode": mode, "normalize": "Normalize" in kinds, "output": "last_hidden_state"}
+                              f"it takes one of {', '.join(_ST_POOLING)} (set one in that file, as the model was trained), "
+                              "or convert with --task feature-extraction and pool the token states yourself.")
+    return {"mode": modes[0], "normalize": "Normalize" in kinds, "output": "last_hidden_state"}
+
+
+def _st_model_type(folder: Path) -> str:
+    """What sentence-transformers saved the folder as (``config_sentence_transformers.json``'s
+    ``model_type``: SentenceTransformer, CrossEncoder, SparseEncoder; older versions wrote none)."""
+    try:
+        kind = json.loads((folder / "config_sentence_transformers.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "SentenceTransformer"
+    return kind if isinstance(kind, str) else "SentenceTransformer"
 
 
 def max_seq_length(folder: Path) -> int | None:

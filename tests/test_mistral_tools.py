@@ -59,6 +59,9 @@ def test_the_mistral_formats_are_found_in_their_templates():
     (NEMO, TWO_LIST, "", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
     (NEMO, "It is sunny in [Oslo].", "It is sunny in [Oslo].", []),
     (NEMO, LIST_REPLY[:-20], "Checking.", []),  # cut off by max_new_tokens: no call
+    (NEMO, TWO_LIST[:-30], "", [("get_weather", {"city": "Paris"})]),  # the whole call before the cut stays
+    (ARGS, '[TOOL_CALLS]get_time[ARGS]{"q": "see [TOOL_CALLS]get_weather[ARGS]{} here"}', "",
+     [("get_time", {"q": "see [TOOL_CALLS]get_weather[ARGS]{} here"})]),  # a marker in a string is no call
     (ARGS, ARGS_REPLY, "", [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]),
     (ARGS, "Sure. " + ARGS_REPLY[:-25], "Sure.", [("get_weather", {"city": "Oslo", "days": 2})]),
 ])
@@ -102,6 +105,8 @@ def test_a_conversation_with_openai_call_ids_renders_with_nine_letter_ids(templa
     text = ChatTemplate(template, {"bos_token": "<s>", "eos_token": "</s>"}).render(messages, **form.variables())
     assert text.count(first) == 2 and text.count(second) == 2 and "call_8f2e" not in text
     assert form.messages(chat)[1]["tool_calls"][0]["id"] == first  # the same every time the conversation comes back
+    after = ReplyFormat.of(template, None)  # the turn after the tools' answers, offering no tools
+    assert after.messages(chat)[2:] == messages[2:] and after.messages(chat)[1]["tool_calls"][0]["id"] == first
 
 
 @pytest.fixture(scope="module")

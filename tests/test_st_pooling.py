@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from slimml.convert import ConvertConfig, convert
+from slimml.convert.config import ExportConfig
 from slimml.convert.sources import sentence_transformers_pooling
 from slimml.errors import ExportError, SourceError
 from slimml.runtime import load
@@ -48,6 +49,8 @@ def _pooling(folder: Path, config: dict) -> Path:
     ({"word_embedding_dimension": 32, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
       "pooling_mode_max_tokens": True}, "max"),  # earlier versions
     ({"embedding_dimension": 32, "pooling_mode": "weightedmean"}, "weightedmean"),
+    ({"embedding_dimension": 32, "pooling_mode": ["lasttoken"]}, "lasttoken"),  # 5.x's list, of one
+    ({"word_embedding_dimension": 32, "pooling_mode_cls_token": False}, "mean"),  # no mode set: the library's mean
 ])
 def test_the_pooling_is_read_in_either_config_format(tiny_bert_dir, tmp_path, config, mode):
     folder = shutil.copytree(tiny_bert_dir, tmp_path / "st")
@@ -57,6 +60,7 @@ def test_the_pooling_is_read_in_either_config_format(tiny_bert_dir, tmp_path, co
 @pytest.mark.parametrize("change, words", [
     (lambda f: _pooling(f, {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}), "mean + cls"),
     (lambda f: _pooling(f, {"pooling_mode": "attention"}), "attention"),
+    (lambda f: _pooling(f, {"pooling_mode": ["mean", "max"]}), "mean + max"),
     (lambda f: (f / "modules.json").write_text(json.dumps(json.loads((f / "modules.json").read_text()) + [
         {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}])), "Dense"),
     (lambda f: (f / "modules.json").write_text("{not json"), "not sentence-transformers' list"),
@@ -67,6 +71,22 @@ def test_a_pipeline_slimml_cannot_carry_is_refused_in_one_line(tiny_bert_dir, tm
     with pytest.raises(SourceError) as e:
         convert(folder, tmp_path / "art", ConvertConfig(measure_latency=False))
     assert words in str(e.value) and "\n" not in str(e.value) and not (tmp_path / "art").exists()
+
+
+def test_the_transformer_under_a_pipeline_converts_alone_and_a_cross_encoder_is_no_embedder(tiny_bert_dir, tmp_path):
+    """``--task feature-extraction`` converts the transformer under a pipeline slimml cannot carry
+    (its token states out), as the refusal says; a folder sentence-transformers saved as a
+    CrossEncoder (its modules.json lists the transformer alone) is not read as a sentence embedder."""
+    folder = shutil.copytree(tiny_bert_dir, tmp_path / "st")
+    modules = json.loads((folder / "modules.json").read_text())
+    (folder / "modules.json").write_text(json.dumps(modules + [{"idx": 3, "name": "3", "path": "3_Dense",
+                                                                "type": "sentence_transformers.models.Dense"}]))
+    convert(folder, tmp_path / "art", ConvertConfig(export=ExportConfig(task="feature-extraction"), measure_latency=False))
+    model = load(tmp_path / "art")
+    assert model.manifest.pooling is None and "last_hidden_state" in model.run(model.text(TEXTS))
+    (folder / "modules.json").write_text(json.dumps(modules[:1]))
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"model_type": "CrossEncoder"}))
+    assert sentence_transformers_pooling(folder) is None
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +111,8 @@ def decoder_embedder(tmp_path_factory) -> Path:
     tok.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", 0)])
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                             padding_side="left").save_pretrained(base)
-    SentenceTransformer(modules=[Transformer(str(base)), Pooling(64, pooling_mode="lasttoken"), Normalize()]).save(str(out))
+    SentenceTransformer(modules=[Transformer(str(base)), Pooling(64, pooling_mode="lasttoken"), Normalize()],
+                        truncate_dim=48).save(str(out))  # a Matryoshka cut the library applies by default
     return out
 
 
@@ -107,7 +128,9 @@ def test_a_decoder_embedder_pools_its_last_token_as_sentence_transformers_does(d
     model = load(tmp_path / "art")
     assert model.manifest.pooling.mode == "lasttoken"
     ours = model.encode(TEXTS)
-    theirs = SentenceTransformer(str(decoder_embedder), device="cpu").encode(TEXTS)
+    library = SentenceTransformer(str(decoder_embedder), device="cpu")
+    library.truncate_dim = None  # every dimension, as the artifact keeps them
+    theirs = library.encode(TEXTS)
     assert float((ours * theirs).sum(axis=1).min()) >= 0.9999
 
 

@@ -132,7 +132,6 @@ class LLMService:
         self.max_text_chars = max_text_chars
         self.worker = DecodeWorker(model, max_running, max_waiting, prefill_tokens, prefix_bytes)
         self._token_bytes = None  # TokenBytes, made on the first request that asks for log-probabilities
-        self._special_tokens: dict[str, int] | None = None  # read on the first request with tools
 
     async def answer(self, data: dict[str, Any], api: str = "chat"):
         """The response to a ``chat`` (completions), ``completions`` or ``responses`` body (OpenAI's
@@ -183,14 +182,6 @@ class LLMService:
         return out.reply(reply, finish_reason(seq.finish_reason, list(reply.calls)), usage,
                          _answer_logprobs(seq, 0, len(text))[0] if reader.calls is None else None)
 
-    def _specials(self) -> dict[str, int]:
-        """The model's special tokens by text (read once): a tool format's markers among them."""
-        if self._special_tokens is None:
-            from slimml.runtime.tasks.generation.prompts import special_tokens
-
-            self._special_tokens = special_tokens(self.model.text)
-        return self._special_tokens
-
     def _bytes_of_tokens(self):
         if self._token_bytes is None:
             from slimml.runtime.tasks.generation.detokenize import TokenBytes
@@ -208,12 +199,13 @@ class LLMService:
         reader of its reply (None: its text is the answer). Runs on a thread: rendering and
         tokenizing."""
         from slimml.runtime.tasks.generate import chat_prompt, chat_template
+        from slimml.runtime.tasks.generation.prompts import special_tokens
 
         form = ReplyFormat()  # a completion's: plain text
         if req.chat:
             try:
                 form = ReplyFormat.of(chat_template(self.model).source, req.tools, self.reasoning, served=True,
-                                      specials=self._specials() if req.tools is not None else None)
+                                      specials=special_tokens(self.model.text) if req.tools is not None else None)
                 prompt, raw = chat_prompt(self.model, form.messages(req.messages), **form.variables(req.template_kwargs)), True
                 # a reasoning model: no thoughts where a format holds the answer from its start
                 prompt = form.prompt(prompt, formatted=req.response_format is not None)

@@ -24,6 +24,7 @@ GENERATION_CONFIG = "generation_config.json"  # the artifact's copy of the sourc
 _EOS_TOKENS = ("</s>", "<|endoftext|>", "<|eot_id|>", "<|im_end|>", "<eos>", "<|end_of_text|>", "<end_of_turn>",
                "<|return|>", "<|call|>")  # the last two: harmony's (gpt-oss) ends of a reply and of a tool call
 _untruncated: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TextEncoder -> its tokenizer, no truncation
+_special_tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # TextEncoder -> its special tokens by text
 
 
 @dataclass
@@ -159,8 +160,13 @@ def special_stops(tok: Tokenizer, stop: tuple[str, ...]) -> set[int]:
 
 def special_tokens(text: Any) -> dict[str, int]:
     """The special tokens of a model's tokenizer (its TextEncoder, ``model.text``) by their text
-    (none without one)."""
-    return _specials(untruncated(text)) if text is not None else {}
+    (none without one); read once per encoder."""
+    if text is None:
+        return {}
+    found = _special_tokens.get(text)
+    if found is None:
+        found = _special_tokens[text] = _specials(untruncated(text))
+    return found
 
 
 def _specials(tok: Tokenizer) -> dict[str, int]:

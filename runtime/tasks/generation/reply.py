@@ -18,7 +18,7 @@ from typing import Any
 
 from slimml.errors import ConfigError
 from slimml.runtime.tasks.generation.reasoning import ReasoningFormat, ReasoningText, reasoning_format
-from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, ToolText, ToolUse
+from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, ToolFormat, Tools, ToolText, ToolUse, tool_format
 
 REASONING = ("split", "keep")
 
@@ -109,6 +109,7 @@ class ReplyFormat:
     thinking: ReasoningFormat | None = None
     use: ToolUse | None = None
     reasoning: str = "split"
+    earlier: ToolFormat | None = None  # without tools: the template's tool format, for the earlier turns' calls
 
     @classmethod
     def of(cls, template: str, tools: Tools | None = None, reasoning: str = "split", *,
@@ -132,7 +133,7 @@ class ReplyFormat:
         use = ToolUse.of(tools, template, specials) if tools is not None else None
         if thinking is not None and (thinking.special_tokens and served or use is not None and use.format.whole_reply):
             reasoning = "split"  # the calls are read from the same messages as the thoughts
-        return cls(thinking, use, reasoning)
+        return cls(thinking, use, reasoning, tool_format(template) if use is None else None)
 
     @property
     def reads(self) -> bool:
@@ -140,8 +141,11 @@ class ReplyFormat:
         return self.use is not None or (self.thinking is not None and self.reasoning == "split")
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The conversation as the template takes it (the tool format's rewriting)."""
-        return self.use.messages(messages) if self.use is not None else messages
+        """The conversation as the template takes it (the tool format's rewriting; without tools,
+        of the earlier turns' calls and tool answers alone)."""
+        if self.use is not None:
+            return self.use.messages(messages)
+        return self.earlier.history(messages) if self.earlier is not None else messages
 
     def variables(self, variables: dict[str, Any] | None = None) -> dict[str, Any]:
         """The template's variables: ``variables`` and the tools."""

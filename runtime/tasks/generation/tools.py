@@ -174,6 +174,7 @@ class Tools:
             calls["maxItems"] = 1
         return calls, defs
 
+
 class CallSpan(NamedTuple):
     """Where one call begun in an answer has its JSON: from ``start`` to ``end`` (None while
     unfinished). ``name``: None where the JSON is the whole call (``{"name": ..., "arguments":
@@ -211,6 +212,11 @@ class ToolFormat:
     def messages(self, messages: list[dict[str, Any]], tools: Tools) -> list[dict[str, Any]]:
         """The conversation as this family's template takes it (``chat_prompt`` reads the calls'
         arguments into objects for every format)."""
+        return self.history(messages)
+
+    def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The conversation's earlier calls and tool answers as this family's template takes them,
+        with tools offered or not (the turn after a tool's answer often offers none)."""
         return messages
 
     def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
@@ -407,7 +413,7 @@ class _Mistral(ToolFormat):
 
     marker = "[TOOL_CALLS]"
 
-    def messages(self, messages: list[dict[str, Any]], tools: Tools) -> list[dict[str, Any]]:
+    def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return _nine_letter_ids(template_messages(messages))
 
     def content(self, text: str, memo: dict | None = None) -> str:
@@ -456,12 +462,9 @@ class MistralJSON(_Mistral):
         k = text.find(self.marker)
         if k < 0:
             return text.strip(), []
-        try:
-            found, _ = json.JSONDecoder().raw_decode(text, _SPACE.match(text, k + len(self.marker)).end())
-        except ValueError:  # cut off by max_new_tokens: no call
-            found = None
-        calls = [c for c in (_call(json.dumps(x), "arguments") for x in found) if c is not None] if isinstance(found, list) else []
-        return text[:k].strip(), calls
+        # the whole calls (a list cut off by max_new_tokens keeps those before the cut, as they streamed)
+        calls = [_call(text[c.start : c.end], "arguments") for c in self.calls(text) if c.end is not None]
+        return text[:k].strip(), [c for c in calls if c is not None]
 
 
 @register_format
@@ -493,29 +496,21 @@ class MistralArgs(_Mistral):
         return "\n".join([start, body, *rules, "ID: /[A-Za-z0-9]{9}/", "TEXT: /(.|\\n)*/"]) + "\n"
 
     def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
-        out = []
-        for m in self._CALL.finditer(text):
-            if not text.startswith("{", m.end()):
-                break
+        """The calls one after another from the first marker, each where the last one's arguments
+        end (a marker inside an argument's string is text, not a call)."""
+        out, at = [], text.find(self.marker)
+        while at >= 0 and (m := self._CALL.match(text, at)) is not None and text.startswith("{", m.end()):
             end = _value_end(text, m.end(), memo)
             out.append(CallSpan(m.end(), end, m.group(1)))
-            if end is None:
-                break
+            at = _SPACE.match(text, end).end() if end is not None else -1
         return out
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         k = text.find(self.marker)
         if k < 0:
             return text.strip(), []
-        calls = []
-        for m in self._CALL.finditer(text):
-            try:
-                arguments, _ = json.JSONDecoder().raw_decode(text, m.end())
-            except ValueError:  # cut off by max_new_tokens: no call
-                break
-            if isinstance(arguments, dict):
-                calls.append(ToolCall(m.group(1), arguments))
-        return text[:k].strip(), calls
+        calls = [(c.name, _loads(text[c.start : c.end])) for c in self.calls(text) if c.end is not None]
+        return text[:k].strip(), [ToolCall(name, arguments) for name, arguments in calls if isinstance(arguments, dict)]
 
 
 @register_format
@@ -731,6 +726,8 @@ def _nine_letter_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     digits (Mistral's templates refuse others): an id of that shape kept, any other mapped to one
     by its hash (the same for the call and its answer); a tool answer without an id takes its
     call's in order."""
+    if not isinstance(messages, list):
+        return messages  # refused, in one line, where the template's messages are checked
     out, waiting = [], []
     for i, m in enumerate(messages):
         if isinstance(m, dict) and m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
