@@ -93,7 +93,7 @@ def _load_hf(source: Source, exported: Exported):
 
 def sentence_transformers_embed(source: Source, texts: list[str]) -> tuple[np.ndarray | None, str]:
     """``(embeddings of texts, "sentence-transformers VERSION")`` from the source folder as its own
-    library computes them (its modules, pooling and normalisation; float32, no prompt, every
+    library computes them (its modules, pooling, normalisation and default prompt; float32, every
     dimension), or ``(None, why not)`` where sentence-transformers is not installed or cannot load
     the folder (the check then pools the torch model's token states as the artifact does)."""
     try:
@@ -107,7 +107,7 @@ def sentence_transformers_embed(source: Source, texts: list[str]) -> tuple[np.nd
         model = SentenceTransformer(str(source.path), device="cpu", local_files_only=True,
                                     model_kwargs={"dtype": torch.float32})
         model.truncate_dim = None  # a Matryoshka model's default cut: the artifact keeps every dimension
-        emb = model.encode(texts, prompt="", convert_to_numpy=True, show_progress_bar=False)
+        emb = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)  # its default prompt, as the artifact's
     except Exception as e:  # a folder it cannot read (remote code, a pruned student's own files)
         return None, f"none (sentence-transformers cannot load the folder: {type(e).__name__})"
     finally:

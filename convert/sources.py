@@ -200,7 +200,29 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
             raise SourceError(f"{config} pools by {' + '.join(map(str, modes)) or 'no mode'}, which slimml cannot compute; "
                               f"it takes one of {', '.join(_ST_POOLING)} (set one in that file, as the model was trained), "
                               "or convert with --task feature-extraction and pool the token states yourself.")
-    return {"mode": modes[0], "normalize": "Normalize" in kinds, "output": "last_hidden_state"}
+    out = {"mode": modes[0], "normalize": "Normalize" in kinds, "output": "last_hidden_state"}
+    prompts, default = _st_prompts(folder)
+    if prompts and config is not None and config.is_file() and json.loads(config.read_text()).get("include_prompt") is False:
+        if default is not None:  # every text pooled without its prompt's tokens: not what slimml computes
+            raise SourceError(f"{config} pools each text without the tokens of its prompt, and the model puts the prompt "
+                              f"{default!r} before every text; slimml cannot pool so: convert with --task "
+                              "feature-extraction and pool the token states yourself.")
+        prompts = {}  # prompts that pool without their tokens are not offered
+    return {**out, "prompts": prompts, "default_prompt": default} if prompts else out
+
+
+def _st_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
+    """sentence-transformers' prompts by name and the default prompt's name
+    (``config_sentence_transformers.json``); the empty ones left out."""
+    try:
+        cfg = json.loads((folder / "config_sentence_transformers.json").read_text())
+    except (OSError, ValueError):
+        return {}, None
+    prompts = cfg.get("prompts") if isinstance(cfg, dict) else None
+    prompts = {k: v for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str) and v} \
+        if isinstance(prompts, dict) else {}
+    default = cfg.get("default_prompt_name")
+    return prompts, default if default in prompts else None
 
 
 def _st_model_type(folder: Path) -> str:

@@ -92,7 +92,13 @@ def test_records_round_trip_and_check_themselves():
     s2s = Seq2Seq(decoder_start_token_id=0, forced_ids=[[1, 5]])
     assert "suppress_ids" not in s2s.to_json() and s2s["forced_ids"] == [[1, 5]]
     assert Pooling.problems({"mode": "sum", "output": 3}) == [
-        "pooling.mode must be mean, cls, max or none", "pooling.output must name a model output"]
+        "pooling.mode must be one of mean, cls, max, lasttoken, mean_sqrt_len_tokens, weightedmean, none",
+        "pooling.output must name a model output"]
+    assert Pooling.problems({"mode": "cls", "output": "h", "prompts": {"q": 1}, "default_prompt": "q"}) == [
+        "pooling.prompts must map prompt names to texts"]
+    assert Pooling.problems({"mode": "cls", "output": "h", "prompts": {"q": "query: "}, "default_prompt": "d"}) == [
+        "pooling.default_prompt must name one of the prompts or be null"]
+    assert "prompts" not in Pooling(mode="cls", output="h").to_json()  # an artifact without prompts reads as before
     assert Seq2Seq.problems({"decoder_start_token_id": -1}, components=["encoder"]) == [
         "seq2seq needs the components encoder, decoder and decoder_with_past",
         "seq2seq.decoder_start_token_id must be a token id"]

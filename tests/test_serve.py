@@ -127,6 +127,8 @@ HOSTILE = [
     ("body too long", "/v1/embeddings", {"input": ["x" * 70000]}, 413, "more than this server takes"),
     ("bad encoding format", "/v1/embeddings", {"input": ["a"], "encoding_format": "int4"}, 400, "encoding_format"),
     ("other model", "/v1/embeddings", {"input": ["a"], "model": "gpt-9"}, 404, "is not served here"),
+    ("unknown prompt", "/v1/embeddings", {"input": ["a"], "prompt_name": "query"}, 400, "not one of this model's prompts"),
+    ("prompt not a name", "/v1/embeddings", {"input": ["a"], "prompt_name": 3}, 400, '"prompt_name" must be'),
     ("task without generate", "/v1/generate", {"prompt": "hi"}, 400, "not a decoder"),
     ("run without inputs", "/v1/run", {"x": 1}, 400, 'needs "inputs"'),
     ("run unknown dtype", "/v1/run", {"inputs": {"input_ids": {"dtype": "complex", "data": [[1]]}}}, 400, "dtype"),

@@ -22,6 +22,7 @@ from slimml.runtime.tasks.inputs.text import pool
 
 MODES = ["mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean"]
 TEXTS = ["A man is playing a guitar.", "Someone plays music in the park on a sunny day.", "A cat."]
+PROMPTS = {"query": "Instruct: find the passage\nQuery: ", "document": "passage: "}  # Qwen3-Embedding's kind
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -112,7 +113,8 @@ def decoder_embedder(tmp_path_factory) -> Path:
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                             padding_side="left").save_pretrained(base)
     SentenceTransformer(modules=[Transformer(str(base)), Pooling(64, pooling_mode="lasttoken"), Normalize()],
-                        truncate_dim=48).save(str(out))  # a Matryoshka cut the library applies by default
+                        truncate_dim=48,  # a Matryoshka cut the library applies by default
+                        prompts=PROMPTS, default_prompt_name="document").save(str(out))
     return out
 
 
@@ -130,8 +132,35 @@ def test_a_decoder_embedder_pools_its_last_token_as_sentence_transformers_does(d
     ours = model.encode(TEXTS)
     library = SentenceTransformer(str(decoder_embedder), device="cpu")
     library.truncate_dim = None  # every dimension, as the artifact keeps them
-    theirs = library.encode(TEXTS)
+    theirs = library.encode(TEXTS)  # its default prompt, "document", before each text: as the artifact's
     assert float((ours * theirs).sum(axis=1).min()) >= 0.9999
+
+
+def test_a_model_s_prompts_go_before_the_texts_as_sentence_transformers_puts_them(decoder_embedder, tmp_path):
+    """The prompts of the model's config travel in the artifact: ``encode(prompt_name=)``,
+    ``prompt=`` and the default prompt give sentence-transformers' embeddings; a prompt the model
+    does not have is refused in one line; a model that pools without its prompt's tokens and puts
+    one before every text is refused at convert."""
+    from sentence_transformers import SentenceTransformer
+
+    from slimml.errors import FeedError
+
+    convert(decoder_embedder, tmp_path / "art", ConvertConfig(measure_latency=False))
+    model = load(tmp_path / "art")
+    assert model.manifest.pooling.prompts == PROMPTS and model.manifest.pooling.default_prompt == "document"
+    library = SentenceTransformer(str(decoder_embedder), device="cpu")
+    library.truncate_dim = None
+    for asked in ({"prompt_name": "query"}, {"prompt": ""}, {"prompt": "Represent: "}):
+        ours, theirs = model.encode(TEXTS, **asked), library.encode(TEXTS, **asked)
+        assert float((ours * theirs).sum(axis=1).min()) >= 0.9999, asked
+    assert float((model.encode(TEXTS, prompt_name="query") * model.encode(TEXTS)).sum(axis=1).max()) < 0.9999
+    with pytest.raises(FeedError, match="'summary' is not one of this model's prompts .its prompts are '(query|document)'"):
+        model.encode(TEXTS, prompt_name="summary")
+    folder = shutil.copytree(decoder_embedder, tmp_path / "no_prompt_tokens")
+    config = json.loads((folder / "1_Pooling" / "config.json").read_text())
+    _pooling(folder, {**config, "include_prompt": False})
+    with pytest.raises(SourceError, match="without the tokens of its prompt"):
+        sentence_transformers_pooling(folder)
 
 
 def test_a_misread_pipeline_fails_the_check_against_the_library(decoder_embedder, tmp_path, monkeypatch):

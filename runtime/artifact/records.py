@@ -174,9 +174,12 @@ class Pooling(Record):
     """How a chain's token states become one embedding per text (sentence-transformers style)."""
 
     KEY: ClassVar[str] = "pooling"
+    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("prompts", "default_prompt")
     mode: str  # one of POOLING_MODES; "none": the model pools itself
     output: str  # the model output that is pooled
     normalize: bool = True
+    prompts: dict[str, str] = field(default_factory=dict)  # sentence-transformers' prompts by name ("query": "query: ")
+    default_prompt: str | None = None  # the prompt's name put before every text unless another is asked for
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -186,6 +189,11 @@ class Pooling(Record):
             c.need(raw.get("mode") in POOLING_MODES, f"{where}.mode", f"must be one of {', '.join(POOLING_MODES)}")
             c.need(isinstance(raw.get("output"), str), f"{where}.output", "must name a model output")
             c.need(isinstance(raw.get("normalize", True), bool), f"{where}.normalize", "must be true or false")
+            prompts = raw.get("prompts", {})
+            if c.need(isinstance(prompts, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()),
+                      f"{where}.prompts", "must map prompt names to texts"):
+                default = raw.get("default_prompt")
+                c.need(default is None or default in prompts, f"{where}.default_prompt", "must name one of the prompts or be null")
         return c.found
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from slimml.errors import FeedError, SlimmlError, TaskError
 from slimml.runtime.artifact.manifest import Manifest, safe_path
 from slimml.runtime.tasks.inputs.image import ImageProcessor
-from slimml.runtime.tasks.inputs.text import TextEncoder
+from slimml.runtime.tasks.inputs.text import TextEncoder, prompt_text
 from slimml.runtime.tasks.limits import Limits
 
 if TYPE_CHECKING:
@@ -115,14 +115,20 @@ class Task:
     # -- the task API: each raises TaskError unless the task has it ------------------------------
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
-               workers: int | None = None) -> np.ndarray:
+               workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
         """Sentence embeddings (sentence-embedding artifacts, CLIP's text tower)."""
         raise self.unsupported("encode")
 
     def encode_with_counts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
-                           workers: int | None = None) -> tuple[np.ndarray, list[int]]:
+                           workers: int | None = None, *, prompt_name: str | None = None,
+                           prompt: str | None = None) -> tuple[np.ndarray, list[int]]:
         """:meth:`encode` and the tokens of each text (sentence-embedding artifacts)."""
         raise self.unsupported("encode_with_counts")
+
+    def text_prompt(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
+        """The text :meth:`encode` puts before each text: ``prompt``, else the model's prompt named
+        ``prompt_name`` (sentence-transformers' prompts, ``"query"``), else its default prompt."""
+        return prompt_text(self.manifest.pooling, prompt_name, prompt)
 
     def embed_texts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False) -> np.ndarray:
         """Text embeddings of an image-text model (CLIP)."""

@@ -8,7 +8,7 @@ import numpy as np
 
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_unicode, register_task
-from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
+from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, prompt_text, sorted_batches
 from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ class TextEmbedding(Task):
     suggest = ("encode",)
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
-               workers: int | None = None) -> np.ndarray:
+               workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
         """Sentence embeddings, (len(texts), hidden) float32, pooled and normalised as the source model does.
 
         Texts are tokenized once, sorted by token count and run ``batch_size`` at a time, each
@@ -40,28 +40,40 @@ class TextEmbedding(Task):
             show_progress: draw a progress bar over the batches (on stderr).
             workers: batches run at once (default: one per core of ``load(threads=)``, else of
                 the machine, where lanes apply; 1 runs each batch on all the model's threads).
+            prompt_name: one of the model's prompts (``manifest.pooling.prompts``, from its
+                sentence-transformers config: ``"query"`` for a retrieval model), put before
+                each text, as sentence-transformers' ``encode(prompt_name=)`` does.
+            prompt: a prompt's text itself (``""``: none, not even the model's default).
+                Neither given: the model's default prompt, where its config names one.
 
         Example:
             >>> model = load("artifacts/all-MiniLM-L6-v2")
             >>> model.encode(["A man is eating.", "Someone eats."]).shape
             (2, 384)
+            >>> load("artifacts/Qwen3-Embedding-0.6B").encode(["What is slimml?"], prompt_name="query")
         """
-        return self.encode_with_counts(texts, batch_size, show_progress, workers)[0]
+        return self.encode_with_counts(texts, batch_size, show_progress, workers, prompt_name=prompt_name, prompt=prompt)[0]
 
     def encode_with_counts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
-                           workers: int | None = None) -> tuple[np.ndarray, list[int]]:
+                           workers: int | None = None, *, prompt_name: str | None = None,
+                           prompt: str | None = None) -> tuple[np.ndarray, list[int]]:
         """:meth:`encode`, and the tokens of each text as the model saw them (what OpenAI's
         ``usage`` counts), from one tokenization."""
-        return embed_texts(self, self.engine, self.text, self.manifest.pooling, texts, batch_size, show_progress, workers)
+        return embed_texts(self, self.engine, self.text, self.manifest.pooling, texts, batch_size, show_progress, workers,
+                           prompt_text(self.manifest.pooling, prompt_name, prompt))
 
 
 def embed_texts(task: Task, engine: Engine, text: TextEncoder | None, pooling: dict[str, Any], texts: list[str],
                 batch_size: int = 32, show_progress: bool = False,
-                workers: int | None = None) -> tuple[np.ndarray, list[int]]:
-    """Pooled embeddings of ``texts`` through ``engine`` (one chain), and each text's token count."""
+                workers: int | None = None, prompt: str = "") -> tuple[np.ndarray, list[int]]:
+    """Pooled embeddings of ``texts`` through ``engine`` (one chain), each after ``prompt``, and
+    each text's token count (its prompt's included)."""
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
         raise FeedError(f"encode() takes a list of strings, got {type(texts).__name__}; wrap a single text as [text].")
     check_unicode(texts)
+    if prompt:
+        check_unicode([prompt])
+        texts = [prompt + t if isinstance(t, str) else t for t in texts]
     check_batch_size(batch_size)
     if text is None:
         raise task.unsupported("tokenize")

@@ -18,6 +18,7 @@ from slimml.errors import FeedError
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.tasks.base import Task, image_input, register_task, text_encoder
 from slimml.runtime.tasks.classify import check_top_k, embed_image_batches, image_output, top_classes
+from slimml.runtime.tasks.inputs.text import prompt_text
 from slimml.runtime.tasks.text_embedding import embed_texts
 
 if TYPE_CHECKING:
@@ -47,15 +48,19 @@ class ZeroShot(Task):
         return self.encode_with_counts(texts, batch_size, show_progress)[0]
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
-               workers: int | None = None) -> np.ndarray:
+               workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
         """The text tower's embeddings (the sentence-embedding API, and ``slimml serve``'s /v1/embeddings)."""
-        return self.encode_with_counts(texts, batch_size, show_progress, workers)[0]
+        return self.encode_with_counts(texts, batch_size, show_progress, workers, prompt_name=prompt_name, prompt=prompt)[0]
 
     def encode_with_counts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
-                           workers: int | None = None) -> tuple[np.ndarray, list[int]]:
+                           workers: int | None = None, *, prompt_name: str | None = None,
+                           prompt: str | None = None) -> tuple[np.ndarray, list[int]]:
         """:meth:`encode` and each text's token count."""
         return embed_texts(self, self.part(self.text_part), self.text, self.pooling, texts, batch_size,
-                           show_progress, workers)
+                           show_progress, workers, prompt_text(self.pooling, prompt_name, prompt))
+
+    def text_prompt(self, prompt_name: str | None = None, prompt: str | None = None) -> str:
+        return prompt_text(self.pooling, prompt_name, prompt)  # the text tower's
 
     def embed_images(self, images: Any, batch_size: int = 32, normalize: bool = True) -> np.ndarray:
         """Image embeddings from the vision tower, (len(images), dim) float32, L2-normalised."""

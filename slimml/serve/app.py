@@ -237,7 +237,8 @@ class SlimmlServer:
                                    self.config.max_waiting, self.config.max_text_chars,
                                    prefill_tokens=self.config.prefill_tokens, prompt_lookup=self.config.prompt_lookup,
                                    prefix_bytes=self.config.prefix_bytes, reasoning=self.config.reasoning)
-        self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size),
+        # each request's prompt is put before its texts here: a batch holds the texts of requests that differ
+        self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size, prompt=""),
                                     self.config.max_batch_size, self.config.batch_wait_ms / 1000)
 
     async def _body(self, request: Request) -> dict[str, Any]:
@@ -279,7 +280,8 @@ class SlimmlServer:
         self._needs("encode_with_counts")
         protocol.check_model(data, self.name)
         texts = protocol.embedding_texts(data, self.config.max_texts, self.config.max_text_chars)
-        emb, counts = await self._embed_batch(texts)  # with the texts of concurrent requests
+        prompt = self.model.text_prompt(protocol.prompt_name(data))  # the model's default, or the one named
+        emb, counts = await self._embed_batch([prompt + t for t in texts] if prompt else texts)  # with concurrent requests' texts
         body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
         return Response(protocol.dumps(body), media_type="application/json")
 

@@ -83,6 +83,16 @@ def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None 
     return texts
 
 
+def prompt_name(data: dict[str, Any]) -> str | None:
+    """``prompt_name`` of an embeddings request (as Hugging Face's text-embeddings-inference takes
+    it): one of the model's sentence-transformers prompts, put before each text."""
+    name = data.get("prompt_name")
+    if name is not None and not isinstance(name, str):
+        raise RequestError(f'"prompt_name" must be the name of one of the model\'s prompts, got a JSON {_json_type(name)}.',
+                           param="prompt_name")
+    return name
+
+
 def checked_texts(texts: list[str], field: str, max_chars: int | None) -> list[str]:
     """``texts`` cut to ``max_chars`` each, refusing one that is not valid Unicode (a lone
     surrogate such as ``"\\ud800"`` is valid JSON but no text a tokenizer takes)."""

@@ -121,3 +121,23 @@ def pool(hidden: np.ndarray, attention_mask: np.ndarray, mode: str = "mean", nor
     if normalize:
         emb = emb / np.clip(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12, None)
     return emb
+
+
+def prompt_text(pooling: Any, prompt_name: str | None = None, prompt: str | None = None) -> str:
+    """The text put before each text by an embedding model whose ``pooling`` record holds its
+    sentence-transformers prompts: ``prompt`` itself, else the prompt named ``prompt_name``, else
+    the model's default prompt (or none)."""
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise FeedError(f"prompt must be a text, got {type(prompt).__name__}; pass the words to put before each text.")
+        return prompt
+    prompts = dict(pooling.get("prompts") or {}) if pooling is not None else {}
+    if prompt_name is None:
+        default = pooling.get("default_prompt") if pooling is not None else None
+        return prompts.get(default, "") if default is not None else ""
+    if prompt_name not in prompts:
+        have = f"its prompts are {', '.join(map(repr, prompts))}" if prompts else "it has none"
+        raise FeedError(f"prompt_name {prompt_name!r} is not one of this model's prompts ({have}); name one of them, "
+                        "or pass the text itself as prompt=.")
+    return prompts[prompt_name]
+
