@@ -85,6 +85,10 @@ def test_embeddings_equal_in_process_encode(server, local):
     status, one = client.request("POST", "/v1/embeddings", {"input": texts[0], "encoding_format": "base64"})
     vec = np.frombuffer(base64.b64decode(one["data"][0]["embedding"]), dtype="<f4")
     assert status == 200 and float(vec @ want[0]) >= 0.9999
+    status, cut = client.request("POST", "/v1/embeddings", {"input": texts[:2], "dimensions": 64})  # OpenAI's field
+    short = np.array([d["embedding"] for d in cut["data"]], dtype=np.float32)
+    wanted = want[:2, :64] / np.linalg.norm(want[:2, :64], axis=1, keepdims=True)  # the first values, unit length again
+    assert status == 200 and short.shape == (2, 64) and np.abs(short - wanted).max() < 1e-5
 
 
 def test_models_health_and_run(server, local):
@@ -129,6 +133,8 @@ HOSTILE = [
     ("other model", "/v1/embeddings", {"input": ["a"], "model": "gpt-9"}, 404, "is not served here"),
     ("unknown prompt", "/v1/embeddings", {"input": ["a"], "prompt_name": "query"}, 400, "not one of this model's prompts"),
     ("prompt not a name", "/v1/embeddings", {"input": ["a"], "prompt_name": 3}, 400, '"prompt_name" must be'),
+    ("dimensions not a number", "/v1/embeddings", {"input": ["a"], "dimensions": "64"}, 400, '"dimensions" must be'),
+    ("dimensions too many", "/v1/embeddings", {"input": ["a"], "dimensions": 100000}, 400, "more than this model's"),
     ("task without generate", "/v1/generate", {"prompt": "hi"}, 400, "not a decoder"),
     ("run without inputs", "/v1/run", {"x": 1}, 400, 'needs "inputs"'),
     ("run unknown dtype", "/v1/run", {"inputs": {"input_ids": {"dtype": "complex", "data": [[1]]}}}, 400, "dtype"),

@@ -281,7 +281,10 @@ class SlimmlServer:
         protocol.check_model(data, self.name)
         texts = protocol.embedding_texts(data, self.config.max_texts, self.config.max_text_chars)
         prompt = self.model.text_prompt(protocol.prompt_name(data))  # the model's default, or the one named
+        size = protocol.dimensions(data)
         emb, counts = await self._embed_batch([prompt + t for t in texts] if prompt else texts)  # with concurrent requests' texts
+        pooling = self.model.manifest.pooling
+        emb = protocol.shortened(emb, size, normalized=pooling is None or bool(pooling.get("normalize", True)))
         body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
         return Response(protocol.dumps(body), media_type="application/json")
 

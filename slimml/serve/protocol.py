@@ -93,6 +93,27 @@ def prompt_name(data: dict[str, Any]) -> str | None:
     return name
 
 
+def dimensions(data: dict[str, Any]) -> int | None:
+    """``dimensions`` of an embeddings request (OpenAI's field), checked before any work."""
+    n = data.get("dimensions")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise RequestError(f'"dimensions" must be a whole number from 1 to the model\'s size, got {n!r:.40}; leave it out '
+                           "for all of them.", param="dimensions")
+    return n
+
+
+def shortened(emb: np.ndarray, n: int | None, normalized: bool) -> np.ndarray:
+    """``emb`` cut to ``n`` dimensions (the first values of each vector, as a Matryoshka-trained
+    model is read), made unit-length again where the model's embeddings are; None: as they are."""
+    if n is None:
+        return emb
+    if n > emb.shape[1]:
+        raise RequestError(f'"dimensions" is {n}, more than this model\'s {emb.shape[1]}; ask for at most '
+                           f"{emb.shape[1]}, or leave it out.", param="dimensions")
+    cut = emb[:, :n]
+    return cut / np.clip(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12, None) if normalized else cut
+
+
 def checked_texts(texts: list[str], field: str, max_chars: int | None) -> list[str]:
     """``texts`` cut to ``max_chars`` each, refusing one that is not valid Unicode (a lone
     surrogate such as ``"\\ud800"`` is valid JSON but no text a tokenizer takes)."""
