@@ -201,6 +201,7 @@ class SlimmlServer:
         # _guard, so it is reached through the module, not through this function's globals
         import slimml.serve.app as module
 
+        module._reuse_address()  # before Serve binds the direct-ingress port (after this constructor)
         module._guard.update(key_sha256=self.config.api_key_sha256, openapi=self.config.openapi,
                              timeout_s=self.config.request_timeout_s, bodies_bytes=self.config.max_bodies_bytes)
         expect = self.config.manifest_sha256  # the driver's manifest: this node's copy must be the same
@@ -362,6 +363,34 @@ class SlimmlServer:
     def check_health(self):
         """Serve's own probe: a replica whose files changed is replaced (it reloads and re-verifies)."""
         self.model.check_files()
+
+
+def _reuse_address() -> None:
+    """Direct ingress: the replica's listening socket gets SO_REUSEADDR, as uvicorn's and Serve's proxy's have.
+    Serve binds it without, so after a replica dies its replacement cannot bind the port while a connection the
+    dead one closed is in TIME_WAIT (60 s on Linux). SO_REUSEADDR still refuses a port something listens on."""
+    import os
+    import socket
+    import types
+
+    if os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
+        return
+    try:
+        from ray.serve._private import http_util
+    except ImportError:
+        return
+    if not hasattr(http_util, "socket") or getattr(http_util.socket, "reuse_address", False):
+        return  # a Ray that binds otherwise (ray[serve] is pinned: checked against 2.60), or patched already
+
+    class _Socket(socket.socket):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    shim = types.ModuleType("socket")
+    shim.__dict__.update(vars(socket))
+    shim.socket, shim.reuse_address = _Socket, True
+    http_util.socket = shim
 
 
 def app(config: ServeConfig, cpus_per_replica: float | None = None, memory_bytes: int | None = None):
