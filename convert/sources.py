@@ -212,17 +212,21 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
 
 
 def _st_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
-    """sentence-transformers' prompts by name and the default prompt's name
-    (``config_sentence_transformers.json``); the empty ones left out."""
+    """sentence-transformers' prompts by name (an empty one is a name a caller may use) and the
+    default prompt's name (``config_sentence_transformers.json``)."""
     try:
         cfg = json.loads((folder / "config_sentence_transformers.json").read_text())
     except (OSError, ValueError):
         return {}, None
     prompts = cfg.get("prompts") if isinstance(cfg, dict) else None
-    prompts = {k: v for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str) and v} \
+    prompts = {k: v for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str)} \
         if isinstance(prompts, dict) else {}
     default = cfg.get("default_prompt_name")
-    return prompts, default if default in prompts else None
+    if default is not None and default not in prompts:  # sentence-transformers refuses to load it too
+        raise SourceError(f"{folder / 'config_sentence_transformers.json'} names the default prompt {default!r}, which is "
+                          f"not among its prompts ({', '.join(map(repr, prompts)) or 'none'}); fix default_prompt_name "
+                          "or add that prompt.")
+    return prompts, default
 
 
 def _st_model_type(folder: Path) -> str:

@@ -22,7 +22,7 @@ from slimml.runtime.tasks.inputs.text import pool
 
 MODES = ["mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean"]
 TEXTS = ["A man is playing a guitar.", "Someone plays music in the park on a sunny day.", "A cat."]
-PROMPTS = {"query": "Instruct: find the passage\nQuery: ", "document": "passage: "}  # Qwen3-Embedding's kind
+PROMPTS = {"query": "Instruct: find the passage\nQuery: ", "document": "passage: ", "plain": ""}  # Qwen3-Embedding's kind
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -150,16 +150,20 @@ def test_a_model_s_prompts_go_before_the_texts_as_sentence_transformers_puts_the
     assert model.manifest.pooling.prompts == PROMPTS and model.manifest.pooling.default_prompt == "document"
     library = SentenceTransformer(str(decoder_embedder), device="cpu")
     library.truncate_dim = None
-    for asked in ({"prompt_name": "query"}, {"prompt": ""}, {"prompt": "Represent: "}):
+    for asked in ({"prompt_name": "query"}, {"prompt_name": "plain"}, {"prompt": ""}, {"prompt": "Represent: "}):
         ours, theirs = model.encode(TEXTS, **asked), library.encode(TEXTS, **asked)
         assert float((ours * theirs).sum(axis=1).min()) >= 0.9999, asked
     assert float((model.encode(TEXTS, prompt_name="query") * model.encode(TEXTS)).sum(axis=1).max()) < 0.9999
-    with pytest.raises(FeedError, match="'summary' is not one of this model's prompts .its prompts are '(query|document)'"):
+    with pytest.raises(FeedError, match="'summary' is not one of this model's prompts .its prompts are '(query|document|plain)'"):
         model.encode(TEXTS, prompt_name="summary")
     folder = shutil.copytree(decoder_embedder, tmp_path / "no_prompt_tokens")
     config = json.loads((folder / "1_Pooling" / "config.json").read_text())
     _pooling(folder, {**config, "include_prompt": False})
     with pytest.raises(SourceError, match="without the tokens of its prompt"):
+        sentence_transformers_pooling(folder)
+    settings = json.loads((decoder_embedder / "config_sentence_transformers.json").read_text())
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({**settings, "default_prompt_name": "summary"}))
+    with pytest.raises(SourceError, match="names the default prompt 'summary', which is not among its prompts"):
         sentence_transformers_pooling(folder)
 
 

@@ -282,12 +282,18 @@ class SlimmlServer:
         protocol.check_model(data, self.name)
         texts = protocol.embedding_texts(data, self.config.max_texts, self.config.max_text_chars)
         prompt = self.model.text_prompt(protocol.prompt_name(data))  # the model's default, or the one named
-        size = protocol.dimensions(data)
+        size = protocol.dimensions(data, self._embedding_size())
         emb, counts = await self._embed_batch([prompt + t for t in texts] if prompt else texts)  # with concurrent requests' texts
         pooling = self.model.manifest.pooling
         emb = protocol.shortened(emb, size, normalized=pooling is None or bool(pooling.get("normalize", True)))
         body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
         return Response(protocol.dumps(body), media_type="application/json")
+
+    def _embedding_size(self) -> int | None:
+        """The size of the model's embeddings, where its manifest says it (the pooled output's last axis)."""
+        pooling = self.model.manifest.pooling
+        shape = next((t.shape for t in self.model.manifest.outputs if pooling is not None and t.name == pooling["output"]), None)
+        return shape[-1] if shape and isinstance(shape[-1], int) else None
 
     @api.post("/v1/run")
     async def run(self, request: Request):

@@ -93,12 +93,16 @@ def prompt_name(data: dict[str, Any]) -> str | None:
     return name
 
 
-def dimensions(data: dict[str, Any]) -> int | None:
-    """``dimensions`` of an embeddings request (OpenAI's field), checked before any work."""
+def dimensions(data: dict[str, Any], size: int | None = None) -> int | None:
+    """``dimensions`` of an embeddings request (OpenAI's field), checked before any work against
+    the model's embedding ``size`` where it is known."""
     n = data.get("dimensions")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise RequestError(f'"dimensions" must be a whole number from 1 to the model\'s size, got {n!r:.40}; leave it out '
                            "for all of them.", param="dimensions")
+    if n is not None and size is not None and n > size:
+        raise RequestError(f'"dimensions" is {n}, more than this model\'s {size}; ask for at most {size}, or leave it out.',
+                           param="dimensions")
     return n
 
 
