@@ -542,6 +542,8 @@ def _config_facts(folder: Path) -> dict[str, Any]:
     keys = ("model_type", "vocab_size", "max_position_embeddings", "num_hidden_layers", "num_channels", "image_size",
             "max_source_positions")
     facts = {k: config[k] for k in keys if k in config}
+    if isinstance(config.get("problem_type"), str):  # a classifier's scores: softmax, or sigmoid for multi-label
+        facts["problem_type"] = config["problem_type"]
     for tower in ("text_config", "vision_config"):  # two-tower models (CLIP) keep them per tower
         sub = config.get(tower) or {}
         facts.update({k: sub[k] for k in keys[1:] if k in sub and k not in facts})

@@ -35,7 +35,7 @@ CALLS = {
     "encode": "encode(texts)", "encode_with_counts": "encode_with_counts(texts)", "embed_texts": "embed_texts(texts)",
     "tokenize": "tokenize(texts)", "count_tokens": "count_tokens(texts)", "classify": "classify(inputs)",
     "embed_images": "embed_images(images)", "preprocess": "preprocess(images)", "generate": "generate(prompts)",
-    "stream": "stream(prompt)", "chat": "chat(messages)",
+    "stream": "stream(prompt)", "chat": "chat(messages)", "rerank": "rerank(query, documents)",
 }
 NEEDS = {
     "encode": "a sentence-embedding model", "encode_with_counts": "a sentence-embedding model",
@@ -43,6 +43,7 @@ NEEDS = {
     "count_tokens": "a model with a tokenizer", "classify": "a classifier", "embed_images": "an image-embedding model",
     "preprocess": "a model that takes images", "generate": "a text-generation model",
     "stream": "a decoder (text-generation) model", "chat": "a decoder (text-generation) model",
+    "rerank": "a cross-encoder (a text classifier with one output)",
 }
 
 
@@ -138,6 +139,11 @@ class Task:
         """Labels and scores (classifiers; CLIP with ``labels=``)."""
         raise self.unsupported("classify")
 
+    def rerank(self, query: str, documents: list[str] | None = None, top_n: int | None = None,
+               batch_size: int = 32) -> list[dict]:
+        """Documents ranked by relevance to a query (cross-encoders)."""
+        raise self.unsupported("rerank")
+
     def embed_images(self, images: Any, batch_size: int = 32, normalize: bool = True) -> np.ndarray:
         """Image embeddings (image-embedding artifacts, CLIP's vision tower)."""
         raise self.unsupported("embed_images")
@@ -155,8 +161,9 @@ class Task:
         raise self.unsupported("chat")
 
     def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
-        """Feeds for ``texts`` from the artifact's tokenizer, padded to the longest (or ``pad_to``)."""
-        check_unicode(texts)
+        """Feeds for ``texts`` (or ``(text, text)`` pairs) from the artifact's tokenizer, padded to
+        the longest (or ``pad_to``)."""
+        check_unicode([x for t in texts for x in (t if isinstance(t, tuple) else (t,))] if isinstance(texts, list) else texts)
         if self.text is None:
             raise self.unsupported("tokenize")
         return self.text(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)

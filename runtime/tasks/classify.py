@@ -2,8 +2,10 @@
 
 An image classifier (``ViTForImageClassification``) takes images through the artifact's image
 preprocessor; a text classifier (``...ForSequenceClassification``) takes texts through its
-tokenizer. Either way the scores are the softmax of the ``logits`` output and the labels come
-from the source config's ``id2label``, kept in the manifest. The task classes
+tokenizer. Either way the scores come from the ``logits`` output as transformers' classification
+pipelines make them (:func:`scores`: the softmax over the labels, or each label's sigmoid for a
+model with one label, a cross-encoder, or a multi-label one) and the labels from the source
+config's ``id2label``, kept in the manifest. The task classes
 (:mod:`.image_classification`, :mod:`.text_classification`, :mod:`.image_embedding`,
 :mod:`.zero_shot`) call these.
 """
@@ -31,14 +33,16 @@ class Classifier(Task):
 
     def classify(self, inputs: Any, top_k: int | None = 5, batch_size: int = 32) -> list[list[dict[str, Any]]]:
         """Per input, its ``top_k`` classes (all when None) as ``{"label", "score"}``, best first;
-        scores are the softmax of the logits, labels the source config's ``id2label``.
+        scores as transformers' pipelines make them (:func:`scores`), labels the source config's
+        ``id2label``.
 
         Example:
             >>> load("artifacts/vit-base-patch16-224").classify(["cat.jpg"], top_k=1)
             [[{'label': 'tabby, tabby cat', 'score': 0.93}]]
         """
         check_top_k(top_k, "class")
-        return classify_batches(self.engine.run, self.batches(inputs, batch_size), self.manifest.labels, top_k)
+        return classify_batches(self.engine.run, self.batches(inputs, batch_size), self.manifest.labels, top_k,
+                                self.manifest.source.get("problem_type"))
 
     def batches(self, inputs: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         """Feeds per ``batch_size`` inputs (texts through the tokenizer, images through the preprocessor)."""
@@ -46,15 +50,31 @@ class Classifier(Task):
 
 
 def classify_batches(run: Run, batches: Iterable[dict[str, np.ndarray]], labels: list[str],
-                     top_k: int | None) -> list[list[dict[str, Any]]]:
+                     top_k: int | None, problem_type: str | None = None) -> list[list[dict[str, Any]]]:
     """Per input, its ``top_k`` classes as ``{"label", "score"}``, best first (all when None)."""
+    return top_classes(scores(batch_logits(run, batches, labels), problem_type), labels, top_k)
+
+
+def batch_logits(run: Run, batches: Iterable[dict[str, np.ndarray]], labels: list[str]) -> np.ndarray:
+    """The ``logits`` of every batch, (inputs, labels), checked against the manifest's labels."""
     logits = np.concatenate([run(feeds)["logits"] for feeds in batches])
     if logits.ndim != 2 or logits.shape[1] != len(labels):
         raise SlimmlError(
             f"the artifact's logits have shape {logits.shape} but its manifest lists {len(labels)} labels; "
             "it is damaged: convert the model again."
         )
-    return top_classes(softmax(logits.astype(np.float64)), labels, top_k)
+    return logits
+
+
+def scores(logits: np.ndarray, problem_type: str | None = None) -> np.ndarray:
+    """Scores from (inputs, labels) logits, as transformers' classification pipelines make them by
+    default: each label's sigmoid for a model with one label (a cross-encoder's relevance) or a
+    multi-label one (``problem_type`` ``multi_label_classification``), else the softmax over the
+    labels (a softmax over one label would be 1 for every input)."""
+    x = logits.astype(np.float64)
+    if x.shape[1] == 1 or problem_type == "multi_label_classification":
+        return 1.0 / (1.0 + np.exp(-x))
+    return softmax(x)
 
 
 def top_classes(scores: np.ndarray, labels: list[str], top_k: int | None) -> list[list[dict[str, Any]]]:
@@ -83,11 +103,18 @@ def image_output(names: Iterable[str]) -> str | None:
 
 
 def text_batches(task: Task, texts: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
-    """Tokenized feeds per ``batch_size`` texts."""
+    """Tokenized feeds per ``batch_size`` inputs: texts, or pairs of texts (``[query, passage]``,
+    tokenized together as a pair, as a cross-encoder reads them)."""
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not texts:
-        raise FeedError("this classifier takes a non-empty list of texts; wrap a single text as [text].")
+        raise FeedError("this classifier takes a non-empty list of texts (or of [text, text] pairs); wrap a single "
+                        "text as [text].")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str) and not (isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t)):
+            raise FeedError(f"input {i} is neither a text nor a pair of texts ([text, text]), got {type(t).__name__}; "
+                            "give texts, or pairs for a cross-encoder.")
     size = check_batch(batch_size)
-    return (task.tokenize(list(texts[i:i + size])) for i in range(0, len(texts), size))
+    return (task.tokenize([t if isinstance(t, str) else tuple(t) for t in texts[i:i + size]])
+            for i in range(0, len(texts), size))
 
 
 def check_top_k(top_k: Any, what: str) -> None:

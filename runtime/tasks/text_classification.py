@@ -1,4 +1,5 @@
-"""Text classification: texts in, labels and scores out (``...ForSequenceClassification``)."""
+"""Text classification: texts (or pairs of texts) in, labels and scores out
+(``...ForSequenceClassification``); a cross-encoder, one relevance output, also reranks."""
 
 from __future__ import annotations
 
@@ -7,18 +8,49 @@ from typing import Any
 
 import numpy as np
 
+from slimml.errors import FeedError
 from slimml.runtime.tasks.base import register_task
-from slimml.runtime.tasks.classify import Classifier, text_batches
+from slimml.runtime.tasks.classify import Classifier, batch_logits, scores, text_batches
 
 
 @register_task("text-classification")
 class TextClassifier(Classifier):
-    """A text classifier: ``classify(texts)`` with the source config's labels.
+    """A text classifier: ``classify(texts)`` with the source config's labels; a cross-encoder
+    (one output) also ``rerank(query, documents)``.
 
     Example:
         >>> load("artifacts/sst2").classify(["a fine film"], top_k=1)
         [[{'label': 'POSITIVE', 'score': 0.98}]]
+        >>> load("artifacts/ms-marco-MiniLM-L6-v2").rerank("what is ONNX?", ["ONNX is a format.", "Cats."], top_n=1)
+        [{'index': 0, 'score': 0.97}]
     """
+
+    methods = frozenset({"classify", "rerank"})
+    suggest = ("rerank", "classify")  # rerank where the model has one output (supports() decides)
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        reranks = self.text is not None and len(self.manifest.labels or ()) == 1  # a cross-encoder's one relevance output
+        return super().capabilities - (set() if reranks else {"rerank"})
 
     def batches(self, inputs: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
         return text_batches(self, inputs, batch_size)
+
+    def rerank(self, query: str, documents: list[str] | None = None, top_n: int | None = None,
+               batch_size: int = 32) -> list[dict[str, Any]]:
+        """``documents`` ranked by their relevance to ``query``, as a cross-encoder scores them
+        (sentence-transformers' ``CrossEncoder.rank``): each ``(query, document)`` pair read
+        together, its score the sigmoid of the model's one output; per document ``{"index",
+        "score"}``, best first, the ``top_n`` best (all when None)."""
+        if not self.supports("rerank"):
+            raise self.unsupported("rerank")
+        if not isinstance(query, str) or not query:
+            raise FeedError(f"rerank() needs the query as a non-empty text, got {type(query).__name__}.")
+        if isinstance(documents, str) or not isinstance(documents, (list, tuple)) or not documents:
+            raise FeedError("rerank() takes the documents as a non-empty list of texts; wrap a single one as [text].")
+        if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+            raise FeedError(f"top_n must be a whole number >= 1 (or None for every document), got {top_n!r}.")
+        pairs = [[query, d] for d in documents]
+        relevance = scores(batch_logits(self.engine.run, text_batches(self, pairs, batch_size), self.manifest.labels))[:, 0]
+        order = np.argsort(-relevance, kind="stable")[: top_n or len(documents)]
+        return [{"index": int(i), "score": float(relevance[i])} for i in order]

@@ -128,7 +128,7 @@ async def _request_error(request: Request, e: RequestError):
     return _error(str(e), e.status, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None, e.param)
 
 
-ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, POST /v1/generate, POST /v1/run, "
+ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, POST /v1/rerank, POST /v1/generate, POST /v1/run, "
           "GET /health, GET /v1/models")
 
 
@@ -152,7 +152,8 @@ async def _feed_error(request: Request, e: FeedError):
 
 
 # the route that serves each task method, and the kind of model it needs
-_ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"), "generate": ("/v1/generate", "a decoder")}
+_ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"), "generate": ("/v1/generate", "a decoder"),
+           "rerank": ("/v1/rerank", "a cross-encoder (one relevance output)")}
 _SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts"}  # methods behind one route
 
 
@@ -294,6 +295,19 @@ class SlimmlServer:
         pooling = self.model.manifest.pooling
         shape = next((t.shape for t in self.model.manifest.outputs if pooling is not None and t.name == pooling["output"]), None)
         return shape[-1] if shape and isinstance(shape[-1], int) else None
+
+    @api.post("/v1/rerank")
+    async def rerank(self, request: Request):
+        """Documents ranked by a cross-encoder's relevance to a query (the shape of Jina's, Cohere's
+        and vLLM's ``/v1/rerank``)."""
+        data = await self._body(request)
+        self._needs("rerank")
+        protocol.check_model(data, self.name)
+        query, documents, top_n, return_documents = protocol.rerank_request(data, self.config.max_texts,
+                                                                           self.config.max_text_chars)
+        ranked = await asyncio.to_thread(self.model.rerank, query, documents, top_n, self.config.batch_size)
+        tokens = await asyncio.to_thread(self.model.count_tokens, [(query, d) for d in documents])
+        return protocol.rerank_response(ranked, documents if return_documents else None, self.name, sum(tokens))
 
     @api.post("/v1/run")
     async def run(self, request: Request):

@@ -146,6 +146,44 @@ def embeddings_response(emb: np.ndarray, name: str, tokens: int, fmt: str = "flo
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None = None) -> tuple[str, list[str], int | None, bool]:
+    """``(query, documents, top_n, return_documents)`` of a rerank request: documents as texts or
+    ``{"text": ...}`` objects, each valid Unicode and cut to ``max_chars``."""
+    query = data.get("query")
+    if not isinstance(query, str) or not query:
+        raise RequestError('a rerank request needs "query": a non-empty text.', param="query")
+    docs = data.get("documents")
+    if not isinstance(docs, list) or not docs:
+        raise RequestError('a rerank request needs "documents": a non-empty list of texts.', param="documents")
+    if len(docs) > max_texts:
+        raise RequestError(f'"documents" has {len(docs)} texts, more than this server takes ({max_texts}); send them in '
+                           "smaller requests, or raise the limit (slimml serve --max-texts).", 413, param="documents")
+    texts = []
+    for i, d in enumerate(docs):
+        text = d.get("text") if isinstance(d, dict) else d
+        if not isinstance(text, str) or not text:
+            raise RequestError(f'"documents"[{i}] must be a non-empty text (or {{"text": "..."}}), got a JSON '
+                               f"{_json_type(d)}.", param=f"documents[{i}]")
+        texts.append(text)
+    query, *texts = checked_texts([query, *texts], '"query", "documents"', max_chars)
+    top_n = data.get("top_n")
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+        raise RequestError(f'"top_n" must be a whole number >= 1, got {top_n!r:.40}; leave it out for every document.',
+                           param="top_n")
+    keep = data.get("return_documents", True)
+    if not isinstance(keep, bool):
+        raise RequestError(f'"return_documents" must be true or false, got a JSON {_json_type(keep)}.', param="return_documents")
+    return query, texts, top_n, keep
+
+
+def rerank_response(ranked: list[dict[str, Any]], documents: list[str] | None, name: str, tokens: int) -> dict[str, Any]:
+    """Jina's and Cohere's (and vLLM's) rerank body: results best first, each its ``index`` in the
+    request, ``relevance_score`` and, where asked, the ``document``."""
+    results = [{"index": r["index"], "relevance_score": r["score"],
+                **({"document": {"text": documents[r["index"]]}} if documents is not None else {})} for r in ranked]
+    return {"object": "list", "model": name, "results": results, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 def run_inputs(data: dict[str, Any]) -> tuple[dict[str, np.ndarray], list[str] | None, str]:
     """``inputs`` of a run request: name -> ``{"dtype", "data"}`` (nested lists) or ``{"npy": base64}``."""
     inputs = data.get("inputs")

@@ -31,13 +31,16 @@ class TextEncoder:
         self.input_names = input_names
         self.limits = limits or Limits()  # texts are cut to limits.max_text_chars before tokenizing
 
-    def encodings(self, texts: list[str]) -> list:
-        """One unpadded, truncated encoding per text (``.ids``, ``.attention_mask``, ``.type_ids``)."""
-        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+    def encodings(self, texts: list[str] | list[tuple[str, str]]) -> list:
+        """One unpadded, truncated encoding per text (``.ids``, ``.attention_mask``, ``.type_ids``);
+        a ``(text, text)`` pair is encoded as one input, as the tokenizer joins a pair (a
+        cross-encoder's query and passage; longest first where it must be cut)."""
+        if isinstance(texts, str) or not all(isinstance(t, str) or _pair(t) for t in texts):
             raise FeedError("encode() takes a list of strings; wrap a single text as [text].")
         if not texts:
             raise FeedError("encode() got an empty list; give at least one text.")
-        return self.tokenizer.encode_batch(self.limits.cut(list(texts)))
+        cut = self.limits.cut
+        return self.tokenizer.encode_batch([cut([t])[0] if isinstance(t, str) else tuple(cut(list(t))) for t in texts])
 
     def batch(self, encs: list, pad_to: int | None = None) -> dict[str, np.ndarray]:
         """Feeds for ``encs``, right-padded to the longest of them (or to ``pad_to``)."""
@@ -57,6 +60,10 @@ class TextEncoder:
 
     def __call__(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
         return self.batch(self.encodings(texts), pad_to)
+
+
+def _pair(t: Any) -> bool:
+    return isinstance(t, tuple) and len(t) == 2 and all(isinstance(x, str) for x in t)
 
 
 def check_batch_size(batch_size: Any) -> None:

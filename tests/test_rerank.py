@@ -1,0 +1,136 @@
+"""Cross-encoders and classifier scores: a model with one output (a reranker) scores each input
+by the sigmoid of its logit, as transformers' pipeline and sentence-transformers' ``CrossEncoder``
+do (a softmax over one label was 1 for every input); a multi-label model by each label's sigmoid;
+pairs of texts are read together; ``rerank(query, documents)`` ranks as ``CrossEncoder.rank``, in
+process and over ``POST /v1/rerank`` (Jina's, Cohere's and vLLM's shape)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slimml.convert import ConvertConfig, convert
+from slimml.errors import FeedError, TaskError
+from slimml.runtime import load
+
+QUERY = "what is an open format for models"
+DOCS = ["ONNX is an open format for machine learning models.", "Cats sleep most of the day.",
+        "The weather is cold in Oslo today.", "Models can be exported to an open format."]
+
+
+def _classifier(folder: Path, labels: int, problem_type: str | None = None) -> Path:
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(labels)
+    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=128, num_labels=labels, problem_type=problem_type)
+    BertForSequenceClassification(config).eval().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny BERT cross-encoder (one output, random weights) and its artifact."""
+    src = _classifier(tmp_path_factory.mktemp("ce") / "src", 1)
+    convert(src, src.parent / "art", ConvertConfig(measure_latency=False))
+    return src, src.parent / "art"
+
+
+def test_a_cross_encoder_scores_pairs_as_sentence_transformers_does(reranker):
+    """Each (query, document) pair is tokenized as one pair (token types and all) and scored by
+    the sigmoid of the model's one output: ``classify`` and ``rerank`` give sentence-transformers'
+    ``CrossEncoder.predict`` and ``rank``."""
+    from sentence_transformers import CrossEncoder
+
+    src, art = reranker
+    model, library = load(art), CrossEncoder(str(src), device="cpu")
+    want = library.predict([(QUERY, d) for d in DOCS])
+    got = [r[0]["score"] for r in model.classify([[QUERY, d] for d in DOCS])]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    ranked = model.rerank(QUERY, DOCS)
+    assert [r["index"] for r in ranked] == [r["corpus_id"] for r in library.rank(QUERY, DOCS)]
+    np.testing.assert_allclose([r["score"] for r in ranked], sorted(want, reverse=True), atol=1e-5)
+    assert [r["index"] for r in model.rerank(QUERY, DOCS, top_n=2)] == [r["index"] for r in ranked[:2]]
+
+
+@pytest.mark.parametrize("labels, problem_type, sums_to_one", [(3, None, True), (3, "multi_label_classification", False)])
+def test_a_classifier_s_scores_are_its_softmax_or_for_multi_label_each_sigmoid(tmp_path, labels, problem_type, sums_to_one):
+    """A single-label classifier's scores are the softmax over its labels; a multi-label one's are
+    each label's sigmoid (read from the config's ``problem_type``), as transformers' pipeline has
+    them; neither reranks (``rerank`` needs one output)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    src = _classifier(tmp_path / "src", labels, problem_type)
+    convert(src, tmp_path / "art", ConvertConfig(measure_latency=False))
+    model = load(tmp_path / "art")
+    got = model.classify(DOCS[:2], top_k=None)
+    tok = AutoTokenizer.from_pretrained(str(src))
+    with torch.no_grad():
+        logits = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()(**tok(DOCS[:2], padding=True,
+                                                                                       return_tensors="pt")).logits
+    want = torch.softmax(logits, -1) if sums_to_one else torch.sigmoid(logits)
+    for row, scores in zip(got, want.numpy()):
+        np.testing.assert_allclose([s["score"] for s in sorted(row, key=lambda s: s["label"])], scores, atol=1e-5)
+    assert (abs(sum(s["score"] for s in got[0]) - 1) < 1e-6) == sums_to_one
+    assert not model.supports("rerank")
+    with pytest.raises(TaskError, match="rerank"):
+        model.rerank(QUERY, DOCS)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("", DOCS), "query as a non-empty text"), ((QUERY, "one text"), "non-empty list of texts"),
+    ((QUERY, [QUERY, 3]), "neither a text nor a pair"), ((QUERY, DOCS, 0), "top_n must be"),
+])
+def test_bad_rerank_calls_are_refused_in_one_line(reranker, args, words):
+    with pytest.raises(FeedError, match=words) as e:
+        load(reranker[1]).rerank(*args)
+    assert "\n" not in str(e.value)
+
+
+def test_rerank_over_http_ranks_as_in_process(ray_env, reranker):
+    """``POST /v1/rerank`` on a real server: the in-process ranking, the documents returned or
+    not, token usage counted; bad requests get OpenAI-style 400s; an embedding route on a
+    reranker names the route that works."""
+    pytest.importorskip("ray")
+    from conftest import free_port
+    from test_serve_cli import post
+
+    from slimml.serve import ServeConfig, serve
+
+    want = load(reranker[1]).rerank(QUERY, DOCS, top_n=3)
+    port, urls, stop = free_port(), [], threading.Event()
+    thread = threading.Thread(target=serve, args=(ServeConfig(str(reranker[1])),),
+                              kwargs={"port": port, "ready": urls.append, "stop": stop}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not urls:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}/v1"
+        status, body = post(f"{url}/rerank", {"query": QUERY, "documents": [{"text": d} for d in DOCS], "top_n": 3})
+        assert status == 200, body
+        assert [(r["index"], r["document"]["text"]) for r in body["results"]] == [(w["index"], DOCS[w["index"]]) for w in want]
+        np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], [w["score"] for w in want], atol=1e-6)
+        assert body["usage"]["total_tokens"] == sum(load(reranker[1]).count_tokens([(QUERY, d) for d in DOCS]))
+        status, body = post(f"{url}/rerank", {"query": QUERY, "documents": DOCS, "return_documents": False})
+        assert status == 200 and len(body["results"]) == len(DOCS) and "document" not in body["results"][0]
+        for bad, words in [({"documents": DOCS}, '"query"'), ({"query": QUERY, "documents": []}, '"documents"'),
+                           ({"query": QUERY, "documents": ["ok", 5]}, '"documents"[1]'),
+                           ({"query": QUERY, "documents": DOCS, "top_n": -1}, '"top_n"')]:
+            status, body = post(f"{url}/rerank", bad)
+            assert status == 400 and words in body["error"]["message"], (bad, body)
+        status, body = post(f"{url}/embeddings", {"input": ["hi"]})
+        assert status == 400 and "POST /v1/rerank" in body["error"]["message"], body
+    finally:
+        stop.set()
+        thread.join(120)
