@@ -18,7 +18,7 @@ import statistics
 import time
 
 from slimml.runtime.tasks.generation.reply import ReplyFormat
-from slimml.runtime.tasks.generation.tools import Generic, Hermes, Llama3, Tools, ToolText
+from slimml.runtime.tasks.generation.tools import Generic, Hermes, Llama3, MistralArgs, MistralJSON, Tools, ToolText
 
 HARMONY = "<|channel|>analysis<|message|> ... <|call|>"  # what makes a template harmony's, with its calls
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -37,6 +37,10 @@ def answers(n: int) -> dict:
         "generic, response": (Generic, json.dumps({"response": body})),
         "generic, response with escapes": (Generic, json.dumps({"response": "é😀\n" * (n // 3)})),
         "generic, one call": (Generic, '{"tool_calls": [{"name": "f", "arguments": ' + args + "}]}"),
+        "mistral, four calls": (MistralJSON, "Sure. [TOOL_CALLS][" + ", ".join(
+            f'{{"name": "f", "arguments": {json.dumps({"t": body[: n // 4]})}, "id": "a1B2c3D4e"}}' for _ in range(4)) + "]"),
+        "mistral [ARGS], four calls": (MistralArgs, "".join(f'[TOOL_CALLS]f[ARGS]{json.dumps({"t": body[: n // 4]})}'
+                                                              for _ in range(4))),
         "harmony, thoughts then a call": ("harmony tools", f"<|channel|>analysis<|message|>{body}<|end|><|start|>assistant"
                                           f"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{args}"),
         "harmony, thoughts then an answer": ("harmony", f"<|channel|>analysis<|message|>{body}<|end|><|start|>assistant"
