@@ -544,6 +544,10 @@ def _config_facts(folder: Path) -> dict[str, Any]:
     facts = {k: config[k] for k in keys if k in config}
     if isinstance(config.get("problem_type"), str):  # a classifier's scores: softmax, or sigmoid for multi-label
         facts["problem_type"] = config["problem_type"]
+    st = config.get("sentence_transformers") if isinstance(config.get("sentence_transformers"), dict) else {}
+    activation = st.get("activation_fn") or config.get("sbert_ce_default_activation_function")  # a CrossEncoder's
+    if isinstance(activation, str):
+        facts["cross_encoder_activation"] = activation.rsplit(".", 1)[-1]
     for tower in ("text_config", "vision_config"):  # two-tower models (CLIP) keep them per tower
         sub = config.get(tower) or {}
         facts.update({k: sub[k] for k in keys[1:] if k in sub and k not in facts})

@@ -61,11 +61,12 @@ def test_a_cross_encoder_scores_pairs_as_sentence_transformers_does(reranker):
     assert [r["index"] for r in model.rerank(QUERY, DOCS, top_n=2)] == [r["index"] for r in ranked[:2]]
 
 
-@pytest.mark.parametrize("labels, problem_type, sums_to_one", [(3, None, True), (3, "multi_label_classification", False)])
+@pytest.mark.parametrize("labels, problem_type, sums_to_one", [(3, None, True), (3, "multi_label_classification", False),
+                                                              (1, "regression", False)])
 def test_a_classifier_s_scores_are_its_softmax_or_for_multi_label_each_sigmoid(tmp_path, labels, problem_type, sums_to_one):
     """A single-label classifier's scores are the softmax over its labels; a multi-label one's are
-    each label's sigmoid (read from the config's ``problem_type``), as transformers' pipeline has
-    them; neither reranks (``rerank`` needs one output)."""
+    each label's sigmoid, a regression's its value (read from the config's ``problem_type``), as
+    transformers' pipeline has them; a model of several outputs does not rerank."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -77,23 +78,49 @@ def test_a_classifier_s_scores_are_its_softmax_or_for_multi_label_each_sigmoid(t
     with torch.no_grad():
         logits = AutoModelForSequenceClassification.from_pretrained(str(src)).eval()(**tok(DOCS[:2], padding=True,
                                                                                        return_tensors="pt")).logits
-    want = torch.softmax(logits, -1) if sums_to_one else torch.sigmoid(logits)
+    want = torch.softmax(logits, -1) if sums_to_one else logits if problem_type == "regression" else torch.sigmoid(logits)
     for row, scores in zip(got, want.numpy()):
         np.testing.assert_allclose([s["score"] for s in sorted(row, key=lambda s: s["label"])], scores, atol=1e-5)
     assert (abs(sum(s["score"] for s in got[0]) - 1) < 1e-6) == sums_to_one
-    assert not model.supports("rerank")
-    with pytest.raises(TaskError, match="rerank"):
-        model.rerank(QUERY, DOCS)
+    if labels > 1:
+        assert not model.supports("rerank")
+        with pytest.raises(TaskError, match="rerank"):
+            model.rerank(QUERY, DOCS)
+
+
+def test_a_cross_encoder_whose_config_names_identity_ranks_by_its_logits(reranker, tmp_path):
+    """A CrossEncoder saved with ``activation_fn`` Identity (as the ms-marco rerankers are) ranks
+    by the logit itself, as sentence-transformers reads that config; ``classify`` keeps
+    transformers' sigmoid."""
+    import json
+    import shutil
+
+    from sentence_transformers import CrossEncoder
+
+    src = shutil.copytree(reranker[0], tmp_path / "identity")
+    config = json.loads((src / "config.json").read_text())
+    config["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity"}
+    (src / "config.json").write_text(json.dumps(config))
+    convert(src, tmp_path / "art", ConvertConfig(measure_latency=False))
+    ranked = load(tmp_path / "art").rerank(QUERY, DOCS)
+    want = CrossEncoder(str(src), device="cpu").rank(QUERY, DOCS)
+    assert [r["index"] for r in ranked] == [w["corpus_id"] for w in want]
+    np.testing.assert_allclose([r["score"] for r in ranked], [float(w["score"]) for w in want], atol=1e-5)
+    sigmoid = {r["index"]: r["score"] for r in load(reranker[1]).rerank(QUERY, DOCS)}  # the same weights, the default
+    np.testing.assert_allclose([1 / (1 + np.exp(-r["score"])) for r in ranked], [sigmoid[r["index"]] for r in ranked], atol=1e-6)
 
 
 @pytest.mark.parametrize("args, words", [
     (("", DOCS), "query as a non-empty text"), ((QUERY, "one text"), "non-empty list of texts"),
-    ((QUERY, [QUERY, 3]), "neither a text nor a pair"), ((QUERY, DOCS, 0), "top_n must be"),
+    ((QUERY, [QUERY, 3]), r"documents\[1\] must be a text, got int"), ((QUERY, DOCS, 0), "top_n must be"),
+    ((QUERY, ["ok", "lone \ud800"]), "text 1 is not valid Unicode"),
 ])
 def test_bad_rerank_calls_are_refused_in_one_line(reranker, args, words):
     with pytest.raises(FeedError, match=words) as e:
         load(reranker[1]).rerank(*args)
     assert "\n" not in str(e.value)
+    with pytest.raises(FeedError, match="not valid Unicode"):  # a pair's text checked as a text is
+        load(reranker[1]).count_tokens([("q", "lone \ud800")])
 
 
 def test_rerank_over_http_ranks_as_in_process(ray_env, reranker):
@@ -121,7 +148,7 @@ def test_rerank_over_http_ranks_as_in_process(ray_env, reranker):
         assert status == 200, body
         assert [(r["index"], r["document"]["text"]) for r in body["results"]] == [(w["index"], DOCS[w["index"]]) for w in want]
         np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], [w["score"] for w in want], atol=1e-6)
-        assert body["usage"]["total_tokens"] == sum(load(reranker[1]).count_tokens([(QUERY, d) for d in DOCS]))
+        assert body["usage"]["total_tokens"] == sum(load(reranker[1]).count_tokens([[QUERY, d] for d in DOCS]))
         status, body = post(f"{url}/rerank", {"query": QUERY, "documents": DOCS, "return_documents": False})
         assert status == 200 and len(body["results"]) == len(DOCS) and "document" not in body["results"][0]
         for bad, words in [({"documents": DOCS}, '"query"'), ({"query": QUERY, "documents": []}, '"documents"'),

@@ -36,6 +36,7 @@ CALLS = {
     "tokenize": "tokenize(texts)", "count_tokens": "count_tokens(texts)", "classify": "classify(inputs)",
     "embed_images": "embed_images(images)", "preprocess": "preprocess(images)", "generate": "generate(prompts)",
     "stream": "stream(prompt)", "chat": "chat(messages)", "rerank": "rerank(query, documents)",
+    "rerank_with_counts": "rerank_with_counts(query, documents)",
 }
 NEEDS = {
     "encode": "a sentence-embedding model", "encode_with_counts": "a sentence-embedding model",
@@ -44,6 +45,7 @@ NEEDS = {
     "preprocess": "a model that takes images", "generate": "a text-generation model",
     "stream": "a decoder (text-generation) model", "chat": "a decoder (text-generation) model",
     "rerank": "a cross-encoder (a text classifier with one output)",
+    "rerank_with_counts": "a cross-encoder (a text classifier with one output)",
 }
 
 
@@ -144,6 +146,11 @@ class Task:
         """Documents ranked by relevance to a query (cross-encoders)."""
         raise self.unsupported("rerank")
 
+    def rerank_with_counts(self, query: str, documents: list[str] | None = None, top_n: int | None = None,
+                           batch_size: int = 32) -> tuple[list[dict], list[int]]:
+        """:meth:`rerank` and the tokens of each (query, document) pair (cross-encoders)."""
+        raise self.unsupported("rerank_with_counts")
+
     def embed_images(self, images: Any, batch_size: int = 32, normalize: bool = True) -> np.ndarray:
         """Image embeddings (image-embedding artifacts, CLIP's vision tower)."""
         raise self.unsupported("embed_images")
@@ -163,7 +170,7 @@ class Task:
     def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
         """Feeds for ``texts`` (or ``(text, text)`` pairs) from the artifact's tokenizer, padded to
         the longest (or ``pad_to``)."""
-        check_unicode([x for t in texts for x in (t if isinstance(t, tuple) else (t,))] if isinstance(texts, list) else texts)
+        check_unicode(texts)
         if self.text is None:
             raise self.unsupported("tokenize")
         return self.text(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)
@@ -366,10 +373,11 @@ def check_batch(batch_size: Any) -> int:
 
 
 def check_unicode(texts: Any) -> None:
-    """Raise FeedError for a text that is not valid Unicode (a lone surrogate)."""
+    """Raise FeedError for a text (or a text of a pair) that is not valid Unicode (a lone surrogate)."""
     for i, t in enumerate(texts if isinstance(texts, (list, tuple)) else []):
         try:
-            isinstance(t, str) and t.encode("utf-8")
+            for x in (t if isinstance(t, (list, tuple)) else (t,)):
+                isinstance(x, str) and x.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a bad decode upstream
             raise FeedError(
                 f"text {i} is not valid Unicode ({e.reason} at position {e.start}); decode your input with "

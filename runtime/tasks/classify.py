@@ -68,10 +68,12 @@ def batch_logits(run: Run, batches: Iterable[dict[str, np.ndarray]], labels: lis
 
 def scores(logits: np.ndarray, problem_type: str | None = None) -> np.ndarray:
     """Scores from (inputs, labels) logits, as transformers' classification pipelines make them by
-    default: each label's sigmoid for a model with one label (a cross-encoder's relevance) or a
-    multi-label one (``problem_type`` ``multi_label_classification``), else the softmax over the
-    labels (a softmax over one label would be 1 for every input)."""
+    default: the logits themselves for a regression (``problem_type`` ``regression``), each label's
+    sigmoid for a model with one label or a multi-label one (``multi_label_classification``), else
+    the softmax over the labels (a softmax over one label would be 1 for every input)."""
     x = logits.astype(np.float64)
+    if problem_type == "regression":  # the value itself
+        return x
     if x.shape[1] == 1 or problem_type == "multi_label_classification":
         return 1.0 / (1.0 + np.exp(-x))
     return softmax(x)
@@ -110,7 +112,7 @@ def text_batches(task: Task, texts: Any, batch_size: int) -> Iterator[dict[str, 
                         "text as [text].")
     for i, t in enumerate(texts):
         if not isinstance(t, str) and not (isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t)):
-            raise FeedError(f"input {i} is neither a text nor a pair of texts ([text, text]), got {type(t).__name__}; "
+            raise FeedError(f"input {i} is neither a text nor a pair of texts ([text, text]), got {_show(t)}; "
                             "give texts, or pairs for a cross-encoder.")
     size = check_batch(batch_size)
     return (task.tokenize([t if isinstance(t, str) else tuple(t) for t in texts[i:i + size]])
@@ -126,3 +128,9 @@ def softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(axis=1, keepdims=True)
     e = np.exp(x)
     return e / e.sum(axis=1, keepdims=True)
+
+
+def _show(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+

@@ -154,7 +154,8 @@ async def _feed_error(request: Request, e: FeedError):
 # the route that serves each task method, and the kind of model it needs
 _ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"), "generate": ("/v1/generate", "a decoder"),
            "rerank": ("/v1/rerank", "a cross-encoder (one relevance output)")}
-_SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts"}  # methods behind one route
+_SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts",
+         "rerank_with_counts": "rerank"}  # methods behind one route
 
 
 def task_refusal(e: TaskError) -> RequestError:
@@ -301,12 +302,11 @@ class SlimmlServer:
         """Documents ranked by a cross-encoder's relevance to a query (the shape of Jina's, Cohere's
         and vLLM's ``/v1/rerank``)."""
         data = await self._body(request)
-        self._needs("rerank")
+        self._needs("rerank_with_counts")
         protocol.check_model(data, self.name)
         query, documents, top_n, return_documents = protocol.rerank_request(data, self.config.max_texts,
                                                                            self.config.max_text_chars)
-        ranked = await asyncio.to_thread(self.model.rerank, query, documents, top_n, self.config.batch_size)
-        tokens = await asyncio.to_thread(self.model.count_tokens, [(query, d) for d in documents])
+        ranked, tokens = await asyncio.to_thread(self.model.rerank_with_counts, query, documents, top_n, self.config.batch_size)
         return protocol.rerank_response(ranked, documents if return_documents else None, self.name, sum(tokens))
 
     @api.post("/v1/run")

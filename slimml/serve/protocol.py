@@ -170,7 +170,8 @@ def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None =
     if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
         raise RequestError(f'"top_n" must be a whole number >= 1, got {top_n!r:.40}; leave it out for every document.',
                            param="top_n")
-    keep = data.get("return_documents", True)
+    keep = data.get("return_documents")
+    keep = True if keep is None else keep  # as vLLM's and Jina's: the documents come back unless asked not to
     if not isinstance(keep, bool):
         raise RequestError(f'"return_documents" must be true or false, got a JSON {_json_type(keep)}.', param="return_documents")
     return query, texts, top_n, keep

@@ -36,7 +36,7 @@ class TextEncoder:
         a ``(text, text)`` pair is encoded as one input, as the tokenizer joins a pair (a
         cross-encoder's query and passage; longest first where it must be cut)."""
         if isinstance(texts, str) or not all(isinstance(t, str) or _pair(t) for t in texts):
-            raise FeedError("encode() takes a list of strings; wrap a single text as [text].")
+            raise FeedError("encode() takes a list of strings (or of [text, text] pairs); wrap a single text as [text].")
         if not texts:
             raise FeedError("encode() got an empty list; give at least one text.")
         cut = self.limits.cut
@@ -63,7 +63,7 @@ class TextEncoder:
 
 
 def _pair(t: Any) -> bool:
-    return isinstance(t, tuple) and len(t) == 2 and all(isinstance(x, str) for x in t)
+    return isinstance(t, (tuple, list)) and len(t) == 2 and all(isinstance(x, str) for x in t)
 
 
 def check_batch_size(batch_size: Any) -> None:
