@@ -324,6 +324,29 @@ def smollm2_artifact(smollm2_converted) -> Path:
     return smollm2_converted["art"]
 
 
+def tiny_llama_with_specials(folder: Path, specials: list[str], corpus: list[str], bos: str, eos: str) -> Path:
+    """A tiny random Llama whose byte-level BPE tokenizer has ``specials`` as special tokens
+    (trained on ``corpus``), converted with its KV cache to ``folder / "art"``: a chat format's
+    markers as a real model's tokenizer has them (random weights: a grammar makes the shape)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from slimml.convert import ConvertConfig, convert
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=1024)).eval().save_pretrained(folder / "src")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=480, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos).save_pretrained(folder / "src")
+    convert(folder / "src", folder / "art", ConvertConfig(verify=False, measure_latency=False))
+    return folder / "art"
+
+
 def templated(artifact, folder: Path, name: str, template: str):
     """A model of ``artifact`` rendering its chats with ``template`` (written to ``folder/name``,
     as ``slimml serve --chat-template`` takes it): ``(model, path)``."""

@@ -89,28 +89,13 @@ def test_the_harmony_tool_format_is_found_in_a_template_that_writes_calls():
 @pytest.fixture(scope="module")
 def harmony_model(tmp_path_factory):
     """A tiny random Llama whose tokenizer has harmony's special tokens, converted with its KV cache."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from conftest import tiny_llama_with_specials
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from slimml.convert import ConvertConfig, convert
     from slimml.runtime import load
 
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("harmony")
-    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=1024)).eval().save_pretrained(folder)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=480, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the weather in Oslo and Paris", "analysis commentary final to=functions.get_weather json",
-                             '{"city": "Oslo", "days": 2}'] * 20, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|return|>").save_pretrained(folder)
-    out = tmp_path_factory.mktemp("harmony_art") / "art"
-    convert(folder, out, ConvertConfig(verify=False, measure_latency=False))
+    out = tiny_llama_with_specials(tmp_path_factory.mktemp("harmony"), SPECIALS, [
+        "the weather in Oslo and Paris", "analysis commentary final to=functions.get_weather json",
+        '{"city": "Oslo", "days": 2}'], bos="<|endoftext|>", eos="<|return|>")
     model = load(out)
     path = out.parent / "harmony.jinja"
     path.write_text(TEMPLATE, encoding="utf-8")

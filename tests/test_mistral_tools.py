@@ -112,26 +112,13 @@ def test_a_conversation_with_openai_call_ids_renders_with_nine_letter_ids(templa
 @pytest.fixture(scope="module")
 def mistral_model(tmp_path_factory):
     """A tiny random Llama whose tokenizer has Mistral's special tokens, converted with its KV cache."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from conftest import tiny_llama_with_specials
 
-    from slimml.convert import ConvertConfig, convert
     from slimml.runtime import load
 
-    torch.manual_seed(0)
-    folder = tmp_path_factory.mktemp("mistral")
-    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=1024)).eval().save_pretrained(folder)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=480, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the weather in Oslo and Paris", "get_weather get_time name arguments id",
-                             '{"city": "Oslo", "days": 2}'] * 20, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(folder)
-    out = tmp_path_factory.mktemp("mistral_art") / "art"
-    convert(folder, out, ConvertConfig(verify=False, measure_latency=False))
+    out = tiny_llama_with_specials(tmp_path_factory.mktemp("mistral"), SPECIALS, [
+        "the weather in Oslo and Paris", "get_weather get_time name arguments id", '{"city": "Oslo", "days": 2}'],
+        bos="<s>", eos="</s>")
     return load(out), out
 
 

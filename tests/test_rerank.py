@@ -6,8 +6,6 @@ process and over ``POST /v1/rerank`` (Jina's, Cohere's and vLLM's shape)."""
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -128,21 +126,13 @@ def test_rerank_over_http_ranks_as_in_process(ray_env, reranker):
     not, token usage counted; bad requests get OpenAI-style 400s; an embedding route on a
     reranker names the route that works."""
     pytest.importorskip("ray")
-    from conftest import free_port
+    from conftest import serving
     from test_serve_cli import post
 
-    from slimml.serve import ServeConfig, serve
+    from slimml.serve import ServeConfig
 
     want = load(reranker[1]).rerank(QUERY, DOCS, top_n=3)
-    port, urls, stop = free_port(), [], threading.Event()
-    thread = threading.Thread(target=serve, args=(ServeConfig(str(reranker[1])),),
-                              kwargs={"port": port, "ready": urls.append, "stop": stop}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 180
-        while not urls:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    with serving(ServeConfig(str(reranker[1]))) as port:
         url = f"http://127.0.0.1:{port}/v1"
         status, body = post(f"{url}/rerank", {"query": QUERY, "documents": [{"text": d} for d in DOCS], "top_n": 3})
         assert status == 200, body
@@ -158,6 +148,3 @@ def test_rerank_over_http_ranks_as_in_process(ray_env, reranker):
             assert status == 400 and words in body["error"]["message"], (bad, body)
         status, body = post(f"{url}/embeddings", {"input": ["hi"]})
         assert status == 400 and "POST /v1/rerank" in body["error"]["message"], body
-    finally:
-        stop.set()
-        thread.join(120)

@@ -3,13 +3,11 @@ TaskError with one exact line, and the server turns that into a 400 naming the r
 
 from __future__ import annotations
 
-import threading
-import time
 
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import serving
 
 from slimml.convert import ConvertConfig, convert
 from slimml.errors import SlimmlError, TaskError
@@ -165,17 +163,9 @@ def test_serve_answers_embeddings_to_a_decoder_with_a_400_naming_generate(ray_en
     ray = pytest.importorskip("ray")
     from test_serve_cli import post  # urllib, 4xx bodies read
 
-    from slimml.serve import ServeConfig, serve
+    from slimml.serve import ServeConfig
 
-    port, urls, stop = free_port(), [], threading.Event()
-    thread = threading.Thread(target=serve, args=(ServeConfig(str(tiny_llama_past_artifact)),),
-                              kwargs={"port": port, "ready": urls.append, "stop": stop}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 180
-        while not urls:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    with serving(ServeConfig(str(tiny_llama_past_artifact))) as port:
         url = f"http://127.0.0.1:{port}"
         status, body = post(f"{url}/v1/embeddings", {"input": ["hi"]})
         assert status == 400 and body["error"]["message"] == (
@@ -184,7 +174,4 @@ def test_serve_answers_embeddings_to_a_decoder_with_a_400_naming_generate(ray_en
             "for embeddings.")
         status, body = post(f"{url}/v1/generate", {"prompt": [[5, 6, 7]], "max_new_tokens": 2})
         assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
-    finally:
-        stop.set()
-        thread.join(120)
-    assert not thread.is_alive() and not ray.is_initialized()
+    assert not ray.is_initialized()
