@@ -179,3 +179,18 @@ def test_a_misread_pipeline_fails_the_check_against_the_library(decoder_embedder
     with pytest.raises(ExportError, match="disagree with sentence-transformers"):
         convert(decoder_embedder, tmp_path / "art", ConvertConfig(measure_latency=False))
     assert not (tmp_path / "art").exists()
+
+
+def test_a_student_is_distilled_on_the_texts_its_artifact_will_read(tmp_path):
+    """A teacher whose config puts a default prompt before every text: the texts a student is
+    distilled on (and its vocabulary pruned for) carry that prompt, as the student's artifact will
+    put it before every text."""
+    from slimml.convert.distill.distill import DistillConfig, check
+    from slimml.convert.sources import default_model_dir
+
+    teacher = shutil.copytree(default_model_dir(), tmp_path / "teacher")
+    settings = teacher / "config_sentence_transformers.json"
+    config = json.loads(settings.read_text()) if settings.is_file() else {}
+    settings.write_text(json.dumps({**config, "prompts": {"query": "query: "}, "default_prompt_name": "query"}))
+    texts = check(teacher, DistillConfig(layers=3), None)["texts"]
+    assert texts and all(t.startswith("query: ") for t in texts)

@@ -29,6 +29,7 @@ from slimml.convert.distill.distill_data import load_texts
 import slimml.convert.distill.precision as mp
 from slimml.convert.distill.distill_train import Trainer, build_student, teacher_kind
 from slimml.convert.distill.prune import PruneConfig
+from slimml.convert.sources import sentence_transformers_pooling
 from slimml.errors import ConfigError, SourceError
 
 DEFAULT_EPOCHS = 6.0  # 3 -> 6: STSb dev 84.2 -> 84.6 (d3, pruned 0.5) and 86.45 -> 86.66 (d4); 10 adds ~0.1
@@ -155,6 +156,10 @@ def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) 
         raise SourceError(f"{teacher_dir} has no tokenizer; distillation tokenizes texts, so save one with the model.")
     mp.check(distill.mixed_precision, training_device(distill.device).type)
     texts, origin = load_texts(distill.data, distill.max_texts)
+    pooling = sentence_transformers_pooling(teacher_dir)
+    if pooling is not None and pooling.get("default_prompt"):  # the student reads every text after it, as the teacher
+        prompt = pooling["prompts"][pooling["default_prompt"]]
+        texts = [prompt + t for t in texts]
     return {"config": config, "teacher_layers": n_teacher, "texts": texts, "origin": origin, "kind": kind,
             "model_class": model_class}
 
