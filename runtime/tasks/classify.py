@@ -112,7 +112,7 @@ def text_batches(task: Task, texts: Any, batch_size: int) -> Iterator[dict[str, 
                         "text as [text].")
     for i, t in enumerate(texts):
         if not isinstance(t, str) and not (isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t)):
-            raise FeedError(f"input {i} is neither a text nor a pair of texts ([text, text]), got {_show(t)}; "
+            raise FeedError(f"input {i} is neither a text nor a pair of texts ([text, text]), got {type(t).__name__}; "
                             "give texts, or pairs for a cross-encoder.")
     size = check_batch(batch_size)
     return (task.tokenize([t if isinstance(t, str) else tuple(t) for t in texts[i:i + size]])
@@ -128,9 +128,4 @@ def softmax(x: np.ndarray) -> np.ndarray:
     x = x - x.max(axis=1, keepdims=True)
     e = np.exp(x)
     return e / e.sum(axis=1, keepdims=True)
-
-
-def _show(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 

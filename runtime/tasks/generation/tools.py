@@ -419,6 +419,16 @@ class _Mistral(ToolFormat):
     def content(self, text: str, memo: dict | None = None) -> str:
         return _before(text, self.marker)
 
+    @staticmethod
+    def start(tools: Tools, mark: str, calls: str) -> str:
+        """The grammar's start rule: ``calls`` after the marker ``mark``; with ``auto``, text
+        first or instead (a special token no text can hold; a text marker ends a lazy head)."""
+        if tools.choice != "auto":
+            return f"start: {mark} {calls}"
+        if mark.startswith("<"):
+            return f"start: TEXT | TEXT? {mark} {calls}"
+        return f"start: TEXT | head {calls}\nhead[lazy]: TEXT {mark}"
+
 
 @register_format
 class MistralJSON(_Mistral):
@@ -434,29 +444,12 @@ class MistralJSON(_Mistral):
 
     def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
         calls, defs = tools.calls_schema(also={"id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}})
-        body = _json({**calls, **defs})
-        mark = _mark(self.marker, specials)
-        if tools.choice != "auto":
-            return f'start: {mark} " "? {body}\n'
-        if mark.startswith("<"):  # a special token: text cannot hold it
-            return f'start: TEXT | TEXT? {mark} " "? {body}\nTEXT: /(.|\\n)*/\n'
-        return (f'start: TEXT | head " "? {body}\nhead[lazy]: TEXT {mark}\n'  # the lazy head ends at the marker
-                "TEXT: /(.|\\n)*/\n")
+        return self.start(tools, _mark(self.marker, specials), f'" "? {_json({**calls, **defs})}') + "\nTEXT: /(.|\\n)*/\n"
 
     def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         k = text.find(self.marker)
         at = _SPACE.match(text, k + len(self.marker)).end() if k >= 0 else len(text)
-        if not text.startswith("[", at):
-            return []
-        out, at = [], _SPACE.match(text, at + 1).end()
-        while text.startswith("{", at):
-            end = _value_end(text, at, memo)
-            out.append(CallSpan(at, end))
-            comma = _COMMA.match(text, end) if end is not None else None
-            if comma is None:
-                break
-            at = comma.end()
-        return out
+        return _listed(text, _SPACE.match(text, at + 1).end(), memo) if text.startswith("[", at) else []
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         k = text.find(self.marker)
@@ -487,13 +480,8 @@ class MistralArgs(_Mistral):
                  for k, f in enumerate(tools.callable())]
         body = "body: " + " | ".join(f"c{k}" for k in range(len(rules)))
         more = f" ({mark} body)*" if tools.parallel else ""
-        if tools.choice != "auto":
-            start = f"start: {mark} body{more}"
-        elif mark.startswith("<"):  # a special token: text cannot hold it
-            start = f"start: TEXT | TEXT? {mark} body{more}"
-        else:
-            start = f"start: TEXT | head body{more}\nhead[lazy]: TEXT {mark}"
-        return "\n".join([start, body, *rules, "ID: /[A-Za-z0-9]{9}/", "TEXT: /(.|\\n)*/"]) + "\n"
+        return "\n".join([self.start(tools, mark, "body" + more), body, *rules, "ID: /[A-Za-z0-9]{9}/",
+                          "TEXT: /(.|\\n)*/"]) + "\n"
 
     def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         """The calls one after another from the first marker, each where the last one's arguments
@@ -565,17 +553,7 @@ class Generic(ToolFormat):
 
     def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         m = _CALLS.match(text)
-        out, at = [], m.end() if m else len(text)
-        while text.startswith("{", at):
-            end = _value_end(text, at, memo)
-            out.append(CallSpan(at, end))
-            if end is None:
-                break
-            comma = _COMMA.match(text, end)
-            if comma is None:
-                break
-            at = comma.end()
-        return out
+        return _listed(text, m.end(), memo) if m else []
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         try:
@@ -700,6 +678,20 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
 def finish_reason(reason: str, calls: list[ToolCall]) -> str:
     """OpenAI's finish reason of an answer with tools: ``tool_calls`` where it ended by itself with calls."""
     return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _listed(text: str, at: int, memo: dict | None = None) -> list[CallSpan]:
+    """The calls of a JSON list whose first item begins at ``text[at]``, each a whole
+    ``{"name", "arguments"}`` object (the last one's ``end`` None while unfinished)."""
+    out = []
+    while text.startswith("{", at):
+        end = _value_end(text, at, memo)
+        out.append(CallSpan(at, end))
+        comma = _COMMA.match(text, end) if end is not None else None
+        if comma is None:
+            break
+        at = comma.end()
+    return out
 
 
 def _before(text: str, marker: str) -> str:
