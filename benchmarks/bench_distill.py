@@ -87,7 +87,7 @@ class PeerModel:
         return self.session.run(["last_hidden_state"], feeds)[0]
 
     def encode(self, texts, batch_size=64):
-        from slimml.runtime.tasks.inputs.text import pool
+        from slimml.runtime.tasks.inputs.pooling import pool
 
         out = []
         for b in range(0, len(texts), batch_size):

@@ -68,15 +68,18 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
         checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
     if theirs is not None:
         ours = model.encode(SAMPLE_TEXTS)
-        checks["embedding_cosine_vs_torch"] = float((ours * theirs).sum(axis=1).min())
+        checks["embedding_cosine_vs_torch"] = _min_cosine(ours, theirs)  # a Matryoshka cut is not of unit length
     if library is not None:  # the embeddings as the model's own library computes them: a misread pooling shows here
         checks["embedding_library"] = library[1]
     if library is not None and library[0] is not None:
-        checks["embedding_cosine_vs_library"] = _min_cosine(model.encode(SAMPLE_TEXTS), library[0])
+        ours = model.encode(SAMPLE_TEXTS)
+        same = ours.shape == library[0].shape
+        checks["embedding_cosine_vs_library"] = _min_cosine(ours, library[0]) if same else 0.0
         if checks["embedding_cosine_vs_library"] < MIN_COSINE:
             raise ExportError(
-                f"the artifact's embeddings of {src.name} disagree with {library[1]}'s (cosine "
-                f"{checks['embedding_cosine_vs_library']:.4g}): its pipeline (modules.json, the pooling config) is read "
+                f"the artifact's embeddings of {src.name} disagree with {library[1]}'s ("
+                + (f"cosine {checks['embedding_cosine_vs_library']:.4g}" if same else
+                   f"{ours.shape[1]} values each against {library[0].shape[1]}") + "): its pipeline (modules.json, the pooling config) is read "
                 "otherwise than the library reads it, so slimml does not ship it; convert with --task "
                 "feature-extraction (its token states out) and pool them yourself, and report the folder to slimml."
             )

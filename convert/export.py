@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from slimml.convert.sources import Source, max_seq_length, sentence_transformers_pooling
+from slimml.convert.sources import Source, max_seq_length, sentence_transformers_pooling, write_st_dense
 from slimml.errors import ExportError, SlimmlError, SourceError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -72,6 +72,7 @@ class Exported:
     onnx_path: Path
     task: str
     pooling: dict[str, Any] | None = None
+    pooling_dir: Path | None = None  # where the files pooling["dense"] names are
     tokenizer: dict[str, Any] | None = None  # {"file", "max_length", "pad_token", "pad_id"}; file in tokenizer_dir
     tokenizer_dir: Path | None = None
     preprocessor: Path | None = None  # the source's preprocessor_config.json (images, or audio features)
@@ -284,8 +285,10 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
             "slimml expected; pass --task to choose another export, or convert an ONNX file you exported yourself."
         )
     tokenizer = _tokenizer_info(folder, onnx_dir, pooling)
+    if pooling is not None and pooling.get("dense"):
+        write_st_dense(folder, pooling, onnx_dir)  # the projections after pooling, as the files the record names
     return Exported(
-        onnx_path=onnx_path, task=out_task, pooling=pooling, tokenizer=tokenizer,
+        onnx_path=onnx_path, task=out_task, pooling=pooling, pooling_dir=onnx_dir, tokenizer=tokenizer,
         tokenizer_dir=onnx_dir if tokenizer else None, preprocessor=_preprocessor(folder, onnx_path),
         labels=_labels(folder, task), graphs=graphs, seq2seq=_seq2seq_spec(folder) if graphs else None,
         info={"hf_task": task, **_config_facts(folder), "exporter": exporter},

@@ -90,7 +90,8 @@ def preprocessor_kind(exported: Exported) -> str:
 
 
 def _add_assets(w: ArtifactWriter, exported: Exported) -> list[str]:
-    """Ship the tokenizer and preprocessor config the export found; returns which it shipped."""
+    """Ship the tokenizer, preprocessor config and pooling projections the export found; returns
+    which of the assets (tokenizer, preprocessor) it shipped."""
     found = []
     if exported.tokenizer is not None:
         record = dict(exported.tokenizer)
@@ -105,6 +106,8 @@ def _add_assets(w: ArtifactWriter, exported: Exported) -> list[str]:
     if exported.preprocessor is not None:
         w.add_preprocessor(exported.preprocessor, preprocessor_kind(exported))
         found.append(Preprocessor.KEY)
+    for rel in Pooling.coerce(exported.pooling).files if exported.pooling else []:  # hashed with the chain that pools
+        w.add_file(exported.pooling_dir / rel, rel)
     return found
 
 

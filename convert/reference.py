@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import gc
-from typing import Any
-
 import numpy as np
 
 from slimml.convert.export import Exported
 from slimml.convert.export_torch_decoder import cache_tensors, dynamic_cache, past_layers
 from slimml.convert.sources import Source
-from slimml.runtime.tasks.inputs.text import pool
+from slimml.runtime.tasks.inputs.pooling import Pooler
 
 
 class Reference:
@@ -20,9 +18,9 @@ class Reference:
     unsharded ONNX graph (an ONNX file given as source).
     """
 
-    def __init__(self, fn, pooling: dict[str, Any] | None):
+    def __init__(self, fn, pooler: Pooler | None):
         self._fn = fn
-        self.pooling = pooling
+        self.pooler = pooler
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
@@ -31,8 +29,7 @@ class Reference:
             return self._fn({k: torch.from_numpy(v) for k, v in feeds.items()})
 
     def embed(self, feeds: dict[str, np.ndarray]) -> np.ndarray:
-        hidden = self(feeds)[self.pooling["output"]]
-        return pool(hidden, feeds["attention_mask"], self.pooling["mode"], self.pooling["normalize"])
+        return self.pooler(self(feeds), feeds["attention_mask"])
 
 
 def reference_for(source: Source, exported: Exported, output_names: list[str]) -> Reference | None:
@@ -63,7 +60,7 @@ def reference_for(source: Source, exported: Exported, output_names: list[str]) -
                 result[f"present.{i}.key"], result[f"present.{i}.value"] = k.float().numpy(), v.float().numpy()
         return {n: v for n, v in result.items() if n in output_names}
 
-    return Reference(run_hf, exported.pooling)
+    return Reference(run_hf, Pooler.of(exported.pooling, exported.pooling_dir or "."))
 
 
 def _load_hf(source: Source, exported: Exported):
@@ -106,8 +103,8 @@ def sentence_transformers_embed(source: Source, texts: list[str]) -> tuple[np.nd
     try:
         model = SentenceTransformer(str(source.path), device="cpu", local_files_only=True,
                                     model_kwargs={"dtype": torch.float32})
-        model.truncate_dim = None  # a Matryoshka model's default cut: the artifact keeps every dimension
-        emb = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)  # its default prompt, as the artifact's
+        # its default prompt and its saved truncate_dim, as the artifact's
+        emb = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
     except Exception as e:  # a folder it cannot read (remote code, a pruned student's own files)
         return None, f"none (sentence-transformers cannot load the folder: {type(e).__name__})"
     finally:

@@ -163,34 +163,29 @@ def _checkpoint_source(path: Path, example_inputs: Any) -> Source:
 _ST_POOLING = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
                "lasttoken": "pooling_mode_lasttoken", "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
                "weightedmean": "pooling_mode_weightedmean_tokens"}
-_ST_MODULES = ("Transformer", "Pooling", "Normalize")  # the modules an artifact carries (the graph, then numpy)
+_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")  # the modules an artifact carries (the graph, then numpy)
+# Dense's activation_function (a torch class's full name; none set: Tanh, the module's default) -> the manifest's name
+_ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh",
+                   "torch.nn.modules.activation.ReLU": "relu", "torch.nn.modules.activation.Sigmoid": "sigmoid"}
 
 
 def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
     """Pooling and normalisation of a sentence-transformers folder (``modules.json``), else None.
 
+    The record's ``dense`` names the files :func:`write_st_dense` writes: the projections after
+    pooling (LaBSE, distiluse, GTR), applied before the normalisation as the library applies them.
+
     Raises:
-        SourceError: a module the artifact cannot carry (a ``Dense`` projection after pooling, a
-            static embedding...), or a pooling it cannot compute (several modes joined), in one line.
+        SourceError: a module the artifact cannot carry (a static embedding, a projection of each
+            token...), or a pooling it cannot compute (several modes joined), in one line.
     """
-    modules_file = folder / "modules.json"
-    if not modules_file.is_file() or _st_model_type(folder) != "SentenceTransformer":
+    modules = _st_modules(folder)
+    if modules is None:
         return None  # a CrossEncoder's modules.json holds its transformer alone: its config names its task
-    try:
-        modules = json.loads(modules_file.read_text())
-        kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules]
-    except (ValueError, AttributeError, TypeError):
-        raise SourceError(f"{modules_file} is not sentence-transformers' list of modules; fix or remove it "
-                          "(without it the folder converts as a plain transformer).") from None
-    other = [k for k in kinds if k not in _ST_MODULES]
-    if other or not kinds or kinds[0] != "Transformer":
-        raise SourceError(f"{folder}'s sentence-transformers pipeline is {' -> '.join(kinds) or 'empty'}, and slimml "
-                          f"carries only {' -> '.join(_ST_MODULES)} into an artifact ({', '.join(other) or 'no Transformer first'} "
-                          "would be lost, and the embeddings with it); convert the transformer alone with --task "
-                          "feature-extraction (its token states out) and apply the rest to them yourself.")
+    kinds = [k for k, _ in modules]
     modes = ["mean"]  # sentence-transformers' default, where the config names none
-    pooling = next((m for m, k in zip(modules, kinds) if k == "Pooling"), None)
-    config = folder / pooling.get("path", "") / "config.json" if pooling is not None else None
+    pooling = next((path for k, path in modules if k == "Pooling"), None)
+    config = pooling / "config.json" if pooling is not None else None
     if config is not None and config.is_file():
         cfg = json.loads(config.read_text())
         named = cfg.get("pooling_mode")  # 5.x: a name, or a list of names joined
@@ -201,6 +196,16 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
                               f"it takes one of {', '.join(_ST_POOLING)} (set one in that file, as the model was trained), "
                               "or convert with --task feature-extraction and pool the token states yourself.")
     out = {"mode": modes[0], "normalize": "Normalize" in kinds, "output": "last_hidden_state"}
+    dense = [_st_dense(path) for k, path in modules if k == "Dense"]
+    if dense:
+        out["dense"] = [{"weight": f"pooling_dense_{i}_weight.npy", "bias": f"pooling_dense_{i}_bias.npy" if d["bias"] else None,
+                         "activation": d["activation"]} for i, d in enumerate(dense)]
+    truncate_dim = _st_settings(folder).get("truncate_dim")  # a Matryoshka cut the library applies by default
+    if truncate_dim is not None:
+        if not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim < 1:
+            raise SourceError(f"{folder / 'config_sentence_transformers.json'} sets truncate_dim {truncate_dim!r}, not a "
+                              "whole number >= 1; fix it (or remove it to keep every dimension).")
+        out["truncate_dim"] = truncate_dim
     prompts, default = _st_prompts(folder)
     if prompts and config is not None and config.is_file() and json.loads(config.read_text()).get("include_prompt") is False:
         if default is not None:  # every text pooled without its prompt's tokens: not what slimml computes
@@ -211,14 +216,92 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
     return {**out, "prompts": prompts, "default_prompt": default} if prompts else out
 
 
+def _st_modules(folder: Path) -> list[tuple[str, Path]] | None:
+    """A sentence-transformers folder's modules (``modules.json``) as (kind, folder), checked to be
+    a pipeline an artifact carries: ``Transformer -> Pooling -> Dense* -> Normalize?``; None for a
+    folder that is not a SentenceTransformer."""
+    modules_file = folder / "modules.json"
+    if not modules_file.is_file() or _st_model_type(folder) != "SentenceTransformer":
+        return None
+    try:
+        modules = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", ""))) for m in json.loads(modules_file.read_text())]
+    except (ValueError, AttributeError, TypeError):
+        raise SourceError(f"{modules_file} is not sentence-transformers' list of modules; fix or remove it "
+                          "(without it the folder converts as a plain transformer).") from None
+    kinds = [k for k, _ in modules]
+    other = [k for k in kinds if k not in _ST_MODULES]
+    rest = kinds[1:-1] if kinds[-1:] == ["Normalize"] else kinds[1:]
+    in_order = kinds[:1] == ["Transformer"] and (not rest or (rest[0] == "Pooling" and set(rest[1:]) <= {"Dense"}))
+    if other or not in_order:
+        raise SourceError(f"{folder}'s sentence-transformers pipeline is {' -> '.join(kinds) or 'empty'}, and slimml "
+                          "carries Transformer -> Pooling -> Dense (any number) -> Normalize into an artifact "
+                          f"({', '.join(other) or 'these modules in this order'} would be lost, and the embeddings with it); "
+                          "convert the transformer alone with --task feature-extraction (its token states out) and apply "
+                          "the rest to them yourself.")
+    return [(k, folder / p) for k, p in modules]
+
+
+def _st_dense(module: Path) -> dict[str, Any]:
+    """A ``Dense`` module's config: its activation by the manifest's name, whether it has a bias."""
+    try:
+        cfg = json.loads((module / "config.json").read_text())
+    except (OSError, ValueError):
+        raise SourceError(f"{module / 'config.json'} is missing or not JSON; the Dense module cannot be read. Restore "
+                          "the model folder as sentence-transformers saved it.") from None
+    activation = cfg.get("activation_function", "torch.nn.modules.activation.Tanh")
+    if activation not in _ST_ACTIVATIONS:
+        raise SourceError(f"{module}'s Dense module applies {activation}, and slimml computes "
+                          f"{', '.join(n.rsplit('.', 1)[-1] for n in _ST_ACTIVATIONS)}; convert with --task "
+                          "feature-extraction and apply the pooling and projection yourself.")
+    for key in ("module_input_name", "module_output_name"):
+        if cfg.get(key) not in (None, "sentence_embedding"):
+            raise SourceError(f"{module}'s Dense module reads or writes {cfg.get(key)!r}, not the sentence embedding; "
+                              "slimml projects only the pooled embedding: convert with --task feature-extraction.")
+    return {"activation": _ST_ACTIVATIONS[activation], "bias": bool(cfg.get("bias", True)),
+            "in": cfg.get("in_features"), "out": cfg.get("out_features")}
+
+
+def write_st_dense(folder: Path, pooling: dict[str, Any], out: Path) -> None:
+    """Write the projections ``pooling["dense"]`` names (from :func:`sentence_transformers_pooling`)
+    into ``out``: each ``Dense`` module's weight as an (in, out) float32 array, its bias (out,)."""
+    import numpy as np
+
+    paths = [path for k, path in _st_modules(folder) or [] if k == "Dense"]
+    for path, layer in zip(paths, pooling.get("dense") or []):
+        tensors = _st_dense_tensors(path)
+        weight, bias = tensors.get("linear.weight"), tensors.get("linear.bias")
+        want = _st_dense(path)
+        if weight is None or weight.ndim != 2 or (want["out"], want["in"]) != tuple(weight.shape) \
+                or (layer["bias"] is not None) != (bias is not None):
+            raise SourceError(f"{path}'s weights do not fit its config (in_features {want['in']}, out_features "
+                              f"{want['out']}, bias {want['bias']}); restore the folder as sentence-transformers saved it.")
+        np.save(out / layer["weight"], np.ascontiguousarray(weight.T, dtype=np.float32))
+        if bias is not None:
+            np.save(out / layer["bias"], bias.astype(np.float32))
+
+
+def _st_dense_tensors(module: Path) -> dict[str, Any]:
+    """A ``Dense`` module's tensors as float numpy arrays (``model.safetensors``, else ``pytorch_model.bin``)."""
+    import torch
+
+    try:
+        if (module / "model.safetensors").is_file():
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(module / "model.safetensors"))
+        else:
+            tensors = torch.load(module / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- torch's and safetensors' errors for a missing or damaged file
+        raise SourceError(f"could not read the Dense module's weights in {module} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); restore the folder as sentence-transformers saved it.") from None
+    return {k: v.float().numpy() for k, v in tensors.items()}
+
+
 def _st_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
     """sentence-transformers' prompts by name (an empty one is a name a caller may use) and the
     default prompt's name (``config_sentence_transformers.json``)."""
-    try:
-        cfg = json.loads((folder / "config_sentence_transformers.json").read_text())
-    except (OSError, ValueError):
-        return {}, None
-    prompts = cfg.get("prompts") if isinstance(cfg, dict) else None
+    cfg = _st_settings(folder)
+    prompts = cfg.get("prompts")
     prompts = {k: v for k, v in prompts.items() if isinstance(k, str) and isinstance(v, str)} \
         if isinstance(prompts, dict) else {}
     default = cfg.get("default_prompt_name")
@@ -232,11 +315,17 @@ def _st_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
 def _st_model_type(folder: Path) -> str:
     """What sentence-transformers saved the folder as (``config_sentence_transformers.json``'s
     ``model_type``: SentenceTransformer, CrossEncoder, SparseEncoder; older versions wrote none)."""
-    try:
-        kind = json.loads((folder / "config_sentence_transformers.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return "SentenceTransformer"
+    kind = _st_settings(folder).get("model_type")
     return kind if isinstance(kind, str) else "SentenceTransformer"
+
+
+def _st_settings(folder: Path) -> dict[str, Any]:
+    """``config_sentence_transformers.json`` (its prompts, model type, truncate_dim), or {}."""
+    try:
+        cfg = json.loads((folder / "config_sentence_transformers.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def max_seq_length(folder: Path) -> int | None:

@@ -23,6 +23,7 @@ from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.quantize.registry import ShardContext, backend_for
 from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, read_manifest, verify_files
 from slimml.runtime.artifact.writer import ArtifactWriter, save_onnx
+from slimml.runtime.tasks.inputs.pooling import Pooler
 
 
 @dataclass
@@ -265,8 +266,9 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     else:
         step("checking against the float model")
         device = "cuda" if isinstance(config, Fp16Config) else "cpu"
+        pooler = Pooler.of(manifest.pooling, src, manifest.files or None)  # a component's files are listed above it
         guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device,
-                            getattr(config, "eval_text", None))
+                            getattr(config, "eval_text", None), pooler)
     for i, why in guard.kept_float.items():
         quant_files.pop(i, None)
         float_why[i] = why

@@ -18,7 +18,8 @@ import numpy as np
 from slimml.runtime.tools.bench import sample_feeds
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.engine.session import make_session
-from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, pool, sorted_batches
+from slimml.runtime.tasks.inputs.pooling import Pooler
+from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
 
 
 class Chain:
@@ -28,9 +29,11 @@ class Chain:
         manifest: the artifact's manifest (shard order, inputs, outputs, pooling).
         files: one ONNX path per shard.
         text: the tokenizer, for :meth:`encode`.
+        pooler: the pooling (:class:`~slimml.runtime.tasks.inputs.pooling.Pooler`), for :meth:`encode`.
     """
 
-    def __init__(self, manifest: Manifest, files: list[Path], text: TextEncoder | None = None, device: str = "cpu"):
+    def __init__(self, manifest: Manifest, files: list[Path], text: TextEncoder | None = None, device: str = "cpu",
+                 pooler: Pooler | None = None):
         from slimml.runtime.engine.budget import bigger_than_memory
 
         self.manifest = manifest
@@ -38,7 +41,7 @@ class Chain:
         size = sum(p.stat().st_size for f in files for p in (Path(f), Path(f"{f}.data")) if p.is_file())
         # a model bigger than memory: each shard's session made for its turn in a pass, then dropped
         self.sessions = None if bigger_than_memory(size) else [make_session(f, device) for f in files]
-        self.text = text
+        self.text, self.pooler = text, pooler
 
     def _sessions(self):
         if self.sessions is not None:
@@ -62,7 +65,7 @@ class Chain:
         check_batch_size(batch_size)
         encs = self.text.encodings(list(texts))
         batches = sorted_batches([len(e.ids) for e in encs], batch_size)
-        return encode_texts(self.run, self.text, self.manifest.pooling, encs, batches, show_progress)
+        return encode_texts(self.run, self.text, self.pooler, encs, batches, show_progress)
 
 
 def text_encoder(folder: Path, manifest: Manifest) -> TextEncoder | None:
@@ -124,17 +127,16 @@ class RecordedReader:
 
 
 def outputs_agreement(a: dict[str, np.ndarray], b: dict[str, np.ndarray], mask: np.ndarray | None = None,
-                      pooling: dict | None = None) -> float:
+                      pooler: Pooler | None = None) -> float:
     """Mean cosine similarity between two runs' float outputs.
 
-    With ``pooling`` (a sentence-embedding model) the pooled embeddings are compared, since they
+    With ``pooler`` (a sentence-embedding model) the pooled embeddings are compared, since they
     are what users consume; otherwise each token's vector, skipping padded positions (``mask``),
     whose values no one reads and which fused attention leaves different, or each row's outputs.
     """
     cos = []
-    if pooling is not None and mask is not None:
-        x = pool(a[pooling["output"]], mask, pooling["mode"], pooling["normalize"]).astype(np.float64)
-        y = pool(b[pooling["output"]], mask, pooling["mode"], pooling["normalize"]).astype(np.float64)
+    if pooler is not None and mask is not None:
+        x, y = pooler(a, mask).astype(np.float64), pooler(b, mask).astype(np.float64)
         pairs = [(x, y)]
     else:
         pairs = []

@@ -18,6 +18,7 @@ from typing import Any
 
 from slimml.errors import ConfigError
 from slimml.quantize.chain import Chain, outputs_agreement
+from slimml.runtime.tasks.inputs.pooling import Pooler
 from slimml.convert.llm_check import is_language_model
 from slimml.quantize.config import GuardConfig
 from slimml.quantize.lm_guard import LanguageModelScore
@@ -31,11 +32,11 @@ class GuardResult:
 
 class _Measure:
     def __init__(self, manifest, text, float_files, quant_files, held_feeds, guard: GuardConfig | None, device: str = "cpu",
-                 eval_text=None):
-        self.manifest, self.text, self.device = manifest, text, device
+                 eval_text=None, pooler: Pooler | None = None):
+        self.manifest, self.text, self.device, self.pooler = manifest, text, device, pooler
         self.float_files, self.quant_files = float_files, quant_files
         self.feeds = held_feeds
-        float_chain = Chain(manifest, float_files, text)  # the float reference runs on the CPU
+        float_chain = Chain(manifest, float_files, text, pooler=pooler)  # the float reference runs on the CPU
         self.lm = LanguageModelScore(manifest, float_files[0].parent, guard, float_chain, eval_text) if is_language_model(manifest) else None
         if self.lm is not None:  # a language model is judged by perplexity on held-out text, not output cosine
             self.reference = []
@@ -55,13 +56,13 @@ class _Measure:
         for i, f in enumerate(self.float_files):
             quantized = i in self.quant_files and i not in float_set and (only is None or i == only)
             files.append(self.quant_files[i] if quantized else f)
-        return Chain(self.manifest, files, self.text, self.device)
+        return Chain(self.manifest, files, self.text, self.device, self.pooler)
 
     def agreement(self, chain: Chain) -> float:
         if self.lm is not None:  # 1 / perplexity ratio: 1 when the quantized model predicts as the float one
             return self.lm.reference_ppl / self.lm.perplexity(chain)
-        pooling = self.manifest.pooling
-        scores = [outputs_agreement(ref, chain.run(f), f.get("attention_mask"), pooling) for ref, f in zip(self.reference, self.feeds)]
+        scores = [outputs_agreement(ref, chain.run(f), f.get("attention_mask"), self.pooler)
+                  for ref, f in zip(self.reference, self.feeds)]
         return sum(scores) / len(scores)
 
     def _score(self, chain: Chain) -> float:
@@ -88,14 +89,15 @@ class _Measure:
 
 
 def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, Path], held_feeds,
-                guard: GuardConfig | None, step=lambda _m: None, device: str = "cpu", eval_text=None) -> GuardResult:
+                guard: GuardConfig | None, step=lambda _m: None, device: str = "cpu", eval_text=None,
+                pooler: Pooler | None = None) -> GuardResult:
     """Measure the drop; with a guard, return the shards to keep float so that it is at most ``max_drop``.
 
     Raises:
         ConfigError: ``max_drop`` cannot be met with at most ``max_float_shards`` float shards and
             ``keep_best`` is off.
     """
-    m = _Measure(manifest, text, float_files, quant_files, held_feeds, guard, device, eval_text)
+    m = _Measure(manifest, text, float_files, quant_files, held_feeds, guard, device, eval_text, pooler)
     checks: dict[str, Any] = {}
     drop = m.drop(m.chain(set()), checks)
     if guard is None or drop <= guard.max_drop:

@@ -212,6 +212,11 @@ def info(artifact: Artifact, as_json: AsJson = False):
             console.print(f"[bold]component {name}[/bold]")
         console.print("inputs: " + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in part.inputs))
         console.print("outputs: " + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in part.outputs))
+        if part.pooling is not None:
+            p = part.pooling
+            steps = [f"{p.mode} of {p.output}", *(f"projection ({d['activation']})" for d in p.dense),
+                     *(["normalized"] if p.normalize else [])]
+            console.print("pooling: " + " -> ".join(steps) + (f"; prompts: {', '.join(p.prompts)}" if p.prompts else ""))
         table = Table("shard", "file", "MB", "layers", "inputs from", "outputs")
         for s in part.shards:
             size = sum(f.bytes for f in m.files if f.path in (s.file, s.data))

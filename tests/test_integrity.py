@@ -143,12 +143,12 @@ def test_external_data_refused_even_without_verify(art):
         load(art, verify=False)  # opting out of hashing does not open the folder's walls
 
 
-@pytest.mark.parametrize("version", [0, 3, "1", None, 1.5])
+@pytest.mark.parametrize("version", [0, 4, "1", None, 1.5])
 def test_unknown_format_version_is_refused_naming_it(art, version):
     edit(art, lambda m: m.update(format_version=version))
     with pytest.raises(ArtifactError) as e:
         load(art)
-    assert f"has manifest format version {version!r}, but this slimml reads versions 1 and 2" in str(e.value)
+    assert f"has manifest format version {version!r}, but this slimml reads versions 1, 2 and 3" in str(e.value)
 
 
 def test_malformed_manifest_lists_every_problem(art):

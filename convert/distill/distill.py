@@ -240,7 +240,7 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
     kind = facts["kind"]
     epochs = distill.epochs if distill.epochs is not None else (DEFAULT_EPOCHS if distill.layers else 1.0)
     fingerprint = _fingerprint(teacher_dir, distill, prune, epochs, facts["texts"])
-    trainer = Trainer(kind, teacher_dir, facts["texts"], distill)
+    trainer = Trainer(kind, teacher_dir, facts["texts"], distill, _pooler(teacher_artifact) if kind == "embedding-cosine" else None)
     say("running the teacher")
     mem0 = _peak_rss()
     targets = teacher_outputs(teacher_artifact, kind, trainer.ids, trainer.pad_id, cache_dir,
@@ -387,6 +387,15 @@ def _check_training_fits(folder: Path, kept_layers: list[int]) -> None:
             "(--distill-layers), prune (--prune), or train it with optimizer-state offload (DeepSpeed ZeRO-Offload), "
             "which slimml does not do."
         )
+
+
+def _pooler(artifact: Path):
+    """The teacher artifact's pooling (mode, projections), which the student's embedding is made with."""
+    from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.runtime.tasks.inputs.pooling import Pooler
+
+    manifest = read_manifest(artifact)
+    return Pooler.of(manifest.pooling, artifact, manifest.files)
 
 
 def _teacher_params(folder: Path) -> int:

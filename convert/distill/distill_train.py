@@ -110,12 +110,16 @@ def _tied_keys(model: Any) -> list[tuple[str, Any]]:
 class Trainer:
     """Tokenized texts, the teacher's cached targets and the training loop for one student."""
 
-    def __init__(self, kind: str, folder: Path, texts: list[str], config: Any):
+    def __init__(self, kind: str, folder: Path, texts: list[str], config: Any, pooler: Any = None):
         import torch
         from transformers import AutoTokenizer
 
         torch.manual_seed(config.seed)
         self.kind, self.config = kind, config
+        # a sentence embedder's student is pooled as the teacher's artifact pools (its mode and projections)
+        from slimml.convert.distill.pooled import StudentPooling
+
+        self.pooling = StudentPooling(pooler) if pooler is not None else None
         self.tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token or self.tok.unk_token
@@ -193,11 +197,9 @@ class Trainer:
     def batches(self, n: int) -> list[dict[str, Any]]:
         return [self._collate(b) for b in self._order(-1)[:n]]
 
-    @staticmethod
-    def _embed(model: Any, batch: dict[str, Any]) -> Any:
+    def _embed(self, model: Any, batch: dict[str, Any]) -> Any:
         hidden = model(input_ids=batch["student_input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (B, H)
+        return self.pooling(hidden, batch["attention_mask"])  # (B, width)
 
     def loss(self, student: Any, batch: dict[str, Any]) -> Any:
         import torch

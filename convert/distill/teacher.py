@@ -5,7 +5,8 @@ memory budget: a teacher bigger than the machine passes over the data shard by s
 needs from it is stored in a cache folder of memory-mapped arrays, and every epoch (and a resumed
 run) reads them instead of running the teacher again:
 
-- ``embedding-cosine``: the mean-pooled embedding of each text, ``(texts, hidden)``;
+- ``embedding-cosine``: the embedding of each text as the teacher's pooling makes it (its mode and
+  projections, before the normalisation and any Matryoshka cut), ``(texts, width)``;
 - ``hidden-mse``: the last hidden state of each token, ``(tokens, hidden)`` with per-text offsets;
 - ``logits-kl``: a classifier's logits, ``(texts, classes)``;
 - ``lm-kl``: for each token the teacher's ``top_k`` logits, their token ids and the log-sum-exp of
@@ -34,6 +35,7 @@ from slimml.runtime.engine.budget import available_memory, fmt_bytes, parse_byte
 
 META = "meta.json"
 MIN_BATCH, MAX_BATCH = 8, 512
+CACHE_FORMAT = 2  # 2: embeddings pooled as the teacher pools (1 took every teacher's mean)
 SAFETY = 512 * 2**20  # what the batch estimate leaves for everything else
 
 
@@ -60,7 +62,7 @@ class TeacherOutputs:
 def cache_key(artifact: Path, kind: str, top_k: int, ids: list[list[int]]) -> str:
     h = hashlib.sha256()
     h.update((artifact / "manifest.json").read_bytes())
-    h.update(f"{kind}:{top_k}".encode())
+    h.update(f"{kind}:{top_k}:{CACHE_FORMAT}".encode())
     for s in ids:
         h.update(np.asarray(s, dtype=np.int64).tobytes() + b"|")
     return h.hexdigest()
@@ -212,7 +214,7 @@ def _fill(artifact, kind, ids, lengths, pad_id, cache_dir: Path, meta, memory_bu
                 continue
             rows = order[start:stop]
             out = model.run(_feeds(model.inputs, [ids[i] for i in rows], pad_id))
-            _store(kind, arrays, out, rows, lengths, offsets, top_k)
+            _store(kind, arrays, out, rows, lengths, offsets, top_k, getattr(model, "pooler", None))
             for a in arrays.values():
                 a.flush()
             meta["done"] = stop
@@ -240,7 +242,7 @@ def _shapes(model, kind: str, lengths: np.ndarray, top_k: int) -> dict[str, list
     if last is None:
         raise ArtifactError("the teacher artifact's output has no fixed last dimension; distillation cannot size its cache.")
     if kind == "embedding-cosine":
-        return {"embeddings": ["float32", n, last]}
+        return {"embeddings": ["float32", n, model.pooler.width(last)]}
     if kind == "logits-kl":
         return {"logits": ["float32", n, last]}
     if kind == "hidden-mse":
@@ -256,14 +258,13 @@ def _output_name(names: list[str], kind: str) -> str:
     return want if want in names else names[0]
 
 
-def _store(kind, arrays, out, rows, lengths, offsets, top_k) -> None:
+def _store(kind, arrays, out, rows, lengths, offsets, top_k, pooler=None) -> None:
     first = out[_output_name(list(out), kind)]
     if kind == "embedding-cosine":
-        mask = np.zeros(first.shape[:2], dtype=np.float32)
+        mask = np.zeros(first.shape[:2], dtype=np.int64)
         for r, i in enumerate(rows):
             mask[r, : lengths[i]] = 1
-        pooled = (first * mask[..., None]).sum(1) / np.clip(mask.sum(1, keepdims=True), 1e-9, None)
-        arrays["embeddings"][rows] = pooled
+        arrays["embeddings"][rows] = pooler.pooled(out, mask)  # the teacher is a sentence-embedding artifact
         return
     if kind == "logits-kl":
         arrays["logits"][rows] = first

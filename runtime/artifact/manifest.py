@@ -21,8 +21,10 @@ from slimml.runtime.artifact.records import (
 )
 
 FORMAT = "slimml.artifact"
-FORMAT_VERSION = 2  # the newest this slimml reads and writes
-READS_VERSIONS = (1, 2)  # 2 added components; an artifact without them is still written as 1
+FORMAT_VERSION = 3  # the newest this slimml reads and writes
+# 2 added components, 3 projections and a cut after pooling (``pooling.dense``, ``truncate_dim``); each artifact is written as
+# the oldest version that reads it right (one chain without projections: 1)
+READS_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few KB per shard; anything this big is not one
 
@@ -144,8 +146,16 @@ class Manifest:
         return self.components[name]
 
     def asset_files(self) -> list[str]:
-        """The files beside the shards that the runtime reads (tokenizer, preprocessor config)."""
-        return [p for a in (self.tokenizer, self.preprocessor) if a for p in a.files]
+        """The files beside the shards that the runtime reads (tokenizer, preprocessor config, the
+        pooling's projections)."""
+        poolings = [c.pooling for c in (self.components.values() if self.components else [self])]
+        return [p for a in (self.tokenizer, self.preprocessor, *poolings) if a for p in a.files]
+
+    @property
+    def needs_version(self) -> int:
+        """The oldest format version that reads this manifest right."""
+        poolings = [c.pooling for c in (self.components.values() if self.components else [self])]
+        return max([2 if self.components else 1, *(p.needs_version for p in poolings if p is not None)])
 
     @property
     def shard_count(self) -> int:
@@ -230,12 +240,12 @@ class Manifest:
         }
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest as ``manifest.json`` holds it (format version 1 unless it has components)."""
+        """The manifest as ``manifest.json`` holds it (as the oldest version that reads it right)."""
         chains = ({"components": {n: c.chain_json(component=True) for n, c in self.components.items()}}
                   if self.components else self.chain_json())
         return {
             "format": FORMAT,
-            "format_version": 2 if self.components else 1,  # the oldest version that can read it
+            "format_version": self.needs_version,
             "slimml_version": self.slimml_version,
             "name": self.name,
             "task": self.task,
@@ -302,7 +312,7 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     if version not in READS_VERSIONS or isinstance(version, (bool, float)):
         raise ArtifactError(
             f"{path} has manifest format version {version!r}, but this slimml reads versions "
-            f"{' and '.join(map(str, READS_VERSIONS))}. Convert the model again with this slimml, or install "
+            f"{', '.join(map(str, READS_VERSIONS[:-1]))} and {READS_VERSIONS[-1]}. Convert the model again with this slimml, or install "
             "the slimml version that wrote it."
         )
     problems = validate_raw(raw)
@@ -429,6 +439,9 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
                 tensors(sh.get("outputs"), f"{w}.outputs")
         if c.get("pooling") is not None:
             problems.extend(Pooling.problems(c["pooling"], f"{at}pooling"))
+            for key in ("dense", "truncate_dim"):  # an older slimml would skip them, and embed otherwise
+                if isinstance(c["pooling"], dict) and c["pooling"].get(key) and raw.get("format_version") in (1, 2):
+                    problems.append(f"{at}pooling.{key} needs format_version 3")
         if at and c.get("assets") is not None:
             problems.extend(assets_problems(c["assets"], f"{at}assets"))
 
@@ -441,7 +454,7 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
     if comps is None:
         chain(raw, "")
     elif raw.get("format_version") == 1:
-        problems.append("components need format_version 2")
+        problems.append("components need format_version 2 or later")
     elif need(isinstance(comps, dict) and len(comps) > 0, "components", "must be an object of named chains"):
         for name, c in comps.items():
             ok = need(isinstance(name, str) and name.replace("_", "").replace("-", "").isalnum(),
@@ -505,6 +518,9 @@ def _check_structure(folder: Path, m: Manifest) -> None:
         raise ArtifactError(f"the manifest lists a model input twice ({names}); it is damaged: convert again.")
     if m.pooling and m.pooling.output not in {t.name for t in m.outputs}:
         raise ArtifactError(f"the manifest pools {m.pooling.output!r}, which is not a model output; convert again.")
+    if m.pooling and any(p not in listed for p in m.pooling.files):
+        raise ArtifactError("the manifest's pooling names a weight file its file list does not record with a hash; "
+                            "the manifest was edited by hand or damaged: convert again.")
 
 
 def safe_path(folder: Path, rel: str) -> Path:

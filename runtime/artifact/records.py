@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 ASSETS = ("tokenizer", "preprocessor")  # the records that name a file a component's inputs are made with
 POOLING_MODES = ("mean", "cls", "max", "lasttoken", "mean_sqrt_len_tokens", "weightedmean", "none")  # sentence-transformers' names
 PREPROCESSOR_KINDS = ("image", "audio")
+DENSE_ACTIVATIONS = ("identity", "tanh", "relu", "sigmoid")  # a pooling's projections (sentence-transformers' Dense)
 
 
 def is_int(v: Any, lo: int = 0, hi: int = 1 << 62) -> bool:
@@ -174,13 +175,30 @@ class Pooling(Record):
     """How a chain's token states become one embedding per text (sentence-transformers style)."""
 
     KEY: ClassVar[str] = "pooling"
-    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("prompts", "default_prompt")
+    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("prompts", "default_prompt", "dense", "truncate_dim")
     mode: str  # one of POOLING_MODES; "none": the model pools itself
     output: str  # the model output that is pooled
-    normalize: bool = True
+    normalize: bool = True  # after the projections, where there are any
     prompts: dict[str, str] = field(default_factory=dict)  # sentence-transformers' prompts by name ("query": "query: ")
     default_prompt: str | None = None  # the prompt's name put before every text unless another is asked for
+    # projections after pooling (sentence-transformers' Dense), in order: {"weight": file of the
+    # (in, out) float32 matrix, "bias": file of the (out,) vector or null, "activation": one of
+    # DENSE_ACTIVATIONS}; format version 3, which an older slimml refuses instead of skipping them
+    dense: list[dict[str, Any]] = field(default_factory=list)
+    # the embedding's first values kept, after the normalisation (sentence-transformers' truncate_dim,
+    # a Matryoshka model's saved cut); format version 3
+    truncate_dim: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def needs_version(self) -> int:
+        """The oldest manifest format version that computes this pooling right."""
+        return 3 if self.dense or self.truncate_dim else 1
+
+    @property
+    def files(self) -> list[str]:
+        """The artifact files this record names (its projections' weights)."""
+        return [layer[k] for layer in self.dense for k in ("weight", "bias") if layer.get(k)]
 
     @classmethod
     def problems(cls, raw: Any, where: str = "pooling") -> list[str]:
@@ -194,6 +212,17 @@ class Pooling(Record):
                       f"{where}.prompts", "must map prompt names to texts"):
                 default = raw.get("default_prompt")
                 c.need(default is None or default in prompts, f"{where}.default_prompt", "must name one of the prompts or be null")
+            dense = raw.get("dense", [])
+            if c.need(isinstance(dense, list) and all(isinstance(d, dict) for d in dense), f"{where}.dense",
+                      "must be a list of projections"):
+                for i, d in enumerate(dense):
+                    c.need(isinstance(d.get("weight"), str), f"{where}.dense[{i}].weight", "must name a file")
+                    c.need(d.get("bias") is None or isinstance(d.get("bias"), str), f"{where}.dense[{i}].bias",
+                           "must name a file or be null")
+                    c.need(d.get("activation") in DENSE_ACTIVATIONS, f"{where}.dense[{i}].activation",
+                           f"must be one of {', '.join(DENSE_ACTIVATIONS)}")
+            c.need(raw.get("truncate_dim") is None or is_int(raw.get("truncate_dim"), 1, 1 << 31), f"{where}.truncate_dim",
+                   "must be an int >= 1 or null")
         return c.found
 
 

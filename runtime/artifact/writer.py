@@ -197,6 +197,7 @@ class ArtifactWriter:
         components = {} if whole else {n: part(c, False) for n, c in self._chains.items()}
         paths = [p for c in self._chains.values() for s in c.shards for p in (s.file, s.data) if p]
         paths += [p for r in records.values() if r is not None for p in r.files] + self._extra_files
+        paths += [p for c in self._chains.values() if c.pooling is not None for p in c.pooling.files]
         files = [file_entry(self.folder, safe_path(self.folder, p)) for p in dict.fromkeys(paths)]  # a shared file once
         manifest = Manifest(
             name=name, task=task, source=source, steps=steps,

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_unicode, register_task
+from slimml.runtime.tasks.inputs.pooling import Pooler
 from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, prompt_text, sorted_batches
 from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
 
 if TYPE_CHECKING:
+    from slimml.runtime.artifact.manifest import Manifest
     from slimml.runtime.engine.engine import Engine
 
 
@@ -21,6 +25,10 @@ class TextEmbedding(Task):
 
     methods = frozenset({"encode", "encode_with_counts"})
     suggest = ("encode",)
+
+    def __init__(self, folder: Path, manifest: Manifest, engines: Mapping[str | None, Engine]):
+        super().__init__(folder, manifest, engines)
+        self.pooler = Pooler.of(manifest.pooling, self.folder, manifest.files)  # its projections read (and checked) once
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
                workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
@@ -59,11 +67,11 @@ class TextEmbedding(Task):
                            prompt: str | None = None) -> tuple[np.ndarray, list[int]]:
         """:meth:`encode`, and the tokens of each text as the model saw them (what OpenAI's
         ``usage`` counts), from one tokenization."""
-        return embed_texts(self, self.engine, self.text, self.manifest.pooling, texts, batch_size, show_progress, workers,
+        return embed_texts(self, self.engine, self.text, self.pooler, texts, batch_size, show_progress, workers,
                            prompt_text(self.manifest.pooling, prompt_name, prompt))
 
 
-def embed_texts(task: Task, engine: Engine, text: TextEncoder | None, pooling: dict[str, Any], texts: list[str],
+def embed_texts(task: Task, engine: Engine, text: TextEncoder | None, pooler: Pooler, texts: list[str],
                 batch_size: int = 32, show_progress: bool = False,
                 workers: int | None = None, prompt: str = "") -> tuple[np.ndarray, list[int]]:
     """Pooled embeddings of ``texts`` through ``engine`` (one chain), each after ``prompt``, and
@@ -87,4 +95,4 @@ def embed_texts(task: Task, engine: Engine, text: TextEncoder | None, pooling: d
                                      memory_budget=plan.memory.budget)
     batches = sorted_batches(lengths, lane_batch_size(len(texts), batch_size, lanes))
     run = engine.run if lanes == 1 else engine.lane(lane_threads)
-    return encode_texts(run, text, pooling, encs, batches, show_progress, lanes), lengths
+    return encode_texts(run, text, pooler, encs, batches, show_progress, lanes), lengths

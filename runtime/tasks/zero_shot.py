@@ -18,6 +18,7 @@ from slimml.errors import FeedError
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.tasks.base import Task, image_input, register_task, text_encoder
 from slimml.runtime.tasks.classify import check_top_k, embed_image_batches, image_output, top_classes
+from slimml.runtime.tasks.inputs.pooling import Pooler
 from slimml.runtime.tasks.inputs.text import prompt_text
 from slimml.runtime.tasks.text_embedding import embed_texts
 
@@ -40,6 +41,7 @@ class ZeroShot(Task):
         self.scale = float(spec["scale"])  # CLIP's exp(logit_scale)
         texts, images = manifest.component(self.text_part), manifest.component(self.image_part)
         self.pooling = texts.pooling
+        self.pooler = Pooler.of(texts.pooling, self.folder, manifest.files)
         self.text = text_encoder(self.folder, texts, self.limits)
         self.image_input, self.images = image_input(self.folder, images)
 
@@ -56,7 +58,7 @@ class ZeroShot(Task):
                            workers: int | None = None, *, prompt_name: str | None = None,
                            prompt: str | None = None) -> tuple[np.ndarray, list[int]]:
         """:meth:`encode` and each text's token count."""
-        return embed_texts(self, self.part(self.text_part), self.text, self.pooling, texts, batch_size,
+        return embed_texts(self, self.part(self.text_part), self.text, self.pooler, texts, batch_size,
                            show_progress, workers, prompt_text(self.pooling, prompt_name, prompt))
 
     def text_prompt(self, prompt_name: str | None = None, prompt: str | None = None) -> str:

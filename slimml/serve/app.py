@@ -292,10 +292,11 @@ class SlimmlServer:
         return Response(protocol.dumps(body), media_type="application/json")
 
     def _embedding_size(self) -> int | None:
-        """The size of the model's embeddings, where its manifest says it (the pooled output's last axis)."""
-        pooling = self.model.manifest.pooling
-        shape = next((t.shape for t in self.model.manifest.outputs if pooling is not None and t.name == pooling["output"]), None)
-        return shape[-1] if shape and isinstance(shape[-1], int) else None
+        """The size of the model's embeddings, where its manifest says it (the pooled output's last
+        axis, or its pooling's last projection)."""
+        pooler = getattr(self.model, "pooler", None)
+        shape = next((t.shape for t in self.model.manifest.outputs if pooler is not None and t.name == pooler.output), None)
+        return pooler.size(shape[-1] if shape and isinstance(shape[-1], int) else None) if pooler is not None else None
 
     @api.post("/v1/rerank")
     async def rerank(self, request: Request):

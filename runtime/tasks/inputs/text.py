@@ -1,16 +1,18 @@
-"""Text in, tensors out: the shipped tokenizer and sentence-transformers style pooling."""
+"""Text in, tensors out: the shipped tokenizer, batches of texts, and the prompts put before them."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from slimml.errors import ArtifactError, FeedError
-from slimml.runtime.artifact.records import POOLING_MODES
 from slimml.runtime.tasks.limits import Limits
+
+if TYPE_CHECKING:
+    from slimml.runtime.tasks.inputs.pooling import Pooler
 
 
 class TextEncoder:
@@ -78,16 +80,16 @@ def sorted_batches(lengths: list[int], batch_size: int) -> list[np.ndarray]:
     return [order[i : i + batch_size] for i in range(0, len(lengths), batch_size)]
 
 
-def encode_texts(run, text: TextEncoder, pooling: dict[str, Any], encs: list, batches: list[np.ndarray],
+def encode_texts(run, text: TextEncoder, pooler: Pooler, encs: list, batches: list[np.ndarray],
                  show_progress: bool = False, lanes: int = 1) -> np.ndarray:
     """Sentence embeddings in input order: each batch of ``encs`` (from :func:`sorted_batches`)
-    padded only to its own longest text and run through ``run(feeds) -> outputs``, ``lanes``
-    batches at a time (:mod:`slimml.runtime.tasks.lanes`)."""
+    padded only to its own longest text, run through ``run(feeds) -> outputs`` and pooled by
+    ``pooler``, ``lanes`` batches at a time (:mod:`slimml.runtime.tasks.lanes`)."""
     from slimml.runtime.tasks.lanes import in_lanes
 
     def embed(rows: np.ndarray) -> np.ndarray:
         feeds = text.batch([encs[r] for r in rows])
-        return pool(run(feeds)[pooling["output"]], feeds["attention_mask"], pooling["mode"], pooling["normalize"])
+        return pooler(run(feeds), feeds["attention_mask"])
 
     done = in_lanes(embed, batches, lanes)
     if show_progress:
@@ -100,34 +102,6 @@ def encode_texts(run, text: TextEncoder, pooling: dict[str, Any], encs: list, ba
             out = np.empty((len(encs), emb.shape[1]), dtype=emb.dtype)
         out[rows] = emb
     return out
-
-
-def pool(hidden: np.ndarray, attention_mask: np.ndarray, mode: str = "mean", normalize: bool = True) -> np.ndarray:
-    """Sentence embeddings from token states: (B, T, H) and mask (B, T) -> (B, H), as
-    sentence-transformers' ``Pooling`` computes each mode (the texts padded on the right)."""
-    if mode in ("mean", "mean_sqrt_len_tokens", "weightedmean"):
-        mask = attention_mask.astype(hidden.dtype)  # (B, T)
-        if mode == "weightedmean":  # each token weighted by its position, 1 for the first
-            mask = mask * np.arange(1, mask.shape[1] + 1, dtype=hidden.dtype)
-        summed = np.matmul(mask[:, None, :], hidden)[:, 0, :]  # (B, H), without a (B, T, H) temporary
-        count = np.clip(mask.sum(axis=1, keepdims=True), 1e-9, None)
-        emb = summed / (np.sqrt(count) if mode == "mean_sqrt_len_tokens" else count)
-    elif mode == "lasttoken":  # each text's last token (decoder embedders: Qwen3-Embedding, gte-Qwen2)
-        last = attention_mask.shape[1] - 1 - np.argmax(attention_mask[:, ::-1] > 0, axis=1)
-        emb = hidden[np.arange(hidden.shape[0]), last]
-    elif mode == "cls":
-        emb = hidden[:, 0]
-    elif mode == "max":
-        masked = np.where(attention_mask[..., None] > 0, hidden, -np.inf)
-        emb = masked.max(axis=1)
-    elif mode == "none":  # the model pooled already (CLIP's text_embeds): (B, H)
-        emb = hidden
-    else:
-        raise ArtifactError(f"unknown pooling mode {mode!r} in the manifest; use one of {', '.join(POOLING_MODES)}.")
-    emb = emb.astype(np.float32)
-    if normalize:
-        emb = emb / np.clip(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12, None)
-    return emb
 
 
 def prompt_text(pooling: Any, prompt_name: str | None = None, prompt: str | None = None) -> str:
