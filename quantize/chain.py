@@ -18,6 +18,7 @@ import numpy as np
 from slimml.runtime.tools.bench import sample_feeds
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.engine.session import make_session
+from slimml.quantize.classifier_guard import query_passage_pairs, reads_pairs
 from slimml.runtime.tasks.inputs.pooling import Pooler
 from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
 
@@ -77,8 +78,9 @@ def text_encoder(folder: Path, manifest: Manifest) -> TextEncoder | None:
 def batches(manifest: Manifest, text: TextEncoder | None, texts: list[str], batch_size: int = 8, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """Model feeds for ``texts`` (tokenized) or, for a model without a tokenizer, sample inputs."""
     if text is not None:
+        inputs = query_passage_pairs(texts) if reads_pairs(manifest) else texts  # a cross-encoder reads pairs
         # sort by length so padding stays small and every batch looks like real traffic
-        ordered = sorted(texts, key=len)
+        ordered = sorted(inputs, key=lambda t: len(t) if isinstance(t, str) else len(t[0]) + len(t[1]))
         return [text(ordered[i : i + batch_size]) for i in range(0, len(ordered), batch_size)]
     count = max(1, len(texts) // batch_size)
     out = []

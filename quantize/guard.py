@@ -18,6 +18,7 @@ from typing import Any
 
 from slimml.errors import ConfigError
 from slimml.quantize.chain import Chain, outputs_agreement
+from slimml.quantize.classifier_guard import ClassifierScore, is_classifier
 from slimml.runtime.tasks.inputs.pooling import Pooler
 from slimml.convert.llm_check import is_language_model
 from slimml.quantize.config import GuardConfig
@@ -43,6 +44,9 @@ class _Measure:
             self.eval_file = None
             return
         self.reference = [float_chain.run(f) for f in held_feeds]
+        # a classifier is judged by its scores (a cross-encoder's ranking), not its logits' cosine
+        self.classifier = (ClassifierScore(manifest, [r["logits"] for r in self.reference])
+                           if is_classifier(manifest) and self.reference else None)
         self.eval_file = guard.eval_file if guard is not None else None
         if self.eval_file is not None and manifest.pooling is None:
             raise ConfigError(
@@ -59,11 +63,21 @@ class _Measure:
         return Chain(self.manifest, files, self.text, self.device, self.pooler)
 
     def agreement(self, chain: Chain) -> float:
+        return self._agreement(chain)["agreement"]
+
+    def _agreement(self, chain: Chain) -> dict[str, float]:
         if self.lm is not None:  # 1 / perplexity ratio: 1 when the quantized model predicts as the float one
-            return self.lm.reference_ppl / self.lm.perplexity(chain)
+            return {"agreement": self.lm.reference_ppl / self.lm.perplexity(chain)}
+        if self.classifier is not None:
+            return self.classifier.measure([chain.run(f)["logits"] for f in self.feeds])
         scores = [outputs_agreement(ref, chain.run(f), f.get("attention_mask"), self.pooler)
                   for ref, f in zip(self.reference, self.feeds)]
-        return sum(scores) / len(scores)
+        return {"agreement": sum(scores) / len(scores)}
+
+    @property
+    def metric(self) -> str:
+        """What ``agreement`` measures (its check's name)."""
+        return self.classifier.metric if self.classifier is not None else "cosine"
 
     def _score(self, chain: Chain) -> float:
         from slimml.runtime.tools.evaluate import evaluate_sts
@@ -73,8 +87,11 @@ class _Measure:
     def drop(self, chain: Chain, checks: dict[str, Any]) -> float:
         if self.lm is not None:
             return self.lm.drop(chain, checks)
-        agree = self.agreement(chain)
-        checks["agreement_cosine"] = round(agree, 6)
+        measured = self._agreement(chain)
+        agree = measured["agreement"]
+        checks[f"agreement_{self.metric}"] = round(agree, 6)
+        if "top1" in measured:
+            checks["agreement_top1"] = round(measured["top1"], 6)
         if self.eval_file is None:
             d = 100.0 * (1.0 - agree)
         else:
@@ -84,7 +101,7 @@ class _Measure:
             checks["eval_quantized"] = round(score, 4)
             d = self.float_score - score
         checks["drop"] = round(d, 6)
-        checks["drop_metric"] = "spearman_x100" if self.eval_file is not None else "100*(1-cosine)"
+        checks["drop_metric"] = "spearman_x100" if self.eval_file is not None else f"100*(1-{self.metric})"
         return d
 
 
@@ -111,7 +128,7 @@ def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, 
     kept: dict[int, str] = {}
     best = (drop, {}, dict(checks))
     for i in order[:limit]:
-        kept[i] = f"kept float by the accuracy guard: most sensitive left (1-cosine {sensitivity[i]:.2e} alone)"
+        kept[i] = f"kept float by the accuracy guard: most sensitive left (1-{m.metric} {sensitivity[i]:.2e} alone)"
         step(f"re-measuring with {len(kept)} shard(s) float")
         trial: dict[str, Any] = {}
         drop = m.drop(m.chain(set(kept)), trial)

@@ -148,3 +148,35 @@ def test_rerank_over_http_ranks_as_in_process(ray_env, reranker):
             assert status == 400 and words in body["error"]["message"], (bad, body)
         status, body = post(f"{url}/embeddings", {"input": ["hi"]})
         assert status == 400 and "POST /v1/rerank" in body["error"]["message"], body
+
+
+def test_the_quantize_guard_judges_a_cross_encoder_by_its_ranking_on_pairs(reranker, tmp_path):
+    """A cross-encoder's one logit per input made the guard's logit cosine 1 whenever two signs
+    agreed: it is judged by the Spearman correlation of its float and quantized scores instead, on
+    held-out query-passage pairs (static calibration reads pairs too); a softmax classifier by the
+    probability that stays where it was, with its top-1 agreement."""
+    from slimml.quantize import Int8Config, Int8StaticConfig, quantize
+    from slimml.quantize.classifier_guard import ClassifierScore, query_passage_pairs
+
+    _, art = reranker
+    report = quantize(art, tmp_path / "int8", Int8Config("cpu"))
+    assert report.checks["drop_metric"] == "100*(1-spearman)" and "agreement_cosine" not in report.checks
+    assert 0.9 < report.checks["agreement_spearman"] <= 1.0
+    static = quantize(art, tmp_path / "static", Int8StaticConfig(calibration_size=16))
+    assert "agreement_spearman" in static.checks
+    pairs = query_passage_pairs(["one two three four five six seven", "eight nine"])
+    assert pairs == [("one two three four five six", "one two three four five six seven"),
+                     ("one two three four five six", "eight nine"), ("eight nine", "eight nine"),
+                     ("eight nine", "one two three four five six seven")]
+
+    class Manifest:  # the float model's facts the score reads
+        source: dict = {}
+    ranked = np.array([[3.0], [2.0], [1.0], [-1.0]])
+    same_signs_other_order = np.array([[1.0], [2.0], [3.0], [-1.0]])  # cosine per row: 1 everywhere
+    assert ClassifierScore(Manifest, [ranked]).measure([same_signs_other_order])["agreement"] < 0.5
+    probs = ClassifierScore(Manifest, [np.array([[2.0, 0.0], [0.0, 2.0]])]).measure([np.array([[0.0, 2.0], [0.0, 2.0]])])
+    assert probs["top1"] == 0.5 and 0.2 < probs["agreement"] < 0.7
+    classifier = _classifier(tmp_path / "sentiment", 3)
+    convert(classifier, tmp_path / "sentiment_art", ConvertConfig(measure_latency=False))
+    checks = quantize(tmp_path / "sentiment_art", tmp_path / "sentiment_int8", Int8Config("cpu")).checks
+    assert checks["drop_metric"] == "100*(1-probability)" and 0 <= checks["agreement_top1"] <= 1
