@@ -78,7 +78,7 @@ def _texts(path: Path, args) -> list[str]:
 def child(args) -> None:
     from slimml.convert.distill import DistillConfig, evenly_spaced
     from slimml.convert.distill.distill_train import Trainer, build_student, teacher_kind
-    from slimml.convert.distill.teacher import teacher_outputs
+    from slimml.convert.distill.teacher import teacher_outputs, teacher_pooler
 
     precision, accum, ckpt = VARIANTS[args.child]
     teacher, art, texts, cache = Path(args.teacher), Path(args.art), Path(args.texts), Path(args.cache)
@@ -86,7 +86,7 @@ def child(args) -> None:
     config = DistillConfig(layers=args.layers, batch_size=args.batch // n, grad_accum=n, mixed_precision=precision,
                            checkpointing=ckpt, device="cpu", max_steps=args.steps)
     kind, cls = teacher_kind(teacher)
-    trainer = Trainer(kind, teacher, _texts(texts, args), config)
+    trainer = Trainer(kind, teacher, _texts(texts, args), config, teacher_pooler(art) if kind == "embedding-cosine" else None)
     trainer.use(teacher_outputs(art, kind, trainer.ids, trainer.pad_id, cache, "2GB"))
     from transformers import AutoConfig
 

@@ -302,6 +302,10 @@ def _traced_exporter(folder: Path, task: str, config: ExportConfig) -> str:
         if config.exporter == "torch" and (why := _torch_reason(folder, task)):
             raise SourceError(f"{why}; leave --exporter out.")
         return config.exporter
+    from slimml.convert.export_torch import encoder_only
+
+    if encoder_only(_read_config(folder), task):  # optimum would write the whole encoder-decoder, from half its weights
+        return "torch"
     if _optimum_loads() is None:
         return "optimum"
     why = _torch_reason(folder, task)

@@ -33,8 +33,19 @@ TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 DEFAULT_OPSET = 17
 
 
+def encoder_only(config: dict[str, Any], task: str) -> str | None:
+    """The class of an encoder-decoder's encoder saved alone (``T5EncoderModel``: GTR, sentence-T5,
+    saved by sentence-transformers), asked for its token states; else None. (Its config is T5's,
+    which transformers' feature-extraction and optimum would read as the whole encoder-decoder.)"""
+    names = config.get("architectures") or []
+    cls = names[0] if len(names) == 1 and isinstance(names[0], str) else ""
+    return cls if task == "feature-extraction" and cls.endswith("EncoderModel") else None
+
+
 def torch_export_reason(folder: Path, task: str, config: dict[str, Any]) -> str | None:
     """Why ``export_torch`` cannot write ``folder`` as ``task`` (one line), or None when it can."""
+    if encoder_only(config, task):
+        return None
     if config.get("is_encoder_decoder") or "text_config" in config or "vision_config" in config:
         return "the torch exporter writes single-graph models, not encoder-decoders or two-tower models"
     if task not in TORCH_TASKS:
@@ -45,16 +56,23 @@ def torch_export_reason(folder: Path, task: str, config: dict[str, Any]) -> str 
 def export_torch(folder: Path, onnx_path: Path, task: str, opset: int | None = None) -> None:
     """Write ``folder``'s model for ``task`` to ``onnx_path`` (weights as external data beside it
     when over 2 GB), inputs and outputs named as optimum names them, batch (and sequence) dynamic
-    (a causal LM: ``convert.export_torch_decoder``)."""
+    (a causal LM: ``convert.export_torch_decoder``; an encoder saved alone, :func:`encoder_only`,
+    as its own class)."""
+    import json
+
     import torch
+    import transformers
     from optimum.exporters.tasks import TasksManager  # optimum's task -> model class map (base optimum, any transformers)
 
     from slimml.convert.distill.prune_heads import from_pretrained  # a pruned encoder's folder reads the same way
 
+    encoder = encoder_only(json.loads((folder / "config.json").read_text()), task)
+    load = (getattr(transformers, encoder).from_pretrained if encoder and hasattr(transformers, encoder)
+            else lambda f, **kw: TasksManager.get_model_from_task(task, f, library_name="transformers", **kw))
     try:
-        model = from_pretrained(lambda f, **kw: TasksManager.get_model_from_task(
-            task, str(f), library_name="transformers", local_files_only=True, attn_implementation="eager",
-            torch_dtype=torch.float32, **kw), folder).float()  # a float32 graph: transformers 5 loads bf16 files as bf16
+        model = from_pretrained(lambda f, **kw: load(str(f), local_files_only=True, attn_implementation="eager",
+                                                     torch_dtype=torch.float32, **kw), folder).float()
+        # a float32 graph: transformers 5 loads bf16 files as bf16
     except Exception as e:
         raise ExportError(f"transformers could not load {folder} as {task!r} ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0]}); pass --task with the model's task.") from None

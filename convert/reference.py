@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import numpy as np
 
 from slimml.convert.export import Exported
@@ -73,9 +74,13 @@ def _load_hf(source: Source, exported: Exported):
 
     task = exported.info.get("hf_task", "feature-extraction")
     if task == "feature-extraction":
-        from transformers import AutoModel
+        import transformers
 
-        model = from_pretrained(lambda f, **kw: AutoModel.from_pretrained(str(f), local_files_only=True, dtype=torch.float32, **kw),
+        from slimml.convert.export_torch import encoder_only
+
+        encoder = encoder_only(json.loads((source.path / "config.json").read_text()), task)  # T5's encoder saved alone
+        cls = getattr(transformers, encoder) if encoder and hasattr(transformers, encoder) else transformers.AutoModel
+        model = from_pretrained(lambda f, **kw: cls.from_pretrained(str(f), local_files_only=True, dtype=torch.float32, **kw),
                                 source.path)
     else:
         from optimum.exporters.tasks import TasksManager

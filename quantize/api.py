@@ -266,7 +266,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     else:
         step("checking against the float model")
         device = "cuda" if isinstance(config, Fp16Config) else "cpu"
-        pooler = Pooler.of(manifest.pooling, src, manifest.files or None)  # a component's files are listed above it
+        pooler = Pooler.of(manifest.pooling, src, manifest.files)  # a component's manifest lists its own files
         guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device,
                             getattr(config, "eval_text", None), pooler)
     for i, why in guard.kept_float.items():

@@ -215,7 +215,7 @@ def info(artifact: Artifact, as_json: AsJson = False):
         if part.pooling is not None:
             p = part.pooling
             steps = [f"{p.mode} of {p.output}", *(f"projection ({d['activation']})" for d in p.dense),
-                     *(["normalized"] if p.normalize else [])]
+                     *(["normalized"] if p.normalize else []), *([f"first {p.truncate_dim} values"] if p.truncate_dim else [])]
             console.print("pooling: " + " -> ".join(steps) + (f"; prompts: {', '.join(p.prompts)}" if p.prompts else ""))
         table = Table("shard", "file", "MB", "layers", "inputs from", "outputs")
         for s in part.shards:

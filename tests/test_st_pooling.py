@@ -58,6 +58,31 @@ def test_the_pooling_is_read_in_either_config_format(tiny_bert_dir, tmp_path, co
     assert sentence_transformers_pooling(_pooling(folder, config))["mode"] == mode
 
 
+@pytest.mark.parametrize("header, body", [
+    ("{'descr': '<f4', 'fortran_order': False, 'shape': (-2, -2), }", 16),
+    ("{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296), }", 0),
+    ("{'descr': '<f4', 'fortran_order': False, 'shape': (True, 4), }", 16),
+    ("{'descr': '>f4', 'fortran_order': False, 'shape': (2, 2), }", 16),
+    ("{'descr': '|O', 'fortran_order': False, 'shape': (2, 2), }", 16),
+    ("{'descr': '<f4', 'fortran_order': False, 'shape': (3, 3), }", 16),
+])
+def test_a_hostile_projection_file_is_refused_in_one_line(tmp_path, header, body):
+    """A projection's ``.npy`` whose header lies (negative, huge or boolean sizes, another byte
+    order, objects, more values than bytes) is refused as an ArtifactError naming it, before any
+    array is made of it; a well-formed one reads back, in either memory order."""
+    from slimml.errors import ArtifactError
+    from slimml.runtime.tasks.inputs.pooling import _read_array
+
+    text = header.encode() + b" " * (118 - len(header)) + b"\n"
+    (tmp_path / "w.npy").write_bytes(b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + bytes(body))
+    with pytest.raises(ArtifactError, match="w.npy"):
+        _read_array(tmp_path, "w.npy", None, 2)
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for order in ("C", "F"):
+        np.save(tmp_path / "ok.npy", np.asarray(array, order=order))
+        np.testing.assert_array_equal(_read_array(tmp_path, "ok.npy", None, 2), array)
+
+
 @pytest.mark.parametrize("base, change, words", [
     ("tiny_bert_dir", lambda f: _pooling(f, {"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True}), "mean + cls"),
     ("tiny_bert_dir", lambda f: _pooling(f, {"pooling_mode": "attention"}), "attention"),
@@ -146,6 +171,29 @@ def test_projections_after_pooling_are_carried_as_sentence_transformers_applies_
     assert "cls of last_hidden_state -> projection (tanh) -> projection (identity) -> normalized" in " ".join(shown.split())
 
 
+def test_a_t5_encoder_pipeline_converts_as_gtr_and_sentence_t5_are_saved(tiny_bert_dir, tmp_path):
+    """GTR and sentence-T5 are T5's encoder saved alone (``T5EncoderModel``, a T5 config), then mean
+    pooling and a projection without bias: the encoder is exported as its own class (optimum and
+    transformers' feature extraction would read the config as the whole encoder-decoder, and want
+    decoder inputs), and the artifact matches the library."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Dense, Normalize, Pooling, Transformer
+    from transformers import AutoTokenizer, T5Config, T5EncoderModel
+
+    torch.manual_seed(2)
+    base = tmp_path / "t5"
+    T5EncoderModel(T5Config(vocab_size=30522, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)).eval().save_pretrained(base)
+    AutoTokenizer.from_pretrained(str(tiny_bert_dir), model_input_names=["input_ids", "attention_mask"]).save_pretrained(base)
+    SentenceTransformer(modules=[Transformer(str(base)), Pooling(32, pooling_mode="mean"),
+                                 Dense(32, 16, bias=False, activation_function=torch.nn.Identity()), Normalize()],
+                        device="cpu").save(str(tmp_path / "st"))
+    report = convert(tmp_path / "st", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["embedding_cosine_vs_library"] >= 0.9999 and report.checks["embedding_cosine_vs_torch"] >= 0.9999
+    theirs = SentenceTransformer(str(tmp_path / "st"), device="cpu").encode(TEXTS)
+    np.testing.assert_allclose(load(tmp_path / "art").encode(TEXTS), theirs, atol=2e-5)
+
+
 def test_a_changed_projection_or_an_older_format_version_is_refused(projected, tmp_path):
     """The projections' weights are listed with their sha256: one changed is refused at load, and
     also when the caller skips the hash check (the pooler checks the bytes it reads). A manifest
@@ -204,6 +252,7 @@ def test_a_decoder_embedder_pools_its_last_token_as_sentence_transformers_does(d
 
     report = convert(decoder_embedder, tmp_path / "art", ConvertConfig(measure_latency=False))
     assert report.checks["embedding_cosine_vs_library"] >= 0.9999
+    assert report.checks["embedding_cosine_vs_torch"] >= 0.9999  # the torch model's texts had no prompt: nor do the artifact's
     assert report.checks["embedding_library"].startswith("sentence-transformers ")
     model = load(tmp_path / "art")
     assert model.manifest.pooling.mode == "lasttoken"
@@ -290,3 +339,17 @@ def test_a_student_is_pooled_in_torch_as_its_teacher_s_artifact_pools(mode):
     ours = StudentPooling(pooler)(torch.from_numpy(hidden), torch.from_numpy(mask)).numpy()
     np.testing.assert_allclose(ours, pooler.pooled({"h": hidden}, mask), rtol=1e-5, atol=1e-5)
     assert pooler({"h": hidden}, mask).shape == (3, 4) and pooler.width(16) == 8 and pooler.size(16) == 4
+
+
+def test_a_teacher_converted_without_its_pooling_distills_on_its_mean(projected, tmp_path):
+    """``shrink`` given a teacher artifact that has no pooling (converted with ``--task
+    feature-extraction``): the student learns the teacher's mean token state, the library's
+    default pooling, as before the teacher's own pooling was used."""
+    from slimml.convert.distill import DistillConfig, shrink
+
+    teacher = tmp_path / "teacher"
+    convert(projected, teacher, ConvertConfig(export=ExportConfig(task="feature-extraction"), measure_latency=False))
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(f"{a} {b} is here" for a in TEXTS for b in ("one", "two", "three", "four", "five", "six")))
+    shrink(projected, tmp_path / "student", DistillConfig(layers=1, data=texts, epochs=0.5), teacher_artifact=teacher)
+    assert (tmp_path / "student" / "config.json").is_file()

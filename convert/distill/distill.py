@@ -231,7 +231,7 @@ def shrink(
 
 
 def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, teacher_artifact, cache_dir, say):
-    from slimml.convert.distill.teacher import check_budget, teacher_outputs
+    from slimml.convert.distill.teacher import check_budget, teacher_outputs, teacher_pooler
 
     t0 = time.perf_counter()
     check_budget(teacher_artifact, distill.teacher_memory_budget)  # before anything trains
@@ -240,12 +240,13 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
     kind = facts["kind"]
     epochs = distill.epochs if distill.epochs is not None else (DEFAULT_EPOCHS if distill.layers else 1.0)
     fingerprint = _fingerprint(teacher_dir, distill, prune, epochs, facts["texts"])
-    trainer = Trainer(kind, teacher_dir, facts["texts"], distill, _pooler(teacher_artifact) if kind == "embedding-cosine" else None)
+    pooler = teacher_pooler(teacher_artifact) if kind == "embedding-cosine" else None
+    trainer = Trainer(kind, teacher_dir, facts["texts"], distill, pooler)
     say("running the teacher")
     mem0 = _peak_rss()
     targets = teacher_outputs(teacher_artifact, kind, trainer.ids, trainer.pad_id, cache_dir,
                               distill.teacher_memory_budget, distill.teacher_top_k,
-                              None if progress is None else (lambda done, total: progress(done, total, None)))
+                              None if progress is None else (lambda done, total: progress(done, total, None)), pooler=pooler)
     teacher_peak = _peak_rss()
     trainer.use(targets)
     state = _load_checkpoint(checkpoint, fingerprint, targets.sha256)
@@ -387,15 +388,6 @@ def _check_training_fits(folder: Path, kept_layers: list[int]) -> None:
             "(--distill-layers), prune (--prune), or train it with optimizer-state offload (DeepSpeed ZeRO-Offload), "
             "which slimml does not do."
         )
-
-
-def _pooler(artifact: Path):
-    """The teacher artifact's pooling (mode, projections), which the student's embedding is made with."""
-    from slimml.runtime.artifact.manifest import read_manifest
-    from slimml.runtime.tasks.inputs.pooling import Pooler
-
-    manifest = read_manifest(artifact)
-    return Pooler.of(manifest.pooling, artifact, manifest.files)
 
 
 def _teacher_params(folder: Path) -> int:

@@ -70,7 +70,8 @@ def cache_key(artifact: Path, kind: str, top_k: int, ids: list[list[int]]) -> st
 
 def teacher_outputs(artifact: Path, kind: str, ids: list[list[int]], pad_id: int, cache_dir: Path,
                     memory_budget: int | str | None = None, top_k: int = 32,
-                    progress: Callable[[int, int], None] | None = None, max_batch: int | None = None) -> TeacherOutputs:
+                    progress: Callable[[int, int], None] | None = None, max_batch: int | None = None,
+                    pooler: Any = None) -> TeacherOutputs:
     """The teacher's targets for every text in ``ids``, from the cache in ``cache_dir`` or computed into it.
 
     Args:
@@ -83,7 +84,11 @@ def teacher_outputs(artifact: Path, kind: str, ids: list[list[int]], pad_id: int
         top_k: for ``lm-kl``, logits kept per token.
         progress: called as ``progress(texts_done, texts)`` during the pass.
         max_batch: texts per teacher batch at most; ``None``: as many as the memory left holds.
+        pooler: for ``embedding-cosine``, the :class:`~slimml.runtime.tasks.inputs.pooling.Pooler`
+            the targets are made with (default: :func:`teacher_pooler`).
     """
+    if kind == "embedding-cosine" and pooler is None:
+        pooler = teacher_pooler(artifact)
     key = cache_key(artifact, kind, top_k, ids)
     meta = _read_meta(cache_dir)
     rebuilt = None
@@ -101,12 +106,24 @@ def teacher_outputs(artifact: Path, kind: str, ids: list[list[int]], pad_id: int
     passed = 0
     if not meta["complete"]:
         passed = _fill(artifact, kind, ids, lengths, pad_id, cache_dir, meta, memory_budget, top_k, progress,
-                       max_batch or MAX_BATCH)
+                       max_batch or MAX_BATCH, pooler)
     arrays = _open(cache_dir, meta, "r")
     size = sum(int(a.nbytes) for a in arrays.values())
     stats = {"teacher_batches": passed, "teacher_seconds": round(time.perf_counter() - t0, 1),
              "cache_bytes": size, "computed": passed > 0, "batch_texts": meta.get("batch_texts")}
     return TeacherOutputs(kind, arrays, meta["sha256"], cache_dir, size, rebuilt, stats)
+
+
+def teacher_pooler(artifact: Path) -> Any:
+    """The teacher artifact's pooling (mode, projections), which the targets and the student's
+    embedding are made with; a teacher converted without it (``--task feature-extraction``) pools
+    by its mean, the library's default."""
+    from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.runtime.tasks.inputs.pooling import Pooler
+
+    manifest = read_manifest(artifact)
+    return (Pooler.of(manifest.pooling, artifact, manifest.files)
+            or Pooler({"mode": "mean", "output": "last_hidden_state", "normalize": True}))
 
 
 def teacher_export(folder: str | os.PathLike, opset: int | None = None):
@@ -192,14 +209,15 @@ def _batches(model: Any, lengths: np.ndarray, order: np.ndarray, budget: int, ma
     return starts
 
 
-def _fill(artifact, kind, ids, lengths, pad_id, cache_dir: Path, meta, memory_budget, top_k, progress, max_batch) -> int:
+def _fill(artifact, kind, ids, lengths, pad_id, cache_dir: Path, meta, memory_budget, top_k, progress, max_batch,
+          pooler) -> int:
     from slimml.runtime import load
 
     cache_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the teacher's outputs: this user's only
     model = load(artifact, device="cpu", memory_budget=memory_budget)
     order = np.argsort(lengths, kind="stable")  # similar lengths together: less padding
     if "shapes" not in meta:
-        meta["shapes"] = _shapes(model, kind, lengths, top_k)
+        meta["shapes"] = _shapes(model, kind, lengths, top_k, pooler)
         budget = parse_bytes(memory_budget) if memory_budget is not None else 0  # resident: loaded already
         meta["starts"] = _batches(model, lengths, order, budget, max_batch)
         meta["batch_texts"] = int(np.diff([*meta["starts"], len(ids)]).max())
@@ -214,7 +232,7 @@ def _fill(artifact, kind, ids, lengths, pad_id, cache_dir: Path, meta, memory_bu
                 continue
             rows = order[start:stop]
             out = model.run(_feeds(model.inputs, [ids[i] for i in rows], pad_id))
-            _store(kind, arrays, out, rows, lengths, offsets, top_k, getattr(model, "pooler", None))
+            _store(kind, arrays, out, rows, lengths, offsets, top_k, pooler)
             for a in arrays.values():
                 a.flush()
             meta["done"] = stop
@@ -234,7 +252,7 @@ def _fill(artifact, kind, ids, lengths, pad_id, cache_dir: Path, meta, memory_bu
     return batches
 
 
-def _shapes(model, kind: str, lengths: np.ndarray, top_k: int) -> dict[str, list]:
+def _shapes(model, kind: str, lengths: np.ndarray, top_k: int, pooler=None) -> dict[str, list]:
     n, tokens = len(lengths), int(lengths.sum())
     by_name = {t.name: t for t in model.manifest.outputs}
     spec = by_name[_output_name(list(by_name), kind)]
@@ -242,7 +260,7 @@ def _shapes(model, kind: str, lengths: np.ndarray, top_k: int) -> dict[str, list
     if last is None:
         raise ArtifactError("the teacher artifact's output has no fixed last dimension; distillation cannot size its cache.")
     if kind == "embedding-cosine":
-        return {"embeddings": ["float32", n, model.pooler.width(last)]}
+        return {"embeddings": ["float32", n, pooler.width(last)]}
     if kind == "logits-kl":
         return {"logits": ["float32", n, last]}
     if kind == "hidden-mse":
@@ -264,7 +282,7 @@ def _store(kind, arrays, out, rows, lengths, offsets, top_k, pooler=None) -> Non
         mask = np.zeros(first.shape[:2], dtype=np.int64)
         for r, i in enumerate(rows):
             mask[r, : lengths[i]] = 1
-        arrays["embeddings"][rows] = pooler.pooled(out, mask)  # the teacher is a sentence-embedding artifact
+        arrays["embeddings"][rows] = pooler.pooled(out, mask)
         return
     if kind == "logits-kl":
         arrays["logits"][rows] = first

@@ -373,7 +373,8 @@ def _with_chain(top: Manifest, chain: dict[str, Any], name: str | None) -> Manif
             assets = derived_assets({t.name for t in inputs}, [len(t.shape) for t in inputs])
         tokenizer = top.tokenizer if "tokenizer" in assets else None
         preprocessor = top.preprocessor if "preprocessor" in assets else None
-        paths |= {p for a in (tokenizer, preprocessor) if a for p in a.files}
+        pooling = Pooling.coerce(chain.get("pooling"))
+        paths |= {p for a in (tokenizer, preprocessor, pooling) if a for p in a.files}
         files = [f for f in top.files if f.path in paths]
     return Manifest(
         name=top.name if name is None else f"{top.name}/{name}", task=top.task, source=top.source, steps=top.steps,

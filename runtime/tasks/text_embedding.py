@@ -28,7 +28,9 @@ class TextEmbedding(Task):
 
     def __init__(self, folder: Path, manifest: Manifest, engines: Mapping[str | None, Engine]):
         super().__init__(folder, manifest, engines)
-        self.pooler = Pooler.of(manifest.pooling, self.folder, manifest.files)  # its projections read (and checked) once
+        hidden = next((t.shape[-1] for t in manifest.outputs if manifest.pooling and t.name == manifest.pooling.output), None)
+        self.pooler = Pooler.of(manifest.pooling, self.folder, manifest.files,  # its projections read (and checked) once
+                                hidden if isinstance(hidden, int) else None)
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
                workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:

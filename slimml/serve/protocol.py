@@ -108,8 +108,9 @@ def dimensions(data: dict[str, Any], size: int | None = None) -> int | None:
 
 def shortened(emb: np.ndarray, n: int | None, normalized: bool) -> np.ndarray:
     """``emb`` cut to ``n`` dimensions (the first values of each vector, as a Matryoshka-trained
-    model is read), made unit-length again where the model's embeddings are; None: as they are."""
-    if n is None:
+    model is read), made unit-length again where the model's embeddings are; None, or every
+    dimension: as they are (as the model gives them, a saved cut's included)."""
+    if n is None or n == emb.shape[1]:
         return emb
     if n > emb.shape[1]:
         raise RequestError(f'"dimensions" is {n}, more than this model\'s {emb.shape[1]}; ask for at most '

@@ -4,8 +4,10 @@ Models trained to think before they answer write their thoughts in a form their 
 teaches, then the answer:
 
 - ``<think>`` ... ``</think>`` (:class:`ThinkTags`: Qwen3, DeepSeek-R1 and its distillations,
-  SmolLM3, Phi-4-reasoning, QwQ). Some templates open the block in the prompt itself (DeepSeek-R1's
-  ends the assistant's turn opener with ``<think>\\n``), so that the answer begins inside it.
+  SmolLM3, Phi-4-reasoning, QwQ, Magistral 2506). Some templates open the block in the prompt itself
+  (DeepSeek-R1's ends the assistant's turn opener with ``<think>\\n``), so that the answer begins inside it.
+- ``[THINK]`` ... ``[/THINK]`` (:class:`MistralThink`: Magistral from 2507 on), special tokens of
+  Mistral's tokenizers, so its answers are decoded with them.
 - OpenAI's harmony format (:class:`Harmony`: gpt-oss): messages on channels,
   ``<|channel|>analysis<|message|>`` thoughts ``<|end|>``, then ``<|start|>assistant<|channel|>final<|message|>``
   the answer. Its markers are special tokens, which a text leaves out, so its answers are decoded
@@ -26,7 +28,6 @@ from collections.abc import Callable
 from slimml.runtime.tasks.generation import harmony
 from slimml.runtime.tasks.generation.harmony import held
 
-OPEN, CLOSE = "<think>", "</think>"
 Split = Callable[[str, bool], "tuple[str, str, bool]"]  # (text so far, final) -> (thoughts, content, has thoughts)
 
 
@@ -97,44 +98,59 @@ class ReasoningText:
         return thoughts[self.sent[0]:], content[self.sent[1]:], (thoughts if had else None), content
 
 
-@register_format
-class ThinkTags(ReasoningFormat):
-    """``<think>`` thoughts ``</think>`` answer; the prompt may open the block."""
+class Tags(ReasoningFormat):
+    """Thoughts between an opening and a closing marker, then the answer; the prompt may open the block."""
 
-    name = "think"
+    OPEN, CLOSE = "", ""
 
-    @staticmethod
-    def matches(template: str) -> bool:
-        return CLOSE in template
+    @classmethod
+    def matches(cls, template: str) -> bool:
+        return cls.CLOSE in template
 
     def closed(self, prompt: str) -> str:  # an opened block closed empty, as Qwen3's template writes it with thinking off
-        return prompt.rstrip() + "\n\n" + CLOSE + "\n\n" if _opened(prompt) else prompt
+        return prompt.rstrip() + "\n\n" + self.CLOSE + "\n\n" if self._opened(prompt) else prompt
 
     def reader(self, prompt: str) -> ReasoningText:
-        inside = _opened(prompt)
-        return ReasoningText(lambda text, final: _think_split(text, final, inside))
+        inside = self._opened(prompt)
+        return ReasoningText(lambda text, final: self._split(text, final, inside))
+
+    def _opened(self, prompt: str) -> bool:
+        """Whether ``prompt`` leaves a block open, so that the answer begins inside it."""
+        return prompt.rstrip().endswith(self.OPEN)
+
+    def _split(self, text: str, final: bool, inside: bool) -> tuple[str, str, bool]:
+        start = 0 if inside else None
+        if start is None:
+            head = text.lstrip()
+            if head.startswith(self.OPEN):
+                start = len(text) - len(head) + len(self.OPEN)
+            elif not final and self.OPEN.startswith(head):
+                return "", "", False  # may still open a block
+            else:
+                return "", text, False
+        end = text.find(self.CLOSE, start)
+        if end < 0:
+            thoughts = text[start:]
+            return (thoughts.strip(), "", True) if final else (held(thoughts, (self.CLOSE,)).lstrip(), "", True)
+        return text[start:end].strip(), text[end + len(self.CLOSE):].lstrip(), True
 
 
-def _opened(prompt: str) -> bool:
-    """Whether ``prompt`` leaves a ``<think>`` block open, so that the answer begins inside it."""
-    return prompt.rstrip().endswith(OPEN)
+@register_format
+class MistralThink(Tags):
+    """``[THINK]`` thoughts ``[/THINK]`` answer (Magistral Small 2507 and 2509, Magistral Medium):
+    Mistral's tokenizers have the markers as special tokens, which the answer's text keeps."""
+
+    name = "mistral-think"
+    special_tokens = True
+    OPEN, CLOSE = "[THINK]", "[/THINK]"
 
 
-def _think_split(text: str, final: bool, inside: bool) -> tuple[str, str, bool]:
-    start = 0 if inside else None
-    if start is None:
-        head = text.lstrip()
-        if head.startswith(OPEN):
-            start = len(text) - len(head) + len(OPEN)
-        elif not final and OPEN.startswith(head):
-            return "", "", False  # may still open a block
-        else:
-            return "", text, False
-    end = text.find(CLOSE, start)
-    if end < 0:
-        thoughts = text[start:]
-        return (thoughts.strip(), "", True) if final else (held(thoughts, (CLOSE,)).lstrip(), "", True)
-    return text[start:end].strip(), text[end + len(CLOSE):].lstrip(), True
+@register_format
+class ThinkTags(Tags):
+    """``<think>`` thoughts ``</think>`` answer."""
+
+    name = "think"
+    OPEN, CLOSE = "<think>", "</think>"
 
 
 @register_format

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ ACTIVATIONS = {  # records.DENSE_ACTIVATIONS, computed
     "identity": lambda x: x,
     "tanh": np.tanh,
     "relu": lambda x: np.maximum(x, 0),
-    "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "sigmoid": lambda x: 0.5 * (1.0 + np.tanh(0.5 * x)),  # 1 / (1 + e^-x), without overflow
 }
 
 
@@ -102,14 +103,16 @@ class Pooler:
 
     @classmethod
     def of(cls, pooling: Mapping[str, Any] | None, folder: str | Path,
-           files: Iterable[Any] | None = None) -> Pooler | None:
+           files: Iterable[Any] | None = None, hidden: int | None = None) -> Pooler | None:
         """The pooler of ``pooling`` (None stays None), its projections' weights read from
         ``folder``. With ``files`` (the manifest's file entries) each weight file is checked
-        against its listed sha256 from the very bytes that are used.
+        against its listed sha256 from the very bytes that are used; with ``hidden`` (the pooled
+        output's size), the first projection must take it.
 
         Raises:
             IntegrityError: a weight file that is not the one listed.
-            ArtifactError: one that is not a float32 array of the sizes its record needs.
+            ArtifactError: one that is not a float32 array of the sizes its record needs, or
+                projections that do not fit one another or the model.
         """
         if pooling is None:
             return None
@@ -121,6 +124,10 @@ class Pooler:
             if bias is not None and bias.shape[0] != weight.shape[1]:
                 raise ArtifactError(f"pooling dense layer {i} has {weight.shape[1]} outputs but {bias.shape[0]} biases; "
                                     "the artifact is damaged: convert it again.")
+            takes = dense[-1].weight.shape[1] if dense else hidden
+            if takes is not None and weight.shape[0] != takes:
+                raise ArtifactError(f"pooling dense layer {i} takes {weight.shape[0]} values, but what comes before it gives "
+                                    f"{takes}; the artifact is damaged: convert it again.")
             dense.append(Dense(weight, bias, layer["activation"]))
         return cls(pooling, dense)
 
@@ -161,10 +168,14 @@ def _read_array(folder: Path, rel: str, hashes: Mapping[str, str] | None, ndim: 
     buf = io.BytesIO(data)
     try:  # the header first: its shape must be what the file holds, before anything is made of it
         version = fmt.read_magic(buf)
+        if version not in ((1, 0), (2, 0)):  # what numpy writes for a float array
+            raise ValueError(f"format version {version} is not 1.0 or 2.0")
         shape, fortran, dtype = (fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0)(buf)
     except (ValueError, OSError, EOFError) as e:
         raise ArtifactError(f"the pooling's weight file {rel} is not a numpy array ({e}); convert the model again.") from None
-    if dtype != np.dtype("<f4") or len(shape) != ndim or 0 in shape or len(data) - buf.tell() != int(np.prod(shape)) * 4:
+    sizes = [d for d in shape if type(d) is int and d > 0]  # plain ints (not bools), each at least 1
+    if dtype != np.dtype("<f4") or len(shape) != ndim or len(sizes) != ndim \
+            or len(data) - buf.tell() != math.prod(sizes) * 4:
         raise ArtifactError(f"the pooling's weight file {rel} holds {dtype} {shape} in {len(data)} bytes, which is not a "
                             f"whole {ndim}-D float32 array; convert the model again.")
-    return np.frombuffer(data, np.float32, offset=buf.tell()).reshape(shape, order="F" if fortran else "C")
+    return np.frombuffer(data, np.float32, offset=buf.tell()).reshape(sizes, order="F" if fortran else "C")
