@@ -23,7 +23,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
 SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[TOOL_RESULTS]",
-            "[/TOOL_RESULTS]", "[ARGS]", "[CALL_ID]"]
+            "[/TOOL_RESULTS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]"]
 
 # Mistral-shaped templates with tools, written for these tests after the format of Mistral's own:
 # the tools before the last user message, a call's id refused unless 9 letters or digits
@@ -43,6 +43,10 @@ NEMO = (_HEAD + "[TOOL_CALLS][{%- for c in m.tool_calls %}" + _ID_CHECK
 ARGS = (_HEAD + "{%- for c in m.tool_calls %}" + _ID_CHECK
         + "[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]{{ c.function.arguments | tojson }}{%- endfor %}"
           "{{ eos_token }}" + _TAIL)
+
+# Magistral's (2507, 2509): Small 3.2's calls, and thoughts between [THINK] and [/THINK], which its
+# system prompt teaches
+MAGISTRAL = ARGS.replace("{{- bos_token }}", "{{- bos_token }}Draft your thinking between [THINK] and [/THINK] first.", 1)
 
 LIST_REPLY = 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}, "id": "a1B2c3D4e"}]'
 TWO_LIST = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1B2c3D4e"}, '
@@ -192,3 +196,63 @@ def test_with_a_tokenizer_that_lacks_the_markers_they_are_text(smollm2_artifact,
     (call,) = got.tool_calls[0]
     assert call.name == "get_weather" and call.arguments["city"] in ("Oslo", "Paris") and got.finish_reasons == ["tool_calls"]
     assert MistralJSON().grammar(Tools.of([WEATHER], "required"), {}).startswith('start: "[TOOL_CALLS]"')
+
+
+THOUGHT_CALL = "[THINK]Oslo: the weather tool.[/THINK]" + ARGS_REPLY
+
+
+@pytest.mark.parametrize("tools, text, reasoning, content, calls", [
+    (None, "[THINK]Easy: look outside.[/THINK]It is sunny.", "Easy: look outside.", "It is sunny.", []),
+    ([WEATHER, TIME], THOUGHT_CALL, "Oslo: the weather tool.", "", [("get_weather", {"city": "Oslo", "days": 2}), ("get_time", {})]),
+    ([WEATHER, TIME], "[THINK]No tool needed.[/THINK]Hello.", "No tool needed.", "Hello.", []),
+    (None, "[THINK]cut off by max_tokens", "cut off by max_tokens", "", []),
+])
+def test_magistral_s_thoughts_come_apart_from_its_answer_and_calls(tools, text, reasoning, content, calls):
+    """Magistral writes its thoughts between ``[THINK]`` and ``[/THINK]`` (special tokens, kept in
+    the text), then its answer or its calls: the thoughts come out as ``reasoning``, in pieces of any
+    size, never a piece of a marker in the content; the calls are read from the answer after them."""
+    from slimml.runtime.tasks.generation.reasoning import MistralThink, reasoning_format
+
+    assert isinstance(reasoning_format(MAGISTRAL), MistralThink) and reasoning_format(ARGS) is None
+    form = ReplyFormat.of(MAGISTRAL, Tools.of(tools, parallel_tool_calls=True) if tools else None)
+    for size in (1, 4, len(text)):
+        reader, thought, said = form.reader("[INST]x[/INST]"), "", ""
+        for i in range(0, len(text), size):
+            delta = reader.feed(text[i : i + size])
+            thought, said = thought + delta.reasoning, said + delta.content
+            assert "[" not in said
+        rest, reply = reader.finish()
+        assert (reply.reasoning, reply.content, [(c.name, c.arguments) for c in reply.calls]) == (reasoning, content, calls)
+        assert thought + rest.reasoning == reasoning and said + rest.content == content
+
+
+def test_magistral_may_think_before_the_calls_its_grammar_holds(mistral_model):
+    """The call grammar of a template that teaches thinking lets the thoughts come first, between
+    the two special tokens, with ``tool_choice`` auto or required; one that does not, does not. On
+    the tiny model held to a call, the reply's calls parse and fit, thoughts or not."""
+    from slimml.runtime.tasks.generation.prompts import special_tokens
+    from slimml.runtime.tasks.generation.structured import Constraint, grammar_of
+    from slimml.runtime.tasks.generation.tools import ToolUse
+
+    model, folder = mistral_model
+    tok = model.text.tokenizer
+
+    def takes(template: str, text: str, choice: str) -> bool:
+        use = ToolUse.of(Tools.of([WEATHER, TIME], choice, parallel_tool_calls=True), MAGISTRAL if template == "m" else ARGS,
+                         special_tokens(model.text))
+        grammar = use.format.grammar(use.tools, use.specials)
+        held = Constraint(grammar_of({"type": "grammar", "grammar": grammar}), tok, tok.get_vocab_size(),
+                          frozenset({tok.token_to_id("</s>")}))
+        for t in tok.encode(text, add_special_tokens=False).ids:
+            held.consume(t)
+            if held.matcher.is_error():
+                return False
+        return True
+
+    for choice in ("auto", "required"):
+        assert takes("m", THOUGHT_CALL, choice) and takes("m", ARGS_REPLY, choice) and not takes("a", THOUGHT_CALL, choice)
+    assert takes("m", "[THINK]Hm.[/THINK]It is sunny.", "auto") and not takes("m", "[THINK]Hm.[/THINK]It is sunny.", "required")
+    got = _use(model, folder, "magistral.jinja", MAGISTRAL).chat(ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                                                max_new_tokens=160, temperature=1.0, seed=3)
+    assert got.finish_reasons == ["tool_calls"] and got.tool_calls[0]
+    assert all(c.name in ("get_weather", "get_time") for c in got.tool_calls[0]) and "[THINK]" not in got.texts[0]

@@ -209,6 +209,10 @@ class ToolFormat:
     def matches(template: str) -> bool:
         raise NotImplementedError
 
+    def used_markers(self, template: str) -> tuple[str, ...]:
+        """The :attr:`markers` that replies to chats rendered with ``template`` may hold."""
+        return self.markers
+
     def messages(self, messages: list[dict[str, Any]], tools: Tools) -> list[dict[str, Any]]:
         """The conversation as this family's template takes it (``chat_prompt`` reads the calls'
         arguments into objects for every format)."""
@@ -412,6 +416,10 @@ class _Mistral(ToolFormat):
     call's id only as 9 letters or digits: the conversation's ids are mapped to such ids."""
 
     marker = "[TOOL_CALLS]"
+    THINK = ("[THINK]", "[/THINK]")  # Magistral's thoughts, before its text or calls
+
+    def used_markers(self, template: str) -> tuple[str, ...]:  # thoughts where the template teaches them
+        return self.markers if self.THINK[1] in template else tuple(m for m in self.markers if m not in self.THINK)
 
     def history(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return _nine_letter_ids(template_messages(messages))
@@ -419,15 +427,21 @@ class _Mistral(ToolFormat):
     def content(self, text: str, memo: dict | None = None) -> str:
         return _before(text, self.marker)
 
-    @staticmethod
-    def start(tools: Tools, mark: str, calls: str) -> str:
+    @classmethod
+    def start(cls, tools: Tools, mark: str, calls: str, specials: dict[str, int] | None = None) -> str:
         """The grammar's start rule: ``calls`` after the marker ``mark``; with ``auto``, text
-        first or instead (a special token no text can hold; a text marker ends a lazy head)."""
+        first or instead (a special token no text can hold; a text marker ends a lazy head).
+        Where the tokenizer has Magistral's ``[THINK]`` and ``[/THINK]`` as special tokens, the
+        model's thoughts between them may come first (the reasoning reader takes them apart)."""
+        think, rule = "", ""
+        if specials and all(m in specials for m in cls.THINK):
+            think = "thinking? "
+            rule = f"\nthinking: {_mark(cls.THINK[0], specials)} TEXT? {_mark(cls.THINK[1], specials)}"
         if tools.choice != "auto":
-            return f"start: {mark} {calls}"
+            return f"start: {think}{mark} {calls}{rule}"
         if mark.startswith("<"):
-            return f"start: TEXT | TEXT? {mark} {calls}"
-        return f"start: TEXT | head {calls}\nhead[lazy]: TEXT {mark}"
+            return f"start: {think}TEXT | {think}TEXT? {mark} {calls}{rule}"
+        return f"start: {think}TEXT | {think}head {calls}\nhead[lazy]: TEXT {mark}{rule}"
 
 
 @register_format
@@ -436,7 +450,7 @@ class MistralJSON(_Mistral):
     list of calls after any text (Mistral 7B v0.3, Mistral Nemo, Mistral Small 3 and 3.1)."""
 
     name = "mistral"
-    markers = ("[TOOL_CALLS]",)
+    markers = ("[TOOL_CALLS]", *_Mistral.THINK)
 
     @staticmethod
     def matches(template: str) -> bool:
@@ -444,7 +458,8 @@ class MistralJSON(_Mistral):
 
     def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
         calls, defs = tools.calls_schema(also={"id": {"type": "string", "pattern": "^[A-Za-z0-9]{9}$"}})
-        return self.start(tools, _mark(self.marker, specials), f'" "? {_json({**calls, **defs})}') + "\nTEXT: /(.|\\n)*/\n"
+        return self.start(tools, _mark(self.marker, specials), f'" "? {_json({**calls, **defs})}', specials) \
+            + "\nTEXT: /(.|\\n)*/\n"
 
     def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
         k = text.find(self.marker)
@@ -467,7 +482,7 @@ class MistralArgs(_Mistral):
     (Mistral Small 3.2, Magistral, Devstral)."""
 
     name = "mistral-args"
-    markers = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    markers = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", *_Mistral.THINK)
     _CALL = re.compile(r"\[TOOL_CALLS\]([A-Za-z0-9_-]{1,64})(?:\[CALL_ID\][A-Za-z0-9]*)?\[ARGS\]\s*")
 
     @staticmethod
@@ -475,12 +490,12 @@ class MistralArgs(_Mistral):
         return "[TOOL_CALLS]" in template and "[ARGS]" in template
 
     def grammar(self, tools: Tools, specials: dict[str, int] | None = None) -> str:
-        mark, args, call_id = (_mark(m, specials) for m in self.markers)
+        mark, args, call_id = (_mark(m, specials) for m in self.markers[:3])
         rules = [f'c{k}: "{f["name"]}" ({call_id} ID)? {args} {_json(_closed(f.get("parameters")))}'
                  for k, f in enumerate(tools.callable())]
         body = "body: " + " | ".join(f"c{k}" for k in range(len(rules)))
         more = f" ({mark} body)*" if tools.parallel else ""
-        return "\n".join([self.start(tools, mark, "body" + more), body, *rules, "ID: /[A-Za-z0-9]{9}/",
+        return "\n".join([self.start(tools, mark, "body" + more, specials), body, *rules, "ID: /[A-Za-z0-9]{9}/",
                           "TEXT: /(.|\\n)*/"]) + "\n"
 
     def calls(self, text: str, memo: dict | None = None) -> list[CallSpan]:
@@ -897,7 +912,7 @@ class ToolUse:
         from dataclasses import replace
 
         format = tool_format(template)
-        marks = {m: specials[m] for m in format.markers if specials and m in specials}
+        marks = {m: specials[m] for m in format.used_markers(template) if specials and m in specials}
         return cls(tools if tools.parallel is not None else replace(tools, parallel=format.parallel), format, marks)
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
