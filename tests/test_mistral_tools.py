@@ -165,25 +165,31 @@ def test_the_mistral_grammars_take_replies_as_mistral_writes_them_in_its_special
     (text first or not, one call or several) and refuses a call to a function not offered; the
     required grammar refuses text before the call."""
     from slimml.runtime.tasks.generation.prompts import special_tokens
-    from slimml.runtime.tasks.generation.structured import Constraint, grammar_of
 
     specials = {m: i for m, i in special_tokens(mistral_model[0].text).items() if m in format.markers}
-    tok = mistral_model[0].text.tokenizer
 
     def takes(text: str, choice: str = "auto") -> bool:
         grammar = format.grammar(Tools.of([WEATHER, TIME], choice, parallel_tool_calls=True), specials)
         assert "<[" in grammar  # the markers as their tokens
-        held = Constraint(grammar_of({"type": "grammar", "grammar": grammar}), tok, tok.get_vocab_size(),
-                          frozenset({tok.token_to_id("</s>")}))
-        for t in tok.encode(text, add_special_tokens=False).ids:
-            held.consume(t)
-            if held.matcher.is_error():
-                return False
-        return True
+        return _grammar_takes(mistral_model[0], grammar, text)
 
     assert takes(reply) and takes("It is sunny.")
     assert not takes(reply.replace("get_weather", "get_news"))
     assert takes(reply, "required") == (not reply.startswith(("Checking", "Sure")))
+
+
+def _grammar_takes(model, grammar: str, text: str) -> bool:
+    """Whether ``grammar`` takes ``text``'s tokens (in ``model``'s tokenizer, specials and all) one by one."""
+    from slimml.runtime.tasks.generation.structured import Constraint, grammar_of
+
+    tok = model.text.tokenizer
+    held = Constraint(grammar_of({"type": "grammar", "grammar": grammar}), tok, tok.get_vocab_size(),
+                      frozenset({tok.token_to_id("</s>")}))
+    for t in tok.encode(text, add_special_tokens=False).ids:
+        held.consume(t)
+        if held.matcher.is_error():
+            return False
+    return True
 
 
 def test_with_a_tokenizer_that_lacks_the_markers_they_are_text(smollm2_artifact, tmp_path):
@@ -231,23 +237,14 @@ def test_magistral_may_think_before_the_calls_its_grammar_holds(mistral_model):
     the two special tokens, with ``tool_choice`` auto or required; one that does not, does not. On
     the tiny model held to a call, the reply's calls parse and fit, thoughts or not."""
     from slimml.runtime.tasks.generation.prompts import special_tokens
-    from slimml.runtime.tasks.generation.structured import Constraint, grammar_of
     from slimml.runtime.tasks.generation.tools import ToolUse
 
     model, folder = mistral_model
-    tok = model.text.tokenizer
 
     def takes(template: str, text: str, choice: str) -> bool:
         use = ToolUse.of(Tools.of([WEATHER, TIME], choice, parallel_tool_calls=True), MAGISTRAL if template == "m" else ARGS,
                          special_tokens(model.text))
-        grammar = use.format.grammar(use.tools, use.specials)
-        held = Constraint(grammar_of({"type": "grammar", "grammar": grammar}), tok, tok.get_vocab_size(),
-                          frozenset({tok.token_to_id("</s>")}))
-        for t in tok.encode(text, add_special_tokens=False).ids:
-            held.consume(t)
-            if held.matcher.is_error():
-                return False
-        return True
+        return _grammar_takes(model, use.format.grammar(use.tools, use.specials), text)
 
     for choice in ("auto", "required"):
         assert takes("m", THOUGHT_CALL, choice) and takes("m", ARGS_REPLY, choice) and not takes("a", THOUGHT_CALL, choice)
