@@ -275,6 +275,7 @@ def test_a_model_s_prompts_go_before_the_texts_as_sentence_transformers_puts_the
     convert(decoder_embedder, tmp_path / "art", ConvertConfig(measure_latency=False))
     model = load(tmp_path / "art")
     assert model.manifest.pooling.prompts == PROMPTS and model.manifest.pooling.default_prompt == "document"
+    assert model.manifest.format_version == 3  # a slimml that would leave the default prompt out refuses it
     library = SentenceTransformer(str(decoder_embedder), device="cpu")
     for asked in ({"prompt_name": "query"}, {"prompt_name": "plain"}, {"prompt": ""}, {"prompt": "Represent: "}):
         np.testing.assert_allclose(model.encode(TEXTS, **asked), library.encode(TEXTS, **asked), atol=1e-5, err_msg=str(asked))

@@ -192,8 +192,10 @@ class Pooling(Record):
 
     @property
     def needs_version(self) -> int:
-        """The oldest manifest format version that computes this pooling right."""
-        return 3 if self.dense or self.truncate_dim else 1
+        """The oldest manifest format version that computes this pooling right (a default prompt
+        too: a slimml before it would embed every text without it; artifacts that recorded one
+        under version 1 still load)."""
+        return 3 if self.dense or self.truncate_dim or self.default_prompt else 1
 
     @property
     def files(self) -> list[str]:
