@@ -27,8 +27,9 @@ QUERY_WORDS = 6  # a query made of a text's first words, as short as searches ar
 
 
 def is_classifier(manifest: Any) -> bool:
-    """A classifier artifact: labels, and logits out."""
-    return manifest.labels is not None and any(t.name == "logits" for t in manifest.outputs)
+    """A classifier of whole inputs: labels, and logits out, one row an input (a token classifier's
+    logits, one row a token, are compared by their cosine on the real tokens)."""
+    return manifest.labels is not None and any(t.name == "logits" and len(t.shape) == 2 for t in manifest.outputs)
 
 
 def reads_pairs(manifest: Any) -> bool:
@@ -39,11 +40,14 @@ def reads_pairs(manifest: Any) -> bool:
 
 def query_passage_pairs(texts: list[str]) -> list[tuple[str, str]]:
     """Pairs as a reranker meets them, from plain texts: each text's first words as the query, with
-    its own text (a passage that answers it) and with the next text (one that does not)."""
+    its own text (a passage that answers it) and with the next text (one that does not; a single
+    text's own words backwards)."""
     pairs = []
     for i, text in enumerate(texts):
-        query = " ".join(text.split()[:QUERY_WORDS]) or text
-        pairs += [(query, text), (query, texts[(i + 1) % len(texts)])]
+        words = text.split()
+        query = " ".join(words[:QUERY_WORDS]) or text
+        other = texts[(i + 1) % len(texts)] if len(texts) > 1 else " ".join(words[::-1]) + " ."
+        pairs += [(query, text), (query, other)]
     return pairs
 
 
@@ -65,9 +69,14 @@ class ClassifierScore:
     def measure(self, logits: list[np.ndarray]) -> dict[str, float]:
         """``agreement`` (1 when the scores are the float model's) and, for a softmax, ``top1``."""
         got = scores(np.concatenate(logits), self.problem_type)
-        if self.metric == "spearman":
-            rho = spearman(self.reference.ravel(), got.ravel())
-            return {"agreement": rho if np.isfinite(rho) else float(np.allclose(self.reference, got))}  # constant scores
+        if not np.isfinite(got).all():  # NaN or inf out: nothing agrees (ranks would place them anywhere)
+            return {"agreement": 0.0, **({"top1": 0.0} if self.metric == "probability" else {})}
+        if self.metric == "spearman":  # each output's ranking (a regression may have several, on scales of their own)
+            rhos = [spearman(self.reference[:, k], got[:, k]) for k in range(got.shape[1])]
+            # an output constant over the held-out inputs has no ranking: equal values are its agreement
+            return {"agreement": float(np.mean([r if np.isfinite(r) else float(np.allclose(self.reference[:, k], got[:, k],
+                                                                                             rtol=1e-3, atol=1e-3))
+                                                for k, r in enumerate(rhos)]))}
         if self.metric == "label_probability":
             return {"agreement": float(1.0 - np.abs(self.reference - got).mean())}
         return {"agreement": float(1.0 - 0.5 * np.abs(self.reference - got).sum(axis=1).mean()),

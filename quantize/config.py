@@ -25,8 +25,10 @@ class GuardConfig:
 
     Args:
         max_drop: largest accepted drop. With ``eval_file`` (an STS CSV) it is in Spearman x100
-            points against the unquantized model; without, it is ``100 * (1 - mean cosine)`` between
-            quantized and unquantized outputs on held-out calibration texts.
+            points against the unquantized model; without, it is ``100 * (1 - agreement)`` on held-out
+            calibration texts, the agreement being what matters for the task (docs/quantize.md: the
+            embeddings' cosine, a classifier's scores, a cross-encoder's ranking; a language model's
+            perplexity ratio, its drop in perplexity percent).
         eval_file: an STS-style CSV (sentence1,sentence2,score) to measure the drop on.
         keep_best: when the drop cannot be met within ``max_float_shards``, write the best model
             found (and say so in the report) instead of failing.

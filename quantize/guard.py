@@ -37,6 +37,7 @@ class _Measure:
         self.manifest, self.text, self.device, self.pooler = manifest, text, device, pooler
         self.float_files, self.quant_files = float_files, quant_files
         self.feeds = held_feeds
+        self.classifier: ClassifierScore | None = None
         float_chain = Chain(manifest, float_files, text, pooler=pooler)  # the float reference runs on the CPU
         self.lm = LanguageModelScore(manifest, float_files[0].parent, guard, float_chain, eval_text) if is_language_model(manifest) else None
         if self.lm is not None:  # a language model is judged by perplexity on held-out text, not output cosine
@@ -77,7 +78,7 @@ class _Measure:
     @property
     def metric(self) -> str:
         """What ``agreement`` measures (its check's name)."""
-        return self.classifier.metric if self.classifier is not None else "cosine"
+        return "perplexity" if self.lm is not None else self.classifier.metric if self.classifier is not None else "cosine"
 
     def _score(self, chain: Chain) -> float:
         from slimml.runtime.tools.evaluate import evaluate_sts

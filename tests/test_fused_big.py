@@ -116,3 +116,18 @@ def test_int4_of_a_decoder_bigger_than_memory_runs_its_guard_streamed(llama_with
         assert len(art.generate([[5, 6, 7]], max_new_tokens=4, eos_token_id=()).tokens[0]) == 4
     finally:
         art.close()
+
+
+def test_a_decoder_under_max_drop_searches_its_shards_by_perplexity(llama_with_tokenizer, tmp_path):
+    """``--max-drop`` on a language model: when the drop is over it, the search for shards to keep
+    float measures each by perplexity, as the drop is measured (it crashed once the classifier
+    guard came in)."""
+    from slimml.quantize import quantize
+    from slimml.quantize.config import GuardConfig, scheme_config
+
+    folder, _ = llama_with_tokenizer
+    convert(folder, tmp_path / "f32", ConvertConfig(measure_latency=False))
+    config = scheme_config("int4-weights")
+    config.guard = GuardConfig(max_drop=0.0, keep_best=True, max_float_shards=1)
+    report = quantize(tmp_path / "f32", tmp_path / "int4", config)
+    assert report.checks["drop_metric"] == "perplexity_increase_pct" and "max_drop_met" in report.checks

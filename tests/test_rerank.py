@@ -180,3 +180,33 @@ def test_the_quantize_guard_judges_a_cross_encoder_by_its_ranking_on_pairs(reran
     convert(classifier, tmp_path / "sentiment_art", ConvertConfig(measure_latency=False))
     checks = quantize(tmp_path / "sentiment_art", tmp_path / "sentiment_int8", Int8Config("cpu")).checks
     assert checks["drop_metric"] == "100*(1-probability)" and 0 <= checks["agreement_top1"] <= 1
+
+
+def test_the_classifier_guard_s_edges(tmp_path):
+    """NaN scores agree 0 (a rank would place them anywhere); a regression of several outputs is
+    ranked output by output; a single held-out text still gives two different pairs; a token
+    classifier (logits a token) stays on the outputs' cosine, and a language model under
+    ``--max-drop`` names perplexity while it searches."""
+    from slimml.quantize.classifier_guard import ClassifierScore, is_classifier, query_passage_pairs
+
+    class One:
+        source: dict = {}
+
+    class Regression:
+        source = {"problem_type": "regression"}
+
+    ranked = (np.arange(16) - 8.0).reshape(-1, 1)
+    nan = ranked.copy()
+    nan[12:] = np.nan
+    assert ClassifierScore(One, [ranked]).measure([nan])["agreement"] == 0.0
+    two = np.c_[np.linspace(0, 1, 20), np.linspace(10, 11, 20)]
+    shuffled = np.c_[two[::-1, 0], two[:, 1]]  # the first output's order reversed, the second kept
+    assert ClassifierScore(Regression, [two]).measure([shuffled])["agreement"] == pytest.approx(0.0)
+    (a, b) = query_passage_pairs(["one two three"])
+    assert a != b and a[0] == b[0]
+
+    class Tokens:
+        labels = ["O", "B", "I"]
+        outputs = [type("T", (), {"name": "logits", "shape": ["batch_size", "sequence_length", 3]})()]
+
+    assert not is_classifier(Tokens)
