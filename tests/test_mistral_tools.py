@@ -253,3 +253,24 @@ def test_magistral_may_think_before_the_calls_its_grammar_holds(mistral_model):
                                                                 max_new_tokens=160, temperature=1.0, seed=3)
     assert got.finish_reasons == ["tool_calls"] and got.tool_calls[0]
     assert all(c.name in ("get_weather", "get_time") for c in got.tool_calls[0]) and "[THINK]" not in got.texts[0]
+
+
+def test_magistral_s_format_needs_its_tokens_and_keep_keeps_its_thoughts_when_served():
+    """Where the tokenizer lacks ``[THINK]`` and ``[/THINK]`` as special tokens, Magistral's template
+    reads no thoughts and keeps no special tokens in the text (a call written after a text
+    ``[THINK]`` is a call); ``reasoning="keep"`` holds in a server too (only harmony's template
+    refuses its markers back); with the tokens, the text keeps them."""
+    from slimml.runtime.tasks.generation.reasoning import MistralThink
+
+    plain = ReplyFormat.of(MAGISTRAL, Tools.of([WEATHER, TIME]), specials={"</s>": 2})
+    assert plain.thinking is None and not plain.keep_specials
+    reader = plain.reader("[INST]x[/INST]")
+    reader.feed("[THINK]I will call " + ARGS_REPLY)
+    assert [c.name for c in reader.finish()[1].calls] == ["get_weather", "get_time"]
+    tokens = {"[THINK]": 40, "[/THINK]": 41}
+    kept = ReplyFormat.of(MAGISTRAL, None, "keep", served=True, specials=tokens)
+    assert isinstance(kept.thinking, MistralThink) and kept.reasoning == "keep" and kept.keep_specials
+    from slimml.runtime.tasks.generation.config import GenerationConfig
+
+    assert kept.config(GenerationConfig()).skip_special_tokens is False
+    assert plain.config(GenerationConfig(max_new_tokens=4)).skip_special_tokens is True  # tools' grammar, no marker tokens

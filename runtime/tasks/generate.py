@@ -220,7 +220,7 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     if stream not in (False, None, True, "deltas"):
         raise ConfigError(f'stream must be True, False or "deltas", got {stream!r}.')
     form = ReplyFormat.of(chat_template(model).source, checked, reasoning, continued=continue_final_message,
-                          specials=special_tokens(model.text) if checked is not None else None)
+                          specials=special_tokens(model.text))
     variables = form.variables(chat_template_kwargs)
     formatted = config.grammar is not None  # a response_format holds the reply
     config = form.config(config)

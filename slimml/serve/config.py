@@ -59,7 +59,7 @@ class ServeConfig:
             send it again every turn), so only the rest is prefilled; "0" keeps none. Requests
             that share a prefix are faster, which another client can time: turn it off where
             clients must not learn what others asked.
-        reasoning: language models with ``<think>`` blocks: "split" (thoughts as
+        reasoning: language models with ``<think>`` or ``[THINK]`` blocks: "split" (thoughts as
             ``reasoning_content``) or "keep" (left in the content).
         chat_template: language models: a Jinja chat template file rendered instead of the
             artifact's own (a GGUF's template that knows no tools, a fixed template); the same
@@ -129,9 +129,10 @@ class ServeConfig:
         "help": "Language models: a Jinja chat template file used instead of the artifact's own (e.g. one that "
                 "knows tools); the same path on every node."})
     reasoning: str = field(default="split", metadata={
-        "help": "Language models whose template writes <think> blocks (Qwen3, DeepSeek-R1, SmolLM3): \"split\" "
-                "answers the thoughts as message.reasoning_content and the answer as content (llama.cpp's and "
-                "vLLM's field); \"keep\" leaves them in the content. gpt-oss's harmony thoughts always come apart."})
+        "help": "Language models whose template writes <think> blocks (Qwen3, DeepSeek-R1, SmolLM3) or [THINK] ones "
+                "(Magistral): \"split\" answers the thoughts as message.reasoning_content and the answer as content "
+                "(llama.cpp's and vLLM's field); \"keep\" leaves them in the content. gpt-oss's harmony thoughts "
+                "always come apart."})
     max_ongoing_requests: int = field(default=128, metadata={
         "help": "Requests a replica works on at once; more wait in Serve's queue."})
     max_queued_requests: int = field(default=512, metadata={

@@ -205,7 +205,7 @@ class LLMService:
         if req.chat:
             try:
                 form = ReplyFormat.of(chat_template(self.model).source, req.tools, self.reasoning, served=True,
-                                      specials=special_tokens(self.model.text) if req.tools is not None else None)
+                                      specials=special_tokens(self.model.text))
                 prompt, raw = chat_prompt(self.model, form.messages(req.messages), **form.variables(req.template_kwargs)), True
                 # a reasoning model: no thoughts where a format holds the answer from its start
                 prompt = form.prompt(prompt, formatted=req.response_format is not None)

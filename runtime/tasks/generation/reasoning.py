@@ -36,11 +36,20 @@ class ReasoningFormat:
 
     Attributes:
         name: the format's name.
-        special_tokens: its markers are special tokens, which the answer's text must keep.
+        markers: the texts that open and close its thoughts (what a tokenizer may have as tokens).
+        special_tokens: its markers are special tokens, which the answer's text must keep (where
+            the tokenizer has them).
+        tokens_only: read only where the tokenizer has its markers as special tokens; in another
+            tokenizer they are the model's text (Magistral's, whose markers are its own tokens).
+        split_when_served: thoughts always come apart in a served reply (its template refuses a
+            content holding its markers when the client sends it back: harmony's).
     """
 
     name = ""
+    markers: tuple[str, ...] = ()
     special_tokens = False
+    tokens_only = False
+    split_when_served = False
 
     @staticmethod
     def matches(template: str) -> bool:
@@ -141,8 +150,9 @@ class MistralThink(Tags):
     Mistral's tokenizers have the markers as special tokens, which the answer's text keeps."""
 
     name = "mistral-think"
-    special_tokens = True
+    special_tokens = tokens_only = True
     OPEN, CLOSE = "[THINK]", "[/THINK]"
+    markers = (OPEN, CLOSE)
 
 
 @register_format
@@ -151,6 +161,7 @@ class ThinkTags(Tags):
 
     name = "think"
     OPEN, CLOSE = "<think>", "</think>"
+    markers = (OPEN, CLOSE)
 
 
 @register_format
@@ -159,7 +170,8 @@ class Harmony(ReasoningFormat):
     answer the ``final`` channel's (and ``commentary`` addressed to no tool: a preamble to the user)."""
 
     name = "harmony"
-    special_tokens = True
+    special_tokens = split_when_served = True
+    markers = ("<|channel|>", "<|message|>")
 
     @staticmethod
     def matches(template: str) -> bool:

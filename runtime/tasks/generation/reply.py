@@ -110,6 +110,7 @@ class ReplyFormat:
     use: ToolUse | None = None
     reasoning: str = "split"
     earlier: ToolFormat | None = None  # without tools: the template's tool format, for the earlier turns' calls
+    keep_specials: bool = False  # the thoughts' markers are special tokens of this tokenizer: the text keeps them
 
     @classmethod
     def of(cls, template: str, tools: Tools | None = None, reasoning: str = "split", *,
@@ -125,15 +126,20 @@ class ReplyFormat:
             served: the reply goes back to a client, which sends it back to the template: harmony's
                 thoughts always come apart (its template refuses a content holding its markers).
             specials: the model's special tokens by text (a tool format's markers that are
-                special tokens are written as such in its grammar, and kept in the text).
+                special tokens are written as such in its grammar, and kept in the text; a
+                reasoning format's, kept in the text). None: not known, taken to have them.
         """
         if reasoning not in REASONING:
             raise ConfigError(f'reasoning must be "split" or "keep", got {reasoning!r}.')
         thinking = reasoning_format(template) if not continued else None
+        has = thinking is not None and (specials is None or any(m in specials for m in thinking.markers))
+        if thinking is not None and thinking.tokens_only and not has:
+            thinking = None  # its markers are no tokens of this model's: what it writes is text
         use = ToolUse.of(tools, template, specials) if tools is not None else None
-        if thinking is not None and (thinking.special_tokens and served or use is not None and use.format.whole_reply):
+        if thinking is not None and (thinking.split_when_served and served or use is not None and use.format.whole_reply):
             reasoning = "split"  # the calls are read from the same messages as the thoughts
-        return cls(thinking, use, reasoning, tool_format(template) if use is None else None)
+        return cls(thinking, use, reasoning, tool_format(template) if use is None else None,
+                   thinking is not None and thinking.special_tokens and has)
 
     @property
     def reads(self) -> bool:
@@ -155,7 +161,7 @@ class ReplyFormat:
         """``config`` (a GenerationConfig) with the tools' grammar, and special tokens kept in the
         text where the reasoning format's markers are special tokens (one ``replace``: each
         compiles the grammar again)."""
-        keep = {"skip_special_tokens": False} if self.thinking is not None and self.thinking.special_tokens else {}
+        keep = {"skip_special_tokens": False} if self.keep_specials else {}
         if self.use is not None:
             return self.use.config(config, **keep)
         return replace(config, **keep) if keep else config
