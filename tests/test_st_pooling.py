@@ -261,6 +261,12 @@ def test_a_decoder_embedder_pools_its_last_token_as_sentence_transformers_does(d
     theirs = library.encode(TEXTS)  # its default prompt, "document", before each text, and its cut: as the artifact's
     assert ours.shape == theirs.shape == (3, 48) and model.manifest.pooling.truncate_dim == 48
     np.testing.assert_allclose(ours, theirs, atol=1e-5)  # cut after the normalisation, not normalised again
+    for cut in (16, 64):  # shorter than the saved cut, and every value: as the library's encode(truncate_dim=)
+        np.testing.assert_allclose(model.encode(TEXTS, truncate_dim=cut), library.encode(TEXTS, truncate_dim=cut), atol=1e-5)
+    from slimml.errors import FeedError
+
+    with pytest.raises(FeedError, match="truncate_dim must be a whole number >= 1, got 0"):
+        model.encode(TEXTS, truncate_dim=0)
 
 
 def test_a_model_s_prompts_go_before_the_texts_as_sentence_transformers_puts_them(decoder_embedder, tmp_path):

@@ -118,13 +118,14 @@ class Task:
     # -- the task API: each raises TaskError unless the task has it ------------------------------
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
-               workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
+               workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None,
+               truncate_dim: int | None = None) -> np.ndarray:
         """Sentence embeddings (sentence-embedding artifacts, CLIP's text tower)."""
         raise self.unsupported("encode")
 
     def encode_with_counts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
                            workers: int | None = None, *, prompt_name: str | None = None,
-                           prompt: str | None = None) -> tuple[np.ndarray, list[int]]:
+                           prompt: str | None = None, truncate_dim: int | None = None) -> tuple[np.ndarray, list[int]]:
         """:meth:`encode` and the tokens of each text (sentence-embedding artifacts)."""
         raise self.unsupported("encode_with_counts")
 

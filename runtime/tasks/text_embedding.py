@@ -33,7 +33,8 @@ class TextEmbedding(Task):
                                 hidden if isinstance(hidden, int) else None)
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
-               workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
+               workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None,
+               truncate_dim: int | None = None) -> np.ndarray:
         """Sentence embeddings, (len(texts), hidden) float32, pooled and normalised as the source model does.
 
         Texts are tokenized once, sorted by token count and run ``batch_size`` at a time, each
@@ -55,6 +56,10 @@ class TextEmbedding(Task):
                 each text, as sentence-transformers' ``encode(prompt_name=)`` does.
             prompt: a prompt's text itself (``""``: none, not even the model's default).
                 Neither given: the model's default prompt, where its config names one.
+            truncate_dim: keep each embedding's first values (a Matryoshka-trained model's
+                shorter embeddings), as sentence-transformers' ``encode(truncate_dim=)``: after the
+                normalisation, not normalised again. None: the model's own (its saved
+                ``truncate_dim``, else every value).
 
         Example:
             >>> model = load("artifacts/all-MiniLM-L6-v2")
@@ -62,14 +67,15 @@ class TextEmbedding(Task):
             (2, 384)
             >>> load("artifacts/Qwen3-Embedding-0.6B").encode(["What is slimml?"], prompt_name="query")
         """
-        return self.encode_with_counts(texts, batch_size, show_progress, workers, prompt_name=prompt_name, prompt=prompt)[0]
+        return self.encode_with_counts(texts, batch_size, show_progress, workers, prompt_name=prompt_name, prompt=prompt,
+                                       truncate_dim=truncate_dim)[0]
 
     def encode_with_counts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
                            workers: int | None = None, *, prompt_name: str | None = None,
-                           prompt: str | None = None) -> tuple[np.ndarray, list[int]]:
+                           prompt: str | None = None, truncate_dim: int | None = None) -> tuple[np.ndarray, list[int]]:
         """:meth:`encode`, and the tokens of each text as the model saw them (what OpenAI's
         ``usage`` counts), from one tokenization."""
-        return embed_texts(self, self.engine, self.text, self.pooler, texts, batch_size, show_progress, workers,
+        return embed_texts(self, self.engine, self.text, self.pooler.cut(truncate_dim), texts, batch_size, show_progress, workers,
                            prompt_text(self.manifest.pooling, prompt_name, prompt))
 
 

@@ -50,15 +50,17 @@ class ZeroShot(Task):
         return self.encode_with_counts(texts, batch_size, show_progress)[0]
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
-               workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None) -> np.ndarray:
+               workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None,
+               truncate_dim: int | None = None) -> np.ndarray:
         """The text tower's embeddings (the sentence-embedding API, and ``slimml serve``'s /v1/embeddings)."""
-        return self.encode_with_counts(texts, batch_size, show_progress, workers, prompt_name=prompt_name, prompt=prompt)[0]
+        return self.encode_with_counts(texts, batch_size, show_progress, workers, prompt_name=prompt_name, prompt=prompt,
+                                       truncate_dim=truncate_dim)[0]
 
     def encode_with_counts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
                            workers: int | None = None, *, prompt_name: str | None = None,
-                           prompt: str | None = None) -> tuple[np.ndarray, list[int]]:
+                           prompt: str | None = None, truncate_dim: int | None = None) -> tuple[np.ndarray, list[int]]:
         """:meth:`encode` and each text's token count."""
-        return embed_texts(self, self.part(self.text_part), self.text, self.pooler, texts, batch_size,
+        return embed_texts(self, self.part(self.text_part), self.text, self.pooler.cut(truncate_dim), texts, batch_size,
                            show_progress, workers, prompt_text(self.pooling, prompt_name, prompt))
 
     def text_prompt(self, prompt_name: str | None = None, prompt: str | None = None) -> str:

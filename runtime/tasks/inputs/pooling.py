@@ -13,6 +13,7 @@ the header's shape must match the bytes, and nothing is unpickled) once, and ``p
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import math
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from slimml.errors import ArtifactError, IntegrityError
+from slimml.errors import ArtifactError, FeedError, IntegrityError
 from slimml.runtime.artifact.manifest import safe_path
 from slimml.runtime.artifact.records import POOLING_MODES
 
@@ -136,6 +137,22 @@ class Pooler:
         emb = self.pooled(outputs, attention_mask)
         emb = normalized(emb) if self.normalize else emb
         return emb[:, : self.truncate_dim] if self.truncate_dim else emb  # as the library cuts: not normalised again
+
+    def cut(self, truncate_dim: Any = None) -> Pooler:
+        """This pooler with its embeddings cut to ``truncate_dim`` values instead of the model's own
+        cut (sentence-transformers' ``encode(truncate_dim=)``); None: as it is.
+
+        Raises:
+            FeedError: ``truncate_dim`` is not a whole number >= 1.
+        """
+        if truncate_dim is None:
+            return self
+        if not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim < 1:
+            raise FeedError(f"truncate_dim must be a whole number >= 1, got {truncate_dim!r}; give the number of "
+                            "values to keep, or leave it out for the model's own.")
+        other = copy.copy(self)
+        other.truncate_dim = truncate_dim
+        return other
 
     def pooled(self, outputs: Mapping[str, np.ndarray], attention_mask: np.ndarray) -> np.ndarray:
         """The pooled and projected embeddings (B, width), before the normalisation and the cut
