@@ -72,12 +72,15 @@ class ClassifierScore:
         if not np.isfinite(got).all():  # NaN or inf out: nothing agrees (ranks would place them anywhere)
             return {"agreement": 0.0, **({"top1": 0.0} if self.metric == "probability" else {})}
         if self.metric == "spearman":  # each output's ranking (a regression may have several, on scales of their own)
-            rhos = [spearman(self.reference[:, k], got[:, k]) for k in range(got.shape[1])]
-            # an output constant over the held-out inputs has no ranking: equal values are its agreement
-            return {"agreement": float(np.mean([r if np.isfinite(r) else float(np.allclose(self.reference[:, k], got[:, k],
-                                                                                             rtol=1e-3, atol=1e-3))
-                                                for k, r in enumerate(rhos)]))}
+            return {"agreement": float(np.mean([_ranked(self.reference[:, k], got[:, k]) for k in range(got.shape[1])]))}
         if self.metric == "label_probability":
             return {"agreement": float(1.0 - np.abs(self.reference - got).mean())}
         return {"agreement": float(1.0 - 0.5 * np.abs(self.reference - got).sum(axis=1).mean()),
                 "top1": float((self.reference.argmax(axis=1) == got.argmax(axis=1)).mean())}
+
+
+def _ranked(want: np.ndarray, got: np.ndarray) -> float:
+    """The Spearman correlation of ``got`` with ``want``; an output constant over the held-out
+    inputs has no ranking, and agrees where the values are equal."""
+    rho = spearman(want, got)
+    return rho if np.isfinite(rho) else float(np.allclose(want, got, rtol=1e-3, atol=1e-3))

@@ -169,7 +169,9 @@ class Pooler:
     def size(self, hidden: int | None) -> int | None:
         """The embedding's size for an output of ``hidden`` values (:meth:`width`, at most ``truncate_dim``)."""
         width = self.width(hidden)
-        return min(width, self.truncate_dim) if width and self.truncate_dim else self.truncate_dim or width
+        if not self.truncate_dim:
+            return width
+        return self.truncate_dim if width is None else min(width, self.truncate_dim)
 
 
 def _read_array(folder: Path, rel: str, hashes: Mapping[str, str] | None, ndim: int) -> np.ndarray:
