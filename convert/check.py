@@ -58,7 +58,8 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
             theirs = ref.embed(feeds)
         del ref
     library = (sentence_transformers_embed(src, SAMPLE_TEXTS)
-               if exported.pooling is not None and src.kind == "huggingface" and (src.path / "modules.json").is_file() else None)
+               if exported.pooling is not None and src.kind in ("huggingface", "static")
+               and (src.path / "modules.json").is_file() else None)
     model = load(folder, device="cpu")  # the artifact's own integrity check runs here
     got = model.run(feeds)
     checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from slimml.convert.exported import Exported
 from slimml.convert.sources import Source, max_seq_length, sentence_transformers_pooling, write_st_dense
 from slimml.errors import ExportError, SlimmlError, SourceError
 
@@ -65,25 +66,6 @@ class ExportConfig:
             raise SourceError(f"unknown exporter {self.exporter!r}; use one of {', '.join(EXPORTERS)}.")
 
 
-@dataclass
-class Exported:
-    """The exported graph and what the runtime needs beside it."""
-
-    onnx_path: Path
-    task: str
-    pooling: dict[str, Any] | None = None
-    pooling_dir: Path | None = None  # where the files pooling["dense"] names are
-    tokenizer: dict[str, Any] | None = None  # {"file", "max_length", "pad_token", "pad_id"}; file in tokenizer_dir
-    tokenizer_dir: Path | None = None
-    preprocessor: Path | None = None  # the source's preprocessor_config.json (images, or audio features)
-    labels: list[str] | None = None  # class names by output index, from the config's id2label
-    graphs: dict[str, Path] = field(default_factory=dict)  # an encoder-decoder's graphs, by component name
-    seq2seq: dict[str, Any] | None = None  # how its generation starts and stops (see runtime.seq2seq)
-    layerwise: dict[str, Any] | None = None  # {"template", "folder", "depth"}: onnx_path is a 3-layer template
-    info: dict[str, Any] = field(default_factory=dict)
-    note: str | None = None  # why "auto" did not choose the fused exporter for a decoder (one line)
-
-
 def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -> Exported:
     """Export ``source`` into ``work_dir/model.onnx`` (weights may sit beside it as external data).
 
@@ -95,6 +77,10 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
     if config.exporter == "layerwise" and source.kind != "huggingface":
         raise SourceError(f"--exporter layerwise exports Hugging Face model folders; {source.name} is a {source.kind} "
                           "source. Leave --exporter out.")
+    if source.kind == "static":  # a table of token vectors: one Gather, written by slimml
+        from slimml.convert.static_embedding import export_static
+
+        return export_static(source, work_dir, config.task, config.exporter, config.opset)
     if config.exporter == "fused":
         return _export_fused(source, work_dir, config)
     if source.kind == "onnx":

@@ -323,6 +323,8 @@ def _exporter(src: Source, name: str | None) -> str:
     """The export step's ``exporter`` entry: what wrote the graph."""
     if name == "fused":
         return "fused (slimml, GroupQueryAttention)"
+    if name == "static":
+        return "static (slimml, the table's Gather)"
     if name == "torch" or src.kind == "torch":
         return "torch.onnx"
     return {"huggingface": "optimum-onnx", "onnx": "none (ONNX source)"}[src.kind]

@@ -34,7 +34,7 @@ class Reference:
 
 
 def reference_for(source: Source, exported: Exported, output_names: list[str]) -> Reference | None:
-    if source.kind == "onnx":
+    if source.kind in ("onnx", "static"):  # a static embedding's reference is its library (the check's)
         return None
     if source.kind == "torch":
         module = source.module

@@ -184,7 +184,15 @@ def choose_cuts(g: _Graph, config: ShardConfig) -> list[int]:
     if config.mode == "per-layer":
         if layer_cuts:
             return layer_cuts
-        config = ShardConfig(mode="count", count=min(4, n))  # no layer names: balanced fallback
+        # no layer names: a balanced fallback, each shard holding a real part of the weights (a graph
+        # whose weights sit in one node, a static embedding's table, stays one shard)
+        cuts = choose_cuts(g, ShardConfig(mode="count", count=min(4, n)))
+        share = lambda lo, hi: g.cum_bytes[hi] - g.cum_bytes[lo] >= g.cum_bytes[-1] / 100  # noqa: E731
+        kept: list[int] = []
+        for c in cuts:
+            if share(kept[-1] if kept else 0, c) and share(c, n):
+                kept.append(c)
+        return kept
     candidates = _min_cuts(g) if not layer_cuts else sorted(set(layer_cuts) | set(_min_cuts(g)))
     total = int(g.cum_bytes[-1])
     if config.mode == "count":

@@ -20,7 +20,9 @@ class Source:
     """A model to convert.
 
     kind: ``"huggingface"`` (a model folder), ``"torch"`` (an ``nn.Module`` with example inputs),
-    ``"onnx"`` (an ONNX file) or ``"gguf"`` (a llama.cpp file, read into a model folder by ``convert.gguf``).
+    ``"onnx"`` (an ONNX file), ``"gguf"`` (a llama.cpp file, read into a model folder by ``convert.gguf``)
+    or ``"static"`` (a sentence-transformers folder whose first module is a ``StaticEmbedding``: a table
+    of token vectors averaged over a text, written by ``convert.static_embedding``).
     """
 
     kind: str
@@ -79,6 +81,8 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
     if gguf is not None:  # checked now: a bad file fails before anything is written
         return Source(kind="gguf", name=gguf.stem, path=gguf, extra={"gguf": inspect_gguf(gguf)})
     if path.is_dir():
+        if is_static_embedding(path):  # a table of token vectors (model2vec's, static-retrieval): no transformer config
+            return Source(kind="static", name=path.resolve().name, path=path)
         if not (path / "config.json").is_file():
             raise SourceError(
                 f"{path} is a folder without config.json, so it is not a Hugging Face model folder; "
@@ -163,7 +167,7 @@ def _checkpoint_source(path: Path, example_inputs: Any) -> Source:
 _ST_POOLING = {"mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
                "lasttoken": "pooling_mode_lasttoken", "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
                "weightedmean": "pooling_mode_weightedmean_tokens"}
-_ST_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")  # the modules an artifact carries (the graph, then numpy)
+_ST_MODULES = ("Transformer", "StaticEmbedding", "Pooling", "Dense", "Normalize")  # what an artifact carries (the graph, then numpy)
 # Dense's activation_function (a torch class's full name; none set: Tanh, the module's default) -> the manifest's name
 _ST_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh",
                    "torch.nn.modules.activation.ReLU": "relu", "torch.nn.modules.activation.Sigmoid": "sigmoid"}
@@ -216,28 +220,49 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
     return {**out, "prompts": prompts, "default_prompt": default} if prompts else out
 
 
-def _st_modules(folder: Path) -> list[tuple[str, Path]] | None:
-    """A sentence-transformers folder's modules (``modules.json``) as (kind, folder), checked to be
-    a pipeline an artifact carries: ``Transformer -> Pooling -> Dense* -> Normalize?``; None for a
-    folder that is not a SentenceTransformer."""
+def is_static_embedding(folder: Path) -> bool:
+    """Whether ``folder`` is a sentence-transformers model with a ``StaticEmbedding`` module (model2vec's
+    potion models, static-retrieval-mrl): its pipeline is then checked like any other."""
+    return any(kind == "StaticEmbedding" for kind, _ in _st_listed(folder) or [])
+
+
+def static_module(folder: Path) -> Path:
+    """The ``StaticEmbedding`` module's folder (its table and tokenizer) of a static embedding model."""
+    return next(p for k, p in _st_modules(folder) or [] if k == "StaticEmbedding")
+
+
+def _st_listed(folder: Path) -> list[tuple[str, str]] | None:
+    """``modules.json`` as (class name, folder relative to ``folder``) pairs; None for a folder that
+    is not a SentenceTransformer."""
     modules_file = folder / "modules.json"
     if not modules_file.is_file() or _st_model_type(folder) != "SentenceTransformer":
         return None
     try:
-        modules = [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", ""))) for m in json.loads(modules_file.read_text())]
+        return [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", ""))) for m in json.loads(modules_file.read_text())]
     except (ValueError, AttributeError, TypeError):
         raise SourceError(f"{modules_file} is not sentence-transformers' list of modules; fix or remove it "
                           "(without it the folder converts as a plain transformer).") from None
+
+
+def _st_modules(folder: Path) -> list[tuple[str, Path]] | None:
+    """A sentence-transformers folder's modules (``modules.json``) as (kind, folder), checked to be
+    a pipeline an artifact carries: ``Transformer -> Pooling -> Dense* -> Normalize?`` or
+    ``StaticEmbedding -> Dense* -> Normalize?`` (its mean is the pooling); None for a folder that is
+    not a SentenceTransformer."""
+    modules = _st_listed(folder)
+    if modules is None:
+        return None
     kinds = [k for k, _ in modules]
     other = [k for k in kinds if k not in _ST_MODULES]
     rest = kinds[1:-1] if kinds[-1:] == ["Normalize"] else kinds[1:]
-    in_order = kinds[:1] == ["Transformer"] and (not rest or (rest[0] == "Pooling" and set(rest[1:]) <= {"Dense"}))
+    in_order = (kinds[:1] == ["Transformer"] and (not rest or (rest[0] == "Pooling" and set(rest[1:]) <= {"Dense"}))
+                or kinds[:1] == ["StaticEmbedding"] and set(rest) <= {"Dense"})
     if other or not in_order:
         raise SourceError(f"{folder}'s sentence-transformers pipeline is {' -> '.join(kinds) or 'empty'}, and slimml "
-                          "carries Transformer -> Pooling -> Dense (any number) -> Normalize into an artifact "
-                          f"({', '.join(other) or 'these modules in this order'} would be lost, and the embeddings with it); "
-                          "convert the transformer alone with --task feature-extraction (its token states out) and apply "
-                          "the rest to them yourself.")
+                          "carries Transformer -> Pooling -> Dense (any number) -> Normalize, or StaticEmbedding -> Dense "
+                          f"(any number) -> Normalize, into an artifact ({', '.join(other) or 'these modules in this order'} "
+                          "would be lost, and the embeddings with it); convert the transformer alone with --task "
+                          "feature-extraction (its token states out) and apply the rest to them yourself.")
     return [(k, folder / p) for k, p in modules]
 
 
@@ -268,7 +293,7 @@ def write_st_dense(folder: Path, pooling: dict[str, Any], out: Path) -> None:
 
     paths = [path for k, path in _st_modules(folder) or [] if k == "Dense"]
     for path, layer in zip(paths, pooling.get("dense") or []):
-        tensors = _st_dense_tensors(path)
+        tensors = st_module_tensors(path, "Dense")
         weight, bias = tensors.get("linear.weight"), tensors.get("linear.bias")
         want = _st_dense(path)
         if weight is None or weight.ndim != 2 or (want["out"], want["in"]) != tuple(weight.shape) \
@@ -280,8 +305,9 @@ def write_st_dense(folder: Path, pooling: dict[str, Any], out: Path) -> None:
             np.save(out / layer["bias"], bias.astype(np.float32))
 
 
-def _st_dense_tensors(module: Path) -> dict[str, Any]:
-    """A ``Dense`` module's tensors as float numpy arrays (``model.safetensors``, else ``pytorch_model.bin``)."""
+def st_module_tensors(module: Path, kind: str) -> dict[str, Any]:
+    """A sentence-transformers module's tensors as float32 numpy arrays (``model.safetensors``, else
+    ``pytorch_model.bin``); ``kind`` (its class) names it in the error."""
     import torch
 
     try:
@@ -292,8 +318,14 @@ def _st_dense_tensors(module: Path) -> dict[str, Any]:
         else:
             tensors = torch.load(module / "pytorch_model.bin", map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 -- torch's and safetensors' errors for a missing or damaged file
-        raise SourceError(f"could not read the Dense module's weights in {module} ({type(e).__name__}: "
+        raise SourceError(f"could not read the {kind} module's weights in {module} ({type(e).__name__}: "
                           f"{str(e).splitlines()[0] if str(e) else ''}); restore the folder as sentence-transformers saved it.") from None
+    if not isinstance(tensors, dict) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
+        raise SourceError(f"{module}'s weights are not a state dict of tensors; restore the folder as sentence-transformers saved it.")
+    odd = sorted(f"{k} ({v.dtype})" for k, v in tensors.items() if not v.is_floating_point())
+    if odd:  # an int8 table (model2vec's quantize_to="int8") holds values the library does not compute with either
+        raise SourceError(f"{module}'s {kind} module holds {', '.join(odd)}, not floating-point weights; save it in float "
+                          "(float32 or float16) and convert that folder.")
     return {k: v.float().numpy() for k, v in tensors.items()}
 
 
