@@ -286,9 +286,10 @@ def _st_dense(module: Path) -> dict[str, Any]:
             "in": cfg.get("in_features"), "out": cfg.get("out_features")}
 
 
-def write_st_dense(folder: Path, pooling: dict[str, Any], out: Path) -> None:
+def write_st_dense(folder: Path, pooling: dict[str, Any], out: Path, width: int | None = None) -> None:
     """Write the projections ``pooling["dense"]`` names (from :func:`sentence_transformers_pooling`)
-    into ``out``: each ``Dense`` module's weight as an (in, out) float32 array, its bias (out,)."""
+    into ``out``: each ``Dense`` module's weight as an (in, out) float32 array, its bias (out,).
+    ``width``: the pooled embedding's size, where known; each projection must take what comes before it."""
     import numpy as np
 
     paths = [path for k, path in _st_modules(folder) or [] if k == "Dense"]
@@ -300,6 +301,10 @@ def write_st_dense(folder: Path, pooling: dict[str, Any], out: Path) -> None:
                 or (layer["bias"] is not None) != (bias is not None):
             raise SourceError(f"{path}'s weights do not fit its config (in_features {want['in']}, out_features "
                               f"{want['out']}, bias {want['bias']}); restore the folder as sentence-transformers saved it.")
+        if width is not None and weight.shape[1] != width:
+            raise SourceError(f"{path} takes {weight.shape[1]} values, and what comes before it gives {width}; the "
+                              "folder's modules do not fit together: restore it as sentence-transformers saved it.")
+        width = weight.shape[0]
         np.save(out / layer["weight"], np.ascontiguousarray(weight.T, dtype=np.float32))
         if bias is not None:
             np.save(out / layer["bias"], bias.astype(np.float32))

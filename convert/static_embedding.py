@@ -25,6 +25,7 @@ OUTPUT = "last_hidden_state"  # the token vectors, as a transformer's token stat
 # runtime cuts a text to model.limits.max_text_chars characters first, 16,384 by default)
 UNTRUNCATED = 1 << 16
 TASKS = ("auto", "sentence-similarity", "feature-extraction")
+TABLE = "embeddings.word_embeddings.weight"  # named as the runtime finds a token table: ids are checked against its rows
 
 
 def export_static(source: Source, work_dir: Path, task: str, exporter: str, opset: int | None) -> Exported:
@@ -53,7 +54,7 @@ def export_static(source: Source, work_dir: Path, task: str, exporter: str, opse
     max_length = _write_tokenizer(module, onnx_dir, rows=table.shape[0])
     _write_graph(table, onnx_dir / "model.onnx", opset or 17)
     if pooling is not None and pooling.get("dense"):
-        write_st_dense(folder, pooling, onnx_dir)
+        write_st_dense(folder, pooling, onnx_dir, width=table.shape[1])
     return Exported(
         onnx_path=onnx_dir / "model.onnx", task="sentence-embedding" if pooling else "feature-extraction",
         pooling=pooling, pooling_dir=onnx_dir, tokenizer_dir=onnx_dir,
@@ -95,6 +96,10 @@ def _write_tokenizer(module: Path, onnx_dir: Path, rows: int) -> int:
         raise SourceError(f"{path} has {tok.get_vocab_size(with_added_tokens=True)} tokens and the embedding table "
                           f"{rows} rows, so some tokens have no vector; restore the tokenizer the table was made with.")
     truncation = tok.truncation  # kept by the library (it clears only the padding)
+    if truncation and str(truncation.get("direction", "right")).lower() != "right":
+        raise SourceError(f"{path} cuts long texts from the left, and slimml's runtime cuts them from the right, so "
+                          "texts past its max_length would embed otherwise; set the tokenizer's truncation direction to "
+                          "right (or remove its truncation) and save the model again.")
     tok.post_processor = None
     tok.no_padding()
     tok.no_truncation()  # the runtime sets max_length itself
@@ -109,7 +114,7 @@ def _write_graph(table: np.ndarray, path: Path, opset: int) -> None:
 
     tokens = ["batch", "sequence"]
     graph = helper.make_graph(
-        [helper.make_node("Gather", ["embedding.weight", "input_ids"], ["token_vectors"], axis=0),
+        [helper.make_node("Gather", [TABLE, "input_ids"], ["token_vectors"], axis=0),
          helper.make_node("Cast", ["attention_mask"], ["mask_float"], to=TensorProto.FLOAT),
          helper.make_node("Unsqueeze", ["mask_float", "last_axis"], ["mask_column"]) if opset >= 13 else
          helper.make_node("Unsqueeze", ["mask_float"], ["mask_column"], axes=[-1]),  # axes an attribute before opset 13
@@ -118,7 +123,7 @@ def _write_graph(table: np.ndarray, path: Path, opset: int) -> None:
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, tokens),
          helper.make_tensor_value_info("attention_mask", TensorProto.INT64, tokens)],
         [helper.make_tensor_value_info(OUTPUT, TensorProto.FLOAT, [*tokens, table.shape[1]])],
-        [numpy_helper.from_array(table, "embedding.weight")]
+        [numpy_helper.from_array(table, TABLE)]
         + ([numpy_helper.from_array(np.array([-1], np.int64), "last_axis")] if opset >= 13 else []),
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="slimml")

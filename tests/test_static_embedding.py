@@ -15,7 +15,7 @@ import pytest
 
 from slimml.convert import ConvertConfig, convert
 from slimml.convert.config import ExportConfig
-from slimml.errors import SourceError
+from slimml.errors import FeedError, SourceError
 from slimml.runtime import load
 
 from conftest import STS_DEV
@@ -116,10 +116,18 @@ def test_a_static_model_quantizes_and_gives_its_token_vectors_alone(static_dirs,
     table = load_file(str(static_dirs["normalized"] / "model.safetensors"))["embedding.weight"]
     np.testing.assert_allclose(vectors[1], table[feeds["input_ids"][1]], atol=1e-7)
     assert not vectors[0, 2:].any() and model.manifest.pooling is None
+    with pytest.raises(FeedError, match="30522"):  # ids are checked against the table's rows, as a transformer's are
+        model.run({"input_ids": np.array([[5, -1]]), "attention_mask": np.ones((1, 2), np.int64)})
 
 
 def _copy(folder: Path, tmp_path: Path) -> Path:
     return shutil.copytree(folder, tmp_path / "src")
+
+
+def _truncate_left(path: Path) -> None:
+    config = json.loads(path.read_text())
+    config["truncation"] = {"direction": "Left", "max_length": 64, "strategy": "LongestFirst", "stride": 0}
+    path.write_text(json.dumps(config))
 
 
 def _refuse_table(f: Path, tensors: dict) -> None:
@@ -136,9 +144,12 @@ def _refuse_table(f: Path, tensors: dict) -> None:
     (lambda f: (f / "tokenizer.json").write_text("{broken"), "could not read the StaticEmbedding tokenizer"),
     (lambda f: (f / "modules.json").write_text(json.dumps(json.loads((f / "modules.json").read_text())[::-1])),
      "Normalize -> StaticEmbedding"),
+    (lambda f: _truncate_left(f / "tokenizer.json"), "cuts long texts from the left"),
+    (lambda f: _refuse_table(f, {"embedding.weight": np.zeros((30522, 16), np.float32)}), "takes 24 values, and what comes "
+     "before it gives 16"),  # the projection does not fit the table
 ])
 def test_what_the_library_would_not_read_is_refused_in_one_line(static_dirs, tmp_path, change, words):
-    folder = _copy(static_dirs["model2vec"], tmp_path)
+    folder = _copy(static_dirs["projected" if "before it gives" in words else "model2vec"], tmp_path)
     change(folder)
     with pytest.raises(SourceError) as e:
         convert(folder, tmp_path / "art", CONFIG)
