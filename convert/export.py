@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.convert.exported import Exported
-from slimml.convert.sources import Source, max_seq_length, sentence_transformers_pooling, write_st_dense
+from slimml.convert.sources import Source, max_seq_length, sentence_transformers_pooling, sparse_encoder_splade, write_st_dense
 from slimml.errors import ExportError, SlimmlError, SourceError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -232,8 +232,12 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
     folder = source.path
     # --task feature-extraction: the transformer's token states, whatever sentence-transformers pipeline it heads
     pooling = sentence_transformers_pooling(folder) if config.task != "feature-extraction" else None
+    # --task fill-mask: a SPLADE model's masked LM alone, its logits out
+    splade = sparse_encoder_splade(folder) if config.task not in ("feature-extraction", "fill-mask") else None
     if pooling is not None:
         task, out_task = "feature-extraction", "sentence-embedding"
+    elif splade is not None:
+        task, out_task = "fill-mask", "sentence-embedding"
     elif config.task != "auto":
         task = out_task = config.task
     else:
@@ -270,6 +274,11 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
             f"optimum-onnx wrote {', '.join(wrote) or 'no ONNX file'} for {folder} (task {task!r}), not the graph(s) "
             "slimml expected; pass --task to choose another export, or convert an ONNX file you exported yourself."
         )
+    if splade is not None:  # the embedding computed in the graph: the logits never leave it
+        from slimml.convert.splade import POOLING, add_splade_pooling
+
+        add_splade_pooling(onnx_path, splade)
+        pooling = {**POOLING, **{k: splade[k] for k in ("prompts", "default_prompt") if k in splade}}
     tokenizer = _tokenizer_info(folder, onnx_dir, pooling)
     if pooling is not None and pooling.get("dense"):
         write_st_dense(folder, pooling, onnx_dir)  # the projections after pooling, as the files the record names
@@ -277,7 +286,7 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         onnx_path=onnx_path, task=out_task, pooling=pooling, pooling_dir=onnx_dir, tokenizer=tokenizer,
         tokenizer_dir=onnx_dir if tokenizer else None, preprocessor=_preprocessor(folder, onnx_path),
         labels=_labels(folder, task), graphs=graphs, seq2seq=_seq2seq_spec(folder) if graphs else None,
-        info={"hf_task": task, **_config_facts(folder), "exporter": exporter},
+        info={"hf_task": task, **_config_facts(folder), "exporter": exporter, **({"splade": {k: splade[k] for k in ("strategy", "activation")}} if splade else {})},
     )
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from slimml.convert.export import Exported
 from slimml.convert.export_torch_decoder import cache_tensors, dynamic_cache, past_layers
-from slimml.convert.sources import Source
+from slimml.convert.sources import Source, st_model_type
 from slimml.runtime.tasks.inputs.pooling import Pooler
 
 
@@ -61,7 +61,19 @@ def reference_for(source: Source, exported: Exported, output_names: list[str]) -
                 result[f"present.{i}.key"], result[f"present.{i}.value"] = k.float().numpy(), v.float().numpy()
         return {n: v for n, v in result.items() if n in output_names}
 
+    splade = exported.info.get("splade")
+    if splade is not None:  # the masked LM's logits, pooled in torch as the graph pools them
+        return Reference(lambda feeds: {n: v for n, v in {"sentence_embedding": _splade(model(**feeds).logits, feeds["attention_mask"], splade)}.items()
+                                        if n in output_names}, Pooler.of(exported.pooling, "."))
     return Reference(run_hf, Pooler.of(exported.pooling, exported.pooling_dir or "."))
+
+
+def _splade(logits, mask, splade: dict[str, str]) -> np.ndarray:
+    """sentence-transformers' ``SpladePooling`` of torch logits (batch, sequence, vocabulary)."""
+    x = (logits.float() * mask.unsqueeze(-1).float()).relu().log1p()
+    if splade["activation"] == "log1p_relu":
+        x = x.log1p()
+    return (x.amax(dim=1) if splade["strategy"] == "max" else x.sum(dim=1)).numpy()
 
 
 def _load_hf(source: Source, exported: Exported):
@@ -101,15 +113,18 @@ def sentence_transformers_embed(source: Source, texts: list[str]) -> tuple[np.nd
     try:
         import sentence_transformers
         import torch
-        from sentence_transformers import SentenceTransformer
+        from sentence_transformers import SentenceTransformer, SparseEncoder
     except ImportError:
         return None, "none (sentence-transformers is not installed)"
     model = None
+    sparse = st_model_type(source.path) == "SparseEncoder"
     try:
-        model = SentenceTransformer(str(source.path), device="cpu", local_files_only=True,
-                                    model_kwargs={"dtype": torch.float32})
-        # its default prompt and its saved truncate_dim, as the artifact's
-        emb = model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
+        model = (SparseEncoder if sparse else SentenceTransformer)(str(source.path), device="cpu", local_files_only=True,
+                                                                  model_kwargs={"dtype": torch.float32})
+        # its default prompt and its saved truncate_dim, as the artifact's; a sparse encoder's every value
+        emb = model.encode(texts, convert_to_sparse_tensor=False, show_progress_bar=False) if sparse else \
+            model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
+        emb = emb.numpy() if hasattr(emb, "numpy") else emb
     except Exception as e:  # a folder it cannot read (remote code, a pruned student's own files)
         return None, f"none (sentence-transformers cannot load the folder: {type(e).__name__})"
     finally:

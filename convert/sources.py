@@ -220,6 +220,44 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
     return {**out, "prompts": prompts, "default_prompt": default} if prompts else out
 
 
+_SPLADE = {"strategy": ("max", "sum"), "activation": ("relu", "log1p_relu")}  # SpladePooling's settings slimml computes
+
+
+def sparse_encoder_splade(folder: Path) -> dict[str, Any] | None:
+    """A sentence-transformers SparseEncoder's SPLADE pooling (``{"strategy", "activation"}``, and its
+    ``prompts`` and ``default_prompt`` where it has them), for a
+    folder saved as ``MLMTransformer -> SpladePooling`` (SPLADE, OpenSearch's neural sparse models);
+    None for a folder that is no SparseEncoder.
+
+    Raises:
+        SourceError: a SparseEncoder of another shape (a Router between query and document modules, a
+            SparseStaticEmbedding, a SparseAutoEncoder), a pooling or cut slimml does not compute.
+    """
+    modules = _st_listed(folder, "SparseEncoder")
+    if modules is None:
+        return None
+    kinds = [k for k, _ in modules]
+    if kinds != ["MLMTransformer", "SpladePooling"]:
+        raise SourceError(f"{folder} is a sparse encoder of {' -> '.join(kinds) or 'no modules'}, and slimml converts "
+                          "MLMTransformer -> SpladePooling (SPLADE); convert the masked LM alone with --task fill-mask (its "
+                          "logits out) and pool them yourself.")
+    try:
+        cfg = json.loads((folder / modules[1][1] / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = {}  # the module's defaults, as the library loads it
+    splade = {"strategy": cfg.get("pooling_strategy", "max"), "activation": cfg.get("activation_function", "relu")}
+    for (key, allowed), name in zip(_SPLADE.items(), ("pooling_strategy", "activation_function")):
+        if splade[key] not in allowed:
+            raise SourceError(f"{folder / modules[1][1]}'s SpladePooling sets {name} {splade[key]!r}; slimml computes "
+                              f"{' or '.join(allowed)}. Fix the config as the model was trained.")
+    if _st_settings(folder).get("max_active_dims") is not None:
+        raise SourceError(f"{folder / 'config_sentence_transformers.json'} keeps only the largest {_st_settings(folder)['max_active_dims']} "
+                          "values of each embedding (max_active_dims), which slimml does not; remove it (every value kept) "
+                          "and keep the largest values of slimml's embeddings yourself.")
+    prompts, default = _st_prompts(folder)  # encode_query's and encode_document's, where the model has them
+    return {**splade, "prompts": prompts, "default_prompt": default} if prompts else splade
+
+
 def is_static_embedding(folder: Path) -> bool:
     """Whether ``folder`` is a sentence-transformers model with a ``StaticEmbedding`` module (model2vec's
     potion models, static-retrieval-mrl): its pipeline is then checked like any other."""
@@ -231,11 +269,11 @@ def static_module(folder: Path) -> Path:
     return next(p for k, p in _st_modules(folder) or [] if k == "StaticEmbedding")
 
 
-def _st_listed(folder: Path) -> list[tuple[str, str]] | None:
+def _st_listed(folder: Path, model_type: str = "SentenceTransformer") -> list[tuple[str, str]] | None:
     """``modules.json`` as (class name, folder relative to ``folder``) pairs; None for a folder that
-    is not a SentenceTransformer."""
+    is not of ``model_type`` (sentence-transformers' SentenceTransformer, SparseEncoder...)."""
     modules_file = folder / "modules.json"
-    if not modules_file.is_file() or _st_model_type(folder) != "SentenceTransformer":
+    if not modules_file.is_file() or st_model_type(folder) != model_type:
         return None
     try:
         return [(str(m.get("type", "")).rsplit(".", 1)[-1], str(m.get("path", ""))) for m in json.loads(modules_file.read_text())]
@@ -349,7 +387,7 @@ def _st_prompts(folder: Path) -> tuple[dict[str, str], str | None]:
     return prompts, default
 
 
-def _st_model_type(folder: Path) -> str:
+def st_model_type(folder: Path) -> str:
     """What sentence-transformers saved the folder as (``config_sentence_transformers.json``'s
     ``model_type``: SentenceTransformer, CrossEncoder, SparseEncoder; older versions wrote none)."""
     kind = _st_settings(folder).get("model_type")

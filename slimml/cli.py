@@ -214,7 +214,7 @@ def info(artifact: Artifact, as_json: AsJson = False):
         console.print("outputs: " + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in part.outputs))
         if part.pooling is not None:
             p = part.pooling
-            steps = [f"{p.mode} of {p.output}", *(f"projection ({d['activation']})" for d in p.dense),
+            steps = [f"{p.mode} of {p.output}" if p.mode != "none" else f"{p.output} (pooled by the model)", *(f"projection ({d['activation']})" for d in p.dense),
                      *(["normalized"] if p.normalize else []), *([f"first {p.truncate_dim} values"] if p.truncate_dim else [])]
             console.print("pooling: " + " -> ".join(steps) + (f"; prompts: {', '.join(p.prompts)}" if p.prompts else ""))
         table = Table("shard", "file", "MB", "layers", "inputs from", "outputs")
