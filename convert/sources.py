@@ -83,6 +83,9 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
     if path.is_dir():
         if is_static_embedding(path):  # a table of token vectors (model2vec's, static-retrieval): no transformer config
             return Source(kind="static", name=path.resolve().name, path=path)
+        inner = _st_clip_folder(path)
+        if inner is not None:  # sentence-transformers' CLIP before 5.4: the model in its module's folder
+            path = inner
         if not (path / "config.json").is_file():
             raise SourceError(
                 f"{path} is a folder without config.json, so it is not a Hugging Face model folder; "
@@ -183,6 +186,8 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
         SourceError: a module the artifact cannot carry (a static embedding, a projection of each
             token...), or a pooling it cannot compute (several modes joined), in one line.
     """
+    if _st_multimodal(folder):
+        return None  # CLIP saved by sentence-transformers: converted as its two towers, as its own folder is
     modules = _st_modules(folder)
     if modules is None:
         return None  # a CrossEncoder's modules.json holds its transformer alone: its config names its task
@@ -280,6 +285,36 @@ def _st_listed(folder: Path, model_type: str = "SentenceTransformer") -> list[tu
     except (ValueError, AttributeError, TypeError):
         raise SourceError(f"{modules_file} is not sentence-transformers' list of modules; fix or remove it "
                           "(without it the folder converts as a plain transformer).") from None
+
+
+def _st_clip_folder(folder: Path) -> Path | None:
+    """The model folder of a sentence-transformers CLIP saved with its ``CLIPModel`` module in a folder
+    of its own (``0_CLIPModel``, as clip-ViT-B-32 is), where the top folder has no config.json; else None."""
+    if (folder / "config.json").is_file():
+        return None
+    listed = _st_listed(folder) or []
+    if len(listed) != 1 or listed[0][0] != "CLIPModel":
+        return None
+    inner = folder / listed[0][1]
+    return inner if inner != folder and (inner / "config.json").is_file() else None
+
+
+def _st_multimodal(folder: Path) -> bool:
+    """Whether a SentenceTransformer's first module is a multimodal transformer (CLIP: the legacy
+    ``CLIPModel`` module, or since sentence-transformers 5.4 a ``Transformer`` whose
+    ``modality_config`` reads images too), whose embeddings the model computes itself."""
+    listed = _st_listed(folder) or []
+    if not listed:
+        return False
+    kind, path = listed[0]
+    if kind == "CLIPModel":
+        return True
+    try:
+        cfg = json.loads((folder / path / "sentence_bert_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    modalities = cfg.get("modality_config") if isinstance(cfg, dict) else None
+    return kind == "Transformer" and isinstance(modalities, dict) and bool(set(modalities) - {"text"})
 
 
 def _st_modules(folder: Path) -> list[tuple[str, Path]] | None:

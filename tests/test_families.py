@@ -255,6 +255,44 @@ def test_clip_embeddings_and_zero_shot_scores_match_torch(clip):
         model.classify(images)
 
 
+@pytest.mark.parametrize("module", ["Transformer", "CLIPModel", "0_CLIPModel"])
+def test_clip_saved_by_sentence_transformers_converts_as_its_two_towers(clip, tmp_path, module):
+    """sentence-transformers 5.4+ saves CLIP as a multimodal ``Transformer`` (earlier: a ``CLIPModel``
+    module); such a folder converted as a text pipeline and failed its check. Now it is CLIP's two
+    towers, and its text and image embeddings are the library's ``encode``'s, normalised."""
+    import shutil
+
+    pytest.importorskip("sentence_transformers")
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules import Transformer
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+
+    folder = tmp_path / "st"
+    SentenceTransformer(modules=[Transformer(str(clip["root"] / "src"))], device="cpu").save(str(folder))
+    shutil.copy(clip["root"] / "src" / "preprocessor_config.json", folder)
+    if module != "Transformer":  # as sentence-transformers before 5.4 saved it (clip-ViT-B-32: in 0_CLIPModel/)
+        (folder / "sentence_bert_config.json").unlink()
+        inner = folder / module if module.startswith("0_") else folder
+        if inner != folder:
+            inner.mkdir()
+            for f in list(folder.iterdir()):
+                if f.name not in ("modules.json", "config_sentence_transformers.json", inner.name):
+                    f.rename(inner / f.name)
+        (folder / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "" if inner == folder else inner.name,
+                                                          "type": "sentence_transformers.models.CLIPModel"}]))
+    convert(folder, tmp_path / "art", ConvertConfig(measure_latency=False))
+    model, library = load(tmp_path / "art"), SentenceTransformer(str(folder), device="cpu")
+    texts, images = ["a photo of a cat", "a dog"], _images(3)
+
+    def unit(x):
+        return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+    np.testing.assert_allclose(model.embed_texts(texts), unit(library.encode(texts)), atol=1e-5)
+    np.testing.assert_allclose(model.embed_images(images), unit(library.encode([im.convert("RGB") for im in images])), atol=1e-5)
+
+
 def test_clip_components_run_alone_and_together(clip):
     from slimml.runtime import load
 
