@@ -242,7 +242,9 @@ def sparse_encoder_splade(folder: Path) -> dict[str, Any] | None:
     if modules is None:
         return None
     kinds = [k for k, _ in modules]
-    if kinds != ["MLMTransformer", "SpladePooling"]:
+    # the masked LM: MLMTransformer, or since sentence-transformers 5.4 a Transformer asked for its fill-mask logits
+    masked_lm = kinds[:1] == ["MLMTransformer"] or kinds[:1] == ["Transformer"] and _st_transformer_task(folder / modules[0][1]) == "fill-mask"
+    if not masked_lm or kinds[1:] != ["SpladePooling"]:
         raise SourceError(f"{folder} is a sparse encoder of {' -> '.join(kinds) or 'no modules'}, and slimml converts "
                           "MLMTransformer -> SpladePooling (SPLADE); convert the masked LM alone with --task fill-mask (its "
                           "logits out) and pool them yourself.")
@@ -285,6 +287,15 @@ def _st_listed(folder: Path, model_type: str = "SentenceTransformer") -> list[tu
     except (ValueError, AttributeError, TypeError):
         raise SourceError(f"{modules_file} is not sentence-transformers' list of modules; fix or remove it "
                           "(without it the folder converts as a plain transformer).") from None
+
+
+def _st_transformer_task(module: Path) -> str | None:
+    """A sentence-transformers Transformer module's ``transformer_task`` (``sentence_bert_config.json``)."""
+    try:
+        cfg = json.loads((module / "sentence_bert_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg.get("transformer_task") if isinstance(cfg, dict) else None
 
 
 def _st_clip_folder(folder: Path) -> Path | None:

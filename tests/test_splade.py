@@ -45,6 +45,11 @@ def splade_dirs(tmp_path_factory) -> dict[str, Path]:
                                    ("sum_log1p_relu", SpladePooling("sum", activation_function="log1p_relu"), None)):
         SparseEncoder(modules=[MLMTransformer(str(root / "mlm")), pooling], prompts=prompts).save(str(root / name))
         out[name] = root / name
+    # as sentence-transformers 5.4 and later save it: a Transformer asked for its fill-mask logits
+    out["transformer"] = shutil.copytree(root / "max", root / "transformer")
+    modules = json.loads((out["transformer"] / "modules.json").read_text())
+    modules[0]["type"] = "sentence_transformers.base.modules.transformer.Transformer"
+    (out["transformer"] / "modules.json").write_text(json.dumps(modules))
     return out
 
 
@@ -54,7 +59,7 @@ def _library(folder: Path, texts: list[str], **kw) -> np.ndarray:
     return SparseEncoder(str(folder), device="cpu").encode(texts, convert_to_sparse_tensor=False, **kw).numpy()
 
 
-@pytest.mark.parametrize("kind", ["max", "sum_log1p_relu"])
+@pytest.mark.parametrize("kind", ["max", "sum_log1p_relu", "transformer"])
 def test_a_splade_model_embeds_as_the_library_does(splade_dirs, tmp_path, kind):
     report = convert(splade_dirs[kind], tmp_path / "art", CONFIG)
     assert report.task == "sentence-embedding" and report.checks["embedding_cosine_vs_library"] > 0.9999
@@ -63,7 +68,7 @@ def test_a_splade_model_embeds_as_the_library_does(splade_dirs, tmp_path, kind):
     ours = model.encode(TEXTS)
     assert ours.shape == (len(TEXTS), 30522) and (ours >= 0).all()
     np.testing.assert_allclose(ours, _library(splade_dirs[kind], TEXTS), rtol=1e-4, atol=2e-5)
-    if kind == "max":  # its query prompt, as encode_query puts it before each text
+    if kind != "sum_log1p_relu":  # its query prompt, as encode_query puts it before each text
         np.testing.assert_allclose(model.encode(TEXTS, prompt_name="query"),
                                    _library(splade_dirs[kind], TEXTS, prompt_name="query"), rtol=1e-4, atol=2e-5)
 
@@ -89,9 +94,10 @@ def _edit(path: Path, **changes) -> None:
     (lambda f: (f / "modules.json").write_text(json.dumps([
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.sparse_encoder.models.SparseStaticEmbedding"}])),
      "sparse encoder of SparseStaticEmbedding"),
+    (lambda f: _edit(f / "sentence_bert_config.json", transformer_task="feature-extraction"), "Transformer -> SpladePooling"),
 ])
 def test_another_sparse_encoder_is_refused_in_one_line(splade_dirs, tmp_path, change, words):
-    folder = shutil.copytree(splade_dirs["max"], tmp_path / "src")
+    folder = shutil.copytree(splade_dirs["transformer" if words.startswith("Transformer") else "max"], tmp_path / "src")
     change(folder)
     with pytest.raises(SourceError) as e:
         convert(folder, tmp_path / "art", CONFIG)
