@@ -450,7 +450,18 @@ def _st_settings(folder: Path) -> dict[str, Any]:
 
 
 def max_seq_length(folder: Path) -> int | None:
-    cfg = folder / "sentence_bert_config.json"
-    if cfg.is_file():
-        return json.loads(cfg.read_text()).get("max_seq_length")
-    return None
+    """The longest text in tokens a sentence-transformers Transformer module reads, as the library
+    finds it in ``sentence_bert_config.json``: a per-call ``max_length`` (``processing_kwargs``, for
+    text or all inputs), else the tokenizer's ``model_max_length`` it is loaded with
+    (``processor_kwargs``, formerly ``tokenizer_args``), else ``max_seq_length``; None where none is set."""
+    try:
+        cfg = json.loads((folder / "sentence_bert_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    processing = cfg.get("processing_kwargs") if isinstance(cfg.get("processing_kwargs"), dict) else {}
+    processor = next((v for v in (cfg.get("processor_kwargs"), cfg.get("tokenizer_args")) if isinstance(v, dict)), {})
+    found = [*((processing.get(b) or {}).get("max_length") for b in ("text", "common") if isinstance(processing.get(b), dict)),
+             processor.get("model_max_length"), cfg.get("max_seq_length")]
+    return next((n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)

@@ -111,6 +111,19 @@ def _module_config(folder: Path, module: str, **changes) -> None:
     config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
 
 
+@pytest.mark.parametrize("settings", [{"max_seq_length": 40}, {"processor_kwargs": {"model_max_length": 40}},
+                                      {"tokenizer_args": {"model_max_length": 40}, "max_seq_length": 200},
+                                      {"processing_kwargs": {"text": {"max_length": 40}}, "max_seq_length": 200}])
+def test_the_longest_text_is_read_where_the_library_reads_it(tiny_bert_dir, tmp_path, settings):
+    """sentence-transformers finds a Transformer's length in several keys of its config, the newest
+    first; the artifact cuts where the library cuts (the check's long text would show a difference)."""
+    folder = shutil.copytree(tiny_bert_dir, tmp_path / "st")
+    (folder / "sentence_bert_config.json").write_text(json.dumps(settings))
+    report = convert(folder, tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert load(tmp_path / "art").manifest.tokenizer["max_length"] == 40
+    assert report.checks["embedding_cosine_vs_library"] > 0.9999
+
+
 def test_the_transformer_under_a_pipeline_converts_alone_and_a_cross_encoder_is_no_embedder(tiny_bert_dir, tmp_path):
     """``--task feature-extraction`` converts the transformer under a pipeline slimml cannot carry
     (its token states out), as the refusal says; a folder sentence-transformers saved as a
