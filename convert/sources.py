@@ -183,7 +183,7 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
     pooling (LaBSE, distiluse, GTR), applied before the normalisation as the library applies them.
 
     Raises:
-        SourceError: a module the artifact cannot carry (a static embedding, a projection of each
+        SourceError: a module the artifact cannot carry (an LSTM, a projection of each
             token...), or a pooling it cannot compute (several modes joined), in one line.
     """
     if _st_multimodal(folder):
