@@ -5,8 +5,8 @@ installed transformers, 4.57 or 5. It writes the single-graph models (encoders a
 sentence-transformers, classifiers, masked LMs, extractive QA, ViT) with optimum's input and output
 names and dynamic axes, so the splitter, the runtime's tasks and the quantizers see the same graph.
 Decoders go through the fused exporter (``convert.fused_llama``) where it writes them, else with
-their cache through ``convert.export_torch_decoder``; encoder-decoders and two-tower models still
-need optimum-onnx.
+their cache through ``convert.export_torch_decoder``; CLIP as optimum writes it (both towers in one
+graph, split by ``convert.towers``); encoder-decoders and other two-tower models still need optimum-onnx.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ TORCH_TASKS = {
     "image-classification": (("logits",), False),
 }
 TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+# a CLIP model's one graph as optimum writes it: both towers and their similarities (convert.towers splits it)
+TOWER_INPUTS = ("input_ids", "pixel_values", "attention_mask")
+TOWER_OUTPUTS = ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds")
+TWO_TOWERS = ("clip",)  # model types written as TOWER_OUTPUTS, zero-shot by softmax over exp(logit_scale) * cosine
 DEFAULT_OPSET = 17
 
 
@@ -44,10 +48,10 @@ def encoder_only(config: dict[str, Any], task: str) -> str | None:
 
 def torch_export_reason(folder: Path, task: str, config: dict[str, Any]) -> str | None:
     """Why ``export_torch`` cannot write ``folder`` as ``task`` (one line), or None when it can."""
-    if encoder_only(config, task):
+    if encoder_only(config, task) or config.get("model_type") in TWO_TOWERS and task == "feature-extraction":
         return None
     if config.get("is_encoder_decoder") or "text_config" in config or "vision_config" in config:
-        return "the torch exporter writes single-graph models, not encoder-decoders or two-tower models"
+        return "the torch exporter writes single-graph models and CLIP, not encoder-decoders or other two-tower models"
     if task not in TORCH_TASKS:
         return f"the torch exporter writes {', '.join(TORCH_TASKS)} and causal LMs, not {task!r}"
     return None
@@ -77,6 +81,12 @@ def export_torch(folder: Path, onnx_path: Path, task: str, opset: int | None = N
         raise ExportError(f"transformers could not load {folder} as {task!r} ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0]}); pass --task with the model's task.") from None
     model.eval()
+    if model.config.model_type in TWO_TOWERS:  # texts and images in one graph, as optimum writes CLIP
+        names, example, dynamic = _tower_inputs(model)
+        trace(_outputs_module(model, names, TOWER_OUTPUTS).eval(), example, onnx_path, names, TOWER_OUTPUTS, dynamic, opset,
+              failed=lambda why: f"torch.onnx.export could not write {folder}'s two towers ({why}); install optimum-onnx "
+                                 "with transformers 4.57 (pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0').")
+        return
     names, example, dynamic = _inputs(folder, model, task)
     outputs, per_position = TORCH_TASKS[task]
     wrapper = _outputs_module(model, names, outputs, _takes_additive_mask(model, names, example, outputs)).eval()
@@ -316,6 +326,23 @@ def _additive_mask_module() -> Any:
             return _additive(mask)
 
     return AdditiveMask()
+
+
+def _tower_inputs(model: Any) -> tuple[tuple[str, ...], tuple[Any, ...], dict[str, dict[int, str]]]:
+    """A CLIP model's example texts and images (three texts, two images: the batches differ) and its
+    dynamic axes, as optimum names them."""
+    import torch
+
+    vision = model.config.vision_config
+    size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]
+    ids = torch.tensor([[49406, 320, 1929, 49407], [49406, 320, 49407, 0], [49406, 49407, 0, 0]]) % model.config.text_config.vocab_size
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0, 0]])
+    pixels = torch.randn(2, getattr(vision, "num_channels", 3), size, size, generator=torch.Generator().manual_seed(0))
+    text, image = {0: "text_batch_size", 1: "sequence_length"}, {0: "image_batch_size"}
+    axes = {"input_ids": text, "attention_mask": text, "pixel_values": image, "text_embeds": {0: "text_batch_size"},
+            "image_embeds": image, "logits_per_image": {0: "image_batch_size", 1: "text_batch_size"},
+            "logits_per_text": {0: "text_batch_size", 1: "image_batch_size"}}
+    return TOWER_INPUTS, (ids, pixels, mask), axes
 
 
 def _inputs(folder: Path, model: Any, task: str) -> tuple[tuple[str, ...], tuple[Any, ...], dict[str, dict[int, str]]]:

@@ -293,6 +293,22 @@ def test_clip_saved_by_sentence_transformers_converts_as_its_two_towers(clip, tm
     np.testing.assert_allclose(model.embed_images(images), unit(library.encode([im.convert("RGB") for im in images])), atol=1e-5)
 
 
+def test_clip_exported_by_torch_equals_optimum_s(clip, tmp_path):
+    """The torch exporter writes CLIP as optimum does (both towers in one graph, then split), so CLIP
+    converts with transformers 5, where optimum-onnx does not load: the same embeddings."""
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.config import ExportConfig
+    from slimml.runtime import load
+
+    report = convert(clip["root"] / "src", tmp_path / "art", ConvertConfig(measure_latency=False, export=ExportConfig(exporter="torch")))
+    assert report.steps[0]["exporter"] == "torch.onnx" and report.checks["cosine_vs_torch"] > 0.9999
+    ours, theirs = load(tmp_path / "art"), load(clip["root"] / "art")
+    assert sorted(ours.manifest.components) == ["text", "vision"]
+    texts, images = ["a photo of a cat", "a dog sitting in the long grass by the river", "x"], _images(3)
+    np.testing.assert_allclose(ours.embed_texts(texts), theirs.embed_texts(texts), atol=1e-6)
+    np.testing.assert_allclose(ours.embed_images(images), theirs.embed_images(images), atol=1e-6)
+
+
 def test_clip_components_run_alone_and_together(clip):
     from slimml.runtime import load
 
