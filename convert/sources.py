@@ -86,6 +86,7 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
         inner = _st_clip_folder(path)
         if inner is not None:  # sentence-transformers' CLIP before 5.4: the model in its module's folder
             path = inner
+        _refuse_bare_model2vec(path)
         if not (path / "config.json").is_file():
             raise SourceError(
                 f"{path} is a folder without config.json, so it is not a Hugging Face model folder; "
@@ -296,6 +297,19 @@ def _st_transformer_task(module: Path) -> str | None:
     except (OSError, ValueError):
         return None
     return cfg.get("transformer_task") if isinstance(cfg, dict) else None
+
+
+def _refuse_bare_model2vec(folder: Path) -> None:
+    """A model2vec folder without sentence-transformers' ``modules.json`` is refused in one line: its
+    own library's ``encode`` (UNK tokens dropped, its token weights) is not sentence-transformers'."""
+    try:
+        kind = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return
+    if kind == "model2vec" and not (folder / "modules.json").is_file():
+        raise SourceError(f"{folder} is a model2vec model saved without sentence-transformers' modules.json; save it "
+                          "with sentence-transformers (SentenceTransformer(modules=[StaticEmbedding.from_model2vec(path), "
+                          "Normalize()]).save(out)) and convert that folder.")
 
 
 def _st_clip_folder(folder: Path) -> Path | None:

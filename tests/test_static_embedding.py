@@ -145,6 +145,7 @@ def _refuse_table(f: Path, tensors: dict) -> None:
     (lambda f: (f / "modules.json").write_text(json.dumps(json.loads((f / "modules.json").read_text())[::-1])),
      "Normalize -> StaticEmbedding"),
     (lambda f: _truncate_left(f / "tokenizer.json"), "cuts long texts from the left"),
+    (lambda f: (f / "modules.json").unlink(), "saved without sentence-transformers' modules.json"),  # model2vec alone
     (lambda f: _refuse_table(f, {"embedding.weight": np.zeros((30522, 16), np.float32)}), "takes 24 values, and what comes "
      "before it gives 16"),  # the projection does not fit the table
 ])
