@@ -184,10 +184,12 @@ def choose_cuts(g: _Graph, config: ShardConfig) -> list[int]:
     if config.mode == "per-layer":
         if layer_cuts:
             return layer_cuts
-        # no layer names: a balanced fallback, each shard holding a real part of the weights (a graph
-        # whose weights sit in one node, a static embedding's table, stays one shard)
+        # no layer names: a balanced fallback, no shard holding only constants (axes, shapes: under 1 KiB,
+        # or 1% of a graph smaller than 100 KiB), so a graph whose weights sit in one node (a static
+        # embedder's table) stays one shard
         cuts = choose_cuts(g, ShardConfig(mode="count", count=min(4, n)))
-        share = lambda lo, hi: g.cum_bytes[hi] - g.cum_bytes[lo] >= g.cum_bytes[-1] / 100  # noqa: E731
+        least = min(1024, g.cum_bytes[-1] / 100)
+        share = lambda lo, hi: g.cum_bytes[hi] - g.cum_bytes[lo] >= least  # noqa: E731
         kept: list[int] = []
         for c in cuts:
             if share(kept[-1] if kept else 0, c) and share(c, n):
