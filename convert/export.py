@@ -260,8 +260,13 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         from slimml.convert.export_torch import export_torch
         from slimml.convert.export_torch_decoder import export_torch_decoder
 
-        write = export_torch_decoder if _traced_decoder_task(folder, task) else export_torch
-        write(folder, onnx_dir / "model.onnx", task, config.opset)
+        if seq2seq:  # three graphs, as optimum-onnx writes them
+            from slimml.convert.export_torch_seq2seq import export_torch_seq2seq
+
+            export_torch_seq2seq(folder, onnx_dir, task, config.opset)
+        else:
+            write = export_torch_decoder if _traced_decoder_task(folder, task) else export_torch
+            write(folder, onnx_dir / "model.onnx", task, config.opset)
     graphs = {name: onnx_dir / f"{name}_model.onnx" for name in ("encoder", "decoder", "decoder_with_past")}
     if seq2seq and all(p.is_file() for p in graphs.values()):
         onnx_path = graphs["encoder"]
@@ -319,6 +324,10 @@ def _torch_reason(folder: Path, task: str) -> str | None:
     config = _read_config(folder)
     if _traced_decoder_task(folder, task):
         return decoder_export_reason(config)
+    if task.removesuffix("-with-past") in _SEQ2SEQ_TASKS and config.get("is_encoder_decoder"):
+        from slimml.convert.export_torch_seq2seq import seq2seq_export_reason
+
+        return seq2seq_export_reason(config)
     return torch_export_reason(folder, task, config)
 
 
