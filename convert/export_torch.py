@@ -281,8 +281,11 @@ def _drop_wrapper_scope(graph: Any) -> None:
     """Names as optimum writes them: ``/encoder/layer.3/...`` for the wrapper's ``/model/encoder/layer.3/...``
     (the manifest records each shard's layers by these names), ``encoder.layer.3...`` for its weights."""
 
-    def bare(name: str) -> str:
-        return "/" + name[len("/model/"):] if name.startswith("/model/") else name[len("model."):] if name.startswith("model.") else name
+    taken = {x for node in graph.node for x in [*node.input, *node.output]} | {v.name for v in graph.initializer}
+
+    def bare(name: str) -> str:  # a name the wrapper's own ops already hold (its constants) keeps its scope
+        short = "/" + name[len("/model/"):] if name.startswith("/model/") else name[len("model."):] if name.startswith("model.") else name
+        return short if short == name or short not in taken else name
 
     for node in graph.node:
         node.name = bare(node.name)

@@ -172,7 +172,10 @@ def _broadcast_mask(batch_size: int, cache_position: Any, kv_length: int, kv_off
 def _first_keys_as_they_are(update: Any) -> Any:
     def first_update(self, key_states, value_states, *args, **kwargs):
         if getattr(self, "keys", None) is None or not getattr(self, "is_initialized", True):
-            self.lazy_initialization(key_states)
+            try:
+                self.lazy_initialization(key_states, value_states)  # transformers 5
+            except TypeError:
+                self.lazy_initialization(key_states)  # 4.57
             self.keys, self.values = key_states, value_states
             return self.keys, self.values
         return update(self, key_states, value_states, *args, **kwargs)
@@ -329,6 +332,26 @@ def dynamic_cache(layers: dict[int, tuple[Any, Any]]) -> Any:
 def past_layers(names: Any) -> list[int]:
     """The layer indices of the ``past_key_values.N.key`` names among ``names``, in order."""
     return sorted(int(n.split(".")[1]) for n in names if n.startswith("past_key_values.") and n.endswith(".key"))
+
+
+@contextlib.contextmanager
+def traceable_seq2seq(model: Any) -> Iterator[None]:
+    """:func:`_traceable`, and under any transformers a cache layer's first keys taken as they are: an
+    encoder-decoder's caches are built from the graph's inputs, and transformers 5's concatenation onto
+    an empty tensor left one-input ``Concat`` nodes whose type ONNX shape inference does not give."""
+    from transformers import cache_utils
+
+    layer = getattr(cache_utils, "DynamicLayer", None)
+    saved = getattr(layer, "update", None)
+    patch = layer is not None and hasattr(layer, "lazy_initialization") and getattr(saved, "__name__", "") != "first_update"
+    if patch:
+        layer.update = _first_keys_as_they_are(saved)
+    try:
+        with _traceable(model):
+            yield
+    finally:
+        if patch:
+            layer.update = saved
 
 
 def _decoder_module() -> type:

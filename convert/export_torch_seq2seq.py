@@ -43,7 +43,7 @@ def export_torch_seq2seq(folder: Path, onnx_dir: Path, task: str, opset: int | N
     from optimum.exporters.tasks import TasksManager
 
     from slimml.convert.export_torch import trace
-    from slimml.convert.export_torch_decoder import _traceable
+    from slimml.convert.export_torch_decoder import traceable_seq2seq as _traceable
 
     base = task.removesuffix("-with-past")
     try:

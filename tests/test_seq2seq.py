@@ -147,6 +147,43 @@ def test_t5_generates_the_tokens_hugging_face_generates(t5):
     assert model.generate(ids, max_new_tokens=8).tokens == want  # token ids in, the same tokens out
 
 
+@pytest.mark.parametrize("family", ["t5", "whisper", "bart"])
+def test_encoder_decoders_through_the_torch_exporter_generate_as_optimum_s_graphs(request, tmp_path, family):
+    """The torch exporter writes optimum's three graphs with any transformers (optimum-onnx needs
+    4.57): the same tokens as the optimum-onnx artifact (BART: as transformers generates)."""
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.config import ExportConfig
+    from slimml.runtime import load
+
+    torch_export = ConvertConfig(measure_latency=False, export=ExportConfig(exporter="torch"))
+    if family == "bart":
+        from transformers import AutoTokenizer, BartConfig, BartForConditionalGeneration
+
+        from slimml.convert.sources import default_model_dir
+
+        torch.manual_seed(0)
+        model = BartForConditionalGeneration(BartConfig(
+            vocab_size=30522, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
+            forced_bos_token_id=None, forced_eos_token_id=None)).eval()
+        model.save_pretrained(tmp_path / "src")
+        tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+        tokenizer.save_pretrained(tmp_path / "src")
+        report = convert(tmp_path / "src", tmp_path / "art", torch_export)
+        enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
+        enc.pop("token_type_ids", None)
+        want = _strip(_hf_generate(model, **enc), eos=model.config.eos_token_id, pad=model.config.pad_token_id)
+        assert load(tmp_path / "art").generate(PROMPTS, max_new_tokens=8).tokens == want
+    else:
+        fixture = request.getfixturevalue(family)
+        report = convert(fixture["root"] / "src", tmp_path / "art", torch_export)
+        inputs = PROMPTS if family == "t5" else [speech(2.0)]
+        assert (load(tmp_path / "art").generate(inputs, max_new_tokens=8).tokens
+                == load(fixture["root"] / "art").generate(inputs, max_new_tokens=8).tokens)
+    assert report.steps[0]["exporter"] == "torch.onnx" and report.checks["same_tokens_as_graph"]
+    assert report.checks["max_abs_diff_vs_torch"] <= 1e-4
+
+
 def test_t5_streamed_with_two_shards_resident_generates_the_same(t5):
     from slimml.runtime import load
 
