@@ -97,6 +97,43 @@ def export_torch_seq2seq(folder: Path, onnx_dir: Path, task: str, opset: int | N
               onnx_dir / "decoder_with_past_model.onnx", step_names, step_out,
               {**axes, **past_axes, "input_ids": {0: "batch_size"}, "logits": {0: "batch_size"}},
               opset, failed=failed("decoder with its cache"))
+    for graph in ("encoder_model", "decoder_model", "decoder_with_past_model"):
+        _unlabel_interleaved(onnx_dir / f"{graph}.onnx")
+
+
+def _unlabel_interleaved(onnx_path: Path) -> int:
+    """Take the layer out of the names of nodes traced inside another layer's span: transformers 5's T5
+    shares shape computations between its layers' cross-attention, and the trace names them after a
+    later layer, so the splitter saw that layer begin inside the one before and cut the decoder
+    otherwise than the decoder with past (whose shards then could not read the decoder's weights).
+    Returns how many nodes it renamed."""
+    import onnx
+
+    from slimml.convert.shard import LAYER_RE, layer_key
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    nodes = [n for n in model.graph.node if n.op_type != "Constant"]  # the splitter makes constants weights
+    keys = [layer_key(n) for n in nodes]
+    span: dict[str, list[int]] = {}
+    for i, k in enumerate(keys):
+        if k is not None:
+            span.setdefault(k, [i, i])[1] = i
+    inside = [n for i, (n, k) in enumerate(zip(nodes, keys))
+              if k is not None and any(lo < i < hi for other, (lo, hi) in span.items() if other != k)]
+    if not inside:
+        return 0
+
+    def bare(text: str) -> str:
+        return LAYER_RE.sub(lambda m: m.group(0).replace(".", "").replace("_", ""), text)
+
+    renamed = {o: bare(o) for n in inside for o in n.output}
+    for n in inside:
+        n.name = bare(n.name)
+    for n in model.graph.node:
+        n.input[:] = [renamed.get(x, x) for x in n.input]
+        n.output[:] = [renamed.get(x, x) for x in n.output]
+    onnx.save(model, str(onnx_path))
+    return len(inside)
 
 
 def _encoder_example(model: Any, audio: bool) -> tuple[Any, ...]:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # onnx loads when a graph is sharded, not when the CLI reads 
     import onnx
 
 # "layer.3", "layers.12", "h.0", "block.2", "blocks.5" between "/" or "." separators.
-_LAYER_RE = re.compile(r"(?:^|[/.])(layers?|h|blocks?|block)[._](\d+)(?=[/._]|$)")
+LAYER_RE = re.compile(r"(?:^|[/.])(layers?|h|blocks?|block)[._](\d+)(?=[/._]|$)")
 _WEIGHT_MIN_BYTES = 1024  # initializers smaller than this are constants, not weights
 
 
@@ -170,7 +170,7 @@ def _analyse(model: onnx.ModelProto) -> _Graph:
         outputs=[o.name for o in graph.output],
         live=live,
         cum_bytes=cum,
-        layer_of=[_layer_key(nd) for nd in nodes],
+        layer_of=[layer_key(nd) for nd in nodes],
         files=files,
     )
 
@@ -486,9 +486,10 @@ def _toposort(nodes: list[onnx.NodeProto], available: set[str]) -> list[onnx.Nod
     return order
 
 
-def _layer_key(node: onnx.NodeProto) -> str | None:
+def layer_key(node: onnx.NodeProto) -> str | None:
+    """The layer a node belongs to, by its name or its outputs' (``encoder/layer.3``), or None."""
     for text in (node.name, *node.output):
-        m = _LAYER_RE.search(text)
+        m = LAYER_RE.search(text)
         if m:
             return text[: m.end()].lstrip("/")
     return None
