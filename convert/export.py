@@ -528,6 +528,7 @@ _TASK_BY_SUFFIX = [
     ("ForMultipleChoice", "multiple-choice"),
     ("ForImageClassification", "image-classification"),
     ("ForConditionalGeneration", "text2text-generation"),
+    ("MTModel", "text2text-generation"),  # Marian's MarianMTModel
     ("Model", "feature-extraction"),
 ]
 

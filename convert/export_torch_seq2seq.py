@@ -102,11 +102,12 @@ def export_torch_seq2seq(folder: Path, onnx_dir: Path, task: str, opset: int | N
 
 
 def _unlabel_interleaved(onnx_path: Path) -> int:
-    """Take the layer out of the names of nodes traced inside another layer's span: transformers 5's T5
-    shares shape computations between its layers' cross-attention, and the trace names them after a
-    later layer, so the splitter saw that layer begin inside the one before and cut the decoder
-    otherwise than the decoder with past (whose shards then could not read the decoder's weights).
-    Returns how many nodes it renamed."""
+    """Take the layer out of the names of nodes traced ahead of their layer, inside another's:
+    transformers 5's T5 and BART share shape computations between their layers' cross-attention, and
+    the trace names them after a later layer, so the splitter saw that layer begin inside the one
+    before and cut the decoder otherwise than the decoder with past (whose shards then could not read
+    the decoder's weights). A layer's own nodes are its longest unbroken run and what follows it; a
+    node of it before that run, within another layer's span, is renamed. Returns how many were."""
     import onnx
 
     from slimml.convert.shard import LAYER_RE, layer_key
@@ -115,25 +116,31 @@ def _unlabel_interleaved(onnx_path: Path) -> int:
     nodes = [n for n in model.graph.node if n.op_type != "Constant"]  # the splitter makes constants weights
     keys = [layer_key(n) for n in nodes]
     span: dict[str, list[int]] = {}
+    run: dict[str, tuple[int, int]] = {}  # layer -> (length, start) of its longest unbroken run
+    start = 0
     for i, k in enumerate(keys):
         if k is not None:
             span.setdefault(k, [i, i])[1] = i
-    inside = [n for i, (n, k) in enumerate(zip(nodes, keys))
-              if k is not None and any(lo < i < hi for other, (lo, hi) in span.items() if other != k)]
-    if not inside:
+        if i + 1 == len(keys) or keys[i + 1] != k:
+            if k is not None and i + 1 - start > run.get(k, (0, 0))[0]:
+                run[k] = (i + 1 - start, start)
+            start = i + 1
+    ahead = [n for i, (n, k) in enumerate(zip(nodes, keys))
+             if k is not None and i < run[k][1] and any(lo < i < hi for other, (lo, hi) in span.items() if other != k)]
+    if not ahead:
         return 0
 
     def bare(text: str) -> str:
         return LAYER_RE.sub(lambda m: m.group(0).replace(".", "").replace("_", ""), text)
 
-    renamed = {o: bare(o) for n in inside for o in n.output}
-    for n in inside:
+    renamed = {o: bare(o) for n in ahead for o in n.output}
+    for n in ahead:
         n.name = bare(n.name)
     for n in model.graph.node:
         n.input[:] = [renamed.get(x, x) for x in n.input]
         n.output[:] = [renamed.get(x, x) for x in n.output]
     onnx.save(model, str(onnx_path))
-    return len(inside)
+    return len(ahead)
 
 
 def _encoder_example(model: Any, audio: bool) -> tuple[Any, ...]:

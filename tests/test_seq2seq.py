@@ -147,7 +147,7 @@ def test_t5_generates_the_tokens_hugging_face_generates(t5):
     assert model.generate(ids, max_new_tokens=8).tokens == want  # token ids in, the same tokens out
 
 
-@pytest.mark.parametrize("family", ["t5", "whisper", "bart"])
+@pytest.mark.parametrize("family", ["t5", "whisper", "bart", "marian"])
 def test_encoder_decoders_through_the_torch_exporter_generate_as_optimum_s_graphs(request, tmp_path, family):
     """The torch exporter writes optimum's three graphs with any transformers (optimum-onnx needs
     4.57): the same tokens as the optimum-onnx artifact (BART: as transformers generates)."""
@@ -156,16 +156,17 @@ def test_encoder_decoders_through_the_torch_exporter_generate_as_optimum_s_graph
     from slimml.runtime import load
 
     torch_export = ConvertConfig(measure_latency=False, export=ExportConfig(exporter="torch"))
-    if family == "bart":
-        from transformers import AutoTokenizer, BartConfig, BartForConditionalGeneration
+    if family in ("bart", "marian"):  # 3 decoder layers: each its own shard in both decoder graphs
+        from transformers import AutoTokenizer, BartConfig, BartForConditionalGeneration, MarianConfig, MarianMTModel
 
         from slimml.convert.sources import default_model_dir
 
         torch.manual_seed(0)
-        model = BartForConditionalGeneration(BartConfig(
-            vocab_size=30522, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
-            forced_bos_token_id=None, forced_eos_token_id=None)).eval()
+        shape = dict(vocab_size=30522, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=2,
+                     decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
+                     forced_bos_token_id=None, forced_eos_token_id=None)
+        model = (BartForConditionalGeneration(BartConfig(**shape)) if family == "bart" else
+                 MarianMTModel(MarianConfig(**shape, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))).eval()
         model.save_pretrained(tmp_path / "src")
         tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
         tokenizer.save_pretrained(tmp_path / "src")
@@ -174,6 +175,11 @@ def test_encoder_decoders_through_the_torch_exporter_generate_as_optimum_s_graph
         enc.pop("token_type_ids", None)
         want = _strip(_hf_generate(model, **enc), eos=model.config.eos_token_id, pad=model.config.pad_token_id)
         assert load(tmp_path / "art").generate(PROMPTS, max_new_tokens=8).tokens == want
+        from slimml.runtime import read_manifest
+
+        manifest = read_manifest(tmp_path / "art")
+        for part in ("decoder", "decoder_with_past"):
+            assert [len(s.layers) for s in manifest.components[part].shards if s.layers] == [1, 1, 1]
     else:
         fixture = request.getfixturevalue(family)
         report = convert(fixture["root"] / "src", tmp_path / "art", torch_export)
