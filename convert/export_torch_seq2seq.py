@@ -172,27 +172,28 @@ def _modules() -> dict[str, type]:
         own, cross = cache_tensors(cache.self_attention_cache), cache_tensors(cache.cross_attention_cache)
         return [t for i in range(layers) for t in (*own[i], *cross[i])]
 
-    class Decoder(torch.nn.Module):
-        """The first step: the start tokens over the encoder's output; every layer's caches out."""
+    class Step(torch.nn.Module):
+        """A decoder step called with its inputs by name (``names``) over ``layers`` layers."""
 
         def __init__(self, model, names, layers):
             super().__init__()
             self.model, self.names, self.layers = model, names, layers
+
+        def step(self, feeds, cache, hidden):
+            mask = {"attention_mask": feeds["encoder_attention_mask"]} if "encoder_attention_mask" in feeds else {}
+            return self.model(decoder_input_ids=feeds["input_ids"], encoder_outputs=(hidden,), past_key_values=cache,
+                              use_cache=True, return_dict=True, **mask)
+
+    class Decoder(Step):
+        """The first step: the start tokens over the encoder's output; every layer's caches out."""
 
         def forward(self, *args):
             feeds = dict(zip(self.names, args))
-            cache = EncoderDecoderCache(dynamic_cache({}), dynamic_cache({}))
-            out = self.model(decoder_input_ids=feeds["input_ids"], encoder_outputs=(feeds["encoder_hidden_states"],),
-                             past_key_values=cache, use_cache=True, return_dict=True,
-                             **({"attention_mask": feeds["encoder_attention_mask"]} if "encoder_attention_mask" in feeds else {}))
+            out = self.step(feeds, EncoderDecoderCache(dynamic_cache({}), dynamic_cache({})), feeds["encoder_hidden_states"])
             return (out.logits, *layer_tensors(out.past_key_values, self.layers))
 
-    class WithPast(torch.nn.Module):
+    class WithPast(Step):
         """A later step: one token per row with both caches fed back; the self-attention cache out."""
-
-        def __init__(self, model, names, layers):
-            super().__init__()
-            self.model, self.names, self.layers = model, names, layers
 
         def forward(self, *args):
             feeds = dict(zip(self.names, args))
@@ -206,9 +207,7 @@ def _modules() -> dict[str, type]:
             key = feeds["past_key_values.0.encoder.key"]
             width = self.model.config.d_model
             stand_in = key.new_zeros(key.shape[0], key.shape[2], width)  # the encoder's length, for the masks
-            out = self.model(decoder_input_ids=feeds["input_ids"], encoder_outputs=(stand_in,), past_key_values=cache,
-                             use_cache=True, return_dict=True,
-                             **({"attention_mask": feeds["encoder_attention_mask"]} if "encoder_attention_mask" in feeds else {}))
+            out = self.step(feeds, cache, stand_in)
             tensors = cache_tensors(out.past_key_values.self_attention_cache)
             return (out.logits, *[t for i in range(self.layers) for t in tensors[i]])
 
