@@ -424,6 +424,9 @@ def _seq2seq_spec(folder: Path) -> dict[str, Any]:
     if start is None:
         start = pick("pad_token_id") or 0
     forced = [[int(p), int(t)] for p, t in (gen.get("forced_decoder_ids") or []) if t is not None]
+    bos = pick("forced_bos_token_id")  # BART-large-cnn's <s>, mBART-50's target language: the first token made
+    if bos is not None and all(p != 1 for p, _ in forced):
+        forced.insert(0, [1, int(bos)])
     spec = {"decoder_start_token_id": int(start), "eos_token_id": pick("eos_token_id"),
             "pad_token_id": pick("pad_token_id"), "forced_ids": forced}
     for key, name in (("suppress_tokens", "suppress_ids"), ("begin_suppress_tokens", "begin_suppress_ids")):

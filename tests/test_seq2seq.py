@@ -190,6 +190,32 @@ def test_encoder_decoders_through_the_torch_exporter_generate_as_optimum_s_graph
     assert report.checks["max_abs_diff_vs_torch"] <= 1e-4
 
 
+def test_a_forced_first_token_is_made_first_as_transformers_makes_it(tmp_path):
+    """BART-large-cnn and mBART-50 force their first token (``forced_bos_token_id``: ``<s>``, the target
+    language); the artifact's tokens are transformers' ``generate``'s."""
+    from transformers import AutoTokenizer, BartConfig, BartForConditionalGeneration
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+    from slimml.runtime import load
+
+    torch.manual_seed(1)
+    model = BartForConditionalGeneration(BartConfig(
+        vocab_size=30522, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
+        forced_bos_token_id=None, forced_eos_token_id=None)).eval()
+    model.generation_config.forced_bos_token_id = 7  # where transformers 5 keeps it (4.57 reads it there too)
+    model.save_pretrained(tmp_path / "src")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tokenizer.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
+    enc.pop("token_type_ids", None)
+    want = _strip(_hf_generate(model, **enc), eos=model.config.eos_token_id, pad=model.config.pad_token_id)
+    got = load(tmp_path / "art").generate(PROMPTS, max_new_tokens=8).tokens
+    assert got == want and all(row[0] == 7 for row in got)
+
+
 def test_t5_streamed_with_two_shards_resident_generates_the_same(t5):
     from slimml.runtime import load
 
