@@ -43,7 +43,7 @@ def export_torch_seq2seq(folder: Path, onnx_dir: Path, task: str, opset: int | N
     from optimum.exporters.tasks import TasksManager
 
     from slimml.convert.export_torch import trace
-    from slimml.convert.export_torch_decoder import traceable_seq2seq as _traceable
+    from slimml.convert.export_torch_decoder import traceable_seq2seq
 
     base = task.removesuffix("-with-past")
     try:
@@ -67,9 +67,6 @@ def export_torch_seq2seq(folder: Path, onnx_dir: Path, task: str, opset: int | N
     with torch.no_grad():
         hidden = model.get_encoder()(**dict(zip(encoder_names, enc_example)), return_dict=True).last_hidden_state
     module = _modules()
-    with _traceable(model):
-        trace(module["encoder"](model, encoder_names).eval(), enc_example, onnx_dir / "encoder_model.onnx", encoder_names,
-              ("last_hidden_state",), enc_axes, opset, failed=failed("encoder"))
     mask = None if audio else enc_example[1]
     ids = torch.tensor([[model.config.decoder_start_token_id or 0]] * hidden.shape[0])
     dec_names = ("input_ids", *(() if audio else ("encoder_attention_mask",)), "encoder_hidden_states")
@@ -81,18 +78,19 @@ def export_torch_seq2seq(folder: Path, onnx_dir: Path, task: str, opset: int | N
             "logits": {0: "batch_size", 1: "decoder_sequence_length"}}
     for name in present:  # present.N.decoder.key: the decoder's positions so far; .encoder.: the encoder's length
         axes[name] = {0: "batch_size", 2: cache_axes[name.split(".")[2]]}
-    with _traceable(model):
-        trace(module["decoder"](model, dec_names, layers).eval(), dec_example, onnx_dir / "decoder_model.onnx", dec_names,
-              ("logits", *present), axes, opset, failed=failed("decoder"))
-    with torch.no_grad():  # the first step's caches: the example the step after it is traced with
-        first = module["decoder"](model, dec_names, layers)(*dec_example)
     past_names = [n.replace("present.", "past_key_values.", 1) for n in present]
     past_axes = {n: {0: "batch_size", 2: "past_decoder_sequence_length" if ".decoder." in n else "encoder_sequence_length_out"}
                  for n in past_names}
     step_names = ("input_ids", *(() if audio else ("encoder_attention_mask",)), *past_names)
     step_out = ("logits", *[n for n in present if ".decoder." in n])
-    nxt = first[0][:, -1:].argmax(-1)
-    with _traceable(model):
+    with traceable_seq2seq(model):
+        trace(module["encoder"](model, encoder_names).eval(), enc_example, onnx_dir / "encoder_model.onnx", encoder_names,
+              ("last_hidden_state",), enc_axes, opset, failed=failed("encoder"))
+        trace(module["decoder"](model, dec_names, layers).eval(), dec_example, onnx_dir / "decoder_model.onnx", dec_names,
+              ("logits", *present), axes, opset, failed=failed("decoder"))
+        with torch.no_grad():  # the first step's caches: the example the step after it is traced with
+            first = module["decoder"](model, dec_names, layers)(*dec_example)
+        nxt = first[0][:, -1:].argmax(-1)
         trace(module["with_past"](model, step_names, layers).eval(), (nxt, *(() if audio else (mask,)), *first[1:]),
               onnx_dir / "decoder_with_past_model.onnx", step_names, step_out,
               {**axes, **past_axes, "input_ids": {0: "batch_size"}, "logits": {0: "batch_size"}},

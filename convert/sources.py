@@ -244,7 +244,7 @@ def sparse_encoder_splade(folder: Path) -> dict[str, Any] | None:
         return None
     kinds = [k for k, _ in modules]
     # the masked LM: MLMTransformer, or since sentence-transformers 5.4 a Transformer asked for its fill-mask logits
-    masked_lm = kinds[:1] == ["MLMTransformer"] or kinds[:1] == ["Transformer"] and _st_transformer_task(folder / modules[0][1]) == "fill-mask"
+    masked_lm = kinds[:1] == ["MLMTransformer"] or kinds[:1] == ["Transformer"] and _st_module_config(folder / modules[0][1]).get("transformer_task") == "fill-mask"
     if not masked_lm or kinds[1:] != ["SpladePooling"]:
         raise SourceError(f"{folder} is a sparse encoder of {' -> '.join(kinds) or 'no modules'}, and slimml converts "
                           "MLMTransformer -> SpladePooling (SPLADE); convert the masked LM alone with --task fill-mask (its "
@@ -258,8 +258,9 @@ def sparse_encoder_splade(folder: Path) -> dict[str, Any] | None:
         if splade[key] not in allowed:
             raise SourceError(f"{folder / modules[1][1]}'s SpladePooling sets {name} {splade[key]!r}; slimml computes "
                               f"{' or '.join(allowed)}. Fix the config as the model was trained.")
-    if _st_settings(folder).get("max_active_dims") is not None:
-        raise SourceError(f"{folder / 'config_sentence_transformers.json'} keeps only the largest {_st_settings(folder)['max_active_dims']} "
+    kept = _st_settings(folder).get("max_active_dims")
+    if kept is not None:
+        raise SourceError(f"{folder / 'config_sentence_transformers.json'} keeps only the largest {kept} "
                           "values of each embedding (max_active_dims), which slimml does not; remove it (every value kept) "
                           "and keep the largest values of slimml's embeddings yourself.")
     prompts, default = _st_prompts(folder)  # encode_query's and encode_document's, where the model has them
@@ -290,13 +291,18 @@ def _st_listed(folder: Path, model_type: str = "SentenceTransformer") -> list[tu
                           "(without it the folder converts as a plain transformer).") from None
 
 
-def _st_transformer_task(module: Path) -> str | None:
-    """A sentence-transformers Transformer module's ``transformer_task`` (``sentence_bert_config.json``)."""
+def _st_module_config(module: Path) -> dict[str, Any]:
+    """A sentence-transformers Transformer module's ``sentence_bert_config.json``, or {}."""
+    return _json_object(module / "sentence_bert_config.json")
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; {} where the file is missing, not JSON or not an object."""
     try:
-        cfg = json.loads((module / "sentence_bert_config.json").read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
-    return cfg.get("transformer_task") if isinstance(cfg, dict) else None
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _refuse_bare_model2vec(folder: Path) -> None:
@@ -334,11 +340,7 @@ def _st_multimodal(folder: Path) -> bool:
     kind, path = listed[0]
     if kind == "CLIPModel":
         return True
-    try:
-        cfg = json.loads((folder / path / "sentence_bert_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    modalities = cfg.get("modality_config") if isinstance(cfg, dict) else None
+    modalities = _st_module_config(folder / path).get("modality_config")
     return kind == "Transformer" and isinstance(modalities, dict) and bool(set(modalities) - {"text"})
 
 
@@ -456,11 +458,7 @@ def st_model_type(folder: Path) -> str:
 
 def _st_settings(folder: Path) -> dict[str, Any]:
     """``config_sentence_transformers.json`` (its prompts, model type, truncate_dim), or {}."""
-    try:
-        cfg = json.loads((folder / "config_sentence_transformers.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
+    return _json_object(folder / "config_sentence_transformers.json")
 
 
 def max_seq_length(folder: Path) -> int | None:
@@ -468,12 +466,7 @@ def max_seq_length(folder: Path) -> int | None:
     finds it in ``sentence_bert_config.json``: a per-call ``max_length`` (``processing_kwargs``, for
     text or all inputs), else the tokenizer's ``model_max_length`` it is loaded with
     (``processor_kwargs``, formerly ``tokenizer_args``), else ``max_seq_length``; None where none is set."""
-    try:
-        cfg = json.loads((folder / "sentence_bert_config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(cfg, dict):
-        return None
+    cfg = _st_module_config(folder)
     processing = cfg.get("processing_kwargs") if isinstance(cfg.get("processing_kwargs"), dict) else {}
     processor = next((v for v in (cfg.get("processor_kwargs"), cfg.get("tokenizer_args")) if isinstance(v, dict)), {})
     found = [*((processing.get(b) or {}).get("max_length") for b in ("text", "common") if isinstance(processing.get(b), dict)),
