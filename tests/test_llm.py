@@ -33,15 +33,10 @@ GGUF = SMOL / "SmolLM2-135M-Instruct.Q4_1.gguf" if SMOL else None
 
 
 @pytest.fixture(scope="session")
-def smol(smollm2_converted):
+def smol(smollm2_converted, smollm2_transformers):
     """The GGUF converted once (fp32, with its KV cache), and transformers' model and tokenizer read
     from the same file."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
-    return {**smollm2_converted, "torch": model, "tokenizer": tokenizer}
+    return {**smollm2_converted, "torch": smollm2_transformers["model"], "tokenizer": smollm2_transformers["tokenizer"]}
 
 
 def test_fp32_perplexity_equals_transformers(smol):

@@ -271,6 +271,17 @@ def test_the_api_key_guards_every_endpoint_but_health(server):
     assert request(port, "GET", "/openapi.json", headers=AUTH)[0] == 404  # off unless asked
 
 
+def test_embeddings_asked_of_a_language_model_get_a_400_naming_the_routes_it_has(server):
+    """The task's refusal (TaskError) as the server words it, and the server still generates."""
+    status, body, _ = request(server, "POST", "/v1/embeddings", {"input": ["hi"]}, AUTH)
+    assert status == 400 and body["error"]["message"] == (
+        "this artifact is a language model ('text-generation'), not a sentence-embedding one, so it has no "
+        "/v1/embeddings; use POST /v1/chat/completions or POST /v1/completions, or serve an embedding artifact "
+        "for embeddings.")
+    status, body, _ = request(server, "POST", "/v1/generate", {"prompt": [[5, 6, 7]], "max_new_tokens": 2}, AUTH)
+    assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
+
+
 @contextlib.contextmanager
 def guarded(api, **guard):
     """``api`` (behind the replica's middleware) on uvicorn in a thread, no Ray, with the middleware's

@@ -1,13 +1,12 @@
 """Tasks: the registry picks one class per artifact at load, a method the task lacks raises
-TaskError with one exact line, and the server turns that into a 400 naming the route that works."""
+TaskError with one exact line, and the server's wording of it names the route that works (the
+served 400 itself: tests/test_serve_hostile.py)."""
 
 from __future__ import annotations
 
 
 import numpy as np
 import pytest
-
-from conftest import serving
 
 from slimml.convert import ConvertConfig, convert
 from slimml.errors import SlimmlError, TaskError
@@ -156,22 +155,3 @@ def test_task_refusal_names_the_route_that_works(tiny_bert_artifact, mlp_artifac
     refusal = task_refusal(load(mlp_artifact).unsupported("encode_with_counts"))
     assert str(refusal) == ("this artifact is a 'generic' model, not a sentence-embedding one, so it has no "
                             "/v1/embeddings; use POST /v1/run for its raw outputs.")
-
-
-@pytest.mark.slow
-def test_serve_answers_embeddings_to_a_decoder_with_a_400_naming_generate(ray_env, tiny_llama_past_artifact):
-    ray = pytest.importorskip("ray")
-    from test_serve_cli import post  # urllib, 4xx bodies read
-
-    from slimml.serve import ServeConfig
-
-    with serving(ServeConfig(str(tiny_llama_past_artifact))) as port:
-        url = f"http://127.0.0.1:{port}"
-        status, body = post(f"{url}/v1/embeddings", {"input": ["hi"]})
-        assert status == 400 and body["error"]["message"] == (
-            "this artifact is a language model ('text-generation'), not a sentence-embedding one, so it has no "
-            "/v1/embeddings; use POST /v1/chat/completions or POST /v1/completions, or serve an embedding artifact "
-            "for embeddings.")
-        status, body = post(f"{url}/v1/generate", {"prompt": [[5, 6, 7]], "max_new_tokens": 2})
-        assert status == 200 and len(body["choices"][0]["token_ids"]) == 2
-    assert not ray.is_initialized()

@@ -414,6 +414,11 @@ def _reuse_address() -> None:
     http_util.socket = shim
 
 
+# How often Serve probes each replica (``check_health``: a stat of its files). Serve's default is 10 s;
+# at 2 s a dead or tampered replica is replaced about 8 s sooner, for a call that costs microseconds.
+HEALTH_CHECK_S = 2.0
+
+
 def app(config: ServeConfig, cpus_per_replica: float | None = None, memory_bytes: int | None = None):
     """The Serve application for ``config`` (bind it with ``serve.run``)."""
     cpus = config.cpus_per_replica or cpus_per_replica or 1  # fractional when replicas outnumber CPUs
@@ -423,7 +428,7 @@ def app(config: ServeConfig, cpus_per_replica: float | None = None, memory_bytes
     return SlimmlServer.options(
         num_replicas=config.replicas, max_ongoing_requests=config.max_ongoing_requests,
         max_queued_requests=config.max_queued_requests,
-        ray_actor_options=actor,
+        ray_actor_options=actor, health_check_period_s=HEALTH_CHECK_S,
     ).bind(config.to_args())
 
 
