@@ -491,6 +491,12 @@ def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[
     pad_token = tok.pad_token or tok.eos_token
     pad_id = tok.convert_tokens_to_ids(pad_token) if pad_token is not None else 0
     info = {"file": TOKENIZER_FILE, "max_length": int(max_len), "pad_token": pad_token, "pad_id": int(pad_id)}
+    for key in ("cls_token", "unk_token"):  # what question answering and token classification read
+        value = getattr(tok, key, None)
+        if isinstance(value, str) and value:
+            info[key] = value
+    if getattr(tok, "padding_side", "right") == "left":  # question answering: the context first (XLNet's way)
+        info["padding_side"] = "left"
     if (folder / GENERATION_CONFIG_FILE).is_file():  # the end ids generate reads (Llama-3's eos is a list)
         shutil.copy2(folder / GENERATION_CONFIG_FILE, onnx_dir / GENERATION_CONFIG_FILE)
         info["generation_config"] = GENERATION_CONFIG_FILE

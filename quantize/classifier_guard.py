@@ -12,6 +12,12 @@ as the model reads them:
 - a softmax over labels: the probability mass that stays where it was, 1 - the mean total
   variation distance between the two distributions (with the top-1 agreement beside it);
 - multi-label (a sigmoid a label): 1 - the mean absolute difference of the labels' probabilities.
+
+A token classifier (named entities) is a classifier of each real token: its rows are the tokens'
+logits, padding left out. An extractive question answerer is two classifiers over positions, the
+answer's start and its end: its rows are each pair's start and end logits over its real tokens
+(padding can never be chosen), read from question-passage pairs; its ``top1`` is how often the most
+likely start and end stay where they were.
 """
 
 from __future__ import annotations
@@ -27,15 +33,47 @@ QUERY_WORDS = 6  # a query made of a text's first words, as short as searches ar
 
 
 def is_classifier(manifest: Any) -> bool:
-    """A classifier of whole inputs: labels, and logits out, one row an input (a token classifier's
-    logits, one row a token, are compared by their cosine on the real tokens)."""
+    """A classifier of whole inputs: labels, and logits out, one row an input."""
     return manifest.labels is not None and any(t.name == "logits" and len(t.shape) == 2 for t in manifest.outputs)
 
 
+def is_scored(manifest: Any) -> bool:
+    """A model the guard judges by the scores its task reads (:func:`scored_rows`): a classifier of
+    inputs or of tokens, or an extractive question answerer."""
+    return is_classifier(manifest) or _tokens_classified(manifest) or _answers(manifest)
+
+
+def _tokens_classified(manifest: Any) -> bool:
+    return manifest.labels is not None and any(t.name == "logits" and len(t.shape) == 3 for t in manifest.outputs)
+
+
+def _answers(manifest: Any) -> bool:
+    return {"start_logits", "end_logits"} <= {t.name for t in manifest.outputs}
+
+
+def scored_rows(manifest: Any, outputs: dict[str, np.ndarray], feeds: dict[str, np.ndarray], width: int) -> np.ndarray:
+    """The rows of logits whose scores the task reads, from a chain's ``outputs`` on ``feeds``: an
+    input's (a classifier), each real token's (a token classifier), or each input's start and end
+    over its real tokens, padded to ``width`` positions that no softmax chooses (a question answerer)."""
+    if is_classifier(manifest):
+        return outputs["logits"]
+    positions = outputs["start_logits" if _answers(manifest) else "logits"].shape[:2]
+    mask = feeds["attention_mask"].astype(bool) if "attention_mask" in feeds else np.ones(positions, dtype=bool)
+    if not _answers(manifest):
+        return outputs["logits"][mask]
+    rows = np.full((2 * len(mask), width), -1e4, dtype=np.float64)  # finite: a softmax gives it ~0, never NaN
+    for k, name in enumerate(("start_logits", "end_logits")):
+        block = rows[k * len(mask):(k + 1) * len(mask), : mask.shape[1]]
+        block[mask] = outputs[name][mask]
+    return rows
+
+
 def reads_pairs(manifest: Any) -> bool:
-    """A cross-encoder: it scores a pair of texts (a query and a passage) with one output, or its
-    sentence-transformers config says it is one."""
-    return is_classifier(manifest) and (len(manifest.labels) == 1 or "cross_encoder_activation" in manifest.source)
+    """A model of pairs of texts: a cross-encoder (it scores a query and a passage with one output,
+    or its sentence-transformers config says it is one), or a question answerer (a question and a
+    passage)."""
+    cross = is_classifier(manifest) and (len(manifest.labels) == 1 or "cross_encoder_activation" in manifest.source)
+    return cross or _answers(manifest)
 
 
 def query_passage_pairs(texts: list[str]) -> list[tuple[str, str]]:

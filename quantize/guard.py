@@ -18,7 +18,7 @@ from typing import Any
 
 from slimml.errors import ConfigError
 from slimml.quantize.chain import Chain, outputs_agreement
-from slimml.quantize.classifier_guard import ClassifierScore, is_classifier
+from slimml.quantize.classifier_guard import ClassifierScore, is_scored, scored_rows
 from slimml.runtime.tasks.inputs.pooling import Pooler
 from slimml.convert.llm_check import is_language_model
 from slimml.quantize.config import GuardConfig
@@ -45,9 +45,11 @@ class _Measure:
             self.eval_file = None
             return
         self.reference = [float_chain.run(f) for f in held_feeds]
-        # a classifier is judged by its scores (a cross-encoder's ranking), not its logits' cosine
-        self.classifier = (ClassifierScore(manifest, [r["logits"] for r in self.reference])
-                           if is_classifier(manifest) and self.reference else None)
+        # a classifier (of inputs or tokens, or a question answerer's spans) is judged by its scores
+        # (a cross-encoder's ranking), not its logits' cosine
+        self.width = max((r["start_logits"].shape[1] for r in self.reference if "start_logits" in r), default=0)
+        self.classifier = (ClassifierScore(manifest, [self._rows(r, f) for r, f in zip(self.reference, held_feeds)])
+                           if is_scored(manifest) and self.reference else None)
         self.eval_file = guard.eval_file if guard is not None else None
         if self.eval_file is not None and manifest.pooling is None:
             raise ConfigError(
@@ -70,10 +72,13 @@ class _Measure:
         if self.lm is not None:  # 1 / perplexity ratio: 1 when the quantized model predicts as the float one
             return {"agreement": self.lm.reference_ppl / self.lm.perplexity(chain)}
         if self.classifier is not None:
-            return self.classifier.measure([chain.run(f)["logits"] for f in self.feeds])
+            return self.classifier.measure([self._rows(chain.run(f), f) for f in self.feeds])
         scores = [outputs_agreement(ref, chain.run(f), f.get("attention_mask"), self.pooler)
                   for ref, f in zip(self.reference, self.feeds)]
         return {"agreement": sum(scores) / len(scores)}
+
+    def _rows(self, outputs: dict[str, Any], feeds: dict[str, Any]):
+        return scored_rows(self.manifest, outputs, feeds, self.width)
 
     @property
     def metric(self) -> str:

@@ -237,15 +237,18 @@ def run(
     audio: Annotated[Optional[list[Path]], typer.Option("--audio", help="A 16 kHz WAV file (repeat) to transcribe (Whisper).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per transcript at most (--audio).")] = 128,
     input: Annotated[Optional[Path], typer.Option("--input", help="An .npz file of named input arrays.")] = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="Classes shown per input (classifiers).")] = 5,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Classes shown per input (classifiers; default 5); answers per context (--question; default 1).")] = None,
+    question: Annotated[Optional[str], typer.Option("--question", help="A question each text (a context) answers (extractive question answering).")] = None,
+    aggregation: Annotated[str, typer.Option(help="How a token classifier groups tokens: none, simple, first, average or max.")] = "simple",
     loading: OptionValues = None,
     progress: Progress = False,
     as_json: AsJson = False,
 ):
     """Run an artifact on texts, images, or arrays from an .npz file and print what it gives.
 
-    A classifier prints labels and scores; CLIP scores each --image against the --text labels;
-    an embedding model prints embeddings; anything else its raw outputs.
+    A classifier prints labels and scores; a token classifier the entities in each text; a question
+    answerer (with --question) the answer in each text; CLIP scores each --image against the
+    --text labels; an embedding model prints embeddings; anything else its raw outputs.
     """
     import numpy as np
 
@@ -255,6 +258,13 @@ def run(
     if sum(map(bool, (texts or image, audio, input))) != 1:
         raise SlimmlError("give texts (TEXT or --text), --image files, --audio files or --input FILE.npz: one kind of input.")
     model = load(artifact, loading.build())
+    if question is not None:
+        if not texts or not model.supports("answer"):
+            raise SlimmlError(f"--question needs an extractive question-answering artifact and texts to answer from; "
+                              f"{artifact} is a {model.kind!r} artifact." if texts else
+                              "--question needs the texts to answer from (TEXT or --text): the contexts.")
+        answers = [model.answer(question, t, top_k=1 if top_k is None else top_k) for t in texts]
+        return _print_spans(texts, [a if isinstance(a, list) else [a] for a in answers], "answers", as_json)
     if audio:
         if "audio" not in model.accepts:
             raise SlimmlError(f"{artifact} is not a speech model (it has no audio feature extractor); --audio needs one, e.g. Whisper.")
@@ -268,7 +278,7 @@ def run(
     if image and texts:  # images scored against texts: an image-text model (CLIP)
         if not {"text", "images"} <= model.accepts or not model.supports("classify"):
             raise SlimmlError(f"{artifact} is not an image-text model (CLIP); give --image files or texts, not both.")
-        return _print_classes([str(p) for p in image], model.classify(list(image), labels=texts, top_k=top_k), as_json)
+        return _print_classes([str(p) for p in image], model.classify(list(image), labels=texts, top_k=5 if top_k is None else top_k), as_json)
     if image:
         if "images" not in model.accepts:
             takes = "text: give TEXT" if "text" in model.accepts else "arrays: give --input FILE.npz"
@@ -276,15 +286,20 @@ def run(
         if model.supports("embed_images"):
             outputs = {"embeddings": model.embed_images(list(image))}
         else:  # a classifier, or the TaskError that says what this artifact takes
-            return _print_classes([str(p) for p in image], model.classify(list(image), top_k=top_k), as_json)
+            return _print_classes([str(p) for p in image], model.classify(list(image), top_k=5 if top_k is None else top_k), as_json)
     elif texts:
         if "text" not in model.accepts:
             takes = "images: give --image FILE" if "images" in model.accepts else "arrays: give --input FILE.npz"
             raise SlimmlError(f"{artifact} has no tokenizer, so it cannot take text; it takes {takes}.")
         if model.supports("encode"):
             outputs = {"embeddings": model.encode(texts, show_progress=progress)}
+        elif model.supports("entities"):
+            return _print_spans(texts, model.entities(texts, aggregation=aggregation), "entities", as_json)
+        elif model.supports("answer"):
+            raise SlimmlError(f"{artifact} answers questions from texts: give --question QUESTION, and the texts to "
+                              "answer from.")
         elif model.supports("classify"):
-            return _print_classes(texts, model.classify(texts, top_k=top_k), as_json)
+            return _print_classes(texts, model.classify(texts, top_k=5 if top_k is None else top_k), as_json)
         else:
             outputs = model.run(model.tokenize(texts))
     else:
@@ -307,6 +322,22 @@ def run(
     for name, value in outputs.items():
         console.print(f"[bold]{name}[/bold] {value.dtype}{list(value.shape)}")
         console.print(str(value))
+
+
+def _print_spans(texts: list[str], results: list[list[dict]], what: str, as_json: bool) -> None:
+    """Entities or answers: per text, its spans (``entity_group``/``entity`` or ``answer``, score, start, end)."""
+    if as_json:
+        print(json.dumps([{"input": t, what: r} for t, r in zip(texts, results)]))
+        return
+    answers = what == "answers"
+    table = Table("input", *(() if answers else ("entity",)), "answer" if answers else "text", "score", "chars")
+    for text, spans in zip(texts, results):
+        for i, s in enumerate(spans or [{}]):
+            label = () if answers else (s.get("entity_group", s.get("entity", "")),)
+            where = f"{s['start']}-{s['end']}" if "start" in s else ""
+            table.add_row(text if i == 0 else "", *label, s.get("answer", s.get("word", "(none)")),
+                          f"{s['score']:.4f}" if "score" in s else "", where)
+    console.print(table)
 
 
 def _print_classes(names: list[str], results: list[list[dict]], as_json: bool) -> None:

@@ -185,9 +185,9 @@ def test_the_quantize_guard_judges_a_cross_encoder_by_its_ranking_on_pairs(reran
 def test_the_classifier_guard_s_edges(tmp_path):
     """NaN scores agree 0 (a rank would place them anywhere); a regression of several outputs is
     ranked output by output; a single held-out text still gives two different pairs; a token
-    classifier (logits a token) stays on the outputs' cosine, and a language model under
+    classifier (logits a token) is scored token by token, and a language model under
     ``--max-drop`` names perplexity while it searches."""
-    from slimml.quantize.classifier_guard import ClassifierScore, is_classifier, query_passage_pairs
+    from slimml.quantize.classifier_guard import ClassifierScore, is_classifier, is_scored, query_passage_pairs
 
     class One:
         source: dict = {}
@@ -209,4 +209,4 @@ def test_the_classifier_guard_s_edges(tmp_path):
         labels = ["O", "B", "I"]
         outputs = [type("T", (), {"name": "logits", "shape": ["batch_size", "sequence_length", 3]})()]
 
-    assert not is_classifier(Tokens)
+    assert not is_classifier(Tokens) and is_scored(Tokens)

@@ -142,6 +142,9 @@ class Tokenizer(Record):
                    "must be a token id from 0 to 2**32-1")
             c.need(raw.get("pad_token") is None or isinstance(raw.get("pad_token"), str), f"{where}.pad_token",
                    "must be a string")
+            for key in ("cls_token", "unk_token"):
+                c.need(raw.get(key) is None or isinstance(raw.get(key), str), f"{where}.{key}", "must be a string")
+            c.need(raw.get("padding_side") in (None, "left", "right"), f"{where}.padding_side", "must be left or right")
             c.need(raw.get("chat_template") is None or isinstance(raw.get("chat_template"), str),
                    f"{where}.chat_template", "must name a file in the artifact")
         return c.found

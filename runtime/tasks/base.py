@@ -36,7 +36,8 @@ CALLS = {
     "tokenize": "tokenize(texts)", "count_tokens": "count_tokens(texts)", "classify": "classify(inputs)",
     "embed_images": "embed_images(images)", "preprocess": "preprocess(images)", "generate": "generate(prompts)",
     "stream": "stream(prompt)", "chat": "chat(messages)", "rerank": "rerank(query, documents)",
-    "rerank_with_counts": "rerank_with_counts(query, documents)",
+    "rerank_with_counts": "rerank_with_counts(query, documents)", "entities": "entities(texts)",
+    "answer": "answer(question, context)",
 }
 NEEDS = {
     "encode": "a sentence-embedding model", "encode_with_counts": "a sentence-embedding model",
@@ -46,6 +47,7 @@ NEEDS = {
     "stream": "a decoder (text-generation) model", "chat": "a decoder (text-generation) model",
     "rerank": "a cross-encoder (a text classifier with one output)",
     "rerank_with_counts": "a cross-encoder (a text classifier with one output)",
+    "entities": "a token classifier (named entities)", "answer": "an extractive question-answering model",
 }
 
 
@@ -151,6 +153,14 @@ class Task:
                            batch_size: int = 32) -> tuple[list[dict], list[int]]:
         """:meth:`rerank` and the tokens of each (query, document) pair (cross-encoders)."""
         raise self.unsupported("rerank_with_counts")
+
+    def entities(self, texts: list[str], aggregation: str = "simple", **kwargs) -> list[list[dict]]:
+        """Labelled spans of each text (token classifiers: named entities)."""
+        raise self.unsupported("entities")
+
+    def answer(self, question: Any, context: Any = None, top_k: int = 1, **kwargs) -> Any:
+        """The span of a context that answers a question (extractive question answering)."""
+        raise self.unsupported("answer")
 
     def embed_images(self, images: Any, batch_size: int = 32, normalize: bool = True) -> np.ndarray:
         """Image embeddings (image-embedding artifacts, CLIP's vision tower)."""

@@ -51,6 +51,19 @@ class Limits:
         n = self.max_text_chars
         return [t if len(t) <= n else t[:n] for t in texts]
 
+    def check_whole(self, texts: list[str], what: str) -> None:
+        """Refuse a text that a call promises to read whole (in windows) but :meth:`cut` would cut.
+
+        Raises:
+            FeedError: naming the text and the limit, and how to raise it.
+        """
+        n = self.max_text_chars
+        long = next((i for i, t in enumerate(texts) if len(t) > n), None)
+        if long is not None:
+            raise FeedError(f"{what} {long} has {len(texts[long])} characters, more than the {n} a call reads; split it, "
+                            "or raise the limit for input you trust (model.limits.max_text_chars; slimml serve "
+                            "--max-text-chars).")
+
     def check_generate(self, lengths: list[int], max_new_tokens: int, positions: int | None,
                        vocab_size: int | None = None) -> None:
         """Refuse a generation that would pass the model's positions or this call's token budget.

@@ -28,16 +28,19 @@ from slimml.runtime.tasks.classify import IMAGE_OUTPUTS
 from slimml.runtime.tasks.generic import Generic
 from slimml.runtime.tasks.image_classification import ImageClassifier
 from slimml.runtime.tasks.image_embedding import ImageEmbedding
+from slimml.runtime.tasks.question_answering import QuestionAnswerer
 from slimml.runtime.tasks.seq2seq import Seq2Seq
 from slimml.runtime.tasks.text_classification import TextClassifier
 from slimml.runtime.tasks.text_embedding import TextEmbedding
+from slimml.runtime.tasks.token_classification import TokenClassifier
 from slimml.runtime.tasks.zero_shot import ZeroShot
 
 if TYPE_CHECKING:
     from slimml.runtime.engine.engine import Engine
 
-__all__ = ["CausalLM", "Generic", "ImageClassifier", "ImageEmbedding", "Seq2Seq", "TextClassifier", "TextEmbedding",
-           "ZeroShot", "build_task", "kind_of", "register_task", "registered", "task_class"]
+__all__ = ["CausalLM", "Generic", "ImageClassifier", "ImageEmbedding", "QuestionAnswerer", "Seq2Seq", "TextClassifier",
+           "TextEmbedding", "TokenClassifier", "ZeroShot", "build_task", "kind_of", "register_task", "registered",
+           "task_class"]
 
 def kind_of(manifest: Manifest) -> str:
     """The task kind of an artifact, from its manifest's task and declared fields.
@@ -58,6 +61,10 @@ def kind_of(manifest: Manifest) -> str:
         return Generic.kind
     if manifest.task.startswith("text-generation") and "input_ids" in inputs and "logits" in outputs:
         return CausalLM.kind
+    if manifest.task == "token-classification" and manifest.labels is not None and "logits" in outputs:
+        return TokenClassifier.kind
+    if manifest.task == "question-answering" and {"start_logits", "end_logits"} <= outputs:
+        return QuestionAnswerer.kind
     if manifest.labels is not None and "logits" in outputs:
         return ImageClassifier.kind if pixels else TextClassifier.kind
     if manifest.pooling is not None:
