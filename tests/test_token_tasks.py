@@ -89,8 +89,11 @@ def models(tmp_path_factory):
             tok.save_pretrained(src)
             convert(src, root / f"{family}-{task}-art", ConvertConfig(measure_latency=False))
             name = "token-classification" if task == "ner" else "question-answering"
-            out[family, task] = (load(root / f"{family}-{task}-art"), pipeline(name, model=str(src), tokenizer=str(src)),
-                                 root / f"{family}-{task}-art")
+            try:
+                reference = pipeline(name, model=str(src), tokenizer=str(src))
+            except KeyError:  # transformers 5 removed the question-answering pipeline (slimml keeps its answers)
+                reference = None
+            out[family, task] = (load(root / f"{family}-{task}-art"), reference, root / f"{family}-{task}-art")
     return out
 
 
@@ -126,6 +129,8 @@ def test_entities_are_the_pipeline_s_for_every_aggregation(models, family):
 def test_answers_are_the_pipeline_s(models, family):
     model, qa, _ = models[family, "qa"]
     assert model.kind == "question-answering" and model.supports("answer")
+    if qa is None:
+        pytest.skip(f"transformers {transformers.__version__} has no question-answering pipeline to compare with")
     for kw in ({}, {"top_k": 3}, {"handle_impossible_answer": True}, {"align_to_words": False, "top_k": 2},
                {"max_answer_len": 3, "top_k": 4}):
         assert same(model.answer(QUESTION, CONTEXT, **kw), qa(question=QUESTION, context=CONTEXT, **kw)), kw
@@ -152,6 +157,8 @@ def test_a_tokenizer_that_pads_on_the_left_reads_the_context_first(models, tmp_p
     config = json.loads((src / "tokenizer_config.json").read_text())
     (src / "tokenizer_config.json").write_text(json.dumps({**config, "padding_side": "left"}))
     convert(src, tmp_path / "art", ConvertConfig(measure_latency=False))
+    if models["bert", "qa"][1] is None:
+        pytest.skip(f"transformers {transformers.__version__} has no question-answering pipeline to compare with")
     model, qa = load(tmp_path / "art"), pipeline("question-answering", model=str(src), tokenizer=str(src))
     assert model.manifest.tokenizer["padding_side"] == "left"
     for kw in ({}, {"top_k": 3}, {"doc_stride": 20, "max_seq_len": 64, "top_k": 2}):
