@@ -266,3 +266,47 @@ def test_they_run_without_torch(models):
         f"print(load({str(qa_art)!r}).answer({QUESTION!r}, {CONTEXT!r})['answer'].strip() != '')",
     ])
     assert lines == [str(len(models["bert", "ner"][0].entities(TEXTS, ignore_labels=[])[0])), "True"]
+
+
+@pytest.mark.parametrize("task", ["ner", "qa"])
+def test_served_entities_and_answers_equal_in_process(ray_env, models, task):
+    """``POST /v1/entities`` and ``POST /v1/answer`` on a server on 127.0.0.1: what the model gives
+    in process, a list of spans an input; the other route, a bad option and a bad body are 400s
+    naming the fix, and the server answers on."""
+    pytest.importorskip("ray")
+    from conftest import serving
+    from test_serve_cli import post
+
+    from slimml.serve import ServeConfig
+
+    model, _, art = models["bert", task]
+    with serving(ServeConfig(str(art), name="m", max_text_chars=20_000)) as port:
+        url = f"http://127.0.0.1:{port}"
+        if task == "ner":
+            status, body = post(f"{url}/v1/entities", {"input": TEXTS, "aggregation": "first", "model": "m"})
+            assert status == 200 and body["object"] == "list" and body["model"] == "m"
+            assert [d["entities"] for d in body["data"]] == model.entities(TEXTS, aggregation="first")
+            long = " ".join(TEXTS * 40)
+            status, body = post(f"{url}/v1/entities", {"input": long, "stride": 16, "ignore_labels": []})
+            assert status == 200 and body["data"][0]["entities"] == model.entities([long], stride=16, ignore_labels=[])[0]
+            status, body = post(f"{url}/v1/entities", {"input": ["a"], "aggregation": "mean"})
+            assert status == 400 and body["error"]["message"].startswith("aggregation must be one of none, simple")
+            status, body = post(f"{url}/v1/answer", {"question": "q", "context": "c"})
+            assert status == 400 and body["error"]["message"] == (
+                "this artifact is a 'token-classification' model, not an extractive question-answering model, so it has "
+                "no /v1/answer; use POST /v1/entities, or POST /v1/run for its raw outputs.")
+        else:
+            status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": CONTEXT, "top_k": 3})
+            assert status == 200 and body["data"] == [{"index": 0, "answers": model.answer(QUESTION, CONTEXT, top_k=3)}]
+            questions = [QUESTION, "What runs through it?"]
+            status, body = post(f"{url}/v1/answer", {"question": questions, "context": CONTEXT * 12})
+            assert status == 200 and [d["answers"] for d in body["data"]] == [[a] for a in model.answer(questions, CONTEXT * 12)]
+            status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": "x" * 20_001})
+            assert status == 400 and "more than the 20000 a call reads" in body["error"]["message"]
+            status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": CONTEXT, "align_to_words": "yes"})
+            assert status == 400 and body["error"]["message"] == '"align_to_words" must be true or false, got a JSON string.'
+            status, body = post(f"{url}/v1/answer", {"question": [], "context": CONTEXT})
+            assert status == 400 and body["error"]["message"] == '"question" is an empty list; give at least one text.'
+            status, body = post(f"{url}/v1/entities", {"input": ["a"]})
+            assert status == 400 and "use POST /v1/answer" in body["error"]["message"]
+        assert post(f"{url}/v1/embeddings", {"input": ["a"]})[0] == 400

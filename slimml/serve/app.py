@@ -153,7 +153,9 @@ async def _feed_error(request: Request, e: FeedError):
 
 # the route that serves each task method, and the kind of model it needs
 _ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"), "generate": ("/v1/generate", "a decoder"),
-           "rerank": ("/v1/rerank", "a cross-encoder (one relevance output)")}
+           "rerank": ("/v1/rerank", "a cross-encoder (one relevance output)"),
+           "entities": ("/v1/entities", "a token classifier (named entities)"),
+           "answer": ("/v1/answer", "an extractive question-answering model")}
 _SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts",
          "rerank_with_counts": "rerank"}  # methods behind one route
 
@@ -309,6 +311,28 @@ class SlimmlServer:
                                                                            self.config.max_text_chars)
         ranked, tokens = await asyncio.to_thread(self.model.rerank_with_counts, query, documents, top_n, self.config.batch_size)
         return protocol.rerank_response(ranked, documents if return_documents else None, self.name, sum(tokens))
+
+    @api.post("/v1/entities")
+    async def entities(self, request: Request):
+        """Each text's named entities (token classifiers), as ``model.entities`` gives them."""
+        data = await self._body(request)
+        self._needs("entities")
+        protocol.check_model(data, self.name)
+        texts, options = protocol.entities_request(data, self.config.max_texts, self.config.max_text_chars)
+        found = await asyncio.to_thread(self.model.entities, texts, batch_size=self.config.batch_size, **options)
+        return protocol.spans_response(found, "entities", self.name)
+
+    @api.post("/v1/answer")
+    async def answer(self, request: Request):
+        """The answers to each question in its context (extractive question answering), as
+        ``model.answer`` gives them, a list per question."""
+        data = await self._body(request)
+        self._needs("answer")
+        protocol.check_model(data, self.name)
+        question, context, options = protocol.answer_request(data, self.config.max_texts)
+        got = await asyncio.to_thread(self.model.answer, question, context, batch_size=self.config.batch_size, **options)
+        got = [got] if isinstance(question, str) and isinstance(context, str) else got
+        return protocol.spans_response([g if isinstance(g, list) else [g] for g in got], "answers", self.name)
 
     @api.post("/v1/run")
     async def run(self, request: Request):

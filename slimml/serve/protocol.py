@@ -56,31 +56,64 @@ def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None 
     """``input`` of an embeddings request: one text or a list of texts, each valid Unicode (checked
     here, per request, so one client's bad text never fails a batch it would share with others),
     cut to ``max_chars``."""
-    if "input" not in data:
-        raise RequestError('an embeddings request needs "input": a text or a list of texts.', param="input")
-    texts = data["input"]
-    if isinstance(texts, str):
-        texts = [texts]
-    if not isinstance(texts, list):
-        raise RequestError(f'"input" must be a text or a list of texts, got a JSON {_json_type(texts)}.', param="input")
-    if not texts:
-        raise RequestError('"input" is an empty list; give at least one text.', param="input")
-    if len(texts) > max_texts:
-        raise RequestError(f'"input" has {len(texts)} texts, more than this server takes ({max_texts}); send them '
-                           "in smaller requests, or raise the limit (slimml serve --max-texts).", 413, param="input")
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            what = "token ids" if isinstance(t, (int, list)) else f"a JSON {_json_type(t)}"
-            raise RequestError(f'"input"[{i}] is {what}, not a text; send texts (this server tokenizes them).',
-                               param=f"input[{i}]")
-        if not t:
-            raise RequestError(f'"input"[{i}] is an empty text; embeddings need at least one character.',
-                               param=f"input[{i}]")
-    texts = checked_texts(texts, '"input"', max_chars)
+    texts = input_texts(data, "an embeddings", max_texts, max_chars, empty="embeddings need at least one character")
     fmt = data.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
         raise RequestError(f'"encoding_format" must be "float" or "base64", got {fmt!r:.40}.', param="encoding_format")
     return texts
+
+
+def input_texts(data: dict[str, Any], request: str, max_texts: int, max_chars: int | None, empty: str | None = None,
+                field: str = "input") -> list[str]:
+    """``data[field]``: one text or a list of at most ``max_texts`` texts, each valid Unicode, cut to
+    ``max_chars`` (None: kept whole); an empty text refused with ``empty`` where it says why."""
+    if field not in data:
+        raise RequestError(f'{request} request needs "{field}": a text or a list of texts.', param=field)
+    texts = data[field]
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list):
+        raise RequestError(f'"{field}" must be a text or a list of texts, got a JSON {_json_type(texts)}.', param=field)
+    if not texts:
+        raise RequestError(f'"{field}" is an empty list; give at least one text.', param=field)
+    if len(texts) > max_texts:
+        raise RequestError(f'"{field}" has {len(texts)} texts, more than this server takes ({max_texts}); send them '
+                           "in smaller requests, or raise the limit (slimml serve --max-texts).", 413, param=field)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            what = "token ids" if isinstance(t, (int, list)) else f"a JSON {_json_type(t)}"
+            raise RequestError(f'"{field}"[{i}] is {what}, not a text; send texts (this server tokenizes them).',
+                               param=f"{field}[{i}]")
+        if not t and empty is not None:
+            raise RequestError(f'"{field}"[{i}] is an empty text; {empty}.', param=f"{field}[{i}]")
+    return checked_texts(texts, f'"{field}"', max_chars)
+
+
+def entities_request(data: dict[str, Any], max_texts: int, max_chars: int | None) -> tuple[list[str], dict[str, Any]]:
+    """``(texts, options)`` of an entities request: ``input`` (texts, cut to ``max_chars`` unless
+    ``stride`` asks for them whole), ``aggregation``, ``ignore_labels``, ``stride``."""
+    options = {k: data[k] for k in ("aggregation", "ignore_labels", "stride") if data.get(k) is not None}
+    texts = input_texts(data, "an entities", max_texts, None if "stride" in options else max_chars)
+    return texts, options
+
+
+def answer_request(data: dict[str, Any], max_texts: int) -> tuple[Any, Any, dict[str, Any]]:
+    """``(question, context, options)`` of an answer request: a question and a context (or lists of
+    them, as many of each, or one of either for each of the other), read whole; the pipeline's options."""
+    found = [input_texts(data, "an answer", max_texts, None, empty="ask a question of a text", field=k)
+             for k in ("question", "context")]
+    for name in ("handle_impossible_answer", "align_to_words"):
+        if name in data and not isinstance(data[name], bool):
+            raise RequestError(f'"{name}" must be true or false, got a JSON {_json_type(data[name])}.', param=name)
+    options = {k: data[k] for k in ("top_k", "doc_stride", "max_answer_len", "max_seq_len", "handle_impossible_answer",
+                                    "align_to_words") if data.get(k) is not None}
+    question, context = (texts[0] if isinstance(data[k], str) else texts for texts, k in zip(found, ("question", "context")))
+    return question, context, options
+
+
+def spans_response(found: list[list[dict[str, Any]]], key: str, name: str) -> dict[str, Any]:
+    """Each input's spans (``key``: ``entities`` or ``answers``), in request order."""
+    return {"object": "list", "model": name, "data": [{"index": i, key: spans} for i, spans in enumerate(found)]}
 
 
 def prompt_name(data: dict[str, Any]) -> str | None:
