@@ -482,11 +482,10 @@ def _tokenizer_info(folder: Path, onnx_dir: Path, pooling: dict | None) -> dict[
     if (folder / TOKENIZER_FILE).is_file() and not (onnx_dir / TOKENIZER_FILE).is_file():
         shutil.copy2(folder / TOKENIZER_FILE, onnx_dir / TOKENIZER_FILE)
     max_len = max_seq_length(folder) if pooling else None
-    positions = _config_facts(folder).get("max_position_embeddings")  # the text tower's, for two-tower models
-    if not max_len:
-        unset = 512 if not isinstance(positions, int) or not is_causal_lm(folder) else positions  # a decoder: its context
-        max_len = tok.model_max_length if 0 < tok.model_max_length < 100_000 else unset
-    if isinstance(positions, int) and 0 < positions < max_len:
+    positions = usable_positions(folder)  # the text tower's, for two-tower models
+    if not max_len:  # a tokenizer that names no length: the model's positions, as transformers' pipelines read them
+        max_len = tok.model_max_length if 0 < tok.model_max_length < 100_000 else positions or 512
+    if positions and positions < max_len:
         max_len = positions  # a tokenizer borrowed from a longer model must not overrun the positions
     pad_token = tok.pad_token or tok.eos_token
     pad_id = tok.convert_tokens_to_ids(pad_token) if pad_token is not None else 0
@@ -573,6 +572,25 @@ def _config_facts(folder: Path) -> dict[str, Any]:
         sub = config.get(tower) or {}
         facts.update({k: sub[k] for k in keys[1:] if k in sub and k not in facts})
     return facts
+
+
+# Encoders whose position ids start after the padding id (RoBERTa's scheme): their table holds
+# pad_token_id + 1 rows more than the tokens they read (514 rows, 512 tokens).
+_OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "longformer", "luke",
+                     "mpnet", "ibert", "markuplm", "esm", "roberta-prelayernorm", "xmod"}
+
+
+def usable_positions(folder: Path) -> int | None:
+    """The most tokens the model's position table takes (None where it has no table)."""
+    config = json.loads((folder / "config.json").read_text())
+    facts = _config_facts(folder)
+    positions = facts.get("max_position_embeddings")
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
+        return None
+    if facts.get("model_type") in _OFFSET_POSITIONS:
+        pad = config.get("pad_token_id")
+        positions -= (pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < positions - 1 else 1) + 1
+    return positions
 
 
 def is_causal_lm(folder: Path) -> bool:

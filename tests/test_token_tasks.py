@@ -310,3 +310,37 @@ def test_served_entities_and_answers_equal_in_process(ray_env, models, task):
             status, body = post(f"{url}/v1/entities", {"input": ["a"]})
             assert status == 400 and "use POST /v1/answer" in body["error"]["message"]
         assert post(f"{url}/v1/embeddings", {"input": ["a"]})[0] == 400
+
+
+def test_a_tokenizer_that_names_no_length_reads_the_model_s_positions(tmp_path):
+    """Without ``model_max_length``, transformers' pipeline reads as many tokens as the model has
+    positions; the artifact's length is those positions (before: 512), less RoBERTa's offset."""
+    from transformers import AutoTokenizer, BertConfig, BertForTokenClassification, RobertaConfig, RobertaModel, pipeline
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+    from slimml.runtime import load
+
+    def unnamed(folder):
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config.pop("model_max_length", None)
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+    labels = dict(num_labels=len(LABELS), id2label=dict(enumerate(LABELS)), label2id={x: i for i, x in enumerate(LABELS)})
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    torch.manual_seed(0)
+    BertForTokenClassification(BertConfig(vocab_size=tok.vocab_size, max_position_embeddings=1024, **SMALL, **labels)).save_pretrained(tmp_path / "bert")
+    tok.save_pretrained(tmp_path / "bert")
+    unnamed(tmp_path / "bert")
+    convert(tmp_path / "bert", tmp_path / "bert-art", ConvertConfig(measure_latency=False))
+    model = load(tmp_path / "bert-art")
+    assert model.manifest.tokenizer["max_length"] == 1024
+    text = " ".join(TEXTS[:2] * 18)  # 700-odd tokens
+    ner = pipeline("token-classification", model=str(tmp_path / "bert"), tokenizer=str(tmp_path / "bert"))
+    got = model.entities([text], ignore_labels=[])
+    assert same(got, ner([text], aggregation_strategy="simple", ignore_labels=[])) and got[0][-1]["end"] > len(text) - 20
+    _roberta_tokenizer(tmp_path / "roberta")
+    unnamed(tmp_path / "roberta")
+    RobertaModel(RobertaConfig(vocab_size=700, pad_token_id=1, max_position_embeddings=514, **SMALL)).save_pretrained(tmp_path / "roberta")
+    convert(tmp_path / "roberta", tmp_path / "roberta-art", ConvertConfig(measure_latency=False))
+    assert load(tmp_path / "roberta-art").manifest.tokenizer["max_length"] == 512  # 514 rows, 2 of them before the first position
