@@ -187,6 +187,8 @@ def test_a_token_classifier_is_not_a_classifier_of_texts(models):
     (lambda m: m.entities(["a"], ignore_labels="O"), "ignore_labels must be a list"),
     (lambda m: m.entities(["a"], ignore_labels=5), r"ignore_labels must be a list of labels, e\.g\. \['O'\], got 5"),
     (lambda m: m.entities(["a " * 9000], stride=8), "text 0 has 18000 characters, more than the 16384"),
+    (lambda m: m.entities(["a " * 8000], stride=500), r"windows of \d+ tokens in all, more than the 65536 a call reads; "
+                                                      "overlap the windows less"),
     (lambda m: m.entities(["\ud800"]), "not valid Unicode"),
 ])
 def test_bad_entity_calls_are_one_line(models, call, words):
@@ -209,6 +211,7 @@ def test_bad_entity_calls_are_one_line(models, call, words):
     (("why " * 300, CONTEXT * 20), r"question 0 \(300 tokens\) leaves 81 tokens of each 384-token window for the context, "
                                    "not more than doc_stride 128"),
     (("why " * 500, CONTEXT * 20), r"question 0 \(500 tokens\) leaves 0 tokens"),
+    ((QUESTION, "a " * 8000, 1, 3, 15, 12), r"windows of \d+ tokens in all, more than the 65536 a call reads"),
 ])
 def test_bad_questions_are_one_line(models, args, words):
     with pytest.raises(FeedError, match=words) as e:

@@ -35,10 +35,15 @@ class Limits:
             tokens x vocabulary float32) stay within 256 MiB: 2,097 for 32,000 tokens, 442 for
             151,646. Measured on a 2-layer, 32,000-token decoder without a KV cache, 64 prompts of
             50 ids asking for 16 new tokens (4,224) raised a server's RSS by 1.05 GB.
+        max_window_tokens: tokens of all the windows one call reads a long text in (``entities``
+            with ``stride``, ``answer``): a window's share grows as the windows overlap more
+            (a stride of 509 in 512-token windows reads each token 170 times), so this bounds the
+            work, not the text. 65,536 is sixteen times a 16,384-character text's tokens.
     """
 
     max_text_chars: int = 16_384
     max_batch_tokens: int | None = None
+    max_window_tokens: int = 65_536
 
     def batch_tokens(self, vocab_size: int | None) -> int:
         """``max_batch_tokens``, or its default for a model with ``vocab_size`` tokens."""
@@ -63,6 +68,19 @@ class Limits:
             raise FeedError(f"{what} {long} has {len(texts[long])} characters, more than the {n} a call reads; split it, "
                             "or raise the limit for input you trust (model.limits.max_text_chars; slimml serve "
                             "--max-text-chars).")
+
+    def check_windows(self, windows: list) -> None:
+        """Refuse windows (tokenizer encodings) of more tokens, all together, than ``max_window_tokens``.
+
+        Raises:
+            FeedError: naming the tokens, the limit and how to read with fewer.
+        """
+        total = sum(len(w.ids) for w in windows)
+        if total > self.max_window_tokens:
+            raise FeedError(f"these texts make {len(windows)} windows of {total} tokens in all, more than the "
+                            f"{self.max_window_tokens} a call reads; overlap the windows less (a smaller stride or "
+                            "doc_stride), send fewer or shorter texts, or raise model.limits.max_window_tokens for "
+                            "input you trust.")
 
     def check_generate(self, lengths: list[int], max_new_tokens: int, positions: int | None,
                        vocab_size: int | None = None) -> None:

@@ -84,13 +84,14 @@ class QuestionAnswerer(Task):
         windows = self._windows(questions, contexts, seq, stride, first)
         logits = self._logits([enc for _, enc in windows], size)
         spans = _Spans(self.manifest.tokenizer.get("cls_token"), self.text.tokenizer, first)
-        found: list[list[dict[str, Any]]] = [[] for _ in questions]
+        found: list[dict[str, dict[str, Any]]] = [{} for _ in questions]  # lower-case text -> answer, first found first
         null = [1e6] * len(questions)
         for (i, enc), (start, end) in zip(windows, logits):
             null[i] = spans.add(found[i], contexts[i], enc, start, end, top_k, max_answer_len, handle_impossible_answer,
                                 align_to_words, null[i])
         results = []
-        for answers, none in zip(found, null):
+        for by_text, none in zip(found, null):
+            answers = list(by_text.values())
             if handle_impossible_answer:
                 answers.append({"score": none, "start": 0, "end": 0, "answer": ""})
             best = sorted(answers, key=lambda a: a["score"], reverse=True)[:top_k]
@@ -114,7 +115,9 @@ class QuestionAnswerer(Task):
         pairs = zip(questions, contexts) if question_first else zip(contexts, questions)
         tokenizer.enable_truncation(max_length=seq, stride=stride, strategy="only_second" if question_first else "only_first")
         encs = tokenizer.encode_batch(list(pairs))
-        return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
+        windows = [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
+        self.limits.check_windows([w for _, w in windows])
+        return windows
 
     def _logits(self, encs: list, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
         out = []
@@ -135,10 +138,10 @@ class _Spans:
         self.question_first = question_first
         self.context = 1 if question_first else 0  # the context's sequence index in a window
 
-    def add(self, answers: list[dict[str, Any]], context: str, enc: Any, start: np.ndarray, end: np.ndarray, top_k: int,
+    def add(self, answers: dict[str, dict[str, Any]], context: str, enc: Any, start: np.ndarray, end: np.ndarray, top_k: int,
             max_answer_len: int, impossible: bool, align: bool, null: float) -> float:
-        """Add the window's best spans to ``answers`` (the same text: scores summed); return the
-        smallest no-answer score so far."""
+        """Add the window's best spans to ``answers`` (by lower-case text: the same text's scores
+        summed); return the smallest no-answer score so far."""
         ids = np.asarray(enc.ids)
         # 1: not context (question, specials); context first: nothing is masked, as the pipeline reads it
         p_mask = np.array([s != 1 and self.question_first for s in enc.sequence_ids], dtype=np.int64)
@@ -160,11 +163,11 @@ class _Spans:
         for s, e, score in zip(*_decode(start, end, top_k * 2 + 10 if align else top_k, max_answer_len, wanted)):
             lo, hi = _chars(enc, int(s), int(e), align, self.context)
             text = context[lo:hi]
-            same = next((a for a in answers if a["answer"].lower() == text.lower()), None)
+            same = answers.get(text.lower())  # the pipeline's case-blind match, without its search of every answer
             if same is not None:
                 same["score"] += float(score)
             else:
-                answers.append({"score": float(score), "start": lo, "end": hi, "answer": text})
+                answers[text.lower()] = {"score": float(score), "start": lo, "end": hi, "answer": text}
         return null
 
 

@@ -104,7 +104,9 @@ class TokenClassifier(Task):
         self.limits.check_whole(list(texts), "text")  # windows promise the whole text: nothing is cut silently
         tokenizer.enable_truncation(max_length=limit, stride=stride)
         encs = tokenizer.encode_batch(list(texts))
-        return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
+        windows = [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
+        self.limits.check_windows([w for _, w in windows])
+        return windows
 
     def _scores(self, encs: list, size: int) -> list[np.ndarray]:
         """Each window's (tokens, labels) softmax scores, float32 as the pipeline computes them."""
