@@ -577,7 +577,8 @@ def _config_facts(folder: Path) -> dict[str, Any]:
 # Encoders whose position ids start after the padding id (RoBERTa's scheme): their table holds
 # pad_token_id + 1 rows more than the tokens they read (514 rows, 512 tokens).
 _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "data2vec-text", "longformer", "luke",
-                     "mpnet", "ibert", "markuplm", "esm", "roberta-prelayernorm", "xmod"}
+                     "mpnet", "ibert", "markuplm", "esm", "roberta-prelayernorm", "xmod", "layoutlmv3", "lilt", "ernie_m",
+                     "altclip_text_model", "clap_text_model"}
 
 
 def usable_positions(folder: Path) -> int | None:
@@ -587,7 +588,9 @@ def usable_positions(folder: Path) -> int | None:
     positions = facts.get("max_position_embeddings")
     if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
         return None
-    if facts.get("model_type") in _OFFSET_POSITIONS:
+    if "max_position_embeddings" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]  # a two-tower model: its text tower's table
+    if config.get("model_type") in _OFFSET_POSITIONS or facts.get("model_type") in _OFFSET_POSITIONS:
         pad = config.get("pad_token_id")
         positions -= (pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < positions - 1 else 1) + 1
     return positions

@@ -187,8 +187,8 @@ def test_a_token_classifier_is_not_a_classifier_of_texts(models):
     (lambda m: m.entities(["a"], ignore_labels="O"), "ignore_labels must be a list"),
     (lambda m: m.entities(["a"], ignore_labels=5), r"ignore_labels must be a list of labels, e\.g\. \['O'\], got 5"),
     (lambda m: m.entities(["a " * 9000], stride=8), "text 0 has 18000 characters, more than the 16384"),
-    (lambda m: m.entities(["a " * 8000], stride=500), r"windows of \d+ tokens in all, more than the 65536 a call reads; "
-                                                      "overlap the windows less"),
+    (lambda m: m.entities(["a " * 8000], stride=500), r"windows of up to \d+ tokens in all, more than the "
+                                                      "65536 a call reads; overlap the windows less"),
     (lambda m: m.entities(["\ud800"]), "not valid Unicode"),
 ])
 def test_bad_entity_calls_are_one_line(models, call, words):
@@ -211,7 +211,7 @@ def test_bad_entity_calls_are_one_line(models, call, words):
     (("why " * 300, CONTEXT * 20), r"question 0 \(300 tokens\) leaves 81 tokens of each 384-token window for the context, "
                                    "not more than doc_stride 128"),
     (("why " * 500, CONTEXT * 20), r"question 0 \(500 tokens\) leaves 0 tokens"),
-    ((QUESTION, "a " * 8000, 1, 3, 15, 12), r"windows of \d+ tokens in all, more than the 65536 a call reads"),
+    ((QUESTION, "a " * 8000, 1, 3, 15, 12), r"windows of up to \d+ tokens in all, more than the 65536 a call reads"),
 ])
 def test_bad_questions_are_one_line(models, args, words):
     with pytest.raises(FeedError, match=words) as e:
@@ -308,6 +308,11 @@ def test_served_entities_and_answers_equal_in_process(ray_env, models, task):
             assert status == 400 and "more than the 20000 a call reads" in body["error"]["message"]
             status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": CONTEXT, "align_to_words": "yes"})
             assert status == 400 and body["error"]["message"] == '"align_to_words" must be true or false, got a JSON string.'
+            status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": CONTEXT, "top_k": 101})
+            assert status == 400 and body["error"]["message"] == '"top_k" must be at most 100 answers a question, got 101; ask for fewer.'
+            status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": CONTEXT, "align_to_words": None,
+                                                     "max_answer_len": 10 ** 30})  # null: the default; a span fits a window
+            assert status == 200 and body["data"][0]["answers"] == [model.answer(QUESTION, CONTEXT, max_answer_len=384)]
             status, body = post(f"{url}/v1/answer", {"question": [], "context": CONTEXT})
             assert status == 400 and body["error"]["message"] == '"question" is an empty list; give at least one text.'
             status, body = post(f"{url}/v1/entities", {"input": ["a"]})

@@ -69,18 +69,20 @@ class Limits:
                             "or raise the limit for input you trust (model.limits.max_text_chars; slimml serve "
                             "--max-text-chars).")
 
-    def check_windows(self, windows: list) -> None:
-        """Refuse windows (tokenizer encodings) of more tokens, all together, than ``max_window_tokens``.
+    def check_windows(self, counts: list[int], room: list[int], stride: int, window: int) -> None:
+        """Refuse, before any window is made, texts whose windows would hold more tokens, all
+        together, than ``max_window_tokens``: text ``i`` of ``counts[i]`` tokens, ``room[i]`` of them
+        a window, windows overlapping by ``stride``, each at most ``window`` tokens.
 
         Raises:
             FeedError: naming the tokens, the limit and how to read with fewer.
         """
-        total = sum(len(w.ids) for w in windows)
-        if total > self.max_window_tokens:
-            raise FeedError(f"these texts make {len(windows)} windows of {total} tokens in all, more than the "
+        windows = sum(1 if n <= r else 1 + -(-(n - r) // max(r - stride, 1)) for n, r in zip(counts, room))
+        if windows * window > self.max_window_tokens:
+            raise FeedError(f"these texts make {windows} windows of up to {windows * window} tokens in all, more than the "
                             f"{self.max_window_tokens} a call reads; overlap the windows less (a smaller stride or "
-                            "doc_stride), send fewer or shorter texts, or raise model.limits.max_window_tokens for "
-                            "input you trust.")
+                            "doc_stride), or send fewer or shorter texts (in Python, model.limits.max_window_tokens "
+                            "raises the limit for input you trust).")
 
     def check_generate(self, lengths: list[int], max_new_tokens: int, positions: int | None,
                        vocab_size: int | None = None) -> None:

@@ -75,6 +75,7 @@ class QuestionAnswerer(Task):
         seq = min(self.text.max_length, 384) if max_seq_len is None else _whole("max_seq_len", max_seq_len, 2)
         if seq > self.text.max_length:
             raise FeedError(f"max_seq_len must be at most {self.text.max_length}, the tokens this model reads; got {seq}.")
+        max_answer_len = min(max_answer_len, seq)  # no span is longer than a window (and numpy's offsets stay ints)
         stride = min(seq // 2, 128) if doc_stride is None else _whole("doc_stride", doc_stride, 0)
         if stride >= seq:
             raise FeedError(f"doc_stride ({stride}) must be smaller than max_seq_len ({seq}).")
@@ -113,11 +114,10 @@ class QuestionAnswerer(Task):
                                 f"the context, not more than doc_stride {stride}; shorten the question, or give a larger "
                                 "max_seq_len or a smaller doc_stride.")
         pairs = zip(questions, contexts) if question_first else zip(contexts, questions)
+        self.limits.check_windows(c, [seq - specials - nq for nq in q], stride, seq)  # before the windows are made
         tokenizer.enable_truncation(max_length=seq, stride=stride, strategy="only_second" if question_first else "only_first")
         encs = tokenizer.encode_batch(list(pairs))
-        windows = [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
-        self.limits.check_windows([w for _, w in windows])
-        return windows
+        return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
 
     def _logits(self, encs: list, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
         out = []

@@ -102,11 +102,12 @@ class TokenClassifier(Task):
             raise FeedError(f"stride must be a whole number from 0 to {room - 1} (windows of {limit} tokens, {room} of "
                             f"them text), got {stride!r}.")
         self.limits.check_whole(list(texts), "text")  # windows promise the whole text: nothing is cut silently
+        tokenizer.no_truncation()
+        counts = [len(e.ids) for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        self.limits.check_windows(counts, [room] * len(counts), stride, limit)  # before the windows are made
         tokenizer.enable_truncation(max_length=limit, stride=stride)
         encs = tokenizer.encode_batch(list(texts))
-        windows = [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
-        self.limits.check_windows([w for _, w in windows])
-        return windows
+        return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
 
     def _scores(self, encs: list, size: int) -> list[np.ndarray]:
         """Each window's (tokens, labels) softmax scores, float32 as the pipeline computes them."""

@@ -97,14 +97,21 @@ def entities_request(data: dict[str, Any], max_texts: int, max_chars: int | None
     return texts, options
 
 
+MAX_ANSWERS = 100  # answers a question one request may ask for (each window offers up to its tokens squared)
+
+
 def answer_request(data: dict[str, Any], max_texts: int) -> tuple[Any, Any, dict[str, Any]]:
     """``(question, context, options)`` of an answer request: a question and a context (or lists of
     them, as many of each, or one of either for each of the other), read whole; the pipeline's options."""
     found = [input_texts(data, "an answer", max_texts, None, empty="ask a question of a text", field=k)
              for k in ("question", "context")]
     for name in ("handle_impossible_answer", "align_to_words"):
-        if name in data and not isinstance(data[name], bool):
+        if data.get(name) is not None and not isinstance(data[name], bool):
             raise RequestError(f'"{name}" must be true or false, got a JSON {_json_type(data[name])}.', param=name)
+    top_k = data.get("top_k")
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > MAX_ANSWERS:
+        raise RequestError(f'"top_k" must be at most {MAX_ANSWERS} answers a question, got {top_k}; ask for fewer.',
+                           param="top_k")
     options = {k: data[k] for k in ("top_k", "doc_stride", "max_answer_len", "max_seq_len", "handle_impossible_answer",
                                     "align_to_words") if data.get(k) is not None}
     question, context = (texts[0] if isinstance(data[k], str) else texts for texts, k in zip(found, ("question", "context")))
