@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_batch, check_unicode, register_task
+from slimml.runtime.tasks.inputs.text import WINDOW_BATCH_TOKENS, budget_batches
 
 
 @register_task("question-answering")
@@ -120,13 +121,15 @@ class QuestionAnswerer(Task):
         return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
 
     def _logits(self, encs: list, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        out = []
-        for i in range(0, len(encs), size):
-            part = encs[i:i + size]
+        """Each window's start and end logits; batches of like lengths, of at most
+        ``WINDOW_BATCH_TOKENS`` tokens each."""
+        out: list[tuple[np.ndarray, np.ndarray]] = [None] * len(encs)  # type: ignore[list-item]
+        for rows in budget_batches([len(e.ids) for e in encs], size, WINDOW_BATCH_TOKENS):
+            part = [encs[r] for r in rows]
             got = self.engine.run(self.text.batch(part))
-            for row, enc in enumerate(part):
+            for row, (r, enc) in enumerate(zip(rows, part)):
                 n = len(enc.ids)
-                out.append((got["start_logits"][row, :n].astype(np.float32), got["end_logits"][row, :n].astype(np.float32)))
+                out[r] = (got["start_logits"][row, :n].astype(np.float32), got["end_logits"][row, :n].astype(np.float32))
         return out
 
 

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_batch, check_unicode, register_task
+from slimml.runtime.tasks.inputs.text import WINDOW_BATCH_TOKENS, budget_batches
 
 AGGREGATIONS = ("none", "simple", "first", "average", "max")
 
@@ -110,19 +111,21 @@ class TokenClassifier(Task):
         return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
 
     def _scores(self, encs: list, size: int) -> list[np.ndarray]:
-        """Each window's (tokens, labels) softmax scores, float32 as the pipeline computes them."""
-        out = []
-        for i in range(0, len(encs), size):
-            part = encs[i:i + size]
+        """Each window's (tokens, labels) softmax scores, float32 as the pipeline computes them;
+        batches of like lengths, of at most
+        ``WINDOW_BATCH_TOKENS`` tokens each."""
+        out: list[np.ndarray] = [None] * len(encs)  # type: ignore[list-item]
+        for rows in budget_batches([len(e.ids) for e in encs], size, WINDOW_BATCH_TOKENS):
+            part = [encs[r] for r in rows]
             logits = self.engine.run(self.text.batch(part))["logits"]
             labels = len(self.manifest.labels)
             if logits.ndim != 3 or logits.shape[2] != labels:
                 raise FeedError(f"the artifact's logits have shape {logits.shape}, not (texts, tokens, {labels} labels); "
                                 "convert the model again.")
-            for row, enc in enumerate(part):
+            for row, (r, enc) in enumerate(zip(rows, part)):
                 x = logits[row, : len(enc.ids)].astype(np.float32)
                 e = np.exp(x - x.max(axis=-1, keepdims=True))
-                out.append(e / e.sum(axis=-1, keepdims=True))
+                out[r] = e / e.sum(axis=-1, keepdims=True)
         return out
 
 
