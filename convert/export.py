@@ -584,13 +584,12 @@ _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "d
 def usable_positions(folder: Path) -> int | None:
     """The most tokens the model's position table takes (None where it has no table)."""
     config = json.loads((folder / "config.json").read_text())
-    facts = _config_facts(folder)
-    positions = facts.get("max_position_embeddings")
-    if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
-        return None
     if "max_position_embeddings" not in config and isinstance(config.get("text_config"), dict):
         config = config["text_config"]  # a two-tower model: its text tower's table
-    if config.get("model_type") in _OFFSET_POSITIONS or facts.get("model_type") in _OFFSET_POSITIONS:
+    positions = config.get("max_position_embeddings")
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
+        return None
+    if config.get("model_type") in _OFFSET_POSITIONS:
         pad = config.get("pad_token_id")
         positions -= (pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < positions - 1 else 1) + 1
     return positions

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_batch, check_unicode, register_task
-from slimml.runtime.tasks.inputs.text import WINDOW_BATCH_TOKENS, budget_batches
+from slimml.runtime.tasks.inputs.text import window_outputs
 
 
 @register_task("question-answering")
@@ -84,12 +84,12 @@ class QuestionAnswerer(Task):
         self.limits.check_whole(contexts, "context")
         first = self.manifest.tokenizer.get("padding_side") != "left"  # the question first, as nearly every model reads it
         windows = self._windows(questions, contexts, seq, stride, first)
-        logits = self._logits([enc for _, enc in windows], size)
+        logits = window_outputs(self.engine.run, self.text, [enc for _, enc in windows], size, ("start_logits", "end_logits"))
         spans = _Spans(self.manifest.tokenizer.get("cls_token"), self.text.tokenizer, first)
         found: list[dict[str, dict[str, Any]]] = [{} for _ in questions]  # lower-case text -> answer, first found first
         null = [1e6] * len(questions)
-        for (i, enc), (start, end) in zip(windows, logits):
-            null[i] = spans.add(found[i], contexts[i], enc, start, end, top_k, max_answer_len, handle_impossible_answer,
+        for (i, enc), got in zip(windows, logits):
+            null[i] = spans.add(found[i], contexts[i], enc, got["start_logits"], got["end_logits"], top_k, max_answer_len, handle_impossible_answer,
                                 align_to_words, null[i])
         results = []
         for by_text, none in zip(found, null):
@@ -102,12 +102,8 @@ class QuestionAnswerer(Task):
 
     def _windows(self, questions: list[str], contexts: list[str], seq: int, stride: int,
                  question_first: bool) -> list[tuple[int, Any]]:
-        tokenizer = Tokenizer.from_str(self.text.tokenizer.to_str())  # its own truncation: the shared one stays as it is
-        tokenizer.no_padding()
-        tokenizer.no_truncation()
-        q = [len(e.ids) for e in tokenizer.encode_batch(questions, add_special_tokens=False)]
-        c = [len(e.ids) for e in tokenizer.encode_batch(contexts, add_special_tokens=False)]
-        specials = tokenizer.num_special_tokens_to_add(True)
+        q, c = self.text.token_counts(questions), self.text.token_counts(contexts)
+        specials = self.text.special_tokens(True)
         for i, (nq, nc) in enumerate(zip(q, c)):  # the tokenizer cannot cut a context into windows that leave it no room
             room = seq - specials - nq
             if nq + nc + specials > seq and room <= stride:
@@ -116,21 +112,7 @@ class QuestionAnswerer(Task):
                                 "max_seq_len or a smaller doc_stride.")
         pairs = zip(questions, contexts) if question_first else zip(contexts, questions)
         self.limits.check_windows(c, [seq - specials - nq for nq in q], stride, seq)  # before the windows are made
-        tokenizer.enable_truncation(max_length=seq, stride=stride, strategy="only_second" if question_first else "only_first")
-        encs = tokenizer.encode_batch(list(pairs))
-        return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
-
-    def _logits(self, encs: list, size: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Each window's start and end logits; batches of like lengths, of at most
-        ``WINDOW_BATCH_TOKENS`` tokens each."""
-        out: list[tuple[np.ndarray, np.ndarray]] = [None] * len(encs)  # type: ignore[list-item]
-        for rows in budget_batches([len(e.ids) for e in encs], size, WINDOW_BATCH_TOKENS):
-            part = [encs[r] for r in rows]
-            got = self.engine.run(self.text.batch(part))
-            for row, (r, enc) in enumerate(zip(rows, part)):
-                n = len(enc.ids)
-                out[r] = (got["start_logits"][row, :n].astype(np.float32), got["end_logits"][row, :n].astype(np.float32))
-        return out
+        return self.text.windows(list(pairs), seq, stride, "only_second" if question_first else "only_first")
 
 
 class _Spans:
@@ -152,7 +134,7 @@ class _Spans:
             p_mask[ids == self.cls_id] = 0
         elif enc.special_tokens_mask[0]:  # an artifact that did not record its CLS token: the first special one
             p_mask[0] = 0
-        wanted = (np.abs(p_mask - 1) & np.ones_like(p_mask))[None]  # (1, tokens): 1 where an answer may be
+        wanted = (1 - p_mask)[None]  # (1, tokens): 1 where an answer may be
         masked = wanted == 0
         start = np.where(masked, -10000.0, start[None])
         end = np.where(masked, -10000.0, end[None])

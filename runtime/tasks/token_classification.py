@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_batch, check_unicode, register_task
-from slimml.runtime.tasks.inputs.text import WINDOW_BATCH_TOKENS, budget_batches
+from slimml.runtime.tasks.inputs.text import window_outputs
 
 AGGREGATIONS = ("none", "simple", "first", "average", "max")
 
@@ -84,9 +84,9 @@ class TokenClassifier(Task):
         scores = self._scores([enc for _, enc in windows], size)
         words = _Words(self.text.tokenizer, self.manifest.labels, self.manifest.tokenizer.get("unk_token"))
         found: list[list[list[dict[str, Any]]]] = [[] for _ in texts]
-        cut = self.limits.cut
+        read = self.limits.cut(list(texts))  # the texts as the tokenizer read them (offsets index into these)
         for (i, enc), s in zip(windows, scores):
-            found[i].append(words.entities(cut([texts[i]])[0], enc, s, aggregation, set(ignore_labels)))
+            found[i].append(words.entities(read[i], enc, s, aggregation, set(ignore_labels)))
         return [_merge_windows(parts) if len(parts) > 1 else parts[0] for parts in found]
 
     def _windows(self, texts: list[str], aggregation: str, stride: int | None) -> list[tuple[int, Any]]:
@@ -96,36 +96,27 @@ class TokenClassifier(Task):
         if aggregation == "none":
             raise FeedError("stride reads a long text in overlapping windows, whose tokens only an aggregation can merge; "
                             "give aggregation='simple' (or first, average, max), or leave stride out.")
-        tokenizer = Tokenizer.from_str(self.text.tokenizer.to_str())  # its own truncation: the shared one stays as it is
         limit = self.text.max_length
-        room = limit - tokenizer.num_special_tokens_to_add(False)  # a window's tokens besides its special ones
+        room = limit - self.text.special_tokens(False)  # a window's tokens besides its special ones
         if isinstance(stride, bool) or not isinstance(stride, int) or not 0 <= stride < room:
             raise FeedError(f"stride must be a whole number from 0 to {room - 1} (windows of {limit} tokens, {room} of "
                             f"them text), got {stride!r}.")
         self.limits.check_whole(list(texts), "text")  # windows promise the whole text: nothing is cut silently
-        tokenizer.no_truncation()
-        counts = [len(e.ids) for e in tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        counts = self.text.token_counts(list(texts))
         self.limits.check_windows(counts, [room] * len(counts), stride, limit)  # before the windows are made
-        tokenizer.enable_truncation(max_length=limit, stride=stride)
-        encs = tokenizer.encode_batch(list(texts))
-        return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
+        return self.text.windows(list(texts), limit, stride)
 
     def _scores(self, encs: list, size: int) -> list[np.ndarray]:
-        """Each window's (tokens, labels) softmax scores, float32 as the pipeline computes them;
-        batches of like lengths, of at most
-        ``WINDOW_BATCH_TOKENS`` tokens each."""
-        out: list[np.ndarray] = [None] * len(encs)  # type: ignore[list-item]
-        for rows in budget_batches([len(e.ids) for e in encs], size, WINDOW_BATCH_TOKENS):
-            part = [encs[r] for r in rows]
-            logits = self.engine.run(self.text.batch(part))["logits"]
-            labels = len(self.manifest.labels)
-            if logits.ndim != 3 or logits.shape[2] != labels:
-                raise FeedError(f"the artifact's logits have shape {logits.shape}, not (texts, tokens, {labels} labels); "
+        """Each window's (tokens, labels) softmax scores, float32 as the pipeline computes them."""
+        labels = len(self.manifest.labels)
+        out = []
+        for got in window_outputs(self.engine.run, self.text, encs, size, ("logits",)):
+            x = got["logits"]
+            if x.ndim != 2 or x.shape[1] != labels:
+                raise FeedError(f"the artifact's logits have {x.shape[1:] or 'no'} values a token, not {labels} labels; "
                                 "convert the model again.")
-            for row, (r, enc) in enumerate(zip(rows, part)):
-                x = logits[row, : len(enc.ids)].astype(np.float32)
-                e = np.exp(x - x.max(axis=-1, keepdims=True))
-                out[r] = e / e.sum(axis=-1, keepdims=True)
+            e = np.exp(x - x.max(axis=-1, keepdims=True))
+            out.append(e / e.sum(axis=-1, keepdims=True))
         return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ class TextEncoder:
         self.pad_id = int(pad_id or 0)
         self.input_names = input_names
         self.limits = limits or Limits()  # texts are cut to limits.max_text_chars before tokenizing
+        self._windowed: Tokenizer | None = None  # the window calls' copy (made on first use)
+        self._window_lock = threading.Lock()
 
     def encodings(self, texts: list[str] | list[tuple[str, str]]) -> list:
         """One unpadded, truncated encoding per text (``.ids``, ``.attention_mask``, ``.type_ids``);
@@ -62,6 +65,49 @@ class TextEncoder:
 
     def __call__(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
         return self.batch(self.encodings(texts), pad_to)
+
+    # -- windows over long inputs (token classification's stride, question answering) ---------
+
+    def _windowing(self) -> Tokenizer:
+        """A copy of the tokenizer whose truncation the window calls set (the shared one keeps its
+        own), made once (a copy costs 37 ms for BERT's vocabulary); use under ``_window_lock``."""
+        if self._windowed is None:
+            self._windowed = Tokenizer.from_str(self.tokenizer.to_str())
+            self._windowed.no_padding()
+        return self._windowed
+
+    def token_counts(self, texts: list[str]) -> list[int]:
+        """Each text's tokens, uncut and without special tokens."""
+        with self._window_lock:
+            tokenizer = self._windowing()
+            tokenizer.no_truncation()
+            return [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def special_tokens(self, pair: bool) -> int:
+        """The special tokens the tokenizer adds to one text (or to a pair)."""
+        return self.tokenizer.num_special_tokens_to_add(pair)
+
+    def windows(self, inputs: list, length: int, stride: int, strategy: str = "longest_first") -> list[tuple[int, Any]]:
+        """``(input index, encoding)`` for each window of ``length`` tokens (specials included) that
+        ``inputs`` (texts, or pairs whose ``strategy`` side is cut) take, windows of one input
+        overlapping by ``stride`` tokens, as transformers' fast tokenizers make them."""
+        with self._window_lock:
+            tokenizer = self._windowing()
+            tokenizer.enable_truncation(max_length=length, stride=stride, strategy=strategy)
+            encs = tokenizer.encode_batch(inputs)
+        return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
+
+
+def window_outputs(run, text: TextEncoder, encs: list, batch_size: int, names: tuple[str, ...]) -> list[dict[str, np.ndarray]]:
+    """Each encoding's ``names`` outputs of ``run`` (float32, cut to its own tokens), in order, run
+    in :func:`budget_batches` of like lengths."""
+    out: list[dict[str, np.ndarray]] = [{} for _ in encs]
+    for rows in budget_batches([len(e.ids) for e in encs], batch_size, WINDOW_BATCH_TOKENS):
+        got = run(text.batch([encs[r] for r in rows]))
+        for row, r in enumerate(rows):
+            n = len(encs[r].ids)
+            out[r] = {name: got[name][row, :n].astype(np.float32) for name in names}
+    return out
 
 
 def _pair(t: Any) -> bool:
