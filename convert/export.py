@@ -429,6 +429,9 @@ def _seq2seq_spec(folder: Path) -> dict[str, Any]:
         forced.insert(0, [1, int(bos)])
     spec = {"decoder_start_token_id": int(start), "eos_token_id": pick("eos_token_id"),
             "pad_token_id": pick("pad_token_id"), "forced_ids": forced}
+    last = pick("forced_eos_token_id")  # BART's and Marian's: the end token when the length runs out
+    if last is not None:
+        spec["forced_eos_token_id"] = int(last)
     for key, name in (("suppress_tokens", "suppress_ids"), ("begin_suppress_tokens", "begin_suppress_ids")):
         ids = gen.get(key, config.get(key))
         if ids:  # Whisper's: tokens never emitted, and tokens not emitted first
@@ -581,12 +584,15 @@ _OFFSET_POSITIONS = {"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert", "d
                      "altclip_text_model", "clap_text_model"}
 
 
+_POSITION_KEYS = ("max_position_embeddings", "n_positions")  # GPT-2, CTRL and OpenAI GPT name it n_positions
+
+
 def usable_positions(folder: Path) -> int | None:
     """The most tokens the model's position table takes (None where it has no table)."""
     config = json.loads((folder / "config.json").read_text())
-    if "max_position_embeddings" not in config and isinstance(config.get("text_config"), dict):
+    if not any(key in config for key in _POSITION_KEYS) and isinstance(config.get("text_config"), dict):
         config = config["text_config"]  # a two-tower model: its text tower's table
-    positions = config.get("max_position_embeddings")
+    positions = next((config[key] for key in _POSITION_KEYS if key in config), None)
     if isinstance(positions, bool) or not isinstance(positions, int) or positions <= 0:
         return None
     if config.get("model_type") in _OFFSET_POSITIONS:

@@ -190,9 +190,10 @@ def test_encoder_decoders_through_the_torch_exporter_generate_as_optimum_s_graph
     assert report.checks["max_abs_diff_vs_torch"] <= 1e-4
 
 
-def test_a_forced_first_token_is_made_first_as_transformers_makes_it(tmp_path):
+def test_forced_first_and_last_tokens_are_made_as_transformers_makes_them(tmp_path):
     """BART-large-cnn and mBART-50 force their first token (``forced_bos_token_id``: ``<s>``, the target
-    language); the artifact's tokens are transformers' ``generate``'s."""
+    language), and BART and Marian their end token where the length runs out (``forced_eos_token_id``);
+    the artifact's tokens are transformers' ``generate``'s."""
     from transformers import AutoTokenizer, BartConfig, BartForConditionalGeneration
 
     from slimml.convert import ConvertConfig, convert
@@ -205,6 +206,7 @@ def test_a_forced_first_token_is_made_first_as_transformers_makes_it(tmp_path):
         decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128,
         forced_bos_token_id=None, forced_eos_token_id=None)).eval()
     model.generation_config.forced_bos_token_id = 7  # where transformers 5 keeps it (4.57 reads it there too)
+    model.generation_config.forced_eos_token_id = 11  # not the end id: the 8th token is 11, then nothing
     model.save_pretrained(tmp_path / "src")
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
     tokenizer.save_pretrained(tmp_path / "src")
@@ -213,7 +215,8 @@ def test_a_forced_first_token_is_made_first_as_transformers_makes_it(tmp_path):
     enc.pop("token_type_ids", None)
     want = _strip(_hf_generate(model, **enc), eos=model.config.eos_token_id, pad=model.config.pad_token_id)
     got = load(tmp_path / "art").generate(PROMPTS, max_new_tokens=8).tokens
-    assert got == want and all(row[0] == 7 for row in got)
+    assert got == want and all(row[0] == 7 and (len(row) < 8 or row[7] == 11) for row in got)
+    assert any(len(row) == 8 for row in got)  # the forced end token was reached
 
 
 def test_t5_streamed_with_two_shards_resident_generates_the_same(t5):

@@ -352,3 +352,15 @@ def test_a_tokenizer_that_names_no_length_reads_the_model_s_positions(tmp_path):
     RobertaModel(RobertaConfig(vocab_size=700, pad_token_id=1, max_position_embeddings=514, **SMALL)).save_pretrained(tmp_path / "roberta")
     convert(tmp_path / "roberta", tmp_path / "roberta-art", ConvertConfig(measure_latency=False))
     assert load(tmp_path / "roberta-art").manifest.tokenizer["max_length"] == 512  # 514 rows, 2 of them before the first position
+
+
+def test_usable_positions_reads_each_family_s_key(tmp_path):
+    """GPT-2 names its table ``n_positions``; a two-tower config keeps it in its text tower."""
+    from slimml.convert.export import usable_positions
+
+    for name, config, want in (("gpt2", {"model_type": "gpt2", "n_positions": 1024, "n_ctx": 1024}, 1024),
+                               ("clip", {"model_type": "clip", "text_config": {"max_position_embeddings": 77}}, 77),
+                               ("t5", {"model_type": "t5", "relative_attention_num_buckets": 32}, None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        assert usable_positions(tmp_path / name) == want, name

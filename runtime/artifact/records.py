@@ -265,6 +265,7 @@ class Seq2Seq(Record):
     forced_ids: list[list[int]] = field(default_factory=list)  # [position, token id]: tokens forced at a step
     suppress_ids: list[int] = field(default_factory=list)  # never emitted (Whisper)
     begin_suppress_ids: list[int] = field(default_factory=list)  # not emitted first (Whisper)
+    forced_eos_token_id: int | None = None  # made at the last step where the length runs out (BART, Marian)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -274,7 +275,7 @@ class Seq2Seq(Record):
             return c.found
         c.need(all(k in components for k in cls.COMPONENTS), where, "needs the components encoder, decoder and decoder_with_past")
         c.need(_token_id(raw.get("decoder_start_token_id")), f"{where}.decoder_start_token_id", "must be a token id")
-        for key in ("eos_token_id", "pad_token_id"):
+        for key in ("eos_token_id", "pad_token_id", "forced_eos_token_id"):
             c.need(raw.get(key) is None or _token_id(raw.get(key)), f"{where}.{key}", "must be a token id or null")
         forced = raw.get("forced_ids") or []
         c.need(isinstance(forced, list) and all(isinstance(x, list) and len(x) == 2 and all(_token_id(v) for v in x)

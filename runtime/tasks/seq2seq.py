@@ -36,13 +36,14 @@ Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (componen
 def decode_steps(run: Run, inputs: dict[str, list[str]], encoder_feeds: dict[str, np.ndarray], start: np.ndarray,
                  steps: int, eos: int | None = None, pad: int = 0, on_step: Callable[[dict], None] | None = None,
                  forced: dict[int, int] | None = None, suppress: list[int] | None = None,
-                 begin_suppress: list[int] | None = None):
+                 begin_suppress: list[int] | None = None, forced_eos: int | None = None):
     """Run the encoder once, then up to ``steps`` greedy decoder steps; yield each step's new tokens (B,).
 
     ``inputs``: each component's input names. ``start``: (B, k) decoder prompt (the start
     token). ``forced``: decoder position -> token id to emit there instead of the model's choice
     (Whisper's task and no-timestamps tokens). ``suppress``: ids never emitted; ``begin_suppress``:
-    ids not emitted first (Whisper's generation config). Tokens after a row's ``eos`` are ``pad``.
+    ids not emitted first (Whisper's generation config). ``forced_eos``: the token made at the last
+    step where the length runs out (BART's, Marian's). Tokens after a row's ``eos`` are ``pad``.
     """
     hidden = run(ENCODER, encoder_feeds)["last_hidden_state"]
     mask = encoder_feeds.get("attention_mask")
@@ -65,6 +66,8 @@ def decode_steps(run: Run, inputs: dict[str, list[str]], encoder_feeds: dict[str
         position = start.shape[1] + step
         if forced and position in forced:
             nxt = np.full_like(nxt, forced[position])
+        if forced_eos is not None and step == steps - 1:  # after the forced first token, as transformers orders them
+            nxt = np.full_like(nxt, forced_eos)
         nxt = np.where(done, pad, nxt)
         yield nxt
         if eos is not None:
@@ -172,7 +175,8 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, max_new_tokens: int = 32) -> 
         return out
 
     for nxt in decode_steps(counted, inputs, feeds, start, max_new_tokens, eos, pad, forced=forced,
-                            suppress=spec.get("suppress_ids"), begin_suppress=spec.get("begin_suppress_ids")):
+                            suppress=spec.get("suppress_ids"), begin_suppress=spec.get("begin_suppress_ids"),
+                            forced_eos=spec.get("forced_eos_token_id")):
         for i in np.flatnonzero(~done):
             new[i].append(int(nxt[i]))
         if eos is not None:
