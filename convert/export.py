@@ -432,6 +432,9 @@ def _seq2seq_spec(folder: Path) -> dict[str, Any]:
     last = pick("forced_eos_token_id")  # BART's and Marian's: the end token when the length runs out
     if last is not None:
         spec["forced_eos_token_id"] = int(last)
+    bad = gen.get("bad_words_ids", config.get("bad_words_ids"))
+    if bad:  # Marian's [[pad]]: token sequences generate never completes
+        spec["bad_words_ids"] = [[int(t) for t in w] for w in bad if w]
     for key, name in (("suppress_tokens", "suppress_ids"), ("begin_suppress_tokens", "begin_suppress_ids")):
         ids = gen.get(key, config.get(key))
         if ids:  # Whisper's: tokens never emitted, and tokens not emitted first

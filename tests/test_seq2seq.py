@@ -207,16 +207,20 @@ def test_forced_first_and_last_tokens_are_made_as_transformers_makes_them(tmp_pa
         forced_bos_token_id=None, forced_eos_token_id=None)).eval()
     model.generation_config.forced_bos_token_id = 7  # where transformers 5 keeps it (4.57 reads it there too)
     model.generation_config.forced_eos_token_id = 11  # not the end id: the 8th token is 11, then nothing
-    model.save_pretrained(tmp_path / "src")
     tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
-    tokenizer.save_pretrained(tmp_path / "src")
-    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
     enc = tokenizer(PROMPTS, padding=True, return_tensors="pt")
     enc.pop("token_type_ids", None)
+    free = _hf_generate(model, **enc)
+    # Marian's bad_words_ids ([[pad]]): a token never made, and a pair never completed
+    model.generation_config.bad_words_ids = [[free[0][1]], [free[1][1], free[1][2]]]
+    model.save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
     want = _strip(_hf_generate(model, **enc), eos=model.config.eos_token_id, pad=model.config.pad_token_id)
     got = load(tmp_path / "art").generate(PROMPTS, max_new_tokens=8).tokens
     assert got == want and all(row[0] == 7 and (len(row) < 8 or row[7] == 11) for row in got)
     assert any(len(row) == 8 for row in got)  # the forced end token was reached
+    assert got[0][1] != free[0][1] and got[1][1:3] != free[1][1:3]
 
 
 def test_t5_streamed_with_two_shards_resident_generates_the_same(t5):

@@ -258,7 +258,7 @@ class Seq2Seq(Record):
 
     KEY: ClassVar[str] = "seq2seq"
     COMPONENTS: ClassVar[tuple[str, ...]] = ("encoder", "decoder", "decoder_with_past")
-    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("suppress_ids", "begin_suppress_ids")
+    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("suppress_ids", "begin_suppress_ids", "bad_words_ids")
     decoder_start_token_id: int
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -266,6 +266,7 @@ class Seq2Seq(Record):
     suppress_ids: list[int] = field(default_factory=list)  # never emitted (Whisper)
     begin_suppress_ids: list[int] = field(default_factory=list)  # not emitted first (Whisper)
     forced_eos_token_id: int | None = None  # made at the last step where the length runs out (BART, Marian)
+    bad_words_ids: list[list[int]] = field(default_factory=list)  # sequences never completed (Marian's pad)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -283,6 +284,9 @@ class Seq2Seq(Record):
         for key in ("suppress_ids", "begin_suppress_ids"):
             ids = raw.get(key) or []
             c.need(isinstance(ids, list) and all(_token_id(x) for x in ids), f"{where}.{key}", "must be a list of token ids")
+        bad = raw.get("bad_words_ids") or []
+        c.need(isinstance(bad, list) and all(isinstance(w, list) and w and all(_token_id(x) for x in w) for w in bad),
+               f"{where}.bad_words_ids", "must be a list of non-empty lists of token ids")
         return c.found
 
 

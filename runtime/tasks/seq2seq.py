@@ -36,14 +36,17 @@ Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (componen
 def decode_steps(run: Run, inputs: dict[str, list[str]], encoder_feeds: dict[str, np.ndarray], start: np.ndarray,
                  steps: int, eos: int | None = None, pad: int = 0, on_step: Callable[[dict], None] | None = None,
                  forced: dict[int, int] | None = None, suppress: list[int] | None = None,
-                 begin_suppress: list[int] | None = None, forced_eos: int | None = None):
+                 begin_suppress: list[int] | None = None, forced_eos: int | None = None,
+                 bad_words: list[list[int]] | None = None):
     """Run the encoder once, then up to ``steps`` greedy decoder steps; yield each step's new tokens (B,).
 
     ``inputs``: each component's input names. ``start``: (B, k) decoder prompt (the start
     token). ``forced``: decoder position -> token id to emit there instead of the model's choice
     (Whisper's task and no-timestamps tokens). ``suppress``: ids never emitted; ``begin_suppress``:
     ids not emitted first (Whisper's generation config). ``forced_eos``: the token made at the last
-    step where the length runs out (BART's, Marian's). Tokens after a row's ``eos`` are ``pad``.
+    step where the length runs out (BART's, Marian's). ``bad_words``: token sequences never completed
+    (the last id is banned where a row's tokens end with the others; Marian's pad). Tokens after a
+    row's ``eos`` are ``pad``.
     """
     hidden = run(ENCODER, encoder_feeds)["last_hidden_state"]
     mask = encoder_feeds.get("attention_mask")
@@ -56,12 +59,18 @@ def decode_steps(run: Run, inputs: dict[str, list[str]], encoder_feeds: dict[str
         on_step(out)
     past = {k.replace("present.", "past_key_values.", 1): v for k, v in out.items() if k.startswith("present.")}
     done = np.zeros(start.shape[0], dtype=bool)
+    made = start.tolist()  # each row's tokens so far, for the bad words' prefixes
+    always = [*(suppress or []), *(w[0] for w in bad_words or [] if len(w) == 1)]
     for step in range(steps):
         logits = out["logits"][:, -1, :]
-        banned = [*(suppress or []), *((begin_suppress or []) if step == 0 else [])]
-        if banned:
+        banned = [*always, *((begin_suppress or []) if step == 0 else [])]
+        if banned or bad_words:
             logits = logits.copy()
             logits[:, [i for i in banned if 0 <= i < logits.shape[1]]] = -np.inf
+            for w in bad_words or []:
+                for r, row in enumerate(made):
+                    if 1 < len(w) <= len(row) + 1 and row[len(row) - len(w) + 1:] == w[:-1] and 0 <= w[-1] < logits.shape[1]:
+                        logits[r, w[-1]] = -np.inf
         nxt = logits.argmax(axis=-1).astype(np.int64)
         position = start.shape[1] + step
         if forced and position in forced:
@@ -69,6 +78,8 @@ def decode_steps(run: Run, inputs: dict[str, list[str]], encoder_feeds: dict[str
         if forced_eos is not None and step == steps - 1:  # after the forced first token, as transformers orders them
             nxt = np.full_like(nxt, forced_eos)
         nxt = np.where(done, pad, nxt)
+        for row, token in zip(made, nxt.tolist()):
+            row.append(token)
         yield nxt
         if eos is not None:
             done |= nxt == eos
@@ -176,7 +187,7 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, max_new_tokens: int = 32) -> 
 
     for nxt in decode_steps(counted, inputs, feeds, start, max_new_tokens, eos, pad, forced=forced,
                             suppress=spec.get("suppress_ids"), begin_suppress=spec.get("begin_suppress_ids"),
-                            forced_eos=spec.get("forced_eos_token_id")):
+                            forced_eos=spec.get("forced_eos_token_id"), bad_words=spec.get("bad_words_ids")):
         for i in np.flatnonzero(~done):
             new[i].append(int(nxt[i]))
         if eos is not None:
