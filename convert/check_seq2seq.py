@@ -17,7 +17,8 @@ from slimml.convert.export import Exported
 from slimml.convert.sources import Source
 from slimml.runtime.tools.bench import sample_feeds
 from slimml.runtime.artifact.manifest import Manifest
-from slimml.runtime.tasks.seq2seq import ENCODER, decode_steps, sample_encoder_batches
+from slimml.runtime.tasks.seq2seq import ENCODER, sample_encoder_batches
+from slimml.runtime.tasks.seq2seq_search import Decoder, Search, greedy
 from slimml.runtime.engine.session import make_session
 
 STEPS = 4
@@ -30,7 +31,9 @@ def check_seq2seq(folder: Path, manifest: Manifest, src: Source, exported: Expor
     encoder = model.parts[ENCODER]
     if model.text is not None or manifest.preprocessor:  # two texts, or (Whisper) features of two noise recordings
         feeds = sample_encoder_batches(model, texts[:2], batch_size=2, limit=1)[0]
-    else:
+    elif "input_ids" in {t.name for t in encoder.inputs}:  # a text model without a tokenizer: token ids
+        feeds = sample_feeds(encoder.inputs, batch=2, seq=16, source=manifest.source)
+    else:  # Whisper without its feature extractor: features of the length its encoder takes
         frames = 2 * int(manifest.source.get("max_source_positions") or 1500)
         feeds = sample_feeds(encoder.inputs, batch=2, seq=frames, source=manifest.source)
     spec = manifest.seq2seq
@@ -39,7 +42,7 @@ def check_seq2seq(folder: Path, manifest: Manifest, src: Source, exported: Expor
 
     def trace(run):
         steps: list[dict[str, np.ndarray]] = []
-        tokens = list(decode_steps(run, inputs, feeds, start, STEPS, on_step=steps.append))
+        tokens = list(greedy(Decoder(run, inputs, feeds, on_step=steps.append), start, Search(max_length=1 + STEPS)))
         return steps, tokens
 
     sessions = {n: make_session(path, "cpu") for n, path in exported.graphs.items()}

@@ -408,6 +408,10 @@ def _read_config(folder: Path) -> dict[str, Any]:
         return {}
 
 
+SEARCH_KEYS = ("max_length", "min_length", "max_new_tokens", "min_new_tokens", "num_beams", "length_penalty",
+               "early_stopping", "no_repeat_ngram_size", "repetition_penalty")
+
+
 def _seq2seq_spec(folder: Path) -> dict[str, Any]:
     """How generation starts and stops, from generation_config.json (else config.json), as
     transformers' generate reads them."""
@@ -435,6 +439,9 @@ def _seq2seq_spec(folder: Path) -> dict[str, Any]:
     bad = gen.get("bad_words_ids", config.get("bad_words_ids"))
     if bad:  # Marian's [[pad]]: token sequences generate never completes
         spec["bad_words_ids"] = [[int(t) for t in w] for w in bad if w]
+    search = {key: pick(key) for key in SEARCH_KEYS if pick(key) is not None}  # beams, lengths: BART-cnn's, Marian's
+    if search:
+        spec["search"] = search
     for key, name in (("suppress_tokens", "suppress_ids"), ("begin_suppress_tokens", "begin_suppress_ids")):
         ids = gen.get(key, config.get(key))
         if ids:  # Whisper's: tokens never emitted, and tokens not emitted first

@@ -235,7 +235,7 @@ def run(
     text: Annotated[Optional[list[str]], typer.Option("--text", help="A text (repeat); with --image, the labels to score (CLIP).")] = None,
     image: Annotated[Optional[list[Path]], typer.Option("--image", help="An image file (repeat): classified, embedded, or scored against --text.")] = None,
     audio: Annotated[Optional[list[Path]], typer.Option("--audio", help="A 16 kHz WAV file (repeat) to transcribe (Whisper).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens per transcript at most (--audio).")] = 128,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens per transcript at most (--audio; default: the model's max_length).", show_default=False)] = None,
     input: Annotated[Optional[Path], typer.Option("--input", help="An .npz file of named input arrays.")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Classes shown per input (classifiers; default 5); answers per context (--question; default 1).")] = None,
     question: Annotated[Optional[str], typer.Option("--question", help="A question each text (a context) answers (extractive question answering).")] = None,
@@ -496,7 +496,8 @@ def generate(
     artifact: Artifact,
     prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts, after the artifact (or --prompt).", show_default=False)] = None,
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="A prompt (repeat for a batch).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to add per prompt at most.")] = 32,
+    max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens to add per prompt at most (default 32; an encoder-decoder: its generation config's max_length).", show_default=False)] = None,
+    num_beams: Annotated[Optional[int], typer.Option(help="Encoder-decoders: beam search over this many hypotheses (1: greedy; default: the model's generation config).", show_default=False)] = None,
     temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy (the most likely token each step).")] = 0.0,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens only (0: off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off).")] = 1.0,
@@ -525,7 +526,8 @@ def generate(
     from slimml.runtime import load
     from slimml.runtime.tasks.generation import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    length = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
+    config = GenerationConfig(**length, temperature=temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, logit_bias=_logit_bias(logit_bias), logprobs=logprobs,
                               response_format=_response_format(response_format), seed=seed, stop=tuple(stop or ()),
@@ -545,16 +547,20 @@ def generate(
     head = [{"role": "system", "content": system}] if system is not None else []
     conversations = [[*head, {"role": "user", "content": p}] for p in prompt]
     model = load(artifact, loading.build())
+    if num_beams is not None and model.supports("stream"):
+        raise ConfigError("--num-beams is beam search for encoder-decoders (T5, BART, Marian); a decoder decodes greedily "
+                          "or samples (--temperature): drop --num-beams.")
     if chat_template is not None and model.supports("stream"):
         model.use_chat_template(chat_template)
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
     if not model.supports("stream"):  # an encoder-decoder answers; greedy only
-        if chat or config != GenerationConfig(max_new_tokens=max_new_tokens, truncate=truncate, prompt_lookup=prompt_lookup):
-            raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily without a chat template; "
-                              "drop --temperature, --top-k, --top-p, --repetition-penalty, --presence-penalty, --frequency-penalty, "
-                              "--logit-bias, --logprobs, --response-format, --seed, --stop and --chat.")
-        result = model.generate(list(prompt), max_new_tokens=max_new_tokens)
+        if chat or config != GenerationConfig(**length, truncate=truncate, prompt_lookup=prompt_lookup):
+            raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily or by beam search (--num-beams) "
+                              "without a chat template; drop --temperature, --top-k, --top-p, --repetition-penalty, "
+                              "--presence-penalty, --frequency-penalty, --logit-bias, --logprobs, --response-format, --seed, "
+                              "--stop and --chat.")
+        result = model.generate(list(prompt), max_new_tokens=max_new_tokens, num_beams=num_beams)
         if not as_json:
             for p, text in zip(prompt, result.texts):
                 console.print(Text(p, style="bold") + Text(f" -> {text}"))

@@ -223,6 +223,60 @@ def test_forced_first_and_last_tokens_are_made_as_transformers_makes_them(tmp_pa
     assert got[0][1] != free[0][1] and got[1][1:3] != free[1][1:3]
 
 
+def test_beam_search_makes_the_tokens_transformers_makes(tmp_path):
+    """A BART whose generation config asks for beams (BART-large-cnn's settings: 4 beams, length
+    penalty 2, no repeated 3-grams, a minimum length, early stopping) generates what transformers'
+    ``generate`` does, under its own settings and each override; a small vocabulary so that
+    hypotheses end early and are scored by their length. Token-id prompts: no tokenizer."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+    from slimml.runtime.tasks.seq2seq import generate_seq2seq
+    from slimml.runtime.tasks.seq2seq_search import Search
+
+    torch.manual_seed(3)
+    vocab = 40
+    model = BartForConditionalGeneration(BartConfig(
+        vocab_size=vocab, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=512, init_std=0.5,
+        forced_bos_token_id=None, forced_eos_token_id=None)).eval()
+    g = model.generation_config
+    g.num_beams, g.length_penalty, g.no_repeat_ngram_size, g.min_length, g.early_stopping, g.max_length = 4, 2.0, 3, 4, True, 16
+    g.forced_bos_token_id, g.forced_eos_token_id, g.bad_words_ids = 7, 2, [[9], [31, 14]]
+    model.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    art = load(tmp_path / "art")
+    assert art.spec["search"] == {"max_length": 16, "min_length": 4, "num_beams": 4, "length_penalty": 2.0,
+                                  "early_stopping": True, "no_repeat_ngram_size": 3}
+    prompts = [[int(t) for t in np.random.default_rng(0).integers(3, vocab, size=n)] for n in (5, 9, 7, 3)]
+    ids = torch.full((len(prompts), 9), 1)
+    mask = torch.zeros((len(prompts), 9), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)], mask[i, :len(p)] = torch.tensor(p), 1
+
+    def theirs(**kw):
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, **kw).tolist()
+        return _strip([row[1:] for row in out], eos=2, pad=1)
+
+    ended = 0
+    for kw in ({}, {"early_stopping": False}, {"early_stopping": "never"}, {"length_penalty": -1.0},
+               {"num_beams": 3, "no_repeat_ngram_size": 0}, {"num_beams": 1}, {"max_new_tokens": 6},
+               {"repetition_penalty": 1.5, "num_beams": 2}):
+        want = theirs(**kw)
+        n = kw.pop("max_new_tokens", None)
+        assert generate_seq2seq(art, prompts, Search.of(art.spec, n, **kw)).tokens == want, kw
+        ended += sum(len(row) < 15 for row in want)
+    assert ended >= 4  # hypotheses that ended before the length ran out were compared
+    assert art.generate(prompts).tokens == theirs()  # the public call takes the model's settings
+    assert art.generate(prompts, num_beams=1, max_new_tokens=6).tokens == theirs(num_beams=1, max_new_tokens=6)
+    with pytest.raises(FeedError, match="num_beams must be a whole number >= 1"):
+        art.generate(prompts, num_beams=0)
+    with pytest.raises(FeedError, match="max_new_tokens must be a whole number >= 1"):
+        art.generate(prompts, max_new_tokens=0)
+
+
 def test_t5_streamed_with_two_shards_resident_generates_the_same(t5):
     from slimml.runtime import load
 
@@ -252,10 +306,15 @@ def test_t5_quantizes_each_component_with_real_decoder_inputs(t5):
 
 
 def test_slimml_generate_and_info_on_t5(t5):
+    from slimml.runtime import load
+
     art = t5["root"] / "art"
     result = slimml("generate", art, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-new-tokens", "4", "--json")
     assert result.returncode == 0, result.stderr
     assert len(json.loads(result.stdout)["tokens"]) == 2
+    beams = slimml("generate", art, PROMPTS[0], "--num-beams", "3", "--max-new-tokens", "4", "--json")
+    assert beams.returncode == 0, beams.stderr
+    assert json.loads(beams.stdout)["tokens"] == load(art).generate(PROMPTS[:1], max_new_tokens=4, num_beams=3).tokens
     info = slimml("info", art)
     assert "components: encoder (" in info.stdout and "decoder_with_past (" in info.stdout
     bad = slimml("run", art, "--audio", t5["root"] / "nothing.wav")

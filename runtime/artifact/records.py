@@ -258,7 +258,11 @@ class Seq2Seq(Record):
 
     KEY: ClassVar[str] = "seq2seq"
     COMPONENTS: ClassVar[tuple[str, ...]] = ("encoder", "decoder", "decoder_with_past")
-    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("suppress_ids", "begin_suppress_ids", "bad_words_ids")
+    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("suppress_ids", "begin_suppress_ids", "bad_words_ids", "search")
+    SEARCH: ClassVar[dict[str, tuple[type, ...]]] = {  # generation_config.json's keys for how tokens are chosen
+        "max_length": (int,), "min_length": (int,), "max_new_tokens": (int,), "min_new_tokens": (int,), "num_beams": (int,),
+        "length_penalty": (int, float), "early_stopping": (bool, str), "no_repeat_ngram_size": (int,),
+        "repetition_penalty": (int, float)}
     decoder_start_token_id: int
     eos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -267,6 +271,7 @@ class Seq2Seq(Record):
     begin_suppress_ids: list[int] = field(default_factory=list)  # not emitted first (Whisper)
     forced_eos_token_id: int | None = None  # made at the last step where the length runs out (BART, Marian)
     bad_words_ids: list[list[int]] = field(default_factory=list)  # sequences never completed (Marian's pad)
+    search: dict[str, Any] = field(default_factory=dict)  # beams and lengths (SEARCH's keys), as the source set them
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -284,6 +289,9 @@ class Seq2Seq(Record):
         for key in ("suppress_ids", "begin_suppress_ids"):
             ids = raw.get(key) or []
             c.need(isinstance(ids, list) and all(_token_id(x) for x in ids), f"{where}.{key}", "must be a list of token ids")
+        search = raw.get("search") or {}
+        c.need(isinstance(search, dict) and all(k in cls.SEARCH and isinstance(v, cls.SEARCH[k]) for k, v in search.items()),
+               f"{where}.search", f"must map some of {', '.join(cls.SEARCH)} to numbers (early_stopping: true, false or \"never\")")
         bad = raw.get("bad_words_ids") or []
         c.need(isinstance(bad, list) and all(isinstance(w, list) and w and all(_token_id(x) for x in w) for w in bad),
                f"{where}.bad_words_ids", "must be a list of non-empty lists of token ids")

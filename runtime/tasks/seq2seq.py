@@ -1,4 +1,4 @@
-"""Greedy generation for encoder-decoder artifacts (T5, BART, Whisper): three components.
+"""Generation for encoder-decoder artifacts (T5, BART, Marian, Whisper): three components.
 
 - ``encoder`` runs once over the prompt (token ids, or Whisper's log-mel features);
 - ``decoder`` runs the first step: from the start token, it computes the logits, the decoder's
@@ -14,7 +14,7 @@ and a streamed decoder loads each of its shards once per token.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,73 +25,10 @@ from slimml.runtime.artifact.manifest import Manifest, safe_path
 from slimml.runtime.tasks.base import Task, register_task, text_encoder
 from slimml.runtime.tasks.generate import Generation
 from slimml.runtime.tasks.inputs.audio import LogMel, features_for
+from slimml.runtime.tasks.seq2seq_search import DECODER, ENCODER, Decoder, Search, beam_search, greedy
 
 if TYPE_CHECKING:
     from slimml.runtime.engine.engine import Engine
-
-ENCODER, DECODER, WITH_PAST = "encoder", "decoder", "decoder_with_past"
-Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (component, feeds) -> outputs
-
-
-def decode_steps(run: Run, inputs: dict[str, list[str]], encoder_feeds: dict[str, np.ndarray], start: np.ndarray,
-                 steps: int, eos: int | None = None, pad: int = 0, on_step: Callable[[dict], None] | None = None,
-                 forced: dict[int, int] | None = None, suppress: list[int] | None = None,
-                 begin_suppress: list[int] | None = None, forced_eos: int | None = None,
-                 bad_words: list[list[int]] | None = None):
-    """Run the encoder once, then up to ``steps`` greedy decoder steps; yield each step's new tokens (B,).
-
-    ``inputs``: each component's input names. ``start``: (B, k) decoder prompt (the start
-    token). ``forced``: decoder position -> token id to emit there instead of the model's choice
-    (Whisper's task and no-timestamps tokens). ``suppress``: ids never emitted; ``begin_suppress``:
-    ids not emitted first (Whisper's generation config). ``forced_eos``: the token made at the last
-    step where the length runs out (BART's, Marian's). ``bad_words``: token sequences never completed
-    (the last id is banned where a row's tokens end with the others; Marian's pad). Tokens after a
-    row's ``eos`` are ``pad``.
-    """
-    hidden = run(ENCODER, encoder_feeds)["last_hidden_state"]
-    mask = encoder_feeds.get("attention_mask")
-    shared = {"encoder_hidden_states": hidden}
-    if mask is not None:
-        shared["encoder_attention_mask"] = mask
-    feeds = {"input_ids": start, **shared}
-    out = run(DECODER, {k: v for k, v in feeds.items() if k in inputs[DECODER]})
-    if on_step:
-        on_step(out)
-    past = {k.replace("present.", "past_key_values.", 1): v for k, v in out.items() if k.startswith("present.")}
-    done = np.zeros(start.shape[0], dtype=bool)
-    made = start.tolist()  # each row's tokens so far, for the bad words' prefixes
-    always = [*(suppress or []), *(w[0] for w in bad_words or [] if len(w) == 1)]
-    for step in range(steps):
-        logits = out["logits"][:, -1, :]
-        banned = [*always, *((begin_suppress or []) if step == 0 else [])]
-        if banned or bad_words:
-            logits = logits.copy()
-            logits[:, [i for i in banned if 0 <= i < logits.shape[1]]] = -np.inf
-            for w in bad_words or []:
-                for r, row in enumerate(made):
-                    if 1 < len(w) <= len(row) + 1 and row[len(row) - len(w) + 1:] == w[:-1] and 0 <= w[-1] < logits.shape[1]:
-                        logits[r, w[-1]] = -np.inf
-        nxt = logits.argmax(axis=-1).astype(np.int64)
-        position = start.shape[1] + step
-        if forced and position in forced:
-            nxt = np.full_like(nxt, forced[position])
-        if forced_eos is not None and step == steps - 1:  # after the forced first token, as transformers orders them
-            nxt = np.full_like(nxt, forced_eos)
-        nxt = np.where(done, pad, nxt)
-        for row, token in zip(made, nxt.tolist()):
-            row.append(token)
-        yield nxt
-        if eos is not None:
-            done |= nxt == eos
-        if done.all() or step == steps - 1:
-            return
-        feeds = {"input_ids": nxt[:, None], **shared, **past}
-        out = run(WITH_PAST, {k: v for k, v in feeds.items() if k in inputs[WITH_PAST]})
-        if on_step:
-            on_step(out)
-        for k, v in out.items():  # the self-attention cache grows; the cross-attention cache stays
-            if k.startswith("present.") and ".decoder." in k:
-                past[k.replace("present.", "past_key_values.", 1)] = v
 
 
 @register_task("text2text-generation")
@@ -118,14 +55,21 @@ class Seq2Seq(Task):
     def accepts(self) -> frozenset[str]:
         return frozenset({"audio"}) if self.speech else super().accepts
 
-    def generate(self, prompts: Any, max_new_tokens: int = 32):
-        """Greedy generation from texts (T5, BART) or, for a speech model, WAV paths or 16 kHz
-        waveforms. Returns a :class:`~slimml.runtime.tasks.generate.Generation`.
+    def generate(self, prompts: Any, max_new_tokens: int | None = None, num_beams: int | None = None,
+                 length_penalty: float | None = None, no_repeat_ngram_size: int | None = None):
+        """Generation from texts (T5, BART, Marian) or, for a speech model, WAV paths or 16 kHz
+        waveforms, as the model's generation config says (greedy, or beam search with its length
+        penalty and no-repeat n-grams; a None argument keeps the model's own). Without
+        ``max_new_tokens`` the model's ``max_length`` applies, else 32 new tokens.
+        Returns a :class:`~slimml.runtime.tasks.generate.Generation`.
 
         Example:
             >>> load("artifacts/t5-small").generate(["translate English to German: Hello"]).texts
+            >>> load("artifacts/bart-large-cnn").generate([article], num_beams=1)  # greedy, not its 4 beams
         """
-        return generate_seq2seq(self, prompts, max_new_tokens=max_new_tokens)
+        return generate_seq2seq(self, prompts, Search.of(self.spec, max_new_tokens, num_beams=num_beams,
+                                                         length_penalty=length_penalty,
+                                                         no_repeat_ngram_size=no_repeat_ngram_size))
 
     def features(self, audio: Any) -> dict[str, np.ndarray]:
         """The encoder's log-mel feeds for WAV paths or 16 kHz float waveforms (speech models)."""
@@ -141,11 +85,9 @@ class Seq2Seq(Task):
         return features_for(self._log_mel, name, audio)
 
 
-def generate_seq2seq(model: Seq2Seq, prompts: Any, max_new_tokens: int = 32) -> Generation:
-    """Greedy generation from texts (T5, BART) or, for speech models, log-mel features / audio."""
+def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation:
+    """Generation from texts (T5, BART) or, for speech models, log-mel features / audio."""
     spec = model.spec
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
-        raise FeedError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}.")
     encoder = model.parts[ENCODER]
     t0 = time.perf_counter()
     if model.speech:
@@ -169,29 +111,29 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, max_new_tokens: int = 32) -> 
         feeds = {k: v for k, v in feeds.items() if k in {t.name for t in encoder.inputs}}
     batch = next(iter(feeds.values())).shape[0]
     start = np.full((batch, 1), int(spec["decoder_start_token_id"]), dtype=np.int64)
-    forced = {int(p): int(t) for p, t in spec.get("forced_ids") or []}
-    eos, pad = spec.get("eos_token_id"), int(spec.get("pad_token_id") or 0)
     inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
-    new: list[list[int]] = [[] for _ in range(batch)]
-    done = np.zeros(batch, dtype=bool)
     passes, prefill = 0, 0.0
 
     def counted(name, f):
         nonlocal passes, prefill
         if name == ENCODER:  # the caller's ids or features: checked
             return model.parts[name].run(f)
-        out = model.parts[name].run_trusted(f)  # feeds this loop built: the engine's own outputs and argmax ids
+        out = model.parts[name].run_trusted(f)  # feeds this loop built: the engine's own outputs and chosen ids
         passes += 1
         prefill = prefill or time.perf_counter() - t0
         return out
 
-    for nxt in decode_steps(counted, inputs, feeds, start, max_new_tokens, eos, pad, forced=forced,
-                            suppress=spec.get("suppress_ids"), begin_suppress=spec.get("begin_suppress_ids"),
-                            forced_eos=spec.get("forced_eos_token_id"), bad_words=spec.get("bad_words_ids")):
-        for i in np.flatnonzero(~done):
-            new[i].append(int(nxt[i]))
-        if eos is not None:
-            done |= nxt == eos
+    decoder = Decoder(counted, inputs, feeds, repeat=search.num_beams)
+    if search.num_beams > 1:
+        new, _ = beam_search(decoder, start, search)
+    else:
+        new = [[] for _ in range(batch)]
+        done = np.zeros(batch, dtype=bool)
+        for nxt in greedy(decoder, start, search, pad=int(spec.get("pad_token_id") or 0)):
+            for i in np.flatnonzero(~done):
+                new[i].append(int(nxt[i]))
+            if search.eos is not None:
+                done |= nxt == search.eos
     tok = model.detokenizer
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
@@ -212,7 +154,7 @@ def record_feeds(model: Seq2Seq, encoder_batches: list[dict[str, np.ndarray]], s
 
     for feeds in encoder_batches:
         start = np.full((next(iter(feeds.values())).shape[0], 1), int(spec["decoder_start_token_id"]), dtype=np.int64)
-        for _ in decode_steps(run, inputs, feeds, start, steps):
+        for _ in greedy(Decoder(run, inputs, feeds), start, Search(max_length=1 + steps)):
             pass
     return record
 
