@@ -65,6 +65,35 @@ def test_fp32_greedy_tokens_equal_transformers_generate(smol):
     assert got == want, (tok.decode(got), tok.decode(want))
 
 
+def test_a_long_prompt_within_the_context_is_prefilled_in_chunks(smol):
+    """A prompt of ~1,500 tokens (the context is 8,192) runs: before, the default budget for a
+    49,152-token vocabulary (1,365 rows x tokens, sized for logits at every position) refused it,
+    though the fused graph computes logits only where they are read. It is prefilled in passes of
+    ``PREFILL_CHUNK`` positions; its greedy tokens are transformers', alone and in a batch."""
+    import importlib.util
+
+    import torch
+
+    from slimml.runtime.engine.kv_cache import PREFILL_CHUNK
+    from slimml.runtime.loader import load
+
+    spec = importlib.util.find_spec("gensim")
+    if spec is None:
+        pytest.skip("gensim is not installed (pip install -e '.[test]'): no real English text")
+    text = (Path(spec.submodule_search_locations[0]) / "test" / "test_data" / "lee_background.cor").read_text(encoding="utf-8")
+    tok = smol["tokenizer"]
+    ids = tok(text[4000:11000], return_tensors="pt").input_ids[:, :1500]
+    assert ids.shape[1] > 2 * PREFILL_CHUNK
+    with torch.no_grad():
+        want = smol["torch"].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                      min_new_tokens=6)[0, ids.shape[1]:].tolist()
+    model = load(smol["art"])
+    got = model.generate([ids[0].tolist(), [1, 2, 3]], max_new_tokens=6, min_new_tokens=6)
+    assert got.tokens[0] == want
+    assert got.tokens[1] == model.generate([[1, 2, 3]], max_new_tokens=6, min_new_tokens=6).tokens[0]
+    model.close()
+
+
 def test_manifest_carries_chat_template_and_context(smol):
     art = smol["art"]
     manifest = json.loads((art / "manifest.json").read_text())

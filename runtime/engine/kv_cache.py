@@ -77,6 +77,34 @@ def prompt_blocks(lengths: np.ndarray, switch: int | None) -> list[tuple[int, in
     return list(zip(cuts[:-1], cuts[1:]))
 
 
+PREFILL_CHUNK = 512  # positions of one row's prompt pass: a longer prompt is prefilled in passes of this many
+
+
+def prefill_chunk(engine: Engine) -> int:
+    """Positions a long prompt is prefilled in a pass: :data:`PREFILL_CHUNK`, four times that for a
+    streamed plan (each pass reads the weights again), 0 (one pass) for a LongRoPE graph (whose
+    keys depend on the length of the pass that made them: prefilled whole)."""
+    if rope_switch(engine):
+        return 0
+    return PREFILL_CHUNK * (4 if engine.plan.streaming else 1)
+
+
+def prefill_alone(cache: KVCache, row: int, ids: list[int] | np.ndarray, done: int = 0, chunk: int | None = None) -> np.ndarray:
+    """``ids[done:]`` into ``row`` of ``cache`` (its first ``done`` positions hold ``ids[:done]``),
+    in passes of at most ``chunk`` positions (default :func:`prefill_chunk`; 0: one pass): after a
+    cache, a pass over several positions runs at batch 1. Attention's scores then take chunk x
+    positions per head, not the prompt's square. The last position's logits, (1, vocab)."""
+    chunk = prefill_chunk(cache.engine) if chunk is None else chunk
+    ids = np.asarray(ids, dtype=np.int64)
+    end = done
+    while True:
+        start, end = end, len(ids) if not chunk else min(len(ids), end + chunk)
+        logits = cache.run(ids[None, start:end], np.ones((1, end), dtype=np.int64), rows=(row, row + 1),
+                           at=np.array([end - start - 1]))
+        if end == len(ids):
+            return logits
+
+
 _SHRINK = ort.RunOptions()  # free the CPU arena's unused chunks when a run ends (prompt passes)
 _SHRINK.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 FUSED_EXPORTERS = ("fused",)  # graphs whose attention shares past and present (GroupQueryAttention)

@@ -31,10 +31,14 @@ class Limits:
             tokenizer's truncation would cut its tokens): 16,384 is 32 characters a token for a
             512-token model, far more than any language needs, and bounds the tokenizer's time.
         max_batch_tokens: rows x (prompt + new tokens) of one ``generate`` call. None (default):
-            8,192, or fewer for a vocabulary past 8,192 tokens, so that one pass's logits (rows x
-            tokens x vocabulary float32) stay within 256 MiB: 2,097 for 32,000 tokens, 442 for
-            151,646. Measured on a 2-layer, 32,000-token decoder without a KV cache, 64 prompts of
-            50 ids asking for 16 new tokens (4,224) raised a server's RSS by 1.05 GB.
+            for a graph that computes logits only where they are read (``logits_index``, the fused
+            exporter's), 8,192 or the model's context if longer, so one prompt may fill the context
+            (its cache is rows x tokens positions; a long prompt is prefilled in chunks). For
+            another graph, whose logits cover every position, 8,192, or fewer for a vocabulary past
+            8,192 tokens, so that one pass's logits (rows x tokens x vocabulary float32) stay within
+            256 MiB: 2,097 for 32,000 tokens, 442 for 151,646. Measured on a 2-layer, 32,000-token
+            decoder without a KV cache, 64 prompts of 50 ids asking for 16 new tokens (4,224) raised
+            a server's RSS by 1.05 GB.
         max_window_tokens: tokens of all the windows one call reads a long text in (``entities``
             with ``stride``, ``answer``): a window's share grows as the windows overlap more
             (a stride of 509 in 512-token windows reads each token 170 times), so this bounds the
@@ -45,10 +49,13 @@ class Limits:
     max_batch_tokens: int | None = None
     max_window_tokens: int = 65_536
 
-    def batch_tokens(self, vocab_size: int | None) -> int:
-        """``max_batch_tokens``, or its default for a model with ``vocab_size`` tokens."""
+    def batch_tokens(self, vocab_size: int | None, indexed: bool = False, positions: int | None = None) -> int:
+        """``max_batch_tokens``, or its default for a model with ``vocab_size`` tokens whose graph
+        computes logits at every position (``indexed``: only where asked, ``positions`` its context)."""
         if self.max_batch_tokens is not None:
             return self.max_batch_tokens
+        if indexed:
+            return max(8_192, positions or 0)
         return min(8_192, max(256, (1 << 26) // vocab_size)) if vocab_size else 8_192
 
     def cut(self, texts: list[str]) -> list[str]:
@@ -85,7 +92,7 @@ class Limits:
                             "raises the limit for input you trust).")
 
     def check_generate(self, lengths: list[int], max_new_tokens: int, positions: int | None,
-                       vocab_size: int | None = None) -> None:
+                       vocab_size: int | None = None, indexed: bool = False, context: int | None = None) -> None:
         """Refuse a generation that would pass the model's positions or this call's token budget.
 
         Raises:
@@ -98,7 +105,7 @@ class Limits:
                 f"{positions} positions; shorten the prompt or ask for at most {max(positions - longest, 0)} new tokens."
             )
         total = len(lengths) * (longest + max_new_tokens)  # prompts are padded to the longest
-        limit = self.batch_tokens(vocab_size)
+        limit = self.batch_tokens(vocab_size, indexed, context or positions)
         if total > limit:
             raise FeedError(
                 f"{len(lengths)} prompt(s) x ({longest} + {max_new_tokens} new) tokens = {total} is more than the "

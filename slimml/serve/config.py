@@ -42,9 +42,12 @@ class ServeConfig:
         max_text_chars: characters of one text kept before tokenizing (the tokenizer would
             truncate the rest anyway; this bounds its time: an 8 MiB text took 6.4 s whole).
         max_batch_tokens: rows x tokens of one /v1/run or /v1/generate request (prompt plus new
-            tokens), at most; more gets 413. None: 8,192, fewer for vocabularies past 8,192 tokens
-            (a pass's logits within 256 MiB; :class:`slimml.runtime.tasks.limits.Limits`). Each row must also
-            fit the model's positions (400).
+            tokens), at most, and of one chat or completions answer; more gets 413 (400 for
+            generate, chat and completions). None: 8,192, fewer for vocabularies past 8,192 tokens
+            (a pass's logits within 256 MiB); for a graph that computes logits only where they are
+            read (the fused exporter's), 8,192 or the model's context if longer, so one prompt may
+            fill the context (:class:`slimml.runtime.tasks.limits.Limits`). Each row must also fit
+            the model's positions (400).
         max_response_values: values in one /v1/run response, at most, counted from the output
             shapes before the model runs (4,194,304: 16 MiB as float32; a 32,000-token decoder's logits for 131 tokens);
             more gets 413.
@@ -103,8 +106,10 @@ class ServeConfig:
     max_text_chars: int = field(default=16_384, metadata={
         "help": "Characters of one text kept before tokenizing (bounds the tokenizer's time)."})
     max_batch_tokens: int | None = field(default=None, metadata={
-        "help": "Rows x tokens of one /v1/run or /v1/generate request (prompt plus new tokens) at most; more gets "
-                "413. Default: 8192, fewer for vocabularies past 8,192 tokens (a pass's logits within 256 MiB)."})
+        "help": "Rows x tokens of one /v1/run or /v1/generate request (prompt plus new tokens), and of one chat or "
+                "completions answer, at most; more gets 413 (400 for generate, chat, completions). Default: 8192, fewer "
+                "for vocabularies past 8,192 tokens (a pass's logits within 256 MiB); a fused decoder (logits only "
+                "where read): 8192 or its context if longer."})
     max_response_values: int = field(default=1 << 22, metadata={
         "help": "Values in one /v1/run response at most, counted from the output shapes before the model runs; "
                 "more gets 413."})

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import SlimmlError
-from slimml.runtime.engine.kv_cache import prompt_blocks
+from slimml.runtime.engine.kv_cache import prefill_alone, prefill_chunk, prompt_blocks
 from slimml.runtime.tasks.generation.prefix import PrefixStore
 
 
@@ -31,7 +31,9 @@ class CacheLoop:
     or concatenated per token.
 
     Prompts of different lengths are one batch: right-padded in the first pass (from an empty
-    cache, as GroupQueryAttention needs), each row's logits taken at its last real position, then
+    cache, as GroupQueryAttention needs; where the longest is past ``prefill_chunk`` positions,
+    each prompt alone in passes of that many, so that attention's scores stay chunk x positions a
+    head), each row's logits taken at its last real position, then
     one position per row per pass, each row at its own position (from its mask's sum). Rows that
     finish leave the pass: the live rows are kept first in the cache (a finished row's place is
     filled by the last live row's cache) and only they run.
@@ -71,12 +73,16 @@ class CacheLoop:
         self.order = list(range(batch))  # cache row -> prompt
         self.live = batch
         self.passes = 0
+        self.chunk = prefill_chunk(cache.engine)  # a prompt longer than this is prefilled in passes of it
 
     def next_logits(self) -> np.ndarray:
         """Run the next pass; each prompt's last position's logits, (B, vocab) (zeros for finished ones)."""
         live = self.order[: self.live]
         if self.passes == 0 and self.prefix is not None:
             last = self._after_prefix()
+        elif self.passes == 0 and self.chunk and self.pending.shape[1] > self.chunk:  # long prompts: each alone, in chunks
+            last = np.concatenate([prefill_alone(self.cache, r, self.pending[r, :n], chunk=self.chunk)
+                                   for r, n in enumerate(self.lengths)])
         elif self.passes == 0:
             last = np.concatenate([self._prompts(start, stop) for start, stop in prompt_blocks(self.lengths, self.switch)])
         elif self.history is not None and self.lengths[0] == self.switch:  # growing past the switch: all again

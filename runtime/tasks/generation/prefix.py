@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from slimml.runtime.engine.kv_cache import prefill_alone
+
 BLOCK = 16  # tokens a stored block holds; a prompt reuses whole blocks (vLLM's default block size)
 MIN_REUSE = BLOCK  # positions worth copying instead of prefilling
 
@@ -87,13 +89,11 @@ class PrefixStore:
 
     def prefill(self, cache: Any, row: int, ids: list[int], path: list[Block]) -> tuple[np.ndarray, int]:
         """``ids`` prefilled on ``row`` of ``cache`` (a :class:`~slimml.runtime.engine.kv_cache.KVCache`,
-        the row empty): ``path``'s positions copied in, a pass over the rest (one row: after a cache,
-        a pass over several positions runs at batch 1). The last position's logits, (1, vocab), and
-        the positions copied."""
+        the row empty): ``path``'s positions copied in, passes over the rest (one row: after a cache,
+        a pass over several positions runs at batch 1; a long rest in chunks, ``prefill_alone``). The
+        last position's logits, (1, vocab), and the positions copied."""
         n = self.load(path, cache.buffers, row) if path else 0
-        logits = cache.run(np.array([ids[n:]], dtype=np.int64), np.ones((1, len(ids)), dtype=np.int64),
-                           rows=(row, row + 1), at=np.array([len(ids) - n - 1]))
-        return logits, n
+        return prefill_alone(cache, row, ids, n), n
 
     def read(self, ids: list[int], buffers: dict[str, np.ndarray], row: int) -> None:
         """A prompt ``ids`` is prefilled in ``row`` of ``buffers``: count it, and store it."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from slimml.errors import ConfigError, FeedError, SlimmlError
+from slimml.runtime.engine.kv_cache import takes_logits_index
 from slimml.runtime.tasks.generation.chat import folder_json
 from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
 from slimml.runtime.tasks.limits import Limits
@@ -93,7 +94,8 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     # before any pass: prompt + max_new_tokens within the positions (unless truncating), and rows x
     # tokens within the call's budget (model.limits, raised for trusted input)
     limits = getattr(model, "limits", None) or Limits()
-    limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size)
+    limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size,
+                          indexed=takes_logits_index(engine), context=context)
     ends = frozenset(end_ids(model, config, tok) | (special_stops(tok, config.stop) if tok is not None else set()))
     constraints = None
     if config.grammar is not None:  # here, on the caller's thread: a format this tokenizer cannot follow fails now

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from slimml.errors import SlimmlError
-from slimml.runtime.engine.kv_cache import prompt_blocks, rope_reprefill, rope_switch
+from slimml.runtime.engine.kv_cache import prefill_alone, prefill_chunk, prompt_blocks, rope_reprefill, rope_switch
 from slimml.runtime.engine.packed import trim_heap
 from slimml.runtime.tasks.generation.lookup import FORCED, Lookahead
 from slimml.runtime.tasks.generation.loop import _empty_cache, _mask, _present
@@ -93,8 +93,9 @@ class SlotRows:
 
     def prefill(self, seqs: list[Sequence]) -> np.ndarray:
         """Prefill ``seqs`` into the rows after the live ones: those with no stored prefix in one
-        right-padded pass (give them first), each of the others alone after its stored positions;
-        their last positions' logits, (k, vocab)."""
+        right-padded pass (give them first; each alone in chunks where one is past
+        ``prefill_chunk`` positions), each of the others alone after its stored positions; their
+        last positions' logits, (k, vocab)."""
         lens = np.array([len(s.ids) for s in seqs], dtype=np.int64)
         start, stop = self.live, self.live + len(seqs)
         self.lookahead.ahead = []  # guessed positions past a row's length are not kept when the buffers grow
@@ -103,7 +104,10 @@ class SlotRows:
         if any(not s.prefix for s in seqs[fresh:]):
             raise SlimmlError("prefill: give the prompts without a stored prefix first (this is a slimml bug).")
         parts = []
-        for a, b in prompt_blocks(lens[:fresh], self.switch) if fresh else []:  # LongRoPE: either side of its switch apart
+        chunk = prefill_chunk(self.engine)
+        if fresh and chunk and lens[:fresh].max() > chunk:  # long prompts: each alone, in passes of ``chunk`` positions
+            parts = [prefill_alone(self.cache, start + j, seqs[j].ids, chunk=chunk) for j in range(fresh)]
+        for a, b in prompt_blocks(lens[:fresh], self.switch) if fresh and not parts else []:  # LongRoPE: either side of its switch apart
             ids = np.zeros((b - a, int(lens[a:b].max())), dtype=np.int64)
             for r, s in enumerate(seqs[a:b]):
                 ids[r, : len(s.ids)] = s.ids
