@@ -331,6 +331,9 @@ def test_response_format_holds_the_answer_to_json_a_schema_a_regex_or_a_grammar(
     ({"type": "regex", "regex": "("}, "regular expression cannot be used"),
     ({"type": "grammar", "grammar": "start: oops"}, 'Lark grammar cannot be used (at 1(8): unknown name: "oops"'),
     ({"type": "regex"}, 'response_format regex needs the regex as a string'),
+    ({"type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}}},
+     "JSON Schema cannot be used (no text matches it: a definition that refers only to itself"),  # was an empty answer
+    ({"type": "grammar", "grammar": "start: start"}, "Lark grammar cannot be used (no text matches it"),
 ])
 def test_a_format_that_cannot_be_used_is_refused_in_one_line(response_format, words):
     with pytest.raises(ConfigError) as e:

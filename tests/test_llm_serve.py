@@ -105,6 +105,11 @@ def test_streamed_chat_and_completions(client, local):
     text = "".join(c.choices[0].text for c in client.completions.create(
         model="smollm2", prompt="Once upon a time", max_tokens=12, temperature=0, stream=True))
     assert text == r.choices[0].text
+    r = client.completions.create(model="smollm2", prompt="Once upon a time", temperature=0, n=None)
+    assert r.usage.completion_tokens == 16 or r.choices[0].finish_reason == "stop"  # OpenAI's default length
+    long = " ".join(["The quick brown fox jumps over the lazy dog."] * 140)  # ~1,400 tokens of SmolLM2's 8,192
+    r = client.completions.create(model="smollm2", prompt=long, max_tokens=4, temperature=0)  # was refused: > 1,365
+    assert r.usage.prompt_tokens > 1365 and r.choices[0].text == local.generate([long], max_new_tokens=4).texts[0]
 
 
 def test_log_probabilities_as_openai_shows_them_equal_in_process(client, local):

@@ -95,6 +95,7 @@ def test_models_health_and_run(server, local):
     client = Client(server)
     status, models = client.request("GET", "/v1/models")
     assert status == 200 and models["data"][0]["id"] == local.manifest.name
+    assert isinstance(models["data"][0]["created"], int)  # OpenAI's field (the client reads it)
     status, health = client.request("GET", "/health")
     assert status == 200 and health["status"] == "ok"
     feeds = local.tokenize(["a man is playing a guitar", "a dog"])

@@ -88,6 +88,8 @@ def test_openai_fields_that_would_change_the_answer_are_used_or_refused():
                                      "suffix": ""}, False, 16)
     assert req.logit_bias == {12: -100.0, 7: 2.5}
     assert openai.completion_request({"prompt": "hi", "logit_bias": {}}, False, 16).logit_bias is None
+    assert openai.completion_request({"prompt": "hi", "n": None}, False, 512).max_tokens == 16  # null n: one; OpenAI's 16
+    assert openai.completion_request({"messages": [{"role": "user", "content": "hi"}], "n": 1}, True, 512).max_tokens is None
     chat = openai.completion_request({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high",
                                       "chat_template_kwargs": {"enable_thinking": False}}, True, 16)
     assert chat.template_kwargs == {"enable_thinking": False, "reasoning_effort": "high"}  # the template reads them

@@ -24,6 +24,7 @@ import inspect
 import logging
 import threading
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ from ray import serve
 
 from slimml.errors import ArtifactError, ConfigError, FeedError, IntegrityError, RequestError, SlimmlError, StageError, TaskError
 import slimml.serve.protocol as protocol
+from slimml.runtime.artifact.manifest import MANIFEST_NAME
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
 from slimml.serve.llm import RETRY_AFTER_S, LLMService
@@ -402,8 +404,9 @@ class SlimmlServer:
     @api.get("/v1/models")
     async def models(self):
         m = self.model.manifest
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "owned_by": "slimml", "task": m.task,
-                                            "shards": len(m.shards), "stages": self.config.stages}]}
+        made = (Path(self.config.artifact) / MANIFEST_NAME).stat().st_mtime  # OpenAI's created: when the artifact was written
+        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": int(made), "owned_by": "slimml",
+                                            "task": m.task, "shards": len(m.shards), "stages": self.config.stages}]}
 
     def check_health(self):
         """Serve's own probe: a replica whose files changed is replaced (it reloads and re-verifies)."""

@@ -39,7 +39,7 @@ class CompletionRequest:
         chat: True for ``/v1/chat/completions`` (``messages``), False for ``/v1/completions`` (``prompt``).
         messages: the chat messages (``{"role", "content"}``), for chat.
         prompt: the prompt text (completions) or token ids.
-        max_tokens: tokens to generate at most (None: up to the context).
+        max_tokens: tokens to generate at most (None: up to the context; completions: 16, OpenAI's default).
         temperature, top_p, top_k, repetition_penalty, seed: sampling (temperature 0 is greedy).
         presence_penalty, frequency_penalty: OpenAI's penalties on the answer's own tokens.
         logit_bias: ``{token id: bias}`` added to the logits (OpenAI's; from -100 to 100), or None.
@@ -76,6 +76,9 @@ class CompletionRequest:
     include_usage: bool = False
 
 
+COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI documents it
+
+
 def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) -> CompletionRequest:
     """Check a chat (``chat=True``) or completions request body; ``max_tokens_limit`` is the
     server's cap on ``max_tokens`` (the context is checked once the prompt is tokenized). Fields
@@ -87,8 +90,8 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
         req.messages = _messages(data)
     else:
         req.prompt = _prompt(data)
-    n = data.get("n", 1)
-    if n != 1 or isinstance(n, bool):
+    n = data.get("n")
+    if n is not None and (n != 1 or isinstance(n, bool)):  # null: the default, as for every other field
         raise RequestError(f'"n" must be 1: this server returns one choice a request, got {_show(n)}; send n separate '
                            "requests (with different seeds) for several answers.", param="n")
     key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
@@ -98,6 +101,8 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
             raise RequestError(f'"{key}" must be a whole number from 1 to {max_tokens_limit} (this server\'s '
                                f"limit, set by slimml serve --max-new-tokens), got {_show(mt)}.", param=key)
         req.max_tokens = mt
+    elif not chat:  # OpenAI's (and vLLM's) legacy completions default: 16 tokens; a chat's runs to the context
+        req.max_tokens = min(COMPLETIONS_MAX_TOKENS, max_tokens_limit)
     req.temperature = _number(data, "temperature", 1.0, 0.0, 2.0, "from 0 to 2 (0 is greedy)")
     req.top_p = _number(data, "top_p", 1.0, 0.0, 1.0, "in (0, 1]", open_low=True)
     req.repetition_penalty = _number(data, "repetition_penalty", 1.0, 0.0, 10.0, "in (0, 10]", open_low=True)
@@ -277,8 +282,12 @@ def _prompt(data: dict[str, Any]) -> str | list[int]:
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1:
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise RequestError(f'"prompt" holds {len(prompt)} prompts; send one prompt a request.', param="prompt")
+    if isinstance(prompt, list) and prompt and any(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next(t for t in prompt if isinstance(t, bool) or not isinstance(t, int))
+        raise RequestError(f'"prompt" as token ids must hold whole numbers only, got {_show(bad)} among them; send a text '
+                           "or a list of token ids.", param="prompt")
     raise RequestError('a completions request needs "prompt": a non-empty text (or a list of token ids).', param="prompt")
 
 

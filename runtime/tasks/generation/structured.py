@@ -63,6 +63,8 @@ def grammar_of(response_format: dict[str, Any] | None) -> str | None:
         grammar = (llg.LLMatcher.grammar_from_regex(source) if kind == "regex"
                    else llg.LLMatcher.grammar_from_lark(source))
     error = llg.LLMatcher.validate_grammar(grammar)
+    if not error and _admits_nothing(grammar):  # valid, yet no text matches it: the answer would be empty
+        error = "no text matches it: a definition that refers only to itself, for one"
     if error:
         what = {"json_object": "JSON", "json_schema": "JSON Schema", "regex": "regular expression", "grammar": "Lark grammar"}
         refused = ConfigError(f"response_format's {what[kind]} cannot be used ({_line(error)}); fix it, or leave "
@@ -70,6 +72,35 @@ def grammar_of(response_format: dict[str, Any] | None) -> str | None:
         refused.detail = _line(error)  # llguidance's words alone, for a caller that says it its own way (tools)
         raise refused
     return grammar
+
+
+class _Bytes:
+    """A tokenizer of single bytes and an end token (256), for asking a grammar what it allows."""
+
+    tokens = [bytes([b]) for b in range(256)] + [b""]
+    special_token_ids = [256]
+    eos_token_id = 256
+    bos_token_id = None
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text.encode("utf-8") if isinstance(text, str) else text)
+
+
+def _admits_nothing(grammar: str) -> bool:
+    """Whether no text at all matches ``grammar`` (llguidance then allows only the end token from
+    the start, without the grammar being complete: a JSON Schema whose ``$ref`` is itself)."""
+    llg = _llguidance()
+    global _byte_tokenizer
+    if _byte_tokenizer is None:
+        _byte_tokenizer = llg.LLTokenizer(llg.TokenizerWrapper(_Bytes()), n_vocab=257, eos_token=[256])
+    matcher = llg.LLMatcher(_byte_tokenizer, grammar, log_level=0)
+    if matcher.is_error() or matcher.is_accepting():
+        return False
+    allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[:256]
+    return not allowed.any()
+
+
+_byte_tokenizer: Any = None
 
 
 class Constraint:
