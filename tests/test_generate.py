@@ -384,6 +384,13 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
             "shorten it to at most 127 tokens or pass truncate=True (slimml generate --truncate).", llama.generate, [list(range(130))])
     cut = llama.generate([list(range(130))], max_new_tokens=8, truncate=True)
     assert cut.prompt_tokens == 120 and cut.tokens == llama.generate([list(range(10, 130))], max_new_tokens=8).tokens
+    long = "the model " * 1700 + "and its end"  # 17,011 characters: before, cut silently to 16,384 (its end lost)
+    refused(FeedError, "prompt 0 has 17011 characters, more than the 16384 a call reads (16 a position of the model's "
+            "context); shorten it, pass truncate=True (slimml generate --truncate) to keep its end, or raise the limit for "
+            "input you trust (model.limits.max_prompt_chars; slimml serve --max-text-chars).", llama.generate, [long])
+    kept = llama.generate([long], max_new_tokens=4, truncate=True)  # its end is kept, in characters and then tokens
+    assert kept.tokens == llama.generate([long[-16384:]], max_new_tokens=4, truncate=True).tokens
+    assert kept.tokens != llama.generate([long[:16384]], max_new_tokens=4, truncate=True).tokens
     refused(FeedError, "a prompt of 125 tokens plus max_new_tokens=8 is more than this model's 128 positions; shorten "
             "the prompt or ask for at most 3 new tokens.", llama.generate, [list(range(125))], max_new_tokens=8)
     refused(FeedError, "stop string 0 is 200 tokens long, longer than the model's context of 128 tokens, so it can never "

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from slimml.errors import FeedError
 
 
+PROMPT_CHARS_PER_TOKEN = 16  # a prompt's characters a context position allows (English runs ~4 a token)
+
+
 @dataclass
 class Limits:
     """Per-call limits of a loaded model (``model.limits``).
@@ -39,6 +42,10 @@ class Limits:
             256 MiB: 2,097 for 32,000 tokens, 442 for 151,646. Measured on a 2-layer, 32,000-token
             decoder without a KV cache, 64 prompts of 50 ids asking for 16 new tokens (4,224) raised
             a server's RSS by 1.05 GB.
+        max_prompt_chars: characters of one language-model prompt (a rendered chat included) at
+            most; more is refused, or with ``truncate`` its start is dropped (never its end, as a
+            plain cut would). None (default): 16 a position of the model's context, at least
+            ``max_text_chars`` (131,072 for an 8,192-position model).
         max_window_tokens: tokens of all the windows one call reads a long text in (``entities``
             with ``stride``, ``answer``): a window's share grows as the windows overlap more
             (a stride of 509 in 512-token windows reads each token 170 times), so this bounds the
@@ -48,6 +55,33 @@ class Limits:
     max_text_chars: int = 16_384
     max_batch_tokens: int | None = None
     max_window_tokens: int = 65_536
+    max_prompt_chars: int | None = None
+
+    def prompt_chars(self, context: int | None) -> int:
+        """``max_prompt_chars``, or its default for a model of ``context`` positions: 16 characters
+        a position (a language model's prompt may fill its context), at least ``max_text_chars``."""
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return max(self.max_text_chars, PROMPT_CHARS_PER_TOKEN * context) if context else self.max_text_chars
+
+    def check_prompts(self, texts: list[str], context: int | None, truncate: bool = False) -> list[str]:
+        """A language model's prompts within :meth:`prompt_chars` characters: never cut silently
+        (the end of a prompt holds its question, a chat's the assistant's turn). With ``truncate``
+        a longer one keeps its end, as its tokens would be kept.
+
+        Raises:
+            FeedError: naming the prompt, its length, the limit and the fixes.
+        """
+        n = self.prompt_chars(context)
+        if truncate:
+            return [t if len(t) <= n else t[-n:] for t in texts]
+        long = next((i for i, t in enumerate(texts) if len(t) > n), None)
+        if long is not None:
+            raise FeedError(f"prompt {long} has {len(texts[long])} characters, more than the {n} a call reads "
+                            f"({PROMPT_CHARS_PER_TOKEN} a position of the model's context); shorten it, pass truncate=True "
+                            "(slimml generate --truncate) to keep its end, or raise the limit for input you trust "
+                            "(model.limits.max_prompt_chars; slimml serve --max-text-chars).")
+        return texts
 
     def batch_tokens(self, vocab_size: int | None, indexed: bool = False, positions: int | None = None) -> int:
         """``max_batch_tokens``, or its default for a model with ``vocab_size`` tokens whose graph

@@ -226,8 +226,10 @@ class SlimmlServer:
                               memory_budget=self.config.memory_budget, manifest_sha256=expect)
         limits = getattr(self.model, "limits", None)
         if limits is not None:
-            limits.max_text_chars = self.config.max_text_chars
+            if self.config.max_text_chars is not None:
+                limits.max_text_chars = limits.max_prompt_chars = self.config.max_text_chars
             limits.max_batch_tokens = self.config.max_batch_tokens
+        self.text_chars = limits.max_text_chars if limits is not None else self.config.max_text_chars or 16_384
         self.batch_tokens = (limits.batch_tokens(getattr(self.model, "vocab_size", None)) if limits is not None
                              else self.config.max_batch_tokens or 8_192)
         self.name = self.config.name or self.model.manifest.name
@@ -241,7 +243,7 @@ class SlimmlServer:
             self.model.use_chat_template(self.config.chat_template)
         if self.model.kind == "text-generation" and not self.config.stages:
             self._llm = LLMService(self.model, self.name, self.config.max_new_tokens, self.config.max_running,
-                                   self.config.max_waiting, self.config.max_text_chars,
+                                   self.config.max_waiting, limits.prompt_chars(self.model.engine.max_sequence_length),
                                    prefill_tokens=self.config.prefill_tokens, prompt_lookup=self.config.prompt_lookup,
                                    prefix_bytes=self.config.prefix_bytes, reasoning=self.config.reasoning)
         # each request's prompt is put before its texts here: a batch holds the texts of requests that differ
@@ -286,7 +288,7 @@ class SlimmlServer:
                                "serve an embedding artifact for embeddings.", 400)
         self._needs("encode_with_counts")
         protocol.check_model(data, self.name)
-        texts = protocol.embedding_texts(data, self.config.max_texts, self.config.max_text_chars)
+        texts = protocol.embedding_texts(data, self.config.max_texts, self.text_chars)
         prompt = self.model.text_prompt(protocol.prompt_name(data))  # the model's default, or the one named
         size = protocol.dimensions(data, self._embedding_size())
         emb, counts = await self._embed_batch([prompt + t for t in texts] if prompt else texts)  # with concurrent requests' texts
@@ -310,7 +312,7 @@ class SlimmlServer:
         self._needs("rerank_with_counts")
         protocol.check_model(data, self.name)
         query, documents, top_n, return_documents = protocol.rerank_request(data, self.config.max_texts,
-                                                                           self.config.max_text_chars)
+                                                                           self.text_chars)
         ranked, tokens = await asyncio.to_thread(self.model.rerank_with_counts, query, documents, top_n, self.config.batch_size)
         return protocol.rerank_response(ranked, documents if return_documents else None, self.name, sum(tokens))
 
@@ -320,7 +322,7 @@ class SlimmlServer:
         data = await self._body(request)
         self._needs("entities")
         protocol.check_model(data, self.name)
-        texts, options = protocol.entities_request(data, self.config.max_texts, self.config.max_text_chars)
+        texts, options = protocol.entities_request(data, self.config.max_texts, self.text_chars)
         found = await asyncio.to_thread(self.model.entities, texts, batch_size=self.config.batch_size, **options)
         return protocol.spans_response(found, "entities", self.name)
 
@@ -357,8 +359,10 @@ class SlimmlServer:
         data = await self._body(request)
         self._needs("generate")
         protocol.check_model(data, self.name)
+        # prompts are not cut here: generate refuses one past its characters (a decoder's prompt loses
+        # its end to a cut) or, for an encoder-decoder, its encoder reads what its length allows
         prompts, n = protocol.generate_request(data, self.config.max_new_tokens, self.config.max_texts,
-                                               self.config.max_text_chars, getattr(self.model, "vocab_size", None))
+                                               None, getattr(self.model, "vocab_size", None))
         cancel = threading.Event()
         try:
             gen = await asyncio.to_thread(self.model.generate, prompts, n, **({"cancel": cancel} if self._cancels else {}))

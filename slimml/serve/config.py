@@ -40,7 +40,9 @@ class ServeConfig:
             max_ongoing_requests is (64 MiB: about 600 MB parsed).
         max_texts: rows of one request (texts, prompts, a run's batch), at most; more gets 413.
         max_text_chars: characters of one text kept before tokenizing (the tokenizer would
-            truncate the rest anyway; this bounds its time: an 8 MiB text took 6.4 s whole).
+            truncate the rest anyway; this bounds its time: an 8 MiB text took 6.4 s whole), and of
+            a language model's prompt (refused past it, 413). None: 16,384, and for a language
+            model's prompt 16 a position of its context (``Limits.prompt_chars``).
         max_batch_tokens: rows x tokens of one /v1/run or /v1/generate request (prompt plus new
             tokens), at most, and of one chat or completions answer; more gets 413 (400 for
             generate, chat and completions). None: 8,192, fewer for vocabularies past 8,192 tokens
@@ -103,8 +105,10 @@ class ServeConfig:
                 "9x); more gets 503."})
     max_texts: int = field(default=2048, metadata={
         "help": "Rows of one request (texts, prompts, a run's batch) at most; more gets 413."})
-    max_text_chars: int = field(default=16_384, metadata={
-        "help": "Characters of one text kept before tokenizing (bounds the tokenizer's time)."})
+    max_text_chars: int | None = field(default=None, metadata={
+        "help": "Characters of one text kept before tokenizing (bounds the tokenizer's time); a language model's "
+                "prompt over it gets 413. Default: 16384, and for a language model's prompt 16 a position of its "
+                "context (131072 for 8192 positions)."})
     max_batch_tokens: int | None = field(default=None, metadata={
         "help": "Rows x tokens of one /v1/run or /v1/generate request (prompt plus new tokens), and of one chat or "
                 "completions answer, at most; more gets 413 (400 for generate, chat, completions). Default: 8192, fewer "
@@ -161,7 +165,7 @@ class ServeConfig:
 
     def __post_init__(self):
         whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024, "max_bodies_bytes": 1024,
-                 "max_texts": 1, "max_text_chars": 1, "max_response_values": 1, "max_new_tokens": 1,
+                 "max_texts": 1, "max_response_values": 1, "max_new_tokens": 1,
                  "max_ongoing_requests": 1, "max_queued_requests": 1, "max_running": 1, "max_waiting": 0, "prefill_tokens": 1,
                  "prompt_lookup": 0}
         for name, low in whole.items():
@@ -179,9 +183,10 @@ class ServeConfig:
             )
         if self.reasoning not in ("split", "keep"):
             raise ConfigError(f'reasoning must be "split" or "keep", got {self.reasoning!r}.')
-        if self.max_batch_tokens is not None and (isinstance(self.max_batch_tokens, bool)
-                                                  or not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 1):
-            raise ConfigError(f"max_batch_tokens must be a whole number >= 1, got {self.max_batch_tokens!r}.")
+        for name in ("max_batch_tokens", "max_text_chars"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, got {v!r}.")
         for name in ("body_timeout_s", "request_timeout_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86_400:

@@ -56,8 +56,8 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
         if tok is None:
             raise SlimmlError(f"the artifact {model.folder} has no tokenizer; pass token ids instead of text.")
         check_unicode(prompts)
-        limits = getattr(model, "limits", None)
-        texts_in = limits.cut(list(prompts)) if limits is not None else list(prompts)  # bounded before tokenizing
+        limits = getattr(model, "limits", None) or Limits()  # bounded before tokenizing, never cut silently
+        texts_in = limits.check_prompts(list(prompts), model.engine.max_sequence_length, config.truncate)
         ids = [e.ids for e in tok.encode_batch(texts_in, add_special_tokens=not raw_text)]
     else:
         ids = _id_lists(prompts)
