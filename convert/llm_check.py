@@ -11,13 +11,15 @@ token agrees.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from slimml.errors import DataError
+from slimml.runtime.tasks.generation.scoring import decoder_feeds, past_shapes, score_run, windows_of  # noqa: F401
+# (decoder_feeds, past_shapes, score_run: the runtime's, which model.perplexity uses; imported from here by their callers)
+
 
 # A short English sample (written for slimml) for when no --eval-text is given: ~450 tokens.
 SAMPLE_TEXT = """\
@@ -87,41 +89,7 @@ def token_windows(tokenizer_file: str | os.PathLike, text: str, window: int = DE
         raise DataError(f"the model's tokenizer ({Path(tokenizer_file).name}) turns the evaluation text ({len(text)} "
                         f"characters) into {len(ids)} token(s), too few to score: give a longer text with --eval-text, "
                         "or, if the text is long, fix the tokenizer (a GGUF file's tokenizer.ggml.* fields).")
-    n = -(-len(ids) // window)  # windows of equal length covering (nearly) every token
-    size = len(ids) // n
-    return ids[: n * size].reshape(n, size)
-
-
-def decoder_feeds(input_names: list[str], ids: np.ndarray, past_shape: Mapping[str, tuple] | None = None) -> dict[str, np.ndarray]:
-    """Feeds for one pass of a decoder graph over ``ids`` (batch, seq) from the first position: ones
-    for the mask, positions 0.., an empty cache for a graph that takes one, and every position's
-    logits from a graph that computes only those it is asked for (``logits_index``)."""
-    batch, seq = ids.shape
-    feeds: dict[str, np.ndarray] = {}
-    for name in input_names:
-        if name == "input_ids":
-            feeds[name] = ids
-        elif name == "attention_mask":
-            feeds[name] = np.ones((batch, seq), dtype=np.int64)
-        elif name in ("position_ids", "logits_index"):
-            feeds[name] = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()
-        elif name.startswith("past_key_values") and past_shape is not None:
-            heads, dim = past_shape[name]
-            feeds[name] = np.zeros((batch, heads, 0, dim), dtype=np.float32)
-    return feeds
-
-
-def score_run(run: Callable[[dict], Mapping[str, np.ndarray]], feeds_for: Callable[[np.ndarray], dict],
-              windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-token negative log-likelihood and top-1 predictions of a decoder ``run`` over ``windows``,
-    one window per call (memory holds one window's logits): two arrays ``(n_windows, window - 1)``."""
-    nll, top = [], []
-    for row in windows:
-        logits = np.asarray(run(feeds_for(row[None, :]))["logits"][0], dtype=np.float64)  # (seq, vocab)
-        n, t = _nll(logits[:-1], row[1:])
-        nll.append(n)
-        top.append(t)
-    return np.stack(nll), np.stack(top)
+    return windows_of(ids, window)  # windows of equal length covering (nearly) every token
 
 
 def torch_scores(folder: str | os.PathLike, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -188,20 +156,7 @@ def check_language_model(folder: Path, manifest: Any, source_folder: Path, eval_
     return found
 
 
-def past_shapes(inputs: list[Any]) -> dict[str, tuple[int, int]]:
-    """``name -> (kv_heads, head_dim)`` of a decoder's cache inputs (shape ``(batch, heads, past, dim)``)."""
-    return {t.name: (int(t.shape[1]), int(t.shape[3])) for t in inputs
-            if t.name.startswith("past_key_values") and len(t.shape) == 4}
-
-
 def is_language_model(manifest: Any) -> bool:
     """A decoder with a tokenizer whose output is ``logits`` over the vocabulary."""
     return (str(manifest.task).startswith("text-generation") and manifest.tokenizer is not None
             and any(t.name == "logits" for t in manifest.outputs) and any(t.name == "input_ids" for t in manifest.inputs))
-
-
-def _nll(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Negative log-likelihood of ``targets`` under ``logits`` (seq, vocab), and the argmax per position."""
-    m = logits.max(axis=-1, keepdims=True)
-    lse = np.log(np.exp(logits - m).sum(axis=-1)) + m[:, 0]
-    return lse - logits[np.arange(len(targets)), targets], logits.argmax(axis=-1)

@@ -355,30 +355,44 @@ def _print_classes(names: list[str], results: list[list[dict]], as_json: bool) -
 @config_options(loading=Options(LoadConfig, only=("device",)))
 def eval_(
     artifact: Artifact,
-    data: Annotated[Path, typer.Option(help="CSV with sentence1,sentence2,score (STS style).")],
+    data: Annotated[Path, typer.Option(help="An embedding model: a CSV with sentence1,sentence2,score (STS style). "
+                                            "A language model: a UTF-8 text file, scored by perplexity.")],
     loading: OptionValues = None,
     batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 32,
+    window: Annotated[Optional[int], typer.Option(help="A language model: tokens a scored window holds (default 512, at most its context).", show_default=False)] = None,
+    max_tokens: Annotated[Optional[int], typer.Option(help="A language model: tokens of the text scored at most (default 32768).", show_default=False)] = None,
     progress: Progress = False,
     baseline: BaselineIn = None,
     save_baseline: BaselineOut = None,
     max_accuracy_drop: Annotated[float, typer.Option(help="Points (x100) the score may fall below --baseline.")] = 0.1,
+    max_perplexity_increase: Annotated[float, typer.Option(help="A language model: percent its perplexity may rise above --baseline.")] = 0.1,
     as_json: AsJson = False,
 ):
-    """Spearman x100 of cosine similarity against gold scores (STS benchmark style)."""
-    from slimml.runtime import load
+    """Spearman x100 of cosine similarity against gold scores (STS benchmark style); for a language
+    model, its perplexity on a text."""
+    from slimml.runtime import load, read_manifest
     from slimml.runtime.tools.baseline import Baseline, Tolerances
-    from slimml.runtime.tools.evaluate import evaluate_sts, read_sts
+    from slimml.runtime.tools.evaluate import evaluate_perplexity, evaluate_sts, read_sts, read_text
 
-    tol = Tolerances(accuracy_drop=max_accuracy_drop)
+    tol = Tolerances(accuracy_drop=max_accuracy_drop, perplexity_increase_pct=max_perplexity_increase)
     old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
-    read_sts(data)  # a bad data file fails before the model loads
+    language = str(read_manifest(artifact).task).startswith("text-generation")
+    read_text(data) if language else read_sts(data)  # a bad data file fails before the model loads
     model = load(artifact, loading.build())
-    result = evaluate_sts(model, data, batch_size=batch_size, show_progress=progress)
+    if language:
+        result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)
+        said = (f"perplexity = {result.score:.4f} on {result.pairs} tokens ({data.name}, {result.settings['windows']} "
+                f"windows of {result.settings['window']})")
+    else:
+        if window is not None or max_tokens is not None:
+            raise SlimmlError("--window and --max-tokens are for language models (perplexity); drop them.")
+        result = evaluate_sts(model, data, batch_size=batch_size, show_progress=progress)
+        said = f"{result.metric} x100 = {result.score:.2f} on {result.pairs} pairs ({data.name})"
     now = Baseline.from_eval(result, model.manifest.name, data)
     if as_json:
         _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
     else:
-        console.print(f"{result.metric} x100 = {result.score:.2f} on {result.pairs} pairs ({data.name})")
+        console.print(said)
         _with_baseline(None, now, old, baseline, save_baseline, tol)
 
 

@@ -36,7 +36,7 @@ def test_latency_within_and_beyond_tolerance():
     report = compare(old, bench_baseline(15.1), Tolerances(latency_increase_pct=50))
     assert not report.ok and [c.metric for c in report.regressions] == ["p50_ms"]
     text = report.format("base.json")
-    assert "REGRESSION" in text and "FAIL: 1 regression(s): p50_ms rose +51.0% (allowed +50%)." in text
+    assert "REGRESSION" in text and "FAIL: 1 regression(s): p50_ms rose +51.00% (allowed +50%)." in text
     # p90 is shown, never gated: it is too noisy on shared machines
     assert compare(old, Baseline("bench", "m", old.settings, {"p50_ms": 10.0, "p90_ms": 99.0, "model_mb": 90.0})).ok
 

@@ -94,6 +94,37 @@ def test_a_long_prompt_within_the_context_is_prefilled_in_chunks(smol):
     model.close()
 
 
+def test_eval_scores_a_language_model_by_perplexity_as_its_convert_check_did(smol, lee_slice, tmp_path):
+    """``model.perplexity`` on the windows ``convert``'s check used (256 tokens, 1,024 in all)
+    gives the check's figure (which equals transformers' within 0.1%); ``slimml eval`` on a text
+    file scores it and gates it against a saved baseline (exit 3 on a rise)."""
+    import json
+    import subprocess
+    import sys
+
+    from slimml.runtime.loader import load
+
+    checks = smol["report"].checks
+    model = load(smol["art"])
+    got = model.perplexity(lee_slice.read_text(encoding="utf-8"), window=256, max_tokens=1024)
+    model.close()
+    assert got.tokens == checks["eval_tokens"] and abs(got.perplexity / checks["perplexity_artifact"] - 1) < 1e-4
+
+    def slimml(*args):
+        return subprocess.run([sys.executable, "-m", "slimml", "eval", str(smol["art"]), "--data", str(lee_slice),
+                               "--max-tokens", "300", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+    r = slimml("--save-baseline", tmp_path / "base.json", "--json")
+    assert r.returncode == 0, r.stderr
+    base = json.loads(r.stdout)
+    assert base["metric"] == "perplexity" and base["pairs"] == 299 and base["window"] == 300
+    worse = json.loads((tmp_path / "base.json").read_text())
+    worse["metrics"]["score"] *= 0.99  # a baseline 1% better than today: a regression
+    (tmp_path / "worse.json").write_text(json.dumps(worse))
+    r = slimml("--baseline", tmp_path / "worse.json")
+    assert r.returncode == 3 and "perplexity rose +1.01% (allowed +0.1%)" in r.stdout, r.stdout + r.stderr
+
+
 def test_manifest_carries_chat_template_and_context(smol):
     art = smol["art"]
     manifest = json.loads((art / "manifest.json").read_text())

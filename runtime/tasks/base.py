@@ -37,7 +37,7 @@ CALLS = {
     "embed_images": "embed_images(images)", "preprocess": "preprocess(images)", "generate": "generate(prompts)",
     "stream": "stream(prompt)", "chat": "chat(messages)", "rerank": "rerank(query, documents)",
     "rerank_with_counts": "rerank_with_counts(query, documents)", "entities": "entities(texts)",
-    "answer": "answer(question, context)",
+    "answer": "answer(question, context)", "perplexity": "perplexity(text)",
 }
 NEEDS = {
     "encode": "a sentence-embedding model", "encode_with_counts": "a sentence-embedding model",
@@ -48,6 +48,7 @@ NEEDS = {
     "rerank": "a cross-encoder (a text classifier with one output)",
     "rerank_with_counts": "a cross-encoder (a text classifier with one output)",
     "entities": "a token classifier (named entities)", "answer": "an extractive question-answering model",
+    "perplexity": "a language model (text-generation)",
 }
 
 
@@ -161,6 +162,10 @@ class Task:
     def answer(self, question: Any, context: Any = None, top_k: int = 1, **kwargs) -> Any:
         """The span of a context that answers a question (extractive question answering)."""
         raise self.unsupported("answer")
+
+    def perplexity(self, text: str, window: int | None = None, max_tokens: int | None = None) -> Any:
+        """How well a language model predicts a text (text-generation artifacts)."""
+        raise self.unsupported("perplexity")
 
     def embed_images(self, images: Any, batch_size: int = 32, normalize: bool = True) -> np.ndarray:
         """Image embeddings (image-embedding artifacts, CLIP's vision tower)."""

@@ -14,7 +14,7 @@ PREFIX_BYTES = 64 << 20  # KV cache kept in process for prompts that begin with 
 @register_task("text-generation")
 class CausalLM(Task):
     """A decoder artifact (``--task text-generation[-with-past]``): :meth:`generate`,
-    :meth:`stream` and :meth:`chat`.
+    :meth:`stream`, :meth:`chat` and :meth:`perplexity`.
 
     The loop (:mod:`slimml.runtime.tasks.generate`) reads ``engine``, ``text``, ``folder``,
     ``manifest`` and ``prefix`` from this object.
@@ -24,7 +24,7 @@ class CausalLM(Task):
     system prompt) copies those positions and prefills only the rest.
     """
 
-    methods = frozenset({"generate", "stream", "chat"})
+    methods = frozenset({"generate", "stream", "chat", "perplexity"})
     suggest = ("generate",)
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -83,3 +83,16 @@ class CausalLM(Task):
         from slimml.runtime.tasks.generate import chat
 
         return chat(self, messages, config, stream=stream, **options)
+
+    def perplexity(self, text: str, window: int | None = None, max_tokens: int | None = None):
+        """How well the model predicts ``text``: a
+        :class:`~slimml.runtime.tasks.generation.scoring.Perplexity` over its first ``max_tokens``
+        tokens (default 32,768) in consecutive windows of ``window`` (default 512); see
+        :func:`slimml.runtime.tasks.generation.scoring.perplexity`.
+
+        Example:
+            >>> load("artifacts/my-llama-int4").perplexity(open("wiki.txt").read()).perplexity
+        """
+        from slimml.runtime.tasks.generation.scoring import perplexity
+
+        return perplexity(self, text, window, max_tokens)

@@ -39,14 +39,17 @@ class Tolerances:
         latency_increase_pct: percent the p50 latency may rise. Shared CI runners vary by
             tens of percent from run to run; 50 only catches real slowdowns.
         size_increase_pct: percent the artifact may grow (deterministic; 1 allows metadata).
+        perplexity_increase_pct: percent a language model's perplexity may rise (deterministic on
+            one machine; 0.1 catches any real change, as for accuracy).
     """
 
     accuracy_drop: float = 0.1
     latency_increase_pct: float = 50.0
     size_increase_pct: float = 1.0
+    perplexity_increase_pct: float = 0.1
 
     def __post_init__(self):
-        for name in ("accuracy_drop", "latency_increase_pct", "size_increase_pct"):
+        for name in ("accuracy_drop", "latency_increase_pct", "size_increase_pct", "perplexity_increase_pct"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"tolerance {name}={value!r} must be a number >= 0.")
@@ -70,7 +73,8 @@ class Baseline:
         data = Path(data)
         return cls(
             kind="eval", artifact=artifact,
-            settings={"metric": result.metric, "data": data.name, "data_sha256": sha256_file(data), "pairs": result.pairs},
+            settings={"metric": result.metric, "data": data.name, "data_sha256": sha256_file(data), "pairs": result.pairs,
+                      **getattr(result, "settings", {})},
             metrics={"score": float(result.score)}, slimml_version=_version(),
         )
 
@@ -199,7 +203,10 @@ def compare(baseline: Baseline, current: Baseline, tolerances: Tolerances | None
     check_settings(baseline, current.kind, current.settings)
     checks: list[Check] = []
     m0, m1 = baseline.metrics, current.metrics
-    if current.kind == "eval":
+    if current.kind == "eval" and current.settings.get("metric") == "perplexity":  # lower is better
+        limit = m0["score"] * (1 + tol.perplexity_increase_pct / 100)
+        checks.append(Check("perplexity", m0["score"], m1["score"], limit, m1["score"] <= limit + 1e-9, "ppl"))
+    elif current.kind == "eval":
         limit = m0["score"] - tol.accuracy_drop
         checks.append(Check(f"{current.settings.get('metric', 'score')} x100", m0["score"], m1["score"], limit,
                             m1["score"] >= limit - 1e-9, "points"))
@@ -236,7 +243,7 @@ def _why(ch: Check) -> str:
     if ch.unit == "points":
         return f"{ch.metric} fell by {-ch.change:.4g} points (allowed {ch.baseline - ch.limit:.4g})"
     allowed = 100 * (ch.limit / ch.baseline - 1) if ch.baseline else 0.0
-    return f"{ch.metric} rose {100 * ch.change / ch.baseline:+.1f}% (allowed +{allowed:.0f}%)" if ch.baseline else ch.metric
+    return f"{ch.metric} rose {100 * ch.change / ch.baseline:+.2f}% (allowed +{allowed:.3g}%)" if ch.baseline else ch.metric
 
 
 def _version() -> str:

@@ -1,10 +1,11 @@
-"""Accuracy of an artifact on sentence-similarity data (STS style)."""
+"""Accuracy of an artifact: on sentence-similarity data (STS style) for an embedding model, as
+perplexity on a text for a language model."""
 
 from __future__ import annotations
 
 import csv
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +31,11 @@ def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]
         reader = csv.DictReader(f)
         missing = [c for c in STS_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
+            header = repr(reader.fieldnames)
+            header = header if len(header) <= 120 else header[:117] + "..."
             raise DataError(
-                f"{path} lacks the column(s) {missing} (header: {reader.fieldnames}); the first line must be "
-                f"{','.join(STS_COLUMNS)}."
+                f"{path} lacks the column(s) {missing} (header: {header}); the first line must be "
+                f"{','.join(STS_COLUMNS)} (a language model is scored on a plain text file instead)."
             )
         for line, row in enumerate(reader, start=2):
             try:
@@ -68,10 +71,11 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 class EvalResult:
     metric: str
     score: float
-    pairs: int
+    pairs: int  # sentence pairs scored (perplexity: tokens scored)
+    settings: dict = field(default_factory=dict)  # what else a baseline must match (perplexity: window, max_tokens)
 
     def to_json(self) -> dict:
-        return {"metric": self.metric, "score": round(self.score, 4), "pairs": self.pairs}
+        return {"metric": self.metric, "score": round(self.score, 4), "pairs": self.pairs, **self.settings}
 
 
 def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 32, show_progress: bool = False) -> EvalResult:
@@ -83,3 +87,29 @@ def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 32, show_prog
     e1, e2 = both[: len(s1)], both[len(s1):]
     cos = (e1 * e2).sum(axis=1) / np.clip(np.linalg.norm(e1, axis=1) * np.linalg.norm(e2, axis=1), 1e-12, None)
     return EvalResult(metric="spearman", score=100.0 * spearman(cos, gold), pairs=len(gold))
+
+
+def read_text(path: str | os.PathLike) -> str:
+    """A UTF-8 text file to score a language model on.
+
+    Raises:
+        DataError: the file is missing, not UTF-8 text, or empty.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"text file {path} does not exist; give a UTF-8 text file to measure perplexity on.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start}); give a UTF-8 text file, or convert it "
+                        "(iconv -t UTF-8).") from None
+    if not text.strip():
+        raise DataError(f"{path} is empty; give a text to measure perplexity on.")
+    return text
+
+
+def evaluate_perplexity(model, path: str | os.PathLike, window: int | None = None, max_tokens: int | None = None) -> EvalResult:
+    """The perplexity of a language model over a text file (lower is better); see ``model.perplexity``."""
+    got = model.perplexity(read_text(path), window=window, max_tokens=max_tokens)
+    return EvalResult(metric="perplexity", score=got.perplexity, pairs=got.tokens,
+                      settings={"window": got.window, "windows": got.windows})

@@ -1,0 +1,120 @@
+"""How well a decoder predicts text: per-token negative log-likelihood, top-1 predictions, and
+perplexity over a text in windows. Used by ``model.perplexity`` and ``slimml eval`` on a language
+model, by ``convert``'s check and by the quantization guard (numpy and the artifact's own
+sessions; no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from slimml.errors import FeedError
+
+EVAL_WINDOW = 512  # tokens a scored window holds (llama.cpp's perplexity default context)
+EVAL_TOKENS = 32_768  # tokens of a text scored at most, by default
+
+
+def past_shapes(inputs: list[Any]) -> dict[str, tuple[int, int]]:
+    """``name -> (kv_heads, head_dim)`` of a decoder's cache inputs (shape ``(batch, heads, past, dim)``)."""
+    return {t.name: (int(t.shape[1]), int(t.shape[3])) for t in inputs
+            if t.name.startswith("past_key_values") and len(t.shape) == 4}
+
+
+def decoder_feeds(input_names: list[str], ids: np.ndarray, past_shape: Mapping[str, tuple] | None = None) -> dict[str, np.ndarray]:
+    """Feeds for one pass of a decoder graph over ``ids`` (batch, seq) from the first position: ones
+    for the mask, positions 0.., an empty cache for a graph that takes one, and every position's
+    logits from a graph that computes only those it is asked for (``logits_index``)."""
+    batch, seq = ids.shape
+    feeds: dict[str, np.ndarray] = {}
+    for name in input_names:
+        if name == "input_ids":
+            feeds[name] = ids
+        elif name == "attention_mask":
+            feeds[name] = np.ones((batch, seq), dtype=np.int64)
+        elif name in ("position_ids", "logits_index"):
+            feeds[name] = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()
+        elif name.startswith("past_key_values") and past_shape is not None:
+            heads, dim = past_shape[name]
+            feeds[name] = np.zeros((batch, heads, 0, dim), dtype=np.float32)
+    return feeds
+
+
+def score_run(run: Callable[[dict], Mapping[str, np.ndarray]], feeds_for: Callable[[np.ndarray], dict],
+              windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token negative log-likelihood and top-1 predictions of a decoder ``run`` over ``windows``,
+    one window per call (memory holds one window's logits): two arrays ``(n_windows, window - 1)``."""
+    nll, top = [], []
+    for row in windows:
+        logits = np.asarray(run(feeds_for(row[None, :]))["logits"][0], dtype=np.float64)  # (seq, vocab)
+        n, t = nll_top(logits[:-1], row[1:])
+        nll.append(n)
+        top.append(t)
+    return np.stack(nll), np.stack(top)
+
+
+def nll_top(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Negative log-likelihood of ``targets`` under ``logits`` (seq, vocab), and the argmax per position."""
+    m = logits.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(logits - m).sum(axis=-1)) + m[:, 0]
+    return lse - logits[np.arange(len(targets)), targets], logits.argmax(axis=-1)
+
+
+def windows_of(ids: np.ndarray, window: int) -> np.ndarray:
+    """Consecutive windows of at most ``window`` tokens covering (nearly) all of ``ids``, of equal
+    length: an int64 array ``(n, size)``."""
+    n = -(-len(ids) // window)
+    size = len(ids) // n
+    return np.asarray(ids[: n * size], dtype=np.int64).reshape(n, size)
+
+
+@dataclass
+class Perplexity:
+    """A decoder's perplexity over a text: ``exp`` of the mean negative log-likelihood of each token
+    after the first of each window, ``tokens`` of them scored, in ``windows`` windows of ``window``."""
+
+    perplexity: float
+    tokens: int
+    windows: int
+    window: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"perplexity": round(self.perplexity, 4), "tokens": self.tokens, "windows": self.windows, "window": self.window}
+
+
+def perplexity(model: Any, text: str, window: int | None = None, max_tokens: int | None = None) -> Perplexity:
+    """The perplexity of ``model`` (a causal-LM task) over ``text``: its tokens (no special tokens
+    added), at most ``max_tokens`` (default 32,768), cut into consecutive windows of ``window``
+    (default 512, at most the model's context), each run from an empty cache.
+
+    Raises:
+        FeedError: not a text, a window or token count out of range, or a text of fewer than two tokens.
+    """
+    if not isinstance(text, str):
+        raise FeedError(f"perplexity() takes a text (str), got {type(text).__name__}; read the file first.")
+    context = model.engine.max_sequence_length
+    window = EVAL_WINDOW if window is None else window
+    if context:
+        window = min(window, context) if window == EVAL_WINDOW else window
+    for name, value, low in (("window", window, 2), ("max_tokens", max_tokens, 2)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise FeedError(f"{name} must be a whole number >= {low}, got {value!r}.")
+    if context and window > context:
+        raise FeedError(f"window={window} is more than the model's context of {context} positions; use at most {context}.")
+    if model.text is None:
+        raise FeedError(f"the artifact {model.folder} has no tokenizer, so it cannot read text; re-convert it from a "
+                        "folder with its tokenizer.")
+    from slimml.runtime.tasks.generation.prompts import untruncated
+
+    ids = np.asarray(untruncated(model.text).encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    ids = ids[: EVAL_TOKENS if max_tokens is None else max_tokens]
+    if len(ids) < 2:
+        raise FeedError(f"the text is {len(ids)} token(s) long; perplexity needs at least two: give a longer text.")
+    windows = windows_of(ids, window)
+    names, past = [t.name for t in model.engine.inputs], past_shapes(model.engine.inputs)
+    nll, _ = score_run(model.run, lambda row: decoder_feeds(names, row, past), windows)
+    return Perplexity(perplexity=float(np.exp(nll.mean())), tokens=int(nll.size), windows=len(windows),
+                      window=int(windows.shape[1]))
