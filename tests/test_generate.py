@@ -339,7 +339,8 @@ def test_smollm2_chat_template_renders_as_transformers(smollm2):
 
 
 CONFIG_ERRORS = [
-    ({"temperature": -0.5}, "temperature must be >= 0 (0 is greedy), got -0.5."),
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0 (0 is greedy), got -0.5."),
+    ({"temperature": float("inf")}, "temperature must be a finite number >= 0 (0 is greedy), got inf."),
     ({"top_p": 0}, "top_p must be in (0, 1] (1 turns it off), got 0."),
     ({"top_p": 1.5}, "top_p must be in (0, 1] (1 turns it off), got 1.5."),
     ({"top_k": -1}, "top_k must be a whole number >= 0 (0 turns it off), got -1."),
@@ -411,6 +412,12 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
             "looking for the following tags: 'endfor' or 'else'. The innermost block that needs to be closed is 'for'.); "
             "fix the template or re-convert the model from a folder whose template works.",
             load(broken).chat, [{"role": "user", "content": "hi"}])
+    with pytest.raises(ConfigError, match=r"the given chat template does not parse \(line 1: .*\); fix the template\.$"):
+        load(strict.folder).use_chat_template("{% for m in messages %}{{ m['content'] }}")  # the caller's own: no re-convert
+    refused(SlimmlError, f"{tmp_path / 'strict' / 'chat_template.jinja'} failed to render these messages (TemplateError: "
+            "Conversations must start with a user message); fix the messages (roles, their order) or the template; "
+            "message 0's content is a list of parts, and this template may take text only: give the content as a string "
+            "(the text parts joined).", strict.chat, [{"role": "assistant", "content": [{"type": "text", "text": "hi"}]}])
     bare = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "bare", bpe, None))
     refused(SlimmlError, f"the artifact {tmp_path / 'bare'} has no chat template (chat_template.jinja or tokenizer_config.json's "
             "chat_template); re-convert it from a model folder that has one, or format the prompt yourself and call generate().",

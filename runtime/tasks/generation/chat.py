@@ -32,9 +32,11 @@ class ChatTemplate:
         source: the Jinja2 template text.
         special: special token names -> their text (``{"bos_token": "<s>", ...}``).
         where: the file it came from, for messages.
+        given: the caller's own template (``use_chat_template``, ``--chat-template``), not the artifact's.
     """
 
-    def __init__(self, source: str, special: dict[str, Any] | None = None, where: str = "the chat template"):
+    def __init__(self, source: str, special: dict[str, Any] | None = None, where: str = "the chat template",
+                 given: bool = False):
         import jinja2
         from jinja2.ext import Extension, loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -60,8 +62,9 @@ class ChatTemplate:
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
-            raise ArtifactError(f"{where} does not parse (line {e.lineno}: {_line(e.message)}); fix the template or "
-                                "re-convert the model from a folder whose template works.") from None
+            fix = "fix the template" if given else "fix the template or re-convert the model from a folder whose template works"
+            error = ConfigError if given else ArtifactError
+            raise error(f"{where} does not parse (line {e.lineno}: {_line(e.message)}); {fix}.") from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                continue_final_message: bool = False, **variables: Any) -> str:
@@ -79,8 +82,11 @@ class ChatTemplate:
         try:
             text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
         except Exception as e:  # raise_exception in the template, an undefined name, a type error in it
+            parts = next((i for i, m in enumerate(messages) if isinstance(m.get("content"), (list, tuple))), None)
+            hint = (f"; message {parts}'s content is a list of parts, and this template may take text only: give the "
+                    "content as a string (the text parts joined)" if parts is not None else "")
             raise SlimmlError(f"{self.where} failed to render these messages ({type(e).__name__}: {_line(str(e))}); "
-                              "fix the messages (roles, their order) or the template.") from None
+                              f"fix the messages (roles, their order) or the template{hint}.") from None
         return _cut_at_tag(text, final, self.where) if continue_final_message else text
 
     @classmethod
@@ -98,11 +104,11 @@ class ChatTemplate:
                 if not path.is_file():
                     raise ConfigError(f"chat template {override} is not a file; give the path of a Jinja template "
                                       "(e.g. chat_template.jinja) or the template's text.")
-                return cls(_read(path), special, str(path))
+                return cls(_read(path), special, str(path), given=True)
             if not isinstance(override, str) or "{" not in override:  # no Jinja in it: a path that is not there
                 raise ConfigError(f"chat template {str(override)[:80]!r} is not a file; give the path of a Jinja "
                                   "template (e.g. chat_template.jinja) or the template's text.")
-            return cls(override, special, "the given chat template")
+            return cls(override, special, "the given chat template", given=True)
         if isinstance(spec.get("chat_template"), str):
             path = safe_path(folder, spec["chat_template"])
             return cls(_read(path), special, str(path))

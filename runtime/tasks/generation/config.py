@@ -98,7 +98,7 @@ class GenerationConfig:
         _whole("max_new_tokens", self.max_new_tokens, 1)
         _whole("min_new_tokens", self.min_new_tokens, 0)
         _whole("prompt_lookup", self.prompt_lookup, 0, "(0 turns it off)")
-        _number("temperature", self.temperature, ">= 0 (0 is greedy)", lambda v: v >= 0)
+        _number("temperature", self.temperature, "a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < float("inf"))
         _whole("top_k", self.top_k, 0, "(0 turns it off)")
         _number("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
         _number("repetition_penalty", self.repetition_penalty, "> 0 (1 turns it off)", lambda v: v > 0)
