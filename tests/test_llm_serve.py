@@ -432,8 +432,8 @@ def test_a_prompt_longer_than_the_context_and_malformed_json_are_refused(server,
         client.completions.create(model="smollm2", prompt=[1] * (context + 10), max_tokens=4,
                                   extra_body={"response_format": {"type": "regex", "regex": "("}})
     assert f"context is {context}" in e.value.body["message"] and e.value.body["param"] == "prompt"
-    with pytest.raises(openai.APIStatusError) as e:  # characters are bounded before any tokenizing
-        client.completions.create(model="smollm2", prompt="word " * 5000, max_tokens=4)
+    with pytest.raises(openai.APIStatusError) as e:  # characters are bounded before any tokenizing (16 a position)
+        client.completions.create(model="smollm2", prompt="word " * (16 * context // 5 + 1), max_tokens=4)
     assert e.value.status_code == 413 and "--max-text-chars" in e.value.body["message"]
     conn = http.client.HTTPConnection("127.0.0.1", server, timeout=30)
     conn.request("POST", "/v1/chat/completions", body=b"{not json", headers={"Content-Type": "application/json"})

@@ -125,6 +125,36 @@ def test_a_burst_over_one_document_prefills_it_once(smol):
     assert answers[0] == answers[64 << 20]
 
 
+def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_batch_decodes(smol):
+    """A prompt past ``prefill_tokens`` is read that many positions a step, in a row of its own,
+    while the running answers each get a token every step (before, its whole prefill held them
+    up); both answers are the ones each gets alone."""
+    from slimml.runtime.tasks.generation.config import GenerationConfig
+    from slimml.runtime.tasks.generation.continuous import ContinuousBatch
+
+    batch = ContinuousBatch(smol, max_batch=3, prefill_tokens=64)
+    short = batch.prepare("What is the capital of France?", GenerationConfig(max_new_tokens=24, min_new_tokens=24))
+    long = batch.prepare("The city council met on Tuesday to discuss the new bridge over the river. " * 18 + "Who met?",
+                         GenerationConfig(max_new_tokens=6))
+    assert len(long.ids) > 4 * 64
+    waiting = deque([short])
+    batch.admit(batch.take(waiting))
+    batch.step()
+    waiting.append(long)
+    during, fills = [], 0
+    while waiting or batch.busy:
+        batch.admit(batch.take(waiting))
+        before, reading = len(short.tokens), batch.filling is not None
+        fills += reading
+        batch.step()
+        if reading and short.finish_reason is None:
+            during.append(len(short.tokens) - before)
+    assert fills == -(-len(long.ids) // 64) and during and set(during) == {1}  # a token a step while it was read
+    assert short.tokens == smol.generate([short.ids], max_new_tokens=24, min_new_tokens=24).tokens[0]
+    assert long.tokens == smol.generate([long.ids], max_new_tokens=6).tokens[0]
+    assert batch.cache_bytes == 0 and batch.free == 3  # all gone: the cache freed
+
+
 def test_a_chat_in_a_loop_prefills_only_each_turns_new_text(smol):
     """In process (``model.chat`` turn after turn): the model's own store, the same tokens."""
     def talk():

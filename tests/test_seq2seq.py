@@ -263,18 +263,36 @@ def test_beam_search_makes_the_tokens_transformers_makes(tmp_path):
     ended = 0
     for kw in ({}, {"early_stopping": False}, {"early_stopping": "never"}, {"length_penalty": -1.0},
                {"num_beams": 3, "no_repeat_ngram_size": 0}, {"num_beams": 1}, {"max_new_tokens": 6},
-               {"repetition_penalty": 1.5, "num_beams": 2}):
+               {"repetition_penalty": 1.5, "num_beams": 2}, {"renormalize_logits": True, "min_length": 8}):
         want = theirs(**kw)
         n = kw.pop("max_new_tokens", None)
         assert generate_seq2seq(art, prompts, Search.of(art.spec, n, **kw)).tokens == want, kw
         ended += sum(len(row) < 15 for row in want)
     assert ended >= 4  # hypotheses that ended before the length ran out were compared
+    for beams in (1, 3):  # not emitted first: the first free position, after the forced one; a word longer than the text
+        want = theirs(num_beams=beams, begin_suppress_tokens=[7, 22], bad_words_ids=[[2, 22], [9]])
+        assert generate_seq2seq(art, prompts, Search.of(art.spec, num_beams=beams, begin_suppress=(7, 22),
+                                                        bad_words=((2, 22), (9,)))).tokens == want
     assert art.generate(prompts).tokens == theirs()  # the public call takes the model's settings
     assert art.generate(prompts, num_beams=1, max_new_tokens=6).tokens == theirs(num_beams=1, max_new_tokens=6)
     with pytest.raises(FeedError, match="num_beams must be a whole number >= 1"):
         art.generate(prompts, num_beams=0)
     with pytest.raises(FeedError, match="max_new_tokens must be a whole number >= 1"):
         art.generate(prompts, max_new_tokens=0)
+
+
+def test_a_forced_token_is_made_even_where_it_is_suppressed():
+    """Whisper's task token is forced and in its suppressed ids (whisper-large-v3: 50360): it is
+    made (transformers puts it in the prompt); ids not emitted first are held back at the first
+    position not forced."""
+    from slimml.runtime.tasks.seq2seq_search import Search
+
+    search = Search(forced={1: 5, 2: 6}, suppress=(6,), begin_suppress=(3,), eos=9, max_length=8)
+    rows, scores = [[0]], np.zeros((1, 10), dtype=np.float32)
+    assert search.begin == 3
+    assert search.process(rows, scores, 2).argmax() == 6
+    assert search.process(rows, scores, 3)[0, 3] == -np.inf and search.process(rows, scores, 4)[0, 3] == 0
+    assert search.process(rows, scores, 1).argmax() == 5 and search.process(rows, scores, 1)[0, 3] == -np.inf  # forced
 
 
 def test_t5_streamed_with_two_shards_resident_generates_the_same(t5):

@@ -262,7 +262,7 @@ class Seq2Seq(Record):
     SEARCH: ClassVar[dict[str, tuple[type, ...]]] = {  # generation_config.json's keys for how tokens are chosen
         "max_length": (int,), "min_length": (int,), "max_new_tokens": (int,), "min_new_tokens": (int,), "num_beams": (int,),
         "length_penalty": (int, float), "early_stopping": (bool, str), "no_repeat_ngram_size": (int,),
-        "repetition_penalty": (int, float)}
+        "repetition_penalty": (int, float), "renormalize_logits": (bool,)}
     decoder_start_token_id: int
     eos_token_id: int | None = None
     pad_token_id: int | None = None

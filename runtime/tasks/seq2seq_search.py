@@ -44,6 +44,7 @@ class Search:
     no_repeat_ngram_size: int = 0
     min_length: int = 0
     repetition_penalty: float = 1.0
+    renormalize_logits: bool = False  # log-softmax again after the processors (Marian's configs)
     eos: int | None = None
     forced: dict[int, int] = field(default_factory=dict)  # decoder position -> token made there
     forced_eos: int | None = None  # made at the last position the length allows
@@ -81,6 +82,7 @@ class Search:
             max_length=length, num_beams=int(own.get("num_beams") or 1), length_penalty=own.get("length_penalty", 1.0),
             early_stopping=own.get("early_stopping", False), no_repeat_ngram_size=int(own.get("no_repeat_ngram_size") or 0),
             min_length=minimum if minimum > 1 else 0, repetition_penalty=own.get("repetition_penalty", 1.0),
+            renormalize_logits=bool(own.get("renormalize_logits", False)),
             eos=spec.get("eos_token_id"), forced={int(p): int(t) for p, t in spec.get("forced_ids") or []},
             forced_eos=spec.get("forced_eos_token_id"), suppress=tuple(spec.get("suppress_ids") or ()),
             begin_suppress=tuple(spec.get("begin_suppress_ids") or ()),
@@ -112,22 +114,32 @@ class Search:
                 banned = [row[i + n - 1] for i in range(length - n + 1) if tuple(row[i:i + n - 1]) == head]
                 scores[r, [t for t in banned if 0 <= t < vocab]] = -np.inf
         for word in self.bad_words:
-            for r, row in enumerate(rows):
-                if len(word) <= length + 1 and (len(word) == 1 or list(row[length - len(word) + 1:length]) == list(word[:-1])):
+            for r, row in enumerate(rows):  # a word longer than the sequence so far is skipped, as transformers skips it
+                if len(word) <= length and (len(word) == 1 or list(row[length - len(word) + 1:length]) == list(word[:-1])):
                     if 0 <= word[-1] < vocab:
                         scores[r, word[-1]] = -np.inf
         if self.eos is not None and length < self.min_length and 0 <= self.eos < vocab:
             scores[:, self.eos] = -np.inf
-        forced = self.forced.get(length)
-        if self.forced_eos is not None and length == self.max_length - 1:
+        banned = [*self.suppress, *(self.begin_suppress if length == self.begin else ())]
+        if banned:
+            scores[:, [i for i in banned if 0 <= i < vocab]] = -np.inf
+        forced = self.forced.get(length)  # after the suppressed ids: a forced token is made whatever they say (Whisper's
+        if self.forced_eos is not None and length == self.max_length - 1:  # task token, which transformers puts in the prompt)
             forced = self.forced_eos  # after a forced first token, as transformers orders them
         if forced is not None and 0 <= forced < vocab:
             scores[:] = -np.inf
             scores[:, forced] = 0
-        banned = [*self.suppress, *(self.begin_suppress if length == 1 else ())]
-        if banned:
-            scores[:, [i for i in banned if 0 <= i < vocab]] = -np.inf
-        return scores
+        return _log_softmax(scores) if self.renormalize_logits else scores
+
+    @property
+    def begin(self) -> int:
+        """The first position not forced (from position 1 on), where ``begin_suppress`` applies: 2 after a
+        forced first token, after Whisper's forced language, task and no-timestamps tokens (transformers
+        puts those in the prompt)."""
+        position = 1
+        while position in self.forced:
+            position += 1
+        return position
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:

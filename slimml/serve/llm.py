@@ -72,7 +72,8 @@ class DecodeWorker:
         store's figures (bytes held, prompt tokens looked up and reused), and the replica's
         resident memory (Linux; None elsewhere)."""
         prefix = self.batch.prefix.stats if self.batch.prefix is not None else None
-        return {"running": len(self.batch.rows), "waiting": len(self._waiting), "cache_bytes": self.batch.cache_bytes,
+        return {"running": len(self.batch.rows) + (self.batch.filling is not None), "waiting": len(self._waiting),
+                "cache_bytes": self.batch.cache_bytes,
                 "prefix": prefix, "rss_bytes": _rss()}
 
     def close(self) -> None:
@@ -85,7 +86,7 @@ class DecodeWorker:
         batch = self.batch
         while True:
             with self._wake:
-                while not self._stopped and not self._waiting and not batch.rows:
+                while not self._stopped and not self._waiting and not batch.busy:
                     self._wake.wait()
                 if self._stopped:
                     break

@@ -110,6 +110,7 @@ class ContinuousBatch:
         else:
             self.cache = GrowingRows(self.engine)
         self.rows: list[Sequence] = []  # in the order of the cache's rows
+        self.filling: Sequence | None = None  # a prompt past prefill_tokens, prefilled that many a step in a row of its own
         self.passes = 0
         self.lock = threading.Lock()  # held by a pass; a reader of the batch's state may take it
 
@@ -125,8 +126,18 @@ class ContinuousBatch:
 
     @property
     def free(self) -> int:
-        """Sequences that can join now."""
-        return self.max_batch - len(self.rows)
+        """Sequences that can join now (the prompt being prefilled holds a row)."""
+        return self.max_batch - len(self.rows) - (self.filling is not None)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step has work: running sequences, or a prompt being prefilled."""
+        return bool(self.rows) or self.filling is not None
+
+    def _long(self, s: Sequence, reused: int) -> bool:
+        """Whether ``s``'s prompt is prefilled a chunk a step (past ``prefill_tokens`` positions to
+        compute, on a graph whose rows take chunks), not in one pass that would hold up the batch."""
+        return isinstance(self.cache, SlotRows) and self.cache.chunk > 0 and len(s.ids) - reused > self.prefill_tokens
 
     def take(self, waiting: deque[Sequence]) -> list[Sequence]:
         """The waiting sequences (oldest first) to admit before the next step: as many as there
@@ -143,6 +154,11 @@ class ContinuousBatch:
             reused = self.cache.reuse(head)
             if joining and not reused and self.cache.waits_for(head, joining):
                 break  # it begins as one joining now does: next step it copies that one's cache
+            if self._long(head, reused):  # prefilled a chunk a step, beside the running answers
+                if self.filling is not None or len(joining) >= self.free:
+                    break
+                self.filling = waiting.popleft()
+                continue
             cost = (width * fresh + after + len(head.ids) - reused if reused
                     else max(width, len(head.ids)) * (fresh + 1) + after)
             if joining and cost > self.prefill_tokens:
@@ -168,23 +184,49 @@ class ContinuousBatch:
         if logits is None:
             return
         self.rows += seqs
-        done = []
-        for r, s in enumerate(seqs):
-            try:
-                s.sampler = Sampler(s.config, [s.ids], logits.shape[-1], s.end_ids,
-                                    [s.constraint] if s.constraint is not None else None)
-                going = self._token(s, logits[r : r + 1])
-            except Exception as e:  # noqa: BLE001 - one sequence's sampling failed: it ends, the batch goes on
-                going = self._end(s, "error", e)
-            if not going:
-                done.append(len(self.rows) - len(seqs) + r)
+        done = [len(self.rows) - len(seqs) + r for r, s in enumerate(seqs) if not self._first(s, logits[r : r + 1])]
         self._drop(done)
 
+    def _first(self, s: Sequence, logits: np.ndarray) -> bool:
+        """``s``'s sampler, and its first token from its prompt's last logits (1, vocab); False once finished."""
+        try:
+            s.sampler = Sampler(s.config, [s.ids], logits.shape[-1], s.end_ids,
+                                [s.constraint] if s.constraint is not None else None)
+            return self._token(s, logits)
+        except Exception as e:  # noqa: BLE001 - one sequence's sampling failed: it ends, the batch goes on
+            return self._end(s, "error", e)
+
+    def _fill(self) -> None:
+        """The next chunk of the long prompt being prefilled; once it is all in, the sequence joins
+        the batch with its first token (this step's pass then gives it its second)."""
+        s = self.filling
+        if self._left(s):  # gone while its prompt was read
+            self.filling = None
+            self.cache.stop_filling()
+            return
+        try:
+            with self.lock:
+                logits = self.cache.fill(s, self.prefill_tokens)
+        except Exception as e:  # noqa: BLE001 - its own failure: the running batch goes on
+            self.filling = None
+            self.cache.stop_filling()
+            self._end(s, "error", e)
+            return
+        self.passes += 1
+        if logits is None:
+            return
+        self.filling = None
+        self.rows.append(s)
+        if not self._first(s, logits):
+            self._drop([len(self.rows) - 1])
+
     def step(self) -> None:
-        """One pass over every running sequence: each gets its next token; finished and cancelled
-        ones leave the batch."""
+        """The next chunk of a long prompt being prefilled, then one pass over every running
+        sequence: each gets its next token; finished and cancelled ones leave the batch."""
         gone = [r for r, s in enumerate(self.rows) if self._left(s)]  # cancelled since the last step
         self._drop(gone)
+        if self.filling is not None:
+            self._fill()
         if not self.rows:
             return
         logits = self._pass(self.cache.decode, self.rows)
@@ -194,9 +236,9 @@ class ContinuousBatch:
 
     def cancel_all(self, error: BaseException | None = None) -> None:
         """End every running sequence (the server is stopping, or a pass failed)."""
-        for s in self.rows:
+        for s in [*self.rows, *([self.filling] if self.filling is not None else [])]:
             self._end(s, "error" if error else "cancelled", error)
-        self.rows = []
+        self.rows, self.filling = [], None
         self.cache.clear()
 
     @property

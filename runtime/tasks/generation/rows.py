@@ -71,6 +71,9 @@ class SlotRows:
         self.lookahead = Lookahead()  # prompt lookup while one row runs alone
         self.reprefill = rope_reprefill(engine)
         self.prefix = prefix if prefix is not None and prefix.budget > 0 and not self.switch else None
+        self.chunk = prefill_chunk(engine)  # 0: a prompt is prefilled in one pass (LongRoPE)
+        self.filling: Sequence | None = None  # a long prompt prefilled a chunk a step, in the last row
+        self.filled = 0  # its positions in that row so far
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +126,43 @@ class SlotRows:
             if self.prefix is not None:
                 self.prefix.read(s.ids, self.cache.buffers, start + j)
         return logits
+
+    @property
+    def fill_row(self) -> int:
+        """The row a long prompt is prefilled in, apart from the live rows (which never reach it
+        while it is in use: the batch counts it as taken)."""
+        return self.max_rows - 1
+
+    def fill(self, s: Sequence, chunk: int) -> np.ndarray | None:
+        """Prefill the next ``chunk`` positions of ``s``'s prompt into :attr:`fill_row` (its stored
+        prefix copied in first); once the whole prompt is in, move its row after the live ones and
+        return its last position's logits, (1, vocab); None before that."""
+        row = self.fill_row
+        if self.filling is not s:
+            self.filling, self.filled = s, 0
+            self._room(len(s.ids) + 1)
+            if s.prefix:
+                self.filled = s.cached = self.prefix.load(s.prefix, self.cache.buffers, row)
+        end = min(len(s.ids), self.filled + chunk)
+        ids = np.asarray(s.ids[self.filled:end], dtype=np.int64)[None, :]
+        logits = self.cache.run(ids, np.ones((1, end), dtype=np.int64), rows=(row, row + 1), at=np.array([end - self.filled - 1]))
+        self.filled = end
+        if end < len(s.ids):
+            return None
+        self.lookahead.ahead = []  # a row joins: the one running alone no longer guesses
+        self.cache.move_row(row, self.live, end)
+        self.lengths[self.live] = end
+        if self.prefix is not None:
+            self.prefix.read(s.ids, self.cache.buffers, self.live)
+        self.live += 1
+        s.prefix, self.filling, self.filled = None, None, 0
+        return logits
+
+    def stop_filling(self) -> None:
+        """Forget the prompt being prefilled (its request went away); its row's positions are left."""
+        self.filling, self.filled = None, 0
+        if self.live == 0:
+            self.clear()
 
     def decode(self, seqs: list[Sequence]) -> np.ndarray:
         """One position for every live row: its newest token; the logits, (live, vocab)."""
@@ -180,7 +220,7 @@ class SlotRows:
             self.lengths[hole] = self.lengths[mover]
             order[hole] = mover
         self.live = n
-        if n == 0:
+        if n == 0 and self.filling is None:
             self.clear()
         return order
 
@@ -189,6 +229,7 @@ class SlotRows:
         self.lookahead.ahead = []
         had = self.cache is not None
         self.cache, self.live = None, 0
+        self.filling, self.filled = None, 0
         if had:
             trim_heap()
 
@@ -201,8 +242,11 @@ class SlotRows:
         cache = self.engine.kv_cache(self.max_rows, min(capacity, self.context))
         if old is not None:
             held = int(self.lengths[: self.live].max(initial=0))
+            row = self.fill_row
             for name, buf in cache.buffers.items():
                 buf[: self.live, :, :held] = old.buffers[name][: self.live, :, :held]
+                if self.filling is not None and self.filled:  # the long prompt's positions so far
+                    buf[row, :, : self.filled] = old.buffers[name][row, :, : self.filled]
         self.cache = cache
 
 
