@@ -58,7 +58,8 @@ class ServeConfig:
             of them (continuous batching: a request joins at the next step, leaves when done).
         max_waiting: language models: requests queued for a place in the batch; more get 429
             with Retry-After. Past max_ongoing_requests, Serve's own queue holds them first.
-        prefill_tokens: language models: prompt tokens prefilled between two decode steps.
+        prefill_tokens: language models: prompt tokens prefilled between two decode steps (a
+            longer prompt is read this many a step, beside the running answers).
         prefix_cache: language models (fused graphs): KV cache kept for prompts that begin with
             text the replica read before (a system prompt, the conversation so far: chat clients
             send it again every turn), so only the rest is prefilled; "0" keeps none. Requests
@@ -125,8 +126,9 @@ class ServeConfig:
     max_waiting: int = field(default=64, metadata={
         "help": "Language models: requests queued for a place in the batch; more get 429 with Retry-After."})
     prefill_tokens: int = field(default=512, metadata={
-        "help": "Language models: prompt tokens prefilled between two decode steps (at least one prompt a step); "
-                "lower keeps running streams smooth, higher admits a burst sooner."})
+        "help": "Language models: prompt tokens prefilled between two decode steps; a longer prompt is read this "
+                "many a step beside the running streams. Lower keeps running streams smooth, higher admits a burst "
+                "sooner."})
     prompt_lookup: int = field(default=0, metadata={
         "help": "Language models: while one answer runs alone, positions a pass may also compute by guessing that "
                 "it repeats its prompt (prompt lookup: the same tokens, fewer passes when answers quote the prompt); "
