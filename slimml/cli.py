@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -693,9 +694,16 @@ def serve_(
                                       "/v1/completions, /v1/generate or /v1/run, as the model allows; GET /health, /v1/models); Ctrl-C stops"))
 
 
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwind as Ctrl-C does: a convert removes its half-written folder
+
+
 def main() -> None:
     """Entry point: run the app, turning slimml errors into one line and exit code 1, and a
-    command line Typer cannot parse (an unknown option, ``--seed abc``) into one line and exit code 2."""
+    command line Typer cannot parse (an unknown option, ``--seed abc``) into one line and exit code 2.
+    SIGTERM ends a command as Ctrl-C does, leaving nothing half-written (exit 143); ``serve``
+    installs its own handler."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         code = app(standalone_mode=False)
     except SlimmlError as e:

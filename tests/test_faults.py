@@ -92,6 +92,23 @@ def test_killed_convert_never_loses_the_artifact(tmp_path):
     print(f"killed converts: {len(outcomes)}, artifacts lost: 0 ({outcomes})")
 
 
+def test_sigterm_ends_a_convert_leaving_nothing(tmp_path):
+    """SIGTERM (a job runner's stop, `timeout`) unwinds a CLI convert as Ctrl-C does: exit 143, no
+    half-written folder beside the output (before, a hidden .slimml-tmp-* stayed until the next convert)."""
+    from slimml.convert.sources import default_model_dir
+
+    p = subprocess.Popen([sys.executable, "-m", "slimml", "convert", str(default_model_dir()), "-o", str(tmp_path / "art")],
+                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".art.slimml-tmp-*")) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # until the half-written folder exists
+    assert p.poll() is None, p.stderr.read()
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=120) == 128 + signal.SIGTERM
+    p.stderr.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_kill_right_after_the_swap(tmp_path):
     """The riskiest instant: the new artifact just moved into place, the old one not yet deleted."""
     src = tiny_onnx_mlp(tmp_path / "mlp.onnx")
