@@ -140,6 +140,7 @@ class SlotRows:
         row = self.fill_row
         if self.filling is not s:
             self.filling, self.filled = s, 0
+            self.lookahead.ahead = []  # guessed positions past a row's length are not kept when the buffers grow
             self._room(len(s.ids) + 1)
             if s.prefix:
                 self.filled = s.cached = self.prefix.load(s.prefix, self.cache.buffers, row)
