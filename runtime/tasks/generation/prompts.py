@@ -52,11 +52,12 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     if isinstance(prompts, str):
         prompts = [prompts]
     texts = isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(p, str) for p in prompts)
+    limits = getattr(model, "limits", None) or Limits()  # model.limits, raised for trusted input
     if texts:
         if tok is None:
             raise SlimmlError(f"the artifact {model.folder} has no tokenizer; pass token ids instead of text.")
         check_unicode(prompts)
-        limits = getattr(model, "limits", None) or Limits()  # bounded before tokenizing, never cut silently
+        # bounded before tokenizing, never cut silently
         texts_in = limits.check_prompts(list(prompts), model.engine.max_sequence_length, config.truncate)
         ids = [e.ids for e in tok.encode_batch(texts_in, add_special_tokens=not raw_text)]
     else:
@@ -93,7 +94,6 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
             steps = min(steps, context - max(map(len, ids)))
     # before any pass: prompt + max_new_tokens within the positions (unless truncating), and rows x
     # tokens within the call's budget (model.limits, raised for trusted input)
-    limits = getattr(model, "limits", None) or Limits()
     limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size,
                           indexed=takes_logits_index(engine), context=context)
     ends = frozenset(end_ids(model, config, tok) | (special_stops(tok, config.stop) if tok is not None else set()))

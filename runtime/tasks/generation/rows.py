@@ -72,8 +72,7 @@ class SlotRows:
         self.reprefill = rope_reprefill(engine)
         self.prefix = prefix if prefix is not None and prefix.budget > 0 and not self.switch else None
         self.chunk = prefill_chunk(engine)  # 0: a prompt is prefilled in one pass (LongRoPE)
-        self.filling: Sequence | None = None  # a long prompt prefilled a chunk a step, in the last row
-        self.filled = 0  # its positions in that row so far
+        self.filled = 0  # positions of the long prompt being prefilled a chunk a step in the last row (0: none)
 
     @property
     def nbytes(self) -> int:
@@ -107,9 +106,8 @@ class SlotRows:
         if any(not s.prefix for s in seqs[fresh:]):
             raise SlimmlError("prefill: give the prompts without a stored prefix first (this is a slimml bug).")
         parts = []
-        chunk = prefill_chunk(self.engine)
-        if fresh and chunk and lens[:fresh].max() > chunk:  # long prompts: each alone, in passes of ``chunk`` positions
-            parts = [prefill_alone(self.cache, start + j, seqs[j].ids, chunk=chunk) for j in range(fresh)]
+        if fresh and self.chunk and lens[:fresh].max() > self.chunk:  # long prompts: each alone, in chunks
+            parts = [prefill_alone(self.cache, start + j, seqs[j].ids, chunk=self.chunk) for j in range(fresh)]
         for a, b in prompt_blocks(lens[:fresh], self.switch) if fresh and not parts else []:  # LongRoPE: either side of its switch apart
             ids = np.zeros((b - a, int(lens[a:b].max())), dtype=np.int64)
             for r, s in enumerate(seqs[a:b]):
@@ -138,15 +136,13 @@ class SlotRows:
         prefix copied in first); once the whole prompt is in, move its row after the live ones and
         return its last position's logits, (1, vocab); None before that."""
         row = self.fill_row
-        if self.filling is not s:
-            self.filling, self.filled = s, 0
+        if not self.filled:  # its first chunk
             self.lookahead.ahead = []  # guessed positions past a row's length are not kept when the buffers grow
             self._room(len(s.ids) + 1)
             if s.prefix:
                 self.filled = s.cached = self.prefix.load(s.prefix, self.cache.buffers, row)
         end = min(len(s.ids), self.filled + chunk)
-        ids = np.asarray(s.ids[self.filled:end], dtype=np.int64)[None, :]
-        logits = self.cache.run(ids, np.ones((1, end), dtype=np.int64), rows=(row, row + 1), at=np.array([end - self.filled - 1]))
+        logits = prefill_alone(self.cache, row, s.ids[:end], self.filled, chunk=0)
         self.filled = end
         if end < len(s.ids):
             return None
@@ -156,12 +152,12 @@ class SlotRows:
         if self.prefix is not None:
             self.prefix.read(s.ids, self.cache.buffers, self.live)
         self.live += 1
-        s.prefix, self.filling, self.filled = None, None, 0
+        s.prefix, self.filled = None, 0
         return logits
 
     def stop_filling(self) -> None:
         """Forget the prompt being prefilled (its request went away); its row's positions are left."""
-        self.filling, self.filled = None, 0
+        self.filled = 0
         if self.live == 0:
             self.clear()
 
@@ -221,7 +217,7 @@ class SlotRows:
             self.lengths[hole] = self.lengths[mover]
             order[hole] = mover
         self.live = n
-        if n == 0 and self.filling is None:
+        if n == 0 and not self.filled:
             self.clear()
         return order
 
@@ -229,8 +225,7 @@ class SlotRows:
         """Free the buffers (the batch is empty), and give the freed heap back to the system."""
         self.lookahead.ahead = []
         had = self.cache is not None
-        self.cache, self.live = None, 0
-        self.filling, self.filled = None, 0
+        self.cache, self.live, self.filled = None, 0, 0
         if had:
             trim_heap()
 
@@ -246,7 +241,7 @@ class SlotRows:
             row = self.fill_row
             for name, buf in cache.buffers.items():
                 buf[: self.live, :, :held] = old.buffers[name][: self.live, :, :held]
-                if self.filling is not None and self.filled:  # the long prompt's positions so far
+                if self.filled:  # the long prompt's positions so far
                     buf[row, :, : self.filled] = old.buffers[name][row, :, : self.filled]
         self.cache = cache
 
