@@ -1,6 +1,7 @@
 """How long a running answer stalls while a long prompt joins the continuous batch (the server's
 scheduler, in process): one streaming answer of 80 tokens, then a ~2,000-token prompt arrives;
-``--prefill-tokens`` 8192 reads it in one pass (as before), 512 a chunk a step beside the answer.
+``--prefill-tokens`` 8192 reads it in one pass (as before), 512 a chunk a step beside the answer;
+then two long prompts and a short question arrive together (the short one joins past the second).
 Prints the answer's longest and median gap between tokens and the long prompt's time to its first
 token, two rounds alternated.
 
@@ -31,3 +32,15 @@ for rnd in range(2):
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     out.setdefault(budget, []).append((max(gaps), statistics.median(gaps), len(long.ids), long.first_token_s))
     print(budget, "long prompt", len(long.ids), "tokens; short's longest gap %.3f s, median %.3f s; long's TTFT %.2f s" % (max(gaps), statistics.median(gaps), long.first_token_s), flush=True)
+
+# Two long prompts, then a short question, arrive together: the short one's time to its first
+# token (it joins past the second long prompt while the first is read) and the second's.
+for rnd in range(2):
+    batch = ContinuousBatch(model, max_batch=4, prefill_tokens=512)
+    first, second = (batch.prepare(text[a:a + 9000] + " Summarize.", GenerationConfig(max_new_tokens=4)) for a in (0, 20000))
+    short = batch.prepare("What is the capital of France?", GenerationConfig(max_new_tokens=4))
+    waiting = deque([first, second, short])
+    while waiting or batch.busy:
+        batch.admit(batch.take(waiting)); batch.step()
+    out.setdefault("behind", []).append((short.first_token_s, second.first_token_s))
+    print("behind two long prompts: short's TTFT %.2f s, second long's TTFT %.2f s" % (short.first_token_s, second.first_token_s), flush=True)

@@ -163,6 +163,34 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_step_while_the_batch_decodes(smol)
     assert batch.cache_bytes == 0 and batch.free == 3  # all gone: the cache freed
 
 
+def test_a_short_prompt_behind_a_waiting_long_one_joins_at_once(smol):
+    """Two long prompts then a short one: while the first is read, the second keeps its place and
+    a row, and the short one joins past it (before, it waited for the second's turn and its whole
+    reading); every answer is the one each gets alone."""
+    from slimml.runtime.tasks.generation.config import GenerationConfig
+    from slimml.runtime.tasks.generation.continuous import ContinuousBatch
+
+    text = "The city council met on Tuesday to discuss the new bridge over the river. "
+    batch = ContinuousBatch(smol, max_batch=3, prefill_tokens=64)
+    first, second = (batch.prepare(text * n + "Who met?", GenerationConfig(max_new_tokens=4)) for n in (6, 5))
+    short = batch.prepare("What is the capital of France?", GenerationConfig(max_new_tokens=6))
+    waiting = deque([first, second, short])
+    assert batch.take(waiting) == [short] and batch.filling is first and list(waiting) == [second]
+    batch.admit([short])
+    filled = []
+    while waiting or batch.busy:
+        batch.admit(batch.take(waiting))
+        filled.append(batch.filling)
+        batch.step()
+    assert filled.index(second) == filled.count(first)  # read as soon as the first was in
+    for s in (first, second, short):
+        assert s.tokens == smol.generate([s.ids], max_new_tokens=len(s.tokens)).tokens[0]
+    tight = ContinuousBatch(smol, max_batch=2, prefill_tokens=64)  # one row left: kept for the long prompt
+    waiting = deque(tight.prepare(p, GenerationConfig(max_new_tokens=2)) for p in (first.ids, second.ids, short.ids))
+    assert tight.take(waiting) == [] and len(waiting) == 2 and tight.filling is not None
+    tight.cancel_all()
+
+
 def test_a_chat_in_a_loop_prefills_only_each_turns_new_text(smol):
     """In process (``model.chat`` turn after turn): the model's own store, the same tokens."""
     def talk():

@@ -143,27 +143,36 @@ class ContinuousBatch:
         """The waiting sequences (oldest first) to admit before the next step: as many as there
         are free rows and the prefill budget allows (at least one). The prompts without a stored
         prefix cost their padded width each; the others, the positions left to prefill. A prompt
-        that begins as one taken now does waits for the next step, to copy its cache."""
+        that begins as one taken now does waits for the next step, to copy its cache.
+
+        A long prompt (read a chunk a step) that finds another one being read keeps its place at
+        the head of the queue, and the short prompts behind it join past it, leaving it a row:
+        they do not wait seconds for a prompt that cannot start yet (before, one long prompt
+        being read held every request behind the next one)."""
         joining: list[Sequence] = []
         width = fresh = after = 0  # the padded pass's width and rows; positions prefilled after a stored prefix
-        while waiting and len(joining) < self.free:
-            head = waiting[0]
+        kept = 0  # long prompts left at the head of the queue, each with a row kept for it
+        while len(waiting) > kept and len(joining) < self.free - min(kept, 1):
+            head = waiting[kept]
             if head.cancelled:  # gone before its turn: ended without a pass
-                self._left(waiting.popleft())
+                del waiting[kept]
+                self._left(head)
                 continue
             reused = self.cache.reuse(head)
             if joining and not reused and self.cache.waits_for(head, joining):
                 break  # it begins as one joining now does: next step it copies that one's cache
             if self._long(head, reused):  # prefilled a chunk a step, beside the running answers
-                if self.filling is not None or len(joining) >= self.free:
-                    break
-                self.filling = waiting.popleft()
+                if self.filling is None:  # (then none is kept: it is at the head, a row free for it)
+                    self.filling = waiting.popleft()
+                else:
+                    kept += 1
                 continue
             cost = (width * fresh + after + len(head.ids) - reused if reused
                     else max(width, len(head.ids)) * (fresh + 1) + after)
             if joining and cost > self.prefill_tokens:
                 break
-            joining.append(waiting.popleft())
+            del waiting[kept]
+            joining.append(head)
             if reused:
                 after += len(head.ids) - reused
             else:
