@@ -8,6 +8,7 @@ Against torch it compares the encoder's output and the first step's logits.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,19 @@ def check_seq2seq(folder: Path, manifest: Manifest, src: Source, exported: Expor
         checks["max_abs_diff_vs_torch"] = max(float(np.abs(encoder_want - hidden).max()),
                                               float(np.abs(got[0]["logits"] - logits).max()))
     model.close()
+    if _samples(src):
+        checks["decoding"] = ("greedy or beam search: the generation config's do_sample is not followed "
+                              "(slimml does not sample from encoder-decoders)")
     return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
+
+
+def _samples(src: Source) -> bool:
+    """Whether the source's generation config asks for sampling, which this artifact will not do."""
+    path = Path(str(getattr(src, "path", ""))) / "generation_config.json"
+    try:
+        return path.is_file() and json.loads(path.read_text()).get("do_sample") is True
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _torch_reference(src: Source, exported: Exported, feeds: dict[str, np.ndarray], start: np.ndarray):

@@ -414,25 +414,40 @@ SEARCH_KEYS = ("max_length", "min_length", "max_new_tokens", "min_new_tokens", "
 
 def _seq2seq_spec(folder: Path) -> dict[str, Any]:
     """How generation starts and stops, from generation_config.json (else config.json), as
-    transformers' generate reads them."""
+    transformers' generate reads them (Whisper's: as its own generate builds its prompt)."""
     config = _read_config(folder)
     gen = {}
     if (folder / "generation_config.json").is_file():
         gen = json.loads((folder / "generation_config.json").read_text())
 
-    def pick(key):
+    def pick(key, first=True):
         value = gen.get(key, config.get(key))
-        return value[0] if isinstance(value, list) and value else value
+        return value[0] if first and isinstance(value, list) and value else value
 
     start = pick("decoder_start_token_id")
+    if start is None:  # transformers' fallback is the bos token
+        start = pick("bos_token_id")
     if start is None:
         start = pick("pad_token_id") or 0
-    forced = [[int(p), int(t)] for p, t in (gen.get("forced_decoder_ids") or []) if t is not None]
+    eos = pick("eos_token_id", first=False)  # an id, or a list of them (each ends the answer)
+    if isinstance(eos, list):
+        eos = [int(e) for e in eos] if len(eos) > 1 else (int(eos[0]) if eos else None)
+    forced, prompt = [], None
+    if gen.get("no_timestamps_token_id") is not None:  # Whisper: its forced ids are the decoder's prompt
+        prompt = _whisper_prompt(gen, config)
     bos = pick("forced_bos_token_id")  # BART-large-cnn's <s>, mBART-50's target language: the first token made
-    if bos is not None and all(p != 1 for p, _ in forced):
-        forced.insert(0, [1, int(bos)])
-    spec = {"decoder_start_token_id": int(start), "eos_token_id": pick("eos_token_id"),
+    if bos is not None:
+        forced.append([1, int(bos)])
+    spec = {"decoder_start_token_id": int(start), "eos_token_id": eos,
             "pad_token_id": pick("pad_token_id"), "forced_ids": forced}
+    if prompt is not None:
+        spec["prompt_ids"] = prompt
+        languages = gen.get("lang_to_id") or {}
+        if languages and prompt[0] is None:
+            spec["language_ids"] = sorted(int(i) for i in languages.values())
+    limit = config.get("max_target_positions") or config.get("max_decoder_position_embeddings") or config.get("max_position_embeddings")
+    if isinstance(limit, int) and limit > 0 and config.get("model_type") not in _RELATIVE_POSITIONS:
+        spec["max_positions"] = limit
     last = pick("forced_eos_token_id")  # BART's and Marian's: the end token when the length runs out
     if last is not None:
         spec["forced_eos_token_id"] = int(last)
@@ -447,6 +462,30 @@ def _seq2seq_spec(folder: Path) -> dict[str, Any]:
         if ids:  # Whisper's: tokens never emitted, and tokens not emitted first
             spec[name] = [int(i) for i in ids]
     return spec
+
+
+_RELATIVE_POSITIONS = ("t5", "mt5", "umt5", "longt5")  # relative attention: no table of positions to run past
+
+
+def _whisper_prompt(gen: dict, config: dict) -> list[int | None]:
+    """The tokens Whisper's generate puts after the start token (transformers'
+    ``_retrieve_init_tokens``, transcribing without timestamps): the forced ids from position 1
+    on (None: the language, detected from the first step's logits over the language ids), the task
+    named in the config, then ``<|notimestamps|>``."""
+    forced = sorted((gen.get("forced_decoder_ids") or config.get("forced_decoder_ids") or []), key=lambda x: x[0])
+    prompt: list[int | None] = []
+    for position, token in forced:
+        if position != len(prompt) + 1:
+            break
+        prompt.append(None if token is None else int(token))
+    if not prompt and gen.get("lang_to_id"):
+        prompt.append(None)  # no language given: detected, as transformers does when it has their ids
+    tasks = gen.get("task_to_id") or {}
+    if gen.get("task") in tasks:  # replaces the task id the forced ids gave
+        prompt = [t for t in prompt if t not in tasks.values()] + [int(tasks[gen["task"]])]
+    if not prompt or prompt[-1] != gen["no_timestamps_token_id"]:
+        prompt.append(int(gen["no_timestamps_token_id"]))
+    return prompt if gen.get("lang_to_id") else [t for t in prompt if t is not None]  # no ids to detect among: none
 
 
 def _preprocessor(folder: Path, onnx_path: Path) -> Path | None:

@@ -21,7 +21,7 @@ from rich.text import Text
 
 from slimml.cli_options import Options, OptionValues, config_options
 from slimml.convert.config import ConvertConfig, DistillConfig, ExportConfig, PruneConfig, ShardConfig
-from slimml.errors import SlimmlError
+from slimml.errors import ConfigError, SlimmlError
 from slimml.quantize.config import QuantizeOptions
 from slimml.runtime.engine.config import LoadConfig
 from slimml.serve.config import ServeConfig
@@ -379,6 +379,13 @@ def eval_(
     old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
     language = str(read_manifest(artifact).task).startswith("text-generation")
     read_text(data) if language else read_sts(data)  # a bad data file fails before the model loads
+    metric = "perplexity" if language else "spearman"
+    if old is not None and old.kind == "eval" and old.settings.get("metric", metric) != metric:
+        raise ConfigError(f"the baseline {baseline} holds {old.settings['metric']}, and this artifact is scored by {metric}; "
+                          "compare with a baseline saved from this kind of model (--save-baseline).")
+    for name, value in (("--window", window), ("--max-tokens", max_tokens)):
+        if value is not None and value < 2:
+            raise ConfigError(f"{name} must be at least 2, got {value}.")
     model = load(artifact, loading.build())
     if language:
         result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)

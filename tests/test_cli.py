@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -74,6 +75,33 @@ def test_eval_with_a_bad_data_file(tiny_bert_artifact, tmp_path):
     r = slimml("eval", tiny_bert_artifact, "--data", bad)
     assert r.returncode == 1
     assert "lacks the column(s) ['sentence1', 'sentence2', 'score']" in r.stderr
+
+
+def test_eval_data_that_is_not_a_csv_of_pairs_is_one_line(tmp_path):
+    """Each data file a user may give by mistake: one line that names it (before, a Latin-1 file
+    and a 200 kB line were tracebacks, a folder "did not exist"); a spreadsheet's UTF-8 CSV with
+    its byte-order mark reads."""
+    from slimml.errors import DataError
+    from slimml.runtime.tools.baseline import Baseline
+    from slimml.runtime.tools.evaluate import read_sts, read_text
+
+    (tmp_path / "latin1.csv").write_bytes("sentence1,sentence2,score\ncaf\xe9,tea,1\n".encode("latin-1"))
+    (tmp_path / "long.txt").write_text("word " * 40_000)
+    (tmp_path / "folder").mkdir()
+    for name, words in (("latin1.csv", "is not UTF-8 text (byte 29); save the CSV as UTF-8"),
+                        ("long.txt", "is not a CSV of sentence pairs (field larger than field limit"),
+                        ("folder", "is a folder, not a file; give a CSV")):
+        with pytest.raises(DataError, match=re.escape(words)):
+            read_sts(tmp_path / name)
+    with pytest.raises(DataError, match="is a folder, not a file; give a UTF-8 text file"):
+        read_text(tmp_path / "folder")
+    (tmp_path / "excel.csv").write_bytes(b"\xef\xbb\xbfsentence1,sentence2,score\na,b,1\nc,d,2\n")
+    assert read_sts(tmp_path / "excel.csv")[2].tolist() == [1.0, 2.0]
+    base = {"format": "slimml.baseline", "format_version": 1, "kind": "eval", "settings": {"metric": "perplexity"},
+            "metrics": {"pairs": 5}}
+    (tmp_path / "base.json").write_text(json.dumps(base))
+    with pytest.raises(DataError, match="is malformed"):  # before, KeyError: 'score' once the model had run
+        Baseline.load(tmp_path / "base.json")
 
 
 @pytest.mark.parametrize("args, words", [

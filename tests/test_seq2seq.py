@@ -279,6 +279,49 @@ def test_beam_search_makes_the_tokens_transformers_makes(tmp_path):
         art.generate(prompts, num_beams=0)
     with pytest.raises(FeedError, match="max_new_tokens must be a whole number >= 1"):
         art.generate(prompts, max_new_tokens=0)
+    with pytest.raises(FeedError, match="num_beams must be at most 64"):  # before, numpy ran out of memory
+        art.generate(prompts, num_beams=10 ** 9)
+    assert art.spec["max_positions"] == 512
+    with pytest.raises(FeedError, match="runs past the decoder's 512 positions .* at most 511"):  # before, ONNX Runtime's Gather
+        art.generate(prompts, max_new_tokens=600)
+    assert (art.generate(prompts, num_beams=np.int64(2), length_penalty=np.float32(0.5), max_new_tokens=np.int64(5)).tokens
+            == theirs(num_beams=2, length_penalty=0.5, max_new_tokens=5))  # numpy's numbers are numbers
+    for kw in ({"num_beams": 4}, {"num_beams": 2, "min_length": 6}, {"num_beams": 1}):  # each of a list of end ids ends
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, eos_token_id=[2, 5], **kw).tolist()
+        want = [row[1:] for row in out]
+        want = [row[: min([row.index(e) + 1 for e in (2, 5) if e in row] or [len(row)])] for row in want]
+        own = {**art.spec, "eos_token_id": [2, 5]}
+        assert generate_seq2seq(art, prompts, Search.of(own, **kw)).tokens == want, kw
+
+
+def test_generation_settings_are_read_as_transformers_reads_them(tmp_path):
+    """The start token falls back to bos (then pad); a list of end ids stays a list; forced
+    decoder ids mean nothing outside Whisper (transformers 4.57 ignores them there); Whisper's
+    forced ids, task and ``<|notimestamps|>`` become the decoder's prompt, its language detected
+    among the language ids where the config leaves it open."""
+    import json
+
+    from slimml.convert.export import _seq2seq_spec
+
+    def spec(config, gen):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+        return _seq2seq_spec(tmp_path)
+
+    got = spec({"bos_token_id": 0, "pad_token_id": 1, "max_position_embeddings": 64, "model_type": "bart"},
+               {"eos_token_id": [2, 5], "forced_decoder_ids": [[1, 7]]})
+    assert (got["decoder_start_token_id"], got["eos_token_id"], got["forced_ids"], got["max_positions"]) == (0, [2, 5], [], 64)
+    assert "max_positions" not in spec({"model_type": "t5", "n_positions": 512, "decoder_start_token_id": 0}, {})
+    whisper = {"no_timestamps_token_id": 9, "lang_to_id": {"<|en|>": 5, "<|de|>": 6}, "task_to_id": {"transcribe": 7, "translate": 8},
+               "decoder_start_token_id": 4, "eos_token_id": 3, "forced_decoder_ids": [[1, None], [2, 7]]}
+    got = spec({"model_type": "whisper", "max_target_positions": 448}, whisper)
+    assert (got["prompt_ids"], got["language_ids"], got["forced_ids"]) == ([None, 7, 9], [5, 6], [])
+    assert spec({}, {**whisper, "forced_decoder_ids": [[1, 6], [2, 7]], "task": "translate"})["prompt_ids"] == [6, 8, 9]
+    assert spec({}, {**whisper, "forced_decoder_ids": None})["prompt_ids"] == [None, 9]  # no language given: detected
+    english = {**whisper, "forced_decoder_ids": [[1, 9]]}
+    english.pop("lang_to_id")
+    assert spec({}, english)["prompt_ids"] == [9] and "language_ids" not in spec({}, english)  # whisper-*.en
 
 
 def test_a_forced_token_is_made_even_where_it_is_suppressed():
@@ -374,6 +417,40 @@ def test_whisper_transcribes_a_wav_file_as_hugging_face_generates(whisper):
     assert result.tokens == want and isinstance(result.texts[0], str)
     streamed = load(whisper["root"] / "art", resident=2)
     assert streamed.generate([str(wav)], max_new_tokens=8).tokens == want
+
+
+@pytest.mark.parametrize("forced", [[[1, None], [2, 1001]], [[1, 1000], [2, 1001]]], ids=["detected", "fixed"])
+def test_whisper_with_its_prompt_transcribes_as_whisper_s_generate(whisper, tmp_path, forced):
+    """A multilingual Whisper's generation config (language ids, tasks, ``<|notimestamps|>``, ids
+    not emitted first): the artifact makes the text tokens Whisper's own ``generate`` makes, its
+    prompt (start, language, task, no-timestamps) not counted in ``max_new_tokens``, the language
+    detected as Whisper detects it where the config leaves it open."""
+    import json
+    import shutil
+
+    from transformers import WhisperForConditionalGeneration
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+    from slimml.runtime.tasks.inputs.audio import read_wav
+
+    src = tmp_path / "src"
+    shutil.copytree(whisper["root"] / "src", src)
+    gen = json.loads((src / "generation_config.json").read_text())
+    gen.update({"no_timestamps_token_id": 1003, "lang_to_id": {"<|en|>": 1000, "<|de|>": 1004, "<|fr|>": 1005},
+                "task_to_id": {"transcribe": 1001, "translate": 1002}, "is_multilingual": True,
+                "begin_suppress_tokens": [2000, 102], "suppress_tokens": [2001, 2002], "forced_decoder_ids": forced,
+                "_from_model_config": False})  # else transformers reads the model config's instead
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    model = WhisperForConditionalGeneration.from_pretrained(src).eval()
+    convert(src, tmp_path / "art", ConvertConfig(measure_latency=False))
+    art = load(tmp_path / "art")
+    wav = whisper["root"] / "speech.wav"
+    features = whisper["extractor"](read_wav(wav), sampling_rate=16000, return_tensors="pt").input_features
+    with torch.no_grad():
+        want = model.generate(features, max_new_tokens=6).tolist()
+    got = art.generate([str(wav)], max_new_tokens=6).tokens
+    assert got == _strip(want, eos=102, pad=0) and len(got[0]) == 6
 
 
 def test_whisper_quantizes_within_tolerance(whisper):

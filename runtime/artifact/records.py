@@ -258,14 +258,18 @@ class Seq2Seq(Record):
 
     KEY: ClassVar[str] = "seq2seq"
     COMPONENTS: ClassVar[tuple[str, ...]] = ("encoder", "decoder", "decoder_with_past")
-    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("suppress_ids", "begin_suppress_ids", "bad_words_ids", "search")
+    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("suppress_ids", "begin_suppress_ids", "bad_words_ids", "search", "prompt_ids",
+                                              "language_ids", "max_positions")
     SEARCH: ClassVar[dict[str, tuple[type, ...]]] = {  # generation_config.json's keys for how tokens are chosen
         "max_length": (int,), "min_length": (int,), "max_new_tokens": (int,), "min_new_tokens": (int,), "num_beams": (int,),
         "length_penalty": (int, float), "early_stopping": (bool, str), "no_repeat_ngram_size": (int,),
         "repetition_penalty": (int, float), "renormalize_logits": (bool,)}
     decoder_start_token_id: int
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None  # each of a list ends the answer
     pad_token_id: int | None = None
+    prompt_ids: list[int | None] = field(default_factory=list)  # Whisper: after the start token (None: the detected language)
+    language_ids: list[int] = field(default_factory=list)  # Whisper: the ids the language is detected among
+    max_positions: int | None = None  # the decoder's table of positions (start tokens included)
     forced_ids: list[list[int]] = field(default_factory=list)  # [position, token id]: tokens forced at a step
     suppress_ids: list[int] = field(default_factory=list)  # never emitted (Whisper)
     begin_suppress_ids: list[int] = field(default_factory=list)  # not emitted first (Whisper)
@@ -281,8 +285,19 @@ class Seq2Seq(Record):
             return c.found
         c.need(all(k in components for k in cls.COMPONENTS), where, "needs the components encoder, decoder and decoder_with_past")
         c.need(_token_id(raw.get("decoder_start_token_id")), f"{where}.decoder_start_token_id", "must be a token id")
-        for key in ("eos_token_id", "pad_token_id", "forced_eos_token_id"):
+        for key in ("pad_token_id", "forced_eos_token_id"):
             c.need(raw.get(key) is None or _token_id(raw.get(key)), f"{where}.{key}", "must be a token id or null")
+        eos = raw.get("eos_token_id")
+        c.need(eos is None or _token_id(eos) or (isinstance(eos, list) and eos and all(_token_id(x) for x in eos)),
+               f"{where}.eos_token_id", "must be a token id, a list of them, or null")
+        prompt = raw.get("prompt_ids") or []
+        c.need(isinstance(prompt, list) and all(x is None or _token_id(x) for x in prompt), f"{where}.prompt_ids",
+               "must be a list of token ids (null: the language to detect)")
+        c.need(isinstance(raw.get("language_ids") or [], list) and all(_token_id(x) for x in raw.get("language_ids") or []),
+               f"{where}.language_ids", "must be a list of token ids")
+        limit = raw.get("max_positions")
+        c.need(limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 1),
+               f"{where}.max_positions", "must be a whole number > 1 or null")
         forced = raw.get("forced_ids") or []
         c.need(isinstance(forced, list) and all(isinstance(x, list) and len(x) == 2 and all(_token_id(v) for v in x)
                                                 for x in forced), f"{where}.forced_ids", "must be a list of [position, token id]")

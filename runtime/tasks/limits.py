@@ -61,6 +61,9 @@ class Limits:
         """``max_prompt_chars``, or its default for a model of ``context`` positions: 16 characters
         a position (a language model's prompt may fill its context), at least ``max_text_chars``."""
         if self.max_prompt_chars is not None:
+            if isinstance(self.max_prompt_chars, bool) or not isinstance(self.max_prompt_chars, int) or self.max_prompt_chars < 1:
+                raise FeedError(f"limits.max_prompt_chars must be a whole number >= 1 (or None: from the context), got "
+                                f"{self.max_prompt_chars!r}.")
             return self.max_prompt_chars
         return max(self.max_text_chars, PROMPT_CHARS_PER_TOKEN * context) if context else self.max_text_chars
 
@@ -77,8 +80,10 @@ class Limits:
             return [t if len(t) <= n else t[-n:] for t in texts]
         long = next((i for i, t in enumerate(texts) if len(t) > n), None)
         if long is not None:
+            why = ("model.limits.max_prompt_chars" if self.max_prompt_chars is not None
+                   else f"{PROMPT_CHARS_PER_TOKEN} a position of the model's context")
             raise FeedError(f"prompt {long} has {len(texts[long])} characters, more than the {n} a call reads "
-                            f"({PROMPT_CHARS_PER_TOKEN} a position of the model's context); shorten it, pass truncate=True "
+                            f"({why}); shorten it, pass truncate=True "
                             "(slimml generate --truncate) to keep its end, or raise the limit for input you trust "
                             "(model.limits.max_prompt_chars; slimml serve --max-text-chars).")
         return texts

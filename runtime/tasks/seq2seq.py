@@ -110,7 +110,6 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation
                 feeds["input_ids"][i, :len(p)], feeds["attention_mask"][i, :len(p)] = p, 1
         feeds = {k: v for k, v in feeds.items() if k in {t.name for t in encoder.inputs}}
     batch = next(iter(feeds.values())).shape[0]
-    start = np.full((batch, 1), int(spec["decoder_start_token_id"]), dtype=np.int64)
     inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
     passes, prefill = 0, 0.0
 
@@ -124,6 +123,7 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation
         return out
 
     decoder = Decoder(counted, inputs, feeds, repeat=search.num_beams)
+    start = start_tokens(decoder, spec, batch, search.num_beams)
     if search.num_beams > 1:
         new, _ = beam_search(decoder, start, search)
     else:
@@ -132,13 +132,35 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation
         for nxt in greedy(decoder, start, search, pad=int(spec.get("pad_token_id") or 0)):
             for i in np.flatnonzero(~done):
                 new[i].append(int(nxt[i]))
-            if search.eos is not None:
-                done |= nxt == search.eos
+            done |= np.isin(nxt, search.eos)
     tok = model.detokenizer
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
                       prompt_tokens=int(feeds["attention_mask"].sum()) if "attention_mask" in feeds else 0,
                       prefill_s=prefill)
+
+
+def start_tokens(decoder: Decoder, spec: Mapping[str, Any], batch: int, beams: int = 1) -> np.ndarray:
+    """The decoder's first tokens, (batch, k): the start token, then Whisper's prompt (its language,
+    where the model does not fix one, detected as transformers detects it: the first step's most
+    likely language id, a prompt each)."""
+    first = np.full((batch, 1), int(spec["decoder_start_token_id"]), dtype=np.int64)
+    prompt = list(spec.get("prompt_ids") or ())
+    if not prompt:
+        return first
+    start = np.repeat(first, len(prompt) + 1, axis=1)
+    if None in prompt:
+        languages = np.asarray(spec.get("language_ids") or (), dtype=np.int64)
+        if not languages.size:
+            raise FeedError("the artifact's Whisper prompt leaves the language open but records no language ids "
+                            "(language_ids); re-convert it with this slimml.")
+        logits = decoder.step(np.repeat(first, beams, axis=0))[::beams]
+        decoder.restart()
+        start[:, 1 + prompt.index(None)] = languages[logits[:, languages].argmax(axis=-1)]
+    for j, token in enumerate(prompt, start=1):
+        if token is not None:
+            start[:, j] = token
+    return start
 
 
 def record_feeds(model: Seq2Seq, encoder_batches: list[dict[str, np.ndarray]], steps: int = 4) -> dict[str, list]:

@@ -24,6 +24,7 @@ from slimml.errors import FeedError
 
 ENCODER, DECODER, WITH_PAST = "encoder", "decoder", "decoder_with_past"
 Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (component, feeds) -> outputs
+MAX_BEAMS = 64
 _BIG = np.float32(-1.0e9)  # transformers' "never": added to a score, not -inf (kept finite for its comparisons)
 
 
@@ -38,6 +39,7 @@ class Search:
     """
 
     max_length: int = 33  # the start token and 32 new ones
+    prompt: int = 1  # the decoder's start tokens: 1, or Whisper's start, language, task and no-timestamps tokens
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False  # True, False or "never", as transformers reads it
@@ -45,7 +47,7 @@ class Search:
     min_length: int = 0
     repetition_penalty: float = 1.0
     renormalize_logits: bool = False  # log-softmax again after the processors (Marian's configs)
-    eos: int | None = None
+    eos: tuple[int, ...] = ()  # each ends the answer
     forced: dict[int, int] = field(default_factory=dict)  # decoder position -> token made there
     forced_eos: int | None = None  # made at the last position the length allows
     suppress: tuple[int, ...] = ()
@@ -53,15 +55,23 @@ class Search:
     bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
-        for name, low in (("max_length", 2), ("num_beams", 1), ("no_repeat_ngram_size", 0), ("min_length", 0)):
+        for name, low in (("max_length", 2), ("num_beams", 1), ("no_repeat_ngram_size", 0), ("min_length", 0), ("prompt", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
                 raise FeedError(f"{name} must be a whole number >= {low}, got {value!r}"
                                 + (" (it counts the start token: max_new_tokens + 1)." if name == "max_length" else "."))
+            setattr(self, name, int(value))
+        if self.num_beams > MAX_BEAMS:
+            raise FeedError(f"num_beams must be at most {MAX_BEAMS} (each beam holds a decoder cache of its own), got "
+                            f"{self.num_beams}; summarization and translation models use 4 to 8.")
         for name in ("length_penalty", "repetition_penalty"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not np.isfinite(value):
                 raise FeedError(f"{name} must be a finite number, got {value!r}.")
+            setattr(self, name, float(value))
+        if isinstance(self.eos, (int, np.integer)):
+            self.eos = (int(self.eos),)
+        self.eos = tuple(int(e) for e in self.eos or ())
         if self.repetition_penalty <= 0:
             raise FeedError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty!r}.")
         if self.early_stopping not in (True, False, "never"):
@@ -70,23 +80,35 @@ class Search:
     @classmethod
     def of(cls, spec: Mapping[str, Any], max_new_tokens: int | None = None, **overrides: Any) -> Search:
         """The model's settings (its manifest's ``seq2seq`` record), then the caller's (None: the model's).
-        Without ``max_new_tokens`` the model's own ``max_length`` applies, else 32 new tokens."""
-        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+        Without ``max_new_tokens`` the model's own ``max_length`` applies (after Whisper's prompt, as
+        its generate counts it), else 32 new tokens; never past the decoder's positions."""
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
                                            or max_new_tokens < 1):
             raise FeedError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}.")
         own = spec.get("search") or {}
+        prompt = 1 + len(spec.get("prompt_ids") or ())
+        limit = spec.get("max_positions")
         max_new_tokens = max_new_tokens if max_new_tokens is not None else own.get("max_new_tokens")
-        length = 1 + max_new_tokens if max_new_tokens is not None else int(own.get("max_length") or 33)
-        minimum = max(int(own.get("min_length") or 0), 1 + int(own.get("min_new_tokens") or 0))
+        if max_new_tokens is not None:
+            length = prompt + int(max_new_tokens)
+            if limit and length > limit:
+                raise FeedError(f"max_new_tokens={max_new_tokens} runs past the decoder's {limit} positions "
+                                f"({prompt} start token{'s' if prompt > 1 else ''} included); ask for at most {limit - prompt}.")
+        else:
+            length = int(own.get("max_length") or 33) + prompt - 1
+            length = min(length, limit) if limit else length
+        minimum = max(int(own.get("min_length") or 0), prompt + int(own.get("min_new_tokens") or 0))
+        eos = spec.get("eos_token_id")
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         settings = dict(
-            max_length=length, num_beams=int(own.get("num_beams") or 1), length_penalty=own.get("length_penalty", 1.0),
+            max_length=length, prompt=prompt, num_beams=int(own.get("num_beams") or 1), length_penalty=own.get("length_penalty", 1.0),
             early_stopping=own.get("early_stopping", False), no_repeat_ngram_size=int(own.get("no_repeat_ngram_size") or 0),
-            min_length=minimum if minimum > 1 else 0, repetition_penalty=own.get("repetition_penalty", 1.0),
+            min_length=minimum if minimum > prompt else 0, repetition_penalty=own.get("repetition_penalty", 1.0),
             renormalize_logits=bool(own.get("renormalize_logits", False)),
-            eos=spec.get("eos_token_id"), forced={int(p): int(t) for p, t in spec.get("forced_ids") or []},
+            eos=eos, forced={int(p): int(t) for p, t in spec.get("forced_ids") or []},
             forced_eos=spec.get("forced_eos_token_id"), suppress=tuple(spec.get("suppress_ids") or ()),
             begin_suppress=tuple(spec.get("begin_suppress_ids") or ()),
-            bad_words=tuple(tuple(w) for w in spec.get("bad_words_ids") or () if list(w) != [spec.get("eos_token_id")]))
+            bad_words=tuple(tuple(w) for w in spec.get("bad_words_ids") or () if not (len(w) == 1 and w[0] in eos)))
         settings.update({k: v for k, v in overrides.items() if v is not None})
         for key in ("length_penalty", "repetition_penalty"):
             settings[key] = 1.0 if settings[key] is None else settings[key]
@@ -118,8 +140,8 @@ class Search:
                 if len(word) <= length and (len(word) == 1 or list(row[length - len(word) + 1:length]) == list(word[:-1])):
                     if 0 <= word[-1] < vocab:
                         scores[r, word[-1]] = -np.inf
-        if self.eos is not None and length < self.min_length and 0 <= self.eos < vocab:
-            scores[:, self.eos] = -np.inf
+        if length < self.min_length:
+            scores[:, [e for e in self.eos if 0 <= e < vocab]] = -np.inf
         banned = [*self.suppress, *(self.begin_suppress if length == self.begin else ())]
         if banned:
             scores[:, [i for i in banned if 0 <= i < vocab]] = -np.inf
@@ -133,10 +155,9 @@ class Search:
 
     @property
     def begin(self) -> int:
-        """The first position not forced (from position 1 on), where ``begin_suppress`` applies: 2 after a
-        forced first token, after Whisper's forced language, task and no-timestamps tokens (transformers
-        puts those in the prompt)."""
-        position = 1
+        """The first position not forced after the start tokens, where ``begin_suppress`` applies: 2
+        after a forced first token; Whisper's first text token, after its prompt."""
+        position = self.prompt
         while position in self.forced:
             position += 1
         return position
@@ -189,6 +210,10 @@ class Decoder:
                     self.past[k.replace("present.", "past_key_values.", 1)] = v
         return out["logits"][:, -1, :]
 
+    def restart(self) -> None:
+        """Forget the tokens stepped so far (the encoder's output stays): the next step starts again."""
+        self.past = None
+
     def reorder(self, rows: np.ndarray) -> None:
         """Keep the self-attention cache of ``rows`` (beam search's survivors), in that order."""
         if self.past is not None and not np.array_equal(rows, np.arange(len(rows))):
@@ -209,8 +234,7 @@ def greedy(decoder: Decoder, start: np.ndarray, search: Search, pad: int = 0) ->
         for row, token in zip(rows, nxt.tolist()):
             row.append(token)
         yield nxt
-        if search.eos is not None:
-            done |= nxt == search.eos
+        done |= np.isin(nxt, search.eos)
         if done.all() or length == search.max_length - 1:
             return
         logits = decoder.step(nxt[:, None])
@@ -222,7 +246,7 @@ def beam_search(decoder: Decoder, start: np.ndarray, search: Search) -> tuple[li
     nb, eos = search.num_beams, search.eos
     batch, prompt = start.shape
     max_length = search.max_length
-    keep = 2 * nb  # transformers: max(2, 1 + number of end ids) * num_beams
+    keep = max(2, 1 + len(eos)) * nb  # as transformers keeps
     top_mask = np.arange(keep) < nb
     running = np.zeros((batch, nb, max_length), dtype=np.int64)
     running[:, :, :prompt] = start[:, None, :]
@@ -246,7 +270,7 @@ def beam_search(decoder: Decoder, start: np.ndarray, search: Search) -> tuple[li
         parent, token = top // vocab, top % vocab
         top_seqs = _take(running, parent).copy()
         top_seqs[:, :, length] = token
-        hits = (token == eos if eos is not None else np.zeros_like(token, dtype=bool)) | (length + 1 >= max_length)
+        hits = np.isin(token, eos) | (length + 1 >= max_length)
         # the live beams: the best candidates that did not just finish
         live_scores = top_scores + hits.astype(np.float32) * _BIG
         chosen = _top(live_scores, nb)

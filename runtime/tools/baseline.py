@@ -128,6 +128,7 @@ class Baseline:
         metrics, settings = raw.get("metrics"), raw.get("settings")
         ok = raw.get("kind") in ("eval", "bench") and isinstance(settings, dict) and isinstance(metrics, dict)
         ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values())
+        ok = ok and (raw["kind"] != "eval" or "score" in metrics)  # what an eval is compared on
         if not ok:
             raise DataError(f"baseline {path} is malformed (kind, settings or metrics); save it again with --save-baseline.")
         return cls(kind=raw["kind"], artifact=str(raw.get("artifact", "")), settings=settings,

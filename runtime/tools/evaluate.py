@@ -22,12 +22,29 @@ def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]
         DataError: the file is missing, empty, lacks a column or holds a non-numeric score.
     """
     path = Path(path)
+    _a_file(path, f"give a CSV with columns {','.join(STS_COLUMNS)}")
+    try:
+        return _read_sts(path)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start}); save the CSV as UTF-8, or convert it "
+                        "(iconv -t UTF-8).") from None
+    except csv.Error as e:
+        raise DataError(f"{path} is not a CSV of sentence pairs ({e}); give a CSV with columns "
+                        f"{','.join(STS_COLUMNS)} (a language model is scored on a plain text file instead).") from None
+
+
+def _a_file(path: Path, fix: str) -> None:
+    if path.is_dir():
+        raise DataError(f"{path} is a folder, not a file; {fix}.")
     if not path.is_file():
-        raise DataError(f"data file {path} does not exist; give a CSV with columns {','.join(STS_COLUMNS)}.")
+        raise DataError(f"{path} does not exist; {fix}.")
+
+
+def _read_sts(path: Path) -> tuple[list[str], list[str], np.ndarray]:
     s1: list[str] = []
     s2: list[str] = []
     scores: list[float] = []
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a column name
         reader = csv.DictReader(f)
         missing = [c for c in STS_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
@@ -96,8 +113,7 @@ def read_text(path: str | os.PathLike) -> str:
         DataError: the file is missing, not UTF-8 text, or empty.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"text file {path} does not exist; give a UTF-8 text file to measure perplexity on.")
+    _a_file(path, "give a UTF-8 text file to measure perplexity on")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

@@ -6,7 +6,8 @@ penalty (then OpenAI's presence and frequency penalties, over the answer's own t
 temperature, top-k and top-p, each keeping the tokens transformers keeps, so that a
 transformers user's settings mean the same here. Sampling draws one uniform number per prompt per
 step from its own ``numpy.random.Generator`` seeded by ``seed``, as a served request draws from
-its own: the same seed, prompt and model give the same tokens, alone or in a batch of any size (so
+its own: the same seed, prompt and model give the same draws, alone or in a batch of any size (the
+same tokens where the batch leaves the logits as they are: fp32 and 8-bit artifacts; so
 the same prompt twice in one batch with one seed gives the same tokens twice; ``seed=None`` draws
 a fresh seed per prompt).
 

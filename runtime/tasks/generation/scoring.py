@@ -46,14 +46,19 @@ def decoder_feeds(input_names: list[str], ids: np.ndarray, past_shape: Mapping[s
 def score_run(run: Callable[[dict], Mapping[str, np.ndarray]], feeds_for: Callable[[np.ndarray], dict],
               windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-token negative log-likelihood and top-1 predictions of a decoder ``run`` over ``windows``,
-    one window per call (memory holds one window's logits): two arrays ``(n_windows, window - 1)``."""
+    one window per call (memory holds one window's logits, as the graph gives them, and float64 work
+    on ``SCORE_ROWS`` positions of them at a time): two arrays ``(n_windows, window - 1)``."""
     nll, top = [], []
     for row in windows:
-        logits = np.asarray(run(feeds_for(row[None, :]))["logits"][0], dtype=np.float64)  # (seq, vocab)
-        n, t = nll_top(logits[:-1], row[1:])
-        nll.append(n)
-        top.append(t)
+        logits = run(feeds_for(row[None, :]))["logits"][0]  # (seq, vocab)
+        parts = [nll_top(np.asarray(logits[a:min(a + SCORE_ROWS, len(row) - 1)], dtype=np.float64),
+                         row[1 + a:1 + min(a + SCORE_ROWS, len(row) - 1)]) for a in range(0, len(row) - 1, SCORE_ROWS)]
+        nll.append(np.concatenate([n for n, _ in parts]))
+        top.append(np.concatenate([t for _, t in parts]))
     return np.stack(nll), np.stack(top)
+
+
+SCORE_ROWS = 128  # positions scored at once: float64 copies of 128 rows of logits, not a window's
 
 
 def nll_top(logits: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
