@@ -67,16 +67,17 @@ def check_seq2seq(folder: Path, manifest: Manifest, src: Source, exported: Expor
                                               float(np.abs(got[0]["logits"] - logits).max()))
     model.close()
     if _samples(src):
-        checks["decoding"] = ("greedy or beam search: the generation config's do_sample is not followed "
-                              "(slimml does not sample from encoder-decoders)")
+        checks["decoding"] = ("beam search: the generation config's do_sample is not followed with its beams "
+                              "(slimml does not sample beams; generate(num_beams=1) samples)")
     return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
 
 
 def _samples(src: Source) -> bool:
-    """Whether the source's generation config asks for sampling, which this artifact will not do."""
+    """Whether the source's generation config asks for beam sampling, which this artifact will not do."""
     path = Path(str(getattr(src, "path", ""))) / "generation_config.json"
     try:
-        return path.is_file() and json.loads(path.read_text()).get("do_sample") is True
+        gen = json.loads(path.read_text()) if path.is_file() else {}
+        return gen.get("do_sample") is True and int(gen.get("num_beams") or 1) > 1
     except (OSError, ValueError, AttributeError):
         return False
 

@@ -409,7 +409,8 @@ def _read_config(folder: Path) -> dict[str, Any]:
 
 
 SEARCH_KEYS = ("max_length", "min_length", "max_new_tokens", "min_new_tokens", "num_beams", "length_penalty",
-               "early_stopping", "no_repeat_ngram_size", "repetition_penalty", "renormalize_logits")
+               "early_stopping", "no_repeat_ngram_size", "repetition_penalty", "renormalize_logits", "do_sample", "temperature",
+               "top_k", "top_p")
 
 
 def _seq2seq_spec(folder: Path) -> dict[str, Any]:

@@ -520,7 +520,7 @@ def generate(
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="A prompt (repeat for a batch).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens to add per prompt at most (default 32; an encoder-decoder: its generation config's max_length).", show_default=False)] = None,
     num_beams: Annotated[Optional[int], typer.Option(help="Encoder-decoders: beam search over this many hypotheses (1: greedy; default: the model's generation config).", show_default=False)] = None,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature; 0 is greedy (the most likely token each step).")] = 0.0,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy (the most likely token each step). Default 0; an encoder-decoder: its generation config's (greedy unless it samples).", show_default=False)] = None,
     top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens only (0: off).")] = 0,
     top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off).")] = 1.0,
     repetition_penalty: Annotated[float, typer.Option(help="Divide the logits of tokens already seen by this (1: off).")] = 1.0,
@@ -549,7 +549,7 @@ def generate(
     from slimml.runtime.tasks.generation import GenerationConfig
 
     length = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
-    config = GenerationConfig(**length, temperature=temperature, top_k=top_k, top_p=top_p,
+    config = GenerationConfig(**length, temperature=0.0 if temperature is None else temperature, top_k=top_k, top_p=top_p,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, logit_bias=_logit_bias(logit_bias), logprobs=logprobs,
                               response_format=_response_format(response_format), seed=seed, stop=tuple(stop or ()),
@@ -576,13 +576,15 @@ def generate(
         model.use_chat_template(chat_template)
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
-    if not model.supports("stream"):  # an encoder-decoder answers; greedy only
-        if chat or config != GenerationConfig(**length, truncate=truncate, prompt_lookup=prompt_lookup):
-            raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily or by beam search (--num-beams) "
-                              "without a chat template; drop --temperature, --top-k, --top-p, --repetition-penalty, "
-                              "--presence-penalty, --frequency-penalty, --logit-bias, --logprobs, --response-format, --seed, "
-                              "--stop and --chat.")
-        result = model.generate(list(prompt), max_new_tokens=max_new_tokens, num_beams=num_beams)
+    if not model.supports("stream"):  # an encoder-decoder answers: greedy, sampled or by beam search
+        sampling = dict(temperature=config.temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if chat or config != GenerationConfig(**length, **sampling, truncate=truncate, prompt_lookup=prompt_lookup):
+            raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily, by sampling (--temperature, "
+                              "--top-k, --top-p, --seed) or by beam search (--num-beams), without a chat template; drop "
+                              "--repetition-penalty, --presence-penalty, --frequency-penalty, --logit-bias, --logprobs, "
+                              "--response-format, --stop and --chat.")
+        result = model.generate(list(prompt), max_new_tokens=max_new_tokens, num_beams=num_beams, temperature=temperature,
+                                top_k=top_k or None, top_p=None if top_p == 1.0 else top_p, seed=seed)
         if not as_json:
             for p, text in zip(prompt, result.texts):
                 console.print(Text(p, style="bold") + Text(f" -> {text}"))

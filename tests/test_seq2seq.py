@@ -338,6 +338,43 @@ def test_a_forced_token_is_made_even_where_it_is_suppressed():
     assert search.process(rows, scores, 1).argmax() == 5 and search.process(rows, scores, 1)[0, 3] == -np.inf  # forced
 
 
+def test_sampling_draws_from_the_processed_scores_reproducibly(t5):
+    """A temperature above 0 samples: the first token's frequencies over 400 seeds follow the
+    model's softmax over its top 3 (top_k=3); a seed gives a prompt the same tokens alone or in a
+    batch; temperature 0 is greedy; a model whose config samples samples by default; beams and
+    sampling together are refused."""
+    import dataclasses
+
+    from slimml.runtime import load
+    from slimml.runtime.tasks.seq2seq import generate_seq2seq
+    from slimml.runtime.tasks.seq2seq_search import Search
+
+    art = load(t5["root"] / "art")
+    enc = t5["tokenizer"](PROMPTS[:1], return_tensors="pt")
+    with torch.no_grad():
+        logits = t5["torch"](input_ids=enc["input_ids"], attention_mask=enc["attention_mask"],
+                             decoder_input_ids=torch.zeros((1, 1), dtype=torch.long)).logits[0, -1].double()
+    top = torch.topk(logits / 1.5, 3)
+    want = dict(zip(top.indices.tolist(), torch.softmax(top.values, -1).tolist()))
+    got = art.generate(PROMPTS[:1] * 400, max_new_tokens=1, temperature=1.5, top_k=3, seed=list(range(400))).tokens
+    firsts = [row[0] for row in got]
+    assert set(firsts) <= set(want)
+    assert sum(abs(firsts.count(t) / 400 - p) for t, p in want.items()) / 2 < 0.08, (want, firsts)
+    alone = [art.generate([p], max_new_tokens=6, temperature=0.9, seed=5).tokens[0] for p in PROMPTS]
+    assert art.generate(PROMPTS, max_new_tokens=6, temperature=0.9, seed=5).tokens == alone
+    assert art.generate(PROMPTS, max_new_tokens=6, temperature=0).tokens == art.generate(PROMPTS, max_new_tokens=6).tokens
+    sampling = {**art.spec, "search": {"do_sample": True, "temperature": 1.3}}
+    runs = {tuple(map(tuple, generate_seq2seq(art, PROMPTS, Search.of(sampling, 6, seed=s)).tokens)) for s in range(4)}
+    assert len(runs) > 1  # the model's own do_sample
+    assert Search.of(sampling, 6, temperature=0).sample is None and Search.of({**sampling, "search": {
+        "do_sample": True, "num_beams": 4}}, 6).sample is None  # greedy asked; the model's beams keep their search
+    assert dataclasses.replace(Search.of(sampling, 6), sample=None).num_beams == 1
+    with pytest.raises(FeedError, match="beam sampling"):
+        art.generate(PROMPTS, num_beams=2, temperature=0.7)
+    with pytest.raises(FeedError, match="seed has 2 values for 3 prompts"):
+        art.generate(PROMPTS, temperature=0.7, seed=[1, 2])
+
+
 def test_t5_streamed_with_two_shards_resident_generates_the_same(t5):
     from slimml.runtime import load
 
@@ -376,6 +413,13 @@ def test_slimml_generate_and_info_on_t5(t5):
     beams = slimml("generate", art, PROMPTS[0], "--num-beams", "3", "--max-new-tokens", "4", "--json")
     assert beams.returncode == 0, beams.stderr
     assert json.loads(beams.stdout)["tokens"] == load(art).generate(PROMPTS[:1], max_new_tokens=4, num_beams=3).tokens
+    sampled = slimml("generate", art, PROMPTS[0], "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--max-new-tokens",
+                     "4", "--json")
+    assert sampled.returncode == 0, sampled.stderr
+    assert json.loads(sampled.stdout)["tokens"] == load(art).generate(PROMPTS[:1], max_new_tokens=4, temperature=0.8, top_p=0.9,
+                                                                        seed=3).tokens
+    refused = slimml("generate", art, PROMPTS[0], "--stop", "x")
+    assert refused.returncode == 1 and "drop --repetition-penalty" in refused.stderr
     info = slimml("info", art)
     assert "components: encoder (" in info.stdout and "decoder_with_past (" in info.stdout
     bad = slimml("run", art, "--audio", t5["root"] / "nothing.wav")

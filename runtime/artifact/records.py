@@ -263,7 +263,8 @@ class Seq2Seq(Record):
     SEARCH: ClassVar[dict[str, tuple[type, ...]]] = {  # generation_config.json's keys for how tokens are chosen
         "max_length": (int,), "min_length": (int,), "max_new_tokens": (int,), "min_new_tokens": (int,), "num_beams": (int,),
         "length_penalty": (int, float), "early_stopping": (bool, str), "no_repeat_ngram_size": (int,),
-        "repetition_penalty": (int, float), "renormalize_logits": (bool,)}
+        "repetition_penalty": (int, float), "renormalize_logits": (bool,), "do_sample": (bool,), "temperature": (int, float),
+        "top_k": (int,), "top_p": (int, float)}
     decoder_start_token_id: int
     eos_token_id: int | list[int] | None = None  # each of a list ends the answer
     pad_token_id: int | None = None

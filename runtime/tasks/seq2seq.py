@@ -56,18 +56,24 @@ class Seq2Seq(Task):
         return frozenset({"audio"}) if self.speech else super().accepts
 
     def generate(self, prompts: Any, max_new_tokens: int | None = None, num_beams: int | None = None,
-                 length_penalty: float | None = None, no_repeat_ngram_size: int | None = None):
+                 length_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 seed: Any = None, do_sample: bool | None = None):
         """Generation from texts (T5, BART, Marian) or, for a speech model, WAV paths or 16 kHz
-        waveforms, as the model's generation config says (greedy, or beam search with its length
-        penalty and no-repeat n-grams; a None argument keeps the model's own). Without
-        ``max_new_tokens`` the model's ``max_length`` applies, else 32 new tokens.
+        waveforms, as the model's generation config says (greedy, sampling, or beam search with its
+        length penalty and no-repeat n-grams; a None argument keeps the model's own). Without
+        ``max_new_tokens`` the model's ``max_length`` applies, else 32 new tokens. A temperature
+        above 0 samples (with the model's top-k and top-p, else transformers' 50 and 1.0), 0 is
+        greedy; ``seed`` (an int, or one per prompt) gives each prompt the same tokens again.
         Returns a :class:`~slimml.runtime.tasks.generate.Generation`.
 
         Example:
             >>> load("artifacts/t5-small").generate(["translate English to German: Hello"]).texts
             >>> load("artifacts/bart-large-cnn").generate([article], num_beams=1)  # greedy, not its 4 beams
+            >>> load("artifacts/t5-small").generate(prompts, temperature=0.7, top_p=0.9, seed=0)
         """
-        return generate_seq2seq(self, prompts, Search.of(self.spec, max_new_tokens, num_beams=num_beams,
+        return generate_seq2seq(self, prompts, Search.of(self.spec, max_new_tokens, temperature=temperature, top_k=top_k,
+                                                         top_p=top_p, seed=seed, do_sample=do_sample, num_beams=num_beams,
                                                          length_penalty=length_penalty,
                                                          no_repeat_ngram_size=no_repeat_ngram_size))
 
@@ -110,6 +116,9 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation
                 feeds["input_ids"][i, :len(p)], feeds["attention_mask"][i, :len(p)] = p, 1
         feeds = {k: v for k, v in feeds.items() if k in {t.name for t in encoder.inputs}}
     batch = next(iter(feeds.values())).shape[0]
+    seeds = search.sample.seed if search.sample is not None else None
+    if isinstance(seeds, tuple) and len(seeds) != batch:
+        raise FeedError(f"seed has {len(seeds)} values for {batch} prompts; give one seed per prompt, or one int for all.")
     inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
     passes, prefill = 0, 0.0
 

@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import FeedError
+from slimml.runtime.tasks.generation.config import GenerationConfig
+from slimml.runtime.tasks.generation.sampling import Sampler
 
 ENCODER, DECODER, WITH_PAST = "encoder", "decoder", "decoder_with_past"
 Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (component, feeds) -> outputs
@@ -53,6 +55,7 @@ class Search:
     suppress: tuple[int, ...] = ()
     begin_suppress: tuple[int, ...] = ()  # not made first
     bad_words: tuple[tuple[int, ...], ...] = ()
+    sample: GenerationConfig | None = None  # temperature, top-k, top-p and seed where tokens are sampled; None: greedy
 
     def __post_init__(self):
         for name, low in (("max_length", 2), ("num_beams", 1), ("no_repeat_ngram_size", 0), ("min_length", 0), ("prompt", 1)):
@@ -72,16 +75,25 @@ class Search:
         if isinstance(self.eos, (int, np.integer)):
             self.eos = (int(self.eos),)
         self.eos = tuple(int(e) for e in self.eos or ())
+        if self.sample is not None and self.num_beams > 1:
+            raise FeedError(f"sampling with num_beams={self.num_beams} (beam sampling) is not supported; pass num_beams=1 "
+                            "to sample, or temperature=0 for beam search.")
         if self.repetition_penalty <= 0:
             raise FeedError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty!r}.")
         if self.early_stopping not in (True, False, "never"):
             raise FeedError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}.')
 
     @classmethod
-    def of(cls, spec: Mapping[str, Any], max_new_tokens: int | None = None, **overrides: Any) -> Search:
+    def of(cls, spec: Mapping[str, Any], max_new_tokens: int | None = None, temperature: float | None = None,
+           top_k: int | None = None, top_p: float | None = None, seed: Any = None, do_sample: bool | None = None,
+           **overrides: Any) -> Search:
         """The model's settings (its manifest's ``seq2seq`` record), then the caller's (None: the model's).
         Without ``max_new_tokens`` the model's own ``max_length`` applies (after Whisper's prompt, as
-        its generate counts it), else 32 new tokens; never past the decoder's positions."""
+        its generate counts it), else 32 new tokens; never past the decoder's positions. Tokens are
+        sampled where the model's config says ``do_sample`` (at its temperature, top-k and top-p;
+        transformers' defaults 1.0, 50 and 1.0) or the caller gives a temperature above 0; a
+        temperature of 0 (or ``do_sample=False``) is greedy. Beam search does not sample: the
+        model's own beams keep their search, a caller's request for both is refused."""
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
                                            or max_new_tokens < 1):
             raise FeedError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}.")
@@ -113,6 +125,14 @@ class Search:
         for key in ("length_penalty", "repetition_penalty"):
             settings[key] = 1.0 if settings[key] is None else settings[key]
         settings["early_stopping"] = False if settings["early_stopping"] is None else settings["early_stopping"]
+        asked = do_sample is True or (do_sample is None and temperature is not None and temperature != 0)
+        sample = GenerationConfig(
+            temperature=temperature if temperature is not None else own.get("temperature", 1.0),
+            do_sample=do_sample if do_sample is not None else (None if temperature is not None else bool(own.get("do_sample"))),
+            top_k=top_k if top_k is not None else own.get("top_k", 50), top_p=top_p if top_p is not None else own.get("top_p", 1.0),
+            seed=seed)
+        if not sample.greedy and (asked or int(settings["num_beams"]) == 1):  # the model's own beams keep their search
+            settings["sample"] = sample
         return cls(**settings)
 
     def replace(self, **changes: Any) -> Search:
@@ -223,13 +243,16 @@ class Decoder:
 
 
 def greedy(decoder: Decoder, start: np.ndarray, search: Search, pad: int = 0) -> Iterator[np.ndarray]:
-    """Up to ``max_length - start`` greedy steps; yields each step's new tokens (B,). Tokens after a
-    row's end token are ``pad``."""
+    """Up to ``max_length - start`` steps, each token the most likely, or drawn where
+    ``search.sample`` says (after the processors, as transformers' warpers follow them); yields
+    each step's new tokens (B,). Tokens after a row's end token are ``pad``."""
     rows = start.tolist()
     done = np.zeros(start.shape[0], dtype=bool)
     logits = decoder.step(start)
+    sampler = Sampler(search.sample, rows, logits.shape[-1]) if search.sample is not None else None
     for length in range(start.shape[1], search.max_length):
-        nxt = search.process(rows, logits, length).argmax(axis=-1).astype(np.int64)
+        scores = search.process(rows, logits, length)
+        nxt = sampler(scores) if sampler is not None else scores.argmax(axis=-1).astype(np.int64)
         nxt = np.where(done, pad, nxt)
         for row, token in zip(rows, nxt.tolist()):
             row.append(token)

@@ -53,7 +53,8 @@ class GenerationConfig:
         seed: seeds numpy's ``Generator`` for sampling. Each prompt draws from its own generator,
             so the same seed gives a prompt the same draws alone or in any batch (the same prompt
             twice in a batch too; the same tokens where the logits are the same: fp32 and 8-bit
-            artifacts, not always 4-bit ones, whose kernel sums one row and several differently); a list gives one seed per prompt. None draws fresh seeds.
+            artifacts, not always 4-bit ones, whose kernel sums one row and several differently); a
+            list gives one seed per prompt. None draws fresh seeds.
         stop: strings that end a prompt's generation where they appear in its text (also across
             token boundaries); the stop string itself is not returned.
         stop_token_ids: token ids that end a prompt's generation, beside the end-of-sequence id.
