@@ -31,7 +31,6 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from slimml.errors import ArtifactError, IntegrityError
 from slimml.runtime.artifact.manifest import Manifest, safe_path
 from slimml.runtime.engine.backends import Backend, backend_for
