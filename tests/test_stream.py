@@ -290,6 +290,46 @@ def test_two_models_of_one_packed_artifact_page_only_their_own_mappings(mlp_arti
     np.testing.assert_allclose(second.run(_feeds())["y"], want, rtol=0, atol=1e-5)
 
 
+def test_models_loading_one_cold_packed_cache_at_once_all_load_and_agree(mlp_artifact, tmp_path):
+    """Threads of a worker pool load the same streamed artifact at once, nothing packed yet: one
+    writes each cache entry while the others wait and read it, and each model knows its own
+    mappings (before, the others swapped in their own copy under it, and it refused the entry as
+    changed; or took another's mappings as its own)."""
+    from slimml.errors import SlimmlError
+
+    want = load(mlp_artifact).run(_feeds())["y"]
+    got, failed = [], []
+
+    def go():
+        try:
+            model = load(mlp_artifact, resident=1, cache_dir=tmp_path / "cache")
+            got.append(model.run(_feeds())["y"])
+            model.verify()
+        except SlimmlError as e:
+            failed.append(str(e))
+
+    threads = [threading.Thread(target=go) for _ in range(4)]
+    [t.start() for t in threads]
+    [t.join(timeout=120) for t in threads]
+    assert not failed and len(got) == 4, failed
+    for y in got:
+        np.testing.assert_allclose(y, want, rtol=0, atol=1e-5)
+
+
+def test_a_closed_model_refuses_every_call_in_one_line(mlp_artifact, tiny_llama_artifact):
+    """Resident or streamed, an encoder's lanes or a decoder's cache loop: after close() each call
+    says so (before, a resident model kept running, or a decoder failed with KeyError: 'logits')."""
+    from slimml.errors import SlimmlError
+
+    for model, call in ((load(mlp_artifact), lambda m: m.run(_feeds())),
+                        (load(mlp_artifact, resident=2), lambda m: m.run(_feeds())),
+                        (load(tiny_llama_artifact), lambda m: m.generate([[5, 6, 7]], max_new_tokens=3))):
+        call(model)
+        model.close()
+        with pytest.raises(SlimmlError, match="the model was closed; load it again"):
+            call(model)
+
+
 def test_layers_of_one_type_share_one_compiled_session(tmp_path):
     """Streamed shards whose graphs are the same once named by position (every layer of a chain)
     run on one session: one compilation and one set of buffers instead of one per layer."""

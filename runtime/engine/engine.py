@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from slimml.errors import SlimmlError
 from slimml.runtime.artifact.integrity import check_shard_file, max_sequence_length, vocab_size
 from slimml.runtime.artifact.manifest import Manifest, verify_files
 from slimml.runtime.artifact.watch import FileWatch
@@ -159,6 +160,7 @@ class Engine:
     def lane(self, threads: int):
         """``run`` on a copy of the plan with ``threads`` intra-op threads, made once (from files
         hashed again first: graphs are read from disk to make it)."""
+        self._check_watch()  # a closed engine makes no new sessions
         with self._lanes_lock:
             plan = self._lanes.get(threads)
             if plan is None:
@@ -173,7 +175,9 @@ class Engine:
         return run
 
     def close(self) -> None:
-        """Stop the shard loader thread (if streaming) and drop every session."""
+        """Stop the shard loader thread (if streaming) and drop every session; a later call is
+        refused in one line."""
+        self._check_watch = _closed  # every way in (run, run_trusted, a lane, a KV-cache pass) asks first
         self.plan.close()
         if self._watch is not None:
             self._watch.close()
@@ -185,3 +189,7 @@ class Engine:
 
 def _nothing() -> None:
     pass
+
+
+def _closed() -> None:
+    raise SlimmlError("the model was closed; load it again to run it.")

@@ -22,15 +22,17 @@ than the model), slots read the packed bytes in themselves instead of paging the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
 import os
 import platform
 import sys
+import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import onnxruntime as ort
@@ -115,13 +117,14 @@ class PackedSlots:
         entry.check()
         self.entries[index] = entry
         options = self.backend.session_options(threads, spinning, shared_arena=True)
-        before = set(_mappings(entry.data))  # another model of this process may map the same file: not ours
-        session = self.backend.session(entry.graph, options, what=f"the packed shard {index} ({entry.graph})")
+        with _MAPPING:  # another model of this process may map the same file: its mappings are not ours
+            before = set(_mappings(entry.data))
+            session = self.backend.session(entry.graph, options, what=f"the packed shard {index} ({entry.graph})")
+            ranges = sorted(set(_mappings(entry.data)) - before)
         if not entry.same_files():  # swapped between the hash and ONNX Runtime's open
             entry.seen = None
             raise IntegrityError(f"the cache entry {entry.folder} changed while it was loaded; delete {entry.folder} "
                                  "(slimml rebuilds it) and load the model again.")
-        ranges = sorted(set(_mappings(entry.data)) - before)
         if not ranges:
             raise ArtifactError("ONNX Runtime did not map the pre-packed weights from their file")
         self.sessions[index] = session  # the mappings live as long as the session: kept while slots may advise them
@@ -173,6 +176,14 @@ class PackedSlots:
         record = read_record(folder, CACHE_FORMAT)  # a damaged record of any shape: refused, naming the folder
         if record is not None:
             return CacheEntry(folder, record)
+        with _entry_lock(self.cache / f".{key}.lock"):  # one writer: another loader of this shard waits, then reads
+            record = read_record(folder, CACHE_FORMAT)  # what the writer it waited for made
+            if record is not None:
+                return CacheEntry(folder, record)
+            return self._pack(index, threads, shard, folder)
+
+    def _pack(self, index: int, threads: int | None, shard, folder: Path) -> CacheEntry:
+        """Write shard ``index``'s pre-packed graph and weights as the cache entry ``folder``."""
         from slimml.runtime.artifact.atomic import atomic_folder  # the one atomic writer: stale temp folders go, a kill leaves none
 
         try:
@@ -199,6 +210,27 @@ class PackedSlots:
             f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
             "to a writable folder with room for about twice the streamed shards, or pass pack=False"
         )
+
+
+_MAPPING = threading.Lock()  # one session opened at a time, so that the mappings it adds are known to be its own
+
+
+@contextlib.contextmanager
+def _entry_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (made, mode 600) while a cache entry is written: loaders in
+    other processes and threads that need the same entry wait for it, instead of writing their own
+    and swapping it in under a loader that already checked the first (which then refused it)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock, as before
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 class _Pages:

@@ -235,6 +235,7 @@ class ExecutionPlan:
         for seg in self.segments:
             seg.close()
         self.segments = []
+        self._only = None
 
 
 def build_plan(folder: Path, manifest: Manifest, memory: StreamPlan, config: LoadConfig,
