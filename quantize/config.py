@@ -42,7 +42,8 @@ class GuardConfig:
     max_float_shards: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_drop, (int, float)) or self.max_drop < 0:
+        if isinstance(self.max_drop, bool) or not isinstance(self.max_drop, (int, float)) or not self.max_drop >= 0 \
+                or self.max_drop == float("inf"):  # not nan, not inf
             raise ConfigError(f"--max-drop must be a number >= 0, got {self.max_drop!r}.")
         if self.eval_file is not None:
             self.eval_file = Path(self.eval_file)
@@ -203,7 +204,8 @@ class Fp16Config(_Common):
     """
 
     keep_io_types: bool = True
-    op_block_list: tuple[str, ...] = ("Softmax", "LayerNormalization", "SkipLayerNormalization", "ReduceMean", "Pow", "Sqrt")
+    op_block_list: tuple[str, ...] = ("Softmax", "LayerNormalization", "SkipLayerNormalization", "ReduceMean", "Pow", "Sqrt",
+                                      "Range")  # ONNX defines Range for float32, not float16 (a rotary table's positions)
 
     def __post_init__(self):
         self._check_common()

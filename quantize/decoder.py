@@ -370,8 +370,13 @@ def for_language_model(config, manifest, folder=None):
     took 2x the time (a Mixtral-shaped 701M, 4-bit: 114 tokens/s against 231 for the recipe).
     """
     from slimml.convert.llm_check import is_language_model
-    from slimml.quantize.config import Int8DynamicConfig
+    from slimml.errors import ConfigError
+    from slimml.quantize.config import Int8DynamicConfig, Int8StaticConfig
 
+    if isinstance(config, Int8StaticConfig) and manifest is not None and str(manifest.task).startswith("text-generation"):
+        raise ConfigError("--quantize int8-static calibrates activations on recorded inputs, which a decoder's KV-cache "
+                          "inputs are not; quantize a language model with --quantize int8 (8-bit weights, int8 compute) "
+                          "or int4-weights.")
     if not is_language_model(manifest):
         if _cli_weights(config) and str(manifest.task).startswith("text-generation"):  # a decoder with no tokenizer
             return dataclasses.replace(config, accuracy_level=4)  # still decodes one row a pass: int8 compute

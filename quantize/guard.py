@@ -38,6 +38,9 @@ class _Measure:
         self.float_files, self.quant_files = float_files, quant_files
         self.feeds = held_feeds
         self.classifier: ClassifierScore | None = None
+        if guard is not None and guard.eval_file is not None and is_language_model(manifest):
+            raise ConfigError(f"--eval {guard.eval_file} is an STS CSV for sentence-embedding artifacts; a language "
+                              "model's guard scores perplexity on plain text: give it with --eval-text FILE.")
         float_chain = Chain(manifest, float_files, text, pooler=pooler)  # the float reference runs on the CPU
         self.lm = LanguageModelScore(manifest, float_files[0].parent, guard, float_chain, eval_text) if is_language_model(manifest) else None
         if self.lm is not None:  # a language model is judged by perplexity on held-out text, not output cosine

@@ -158,11 +158,13 @@ def _convert_with_progress(do_convert, source, out, config):
 
 
 @app.command("quantize")
-@config_options(quantizing=Options(QuantizeOptions, defaults={"scheme": "int8"}))
+@config_options(quantizing=Options(QuantizeOptions, defaults={"scheme": "int8"}),
+                checks=Options(ConvertConfig, only=("eval_text",)))
 def quantize_(
     artifact: Artifact,
     out: Annotated[Path, typer.Option("-o", "--out", help="The quantized artifact folder.")],
     quantizing: OptionValues = None,
+    checks: OptionValues = None,
     as_json: AsJson = False,
 ):
     """Quantize a float artifact into a new artifact folder (each shard, calibrated as the whole)."""
@@ -172,6 +174,8 @@ def quantize_(
     config = quantizing.build().to_config()
     if config is None:
         raise SlimmlError("--quantize none leaves the artifact as it is; choose a scheme, e.g. --quantize int8.")
+    if checks["eval_text"] is not None:
+        config.eval_text = checks["eval_text"]  # a language model's guard scores perplexity on it
     with console.status("quantizing", spinner="dots") as status:
         report = do_quantize(artifact, out, config, on_step=lambda msg: status.update(f"{msg}..."))
     if as_json:

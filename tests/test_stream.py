@@ -119,6 +119,9 @@ def test_parse_bytes():
     assert parse_bytes("1.5GiB") == int(1.5 * 2**30)
     assert parse_bytes("512 MB") == 512 * 10**6
     assert parse_bytes(1234) == 1234
+    for bad in (float("nan"), float("inf"), "1" + "0" * 400):  # before: ValueError, OverflowError, a traceback
+        with pytest.raises(ConfigError, match="is not a size a machine has"):
+            parse_bytes(bad)
 
 
 def test_concurrent_runs_never_mix(mlp_artifact):

@@ -217,6 +217,18 @@ def test_an_output_name_with_glob_characters_touches_no_other_artifact(tmp_path)
     assert (tmp_path / "m[12]" / "manifest.json").is_file()
 
 
+def test_a_quantized_artifact_is_as_readable_as_its_source(mlp_artifact, tmp_path):
+    """Every file of a quantized artifact gets the user's usual mode (before, ONNX's external data
+    writer left the weights 0600: a service account could not load what another user quantized)."""
+    from slimml.quantize import quantize
+    from slimml.quantize.config import WeightOnlyConfig
+    from slimml.runtime.artifact.manifest import read_manifest
+
+    quantize(mlp_artifact, tmp_path / "q", WeightOnlyConfig(bits=8))
+    modes = {f.path: stat.S_IMODE((tmp_path / "q" / f.path).stat().st_mode) for f in read_manifest(tmp_path / "q").files}
+    assert any(p.endswith(".data") for p in modes) and set(modes.values()) == {0o666 & ~_umask()}, modes
+
+
 def _umask() -> int:
     from slimml.runtime.artifact.replace import umask
 

@@ -28,6 +28,7 @@ from slimml.errors import ArtifactError
 from slimml.runtime.artifact.atomic import atomic_folder
 from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec, file_entry, read_manifest, safe_path
 from slimml.runtime.artifact.records import ASSETS, Pooling, Preprocessor, Seq2Seq, Tokenizer, ZeroShot
+from slimml.runtime.artifact.replace import umask
 
 if TYPE_CHECKING:
     import onnx
@@ -198,6 +199,9 @@ class ArtifactWriter:
         paths = [p for c in self._chains.values() for s in c.shards for p in (s.file, s.data) if p]
         paths += [p for r in records.values() if r is not None for p in r.files] + self._extra_files
         paths += [p for c in self._chains.values() if c.pooling is not None for p in c.pooling.files]
+        readable = 0o666 & ~umask()  # as any file the user writes (ONNX's external data writer makes 0600)
+        for p in dict.fromkeys(paths):
+            safe_path(self.folder, p).chmod(readable)
         files = [file_entry(self.folder, safe_path(self.folder, p)) for p in dict.fromkeys(paths)]  # a shared file once
         manifest = Manifest(
             name=name, task=task, source=source, steps=steps,

@@ -8,6 +8,8 @@ only a memory budget, :func:`plan_stream` picks the largest K whose worst case f
 
 from __future__ import annotations
 
+import math
+
 import re
 from dataclasses import dataclass, field
 
@@ -27,7 +29,7 @@ def parse_bytes(value: int | float | str) -> int:
         ConfigError: the text is not a size or is not positive.
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        n = int(value)
+        number, scale = float(value), 1
     else:
         m = _SIZE_RE.match(str(value))
         unit = m.group(2).lower() if m else None
@@ -36,7 +38,11 @@ def parse_bytes(value: int | float | str) -> int:
                 f"memory budget {value!r} is not a size; write it like '4GB', '512MB', '1.5GiB' or a "
                 "number of bytes."
             )
-        n = int(float(m.group(1)) * _UNITS[unit])
+        number, scale = float(m.group(1)), _UNITS[unit]
+    if not math.isfinite(number * scale) or number * scale > 2 ** 62:  # nan, inf, or 400 digits
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:36] + "...'"
+        raise ConfigError(f"memory budget {shown} is not a size a machine has; write it like '4GB' or '512MB'.")
+    n = int(value) if isinstance(value, int) and not isinstance(value, bool) else int(number * scale)
     if n <= 0:
         raise ConfigError(f"memory budget {value!r} must be positive.")
     return n
