@@ -22,7 +22,7 @@ def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]
         DataError: the file is missing, empty, lacks a column or holds a non-numeric score.
     """
     path = Path(path)
-    _a_file(path, f"give a CSV with columns {','.join(STS_COLUMNS)}")
+    _a_file(path, "data file", f"give a CSV with columns {','.join(STS_COLUMNS)}")
     try:
         return _read_sts(path)
     except UnicodeDecodeError as e:
@@ -33,11 +33,11 @@ def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]
                         f"{','.join(STS_COLUMNS)} (a language model is scored on a plain text file instead).") from None
 
 
-def _a_file(path: Path, fix: str) -> None:
+def _a_file(path: Path, kind: str, fix: str) -> None:
     if path.is_dir():
-        raise DataError(f"{path} is a folder, not a file; {fix}.")
+        raise DataError(f"{kind} {path} is a folder, not a file; {fix}.")
     if not path.is_file():
-        raise DataError(f"{path} does not exist; {fix}.")
+        raise DataError(f"{kind} {path} does not exist; {fix}.")
 
 
 def _read_sts(path: Path) -> tuple[list[str], list[str], np.ndarray]:
@@ -113,7 +113,7 @@ def read_text(path: str | os.PathLike) -> str:
         DataError: the file is missing, not UTF-8 text, or empty.
     """
     path = Path(path)
-    _a_file(path, "give a UTF-8 text file to measure perplexity on")
+    _a_file(path, "text file", "give a UTF-8 text file to measure perplexity on")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
