@@ -73,9 +73,7 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
             f"{', '.join(map(str, GGUF_VERSIONS))}; re-save it with a current llama.cpp (convert_hf_to_gguf.py)."
         )
     try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
+        reader = read_gguf(path)
         size = path.stat().st_size
         short = [t.name for t in reader.tensors if int(t.data_offset) + int(t.n_bytes) > size]
     except Exception as e:  # gguf-py's own errors on a cut file ("cannot reshape array ...")
@@ -181,9 +179,7 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
     Needs ``torch``, ``transformers``, ``gguf`` and ``accelerate`` (the ``convert`` extra). gpt-oss is
     read by slimml itself (``gguf_gpt_oss``: no transformers reads its files whole).
     """
-    from gguf import GGUFReader
-
-    if _field(GGUFReader(str(path)), "general.architecture") == GPT_OSS:
+    if _field(read_gguf(path), "general.architecture") == GPT_OSS:
         from slimml.convert.gguf_gpt_oss import gpt_oss_folder
 
         gpt_oss_folder(path, folder)
@@ -204,7 +200,7 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
     except ImportError:
         raise SourceError("reading a GGUF file needs accelerate; `pip install accelerate` (part of the convert extra).") from None
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), _reader_fixes():  # (stderr: its tqdm bar)
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), _reader_fixes(), parsed_once():  # (stderr: its tqdm bar)
             warnings.simplefilter("ignore")
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             for key, value in missed_config(path, config).items():
@@ -250,9 +246,7 @@ def missed_config(path: Path, config: Any) -> dict[str, Any]:
     - a scaled RoPE (Llama 3's, linear, YaRN, Phi-3's LongRoPE: ``gguf_rope.rope_config``);
     - a ``pad_token_id`` (a class default) beyond a smaller vocabulary: the file's own, or none.
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
+    reader = read_gguf(path)
     arch = _field(reader, "general.architecture")
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     fixes: dict[str, Any] = {}
@@ -356,6 +350,48 @@ def _gemma_config(reader: Any, arch: str, config: Any, hidden: int, heads: int, 
         elif (getattr(config, "rope_scaling", None) or {}).get("factor") != float(factor):
             fixes["rope_scaling"] = scaling
     return fixes
+
+
+_PARSED: dict[tuple[str, int, int], Any] = {}
+
+
+def read_gguf(path: str | Path) -> Any:
+    """gguf-py's ``GGUFReader`` of ``path``, parsed once while the file stays as it is.
+
+    Parsing is slow in Python (SmolLM2's 49,152-token vocabulary: 6-9 s on 2 cores), and one
+    convert reads the file seven times over (slimml's checks; transformers' config, tokenizer and
+    weights, each twice): one parse serves them all. The last file read is kept.
+    """
+    from gguf.gguf_reader import GGUFReader  # (the class itself: parsed_once lends gguf.GGUFReader this function)
+
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    key = (str(resolved), stat.st_size, stat.st_mtime_ns)
+    if key not in _PARSED:
+        _PARSED.clear()
+        _PARSED[key] = GGUFReader(str(resolved))
+    return _PARSED[key]
+
+
+@contextlib.contextmanager
+def parsed_once() -> Iterator[None]:
+    """transformers' GGUF reads, while it reads, served by :func:`read_gguf`, and gguf-py's tensor
+    name map built once per architecture (transformers 4.57 builds it again for every module of
+    the model: 397 times, 13 s, for SmolLM2)."""
+    import functools
+
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def cached(path: Any, mode: str = "r") -> Any:
+        return read_gguf(path) if mode == "r" else reader(path, mode)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = cached, functools.lru_cache(maxsize=8)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def _field(reader: Any, key: str) -> Any:
