@@ -50,9 +50,9 @@ STS_TRAIN = DATA / "sts-train.csv"
 
 @pytest.hookimpl(tryfirst=True)  # (before pytest-xdist reads the groups)
 def pytest_collection_modifyitems(config, items):
-    """Order and group the tests for pytest-xdist (``--dist loadgroup``, two workers): the tests of a
-    file that starts Ray servers run on one worker (its server is started once), and those files, then
-    the ones on SmolLM2, go first (the longest: the two workers end together)."""
+    """Order and group the tests for pytest-xdist (``--dist loadgroup``, two workers): the files that
+    start Ray run whole on one worker, one Ray at a time as in a serial run (their module servers are
+    started once), first (the longest group), then the files on SmolLM2; the rest spread test by test."""
     def rank(item) -> int:
         names = getattr(item, "fixturenames", ())
         return 0 if "ray_env" in names else 1 if any(n.startswith("smollm2") for n in names) else 2
@@ -61,9 +61,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.nodeid.split("::")[0]
         files[name] = min(files.get(name, 2), rank(item))
-    for item in items:  # a server a file (module fixtures) is started once; the rest spread test by test
+    for item in items:
         if files[item.nodeid.split("::")[0]] == 0:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+            item.add_marker(pytest.mark.xdist_group("ray"))
     items.sort(key=lambda item: files[item.nodeid.split("::")[0]])  # (stable: files keep their order)
 
 
@@ -137,22 +137,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(config, start_s: float = 180, own_ray: bool = False):
-    """``slimml serve`` of ``config`` on 127.0.0.1 in a thread; yields its port, stops it after.
-
-    The server joins the Ray this test process keeps (started by the first server, shut down with
-    ``ray_env``; ``serve`` keeps a connection it finds, as in a program that uses Ray itself), saving
-    a Ray start and stop a server. ``own_ray``: the server starts its own Ray and stops it."""
-    import ray
-
-    from slimml.scale.cluster import connect
+def serving(config, start_s: float = 180):
+    """``slimml serve`` of ``config`` on 127.0.0.1 in a thread; yields its port, stops it (and its
+    Ray) after."""
     from slimml.serve import serve
 
-    if own_ray:
-        if ray.is_initialized():
-            ray.shutdown()
-    else:
-        connect()
     port, urls, stop = free_port(), [], threading.Event()
     thread = threading.Thread(target=serve, args=(config,), kwargs={"port": port, "ready": urls.append, "stop": stop},
                               daemon=True)
@@ -183,8 +172,6 @@ def ray_env():
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     yield Path(folder)
-    if "ray" in sys.modules and sys.modules["ray"].is_initialized():  # the Ray kept for in-process servers
-        sys.modules["ray"].shutdown()
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)

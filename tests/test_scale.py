@@ -49,8 +49,6 @@ def cluster(ray_env):
                                                        "resources": {"node_a": 1}})
     c.add_node(num_cpus=1, resources={"node_b": 1})
     c.wait_for_nodes()
-    if ray.is_initialized():  # the Ray kept for in-process servers (conftest.serving)
-        ray.shutdown()
     ray.init(address=c.address, log_to_driver=False, configure_logging=False)
     yield c
     ray.shutdown()

@@ -54,9 +54,9 @@ def server(ray_env, default_artifact):
     from slimml.serve import ServeConfig
 
     config = ServeConfig(str(default_artifact), replicas=2, max_texts=64, max_body_bytes=64 << 10, max_batch_size=32)
-    with serving(config, own_ray=True) as port:
+    with serving(config) as port:
         yield port
-    assert not ray.is_initialized()  # the Ray it started is stopped
+    assert not ray.is_initialized()
 
 
 @pytest.fixture(scope="module")
