@@ -360,7 +360,8 @@ def read_gguf(path: str | Path) -> Any:
 
     Parsing is slow in Python (SmolLM2's 49,152-token vocabulary: 6-9 s on 2 cores), and one
     convert reads the file seven times over (slimml's checks; transformers' config, tokenizer and
-    weights, each twice): one parse serves them all. The last file read is kept.
+    weights, each twice): one parse serves them all. The last file read is kept until a
+    :func:`parsed_once` block ends (a mapped file is not held open past its convert).
     """
     from gguf.gguf_reader import GGUFReader  # (the class itself: parsed_once lends gguf.GGUFReader this function)
 
@@ -392,6 +393,7 @@ def parsed_once() -> Iterator[None]:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        _PARSED.clear()  # the convert's last read of the file: its mapping is not kept past it
 
 
 def _field(reader: Any, key: str) -> Any:

@@ -331,7 +331,7 @@ def smollm2_transformers() -> dict:
 
     from slimml.convert.gguf import parsed_once
 
-    with parsed_once():  # the file parsed once for both (and for the session's convert of it)
+    with parsed_once():  # the file parsed once for both
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
         return {"model": model, "tokenizer": AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)}
 
