@@ -34,6 +34,11 @@ def connect(address: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
+    # Ray's processes inherit this. Serve kills an HTTP proxy that is not ready within 5 s, and
+    # serve.start() then fails ("The actor never ran"); on a busy 2-core machine the proxy takes
+    # longer than that to start (here, beside two busy processes, a start failed with Serve's 5 s
+    # and succeeded with 60 s; a user's own value is kept)
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     try:
         if address is None:
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
