@@ -49,8 +49,9 @@ STS_TRAIN = DATA / "sts-train.csv"
 
 # The files whose tests start Ray (they use the ``ray_env`` fixture). Under pytest-xdist they run as
 # one unit of work on one worker, one Ray at a time as in a serial run: two Ray clusters starting at
-# once on a 2-core machine lost a Serve proxy. A test file that starts Ray and is not listed here
-# stops the collection (``pytest_collection_modifyitems``) with the fix.
+# once load a 2-core machine past what Serve's proxy needs to start (docs/testing.md). A test file
+# that starts Ray and is not listed here stops the collection (``pytest_collection_modifyitems``)
+# with the fix.
 RAY_FILES = frozenset({"test_llm_serve.py", "test_rerank.py", "test_scale.py", "test_serve.py", "test_serve_cli.py",
                        "test_serve_hostile.py", "test_serve_load.py", "test_token_tasks.py", "test_tool_calls.py"})
 

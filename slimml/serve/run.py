@@ -60,6 +60,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         log.warning("slimml: serving on %s without an API key: anyone who reaches this port can use the model; "
                     "set --api-key or SLIMML_API_KEY", host)
     proxy_port = _direct_ingress(host, port, config, address) if direct_ingress else port
+    import ray
     from ray import serve as ray_serve
 
     from slimml.scale.cluster import connect, nodes_with_cpus
@@ -82,6 +83,13 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         except RuntimeError as e:  # Serve's proxy: "Failed to bind to address ..." (taken since the check above)
             raise ConfigError(f"Ray Serve could not listen on {host}:{proxy_port} ({str(e).splitlines()[0]}); choose "
                               "another --port, or stop what listens there.") from None
+        except (TimeoutError, ray.exceptions.RayActorError) as e:  # the proxy not ready in time: Serve killed it
+            raise SlimmlError(
+                f"Ray Serve's HTTP proxy did not start in time ({type(e).__name__}: {str(e).splitlines()[0]}): the "
+                "machine is too busy; free some cores and start again (on a `ray start` cluster, start Ray with "
+                "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60); its log is under Ray's session folder "
+                "(`ray/session_latest/logs` in /tmp or $RAY_TMPDIR)."
+            ) from None
         try:
             ray_serve.run(app(config, cpus_per_replica=cpus / config.replicas, memory_bytes=memory), name="slimml",
                           route_prefix="/",
@@ -100,8 +108,6 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             ray_serve.shutdown()
         finally:
             if owns_ray:
-                import ray
-
                 ray.shutdown()
             if threading.current_thread() is threading.main_thread():
                 for s, handler in previous.items():
