@@ -179,6 +179,11 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
     Needs ``torch``, ``transformers``, ``gguf`` and ``accelerate`` (the ``convert`` extra). gpt-oss is
     read by slimml itself (``gguf_gpt_oss``: no transformers reads its files whole).
     """
+    with parsed_once():  # one parse of the file serves every read below
+        _gguf_to_folder(path, folder)
+
+
+def _gguf_to_folder(path: Path, folder: Path) -> None:
     if _field(read_gguf(path), "general.architecture") == GPT_OSS:
         from slimml.convert.gguf_gpt_oss import gpt_oss_folder
 
@@ -200,7 +205,7 @@ def gguf_to_folder(path: Path, folder: Path) -> None:
     except ImportError:
         raise SourceError("reading a GGUF file needs accelerate; `pip install accelerate` (part of the convert extra).") from None
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), _reader_fixes(), parsed_once():  # (stderr: its tqdm bar)
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), _reader_fixes():  # (stderr: its tqdm bar)
             warnings.simplefilter("ignore")
             config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
             for key, value in missed_config(path, config).items():
@@ -353,6 +358,7 @@ def _gemma_config(reader: Any, arch: str, config: Any, hidden: int, heads: int, 
 
 
 _PARSED: dict[tuple[str, int, int], Any] = {}
+_BLOCKS: list[None] = []  # one entry per open parsed_once block
 
 
 def read_gguf(path: str | Path) -> Any:
@@ -360,12 +366,14 @@ def read_gguf(path: str | Path) -> Any:
 
     Parsing is slow in Python (SmolLM2's 49,152-token vocabulary: 6-9 s on 2 cores), and one
     convert reads the file seven times over (slimml's checks; transformers' config, tokenizer and
-    weights, each twice): one parse serves them all. The last file read is kept until a
-    :func:`parsed_once` block ends (a mapped file is not held open past its convert).
+    weights, each twice): inside a :func:`parsed_once` block one parse serves them all, and the
+    parse (its mapping of the file) is let go when the block ends. Outside one, a fresh parse.
     """
     from gguf.gguf_reader import GGUFReader  # (the class itself: parsed_once lends gguf.GGUFReader this function)
 
     resolved = Path(path).resolve()
+    if not _BLOCKS:
+        return GGUFReader(str(resolved))
     stat = resolved.stat()
     key = (str(resolved), stat.st_size, stat.st_mtime_ns)
     if key not in _PARSED:
@@ -389,11 +397,14 @@ def parsed_once() -> Iterator[None]:
         return read_gguf(path) if mode == "r" else reader(path, mode)
 
     gguf.GGUFReader, gguf.get_tensor_name_map = cached, functools.lru_cache(maxsize=8)(name_map)
+    _BLOCKS.append(None)
     try:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
-        _PARSED.clear()  # the convert's last read of the file: its mapping is not kept past it
+        _BLOCKS.pop()
+        if not _BLOCKS:
+            _PARSED.clear()  # the convert's last read of the file: its mapping is not kept past it
 
 
 def _field(reader: Any, key: str) -> Any:

@@ -74,12 +74,13 @@ def pytest_collection_modifyitems(config, items):
     """The Ray files first (the longest unit of work, so it starts at once), then the files on the
     real language model (SmolLM2, long too), then the rest; files keep their order otherwise."""
     def rank(item) -> int:
-        if Path(item.path).name in RAY_FILES:
+        names = getattr(item, "fixturenames", ())
+        if item.path.name in RAY_FILES:
             return 0
-        if "ray_env" in getattr(item, "fixturenames", ()):
+        if "ray_env" in names:
             raise pytest.UsageError(f"{item.nodeid} starts Ray but its file is not in tests/conftest.py's RAY_FILES: "
                                     "add it there, so that its Ray never runs beside another worker's")
-        return 1 if any(n.startswith("smollm2") for n in getattr(item, "fixturenames", ())) else 2
+        return 1 if any(n.startswith("smollm2") for n in names) else 2
 
     ranks: dict[Path, int] = {}
     for item in items:
