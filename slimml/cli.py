@@ -591,7 +591,7 @@ def generate(
                                 top_k=top_k or None, top_p=None if top_p == 1.0 else top_p, seed=seed)
         if not as_json:
             for p, text in zip(prompt, result.texts):
-                console.print(Text(p, style="bold") + Text(f" -> {text}"))
+                console.print(Text(p, style="bold") + Text(f" -> {text}"), soft_wrap=True)
     elif as_json:
         result = model.chat(conversations, config, **offered) if chat else model.generate(list(prompt), config=config)
     else:
@@ -599,7 +599,8 @@ def generate(
         for p, messages in zip(prompt, conversations):  # one at a time, so that each prompt's text prints as it is produced
             pieces = (model.chat(messages, config, stream="deltas", **offered) if chat  # thoughts print as they come
                       else model.stream(p, config))  # refuses before printing
-            console.print(Text(p, style="bold"), end="\n" if chat else "", highlight=False)  # Text: a prompt's [brackets] are not markup
+            console.print(Text(p, style="bold"), end="\n" if chat else "", highlight=False,  # Text: a prompt's [brackets]
+                          soft_wrap=True)  # are not markup; soft_wrap: no line breaks of the console's width in it
             thinking = False
             for piece in pieces:
                 if chat:  # a reasoning model's thoughts between <think> tags, whatever its format writes

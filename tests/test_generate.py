@@ -344,7 +344,8 @@ CONFIG_ERRORS = [
     ({"top_p": 0}, "top_p must be in (0, 1] (1 turns it off), got 0."),
     ({"top_p": 1.5}, "top_p must be in (0, 1] (1 turns it off), got 1.5."),
     ({"top_k": -1}, "top_k must be a whole number >= 0 (0 turns it off), got -1."),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0 (1 turns it off), got 0.0."),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number > 0 (1 turns it off), got 0.0."),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number > 0 (1 turns it off), got inf."),
     ({"seed": "1"}, "seed must be an integer, a list of them (one per prompt) or None, got '1'; "
                    "pass e.g. seed=0."),
     ({"seed": 1.5}, "seed must be an integer, a list of them (one per prompt) or None, got 1.5; "
@@ -358,6 +359,8 @@ CONFIG_ERRORS = [
     ({"stop": ["a"] * 17}, "stop has 17 strings, more than 16; keep the ones that matter."),
     ({"stop": [1]}, "stop must be a string or a list of strings, got [1]."),
     ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids >= 0, got [-1]."),
+    ({"stop_token_ids": [512]}, "stop_token_ids names token 512, outside the model's vocabulary of 512; use ids in [0, 512)."),
+    ({"stop": ["ok", "\ud800"]}, "stop string 1 is not valid Unicode (a lone surrogate at position 0); remove it."),
     ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, frequency_penalty, "
                          "logit_bias, logprobs, max_new_tokens, min_new_tokens, pad_token_id, presence_penalty, prompt_lookup, repetition_penalty, "
                          "response_format, seed, skip_special_tokens, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
@@ -401,6 +404,20 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
     refused(FeedError, f"messages must be a non-empty list, got str; {fix}", llama.chat, "hi")
     refused(FeedError, f"message 0 has no string 'role'; {fix}", llama.chat, [{"content": "hi"}])
     refused(FeedError, f"message 1 has no 'content'; {fix}", llama.chat, [{"role": "user", "content": "hi"}, {"role": "user"}])
+    refused(FeedError, "message 0's content is NoneType, not text; give a string (or a list of parts, e.g. "
+            '[{"type": "text", "text": "Hi"}]).', llama.chat, [{"role": "user", "content": None}])
+    refused(FeedError, "message 0's content is not valid Unicode (a lone surrogate at position 2); replace it (decode the "
+            "text with errors='replace') or remove it.", llama.chat, [{"role": "user", "content": "hi\udc80"}])
+    refused(FeedError, f"conversation 1, message 0 has no 'content'; {fix}", llama.chat,
+            [[{"role": "user", "content": "hi"}], [{"role": "user"}]])  # a batch's bad message named by its conversation
+    refused(ConfigError, "chat_template_kwargs must be a dict of template variables, e.g. {'enable_thinking': False}, "
+            "got str.", llama.chat, [{"role": "user", "content": "hi"}], chat_template_kwargs="x")
+    refused(ConfigError, "chat_template_kwargs sets 'messages', which chat() sets itself; pass it as chat()'s own argument "
+            "(messages, add_generation_prompt, tools) or leave it out.", llama.chat, [{"role": "user", "content": "hi"}],
+            chat_template_kwargs={"messages": []})
+    empty = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "empty", bpe, "{# writes nothing #}"))
+    refused(ArtifactError, f"{tmp_path / 'empty' / 'chat_template.jinja'} rendered these messages as empty text; fix the "
+            "template (it must write the messages) or give another one.", empty.chat, [{"role": "user", "content": "hi"}])
     strict = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "strict", bpe,
                                  "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with a user message') }}{% endif %}ok"))
     refused(SlimmlError, f"{tmp_path / 'strict' / 'chat_template.jinja'} failed to render these messages (TemplateError: "
@@ -446,6 +463,9 @@ def test_cli_generate_streams_with_the_same_options(llama):
     r = slimml("the model", "--max-new-tokens", 10, "--temperature", 0.8, "--top-k", 50, "--top-p", 0.95,
                "--repetition-penalty", 1.1, "--seed", 3)  # the prompt after the artifact, as llama.cpp's users type it
     assert r.returncode == 0 and r.stdout == "the model" + want.texts[0] + "\n", r.stderr
+    long = "the model " * 12  # wider than the console's 80 columns: echoed as one line all the same
+    r = slimml(long, "--max-new-tokens", 2)
+    assert r.returncode == 0 and r.stdout.startswith(long) and r.stdout.count("\n") == 1, r.stdout
     r = slimml("--max-new-tokens", 4)
     assert r.returncode == 1 and r.stderr.strip().startswith("error: no prompt given; add one after the artifact")
     r = slimml("--prompt", "hi", "--top-p", 2)

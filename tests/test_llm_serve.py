@@ -402,6 +402,8 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"logit_bias": {"5": 101}}, "a bias is a number from -100 to 100"),
     ({"logit_bias": {"99999999": -100}}, "outside the model's vocabulary of 49152"),
     ({"stop": "x" * 50_000}, "so it can never appear; shorten it"),
+    ({"modalities": ["text", "audio"]}, "this model answers in text"),
+    ({"seed": True}, '"seed" must be a whole number from -2**63 to 2**63-1, got true.'),
 ])
 def test_bad_chat_requests_get_openai_errors(client, change, words):
     body = {"model": "smollm2", "messages": MESSAGES, "max_tokens": 8, **change}
@@ -410,9 +412,29 @@ def test_bad_chat_requests_get_openai_errors(client, change, words):
         client.chat.completions.create(**body, extra_body=extra or None)
     assert 400 <= e.value.status_code < 500
     assert words in e.value.body["message"], e.value.body
-    assert e.value.body["type"] == "invalid_request_error" and set(e.value.body) == {"message", "type", "param", "code"}
+    kind = "not_found_error" if e.value.status_code == 404 else "invalid_request_error"  # as openai's classes name them
+    assert e.value.body["type"] == kind and set(e.value.body) == {"message", "type", "param", "code"}
     field = next(iter(change))
     assert e.value.body["param"] is not None and e.value.body["param"].startswith(field), e.value.body
+
+
+def test_model_retrieval_a_negative_seed_and_a_stop_string_that_is_not_text(server, client, local):
+    assert client.models.retrieve("smollm2").id == "smollm2"  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4")
+    assert "this server serves 'smollm2'" in e.value.body["message"] and e.value.body["type"] == "not_found_error"
+    r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0.9, seed=-1)
+    want = local.chat(MESSAGES, max_new_tokens=8, temperature=0.9, seed=2**64 - 1)  # OpenAI's signed seed, as unsigned
+    assert r.choices[0].message.content == want.texts[0]
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=30)
+    for route, field in (("/v1/chat/completions", {"messages": MESSAGES}), ("/v1/completions", {"prompt": "hi"})):
+        body = json.dumps({"model": "smollm2", "max_tokens": 4, "stop": ["ok", "\ud800"], **field})  # JSON's escaped surrogate
+        conn.request("POST", route, body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        error = json.loads(r.read())["error"]
+        assert r.status == 400 and error["param"] == "stop", error
+        assert error["message"] == '"stop" string 1 is not valid Unicode (a lone surrogate at position 0); send text without one.'
+    conn.close()
 
 
 def test_text_parts_and_unknown_fields_are_taken_as_openai_takes_them(client):

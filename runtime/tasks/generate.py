@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ConfigError
-from slimml.runtime.tasks.generation.chat import ChatTemplate
+from slimml.runtime.tasks.generation.chat import ChatTemplate, check_messages
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.lookup import lookup_loop
 from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_loop
@@ -212,6 +212,8 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     """
     conversations = messages if messages and isinstance(messages, (list, tuple)) and isinstance(messages[0], (list, tuple)) \
         else [messages]
+    for j, m in enumerate(conversations):  # a batch's messages named by their conversation
+        check_messages(m, f"conversation {j}, " if len(conversations) > 1 else "")
     config = GenerationConfig.of(config, **options)
     checked = Tools.of(tools, tool_choice, parallel_tool_calls)
     if checked is not None and continue_final_message:

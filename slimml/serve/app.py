@@ -130,8 +130,9 @@ async def _request_error(request: Request, e: RequestError):
     return _error(str(e), e.status, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None, e.param)
 
 
-ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, POST /v1/rerank, POST /v1/generate, POST /v1/run, "
-          "GET /health, GET /v1/models")
+ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, POST /v1/rerank, "
+          "POST /v1/entities, POST /v1/answer, POST /v1/generate, POST /v1/run, GET /health, GET /v1/models, "
+          "GET /v1/models/{model}")
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -160,6 +161,7 @@ _ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"),
            "answer": ("/v1/answer", "an extractive question-answering model")}
 _SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts",
          "rerank_with_counts": "rerank"}  # methods behind one route
+_USE = {"generate": "POST /v1/chat/completions, POST /v1/completions"}  # what to point a client at for such a model
 
 
 def task_refusal(e: TaskError) -> RequestError:
@@ -167,7 +169,7 @@ def task_refusal(e: TaskError) -> RequestError:
     route = _ROUTES.get(_SAME.get(e.method, e.method))
     if route is None:  # a method no route serves
         return RequestError(str(e), 400)
-    works = dict.fromkeys(f"POST {_ROUTES[m][0]}" for m in (_SAME.get(a, a) for a in e.alternatives) if m in _ROUTES)
+    works = dict.fromkeys(_USE.get(m, f"POST {_ROUTES[m][0]}") for m in (_SAME.get(a, a) for a in e.alternatives) if m in _ROUTES)
     use = ", ".join(works) + ", or POST /v1/run for its raw outputs" if works else "POST /v1/run for its raw outputs"
     return RequestError(f"this artifact is a {e.task!r} model, not {route[1]}, so it has no {route[0]}; use {use}.", 400)
 
@@ -289,7 +291,10 @@ class SlimmlServer:
         self._needs("encode_with_counts")
         protocol.check_model(data, self.name)
         texts = protocol.embedding_texts(data, self.config.max_texts, self.text_chars)
-        prompt = self.model.text_prompt(protocol.prompt_name(data))  # the model's default, or the one named
+        try:
+            prompt = self.model.text_prompt(protocol.prompt_name(data))  # the model's default, or the one named
+        except FeedError as e:
+            raise RequestError(str(e), param="prompt_name") from None
         size = protocol.dimensions(data, self._embedding_size())
         emb, counts = await self._embed_batch([prompt + t for t in texts] if prompt else texts)  # with concurrent requests' texts
         pooling = self.model.manifest.pooling
@@ -407,10 +412,19 @@ class SlimmlServer:
 
     @api.get("/v1/models")
     async def models(self):
+        return {"object": "list", "data": [self._model_card()]}
+
+    @api.get("/v1/models/{model:path}")
+    async def model_card(self, model: str):
+        """OpenAI's model retrieval (``client.models.retrieve(name)``): the served model, else 404."""
+        protocol.check_model({"model": model}, self.name)
+        return self._model_card()
+
+    def _model_card(self) -> dict[str, Any]:
         m = self.model.manifest
         made = (Path(self.config.artifact) / MANIFEST_NAME).stat().st_mtime  # OpenAI's created: when the artifact was written
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": int(made), "owned_by": "slimml",
-                                            "task": m.task, "shards": len(m.shards), "stages": self.config.stages}]}
+        return {"id": self.name, "object": "model", "created": int(made), "owned_by": "slimml", "task": m.task,
+                "shards": len(m.shards), "stages": self.config.stages}
 
     def check_health(self):
         """Serve's own probe: a replica whose files changed is replaced (it reloads and re-verifies)."""

@@ -152,7 +152,8 @@ class LLMService:
             chars += len(json.dumps(req.template_kwargs))
         if chars > self.max_text_chars:  # before any tokenizing: a prompt is never cut, it is refused
             raise RequestError(f"the prompt has {chars} characters, more than this server takes ({self.max_text_chars}); "
-                               "shorten it, or start the server with a larger --max-text-chars.", 413)
+                               "shorten it, or start the server with a larger --max-text-chars.", 413,
+                               param="messages" if req.chat else "prompt")
         events: asyncio.Queue = asyncio.Queue()
         token_bytes = await asyncio.to_thread(self._bytes_of_tokens) if req.logprobs is not None else None
         try:
@@ -211,7 +212,7 @@ class LLMService:
                 # a reasoning model: no thoughts where a format holds the answer from its start
                 prompt = form.prompt(prompt, formatted=req.response_format is not None)
             except FeedError as e:
-                raise RequestError(str(e)) from None
+                raise RequestError(str(e), param="messages") from None
             except SlimmlError as e:  # the template refused the messages, or there is none: no paths in the body
                 detail = str(e).replace(str(self.model.folder), "the model")
                 raise RequestError(f"{detail} (POST /v1/completions takes a plain prompt.)") from None

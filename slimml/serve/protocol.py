@@ -391,17 +391,20 @@ def dumps(body: dict[str, Any]) -> bytes:
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
+_ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error"}  # as the openai package names these errors
+
+
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape (``message``, ``type``, ``param``: the field at fault or null,
     ``code``: the HTTP status), the message with server paths and node addresses taken out (the
     server logs them; a client has no use for them, an attacker some)."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
+    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": public(message), "type": kind, "param": param, "code": status}}
 
 
 # an absolute path (or one under ~), and an IPv4 address with or without a port
 _PATH = re.compile(r"(?<![\w.:/])(?:~|/(?=[^\s/]))[^\s'\"(),;:]*")
-_ROUTE = re.compile(r"/(?:v1/[\w/]+|health)\.?$")  # this API's own endpoints, which messages name on purpose
+_ROUTE = re.compile(r"/(?:v1/[\w/.-]*[\w-]|health)\.?$")  # this API's own endpoints, which messages name on purpose
 _ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b")
 
 

@@ -25,6 +25,9 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
                   "additional_special_tokens")  # transformers' SPECIAL_TOKENS_ATTRIBUTES
 
 
+TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt"})  # render() passes these itself
+
+
 class ChatTemplate:
     """A compiled chat template and the special tokens it may use.
 
@@ -58,6 +61,7 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         self.where = where
         self.source = source
+        self.given = given
         self.special = {k: v for k, v in (special or {}).items() if v}  # as transformers' special_tokens_map: set ones only
         try:
             self.template = env.from_string(source)
@@ -87,6 +91,10 @@ class ChatTemplate:
                     "content as a string (the text parts joined)" if parts is not None else "")
             raise SlimmlError(f"{self.where} failed to render these messages ({type(e).__name__}: {_line(str(e))}); "
                               f"fix the messages (roles, their order) or the template{hint}.") from None
+        if not text.strip():
+            error = ConfigError if self.given else ArtifactError
+            raise error(f"{self.where} rendered these messages as empty text; fix the template (it must write the "
+                        "messages) or give another one.")
         return _cut_at_tag(text, final, self.where) if continue_final_message else text
 
     @classmethod
@@ -129,18 +137,30 @@ class ChatTemplate:
                           "yourself and call generate().")
 
 
-def check_messages(messages: Any) -> None:
-    """Refuse anything but a non-empty list of ``{"role": str, "content": ...}`` dicts."""
+def check_messages(messages: Any, where: str = "") -> None:
+    """Refuse anything but a non-empty list of ``{"role": str, "content": ...}`` dicts whose
+    content is text or a list of parts (None only beside ``tool_calls``); ``where`` begins each
+    message (``"conversation 2, "`` in a batch)."""
     fix = 'pass a list of {"role": ..., "content": ...} dicts, e.g. [{"role": "user", "content": "Hi"}].'
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise FeedError(f"messages must be a non-empty list, got {type(messages).__name__}; {fix}")
+        raise FeedError(f"{where}messages must be a non-empty list, got {type(messages).__name__}; {fix}")
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
-            raise FeedError(f"message {i} is a {type(m).__name__}, not a dict; {fix}")
+            raise FeedError(f"{where}message {i} is a {type(m).__name__}, not a dict; {fix}")
         if not isinstance(m.get("role"), str):
-            raise FeedError(f"message {i} has no string 'role'; {fix}")
+            raise FeedError(f"{where}message {i} has no string 'role'; {fix}")
         if "content" not in m and not m.get("tool_calls"):
-            raise FeedError(f"message {i} has no 'content'; {fix}")
+            raise FeedError(f"{where}message {i} has no 'content'; {fix}")
+        content = m.get("content")
+        if not isinstance(content, (str, list, tuple)) and not (content is None and m.get("tool_calls")):
+            raise FeedError(f"{where}message {i}'s content is {type(content).__name__}, not text; give a string (or a list "
+                            'of parts, e.g. [{"type": "text", "text": "Hi"}]).')
+        try:
+            if isinstance(content, str):
+                content.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, from a bad decode upstream
+            raise FeedError(f"{where}message {i}'s content is not valid Unicode (a lone surrogate at position {e.start}); "
+                            "replace it (decode the text with errors='replace') or remove it.") from None
 
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker at the end of the message to continue

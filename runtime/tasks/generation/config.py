@@ -103,7 +103,8 @@ class GenerationConfig:
         _number("temperature", self.temperature, "a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < float("inf"))
         _whole("top_k", self.top_k, 0, "(0 turns it off)")
         _number("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
-        _number("repetition_penalty", self.repetition_penalty, "> 0 (1 turns it off)", lambda v: v > 0)
+        _number("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 turns it off)",
+                lambda v: 0 < v < float("inf"))
         for name in ("presence_penalty", "frequency_penalty"):
             _number(name, getattr(self, name), "from -2 to 2 (0 turns it off)", lambda v: -2 <= v <= 2)
         object.__setattr__(self, "logit_bias", _bias(self.logit_bias))
@@ -128,6 +129,12 @@ class GenerationConfig:
             raise ConfigError(f"stop has {len(stop)} strings, more than {MAX_STOP_STRINGS}; keep the ones that matter.")
         if any(s == "" for s in stop):
             raise ConfigError("stop has an empty string, which would stop at once; remove it.")
+        for i, s in enumerate(stop):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer takes it
+                raise ConfigError(f"stop string {i} is not valid Unicode (a lone surrogate at position {e.start}); "
+                                  "remove it.") from None
         ids = (self.stop_token_ids,) if is_int(self.stop_token_ids) else self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
             raise ConfigError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}.")

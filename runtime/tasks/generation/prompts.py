@@ -74,10 +74,11 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
             if bad is not None:
                 raise FeedError(f"prompt {i} has token id {p[bad]} at position {bad}, outside the model's vocabulary "
                                 f"of {vocab}; use ids in [0, {vocab}).")
-    far = [t for t, _ in config.logit_bias or () if vocab is not None and t >= vocab]
-    if far:
-        raise ConfigError(f"logit_bias names token {far[0]}, outside the model's vocabulary of {vocab}; use ids in "
-                          f"[0, {vocab}).")
+    for name, named in (("logit_bias", [t for t, _ in config.logit_bias or ()]), ("stop_token_ids", config.stop_token_ids)):
+        far = [t for t in named if vocab is not None and t >= vocab]
+        if far:
+            raise ConfigError(f"{name} names token {far[0]}, outside the model's vocabulary of {vocab}; use ids in "
+                              f"[0, {vocab}).")
     if config.stop and tok is None:
         raise SlimmlError(f"stop strings are matched on the text, but the artifact {model.folder} has no tokenizer; "
                           "use stop_token_ids instead.")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from slimml.errors import ConfigError
+from slimml.runtime.tasks.generation.chat import TEMPLATE_ARGUMENTS
 from slimml.runtime.tasks.generation.reasoning import ReasoningFormat, ReasoningText, reasoning_format
 from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, ToolFormat, Tools, ToolText, ToolUse, tool_format
 
@@ -154,7 +155,20 @@ class ReplyFormat:
         return self.earlier.history(messages) if self.earlier is not None else messages
 
     def variables(self, variables: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The template's variables: ``variables`` and the tools."""
+        """The template's variables: ``variables`` (``chat_template_kwargs``, checked) and the tools.
+
+        Raises:
+            ConfigError: ``variables`` is not a dict of names, or sets what the call sets itself.
+        """
+        if variables is not None and not isinstance(variables, dict):
+            raise ConfigError(f"chat_template_kwargs must be a dict of template variables, e.g. "
+                              f"{{'enable_thinking': False}}, got {type(variables).__name__}.")
+        if not all(isinstance(k, str) and k.isidentifier() for k in variables or ()):
+            raise ConfigError("chat_template_kwargs keys must be names (letters, digits and _), e.g. 'enable_thinking'.")
+        taken = sorted(set(variables or ()) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ConfigError(f"chat_template_kwargs sets {taken[0]!r}, which chat() sets itself; pass it as chat()'s own "
+                              "argument (messages, add_generation_prompt, tools) or leave it out.")
         return {**(variables or {}), **(self.use.variables() if self.use is not None else {})}
 
     def config(self, config: Any) -> Any:

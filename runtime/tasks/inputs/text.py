@@ -182,6 +182,6 @@ def prompt_text(pooling: Any, prompt_name: str | None = None, prompt: str | None
     if prompt_name not in prompts:
         have = f"its prompts are {', '.join(map(repr, prompts))}" if prompts else "it has none"
         raise FeedError(f"prompt_name {prompt_name!r} is not one of this model's prompts ({have}); name one of them, "
-                        "or pass the text itself as prompt=.")
+                        "or put the words before each text yourself.")
     return prompts[prompt_name]
 
