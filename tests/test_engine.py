@@ -5,6 +5,7 @@ the trusted path hands back device values for outputs a task feeds back."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import onnxruntime as ort
@@ -43,8 +44,11 @@ def _feeds(batch: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("kwargs,error,message", [
     ({"device": "gpu"}, DeviceError, "unknown device 'gpu'; use one of ['cpu', 'cuda', 'auto']."),
-    ({"threads": 0}, ConfigError, "threads=0 must be a whole number >= 1 (ONNX Runtime's intra-op threads); leave "
-                                  "it out for ONNX Runtime's choice."),
+    ({"threads": 0}, ConfigError, f"threads=0 must be a whole number from 1 to 1024 (ONNX Runtime's intra-op threads; "
+                                  f"this machine has {os.cpu_count()} cores); leave it out for ONNX Runtime's choice."),
+    ({"threads": 10**5}, ConfigError, f"threads=100000 must be a whole number from 1 to 1024 (ONNX Runtime's intra-op "
+                                      f"threads; this machine has {os.cpu_count()} cores); leave it out for ONNX Runtime's "
+                                      "choice."),  # not 100,000 threads started
     ({"verify": "no"}, ConfigError, "verify='no' must be True or False."),
     ({"resident": 0}, ConfigError, "resident=0 must be a whole number >= 1 (shards loaded at once)."),
     ({"resident": 2.5}, ConfigError, "resident=2.5 must be a whole number >= 1 (shards loaded at once)."),
@@ -65,6 +69,16 @@ def test_load_config_refuses_bad_values_in_one_line(kwargs, error, message):
     with pytest.raises(error) as e:
         LoadConfig(**kwargs)
     assert str(e.value) == message
+
+
+def test_slimml_threads_is_checked_where_set(monkeypatch):
+    monkeypatch.setenv("SLIMML_THREADS", "abc")
+    with pytest.raises(ConfigError) as e:
+        LoadConfig()
+    assert str(e.value) == (f"SLIMML_THREADS='abc' must be a whole number from 1 to 1024 (ONNX Runtime's intra-op threads; "
+                            f"this machine has {os.cpu_count()} cores); fix it or unset it.")
+    monkeypatch.setenv("SLIMML_THREADS", " 1 ")
+    assert LoadConfig().threads is None  # read where sessions are made
 
 
 def test_load_config_normalises_and_documents_every_field(tmp_path):

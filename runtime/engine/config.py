@@ -23,6 +23,7 @@ from typing import Any
 
 from slimml.errors import ConfigError
 from slimml.runtime.engine.backends import DEFAULT_DEVICE, check_device
+from slimml.runtime.engine.backends.base import MAX_THREADS, env_threads
 from slimml.runtime.engine.budget import parse_bytes
 
 
@@ -62,9 +63,11 @@ class LoadConfig:
 
     def __post_init__(self) -> None:
         check_device(self.device)  # DeviceError: "unknown device 'gpu'; use one of [...]"
-        if self.threads is not None and (not _whole(self.threads) or self.threads < 1):
-            raise ConfigError(f"threads={self.threads!r} must be a whole number >= 1 (ONNX Runtime's intra-op "
-                              "threads); leave it out for ONNX Runtime's choice.")
+        if self.threads is not None and (not _whole(self.threads) or not 1 <= self.threads <= MAX_THREADS):
+            raise ConfigError(f"threads={self.threads!r} must be a whole number from 1 to {MAX_THREADS} (ONNX Runtime's "
+                              f"intra-op threads; this machine has {os.cpu_count()} cores); leave it out for ONNX "
+                              "Runtime's choice.")
+        env_threads()  # SLIMML_THREADS, where set: refused here, before any session
         if not isinstance(self.verify, bool):
             raise ConfigError(f"verify={self.verify!r} must be True or False.")
         if self.pack is not None and not isinstance(self.pack, bool):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import onnxruntime as ort
 
-from slimml.errors import ArtifactError
+from slimml.errors import ArtifactError, ConfigError
 
 if TYPE_CHECKING:
     from slimml.runtime.artifact.manifest import Manifest
@@ -28,6 +28,24 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slimml")
 
+
+
+MAX_THREADS = 1024  # intra-op threads a session may ask for: more than any CPU has cores, far less than 10**5
+
+
+def env_threads() -> int:
+    """``SLIMML_THREADS`` (0 where unset: ONNX Runtime's choice), checked.
+
+    Raises:
+        ConfigError: it is not a whole number from 1 to MAX_THREADS.
+    """
+    value = os.environ.get("SLIMML_THREADS", "").strip()
+    if not value:
+        return 0
+    if not value.isdigit() or not 1 <= int(value) <= MAX_THREADS:
+        raise ConfigError(f"SLIMML_THREADS={value!r} must be a whole number from 1 to {MAX_THREADS} (ONNX Runtime's "
+                          f"intra-op threads; this machine has {os.cpu_count()} cores); fix it or unset it.")
+    return int(value)
 
 class Backend(ABC):
     """One device, as ONNX Runtime drives it. Made by
@@ -74,7 +92,7 @@ class Backend(ABC):
         """
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        threads = threads or int(os.environ.get("SLIMML_THREADS", "0"))
+        threads = threads or env_threads()
         if threads:
             so.intra_op_num_threads = threads
         if not spinning:
