@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from slimml.errors import SlimmlError
+from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.artifact.manifest import check_same_manifest, check_unchanged, read_manifest, verify_files
 from slimml.runtime.engine.backends import backend_for
 from slimml.runtime.engine.budget import plan_stream
@@ -73,6 +73,9 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
         >>> streamed = load("artifacts/llama", LoadConfig(memory_budget="2GB", pin=(0, -1)))
     """
     config = LoadConfig.build(config, overrides)
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"load() takes the artifact's folder (a str or a path), got {type(path).__name__}; e.g. "
+                          "load(\"artifacts/all-MiniLM-L6-v2\").")
     folder = Path(path)
     manifest = read_manifest(folder)
     check_same_manifest(folder, manifest, config.manifest_sha256)

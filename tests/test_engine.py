@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 from conftest import mlp_artifact_in
-from slimml.errors import ConfigError, DeviceError
+from slimml.errors import ConfigError, DeviceError, SlimmlError
 from slimml.runtime import LoadConfig, load
 from slimml.runtime.artifact.manifest import read_manifest
 from slimml.runtime.engine.backends import CpuBackend, CudaBackend, backend_for
@@ -69,6 +69,18 @@ def test_load_config_refuses_bad_values_in_one_line(kwargs, error, message):
     with pytest.raises(error) as e:
         LoadConfig(**kwargs)
     assert str(e.value) == message
+
+
+def test_load_takes_a_folder_and_a_model_closes_at_the_end_of_a_with_block(mlp):
+    with pytest.raises(ConfigError) as e:
+        load(None)
+    assert str(e.value) == ("load() takes the artifact's folder (a str or a path), got NoneType; e.g. "
+                            'load("artifacts/all-MiniLM-L6-v2").')
+    with load(mlp) as model:
+        y = model.run(_feeds())["y"]
+    assert y.shape == (2, HIDDEN)
+    with pytest.raises(SlimmlError, match="the model was closed; load it again to run it."):
+        model.run(_feeds())
 
 
 def test_slimml_threads_is_checked_where_set(monkeypatch):

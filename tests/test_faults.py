@@ -297,3 +297,22 @@ def test_verify_catches_what_stat_cannot(tmp_path):
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(IntegrityError, match="shard_001.onnx.data does not match its sha256 in the manifest"):
         model.verify()
+
+
+def test_verify_refuses_a_manifest_changed_after_load(tmp_path):
+    """The graphs and the manifest are read into memory at load, so the model runs on; but the
+    folder no longer holds what it runs, and the health check says so."""
+    from slimml.convert import ConvertConfig, convert
+    from slimml.errors import IntegrityError
+
+    art = tmp_path / "art"
+    convert(tiny_onnx_mlp(tmp_path / "mlp.onnx", hidden=64), art, ConvertConfig(measure_latency=False))
+    model = load(art)
+    model.verify()
+    manifest = art / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"name": "', '"name": "x', 1))
+    with pytest.raises(IntegrityError) as e:
+        model.verify()
+    assert str(e.value) == (f"manifest.json in the artifact {art} was changed or removed after the model loaded; the model "
+                            "runs what it read then, and the folder now holds something else. Find out who changed it, "
+                            "then load the artifact again.")

@@ -360,6 +360,7 @@ CONFIG_ERRORS = [
     ({"stop": [1]}, "stop must be a string or a list of strings, got [1]."),
     ({"stop_token_ids": [-1]}, "stop_token_ids must be a list of token ids >= 0, got [-1]."),
     ({"stop_token_ids": [512]}, "stop_token_ids names token 512, outside the model's vocabulary of 512; use ids in [0, 512)."),
+    ({"eos_token_id": [2, 512]}, "eos_token_id names token 512, outside the model's vocabulary of 512; use ids in [0, 512)."),
     ({"stop": ["ok", "\ud800"]}, "stop string 1 is not valid Unicode (a lone surrogate at position 0); remove it."),
     ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, frequency_penalty, "
                          "logit_bias, logprobs, max_new_tokens, min_new_tokens, pad_token_id, presence_penalty, prompt_lookup, repetition_penalty, "
@@ -400,6 +401,8 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
     refused(FeedError, "stop string 0 is 200 tokens long, longer than the model's context of 128 tokens, so it can never "
             "appear; shorten it.", llama.generate, ["hi"], stop=["😀" * 50])
     refused(FeedError, "generate() needs at least one non-empty prompt; give a text or a list of token ids.", llama.generate, [[]])
+    refused(FeedError, "stream() takes one prompt (a text or a list of token ids), got a list of 2 prompts; stream them one "
+            "at a time, or call generate(prompts, stream=True) for a batch.", llama.stream, ["a", "b"])
     fix = 'pass a list of {"role": ..., "content": ...} dicts, e.g. [{"role": "user", "content": "Hi"}].'
     refused(FeedError, f"messages must be a non-empty list, got str; {fix}", llama.chat, "hi")
     refused(FeedError, f"message 0 has no string 'role'; {fix}", llama.chat, [{"content": "hi"}])

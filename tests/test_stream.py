@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -86,7 +87,7 @@ def test_budget_below_largest_shard_is_refused_before_loading(mlp_artifact, tmp_
         load(art, memory_budget=1000)
     assert str(e.value) == (
         f"memory budget 1.00 KB is smaller than shard {big} (shard_{big:03d}.onnx, {sizes[big] / 1e3:.2f} KB), the "
-        f"largest shard; a shard must fit whole. Give at least --memory-budget 1MB, or re-convert with smaller "
+        f"largest shard; a shard must fit whole. Give at least 1MB (memory_budget=, --memory-budget), or re-convert with smaller "
         "shards (--shard-size)."
     )
 
@@ -197,6 +198,19 @@ def test_packed_weights_damaged_in_the_cache_are_refused(mlp_artifact, tmp_path)
     shutil.rmtree(packed.parent)
     np.testing.assert_allclose(load(mlp_artifact, resident=2, cache_dir=tmp_path / "cache").run(_feeds())["y"], want,
                                rtol=0, atol=1e-5)  # rebuilt
+
+
+def test_packed_weights_written_in_place_with_their_mtime_put_back_are_refused(mlp_artifact, tmp_path):
+    model = load(mlp_artifact, resident=2, cache_dir=tmp_path / "cache")
+    model.run(_feeds())
+    packed = model.plan.segments[0].source.entries[3].data
+    st = os.stat(packed)
+    with open(packed, "r+b") as f:  # same size, same inode, and the mtime put back after
+        f.seek(st.st_size // 2)
+        f.write(b"\x7f" * 4)
+    os.utime(packed, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(IntegrityError, match="shard.onnx.data does not match the hash recorded"):
+        model.run(_feeds())  # its ctime moved: hashed again before the slot is filled
 
 
 def test_bad_feeds_mid_pass_leave_the_model_usable(tiny_llama_artifact):

@@ -155,6 +155,22 @@ def test_a_cache_folder_with_the_wrong_mode_or_owner_is_refused(mlp_artifact, tm
             load(mlp_artifact, resident=2, cache_dir=cache)
         os.chown(cache, 0, 0)
     load(mlp_artifact, resident=2, cache_dir=cache).close()
+    open_parent = tmp_path / "open"  # anyone may write here, and no sticky bit: the cache inside could be swapped
+    open_parent.mkdir()
+    open_parent.chmod(0o777)
+    with pytest.raises(IntegrityError) as e:
+        load(mlp_artifact, resident=2, cache_dir=open_parent / "cache")
+    assert str(e.value) == (
+        f"the cache folder {open_parent / 'cache'} is inside {open_parent}, which anyone can write to (mode 777, no sticky "
+        "bit): they could swap the folder; slimml will not trust files there: set SLIMML_CACHE_DIR (or cache_dir=) to a "
+        "folder of your own.")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError) as e:
+        load(mlp_artifact, resident=2, cache_dir=tmp_path / "afile")
+    assert str(e.value) == (f"cache_dir={str(tmp_path / 'afile')!r} is a file, not a folder; give a folder (it is made "
+                            "where missing) for slimml's pre-packed weights.")
+    with pytest.raises(ConfigError, match=r"^cache_dir='' must be a folder path\.$"):
+        load(mlp_artifact, resident=2, cache_dir="")  # not the working folder
 
 
 # -- limits of one call -------------------------------------------------------------------------
@@ -300,3 +316,25 @@ def test_a_file_swapped_between_its_hash_and_the_session_is_refused(mlp_artifact
     with pytest.raises(IntegrityError) as e:
         check_unchanged(art, seen)
     assert str(e.value).startswith(f"{data.name} in the artifact {art} was replaced while the model loaded")
+
+
+def test_a_decoders_attention_mask_must_cover_the_past_and_the_new_tokens(tiny_llama_past_artifact):
+    model = load(tiny_llama_past_artifact)
+
+    def feeds(mask: int, past: int = 2, seq: int = 3) -> dict:
+        out = {}
+        for spec in model.inputs:
+            if spec.name.startswith("past_key_values"):
+                shape = [1 if d == "batch_size" else past if d == "past_sequence_length" else d for d in spec.shape]
+                out[spec.name] = np.zeros(shape, np.float32)
+        out.update(input_ids=np.ones((1, seq), np.int64), attention_mask=np.ones((1, mask), np.int64),
+                   position_ids=np.arange(past, past + seq, dtype=np.int64)[None])
+        return {k: v for k, v in out.items() if k in {s.name for s in model.inputs}}
+
+    assert model.run(feeds(5))["logits"].shape[:2] == (1, 3)
+    for wrong in (4, 9):
+        with pytest.raises(FeedError) as e:
+            model.run(feeds(wrong))
+        assert str(e.value) == (f"bad feeds: input 'attention_mask' has past_sequence_length + sequence_length={wrong}, but "
+                                "past_sequence_length=2 + sequence_length=3 is 5; give it that length (a decoder's "
+                                "attention_mask covers the past and the new tokens).")

@@ -326,6 +326,8 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     for part in [manifest] if not manifest.components else manifest.components.values():
         _check_structure(folder, part)
     manifest.sha256 = hashlib.sha256(data).hexdigest()
+    for part in manifest.components.values():  # each component's engine checks the one file they were all read from
+        part.sha256 = manifest.sha256
     return manifest
 
 
@@ -340,6 +342,24 @@ def check_same_manifest(folder: Path, manifest: Manifest, expected: str | None) 
         raise IntegrityError(
             f"the artifact {folder} on this node is not the one the driver read (its {MANIFEST_NAME} differs); copy "
             "the same artifact to the same path on every node."
+        )
+
+
+def check_manifest_unchanged(folder: Path, manifest: Manifest) -> None:
+    """Refuse an artifact whose manifest.json is no longer the one ``manifest`` was read from
+    (``Model.verify``: the model runs what it read at load; the folder now says something else).
+
+    Raises:
+        IntegrityError: naming the folder and the fix.
+    """
+    try:
+        now = hashlib.sha256((Path(folder) / MANIFEST_NAME).read_bytes()).hexdigest()
+    except OSError:
+        now = None
+    if manifest.sha256 and now != manifest.sha256:  # "": a manifest made in memory, not read from the folder
+        raise IntegrityError(
+            f"{MANIFEST_NAME} in the artifact {folder} was changed or removed after the model loaded; the model runs what "
+            "it read then, and the folder now holds something else. Find out who changed it, then load the artifact again."
         )
 
 

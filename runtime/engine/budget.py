@@ -209,7 +209,7 @@ def plan_stream(
             raise ConfigError(
                 f"memory budget {fmt_bytes(budget)} is smaller than shard {big} "
                 f"({manifest.shards[big].file}, {fmt_bytes(sizes[big])}), the largest shard; a shard must fit "
-                f"whole. Give at least --memory-budget {_round_up_mb(sizes[big])}MB, or re-convert with "
+                f"whole. Give at least {_round_up_mb(sizes[big])}MB (memory_budget=, --memory-budget), or re-convert with "
                 "smaller shards (--shard-size)."
             )
         pin_bytes = sum(sizes[i] for i in pinned)

@@ -35,7 +35,7 @@ GRAPH, DATA = "shard.onnx", "shard.onnx.data"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
-def hash_file(path: Path) -> tuple[str, tuple[int, int, int, int]]:
+def hash_file(path: Path) -> tuple[str, tuple[int, ...]]:
     """sha256 of ``path`` and the identity (size, mtime_ns, inode, device) of the very file hashed
     (``fstat`` on the descriptor read, not a second look-up of the name); a link is not followed."""
     h = hashlib.sha256()
@@ -49,7 +49,14 @@ def hash_file(path: Path) -> tuple[str, tuple[int, int, int, int]]:
                 h.update(block)
     finally:
         os.close(fd)
-    return h.hexdigest(), identity(st)
+    return h.hexdigest(), _identity(st)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    """A cached file's identity: an artifact file's (size, mtime, inode, device) and its ctime,
+    which every write and every ``utime`` moves (a write in place with the mtime put back is seen;
+    an artifact's files are watched by inotify instead, and may be hard-linked, which moves it)."""
+    return (*identity(st), st.st_ctime_ns)
 
 
 def private_folder(path: Path) -> Path:
@@ -72,6 +79,12 @@ def private_folder(path: Path) -> Path:
     if st.st_mode & 0o022:
         raise IntegrityError(f"the cache folder {path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
                              f"slimml will not trust files there: {fix}.")
+    for parent in path.resolve().parents:  # one that anyone may write to without the sticky bit (as /tmp has) lets
+        mode = os.stat(parent).st_mode      # them rename this folder away and put their own in its place
+        if mode & 0o002 and not mode & stat.S_ISVTX:
+            raise IntegrityError(f"the cache folder {path} is inside {parent}, which anyone can write to (mode "
+                                 f"{stat.S_IMODE(mode):o}, no sticky bit): they could swap the folder; slimml will not "
+                                 f"trust files there: set SLIMML_CACHE_DIR (or cache_dir=) to a folder of your own.")
     return path
 
 
@@ -122,7 +135,7 @@ class CacheEntry:
 
     folder: Path
     record: dict
-    seen: dict[str, tuple[int, int, int, int]] | None = None  # file name -> identity when its hash matched
+    seen: dict[str, tuple[int, ...]] | None = None  # file name -> identity (with ctime) when its hash matched
 
     @property
     def graph(self) -> Path:
@@ -158,12 +171,12 @@ class CacheEntry:
         self.seen = seen
 
     def same_files(self) -> bool:
-        """Whether every file is still the one hashed (same size, mtime, inode and device)."""
+        """Whether every file is still the one hashed (same size, mtime, inode, device and ctime)."""
         if self.seen is None:
             return False
         for name, ident in self.seen.items():
             try:
-                if identity(os.stat(self.folder / name)) != ident:
+                if _identity(os.stat(self.folder / name)) != ident:
                     return False
             except OSError:
                 return False

@@ -84,9 +84,14 @@ class LoadConfig:
                 raise ConfigError(f"pin={self.pin!r} must be a list of shard indices, e.g. pin=[0, -1].")
             object.__setattr__(self, "pin", tuple(pins) or None)
         if self.cache_dir is not None:
-            if not isinstance(self.cache_dir, (str, os.PathLike)):
+            if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir).strip():
                 raise ConfigError(f"cache_dir={self.cache_dir!r} must be a folder path.")
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
+        cache = self.cache_dir or os.environ.get("SLIMML_CACHE_DIR")
+        if cache and os.path.exists(cache) and not os.path.isdir(cache):
+            name = "cache_dir" if self.cache_dir else "SLIMML_CACHE_DIR"
+            raise ConfigError(f"{name}={os.fspath(cache)!r} is a file, not a folder; give a folder (it is made where "
+                              "missing) for slimml's pre-packed weights.")
         if self.shards is not None:
             pair = tuple(self.shards) if isinstance(self.shards, (list, tuple)) else ()
             if len(pair) != 2 or not all(_whole(i) for i in pair) or not 0 <= pair[0] <= pair[1]:

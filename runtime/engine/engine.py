@@ -20,7 +20,7 @@ import numpy as np
 
 from slimml.errors import SlimmlError
 from slimml.runtime.artifact.integrity import check_shard_file, max_sequence_length, vocab_size
-from slimml.runtime.artifact.manifest import Manifest, verify_files
+from slimml.runtime.artifact.manifest import Manifest, check_manifest_unchanged, verify_files
 from slimml.runtime.artifact.watch import FileWatch
 from slimml.runtime.engine.backends import backend_for
 from slimml.runtime.engine.budget import StreamPlan, plan_stream
@@ -138,6 +138,7 @@ class Engine:
         """
         if self._watch is not None:
             self._watch.check()
+            check_manifest_unchanged(self.folder, self.manifest)
             verify_files(self.folder, self.manifest)
         self.plan.check_files(deep=True)
 

@@ -42,6 +42,7 @@ class FeedChecker:
             ids = (vocab_size is not None and s.name == "input_ids" or s.name == LOGITS_INDEX) and dtype.kind in "iu"
             unsigned = np.dtype(f"u{dtype.itemsize}") if ids else None  # ids seen unsigned: negatives are huge
             self.plan.append((s.name, dtype, len(s.shape), fixed, named, seq, unsigned, dtype.kind in "fc"))
+        self.sums = sum_axes(specs)
 
     def __call__(self, feeds: Mapping[str, object], allow_nonfinite: bool = False) -> dict[str, np.ndarray]:
         """Checked feeds as contiguous numpy arrays; raises FeedError as :func:`check_feeds` does."""
@@ -76,7 +77,8 @@ class FeedChecker:
                         break  # the sum is finite unless some value is not (or it overflowed: then look)
                 out[name] = v if v.flags.c_contiguous else np.ascontiguousarray(v)
             else:
-                return out
+                if all(axes[w] == sum(axes[p] for p in parts) for w, parts in self.sums):
+                    return out
         return check_feeds(feeds, self.specs, self.max_seq, allow_nonfinite, self.vocab_size)
 
 
@@ -188,9 +190,26 @@ def check_feeds(
                     "model.allow_nonfinite = True if your model handles them"
                 )
         out[name] = np.ascontiguousarray(value)
+    for w, parts in sum_axes(specs):
+        if w in axes and all(p in axes for p in parts) and axes[w][1] != sum(axes[p][1] for p in parts):
+            terms = " + ".join(f"{p}={axes[p][1]}" for p in parts)
+            problems.append(f"input {axes[w][0]!r} has {w}={axes[w][1]}, but {terms} is {sum(axes[p][1] for p in parts)}; "
+                            f"give it that length (a decoder's attention_mask covers the past and the new tokens)")
     if problems:
         raise FeedError("bad feeds: " + "; ".join(problems) + ".")
     return out
+
+
+def sum_axes(specs: list[TensorSpec]) -> list[tuple[str, list[str]]]:
+    """The dynamic axes named as a sum of others (``past_sequence_length + sequence_length``, a
+    decoder's attention mask), with those others: a feed must make the sum hold."""
+    named = {w for s in specs for w in s.shape if isinstance(w, str)}
+    sums = {}
+    for w in named:
+        parts = [p.strip() for p in w.split("+")]
+        if len(parts) > 1 and all(p in named for p in parts):
+            sums[w] = parts
+    return sorted(sums.items())
 
 
 def _positions(feeds: Mapping[str, object]) -> int | None:

@@ -83,6 +83,10 @@ class Step:
             raise self._error(e) from None
 
     def _error(self, e: BaseException) -> FeedError:
+        if isinstance(e, MemoryError) or "Failed to allocate memory" in str(e) or "bad_alloc" in str(e):
+            return FeedError(f"{self.label} ran out of memory for this batch (ONNX Runtime could not allocate a buffer); "
+                             "send fewer rows or shorter sequences a call (encode's batch_size), or stream the model with "
+                             "a memory budget.")
         return FeedError(
             f"{self.label} rejected the inputs: {_first_line(e)}. Check the input values, e.g. token ids inside "
             "the vocabulary and sequences no longer than the model's maximum."

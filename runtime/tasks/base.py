@@ -335,6 +335,13 @@ class Task:
         for e in self._engines:
             e.close()
 
+    def __enter__(self):
+        """``with load(path) as model:``: closed when the block ends."""
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __getattr__(self, name: str):
         # the one engine's other attributes (its file watch, its lanes) read through
         engine = self.__dict__.get("engine")

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from slimml.errors import ConfigError
+from slimml.errors import ConfigError, FeedError
 from slimml.runtime.tasks.generation.chat import ChatTemplate, check_messages
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.lookup import lookup_loop
@@ -160,6 +160,9 @@ def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None 
         >>> for piece in model.stream("Tell me a story.", max_new_tokens=100, temperature=0.7, seed=0):
         ...     print(piece, end="", flush=True)
     """
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple)):
+        raise FeedError(f"stream() takes one prompt (a text or a list of token ids), got a list of {len(prompt)} prompts; "
+                        "stream them one at a time, or call generate(prompts, stream=True) for a batch.")
     one = [prompt] if isinstance(prompt, str) else [list(prompt)]
     return GenerationStream(_steps(model, one, GenerationConfig.of(config, **options)), indexed=False)
 

@@ -74,7 +74,9 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
             if bad is not None:
                 raise FeedError(f"prompt {i} has token id {p[bad]} at position {bad}, outside the model's vocabulary "
                                 f"of {vocab}; use ids in [0, {vocab}).")
-    for name, named in (("logit_bias", [t for t, _ in config.logit_bias or ()]), ("stop_token_ids", config.stop_token_ids)):
+    named_ids = (("logit_bias", [t for t, _ in config.logit_bias or ()]), ("stop_token_ids", config.stop_token_ids),
+                 ("eos_token_id", _ids(config.eos_token_id)))
+    for name, named in named_ids:
         far = [t for t in named if vocab is not None and t >= vocab]
         if far:
             raise ConfigError(f"{name} names token {far[0]}, outside the model's vocabulary of {vocab}; use ids in "
