@@ -196,6 +196,9 @@ def sentence_transformers_pooling(folder: Path) -> dict[str, Any] | None:
     modes = ["mean"]  # sentence-transformers' default, where the config names none
     pooling = next((path for k, path in modules if k == "Pooling"), None)
     config = pooling / "config.json" if pooling is not None else None
+    if config is not None and not config.is_file():  # pooled by the library's default would be a guess
+        raise SourceError(f"{folder / 'modules.json'} lists a Pooling module, but {config} is missing, so how the model "
+                          "pools is unknown (sentence-transformers cannot load the folder either); copy the model whole.")
     if config is not None and config.is_file():
         cfg = json.loads(config.read_text())
         named = cfg.get("pooling_mode")  # 5.x: a name, or a list of names joined

@@ -80,6 +80,8 @@ def quantize(
     src, out = Path(source), Path(out)
     if out.resolve() == src.resolve():
         raise ConfigError(f"the output {out} is the input artifact; give another folder with -o.")
+    if src.resolve() in out.resolve().parents:  # it would be written among the input's files
+        raise ConfigError(f"the output {out} is inside the input artifact {src}; give a folder outside it with -o.")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST_NAME).is_file())):
         raise ConfigError(
             f"the output {out} exists and is not a slimml artifact; refusing to replace it. Give another folder with -o."

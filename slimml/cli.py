@@ -22,6 +22,7 @@ from rich.text import Text
 from slimml.cli_options import Options, OptionValues, config_options
 from slimml.convert.config import ConvertConfig, DistillConfig, ExportConfig, PruneConfig, ShardConfig
 from slimml.errors import ConfigError, SlimmlError
+from slimml.runtime.artifact.atomic import stop_asked
 from slimml.quantize.config import QuantizeOptions
 from slimml.runtime.engine.config import LoadConfig
 from slimml.serve.config import ServeConfig
@@ -709,7 +710,13 @@ def serve_(
 
 
 def _terminated(signum, frame) -> None:
+    stop_asked(signum)  # should the exception be lost (raised in a __del__), no artifact is swapped in after all
     raise SystemExit(128 + signum)  # unwind as Ctrl-C does: a convert removes its half-written folder
+
+
+def _interrupted(signum, frame) -> None:
+    stop_asked(signum)
+    raise KeyboardInterrupt
 
 
 def main() -> None:
@@ -718,6 +725,8 @@ def main() -> None:
     SIGTERM ends a command as Ctrl-C does, leaving nothing half-written (exit 143); ``serve``
     installs its own handler."""
     signal.signal(signal.SIGTERM, _terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores it (cmd &)
+        signal.signal(signal.SIGINT, _interrupted)
     try:
         code = app(standalone_mode=False)
     except SlimmlError as e:

@@ -95,6 +95,13 @@ def test_eval_data_that_is_not_a_csv_of_pairs_is_one_line(tmp_path):
             read_sts(tmp_path / name)
     with pytest.raises(DataError, match="is a folder, not a file; give a UTF-8 text file"):
         read_text(tmp_path / "folder")
+    for name, body, words in (
+            ("ragged.csv", "sentence1,sentence2,score\na,b\n", ":2: the row has fewer fields than the header's 3"),
+            ("nan.csv", "sentence1,sentence2,score\na,b,1\nc,d,nan\n", ":3: score 'nan' is not a finite number"),
+            ("flat.csv", "sentence1,sentence2,score\na,b,1\nc,d,1\n", "every score in")):  # Spearman of NaN, before
+        (tmp_path / name).write_text(body)
+        with pytest.raises(DataError, match=re.escape(words)):
+            read_sts(tmp_path / name)
     (tmp_path / "excel.csv").write_bytes(b"\xef\xbb\xbfsentence1,sentence2,score\na,b,1\nc,d,2\n")
     assert read_sts(tmp_path / "excel.csv")[2].tolist() == [1.0, 2.0]
     base = {"format": "slimml.baseline", "format_version": 1, "kind": "eval", "settings": {"metric": "perplexity"},

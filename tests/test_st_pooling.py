@@ -90,6 +90,7 @@ def test_a_hostile_projection_file_is_refused_in_one_line(tmp_path, header, body
     ("tiny_bert_dir", lambda f: (f / "modules.json").write_text(json.dumps(json.loads((f / "modules.json").read_text()) + [
         {"idx": 3, "name": "3", "path": "3_LSTM", "type": "sentence_transformers.models.LSTM"}])), "LSTM"),
     ("tiny_bert_dir", lambda f: (f / "modules.json").write_text("{not json"), "not sentence-transformers' list"),
+    ("tiny_bert_dir", lambda f: shutil.rmtree(f / "1_Pooling"), "lists a Pooling module, but"),  # before: pooled by mean
     ("projected", lambda f: _module_config(f, "2_Dense", activation_function="torch.nn.modules.activation.GELU"), "GELU"),
     ("projected", lambda f: _module_config(f, "2_Dense", module_input_name="token_embeddings"), "'token_embeddings'"),
     ("projected", lambda f: (f / "modules.json").write_text(json.dumps([m for i, m in sorted(

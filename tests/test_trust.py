@@ -338,3 +338,20 @@ def test_a_decoders_attention_mask_must_cover_the_past_and_the_new_tokens(tiny_l
         assert str(e.value) == (f"bad feeds: input 'attention_mask' has past_sequence_length + sequence_length={wrong}, but "
                                 "past_sequence_length=2 + sequence_length=3 is 5; give it that length (a decoder's "
                                 "attention_mask covers the past and the new tokens).")
+
+
+def test_a_folder_written_after_the_command_was_asked_to_stop_is_never_swapped_in(tmp_path, monkeypatch):
+    """A SIGINT/SIGTERM that lands in a __del__ raises there, where Python drops it and the convert
+    went on to ship its artifact (2 times in 7 at 6 s into a tiny BERT's convert); the CLI's handlers
+    record the signal, and the swap refuses."""
+    from slimml.runtime.artifact import atomic
+
+    monkeypatch.setattr(atomic, "_stop_asked", [])
+    with atomic.atomic_folder(tmp_path / "kept") as tmp:
+        (tmp / "manifest.json").write_text("{}")
+    atomic.stop_asked(15)
+    with pytest.raises(SystemExit) as e:
+        with atomic.atomic_folder(tmp_path / "out") as tmp:
+            (tmp / "manifest.json").write_text("{}")
+    assert e.value.code == 143 and not (tmp_path / "out").exists() and (tmp_path / "kept").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]  # and no temporary folder left

@@ -26,6 +26,16 @@ from slimml.runtime.artifact.replace import umask
 
 log = logging.getLogger("slimml")
 
+_stop_asked: list[int] = []  # signals a command line asked to stop by (stop_asked): nothing more is swapped in
+
+
+def stop_asked(signum: int) -> None:
+    """Record that the process was asked to stop (the CLI's SIGINT/SIGTERM handlers call it before
+    raising). A signal that lands in a ``__del__`` raises there, where Python prints and drops the
+    exception and the work goes on; the next :func:`atomic_folder` then refuses to swap its folder
+    in, so a command asked to stop never leaves a new artifact behind."""
+    _stop_asked.append(signum)
+
 
 @contextmanager
 def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
@@ -45,6 +55,8 @@ def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
         if not private:
             tmp.chmod(0o777 & ~umask())
         yield tmp
+        if _stop_asked:  # asked to stop while the folder was written, and the exception was lost
+            raise SystemExit(128 + _stop_asked[0])
         swap_in(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

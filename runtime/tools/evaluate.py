@@ -55,14 +55,23 @@ def _read_sts(path: Path) -> tuple[list[str], list[str], np.ndarray]:
                 f"{','.join(STS_COLUMNS)} (a language model is scored on a plain text file instead)."
             )
         for line, row in enumerate(reader, start=2):
+            if any(row.get(c) is None for c in STS_COLUMNS):  # csv fills a short row's missing fields with None
+                raise DataError(f"{path}:{line}: the row has fewer fields than the header's {len(STS_COLUMNS)} "
+                                f"({','.join(STS_COLUMNS)}); quote a sentence that holds a comma, or fill the row.")
             try:
-                scores.append(float(row["score"]))
+                score = float(row["score"])
             except (TypeError, ValueError):
                 raise DataError(f"{path}:{line}: score {row['score']!r} is not a number.") from None
+            if not np.isfinite(score):
+                raise DataError(f"{path}:{line}: score {row['score']!r} is not a finite number; give the pair's gold score.")
+            scores.append(score)
             s1.append(row["sentence1"] or "")
             s2.append(row["sentence2"] or "")
     if not scores:
         raise DataError(f"{path} has a header but no rows; give at least two sentence pairs.")
+    if len(scores) > 1 and min(scores) == max(scores):
+        raise DataError(f"every score in {path} is {scores[0]:g}; a rank correlation needs gold scores that differ: give "
+                        "pairs of different similarity.")
     return s1, s2, np.asarray(scores, dtype=np.float64)
 
 
@@ -103,6 +112,9 @@ def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 32, show_prog
     both = model.encode(list(s1) + list(s2), batch_size=batch_size, show_progress=show_progress)  # one length sort
     e1, e2 = both[: len(s1)], both[len(s1):]
     cos = (e1 * e2).sum(axis=1) / np.clip(np.linalg.norm(e1, axis=1) * np.linalg.norm(e2, axis=1), 1e-12, None)
+    if np.ptp(cos) == 0:
+        raise DataError(f"the model gives every pair in {path} the same similarity ({cos[0]:.4f}), so there is nothing to "
+                        "rank; are its sentences empty or all the same? Give pairs of real sentences.")
     return EvalResult(metric="spearman", score=100.0 * spearman(cos, gold), pairs=len(gold))
 
 
