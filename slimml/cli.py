@@ -195,12 +195,18 @@ def quantize_(
 
 
 @app.command()
-def info(artifact: Artifact, as_json: AsJson = False):
-    """Show an artifact's manifest as a table."""
-    from slimml.runtime.artifact.manifest import read_manifest
+def info(artifact: Artifact, as_json: AsJson = False,
+         verify: Annotated[bool, typer.Option("--verify", help="Hash every file against the manifest (else: each file "
+                                                               "there, of its recorded size).")] = False):
+    """Show an artifact's manifest as a table (after checking its files are there, and with --verify, intact)."""
+    from slimml.runtime.artifact.manifest import check_present, read_manifest, verify_files
     from slimml.runtime.tasks.registry import kind_of, registered
 
     m = read_manifest(artifact)
+    if verify:  # IntegrityError: one line, exit 1
+        verify_files(artifact, m)
+    else:
+        check_present(artifact, m)
     if as_json:
         print(json.dumps(m.to_json(), indent=2))
         return
@@ -230,7 +236,8 @@ def info(artifact: Artifact, as_json: AsJson = False):
             table.add_row(str(s.index), s.file, f"{size / 1e6:.1f}", ", ".join(x.rsplit("/", 1)[-1] for x in s.layers),
                           ", ".join(sources), str(len(s.outputs)))
         console.print(table)
-    console.print(f"total {m.total_bytes / 1e6:.1f} MB in {len(m.files)} files; checks: {m.checks}")
+    state = "each hashed against the manifest" if verify else "each of its recorded size (--verify hashes them)"
+    console.print(f"total {m.total_bytes / 1e6:.1f} MB in {len(m.files)} files, {state}; checks: {m.checks}")
 
 
 @app.command()

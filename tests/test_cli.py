@@ -35,6 +35,22 @@ def test_convert_info_run_on_an_onnx_file(mlp_onnx, tmp_path):
     assert report["shards"] == 2 and report["checks"]["max_abs_diff"] <= 1e-5
     r = slimml("info", out)
     assert r.returncode == 0 and "shard_001.onnx" in r.stdout
+    assert slimml("info", out, "--verify").returncode == 0
+    data = max((f for f in out.iterdir() if f.name.startswith("shard_")), key=lambda f: f.stat().st_size)
+    blob = bytearray(data.read_bytes())
+    blob[-1] ^= 0xFF
+    data.write_bytes(bytes(blob))  # same size: info's own check passes, --verify's hashes do not
+    assert slimml("info", out).returncode == 0
+    r = slimml("info", out, "--verify")
+    assert r.returncode == 1 and r.stderr.strip() == (f"error: {data.name} does not match its sha256 in the manifest: "
+                                                      "the file is corrupted or was tampered with. Copy the artifact again or "
+                                                      "re-convert; slimml will not run it.")
+    data.write_bytes(bytes(blob[:100]))  # truncated: refused by info itself (before, the table showed nothing wrong)
+    r = slimml("info", out)
+    assert r.returncode == 1 and f"{data.name} is 100 bytes but the manifest records" in r.stderr
+    data.write_bytes(bytes(blob))
+    blob[-1] ^= 0xFF
+    data.write_bytes(bytes(blob))
     np.savez(tmp_path / "feeds.npz", x=np.ones((2, 8), np.float32), scale=np.ones((2, 1), np.float32))
     r = slimml("run", out, "--input", tmp_path / "feeds.npz", "--json")
     assert r.returncode == 0, r.stderr

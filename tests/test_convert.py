@@ -79,6 +79,25 @@ def test_torch_module_object_and_an_onnx_file_source(tmp_path):
     np.testing.assert_allclose(model.run({"x": x})["y"], want, atol=1e-5)
 
 
+def test_a_module_returning_a_dict_or_a_model_output_converts_and_checks(tiny_bert_dir, tmp_path):
+    """Every transformers model returns a ModelOutput (a dict): the check against torch took only a
+    tuple, and failed on it ('... has no attribute detach')."""
+    import transformers
+
+    class Two(torch.nn.Module):
+        def forward(self, x):
+            return {"double": x * 2, "total": x.sum(-1)}
+
+    report = convert(Two(), tmp_path / "dict", FAST, example_inputs=(torch.randn(2, 4),))
+    assert report.checks["max_abs_diff_vs_torch"] <= 1e-5
+    x = np.ones((3, 4), np.float32)
+    assert [v.tolist() for v in load(tmp_path / "dict").run({load(tmp_path / "dict").inputs[0].name: x}).values()] == \
+        [(x * 2).tolist(), x.sum(-1).tolist()]
+    bert = transformers.AutoModel.from_pretrained(tiny_bert_dir).eval()
+    report = convert(bert, tmp_path / "bert", FAST, example_inputs=(torch.ones(1, 8, dtype=torch.long),))
+    assert report.checks["cosine_vs_torch"] > 0.9999
+
+
 def test_reconvert_replaces_an_artifact_atomically(mlp_onnx, tmp_path):
     out = tmp_path / "art"
     convert(mlp_onnx, out, FAST)

@@ -608,6 +608,27 @@ def _verify_file(folder: Path, entry: FileEntry) -> tuple[Path, tuple[int, int, 
     Raises:
         IntegrityError: naming the file and what differs.
     """
+    path = _present(folder, entry)
+    digest, ident = hash_file(path)
+    if digest != entry.sha256 or ident[0] != entry.bytes:
+        raise IntegrityError(
+            f"{entry.path} does not match its sha256 in the manifest: the file is corrupted or was "
+            "tampered with. Copy the artifact again or re-convert; slimml will not run it."
+        )
+    return path, ident
+
+
+def check_present(folder: str | os.PathLike, manifest: Manifest) -> None:
+    """Every listed file there, a regular file of the size recorded (no hashing: ``slimml info``).
+
+    Raises:
+        IntegrityError: naming the file and what differs.
+    """
+    for entry in manifest.files:
+        _present(Path(folder), entry)
+
+
+def _present(folder: Path, entry: FileEntry) -> Path:
     path = safe_path(folder, entry.path)
     if path.exists() and not path.is_file():
         raise IntegrityError(
@@ -624,13 +645,7 @@ def _verify_file(folder: Path, entry: FileEntry) -> tuple[Path, tuple[int, int, 
             f"{entry.path} is {size} bytes but the manifest records {entry.bytes}: the file is truncated "
             "or was modified. Copy the artifact again or re-convert; slimml will not run it."
         )
-    digest, ident = hash_file(path)
-    if digest != entry.sha256 or ident[0] != entry.bytes:
-        raise IntegrityError(
-            f"{entry.path} does not match its sha256 in the manifest: the file is corrupted or was "
-            "tampered with. Copy the artifact again or re-convert; slimml will not run it."
-        )
-    return path, ident
+    return path
 
 
 def verify_files(folder: str | os.PathLike, manifest: Manifest) -> dict[str, tuple[int, int, int, int]]:
