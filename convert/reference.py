@@ -127,15 +127,17 @@ def sentence_transformers_embed(source: Source, texts: list[str]) -> tuple[np.nd
         return None, "none (sentence-transformers is not installed)"
     model = None
     sparse = st_model_type(source.path) == "SparseEncoder"
+    step = "load the folder"
     try:
         model = (SparseEncoder if sparse else SentenceTransformer)(str(source.path), device="cpu", local_files_only=True,
                                                                   model_kwargs={"dtype": torch.float32})
+        step = "embed the check's texts with it"  # e.g. a tokenizer that reads more positions than the model has
         # its default prompt and its saved truncate_dim, as the artifact's; a sparse encoder's every value
         emb = model.encode(texts, convert_to_sparse_tensor=False, show_progress_bar=False) if sparse else \
             model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
         emb = emb.numpy() if hasattr(emb, "numpy") else emb
     except Exception as e:  # a folder it cannot read (remote code, a pruned student's own files)
-        return None, f"none (sentence-transformers cannot load the folder: {type(e).__name__})"
+        return None, f"none (sentence-transformers could not {step}: {type(e).__name__})"
     finally:
         del model
         gc.collect()  # the library's model sits in reference cycles: freed before the artifact loads
