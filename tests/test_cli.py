@@ -112,7 +112,7 @@ def test_eval_data_that_is_not_a_csv_of_pairs_is_one_line(tmp_path):
     with pytest.raises(DataError, match="is a folder, not a file; give a UTF-8 text file"):
         read_text(tmp_path / "folder")
     for name, body, words in (
-            ("ragged.csv", "sentence1,sentence2,score\na,b\n", ":2: the row has fewer fields than the header's 3"),
+            ("ragged.csv", "sentence1,sentence2,score\na,b\n", ":2: the row has fewer fields than the header; give each of sentence1,sentence2,score"),
             ("nan.csv", "sentence1,sentence2,score\na,b,1\nc,d,nan\n", ":3: score 'nan' is not a finite number"),
             ("flat.csv", "sentence1,sentence2,score\na,b,1\nc,d,1\n", "every score in")):  # Spearman of NaN, before
         (tmp_path / name).write_text(body)

@@ -88,9 +88,11 @@ def test_slimml_threads_is_checked_where_set(monkeypatch):
     with pytest.raises(ConfigError) as e:
         LoadConfig()
     assert str(e.value) == (f"SLIMML_THREADS='abc' must be a whole number from 1 to 1024 (ONNX Runtime's intra-op threads; "
-                            f"this machine has {os.cpu_count()} cores); fix it or unset it.")
-    monkeypatch.setenv("SLIMML_THREADS", " 1 ")
-    assert LoadConfig().threads is None  # read where sessions are made
+                            f"this machine has {os.cpu_count()} cores; 0: its choice); fix it or unset it.")
+    assert LoadConfig(threads=2).threads == 2  # the variable is not used then
+    for value in (" 1 ", "0"):  # 0: ONNX Runtime's choice, as before
+        monkeypatch.setenv("SLIMML_THREADS", value)
+        assert LoadConfig().threads is None  # read where sessions are made
 
 
 def test_load_config_normalises_and_documents_every_field(tmp_path):

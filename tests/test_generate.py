@@ -421,6 +421,8 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
     empty = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "empty", bpe, "{# writes nothing #}"))
     refused(ArtifactError, f"{tmp_path / 'empty' / 'chat_template.jinja'} rendered these messages as empty text; fix the "
             "template (it must write the messages) or give another one.", empty.chat, [{"role": "user", "content": "hi"}])
+    refused(FeedError, "the messages hold no text, so the prompt is empty; give a message with some content.", empty.chat,
+            [{"role": "user", "content": "  "}])  # not the template's fault
     strict = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "strict", bpe,
                                  "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversations must start with a user message') }}{% endif %}ok"))
     refused(SlimmlError, f"{tmp_path / 'strict' / 'chat_template.jinja'} failed to render these messages (TemplateError: "

@@ -163,7 +163,7 @@ def test_a_cache_folder_with_the_wrong_mode_or_owner_is_refused(mlp_artifact, tm
     assert str(e.value) == (
         f"the cache folder {open_parent / 'cache'} is inside {open_parent}, which anyone can write to (mode 777, no sticky "
         "bit): they could swap the folder; slimml will not trust files there: set SLIMML_CACHE_DIR (or cache_dir=) to a "
-        "folder of your own.")
+        f"folder of your own, or `chmod +t {open_parent}` (as /tmp is).")
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ConfigError) as e:
         load(mlp_artifact, resident=2, cache_dir=tmp_path / "afile")

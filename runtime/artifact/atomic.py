@@ -56,6 +56,7 @@ def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
             tmp.chmod(0o777 & ~umask())
         yield tmp
         if _stop_asked:  # asked to stop while the folder was written, and the exception was lost
+            sys.stderr.write(f"stopped as asked (signal {_stop_asked[0]}); {out} was not written.\n")
             raise SystemExit(128 + _stop_asked[0])
         swap_in(tmp, out)
     except BaseException as e:

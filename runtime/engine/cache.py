@@ -84,7 +84,8 @@ def private_folder(path: Path) -> Path:
         if mode & 0o002 and not mode & stat.S_ISVTX:
             raise IntegrityError(f"the cache folder {path} is inside {parent}, which anyone can write to (mode "
                                  f"{stat.S_IMODE(mode):o}, no sticky bit): they could swap the folder; slimml will not "
-                                 f"trust files there: set SLIMML_CACHE_DIR (or cache_dir=) to a folder of your own.")
+                                 f"trust files there: set SLIMML_CACHE_DIR (or cache_dir=) to a folder of your own, or "
+                                 f"`chmod +t {parent}` (as /tmp is).")
     return path
 
 

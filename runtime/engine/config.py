@@ -67,7 +67,8 @@ class LoadConfig:
             raise ConfigError(f"threads={self.threads!r} must be a whole number from 1 to {MAX_THREADS} (ONNX Runtime's "
                               f"intra-op threads; this machine has {os.cpu_count()} cores); leave it out for ONNX "
                               "Runtime's choice.")
-        env_threads()  # SLIMML_THREADS, where set: refused here, before any session
+        if self.threads is None:
+            env_threads()  # SLIMML_THREADS, the threads then: refused here, before any session
         if not isinstance(self.verify, bool):
             raise ConfigError(f"verify={self.verify!r} must be True or False.")
         if self.pack is not None and not isinstance(self.pack, bool):
@@ -87,11 +88,9 @@ class LoadConfig:
             if not isinstance(self.cache_dir, (str, os.PathLike)) or not os.fspath(self.cache_dir).strip():
                 raise ConfigError(f"cache_dir={self.cache_dir!r} must be a folder path.")
             object.__setattr__(self, "cache_dir", Path(self.cache_dir))
-        cache = self.cache_dir or os.environ.get("SLIMML_CACHE_DIR")
-        if cache and os.path.exists(cache) and not os.path.isdir(cache):
-            name = "cache_dir" if self.cache_dir else "SLIMML_CACHE_DIR"
-            raise ConfigError(f"{name}={os.fspath(cache)!r} is a file, not a folder; give a folder (it is made where "
-                              "missing) for slimml's pre-packed weights.")
+        if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
+            raise ConfigError(f"cache_dir={os.fspath(self.cache_dir)!r} is a file, not a folder; give a folder (it is made "
+                              "where missing) for slimml's pre-packed weights.")
         if self.shards is not None:
             pair = tuple(self.shards) if isinstance(self.shards, (list, tuple)) else ()
             if len(pair) != 2 or not all(_whole(i) for i in pair) or not 0 <= pair[0] <= pair[1]:

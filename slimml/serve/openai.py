@@ -162,7 +162,7 @@ def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
         "echo": data.get("echo") not in (None, False),
         "best_of": data.get("best_of") not in (None, 1),
         "suffix": not chat and data.get("suffix") not in (None, ""),  # completions' field; chat has none
-        "modalities": modalities is not None and (not isinstance(modalities, list) or set(modalities) - {"text"}),
+        "modalities": modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)),
         "audio": data.get("audio") is not None,
     }
     fixes = {"echo": "leave it out (the prompt is what you sent)",

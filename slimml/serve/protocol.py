@@ -391,7 +391,7 @@ def dumps(body: dict[str, Any]) -> bytes:
     return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
-_ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error"}  # as the openai package names these errors
+_ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error"}  # as llama.cpp's server types them
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

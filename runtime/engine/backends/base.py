@@ -28,24 +28,23 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("slimml")
 
-
-
 MAX_THREADS = 1024  # intra-op threads a session may ask for: more than any CPU has cores, far less than 10**5
 
 
 def env_threads() -> int:
-    """``SLIMML_THREADS`` (0 where unset: ONNX Runtime's choice), checked.
+    """``SLIMML_THREADS`` (0 where unset or 0: ONNX Runtime's choice), checked.
 
     Raises:
-        ConfigError: it is not a whole number from 1 to MAX_THREADS.
+        ConfigError: it is not a whole number from 0 to MAX_THREADS.
     """
     value = os.environ.get("SLIMML_THREADS", "").strip()
     if not value:
         return 0
-    if not value.isdigit() or not 1 <= int(value) <= MAX_THREADS:
+    if not (value.isascii() and value.isdigit()) or int(value) > MAX_THREADS:
         raise ConfigError(f"SLIMML_THREADS={value!r} must be a whole number from 1 to {MAX_THREADS} (ONNX Runtime's "
-                          f"intra-op threads; this machine has {os.cpu_count()} cores); fix it or unset it.")
+                          f"intra-op threads; this machine has {os.cpu_count()} cores; 0: its choice); fix it or unset it.")
     return int(value)
+
 
 class Backend(ABC):
     """One device, as ONNX Runtime drives it. Made by

@@ -91,6 +91,8 @@ class ChatTemplate:
                     "content as a string (the text parts joined)" if parts is not None else "")
             raise SlimmlError(f"{self.where} failed to render these messages ({type(e).__name__}: {_line(str(e))}); "
                               f"fix the messages (roles, their order) or the template{hint}.") from None
+        if not text.strip() and not any(isinstance(m.get("content"), str) and m["content"].strip() for m in messages):
+            raise FeedError("the messages hold no text, so the prompt is empty; give a message with some content.")
         if not text.strip():
             error = ConfigError if self.given else ArtifactError
             raise error(f"{self.where} rendered these messages as empty text; fix the template (it must write the "
@@ -149,10 +151,13 @@ def check_messages(messages: Any, where: str = "") -> None:
             raise FeedError(f"{where}message {i} is a {type(m).__name__}, not a dict; {fix}")
         if not isinstance(m.get("role"), str):
             raise FeedError(f"{where}message {i} has no string 'role'; {fix}")
-        if "content" not in m and not m.get("tool_calls"):
+        calls = m.get("tool_calls") or m.get("function_call")  # an assistant's calls, new or legacy
+        if "content" not in m and not calls:
             raise FeedError(f"{where}message {i} has no 'content'; {fix}")
         content = m.get("content")
-        if not isinstance(content, (str, list, tuple)) and not (content is None and m.get("tool_calls")):
+        if m["role"] == "tool" and content is not None and not isinstance(content, str):
+            continue  # a tool's result: any JSON value (templates write it with tojson)
+        if not isinstance(content, (str, list, tuple)) and not (content is None and calls):
             raise FeedError(f"{where}message {i}'s content is {type(content).__name__}, not text; give a string (or a list "
                             'of parts, e.g. [{"type": "text", "text": "Hi"}]).')
         try:
