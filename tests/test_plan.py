@@ -242,8 +242,8 @@ def test_an_unwritable_cache_falls_back_to_fed_weights_with_one_line(mlp, tmp_pa
     _, art = mlp
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the cache folder should be")
-    with caplog.at_level(logging.WARNING, logger="slimml"):
-        model = load(art, resident=2, cache_dir=blocker)
+    with caplog.at_level(logging.WARNING, logger="slimml"):  # a folder under a file cannot be made (cache_dir=blocker
+        model = load(art, resident=2, cache_dir=blocker / "cache")  # itself is refused by LoadConfig, in one line)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "\n" not in said[0]
     assert said[0].startswith("slimml: streaming weights as graph inputs (slower decoding): packing them failed")
@@ -251,7 +251,7 @@ def test_an_unwritable_cache_falls_back_to_fed_weights_with_one_line(mlp, tmp_pa
     assert "weights fed from memory-mapped data files" in model.plan.describe()
     np.testing.assert_allclose(model.run(_feeds())["y"], load(art).run(_feeds())["y"], rtol=0, atol=1e-5)
     with pytest.raises(ArtifactError, match=r"^packing shard \d+ into .* failed"):
-        load(art, resident=2, pack=True, cache_dir=blocker)  # asked for: no fallback
+        load(art, resident=2, pack=True, cache_dir=blocker / "cache")  # asked for: no fallback
 
 
 def test_a_short_list_is_cut_so_every_lane_has_work(tiny_bert_artifact):
