@@ -41,7 +41,7 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
     The three run one after the other, each freed before the next loads, so checking needs
     about one copy of the model in memory, not three.
     """
-    feeds = _check_feeds(folder, manifest)
+    feeds = _example_feeds(src, manifest) or _check_feeds(folder, manifest)
     names = [t.name for t in manifest.outputs]
     full = make_session(exported.onnx_path, "cpu")
     try:
@@ -107,6 +107,19 @@ def verify_layerwise(folder: Path, manifest: Manifest, exported: Exported) -> di
     model.close()
     return {"max_abs_diff_vs_torch": round(float(np.abs(got - want).max()), 8),
             "cosine_vs_torch": round(_min_cosine(got, want), 8), "reference": "torch, layer by layer"}
+
+
+def _example_feeds(src: Source, manifest: Manifest) -> dict[str, np.ndarray] | None:
+    """A torch module's own example inputs, as the graph's inputs (its inputs' values may be bounded:
+    an embedding's ids); None where they do not line up with them one to one."""
+    example = getattr(src, "example_inputs", None) if src.kind == "torch" else None
+    if example is None:
+        return None
+    values = list(example.values()) if isinstance(example, dict) else [example] if hasattr(example, "detach") \
+        else list(example)
+    if len(values) != len(manifest.inputs) or not all(hasattr(v, "detach") for v in values):
+        return None
+    return {t.name: v.detach().cpu().numpy().astype(t.dtype) for t, v in zip(manifest.inputs, values)}
 
 
 def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:

@@ -98,6 +98,19 @@ def test_a_module_returning_a_dict_or_a_model_output_converts_and_checks(tiny_be
     assert report.checks["cosine_vs_torch"] > 0.9999
 
 
+def test_a_module_whose_inputs_are_bounded_is_checked_on_its_own_example_inputs(tmp_path):
+    """An embedding's ids must lie within its table: random sample ids failed the check of a valid
+    module ('the exported graph refused slimml's sample inputs')."""
+    net = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3)).eval()
+    report = convert(net, tmp_path / "emb", FAST, example_inputs=(torch.tensor([[1, 2, 3]]),))
+    assert report.checks["max_abs_diff_vs_torch"] <= 1e-5
+    x = np.array([[4, 5, 9]])
+    with torch.no_grad():
+        want = net(torch.from_numpy(x)).numpy()
+    model = load(tmp_path / "emb")
+    np.testing.assert_allclose(next(iter(model.run({model.inputs[0].name: x}).values())), want, atol=1e-5)
+
+
 def test_reconvert_replaces_an_artifact_atomically(mlp_onnx, tmp_path):
     out = tmp_path / "art"
     convert(mlp_onnx, out, FAST)
