@@ -151,3 +151,13 @@ class Limits:
                 f"limit of {limit} tokens a call; send fewer or shorter prompts, or raise the limit "
                 "(slimml serve --max-batch-tokens; model.limits.max_batch_tokens in Python)."
             )
+
+
+def surrogate_at(text: str) -> int | None:
+    """Where ``text`` holds a lone surrogate (from a bad decode upstream: no UTF-8 for it, and no
+    tokenizer takes it), else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 from slimml.errors import ConfigError, FeedError, RequestError
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta
+from slimml.runtime.tasks.limits import surrogate_at
 from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, template_messages
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -359,11 +360,9 @@ def _stop(stop: Any) -> list[str]:
         raise RequestError(f'"stop" has {len(stops)} strings; at most {MAX_STOP} are allowed: keep the ones that matter.',
                            param="stop")
     for i, s in enumerate(stops):
-        try:
-            s.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate (JSON's "\ud800")
-            raise RequestError(f'"stop" string {i} is not valid Unicode (a lone surrogate at position {e.start}); send '
-                               "text without one.", param="stop") from None
+        if (at := surrogate_at(s)) is not None:  # JSON's "\ud800"
+            raise RequestError(f'"stop" string {i} is not valid Unicode (a lone surrogate at position {at}); send '
+                               "text without one.", param="stop")
     return list(stops)
 
 

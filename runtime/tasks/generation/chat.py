@@ -20,6 +20,7 @@ from typing import Any
 
 from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
 from slimml.runtime.artifact.manifest import safe_path
+from slimml.runtime.tasks.limits import surrogate_at
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
                   "additional_special_tokens")  # transformers' SPECIAL_TOKENS_ATTRIBUTES
@@ -160,12 +161,10 @@ def check_messages(messages: Any, where: str = "") -> None:
         if not isinstance(content, (str, list, tuple)) and not (content is None and calls):
             raise FeedError(f"{where}message {i}'s content is {type(content).__name__}, not text; give a string (or a list "
                             'of parts, e.g. [{"type": "text", "text": "Hi"}]).')
-        try:
-            if isinstance(content, str):
-                content.encode("utf-8")
-        except UnicodeEncodeError as e:  # a lone surrogate, from a bad decode upstream
-            raise FeedError(f"{where}message {i}'s content is not valid Unicode (a lone surrogate at position {e.start}); "
-                            "replace it (decode the text with errors='replace') or remove it.") from None
+        at = surrogate_at(content) if isinstance(content, str) else None
+        if at is not None:
+            raise FeedError(f"{where}message {i}'s content is not valid Unicode (a lone surrogate at position {at}); "
+                            "replace it (decode the text with errors='replace') or remove it.")
 
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker at the end of the message to continue

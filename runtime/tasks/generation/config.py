@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from slimml.errors import ConfigError
+from slimml.runtime.tasks.limits import surrogate_at
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 _DIGITS = re.compile(r"\s*[0-9]+\s*")  # a token id written as text (a JSON object's key)
@@ -130,11 +131,8 @@ class GenerationConfig:
         if any(s == "" for s in stop):
             raise ConfigError("stop has an empty string, which would stop at once; remove it.")
         for i, s in enumerate(stop):
-            try:
-                s.encode("utf-8")
-            except UnicodeEncodeError as e:  # a lone surrogate: no tokenizer takes it
-                raise ConfigError(f"stop string {i} is not valid Unicode (a lone surrogate at position {e.start}); "
-                                  "remove it.") from None
+            if (at := surrogate_at(s)) is not None:
+                raise ConfigError(f"stop string {i} is not valid Unicode (a lone surrogate at position {at}); remove it.")
         ids = (self.stop_token_ids,) if is_int(self.stop_token_ids) else self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
             raise ConfigError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}.")
