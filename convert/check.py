@@ -138,7 +138,8 @@ def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a = a.reshape(a.shape[0], -1).astype(np.float64)
-    b = b.reshape(b.shape[0], -1).astype(np.float64)
+    """The smallest cosine between ``a``'s and ``b``'s rows (a 0-dim output, a loss or a score, is one row)."""
+    a = a.reshape(a.shape[0] if a.ndim else 1, -1).astype(np.float64)
+    b = b.reshape(b.shape[0] if b.ndim else 1, -1).astype(np.float64)
     cos = (a * b).sum(1) / np.clip(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30, None)
     return float(cos.min())

@@ -193,6 +193,32 @@ def check_tokenizer(folder: str | Path) -> None:
                           "remove it to convert the model without a chat template.") from None
 
 
+def check_generation_config(folder: str | Path) -> None:
+    """Raise :class:`SourceError` when the folder's ``generation_config.json`` is not a JSON object
+    or its ``eos_token_id`` is not ids: the artifact carries it, and generate stops at those ids.
+
+    Raises:
+        SourceError: one line naming the file, what is wrong, and the fix.
+    """
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise SourceError(f"{path} is not readable JSON ({why}); fix it (`model.generation_config.save_pretrained(folder)` "
+                          "writes one), or remove it to stop at the tokenizer's end token.") from None
+    if not isinstance(config, dict):
+        raise SourceError(f"{path} holds a JSON {type(config).__name__}, not an object of settings; fix it, or remove it "
+                          "to stop at the tokenizer's end token.")
+    value = config.get("eos_token_id")
+    ids = value if isinstance(value, list) else [value]
+    if value is not None and not all(type(i) is int for i in ids):  # old Llamas write -1 for "none": left as it is
+        raise SourceError(f"{path}: eos_token_id is {json.dumps(value)[:60]}, not a token id or a list of them; fix "
+                          "it (the ids are in tokenizer.json), or remove the key.")
+
+
 def _special_tokens(folder: Path) -> dict[str, str]:
     """``bos_token``, ``eos_token``, ... as strings, from tokenizer_config.json (and special_tokens_map.json)."""
     special: dict[str, str] = {}

@@ -22,6 +22,15 @@ TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
 EXPORTERS = ("auto", "optimum", "torch", "layerwise", "fused")
+# the Hugging Face tasks an exporter takes (optimum's names; "-with-past": with the KV cache), and
+# sentence-embedding, a sentence-transformers folder's own
+TASKS = ("auto", "audio-classification", "audio-frame-classification", "audio-xvector", "automatic-speech-recognition",
+         "automatic-speech-recognition-with-past", "depth-estimation", "feature-extraction", "feature-extraction-with-past",
+         "fill-mask", "image-classification", "image-segmentation", "image-to-text", "image-to-text-with-past",
+         "mask-generation", "masked-im", "multiple-choice", "object-detection", "question-answering",
+         "semantic-segmentation", "sentence-embedding", "text-classification", "text-generation",
+         "text-generation-with-past", "text-to-audio", "text2text-generation", "text2text-generation-with-past",
+         "token-classification", "zero-shot-image-classification", "zero-shot-object-detection")
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
@@ -64,6 +73,13 @@ class ExportConfig:
             raise SourceError(f"opset {self.opset} is outside what slimml supports (11..23); use 17 if unsure.")
         if self.exporter not in EXPORTERS:
             raise SourceError(f"unknown exporter {self.exporter!r}; use one of {', '.join(EXPORTERS)}.")
+        if self.task not in TASKS:
+            import difflib
+
+            near = difflib.get_close_matches(str(self.task), TASKS, n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise SourceError(f"unknown task {self.task!r}; {hint}use auto (the task the model's config names) or one "
+                              f"of {', '.join(TASKS[1:])}.")
 
 
 def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -> Exported:

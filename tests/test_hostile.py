@@ -327,6 +327,20 @@ def test_token_ids_outside_the_vocabulary(tiny_bert_artifact):
     )
 
 
+
+@pytest.mark.parametrize("segment", [-1, 2])
+def test_token_types_outside_the_segment_table(tiny_bert_artifact, segment):
+    """BERT has 2 token types; ONNX Gather reads -1 as the last row, so it ran as segment 1."""
+    model = _model(tiny_bert_artifact)
+    feeds = sample_feeds(model.inputs, batch=2, seq=4)
+    feeds["token_type_ids"][0, 1] = segment
+    with pytest.raises(FeedError) as e:
+        model.run(feeds)
+    assert str(e.value) == (
+        f"bad feeds: input 'token_type_ids' holds 1 id(s) outside the model's token types [0, 2), the first {segment} "
+        "at index (0, 1); encode text with this model's tokenizer (model.tokenize)."
+    )
+
 def test_nan_policy(mlp_art):
     model = load(mlp_art)
     feeds = sample_feeds(model.inputs, batch=2)

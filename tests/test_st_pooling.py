@@ -281,6 +281,8 @@ def test_a_decoder_embedder_pools_its_last_token_as_sentence_transformers_does(d
 
     with pytest.raises(FeedError, match="truncate_dim must be a whole number >= 1, got 0"):
         model.encode(TEXTS, truncate_dim=0)
+    with pytest.raises(FeedError, match="truncate_dim is 65, more than this model's 64 values; ask for at most 64"):
+        model.encode(TEXTS, truncate_dim=65)  # the library gives all 64 without a word
 
 
 def test_a_model_s_prompts_go_before_the_texts_as_sentence_transformers_puts_them(decoder_embedder, tmp_path):

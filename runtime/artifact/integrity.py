@@ -22,6 +22,9 @@ from slimml.runtime.artifact.manifest import Manifest, ShardSpec, safe_path
 _POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "wpe", "embed_positions")
 # initializer names of token-embedding tables: (vocab_size, hidden); input_ids index their rows
 _TOKEN_TABLES = ("word_embeddings", "embed_tokens", "wte", "tok_embeddings")
+# initializer names of segment tables (BERT's token types): token_type_ids index their rows, and ONNX's
+# Gather takes a negative index from the end, so -1 would silently read segment 1
+_TYPE_TABLES = ("token_type_embeddings",)
 # a vision tower's position table counts patches, not tokens (CLIP holds both towers in one graph)
 _VISION_PARTS = ("vision", "visual", "image", "patch")
 
@@ -33,6 +36,7 @@ class ShardFacts:
     external_tensors: int  # weights stored in the shard's data file
     max_positions: int | None  # rows of a learned position-embedding table, when the shard has one
     vocab_size: int | None = None  # rows of a token-embedding table, when the shard has one
+    type_vocab_size: int | None = None  # rows of a token-type (segment) table, when the shard has one
 
 
 def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
@@ -59,13 +63,15 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
         )
     data = safe_path(folder, shard.data).resolve() if shard.data else None
     data_size = data.stat().st_size if data is not None and data.is_file() else 0
-    count, positions, vocab = 0, None, None
+    count, positions, vocab, types = 0, None, None, None
     for t in _tensors(model):
         if (len(t.dims) == 2 and any(k in t.name for k in _POSITION_TABLES) and t.dims[0] > 0
                 and not any(k in t.name.lower() for k in _VISION_PARTS)):
             positions = int(t.dims[0])
         if len(t.dims) == 2 and any(k in t.name for k in _TOKEN_TABLES) and t.dims[0] > 0:
             vocab = int(t.dims[0])
+        if len(t.dims) == 2 and any(k in t.name for k in _TYPE_TABLES) and t.dims[0] > 0:
+            types = int(t.dims[0])
         if not external_data_helper.uses_external_data(t):
             continue
         count += 1
@@ -88,7 +94,7 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
                 f"{shard.file}: weight {t.name!r} reads bytes {offset}..{offset + max(length, 0)} of {shard.data}, "
                 f"which has {data_size}; the artifact is damaged: re-convert it."
             )
-    return ShardFacts(external_tensors=count, max_positions=positions, vocab_size=vocab)
+    return ShardFacts(external_tensors=count, max_positions=positions, vocab_size=vocab, type_vocab_size=types)
 
 
 def verify_shard(folder: Path, manifest: Manifest, shard: ShardSpec) -> ShardFacts:
@@ -158,6 +164,16 @@ def vocab_size(facts: list[ShardFacts]) -> int | None:
     """Rows of the model's token-embedding table, when one is found: token ids must be below it."""
     sizes = [f.vocab_size for f in facts if f.vocab_size]
     return min(sizes) if sizes else None
+
+
+def id_limits(facts: list[ShardFacts]) -> dict[str, int]:
+    """The id inputs whose values index a table, with its rows: ``input_ids`` the token
+    embeddings, ``token_type_ids`` the segment table. Values outside ``[0, rows)`` are refused."""
+    limits = {"input_ids": vocab_size(facts)}
+    types = [f.type_vocab_size for f in facts if f.type_vocab_size]
+    if types:
+        limits["token_type_ids"] = min(types)
+    return {k: v for k, v in limits.items() if v}
 
 
 def max_sequence_length(facts: list[ShardFacts], manifest: Manifest) -> int | None:

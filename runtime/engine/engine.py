@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import SlimmlError
-from slimml.runtime.artifact.integrity import check_shard_file, max_sequence_length, vocab_size
+from slimml.runtime.artifact.integrity import check_shard_file, id_limits, max_sequence_length
 from slimml.runtime.artifact.manifest import Manifest, check_manifest_unchanged, verify_files
 from slimml.runtime.artifact.watch import FileWatch
 from slimml.runtime.engine.backends import backend_for
@@ -58,9 +58,10 @@ class Engine:
         self._check_watch = self._watch.check if self._watch is not None else _nothing
         facts = [check_shard_file(folder, s) for s in manifest.shards]  # external data stays inside
         self.max_sequence_length: int | None = max_sequence_length(facts, manifest)
-        self.vocab_size: int | None = vocab_size(facts)  # input_ids outside it raise FeedError
+        limits = id_limits(facts)  # ids outside the table they index raise FeedError
+        self.vocab_size: int | None = limits.get("input_ids")
         self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
-        self._check = FeedChecker(manifest.inputs, self.max_sequence_length, self.vocab_size)
+        self._check = FeedChecker(manifest.inputs, self.max_sequence_length, limits)
         self.plan: ExecutionPlan = plan or build_plan(folder, manifest, memory or plan_stream(manifest), config,
                                                       self.backend)
         self._outputs = [t.name for t in manifest.outputs]

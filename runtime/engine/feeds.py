@@ -30,8 +30,8 @@ class FeedChecker:
     to :func:`check_feeds`, which collects every problem and raises them in one message.
     """
 
-    def __init__(self, specs: list[TensorSpec], max_seq: int | None = None, vocab_size: int | None = None):
-        self.specs, self.max_seq, self.vocab_size = specs, max_seq, vocab_size
+    def __init__(self, specs: list[TensorSpec], max_seq: int | None = None, id_limits: Mapping[str, int] | None = None):
+        self.specs, self.max_seq, self.id_limits = specs, max_seq, dict(id_limits or {})
         self.names = {s.name for s in specs}
         self.plan = []
         for s in specs:
@@ -39,7 +39,7 @@ class FeedChecker:
             named = [(d, w) for d, w in enumerate(s.shape) if isinstance(w, str)]
             seq = [d for d, w in named if counts_tokens(w)] if max_seq is not None else []
             dtype = np.dtype(s.dtype)
-            ids = (vocab_size is not None and s.name == "input_ids" or s.name == LOGITS_INDEX) and dtype.kind in "iu"
+            ids = (s.name in self.id_limits or s.name == LOGITS_INDEX) and dtype.kind in "iu"
             unsigned = np.dtype(f"u{dtype.itemsize}") if ids else None  # ids seen unsigned: negatives are huge
             self.plan.append((s.name, dtype, len(s.shape), fixed, named, seq, unsigned, dtype.kind in "fc"))
         self.sums = sum_axes(specs)
@@ -68,9 +68,9 @@ class FeedChecker:
                     # one pass finds ids past the end and, seen unsigned, negative ones. argmax has
                     # no ufunc-reduction set-up: right after an ORT pass has evicted the caches, 128
                     # ids took 12.7 us by argmax, 16.6 us by max over a list, 31 us by .max()
-                    if unsigned is not None:  # ids below the vocabulary; logits_index below the pass's length
+                    if unsigned is not None:  # ids below their table's rows; logits_index below the pass's length
                         u = v.view(unsigned)
-                        limit = self.vocab_size if name == "input_ids" else _positions(feeds)
+                        limit = self.id_limits[name] if name in self.id_limits else _positions(feeds)
                         if limit is None or u.item(u.argmax()) >= limit:
                             break
                     if floats and not allow_nonfinite and not _sum_finite(v) and not np.isfinite(v).all():
@@ -79,7 +79,7 @@ class FeedChecker:
             else:
                 if all(axes[w] == sum(axes[p] for p in parts) for w, parts in self.sums):
                     return out
-        return check_feeds(feeds, self.specs, self.max_seq, allow_nonfinite, self.vocab_size)
+        return check_feeds(feeds, self.specs, self.max_seq, allow_nonfinite, self.id_limits)
 
 
 def check_feeds(
@@ -87,7 +87,7 @@ def check_feeds(
     specs: list[TensorSpec],
     max_seq: int | None = None,
     allow_nonfinite: bool = False,
-    vocab_size: int | None = None,
+    id_limits: Mapping[str, int] | None = None,
 ) -> dict[str, np.ndarray]:
     """Return ``feeds`` as contiguous numpy arrays after checking names, dtypes and ranks.
 
@@ -98,8 +98,9 @@ def check_feeds(
             like ``sequence_length``) longer than this is refused with the maximum named.
         allow_nonfinite: let NaN and inf through in float inputs. By default they are refused:
             they spread silently through every layer and come out as NaN outputs.
-        vocab_size: rows of the token-embedding table; ``input_ids`` outside ``[0, vocab_size)``
-            are refused (a negative id would otherwise wrap around silently).
+        id_limits: id inputs with the rows of the table they index (``input_ids``: the vocabulary,
+            ``token_type_ids``: the segments); values outside ``[0, rows)`` are refused (a negative
+            id would otherwise wrap around silently).
 
     Raises:
         FeedError: unknown or missing names, wrong dtype, wrong rank, a fixed dimension that
@@ -165,12 +166,14 @@ def check_feeds(
             problems.append(f"input {name!r} has an empty batch (shape {list(value.shape)}); give at least one item")
         elif value.size == 0:
             pass
-        elif vocab_size is not None and name == "input_ids" and value.dtype.kind in "iu":
-            bad = (value < 0) | (value >= vocab_size)
+        elif id_limits and name in id_limits and value.dtype.kind in "iu":
+            rows = id_limits[name]
+            bad = (value < 0) | (value >= rows)
             if bad.any():
                 where = tuple(int(i) for i in np.argwhere(bad)[0])
+                table = "the vocabulary" if name == "input_ids" else "the model's token types"
                 problems.append(
-                    f"input 'input_ids' holds {int(bad.sum())} id(s) outside the vocabulary [0, {vocab_size}), the "
+                    f"input {name!r} holds {int(bad.sum())} id(s) outside {table} [0, {rows}), the "
                     f"first {int(value[where])} at index {where}; encode text with this model's tokenizer (model.tokenize)"
                 )
         elif name == LOGITS_INDEX and value.dtype.kind in "iu" and (positions := _positions(out) or _positions(feeds)) is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import onnxruntime as ort
 
-from slimml.errors import FeedError
+from slimml.errors import FeedError, OutOfMemoryError
 from slimml.runtime.engine.backends import DEFAULT_DEVICE, DEVICES, Backend, backend_for, resolve_device
 from slimml.runtime.engine.backends.base import first_line as _first_line
 
@@ -84,7 +84,7 @@ class Step:
 
     def _error(self, e: BaseException) -> FeedError:
         if isinstance(e, MemoryError) or "Failed to allocate memory" in str(e) or "bad_alloc" in str(e):
-            return FeedError(f"{self.label} ran out of memory for this batch (ONNX Runtime could not allocate a buffer); "
+            return OutOfMemoryError(f"{self.label} ran out of memory for this batch (ONNX Runtime could not allocate a buffer); "
                              "send fewer rows or shorter sequences a call (encode's batch_size), or stream the model with "
                              "a memory budget.")
         return FeedError(

@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
-from slimml.errors import ArtifactError, ConfigError, FeedError, IntegrityError, RequestError, SlimmlError, StageError, TaskError
+from slimml.errors import (ArtifactError, ConfigError, FeedError, IntegrityError, OutOfMemoryError, RequestError, SlimmlError,
+                           StageError, TaskError)
 import slimml.serve.protocol as protocol
 from slimml.runtime.artifact.manifest import MANIFEST_NAME
 from slimml.serve.batcher import Batcher
@@ -127,7 +128,7 @@ api.add_middleware(_Guard)
 
 @api.exception_handler(RequestError)
 async def _request_error(request: Request, e: RequestError):
-    return _error(str(e), e.status, {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None, e.param)
+    return _error(str(e), e.status, {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None, e.param)
 
 
 ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, POST /v1/rerank, "
@@ -151,6 +152,8 @@ async def _http_error(request: Request, e: StarletteHTTPException):
 
 @api.exception_handler(FeedError)
 async def _feed_error(request: Request, e: FeedError):
+    if isinstance(e, OutOfMemoryError):  # the server's memory, not the request's fault: retry, or send less
+        return _error(str(e), 503, {"Retry-After": str(RETRY_AFTER_S)})
     return _error(str(e), 400)
 
 

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
+from slimml.errors import ConfigError, FeedError, OutOfMemoryError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta, ReplyFormat, ReplyReader
@@ -279,7 +279,7 @@ class LLMService:
                         yield event
                     continue
                 if seq.finish_reason == "error":
-                    for event in out.failure(_failure(seq)):
+                    for event in out.failure(_failure(seq), _failure_status(seq)):
                         yield event
                     return
                 reason = seq.finish_reason
@@ -298,7 +298,7 @@ class LLMService:
     @staticmethod
     def _raise_failure(seq: Sequence) -> None:
         if seq.finish_reason == "error":
-            raise SlimmlError(_failure(seq))
+            raise RequestError(_failure(seq), _failure_status(seq))
 
     def close(self) -> None:
         self.worker.close()
@@ -355,5 +355,13 @@ def _answer_logprobs(seq: Sequence, start: int, shown: int) -> tuple[list, int]:
 
 
 def _failure(seq: Sequence) -> str:
+    if isinstance(seq.error, OutOfMemoryError):  # the batch's pass could not allocate: every row of it ends so
+        return ("the server ran out of memory for the batch this request was in; retry it, or ask for fewer tokens "
+                "(max_tokens) or send a shorter prompt.")
     kind = type(seq.error).__name__ if seq.error is not None else "error"
     return f"generation failed ({kind}); the server logged it. Retry the request."
+
+
+def _failure_status(seq: Sequence) -> int:
+    """503 (retry later) where the pass ran out of memory; else 500: a failed generation is the server's."""
+    return 503 if isinstance(seq.error, OutOfMemoryError) else 500

@@ -22,6 +22,7 @@ from slimml.errors import ConfigError, FeedError, RequestError
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta
 from slimml.runtime.tasks.limits import surrogate_at
 from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, template_messages
+from slimml.serve.protocol import error_body
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
@@ -508,9 +509,9 @@ class Answer:
         return out + [sse("[DONE]")]
 
     @staticmethod
-    def failure(message: str) -> list[bytes]:
+    def failure(message: str, status: int = 500) -> list[bytes]:
         """The events of a generation that failed: OpenAI's error body, ``[DONE]``."""
-        return [sse({"error": {"message": message, "type": "server_error", "param": None, "code": 500}}), sse("[DONE]")]
+        return [sse(error_body(message, status)), sse("[DONE]")]
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last chunk of ``stream_options.include_usage``: no choices, the usage."""

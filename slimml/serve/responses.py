@@ -339,8 +339,9 @@ class ResponseAnswer:
         return out + [self._event("response.incomplete" if body["status"] == "incomplete" else "response.completed",
                                   response=body)]
 
-    def failure(self, message: str) -> list[bytes]:
-        """The events of a generation that failed: an error, the response failed."""
+    def failure(self, message: str, status: int = 500) -> list[bytes]:
+        """The events of a generation that failed: an error, the response failed (its code is
+        ``server_error`` whatever the ``status``, as the Responses API's stream words a server's failure)."""
         return [self._event("error", code="server_error", message=message, param=None),
                 self._event("response.failed", response=self.body("failed", self.output, error=message))]
 

@@ -101,6 +101,7 @@ class Pooler:
         self.normalize = bool(pooling.get("normalize", True))
         self.dense = tuple(dense)
         self.truncate_dim = pooling.get("truncate_dim")
+        self.hidden: int | None = None  # the pooled output's size, where the model's outputs say it
 
     @classmethod
     def of(cls, pooling: Mapping[str, Any] | None, folder: str | Path,
@@ -130,7 +131,9 @@ class Pooler:
                 raise ArtifactError(f"pooling dense layer {i} takes {weight.shape[0]} values, but what comes before it gives "
                                     f"{takes}; the artifact is damaged: convert it again.")
             dense.append(Dense(weight, bias, layer["activation"]))
-        return cls(pooling, dense)
+        pooler = cls(pooling, dense)
+        pooler.hidden = hidden
+        return pooler
 
     def __call__(self, outputs: Mapping[str, np.ndarray], attention_mask: np.ndarray) -> np.ndarray:
         """Embeddings (B, size) of a batch from the chain's ``outputs`` and its ``attention_mask``."""
@@ -143,13 +146,19 @@ class Pooler:
         cut (sentence-transformers' ``encode(truncate_dim=)``); None: as it is.
 
         Raises:
-            FeedError: ``truncate_dim`` is not a whole number >= 1.
+            FeedError: ``truncate_dim`` is not a whole number >= 1, or is more than the model's
+                embeddings hold (sentence-transformers gives them whole: a caller that asked for
+                more than there is would not see that it got less).
         """
         if truncate_dim is None:
             return self
         if not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim < 1:
             raise FeedError(f"truncate_dim must be a whole number >= 1, got {truncate_dim!r}; give the number of "
                             "values to keep, or leave it out for the model's own.")
+        width = self.width(self.hidden)
+        if width is not None and truncate_dim > width:
+            raise FeedError(f"truncate_dim is {truncate_dim}, more than this model's {width} values; ask for at most "
+                            f"{width}, or leave it out for the model's own.")
         other = copy.copy(self)
         other.truncate_dim = truncate_dim
         return other
