@@ -114,6 +114,14 @@ def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact,
             assert e.code == 503 and "after the model was loaded" in json.loads(e.read())["error"]["message"]
         status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
         assert status == 503  # refused, never run
+        # and it stays so: the replica is not replaced by one that cannot load the files (Serve restarted it
+        # again and again, every route timing out with a plain-text 408 meanwhile)
+        from slimml.serve.app import HEALTH_CHECK_S
+
+        time.sleep(4 * HEALTH_CHECK_S)
+        for _ in range(3):
+            status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
+            assert status == 503 and "after the model was loaded" in body["error"]["message"], (status, body)
 
 
 def test_serve_direct_ingress_answers_on_the_port_itself(ray_env, tiny_bert_artifact):

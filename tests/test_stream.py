@@ -125,6 +125,34 @@ def test_parse_bytes():
             parse_bytes(bad)
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_streamed_model_runs_in_a_forked_child(mlp_artifact):
+    """The loader thread (and the reading pool) do not survive a fork: a child's pass waited for them
+    forever (multiprocessing's fork pool, a server's pre-fork workers). The child starts its own."""
+    import signal
+
+    model = load(mlp_artifact, resident=2)
+    want = model.run(_feeds())["y"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: three passes (past the slots filled before the fork), their last one sent back
+        signal.alarm(60)  # a hang ends the child, and the parent sees it
+        try:
+            for _ in range(3):
+                got = model.run(_feeds())["y"]
+            os.write(write, got.astype(np.float32).tobytes())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and data, f"the child ended with status {status}"
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32).reshape(want.shape), want)
+    np.testing.assert_array_equal(model.run(_feeds())["y"], want)  # and the parent's loader goes on
+    model.close()
+
+
 def test_concurrent_runs_never_mix(mlp_artifact):
     model = load(mlp_artifact, resident=2)
     # the same model run one call at a time is the reference: concurrent calls must match it bit for bit

@@ -215,6 +215,15 @@ class PackedSlots:
 _MAPPING = threading.Lock()  # one session opened at a time, so that the mappings it adds are known to be its own
 
 
+def _child_after_fork() -> None:
+    global _MAPPING
+    _MAPPING = threading.Lock()  # a parent's loader thread may have held it at the fork: it is gone
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_child_after_fork)
+
+
 @contextlib.contextmanager
 def _entry_lock(path: Path) -> Iterator[None]:
     """An exclusive lock on ``path`` (made, mode 600) while a cache entry is written: loaders in

@@ -233,3 +233,14 @@ def _pool() -> ThreadPoolExecutor:
         if _readers is None:
             _readers = ThreadPoolExecutor(_READERS, thread_name_prefix="slimml-read")
         return _readers
+
+
+def _child_after_fork() -> None:
+    """A forked child has none of the pool's threads (work given to it would never run): a new
+    pool, made on first use, and a lock no parent thread holds."""
+    global _readers, _readers_lock
+    _readers, _readers_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_child_after_fork)

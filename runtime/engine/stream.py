@@ -15,6 +15,7 @@ are serialised; activations never mix).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -68,8 +69,20 @@ class _Loader:
         self.error: tuple[int, BaseException] | None = None
         self.closed = False
         self.stats = StreamStats()
+        self._start()
+        _live.add(self)
+
+    def _start(self) -> None:
         self.thread = threading.Thread(target=self._main, name="slimml-shard-loader", daemon=True)
         self.thread.start()
+
+    def _after_fork(self) -> None:
+        """In a forked child: the thread did not come along (a pass there would wait for it
+        forever), and the parent's threads may have held the condition's lock. A fresh lock and
+        thread; the slots filled before the fork are the child's own copies, and stay."""
+        self.cv = threading.Condition()
+        if not self.closed and self.error is None:
+            self._start()
 
     def _main(self) -> None:
         while True:
@@ -154,6 +167,18 @@ class _Loader:
             slot.release()
         if self.thread is not threading.current_thread():
             self.thread.join(timeout=30)
+
+
+_live: weakref.WeakSet[_Loader] = weakref.WeakSet()  # every loader of this process, for a forked child
+
+
+def _child_after_fork() -> None:
+    for loader in list(_live):
+        loader._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_child_after_fork)
 
 
 class Streamer:

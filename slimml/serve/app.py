@@ -35,7 +35,7 @@ from ray import serve
 from slimml.errors import (ArtifactError, ConfigError, FeedError, IntegrityError, OutOfMemoryError, RequestError, SlimmlError,
                            StageError, TaskError)
 import slimml.serve.protocol as protocol
-from slimml.runtime.artifact.manifest import MANIFEST_NAME
+from slimml.runtime.artifact.manifest import MANIFEST_NAME, check_manifest_unchanged
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
 from slimml.serve.llm import RETRY_AFTER_S, LLMService
@@ -208,6 +208,7 @@ class SlimmlServer:
 
     def __init__(self, config: dict[str, Any]):
         self.config = ServeConfig(**config)
+        self._damage_told = False  # check_health has logged that the artifact's files changed
         # Serve pickles this class by value, globals and all: the middleware reads the module's own
         # _guard, so it is reached through the module, not through this function's globals
         import slimml.serve.app as module
@@ -430,8 +431,21 @@ class SlimmlServer:
                 "shards": len(m.shards), "stages": self.config.stages}
 
     def check_health(self):
-        """Serve's own probe: a replica whose files changed is replaced (it reloads and re-verifies)."""
-        self.model.check_files()
+        """Serve's own probe. A replica whose artifact was replaced by another (its manifest.json is not
+        the one loaded: a convert swapped a new one in) is replaced, and the new replica loads that. One
+        whose files changed under the same manifest (damaged, tampered with) stays up answering 503:
+        a new replica could not load them, and Serve would restart it again and again, every route
+        timing out meanwhile. It says so once in the server's log."""
+        try:
+            self.model.check_files()
+        except IntegrityError as e:
+            try:
+                check_manifest_unchanged(Path(self.config.artifact), self.model.manifest)
+            except IntegrityError:
+                raise e from None  # another artifact: a new replica loads it
+            if not self._damage_told:
+                log.error("slimml: %s; every request gets 503 until the server is restarted on a whole artifact.", e)
+                self._damage_told = True
 
 
 def _reuse_address() -> None:
