@@ -67,6 +67,9 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
     got = model.run(feeds)
     checks: dict[str, Any] = {"max_abs_diff": max(float(np.abs(got[n] - want[n]).max()) for n in names)}
     common = [n for n in names if n in torch_out]
+    for n in common:
+        if torch_out[n].dtype.kind == "f":
+            refuse_nonfinite(src.name, torch_out[n], f"values in its {n!r} output", nan_only=True)
     if common:
         checks["max_abs_diff_vs_torch"] = max(float(np.abs(got[n] - torch_out[n]).max()) for n in common)
         checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
@@ -135,6 +138,24 @@ def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:
             return feeds
     rest = [t for t in manifest.inputs if t.name not in feeds]  # a vision tower's pixels beside the texts
     return feeds | sample_feeds(rest, batch=2, seq=16, source=manifest.source) if rest else feeds
+
+
+def refuse_nonfinite(name: str, values: np.ndarray, output: str = "logits", nan_only: bool = False) -> None:
+    """Refuse a source model whose ``output`` on the check's inputs holds NaN (or inf, unless
+    ``nan_only``: a model's own outputs may hold inf on purpose): its weights are damaged, or
+    overflow in float32. Every comparison with NaN passes unseen, and argmax of NaN rows agrees
+    everywhere, so without this a model of NaN weights shipped with "top1 agreement 1".
+
+    Raises:
+        ExportError: naming the model and the fix.
+    """
+    bad = np.isnan(values) if nan_only else ~np.isfinite(values)
+    if bad.any():
+        raise ExportError(
+            f"the source model {name} itself gives non-finite {output} (NaN or inf: {int(bad.sum())} of {bad.size}) on "
+            "slimml's check inputs, so its weights are damaged or overflow in float32; slimml does not ship it. Check "
+            "the source file (its own library gives the same), or convert a good copy."
+        )
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from slimml.convert.check import MIN_COSINE
+from slimml.convert.check import MIN_COSINE, refuse_nonfinite
 from slimml.convert.export import Exported
 from slimml.convert.layerwise import check_load_options, streamed_reference
 from slimml.convert.llm_check import decoder_feeds, past_shapes
@@ -46,6 +46,7 @@ def verify_decoder(folder: Path, manifest: Manifest, src: Source, exported: Expo
     ref = streamed_reference(src.path) if streamed else reference_for(src, exported, ["logits"])
     want = ref(dict(feeds))["logits"]
     del ref
+    refuse_nonfinite(src.name, want)
     options = check_load_options(manifest)
     model = load(folder, device="cpu", **options)  # the artifact's own integrity check runs here
     try:
@@ -60,7 +61,8 @@ def verify_decoder(folder: Path, manifest: Manifest, src: Source, exported: Expo
               "reference": "torch, layer by layer (bigger than memory), empty cache" if streamed else "torch, empty cache"}
     if options:
         checks["artifact_run"] = f"streamed (memory_budget {fmt_bytes(options['memory_budget'])}): bigger than memory"
-    if checks["cosine_vs_torch"] < MIN_COSINE or checks["top1_agreement"] < MIN_TOP1:  # never a silently wrong float model
+    # never a silently wrong float model (written so that NaN fails too: the artifact's, with the source's finite)
+    if not (checks["cosine_vs_torch"] >= MIN_COSINE and checks["top1_agreement"] >= MIN_TOP1):
         raise ExportError(
             f"the fused graph of {src.name} disagrees with the source model in torch (cosine {checks['cosine_vs_torch']:.4g}, "
             f"top-1 agreement {checks['top1_agreement']:.3g}): the fused exporter misreads this architecture; "

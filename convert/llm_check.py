@@ -59,11 +59,10 @@ def read_eval_text(path: str | os.PathLike | None) -> tuple[str, str]:
     """
     if path is None:
         return SAMPLE_TEXT, "built-in sample"
+    from slimml.runtime.tools.evaluate import read_text  # as `slimml eval --data` reads it: UTF-8, or refused
+
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise DataError(f"cannot read the evaluation text {p} ({e.strerror or e}); give a UTF-8 text file with --eval-text.") from None
+    text = read_text(p)
     if len(text.split()) < 50:
         raise DataError(f"the evaluation text {p} has fewer than 50 words; give a longer UTF-8 text file with --eval-text.")
     return text, p.name
@@ -141,6 +140,10 @@ def check_language_model(folder: Path, manifest: Any, source_folder: Path, eval_
         window = min(DEFAULT_WINDOW, context) if context else DEFAULT_WINDOW
         windows = token_windows(folder / manifest.tokenizer["file"], text, window=window)
         reference = torch_scores(source_folder, windows)
+        if not np.isfinite(reference[0]).all():  # the source's own losses: NaN there is its weights, not ours
+            from slimml.convert.check import refuse_nonfinite
+
+            refuse_nonfinite(source_folder.name, reference[0])
         names = [t.name for t in manifest.inputs]
         past = past_shapes(manifest.inputs)
         ours = score_run(model.run, lambda ids: decoder_feeds(names, ids, past), windows)

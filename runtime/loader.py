@@ -76,6 +76,9 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"load() takes the artifact's folder (a str or a path), got {type(path).__name__}; e.g. "
                           "load(\"artifacts/all-MiniLM-L6-v2\").")
+    if not os.fspath(path):  # Path("") is the current folder: almost never what an empty setting meant
+        raise ConfigError("load() got an empty path; give the artifact's folder, e.g. load(\"artifacts/all-MiniLM-L6-v2\") "
+                          "(\".\" for the current folder).")
     folder = Path(path)
     manifest = read_manifest(folder)
     check_same_manifest(folder, manifest, config.manifest_sha256)

@@ -726,6 +726,25 @@ def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+# the packages of each extra a command may import, by their module name
+_EXTRAS = {"torch": "convert", "transformers": "convert", "optimum": "convert", "nncf": "convert", "sympy": "convert",
+           "onnx_ir": "convert", "gguf": "convert", "accelerate": "convert", "sentence_transformers": "convert",
+           "ray": "serve", "orjson": "serve", "matplotlib": "bench", "PIL": "vision"}
+
+
+def _missing_extra(e: ImportError) -> tuple[str, str] | None:
+    """The missing module and the extra that brings it, for an ImportError that names one of the
+    extras' packages (``No module named 'torch'``, ONNX Runtime's ``missing 'sympy'``), else None."""
+    import re
+
+    names = [e.name or ""] + re.findall(r"(?:No module named|missing) '([\w.]+)'", str(e))
+    for name in names:
+        top = name.split(".")[0]
+        if top in _EXTRAS:
+            return top, _EXTRAS[top]
+    return None
+
+
 def main() -> None:
     """Entry point: run the app, turning slimml errors into one line and exit code 1, and a
     command line Typer cannot parse (an unknown option, ``--seed abc``) into one line and exit code 2.
@@ -750,6 +769,15 @@ def main() -> None:
         sys.exit(1)
     except typer.Abort:
         err.print("aborted.")
+        sys.exit(1)
+    except ImportError as e:  # a command of an extra this install does not have (quantize on the base install)
+        extra = _missing_extra(e)
+        if extra is None or os.environ.get("SLIMML_DEBUG"):
+            raise
+        module, group = extra
+        fix = escape(f"pip install 'slimml[{group}]'" + (" (after pip install torch==2.13.0)" if group == "convert" else ""))
+        err.print(f"[bold red]error:[/bold red] this command needs the {escape(module)} package, which is not installed; "
+                  f"{fix}.", highlight=False, soft_wrap=True)
         sys.exit(1)
     except Exception as e:
         if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):

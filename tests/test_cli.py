@@ -158,3 +158,15 @@ def test_an_output_under_a_file_or_over_a_folder_of_something_else_is_refused_fi
 def test_a_model_file_given_for_an_artifact_says_to_convert_it_first(mlp_onnx):
     r = slimml("info", mlp_onnx)
     assert r.returncode == 1 and f"{mlp_onnx} is a file, not an artifact folder; convert it first" in r.stderr
+
+
+def test_a_command_of_an_extra_not_installed_says_which_extra(tiny_bert_artifact, tmp_path):
+    """quantize on the runtime-only install printed ONNX Runtime's 75-line ImportError (no sympy)."""
+    hide = ("import sys; sys.modules['sympy'] = None; sys.argv = ['slimml', 'quantize', sys.argv[1], '-o', sys.argv[2], "
+            "'--quantize', 'int8']; from slimml.cli import main; main()")
+    r = subprocess.run([sys.executable, "-c", hide, str(tiny_bert_artifact), str(tmp_path / "q")], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "SLIMML_DEBUG": ""})
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip() == ("error: this command needs the sympy package, which is not installed; pip install "
+                                "'slimml[convert]' (after pip install torch==2.13.0).")
+    assert not (tmp_path / "q").exists()

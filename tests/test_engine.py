@@ -76,6 +76,8 @@ def test_load_takes_a_folder_and_a_model_closes_at_the_end_of_a_with_block(mlp):
         load(None)
     assert str(e.value) == ("load() takes the artifact's folder (a str or a path), got NoneType; e.g. "
                             'load("artifacts/all-MiniLM-L6-v2").')
+    with pytest.raises(ConfigError, match=r"load\(\) got an empty path; give the artifact's folder"):
+        load("")  # was the current folder
     with load(mlp) as model:
         y = model.run(_feeds())["y"]
     assert y.shape == (2, HIDDEN)

@@ -408,3 +408,34 @@ def test_a_gguf_source_keeps_its_own_grid(types, bits, want):
     if bits == 4:  # a student distilled or pruned from the file has new weights: fitted
         manifest.source["student_of"] = "teacher"
         assert decoder_config(bits, manifest).grid == "fitted"
+
+
+def test_a_decoder_with_nan_weights_is_refused_not_shipped(tmp_path):
+    """A GGUF whose output norm held NaN converted with exit 0: every comparison with NaN passed, and
+    argmax of NaN rows agreed everywhere ("top1 agreement 1")."""
+    import torch
+    from conftest import save_tiny_llama
+    from transformers import LlamaForCausalLM
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.errors import ExportError
+
+    src = save_tiny_llama(tmp_path / "src", hidden_size=32, intermediate_size=64)
+    model = LlamaForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        model.model.norm.weight[:4] = float("nan")
+    model.save_pretrained(src)
+    with pytest.raises(ExportError, match=r"the source model src itself gives non-finite values in its 'logits' output \(NaN or inf: \d+ of \d+\)"):
+        convert(src, tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert not (tmp_path / "art").exists()
+
+
+def test_an_eval_text_that_is_not_utf8_is_refused_as_eval_refuses_it(tmp_path):
+    """--eval-text read bytes as text with replacement characters and scored the garbage (perplexity 187)."""
+    from slimml.convert.llm_check import read_eval_text
+    from slimml.errors import DataError
+
+    path = tmp_path / "bin.txt"
+    path.write_bytes(bytes(range(256)) * 80)
+    with pytest.raises(DataError, match=r"bin.txt is not UTF-8 text \(byte 128\); give a UTF-8 text file"):
+        read_eval_text(path)

@@ -144,3 +144,18 @@ def test_copied_artifact_loads_anywhere(artifact, tmp_path, feeds):
     moved = tmp_path / "elsewhere" / "copy"
     shutil.copytree(artifact, moved)
     np.testing.assert_array_equal(load(moved).run(feeds)["y"], load(artifact).run(feeds)["y"])
+
+
+def test_a_loaded_model_is_not_pickled_or_copied(artifact, feeds):
+    """pickle gave "cannot pickle '_thread.lock' object", and copy.copy(model).close() closed the original."""
+    import copy
+    import pickle
+
+    from slimml.errors import SlimmlError
+
+    model = load(artifact)
+    for how in (pickle.dumps, copy.copy, copy.deepcopy):
+        with pytest.raises(SlimmlError, match=r"a loaded model cannot be pickled or copied; pass the artifact's path .* "
+                                              r"call slimml.runtime.load\(\) in the worker"):
+            how(model)
+    model.run(feeds)  # and it still runs

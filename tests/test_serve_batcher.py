@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from slimml.serve.batcher import Batcher
@@ -107,3 +108,47 @@ def test_a_cancelled_request_is_skipped():
 
     asyncio.run(main())
     assert seen == ["first", "kept"]
+
+
+def test_a_batch_runs_in_pieces_of_like_items_and_comes_back_in_each_request_s_order():
+    calls = []
+
+    def fn(items):
+        calls.append(list(items))
+        return np.array([[len(s), ord(s[0])] for s in items], np.float32), [len(s) for s in items]
+
+    async def main():
+        batcher = Batcher(fn, max_items=100, wait_s=0.05, piece=2, key=len)
+        return await asyncio.gather(batcher(["ccc", "a", "dddd"]), batcher(["bb", "eeeee"]))
+
+    (emb1, n1), (emb2, n2) = asyncio.run(main())
+    assert calls == [["a", "bb"], ["ccc", "dddd"], ["eeeee"]]  # by length, two at a time
+    np.testing.assert_array_equal(emb1, [[3, 99], [1, 97], [4, 100]])
+    np.testing.assert_array_equal(emb2, [[2, 98], [5, 101]])
+    assert n1 == [3, 1, 4] and n2 == [2, 5] and emb1.dtype == np.float32
+
+
+def test_a_request_that_goes_away_mid_batch_stops_after_the_call_in_progress():
+    """A timed-out or disconnected request's remaining items are dropped between calls: the model
+    is free for the next request after one call, not after the whole batch."""
+    calls = []
+    started, gate = threading.Event(), threading.Event()
+
+    def fn(items):
+        calls.append(list(items))
+        started.set()
+        gate.wait(5)
+        return items
+
+    async def main():
+        batcher = Batcher(fn, max_items=1000, wait_s=0.0, piece=4)
+        big = asyncio.create_task(batcher([f"t{i}" for i in range(40)]))
+        await asyncio.to_thread(started.wait, 5)
+        big.cancel()  # the route's deadline, or the client gone
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await big
+        return await batcher(["next"])
+
+    assert asyncio.run(main()) == ["next"]
+    assert calls == [["t0", "t1", "t2", "t3"], ["next"]]

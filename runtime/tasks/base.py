@@ -342,6 +342,12 @@ class Task:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def __reduce_ex__(self, protocol):
+        # pickling, copying and a spawned worker's arguments all come here: sessions, threads and file
+        # watches cannot travel (a shallow copy would share them: closing it closed the original)
+        raise SlimmlError(f"a loaded model cannot be pickled or copied; pass the artifact's path ({self.folder}) and "
+                          "call slimml.runtime.load() in the worker, or share this one object between threads.")
+
     def __getattr__(self, name: str):
         # the one engine's other attributes (its file watch, its lanes) read through
         engine = self.__dict__.get("engine")

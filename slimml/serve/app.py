@@ -253,8 +253,11 @@ class SlimmlServer:
                                    prefill_tokens=self.config.prefill_tokens, prompt_lookup=self.config.prompt_lookup,
                                    prefix_bytes=self.config.prefix_bytes, reasoning=self.config.reasoning)
         # each request's prompt is put before its texts here: a batch holds the texts of requests that differ
+        # in calls of 8 encode batches, texts of like length together: a request that times out or goes away
+        # stops costing the model time after the call in progress (a 2,048-text request held it minutes)
         self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size, prompt=""),
-                                    self.config.max_batch_size, self.config.batch_wait_ms / 1000)
+                                    self.config.max_batch_size, self.config.batch_wait_ms / 1000,
+                                    piece=8 * self.config.batch_size, key=len)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         limit = self.config.max_body_bytes

@@ -20,6 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 
 class Batcher:
     """Runs ``fn(items)`` on a worker thread, one call at a time, over the items of all requests
@@ -28,14 +30,23 @@ class Batcher:
     Args:
         fn: a blocking function of a list of items; returns a sequence (a list, an array) as
             long as its input, or a tuple of such sequences.
-        max_items: the most items in one call. A single request with more runs on its own.
+        max_items: the most items in one batch. A single request with more runs on its own.
         wait_s: how long the oldest waiting request waits for others before its batch runs.
+        piece: the most items in one call of ``fn`` (default: a batch in one call). A batch runs
+            as calls of this many items, and between calls the items of requests that went away
+            (timed out, disconnected) are dropped: a request abandoned mid-batch stops costing
+            the model time after the call in progress, instead of holding it for the whole batch.
+        key: order a batch's items by this before it is cut into calls (``len``: texts of like
+            length share a call and pad little); results come back in each request's own order.
     """
 
-    def __init__(self, fn: Callable[[list[Any]], Any], max_items: int, wait_s: float):
+    def __init__(self, fn: Callable[[list[Any]], Any], max_items: int, wait_s: float, piece: int | None = None,
+                 key: Callable[[Any], Any] | None = None):
         self.fn = fn
         self.max_items = max_items
         self.wait_s = wait_s
+        self.piece = piece
+        self.key = key
         self._waiting: deque[tuple[list[Any], asyncio.Future, float]] = deque()
         self._count = 0  # items waiting
         self._arrived: asyncio.Event | None = None
@@ -87,11 +98,8 @@ class Batcher:
             batch = self._take()
             if not batch:
                 continue
-            flat = [item for items, _ in batch for item in items]
-            self.calls += 1
-            self.items += len(flat)
             try:
-                results = await asyncio.to_thread(self.fn, flat)
+                results = await self._run(batch)
             except Exception as e:
                 if len(batch) == 1:
                     if not batch[0][1].done():
@@ -99,22 +107,53 @@ class Batcher:
                     continue
                 # one request's items failed the call: run each request on its own, so only the
                 # request at fault gets its error and the others their results
-                for items, future in batch:
+                for request in batch:
+                    future = request[1]
                     if future.done():
                         continue
-                    self.calls += 1
                     try:
-                        result = await asyncio.to_thread(self.fn, items)
+                        result = (await self._run([request]))[0]
                     except Exception as alone:
                         if not future.done():
                             future.set_exception(alone)
                     else:
-                        if not future.done():
+                        if not future.done() and result is not None:
                             future.set_result(result)
                 continue
-            at = 0
-            for items, future in batch:
-                part = slice(at, at + len(items))
-                if not future.done():
-                    future.set_result(tuple(r[part] for r in results) if isinstance(results, tuple) else results[part])
-                at += len(items)
+            for (_, future), result in zip(batch, results):
+                if not future.done() and result is not None:
+                    future.set_result(result)
+
+    async def _run(self, batch: list[tuple[list[Any], asyncio.Future]]) -> list[Any]:
+        """Each request's results (None for one that went away), from calls of at most ``piece`` items."""
+        flat = [item for items, _ in batch for item in items]
+        owner = [r for r, (items, _) in enumerate(batch) for _ in items]
+        order = sorted(range(len(flat)), key=lambda i: self.key(flat[i])) if self.key else list(range(len(flat)))
+        piece = self.piece or len(flat)
+        rows: dict[int, Any] = {}  # item -> its result (a tuple of parts where fn gives a tuple)
+        like = None  # a call's results, whose types the requests' results take
+        for start in range(0, len(order), piece):
+            take = [i for i in order[start:start + piece] if not batch[owner[i]][1].done()]
+            if not take:
+                continue
+            self.calls += 1
+            self.items += len(take)
+            like = await asyncio.to_thread(self.fn, [flat[i] for i in take])
+            parts = zip(*like) if isinstance(like, tuple) else like
+            rows.update(zip(take, parts))
+        out, at = [], 0
+        for items, future in batch:
+            mine = range(at, at + len(items))
+            at += len(items)
+            if future.done() or any(i not in rows for i in mine):
+                out.append(None)
+            elif isinstance(like, tuple):
+                out.append(tuple(_gather([rows[i][k] for i in mine], part) for k, part in enumerate(like)))
+            else:
+                out.append(_gather([rows[i] for i in mine], like))
+        return out
+
+
+def _gather(values: list[Any], like: Any) -> Any:
+    """One request's per-item ``values`` in the form of ``fn``'s results ``like`` (an array's rows stacked)."""
+    return np.stack(values) if isinstance(like, np.ndarray) else list(values)
