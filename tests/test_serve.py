@@ -98,6 +98,7 @@ def test_models_health_and_run(server, local):
     assert isinstance(models["data"][0]["created"], int)  # OpenAI's field (the client reads it)
     status, health = client.request("GET", "/health")
     assert status == 200 and health["status"] == "ok"
+    assert client.request("HEAD", "/health") == (200, {})  # uptime probes send HEAD (405 before)
     feeds = local.tokenize(["a man is playing a guitar", "a dog"])
     body = {"inputs": {k: {"dtype": str(v.dtype), "data": v.tolist()} for k, v in feeds.items()}}
     status, out = client.request("POST", "/v1/run", body)

@@ -24,6 +24,8 @@ def test_config_from_serve_run_arguments():
         ServeConfig.from_args({})
     with pytest.raises(ConfigError, match="replicas must be a whole number >= 1, got 0"):
         ServeConfig("a", replicas=0)
+    with pytest.raises(ConfigError, match="name must be a non-empty model name"):
+        ServeConfig("a", name=" ")  # a model with an empty id
     with pytest.raises(ConfigError, match="max_batch_size must be a number"):
         ServeConfig.from_args({"artifact": "a", "max_batch_size": "lots"})
     assert ServeConfig("a", max_batch_size=300).max_ongoing_requests == 128  # bounded on its own, not by batch size
@@ -197,3 +199,18 @@ def test_responses_stream_events_are_put_together_by_the_openai_client_into_the_
     whole = ResponseAnswer(echo, "m").reply(Reply("Sure.", "Think.", (ToolCall("f", {"a": 1}, "call_1"),)), "stop", (5, 7, 0))
     assert [o["type"] for o in whole["output"]] == ["reasoning", "message", "function_call"]
     assert ResponseAnswer(echo, "m").reply(Reply(""), "stop", (1, 1, 0))["output"][0]["type"] == "message"
+
+
+def test_a_rerank_text_that_is_not_unicode_is_named_by_its_own_field_and_index():
+    """documents[2] was called '"query", "documents"[3]' (the query counted among the documents), param null."""
+    with pytest.raises(RequestError) as e:
+        protocol.rerank_request({"query": "q", "documents": ["ok", "ok2", "b\ud800"]}, 100)
+    assert str(e.value).startswith('"documents"[2] is not valid Unicode') and e.value.param == "documents"
+    with pytest.raises(RequestError) as e:
+        protocol.rerank_request({"query": "q\ud800", "documents": ["ok"]}, 100)
+    assert str(e.value).startswith('"query" is not valid Unicode') and e.value.param == "query"
+
+
+def test_the_route_list_keeps_its_templated_route():
+    message = "there is no GET /v1/nope here; this server answers GET /v1/models, GET /v1/models/{model}."
+    assert protocol.public(message) == message  # "GET {model}" before: the path scrubber took it for a path

@@ -409,7 +409,7 @@ class SlimmlServer:
             return Response(protocol.dumps(answer), media_type="application/json")
         return StreamingResponse(answer, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @api.get("/health")
+    @api.api_route("/health", methods=["GET", "HEAD"])  # uptime probes send HEAD
     async def health(self):
         await asyncio.to_thread(self.model.check_files)  # IntegrityError -> 503
         body = {"status": "ok", "model": self.name}

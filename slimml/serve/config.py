@@ -174,6 +174,9 @@ class ServeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"{name} must be a whole number >= {low}, got {v!r}.")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ConfigError(f"name must be a non-empty model name (what clients send as \"model\"), got {self.name!r}; "
+                              "leave it out for the artifact's own.")
         if not isinstance(self.batch_wait_ms, (int, float)) or isinstance(self.batch_wait_ms, bool) or not 0 <= self.batch_wait_ms <= 10_000:
             raise ConfigError(f"batch_wait_ms must be between 0 and 10000, got {self.batch_wait_ms!r}.")
         if self.cpus_per_replica is not None and not (isinstance(self.cpus_per_replica, (int, float)) and self.cpus_per_replica > 0):

@@ -159,9 +159,11 @@ def shortened(emb: np.ndarray, n: int | None, normalized: bool) -> np.ndarray:
     return cut / np.clip(np.linalg.norm(cut, axis=1, keepdims=True), 1e-12, None) if normalized else cut
 
 
-def checked_texts(texts: list[str], field: str, max_chars: int | None) -> list[str]:
+def checked_texts(texts: list[str], field: str, max_chars: int | None, param: str | None = None,
+                  single: bool = False) -> list[str]:
     """``texts`` cut to ``max_chars`` each, refusing one that is not valid Unicode (a lone
-    surrogate such as ``"\\ud800"`` is valid JSON but no text a tokenizer takes)."""
+    surrogate such as ``"\\ud800"`` is valid JSON but no text a tokenizer takes); ``single``: the
+    field is one text, named without an index."""
     out = []
     for i, t in enumerate(texts):
         if max_chars is not None and len(t) > max_chars:
@@ -169,8 +171,10 @@ def checked_texts(texts: list[str], field: str, max_chars: int | None) -> list[s
         try:
             t.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise RequestError(f"{field}[{i}] is not valid Unicode ({e.reason} at position {e.start}); send "
-                               "UTF-8 text (decode your input with errors='replace' or clean it first).") from None
+            where = field if single else f"{field}[{i}]"
+            raise RequestError(f"{where} is not valid Unicode ({e.reason} at position {e.start}); send "
+                               "UTF-8 text (decode your input with errors='replace' or clean it first).",
+                               param=param) from None
         out.append(t)
     return out
 
@@ -206,7 +210,8 @@ def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None =
             raise RequestError(f'"documents"[{i}] must be a non-empty text (or {{"text": "..."}}), got a JSON '
                                f"{_json_type(d)}.", param=f"documents[{i}]")
         texts.append(text)
-    query, *texts = checked_texts([query, *texts], '"query", "documents"', max_chars)
+    (query,) = checked_texts([query], '"query"', max_chars, param="query", single=True)
+    texts = checked_texts(texts, '"documents"', max_chars, param="documents")
     top_n = data.get("top_n")
     if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
         raise RequestError(f'"top_n" must be a whole number >= 1, got {top_n!r:.40}; leave it out for every document.',
@@ -404,7 +409,7 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
 
 # an absolute path (or one under ~), and an IPv4 address with or without a port
 _PATH = re.compile(r"(?<![\w.:/])(?:~|/(?=[^\s/]))[^\s'\"(),;:]*")
-_ROUTE = re.compile(r"/(?:v1/[\w/.-]*[\w-]|health)\.?$")  # this API's own endpoints, which messages name on purpose
+_ROUTE = re.compile(r"/(?:v1/[\w/.{}-]*[\w}-]|health)\.?$")  # this API's own endpoints, which messages name on purpose
 _ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b")
 
 
