@@ -224,6 +224,10 @@ def _gguf_to_folder(path: Path, folder: Path) -> None:
             f"transformers {transformers.__version__} could not read the model in {path} ({type(e).__name__}: {first}); "
             "convert the original Hugging Face folder of this model instead."
         ) from None
+    if _field(read_gguf(path), "tokenizer.ggml.add_bos_token") is False and getattr(tokenizer, "add_bos_token", False):
+        # the file says no bos before a text (SmolLM2's), as llama.cpp reads it and the model's own tokenizer
+        # does; transformers' reader puts one before every prompt (an empty prompt became [bos])
+        tokenizer.add_bos_token = False
     eos = model.generation_config.eos_token_id if model.generation_config is not None else None
     if isinstance(eos, int) and tokenizer.convert_ids_to_tokens(eos) is not None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)  # the file's eos id; the GGUF tokenizer may name another

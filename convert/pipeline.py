@@ -25,13 +25,17 @@ from slimml.convert.distill.distill import DistillConfig
 from slimml.convert.export import Exported, export
 from slimml.convert.llm_check import check_language_model, is_language_model, read_eval_text
 from slimml.convert.sources import Source, resolve
-from slimml.errors import ConfigError, ExportError, SlimmlError
+from slimml.errors import ConfigError, ExportError, SlimmlError, SourceError
 from slimml.runtime.artifact.atomic import check_output
 from slimml.runtime.artifact.manifest import Manifest, verify_files
 from slimml.runtime.artifact.writer import ArtifactWriter
 from slimml.runtime.engine.budget import bigger_than_memory
 from slimml.runtime.loader import load
 from slimml.runtime.tools.bench import sample_feeds, time_runs
+
+
+# what a GGUF file (llama.cpp's: a decoder) converts as: its language model, or its token states
+GGUF_TASKS = ("auto", "text-generation-with-past", "text-generation", "feature-extraction")
 
 
 @dataclass
@@ -97,6 +101,9 @@ def convert(
     _check_inputs(config)  # a bad calibration, evaluation or STS file fails before any work
     step("reading the source")
     src = resolve(source, example_inputs)
+    if src.kind == "gguf" and config.export.task not in GGUF_TASKS:  # a decoder's file: no other head in it
+        raise SourceError(f"{src.name} is a GGUF file, a language model with no {config.export.task} head in it; "
+                          f"convert it with --task {' or '.join(GGUF_TASKS[1:3])} (or leave --task out).")
     if src.kind != "onnx":  # an ONNX file needs neither transformers nor torch (importing them: 5 s)
         _quiet_transformers()
     out = Path(out) if out is not None else Path("artifacts") / (src.name + _default_suffix(config))

@@ -62,6 +62,9 @@ class ShardConfig:
     def parse(cls, shards: str | int | None = "per-layer", shard_size_mb: float | None = None) -> ShardConfig:
         """Build from the CLI's ``--shards per-layer|N`` and ``--shard-size MB``."""
         if shard_size_mb is not None:
+            if shards not in (None, "per-layer"):
+                raise ConfigError(f"--shards {shards} and --shard-size {shard_size_mb:g} each decide the shards; give one "
+                                  "of them.")
             return cls(mode="size", max_mb=shard_size_mb)
         if shards is None or shards == "per-layer":
             return cls()

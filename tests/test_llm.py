@@ -65,6 +65,17 @@ def test_fp32_greedy_tokens_equal_transformers_generate(smol):
     assert got == want, (tok.decode(got), tok.decode(want))
 
 
+def test_a_gguf_that_says_no_bos_gives_prompts_without_one(smol):
+    """SmolLM2's file says tokenizer.ggml.add_bos_token = false (as llama.cpp and the model's own tokenizer
+    read it); transformers' GGUF reader put <|im_start|> before every prompt, changing what generate made."""
+    from tokenizers import Tokenizer
+
+    from slimml.convert.gguf import _field, read_gguf
+
+    assert _field(read_gguf(GGUF), "tokenizer.ggml.add_bos_token") is False
+    assert Tokenizer.from_file(str(smol["art"] / "tokenizer.json")).encode("Hello").ids == [19556]
+
+
 def test_a_long_prompt_within_the_context_is_prefilled_in_chunks(smol):
     """A prompt of ~1,500 tokens (the context is 8,192) runs: before, the default budget for a
     49,152-token vocabulary (1,365 rows x tokens, sized for logits at every position) refused it,
@@ -439,3 +450,15 @@ def test_an_eval_text_that_is_not_utf8_is_refused_as_eval_refuses_it(tmp_path):
     path.write_bytes(bytes(range(256)) * 80)
     with pytest.raises(DataError, match=r"bin.txt is not UTF-8 text \(byte 128\); give a UTF-8 text file"):
         read_eval_text(path)
+
+
+@pytest.mark.parametrize("task", ["text-classification", "text2text-generation"])
+def test_a_gguf_with_a_task_it_has_no_head_for_is_refused(task, tmp_path):
+    """--task text-classification shipped a classifier of a newly drawn head (its check failing, 0 labels);
+    text2text-generation printed optimum's error with the temporary folder's path."""
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+
+    with pytest.raises(SourceError, match=f"is a GGUF file, a language model with no {task} head in it; convert it "
+                                          "with --task text-generation-with-past or text-generation"):
+        convert(GGUF, tmp_path / "art", ConvertConfig(export=ExportConfig(task=task)))
+    assert not (tmp_path / "art").exists()

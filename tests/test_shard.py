@@ -110,6 +110,7 @@ def test_graph_without_layer_names_falls_back_to_balanced_cuts(mlp_onnx, tmp_pat
         ("zero", None, "--shards must be 'per-layer' or a whole number, got 'zero'."),
         ("0", None, "--shards must be 'per-layer' or a whole number >= 1, got 0."),
         ("per-layer", -1.0, "--shard-size must be a positive number of MB, got -1.0."),
+        ("3", 5.0, "--shards 3 and --shard-size 5 each decide the shards; give one of them."),  # --shards was dropped
     ],
 )
 def test_bad_shard_options_say_what_to_use(shards, size, message):
