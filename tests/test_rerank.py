@@ -210,3 +210,30 @@ def test_the_classifier_guard_s_edges(tmp_path):
         outputs = [type("T", (), {"name": "logits", "shape": ["batch_size", "sequence_length", 3]})()]
 
     assert not is_classifier(Tokens) and is_scored(Tokens)
+
+
+def test_a_text_classifier_is_served_on_v1_classify(tmp_path):
+    """``POST /v1/classify`` on a real server: each text's labels and scores as ``model.classify`` gives
+    them (before, a classifier had no route but the raw logits of /v1/run); bad requests are 400s."""
+    pytest.importorskip("ray")
+    from conftest import serving
+    from test_serve_cli import post
+
+    from slimml.serve import ServeConfig
+
+    convert(_classifier(tmp_path / "src", 3), tmp_path / "art", ConvertConfig(measure_latency=False))
+    model = load(tmp_path / "art")
+    with serving(ServeConfig(str(tmp_path / "art"), name="m")) as port:
+        url = f"http://127.0.0.1:{port}/v1"
+        status, body = post(f"{url}/classify", {"input": DOCS[:3], "model": "m"})
+        assert status == 200 and body["object"] == "list" and body["model"] == "m", body
+        want = model.classify(DOCS[:3], top_k=None)
+        assert [[x["label"] for x in d["labels"]] for d in body["data"]] == [[x["label"] for x in w] for w in want]
+        np.testing.assert_allclose([[x["score"] for x in d["labels"]] for d in body["data"]],
+                                   [[x["score"] for x in w] for w in want], atol=1e-6)
+        status, body = post(f"{url}/classify", {"input": DOCS[0], "top_k": 1})
+        assert status == 200 and [d["index"] for d in body["data"]] == [0] and len(body["data"][0]["labels"]) == 1
+        for bad, words in [({"input": DOCS, "top_k": 0}, '"top_k" must be a whole number >= 1'),
+                           ({"input": []}, '"input" is an empty list'), ({"top_k": 1}, 'needs "input"')]:
+            status, body = post(f"{url}/classify", bad)
+            assert status == 400 and words in body["error"]["message"], (bad, body)

@@ -132,7 +132,7 @@ async def _request_error(request: Request, e: RequestError):
 
 
 ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, POST /v1/rerank, "
-          "POST /v1/entities, POST /v1/answer, POST /v1/generate, POST /v1/run, GET /health, GET /v1/models, "
+          "POST /v1/entities, POST /v1/answer, POST /v1/classify, POST /v1/generate, POST /v1/run, GET /health, GET /v1/models, "
           "GET /v1/models/{model}")
 
 
@@ -161,7 +161,8 @@ async def _feed_error(request: Request, e: FeedError):
 _ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"), "generate": ("/v1/generate", "a decoder"),
            "rerank": ("/v1/rerank", "a cross-encoder (one relevance output)"),
            "entities": ("/v1/entities", "a token classifier (named entities)"),
-           "answer": ("/v1/answer", "an extractive question-answering model")}
+           "answer": ("/v1/answer", "an extractive question-answering model"),
+           "classify": ("/v1/classify", "a text classifier")}
 _SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts",
          "rerank_with_counts": "rerank"}  # methods behind one route
 _USE = {"generate": "POST /v1/chat/completions, POST /v1/completions"}  # what to point a client at for such a model
@@ -337,6 +338,19 @@ class SlimmlServer:
         texts, options = protocol.entities_request(data, self.config.max_texts, self.text_chars)
         found = await asyncio.to_thread(self.model.entities, texts, batch_size=self.config.batch_size, **options)
         return protocol.spans_response(found, "entities", self.name)
+
+    @api.post("/v1/classify")
+    async def classify(self, request: Request):
+        """Each text's classes with their scores, best first (text classifiers), as ``model.classify`` gives them."""
+        data = await self._body(request)
+        self._needs("classify")
+        if self.model.kind != "text-classification":  # an image classifier would read the texts as file paths
+            raise RequestError(f"this artifact is a {self.model.kind!r} model, and POST /v1/classify classifies texts; "
+                               "use POST /v1/run for its raw outputs.", 400)
+        protocol.check_model(data, self.name)
+        texts, top_k = protocol.classify_request(data, self.config.max_texts, self.text_chars)
+        found = await asyncio.to_thread(self.model.classify, texts, top_k=top_k, batch_size=self.config.batch_size)
+        return protocol.spans_response(found, "labels", self.name)
 
     @api.post("/v1/answer")
     async def answer(self, request: Request):

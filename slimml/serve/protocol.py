@@ -97,6 +97,17 @@ def entities_request(data: dict[str, Any], max_texts: int, max_chars: int | None
     return texts, options
 
 
+def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None) -> tuple[list[str], int | None]:
+    """``(texts, top_k)`` of a classify request: ``input`` (a text or a list, cut to ``max_chars``)
+    and ``top_k`` (the best classes of each text; absent or null: every class)."""
+    texts = input_texts(data, "a classify", max_texts, max_chars, empty="a text to classify needs at least one character")
+    top_k = data.get("top_k")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise RequestError(f'"top_k" must be a whole number >= 1 (or null for every class), got {json.dumps(top_k)[:40]}.',
+                           param="top_k")
+    return texts, top_k
+
+
 MAX_ANSWERS = 100  # answers a question one request may ask for (each window offers up to its tokens squared)
 
 
@@ -119,7 +130,7 @@ def answer_request(data: dict[str, Any], max_texts: int) -> tuple[Any, Any, dict
 
 
 def spans_response(found: list[list[dict[str, Any]]], key: str, name: str) -> dict[str, Any]:
-    """Each input's spans (``key``: ``entities`` or ``answers``), in request order."""
+    """Each input's spans (``key``: ``entities``, ``answers``, or a classifier's ``labels``), in request order."""
     return {"object": "list", "model": name, "data": [{"index": i, key: spans} for i, spans in enumerate(found)]}
 
 
