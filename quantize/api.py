@@ -328,7 +328,9 @@ def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files
         record["scaled_ffn"] = sum(n["scaled_ffn"] for n in lm)  # FFN down projections scaled first (quantize/equalize.py)
         if any("grid_kept" in n or "grid_8bit" in n for n in lm):  # a GGUF source's 4-bit matrices kept, and those of more bits
             record["gguf_grid"] = {"kept_4bit": sum(n.get("grid_kept", 0) for n in lm), "at_8bit": sum(n.get("grid_8bit", 0) for n in lm)}
-            record["recipe"] += f": {record['gguf_grid']['kept_4bit']} matrices kept, {record['gguf_grid']['at_8bit']} of more bits at 8"
+            grid = record["gguf_grid"]
+            record["recipe"] += f": {grid['kept_4bit']} matrices kept on the file's 4-bit grid" + (
+                f", {grid['at_8bit']} of more bits at 8" if grid["at_8bit"] else "")
     experts = [n["experts"] for n in notes.values() if n.get("experts")]
     if experts:  # a mixture of experts' MoE nodes made QMoE (quantize/experts.py)
         record["experts"] = {**experts[0], "moe_nodes": sum(e["moe_nodes"] for e in experts),

@@ -137,7 +137,9 @@ def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, 
     kept: dict[int, str] = {}
     best = (drop, {}, dict(checks))
     for i in order[:limit]:
-        kept[i] = f"kept float by the accuracy guard: most sensitive left (1-{m.metric} {sensitivity[i]:.2e} alone)"
+        alone = (f"raised perplexity {1 / max(1 - sensitivity[i], 1e-12) - 1:.2%}" if m.metric == "perplexity"
+                 else f"lowered the {m.metric} by {sensitivity[i]:.2e}")
+        kept[i] = f"kept float by the accuracy guard: most sensitive left (quantized alone, it {alone})"
         step(f"re-measuring with {len(kept)} shard(s) float")
         trial: dict[str, Any] = {}
         drop = m.drop(m.chain(set(kept)), trial)
