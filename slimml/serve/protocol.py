@@ -20,6 +20,15 @@ from slimml.errors import RequestError
 _DTYPES = {"float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool"}
 
 
+def _shown(v: Any, width: int = 40) -> str:
+    """A request's value as JSON writes it (``null``, ``true``, ``"text"``), cut to ``width`` characters."""
+    try:
+        text = json.dumps(v, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _json_type(v: Any) -> str:
     return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
         type(v), "null")
@@ -59,7 +68,7 @@ def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None 
     texts = input_texts(data, "an embeddings", max_texts, max_chars, empty="embeddings need at least one character")
     fmt = data.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        raise RequestError(f'"encoding_format" must be "float" or "base64", got {fmt!r:.40}.', param="encoding_format")
+        raise RequestError(f'"encoding_format" must be "float" or "base64", got {_shown(fmt)}.', param="encoding_format")
     return texts
 
 
@@ -149,7 +158,7 @@ def dimensions(data: dict[str, Any], size: int | None = None) -> int | None:
     the model's embedding ``size`` where it is known."""
     n = data.get("dimensions")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise RequestError(f'"dimensions" must be a whole number from 1 to the model\'s size, got {n!r:.40}; leave it out '
+        raise RequestError(f'"dimensions" must be a whole number from 1 to the model\'s size, got {_shown(n)}; leave it out '
                            "for all of them.", param="dimensions")
     if n is not None and size is not None and n > size:
         raise RequestError(f'"dimensions" is {n}, more than this model\'s {size}; ask for at most {size}, or leave it out.',
@@ -225,7 +234,7 @@ def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None =
     texts = checked_texts(texts, '"documents"', max_chars, param="documents")
     top_n = data.get("top_n")
     if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
-        raise RequestError(f'"top_n" must be a whole number >= 1, got {top_n!r:.40}; leave it out for every document.',
+        raise RequestError(f'"top_n" must be a whole number >= 1, got {_shown(top_n)}; leave it out for every document.',
                            param="top_n")
     keep = data.get("return_documents")
     keep = True if keep is None else keep  # as vLLM's and Jina's: the documents come back unless asked not to
@@ -256,7 +265,7 @@ def run_inputs(data: dict[str, Any]) -> tuple[dict[str, np.ndarray], list[str] |
         raise RequestError('"outputs" must be a list of output names.')
     encoding = data.get("encoding", "json")
     if encoding not in ("json", "npy"):
-        raise RequestError(f'"encoding" must be "json" or "npy", got {encoding!r}.')
+        raise RequestError(f'"encoding" must be "json" or "npy", got {_shown(encoding)}.')
     return feeds, outputs, encoding
 
 
@@ -276,7 +285,7 @@ def _array(name: str, spec: Any) -> np.ndarray:
         return arr
     dtype = spec.get("dtype")
     if dtype not in _DTYPES:
-        raise RequestError(f"input {name!r}: dtype {dtype!r} is not one of {sorted(_DTYPES)}.")
+        raise RequestError(f"input {name!r}: dtype {_shown(dtype)} is not one of {sorted(_DTYPES)}.")
     if "data" not in spec:
         raise RequestError(f'input {name!r} needs "data": nested lists of numbers.')
     try:
