@@ -148,6 +148,12 @@ def test_rerank_over_http_ranks_as_in_process(ray_env, reranker):
             assert status == 400 and words in body["error"]["message"], (bad, body)
         status, body = post(f"{url}/embeddings", {"input": ["hi"]})
         assert status == 400 and "POST /v1/rerank" in body["error"]["message"], body
+    many = [f"{d} ({i})" for i in range(10) for d in DOCS]  # 40 documents: five calls of 8 at batch_size 1
+    want = load(reranker[1]).rerank(QUERY, many, top_n=7)
+    with serving(ServeConfig(str(reranker[1]), batch_size=1)) as port:
+        status, body = post(f"http://127.0.0.1:{port}/v1/rerank", {"query": QUERY, "documents": many, "top_n": 7})
+        assert status == 200 and [r["index"] for r in body["results"]] == [w["index"] for w in want], body
+        np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], [w["score"] for w in want], atol=1e-6)
 
 
 def test_the_quantize_guard_judges_a_cross_encoder_by_its_ranking_on_pairs(reranker, tmp_path):

@@ -284,6 +284,13 @@ class SlimmlServer:
                                "once (slimml serve --body-timeout-s sets the limit).", 408) from None
         return protocol.parse_json(b"".join(chunks))
 
+    def _pieces(self, items: list[Any]) -> list[tuple[int, list[Any]]]:
+        """``items`` in pieces of 8 model batches, each with where it starts. A route runs one piece a call:
+        at its deadline, or when its client goes away, the route is cancelled at the call's await and
+        the model is free after the piece in progress (one call of the whole request held it to the end)."""
+        size = 8 * self.config.batch_size
+        return [(start, items[start:start + size]) for start in range(0, len(items), size)]
+
     def _needs(self, method: str) -> None:
         """Refuse a route whose task method this artifact lacks (a 400 naming the route that works)."""
         if not self.model.supports(method):
@@ -326,7 +333,12 @@ class SlimmlServer:
         protocol.check_model(data, self.name)
         query, documents, top_n, return_documents = protocol.rerank_request(data, self.config.max_texts,
                                                                            self.text_chars)
-        ranked, tokens = await asyncio.to_thread(self.model.rerank_with_counts, query, documents, top_n, self.config.batch_size)
+        ranked, tokens = [], []
+        for start, piece in self._pieces(documents):  # every document scored, a piece at a time; then ranked as one list
+            got, counts = await asyncio.to_thread(self.model.rerank_with_counts, query, piece, None, self.config.batch_size)
+            ranked += [{"index": r["index"] + start, "score": r["score"]} for r in got]
+            tokens += counts
+        ranked = sorted(ranked, key=lambda r: (-r["score"], r["index"]))[: top_n or len(ranked)]
         return protocol.rerank_response(ranked, documents if return_documents else None, self.name, sum(tokens))
 
     @api.post("/v1/entities")
@@ -336,7 +348,9 @@ class SlimmlServer:
         self._needs("entities")
         protocol.check_model(data, self.name)
         texts, options = protocol.entities_request(data, self.config.max_texts, self.text_chars)
-        found = await asyncio.to_thread(self.model.entities, texts, batch_size=self.config.batch_size, **options)
+        found = []
+        for _, piece in self._pieces(texts):
+            found += await asyncio.to_thread(self.model.entities, piece, batch_size=self.config.batch_size, **options)
         return protocol.spans_response(found, "entities", self.name)
 
     @api.post("/v1/classify")
@@ -349,7 +363,9 @@ class SlimmlServer:
                                "use POST /v1/run for its raw outputs.", 400)
         protocol.check_model(data, self.name)
         texts, top_k = protocol.classify_request(data, self.config.max_texts, self.text_chars)
-        found = await asyncio.to_thread(self.model.classify, texts, top_k=top_k, batch_size=self.config.batch_size)
+        found = []
+        for _, piece in self._pieces(texts):
+            found += await asyncio.to_thread(self.model.classify, piece, top_k=top_k, batch_size=self.config.batch_size)
         return protocol.spans_response(found, "labels", self.name)
 
     @api.post("/v1/answer")
