@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from slimml.convert.check import refuse_nonfinite
 from slimml.errors import DataError
 from slimml.runtime.tasks.generation.scoring import decoder_feeds, past_shapes, score_run, windows_of  # noqa: F401
 # (decoder_feeds, past_shapes, score_run: the runtime's, which model.perplexity uses; imported from here by their callers)
@@ -140,10 +141,7 @@ def check_language_model(folder: Path, manifest: Any, source_folder: Path, eval_
         window = min(DEFAULT_WINDOW, context) if context else DEFAULT_WINDOW
         windows = token_windows(folder / manifest.tokenizer["file"], text, window=window)
         reference = torch_scores(source_folder, windows)
-        if not np.isfinite(reference[0]).all():  # the source's own losses: NaN there is its weights, not ours
-            from slimml.convert.check import refuse_nonfinite
-
-            refuse_nonfinite(source_folder.name, reference[0])
+        refuse_nonfinite(source_folder.name, reference[0], "losses")  # NaN there is its weights, not ours
         names = [t.name for t in manifest.inputs]
         past = past_shapes(manifest.inputs)
         ours = score_run(model.run, lambda ids: decoder_feeds(names, ids, past), windows)

@@ -39,6 +39,7 @@ import onnxruntime as ort
 
 from slimml.errors import FeedError
 from slimml.runtime.engine.feeds import LOGITS_INDEX
+from slimml.runtime.engine.session import SHRINK_ARENA
 
 if TYPE_CHECKING:
     from slimml.runtime.engine.engine import Engine
@@ -105,8 +106,6 @@ def prefill_alone(cache: KVCache, row: int, ids: list[int] | np.ndarray, done: i
             return logits
 
 
-_SHRINK = ort.RunOptions()  # free the CPU arena's unused chunks when a run ends (prompt passes)
-_SHRINK.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 FUSED_EXPORTERS = ("fused",)  # graphs whose attention shares past and present (GroupQueryAttention)
 
 
@@ -238,7 +237,7 @@ class KVCache:
         # a prompt pass allocates S-long activations (and (b, S, vocab) logits from a graph without
         # logits_index): give that arena memory back when the pass ends, so a burst of long prompts
         # does not stay as the process's size
-        run_options = _SHRINK if input_ids.shape[1] > 1 else None
+        run_options = SHRINK_ARENA if input_ids.shape[1] > 1 else None  # prompt passes give their arena back
         plan = self.engine.plan
         streamer = plan.streamer
         with plan._lock or nullcontext(), streamer.one_pass() if streamer is not None else nullcontext():

@@ -58,8 +58,8 @@ def make_session(model: os.PathLike | str | bytes, device: str | Backend = DEFAU
 # held 2.4 GB until close (a refused, larger call: 5.7 GB); the calls of ordinary batches (32 x 128
 # tokens: 12k values) stay below this and keep reusing it.
 SHRINK_VALUES = 1 << 16
-_SHRINK = ort.RunOptions()
-_SHRINK.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+SHRINK_ARENA = ort.RunOptions()  # free the CPU arena's unused chunks when the run ends
+SHRINK_ARENA.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
 
 
 def run_options(feeds: dict) -> ort.RunOptions | None:
@@ -71,7 +71,7 @@ def run_options(feeds: dict) -> ort.RunOptions | None:
             ids += getattr(v, "size", 0)
         else:
             floats += getattr(v, "size", 0)
-    return _SHRINK if (ids or floats) >= SHRINK_VALUES else None
+    return SHRINK_ARENA if (ids or floats) >= SHRINK_VALUES else None
 
 
 @dataclass

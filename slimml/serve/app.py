@@ -254,11 +254,12 @@ class SlimmlServer:
                                    prefill_tokens=self.config.prefill_tokens, prompt_lookup=self.config.prompt_lookup,
                                    prefix_bytes=self.config.prefix_bytes, reasoning=self.config.reasoning)
         # each request's prompt is put before its texts here: a batch holds the texts of requests that differ
-        # in calls of 8 encode batches, texts of like length together: a request that times out or goes away
-        # stops costing the model time after the call in progress (a 2,048-text request held it minutes)
+        # a request's texts go to the model in calls of 8 batches (``_pieces``): one that times out or goes
+        # away stops costing the model time after the call in progress (a 2,048-text request held it minutes)
+        self._piece = 8 * self.config.batch_size
         self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size, prompt=""),
                                     self.config.max_batch_size, self.config.batch_wait_ms / 1000,
-                                    piece=8 * self.config.batch_size, key=len)
+                                    piece=self._piece, key=len)  # texts of like length in one call
 
     async def _body(self, request: Request) -> dict[str, Any]:
         limit = self.config.max_body_bytes
@@ -288,7 +289,7 @@ class SlimmlServer:
         """``items`` in pieces of 8 model batches, each with where it starts. A route runs one piece a call:
         at its deadline, or when its client goes away, the route is cancelled at the call's await and
         the model is free after the piece in progress (one call of the whole request held it to the end)."""
-        size = 8 * self.config.batch_size
+        size = self._piece
         return [(start, items[start:start + size]) for start in range(0, len(items), size)]
 
     def _needs(self, method: str) -> None:

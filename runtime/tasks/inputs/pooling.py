@@ -95,13 +95,13 @@ class Pooler:
         dense: its projections, read (:meth:`of`) or built in memory (``convert``'s reference).
     """
 
-    def __init__(self, pooling: Mapping[str, Any], dense: Iterable[Dense] = ()):
+    def __init__(self, pooling: Mapping[str, Any], dense: Iterable[Dense] = (), hidden: int | None = None):
         self.mode = str(pooling["mode"])
         self.output = str(pooling["output"])
         self.normalize = bool(pooling.get("normalize", True))
         self.dense = tuple(dense)
         self.truncate_dim = pooling.get("truncate_dim")
-        self.hidden: int | None = None  # the pooled output's size, where the model's outputs say it
+        self.hidden = hidden  # the pooled output's size, where the model's outputs say it
 
     @classmethod
     def of(cls, pooling: Mapping[str, Any] | None, folder: str | Path,
@@ -131,9 +131,7 @@ class Pooler:
                 raise ArtifactError(f"pooling dense layer {i} takes {weight.shape[0]} values, but what comes before it gives "
                                     f"{takes}; the artifact is damaged: convert it again.")
             dense.append(Dense(weight, bias, layer["activation"]))
-        pooler = cls(pooling, dense)
-        pooler.hidden = hidden
-        return pooler
+        return cls(pooling, dense, hidden)
 
     def __call__(self, outputs: Mapping[str, np.ndarray], attention_mask: np.ndarray) -> np.ndarray:
         """Embeddings (B, size) of a batch from the chain's ``outputs`` and its ``attention_mask``."""
