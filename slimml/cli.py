@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -222,8 +223,8 @@ def info(artifact: Artifact, as_json: AsJson = False,
     for name, part in (m.components or {None: m}).items():
         if name is not None:
             console.print(f"[bold]component {name}[/bold]")
-        console.print("inputs: " + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in part.inputs))
-        console.print("outputs: " + ", ".join(f"{t.name} {t.dtype}{t.shape}" for t in part.outputs))
+        console.print("inputs: " + _tensor_list(part.inputs))
+        console.print("outputs: " + _tensor_list(part.outputs))
         if part.pooling is not None:
             p = part.pooling
             steps = [f"{p.mode} of {p.output}" if p.mode != "none" else f"{p.output} (pooled by the model)", *(f"projection ({d['activation']})" for d in p.dense),
@@ -238,6 +239,26 @@ def info(artifact: Artifact, as_json: AsJson = False,
         console.print(table)
     state = "each hashed against the manifest" if verify else "each of its recorded size (--verify hashes them)"
     console.print(f"total {m.total_bytes / 1e6:.1f} MB in {len(m.files)} files, {state}; checks: {m.checks}")
+
+
+def _tensor_list(tensors) -> str:
+    """Tensors as ``name dtype[shape]``, one entry per numbered family: a decoder's 60 cache tensors
+    read ``past_key_values.{0..29}.key float32[...]`` (the indices as a range where they run without a gap)."""
+    groups: dict[tuple, list[int]] = {}
+    for t in tensors:
+        numbered = re.fullmatch(r"(.*?\.)(\d+)(\..*)", t.name)
+        key = (numbered[1] + "{}" + numbered[3] if numbered else t.name, t.dtype, str(t.shape))
+        groups.setdefault(key, []).append(int(numbered[2]) if numbered else -1)
+    shown = []
+    for (name, dtype, shape), idx in groups.items():
+        if len(idx) > 2:
+            span = f"{idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[0] + len(idx))) else ",".join(map(str, idx))
+            name = name.replace("{}", "{" + span + "}")
+        elif "{}" in name:
+            shown += [f"{name.format(i)} {dtype}{shape}" for i in idx[:-1]]
+            name = name.format(idx[-1])
+        shown.append(f"{name} {dtype}{shape}")
+    return ", ".join(shown)
 
 
 @app.command()
@@ -401,13 +422,13 @@ def eval_(
     model = load(artifact, loading.build())
     if language:
         result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)
-        said = (f"perplexity = {result.score:.4f} on {result.pairs} tokens ({data.name}, {result.settings['windows']} "
+        said = (f"perplexity = {result.score:.4f} on {result.count} tokens ({data.name}, {result.settings['windows']} "
                 f"windows of {result.settings['window']})")
     else:
         if window is not None or max_tokens is not None:
             raise SlimmlError("--window and --max-tokens are for language models (perplexity); drop them.")
         result = evaluate_sts(model, data, batch_size=batch_size, show_progress=progress)
-        said = f"{result.metric} x100 = {result.score:.2f} on {result.pairs} pairs ({data.name})"
+        said = f"{result.metric} x100 = {result.score:.2f} on {result.count} pairs ({data.name})"
     now = Baseline.from_eval(result, model.manifest.name, data)
     if as_json:
         _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)

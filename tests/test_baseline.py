@@ -80,6 +80,20 @@ def test_baseline_file_round_trip_and_bad_files(tmp_path):
         Baseline.load(tmp_path / "other.json")
 
 
+def test_perplexity_counts_tokens_and_old_baselines_still_match(tmp_path):
+    """A perplexity baseline names its count ``tokens``; one saved when it was called ``pairs`` reads the same."""
+    from slimml.runtime.tools.evaluate import EvalResult
+
+    data = tmp_path / "text.txt"
+    data.write_text("some text\n")
+    now = Baseline.from_eval(EvalResult("perplexity", 12.5, 299, "tokens", {"window": 300, "windows": 1}), "m", data)
+    assert now.settings["tokens"] == 299 and "pairs" not in now.settings
+    old = json.loads(json.dumps(now.to_json()))
+    old["settings"]["pairs"] = old["settings"].pop("tokens")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert compare(Baseline.load(tmp_path / "old.json"), now).ok
+
+
 def test_cli_bench_save_then_check(tiny_bert_artifact, tmp_path):
     base = tmp_path / "bench.json"
     args = ["bench", str(tiny_bert_artifact), "--runs", "5", "--seq", "16"]

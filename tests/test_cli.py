@@ -170,3 +170,17 @@ def test_a_command_of_an_extra_not_installed_says_which_extra(tiny_bert_artifact
     assert r.stderr.strip() == ("error: this command needs the sympy package, which is not installed; pip install "
                                 "'slimml[convert]' (after pip install torch==2.13.0).")
     assert not (tmp_path / "q").exists()
+
+
+def test_info_lists_numbered_tensors_once():
+    """A decoder's cache tensors read as one entry per family, not 60 names."""
+    from types import SimpleNamespace as T
+
+    from slimml.cli import _tensor_list
+
+    cache = [T(name=f"past_key_values.{i}.{kv}", dtype="float32", shape=["b", 4, "p", 64]) for i in range(30) for kv in ("key", "value")]
+    shown = _tensor_list([T(name="input_ids", dtype="int64", shape=["b", "s"]), *cache])
+    assert shown == ("input_ids int64['b', 's'], past_key_values.{0..29}.key float32['b', 4, 'p', 64], "
+                     "past_key_values.{0..29}.value float32['b', 4, 'p', 64]")
+    two = [T(name=f"out.{i}.x", dtype="float32", shape=[1]) for i in (3, 7)]
+    assert _tensor_list(two) == "out.3.x float32[1], out.7.x float32[1]"

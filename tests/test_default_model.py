@@ -21,7 +21,7 @@ def test_default_model_converts_per_layer_and_matches_the_original(default_artif
 
 def test_default_model_stsb_dev_is_the_torch_figure(default_artifact):
     result = evaluate_sts(load(default_artifact), STS_DEV)
-    assert result.pairs == 1500
+    assert result.count == 1500
     assert abs(result.score - 86.72) <= 0.05
 
 

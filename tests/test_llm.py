@@ -128,7 +128,7 @@ def test_eval_scores_a_language_model_by_perplexity_as_its_convert_check_did(smo
     r = slimml("--save-baseline", tmp_path / "base.json", "--json")
     assert r.returncode == 0, r.stderr
     base = json.loads(r.stdout)
-    assert base["metric"] == "perplexity" and base["pairs"] == 299 and base["window"] == 300
+    assert base["metric"] == "perplexity" and base["tokens"] == 299 and base["window"] == 300
     worse = json.loads((tmp_path / "base.json").read_text())
     worse["metrics"]["score"] *= 0.99  # a baseline 1% better than today: a regression
     (tmp_path / "worse.json").write_text(json.dumps(worse))

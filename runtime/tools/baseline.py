@@ -73,7 +73,7 @@ class Baseline:
         data = Path(data)
         return cls(
             kind="eval", artifact=artifact,
-            settings={"metric": result.metric, "data": data.name, "data_sha256": sha256_file(data), "pairs": result.pairs,
+            settings={"metric": result.metric, "data": data.name, "data_sha256": sha256_file(data), result.unit: result.count,
                       **getattr(result, "settings", {})},
             metrics={"score": float(result.score)}, slimml_version=_version(),
         )
@@ -131,6 +131,8 @@ class Baseline:
         ok = ok and (raw["kind"] != "eval" or "score" in metrics)  # what an eval is compared on
         if not ok:
             raise DataError(f"baseline {path} is malformed (kind, settings or metrics); save it again with --save-baseline.")
+        if settings.get("metric") == "perplexity" and "pairs" in settings and "tokens" not in settings:
+            settings["tokens"] = settings.pop("pairs")  # baselines written before the count was named by its unit
         return cls(kind=raw["kind"], artifact=str(raw.get("artifact", "")), settings=settings,
                    metrics={k: float(v) for k, v in metrics.items()},
                    slimml_version=str(raw.get("slimml_version", "")), created=str(raw.get("created", "")))

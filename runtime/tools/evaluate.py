@@ -99,11 +99,12 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 class EvalResult:
     metric: str
     score: float
-    pairs: int  # sentence pairs scored (perplexity: tokens scored)
+    count: int  # how many ``unit`` were scored
+    unit: str = "pairs"  # sentence pairs (spearman) or tokens (perplexity)
     settings: dict = field(default_factory=dict)  # what else a baseline must match (perplexity: window, max_tokens)
 
     def to_json(self) -> dict:
-        return {"metric": self.metric, "score": round(self.score, 4), "pairs": self.pairs, **self.settings}
+        return {"metric": self.metric, "score": round(self.score, 4), self.unit: self.count, **self.settings}
 
 
 def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 32, show_progress: bool = False) -> EvalResult:
@@ -115,8 +116,8 @@ def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 32, show_prog
     e1, e2 = both[: len(s1)], both[len(s1):]
     cos = (e1 * e2).sum(axis=1) / np.clip(np.linalg.norm(e1, axis=1) * np.linalg.norm(e2, axis=1), 1e-12, None)
     if np.ptp(cos) == 0:  # a model that ranks nothing (a collapsed student or quantized chain) correlates with nothing
-        return EvalResult(metric="spearman", score=0.0, pairs=len(gold))
-    return EvalResult(metric="spearman", score=100.0 * spearman(cos, gold), pairs=len(gold))
+        return EvalResult(metric="spearman", score=0.0, count=len(gold))
+    return EvalResult(metric="spearman", score=100.0 * spearman(cos, gold), count=len(gold))
 
 
 def read_text(path: str | os.PathLike) -> str:
@@ -140,5 +141,5 @@ def read_text(path: str | os.PathLike) -> str:
 def evaluate_perplexity(model, path: str | os.PathLike, window: int | None = None, max_tokens: int | None = None) -> EvalResult:
     """The perplexity of a language model over a text file (lower is better); see ``model.perplexity``."""
     got = model.perplexity(read_text(path), window=window, max_tokens=max_tokens)
-    return EvalResult(metric="perplexity", score=got.perplexity, pairs=got.tokens,
+    return EvalResult(metric="perplexity", score=got.perplexity, count=got.tokens, unit="tokens",
                       settings={"window": got.window, "windows": got.windows})
