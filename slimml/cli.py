@@ -42,7 +42,7 @@ Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `s
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]
 Progress = Annotated[bool, typer.Option("--progress", help="Show a progress bar over the batches (on stderr).")]
 BaselineIn = Annotated[Optional[Path], typer.Option(help="Compare with this baseline file; exit 3 on a regression.")]
-BaselineOut = Annotated[Optional[Path], typer.Option(help="Write what this run measured as a baseline file.")]
+BaselineOut = Annotated[Optional[Path], typer.Option(help="Write what this run measured as a baseline file (with --baseline: only if it passes).")]
 Budget = Annotated[Optional[str], typer.Option("--memory-budget", help="Memory for loaded shards, e.g. 4GB; picks K and P.")]
 @app.command()
 @config_options(
@@ -528,7 +528,8 @@ def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
     from slimml.runtime.tools.baseline import REGRESSION_EXIT_CODE, compare
 
     report = compare(old, now, tol) if old is not None else None
-    if save_path is not None:
+    regressed = report is not None and not report.ok
+    if save_path is not None and not regressed:  # a regressed run never becomes the baseline it failed
         now.save(save_path)
     if payload is not None:
         if report is not None:
@@ -536,7 +537,8 @@ def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
         print(json.dumps(payload))
     else:
         if save_path is not None:
-            console.print(f"baseline saved to {save_path}")
+            console.print(f"baseline not saved to {save_path}: this run regressed" if regressed
+                          else f"baseline saved to {save_path}", highlight=False, markup=False, soft_wrap=True)
         if report is not None:
             console.print(report.format(str(old_path)), highlight=False, markup=False, soft_wrap=True)
     if report is not None and not report.ok:
@@ -709,8 +711,9 @@ def _response_format(value: str | None) -> dict | None:
         return {"type": "json_object"}
     try:
         parsed = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"--response-format is not JSON ({e.msg} at character {e.pos}); pass \"json\", or e.g. "
+    except (ValueError, RecursionError) as e:  # ValueError: a number of more than 4,300 digits
+        why = f"{e.msg} at character {e.pos}" if isinstance(e, json.JSONDecodeError) else "nested too deeply or a number too long"
+        raise ConfigError(f"--response-format is not JSON ({why}); pass \"json\", or e.g. "
                           '\'{"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}\'.') from None
     return parsed
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -75,6 +76,11 @@ def test_baseline_file_round_trip_and_bad_files(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DataError, match="is not valid JSON"):
         Baseline.load(tmp_path / "bad.json")
+    raw = b.to_json()
+    raw["metrics"]["p50_ms"] = float("-inf")  # Python's json writes and reads it: a gate nothing could fail
+    (tmp_path / "inf.json").write_text(json.dumps(raw))
+    with pytest.raises(DataError, match="metrics that are not finite numbers"):
+        Baseline.load(tmp_path / "inf.json")
     (tmp_path / "other.json").write_text(json.dumps({"format": "slimml.baseline", "format_version": 99}))
     with pytest.raises(DataError, match="has format version 99; this slimml reads 1"):
         Baseline.load(tmp_path / "other.json")
@@ -109,6 +115,9 @@ def test_cli_bench_save_then_check(tiny_bert_artifact, tmp_path):
     r = runner.invoke(app, [*args, "--baseline", str(base), "--json"])
     assert r.exit_code == REGRESSION_EXIT_CODE
     assert "FAIL: 1 regression(s): p50_ms rose" in r.output
+    r = runner.invoke(app, [*args, "--baseline", str(base), "--save-baseline", str(base)])  # a regressed run is not saved
+    assert r.exit_code == REGRESSION_EXIT_CODE and f"baseline not saved to {base}: this run regressed" in r.output
+    assert json.loads(base.read_text()) == raw
     r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--runs", "5", "--seq", "32", "--baseline", str(base)])
     assert isinstance(r.exception, ConfigError) and "seq: baseline 16, now 32" in str(r.exception)
 
@@ -146,3 +155,20 @@ def test_default_model_regression(default_artifact, tmp_path):
     assert runner.invoke(app, [*args, "--save-baseline", str(base)]).exit_code == 0
     r = runner.invoke(app, [*args, "--baseline", str(base), "--max-latency-increase", "200"])
     assert r.exit_code == 0, r.output
+
+
+def test_nan_embeddings_are_refused_not_ranked(tmp_path):
+    """A model whose embeddings hold NaN gets an error, not a Spearman score of arbitrary ranks."""
+    from slimml.errors import ArtifactError
+    from slimml.runtime.tools.evaluate import evaluate_sts
+
+    class Broken:
+        def encode(self, texts, batch_size=32, show_progress=False):
+            out = np.ones((len(texts), 4), dtype=np.float32) * np.arange(len(texts))[:, None]
+            out[3] = np.nan
+            return out
+
+    data = tmp_path / "sts.csv"
+    data.write_text("sentence1,sentence2,score\n" + "".join(f"a {i},b {i},{i % 5}\n" for i in range(10)))
+    with pytest.raises(ArtifactError, match=r"NaN or infinite embeddings for 1 of 10 pairs \(the first: pair 4 of"):
+        evaluate_sts(Broken(), data)

@@ -402,3 +402,19 @@ def test_a_student_or_quantized_model_never_lands_on_the_float_default_folder():
     assert _default_suffix(ConvertConfig(quantize=Int8Config("cuda"))) == "-int8-weights"
     assert _default_suffix(ConvertConfig(quantize=Int8StaticConfig())) == "-int8-static"
     assert _default_suffix(ConvertConfig(quantize=WeightOnlyConfig(bits=4))) == "-int4-weights"
+
+
+def test_distill_data_files_as_spreadsheets_write_them(tmp_path):
+    """A CSV with Excel's byte-order mark reads its header; a file in another encoding, a folder and a
+    broken CSV are refused in one line."""
+    rows = "".join(f"sentence {i} about something else\n" for i in range(40))
+    (tmp_path / "bom.csv").write_bytes(("text\n" + rows).encode("utf-8-sig"))
+    texts, _ = load_texts(tmp_path / "bom.csv")
+    assert len(texts) == 40 and texts[0] == "sentence 0 about something else"
+    (tmp_path / "bom.txt").write_bytes(rows.encode("utf-8-sig"))
+    assert load_texts(tmp_path / "bom.txt")[0][0] == "sentence 0 about something else"
+    (tmp_path / "latin.csv").write_bytes(("text\n" + rows + "caf\xe9\n").encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin.csv is not UTF-8 text \(byte \d+\); save it as UTF-8"):
+        load_texts(tmp_path / "latin.csv")
+    with pytest.raises(DataError, match="is a folder; give a file in it"):
+        load_texts(tmp_path)

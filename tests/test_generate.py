@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -218,6 +219,21 @@ def test_sampling_draws_in_proportion_to_the_probabilities():
     np.testing.assert_allclose(counts, [0.7, 0.2, 0.1, 0.0], atol=0.03)
 
 
+def test_temperatures_and_penalties_at_the_edge_of_float32_pick_the_limit_not_garbage():
+    """A temperature too small to divide by (1e-40 is 0 in float32) is greedy, as is any below 1e-5 (vLLM's
+    rule); a repetition penalty of 1e-40 makes a seen token the most likely, never NaN weights that drew the
+    last id of the vocabulary."""
+    logits = np.array([[1.0, 3.0, 2.0, -1.0]], dtype=np.float32)
+    for t in (1e-40, 1e-38, 1e-6):
+        config = GenerationConfig(temperature=t, seed=0)
+        assert config.greedy and [int(Sampler(config, [[0]], 4)(logits)[0]) for _ in range(5)] == [1] * 5
+    assert not GenerationConfig(temperature=1e-5).greedy
+    with np.errstate(over="raise", invalid="raise"):  # no overflow, no NaN
+        for config in (GenerationConfig(repetition_penalty=1e-40, temperature=1.0, seed=0), GenerationConfig(repetition_penalty=1e-40)):
+            sampler = Sampler(config, [[2]], 4)  # token 2 seen in the prompt: its score divided by 1e-40
+            assert [int(sampler(logits)[0]) for _ in range(5)] == [2] * 5
+
+
 def test_stop_ids_and_stop_strings_across_tokens(llama):
     prompt = "the model runs"
     full = llama.generate([prompt], max_new_tokens=24)
@@ -362,6 +378,9 @@ CONFIG_ERRORS = [
     ({"stop_token_ids": [512]}, "stop_token_ids names token 512, outside the model's vocabulary of 512; use ids in [0, 512)."),
     ({"eos_token_id": [2, 512]}, "eos_token_id names token 512, outside the model's vocabulary of 512; use ids in [0, 512)."),
     ({"stop": ["ok", "\ud800"]}, "stop string 1 is not valid Unicode (a lone surrogate at position 0); remove it."),
+    ({"pad_token_id": 512}, "pad_token_id names token 512, outside the model's vocabulary of 512; use ids in [0, 512)."),
+    ({"stop": ["ok", "a" * 5000]}, "stop string 1 has 5,000 characters, more than 4,096; an answer stops on a short piece "
+                                   "of text: give the few words it ends on."),
     ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, frequency_penalty, "
                          "logit_bias, logprobs, max_new_tokens, min_new_tokens, pad_token_id, presence_penalty, prompt_lookup, repetition_penalty, "
                          "response_format, seed, skip_special_tokens, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
@@ -385,6 +404,13 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
             llama.generate, [[1, 2], [3, 512]])
     refused(FeedError, "prompt 0 has token id -1 at position 0, outside the model's vocabulary of 512; use ids in [0, 512).",
             llama.stream, [-1])  # a stream refuses when made, not at its first piece
+    for odd in (b"hi", 5, None):  # bytes once read as ids; a number or None was Python's TypeError
+        with pytest.raises(FeedError, match="stream\\(\\) takes one prompt, a text or a list of token ids, got"):
+            llama.stream(odd)
+    stop = threading.Event()
+    stop.set()
+    got = llama.generate(["the model runs"], max_new_tokens=8, eos_token_id=(), cancel=stop)
+    assert got.finish_reasons == ["cancelled"] and got.tokens == [[]]  # was "length"
     refused(FeedError, "prompt 0 has 130 tokens; the model's context is 128, which leaves no room for new tokens; "
             "shorten it to at most 127 tokens or pass truncate=True (slimml generate --truncate).", llama.generate, [list(range(130))])
     cut = llama.generate([list(range(130))], max_new_tokens=8, truncate=True)

@@ -108,6 +108,16 @@ def test_min_new_tokens_holds_back_the_end_ids_as_transformers(llama, tiny_llama
     assert len(got.tokens[0]) > 6 or got.finish_reasons == ["length"]
 
 
+def test_min_new_tokens_holds_back_end_ids_but_a_special_stop_string_still_stops(llama):
+    """As the config says (and transformers: its MinNewTokensLengthLogitsProcessor masks eos only): a stop
+    string that is a special token (matched by id) ends the answer before min_new_tokens; a stop id waits."""
+    favour = {"logit_bias": {2: 100}, "eos_token_id": (), "max_new_tokens": 8, "min_new_tokens": 5}  # <|im_end|> is id 2
+    got = llama.generate(["the model runs"], stop=["<|im_end|>"], **favour)
+    assert got.tokens == [[2]] and got.finish_reasons == ["stop"]
+    got = llama.generate(["the model runs"], stop_token_ids=[2], **favour)
+    assert len(got.tokens[0]) == 6 and 2 not in got.tokens[0][:5] and got.tokens[0][5] == 2
+
+
 def test_end_ids_from_generation_config_and_special_stop_strings(llama, bpe, tiny_llama_past_artifact, tmp_path):
     prompt = "the model runs"
     tokens = llama.generate([prompt], max_new_tokens=16, eos_token_id=()).tokens[0]
@@ -324,8 +334,8 @@ def test_response_format_holds_the_answer_to_json_a_schema_a_regex_or_a_grammar(
 
 
 @pytest.mark.parametrize("response_format, words", [
-    ({"type": "xml"}, "response_format type 'xml' is not known; use one of text, json_object, json_schema"),
-    ("json", "response_format type 'json' is not known"),
+    ({"type": "xml"}, 'response_format type "xml" is not known; use one of text, json_object, json_schema'),
+    ("json", 'response_format type "json" is not known'),
     ({"type": "json_schema"}, "the schema as a JSON object under json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}, "JSON Schema cannot be used"),
     ({"type": "regex", "regex": "("}, "regular expression cannot be used"),

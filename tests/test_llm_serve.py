@@ -379,7 +379,7 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"top_logprobs": 3}, '"top_logprobs" needs "logprobs": true'),
     ({"top_logprobs": 21, "logprobs": True}, '"top_logprobs" must be a whole number from 0 to 20'),
     ({"frequency_penalty": 2.5}, '"frequency_penalty" must be a number from -2 to 2'),
-    ({"response_format": {"type": "xml"}}, "response_format type 'xml' is not known"),
+    ({"response_format": {"type": "xml"}}, 'response_format type "xml" is not known'),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "JSON Schema cannot be used"),
     ({"response_format": {"type": "grammar", "grammar": 'start: "a" <[999999]>'}},

@@ -214,3 +214,37 @@ def test_a_rerank_text_that_is_not_unicode_is_named_by_its_own_field_and_index()
 def test_the_route_list_keeps_its_templated_route():
     message = "there is no GET /v1/nope here; this server answers GET /v1/models, GET /v1/models/{model}."
     assert protocol.public(message) == message  # "GET {model}" before: the path scrubber took it for a path
+
+
+def test_request_values_at_the_far_edges_get_their_400_in_their_own_terms():
+    """A stop string of megabytes is refused before the tokenizer sees it; a null include_usage is
+    the default; a logit_bias key of thousands of digits, a model that is not a string, a tool's
+    description that is not Unicode and an assistant's call arguments nested thousands deep each get
+    a 400 naming their own field (were: seconds of a held replica, a vague 400, a 404, message 0, a 500)."""
+    openai = pytest.importorskip("slimml.serve.openai")
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(RequestError, match=r'"stop" string 0 has 3,000,000 characters, more than 4,096') as e:
+        openai.completion_request({"prompt": "hi", "stop": ["ab " * 1_000_000]}, False, 16)
+    assert e.value.param == "stop"
+    req = openai.completion_request({**chat, "stream": True, "stream_options": {"include_usage": None}}, True, 16)
+    assert req.include_usage is False
+    with pytest.raises(RequestError, match="which is not a token id") as e:
+        openai.completion_request({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, False, 16)
+    assert e.value.param == "logit_bias"
+    with pytest.raises(RequestError, match=r'"model" must be a string .* got \{"a": 1\}') as e:
+        protocol.check_model({"model": {"a": 1}}, "smol")
+    assert e.value.status == 400
+    with pytest.raises(RequestError, match=r'model "x{36}\.\.\. is not served here; this server serves "smol"'):
+        protocol.check_model({"model": "x" * 2_000_000}, "smol")
+    with pytest.raises(RequestError, match=r"tools\[0\]\.function\.description is not valid Unicode") as e:
+        openai.completion_request({**chat, "tools": [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]},
+                                  True, 16)
+    assert e.value.param == "tools"
+
+    from slimml.errors import FeedError
+    from slimml.runtime.tasks.generation.tools import template_messages
+
+    deep = [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                  "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]
+    with pytest.raises(FeedError, match=r"message 0's tool call 0 \(f\) has arguments that are not JSON"):
+        template_messages(deep)

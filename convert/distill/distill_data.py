@@ -39,6 +39,8 @@ def load_texts(data: str | os.PathLike | None, limit: int | None = None) -> tupl
         texts, origin = default_corpus(limit or DEFAULT_CORPUS_SIZE), "python-stdlib-docstrings"
     else:
         path = Path(data).expanduser()
+        if path.is_dir():
+            raise DataError(f"distillation data {path} is a folder; give a file in it (one text a line, or a CSV).")
         if not path.is_file():
             raise DataError(
                 f"distillation data {path} does not exist; give a text file (one text a line) or a CSV "
@@ -59,23 +61,30 @@ def load_texts(data: str | os.PathLike | None, limit: int | None = None) -> tupl
 
 def _read_lines(path: Path) -> list[str]:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # a byte-order mark is not text
             return [line.strip() for line in f]
     except UnicodeDecodeError:
         raise DataError(f"distillation data {path} is not UTF-8 text; give one text a line in UTF-8.") from None
 
 
 def _read_csv(path: Path) -> list[str]:
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        fields = reader.fieldnames or []
-        columns = [c for c in fields if c in ("sentence1", "sentence2", "text", "sentence")]
-        if not columns:
-            raise DataError(
-                f"{path} has no text column (header: {fields}); name it text or sentence, or use sentence1,sentence2 "
-                "as STS files do, or give a plain text file with one text a line."
-            )
-        return [(row[c] or "").strip() for row in reader for c in columns]
+    try:  # utf-8-sig: the byte-order mark Excel writes is not part of the first column's name
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            fields = reader.fieldnames or []
+            columns = [c for c in fields if c in ("sentence1", "sentence2", "text", "sentence")]
+            if not columns:
+                raise DataError(
+                    f"{path} has no text column (header: {fields}); name it text or sentence, or use sentence1,sentence2 "
+                    "as STS files do, or give a plain text file with one text a line."
+                )
+            return [(row[c] or "").strip() for row in reader for c in columns]
+    except UnicodeDecodeError as e:
+        raise DataError(f"distillation data {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 "
+                        "(iconv -t UTF-8).") from None
+    except csv.Error as e:
+        raise DataError(f"distillation data {path} is not a readable CSV ({e}); give a CSV with a text column, "
+                        "or a plain text file with one text a line.") from None
 
 
 def default_corpus(size: int = DEFAULT_CORPUS_SIZE) -> list[str]:

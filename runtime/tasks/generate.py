@@ -44,8 +44,8 @@ class Generation:
         tokens: per prompt, the new token ids (ending with, and including, the end-of-sequence or
             stop id, or the token that completed a stop string).
         texts: per prompt, the new text (without a stop string), when the prompts were strings.
-        finish_reasons: per prompt, ``"stop"`` (an end id or a stop string) or ``"length"``
-            (max_new_tokens, or the model's context, reached), as OpenAI reports it.
+        finish_reasons: per prompt, ``"stop"`` (an end id or a stop string) or ``"length"`` (max_new_tokens,
+            or the model's context, reached), as OpenAI reports it; ``"cancelled"`` where ``cancel`` came first.
         seconds: wall time of the whole generation.
         passes: model passes run (one per new token; fewer where ``prompt_lookup`` guesses held).
         prompt_tokens: tokens in the prompts (without padding).
@@ -163,6 +163,9 @@ def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None 
     if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple)):
         raise FeedError(f"stream() takes one prompt (a text or a list of token ids), got a list of {len(prompt)} prompts; "
                         "stream them one at a time, or call generate(prompts, stream=True) for a batch.")
+    if not isinstance(prompt, (str, list, tuple)):  # bytes would read as ids, an array or a number as nothing sensible
+        raise FeedError(f"stream() takes one prompt, a text or a list of token ids, got {type(prompt).__name__}; "
+                        "decode bytes to str first, or pass ids as a list (array.tolist()).")
     one = [prompt] if isinstance(prompt, str) else [list(prompt)]
     return GenerationStream(_steps(model, one, GenerationConfig.of(config, **options)), indexed=False)
 
@@ -342,11 +345,12 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
     prefill_s = 0.0
     for step in range(job.steps):
         if cancel is not None and cancel.is_set():
+            finish = ["cancelled" if not d else f for f, d in zip(finish, done)]  # as the server's batch says it
             break
         logits = loop.next_logits()  # (B, vocab)
         if step == 0:
             prefill_s = time.perf_counter() - t0
-            sampler = Sampler(config, job.ids, logits.shape[-1], job.end_ids, job.constraints)
+            sampler = Sampler(config, job.ids, logits.shape[-1], job.held_ids, job.constraints)
         nxt = np.where(done, job.pad_id, sampler(logits))  # (B,); a finished prompt's row is ignored
         was = done.copy()
         live = np.flatnonzero(~done)

@@ -17,6 +17,7 @@ the model's positions, and a generate call may hold at most ``max_batch_tokens``
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from slimml.errors import FeedError
@@ -161,3 +162,16 @@ def surrogate_at(text: str) -> int | None:
     except UnicodeEncodeError as e:
         return e.start
     return None
+
+
+def shown(value: object, width: int = 40) -> str:
+    """A value as a message quotes it: as JSON writes it (``null``, ``true``, ``{"a": 1}``: what a
+    request sent, and readable in Python too), a lone surrogate escaped, cut to ``width`` characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: escaped
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):  # not JSON (a Python object), or nested too deeply
+        text = repr(value) if not isinstance(value, (dict, list)) else f"<a {type(value).__name__} nested too deeply>"
+    return text if len(text) <= width else text[: width - 3] + "..."

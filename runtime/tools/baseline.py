@@ -127,10 +127,10 @@ class Baseline:
             )
         metrics, settings = raw.get("metrics"), raw.get("settings")
         ok = raw.get("kind") in ("eval", "bench") and isinstance(settings, dict) and isinstance(metrics, dict)
-        ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in metrics.values())
+        ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in metrics.values())
         ok = ok and (raw["kind"] != "eval" or "score" in metrics)  # what an eval is compared on
         if not ok:
-            raise DataError(f"baseline {path} is malformed (kind, settings or metrics); save it again with --save-baseline.")
+            raise DataError(f"baseline {path} is malformed (kind, settings, or metrics that are not finite numbers); save it again with --save-baseline.")
         if settings.get("metric") == "perplexity" and "pairs" in settings and "tokens" not in settings:
             settings["tokens"] = settings.pop("pairs")  # baselines written before the count was named by its unit
         return cls(kind=raw["kind"], artifact=str(raw.get("artifact", "")), settings=settings,

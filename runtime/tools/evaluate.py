@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slimml.errors import DataError
+from slimml.errors import ArtifactError, DataError
 
 STS_COLUMNS = ("sentence1", "sentence2", "score")
 
@@ -115,6 +115,11 @@ def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 32, show_prog
     both = model.encode(list(s1) + list(s2), batch_size=batch_size, show_progress=show_progress)  # one length sort
     e1, e2 = both[: len(s1)], both[len(s1):]
     cos = (e1 * e2).sum(axis=1) / np.clip(np.linalg.norm(e1, axis=1) * np.linalg.norm(e2, axis=1), 1e-12, None)
+    broken = np.flatnonzero(~np.isfinite(cos))
+    if broken.size:  # NaN would take arbitrary ranks and a score that means nothing
+        raise ArtifactError(f"the model gave NaN or infinite embeddings for {broken.size} of {len(cos)} pairs (the first: "
+                            f"pair {broken[0] + 1} of {path}); the artifact computes wrongly: convert it again, or "
+                            "quantize it with another recipe.")
     if np.ptp(cos) == 0:  # a model that ranks nothing (a collapsed student or quantized chain) correlates with nothing
         return EvalResult(metric="spearman", score=0.0, count=len(gold))
     return EvalResult(metric="spearman", score=100.0 * spearman(cos, gold), count=len(gold))

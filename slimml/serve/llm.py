@@ -143,7 +143,8 @@ class LLMService:
         else:
             req = openai.completion_request(data, api == "chat", self.max_tokens)
         chat = req.chat
-        chars = sum(len(m["content"]) for m in req.messages) if chat else len(req.prompt)
+        chars = sum(len(m["content"]) for m in req.messages) if chat else (  # token ids: the context bounds them
+            len(req.prompt) if isinstance(req.prompt, str) else 0)
         if chat:  # an assistant's calls, and the tools' descriptions, become prompt text too
             chars += sum(len(json.dumps(m["tool_calls"])) for m in req.messages if m.get("tool_calls"))
         if req.tools is not None:
@@ -258,7 +259,7 @@ class LLMService:
         try:
             check_unicode([prompt])
         except FeedError as e:
-            raise RequestError(str(e)) from None
+            raise RequestError(str(e), param="prompt") from None
         return untruncated(self.model.text).encode(prompt, add_special_tokens=not raw).ids
 
     async def _stream(self, seq: Sequence, events: asyncio.Queue, out: Any,

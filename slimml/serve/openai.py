@@ -10,7 +10,6 @@ chunk with ``usage`` and no choices.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -19,9 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from slimml.errors import ConfigError, FeedError, RequestError
+from slimml.runtime.tasks.generation.config import MAX_STOP_CHARS
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta
-from slimml.runtime.tasks.limits import surrogate_at
 from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, template_messages
+from slimml.runtime.tasks.limits import shown, surrogate_at
 from slimml.serve.protocol import error_body
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -95,14 +95,14 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
         req.prompt = _prompt(data)
     n = data.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):  # null: the default, as for every other field
-        raise RequestError(f'"n" must be 1: this server returns one choice a request, got {show(n)}; send n separate '
+        raise RequestError(f'"n" must be 1: this server returns one choice a request, got {shown(n)}; send n separate '
                            "requests (with different seeds) for several answers.", param="n")
     key = "max_completion_tokens" if chat and data.get("max_completion_tokens") is not None else "max_tokens"
     mt = data.get(key)
     if mt is not None:
         if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= max_tokens_limit:
             raise RequestError(f'"{key}" must be a whole number from 1 to {max_tokens_limit} (this server\'s '
-                               f"limit, set by slimml serve --max-new-tokens), got {show(mt)}.", param=key)
+                               f"limit, set by slimml serve --max-new-tokens), got {shown(mt)}.", param=key)
         req.max_tokens = mt
     elif not chat:  # OpenAI's (and vLLM's) legacy completions default: 16 tokens; a chat's runs to the context
         req.max_tokens = min(COMPLETIONS_MAX_TOKENS, max_tokens_limit)
@@ -119,7 +119,7 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     effort = data.get("reasoning_effort")
     if effort is not None and chat:  # OpenAI's ("low", "medium", "high", ...); a reasoning model's template reads it (gpt-oss's)
         if not isinstance(effort, str) or not _EFFORT.fullmatch(effort):
-            raise RequestError(f'"reasoning_effort" must be a word such as "low", "medium" or "high", got {show(effort)}.',
+            raise RequestError(f'"reasoning_effort" must be a word such as "low", "medium" or "high", got {shown(effort)}.',
                                param="reasoning_effort")
         req.template_kwargs.setdefault("reasoning_effort", effort)
     if req.tools is not None and req.logprobs is not None:
@@ -128,18 +128,18 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     if top_k is None:
         top_k = 0
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0 or top_k > 1 << 20:
-        raise RequestError(f'"top_k" must be a whole number >= 0 (0: off), got {show(top_k)}.', param="top_k")
+        raise RequestError(f'"top_k" must be a whole number >= 0 (0: off), got {shown(top_k)}.', param="top_k")
     req.top_k = top_k
     seed = data.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63):
-        raise RequestError(f'"seed" must be a whole number from -2**63 to 2**63-1, got {show(seed)}.', param="seed")
+        raise RequestError(f'"seed" must be a whole number from -2**63 to 2**63-1, got {shown(seed)}.', param="seed")
     req.seed = None if seed is None else seed % 2**64  # OpenAI's signed 64-bit seed; the sampler's is unsigned
     req.stop = _stop(data.get("stop"))
     stream = data.get("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
-        raise RequestError(f'"stream" must be true or false, got {show(stream)}.', param="stream")
+        raise RequestError(f'"stream" must be true or false, got {shown(stream)}.', param="stream")
     req.stream = stream
     options = data.get("stream_options")
     if options is not None:
@@ -148,7 +148,8 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
         if not stream:
             raise RequestError('"stream_options" is only allowed with "stream": true; add "stream": true or drop it.',
                                param="stream_options")
-        usage = options.get("include_usage", False)
+        usage = options.get("include_usage")
+        usage = False if usage is None else usage  # null is the default, as for every other field
         if not isinstance(usage, bool):
             raise RequestError('"stream_options.include_usage" must be true or false.', param="stream_options")
         req.include_usage = usage
@@ -174,7 +175,7 @@ def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
              "audio": "this model answers in text: leave it out"}
     for key, asked in asks.items():
         if asked:
-            raise RequestError(f'"{key}" {show(data[key])} is not supported by this server; {fixes[key]}.', param=key)
+            raise RequestError(f'"{key}" {shown(data[key])} is not supported by this server; {fixes[key]}.', param=key)
 
 
 def _tools(data: dict[str, Any], chat: bool) -> Tools | None:
@@ -200,7 +201,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
     if value is None or (isinstance(value, dict) and value.get("type") == "text"):
         return None
     if not isinstance(value, dict):
-        raise RequestError(f'"response_format" must be an object such as {{"type": "json_object"}}, got {show(value)}.',
+        raise RequestError(f'"response_format" must be an object such as {{"type": "json_object"}}, got {shown(value)}.',
                            param="response_format")
     return value
 
@@ -212,10 +213,10 @@ def _logprobs(data: dict[str, Any], chat: bool) -> int | None:
     if chat:
         on, top = data.get("logprobs"), data.get("top_logprobs")
         if on is not None and not isinstance(on, bool):
-            raise RequestError(f'"logprobs" must be true or false, got {show(on)}.', param="logprobs")
+            raise RequestError(f'"logprobs" must be true or false, got {shown(on)}.', param="logprobs")
         if top is not None:
             if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= most:
-                raise RequestError(f'"top_logprobs" must be a whole number from 0 to {most}, got {show(top)}.',
+                raise RequestError(f'"top_logprobs" must be a whole number from 0 to {most}, got {shown(top)}.',
                                    param="top_logprobs")
             if not on:
                 raise RequestError('"top_logprobs" needs "logprobs": true; add it, or drop "top_logprobs".',
@@ -226,7 +227,7 @@ def _logprobs(data: dict[str, Any], chat: bool) -> int | None:
         return None
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= most:
         raise RequestError(f'"logprobs" must be a whole number from 0 to {most} (the alternatives to return beside each '
-                           f"token) or null, got {show(k)}.", param="logprobs")
+                           f"token) or null, got {shown(k)}.", param="logprobs")
     return k
 
 
@@ -240,10 +241,10 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if not isinstance(m, dict) or "role" not in m or ("content" not in m and not calls):
             raise RequestError(f'"messages"[{i}] must be an object with "role" and "content", got '
-                               f"{show(m)}.", param=f"messages[{i}]")
+                               f"{shown(m)}.", param=f"messages[{i}]")
         role, content = m["role"], m.get("content")
         if role not in ROLES:
-            raise RequestError(f'"messages"[{i}].role {show(role)} is not a known role; use one of {", ".join(ROLES)}.',
+            raise RequestError(f'"messages"[{i}].role {shown(role)} is not a known role; use one of {", ".join(ROLES)}.',
                                param=f"messages[{i}].role")
         if isinstance(content, list):  # OpenAI's content parts: only text parts are understood here
             if not content:
@@ -261,7 +262,7 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
         if content is None and role == "assistant":
             content = ""
         if not isinstance(content, str):
-            raise RequestError(f'"messages"[{i}].content must be a string or a list of text parts, got {show(content)}.',
+            raise RequestError(f'"messages"[{i}].content must be a string or a list of text parts, got {shown(content)}.',
                                param=f"messages[{i}].content")
         message: dict[str, Any] = {"role": role, "content": content}
         if calls:  # an assistant's calls, read by the chat template (arguments as objects)
@@ -294,7 +295,7 @@ def _prompt(data: dict[str, Any]) -> str | list[int]:
         raise RequestError(f'"prompt" holds {len(prompt)} prompts; send one prompt a request.', param="prompt")
     if isinstance(prompt, list) and prompt and any(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = next(t for t in prompt if isinstance(t, bool) or not isinstance(t, int))
-        raise RequestError(f'"prompt" as token ids must hold whole numbers only, got {show(bad)} among them; send a text '
+        raise RequestError(f'"prompt" as token ids must hold whole numbers only, got {shown(bad)} among them; send a text '
                            "or a list of token ids.", param="prompt")
     raise RequestError('a completions request needs "prompt": a non-empty text (or a list of token ids).', param="prompt")
 
@@ -306,7 +307,7 @@ def _number(data: dict[str, Any], key: str, default: float, low: float, high: fl
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
             or v < low or v > high or (open_low and v <= low):
-        raise RequestError(f'"{key}" must be a number {what}, got {show(v)}.', param=key)
+        raise RequestError(f'"{key}" must be a number {what}, got {shown(v)}.', param=key)
     return float(v)
 
 
@@ -320,10 +321,10 @@ def _template_kwargs(value: Any, chat: bool) -> dict[str, Any]:
                            "request.", param="chat_template_kwargs")
     if not isinstance(value, dict):
         raise RequestError(f'"chat_template_kwargs" must be an object of template variables, e.g. {{"enable_thinking": '
-                           f"false}}, got {show(value)}.", param="chat_template_kwargs")
+                           f"false}}, got {shown(value)}.", param="chat_template_kwargs")
     taken = sorted(set(value) & _SET_BY_SERVER)
     if taken:
-        raise RequestError(f'"chat_template_kwargs" sets {taken[0]!r}, which the server sets itself; send it in its own '
+        raise RequestError(f'"chat_template_kwargs" sets {shown(taken[0])}, which the server sets itself; send it in its own '
                            "field (messages, tools) or leave it out.", param="chat_template_kwargs")
     if not all(isinstance(k, str) and k.isidentifier() for k in value):
         raise RequestError('"chat_template_kwargs" keys must be names (letters, digits and _).', param="chat_template_kwargs")
@@ -337,15 +338,15 @@ def _logit_bias(value: Any) -> dict[int, float] | None:
         return None
     if not isinstance(value, dict) or len(value) > MAX_LOGIT_BIAS:
         raise RequestError(f'"logit_bias" must be an object of at most {MAX_LOGIT_BIAS} token ids and their biases '
-                           f'from -100 to 100, e.g. {{"50256": -100}}, got {show(value)}.', param="logit_bias")
+                           f'from -100 to 100, e.g. {{"50256": -100}}, got {shown(value)}.', param="logit_bias")
     out = {}
     for key, bias in value.items():
         token = key.strip() if isinstance(key, str) else ""
-        if not (token.isascii() and token.isdigit()):
-            raise RequestError(f'"logit_bias" has the key {show(key)}, which is not a token id; use the ids of this '
+        if not (token.isascii() and token.isdigit()) or len(token) > 18:  # 19+ digits: no vocabulary (nor int()) holds it
+            raise RequestError(f'"logit_bias" has the key {shown(key)}, which is not a token id; use the ids of this '
                                'model\'s tokenizer as keys, e.g. {"50256": -100}.', param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise RequestError(f'"logit_bias" gives token {token} the bias {show(bias)}; a bias is a number from -100 '
+            raise RequestError(f'"logit_bias" gives token {token} the bias {shown(bias)}; a bias is a number from -100 '
                                "to 100.", param="logit_bias")
         out[int(token)] = float(bias)
     return out
@@ -361,22 +362,13 @@ def _stop(stop: Any) -> list[str]:
         raise RequestError(f'"stop" has {len(stops)} strings; at most {MAX_STOP} are allowed: keep the ones that matter.',
                            param="stop")
     for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:  # before the tokenizer, which holds the GIL for seconds on megabytes
+            raise RequestError(f'"stop" string {i} has {len(s):,} characters, more than {MAX_STOP_CHARS:,}; an answer stops '
+                               "on a short piece of text: send the few words it ends on.", param="stop")
         if (at := surrogate_at(s)) is not None:  # JSON's "\ud800"
             raise RequestError(f'"stop" string {i} is not valid Unicode (a lone surrogate at position {at}); send '
                                "text without one.", param="stop")
     return list(stops)
-
-
-def show(v: Any, width: int = 40) -> str:
-    """A request's value as JSON writes it (true, null, {"a": 1}), cut at ``width`` characters."""
-    try:
-        text = json.dumps(v, ensure_ascii=False)
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate: escaped
-        text = json.dumps(v)
-    except (TypeError, ValueError):
-        text = repr(v)
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 class Answer:

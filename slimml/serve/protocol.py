@@ -16,17 +16,9 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import RequestError
+from slimml.runtime.tasks.limits import shown
 
 _DTYPES = {"float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool"}
-
-
-def _shown(v: Any, width: int = 40) -> str:
-    """A request's value as JSON writes it (``null``, ``true``, ``"text"``), cut to ``width`` characters."""
-    try:
-        text = json.dumps(v, ensure_ascii=False)
-    except (TypeError, ValueError):
-        text = repr(v)
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _json_type(v: Any) -> str:
@@ -56,9 +48,12 @@ def parse_json(body: bytes) -> dict[str, Any]:
 def check_model(data: dict[str, Any], served: str) -> None:
     """A request that names a model must name the one served here."""
     name = data.get("model")
-    if name is not None and name != served:
-        raise RequestError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models).", 404,
+    if name is not None and not isinstance(name, str):
+        raise RequestError(f'"model" must be a string (the served model\'s name, {shown(served)}), got {shown(name)}.',
                            param="model")
+    if name is not None and name != served:
+        raise RequestError(f"model {shown(name)} is not served here; this server serves {shown(served)} (GET /v1/models).",
+                           404, param="model")
 
 
 def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None = None) -> list[str]:
@@ -68,7 +63,7 @@ def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None 
     texts = input_texts(data, "an embeddings", max_texts, max_chars, empty="embeddings need at least one character")
     fmt = data.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        raise RequestError(f'"encoding_format" must be "float" or "base64", got {_shown(fmt)}.', param="encoding_format")
+        raise RequestError(f'"encoding_format" must be "float" or "base64", got {shown(fmt)}.', param="encoding_format")
     return texts
 
 
@@ -158,7 +153,7 @@ def dimensions(data: dict[str, Any], size: int | None = None) -> int | None:
     the model's embedding ``size`` where it is known."""
     n = data.get("dimensions")
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise RequestError(f'"dimensions" must be a whole number from 1 to the model\'s size, got {_shown(n)}; leave it out '
+        raise RequestError(f'"dimensions" must be a whole number from 1 to the model\'s size, got {shown(n)}; leave it out '
                            "for all of them.", param="dimensions")
     if n is not None and size is not None and n > size:
         raise RequestError(f'"dimensions" is {n}, more than this model\'s {size}; ask for at most {size}, or leave it out.',
@@ -234,7 +229,7 @@ def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None =
     texts = checked_texts(texts, '"documents"', max_chars, param="documents")
     top_n = data.get("top_n")
     if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
-        raise RequestError(f'"top_n" must be a whole number >= 1, got {_shown(top_n)}; leave it out for every document.',
+        raise RequestError(f'"top_n" must be a whole number >= 1, got {shown(top_n)}; leave it out for every document.',
                            param="top_n")
     keep = data.get("return_documents")
     keep = True if keep is None else keep  # as vLLM's and Jina's: the documents come back unless asked not to
@@ -265,33 +260,33 @@ def run_inputs(data: dict[str, Any]) -> tuple[dict[str, np.ndarray], list[str] |
         raise RequestError('"outputs" must be a list of output names.')
     encoding = data.get("encoding", "json")
     if encoding not in ("json", "npy"):
-        raise RequestError(f'"encoding" must be "json" or "npy", got {_shown(encoding)}.')
+        raise RequestError(f'"encoding" must be "json" or "npy", got {shown(encoding)}.')
     return feeds, outputs, encoding
 
 
 def _array(name: str, spec: Any) -> np.ndarray:
     if not isinstance(spec, dict):
-        raise RequestError(f'input {name!r} must be an object {{"dtype": ..., "data": ...}} or {{"npy": ...}}.')
+        raise RequestError(f'input {shown(name)} must be an object {{"dtype": ..., "data": ...}} or {{"npy": ...}}.')
     if "npy" in spec:
         try:
             raw = base64.b64decode(spec["npy"], validate=True)
             arr = np.load(io.BytesIO(raw), allow_pickle=False)
         except (binascii.Error, TypeError):
-            raise RequestError(f'input {name!r}: "npy" is not valid base64.') from None
+            raise RequestError(f'input {shown(name)}: "npy" is not valid base64.') from None
         except (ValueError, OSError, EOFError) as e:
-            raise RequestError(f'input {name!r}: "npy" is not a .npy array file ({e}); write it with numpy.save.') from None
+            raise RequestError(f'input {shown(name)}: "npy" is not a .npy array file ({e}); write it with numpy.save.') from None
         if not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
-            raise RequestError(f"input {name!r}: the .npy file holds objects; send a numeric array.")
+            raise RequestError(f"input {shown(name)}: the .npy file holds objects; send a numeric array.")
         return arr
     dtype = spec.get("dtype")
     if dtype not in _DTYPES:
-        raise RequestError(f"input {name!r}: dtype {_shown(dtype)} is not one of {sorted(_DTYPES)}.")
+        raise RequestError(f"input {shown(name)}: dtype {shown(dtype)} is not one of {sorted(_DTYPES)}.")
     if "data" not in spec:
-        raise RequestError(f'input {name!r} needs "data": nested lists of numbers.')
+        raise RequestError(f'input {shown(name)} needs "data": nested lists of numbers.')
     try:
         arr = np.asarray(spec["data"], dtype=dtype)
     except (ValueError, TypeError, OverflowError) as e:
-        raise RequestError(f"input {name!r}: data is not a rectangular array of {dtype} numbers ({e}).") from None
+        raise RequestError(f"input {shown(name)}: data is not a rectangular array of {dtype} numbers ({e}).") from None
     return arr
 
 

@@ -26,7 +26,8 @@ from typing import Any
 
 from slimml.errors import RequestError
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta
-from slimml.serve.openai import CompletionRequest, completion_request, show, sse
+from slimml.runtime.tasks.limits import shown
+from slimml.serve.openai import CompletionRequest, completion_request, sse
 
 # fields the chat checks take as they are (slimml's and vLLM's sampling extras among them)
 _SHARED = ("temperature", "top_p", "parallel_tool_calls", "stream", "seed", "stop", "top_k", "repetition_penalty",
@@ -45,7 +46,7 @@ def responses_request(data: dict[str, Any], max_tokens_limit: int) -> tuple[Comp
         if data.get(key) not in (None, False):
             raise RequestError(f'"{key}" is not supported by this server; {fix}.', param=key)
     if data.get("include"):
-        raise RequestError(f'"include" {show(data["include"])} is not supported by this server (no log-probabilities, '
+        raise RequestError(f'"include" {shown(data["include"])} is not supported by this server (no log-probabilities, '
                            "hosted tools or encrypted reasoning); leave it out.", param="include")
     if data.get("top_logprobs") not in (None, 0):
         raise RequestError('"top_logprobs" is not supported by this server\'s Responses API (no log-probabilities); leave '
@@ -59,7 +60,7 @@ def responses_request(data: dict[str, Any], max_tokens_limit: int) -> tuple[Comp
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= max_tokens_limit:
             raise RequestError(f'"max_output_tokens" must be a whole number from 1 to {max_tokens_limit} (this '
-                               f"server's limit, set by slimml serve --max-new-tokens), got {show(limit)}.",
+                               f"server's limit, set by slimml serve --max-new-tokens), got {shown(limit)}.",
                                param="max_output_tokens")
         body["max_tokens"] = limit
     tools = _tools(data.get("tools"))
@@ -109,7 +110,7 @@ def _messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
     ``function_call`` s join its message as ``tool_calls``, a ``reasoning`` item its
     ``reasoning_content``, a ``function_call_output`` becomes a ``tool`` message."""
     if instructions is not None and not isinstance(instructions, str):
-        raise RequestError(f'"instructions" must be a string, got {show(instructions)}.', param="instructions")
+        raise RequestError(f'"instructions" must be a string, got {shown(instructions)}.', param="instructions")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -120,7 +121,7 @@ def _messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise RequestError(f'"{where}" must be an object (a message or a function call item), got {show(item)}.',
+            raise RequestError(f'"{where}" must be an object (a message or a function call item), got {shown(item)}.',
                                param=where)
         kind = item.get("type") or "message"
         if kind == "message":
@@ -129,7 +130,7 @@ def _messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
                 raise RequestError(f'"{where}" has no "type" and no "role"; give a message its role ({{"role": "user", '
                                    '"content": ...}) or an item its type ("function_call_output", ...).', param=where)
             if role not in _ROLES:
-                raise RequestError(f'"{where}".role {show(role)} is not a known role; use one of {", ".join(_ROLES)}.',
+                raise RequestError(f'"{where}".role {shown(role)} is not a known role; use one of {", ".join(_ROLES)}.',
                                    param=f"{where}.role")
             message: dict[str, Any] = {"role": role, "content": _text(item.get("content"), f"{where}.content")}
             if role == "assistant" and thoughts is not None:
@@ -161,12 +162,12 @@ def _messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
                 value = item.get(key) or []
                 if not isinstance(value, list):
                     raise RequestError(f'"{where}.{key}" must be a list of {{"type": "reasoning_text", "text": ...}} '
-                                       f"parts, got {show(value)}.", param=f"{where}.{key}")
+                                       f"parts, got {shown(value)}.", param=f"{where}.{key}")
                 parts += value
             text = "\n\n".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
             thoughts = text or None
         else:
-            raise RequestError(f'"{where}" is a {show(kind)} item, which this server does not take; send messages, '
+            raise RequestError(f'"{where}" is a {shown(kind)} item, which this server does not take; send messages, '
                                "function_call, function_call_output and reasoning items.", param=where)
     if all(m["role"] in ("system", "developer") for m in out):
         raise RequestError('"input" has no message to answer; add at least one {"role": "user", "content": ...}.',
@@ -182,7 +183,7 @@ def _text(content: Any, where: str) -> str:
             isinstance(p, dict) and p.get("type") in _TEXT_PARTS and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise RequestError(f'"{where}" must be a string or a list of {{"type": "input_text", "text": ...}} parts; this model '
-                       f"takes text only, got {show(content)}.", param=where)
+                       f"takes text only, got {shown(content)}.", param=where)
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
@@ -199,7 +200,7 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
             continue
         if not isinstance(t, dict) or t.get("type") != "function":
             kind = t.get("type") if isinstance(t, dict) else t
-            raise RequestError(f'"tools"[{i}] is a {show(kind)} tool; this server runs none of OpenAI\'s hosted tools, '
+            raise RequestError(f'"tools"[{i}] is a {shown(kind)} tool; this server runs none of OpenAI\'s hosted tools, '
                                'only functions: {"type": "function", "name": ..., "parameters": {...}}.', param=f"tools[{i}]")
         out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}})
     return out
@@ -211,7 +212,7 @@ def _tool_choice(choice: Any) -> Any:
     if choice in ("auto", "required", "none"):
         return choice
     raise RequestError(f'"tool_choice" must be "auto", "required", "none" or {{"type": "function", "name": ...}}, got '
-                       f"{show(choice)}.", param="tool_choice")
+                       f"{shown(choice)}.", param="tool_choice")
 
 
 def _format(text: Any) -> dict[str, Any] | None:
@@ -219,14 +220,14 @@ def _format(text: Any) -> dict[str, Any] | None:
     if text is None:
         return None
     if not isinstance(text, dict):
-        raise RequestError(f'"text" must be an object such as {{"format": {{"type": "json_object"}}}}, got {show(text)}.',
+        raise RequestError(f'"text" must be an object such as {{"format": {{"type": "json_object"}}}}, got {shown(text)}.',
                            param="text")
     format = text.get("format")
     if format is None:
         return None
     if not isinstance(format, dict) or format.get("type") not in ("text", "json_object", "json_schema"):
         raise RequestError('"text.format" must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
-                           f'"name": ..., "schema": {{...}}}}, got {show(format)}.', param="text.format")
+                           f'"name": ..., "schema": {{...}}}}, got {shown(format)}.', param="text.format")
     if format["type"] == "json_schema":
         if not isinstance(format.get("schema"), dict):
             raise RequestError('"text.format" json_schema needs its JSON Schema as an object under "schema": '

@@ -207,7 +207,7 @@ def folder_json(folder: Path, name: str) -> dict[str, Any]:
         return {}
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ArtifactError(f"could not read {path} ({_line(str(e))}); fix or remove it.") from None
     return config if isinstance(config, dict) else {}
 

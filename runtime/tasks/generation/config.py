@@ -14,6 +14,8 @@ from slimml.runtime.tasks.limits import surrogate_at
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 _DIGITS = re.compile(r"\s*[0-9]+\s*")  # a token id written as text (a JSON object's key)
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; more than a handful is a mistake, not a use
+MAX_STOP_CHARS = 4096  # a stop string is text the answer may end on, not a document; checked before tokenizing it
+GREEDY_BELOW = 1e-5  # a temperature below this picks the most likely token (as vLLM): dividing by less overflows
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class GenerationConfig:
             model's context is refused (with ``truncate``, fewer new tokens are made instead).
         min_new_tokens: the end ids (eos and stop_token_ids) cannot be chosen before this many
             new tokens, as transformers' ``min_new_tokens`` (stop strings still stop).
-        temperature: divides the logits before sampling; 0 picks the most likely token (greedy).
+        temperature: divides the logits before sampling; 0 (or below 1e-5) picks the most likely token (greedy).
         do_sample: as transformers reads it: False is greedy whatever the temperature; True with
             temperature 0 samples at temperature 1 (transformers' default); None follows the temperature.
         top_k: sample among the k most likely tokens only; 0 turns it off.
@@ -101,7 +103,7 @@ class GenerationConfig:
         _whole("max_new_tokens", self.max_new_tokens, 1)
         _whole("min_new_tokens", self.min_new_tokens, 0)
         _whole("prompt_lookup", self.prompt_lookup, 0, "(0 turns it off)")
-        _number("temperature", self.temperature, "a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < float("inf"))
+        _number("temperature", self.temperature, "a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < float("inf"))  # < GREEDY_BELOW: greedy
         _whole("top_k", self.top_k, 0, "(0 turns it off)")
         _number("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
         _number("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 turns it off)",
@@ -131,6 +133,9 @@ class GenerationConfig:
         if any(s == "" for s in stop):
             raise ConfigError("stop has an empty string, which would stop at once; remove it.")
         for i, s in enumerate(stop):
+            if len(s) > MAX_STOP_CHARS:
+                raise ConfigError(f"stop string {i} has {len(s):,} characters, more than {MAX_STOP_CHARS:,}; an answer "
+                                  "stops on a short piece of text: give the few words it ends on.")
             if (at := surrogate_at(s)) is not None:
                 raise ConfigError(f"stop string {i} is not valid Unicode (a lone surrogate at position {at}); remove it.")
         ids = (self.stop_token_ids,) if is_int(self.stop_token_ids) else self.stop_token_ids
@@ -160,8 +165,9 @@ class GenerationConfig:
 
     @property
     def greedy(self) -> bool:
-        """True when every step takes the most likely token (temperature 0, top_k 1, or do_sample=False)."""
-        return self.do_sample is False or self.temperature == 0 or self.top_k == 1
+        """True when every step takes the most likely token (temperature 0, or below ``GREEDY_BELOW``, top_k 1, or
+        do_sample=False)."""
+        return self.do_sample is False or self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @classmethod
     def of(cls, config: GenerationConfig | None = None, **options: Any) -> GenerationConfig:

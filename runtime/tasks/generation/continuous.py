@@ -48,6 +48,7 @@ class Sequence:
     config: GenerationConfig
     steps: int
     end_ids: frozenset[int]
+    held_ids: frozenset[int] = frozenset()  # the end ids min_new_tokens holds back (Prompts.held_ids)
     on_text: Callable[[str], None] = lambda piece: None
     on_done: Callable[[Sequence], None] = lambda seq: None
     tokens: list[int] = field(default_factory=list)
@@ -118,7 +119,7 @@ class ContinuousBatch:
         """A :class:`Sequence` for one prompt, checked now (so a bad prompt fails its own request,
         before it meets anyone else's)."""
         job = prepare(self.model, [prompt], config, raw_text)
-        seq = Sequence(ids=job.ids[0], config=config, steps=job.steps, end_ids=job.end_ids, **hooks)
+        seq = Sequence(ids=job.ids[0], config=config, steps=job.steps, end_ids=job.end_ids, held_ids=job.held_ids, **hooks)
         seq.text = (TextStream(job.tokenizer, seq.ids, config.stop, config.skip_special_tokens)
                     if job.tokenizer is not None else None)
         seq.constraint = job.constraints[0] if job.constraints else None
@@ -199,7 +200,7 @@ class ContinuousBatch:
     def _first(self, s: Sequence, logits: np.ndarray) -> bool:
         """``s``'s sampler, and its first token from its prompt's last logits (1, vocab); False once finished."""
         try:
-            s.sampler = Sampler(s.config, [s.ids], logits.shape[-1], s.end_ids,
+            s.sampler = Sampler(s.config, [s.ids], logits.shape[-1], s.held_ids,
                                 [s.constraint] if s.constraint is not None else None)
             return self._token(s, logits)
         except Exception as e:  # noqa: BLE001 - one sequence's sampling failed: it ends, the batch goes on

@@ -35,10 +35,11 @@ class Prompts:
     ids: list[list[int]]
     texts: bool  # the prompts came as text (so the answers go back as text)
     steps: int  # passes to run at most: max_new_tokens, or fewer where the context ends
-    end_ids: frozenset[int]  # the end-of-sequence id(s) and stop_token_ids
+    end_ids: frozenset[int]  # the end-of-sequence id(s), stop_token_ids, and stop strings that are special tokens
     pad_id: int
     tokenizer: Tokenizer | None
     constraints: list | None = None  # one structured.Constraint per prompt, with config.response_format
+    held_ids: frozenset[int] = frozenset()  # what min_new_tokens holds back: end_ids less the stop strings (they still stop)
 
 
 def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = False) -> Prompts:
@@ -75,7 +76,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
                 raise FeedError(f"prompt {i} has token id {p[bad]} at position {bad}, outside the model's vocabulary "
                                 f"of {vocab}; use ids in [0, {vocab}).")
     named_ids = (("logit_bias", [t for t, _ in config.logit_bias or ()]), ("stop_token_ids", config.stop_token_ids),
-                 ("eos_token_id", _ids(config.eos_token_id)))
+                 ("eos_token_id", _ids(config.eos_token_id)), ("pad_token_id", _ids(config.pad_token_id)))
     for name, named in named_ids:
         far = [t for t in named if vocab is not None and t >= vocab]
         if far:
@@ -99,7 +100,8 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     # tokens within the call's budget (model.limits, raised for trusted input)
     limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size,
                           indexed=takes_logits_index(engine), context=context)
-    ends = frozenset(end_ids(model, config, tok) | (special_stops(tok, config.stop) if tok is not None else set()))
+    held = frozenset(end_ids(model, config, tok))
+    ends = held | (special_stops(tok, config.stop) if tok is not None else frozenset())
     constraints = None
     if config.grammar is not None:  # here, on the caller's thread: a format this tokenizer cannot follow fails now
         from slimml.runtime.tasks.generation.structured import Constraint
@@ -109,7 +111,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
                               "no tokenizer; re-convert it from a folder with its tokenizer, or leave response_format out.")
         constraints = [Constraint(config.grammar, tok, vocab or tok.get_vocab_size(), ends) for _ in ids]
     return Prompts(ids=ids, texts=texts, steps=steps, end_ids=ends, pad_id=pad_id(model, config), tokenizer=tok,
-                   constraints=constraints)
+                   constraints=constraints, held_ids=held)
 
 
 def check_unicode(texts: list[str]) -> None:

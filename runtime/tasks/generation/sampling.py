@@ -24,6 +24,7 @@ import numpy as np
 
 from slimml.runtime.tasks.generation.config import GenerationConfig
 
+FMAX = np.float32(np.finfo(np.float32).max)  # scores are held below it: an overflow to +inf would make NaN weights
 NUCLEUS_CANDIDATES = 256  # top-p looks among this many most likely tokens first (x4 until they hold p)
 
 
@@ -149,7 +150,8 @@ class Sampler:
             rows, cols = np.nonzero(self.seen)
             v = scores[rows, cols]
             p = np.float32(self.config.repetition_penalty)
-            scores[rows, cols] = np.where(v < 0, v * p, v / p)
+            with np.errstate(over="ignore"):  # a tiny penalty: a seen token's score at FMAX, the most likely
+                scores[rows, cols] = np.minimum(np.where(v < 0, v * p, v / p), FMAX)
         if self.counts is not None:
             rows, cols = np.nonzero(self.counts)
             n = self.counts[rows, cols].astype(np.float32)
@@ -162,7 +164,8 @@ class Sampler:
     def _keep(self, s: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
         """One row's (vocab,) scores -> (ids kept, or None for all; their scores after temperature)."""
         c = self.config
-        s = s / np.float32(c.temperature)
+        with np.errstate(over="ignore"):
+            s = np.minimum(s / np.float32(c.temperature), FMAX)  # scores near FMAX (a tiny penalty) tie there
         ids = None
         if c.top_k and c.top_k < len(s):
             ids = top_k(s, c.top_k)

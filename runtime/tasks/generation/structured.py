@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ConfigError
+from slimml.runtime.tasks.limits import shown
 
 FORMATS = ("text", "json_object", "json_schema", "regex", "grammar")
 JSON_OPTIONS = {"whitespace_pattern": r"(?:[ ]?|\n[ \t]{0,20})"}  # llguidance's custom separators mis-mask "\":"
@@ -38,7 +39,7 @@ def grammar_of(response_format: dict[str, Any] | None) -> str | None:
         return None
     if not isinstance(response_format, dict) or response_format.get("type") not in FORMATS:
         kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-        raise ConfigError(f"response_format type {kind!r} is not known; use one of {', '.join(FORMATS)} "
+        raise ConfigError(f"response_format type {shown(kind)} is not known; use one of {', '.join(FORMATS)} "
                           '(e.g. {"type": "json_object"}).')
     kind = response_format["type"]
     if kind == "text":

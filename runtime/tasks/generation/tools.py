@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from slimml.errors import ConfigError, FeedError
 from slimml.runtime.tasks.generation import harmony
+from slimml.runtime.tasks.limits import shown, surrogate_at
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
 MAX_DEPTH = 64  # JSON levels of one function's parameters schema (llguidance's own limit is lower for schemas)
@@ -111,19 +112,19 @@ class Tools:
         (``{"name", "parameters"}``), as transformers takes it."""
         if tools is None or (isinstance(tools, (list, tuple)) and not tools and tool_choice in (None, "none", "auto")):
             if tool_choice not in (None, "none", "auto"):
-                raise ConfigError(f"tool_choice {_show(tool_choice)} needs tools to choose from; pass tools, or leave "
+                raise ConfigError(f"tool_choice {shown(tool_choice)} needs tools to choose from; pass tools, or leave "
                                   "tool_choice out.")
             return None
         if not isinstance(tools, (list, tuple)) or not tools:
             raise ConfigError('tools must be a non-empty list of {"type": "function", "function": {"name": ..., '
-                              f'"parameters": {{...}}}}}}, got {_show(tools)}.')
+                              f'"parameters": {{...}}}}}}, got {shown(tools)}.')
         functions = tuple(_function(i, t) for i, t in enumerate(tools))
         names = [f["function"]["name"] for f in functions]
         if len(set(names)) < len(names):
             twice = next(n for n in names if names.count(n) > 1)
-            raise ConfigError(f"tools name the function {twice!r} twice; give each function once.")
+            raise ConfigError(f"tools name the function {shown(twice)} twice; give each function once.")
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-            raise ConfigError(f"parallel_tool_calls must be true or false, got {_show(parallel_tool_calls)}.")
+            raise ConfigError(f"parallel_tool_calls must be true or false, got {shown(parallel_tool_calls)}.")
         choice = "auto" if tool_choice is None else tool_choice
         if choice == "none":
             return None
@@ -131,14 +132,14 @@ class Tools:
             name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
             if choice.get("type") != "function" or not isinstance(name, str):
                 raise ConfigError('tool_choice must be "auto", "required", "none" or {"type": "function", "function": '
-                                  f'{{"name": ...}}}}, got {_show(choice)}.')
+                                  f'{{"name": ...}}}}, got {shown(choice)}.')
             if name not in names:
-                raise ConfigError(f"tool_choice names the function {name!r}, which is not among the tools "
+                raise ConfigError(f"tool_choice names the function {shown(name)}, which is not among the tools "
                                   f"({', '.join(names)}); name one of them.")
             choice, parallel_tool_calls = name, False  # a named function: one call to it (OpenAI's, vLLM's)
         elif choice not in ("auto", "required"):
             raise ConfigError('tool_choice must be "auto", "required", "none" or {"type": "function", "function": '
-                              f'{{"name": ...}}}}, got {_show(choice)}.')
+                              f'{{"name": ...}}}}, got {shown(choice)}.')
         return cls(functions, choice, parallel_tool_calls)
 
     def callable(self) -> list[dict[str, Any]]:
@@ -359,7 +360,7 @@ class Hermes(ToolFormat):
             rest = text[m.end():]
             try:  # the JSON whole (a string in it may hold "</tool_call>"), then the closing tag
                 value, end = json.JSONDecoder().raw_decode(text, m.end() + len(rest) - len(rest.lstrip()))
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             close = _CLOSE.match(text, end)
             call = _call(json.dumps(value), "arguments") if close else None
@@ -573,7 +574,7 @@ class Generic(ToolFormat):
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         try:
             value = json.loads(text)
-        except ValueError:  # cut by max_new_tokens: the response begun, a call begun is dropped
+        except (ValueError, RecursionError):  # cut by max_new_tokens: the response begun, a call begun is dropped
             return (self.content(text), []) if text.lstrip().startswith("{") else (text, [])
         if isinstance(value, dict) and isinstance(value.get("response"), str):
             return value["response"], []
@@ -666,7 +667,7 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
         if calls:
             if not isinstance(calls, list):
                 raise FeedError(f"message {i}'s tool_calls must be a list of {{\"id\", \"type\": \"function\", "
-                                f"\"function\": {{\"name\", \"arguments\"}}}}, got {_show(calls)}.")
+                                f"\"function\": {{\"name\", \"arguments\"}}}}, got {shown(calls)}.")
             fixed = []
             for k, c in enumerate(calls):
                 function = c.get("function") if isinstance(c, dict) else None
@@ -677,7 +678,7 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
                 if isinstance(arguments, str):
                     try:
                         arguments = json.loads(arguments) if arguments.strip() else {}
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         raise FeedError(f"message {i}'s tool call {k} ({function['name']}) has arguments that are not "
                                         "JSON; send them as a JSON object, or its text.") from None
                 fixed.append({**c, "type": "function", "function": {**function, "arguments": arguments}})
@@ -765,22 +766,45 @@ def _function(i: int, tool: Any) -> dict[str, Any]:
     if isinstance(tool, dict) and "function" not in tool and "name" in tool:
         tool = {"type": "function", "function": tool}  # a bare function, as transformers takes it
     if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
-        raise ConfigError(f"tools[{i}] is not a function tool ({_show(tool)}); {fix}.")
+        raise ConfigError(f"tools[{i}] is not a function tool ({shown(tool)}); {fix}.")
     function = tool["function"]
     name = function.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ConfigError(f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-', got {_show(name)}; rename it.")
+        raise ConfigError(f"tools[{i}].function.name must be 1 to 64 letters, digits, '_' or '-', got {shown(name)}; rename it.")
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise ConfigError(f"tools[{i}].function.parameters must be a JSON Schema object, got {_show(parameters)}; {fix}.")
+        raise ConfigError(f"tools[{i}].function.parameters must be a JSON Schema object, got {shown(parameters)}; {fix}.")
     if parameters is not None and _depth(parameters) > MAX_DEPTH:
         raise ConfigError(f"tools[{i}].function.parameters nest deeper than {MAX_DEPTH} levels; flatten the schema.")
     if parameters is not None and parameters.get("type", "object") != "object":
         raise ConfigError(f"tools[{i}].function.parameters must describe an object (\"type\": \"object\", the "
-                          f"arguments by name), got type {_show(parameters.get('type'))}; wrap the value in a property.")
+                          f"arguments by name), got type {shown(parameters.get('type'))}; wrap the value in a property.")
     if function.get("description") is not None and not isinstance(function["description"], str):
-        raise ConfigError(f"tools[{i}].function.description must be text, got {_show(function['description'])}.")
+        raise ConfigError(f"tools[{i}].function.description must be text, got {shown(function['description'])}.")
+    where = _surrogate_in(function)
+    if where is not None:  # the template writes it into the prompt, which no tokenizer takes then
+        raise ConfigError(f"tools[{i}].function.{where} is not valid Unicode (a lone surrogate); replace it (decode "
+                          "the text with errors='replace') or remove it.")
     return {"type": "function", "function": dict(function)}
+
+
+def _surrogate_in(value: Any) -> str | None:
+    """The path (``description``, ``parameters.properties.city``) of the first text in JSON ``value``
+    (keys included) that holds a lone surrogate, or None. Iterative: ``_depth`` bounds the nesting."""
+    todo: list[tuple[str, Any]] = [("", value)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            if surrogate_at(v) is not None:
+                return path
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(k, str) and surrogate_at(k) is not None:
+                    return f"{path} (a key)".lstrip()
+                todo.append((f"{path}.{k}".lstrip("."), x))
+        elif isinstance(v, list):
+            todo += [(f"{path}[{n}]", x) for n, x in enumerate(v)]
+    return None
 
 
 def _depth(value: Any) -> int:
@@ -869,24 +893,19 @@ def _string_begun(text: str, start: int, read: list | None = None) -> str:
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
 def _call(text: str, arguments: str) -> ToolCall | None:
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     args = value.get(arguments, value.get("arguments", value.get("parameters", {})))
     return ToolCall(value["name"], args) if isinstance(args, dict) else None
-
-
-def _show(v: Any) -> str:
-    text = repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
