@@ -419,6 +419,14 @@ def eval_(
     for name, value in (("--window", window), ("--max-tokens", max_tokens)):
         if value is not None and value < 2:
             raise ConfigError(f"{name} must be at least 2, got {value}.")
+    if old is not None:  # other data or another window: refused before the model runs, not after
+        from slimml.runtime.artifact.manifest import sha256_file
+        from slimml.runtime.tools.baseline import check_settings
+
+        if language and window is None and isinstance(old.settings.get("window"), int):
+            window = old.settings["window"]  # measured as the baseline was
+        early = {"metric": metric, "data": data.name, "data_sha256": sha256_file(data)}
+        check_settings(old, "eval", {**early, **({"window": window} if language and window is not None else {})})
     model = load(artifact, loading.build())
     if language:
         result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)

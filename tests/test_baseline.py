@@ -140,6 +140,7 @@ def test_cli_eval_save_then_check(tiny_bert_artifact, tmp_path):
     r = runner.invoke(app, ["eval", str(tiny_bert_artifact), "--data", str(tmp_path / "sts-dev-20.csv.other"),
                             "--baseline", str(base)])
     assert isinstance(r.exception, ConfigError) and "other settings" in str(r.exception)
+    assert "spearman x100 =" not in r.output  # refused before the model runs, not after scoring it
 
 
 @pytest.mark.slow
