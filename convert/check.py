@@ -41,7 +41,8 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
     The three run one after the other, each freed before the next loads, so checking needs
     about one copy of the model in memory, not three.
     """
-    feeds = _example_feeds(src, manifest) or _check_feeds(folder, manifest)
+    example = example_feeds(src, manifest)
+    feeds = example or _check_feeds(folder, manifest)
     names = [t.name for t in manifest.outputs]
     full = make_session(exported.onnx_path, "cpu")
     try:
@@ -71,8 +72,10 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
         if torch_out[n].dtype.kind == "f":
             refuse_nonfinite(src.name, torch_out[n], f"values in its {n!r} output", nan_only=True)
     if common:
+        _refuse_other_shapes(src, exported, got, torch_out, common)
         checks["max_abs_diff_vs_torch"] = max(float(np.abs(got[n] - torch_out[n]).max()) for n in common)
         checks["cosine_vs_torch"] = min(_min_cosine(got[n], torch_out[n]) for n in common)
+        checks["rel_diff_vs_torch"] = max(_rel_diff(got[n], torch_out[n]) for n in common)
     if theirs is not None:
         ours = model.encode(SAMPLE_TEXTS, prompt="")  # the torch model pooled the feeds of the texts alone
         checks["embedding_cosine_vs_torch"] = _min_cosine(ours, theirs)  # a Matryoshka cut is not of unit length
@@ -90,13 +93,83 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
                 "otherwise than the library reads it, so slimml does not ship it; convert with --task "
                 "feature-extraction (its token states out) and pool them yourself, and report the folder to slimml."
             )
-    if exported.info.get("exporter") == "torch" and checks.get("cosine_vs_torch", 1.0) < MIN_COSINE:  # float32, traced by slimml
+    if common:  # the float graph against the model it was traced from: computing otherwise, it is not shipped
+        _refuse_disagreement(src, exported, checks)
+    if src.kind == "torch" and example and common:
+        checks["other_batch"] = _check_other_batch(model, src, exported, feeds, names)
+    model.close()
+    return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
+
+
+MAX_REL_DIFF = 0.05  # of an output's largest value: a float32 trace differs by about 1e-6 of it
+
+
+def _refuse_other_shapes(src: Source, exported: Exported, got: dict[str, np.ndarray], want: dict[str, np.ndarray],
+                         names: list[str], batch: str = "") -> None:
+    """Refuse an artifact whose outputs come in other shapes than the source model's."""
+    for n in names:
+        if got[n].shape != want[n].shape:
+            raise ExportError(
+                f"the exported graph of {src.name} gives its {n!r} output in shape {list(got[n].shape)} where the source "
+                f"model gives {list(want[n].shape)}{batch}: slimml does not ship it; {_fix(src, exported, bool(batch))}"
+            )
+
+
+def _refuse_disagreement(src: Source, exported: Exported, checks: dict[str, Any], batch: str = "") -> None:
+    """Refuse a float graph whose outputs disagree with the model it was exported from (the torch
+    module, or the Hugging Face model in torch): a cosine under ``MIN_COSINE`` or a difference over
+    ``MAX_REL_DIFF`` of the output's largest value. A quantized artifact is checked later, by the
+    quantize step's own guard, against this float one."""
+    cosine, rel = checks.get("cosine_vs_torch", 1.0), checks.get("rel_diff_vs_torch", 0.0)
+    if cosine >= MIN_COSINE and rel <= MAX_REL_DIFF:
+        return
+    if exported.info.get("exporter") == "torch" and not batch:  # float32, traced by slimml
         raise ExportError(
             f"the torch exporter's graph of {src.name} disagrees with the source model in torch (cosine "
-            f"{checks['cosine_vs_torch']:.4g}): slimml does not ship it; export this model to ONNX yourself and convert "
-            "the .onnx file."
+            f"{cosine:.4g}, difference {rel:.3g} of its largest value): slimml does not ship it; export this model to ONNX "
+            "yourself and convert the .onnx file."
         )
-    return {k: round(v, 8) if isinstance(v, float) else v for k, v in checks.items()}
+    raise ExportError(
+        f"the exported graph of {src.name} disagrees with the source model in torch{batch} (cosine {cosine:.4g}, "
+        f"difference {rel:.3g} of its largest value): slimml does not ship it; {_fix(src, exported, bool(batch))}"
+    )
+
+
+def _fix(src: Source, exported: Exported, batch: bool) -> str:
+    """What to do about a graph that does not compute what its source does."""
+    if batch:
+        return ("the module's Python code depends on the batch size (a loop over the batch, a shape read as a number): "
+                "write it without Python loops over the batch, or convert with a fixed batch (ExportConfig(dynamic_batch=False)).")
+    if src.kind == "torch":
+        return ("the trace of its forward does not compute what the module does (a Python branch or loop on tensor values, "
+                "an input used by position): make forward traceable, or export it to ONNX yourself and convert the .onnx file.")
+    return "export this model to ONNX yourself and convert the .onnx file."
+
+
+def _check_other_batch(model: Any, src: Source, exported: Exported, feeds: dict[str, np.ndarray],
+                       names: list[str]) -> str:
+    """A torch module's graph run at one more row than its example inputs (their rows repeated, on
+    each input whose first axis is dynamic) against the module: a trace of Python code that depends
+    on the batch size is right at the example's batch only. Returns what was compared."""
+    from slimml.convert.reference import reference_for
+
+    dynamic = [t.name for t in model.inputs if t.shape and not isinstance(t.shape[0], int) and feeds[t.name].ndim >= 1
+               and feeds[t.name].shape[0] >= 1]
+    if not dynamic:
+        return "not run: no input with a dynamic batch axis"
+    batch = feeds[dynamic[0]].shape[0] + 1
+    more = {k: np.concatenate([v, v[:1]]) if k in dynamic else v for k, v in feeds.items()}
+    try:
+        want = reference_for(src, exported, names)(more)
+    except Exception as e:  # noqa: BLE001 -- the module itself does not take another batch: nothing to compare
+        return f"not run: the module does not take a batch of {batch} ({type(e).__name__})"
+    got = model.run(more)
+    common = [n for n in names if n in want]
+    note = f" at a batch of {batch} (the example's rows repeated)"
+    _refuse_other_shapes(src, exported, got, want, common, note)
+    _refuse_disagreement(src, exported, {"cosine_vs_torch": min(_min_cosine(got[n], want[n]) for n in common),
+                                         "rel_diff_vs_torch": max(_rel_diff(got[n], want[n]) for n in common)}, note)
+    return f"batch {batch}: agrees"
 
 
 def verify_layerwise(folder: Path, manifest: Manifest, exported: Exported) -> dict[str, Any]:
@@ -112,14 +185,18 @@ def verify_layerwise(folder: Path, manifest: Manifest, exported: Exported) -> di
             "cosine_vs_torch": round(_min_cosine(got, want), 8), "reference": "torch, layer by layer"}
 
 
-def _example_feeds(src: Source, manifest: Manifest) -> dict[str, np.ndarray] | None:
+def example_feeds(src: Source, manifest: Manifest) -> dict[str, np.ndarray] | None:
     """A torch module's own example inputs, as the graph's inputs (its inputs' values may be bounded:
     an embedding's ids); None where they do not line up with them one to one."""
     example = getattr(src, "example_inputs", None) if src.kind == "torch" else None
     if example is None:
         return None
-    values = list(example.values()) if isinstance(example, dict) else [example] if hasattr(example, "detach") \
-        else list(example)
+    if isinstance(example, dict):  # by name: the graph's inputs come in forward's order, not the dict's
+        if sorted(example) != sorted(t.name for t in manifest.inputs):
+            return None
+        values = [example[t.name] for t in manifest.inputs]
+    else:
+        values = [example] if hasattr(example, "detach") else list(example)
     if len(values) != len(manifest.inputs) or not all(hasattr(v, "detach") for v in values):
         return None
     return {t.name: v.detach().cpu().numpy().astype(t.dtype) for t, v in zip(manifest.inputs, values)}
@@ -162,5 +239,16 @@ def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
     """The smallest cosine between ``a``'s and ``b``'s rows (a 0-dim output, a loss or a score, is one row)."""
     a = a.reshape(a.shape[0] if a.ndim else 1, -1).astype(np.float64)
     b = b.reshape(b.shape[0] if b.ndim else 1, -1).astype(np.float64)
+    if a.size == 0:  # an empty output: nothing disagrees
+        return 1.0
     cos = (a * b).sum(1) / np.clip(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30, None)
-    return float(cos.min())
+    same = np.linalg.norm(a - b, axis=1) <= 1e-6 * max(float(np.linalg.norm(b, axis=1).max()), 1.0)
+    return float(np.where(same, 1.0, cos).min())  # rows of zeros in both (a masked row) agree
+
+
+def _rel_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest difference between ``a`` and ``b`` as a fraction of ``b``'s largest magnitude."""
+    if a.size == 0:
+        return 0.0
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(np.abs(a - b).max() / max(float(np.abs(b).max()), 1e-6))

@@ -6,8 +6,10 @@ axes; torch modules through ``torch.onnx.export``; ONNX files are checked and co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import shutil
 import warnings
 from dataclasses import dataclass, field, replace
@@ -41,7 +43,8 @@ class ExportConfig:
     Args:
         opset: ONNX opset (default: optimum's choice for HF models, 17 for torch modules).
         task: Hugging Face task, or ``"auto"`` to infer it from the model's config.
-        dynamic_batch: make dim 0 of every torch-module input and output dynamic.
+        dynamic_batch: make dim 0 of every torch-module input and output of rank >= 1 dynamic (a 0-d
+            tensor, a scale or a loss, has none).
         exporter: for Hugging Face folders, ``"optimum"`` (optimum-onnx traces the model whole, so it
             must fit in memory; it needs transformers < 4.58), ``"torch"`` (``torch.onnx.export`` of a
             single-graph model, encoders and classifiers, with any transformers: ``convert.export_torch``;
@@ -212,36 +215,126 @@ def _export_onnx_file(source: Source, work_dir: Path) -> Exported:
         onnx.checker.check_model(str(source.path))
     except Exception as e:
         raise SourceError(f"{source.path} is not a valid ONNX model: {str(e).splitlines()[0]}") from None
-    return Exported(onnx_path=source.path, task="generic")
+    rows = _table_rows(onnx.load(str(source.path), load_external_data=False).graph)
+    return Exported(onnx_path=source.path, task="generic", info={"vocab_size": rows} if rows else {})
+
+
+def _table_rows(graph: Any) -> int | None:
+    """The rows of the smallest table a graph input indexes (``Gather(table, ids)``, the ids cast or
+    not): the check's and the timing's sample ids must stay inside it. None where no input does."""
+    weights = {t.name: t for t in graph.initializer}
+    inputs = {i.name for i in graph.input} - set(weights)
+    cast = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Cast" and n.input and n.input[0] in inputs}
+    rows = []
+    for n in graph.node:
+        if n.op_type == "Gather" and len(n.input) == 2 and n.input[0] in weights and (n.input[1] in inputs or n.input[1] in cast):
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 0)
+            dims = weights[n.input[0]].dims
+            if -len(dims) <= axis < len(dims):
+                rows.append(dims[axis])
+    return int(min(rows)) if rows else None
 
 
 def _export_module(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
+    """``torch.onnx.export`` of an ``nn.Module``: its inputs named and ordered as ``forward`` takes them
+    (a dict of example inputs by its keys), dim 0 of each tensor of rank >= 1 dynamic (``dynamic_batch``)."""
     import torch
 
-    args = source.example_inputs
-    kwargs = None
-    if isinstance(args, dict):
-        names = list(args)
-        kwargs, args = args, ()
-    else:
-        args = args if isinstance(args, tuple) else (args,)
-        names = source.input_names or [f"input_{i}" for i in range(len(args))]
+    module, args, kwargs, names = _module_call(source)
     with torch.no_grad():
-        out = source.module(*args, **(kwargs or {}))
-    n_out = len(out) if isinstance(out, (tuple, list)) else 1
-    out_names = source.output_names or ([f"output_{i}" for i in range(n_out)] if n_out > 1 else ["output"])
-    dynamic = {n: {0: "batch"} for n in [*names, *out_names]} if config.dynamic_batch else None
+        out = module(*args, **(kwargs or {}))
+    outs = output_tensors(out)
+    out_names = source.output_names or ([f"output_{i}" for i in range(len(outs))] if len(outs) > 1 else ["output"])
+    given = [*(kwargs or {}).values(), *args]
+    # a 0-d tensor (a scale, a loss) has no batch axis to make dynamic
+    dynamic = {n: {0: "batch"} for n, t in [*zip(names, given), *zip(out_names, outs)]
+               if getattr(t, "ndim", 0) >= 1} if config.dynamic_batch else None
     path = work_dir / "model.onnx"
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet_stdout():  # torch's C++ logger prints its IR on a failure
             warnings.simplefilter("ignore")
             torch.onnx.export(
-                source.module, args, str(path), kwargs=kwargs, input_names=names, output_names=out_names,
+                module, args, str(path), kwargs=kwargs, input_names=names, output_names=out_names,
                 dynamic_axes=dynamic, opset_version=config.opset or 17, dynamo=False, do_constant_folding=True,
             )
     except Exception as e:
         raise ExportError(f"torch.onnx.export failed for {source.name}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     return Exported(onnx_path=path, task="generic")
+
+
+def output_tensors(out) -> list:
+    """A module's output as the ONNX exporter flattens it: tensors in order through tuples, lists
+    and dicts (a transformers ``ModelOutput`` is one, its unset fields left out)."""
+    if isinstance(out, dict):
+        return [t for v in out.values() if v is not None for t in output_tensors(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in output_tensors(v)]
+    return [out]
+
+
+def _module_call(source: Source) -> tuple[Any, tuple, dict | None, list[str]]:
+    """How to call the source module for the export: (module, args, kwargs, input names).
+
+    A tuple or list of example inputs is passed positionally, named ``input_N`` (or the source's
+    ``input_names``). A dict is passed by name, its inputs ordered as ``forward``'s signature orders
+    them (the TorchScript exporter binds them so, whatever the dict's order); keyword-only
+    parameters go through a wrapper that takes every input positionally in that order.
+    """
+    import inspect
+
+    import torch
+
+    example = source.example_inputs
+    if not isinstance(example, dict):
+        args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+        return source.module, args, None, list(source.input_names or [f"input_{i}" for i in range(len(args))])
+    try:
+        params = inspect.signature(source.module.forward).parameters
+    except (TypeError, ValueError):  # a forward without a signature Python can read: the dict's order
+        return source.module, (), dict(example), list(example)
+    kinds = inspect.Parameter
+    named = [n for n, p in params.items() if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
+    extra = [n for n in example if n not in named]
+    if extra and not any(p.kind == kinds.VAR_KEYWORD for p in params.values()):
+        raise SourceError(f"example_inputs names {', '.join(map(repr, extra))}, which {source.name}.forward does not take "
+                          f"(its parameters: {', '.join(named) or 'none by name'}); name the inputs as forward does.")
+    order = [n for n in named if n in example] + extra
+    kwargs = {n: example[n] for n in order}
+    if all(params[n].kind == kinds.POSITIONAL_OR_KEYWORD for n in order if n in params):
+        return source.module, (), kwargs, order
+
+    class _ByPosition(torch.nn.Module):  # keyword-only parameters: the TorchScript exporter passes inputs by position
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, *values):
+            return self.inner(**dict(zip(order, values)))
+
+    return _ByPosition(source.module), tuple(kwargs.values()), None, order
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Keep what C++ code writes to stdout (torch's ONNX logger) out of slimml's output."""
+    import sys
+    import tempfile
+
+    fd = 1  # C++ writes to the process's stdout, whatever Python's sys.stdout is
+    sys.stdout.flush()
+    try:
+        saved = os.dup(fd)
+    except OSError:  # no stdout at all: nothing to keep quiet
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, fd)
+            os.close(saved)
 
 
 def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) -> Exported:
@@ -258,6 +351,8 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         task = out_task = config.task
     else:
         task = out_task = _task_from_config(folder)
+    if config.task != "auto" and pooling is None and splade is None:
+        _refuse_new_head(folder, task)
     seq2seq = task.removesuffix("-with-past") in _SEQ2SEQ_TASKS and bool(_read_config(folder).get("is_encoder_decoder"))
     if seq2seq:  # an encoder and a decoder with its cache: three graphs
         out_task = task.removesuffix("-with-past")
@@ -309,6 +404,44 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         labels=_labels(folder, task), graphs=graphs, seq2seq=_seq2seq_spec(folder) if graphs else None,
         info={"hf_task": task, **_config_facts(folder), "exporter": exporter, **({"splade": {k: splade[k] for k in ("strategy", "activation")}} if splade else {})},
     )
+
+
+# the transformers class each head task loads (the weights a folder of another head lacks are made up)
+_HEAD_CLASSES = {"text-classification": "AutoModelForSequenceClassification",
+                 "token-classification": "AutoModelForTokenClassification",
+                 "question-answering": "AutoModelForQuestionAnswering", "multiple-choice": "AutoModelForMultipleChoice",
+                 "fill-mask": "AutoModelForMaskedLM", "image-classification": "AutoModelForImageClassification",
+                 "audio-classification": "AutoModelForAudioClassification", "text-generation": "AutoModelForCausalLM",
+                 "text2text-generation": "AutoModelForSeq2SeqLM"}
+
+
+def _refuse_new_head(folder: Path, task: str) -> None:
+    """Refuse a ``--task`` whose head the folder's weights do not hold (a classifier asked of a folder
+    saved without one): transformers would start it from random weights, and the artifact with it.
+    Loaded only where the task is not the one the config's architecture names (that class is what
+    the weights were saved from)."""
+    base = task.removesuffix("-with-past")
+    name = _HEAD_CLASSES.get(base)
+    if name is None or base == _task_from_config_or_none(folder):
+        return
+    import transformers
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, info = getattr(transformers, name).from_pretrained(str(folder), local_files_only=True,
+                                                                      output_loading_info=True)
+    except Exception:  # noqa: BLE001 -- a folder this class does not load: the exporter's own error says why
+        return
+    del model
+    new = sorted({*info.get("missing_keys", ()), *(k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys", ()))})
+    if new:
+        named = _task_from_config_or_none(folder)
+        raise SourceError(
+            f"{folder} holds no trained {task} head: transformers would start {len(new)} of its weights "
+            f"({', '.join(new[:3])}{', ...' if len(new) > 3 else ''}) from random values, and the artifact would answer "
+            f"at random; convert a folder trained for {task}, or pass --task {named or 'feature-extraction'} "
+            f"(what the folder holds{'' if named else ': its token states'}).")
 
 
 def _traced_exporter(folder: Path, task: str, config: ExportConfig) -> str:

@@ -18,9 +18,10 @@ from typing import Any
 from slimml.convert.check import SAMPLE_TEXTS, verify, verify_layerwise
 from slimml.convert.export import Exported
 from slimml.convert.layerwise import write_layerwise
-from slimml.convert.shard import ShardConfig, shard
+from slimml.convert.shard import ShardConfig, shard, tensor_spec
 from slimml.convert.sources import Source
 from slimml.convert.towers import split_towers
+from slimml.errors import ExportError
 from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec
 from slimml.runtime.artifact.records import Pooling, Preprocessor, Tokenizer
 from slimml.runtime.artifact.writer import ArtifactWriter
@@ -132,5 +133,17 @@ def _io(onnx_path: Path, specs: list[ShardSpec]) -> tuple[list[TensorSpec], list
     def strip(t: TensorSpec) -> TensorSpec:
         return TensorSpec(name=t.name, dtype=t.dtype, shape=t.shape)
 
-    inputs = [strip(by_name[i.name]) for i in graph.input if i.name not in weights and i.name in by_name]
-    return inputs, [strip(by_name[o.name]) for o in graph.output]
+    outputs = {o.name for o in graph.output}
+    declared = {i.name: i for i in graph.input if i.name not in weights}
+
+    def spec(name: str) -> TensorSpec:
+        if name in by_name:
+            return strip(by_name[name])
+        if name in declared:  # an input no node reads, passed through as an output too: the runtime hands it back
+            return strip(tensor_spec(declared[name]))
+        raise ExportError(f"the graph's output {name!r} is made by no node and is neither an input nor a weight, so "
+                          "slimml cannot carry it into the artifact; remove it from the graph's outputs, or make it with "
+                          "a node (an Identity).")
+
+    inputs = [spec(name) for name in declared if name in by_name or name in outputs]
+    return inputs, [spec(o.name) for o in graph.output]

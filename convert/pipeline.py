@@ -101,6 +101,15 @@ def convert(
     _check_inputs(config)  # a bad calibration, evaluation or STS file fails before any work
     step("reading the source")
     src = resolve(source, example_inputs)
+    try:
+        return _convert(src, out, config, step, current, on_progress, t0)
+    finally:
+        src.restore()  # a torch module the caller gave is put back in train mode if it was in it
+
+
+def _convert(src: Source, out: Any, config: ConvertConfig, step: Callable[[str], None], current: list[str],
+             on_progress: Callable[[int, int, float], None] | None, t0: float) -> ConvertReport:
+    """:func:`convert`'s stages, from the resolved source on."""
     if src.kind == "gguf" and config.export.task not in GGUF_TASKS:  # a decoder's file: no other head in it
         raise SourceError(f"{src.name} is a GGUF file, a language model with no {config.export.task} head in it; "
                           f"convert it with --task {' or '.join(GGUF_TASKS[1:3])} (or leave --task out).")
@@ -155,8 +164,11 @@ def convert(
                                                "streamed; time it with `slimml bench ART --memory-budget SIZE`")
         elif config.measure_latency and times_batches(family):
             step("measuring latency")
-            latency = _latency(w.folder)
-            manifest.checks["latency_ms_b1_s128"] = round(latency, 3)
+            latency, key, why = _latency(w.folder, src)
+            if latency is not None:
+                manifest.checks[key] = round(latency, 3)
+            else:  # the artifact is converted and checked: a timing that failed is reported, never fatal
+                manifest.checks["latency_note"] = why
         w.update(manifest)
     if shrunk:  # the artifact is in place: the student's checkpoint and the teacher's cache are done with
         checkpoint, cache, teacher_art = _resume_files(out)
@@ -205,14 +217,30 @@ def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWr
     ]
 
 
-def _latency(folder: Path) -> float:
-    """The artifact's median batch-1 latency (ms) on the CPU, at up to 128 tokens."""
+def _latency(folder: Path, src: Source | None = None) -> tuple[float | None, str, str | None]:
+    """The artifact's median latency (ms) on the CPU: ``(ms, the checks' key, None)``, or
+    ``(None, "", why not)`` where the artifact failed on the inputs timed.
+
+    A torch module is timed on its example inputs (the inputs the check ran: an embedding's ids are
+    bounded by its table); any other model at batch 1 and up to 128 tokens of sample inputs.
+    """
+    from slimml.convert.check import example_feeds
+
     model = load(folder, device="cpu")
     try:
-        past = any("past" in str(d) for t in model.inputs for d in t.shape)  # its one cached token counts too
-        seq = min(128, (model.max_sequence_length or 129) - past)  # CLIP's text tower takes 77
-        feeds = sample_feeds(model.inputs, batch=1, seq=seq, source=model.manifest.source)
-        return float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3)))
+        feeds = example_feeds(src, model.manifest) if src is not None else None
+        key = "latency_ms_example_inputs"
+        if feeds is None:
+            past = any("past" in str(d) for t in model.inputs for d in t.shape)  # its one cached token counts too
+            seq = min(128, (model.max_sequence_length or 129) - past)  # CLIP's text tower takes 77
+            feeds = sample_feeds(model.inputs, batch=1, seq=seq, source=model.manifest.source)
+            key = "latency_ms_b1_s128"
+        try:
+            return float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3))), key, None
+        except Exception as e:  # noqa: BLE001 -- onnxruntime's and the feeds' errors: the inputs, not the artifact
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            return None, "", (f"not measured: the artifact refused the sample inputs timed ({first}); time it on inputs "
+                              "of your own with `slimml bench ART`")
     finally:
         model.close()
 

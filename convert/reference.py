@@ -6,7 +6,7 @@ import gc
 import json
 import numpy as np
 
-from slimml.convert.export import Exported
+from slimml.convert.export import Exported, output_tensors
 from slimml.convert.export_torch_decoder import cache_tensors, dynamic_cache, past_layers
 from slimml.convert.sources import Source, st_model_type
 from slimml.runtime.tasks.inputs.pooling import Pooler
@@ -42,7 +42,7 @@ def reference_for(source: Source, exported: Exported, output_names: list[str]) -
 
         def run_module(feeds):
             out = module(**feeds) if dict_inputs else module(*feeds.values())
-            return {n: o.detach().numpy() for n, o in zip(output_names, _tensors(out))}
+            return {n: o.detach().numpy() for n, o in zip(output_names, output_tensors(out))}
 
         return Reference(run_module, None)
     model = _load_hf(source, exported)
@@ -65,16 +65,6 @@ def reference_for(source: Source, exported: Exported, output_names: list[str]) -
         return Reference(lambda feeds: {n: v for n, v in {"sentence_embedding": _splade(model(**feeds).logits, feeds["attention_mask"], splade)}.items()
                                         if n in output_names}, Pooler.of(exported.pooling, "."))
     return Reference(run_hf, Pooler.of(exported.pooling, exported.pooling_dir or "."))
-
-
-def _tensors(out) -> list:
-    """A module's output as the ONNX exporter flattens it: tensors in order through tuples, lists
-    and dicts (a transformers ``ModelOutput`` is one, its unset fields left out)."""
-    if isinstance(out, dict):
-        return [t for v in out.values() if v is not None for t in _tensors(v)]
-    if isinstance(out, (tuple, list)):
-        return [t for v in out for t in _tensors(v)]
-    return [out]
 
 
 def _splade(logits, mask, splade: dict[str, str]) -> np.ndarray:

@@ -112,7 +112,9 @@ def shard(model_path: str | os.PathLike, out_dir: str | os.PathLike, config: Sha
     config = config or ShardConfig()
     model_path, out_dir = Path(model_path), Path(out_dir)
     model = onnx.load(str(model_path), load_external_data=False)
+    _inline_subgraph_data(model.graph, model_path.parent)
     _constants_to_initializers(model.graph)
+    _outputs_made_by_nodes(model.graph)
     g = _analyse(model)
     cuts = choose_cuts(g, config)
     types = _value_types(model)
@@ -290,7 +292,7 @@ def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_di
         source: int | str = "input" if name in g.inputs else made_in.get(name, -1)
         if source == -1:
             raise ExportError(f"shard {index} reads {name!r}, which no earlier shard outputs; this graph cannot be split here.")
-        in_specs.append(_spec(vi, source))
+        in_specs.append(tensor_spec(vi, source))
     outputs = [_typed(types, name) for name in out_names]
     file = f"{prefix}_{index:03d}.onnx"
     data = f"{file}.data"
@@ -330,7 +332,7 @@ def _write_shard(model, src_dir, g, index, lo, hi, later, types, made_in, out_di
         data=data if has_data else None,
         weight_bytes=weight_bytes,
         inputs=in_specs,
-        outputs=[_spec(vi) for vi in outputs],
+        outputs=[tensor_spec(vi) for vi in outputs],
         layers=layers,
     )
 
@@ -392,7 +394,7 @@ def _typed(types: dict[str, onnx.ValueInfoProto], name: str) -> onnx.ValueInfoPr
     return out
 
 
-def _spec(vi: onnx.ValueInfoProto, source: int | str | None = None) -> TensorSpec:
+def tensor_spec(vi: onnx.ValueInfoProto, source: int | str | None = None) -> TensorSpec:
     from onnx import helper
 
     tt = vi.type.tensor_type
@@ -445,6 +447,63 @@ def _constants_to_initializers(graph: onnx.GraphProto) -> None:
         n.input[:] = [alias.get(x, x) for x in n.input]
     del graph.node[:]
     graph.node.extend(keep)
+
+
+def _inline_subgraph_data(graph: onnx.GraphProto, src_dir: Path) -> None:
+    """Read the external data of the tensors inside subgraphs (an If's branches, a Loop's body) into
+    the graph: the splitter moves only top-level weights into a shard's data file, and a shard must
+    not read the source's."""
+    import onnx
+    from onnx import external_data_helper
+
+    def tensors(g: onnx.GraphProto):
+        for node in g.node:
+            for attr in node.attribute:
+                yield from ([attr.t] if attr.type == onnx.AttributeProto.TENSOR else list(attr.tensors))
+                for sg in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                    yield from sg.initializer
+                    yield from tensors(sg)
+
+    for t in tensors(graph):
+        if external_data_helper.uses_external_data(t):
+            external_data_helper.load_external_data_for_tensor(t, str(src_dir))
+            t.data_location = onnx.TensorProto.DEFAULT
+            del t.external_data[:]
+
+
+def _outputs_made_by_nodes(graph: onnx.GraphProto) -> None:
+    """Give each graph output that no node makes but a weight is (an initializer, or a Constant's
+    value, one now) an Identity node making it, the weight renamed: every output then comes out of
+    a shard. (An output that is a graph input is the input itself: see ``families._io``.)"""
+    from onnx import helper
+
+    made = {o for n in graph.node for o in n.output}
+    weights = {t.name: t for t in graph.initializer}
+    inputs = {i.name for i in graph.input}
+    taken = made | set(weights) | inputs
+    for out in graph.output:
+        name = out.name
+        if name in made or name not in weights or name in inputs:
+            continue
+        new = f"{name}.slimml_value"
+        while new in taken:
+            new += "_"
+        taken.add(new)
+        weights[name].name = new
+        _rename_reads(graph, name, new)
+        graph.node.append(helper.make_node("Identity", [new], [name], name=f"{name}.slimml_output"))
+        made.add(name)
+
+
+def _rename_reads(graph: onnx.GraphProto, old: str, new: str) -> None:
+    """Make every node of ``graph`` and of its subgraphs read ``new`` where it read ``old``."""
+    import onnx
+
+    for node in graph.node:
+        node.input[:] = [new if x == old else x for x in node.input]
+        for attr in node.attribute:
+            for sg in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs):
+                _rename_reads(sg, old, new)
 
 
 def _node_uses(node: onnx.NodeProto) -> set[str]:

@@ -33,6 +33,12 @@ class Source:
     input_names: list[str] | None = None
     output_names: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    training: list[Any] = field(default_factory=list, repr=False)  # the submodules the caller had in train mode
+
+    def restore(self) -> None:
+        """Put the caller's module back in train mode where it was (export and check run it in eval mode)."""
+        for m in self.training:  # each by its own flag: a submodule the caller kept in eval mode stays so
+            m.training = True
 
     def describe(self) -> dict[str, Any]:
         d: dict[str, Any] = {"kind": self.kind, "name": self.name}
@@ -100,6 +106,7 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
 
         check_config(path)  # a config this transformers would misread fails before anything is written
         check_tokenizer(path)  # so does a corrupt tokenizer.json or a chat template that does not parse
+        _check_tokenizer_files(path)  # and its other files (read with it: a broken one would drop the tokenizer)
         check_generation_config(path)  # and end ids that are not ids (the artifact stops at them)
         if not any(p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES) for p in path.iterdir()):
             raise SourceError(
@@ -121,6 +128,27 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
     )
 
 
+_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def _check_tokenizer_files(folder: Path) -> None:
+    """Raise :class:`SourceError` when a JSON file transformers reads the tokenizer with is not a JSON
+    object: the tokenizer would not load, and the artifact would ship without one."""
+    for name in _TOKENIZER_JSON:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+            raise SourceError(f"{path} is not valid JSON ({why}); the tokenizer cannot be read with it. Restore it "
+                              "(save the tokenizer again with `tokenizer.save_pretrained(folder)`), or delete it.") from None
+        if not isinstance(value, dict):
+            raise SourceError(f"{path} holds a JSON {type(value).__name__}, not the object transformers reads the "
+                              "tokenizer's settings from; restore it (`tokenizer.save_pretrained(folder)`), or delete it.")
+
+
 def _module_source(module: Any, example_inputs: Any, name: str, path: Path | None = None, **kw) -> Source:
     import torch
 
@@ -133,7 +161,9 @@ def _module_source(module: Any, example_inputs: Any, name: str, path: Path | Non
             f"the torch module {name} needs example inputs to be exported: pass example_inputs=(tensor, ...) "
             "(Python API), define `example_inputs` in the .py file, or store them in the checkpoint."
         )
-    return Source(kind="torch", name=name, path=path, module=module.eval(), example_inputs=example_inputs, **kw)
+    training = [m for m in module.modules() if m.training]  # each put back by Source.restore once converted
+    return Source(kind="torch", name=name, path=path, module=module.eval(), example_inputs=example_inputs,
+                  training=training, **kw)
 
 
 def _python_file_source(path: Path) -> Source:
