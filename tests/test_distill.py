@@ -89,6 +89,8 @@ def test_sentence_model_distilled_and_pruned_shrinks_and_runs(tiny_bert_dir, tex
     assert [s["step"] for s in m.steps] == ["distill", "prune", "export", "shard"]
     assert m.steps[0]["kept_teacher_layers"] == [1] and m.steps[0]["texts"] == 40
     assert m.steps[1]["heads_per_layer"] == 1 and m.steps[1]["ffn_per_layer"] == 32
+    trained = m.steps[0]["training"]  # what pruning cost, measured before training won it back
+    assert trained["heldout_loss_pruned"] is not None and trained["heldout_loss_pruned"] >= 0
     assert m.steps[1]["vocab_size"] == round(30522 * 0.7) == m.source["vocab_size"]  # the vocabulary: 0.3 at most
     assert m.source["path"] == str(tiny_bert_dir) and m.task == "sentence-embedding"
     assert [s.layers for s in m.shards if s.layers] == [["encoder/layer.0"]]
@@ -418,3 +420,11 @@ def test_distill_data_files_as_spreadsheets_write_them(tmp_path):
         load_texts(tmp_path / "latin.csv")
     with pytest.raises(DataError, match="is a folder; give a file in it"):
         load_texts(tmp_path)
+    (tmp_path / "d.tsv").write_text("id\ttext\n" + "".join(f"{i}\tsentence {i}, with a comma\n" for i in range(20)))
+    assert load_texts(tmp_path / "d.tsv")[0][:2] == ["sentence 0, with a comma", "sentence 1, with a comma"]
+    lines = [{"text": f"a text {i}", "label": 1} for i in range(10)] + [f"a string {i}" for i in range(10)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines) + "\n")
+    assert load_texts(tmp_path / "d.jsonl")[0] == [f"a text {i}" for i in range(10)] + [f"a string {i}" for i in range(10)]
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"label": 1}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2 has no text field"):
+        load_texts(tmp_path / "bad.jsonl")

@@ -43,7 +43,7 @@ class DistillConfig:
     Args:
         layers: transformer layers the student keeps (fewer than the teacher's); ``None`` keeps them
             all (a pruned model then gets only the short recovery pass).
-        data: a text file (one text a line) or a CSV with text columns; ``None``: the default corpus.
+        data: a text file (one text a line), a CSV/TSV with text columns or JSON Lines; ``None``: the default corpus.
         epochs: passes over the data (fractions allowed). ``None``: 6 for a layer-distilled student,
             1 for a recovery pass after pruning only.
         batch_size: texts per step.
@@ -70,7 +70,8 @@ class DistillConfig:
     # the help texts are the CLI's (see slimml.cli_options)
     layers: int | None = field(default=None, metadata={"help": "Distil into a student with this many layers (fewer than the model's)."})
     data: str | os.PathLike | None = field(default=None, metadata={
-        "help": "Texts to distil on: one a line, or a CSV with text/sentence1/sentence2 columns. Default: a built-in corpus."})
+        "help": "Texts to distil on: one a line, a CSV or TSV with text/sentence1/sentence2 columns, or JSON Lines with "
+                "those fields. Default: a built-in corpus."})
     epochs: float | None = field(default=None, metadata={
         "help": "Passes over the distillation data (default 6; 1 after --prune alone). With both --distill-layers and "
                 "--prune, one more pass trains the student before it is pruned."})
@@ -269,13 +270,14 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
                 _save_checkpoint(Path(checkpoint), {"fingerprint": fingerprint, "teacher_cache": targets.sha256,
                                                     "phase": phase_name, "plan": plan, "step": step,
                                                     "student": student.state_dict(), "optim": optim_state,
-                                                    "heldout_start": start_loss})
+                                                    "heldout_start": start_loss, "heldout_pruned": pruned_loss})
         return save
 
     def shown(offset: int) -> Callable[[int, float], None] | None:
         return None if progress is None else (lambda step, loss: progress(offset + step, pre_steps + main_steps, loss))
 
     pre = None
+    pruned_loss = state.get("heldout_pruned") if state else None
     if pre_steps and phase in (None, "pre"):
         pre = trainer.train(student, pre_steps, state, saver("pre"), shown(0))
         state = None
@@ -290,6 +292,8 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
         if plan.get("vocab"):
             remap = prune_vocab.apply(student, plan["vocab"])
             trainer.renumber(remap)
+        if phase in (None, "pre"):  # what pruning cost, before training won it back (resumed: from the checkpoint)
+            pruned_loss = trainer.heldout_loss(student)
     first_epoch = max(1, math.ceil(pre_epochs)) if pre_steps else 0
     if phase == "done":  # a run killed after training: the finished student is in the checkpoint
         student.load_state_dict(state["student"])
@@ -308,7 +312,7 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
             _save_checkpoint(Path(checkpoint), {"fingerprint": fingerprint, "teacher_cache": targets.sha256,
                                                 "phase": "done", "plan": plan, "step": main_steps,
                                                 "student": student.state_dict(), "result": result,
-                                                "heldout_start": start_loss})
+                                                "heldout_start": start_loss, "heldout_pruned": pruned_loss})
     _save_student(student, teacher_dir, out_dir)
     if prune is not None and plan.get("vocab"):
         prune_vocab.write_tokenizer(teacher_dir, out_dir, remap)
@@ -324,6 +328,7 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
              "checkpointing": distill.checkpointing, "train_seconds": result.get("seconds"),
              "peak_rss_mb": round((result.get("peak_rss") or 0) / 1e6, 1),
              "heldout_texts": len(trainer.heldout), "heldout_loss_start": _round(start_loss),
+             **({"heldout_loss_pruned": _round(pruned_loss)} if prune is not None else {}),
              "heldout_loss_end": _round(result.get("heldout_end"))}
     common = {"data": facts["origin"], "texts": len(facts["texts"]), "epochs": epochs, "steps": pre_steps + result["steps"],
               "final_loss": round(result["loss"], 6), "resumed_at_step": result["resumed_at"], "seconds": seconds,

@@ -1,4 +1,4 @@
-"""Texts to distil on: a text file (one text a line), an STS-style CSV, or a default corpus.
+"""Texts to distil on: a text file (one text a line), a CSV or TSV with a header, JSON Lines, or a default corpus.
 
 The default corpus needs no download: it is the English prose of the Python standard library's
 docstrings, read with ``ast`` from the installed sources (nothing is imported or run), split into
@@ -27,9 +27,10 @@ def load_texts(data: str | os.PathLike | None, limit: int | None = None) -> tupl
     """The distillation texts and a short description of where they came from.
 
     Args:
-        data: a ``.csv`` with a header (every text column is used: ``sentence1``/``sentence2`` of
-            STS files, or ``text``/``sentence``), any other file as one text a line, or ``None``
-            for the default corpus.
+        data: a ``.csv`` or ``.tsv`` with a header (every text column is used: ``sentence1``/``sentence2``
+            of STS files, or ``text``/``sentence``), a ``.jsonl`` file (one object a line, its text
+            fields by the same names, or one JSON string a line), any other file as one text a line,
+            or ``None`` for the default corpus.
         limit: keep at most this many texts (the first ones, after removing duplicates).
 
     Raises:
@@ -46,7 +47,9 @@ def load_texts(data: str | os.PathLike | None, limit: int | None = None) -> tupl
                 f"distillation data {path} does not exist; give a text file (one text a line) or a CSV "
                 "with a sentence1/sentence2 or text column, or leave --distill-data out for the default corpus."
             )
-        texts = _read_csv(path) if path.suffix.lower() == ".csv" else _read_lines(path)
+        suffix = path.suffix.lower()
+        texts = (_read_csv(path) if suffix in (".csv", ".tsv") else _read_jsonl(path) if suffix in (".jsonl", ".ndjson")
+                 else _read_lines(path))
         origin = str(path)
     texts = list(dict.fromkeys(t for t in texts if t))  # distinct, in order
     if limit is not None:
@@ -67,12 +70,15 @@ def _read_lines(path: Path) -> list[str]:
         raise DataError(f"distillation data {path} is not UTF-8 text; give one text a line in UTF-8.") from None
 
 
+TEXT_FIELDS = ("sentence1", "sentence2", "text", "sentence")  # the columns (or JSON fields) read as texts
+
+
 def _read_csv(path: Path) -> list[str]:
     try:  # utf-8-sig: the byte-order mark Excel writes is not part of the first column's name
         with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
+            reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
             fields = reader.fieldnames or []
-            columns = [c for c in fields if c in ("sentence1", "sentence2", "text", "sentence")]
+            columns = [c for c in fields if c in TEXT_FIELDS]
             if not columns:
                 raise DataError(
                     f"{path} has no text column (header: {fields}); name it text or sentence, or use sentence1,sentence2 "
@@ -85,6 +91,30 @@ def _read_csv(path: Path) -> list[str]:
     except csv.Error as e:
         raise DataError(f"distillation data {path} is not a readable CSV ({e}); give a CSV with a text column, "
                         "or a plain text file with one text a line.") from None
+
+
+def _read_jsonl(path: Path) -> list[str]:
+    """JSON Lines: each line an object whose text fields (``TEXT_FIELDS``) are read, or a JSON string."""
+    import json
+
+    texts = []
+    for number, line in enumerate(_read_lines(path), 1):
+        if not line:
+            continue
+        try:
+            value = json.loads(line)
+        except (ValueError, RecursionError):
+            raise DataError(f"{path}:{number} is not JSON; give one JSON object a line (with a text field) in a "
+                            ".jsonl file, or name a plain text file otherwise.") from None
+        if isinstance(value, str):
+            texts.append(value.strip())
+            continue
+        found = [value[k].strip() for k in TEXT_FIELDS if isinstance(value, dict) and isinstance(value.get(k), str)]
+        if not found:
+            raise DataError(f"{path}:{number} has no text field; give each line a \"text\" (or sentence, sentence1, "
+                            "sentence2) string.")
+        texts += found
+    return texts
 
 
 def default_corpus(size: int = DEFAULT_CORPUS_SIZE) -> list[str]:
