@@ -211,6 +211,12 @@ def _check_feeds(folder: Path, manifest: Manifest) -> dict[str, np.ndarray]:
     if manifest.tokenizer is not None:
         text = TextEncoder(folder / manifest.tokenizer.file, manifest.tokenizer, [t.name for t in manifest.inputs])
         feeds = text(SAMPLE_TEXTS)
+        vocab = (manifest.source or {}).get("vocab_size")
+        ids = feeds.get("input_ids")
+        if isinstance(vocab, int) and ids is not None and ids.size and int(ids.max()) >= vocab:
+            raise ExportError(f"the tokenizer gives token id {int(ids.max())}, and the model's embedding has {vocab} rows: "
+                              "the tokenizer is not this model's (or its vocabulary grew without resizing the "
+                              "embeddings); convert the folder with the model's own tokenizer files.")
         if not manifest.components:
             return feeds
     rest = [t for t in manifest.inputs if t.name not in feeds]  # a vision tower's pixels beside the texts

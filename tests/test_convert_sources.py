@@ -271,3 +271,22 @@ def test_a_broken_tokenizer_file_is_refused_not_dropped(headless_bert, tmp_path,
     with pytest.raises(SourceError, match=rf"^{folder / name} is not valid JSON \(.*\); the tokenizer cannot be read "
                                           r"with it\. Restore it .*, or delete it\.$"):
         convert(folder, tmp_path / "a", FAST)
+
+
+def test_a_tokenizer_larger_than_the_models_embedding_is_named(tmp_path):
+    """A tokenizer whose ids pass the embedding's rows is named as the cause (was: the exported graph
+    refused slimml's sample inputs, convert with --no-verify)."""
+    pytest.importorskip("transformers")
+    from transformers import BertConfig, BertModel
+
+    from slimml.convert.sources import default_model_dir
+
+    folder = tmp_path / "small"
+    BertModel(BertConfig(vocab_size=1000, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32, max_position_embeddings=64)).eval().save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        shutil.copy2(default_model_dir() / name, folder / name)
+    with pytest.raises(ExportError, match=r"the tokenizer gives token id \d+, and the model's embedding has 1000 rows: the "
+                                          r"tokenizer is not this model's"):
+        convert(folder, tmp_path / "a", FAST)
+    assert not (tmp_path / "a").exists()
