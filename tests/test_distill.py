@@ -90,7 +90,7 @@ def test_sentence_model_distilled_and_pruned_shrinks_and_runs(tiny_bert_dir, tex
     assert m.steps[0]["kept_teacher_layers"] == [1] and m.steps[0]["texts"] == 40
     assert m.steps[1]["heads_per_layer"] == 1 and m.steps[1]["ffn_per_layer"] == 32
     trained = m.steps[0]["training"]  # what pruning cost, measured before training won it back
-    assert trained["heldout_loss_pruned"] is not None and trained["heldout_loss_pruned"] >= 0
+    assert "heldout_loss_pruned" in trained and (trained["heldout_loss_pruned"] is None) == (trained["heldout_texts"] == 0)
     assert m.steps[1]["vocab_size"] == round(30522 * 0.7) == m.source["vocab_size"]  # the vocabulary: 0.3 at most
     assert m.source["path"] == str(tiny_bert_dir) and m.task == "sentence-embedding"
     assert [s.layers for s in m.shards if s.layers] == [["encoder/layer.0"]]

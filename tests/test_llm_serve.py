@@ -401,7 +401,7 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"logit_bias": {"abc": 1}}, '"logit_bias" has the key'),
     ({"logit_bias": {"5": 101}}, "a bias is a number from -100 to 100"),
     ({"logit_bias": {"99999999": -100}}, "outside the model's vocabulary of 49152"),
-    ({"stop": "x" * 50_000}, "so it can never appear; shorten it"),
+    ({"stop": "x" * 50_000}, '"stop" string 0 has 50,000 characters, more than 4,096'),  # before the tokenizer
     ({"modalities": ["text", "audio"]}, "this model answers in text"),
     ({"seed": True}, '"seed" must be a whole number from -2**63 to 2**63-1, got true.'),
 ])
@@ -422,7 +422,7 @@ def test_model_retrieval_a_negative_seed_and_a_stop_string_that_is_not_text(serv
     assert client.models.retrieve("smollm2").id == "smollm2"  # GET /v1/models/{model}
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4")
-    assert "this server serves 'smollm2'" in e.value.body["message"] and e.value.body["type"] == "not_found_error"
+    assert 'this server serves "smollm2"' in e.value.body["message"] and e.value.body["type"] == "not_found_error"
     r = client.chat.completions.create(model="smollm2", messages=MESSAGES, max_tokens=8, temperature=0.9, seed=-1)
     want = local.chat(MESSAGES, max_new_tokens=8, temperature=0.9, seed=2**64 - 1)  # OpenAI's signed seed, as unsigned
     assert r.choices[0].message.content == want.texts[0]
