@@ -21,7 +21,9 @@ from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig,
 from slimml.quantize.decoder import activation_aware, calibration_feeds, for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.quantize.registry import ShardContext, backend_for
-from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, read_manifest, verify_files
+from slimml.runtime.artifact.integrity import check_shard_file
+from slimml.runtime.artifact.manifest import (MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, check_unchanged, read_manifest,
+                                              verify_files)
 from slimml.runtime.artifact.writer import ArtifactWriter, save_onnx
 from slimml.runtime.tasks.inputs.pooling import Pooler
 
@@ -107,7 +109,7 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig,
     """Quantize the artifact ``src`` through the writer ``w``: every chain, then the manifest."""
     t0 = time.perf_counter()
     step = on_step or (lambda _msg: None)
-    manifest = _read_float_artifact(src)
+    manifest, seen = _read_float_artifact(src)
     config = for_language_model(config, manifest, src)  # a decoder gets weight-only blocks (quantize/decoder.py)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
@@ -128,6 +130,8 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig,
 
             if share_tied_embedding(w.folder):
                 result.size_mb = read_manifest(w.folder).total_bytes / 1e6
+    check_unchanged(src, seen, "it was quantized",  # a file swapped as it was read: discarded, not hashed anew
+                    "the output is discarded. Quantize again once the artifact stays as it is.")
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -141,7 +145,9 @@ def check_inputs(config: QuantizeConfig) -> None:
         read_sts(config.guard.eval_file)
 
 
-def _read_float_artifact(src: Path) -> Manifest:
+def _read_float_artifact(src: Path) -> tuple[Manifest, dict[str, tuple[int, int, int, int]]]:
+    """The float artifact's manifest, its files hashed and its shards' external data checked, and the
+    identity of each file hashed (what :func:`check_unchanged` compares once the work is done)."""
     if src.is_file() and src.suffix == ".onnx":
         raise ConfigError(
             f"{src} is an ONNX file; quantize works on artifacts. Convert it first: "
@@ -154,8 +160,15 @@ def _read_float_artifact(src: Path) -> Manifest:
             f"the artifact {src} is already quantized ({done[0].get('scheme')}); quantize the float artifact "
             "it came from instead (quantizing twice loses accuracy for nothing)."
         )
-    verify_files(src, manifest)
-    return manifest
+    seen = verify_files(src, manifest)
+    for part in (manifest.components or {None: manifest}).values():
+        for shard in part.shards:  # each shard's weights confined to its own data file, as load confines them
+            check_shard_file(src, shard)
+            if shard.data and os.stat(src / shard.data).st_nlink > 1:  # onnx, which reads them here, refuses these
+                raise ArtifactError(f"{shard.data} in {src} has several hard links, and onnx will not read weights "
+                                    "through one (a guard against hard-link attacks); copy the artifact with `cp -r` "
+                                    "(not `cp -al` or `ln`) and quantize the copy.")
+    return manifest, seen
 
 
 def _quantize_components(w, src, manifest, config, calib, held, origin, step) -> QuantizeReport:
@@ -368,3 +381,4 @@ def _scheme_name(config: QuantizeConfig) -> str:
 
 
 __all__ = ["quantize", "quantize_into", "QuantizeReport"]
+

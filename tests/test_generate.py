@@ -503,3 +503,33 @@ def test_cli_generate_streams_with_the_same_options(llama):
     assert r.returncode == 1 and r.stderr.strip() == "error: top_p must be in (0, 1] (1 turns it off), got 2.0."
     r = slimml("--prompt", "hi", "--num-beams", 2)
     assert r.returncode == 1 and r.stderr.strip().startswith("error: --num-beams is beam search for encoder-decoders")
+
+
+def test_chat_files_are_read_as_the_manifest_lists_them_and_hashed_as_read(tiny_llama_past_artifact, bpe, tmp_path):
+    """A chat template or generation_config.json swapped after load is refused when read (they are read
+    lazily, after load's hashing); files the manifest does not list are never read (a planted template,
+    or a link to a file outside the artifact); a template whose constants cannot compile is one line."""
+    from slimml.errors import IntegrityError
+    from slimml.runtime.tasks.generate import chat_prompt
+
+    hi = [{"role": "user", "content": "Hi"}]
+    art = with_tokenizer(tiny_llama_past_artifact, tmp_path / "a", bpe)
+    (art / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
+    manifest = read_manifest(art)
+    manifest.files.append(file_entry(art, art / "generation_config.json"))
+    manifest.write(art)
+    model = load(art)
+    for name, text in (("chat_template.jinja", "EVIL {{ messages[0].content }}"), ("generation_config.json", '{"eos_token_id": [1, 2]}')):
+        (art / "new").write_text(text)
+        os.replace(art / "new", art / name)
+    with pytest.raises(IntegrityError, match="chat_template.jinja does not match its sha256 in the manifest"):
+        chat_prompt(model, hi)
+    with pytest.raises(IntegrityError, match="generation_config.json does not match its sha256 in the manifest"):
+        model.generate(["the model runs"], max_new_tokens=2)
+    bare = with_tokenizer(tiny_llama_past_artifact, tmp_path / "b", bpe, template=None)
+    (bare / "tokenizer_config.json").write_text(json.dumps({"chat_template": "PLANTED {{ messages[0].content }}"}))
+    os.symlink("/etc/hostname", bare / "chat_template.jinja")
+    with pytest.raises(SlimmlError, match="has no chat template"):  # neither planted file is read
+        chat_prompt(load(bare), hi)
+    with pytest.raises(ConfigError, match=r"the given chat template does not compile \(ValueError: Exceeds the limit"):
+        load(bare).use_chat_template("{{ (10 ** 5000)|string }}")

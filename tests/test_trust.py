@@ -355,3 +355,61 @@ def test_a_folder_written_after_the_command_was_asked_to_stop_is_never_swapped_i
             (tmp / "manifest.json").write_text("{}")
     assert e.value.code == 143 and not (tmp_path / "out").exists() and (tmp_path / "kept").is_dir()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]  # and no temporary folder left
+
+
+def test_a_manifest_number_of_thousands_of_digits_and_a_tokenizer_that_panics_are_one_line(tiny_bert_artifact, tmp_path):
+    """json refuses integers of more than 4,300 digits with a ValueError, and the tokenizers library
+    panics (a BaseException) on a regex that gives up: each is now one slimml error, not a traceback."""
+    import json
+
+    from slimml.errors import ArtifactError
+    from slimml.runtime.artifact.manifest import file_entry, read_manifest
+
+    art = tmp_path / "a"
+    shutil.copytree(tiny_bert_artifact, art)
+    raw = (art / "manifest.json").read_text()
+    (art / "manifest.json").write_text(raw.replace('"format_version": 1', '"format_version": ' + "9" * 5000, 1))
+    with pytest.raises(ArtifactError, match=r"manifest.json is not valid JSON \(a number too long to read\)"):
+        load(art)
+    (art / "manifest.json").write_text(raw)
+    tok = json.loads((art / "tokenizer.json").read_text())
+    tok["pre_tokenizer"] = {"type": "Split", "pattern": {"Regex": "(a|a)+$"}, "behavior": "Isolated", "invert": False}
+    (art / "tokenizer.json").write_text(json.dumps(tok))
+    manifest = read_manifest(art)
+    manifest.files = [file_entry(art, art / "tokenizer.json") if f.path == "tokenizer.json" else f for f in manifest.files]
+    manifest.write(art)
+    model = load(art)
+    with pytest.raises(FeedError, match=r"the artifact's tokenizer failed on this text \(.*\); change or shorten the text"):
+        model.encode(["a" * 40 + "b"])
+    assert model.encode(["fine"]).shape[0] == 1  # the model goes on
+
+
+def test_quantize_checks_its_source_as_load_does_and_never_launders_a_swapped_file(mlp_artifact, tmp_path, monkeypatch):
+    """quantize confines each shard's external data as load does (was: the installed onnx's own checker
+    only, as a traceback), names hard-linked data files, and discards its output when a source file was
+    swapped while it read it (was: quantized and given fresh, valid hashes)."""
+    import slimml.quantize.api as api
+    from slimml.errors import ArtifactError
+    from slimml.quantize import quantize
+    from slimml.quantize.config import WeightOnlyConfig
+    from slimml.runtime.artifact.manifest import read_manifest
+
+    linked = tmp_path / "linked"
+    shutil.copytree(mlp_artifact, linked, copy_function=os.link)
+    with pytest.raises(ArtifactError, match=r"has several hard links, and onnx will not read weights through one"):
+        quantize(linked, tmp_path / "q1", WeightOnlyConfig(bits=8))
+    src = tmp_path / "src"
+    shutil.copytree(mlp_artifact, src)
+    data = next(f.path for f in read_manifest(src).files if f.path.endswith(".data"))
+    real = api._quantize_artifact
+
+    def swap_then_quantize(*args, **kwargs):  # the file replaced after its hash, before it is read
+        (src / "new").write_bytes((src / data).read_bytes())
+        os.replace(src / "new", src / data)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "_quantize_artifact", swap_then_quantize)
+    with pytest.raises(IntegrityError, match=rf"{data} in the artifact .* was replaced while it was quantized .*; the "
+                                             "output is discarded"):
+        quantize(src, tmp_path / "q2", WeightOnlyConfig(bits=8))
+    assert not (tmp_path / "q2").exists() and not list(tmp_path.glob(".q2*"))

@@ -303,8 +303,9 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     try:
         data = path.read_bytes()
         raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+    except (ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8, or a number of more than 4,300 digits
+        why = ("nested too deeply" if isinstance(e, RecursionError) else str(e)
+               if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else "a number too long to read")
         raise ArtifactError(f"{path} is not valid JSON ({why}); the artifact is damaged: convert again.") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise ArtifactError(f"{path} is not a slimml manifest (expected \"format\": \"{FORMAT}\").")
@@ -593,6 +594,31 @@ def identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
 
 
+def read_listed(folder: str | os.PathLike, manifest: Manifest, name: str) -> bytes | None:
+    """The bytes of ``name`` where the manifest lists it, checked against its size and sha256 as they
+    are read: a small file read after load (a chat template, ``generation_config.json``) cannot be
+    swapped under a loaded model. None where the manifest does not list it: a file dropped beside an
+    artifact is never read.
+
+    Raises:
+        IntegrityError: the file differs from what the manifest records.
+        ArtifactError: it cannot be read, or links out of the folder.
+    """
+    entry = next((f for f in manifest.files if f.path == name), None)
+    if entry is None:
+        return None
+    path = safe_path(Path(folder), name)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ArtifactError(f"could not read {name} of the artifact {folder} ({e.strerror or e}); copy the artifact "
+                            "again or re-convert.") from None
+    if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise IntegrityError(f"{name} does not match its sha256 in the manifest: the file was changed or tampered "
+                             "with. Copy the artifact again or re-convert; slimml will not use it.")
+    return data
+
+
 def file_entry(folder: Path, path: Path) -> FileEntry:
     return FileEntry(path=path.relative_to(folder).as_posix(), bytes=path.stat().st_size, sha256=sha256_file(path))
 
@@ -654,9 +680,12 @@ def verify_files(folder: str | os.PathLike, manifest: Manifest) -> dict[str, tup
     return {entry.path: _verify_file(folder, entry)[1] for entry in manifest.files}
 
 
-def check_unchanged(folder: str | os.PathLike, seen: dict[str, tuple[int, int, int, int]]) -> None:
+def check_unchanged(folder: str | os.PathLike, seen: dict[str, tuple[int, int, int, int]], during: str = "the model loaded",
+                    fix: str = "slimml will not run it. Replace artifacts by writing a new folder and renaming it, "
+                               "then load again.") -> None:
     """Refuse files that are no longer the ones hashed (``seen``, from :func:`verify_files`): call it
-    once the sessions have opened them, so a file swapped between the hash and the open is caught.
+    once the sessions have opened them, so a file swapped between the hash and the open is caught
+    (``during``, ``fix``: what was under way, and what to do, for the message).
 
     Raises:
         IntegrityError: naming the file.
@@ -669,6 +698,5 @@ def check_unchanged(folder: str | os.PathLike, seen: dict[str, tuple[int, int, i
             now = None
         if now != ident:
             raise IntegrityError(
-                f"{rel} in the artifact {folder} was replaced while the model loaded (after its hash was checked); "
-                "slimml will not run it. Replace artifacts by writing a new folder and renaming it, then load again."
+                f"{rel} in the artifact {folder} was replaced while {during} (after its hash was checked); {fix}"
             )

@@ -298,14 +298,16 @@ def chat_template(model: Any) -> ChatTemplate:
     """The model's :class:`ChatTemplate`, read and compiled once (or the one :func:`use_chat_template` gave)."""
     template = _templates.get(model)
     if template is None:
-        template = _templates[model] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer)
+        template = _templates[model] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer,
+                                                                manifest=model.manifest)
     return template
 
 
 def use_chat_template(model: Any, template: str) -> None:
     """Render ``model``'s chats with ``template`` (a Jinja file's path, or the template's text)
     instead of the artifact's own: a GGUF whose template knows no tools, a fixed template."""
-    _templates[model] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer, override=template)
+    _templates[model] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer, override=template,
+                                                 manifest=model.manifest)
 
 
 def _drain(steps: Generator[tuple[int, str], None, Generation], on_text: Callable[[int, str], None] | None = None) -> Generation:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
 from slimml.errors import FeedError
 
@@ -175,3 +176,20 @@ def shown(value: object, width: int = 40) -> str:
     except (TypeError, ValueError, RecursionError):  # not JSON (a Python object), or nested too deeply
         text = repr(value) if not isinstance(value, (dict, list)) else f"<a {type(value).__name__} nested too deeply>"
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+T = TypeVar("T")
+
+
+def tokenized(call: Callable[[], T]) -> T:
+    """``call()`` (a tokenizer's encode), with a panic of the tokenizers library (a Rust panic is a
+    ``BaseException``, past every ``except Exception``: a regex of the tokenizer that gives up on a
+    text, for one) turned into one :class:`FeedError`."""
+    try:
+        return call()
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        why = (str(e).strip().splitlines() or ["a panic"])[0][:160]
+        raise FeedError(f"the artifact's tokenizer failed on this text ({why}); change or shorten the text, or "
+                        "re-convert the model with a tokenizer that takes it.") from None

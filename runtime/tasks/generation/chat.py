@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
-from slimml.runtime.artifact.manifest import safe_path
+from slimml.runtime.artifact.manifest import read_listed, safe_path
 from slimml.runtime.tasks.limits import surrogate_at
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
@@ -64,12 +64,14 @@ class ChatTemplate:
         self.source = source
         self.given = given
         self.special = {k: v for k, v in (special or {}).items() if v}  # as transformers' special_tokens_map: set ones only
+        fix = "fix the template" if given else "fix the template or re-convert the model from a folder whose template works"
+        error = ConfigError if given else ArtifactError
         try:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
-            fix = "fix the template" if given else "fix the template or re-convert the model from a folder whose template works"
-            error = ConfigError if given else ArtifactError
             raise error(f"{where} does not parse (line {e.lineno}: {_line(e.message)}); {fix}.") from None
+        except (ValueError, OverflowError, MemoryError, RecursionError) as e:  # Jinja folds constants as it compiles
+            raise error(f"{where} does not compile ({type(e).__name__}: {_line(str(e))}); {fix}.") from None
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                continue_final_message: bool = False, **variables: Any) -> str:
@@ -101,12 +103,15 @@ class ChatTemplate:
         return _cut_at_tag(text, final, self.where) if continue_final_message else text
 
     @classmethod
-    def of_artifact(cls, folder: Path, spec: dict[str, Any] | None, override: str | None = None) -> ChatTemplate:
+    def of_artifact(cls, folder: Path, spec: dict[str, Any] | None, override: str | None = None,
+                    manifest: Any = None) -> ChatTemplate:
         """The chat template of the artifact in ``folder`` whose manifest tokenizer entry is ``spec``;
         ``override``: a template file's path or a template's text to use instead (the artifact's
-        special tokens still fill it)."""
+        special tokens still fill it). With the artifact's ``manifest``, only the files it lists are
+        read, each checked against its sha256 as it is read (a model folder: any file there)."""
         spec = spec or {}
-        config = folder_json(folder, "tokenizer_config.json")
+        folder = Path(folder)
+        config = folder_json(folder, "tokenizer_config.json", manifest)
         special = {k: _token_text(config.get(k)) for k in SPECIAL_TOKENS if k in config}
         special.update({k: spec[k] for k in SPECIAL_TOKENS if isinstance(spec.get(k), str)})
         if override is not None:
@@ -122,9 +127,15 @@ class ChatTemplate:
             return cls(override, special, "the given chat template", given=True)
         if isinstance(spec.get("chat_template"), str):
             path = safe_path(folder, spec["chat_template"])
-            return cls(_read(path), special, str(path))
-        if (folder / "chat_template.jinja").is_file():
-            return cls(_read(folder / "chat_template.jinja"), special, str(folder / "chat_template.jinja"))
+            text = _read(path, manifest, folder)
+            if text is None:
+                raise ArtifactError(f"the manifest names the chat template {spec['chat_template']} but does not list the "
+                                    "file with its hash; slimml will not read it: re-convert the model.")
+            return cls(text, special, str(path))
+        jinja = folder / "chat_template.jinja"
+        text = _read(jinja, manifest, folder) if manifest is not None or jinja.is_file() else None
+        if text is not None:
+            return cls(text, special, str(jinja))
         found = config.get("chat_template")
         where = str(folder / "tokenizer_config.json")
         if isinstance(found, list):
@@ -199,21 +210,32 @@ def _cut_at_tag(text: str, final: str, where: str) -> str:
     return text[:at] if text[at : at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
 
 
-def folder_json(folder: Path, name: str) -> dict[str, Any]:
+def folder_json(folder: Path, name: str, manifest: Any = None) -> dict[str, Any]:
     """The JSON object in ``folder/name`` (``tokenizer_config.json``, ``generation_config.json``), or {}
-    where there is none."""
+    where there is none. With the artifact's ``manifest``: only a file it lists, hash-checked as read."""
     path = Path(folder) / name
-    if not path.is_file():
-        return {}
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        if manifest is not None:
+            data = read_listed(folder, manifest, name)
+            if data is None:
+                return {}
+            config = json.loads(data.decode("utf-8"))
+        elif not path.is_file():
+            return {}
+        else:
+            config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:
         raise ArtifactError(f"could not read {path} ({_line(str(e))}); fix or remove it.") from None
     return config if isinstance(config, dict) else {}
 
 
-def _read(path: Path) -> str:
+def _read(path: Path, manifest: Any = None, folder: Path | None = None) -> str | None:
+    """A chat template file's text; with the artifact's ``manifest``, only a file it lists (None where
+    it does not), hash-checked as read."""
     try:
+        if manifest is not None:
+            data = read_listed(folder, manifest, path.relative_to(folder).as_posix())
+            return None if data is None else data.decode("utf-8")
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ArtifactError(f"could not read the chat template {path} ({_line(str(e))}); re-convert the model.") from None

@@ -16,7 +16,7 @@ from slimml.errors import ConfigError, FeedError, SlimmlError
 from slimml.runtime.engine.kv_cache import takes_logits_index
 from slimml.runtime.tasks.generation.chat import folder_json
 from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
-from slimml.runtime.tasks.limits import Limits
+from slimml.runtime.tasks.limits import Limits, tokenized
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -60,7 +60,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
         check_unicode(prompts)
         # bounded before tokenizing, never cut silently
         texts_in = limits.check_prompts(list(prompts), model.engine.max_sequence_length, config.truncate)
-        ids = [e.ids for e in tok.encode_batch(texts_in, add_special_tokens=not raw_text)]
+        ids = [e.ids for e in tokenized(lambda: tok.encode_batch(texts_in, add_special_tokens=not raw_text))]
     else:
         ids = _id_lists(prompts)
     if not ids or any(len(p) == 0 for p in ids):
@@ -90,7 +90,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     if context is not None:
         ids = [_fit(i, p, context, config) for i, p in enumerate(ids)]
         for i, s in enumerate(config.stop):
-            n = len(tok.encode(s, add_special_tokens=False).ids)
+            n = len(tokenized(lambda: tok.encode(s, add_special_tokens=False)).ids)
             if n > context:
                 raise FeedError(f"stop string {i} is {n} tokens long, longer than the model's context of {context} "
                                 "tokens, so it can never appear; shorten it.")
@@ -146,9 +146,8 @@ def end_ids(model: Any, config: GenerationConfig, tok: Tokenizer | None) -> set[
     eos = config.eos_token_id
     if eos is None:
         spec = model.manifest.tokenizer or {}
-        folder = getattr(model, "folder", None)
-        listed = folder is not None and GENERATION_CONFIG in {f.path for f in model.manifest.files}  # hashed at load
-        generation = folder_json(folder, GENERATION_CONFIG) if listed else {}
+        folder = getattr(model, "folder", None)  # only a file the manifest lists, hash-checked as it is read
+        generation = folder_json(folder, GENERATION_CONFIG, model.manifest) if folder is not None else {}
         eos = set(_ids(spec.get("eos_token_id"))) | set(_ids(generation.get("eos_token_id")))
         if tok is not None:
             named = [spec["eos_token"]] if isinstance(spec.get("eos_token"), str) else []

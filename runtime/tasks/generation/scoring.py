@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import FeedError
+from slimml.runtime.tasks.limits import tokenized
 
 EVAL_WINDOW = 512  # tokens a scored window holds (llama.cpp's perplexity default context)
 EVAL_TOKENS = 32_768  # tokens of a text scored at most, by default
@@ -114,7 +115,7 @@ def perplexity(model: Any, text: str, window: int | None = None, max_tokens: int
                         "folder with its tokenizer.")
     from slimml.runtime.tasks.generation.prompts import untruncated
 
-    ids = np.asarray(untruncated(model.text).encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    ids = np.asarray(tokenized(lambda: untruncated(model.text).encode(text, add_special_tokens=False)).ids, dtype=np.int64)
     ids = ids[: EVAL_TOKENS if max_tokens is None else max_tokens]
     if len(ids) < 2:
         raise FeedError(f"the text is {len(ids)} token(s) long; perplexity needs at least two: give a longer text.")

@@ -10,7 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from slimml.errors import ArtifactError, FeedError
-from slimml.runtime.tasks.limits import Limits
+from slimml.runtime.tasks.limits import Limits, tokenized
 
 if TYPE_CHECKING:
     from slimml.runtime.tasks.inputs.pooling import Pooler
@@ -45,7 +45,8 @@ class TextEncoder:
         if not texts:
             raise FeedError("encode() got an empty list; give at least one text.")
         cut = self.limits.cut
-        return self.tokenizer.encode_batch([cut([t])[0] if isinstance(t, str) else tuple(cut(list(t))) for t in texts])
+        cut_texts = [cut([t])[0] if isinstance(t, str) else tuple(cut(list(t))) for t in texts]
+        return tokenized(lambda: self.tokenizer.encode_batch(cut_texts))
 
     def batch(self, encs: list, pad_to: int | None = None) -> dict[str, np.ndarray]:
         """Feeds for ``encs``, right-padded to the longest of them (or to ``pad_to``)."""
@@ -81,7 +82,7 @@ class TextEncoder:
         with self._window_lock:
             tokenizer = self._windowing()
             tokenizer.no_truncation()
-            return [len(e.ids) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+            return [len(e.ids) for e in tokenized(lambda: tokenizer.encode_batch(texts, add_special_tokens=False))]
 
     def special_tokens(self, pair: bool) -> int:
         """The special tokens the tokenizer adds to one text (or to a pair)."""
@@ -94,7 +95,7 @@ class TextEncoder:
         with self._window_lock:
             tokenizer = self._windowing()
             tokenizer.enable_truncation(max_length=length, stride=stride, strategy=strategy)
-            encs = tokenizer.encode_batch(inputs)
+            encs = tokenized(lambda: tokenizer.encode_batch(inputs))
         return [(i, w) for i, enc in enumerate(encs) for w in (enc, *enc.overflowing)]
 
 
