@@ -413,3 +413,26 @@ def test_quantize_checks_its_source_as_load_does_and_never_launders_a_swapped_fi
                                              "output is discarded"):
         quantize(src, tmp_path / "q2", WeightOnlyConfig(bits=8))
     assert not (tmp_path / "q2").exists() and not list(tmp_path.glob(".q2*"))
+
+
+def test_a_shard_graph_that_is_not_what_its_manifest_lists_is_refused_at_load(mlp_artifact, tmp_path):
+    """A graph swapped under honest hashes: another output dtype (encode gave garbage) or an input the
+    manifest does not list (a FeedError blaming the caller's feeds) is refused when the model loads."""
+    from slimml.errors import ArtifactError
+    from slimml.runtime.artifact.manifest import file_entry, read_manifest
+
+    for change, words in (("dtype", "holds '.*' in another dtype"), ("input", "takes 'extra', which its manifest entry")):
+        art = tmp_path / change
+        shutil.copytree(mlp_artifact, art)
+        manifest = read_manifest(art)
+        shard = manifest.shards[0]
+        model = onnx.load(str(art / shard.file), load_external_data=False)
+        if change == "dtype":
+            model.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.INT64
+        else:
+            model.graph.input.append(helper.make_tensor_value_info("extra", onnx.TensorProto.FLOAT, [1]))
+        onnx.save(model, str(art / shard.file))
+        manifest.files = [file_entry(art, art / shard.file) if f.path == shard.file else f for f in manifest.files]
+        manifest.write(art)
+        with pytest.raises(ArtifactError, match=rf"{shard.file}'s graph {words}.*; the artifact is damaged or was tampered"):
+            load(art)

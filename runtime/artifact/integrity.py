@@ -61,6 +61,7 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
         raise ArtifactError(
             f"{shard.file} holds a {field!r} that is not valid UTF-8; the file is damaged: re-convert it."
         )
+    _check_boundary(shard, model.graph)
     data = safe_path(folder, shard.data).resolve() if shard.data else None
     data_size = data.stat().st_size if data is not None and data.is_file() else 0
     count, positions, vocab, types = 0, None, None, None
@@ -95,6 +96,35 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
                 f"which has {data_size}; the artifact is damaged: re-convert it."
             )
     return ShardFacts(external_tensors=count, max_positions=positions, vocab_size=vocab, type_vocab_size=types)
+
+
+def _check_boundary(shard: ShardSpec, graph) -> None:
+    """The shard's graph takes the inputs and gives the outputs its manifest entry lists, of the
+    dtypes it lists: a graph swapped under honest hashes (or a manifest that lies about it) is refused
+    at load, not run into an error that blames the caller's feeds, or into outputs of another shape."""
+    from onnx import helper
+
+    weights = {t.name for t in graph.initializer}
+    takes = {v.name: v for v in graph.input if v.name not in weights}
+    gives = {v.name: v for v in graph.output}
+    listed_in, listed_out = {t.name: t for t in shard.inputs}, {t.name: t for t in shard.outputs}
+    unfed = sorted(set(takes) - set(listed_in))
+    missing = sorted(set(listed_out) - set(gives))
+    wrong = [n for n, t in [*listed_in.items(), *listed_out.items()]
+             if (v := takes.get(n) or gives.get(n)) is not None and v.type.tensor_type.elem_type
+             and _dtype(helper, v.type.tensor_type.elem_type) not in (None, t.dtype)]
+    if unfed or missing or wrong:
+        what = (f"takes {unfed[0]!r}, which its manifest entry does not list" if unfed else
+                f"does not give {missing[0]!r}, which its manifest entry lists" if missing else
+                f"holds {wrong[0]!r} in another dtype than its manifest entry lists")
+        raise ArtifactError(f"{shard.file}'s graph {what}; the artifact is damaged or was tampered with: re-convert it.")
+
+
+def _dtype(helper, elem_type: int) -> str | None:
+    try:
+        return str(helper.tensor_dtype_to_np_dtype(elem_type))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def verify_shard(folder: Path, manifest: Manifest, shard: ShardSpec) -> ShardFacts:
