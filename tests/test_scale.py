@@ -117,6 +117,32 @@ def test_balance_by_node_memory_and_bad_stage_counts(cluster, tiny_bert_artifact
         assert groups[0][0] == 0 and groups[-1][1] == len(model.manifest.shards) - 1
     finally:
         model.close()
+    for bad, words in (({"cpus_per_stage": -1}, "cpus_per_stage must be a number > 0"),  # was: Ray's raylet died
+                       ({"cpus_per_stage": 0}, "cpus_per_stage must be a number > 0"),
+                       ({"timeout_s": 0}, "timeout_s must be a number of seconds > 0")):
+        with pytest.raises(ConfigError, match=words):
+            pipeline(tiny_bert_artifact, stages=2, **bad)
+    model = pipeline(tiny_bert_artifact, stages=3)  # 3 stages on 2 CPUs: a share of a CPU each (was 1 each: no room)
+    try:
+        assert model.plan.segments[0].sessions == 3
+        np.testing.assert_allclose(model.encode(["a text"]), load(tiny_bert_artifact).encode(["a text"]), atol=1e-5)
+    finally:
+        model.close()
+
+
+def test_closing_one_pipeline_keeps_the_ray_others_share(cluster):
+    """slimml's own Ray connection is shared: the last of its users shuts it down (closing the first of
+    two pipelines shut Ray down under the second). A connection the caller made is never slimml's."""
+    from slimml.scale import cluster as connection
+
+    try:
+        connection._holders = 0
+        assert connection.connect(None) is False  # the test's own ray.init: the caller's
+        connection._holders = 1  # as if slimml had started Ray for a first pipeline
+        assert connection.connect(None) is True and connection._holders == 2  # a second pipeline shares it
+        assert connection.release_ray() is False and connection.release_ray() is True  # the last one shuts it down
+    finally:
+        connection._holders = 0
 
 
 def test_a_dead_stage_is_named_and_comes_back(cluster, tiny_bert_artifact):
@@ -165,3 +191,23 @@ def test_a_tampered_shard_is_refused_by_its_stage(cluster, tiny_bert_artifact, t
         pipeline(bad, stages=2)
     assert type(e.value) is IntegrityError and "\n" not in str(e.value)  # slimml's one line, not Ray's traceback
     assert not [a for a in ray.util.list_named_actors()]  # nothing left behind
+
+
+def test_verify_rehashes_what_the_driver_reads_too(cluster, tiny_bert_artifact, tmp_path):
+    """A pipeline's verify() re-hashed only the stages' shards; the tokenizer this process reads is
+    re-hashed as well now (load's verify() always did)."""
+    import shutil
+
+    from slimml.scale import pipeline
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_bert_artifact, art)
+    model = pipeline(art, stages=2)
+    try:
+        model.verify()
+        with open(art / "tokenizer.json", "a") as f:
+            f.write(" ")
+        with pytest.raises(IntegrityError, match="tokenizer.json"):
+            model.verify()
+    finally:
+        model.close()

@@ -39,8 +39,10 @@ class ShardFacts:
     type_vocab_size: int | None = None  # rows of a token-type (segment) table, when the shard has one
 
 
-def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
-    """Parse ``shard.file`` (weights not loaded) and confine its external data to ``shard.data``.
+def check_shard_file(folder: Path, shard: ShardSpec, boundary: bool = True) -> ShardFacts:
+    """Parse ``shard.file`` (weights not loaded) and confine its external data to ``shard.data``;
+    ``boundary``: its graph's inputs and outputs must be the ones ``shard`` lists (False for a graph
+    slimml rewrote itself, a packed cache entry, which the shard's entry does not describe).
 
     Raises:
         ArtifactError: the file is not ONNX, or a tensor's ``external_data`` location is not the
@@ -61,7 +63,8 @@ def check_shard_file(folder: Path, shard: ShardSpec) -> ShardFacts:
         raise ArtifactError(
             f"{shard.file} holds a {field!r} that is not valid UTF-8; the file is damaged: re-convert it."
         )
-    _check_boundary(shard, model.graph)
+    if boundary:
+        _check_boundary(shard, model.graph)
     data = safe_path(folder, shard.data).resolve() if shard.data else None
     data_size = data.stat().st_size if data is not None and data.is_file() else 0
     count, positions, vocab, types = 0, None, None, None

@@ -22,16 +22,26 @@ def require_ray() -> None:
         ) from None
 
 
+_holders = 0  # users (pipelines, a server) of the Ray connection slimml made in this process
+
+
 def connect(address: str | None = None) -> bool:
-    """Make sure this process is connected to Ray; return True if this call started it.
+    """Make sure this process is connected to Ray; return True if the connection is slimml's own
+    (made by this call or an earlier one): the caller then holds a share of it, and gives it back
+    with :func:`release_ray` (the last one to give it back shuts Ray down). A connection the caller
+    made itself (``ray.init`` before slimml) is never slimml's to shut down.
 
     ``address=None`` keeps an existing connection, or starts a local Ray (no dashboard, quiet
     logs). ``"auto"`` or ``"HOST:PORT"`` joins a cluster started with ``ray start``.
     """
+    global _holders
     require_ray()
     import ray
 
     if ray.is_initialized():
+        if _holders > 0:  # slimml's own connection: one more user of it (closing another pipeline keeps it)
+            _holders += 1
+            return True
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # nothing leaves the machine
     # Ray's processes inherit this. Serve kills an HTTP proxy that is not ready within 5 s, and
@@ -44,12 +54,20 @@ def connect(address: str | None = None) -> bool:
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
         else:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
-    except ConnectionError as e:
+    except (ConnectionError, ValueError) as e:  # ValueError: an address Ray cannot parse ("garbage")
         raise ConfigError(
-            f"could not join the Ray cluster at {address!r} ({e}); start one with `ray start --head` "
-            "on the head node, or leave the address out to run on this machine alone."
+            f"could not join the Ray cluster at {address!r} ({e}); give HOST:PORT of a cluster started with "
+            "`ray start --head` on the head node, or leave the address out to run on this machine alone."
         ) from None
+    _holders = 1
     return True
+
+
+def release_ray() -> bool:
+    """Give back one share of slimml's Ray connection; True when it was the last (shut Ray down then)."""
+    global _holders
+    _holders = max(_holders - 1, 0)
+    return _holders == 0
 
 
 def nodes_with_cpus() -> list[dict]:

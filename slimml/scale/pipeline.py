@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from slimml.runtime.tasks.registry import build_task
 from slimml.scale.balance import compute_sizes, split_stages
 from slimml.scale.cluster import connect, nodes_with_cpus, require_ray
 from slimml.scale.segment import RayStages, release
+
+LOAD_TIMEOUT_S = 600.0  # the first call waits this long (or timeout_s, if longer) for the stages to load their shards
 
 
 def pipeline(
@@ -55,7 +58,8 @@ def pipeline(
             best throughput when an embedding table holds much of the bytes but little work).
         cpus_per_stage: CPUs Ray reserves for each stage, which become its ONNX Runtime threads
             (default: a node's CPUs when stages get nodes of their own, else the CPUs / S).
-        timeout_s: how long a call waits for its outputs before raising StageError.
+        timeout_s: how long a call waits for its outputs before raising StageError (its work still
+            queued on the stages is cancelled); loading waits up to ``LOAD_TIMEOUT_S`` (600 s) or this.
         max_restarts: how often Ray restarts a stage process that died. A call in flight when
             a stage dies raises StageError naming the stage; it is not retried for you.
         verify: stages hash their files at load (default).
@@ -65,7 +69,7 @@ def pipeline(
     Returns:
         The artifact's task (:class:`~slimml.runtime.Task`, chosen as ``load`` chooses it) over an
         engine whose plan is one ``RayStages`` segment; ``close()`` stops the actors (and Ray, if
-        this call started it).
+        slimml started it and no other pipeline of this process still uses it).
 
     Example:
         >>> from slimml.scale import pipeline
@@ -87,6 +91,13 @@ def pipeline(
     if not isinstance(microbatch, int) or isinstance(microbatch, bool) or microbatch < 1:
         raise ConfigError(f"microbatch must be a whole number >= 1, got {microbatch!r}.")
     split_stages([s.weight_bytes for s in manifest.shards], stages)  # a bad S fails before Ray starts
+    if cpus_per_stage is not None and (isinstance(cpus_per_stage, bool) or not isinstance(cpus_per_stage, (int, float))
+                                       or not 0 < cpus_per_stage < float("inf")):
+        # before any placement group: Ray's raylet died removing one of negative CPUs
+        raise ConfigError(f"cpus_per_stage must be a number > 0 (CPUs each stage reserves; fractions share a core), "
+                          f"got {cpus_per_stage!r}.")
+    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s < float("inf"):
+        raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}.")
     if verify:  # this process reads the tokenizer; the stages hash their own shards
         shard_files = {p for s in manifest.shards for p in (s.file, s.data) if p}
         for entry in manifest.files:
@@ -106,9 +117,8 @@ def pipeline(
     try:
         nodes = nodes_with_cpus()
         spread = stages > 1 and len(nodes) >= stages
-        if cpus_per_stage is None:
-            cpus = min(n["cpus"] for n in nodes) if spread else max(sum(n["cpus"] for n in nodes) // stages, 1)
-            cpus_per_stage = max(int(cpus), 1)
+        if cpus_per_stage is None:  # a node's CPUs each, or the CPUs / S (a share of a core where S is more)
+            cpus_per_stage = max(int(min(n["cpus"] for n in nodes)), 1) if spread else _shared_cpus(nodes, stages)
         pg = placement_group([{"CPU": cpus_per_stage}] * stages, strategy="STRICT_SPREAD" if spread else "PACK")
         if not pg.wait(timeout_seconds=60):
             raise StageError(
@@ -132,7 +142,7 @@ def pipeline(
         names = [f"{p['id'][:8]} ({p['address']})" for p in placed]
         segment = RayStages(actors, groups, names, [t.name for t in manifest.inputs], microbatch,
                             _batch_first(manifest), timeout_s, max_restarts, pg, owns_ray)
-        segment.stage_info()  # waits for every stage to load; its errors (a tampered shard) surface here
+        segment.stage_info(max(timeout_s, LOAD_TIMEOUT_S))  # waits for every stage to load; its errors surface here
         memory = plan_stream(manifest)
         engine = Engine(folder, manifest, LoadConfig(verify=verify), memory, plan=ExecutionPlan(memory, "cpu", [segment], None))
         return build_task(folder, manifest, {None: engine})  # the same task load() would give
@@ -141,6 +151,19 @@ def pipeline(
         if isinstance(e, ray.exceptions.RayActorError):
             raise StageError(f"a pipeline stage failed to start: {e}") from None
         raise
+
+
+def _shared_cpus(nodes: list[dict], stages: int) -> float:
+    """The most CPUs each of ``stages`` stages can reserve when they share the nodes: whole CPUs where
+    there are enough, else a share of a core, such that the nodes hold every stage's bundle (a bundle
+    never spans nodes: 3 stages on two 1-CPU nodes get half a CPU each, not two thirds)."""
+    cpus = [float(n["cpus"]) for n in nodes]
+    whole = int(sum(cpus) // stages)
+    if whole >= 1 and sum(int(c // whole) for c in cpus) >= stages:
+        return whole
+    fits = [c / k for c in cpus for k in range(1, stages + 1)
+            if sum(int(x / (c / k) + 1e-9) for x in cpus) >= stages]
+    return math.floor(max(fits) * 1e4) / 1e4 if fits else 1  # Ray counts 1e-4 CPUs; 1: its error names the shortfall
 
 
 def _traffic(manifest, groups: list[tuple[int, int]]) -> tuple[list[list[str]], list[list[str]]]:

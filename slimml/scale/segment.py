@@ -69,7 +69,15 @@ class RayStages:
                 outs.append(out)
             pending.append(outs)
         deadline = time.monotonic() + self.timeout_s
-        got = [self._collect(outs, deadline) for outs in pending]
+        try:
+            got = [self._collect(outs, deadline) for outs in pending]
+        except BaseException:  # a stage timed out or failed: its work still queued would hold the next call
+            for ref in (r for outs in pending for r in outs):
+                try:
+                    ray.cancel(ref, force=False)
+                except Exception:  # noqa: BLE001 -- done already, or its stage gone: nothing to cancel
+                    pass
+            raise
         for name in got[0]:
             env[name] = got[0][name] if len(got) == 1 else np.concatenate([g[name] for g in got], axis=0)
 
@@ -125,9 +133,10 @@ class RayStages:
         deadline = time.monotonic() + self.timeout_s
         return [self._get(k, a.stats.remote(reset), deadline) for k, a in enumerate(self.actors)]
 
-    def stage_info(self) -> list[dict[str, Any]]:
-        """Per stage: node id, pid, threads and the stage's own execution plan."""
-        deadline = time.monotonic() + self.timeout_s
+    def stage_info(self, timeout_s: float | None = None) -> list[dict[str, Any]]:
+        """Per stage: node id, pid, threads and the stage's own execution plan (``timeout_s``: how
+        long to wait, default the call timeout; the first call waits for the stages to load)."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         return [self._get(k, a.info.remote(), deadline) for k, a in enumerate(self.actors)]
 
     def check_files(self, deep: bool = False) -> None:
@@ -143,8 +152,11 @@ class RayStages:
 
 
 def release(actors: list, placement_group: Any, owns_ray: bool) -> None:
-    """Stop the stage actors, free their placement group, and stop Ray if slimml started it."""
+    """Stop the stage actors, free their placement group, and stop Ray if slimml started it and this
+    was its last user."""
     import ray
+
+    from slimml.scale.cluster import release_ray
 
     if not ray.is_initialized():
         return
@@ -154,7 +166,7 @@ def release(actors: list, placement_group: Any, owns_ray: bool) -> None:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(placement_group)
-    if owns_ray:
+    if owns_ray and release_ray():  # the last pipeline on the Ray this process started
         ray.shutdown()
 
 

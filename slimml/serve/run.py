@@ -46,6 +46,13 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     manifest = read_manifest(config.artifact)
     verify_files(config.artifact, manifest)
     config = dataclasses.replace(config, manifest_sha256=manifest.sha256)  # every replica and stage checks its copy
+    if config.stages:  # a stage count the shards cannot take fails here, not in a replica's log
+        from slimml.scale.balance import split_stages
+
+        if manifest.components:
+            raise ConfigError(f"--stages splits one chain of shards, but {config.artifact} has components "
+                              f"{', '.join(manifest.components)}; serve it whole (leave --stages out).")
+        split_stages([sh.weight_bytes for sh in manifest.shards], config.stages)
     if config.chat_template is not None:
         from slimml.runtime.tasks.registry import kind_of
 
@@ -63,7 +70,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     import ray
     from ray import serve as ray_serve
 
-    from slimml.scale.cluster import connect, nodes_with_cpus
+    from slimml.scale.cluster import connect, nodes_with_cpus, release_ray
     from slimml.serve.app import app
 
     owns_ray = connect(address)
@@ -107,7 +114,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         try:
             ray_serve.shutdown()
         finally:
-            if owns_ray:
+            if owns_ray and release_ray():
                 ray.shutdown()
             if threading.current_thread() is threading.main_thread():
                 for s, handler in previous.items():
