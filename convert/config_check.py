@@ -201,17 +201,10 @@ def check_generation_config(folder: str | Path) -> None:
         SourceError: one line naming the file, what is wrong, and the fix.
     """
     path = Path(folder) / "generation_config.json"
-    if not path.is_file():
+    config = _json_object(path, "fix it (`model.generation_config.save_pretrained(folder)` writes one), or remove it "
+                                "to stop at the tokenizer's end token")
+    if config is None:
         return
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise SourceError(f"{path} is not readable JSON ({why}); fix it (`model.generation_config.save_pretrained(folder)` "
-                          "writes one), or remove it to stop at the tokenizer's end token.") from None
-    if not isinstance(config, dict):
-        raise SourceError(f"{path} holds a JSON {type(config).__name__}, not an object of settings; fix it, or remove it "
-                          "to stop at the tokenizer's end token.")
     value = config.get("eos_token_id")
     ids = value if isinstance(value, list) else [value]
     if value is not None and not all(type(i) is int for i in ids):  # old Llamas write -1 for "none": left as it is
@@ -247,3 +240,28 @@ def _chat_template(folder: Path) -> tuple[str | None, Path]:
     if isinstance(template, list):  # several named templates: the default one
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
     return (template, path) if isinstance(template, str) and template.strip() else (None, path)
+
+
+TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def check_tokenizer_files(folder: str | Path) -> None:
+    """Raise :class:`SourceError` when a JSON file transformers reads the tokenizer with is not a JSON
+    object: the tokenizer would not load, and the artifact would ship without one."""
+    for name in TOKENIZER_JSON:
+        _json_object(Path(folder) / name, "restore it (save the tokenizer again with `tokenizer.save_pretrained(folder)`), "
+                                          "or delete it")
+
+
+def _json_object(path: Path, fix: str) -> dict | None:
+    """The JSON object in ``path`` (None where there is no such file), or one SourceError ending in ``fix``."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:
+        why = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise SourceError(f"{path} is not valid JSON ({why}); {fix}.") from None
+    if not isinstance(value, dict):
+        raise SourceError(f"{path} holds a JSON {type(value).__name__}, not an object of settings; {fix}.")
+    return value

@@ -102,11 +102,11 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
                 f"{path} is a folder without config.json, so it is not a Hugging Face model folder; "
                 "save one with `model.save_pretrained(folder)` or give a model file."
             )
-        from slimml.convert.config_check import check_config, check_generation_config, check_tokenizer
+        from slimml.convert.config_check import check_config, check_generation_config, check_tokenizer, check_tokenizer_files
 
         check_config(path)  # a config this transformers would misread fails before anything is written
         check_tokenizer(path)  # so does a corrupt tokenizer.json or a chat template that does not parse
-        _check_tokenizer_files(path)  # and its other files (read with it: a broken one would drop the tokenizer)
+        check_tokenizer_files(path)  # and its other files (read with it: a broken one would drop the tokenizer)
         check_generation_config(path)  # and end ids that are not ids (the artifact stops at them)
         if not any(p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES) for p in path.iterdir()):
             raise SourceError(
@@ -126,27 +126,6 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
         "model folder, an .onnx or .gguf file, a .py file defining `model` and `example_inputs`, or a torch "
         "checkpoint (.pt/.pth/.ckpt) holding {'model': module, 'example_inputs': ...}."
     )
-
-
-_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
-
-
-def _check_tokenizer_files(folder: Path) -> None:
-    """Raise :class:`SourceError` when a JSON file transformers reads the tokenizer with is not a JSON
-    object: the tokenizer would not load, and the artifact would ship without one."""
-    for name in _TOKENIZER_JSON:
-        path = folder / name
-        if not path.is_file():
-            continue
-        try:
-            value = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            why = (str(e).splitlines() or [type(e).__name__])[0][:160]
-            raise SourceError(f"{path} is not valid JSON ({why}); the tokenizer cannot be read with it. Restore it "
-                              "(save the tokenizer again with `tokenizer.save_pretrained(folder)`), or delete it.") from None
-        if not isinstance(value, dict):
-            raise SourceError(f"{path} holds a JSON {type(value).__name__}, not the object transformers reads the "
-                              "tokenizer's settings from; restore it (`tokenizer.save_pretrained(folder)`), or delete it.")
 
 
 def _module_source(module: Any, example_inputs: Any, name: str, path: Path | None = None, **kw) -> Source:

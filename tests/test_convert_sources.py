@@ -268,8 +268,8 @@ def test_a_broken_tokenizer_file_is_refused_not_dropped(headless_bert, tmp_path,
     folder = tmp_path / "bert"
     shutil.copytree(headless_bert, folder)
     (folder / name).write_text('{"model_max_length": ')
-    with pytest.raises(SourceError, match=rf"^{folder / name} is not valid JSON \(.*\); the tokenizer cannot be read "
-                                          r"with it\. Restore it .*, or delete it\.$"):
+    with pytest.raises(SourceError, match=rf"^{folder / name} is not valid JSON \(.*\); restore it \(save the "
+                                          r"tokenizer again .*\), or delete it\.$"):
         convert(folder, tmp_path / "a", FAST)
 
 

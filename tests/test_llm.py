@@ -224,7 +224,7 @@ def test_a_gemma3_config_with_rope_parameters_per_layer_type_names_each_key(tmp_
     ({"chat_template.jinja": "{{ messages | no_such_filter }}"}, "No filter named 'no_such_filter'"),
     ({"chat_template.jinja": "{{ raise_exception('no chat here') }}"},
      r"cannot render even one user message \(TemplateError: no chat here\); fix it"),
-    ({"generation_config.json": "{not json"}, r"generation_config\.json is not readable JSON .*; fix it"),
+    ({"generation_config.json": "{not json"}, r"generation_config\.json is not valid JSON .*; fix it"),
     ({"generation_config.json": "[1, 2]"}, r"generation_config\.json holds a JSON list, not an object of settings"),
     ({"generation_config.json": '{"eos_token_id": "two"}'}, r'eos_token_id is "two", not a token id or a list of them'),
 ])
