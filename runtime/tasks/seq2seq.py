@@ -49,7 +49,10 @@ class Seq2Seq(Task):
         out = self.text or text_encoder(self.folder, manifest.component(DECODER), self.limits)
         self.detokenizer = out.tokenizer if out is not None else None
         self.speech = "input_features" in {t.name for t in self.parts[ENCODER].inputs}
-        self._log_mel: LogMel | None = None  # read on first use
+        pre = manifest.preprocessor
+        # read here, with the files load just hashed: one read later could take a file swapped since
+        self._log_mel: LogMel | None = (LogMel.from_file(safe_path(self.folder, pre["file"]))
+                                        if self.speech and pre else None)
 
     @property
     def accepts(self) -> frozenset[str]:
@@ -79,14 +82,11 @@ class Seq2Seq(Task):
 
     def features(self, audio: Any) -> dict[str, np.ndarray]:
         """The encoder's log-mel feeds for WAV paths or 16 kHz float waveforms (speech models)."""
-        pre = self.manifest.preprocessor
-        if not pre:
+        if self._log_mel is None:  # no preprocessor_config.json (or not a speech model)
             raise FeedError(
                 f"the artifact {self.folder} has no feature extractor config (preprocessor_config.json); convert from a "
                 "folder that has one, or call run() with input_features."
             )
-        if self._log_mel is None:
-            self._log_mel = LogMel.from_file(safe_path(self.folder, pre["file"]))
         name = next((t.name for t in self.parts[ENCODER].inputs), "input_features")
         return features_for(self._log_mel, name, audio)
 
