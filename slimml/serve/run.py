@@ -76,9 +76,17 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     owns_ray = connect(address)
     stop = stop or threading.Event()
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    deploying = threading.Event()
+    deploying.set()
+
+    def on_signal(signum, frame) -> None:
+        stop.set()
+        if deploying.is_set():  # Serve's start and run block until it answers (minutes, for a deploy that fails):
+            raise SystemExit(128 + signum)  # unwind them, as Ctrl-C does; the finally below stops what started
+
     if threading.current_thread() is threading.main_thread():
         for s in previous:
-            signal.signal(s, lambda *_: stop.set())
+            signal.signal(s, on_signal)
     try:
         nodes = nodes_with_cpus()
         cpus = sum(n["cpus"] for n in nodes)
@@ -106,6 +114,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
                 f"Ray Serve could not start the application ({str(e).splitlines()[0]}); the replicas' logs are "
                 "under Ray's session folder (`ray/session_latest/logs` in /tmp or $RAY_TMPDIR)."
             ) from None
+        deploying.clear()  # serving: a signal now ends stop.wait() below
         url = f"http://{host}:{port}"
         if ready is not None:
             ready(url)
