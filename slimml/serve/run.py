@@ -82,7 +82,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     def on_signal(signum, frame) -> None:
         stop.set()
         if deploying.is_set():  # Serve's start and run block until it answers (minutes, for a deploy that fails):
-            raise SystemExit(128 + signum)  # unwind them, as Ctrl-C does; the finally below stops what started
+            raise _StopAsked  # unwind them; the finally below stops what started, and serve returns as after a stop
 
     if threading.current_thread() is threading.main_thread():
         for s in previous:
@@ -119,6 +119,8 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         if ready is not None:
             ready(url)
         stop.wait()
+    except _StopAsked:
+        pass  # a stop asked while Serve was starting: the same clean stop as one asked while it served
     finally:
         try:
             ray_serve.shutdown()
@@ -128,6 +130,10 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             if threading.current_thread() is threading.main_thread():
                 for s, handler in previous.items():
                     signal.signal(s, handler)
+
+
+class _StopAsked(BaseException):
+    """A signal while Serve starts or deploys (its calls block until Serve answers): unwinds them."""
 
 
 def _check_listen(host: str, port: int) -> None:
