@@ -88,9 +88,9 @@ def quantize(
         raise ConfigError(
             f"the output {out} exists and is not a slimml artifact; refusing to replace it. Give another folder with -o."
         )
-    _read_float_artifact(src)  # a bad source fails before a temporary folder appears
+    source = _read_float_artifact(src)  # a bad source fails before a temporary folder appears
     with ArtifactWriter(out) as w:
-        result = _quantize_with(w, src, config, on_step)
+        result = _quantize_with(w, src, config, on_step, source)
     result.out = out
     return result
 
@@ -104,12 +104,13 @@ def quantize_into(src: Path, dst: Path, config: QuantizeConfig, on_step: Callabl
         return _quantize_with(w, Path(src), config, on_step)
 
 
-def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig,
-                   on_step: Callable[[str], None] | None = None) -> QuantizeReport:
-    """Quantize the artifact ``src`` through the writer ``w``: every chain, then the manifest."""
+def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig, on_step: Callable[[str], None] | None = None,
+                   source: tuple[Manifest, dict] | None = None) -> QuantizeReport:
+    """Quantize the artifact ``src`` through the writer ``w``: every chain, then the manifest
+    (``source``: what :func:`_read_float_artifact` gave, where the caller read it already)."""
     t0 = time.perf_counter()
     step = on_step or (lambda _msg: None)
-    manifest, seen = _read_float_artifact(src)
+    manifest, seen = source or _read_float_artifact(src)
     config = for_language_model(config, manifest, src)  # a decoder gets weight-only blocks (quantize/decoder.py)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)

@@ -674,6 +674,15 @@ def _present(folder: Path, entry: FileEntry) -> Path:
     return path
 
 
+def verify_driver_files(folder: str | os.PathLike, manifest: Manifest) -> None:
+    """Hash every listed file but the shards' (graphs and data): what a process reads itself while
+    pipeline stages hash their own shards (the tokenizer, templates, configs)."""
+    owned = {p for s in manifest.shards for p in (s.file, s.data) if p}
+    for entry in manifest.files:
+        if entry.path not in owned:
+            verify_file(Path(folder), entry)
+
+
 def verify_files(folder: str | os.PathLike, manifest: Manifest) -> dict[str, tuple[int, int, int, int]]:
     """Check every listed file (:func:`verify_file`); return each one's identity as hashed."""
     folder = Path(folder)

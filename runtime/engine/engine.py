@@ -20,7 +20,7 @@ import numpy as np
 
 from slimml.errors import SlimmlError
 from slimml.runtime.artifact.integrity import check_shard_file, id_limits, max_sequence_length
-from slimml.runtime.artifact.manifest import Manifest, check_manifest_unchanged, verify_file, verify_files
+from slimml.runtime.artifact.manifest import Manifest, check_manifest_unchanged, verify_driver_files, verify_files
 from slimml.runtime.artifact.watch import FileWatch
 from slimml.runtime.engine.backends import backend_for
 from slimml.runtime.engine.budget import StreamPlan, plan_stream
@@ -143,10 +143,7 @@ class Engine:
             verify_files(self.folder, self.manifest)
         else:  # a plan of pipeline stages: the stages re-hash their shards; this process, the rest it reads
             check_manifest_unchanged(self.folder, self.manifest)
-            owned = {p for s in self.manifest.shards for p in (s.file, s.data) if p}
-            for entry in self.manifest.files:
-                if entry.path not in owned:
-                    verify_file(self.folder, entry)
+            verify_driver_files(self.folder, self.manifest)
         self.plan.check_files(deep=True)
 
     def check_files(self) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ConfigError, StageError
-from slimml.runtime.artifact.manifest import check_same_manifest, read_manifest, verify_file
+from slimml.runtime.artifact.manifest import check_same_manifest, read_manifest, verify_driver_files
 from slimml.runtime.engine.budget import plan_stream
 from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.engine.engine import Engine
@@ -99,10 +99,7 @@ def pipeline(
     if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or not 0 < timeout_s < float("inf"):
         raise ConfigError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}.")
     if verify:  # this process reads the tokenizer; the stages hash their own shards
-        shard_files = {p for s in manifest.shards for p in (s.file, s.data) if p}
-        for entry in manifest.files:
-            if entry.path not in shard_files:
-                verify_file(folder, entry)
+        verify_driver_files(folder, manifest)
 
     require_ray()
     import ray
