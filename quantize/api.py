@@ -6,6 +6,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -290,7 +291,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         float_why[i] = why
     final = [quant_files.get(s.index, p) for s, p in zip(manifest.shards, float_files)]
     shards = _write_chain(w, src, manifest, final, quant_files)
-    w.add_chain(shards, manifest.inputs, manifest.outputs, name=name, pooling=manifest.pooling,
+    w.add_chain(shards, _model_io(manifest.inputs, shards), _model_io(manifest.outputs, shards), name=name, pooling=manifest.pooling,
                 assets=manifest.assets if name is not None else ())
     shutil.rmtree(work, ignore_errors=True)
     report = QuantizeReport(
@@ -327,8 +328,25 @@ def _write_chain(w: ArtifactWriter, src: Path, manifest: Manifest, final: list[P
         weight_bytes = sum(int(np.prod(t.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
                            for t in m.graph.initializer)
         shards.append(ShardSpec(index=spec.index, file=spec.file, data=data, weight_bytes=weight_bytes,
-                                inputs=_inputs(m, spec, manifest), outputs=spec.outputs, layers=spec.layers))
+                                inputs=_as_written(_inputs(m, spec, manifest), m), outputs=_as_written(spec.outputs, m),
+                                layers=spec.layers))
     return shards
+
+
+def _as_written(specs: list[TensorSpec], m: onnx.ModelProto) -> list[TensorSpec]:
+    """``specs`` in the dtypes the written graph ``m`` gives them (fp16 keeps a decoder's KV cache in fp16)."""
+    types = {v.name: v.type.tensor_type.elem_type for v in [*m.graph.input, *m.graph.output]}
+    out = []
+    for t in specs:
+        dtype = str(onnx.helper.tensor_dtype_to_np_dtype(types[t.name])) if types.get(t.name) else t.dtype
+        out.append(t if dtype == t.dtype else dataclasses.replace(t, dtype=dtype))
+    return out
+
+
+def _model_io(specs: list[TensorSpec], shards: list[ShardSpec]) -> list[TensorSpec]:
+    """The model's inputs or outputs ``specs`` in the dtypes its shards now take or give them."""
+    dtypes = {t.name: t.dtype for s in shards for t in [*s.inputs, *s.outputs]}
+    return [dataclasses.replace(t, dtype=dtypes[t.name]) if dtypes.get(t.name, t.dtype) != t.dtype else t for t in specs]
 
 
 def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files: dict, float_why: dict, notes: dict) -> dict:

@@ -126,16 +126,25 @@ def _opset_21(model: onnx.ModelProto) -> onnx.ModelProto:
         return model
 
 
+CACHE_NAMES = ("past_key_values.", "present.")  # a decoder's KV cache, in and out
+
+
 @register(Fp16Config)
 def fp16(model: onnx.ModelProto, config: Fp16Config, ctx: ShardContext) -> onnx.ModelProto | None:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     if not any(t.data_type == onnx.TensorProto.FLOAT for t in model.graph.initializer):
         return None
+    keep: bool | list[str] = config.keep_io_types
+    if keep:  # a decoder's KV cache goes in and out in fp16: the buffers the engine binds in place are the
+        # ones attention reads and writes (no Cast copies the whole cache each pass), at half the memory
+        weights = {t.name for t in model.graph.initializer}
+        keep = [v.name for v in [*model.graph.input, *model.graph.output]
+                if v.name not in weights and not v.name.startswith(CACHE_NAMES)]
     # shape inference on: without the value types, the converter leaves ops kept in fp32
     # (LayerNormalization) reading fp16 values, a graph ONNX Runtime refuses
     out = convert_float_to_float16(
-        model, keep_io_types=config.keep_io_types, op_block_list=list(config.op_block_list), disable_shape_infer=False,
+        model, keep_io_types=keep, op_block_list=list(config.op_block_list), disable_shape_infer=False,
     )
     # it also inserts the same Cast once per reader of a value: keep one
     seen, nodes = set(), []

@@ -296,3 +296,25 @@ def test_fused_families_match_torch(name, tmp_path):
     with torch.no_grad():
         want = model(torch.tensor(ids)).logits.numpy()
     assert np.abs(session.run(["logits"], feeds)[0] - want).max() < 1e-4
+
+
+def test_fp16_keeps_the_cache_in_fp16_bound_in_place(arts, tmp_path):
+    """``--quantize fp16`` makes the KV cache's inputs and outputs fp16 (not fp32 with a Cast of the
+    whole cache each pass): the engine's buffers are the ones attention reads and writes, at half
+    the memory. The artifact runs on CPU too, its greedy tokens the fp32 artifact's."""
+    from slimml.quantize import quantize
+    from slimml.quantize.config import scheme_config
+    from slimml.runtime import load
+
+    root, _ = arts
+    quantize(root / "fused", tmp_path / "fp16", scheme_config("fp16", target="cuda"))
+    model = load(tmp_path / "fp16")
+    cache = {t.name: t.dtype for t in [*model.manifest.inputs, *model.manifest.outputs]
+             if t.name.startswith(("past_key_values.", "present."))}
+    assert cache and set(cache.values()) == {"float16"}
+    assert {t.dtype for t in model.manifest.inputs if t.name in ("input_ids", "attention_mask")} == {"int64"}
+    assert next(t.dtype for t in model.manifest.outputs if t.name == "logits") == "float32"
+    kv = model.kv_cache(batch=1, capacity=8)
+    assert {b.dtype for b in kv.buffers.values()} == {np.dtype("float16")}
+    prompts = _prompts().tolist()
+    assert model.generate(prompts, max_new_tokens=NEW).tokens == load(root / "fused").generate(prompts, max_new_tokens=NEW).tokens

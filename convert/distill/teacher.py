@@ -177,8 +177,8 @@ def _feeds(inputs: list[Any], ids: list[list[int]], pad_id: int) -> dict[str, np
     all_feeds = {"input_ids": batch, "attention_mask": mask, "token_type_ids": np.zeros_like(batch),
                  "position_ids": np.clip(np.cumsum(mask, axis=1) - 1, 0, None),
                  "logits_index": np.broadcast_to(np.arange(width, dtype=np.int64), batch.shape).copy()}
-    for name, (heads, dim) in past_shapes(inputs).items():
-        all_feeds[name] = np.zeros((len(ids), heads, 0, dim), dtype=np.float32)
+    for name, (heads, dim, dtype) in past_shapes(inputs).items():
+        all_feeds[name] = np.zeros((len(ids), heads, 0, dim), dtype=np.dtype(dtype))
     missing = [n for n in names if n not in all_feeds]
     if missing:
         raise ConfigError(f"the teacher artifact needs inputs {missing} that text distillation cannot give.")

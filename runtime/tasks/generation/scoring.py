@@ -19,9 +19,10 @@ EVAL_WINDOW = 512  # tokens a scored window holds (llama.cpp's perplexity defaul
 EVAL_TOKENS = 32_768  # tokens of a text scored at most, by default
 
 
-def past_shapes(inputs: list[Any]) -> dict[str, tuple[int, int]]:
-    """``name -> (kv_heads, head_dim)`` of a decoder's cache inputs (shape ``(batch, heads, past, dim)``)."""
-    return {t.name: (int(t.shape[1]), int(t.shape[3])) for t in inputs
+def past_shapes(inputs: list[Any]) -> dict[str, tuple[int, int, str]]:
+    """``name -> (kv_heads, head_dim, dtype)`` of a decoder's cache inputs (shape ``(batch, heads,
+    past, dim)``; float32, or float16 in an fp16 artifact)."""
+    return {t.name: (int(t.shape[1]), int(t.shape[3]), t.dtype) for t in inputs
             if t.name.startswith("past_key_values") and len(t.shape) == 4}
 
 
@@ -39,8 +40,8 @@ def decoder_feeds(input_names: list[str], ids: np.ndarray, past_shape: Mapping[s
         elif name in ("position_ids", "logits_index"):
             feeds[name] = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq)).copy()
         elif name.startswith("past_key_values") and past_shape is not None:
-            heads, dim = past_shape[name]
-            feeds[name] = np.zeros((batch, heads, 0, dim), dtype=np.float32)
+            heads, dim, dtype = past_shape[name]
+            feeds[name] = np.zeros((batch, heads, 0, dim), dtype=np.dtype(dtype))
     return feeds
 
 
