@@ -40,6 +40,20 @@ def test_a_stage_loads_only_its_shards_and_chains_to_the_whole(tiny_bert_artifac
         load(tiny_bert_artifact, shards=(2, n))
 
 
+def test_an_address_where_nothing_answers_is_one_line_at_once():
+    """``ray.init`` retried a refused head for minutes (a warning every few seconds, never an error)."""
+    from conftest import free_port
+    from slimml.scale.cluster import check_reachable  # what connect(address) checks before ray.init
+
+    t = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"nothing answers at the Ray address '127\.0\.0\.1:\d+' \(the port refuses "
+                                          r"connections\); start the cluster's head there"):
+        check_reachable(f"127.0.0.1:{free_port()}")
+    assert time.perf_counter() - t < 5
+    for left_to_ray in ("auto", "ray://127.0.0.1:1", "garbage"):
+        check_reachable(left_to_ray)
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_env):
     """Two nodes of one CPU each, the driver connected; stopped afterwards."""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import socket
 
 from slimml.errors import ConfigError
+
+CONNECT_TIMEOUT_S = 10  # a HOST:PORT that does not answer a TCP connection within this is refused
 
 
 def require_ray() -> None:
@@ -49,6 +52,8 @@ def connect(address: str | None = None) -> bool:
     # longer than that to start (here, beside two busy processes, a start failed with Serve's 5 s
     # and succeeded with 60 s; a user's own value is kept)
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    if address is not None:
+        check_reachable(address)
     try:
         if address is None:
             ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -61,6 +66,29 @@ def connect(address: str | None = None) -> bool:
         ) from None
     _holders = 1
     return True
+
+
+def check_reachable(address: str) -> None:
+    """Refuse a ``HOST:PORT`` where nothing answers a TCP connection within :data:`CONNECT_TIMEOUT_S`
+    (``ray.init`` itself retries a refused head for minutes, printing a warning every few seconds).
+    ``"auto"``, ``ray://`` addresses and what Ray cannot parse are left to Ray.
+
+    Raises:
+        ConfigError: the port refuses connections, or the host does not answer.
+    """
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or "://" in address or not port.isdigit() or not host:
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        why = "the port refuses connections" if isinstance(e, ConnectionRefusedError) else (
+            f"no answer within {CONNECT_TIMEOUT_S} s" if isinstance(e, TimeoutError) else (e.strerror or str(e)))
+        raise ConfigError(
+            f"nothing answers at the Ray address {address!r} ({why}); start the cluster's head there with "
+            "`ray start --head --port PORT` and give that HOST:PORT, or leave the address out to run on this "
+            "machine alone."
+        ) from None
 
 
 def release_ray() -> bool:
