@@ -304,3 +304,10 @@ def test_layerwise_export_refuses_what_it_cannot_export(tiny_bert_dir, mlp_onnx,
     with pytest.raises(SourceError, match="--exporter layerwise exports Hugging Face model folders"):
         convert(mlp_onnx, tmp_path / "b", config)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_teacher_passes_saved_is_never_negative():
+    """Under one epoch the cache was filled for the whole data and read for part of it: none saved (was -0.5)."""
+    from slimml.convert.distill.distill import _passes_saved
+
+    assert _passes_saved(0.5, 0.0, True) == 0.0 and _passes_saved(3, 0, True) == 2.0 and _passes_saved(0.5, 0, False) == 0.5

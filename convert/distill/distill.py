@@ -351,8 +351,9 @@ def _round(x: float | None) -> float | None:
 
 
 def _passes_saved(epochs: float, pre_epochs: float, computed: bool) -> float:
-    """Teacher passes over the data that the cache replaced: one per epoch, less the one that filled it."""
-    return round(epochs + pre_epochs - (1 if computed else 0), 2)
+    """Teacher passes over the data that the cache replaced: one per epoch, less the one that filled it
+    (none under one epoch: the cache was filled for the whole data, and read for part of it)."""
+    return round(max(epochs + pre_epochs - (1 if computed else 0), 0.0), 2)
 
 
 def _peak_rss() -> int:
