@@ -190,6 +190,22 @@ def test_a_dead_stage_is_named_and_comes_back(cluster, tiny_bert_artifact):
         model.close()
 
 
+def test_a_stage_dead_for_good_says_so_not_retry(cluster, tiny_bert_artifact):
+    """A stage killed for good (or past max_restarts) said "retry once the stage is back", which never happens."""
+    from slimml.scale import pipeline
+
+    model = pipeline(tiny_bert_artifact, stages=2, max_restarts=1, timeout_s=60)
+    try:
+        feeds = load(tiny_bert_artifact).tokenize(["a dog runs"])
+        model.run(feeds)
+        ray.kill(model.plan.segments[0].actors[1], no_restart=True)
+        with pytest.raises(StageError, match=r"pipeline stage 1 .* died \(\w+\) and will not come back: Ray restarts a "
+                                             r"stage at most 1 time\(s\) .* create it again"):
+            model.run(feeds)
+    finally:
+        model.close()
+
+
 def test_a_tampered_shard_is_refused_by_its_stage(cluster, tiny_bert_artifact, tmp_path):
     import shutil
 

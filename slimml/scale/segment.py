@@ -18,6 +18,8 @@ import numpy as np
 
 from slimml.errors import SlimmlError, StageError
 
+PROBE_S = 3.0  # how long calls to a stage that died must keep failing at once before it counts as dead for good
+
 
 class RayStages:
     """Stage actors that own consecutive shard groups, in order: a plan segment
@@ -112,11 +114,35 @@ class RayStages:
                 raise e.cause from None  # a bad feed or a changed file: the stage's own clear message
             raise StageError(f"{self._name(k)} failed: {type(e.cause).__name__}: {e.cause}") from None
         except (rx.RayActorError, rx.ObjectLostError) as e:
+            if self._gone_for_good(k):
+                raise StageError(
+                    f"{self._name(k)} died ({type(e).__name__}) and will not come back: Ray restarts a stage "
+                    f"at most {self.max_restarts} time(s) (max_restarts), or it was killed for good. Check the "
+                    "node with `ray status`, then close this pipeline and create it again."
+                ) from None
             raise StageError(
                 f"{self._name(k)} died ({type(e).__name__}); this call's outputs are lost. Ray restarts a "
                 f"stage up to {self.max_restarts} time(s), loading and verifying its shards again; calls "
                 "are not retried for you: retry once the stage is back (inference has no side effects)."
             ) from None
+
+    def _gone_for_good(self, k: int) -> bool:
+        """Whether stage ``k``'s actor is dead for good (its restarts spent, or killed without one):
+        calls to it keep failing at once for :data:`PROBE_S`, where one to a restarting actor waits
+        for it (right after a death, before Ray knows of the restart, a call may fail at once too)."""
+        import ray
+        from ray import exceptions as rx
+
+        end = time.monotonic() + PROBE_S
+        while (left := end - time.monotonic()) > 0:
+            try:
+                ray.get(self.actors[k].stats.remote(False), timeout=max(left, 0.1))
+                return False  # back already
+            except rx.RayActorError:
+                time.sleep(0.2)
+            except Exception:  # noqa: BLE001 -- waiting on its restart (a timeout), or anything else: it may come back
+                return False
+        return True
 
     def _name(self, k: int) -> str:
         first, last = self.groups[k]
