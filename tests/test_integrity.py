@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import onnx
@@ -365,4 +366,30 @@ def test_a_forked_child_leaves_the_parents_inotify_queue_alone(art):
     _rewrite_keeping_times(art / "shard_001.onnx.data")
     with pytest.raises(IntegrityError):
         model.check_files()
+    model.close()
+
+
+@pytest.mark.parametrize("resident", [None, 2])
+def test_a_write_through_a_shared_map_with_its_mtime_put_back_is_refused(art, resident):
+    """A shared-mmap write raises no inotify event, and ``utime`` put the mtime back: size, mtime
+    and inode matched, so the model ran the changed weights on every later call. The change time
+    (which no caller can set) gives it away."""
+    import mmap
+
+    from slimml.runtime.tools.bench import sample_feeds
+
+    model = load(art, resident=resident, pack=False)
+    feeds = sample_feeds(model.inputs, batch=1)
+    model.run(feeds)
+    data = art / "shard_001.onnx.data"
+    st = os.stat(data)
+    time.sleep(0.01)
+    with open(data, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[:8] = bytes(m[:8])[::-1]
+        m.flush()
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(data).st_mtime_ns == st.st_mtime_ns and os.stat(data).st_size == st.st_size
+    time.sleep(1.1)  # the watch's time backstop, were the kernel's attribute event lost too
+    with pytest.raises(IntegrityError, match=r"shard_001\.onnx\.data"):
+        model.run(feeds)
     model.close()

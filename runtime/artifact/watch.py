@@ -11,7 +11,8 @@ four data files; one poll of a Linux inotify queue watching them took 8-10 us. S
 kernel queues what happens to the files and the folder (writes, truncation, attribute changes,
 renames, removal) and a run polls the queue; elsewhere, or when the kernel's inotify limits are
 reached, every run does the ``fstat`` checks. Writes through another process's shared memory map
-raise no inotify event, so on the inotify path every 256th check also does the ``fstat`` checks.
+raise no inotify event, so on the inotify path every 256th check, and any a second after the last
+``fstat`` checks, also does them; each compares the change time too, which ``utime`` cannot put back.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import select
 import struct
 import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -33,7 +35,8 @@ IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x40, 0x80, 0x100, 0x200
 IN_DELETE_SELF, IN_MOVE_SELF, IN_UNMOUNT, IN_Q_OVERFLOW, IN_IGNORED = 0x400, 0x800, 0x2000, 0x4000, 0x8000
 FILE_EVENTS = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_DELETE_SELF | IN_MOVE_SELF
 FOLDER_EVENTS = IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_ATTRIB | IN_DELETE_SELF | IN_MOVE_SELF
-BACKSTOP = 256  # on the inotify path, every this many checks also fstat the files
+BACKSTOP = 256  # on the inotify path, every this many checks also fstat the files,
+BACKSTOP_S = 1.0  # and a check this long after the last fstat does it too
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
 
 _live: weakref.WeakSet = weakref.WeakSet()  # watches to move off inotify in a forked child
@@ -72,6 +75,7 @@ class FileWatch:
             self._close_fstat()
         self._notify: _Inotify | None = _Inotify.open(self._expect)
         self._calls = 0
+        self._fstat_at = time.monotonic()
         if self._notify is not None:
             _live.add(self)
 
@@ -89,8 +93,10 @@ class FileWatch:
             if notify.poll(0):  # the kernel queued something: look at what
                 self._drain()
             self._calls += 1
-            if self._calls % BACKSTOP:
+            now = time.monotonic()
+            if self._calls % BACKSTOP and now - self._fstat_at < BACKSTOP_S:
                 return
+            self._fstat_at = now
         self._check_fstat()
 
     def _drain(self) -> None:
@@ -101,7 +107,8 @@ class FileWatch:
             look, modified = notify.read()
             for rel, path, was in modified:  # written or truncated in place, whatever its times say now
                 now = _identity(path)
-                self._refuse(rel, _what(was, now) if now != was else "was rewritten in place (its size and times put back)")
+                self._refuse(rel, _what(was, now) if _put_back(was, now) is False
+                             else "was rewritten in place (its size and times put back)")
             if look:
                 self._check_paths()
 
@@ -116,7 +123,7 @@ class FileWatch:
                 entry[1:] = st.st_mtime_ns, st.st_ctime_ns
         for rel, path, fd, was in self._files:
             st = fstat(fd)
-            if st.st_mtime_ns != was[1] or st.st_size != was[0]:
+            if st.st_mtime_ns != was[1] or st.st_size != was[0] or st.st_ctime_ns != was[4]:
                 self._refuse(rel, _what(was, _identity(path)))
 
     def _check_paths(self) -> None:
@@ -164,7 +171,14 @@ def _identity(path: str) -> tuple | None:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+    # ctime too: a write through a shared memory map followed by utime() putting the mtime back
+    # moves the ctime, which no caller can set
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
+
+
+def _put_back(was: tuple | None, now: tuple | None) -> bool:
+    """Whether a changed file's size, mtime and inode are what they were (only the change time moved)."""
+    return was is not None and now is not None and now[:4] == was[:4]
 
 
 def _what(was: tuple | None, now: tuple | None) -> str:
@@ -172,6 +186,8 @@ def _what(was: tuple | None, now: tuple | None) -> str:
         return "was removed"
     if was and now[0] != was[0]:
         return f"was truncated or grown ({was[0]} -> {now[0]} bytes)"
+    if _put_back(was, now):
+        return "was rewritten in place (its size and times put back)"
     return "was rewritten or replaced"
 
 

@@ -167,10 +167,11 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mm
 
 
-def file_stamp(path: Path) -> tuple[int, int, int] | None:
-    """A file's size, mtime and inode (None if it is gone): what changes when it is rewritten."""
+def file_stamp(path: Path) -> tuple[int, int, int, int] | None:
+    """A file's size, mtime, inode and change time (None if it is gone): what changes when it is
+    rewritten, even with its mtime put back afterwards (``utime`` moves the change time)."""
     try:
         st = path.stat()
     except OSError:
         return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino)
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
