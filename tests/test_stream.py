@@ -241,6 +241,27 @@ def test_packed_weights_written_in_place_with_their_mtime_put_back_are_refused(m
         model.run(_feeds())  # its ctime moved: hashed again before the slot is filled
 
 
+def test_a_tampered_shard_never_reaches_the_shared_packed_cache(mlp_artifact, tmp_path):
+    """The cache is keyed on the manifest's hashes and shared by every later load: packed from a
+    tampered file under verify=False, it served the tampered weights to a verified load of the
+    genuine artifact (``verify()`` passed). The bytes packed are hashed against the manifest now."""
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(mlp_artifact, art)
+    data = art / load(art).manifest.shards[3].data
+    genuine = data.read_bytes()
+    raw = bytearray(genuine)
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError, match=r"does not match its sha256 in the manifest, so shard 3 was not packed"):
+        load(art, resident=2, verify=False, cache_dir=tmp_path / "cache")
+    data.write_bytes(genuine)
+    model = load(art, resident=2, cache_dir=tmp_path / "cache")
+    np.testing.assert_allclose(model.run(_feeds())["y"], load(art).run(_feeds())["y"], rtol=0, atol=1e-5)
+    model.verify()
+
+
 def test_bad_feeds_mid_pass_leave_the_model_usable(tiny_llama_artifact):
     full = load(tiny_llama_artifact)
     model = load(tiny_llama_artifact, resident=2)

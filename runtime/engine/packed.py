@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import onnxruntime as ort
 
 from slimml.errors import ArtifactError, IntegrityError, SlimmlError
-from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.artifact.manifest import Manifest, hash_file, safe_path
 from slimml.runtime.engine.cache import CacheEntry, make_record, private_folder, read_record
 from slimml.runtime.engine import read_in as reads
 from slimml.runtime.engine.slots import Slot
@@ -186,6 +186,7 @@ class PackedSlots:
         """Write shard ``index``'s pre-packed graph and weights as the cache entry ``folder``."""
         from slimml.runtime.artifact.atomic import atomic_folder  # the one atomic writer: stale temp folders go, a kill leaves none
 
+        sources = self._sources_as_listed(index, shard)  # the bytes packed are the bytes the manifest names
         try:
             with atomic_folder(folder, private=True) as tmp:
                 so = self.backend.session_options(threads, spinning=False)
@@ -197,19 +198,55 @@ class PackedSlots:
                                      disabled_optimizers=self.backend.disabled_optimizers())
                 if not (tmp / "shard.onnx.data").is_file():
                     raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
+                if any(_stamp(path) != stamp for path, stamp in sources):  # changed while ONNX Runtime read it
+                    raise IntegrityError(f"shard {index}'s files changed while they were packed; restore the artifact "
+                                         "(write a new folder and rename it, never overwrite files in place) and load "
+                                         "it again.")
                 record = make_record(tmp, shard.file, CACHE_FORMAT)
                 (tmp / "packed.json").write_text(json.dumps(record, indent=1))
                 os.chmod(tmp / "packed.json", 0o600)
+        except IntegrityError:
+            raise
         except Exception as e:  # a read-only or full disk (SlimmlError from atomic_folder), ORT's own errors
             why = str(e).split(";")[0].rstrip(".") if isinstance(e, SlimmlError) else f"{type(e).__name__}: {e}"
             raise self._failed(index, why) from None
         return CacheEntry(folder, record)
+
+    def _sources_as_listed(self, index: int, shard) -> list[tuple[Path, tuple | None]]:
+        """The shard's graph and data files hashed now, against the manifest's sha256: an entry is
+        shared by every later load of the same manifest (its key is the listed hashes), trusted
+        even with ``verify=False``, so it must be made from the listed bytes, whatever this load
+        was told to trust. Their identities (change time included), for the check after packing.
+
+        Raises:
+            IntegrityError: a file differs from its manifest entry.
+        """
+        listed = {f.path: f.sha256 for f in self.manifest.files}
+        out = []
+        for rel in (shard.file, shard.data):
+            if not rel:
+                continue
+            path = safe_path(self.folder, rel)
+            stamp = _stamp(path)
+            if hash_file(path)[0] != listed.get(rel) or _stamp(path) != stamp:
+                raise IntegrityError(f"{rel} in {self.folder} does not match its sha256 in the manifest, so shard {index} "
+                                     "was not packed; the artifact is damaged or was tampered with: re-convert it.")
+            out.append((path, stamp))
+        return out
 
     def _failed(self, index: int, why: str) -> ArtifactError:
         return ArtifactError(
             f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
             "to a writable folder with room for about twice the streamed shards, or pass pack=False"
         )
+
+
+def _stamp(path: Path) -> tuple | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 _MAPPING = threading.Lock()  # one session opened at a time, so that the mappings it adds are known to be its own
