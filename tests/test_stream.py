@@ -422,3 +422,39 @@ def test_an_fp16_artifact_streams_with_weights_fed(mlp_artifact, tmp_path):
     quantize(mlp_artifact, tmp_path / "h", Fp16Config())
     want = load(tmp_path / "h").run(_feeds())["y"]  # ONNX Runtime's CPU provider runs fp16 too
     np.testing.assert_allclose(load(tmp_path / "h", resident=2, pack=False).run(_feeds())["y"], want, rtol=0, atol=1e-3)
+
+
+def test_a_budget_holds_the_pre_packed_weights_not_the_files(tmp_path):
+    """A 4-bit shard's weights pre-packed for the CPU take ~1.5x its file; the budget counted the
+    files, so a slot held 26% more than the budget allowed. Now K is fitted to what the slots hold,
+    and a budget that cannot hold one packed shard is refused, naming both sizes."""
+    from conftest import save_tiny_llama
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+    from slimml.quantize import quantize
+    from slimml.quantize.config import scheme_config
+
+    folder = save_tiny_llama(tmp_path / "hf", hidden_size=128, intermediate_size=256)
+    convert(folder, tmp_path / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
+                                                     measure_latency=False))
+    art = tmp_path / "int4"
+    quantize(tmp_path / "fp32", art, scheme_config("int4-weights"))
+    probe = load(art, resident=2, cache_dir=tmp_path / "cache")
+    source = next(s for s in probe.plan.segments if s.kind == "streamed").source
+    packed = source.loaded_bytes()
+    files = probe.plan.sizes
+    layer = max(packed, key=packed.get)
+    assert packed[layer] > 1.2 * files[layer]
+    with pytest.raises(ConfigError, match=rf"cannot hold shard {layer} .* as it runs: .* on disk, .* with its weights "
+                                          r"pre-packed for this CPU.*pack=False"):
+        load(art, memory_budget=(files[layer] + packed[layer]) // 2, cache_dir=tmp_path / "cache")
+    want = load(art).generate([[5, 6, 7]], max_new_tokens=4).tokens
+    budget = int(1.5 * packed[layer]) + files[0] + files[-1]  # two layers' files fit beside the ends, one packed layer
+    model = load(art, memory_budget=budget, cache_dir=tmp_path / "cache")
+    stream = model.plan.memory
+    slots = stream.resident - len(stream.pinned)
+    held = sum(stream.sizes[i] for i in stream.pinned) + sum(sorted((packed[i] for i in stream.streamed), reverse=True)[:slots])
+    assert model.plan.streaming and slots == 1 and held <= budget and model.plan.peak_bytes <= budget
+    assert "with the weights pre-packed for this CPU" in model.plan.describe()
+    assert model.generate([[5, 6, 7]], max_new_tokens=4).tokens == want
+    with pytest.raises(ConfigError, match=r"resident=4 can need .* with the weights pre-packed for this CPU, over the"):
+        load(art, memory_budget=budget, resident=4, pin=[0, 4], cache_dir=tmp_path / "cache")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import re
+import dataclasses
 from dataclasses import dataclass, field
 
 from slimml.errors import ConfigError
@@ -273,6 +274,53 @@ def plan_stream(
             + f". Use resident={fits} or fewer, or raise the budget."
         )
     return StreamPlan(resident, prefetch, pinned, stream, peak, total, reason.strip(), sizes, budget)
+
+
+PACK_SLACK = 1 / 32  # loaded sizes this close to the files' (page rounding, fp32 packing) keep the plan as made
+
+
+def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident_asked: int | None) -> StreamPlan:
+    """``plan`` held to its budget once the streamed shards' loaded sizes are known (``loaded``:
+    shard -> bytes a slot holds; on CPU the pre-packed weights, up to 1.6x a 4-bit shard's file).
+    K drops where the budget chose it; an explicit ``resident`` that no longer fits, or a streamed
+    shard alone over what the pinned ones leave, is refused.
+
+    Raises:
+        ConfigError: naming the shard, its size on disk and loaded, and the fix.
+    """
+    grown = {i: loaded[i] for i in plan.streamed if loaded.get(i, 0) > plan.sizes[i] * (1 + PACK_SLACK)}
+    if plan.budget is None or not plan.streaming or not grown:
+        return plan
+    sizes = list(plan.sizes)
+    for i, n in grown.items():
+        sizes[i] = n
+    pin_bytes = sum(sizes[i] for i in plan.pinned)
+    big = max(plan.streamed, key=lambda i: sizes[i])
+    if pin_bytes + sizes[big] > plan.budget:
+        raise ConfigError(
+            f"memory budget {fmt_bytes(plan.budget)} cannot hold shard {big} ({manifest.shards[big].file}) as it runs: "
+            f"{fmt_bytes(plan.sizes[big])} on disk, {fmt_bytes(sizes[big])} with its weights pre-packed for this CPU"
+            + (f", beside the pinned {plan.pinned} ({fmt_bytes(pin_bytes)})" if plan.pinned else "")
+            + f". Give at least {_round_up_mb(pin_bytes + sizes[big])}MB, or load with pack=False (weights fed as "
+            "inputs: their size on disk, slower decoding)."
+        )
+    slots = plan.resident - len(plan.pinned)
+    largest = sorted(plan.streamed, key=lambda i: -sizes[i])[:slots]
+    peak = pin_bytes + sum(sizes[i] for i in largest)
+    if peak <= plan.budget:
+        return dataclasses.replace(plan, peak_bytes=peak, sizes=sizes)
+    fits = _fit(sizes, plan.pinned, plan.streamed, plan.budget)
+    if resident_asked is not None:
+        raise ConfigError(
+            f"resident={resident_asked} can need {fmt_bytes(peak)} with the weights pre-packed for this CPU, over the "
+            f"{fmt_bytes(plan.budget)} budget. Use resident={fits} or fewer, raise the budget, or load with pack=False."
+        )
+    slots = fits - len(plan.pinned)
+    peak = pin_bytes + sum(sizes[i] for i in sorted(plan.streamed, key=lambda i: -sizes[i])[:slots])
+    return dataclasses.replace(
+        plan, resident=fits, prefetch=min(plan.prefetch, slots - 1), peak_bytes=peak, sizes=sizes,
+        reason=f"K={fits} is the most that fits the {fmt_bytes(plan.budget)} budget with the weights pre-packed "
+               f"for this CPU (larger than on disk). P={min(plan.prefetch, slots - 1)}.")
 
 
 def _auto_pin(sizes: list[int], budget: int, slots: int = STREAM_SLOTS) -> tuple[list[int], str]:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from slimml.errors import ArtifactError, IntegrityError
 from slimml.runtime.artifact.manifest import Manifest, safe_path
 from slimml.runtime.engine.backends import Backend, backend_for
-from slimml.runtime.engine.budget import StreamPlan
+from slimml.runtime.engine.budget import StreamPlan, refit
 from slimml.runtime.engine.contracts import Segment, WeightSource
 from slimml.runtime.engine.merge import merge_shards
 from slimml.runtime.engine.session import Step
@@ -280,6 +280,14 @@ def build_plan(folder: Path, manifest: Manifest, memory: StreamPlan, config: Loa
         source = fallback
         moving = streamed_with(source)  # the resident segments stay as built
     segments = [resident.get(n) or moving[n] for n in range(len(runs))]
+    loaded = getattr(source, "loaded_bytes", None)  # what a slot holds, known once the shards are ready (pre-packed)
+    if loaded is not None:
+        try:
+            memory = refit(memory, loaded(), manifest, config.resident)
+        except BaseException:
+            for seg in segments:
+                seg.close()
+            raise
     streamer = None
     if streamed:
         streamer = Streamer(source.fill, list(memory.streamed), memory.resident - len(memory.pinned), memory.prefetch)
