@@ -18,7 +18,7 @@ from slimml.errors import ArtifactError, ConfigError
 import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and NNCF backends)
 import slimml.quantize.chain as ch
 from slimml.quantize.calibration import calibration_texts
-from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, describe
+from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, WeightOnlyConfig, describe
 from slimml.quantize.decoder import activation_aware, calibration_feeds, for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.quantize.registry import ShardContext, backend_for
@@ -112,6 +112,10 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig, on_step
     t0 = time.perf_counter()
     step = on_step or (lambda _msg: None)
     manifest, seen = source or _read_float_artifact(src)
+    shards = max(len(p.shards) for p in (manifest.components or {None: manifest}).values())
+    if any(i >= shards for i in config.exclude_shards):
+        raise ConfigError(f"exclude_shards {list(config.exclude_shards)} names a shard past the artifact's last "
+                          f"({shards - 1}); give indices from 0 to {shards - 1}.")
     config = for_language_model(config, manifest, src)  # a decoder gets weight-only blocks (quantize/decoder.py)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
@@ -246,6 +250,10 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     quant_files: dict[int, Path] = {}
     notes: dict[int, dict] = {}
     float_why: dict[int, str] = {}
+    held_ops = sorted({n.op_type for m in firsts for n in m.graph.node if n.op_type in QUANTIZED_OPS})
+    if held_ops:  # quantized by another tool before convert: the manifest's steps do not say so
+        raise ConfigError(f"the artifact {src} is already quantized (its graph holds {', '.join(held_ops[:3])}); "
+                          "quantize the float model it came from instead.")
     for spec, path in zip(manifest.shards, float_files):
         step(f"quantizing shard {spec.index + 1}/{len(manifest.shards)}")
         if spec.index in config.exclude_shards:
@@ -259,12 +267,14 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         ctx = ShardContext(index=spec.index, fuse=fuse)
         if envs is not None:
             ctx.reader = ch.RecordedReader(envs, [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}])
+        before = _made(model, config)  # counted first: a backend may change its input in place
         q = backend(model, config, ctx)
+        unchanged = q is not None and _made(q, config) <= before  # the backend gave its input back
         if envs is not None:
             step(f"running float shard {spec.index + 1} on the calibration data")
             ch.advance(envs, path, spec.index, last_read)
-        if q is None:
-            float_why[spec.index] = "nothing to quantize"
+        if q is None or unchanged:
+            float_why[spec.index] = _unchanged_why(model, config) if unchanged else "nothing to quantize"
             continue
         qpath = work / spec.file
         save_onnx(q, qpath)
@@ -288,7 +298,11 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
                             getattr(config, "eval_text", None), pooler)
     for i, why in guard.kept_float.items():
         quant_files.pop(i, None)
+        notes.pop(i, None)  # a shard kept float records none of its quantized graph's fusions
         float_why[i] = why
+    if not quant_files:  # the guard's choice is every shard float: that is the float model, not a quantized one
+        raise ConfigError(f"--max-drop {config.guard.max_drop:g} is met only with every shard float, so nothing would be "
+                          "quantized; raise --max-drop, or keep the model float (--quantize none).")
     final = [quant_files.get(s.index, p) for s, p in zip(manifest.shards, float_files)]
     shards = _write_chain(w, src, manifest, final, quant_files)
     w.add_chain(shards, _model_io(manifest.inputs, shards), _model_io(manifest.outputs, shards), name=name, pooling=manifest.pooling,
@@ -331,6 +345,30 @@ def _write_chain(w: ArtifactWriter, src: Path, manifest: Manifest, final: list[P
                                 inputs=_as_written(_inputs(m, spec, manifest), m), outputs=_as_written(spec.outputs, m),
                                 layers=spec.layers))
     return shards
+
+
+# ops of a graph already quantized (ONNX Runtime's and NNCF's int8 and 4-bit forms)
+QUANTIZED_OPS = frozenset({
+    "DynamicQuantizeLinear", "QuantizeLinear", "DequantizeLinear", "MatMulInteger", "ConvInteger", "QLinearMatMul",
+    "QLinearConv", "QGemm", "QAttention", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "MatMulNBits",
+    "GatherBlockQuantized", "QMoE", "DynamicQuantizeLSTM", "QLinearAdd", "QLinearMul",
+})
+
+
+def _unchanged_why(model: onnx.ModelProto, config: QuantizeConfig) -> str:
+    """Why a shard the scheme's quantizer ran on came back as it was."""
+    if isinstance(config, WeightOnlyConfig) and config.bits == 8 and config.backend == "ort" \
+            and not any(n.op_type == "MatMul" for n in model.graph.node):
+        return "left float: ONNX Runtime's weight quantizer takes an embedding's Gather at 4 bits only (--backend nncf: 8)"
+    return f"left float: the {_scheme_name(config)} quantizer found nothing it changes in it"
+
+
+def _made(model: onnx.ModelProto, config: QuantizeConfig) -> int:
+    """How much of what the scheme makes ``model`` holds: float16 weights (fp16), else quantized ops.
+    A backend that found nothing it quantizes gives its graph back with no more of them."""
+    if isinstance(config, Fp16Config):
+        return sum(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer)
+    return sum(n.op_type in QUANTIZED_OPS for n in model.graph.node)
 
 
 def _as_written(specs: list[TensorSpec], m: onnx.ModelProto) -> list[TensorSpec]:

@@ -6,9 +6,12 @@ does it. ``scheme_config("int8", target="cpu")`` turns the CLI's ``--quantize`` 
 
 from __future__ import annotations
 
+import numbers
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from slimml.errors import ConfigError
 from slimml.quantize.grids import GRIDS
@@ -17,6 +20,29 @@ BACKENDS = ("ort", "nncf")
 LM_BACKEND = "lm"  # weight-only blocks for language models (quantize/decoder.py), chosen for them by quantize
 SCHEMES = ("none", "int8", "int8-dynamic", "int8-static", "int8-weights", "int4-weights", "fp16")
 TARGETS = ("cpu", "cuda")
+
+
+def _whole(name: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ConfigError(f"{name} must be a whole number >= {low}, got {value!r}.")
+
+
+def _flag(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}.")
+
+
+def _path(name: str, value: Any) -> Path:
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ConfigError(f"{name} must be a file path, got {value!r}.")
+    return Path(value)
+
+
+def _op_types(value: Any) -> tuple[str, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or not value \
+            or not all(isinstance(t, str) and t.isidentifier() for t in value):
+        raise ConfigError(f"op_types must be ONNX op type names, e.g. ('MatMul',), got {value!r}.")
+    return tuple(value)
 
 
 @dataclass
@@ -42,13 +68,15 @@ class GuardConfig:
     max_float_shards: int | None = None
 
     def __post_init__(self):
-        if isinstance(self.max_drop, bool) or not isinstance(self.max_drop, (int, float)) or not self.max_drop >= 0 \
+        if isinstance(self.max_drop, bool) or not isinstance(self.max_drop, numbers.Real) or not self.max_drop >= 0 \
                 or self.max_drop == float("inf"):  # not nan, not inf
             raise ConfigError(f"--max-drop must be a number >= 0, got {self.max_drop!r}.")
+        self.max_drop = float(self.max_drop)
         if self.eval_file is not None:
-            self.eval_file = Path(self.eval_file)
-        if self.max_float_shards is not None and self.max_float_shards < 0:
-            raise ConfigError(f"max_float_shards must be >= 0, got {self.max_float_shards!r}.")
+            self.eval_file = _path("eval_file", self.eval_file)
+        if self.max_float_shards is not None:
+            _whole("max_float_shards", self.max_float_shards, 0)
+        _flag("keep_best", self.keep_best)
 
 
 @dataclass
@@ -73,10 +101,17 @@ class _Common:
 
     def _check_common(self):
         if self.calibration is not None:
-            self.calibration = Path(self.calibration)
-        if not isinstance(self.calibration_size, int) or self.calibration_size < 4:
-            raise ConfigError(f"calibration_size must be a whole number >= 4, got {self.calibration_size!r}.")
-        self.exclude_shards = tuple(sorted(set(int(i) for i in self.exclude_shards)))
+            self.calibration = _path("calibration", self.calibration)
+        if self.eval_text is not None:
+            self.eval_text = _path("eval_text", self.eval_text)
+        _whole("calibration_size", self.calibration_size, 4)
+        if self.guard is not None and not isinstance(self.guard, GuardConfig):
+            raise ConfigError(f"guard must be a GuardConfig (e.g. GuardConfig(max_drop=1.0)) or None, got {self.guard!r}.")
+        if isinstance(self.exclude_shards, (str, bytes)) or not isinstance(self.exclude_shards, Iterable):
+            raise ConfigError(f"exclude_shards must be shard indices, e.g. (0, 5), got {self.exclude_shards!r}.")
+        for i in self.exclude_shards:
+            _whole("each of exclude_shards", i, 0)
+        self.exclude_shards = tuple(sorted(set(self.exclude_shards)))
 
     def _check_backend(self, internal: tuple[str, ...] = ()):
         if self.backend not in BACKENDS + internal:
@@ -114,9 +149,9 @@ class Int8DynamicConfig(_Common):
 
     def __post_init__(self):
         self._check_common()
-        self.op_types = tuple(self.op_types)
-        if not self.op_types:
-            raise ConfigError("op_types is empty; give at least one ONNX op type to quantize, e.g. ('MatMul',).")
+        self.op_types = _op_types(self.op_types)
+        for name in ("fuse", "per_channel", "reduce_range", "activation_symmetric"):
+            _flag(name, getattr(self, name))
 
 
 @dataclass
@@ -144,7 +179,9 @@ class Int8StaticConfig(_Common):
         self._check_backend()
         if self.method not in ("minmax", "entropy", "percentile"):
             raise ConfigError(f"unknown calibration method {self.method!r}; use minmax, entropy or percentile.")
-        self.op_types = tuple(self.op_types)
+        self.op_types = _op_types(self.op_types)
+        for name in ("per_channel", "reduce_range"):
+            _flag(name, getattr(self, name))
 
 
 @dataclass
@@ -181,12 +218,14 @@ class WeightOnlyConfig(_Common):
     def __post_init__(self):
         self._check_common()
         self._check_backend(internal=(LM_BACKEND,))
-        if self.bits not in (4, 8):
+        if type(self.bits) is not int or self.bits not in (4, 8):
             raise ConfigError(f"weight-only bits must be 4 or 8, got {self.bits!r}.")
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+        _whole("block_size", self.block_size, 16)
+        if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two >= 16, got {self.block_size!r}.")
-        if self.accuracy_level is not None and self.accuracy_level not in (0, 1, 2, 3, 4):
-            raise ConfigError(f"accuracy_level must be 0..4, got {self.accuracy_level!r}.")
+        if self.accuracy_level is not None and (type(self.accuracy_level) is not int or self.accuracy_level not in (0, 1, 2, 3, 4)):
+            raise ConfigError(f"accuracy_level must be 0..4 (or None), got {self.accuracy_level!r}.")
+        _flag("symmetric", self.symmetric)
         if self.grid not in (None, *GRIDS):
             raise ConfigError(f"grid must be 'gguf' or 'fitted' (or None: the backend's choice), got {self.grid!r}.")
         self.sensitive_layers = tuple(int(i) for i in self.sensitive_layers)

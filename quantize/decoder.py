@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from slimml.quantize.config import WeightOnlyConfig
+from slimml.quantize.config import LM_BACKEND, WeightOnlyConfig
 from slimml.quantize.equalize import equalize_ffn
 from slimml.quantize.experts import quantize_experts, routers
 from slimml.quantize.gptq import gptq_blocks
@@ -378,6 +378,9 @@ def for_language_model(config, manifest, folder=None):
                           "inputs are not; quantize a language model with --quantize int8 (8-bit weights, int8 compute) "
                           "or int4-weights.")
     if not is_language_model(manifest):
+        if getattr(config, "backend", None) == LM_BACKEND and not str(manifest.task).startswith("text-generation"):
+            raise ConfigError(f'backend="{LM_BACKEND}" is the language-model recipe; {manifest.task!r} is not a decoder. '
+                              'Use backend="ort" or "nncf".')
         if _cli_weights(config) and str(manifest.task).startswith("text-generation"):  # a decoder with no tokenizer
             return dataclasses.replace(config, accuracy_level=4)  # still decodes one row a pass: int8 compute
         return config

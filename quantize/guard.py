@@ -11,7 +11,6 @@ perplexity increase in percent on held-out text (``quantize.lm_guard``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,7 +132,8 @@ def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, 
     step("finding the shards most sensitive to quantization")
     sensitivity = {i: 1.0 - m.agreement(m.chain(set(), only=i)) for i in quant_files}
     order = sorted(sensitivity, key=sensitivity.get, reverse=True)
-    limit = guard.max_float_shards if guard.max_float_shards is not None else math.ceil(len(quant_files) / 2)
+    # at most half of them stay float (past that, quantizing no longer pays): none of a one-shard model
+    limit = guard.max_float_shards if guard.max_float_shards is not None else len(quant_files) // 2
     kept: dict[int, str] = {}
     best = (drop, {}, dict(checks))
     for i in order[:limit]:

@@ -14,7 +14,7 @@ import logging
 
 import onnx
 
-from slimml.errors import ConfigError
+from slimml.errors import ConfigError, SlimmlError
 from slimml.quantize.registry import ShardContext, register, weight_matmuls
 from slimml.quantize.config import Int8StaticConfig, WeightOnlyConfig
 
@@ -35,14 +35,24 @@ def _nncf():
 
 
 @contextlib.contextmanager
-def _quiet(nncf):
-    """NNCF prints progress bars (rich, on stdout) and INFO lines per call; a shard at a time, that is noise."""
+def _quiet(nncf, index: int | None = None):
+    """NNCF prints progress bars (rich, on stdout) and INFO lines per call; a shard at a time, that is
+    noise. Its own errors (a weight whose channels the block size does not divide, ...) become one
+    ConfigError line naming the shard."""
     logger = logging.getLogger("nncf")
     level = logger.level
     nncf.set_log_level(logging.ERROR)
     try:
         with contextlib.redirect_stdout(io.StringIO()):
             yield
+    except SlimmlError:
+        raise
+    except Exception as e:  # nncf.errors.* and what it raises from below
+        what = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ConfigError(
+            f"NNCF could not quantize shard {index} ({type(e).__name__}: {what}); use --backend ort (ONNX Runtime's "
+            "quantizers), or for int4 a block_size (WeightOnlyConfig) that divides every weight's input channels."
+        ) from None
     finally:
         nncf.set_log_level(level or logging.INFO)
 
@@ -72,7 +82,7 @@ def nncf_static(model: onnx.ModelProto, config: Int8StaticConfig, ctx: ShardCont
         from nncf.quantization.advanced_parameters import QuantizationParameters
 
         advanced.weights_quantization_params = QuantizationParameters(per_channel=False)
-    with _quiet(nncf):
+    with _quiet(nncf, ctx.index):
         q = nncf.quantize(
             model, nncf.Dataset(rows), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(rows),
             preset=nncf.QuantizationPreset.MIXED, fast_bias_correction=True, advanced_parameters=advanced,
@@ -93,7 +103,7 @@ def nncf_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCon
         raise ConfigError(
             f"NNCF cannot compress ONNX weights to {mode}; it supports {', '.join(ONNX_WEIGHT_MODES)}."
         )
-    with _quiet(nncf):
+    with _quiet(nncf, ctx.index):
         if config.bits == 8:
             return nncf.compress_weights(model, mode=nncf.CompressWeightsMode(mode))
         # every MatMul in int4 blocks: NNCF's default keeps the last weight in int8, which per shard

@@ -258,6 +258,67 @@ def test_already_quantized_is_refused(tiny_bert_artifact, tmp_path):
         quantize(tmp_path / "q", tmp_path / "q2", Int8DynamicConfig())
 
 
+def test_a_graph_quantized_before_convert_is_refused(mlp_onnx, tmp_path):
+    """fp16 of an int8 ONNX file wrote shards ONNX Runtime refuses, and exited 0: the manifest's steps
+    did not say it was quantized, its graph does."""
+    from onnxruntime.quantization import quantize_dynamic
+
+    from slimml.convert import ConvertConfig, convert
+
+    quantize_dynamic(str(mlp_onnx), str(tmp_path / "int8.onnx"))
+    convert(tmp_path / "int8.onnx", tmp_path / "art", ConvertConfig(measure_latency=False))
+    for config in (scheme_config("fp16", target="cuda"), Int8DynamicConfig(), WeightOnlyConfig(bits=4)):
+        with pytest.raises(ConfigError, match=r"is already quantized \(its graph holds DynamicQuantizeLinear"):
+            quantize(tmp_path / "art", tmp_path / "q", config)
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_guard_that_keeps_every_shard_float_writes_nothing(tiny_bert_dir, tmp_path):
+    """A one-shard model came out as a float copy reported as quantized ("max_drop_met": true): at most
+    half the shards stay float, none of one, and a guard that would keep all refuses."""
+    from slimml.convert import ConvertConfig, ShardConfig, convert
+
+    convert(tiny_bert_dir, tmp_path / "one", ConvertConfig(measure_latency=False, shard=ShardConfig(mode="count", count=1)))
+    with pytest.raises(ConfigError, match=r"^--max-drop 0.0 cannot be met"):
+        quantize(tmp_path / "one", tmp_path / "q", Int8DynamicConfig(guard=GuardConfig(max_drop=0.0), calibration_size=16))
+    with pytest.raises(ConfigError, match=r"is met only with every shard float, so nothing would be quantized"):
+        quantize(tmp_path / "one", tmp_path / "q", Int8DynamicConfig(
+            guard=GuardConfig(max_drop=0.0, max_float_shards=1, keep_best=True), calibration_size=16))
+    assert not (tmp_path / "q").exists()
+
+
+def test_a_shard_its_quantizer_left_as_it_was_is_reported_float(tiny_bert_artifact, tmp_path):
+    """int8-weights reported the embedding shard quantized (ONNX Runtime takes a Gather at 4 bits
+    only), and op types that match nothing reported every shard quantized."""
+    report = quantize(tiny_bert_artifact, tmp_path / "w8", WeightOnlyConfig(bits=8))
+    assert 0 not in report.quantized_shards and "Gather at 4 bits only" in report.float_shards[0]
+    assert report.quantized_shards
+    with pytest.raises(ConfigError, match="has no op that Int8DynamicConfig quantizes"):
+        quantize(tiny_bert_artifact, tmp_path / "q", Int8DynamicConfig(op_types=("Foo",)))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Int8DynamicConfig(guard=1.0), lambda: GuardConfig(max_drop=0, max_float_shards=1.5),
+    lambda: WeightOnlyConfig(bits=4.0), lambda: WeightOnlyConfig(block_size="32"),
+    lambda: Int8DynamicConfig(exclude_shards=("a",)), lambda: Int8DynamicConfig(exclude_shards=(-1,)),
+    lambda: GuardConfig(max_drop=1, eval_file=123), lambda: GuardConfig(max_drop=1, keep_best="no"),
+    lambda: WeightOnlyConfig(accuracy_level=True), lambda: Int8DynamicConfig(op_types="MatMul"),
+    lambda: Int8StaticConfig(op_types=()),
+])
+def test_config_values_are_checked_when_made(make):
+    """Each was accepted and failed later with a TypeError or AttributeError (or quantized nothing)."""
+    with pytest.raises(ConfigError):
+        make()
+
+
+def test_exclude_shards_past_the_last_and_the_lm_recipe_on_an_encoder_are_refused(tiny_bert_artifact, tmp_path):
+    with pytest.raises(ConfigError, match=r"exclude_shards \[99\] names a shard past the artifact's last"):
+        quantize(tiny_bert_artifact, tmp_path / "q", Int8DynamicConfig(exclude_shards=(99,)))
+    with pytest.raises(ConfigError, match=r'backend="lm" is the language-model recipe'):
+        quantize(tiny_bert_artifact, tmp_path / "q", WeightOnlyConfig(backend="lm"))
+    assert not (tmp_path / "q").exists()
+
+
 # --- weight-only and fp16 ---------------------------------------------------------------------
 
 def test_int4_weights_on_a_decoder(tiny_llama_dir, tmp_path):
