@@ -9,6 +9,7 @@ shard it as its family needs (:mod:`.families`), write the artifact (one
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import time
@@ -26,7 +27,7 @@ from slimml.convert.export import Exported, export
 from slimml.convert.llm_check import check_language_model, is_language_model, read_eval_text
 from slimml.convert.sources import Source, resolve
 from slimml.errors import ConfigError, ExportError, SlimmlError, SourceError
-from slimml.runtime.artifact.atomic import check_output
+from slimml.runtime.artifact.atomic import check_output, os_error
 from slimml.runtime.artifact.manifest import Manifest, verify_files
 from slimml.runtime.artifact.writer import ArtifactWriter
 from slimml.runtime.engine.budget import bigger_than_memory
@@ -117,7 +118,7 @@ def _convert(src: Source, out: Any, config: ConvertConfig, step: Callable[[str],
         _quiet_transformers()
     out = Path(out) if out is not None else Path("artifacts") / (src.name + _default_suffix(config))
     check_output(out)
-    with _one_line_errors(src.name, current), ArtifactWriter(out) as w:  # disk errors: the writer words them
+    with _one_line_errors(src.name, current, out), ArtifactWriter(out) as w:  # disk errors: the writer words them
         source_checks: dict[str, Any] = {}
         if src.kind == "gguf":  # read into a Hugging Face folder, then exported as one
             from slimml.convert.gguf import as_huggingface, quantization_note
@@ -246,19 +247,38 @@ def _latency(folder: Path, src: Source | None = None) -> tuple[float | None, str
 
 
 @contextlib.contextmanager
-def _one_line_errors(name: str, current: list[str]):
+def _one_line_errors(name: str, current: list[str], out: Path):
     """A dependency's exception (torch, optimum, onnx, ONNX Runtime) becomes one ExportError naming
-    the step it broke; slimml's own errors pass as they are. ``SLIMML_DEBUG=1`` shows the cause."""
+    the step it broke; slimml's own errors pass as they are, except that a full disk under any of
+    them (an exporter's error wraps it) is said as such. ``SLIMML_DEBUG=1`` shows the cause."""
     try:
         yield
-    except SlimmlError:
-        raise
     except Exception as e:
+        full = _disk_full(e)
+        if full is not None:
+            raise os_error(full, out) from e
+        if isinstance(e, SlimmlError):
+            raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ExportError(
             f"converting {name} failed while {current[0]} ({type(e).__name__}: {first}). If slimml does not support "
             "this architecture yet, export it to ONNX yourself and convert the .onnx file; SLIMML_DEBUG=1 shows the cause."
         ) from e
+
+
+def _disk_full(e: BaseException | None) -> OSError | None:
+    """The full-disk (or quota, or file-size limit) OSError behind ``e``, if one is in its chain."""
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in codes:
+            return e
+        for code in codes:  # a Rust library's error (tokenizers' save) names it in its text: "(os error 28)"
+            if f"(os error {code})" in str(e):
+                return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _against_teacher(out: Path, tmp: Path, manifest: Manifest, sts_file: Any,

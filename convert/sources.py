@@ -97,6 +97,11 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
         if inner is not None:  # sentence-transformers' CLIP before 5.4: the model in its module's folder
             path = inner
         _refuse_bare_model2vec(path)
+        if (path / "manifest.json").is_file() and not (path / "config.json").is_file():
+            raise SourceError(
+                f"{path} is already a slimml artifact (it holds manifest.json); run it as it is, quantize it "
+                f"(`slimml quantize {path} -o OUT --quantize int8`), or convert the model it came from."
+            )
         if not (path / "config.json").is_file():
             raise SourceError(
                 f"{path} is a folder without config.json, so it is not a Hugging Face model folder; "

@@ -22,6 +22,7 @@ from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig,
 from slimml.quantize.decoder import activation_aware, calibration_feeds, for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.quantize.registry import ShardContext, backend_for
+from slimml.runtime.artifact.atomic import check_output
 from slimml.runtime.artifact.integrity import check_shard_file
 from slimml.runtime.artifact.manifest import (MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, check_unchanged, read_manifest,
                                               verify_files)
@@ -89,6 +90,7 @@ def quantize(
         raise ConfigError(
             f"the output {out} exists and is not a slimml artifact; refusing to replace it. Give another folder with -o."
         )
+    check_output(out)  # a link, a read-only place, a path under a file
     source = _read_float_artifact(src)  # a bad source fails before a temporary folder appears
     with ArtifactWriter(out) as w:
         result = _quantize_with(w, src, config, on_step, source)

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import zipfile
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -323,8 +324,11 @@ def run(
             return _print_classes([str(p) for p in image], model.classify(list(image), top_k=5 if top_k is None else top_k), as_json)
     elif texts:
         if "text" not in model.accepts:
-            takes = "images: give --image FILE" if "images" in model.accepts else "arrays: give --input FILE.npz"
-            raise SlimmlError(f"{artifact} has no tokenizer, so it cannot take text; it takes {takes}.")
+            takes = ("images: give --image FILE" if "images" in model.accepts else
+                     "token ids, from Python (`load(ART).generate([[ids]])`)" if model.supports("generate") else
+                     "arrays: give --input FILE.npz")
+            raise SlimmlError(f"{artifact} has no tokenizer, so it cannot take text; it takes {takes} (or re-convert it "
+                              "from a folder that holds its tokenizer).")
         if model.supports("encode"):
             outputs = {"embeddings": model.encode(texts, show_progress=progress)}
         elif model.supports("entities"):
@@ -334,16 +338,22 @@ def run(
                               "answer from.")
         elif model.supports("classify"):
             return _print_classes(texts, model.classify(texts, top_k=5 if top_k is None else top_k), as_json)
+        elif model.supports("generate"):  # a language model: its raw pass needs a cache; what a user wants is text
+            raise SlimmlError(f"{artifact} is a text-generation model; continue a text with `slimml generate {artifact} "
+                              "TEXT` (or `--chat` for its chat template).")
         else:
             outputs = model.run(model.tokenize(texts))
     else:
         if not input.is_file():
-            raise SlimmlError(f"--input {input} does not exist; save arrays with np.savez(path, input_ids=...).")
+            raise SlimmlError(f"--input {input} " + ("is a folder, not a file" if input.is_dir() else "does not exist")
+                              + "; save arrays with np.savez(path, input_ids=...) and give that file.")
         try:  # never unpickle: an .npz from elsewhere must not run code
             with np.load(input, allow_pickle=False) as npz:
                 arrays = {k: npz[k] for k in npz.files}
         except Exception as e:  # BadZipFile, object arrays, a plain .npy, ...
-            why = "a single .npy array, not named arrays" if isinstance(e, TypeError) else f"{type(e).__name__}: {e}"
+            why = ("a single .npy array, not named arrays" if isinstance(e, TypeError) else
+                   "object arrays, which slimml never unpickles" if "allow_pickle" in str(e) and zipfile.is_zipfile(input) else
+                   "not an .npz file" if "allow_pickle" in str(e) else f"{type(e).__name__}: {e}")
             raise SlimmlError(
                 f"--input {input} is not an .npz of plain arrays ({why}); save inputs with "
                 "np.savez(path, input_ids=...), numeric arrays only."
@@ -799,6 +809,13 @@ def main() -> None:
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
         err.print(f"[bold red]error:[/bold red] {escape(e.strerror or str(e))}{escape(where)}; check the path and its "
                   "permissions (SLIMML_DEBUG=1 shows the traceback).", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except MemoryError as e:  # numpy's _ArrayMemoryError too: a batch or input the machine cannot hold
+        if os.environ.get("SLIMML_DEBUG"):
+            raise
+        what = " ".join(str(e).split())[:200]
+        err.print(f"[bold red]error:[/bold red] out of memory{escape(f' ({what})' if what else '')}; use fewer rows or "
+                  "shorter inputs a call (--batch), or a memory budget (--memory-budget).", highlight=False, soft_wrap=True)
         sys.exit(1)
     except typer.Abort:
         err.print("aborted.")

@@ -160,6 +160,31 @@ def test_a_model_file_given_for_an_artifact_says_to_convert_it_first(mlp_onnx):
     assert r.returncode == 1 and f"{mlp_onnx} is a file, not an artifact folder; convert it first" in r.stderr
 
 
+def test_wrong_kinds_of_input_each_say_the_right_fix(tiny_bert_artifact, tiny_llama_past_artifact, tiny_bert_dir, tmp_path):
+    """Each of these advised a fix that fails (convert into the folder itself), a Python-API call,
+    unsafe unpickling, or printed a traceback; a link given as -o left junk beside it."""
+    checks = [
+        (("info", tiny_bert_artifact / "manifest.json"), f"is the artifact's manifest; give the folder that holds it: {tiny_bert_artifact}"),
+        (("run", tiny_bert_dir, "hi"), f"convert it into a new folder (`slimml convert {tiny_bert_dir} -o OUT`) and give OUT"),
+        (("convert", tiny_bert_artifact, "-o", tmp_path / "x"), "is already a slimml artifact (it holds manifest.json)"),
+        (("run", tiny_llama_past_artifact, "hello"), "has no tokenizer, so it cannot take text; it takes token ids"),
+        (("run", tiny_bert_artifact, "--input", tmp_path), "is a folder, not a file"),
+        (("bench", tiny_bert_artifact, "--batch", "99999999"), "out of memory"),
+    ]
+    (tmp_path / "junk.bin").write_bytes(bytes(range(256)) * 20)
+    checks.append((("run", tiny_bert_artifact, "--input", tmp_path / "junk.bin"), "(not an .npz file)"))
+    (tmp_path / "arts" / "v1").mkdir(parents=True)
+    (tmp_path / "arts" / "latest").symlink_to("v1")
+    checks.append((("quantize", tiny_bert_artifact, "-o", tmp_path / "arts" / "latest"), "is a symbolic link"))
+    for args, words in checks:
+        r = slimml(*args)
+        assert r.returncode == 1 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-800:])
+        assert len(r.stderr.strip().splitlines()) == 1 or args[0] == "bench", (args, r.stderr)
+        assert "allow_pickle" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arts", "junk.bin"]
+    assert sorted(p.name for p in (tmp_path / "arts").iterdir()) == ["latest", "v1"] and not any((tmp_path / "arts" / "v1").iterdir())
+
+
 def test_a_command_of_an_extra_not_installed_says_which_extra(tiny_bert_artifact, tmp_path):
     """quantize on the runtime-only install printed ONNX Runtime's 75-line ImportError (no sympy)."""
     hide = ("import sys; sys.modules['sympy'] = None; sys.argv = ['slimml', 'quantize', sys.argv[1], '-o', sys.argv[2], "

@@ -242,12 +242,14 @@ def test_a_clip_model_converts_and_takes_its_text_towers_length(tmp_path):
 
 def test_a_dependency_failure_during_convert_is_one_line_naming_the_step():
     """Whatever convert cannot handle ends in one ExportError naming the step, not a dependency's traceback."""
+    from pathlib import Path
+
     from slimml.convert.pipeline import _one_line_errors
     from slimml.errors import ExportError, SourceError
 
     with pytest.raises(ExportError, match=r"converting m failed while splitting into shards \(ValueError: boom\)\. If slimml"):
-        with _one_line_errors("m", ["splitting into shards"]):
+        with _one_line_errors("m", ["splitting into shards"], Path("out")):
             raise ValueError("boom\nsecond line")
     with pytest.raises(SourceError, match="^mine$"):  # slimml's own errors pass as they are
-        with _one_line_errors("m", ["x"]):
+        with _one_line_errors("m", ["x"], Path("out")):
             raise SourceError("mine")

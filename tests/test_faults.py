@@ -179,6 +179,17 @@ def test_file_size_limit_gives_a_clear_error(tmp_path):
     assert list((tmp_path / "out").iterdir()) == []  # nothing half-written, no temp folder
 
 
+def test_a_full_disk_during_an_exporters_step_is_said_as_such(tiny_bert_dir, tmp_path):
+    """The exporter wrapped the OSError: "optimum-onnx could not export ... No space left on device",
+    which blamed the exporter and said nothing to do."""
+    out = tmp_path / "out" / "art"
+    r = subprocess.run([sys.executable, "-c", FULL_DISK_CHILD, str(tiny_bert_dir), str(out), "200000"], env=ENV,
+                       capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"SLIMML SlimmlError: the disk is full while writing {out} (File too large)" in r.stdout, r.stdout
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 def _namespace_tmpfs(mount: Path, options: str, shell: str) -> subprocess.CompletedProcess | None:
     """Run ``shell`` with a fresh tmpfs at ``mount`` in a private user+mount namespace; None where
     this system does not allow one (the test then skips)."""
@@ -280,8 +291,9 @@ def test_shard_damaged_after_load_is_refused_not_run(tmp_path, how):
 
 
 def test_verify_catches_what_stat_cannot(tmp_path):
-    """A byte changed in place with size and mtime put back: re-hashing sees it. (On Linux the
-    watch sees the write itself; here it compares sizes and times, as it does elsewhere.)"""
+    """A byte changed in place with size and mtime put back: refused by ``verify()`` (on Linux the
+    watch sees the write itself; off inotify it compares sizes, times and the change time, which
+    ``utime`` cannot put back; verify re-hashes where neither would tell)."""
     from slimml.convert import ConvertConfig, convert
     from slimml.errors import IntegrityError
 
@@ -295,7 +307,8 @@ def test_verify_catches_what_stat_cannot(tmp_path):
     blob[10] ^= 0x01
     data.write_bytes(bytes(blob))
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
-    with pytest.raises(IntegrityError, match="shard_001.onnx.data does not match its sha256 in the manifest"):
+    with pytest.raises(IntegrityError, match=r"shard_001.onnx.data (does not match its sha256 in the manifest|in .* was "
+                                             r"rewritten in place \(its size and times put back\))"):
         model.verify()
 
 

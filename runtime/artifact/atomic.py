@@ -76,6 +76,9 @@ def check_output(out: Path) -> None:
 
 
 def _check_output(out: Path) -> None:
+    if out.is_symlink():  # swapping a new folder in would replace the link, not what it points to
+        raise ConfigError(f"the output {out} is a symbolic link (to {os.readlink(out)}); give -o the folder it points "
+                          "to, or a new path (then point the link at it).")
     blocked = _file_in_path(out)
     if blocked is not None:
         raise ConfigError(f"{blocked} is not a folder, so the output {out} cannot be made under it; give -o a path inside "
@@ -100,7 +103,7 @@ def fresh_tmp(out: Path) -> Path:
         for stale in parent.glob(f".{name}.slimml-tmp-*"):  # left by a killed convert
             if not _owner_alive(stale):
                 size = _folder_bytes(stale)
-                shutil.rmtree(stale, ignore_errors=True)
+                _remove(stale)
                 log.warning("slimml: removed %s (%.1f MB), left by an interrupted convert, quantize or cache write whose process "
                             "no longer runs", stale, size / 1e6)
         for old in parent.glob(f".{name}.slimml-old-*"):  # a previous artifact set aside by a killed convert
@@ -108,7 +111,7 @@ def fresh_tmp(out: Path) -> Path:
                 if not out.exists():
                     os.rename(old, out)  # put it back: it is the user's last good artifact
                 else:
-                    shutil.rmtree(old, ignore_errors=True)
+                    _remove(old)
         # a name no one else can have made first (mkdtemp: O_EXCL, mode 0700); the pid in it lets
         # the next run tell whether its owner still runs
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.slimml-tmp-{os.getpid()}-", dir=parent))
@@ -129,7 +132,7 @@ def swap_in(tmp: Path, out: Path) -> None:
         os.rename(tmp, out)
         return
     if _exchange(tmp, out):
-        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the previous artifact
+        _remove(tmp)  # tmp now holds the previous artifact
         return
     old = out.parent / f".{out.name}.slimml-old-{os.getpid()}"
     os.rename(out, old)
@@ -138,7 +141,18 @@ def swap_in(tmp: Path, out: Path) -> None:
     except BaseException:
         os.rename(old, out)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """A folder set aside, or a link that stood where one goes (rmtree refuses links: it was left behind)."""
+    if os.path.islink(path):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:

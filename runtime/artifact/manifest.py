@@ -279,6 +279,8 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     """
     folder = Path(folder)
     if folder.is_file():  # a model file given where its converted artifact belongs
+        if folder.name == MANIFEST_NAME:
+            raise ArtifactError(f"{folder} is the artifact's manifest; give the folder that holds it: {folder.parent}")
         raise ArtifactError(
             f"{folder} is a file, not an artifact folder; convert it first (`slimml convert {folder} -o FOLDER`) "
             "and give that folder."
@@ -291,8 +293,10 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
     path = folder / MANIFEST_NAME
     if not path.is_file():
         raise ArtifactError(
-            f"{folder} has no {MANIFEST_NAME}: it is not a slimml artifact, or its conversion did "
-            f"not finish. Run `slimml convert SOURCE -o {folder}` to make one."
+            f"{folder} has no {MANIFEST_NAME}: it is not a slimml artifact, or its conversion did not finish. "
+            + (f"It holds a model: convert it into a new folder (`slimml convert {folder} -o OUT`) and give OUT."
+               if (folder / "config.json").is_file() else
+               "Convert the model into a new folder (`slimml convert SOURCE -o OUT`) and give OUT.")
         )
     safe_path(folder, MANIFEST_NAME)  # a manifest.json that links out of the folder is refused too
     if path.stat().st_size > MAX_MANIFEST_BYTES:

@@ -387,7 +387,8 @@ def text_encoder(folder: Path, manifest: Manifest, limits: Limits | None = None)
 def image_input(folder: Path, manifest: Manifest) -> tuple[str | None, ImageProcessor | None]:
     """``(pixel input name, image processor)`` of a chain: the input is None when it takes no
     images, the processor None when no image preprocessor config was shipped."""
-    name = next((t.name for t in manifest.inputs if t.name == "pixel_values" or len(t.shape) == 4), None)
+    name = next((t.name for t in manifest.inputs if t.name == "pixel_values"
+                 or (len(t.shape) == 4 and not t.name.startswith("past_key_values"))), None)  # a KV cache is 4-D too
     pre = manifest.preprocessor
     if name is None or not pre or pre.get("kind") != "image":
         return name, None
