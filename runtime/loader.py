@@ -9,7 +9,7 @@ from typing import Any
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.artifact.manifest import check_same_manifest, check_unchanged, read_manifest, verify_files
 from slimml.runtime.engine.backends import backend_for
-from slimml.runtime.engine.budget import plan_stream
+from slimml.runtime.engine.budget import plan_stream, split_budget
 from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.engine.engine import Engine
 from slimml.runtime.tasks.base import Task
@@ -91,8 +91,10 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
         manifest = manifest.stage(*config.shards)
     backend_for(config.device).providers()  # fail on a missing provider before hashing gigabytes
     parts = manifest.components or {None: manifest}
-    # a bad budget fails before loading; streaming settings apply to each component's chain
-    plans = {name: plan_stream(m, config.resident, config.prefetch, config.memory_budget, config.pin)
+    # a bad budget fails before loading; resident, prefetch and pin apply to each component's chain,
+    # one memory budget is shared out among them (their loaded shards together stay within it)
+    budgets = split_budget(parts, config.memory_budget)
+    plans = {name: plan_stream(m, config.resident, config.prefetch, budgets[name], config.pin)
              for name, m in parts.items()}
     seen = verify_files(folder, manifest) if config.verify else {}
     # the last step: what the artifact is for (its task, chosen once), over one engine per chain of shards

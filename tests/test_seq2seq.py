@@ -384,6 +384,23 @@ def test_t5_streamed_with_two_shards_resident_generates_the_same(t5):
     assert streamed.generate(PROMPTS, max_new_tokens=6).tokens == whole
 
 
+def test_one_memory_budget_is_shared_by_the_components(t5):
+    """Each component got the whole budget: the encoder resident beside a slot of each decoder held
+    2.2x the budget. The budget is shared out, the loaded shards together within it."""
+    from slimml.errors import ConfigError
+    from slimml.runtime import load
+    from slimml.runtime.engine.budget import shard_bytes
+
+    parts = load(t5["root"] / "art").manifest.components
+    largest = {n: max(shard_bytes(m)) for n, m in parts.items()}
+    budget = int(sum(largest.values()) * 1.3)
+    model = load(t5["root"] / "art", memory_budget=budget)
+    assert sum(model.plan[n].peak_bytes for n in parts) <= budget
+    assert model.generate(PROMPTS, max_new_tokens=6).tokens == load(t5["root"] / "art").generate(PROMPTS, max_new_tokens=6).tokens
+    with pytest.raises(ConfigError, match=r"cannot hold the largest shard of each component at once \(encoder "):
+        load(t5["root"] / "art", memory_budget=max(largest.values()) + 1)
+
+
 def test_t5_quantizes_each_component_with_real_decoder_inputs(t5):
     from slimml.quantize import Int8Config, quantize
     from slimml.runtime import load

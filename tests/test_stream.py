@@ -90,6 +90,11 @@ def test_budget_below_largest_shard_is_refused_before_loading(mlp_artifact, tmp_
         f"largest shard; a shard must fit whole. Give at least 1MB (memory_budget=, --memory-budget), or re-convert with smaller "
         "shards (--shard-size)."
     )
+    from slimml.runtime.engine.budget import _apart
+
+    # figures that both read "113.25 MB" are shown in bytes (the refusal read "113.25 MB is smaller than ... 113.25 MB")
+    assert _apart(113_250_947, 113_250_948) == ("113,250,947 bytes", "113,250,948 bytes")
+    assert _apart(1000, 4825) == ("1.00 KB", "4.83 KB")
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -142,6 +142,40 @@ def shard_bytes(manifest: Manifest) -> list[int]:
     return [sizes.get(s.file, 0) + (sizes.get(s.data, 0) if s.data else 0) for s in manifest.shards]
 
 
+def _apart(budget: int, need: int) -> tuple[str, str]:
+    """``budget`` and ``need`` as text that shows them different (exact bytes where rounding would not)."""
+    a, b = fmt_bytes(budget), fmt_bytes(need)
+    return (f"{budget:,} bytes", f"{need:,} bytes") if a == b else (a, b)
+
+
+def split_budget(parts: dict[str | None, Manifest], memory_budget: int | float | str | None) -> dict[str | None, int | None]:
+    """One ``memory_budget`` for an artifact of several components (CLIP's towers, an
+    encoder-decoder's graphs), shared out so that their loaded shards together stay within it:
+    each component gets its largest shard, then the rest in proportion to what it still needs;
+    a component whose share holds it whole is resident. A lone chain keeps the whole budget.
+
+    Raises:
+        ConfigError: the budget cannot hold the largest shard of every component at once.
+    """
+    if memory_budget is None or len(parts) < 2:
+        return {name: memory_budget for name in parts}
+    budget = parse_bytes(memory_budget)
+    sizes = {name: shard_bytes(m) for name, m in parts.items()}
+    total = {name: sum(s) for name, s in sizes.items()}
+    if sum(total.values()) <= budget:
+        return {name: max(total[name], 1) for name in parts}
+    least = {name: max(s) for name, s in sizes.items()}
+    if sum(least.values()) > budget:
+        named = ", ".join(f"{name} {fmt_bytes(b)}" for name, b in least.items())
+        raise ConfigError(
+            f"memory budget {fmt_bytes(budget)} cannot hold the largest shard of each component at once ({named}: "
+            f"{fmt_bytes(sum(least.values()))}); give at least {_round_up_mb(sum(least.values()))}MB (memory_budget=, "
+            "--memory-budget), or re-convert with smaller shards (--shard-size).")
+    rest, need = budget - sum(least.values()), {name: total[name] - least[name] for name in parts}
+    wanted = sum(need.values()) or 1
+    return {name: min(total[name], least[name] + rest * need[name] // wanted) for name in parts}
+
+
 @dataclass
 class StreamPlan:
     """What a loaded model keeps in memory.
@@ -207,19 +241,22 @@ def plan_stream(
     if budget is not None:
         big = max(range(n), key=lambda i: sizes[i])
         if budget < sizes[big]:
+            have, need = _apart(budget, sizes[big])
             raise ConfigError(
-                f"memory budget {fmt_bytes(budget)} is smaller than shard {big} "
-                f"({manifest.shards[big].file}, {fmt_bytes(sizes[big])}), the largest shard; a shard must fit "
+                f"memory budget {have} is smaller than shard {big} "
+                f"({manifest.shards[big].file}, {need}), the largest shard; a shard must fit "
                 f"whole. Give at least {_round_up_mb(sizes[big])}MB (memory_budget=, --memory-budget), or re-convert with "
                 "smaller shards (--shard-size)."
             )
         pin_bytes = sum(sizes[i] for i in pinned)
         rest = [sizes[i] for i in range(n) if i not in pinned]
         if rest and pin_bytes + max(rest) > budget:
+            biggest = max((i for i in range(n) if i not in pinned), key=lambda i: sizes[i])
+            have, need = _apart(budget, pin_bytes + sizes[biggest])
             raise ConfigError(
-                f"memory budget {fmt_bytes(budget)} cannot hold the pinned shards {pinned} "
-                f"({fmt_bytes(pin_bytes)}) plus one streamed shard ({fmt_bytes(max(rest))}); pin fewer "
-                "shards or raise the budget."
+                f"memory budget {have} cannot hold the pinned shards {pinned} ({fmt_bytes(pin_bytes)}) plus the "
+                f"largest streamed one, shard {biggest} ({manifest.shards[biggest].file}, {fmt_bytes(sizes[biggest])}): "
+                f"{need} together; pin fewer shards or raise the budget."
             )
     if resident is None and prefetch is None and budget is None and not pinned:
         return StreamPlan(n, 0, list(range(n)), [], total, total, "", sizes)
