@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import SourceError
+from slimml.runtime.artifact.manifest import utf8_path
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")
@@ -80,6 +81,7 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
     if not isinstance(source, (str, os.PathLike)):
         return _module_source(source, example_inputs, name=type(source).__name__)
     path = Path(source).expanduser()
+    utf8_path(path)
     if not path.exists():
         raise SourceError(
             f"source {path} does not exist. Give a Hugging Face model folder, an .onnx or .gguf file, a .py file "

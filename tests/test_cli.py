@@ -176,6 +176,8 @@ def test_wrong_kinds_of_input_each_say_the_right_fix(tiny_bert_artifact, tiny_ll
     (tmp_path / "arts" / "v1").mkdir(parents=True)
     (tmp_path / "arts" / "latest").symlink_to("v1")
     checks.append((("quantize", tiny_bert_artifact, "-o", tmp_path / "arts" / "latest"), "is a symbolic link"))
+    bad = tmp_path / os.fsdecode(b"bad\xff")  # a name the file system took that is not UTF-8: tracebacks before
+    checks += [(("run", bad, "hi"), "is not valid UTF-8"), (("convert", tiny_bert_dir, "-o", bad), "bad\\xff is not valid UTF-8")]
     for args, words in checks:
         r = slimml(*args)
         assert r.returncode == 1 and words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr[-800:])

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
-from slimml.runtime.artifact.manifest import MANIFEST_NAME
+from slimml.runtime.artifact.manifest import MANIFEST_NAME, utf8_path
 from slimml.runtime.artifact.replace import umask
 
 log = logging.getLogger("slimml")
@@ -76,6 +76,7 @@ def check_output(out: Path) -> None:
 
 
 def _check_output(out: Path) -> None:
+    utf8_path(out)
     if out.is_symlink():  # swapping a new folder in would replace the link, not what it points to
         raise ConfigError(f"the output {out} is a symbolic link (to {os.readlink(out)}); give -o the folder it points "
                           "to, or a new path (then point the link at it).")

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from slimml.errors import ArtifactError, IntegrityError
+from slimml.errors import ArtifactError, ConfigError, IntegrityError
 from slimml.runtime.artifact.records import (
     ASSETS, Pooling, Preprocessor, Seq2Seq, Tokenizer, ZeroShot, assets_problems, derived_assets, is_int,
 )
@@ -270,6 +270,20 @@ class Manifest:
         return replace_file(Path(folder) / MANIFEST_NAME, json.dumps(self.to_json(), indent=2) + "\n")
 
 
+def utf8_path(path: Path) -> None:
+    """Refuse a path that is not valid UTF-8 (bytes the file system took, which Python keeps as
+    surrogates): ONNX Runtime, tokenizers and onnx take UTF-8 paths, and failed with tracebacks.
+
+    Raises:
+        ConfigError: naming the path and the fix.
+    """
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"the path {os.fsencode(path).decode('utf-8', 'backslashreplace')} is not valid UTF-8, "
+                          "which ONNX Runtime and the tokenizers need; rename it (or a folder above it) in UTF-8.") from None
+
+
 def read_manifest(folder: str | os.PathLike) -> Manifest:
     """Read and check the structure of ``folder/manifest.json`` (not the files' hashes).
 
@@ -278,6 +292,7 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
             version, or names a path that escapes the folder.
     """
     folder = Path(folder)
+    utf8_path(folder)
     if folder.is_file():  # a model file given where its converted artifact belongs
         if folder.name == MANIFEST_NAME:
             raise ArtifactError(f"{folder} is the artifact's manifest; give the folder that holds it: {folder.parent}")
