@@ -289,9 +289,15 @@ def run(
 
     from slimml.runtime import load
 
+    from slimml.runtime.tasks.token_classification import AGGREGATIONS
+
     texts = [*(texts or []), *(text or [])]
     if sum(map(bool, (texts or image, audio, input))) != 1:
         raise SlimmlError("give texts (TEXT or --text), --image files, --audio files or --input FILE.npz: one kind of input.")
+    if top_k is not None and top_k < 1:  # checked whatever the artifact: a value it ignores is still a mistake
+        raise SlimmlError(f"--top-k must be a whole number >= 1, got {top_k}.")
+    if aggregation not in AGGREGATIONS:
+        raise SlimmlError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}.")
     model = load(artifact, loading.build())
     if question is not None:
         if not texts or not model.supports("answer"):
@@ -484,7 +490,7 @@ def bench(
     old = Baseline.load(baseline) if baseline else None
     if old is not None:  # other settings fail before the timing runs
         check_settings(old, "bench", {"batch": batch, "seq": seq, "device": device})
-    if sweep:
+    if sweep is not None:
         from slimml.runtime.tools.sweep import sweep as do_sweep
 
         ks, _, ps = sweep.partition(":")
@@ -495,9 +501,12 @@ def bench(
             raise SlimmlError(f"--sweep {sweep!r} is not 'K,K,...' or 'K,K,...:P,P,...' (whole numbers).") from None
         result = do_sweep(artifact, k_values, p_values, sweep_out, device=device, batch=batch, seq=seq, runs=runs, pin=pin)
         if as_json:
-            print(json.dumps({"rows": result.rows, "table": str(result.table), "plot": str(result.plot) if result.plot else None}))
+            print(json.dumps({"rows": result.rows, "table": str(result.table), "plot": str(result.plot) if result.plot else None,
+                              "skipped": result.skipped}))
             return
         console.print(result.table.read_text())
+        if result.skipped:
+            console.print(f"skipped: {'; '.join(result.skipped)}")
         console.print(f"wrote {result.table}, {result.csv}" + (f", {result.plot}" if result.plot else
                       " (no plot: pip install 'slimml[bench]' for matplotlib)"))
         return

@@ -170,6 +170,9 @@ def test_wrong_kinds_of_input_each_say_the_right_fix(tiny_bert_artifact, tiny_ll
         (("run", tiny_llama_past_artifact, "hello"), "has no tokenizer, so it cannot take text; it takes token ids"),
         (("run", tiny_bert_artifact, "--input", tmp_path), "is a folder, not a file"),
         (("bench", tiny_bert_artifact, "--batch", "99999999"), "out of memory"),
+        (("run", tiny_bert_artifact, "hi", "--top-k", "-1"), "--top-k must be a whole number >= 1"),  # was ignored
+        (("run", tiny_bert_artifact, "hi", "--aggregation", "foo"), "--aggregation must be one of none, simple"),
+        (("bench", tiny_bert_artifact, "--sweep", "2", "--sweep-out", tmp_path / "junk.bin"), "--sweep-out"),
     ]
     (tmp_path / "junk.bin").write_bytes(bytes(range(256)) * 20)
     checks.append((("run", tiny_bert_artifact, "--input", tmp_path / "junk.bin"), "(not an .npz file)"))

@@ -49,6 +49,18 @@ def test_generate_needs_a_tokenizer_for_text(tiny_llama_artifact):  # noqa: F811
     assert str(r.exception).endswith("has no tokenizer; pass token ids instead of text.")
 
 
+def test_bench_sweep_says_which_points_it_skips_and_refuses_when_none_streams(mlp_artifact, tmp_path):  # noqa: F811
+    """``--sweep 2:5`` wrote a table of the resident row alone, and ``--sweep ''`` was ignored."""
+    r = runner.invoke(app, ["bench", str(mlp_artifact), "--sweep", "2:5", "--sweep-out", str(tmp_path)])
+    assert isinstance(r.exception, ConfigError) and "no point of the sweep streams" in str(r.exception)
+    assert "K=2 P=5 (P=5 needs K >= 6)" in str(r.exception)
+    r = runner.invoke(app, ["bench", str(mlp_artifact), "--sweep", "", "--sweep-out", str(tmp_path)])
+    assert isinstance(r.exception, ConfigError) and "--sweep needs resident values" in str(r.exception)
+    r = runner.invoke(app, ["bench", str(mlp_artifact), "--sweep", "2:0,5", "--runs", "1", "--sweep-out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["skipped"] == ["K=2 P=5 (P=5 needs K >= 6)"]
+
+
 @pytest.mark.parametrize("bad", ["a,b", "2:x"])
 def test_bench_sweep_bad_spec(mlp_artifact, bad):  # noqa: F811
     r = runner.invoke(app, ["bench", str(mlp_artifact), "--sweep", bad])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
@@ -26,6 +26,7 @@ class SweepResult:
     table: Path
     csv: Path
     plot: Path | None
+    skipped: list[str] = field(default_factory=list)  # the points asked for that cannot stream this artifact, and why
 
 
 def sweep(
@@ -53,16 +54,25 @@ def sweep(
     from slimml.runtime.loader import load
 
     manifest = read_manifest(path)
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():  # before the runs, not after them
+        raise ConfigError(f"--sweep-out {out_dir} is a file; give a folder for the sweep's table, CSV and plot.")
     if not resident or any(k < 1 for k in resident):
         raise ConfigError(f"--sweep needs resident values >= 1, got {resident}.")
     n = len(manifest.shards)
-    combos = []
+    combos, skipped = [], []
     for k in sorted(set(resident)):
         for p in sorted(set(prefetch)) if prefetch else [None]:
             slots = k - len(pin or [])
-            if slots < 1 or (p is not None and p > slots - 1) or k >= n:
+            why = (f"K={k} holds all {n} shards: nothing streams" if k >= n else
+                   f"K={k} leaves no slot beside the {len(pin or [])} pinned" if slots < 1 else
+                   f"P={p} needs K >= {p + 1 + len(pin or [])}" if p is not None and p > slots - 1 else None)
+            if why:
+                skipped.append(f"K={k}" + (f" P={p}" if p is not None else "") + f" ({why})")
                 continue
             combos.append((k, p))
+    if not combos:
+        raise ConfigError(f"no point of the sweep streams this artifact of {n} shards: {'; '.join(skipped)}. Give K values "
+                          f"from {1 + len(pin or [])} to {n - 1}, and P values below K, e.g. --sweep 2,3:0,1.")
     combos.append((None, None))  # the fully resident reference
     rows = []
     verify = True
@@ -100,7 +110,8 @@ def sweep(
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    return SweepResult(rows=rows, table=table, csv=csv_path, plot=_plot(rows, out / "sweep.png", manifest.name))
+    return SweepResult(rows=rows, table=table, csv=csv_path, plot=_plot(rows, out / "sweep.png", manifest.name),
+                       skipped=skipped)
 
 
 def _plot(rows: list[dict], path: Path, name: str) -> Path | None:

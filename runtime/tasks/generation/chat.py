@@ -238,6 +238,9 @@ def _read(path: Path, manifest: Any = None, folder: Path | None = None) -> str |
             return None if data is None else data.decode("utf-8")
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
+        if manifest is None:  # the caller's own file (--chat-template), not the artifact's
+            raise ConfigError(f"could not read the chat template {path} ({_line(str(e))}); give a UTF-8 Jinja template "
+                              "file.") from None
         raise ArtifactError(f"could not read the chat template {path} ({_line(str(e))}); re-convert the model.") from None
 
 
