@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
 
 import slimml
@@ -269,9 +270,9 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         ctx = ShardContext(index=spec.index, fuse=fuse)
         if envs is not None:
             ctx.reader = ch.RecordedReader(envs, [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}])
-        before = _made(model, config)  # counted first: a backend may change its input in place
+        before = _made(model)  # counted first: a backend may change its input in place
         q = backend(model, config, ctx)
-        unchanged = q is not None and _made(q, config) <= before  # the backend gave its input back
+        unchanged = q is not None and not _more(_made(q), before)  # the backend gave its input back
         if envs is not None:
             step(f"running float shard {spec.index + 1} on the calibration data")
             ch.advance(envs, path, spec.index, last_read)
@@ -329,8 +330,6 @@ def _providers() -> list[str]:
 
 def _write_chain(w: ArtifactWriter, src: Path, manifest: Manifest, final: list[Path], quant_files: dict[int, Path]) -> list[ShardSpec]:
     """Put each shard (quantized, or the float one) into the writer's folder; their new specs."""
-    import numpy as np
-
     shards = []
     for spec, path in zip(manifest.shards, final):
         own_data = f"{spec.file}.data"
@@ -365,12 +364,16 @@ def _unchanged_why(model: onnx.ModelProto, config: QuantizeConfig) -> str:
     return f"left float: the {_scheme_name(config)} quantizer found nothing it changes in it"
 
 
-def _made(model: onnx.ModelProto, config: QuantizeConfig) -> int:
-    """How much of what the scheme makes ``model`` holds: float16 weights (fp16), else quantized ops.
-    A backend that found nothing it quantizes gives its graph back with no more of them."""
-    if isinstance(config, Fp16Config):
-        return sum(t.data_type == onnx.TensorProto.FLOAT16 for t in model.graph.initializer)
-    return sum(n.op_type in QUANTIZED_OPS for n in model.graph.node)
+def _made(model: onnx.ModelProto) -> tuple[int, int]:
+    """(quantized ops, float32 weight values) of ``model``: a backend that quantized something added
+    the one or took from the other (a language model's embedding becomes 8-bit rows behind plain
+    Gathers; fp16 halves the float32 weights); one that found nothing gives its graph back as it was."""
+    floats = sum(int(np.prod(t.dims, dtype=np.int64)) for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT)
+    return sum(n.op_type in QUANTIZED_OPS for n in model.graph.node), floats
+
+
+def _more(after: tuple[int, int], before: tuple[int, int]) -> bool:
+    return after[0] > before[0] or after[1] < before[1]
 
 
 def _as_written(specs: list[TensorSpec], m: onnx.ModelProto) -> list[TensorSpec]:
