@@ -107,8 +107,7 @@ class FileWatch:
             look, modified = notify.read()
             for rel, path, was in modified:  # written or truncated in place, whatever its times say now
                 now = _identity(path)
-                self._refuse(rel, _what(was, now) if _put_back(was, now) is False
-                             else "was rewritten in place (its size and times put back)")
+                self._refuse(rel, _what(was, now) if now != was else "was rewritten in place (its size and times put back)")
             if look:
                 self._check_paths()
 

@@ -41,7 +41,7 @@ from slimml.errors import ArtifactError, IntegrityError, SlimmlError
 from slimml.runtime.artifact.manifest import Manifest, hash_file, safe_path
 from slimml.runtime.engine.cache import CacheEntry, make_record, private_folder, read_record
 from slimml.runtime.engine import read_in as reads
-from slimml.runtime.engine.slots import Slot
+from slimml.runtime.engine.slots import Slot, file_stamp
 
 if TYPE_CHECKING:
     from slimml.runtime.engine.backends.base import Backend
@@ -203,7 +203,7 @@ class PackedSlots:
                                      disabled_optimizers=self.backend.disabled_optimizers())
                 if not (tmp / "shard.onnx.data").is_file():
                     raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
-                if any(_stamp(path) != stamp for path, stamp in sources):  # changed while ONNX Runtime read it
+                if any(file_stamp(path) != stamp for path, stamp in sources):  # changed while ONNX Runtime read it
                     raise IntegrityError(f"shard {index}'s files changed while they were packed; restore the artifact "
                                          "(write a new folder and rename it, never overwrite files in place) and load "
                                          "it again.")
@@ -232,8 +232,8 @@ class PackedSlots:
             if not rel:
                 continue
             path = safe_path(self.folder, rel)
-            stamp = _stamp(path)
-            if hash_file(path)[0] != listed.get(rel) or _stamp(path) != stamp:
+            stamp = file_stamp(path)
+            if hash_file(path)[0] != listed.get(rel) or file_stamp(path) != stamp:
                 raise IntegrityError(f"{rel} in {self.folder} does not match its sha256 in the manifest, so shard {index} "
                                      "was not packed; the artifact is damaged or was tampered with: re-convert it.")
             out.append((path, stamp))
@@ -244,14 +244,6 @@ class PackedSlots:
             f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
             "to a writable folder with room for about twice the streamed shards, or pass pack=False"
         )
-
-
-def _stamp(path: Path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 _MAPPING = threading.Lock()  # one session opened at a time, so that the mappings it adds are known to be its own

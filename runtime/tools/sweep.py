@@ -59,20 +59,20 @@ def sweep(
     if not resident or any(k < 1 for k in resident):
         raise ConfigError(f"--sweep needs resident values >= 1, got {resident}.")
     n = len(manifest.shards)
-    combos, skipped = [], []
+    combos, skipped, pinned = [], [], len(pin or [])
     for k in sorted(set(resident)):
         for p in sorted(set(prefetch)) if prefetch else [None]:
-            slots = k - len(pin or [])
+            slots = k - pinned
             why = (f"K={k} holds all {n} shards: nothing streams" if k >= n else
-                   f"K={k} leaves no slot beside the {len(pin or [])} pinned" if slots < 1 else
-                   f"P={p} needs K >= {p + 1 + len(pin or [])}" if p is not None and p > slots - 1 else None)
+                   f"K={k} leaves no slot beside the {pinned} pinned" if slots < 1 else
+                   f"P={p} needs K >= {p + 1 + pinned}" if p is not None and p > slots - 1 else None)
             if why:
                 skipped.append(f"K={k}" + (f" P={p}" if p is not None else "") + f" ({why})")
                 continue
             combos.append((k, p))
     if not combos:
         raise ConfigError(f"no point of the sweep streams this artifact of {n} shards: {'; '.join(skipped)}. Give K values "
-                          f"from {1 + len(pin or [])} to {n - 1}, and P values below K, e.g. --sweep 2,3:0,1.")
+                          f"from {1 + pinned} to {n - 1}, and P values below K, e.g. --sweep 2,3:0,1.")
     combos.append((None, None))  # the fully resident reference
     rows = []
     verify = True
