@@ -20,6 +20,7 @@ from typing import Any
 
 from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
 from slimml.runtime.artifact.manifest import read_listed, safe_path
+from slimml.runtime.tasks.generation import template_budget
 from slimml.runtime.tasks.limits import surrogate_at
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
@@ -43,7 +44,6 @@ class ChatTemplate:
                  given: bool = False):
         import jinja2
         from jinja2.ext import Extension, loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         class Generation(Extension):  # {% generation %}...{% endgeneration %}: marks assistant text; renders it
             tags = {"generation"}
@@ -56,8 +56,10 @@ class ChatTemplate:
             def _body(self, caller):
                 return caller()
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+        env = template_budget.sandbox_class()(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=[Generation, loopcontrols, template_budget.budget_extension()])
         env.filters["tojson"] = _tojson
+        env.filters.update({k: template_budget.budgeted_filter(f) for k, f in env.filters.items()})
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now
         self.where = where
@@ -67,7 +69,7 @@ class ChatTemplate:
         fix = "fix the template" if given else "fix the template or re-convert the model from a folder whose template works"
         error = ConfigError if given else ArtifactError
         try:
-            self.template = env.from_string(source)
+            self.template = template_budget.meter_template(env, source)
         except jinja2.TemplateSyntaxError as e:
             raise error(f"{where} does not parse (line {e.lineno}: {_line(e.message)}); {fix}.") from None
         except (ValueError, OverflowError, MemoryError, RecursionError) as e:  # Jinja folds constants as it compiles
@@ -87,7 +89,11 @@ class ChatTemplate:
             messages, final = _tagged(messages)
         context = {"tools": None, "documents": None, **self.special, **variables}
         try:
-            text = self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+            text = template_budget.render(self.template, messages=messages,
+                                          add_generation_prompt=add_generation_prompt, **context)
+        except template_budget.OverBudget as e:
+            raise SlimmlError(f"{self.where} went past its budget rendering these messages ({e}); fix the template "
+                              "(a loop that does not end?) or give fewer, shorter messages.") from None
         except Exception as e:  # raise_exception in the template, an undefined name, a type error in it
             parts = next((i for i, m in enumerate(messages) if isinstance(m.get("content"), (list, tuple))), None)
             hint = (f"; message {parts}'s content is a list of parts, and this template may take text only: give the "

@@ -1,0 +1,220 @@
+"""A bound on what one chat template rendering may spend.
+
+A chat template is code: Jinja's sandbox keeps it from the process's objects, not from running for
+ever or filling memory. The template ships with the artifact (so the manifest's hashes vouch for
+it) or comes from the caller, and a server renders it for every request; a template with a loop
+that does not end, or one that builds a string of gigabytes, would stall that server. Real templates
+take a few loop steps and calls per message, so the bounds below are far above any of them:
+
+- **steps**: loop iterations and calls (macros, methods, globals), at most ``RENDER_STEPS`` in all;
+- **time**: at most ``RENDER_SECONDS``, checked at every step;
+- **size**: no string or list past ``RENDER_CHARS`` is built by ``*``, ``+``, ``~``, ``%``, a filter
+  or a call (checked before it is built where its size can be known, so none is allocated), and the
+  rendered text stops there too.
+
+The For loops and ``~`` of a parsed template are routed through :class:`Meter` (the ``Budget``
+extension's methods, which a template cannot rebind); binary operators, calls and filters through
+:class:`BudgetedSandbox`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+from contextvars import ContextVar
+from typing import Any
+
+RENDER_STEPS = 1_000_000
+RENDER_SECONDS = 2.0
+RENDER_CHARS = 1 << 24  # 16 Mi characters: a prompt is at most a context of tokens, far below
+
+_meter: ContextVar[Meter | None] = ContextVar("slimml_template_meter", default=None)
+_BIG_FIELD = re.compile(r"\d{9,}")  # a width or precision of 9+ digits in a format string ('%1000000000s')
+
+
+class OverBudget(Exception):
+    """A rendering went past one of the bounds; the text says which."""
+
+
+class Meter:
+    """One rendering's steps and deadline; ``with Meter():`` makes it the current one."""
+
+    __slots__ = ("steps", "deadline", "_token")
+
+    def __init__(self):
+        self.steps = 0
+        self.deadline = time.monotonic() + RENDER_SECONDS
+
+    def __enter__(self) -> Meter:
+        self._token = _meter.set(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _meter.reset(self._token)
+
+    def step(self, n: int = 1) -> None:
+        self.steps += n
+        if self.steps > RENDER_STEPS:
+            raise OverBudget(f"more than {RENDER_STEPS:,} loop steps and calls")
+        if time.monotonic() > self.deadline:
+            raise OverBudget(f"more than {RENDER_SECONDS:g} s")
+
+
+def step(n: int = 1) -> None:
+    """Count ``n`` steps against the current rendering (none outside one: compiling folds constants)."""
+    meter = _meter.get()
+    if meter is not None:
+        meter.step(n)
+
+
+def check_size(n: int, what: str) -> None:
+    if n > RENDER_CHARS:
+        raise OverBudget(f"{what} of {n:,} characters or items (more than {RENDER_CHARS:,})")
+
+
+def _sized(x: Any) -> bool:
+    return isinstance(x, (str, bytes, list, tuple))
+
+
+def _check_numbers(args: tuple, kwargs: dict) -> None:
+    """No call or filter of a real template takes a number past RENDER_CHARS (a width, a count)."""
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, int) and not isinstance(x, bool) and abs(x) > RENDER_CHARS:
+            raise OverBudget(f"a call given the number {x:,} (more than {RENDER_CHARS:,})")
+
+
+def _check_format(fmt: Any) -> None:
+    """A format string's own widths ('%1000000000s', '{:>1000000000}'); the values it formats are
+    the messages' text, never checked."""
+    if isinstance(fmt, str) and _BIG_FIELD.search(fmt):
+        raise OverBudget("a format string with a field width of 9 or more digits")
+
+
+def _checked_result(value: Any) -> Any:
+    if _sized(value):
+        check_size(len(value), "a result")
+    return value
+
+
+def budgeted_filter(f):
+    """``f`` (a Jinja filter) with its numbers checked first and its result's size after."""
+    @functools.wraps(f)  # keeps jinja_pass_arg (pass_context, pass_eval_context, pass_environment)
+    def run(*args, **kwargs):
+        _check_numbers(args, kwargs)
+        if f.__name__ == "do_replace":
+            _check_replace(args, kwargs)
+        elif f.__name__ == "do_format":
+            _check_format(args[0] if args else None)
+        return _checked_result(f(*args, **kwargs))
+    return run
+
+
+def _check_replace(args: tuple, kwargs: dict) -> None:
+    strings = [a for a in args if isinstance(a, str)][-3:]  # (eval_ctx,) s, old, new
+    if len(strings) == 3:
+        s, old, new = strings
+        grows = len(new) - len(old)
+        if grows > 0:
+            hits = s.count(old) if old else len(s) + 1
+            check_size(len(s) + hits * grows, "a replaced string")
+
+
+def sandbox_class():
+    """The sandboxed environment class with the budget's hooks (jinja2 is imported only when a
+    template is compiled, as chat.py does)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BudgetedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+        def call_binop(self, context, op, left, right):
+            if op == "*":
+                seq, n = (left, right) if _sized(left) else (right, left)
+                if _sized(seq) and isinstance(n, int):
+                    check_size(len(seq) * max(n, 0), "a repeated string or list")
+            elif op == "+" and _sized(left) and _sized(right):
+                check_size(len(left) + len(right), "a joined string or list")
+            elif op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+                if right * abs(left).bit_length() > 1 << 16:
+                    raise OverBudget(f"a power {left} ** {right} of more than 65,536 bits")
+            elif op == "%" and isinstance(left, str):
+                _check_format(left)
+                _check_numbers(right if isinstance(right, tuple) else (right,), {})
+            return _checked_result(self.binop_table[op](left, right))
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
+            step()
+            _check_numbers(args, kwargs)
+            return _checked_result(super().call(__context, __obj, *args, **kwargs))
+
+        def wrap_str_format(self, value):  # 'text'.format / .format_map, looked up: its own widths first
+            if getattr(value, "__name__", None) in ("format", "format_map"):
+                _check_format(getattr(value, "__self__", None))
+            return super().wrap_str_format(value)
+
+    return BudgetedSandbox
+
+
+def budget_extension():
+    """The extension whose methods the parsed template's For loops and ``~`` are routed through."""
+    from jinja2.ext import Extension
+
+    class Budget(Extension):
+        def steps(self, iterable):
+            try:
+                n = len(iterable)
+            except TypeError:  # a generator (a filter's |map, |select...): one step per item
+                return _counted(iterable)
+            step(max(n, 1))
+            return iterable
+
+        def concat(self, *parts):
+            texts = [str(p) for p in parts]
+            check_size(sum(map(len, texts)), "a ~ joined string")
+            return "".join(texts)
+
+    return Budget
+
+
+def _counted(iterable):
+    step()
+    for x in iterable:
+        step()
+        yield x
+
+
+def meter_template(env, source: str):
+    """``source`` parsed in ``env`` (which has the ``Budget`` extension), its For loops' iterables and
+    ``~`` joins routed through the extension, compiled."""
+    from jinja2 import nodes
+
+    tree = env.parse(source)
+    budget = next(e for e in env.extensions.values() if type(e).__name__ == "Budget")
+    for loop in tree.find_all(nodes.For):
+        loop.iter = budget.call_method("steps", [loop.iter], lineno=loop.lineno)
+    for parent in tree.find_all(nodes.Node):  # ~ joins: replace each Concat where it sits
+        for field in parent.fields:
+            value = getattr(parent, field, None)
+            if isinstance(value, nodes.Concat):
+                setattr(parent, field, budget.call_method("concat", value.nodes, lineno=value.lineno))
+            elif isinstance(value, list):
+                setattr(parent, field, [budget.call_method("concat", v.nodes, lineno=v.lineno)
+                                        if isinstance(v, nodes.Concat) else v for v in value])
+    return env.from_string(tree)
+
+
+def render(template, **context) -> str:
+    """``template`` rendered within the budget; :class:`OverBudget` past it."""
+    with Meter():
+        out, size = [], 0
+        for chunk in template.generate(**context):
+            size += len(chunk)
+            check_size(size, "rendered text")
+            out.append(chunk)
+            step(0)  # the deadline, between chunks
+        return "".join(out)
+
+
+__all__ = ["OverBudget", "RENDER_CHARS", "RENDER_SECONDS", "RENDER_STEPS", "budget_extension", "budgeted_filter",
+           "meter_template", "render", "sandbox_class"]

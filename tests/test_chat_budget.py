@@ -1,0 +1,62 @@
+"""A chat template is code that a server runs for every request: one that loops for ever or builds a
+string of gigabytes is stopped within the budget (runtime/tasks/generation/template_budget.py),
+in one line, and real templates render as before."""
+
+import time
+
+import pytest
+
+from slimml.errors import SlimmlError
+from slimml.runtime.tasks.generation.chat import ChatTemplate
+from slimml.runtime.tasks.generation.template_budget import RENDER_SECONDS
+
+MESSAGES = [{"role": "user", "content": "Hi: 50% of 1234567890123 {x} %s"}]
+
+HOSTILE = {
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x",
+    "string product": "{{ 'x' * 1000000000 }}",
+    "list product joined": "{{ (range(100000)|list * 1000)|join }}",
+    "power": "{{ 10 ** 100000000 }}",
+    "filter width": "{{ 'a'|center(1000000000) }}",
+    "format filter width": "{{ '%1000000000s'|format('a') }}",
+    "str.format width": "{{ '{:>1000000000}'.format('a') }}",
+    "percent width": "{{ '%1000000000s' % 'a' }}",
+    "doubling with ~": "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s ~ ns.s %}"
+                       "{% endfor %}{{ ns.s|length }}",
+    "doubling with +": "{% set ns = namespace(s='x') %}{% for i in range(60) %}{% set ns.s = ns.s + ns.s %}"
+                       "{% endfor %}{{ ns.s|length }}",
+    "exponential macro": "{% macro f(n) %}{% if n < 40 %}{{ f(n+1) }}{{ f(n+1) }}{% endif %}{% endmacro %}{{ f(0) }}x",
+    "growing replace": "{% set s = 'a' * 10000 %}{{ s|replace('a', s) }}",
+    "endless output": "{% for i in range(100000) %}{% for j in range(9) %}{{ 'y' * 100 }}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_a_runaway_template_is_stopped_in_one_line(name):
+    template = ChatTemplate(HOSTILE[name], given=True)
+    started = time.monotonic()
+    with pytest.raises(SlimmlError) as e:
+        template.render(MESSAGES)
+    assert time.monotonic() - started < RENDER_SECONDS + 2
+    message = str(e.value)
+    assert "\n" not in message and "budget" in message and "fix the template" in message, message
+
+
+def test_real_template_features_render_as_before():
+    """Loops with loop.last/length and else, selectattr, filters, format, replace, ~ and a message
+    whose text has percent signs, braces and long numbers (never taken for a format string)."""
+    source = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content|trim }}|{{ '%s'|format(m.content) }}|"
+              "{{ m.content.replace('Hi', 'Yo') ~ '!' }}{% if loop.last %} L{{ loop.length }}{% endif %}{% endfor %}"
+              "{% for m in messages|selectattr('role', 'equalto', 'system') %}s{% else %} none{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    text = ChatTemplate(source, given=True).render(MESSAGES)
+    content = MESSAGES[0]["content"]
+    assert text == (f"<|user|>{content}|{content}|{content.replace('Hi', 'Yo')}! L1 none<|assistant|>")
+
+
+def test_a_long_conversation_fits_the_budget():
+    source = ("{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' + m.content | trim + '<|im_end|>\\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    messages = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i} " + "word " * 50} for i in range(5000)]
+    text = ChatTemplate(source, given=True).render(messages)
+    assert text.count("<|im_end|>") == 5000 and text.endswith("<|im_start|>assistant\n")
