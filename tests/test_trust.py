@@ -416,19 +416,28 @@ def test_quantize_checks_its_source_as_load_does_and_never_launders_a_swapped_fi
 
 
 def test_a_shard_graph_that_is_not_what_its_manifest_lists_is_refused_at_load(mlp_artifact, tmp_path):
-    """A graph swapped under honest hashes: another output dtype (encode gave garbage) or an input the
-    manifest does not list (a FeedError blaming the caller's feeds) is refused when the model loads."""
+    """A graph swapped under honest hashes: another output dtype (encode gave garbage), an input the
+    manifest does not list (a FeedError blaming the caller's feeds) or an output of another rank or
+    size is refused when the model loads."""
     from slimml.errors import ArtifactError
     from slimml.runtime.artifact.manifest import file_entry, read_manifest
 
-    for change, words in (("dtype", "holds '.*' in another dtype"), ("input", "takes 'extra', which its manifest entry")):
+    for change, words in (("dtype", "holds '.*' in another dtype"), ("input", "takes 'extra', which its manifest entry"),
+                          ("rank", "holds '.*' in another shape"), ("size", "holds '.*' in another shape")):
         art = tmp_path / change
         shutil.copytree(mlp_artifact, art)
         manifest = read_manifest(art)
         shard = manifest.shards[0]
         model = onnx.load(str(art / shard.file), load_external_data=False)
+        dims = model.graph.output[0].type.tensor_type.shape.dim
         if change == "dtype":
             model.graph.output[0].type.tensor_type.elem_type = onnx.TensorProto.INT64
+        elif change == "rank":
+            dims.add().dim_value = 7
+        elif change == "size":
+            listed = next(t.shape for t in shard.outputs if t.name == model.graph.output[0].name)
+            at = next(i for i, n in enumerate(listed) if isinstance(n, int))
+            dims[at].dim_value = listed[at] + 1
         else:
             model.graph.input.append(helper.make_tensor_value_info("extra", onnx.TensorProto.FLOAT, [1]))
         onnx.save(model, str(art / shard.file))

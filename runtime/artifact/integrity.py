@@ -116,11 +116,27 @@ def _check_boundary(shard: ShardSpec, graph) -> None:
     wrong = [n for n, t in [*listed_in.items(), *listed_out.items()]
              if (v := takes.get(n) or gives.get(n)) is not None and v.type.tensor_type.elem_type
              and _dtype(helper, v.type.tensor_type.elem_type) not in (None, t.dtype)]
-    if unfed or missing or wrong:
+    shaped = [n for n, t in [*listed_in.items(), *listed_out.items()]
+              if (v := takes.get(n) or gives.get(n)) is not None and not _same_shape(v, t.shape)]
+    if unfed or missing or wrong or shaped:
         what = (f"takes {unfed[0]!r}, which its manifest entry does not list" if unfed else
                 f"does not give {missing[0]!r}, which its manifest entry lists" if missing else
-                f"holds {wrong[0]!r} in another dtype than its manifest entry lists")
+                f"holds {wrong[0]!r} in another dtype than its manifest entry lists" if wrong else
+                f"holds {shaped[0]!r} in another shape than its manifest entry lists")
         raise ArtifactError(f"{shard.file}'s graph {what}; the artifact is damaged or was tampered with: re-convert it.")
+
+
+def _same_shape(value, listed) -> bool:
+    """The graph's shape of ``value`` agrees with the manifest's ``listed``: the same rank, and the
+    same size wherever both give a number (a name, or a graph without shapes, agrees with anything)."""
+    tensor = value.type.tensor_type
+    if not tensor.HasField("shape") or listed is None:
+        return True
+    dims = tensor.shape.dim
+    if len(dims) != len(listed):
+        return False
+    return all(not (d.HasField("dim_value") and isinstance(n, int) and not isinstance(n, bool)) or d.dim_value == n
+               for d, n in zip(dims, listed))
 
 
 def _dtype(helper, elem_type: int) -> str | None:
