@@ -54,6 +54,41 @@ def test_an_address_where_nothing_answers_is_one_line_at_once():
         check_reachable(left_to_ray)
 
 
+CTRL_C_MID_START = """
+import os, signal, subprocess, time
+import ray, ray._private.services as services
+real = services.start_raylet
+def start_raylet(*a, **k):  # Ctrl-C while Ray starts: its GCS is up, its raylet not yet
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.2)
+    return real(*a, **k)
+services.start_raylet = start_raylet
+from slimml.scale.cluster import connect
+try:
+    connect()
+    print("connected")
+except KeyboardInterrupt:
+    print("interrupted, initialized", ray.is_initialized())
+time.sleep(3)
+left = subprocess.run(["pgrep", "-f", os.environ["RAY_TMPDIR"]], capture_output=True, text=True).stdout.split()
+print("left", len([p for p in left if int(p) != os.getpid()]))
+"""
+
+
+def test_ctrl_c_while_ray_starts_leaves_none_of_its_processes(ray_env):
+    """Ctrl-C in the middle of ``ray.init`` (a notebook, a script that catches it) raised there and left
+    the processes Ray had started running beside a process that lives on (seen: 4); now the signal
+    waits for the start, and Ray is shut down before it is delivered."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_TMPDIR": str(ray_env / "ctrlc"), "HF_HUB_OFFLINE": "1"}
+    (ray_env / "ctrlc").mkdir()
+    out = subprocess.run([sys.executable, "-c", CTRL_C_MID_START], env=env, capture_output=True, text=True, timeout=180)
+    assert "interrupted, initialized False" in out.stdout and "left 0" in out.stdout, out.stdout + out.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_env):
     """Two nodes of one CPU each, the driver connected; stopped afterwards."""
@@ -241,3 +276,20 @@ def test_verify_rehashes_what_the_driver_reads_too(cluster, tiny_bert_artifact, 
             model.verify()
     finally:
         model.close()
+
+
+def test_a_ray_start_that_fails_is_one_line(monkeypatch):
+    """Ray's own start failing (under load: "The current node timed out during startup") was a raw
+    traceback from `slimml serve`; now one line that says what to do."""
+    from slimml.errors import SlimmlError
+    from slimml.scale import cluster
+
+    def timed_out(*args, **kwargs):
+        raise Exception("The current node timed out during startup. This could happen because some of the Ray "
+                        "processes failed to startup.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", timed_out)
+    with pytest.raises(SlimmlError, match=r"^Ray did not start \(The current node timed out during startup.*\); the "
+                                          r"machine may be too busy: free some cores"):
+        cluster.connect()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+import threading
 
-from slimml.errors import ConfigError
+from slimml.errors import ConfigError, SlimmlError
 
 CONNECT_TIMEOUT_S = 10  # a HOST:PORT that does not answer a TCP connection within this is refused
 
@@ -55,17 +58,69 @@ def connect(address: str | None = None) -> bool:
     if address is not None:
         check_reachable(address)
     try:
-        if address is None:
-            ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-        else:
-            ray.init(address=address, log_to_driver=False, configure_logging=False)
+        with _signals_held() as held:
+            if address is None:
+                ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+            else:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
     except (ConnectionError, ValueError) as e:  # ValueError: an address Ray cannot parse ("garbage")
         raise ConfigError(
             f"could not join the Ray cluster at {address!r} ({e}); give HOST:PORT of a cluster started with "
             "`ray start --head` on the head node, or leave the address out to run on this machine alone."
         ) from None
+    except Exception as e:  # Ray's own start failing (seen under load: "The current node timed out during startup")
+        first = " ".join(str(e).split())[:300] or type(e).__name__
+        raise SlimmlError(
+            f"Ray did not start ({first}); the machine may be too busy: free some cores or memory and start again. "
+            "Its log is under Ray's session folder (`ray/session_latest/logs` in /tmp or $RAY_TMPDIR)."
+        ) from None
     _holders = 1
+    if held:  # asked to stop while Ray started: now that ray.shutdown() knows every process, deliver it
+        try:
+            signal.raise_signal(held[0])
+        except BaseException:
+            if release_ray():
+                ray.shutdown()
+            raise
     return True
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM held while ``ray.init`` starts Ray's processes, and handed back after it.
+
+    Ray's own SIGTERM handler (set by ``ray.init``) exits from wherever the start is, and Ctrl-C
+    raises there: either left the processes started so far running with nothing to stop them (seen:
+    two agents). The first signal now waits for the start to finish (seconds); a second one is
+    delivered at once.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    import ray._private.utils as ray_utils
+
+    held: list[int] = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def hold(signum, frame) -> None:
+        if held:  # asked twice: stop now
+            signal.signal(signum, previous[signum])
+            signal.raise_signal(signum)
+        held.append(signum)
+
+    keep = getattr(ray_utils, "set_sigterm_handler", None)
+    wanted: list = []  # the handler Ray sets for SIGTERM: set once the start is over, as Ray leaves it
+    for s in previous:
+        signal.signal(s, hold)
+    if keep is not None:
+        ray_utils.set_sigterm_handler = wanted.append
+    try:
+        yield held
+    finally:
+        if keep is not None:
+            ray_utils.set_sigterm_handler = keep
+        for s, handler in previous.items():
+            signal.signal(s, wanted[-1] if s == signal.SIGTERM and wanted else handler)
 
 
 def check_reachable(address: str) -> None:
