@@ -92,6 +92,13 @@ def token_windows(tokenizer_file: str | os.PathLike, text: str, window: int = DE
     return windows_of(ids, window)  # windows of equal length covering (nearly) every token
 
 
+def artifact_context(folder: str | os.PathLike, manifest: Any) -> int | None:
+    """The positions the artifact in ``folder`` takes (as its runtime reads them), without loading it."""
+    from slimml.runtime.artifact.integrity import check_shard_file, max_sequence_length
+
+    return max_sequence_length([check_shard_file(Path(folder), s) for s in manifest.shards], manifest)
+
+
 def torch_scores(folder: str | os.PathLike, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """:func:`score_run` for the Hugging Face model in ``folder`` as the installed transformers computes it (fp32)."""
     import torch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -120,6 +121,7 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig, on_step
         raise ConfigError(f"exclude_shards {list(config.exclude_shards)} names a shard past the artifact's last "
                           f"({shards - 1}); give indices from 0 to {shards - 1}.")
     config = for_language_model(config, manifest, src)  # a decoder gets weight-only blocks (quantize/decoder.py)
+    _check_eval_inputs(config, manifest)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
     if config.guard is not None and config.guard.eval_file is not None:
@@ -152,6 +154,20 @@ def check_inputs(config: QuantizeConfig) -> None:
         from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.guard.eval_file)
+
+
+def _check_eval_inputs(config: QuantizeConfig, manifest: Manifest) -> None:
+    """A language model's evaluation text read, and an STS CSV refused for it, before any long work
+    (they failed after every shard was quantized)."""
+    from slimml.convert.llm_check import is_language_model, read_eval_text
+
+    if not is_language_model(manifest):
+        return
+    if config.guard is not None and config.guard.eval_file is not None:
+        raise ConfigError(f"--eval {config.guard.eval_file} is an STS CSV for sentence-embedding artifacts; a language "
+                          "model's guard scores perplexity on plain text: give it with --eval-text FILE.")
+    if getattr(config, "eval_text", None) is not None:
+        read_eval_text(config.eval_text)
 
 
 def _read_float_artifact(src: Path) -> tuple[Manifest, dict[str, tuple[int, int, int, int]]]:
@@ -401,6 +417,12 @@ def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files
     if lm:  # the decoder recipe (quantize/grids.py), and whether calibration activations weighed it
         record["recipe"] = lm[0]["recipe"] + (", GPTQ on the calibration text" if any(n["activation_aware"] for n in lm) else "")
         record["scaled_ffn"] = sum(n["scaled_ffn"] for n in lm)  # FFN down projections scaled first (quantize/equalize.py)
+        if not any(n["activation_aware"] for n in lm):  # a data-free recipe: no calibration was read
+            record["calibration"] = None
+            if config.calibration is not None:
+                record["calibration_unused"] = f"{origin}: this recipe reads no calibration data"
+                logging.getLogger("slimml").warning("slimml: --calibration %s was not used: the %s recipe reads no "
+                                                    "calibration data", origin, lm[0]["recipe"].split(" (")[0])
         if any("grid_kept" in n or "grid_8bit" in n for n in lm):  # a GGUF source's 4-bit matrices kept, and those of more bits
             record["gguf_grid"] = {"kept_4bit": sum(n.get("grid_kept", 0) for n in lm), "at_8bit": sum(n.get("grid_8bit", 0) for n in lm)}
             grid = record["gguf_grid"]

@@ -19,6 +19,7 @@ from slimml.quantize.grids import GRIDS
 BACKENDS = ("ort", "nncf")
 LM_BACKEND = "lm"  # weight-only blocks for language models (quantize/decoder.py), chosen for them by quantize
 SCHEMES = ("none", "int8", "int8-dynamic", "int8-static", "int8-weights", "int4-weights", "fp16")
+PRESETS = ("int8", "int8-weights", "int4-weights")  # the words a language model turns into its decoder recipe
 TARGETS = ("cpu", "cuda")
 
 
@@ -91,6 +92,10 @@ class _Common:
         exclude_shards: shard indices kept in float (the guard adds to these).
         eval_text: for a language model, the held-out UTF-8 text on which the quantized model's
             perplexity is measured against the float one (default: a built-in sample).
+        preset: the scheme word this config stands for (``"int8"``, ``"int8-weights"``,
+            ``"int4-weights"``; set by ``Int8Config`` and :func:`scheme_config`, as the CLI's
+            ``--quantize`` sets it): on a language model it becomes slimml's decoder recipe
+            (``quantize/decoder.py``). A config without one is used as written.
     """
 
     calibration: Path | None = None
@@ -98,6 +103,7 @@ class _Common:
     guard: GuardConfig | None = None
     exclude_shards: tuple[int, ...] = ()
     eval_text: Path | None = None
+    preset: str | None = None
 
     def _check_common(self):
         if self.calibration is not None:
@@ -112,6 +118,8 @@ class _Common:
         for i in self.exclude_shards:
             _whole("each of exclude_shards", i, 0)
         self.exclude_shards = tuple(sorted(set(self.exclude_shards)))
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ConfigError(f"preset must be one of {', '.join(map(repr, PRESETS))} or None, got {self.preset!r}.")
 
     def _check_backend(self, internal: tuple[str, ...] = ()):
         if self.backend not in BACKENDS + internal:
@@ -261,6 +269,7 @@ def Int8Config(target: str = "cpu", **kwargs) -> QuantizeConfig:
     int8 weights.)
     """
     _check_target(target)
+    kwargs.setdefault("preset", "int8")  # the best int8: on a language model, its decoder recipe
     if target == "cuda":
         return WeightOnlyConfig(bits=8, **kwargs)
     return Int8DynamicConfig(**kwargs)
@@ -305,9 +314,9 @@ def scheme_config(
     if scheme == "int8-static":
         return Int8StaticConfig(backend=backend, **common)
     if scheme == "int8-weights":
-        return WeightOnlyConfig(bits=8, backend=backend, **common)
+        return WeightOnlyConfig(bits=8, backend=backend, preset=scheme, **common)
     if scheme == "int4-weights":
-        return WeightOnlyConfig(bits=4, backend=backend, **common)
+        return WeightOnlyConfig(bits=4, backend=backend, preset=scheme, **common)
     if target != "cuda":
         raise ConfigError("--quantize fp16 is for GPUs (ONNX Runtime runs fp16 slower than fp32 on CPUs); add --target cuda.")
     return Fp16Config(**common)

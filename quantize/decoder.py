@@ -52,9 +52,11 @@ def activation_aware(config) -> bool:
 def calibration_feeds(folder, manifest, texts: list[str]) -> list[dict[str, np.ndarray]]:
     """Decoder feeds over the calibration text (not the evaluation text): windows of
     :data:`CALIBRATION_WINDOW` tokens, :data:`CALIBRATION_TOKENS` in all."""
-    from slimml.convert.llm_check import decoder_feeds, past_shapes, token_windows
+    from slimml.convert.llm_check import artifact_context, decoder_feeds, past_shapes, token_windows
 
-    windows = token_windows(folder / manifest.tokenizer["file"], "\n\n".join(texts), CALIBRATION_WINDOW, CALIBRATION_TOKENS)
+    context = artifact_context(folder, manifest)  # a window never passes the model's positions
+    window = min(CALIBRATION_WINDOW, context) if context else CALIBRATION_WINDOW
+    windows = token_windows(folder / manifest.tokenizer["file"], "\n\n".join(texts), window, CALIBRATION_TOKENS)
     names, past = [t.name for t in manifest.inputs], past_shapes(manifest.inputs)
     return [decoder_feeds(names, w[None, :], past) for w in windows]
 
@@ -362,8 +364,10 @@ def for_language_model(config, manifest, folder=None):
       :data:`INT4_BLOCK`, accuracy_level 4), with as many layers' FFN down, O and V at 8 bits as
       fit in llama.cpp's Q4_K_M size of the same model (``quantize/budget.py``).
 
-    A ``WeightOnlyConfig(backend="ort")`` with a block size or accuracy level of its own (not the
-    CLI's block 32, level unset) is honoured as written, as is any ``backend="lm"`` config.
+    Only a config with one of those words as its ``preset`` (``Int8Config``, :func:`scheme_config`,
+    the CLI's ``--quantize``) takes the recipe, and only with ONNX Runtime as its backend (``--backend
+    nncf`` is NNCF's); any other config is honoured as written (``Int8DynamicConfig()``:
+    dynamic int8 activations, ``WeightOnlyConfig(bits=4, symmetric=True)``: ONNX Runtime's blocks).
 
     A decoder without a tokenizer (no text to calibrate or score with) keeps the CLI's blocks, at
     accuracy_level 4: a decoded token is one row a MatMul, where MLAS's fp32 compute (level unset)
@@ -381,21 +385,24 @@ def for_language_model(config, manifest, folder=None):
         if getattr(config, "backend", None) == LM_BACKEND and not str(manifest.task).startswith("text-generation"):
             raise ConfigError(f'backend="{LM_BACKEND}" is the language-model recipe; {manifest.task!r} is not a decoder. '
                               'Use backend="ort" or "nncf".')
-        if _cli_weights(config) and str(manifest.task).startswith("text-generation"):  # a decoder with no tokenizer
-            return dataclasses.replace(config, accuracy_level=4)  # still decodes one row a pass: int8 compute
+        if _recipe(config) and isinstance(config, WeightOnlyConfig) and str(manifest.task).startswith("text-generation"):
+            return dataclasses.replace(config, accuracy_level=4)  # a decoder with no tokenizer: int8 compute, one row a pass
         return config
+    if not _recipe(config):
+        return config  # as written: NNCF, static, fp16, the lm backend, or a config made in Python
     common = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-              if f.name in ("calibration", "calibration_size", "guard", "exclude_shards", "eval_text")}
-    if isinstance(config, Int8DynamicConfig):
-        return decoder_config(8, manifest, folder, **common)
-    if not _cli_weights(config):
-        return config  # NNCF, static, fp16, the lm backend, or blocks / a compute type chosen in Python
-    return decoder_config(config.bits, manifest, folder, **common)
+              if f.name in ("calibration", "calibration_size", "guard", "exclude_shards", "eval_text", "preset")}
+    return decoder_config(8 if isinstance(config, Int8DynamicConfig) else config.bits, manifest, folder, **common)
 
 
-def _cli_weights(config) -> bool:
-    """``config`` is the CLI's ``int4-weights`` / ``int8-weights`` (ONNX Runtime's blocks of 32, no compute type chosen)."""
-    return isinstance(config, WeightOnlyConfig) and config.backend == "ort" and (config.block_size, config.accuracy_level) == (32, None)
+def _recipe(config) -> bool:
+    """``config`` stands for a scheme word (its ``preset``) that a decoder turns into its recipe: the
+    int8 of ``Int8Config``, or ``int8-weights`` / ``int4-weights`` with ONNX Runtime as the backend."""
+    from slimml.quantize.config import Int8DynamicConfig
+
+    if getattr(config, "preset", None) is None:
+        return False
+    return isinstance(config, Int8DynamicConfig) or (isinstance(config, WeightOnlyConfig) and config.backend == "ort")
 
 
 GGUF_GRIDS = ("Q4_1", "Q4_K")  # GGUF tensor types whose blocks of 32 are w = d * q + m: the "gguf" grid keeps them

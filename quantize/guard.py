@@ -11,6 +11,7 @@ perplexity increase in percent on held-out text (``quantize.lm_guard``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,9 +38,6 @@ class _Measure:
         self.float_files, self.quant_files = float_files, quant_files
         self.feeds = held_feeds
         self.classifier: ClassifierScore | None = None
-        if guard is not None and guard.eval_file is not None and is_language_model(manifest):
-            raise ConfigError(f"--eval {guard.eval_file} is an STS CSV for sentence-embedding artifacts; a language "
-                              "model's guard scores perplexity on plain text: give it with --eval-text FILE.")
         float_chain = Chain(manifest, float_files, text, pooler=pooler)  # the float reference runs on the CPU
         self.lm = LanguageModelScore(manifest, float_files[0].parent, guard, float_chain, eval_text) if is_language_model(manifest) else None
         if self.lm is not None:  # a language model is judged by perplexity on held-out text, not output cosine
@@ -113,6 +111,9 @@ class _Measure:
         return d
 
 
+LARGE_DROP = 10.0  # a language model's perplexity increase (%) that is reported as a warning without a guard
+
+
 def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, Path], held_feeds,
                 guard: GuardConfig | None, step=lambda _m: None, device: str = "cpu", eval_text=None,
                 pooler: Pooler | None = None) -> GuardResult:
@@ -128,7 +129,19 @@ def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, 
     if guard is None or drop <= guard.max_drop:
         if guard is not None:
             checks["max_drop"] = guard.max_drop
+        elif m.metric == "perplexity" and drop > LARGE_DROP:  # written, as asked, but not in silence
+            checks["warning"] = (f"the perplexity rose {drop:.1f}% against the float model; check it on your text "
+                                 "(slimml eval), or quantize with --max-drop to keep the most sensitive shards float")
+            logging.getLogger("slimml").warning("slimml: %s", checks["warning"])
         return GuardResult({}, checks)
+    spread = checks.get("drop_noise", 0.0)
+    if drop - spread <= guard.max_drop:  # a language model on too little text: no shard search on noise
+        raise ConfigError(
+            f"--max-drop {guard.max_drop} cannot be judged on this text: the perplexity rose {drop:.2f}% +- {spread:.2f}% "
+            f"(95%) on its {checks.get('eval_tokens')} tokens ({checks.get('eval_text')}). Give a longer text of your "
+            "model's domain with --eval-text (up to 2,048 of its tokens are scored), or a --max-drop above "
+            f"{drop + spread:.1f}. Nothing was written."
+        )
     step("finding the shards most sensitive to quantization")
     sensitivity = {i: 1.0 - m.agreement(m.chain(set(), only=i)) for i in quant_files}
     order = sorted(sensitivity, key=sensitivity.get, reverse=True)

@@ -151,27 +151,35 @@ def _lm_manifest(source_quantization=None, layers=8):
 
 
 def test_for_language_model_picks_the_recipe():
-    off_grid = for_language_model(WeightOnlyConfig(bits=4), _lm_manifest())
+    from slimml.quantize.config import Int8Config, scheme_config
+
+    int4 = WeightOnlyConfig(bits=4, preset="int4-weights")  # what scheme_config("int4-weights") makes
+    off_grid = for_language_model(int4, _lm_manifest())
     assert (off_grid.backend, off_grid.grid, off_grid.block_size, off_grid.accuracy_level, off_grid.symmetric) == \
         ("lm", "fitted", 128, 4, False)
     assert off_grid.sensitive_layers == more_bits_layers(8) == (0, 3, 6, 7)  # llama.cpp use_more_bits
-    q4_1 = for_language_model(WeightOnlyConfig(bits=4), _lm_manifest("Q4_1 (Q4_1 x210, F32 x61, Q8_0 x1)"))
+    q4_1 = for_language_model(scheme_config("int4-weights"), _lm_manifest("Q4_1 (Q4_1 x210, F32 x61, Q8_0 x1)"))
     assert (q4_1.grid, q4_1.block_size) == ("gguf", 32)
-    q4_0 = for_language_model(WeightOnlyConfig(bits=4), _lm_manifest("Q4_0 (Q4_0 x210)"))
+    q4_0 = for_language_model(int4, _lm_manifest("Q4_0 (Q4_0 x210)"))
     assert (q4_0.grid, q4_0.block_size, q4_0.symmetric) == ("fitted", 32, False)
-    for word in (Int8DynamicConfig(), WeightOnlyConfig(bits=8)):
+    for word in (Int8Config("cpu"), scheme_config("int8"), scheme_config("int8-weights")):
         q8 = for_language_model(word, _lm_manifest())
         assert (q8.bits, q8.backend) == (8, "lm")
-    explicit = WeightOnlyConfig(bits=4, block_size=128, accuracy_level=4)
-    assert for_language_model(explicit, _lm_manifest()) is explicit
-    lm = WeightOnlyConfig(bits=4, block_size=64, backend="lm", grid="fitted")
-    assert for_language_model(lm, _lm_manifest()) is lm
+    # a config written in Python is honoured as written (each was swapped for the recipe, silently)
+    for explicit in (WeightOnlyConfig(bits=4), WeightOnlyConfig(bits=4, block_size=32, symmetric=True),
+                     WeightOnlyConfig(bits=4, block_size=128, accuracy_level=4), scheme_config("int8-dynamic"),
+                     Int8DynamicConfig(fuse=False, per_channel=False, reduce_range=False, op_types=("MatMul",)),
+                     WeightOnlyConfig(bits=4, block_size=64, backend="lm", grid="fitted"),
+                     scheme_config("int4-weights", backend="nncf")):
+        assert for_language_model(explicit, _lm_manifest()) is explicit
     bare = _lm_manifest()  # a decoder with no tokenizer: the CLI's blocks, computed at int8 (accuracy_level 4)
     bare.tokenizer = None
-    q = for_language_model(WeightOnlyConfig(bits=4), bare)
+    q = for_language_model(int4, bare)
     assert (q.backend, q.block_size, q.accuracy_level) == ("ort", 32, 4)
     encoder = SimpleNamespace(**{**vars(bare), "task": "feature-extraction"})  # not a decoder: as written
-    assert for_language_model(WeightOnlyConfig(bits=4), encoder).accuracy_level is None
+    assert for_language_model(int4, encoder).accuracy_level is None
+    with pytest.raises(Exception, match="preset must be one of"):
+        WeightOnlyConfig(bits=4, preset="int3")
 
 
 def test_a_bad_grid_is_refused():
