@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
 
     gguf = find_gguf(path)
     if gguf is not None:  # checked now: a bad file fails before anything is written
-        return Source(kind="gguf", name=gguf.stem, path=gguf, extra={"gguf": inspect_gguf(gguf)})
+        return Source(kind="gguf", name=gguf_model_name(gguf.stem), path=gguf, extra={"gguf": inspect_gguf(gguf)})
     if path.is_dir():
         if is_static_embedding(path):  # a table of token vectors (model2vec's, static-retrieval): no transformer config
             return Source(kind="static", name=path.resolve().name, path=path)
@@ -501,3 +502,14 @@ def max_seq_length(folder: Path) -> int | None:
     found = [*((processing.get(b) or {}).get("max_length") for b in ("text", "common") if isinstance(processing.get(b), dict)),
              processor.get("model_max_length"), cfg.get("max_seq_length")]
     return next((n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
+
+
+_GGUF_TYPE_TAG = re.compile(r"[.\-_](?:[IT]?Q\d(?:_[0-9A-Z]+)*|[BF]F?16|F32|MXFP4)$", re.IGNORECASE)
+
+
+def gguf_model_name(stem: str) -> str:
+    """The model's name in a GGUF file's name, without the quantization type the file adds
+    (``SmolLM2-135M-Instruct.Q4_1`` -> ``SmolLM2-135M-Instruct``, ``Llama-3-8B-Q4_K_M`` ->
+    ``Llama-3-8B``, ``model-f16`` -> ``model``): the artifact and the model a server names."""
+    name = _GGUF_TYPE_TAG.sub("", stem)
+    return name or stem

@@ -290,3 +290,16 @@ def test_a_tokenizer_larger_than_the_models_embedding_is_named(tmp_path):
                                           r"tokenizer is not this model's"):
         convert(folder, tmp_path / "a", FAST)
     assert not (tmp_path / "a").exists()
+
+
+def test_a_gguf_artifact_is_named_for_its_model_not_its_file_type():
+    """SmolLM2's file is SmolLM2-135M-Instruct.Q4_1.gguf: its artifact and the model a server named were
+    "SmolLM2-135M-Instruct.Q4_1", so the README's OpenAI client (model="SmolLM2-135M-Instruct") got a 404."""
+    from slimml.convert.sources import gguf_model_name
+
+    for stem, name in (("SmolLM2-135M-Instruct.Q4_1", "SmolLM2-135M-Instruct"),
+                       ("Meta-Llama-3-8B-Instruct-Q4_K_M", "Meta-Llama-3-8B-Instruct"),
+                       ("Phi-3-mini-4k-instruct-IQ4_XS", "Phi-3-mini-4k-instruct"), ("qwen2.5-0.5b-instruct-q8_0",
+                       "qwen2.5-0.5b-instruct"), ("model-f16", "model"), ("gpt-oss-20b-mxfp4", "gpt-oss-20b"),
+                       ("plain", "plain"), ("Q4_0", "Q4_0")):
+        assert gguf_model_name(stem) == name

@@ -87,7 +87,7 @@ class CausalLM(Task):
     def perplexity(self, text: str, window: int | None = None, max_tokens: int | None = None):
         """How well the model predicts ``text``: a
         :class:`~slimml.runtime.tasks.generation.scoring.Perplexity` over its first ``max_tokens``
-        tokens (default 32,768) in consecutive windows of ``window`` (default 512); see
+        tokens (default 32,768) in windows of equal length, at most ``window`` (default 512); see
         :func:`slimml.runtime.tasks.generation.scoring.perplexity`.
 
         Example:

@@ -106,7 +106,7 @@ class Perplexity:
 
 def perplexity(model: Any, text: str, window: int | None = None, max_tokens: int | None = None) -> Perplexity:
     """The perplexity of ``model`` (a causal-LM task) over ``text``: its tokens (no special tokens
-    added), at most ``max_tokens`` (default 32,768), cut into consecutive windows of ``window``
+    added), at most ``max_tokens`` (default 32,768), cut into windows of equal length, at most ``window``
     (default 512, at most the model's context), each run from an empty cache.
 
     Raises:
