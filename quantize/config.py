@@ -305,6 +305,8 @@ def scheme_config(
         return None
     if eval_file is not None and max_drop is None:
         raise ConfigError("--eval is used by the accuracy guard; give --max-drop X with it.")
+    if keep_best and max_drop is None:
+        raise ConfigError("--keep-best writes the best model the accuracy guard finds; give --max-drop X with it.")
     guard = GuardConfig(max_drop=max_drop, eval_file=eval_file, keep_best=keep_best) if max_drop is not None else None
     common = {"calibration": Path(calibration) if calibration is not None else None, "guard": guard}
     if scheme == "int8":

@@ -752,7 +752,7 @@ def serve_(
     host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 for other machines).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     address: Annotated[Optional[str], typer.Option(help="Ray cluster to join ('auto' after `ray start`); default: a local Ray.")] = None,
-    direct_ingress: Annotated[bool, typer.Option("--direct-ingress", help="One replica answers HTTP on --port itself, without Serve's proxy in between (Ray Serve's direct ingress): 0.87-0.90x of in-process encode at 32 texts a request on 2 cores, against 0.73x through the proxy. A replica that crashes leaves the port refusing connections until Serve's replacement listens (about 12 s).")] = False,
+    direct_ingress: Annotated[bool, typer.Option("--direct-ingress", help="One replica answers HTTP on --port itself, without Serve's proxy in between (Ray Serve's direct ingress): 0.87-0.90x of in-process encode at 32 texts a request on 2 cores, against 0.73x through the proxy. A replica that crashes leaves the port refusing connections until Serve's replacement listens (seconds to a minute, as Serve notices).")] = False,
     serving: OptionValues = None,
 ):
     """Serve an artifact over HTTP on Ray Serve (needs the serve extra); Ctrl-C or SIGTERM stops it."""

@@ -46,6 +46,9 @@ def test_unknown_scheme_message():
         "int8-weights, int4-weights, fp16."
     )
 
+    with pytest.raises(ConfigError, match=r"^--keep-best writes the best model the accuracy guard finds; give --max-drop"):
+        scheme_config("int8", keep_best=True)  # it was accepted and did nothing
+
 
 def test_scheme_words_map_to_configs():
     assert scheme_config("none") is None

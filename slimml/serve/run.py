@@ -36,7 +36,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             imported, so it must be the process's first use of Ray Serve (``slimml serve
             --direct-ingress`` is). On 2 cores, 32 texts a request: 0.87-0.90x of in-process
             ``encode`` against 0.73x through the proxy. A replica that dies leaves the port
-            refusing connections until its replacement listens there (about 12 s: up to 10 s for Serve to notice).
+            refusing connections until its replacement listens there (seconds to a minute: Serve must notice, then start it).
 
     Example:
         >>> serve(ServeConfig("artifacts/all-MiniLM-L6-v2", replicas=2), port=8000)
