@@ -308,7 +308,8 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     if isinstance(config, Fp16Config) and "CUDAExecutionProvider" not in _providers():
         if config.guard is not None:
             raise ConfigError("the accuracy guard runs the fp16 model, which needs CUDA; leave --max-drop out on this machine.")
-        guard = GuardResult({}, {"agreement": "not measured: fp16 runs on CUDA, which this machine lacks"})
+        guard = GuardResult({}, {"agreement": "not measured: the guard runs fp16 on CUDA, which this machine lacks "
+                                              "(a language model: measure it with slimml eval, which runs it here)"})
     else:
         step("checking against the float model")
         device = "cuda" if isinstance(config, Fp16Config) else "cpu"
