@@ -408,7 +408,7 @@ def eval_(
     data: Annotated[Path, typer.Option(help="An embedding model: a CSV with sentence1,sentence2,score (STS style). "
                                             "A language model: a UTF-8 text file, scored by perplexity.")],
     loading: OptionValues = None,
-    batch_size: Annotated[int, typer.Option(help="Sentences per batch.")] = 32,
+    batch_size: Annotated[Optional[int], typer.Option(help="An embedding model: sentences per batch (default 32).", show_default=False)] = None,
     window: Annotated[Optional[int], typer.Option(help="A language model: tokens a scored window holds (default 512, at most its context).", show_default=False)] = None,
     max_tokens: Annotated[Optional[int], typer.Option(help="A language model: tokens of the text scored at most (default 32768).", show_default=False)] = None,
     progress: Progress = False,
@@ -432,9 +432,14 @@ def eval_(
     if old is not None and old.kind == "eval" and old.settings.get("metric", metric) != metric:
         raise ConfigError(f"the baseline {baseline} holds {old.settings['metric']}, and this artifact is scored by {metric}; "
                           "compare with a baseline saved from this kind of model (--save-baseline).")
-    for name, value in (("--window", window), ("--max-tokens", max_tokens)):
-        if value is not None and value < 2:
-            raise ConfigError(f"{name} must be at least 2, got {value}.")
+    for name, value, low in (("--window", window, 2), ("--max-tokens", max_tokens, 2), ("--batch-size", batch_size, 1)):
+        if value is not None and value < low:
+            raise ConfigError(f"{name} must be at least {low}, got {value}.")
+    if language and (batch_size is not None or progress):
+        raise ConfigError(f"{'--batch-size' if batch_size is not None else '--progress'} is for embedding models (STS "
+                          "pairs); a language model is scored one window at a time: drop it.")
+    if not language and (window is not None or max_tokens is not None):
+        raise ConfigError("--window and --max-tokens are for language models (perplexity); drop them.")
     if old is not None:  # other data or another window: refused before the model runs, not after
         from slimml.runtime.artifact.manifest import sha256_file
         from slimml.runtime.tools.baseline import check_settings
@@ -449,9 +454,7 @@ def eval_(
         said = (f"perplexity = {result.score:.4f} on {result.count} tokens ({data.name}, {result.settings['windows']} "
                 f"windows of {result.settings['window']})")
     else:
-        if window is not None or max_tokens is not None:
-            raise SlimmlError("--window and --max-tokens are for language models (perplexity); drop them.")
-        result = evaluate_sts(model, data, batch_size=batch_size, show_progress=progress)
+        result = evaluate_sts(model, data, batch_size=batch_size or 32, show_progress=progress)
         said = f"{result.metric} x100 = {result.score:.2f} on {result.count} pairs ({data.name})"
     now = Baseline.from_eval(result, model.manifest.name, data)
     if as_json:

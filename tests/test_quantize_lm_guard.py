@@ -140,3 +140,16 @@ def test_bench_feeds_read_the_last_positions_logits():
              TensorSpec("logits_index", "int64", ["batch_size", "logits_length"])]
     feeds = sample_feeds(specs, batch=2, seq=128)
     assert feeds["input_ids"].shape == (2, 128) and feeds["logits_index"].tolist() == [[127], [127]]
+
+
+def test_eval_refuses_options_a_language_model_does_not_take(short_gpt2):
+    """--batch-size (even 0) and --progress were accepted and ignored on a language model."""
+    import subprocess
+    import sys
+
+    for extra, words in ((["--batch-size", "0"], "--batch-size must be at least 1"),
+                         (["--batch-size", "8"], "--batch-size is for embedding models"),
+                         (["--progress"], "--progress is for embedding models")):
+        out = subprocess.run([sys.executable, "-m", "slimml", "eval", str(short_gpt2["art"]), "--data",
+                              str(short_gpt2["text"]), *extra], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
