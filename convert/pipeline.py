@@ -235,7 +235,7 @@ def _latency(folder: Path, src: Source | None = None) -> tuple[float | None, str
             past = any("past" in str(d) for t in model.inputs for d in t.shape)  # its one cached token counts too
             seq = min(128, (model.max_sequence_length or 129) - past)  # CLIP's text tower takes 77
             feeds = sample_feeds(model.inputs, batch=1, seq=seq, source=model.manifest.source)
-            key = "latency_ms_b1_s128"
+            key = f"latency_ms_b1_s{seq}"  # the tokens timed: 127 for a 128-position decoder with one cached
         try:
             return float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3))), key, None
         except Exception as e:  # noqa: BLE001 -- onnxruntime's and the feeds' errors: the inputs, not the artifact
