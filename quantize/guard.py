@@ -135,12 +135,12 @@ def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, 
             logging.getLogger("slimml").warning("slimml: %s", checks["warning"])
         return GuardResult({}, checks)
     spread = checks.get("drop_noise", 0.0)
-    if drop - spread <= guard.max_drop:  # a language model on too little text: no shard search on noise
+    if drop - spread <= guard.max_drop and not guard.keep_best:  # a language model on too little text: no search on noise
         raise ConfigError(
             f"--max-drop {guard.max_drop} cannot be judged on this text: the perplexity rose {drop:.2f}% +- {spread:.2f}% "
             f"(95%) on its {checks.get('eval_tokens')} tokens ({checks.get('eval_text')}). Give a longer text of your "
             "model's domain with --eval-text (up to 2,048 of its tokens are scored), or a --max-drop above "
-            f"{drop + spread:.1f}. Nothing was written."
+            f"{drop + spread:.1f} (--keep-best searches anyway and writes the best it measures). Nothing was written."
         )
     step("finding the shards most sensitive to quantization")
     sensitivity = {i: 1.0 - m.agreement(m.chain(set(), only=i)) for i in quant_files}

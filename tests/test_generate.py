@@ -531,5 +531,8 @@ def test_chat_files_are_read_as_the_manifest_lists_them_and_hashed_as_read(tiny_
     os.symlink("/etc/hostname", bare / "chat_template.jinja")
     with pytest.raises(SlimmlError, match="has no chat template"):  # neither planted file is read
         chat_prompt(load(bare), hi)
-    with pytest.raises(ConfigError, match=r"the given chat template does not compile \(ValueError: Exceeds the limit"):
-        load(bare).use_chat_template("{{ (10 ** 5000)|string }}")
+    huge = load(bare)  # a number past Python's digits limit: compiled (no longer folded), refused as it renders
+    huge.use_chat_template("{{ (10 ** 5000)|string }}")
+    with pytest.raises(SlimmlError, match=r"the given chat template failed to render these messages \(ValueError: Exceeds "
+                                          r"the limit"):
+        chat_prompt(huge, hi)
