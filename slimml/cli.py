@@ -537,9 +537,12 @@ def bench(
     if as_json:
         _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
         return
+    rate = f"{result.throughput_per_s:.1f} items/s"
+    if str(model.manifest.task).startswith("text-generation"):  # a pass is a prefill of seq tokens a row
+        rate = f"{result.throughput_per_s:.1f} prompts/s ({result.throughput_per_s * seq:.0f} prompt tokens/s prefilled)"
     console.print(
         f"batch {batch} x seq {seq} on {model.device}: p50 {result.p50_ms:.2f} ms, p90 {result.p90_ms:.2f} ms, "
-        f"{result.throughput_per_s:.1f} items/s, peak RSS {result.peak_rss_mb:.0f} MB, model {result.model_mb:.1f} MB"
+        f"{rate}, peak RSS {result.peak_rss_mb:.0f} MB, model {result.model_mb:.1f} MB"
     )
     if result.stream:
         st = result.stream

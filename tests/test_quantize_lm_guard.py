@@ -153,3 +153,13 @@ def test_eval_refuses_options_a_language_model_does_not_take(short_gpt2):
         out = subprocess.run([sys.executable, "-m", "slimml", "eval", str(short_gpt2["art"]), "--data",
                               str(short_gpt2["text"]), *extra], capture_output=True, text=True, timeout=120)
         assert out.returncode == 1 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_bench_on_a_language_model_says_prompt_tokens(short_gpt2):
+    """It said "items/s" for a language model: neither prefill nor decode tokens/s, the figures users compare."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "slimml", "bench", str(short_gpt2["art"]), "--seq", "32", "--runs", "3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "prompts/s (" in out.stdout and "prompt tokens/s prefilled)" in out.stdout, out.stdout + out.stderr
