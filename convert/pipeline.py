@@ -116,7 +116,8 @@ def _convert(src: Source, out: Any, config: ConvertConfig, step: Callable[[str],
                           f"convert it with --task {' or '.join(GGUF_TASKS[1:3])} (or leave --task out).")
     if src.kind != "onnx":  # an ONNX file needs neither transformers nor torch (importing them: 5 s)
         _quiet_transformers()
-    out = Path(out) if out is not None else Path("artifacts") / (src.name + _default_suffix(config))
+    stem = src.path.stem if src.kind == "gguf" else src.name  # a GGUF file's own folder: X.Q4_1 and X.Q8_0 apart
+    out = Path(out) if out is not None else Path("artifacts") / (stem + _default_suffix(config))
     check_output(out)
     with _one_line_errors(src.name, current, out), ArtifactWriter(out) as w:  # disk errors: the writer words them
         source_checks: dict[str, Any] = {}

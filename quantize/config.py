@@ -80,6 +80,14 @@ class GuardConfig:
         _flag("keep_best", self.keep_best)
 
 
+def _is_preset(config) -> bool:
+    """``config`` is what its ``preset`` word makes (scheme_config, Int8Config)."""
+    kind, bits = type(config).__name__, getattr(config, "bits", None)
+    return {"int8": kind == "Int8DynamicConfig" or (kind == "WeightOnlyConfig" and bits == 8),
+            "int8-weights": kind == "WeightOnlyConfig" and bits == 8,
+            "int4-weights": kind == "WeightOnlyConfig" and bits == 4}[config.preset]
+
+
 @dataclass
 class _Common:
     """Settings every scheme shares.
@@ -120,6 +128,10 @@ class _Common:
         self.exclude_shards = tuple(sorted(set(self.exclude_shards)))
         if self.preset is not None and self.preset not in PRESETS:
             raise ConfigError(f"preset must be one of {', '.join(map(repr, PRESETS))} or None, got {self.preset!r}.")
+        if self.preset is not None and not _is_preset(self):
+            raise ConfigError(f"preset={self.preset!r} does not describe this {type(self).__name__}"
+                              f"{f'(bits={self.bits})' if hasattr(self, 'bits') else ''}; use scheme_config({self.preset!r}), "
+                              "or leave preset out to quantize as the config says.")
 
     def _check_backend(self, internal: tuple[str, ...] = ()):
         if self.backend not in BACKENDS + internal:

@@ -129,7 +129,7 @@ def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, 
     if guard is None or drop <= guard.max_drop:
         if guard is not None:
             checks["max_drop"] = guard.max_drop
-        elif m.metric == "perplexity" and drop > LARGE_DROP:  # written, as asked, but not in silence
+        elif m.metric == "perplexity" and not drop <= LARGE_DROP:  # written, as asked, but not in silence (NaN too)
             checks["warning"] = (f"the perplexity rose {drop:.1f}% against the float model; check it on your text "
                                  "(slimml eval), or quantize with --max-drop to keep the most sensitive shards float")
             logging.getLogger("slimml").warning("slimml: %s", checks["warning"])

@@ -28,6 +28,17 @@ HOSTILE = {
     "exponential macro": "{% macro f(n) %}{% if n < 40 %}{{ f(n+1) }}{{ f(n+1) }}{% endif %}{% endmacro %}{{ f(0) }}x",
     "growing replace": "{% set s = 'a' * 10000 %}{{ s|replace('a', s) }}",
     "endless output": "{% for i in range(100000) %}{% for j in range(9) %}{{ 'y' * 100 }}{% endfor %}{% endfor %}",
+    # sized before they are built (a review found each allocating 0.3-0.6 GB, or 16 GB for [s] * 1000, first)
+    "a list of big strings printed": "{% set s = 'x' * 16000000 %}{% set l = [s, s, s, s, s, s, s, s, s, s] %}{{ l }}",
+    "a list of big strings joined": "{% set s = 'x' * 16000000 %}{{ ([s] * 20)|join|length }}",
+    "a tuple of big strings formatted": "{% set s = 'x' * 16000000 %}{{ ('%s' * 10) % (s, s, s, s, s, s, s, s, s, s) }}",
+    "str.format of big strings": "{% set s = 'x' * 16000000 %}{{ '{}{}{}{}'.format(s, s, s, s) }}",
+    "a list repeated a thousand times": "{% set s = 'x' * 16000000 %}{{ [s] * 1000 }}",
+    # single steps that took seconds to minutes: |map's filter calls, an integer squared over and over
+    "map over a huge list": "{% set big = range(100000)|list * 100 %}{{ big|map('string')|join|length }}",
+    "an integer squared": "{% set ns = namespace(x=3) %}{% for i in range(30) %}{% set ns.x = ns.x * ns.x %}{% endfor %}x",
+    "a width of 8,001 digits": "{% set x = 10 ** 4000 %}{{ 'a'|center(x * x) }}",
+    "str.ljust width": "{{ 'a'.ljust(1000000000) }}",
 }
 
 
@@ -40,6 +51,18 @@ def test_a_runaway_template_is_stopped_in_one_line(name):
     assert time.monotonic() - started < RENDER_SECONDS + 2
     message = str(e.value)
     assert "\n" not in message and "budget" in message and "fix the template" in message, message
+
+
+def test_large_numbers_in_messages_render():
+    """GLM-4.5's tool-call line with an order id past 16,777,216 was refused as a "width" (every
+    number given to a filter was checked): only widths and counts are."""
+    source = ("{% for m in messages %}{% for tc in m.tool_calls or [] %}{% for k, v in tc.function.arguments.items() %}"
+              "<arg_key>{{ k }}</arg_key><arg_value>{{ v | tojson(ensure_ascii=False) if v is not string else v }}"
+              "</arg_value>{% endfor %}{% endfor %}{% endfor %}{{ 1700000000|string }} {{ '%d' % 12345678901 }}")
+    calls = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_order",
+                                                                              "arguments": {"order_id": 12345678901}}}]}]
+    text = ChatTemplate(source, given=True).render(calls)
+    assert text == "<arg_key>order_id</arg_key><arg_value>12345678901</arg_value>1700000000 12345678901"
 
 
 def test_real_template_features_render_as_before():

@@ -180,6 +180,16 @@ def test_for_language_model_picks_the_recipe():
     assert for_language_model(int4, encoder).accuracy_level is None
     with pytest.raises(Exception, match="preset must be one of"):
         WeightOnlyConfig(bits=4, preset="int3")
+    with pytest.raises(Exception, match=r"preset='int8' does not describe this WeightOnlyConfig\(bits=4\)"):
+        WeightOnlyConfig(bits=4, preset="int8")  # the 4-bit recipe would have come of it
+
+
+def test_the_guards_spread_on_a_short_text_is_finite():
+    """Under 64 tokens it was "+- inf%" (fewer than two runs of 32): shorter runs, Student's t."""
+    from slimml.quantize.lm_guard import noise
+
+    diff = np.random.default_rng(0).normal(0.01, 0.1, (1, 63))
+    assert 0 < noise(diff) < 10 and noise(np.zeros((1, 1))) == float("inf")
 
 
 def test_a_bad_grid_is_refused():

@@ -293,3 +293,23 @@ def test_a_ray_start_that_fails_is_one_line(monkeypatch):
     with pytest.raises(SlimmlError, match=r"^Ray did not start \(The current node timed out during startup.*\); the "
                                           r"machine may be too busy: free some cores"):
         cluster.connect()
+
+
+def test_a_stop_asked_while_a_start_fails_is_the_stop(monkeypatch):
+    """Ctrl-C during a start that then failed was swallowed: the failure ("Ray did not start") came out
+    instead of the KeyboardInterrupt."""
+    import os
+    import signal
+
+    from slimml.scale import cluster
+
+    def interrupted_then_failed(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", interrupted_then_failed)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.connect()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

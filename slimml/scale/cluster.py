@@ -57,19 +57,23 @@ def connect(address: str | None = None) -> bool:
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     if address is not None:
         check_reachable(address)
+    held: list[int] = []
     try:
-        with _signals_held() as held:
+        with _signals_held(held):
             if address is None:
                 ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
             else:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
-    except (ConnectionError, ValueError) as e:  # ValueError: an address Ray cannot parse ("garbage")
-        raise ConfigError(
-            f"could not join the Ray cluster at {address!r} ({e}); give HOST:PORT of a cluster started with "
-            "`ray start --head` on the head node, or leave the address out to run on this machine alone."
-        ) from None
-    except Exception as e:  # Ray's own start failing (seen under load: "The current node timed out during startup")
-        first = " ".join(str(e).split())[:300] or type(e).__name__
+    except Exception as e:
+        ray.shutdown()  # whatever the failed start left that Ray knows of
+        if held:  # asked to stop, and the start failed too: the signal, not the failure
+            signal.raise_signal(held[0])
+        if isinstance(e, (ConnectionError, ValueError)):  # ValueError: an address Ray cannot parse ("garbage")
+            raise ConfigError(
+                f"could not join the Ray cluster at {address!r} ({e}); give HOST:PORT of a cluster started with "
+                "`ray start --head` on the head node, or leave the address out to run on this machine alone."
+            ) from None
+        first = " ".join(str(e).split())[:300] or type(e).__name__  # seen under load: "timed out during startup"
         raise SlimmlError(
             f"Ray did not start ({first}); the machine may be too busy: free some cores or memory and start again. "
             "Its log is under Ray's session folder (`ray/session_latest/logs` in /tmp or $RAY_TMPDIR)."
@@ -86,7 +90,7 @@ def connect(address: str | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def _signals_held():
+def _signals_held(held: list[int]):
     """SIGINT and SIGTERM held while ``ray.init`` starts Ray's processes, and handed back after it.
 
     Ray's own SIGTERM handler (set by ``ray.init``) exits from wherever the start is, and Ctrl-C
@@ -95,11 +99,10 @@ def _signals_held():
     delivered at once.
     """
     if threading.current_thread() is not threading.main_thread():
-        yield []
+        yield held
         return
     import ray._private.utils as ray_utils
 
-    held: list[int] = []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def hold(signum, frame) -> None:
@@ -120,7 +123,9 @@ def _signals_held():
         if keep is not None:
             ray_utils.set_sigterm_handler = keep
         for s, handler in previous.items():
-            signal.signal(s, wanted[-1] if s == signal.SIGTERM and wanted else handler)
+            handler = wanted[-1] if s == signal.SIGTERM and wanted else handler
+            if handler is not None:  # None: a handler set from C, which Python cannot set back
+                signal.signal(s, handler)
 
 
 def check_reachable(address: str) -> None:

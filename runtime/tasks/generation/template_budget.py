@@ -8,8 +8,10 @@ take a few loop steps and calls per message, so the bounds below are far above a
 
 - **steps**: loop iterations and calls (macros, methods, globals), at most ``RENDER_STEPS`` in all;
 - **time**: at most ``RENDER_SECONDS``, checked at every step;
-- **size**: no string or list past ``RENDER_CHARS`` is built by ``*``, ``+``, ``~``, ``%``, a filter
-  or a call (checked before it is built where its size can be known, so none is allocated), and the
+- **size**: no string or list past ``RENDER_CHARS`` characters of text is built by ``*``, ``+``,
+  ``~``, ``%``, ``.format``, a filter that writes text or a printed ``{{ value }}`` (sized from its
+  parts before it is built, :func:`text_size`, so none is allocated), no width or count past it is
+  given to ``center``, ``indent``, ``ljust``... , no integer past 65,536 bits is made, and the
   rendered text stops there too.
 
 The For loops and ``~`` of a parsed template are routed through :class:`Meter` (the ``Budget``
@@ -70,18 +72,51 @@ def step(n: int = 1) -> None:
 
 def check_size(n: int, what: str) -> None:
     if n > RENDER_CHARS:
-        raise OverBudget(f"{what} of {n:,} characters or items (more than {RENDER_CHARS:,})")
+        raise OverBudget(f"{what} of {_num(n)} characters or items (more than {RENDER_CHARS:,})")
 
 
-def _sized(x: Any) -> bool:
-    return isinstance(x, (str, bytes, list, tuple))
+def _num(n: int) -> str:
+    """``n`` for a message: a number past 19 digits by its count of digits (formatting one of 5,000
+    digits is itself refused by Python)."""
+    return f"{n:,}" if abs(n).bit_length() < 64 else f"a {int(abs(n).bit_length() * 0.30103) + 1:,}-digit number"
 
 
-def _check_numbers(args: tuple, kwargs: dict) -> None:
-    """No call or filter of a real template takes a number past RENDER_CHARS (a width, a count)."""
-    for x in (*args, *kwargs.values()):
+def text_size(x: Any, limit: int = RENDER_CHARS) -> int:
+    """About the characters ``str(x)``, ``tojson`` or ``join`` would write for ``x``, counted without
+    writing them: strings' lengths, containers' items (2 a separator), numbers' digits; it stops
+    counting once past ``limit`` (a list of 16 million references costs nothing to count then)."""
+    stack, n = [x], 0
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (str, bytes)):
+            n += len(v) + 2
+        elif isinstance(v, bool) or v is None:
+            n += 5
+        elif isinstance(v, int):
+            n += int(abs(v).bit_length() * 0.30103) + 2
+        elif isinstance(v, (list, tuple, set, frozenset, dict)):
+            if n + 2 * len(v) > limit:
+                return limit + 1
+            n += 2
+            stack.extend(v.items() if isinstance(v, dict) else v)
+        else:
+            n += 24
+        if n > limit:
+            return n
+    return n
+
+
+WIDTH_FILTERS = frozenset({"do_center", "do_indent", "do_truncate", "do_wordwrap", "do_batch", "do_slice", "do_round"})
+TEXT_FILTERS = frozenset({"do_join", "do_tojson", "_tojson", "do_string", "do_indent", "do_center", "do_format",
+                          "do_replace", "do_wordwrap", "do_pprint", "do_urlencode", "do_xmlattr", "do_list"})
+WIDTH_METHODS = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})  # str methods given a width
+
+
+def _check_widths(numbers) -> None:
+    """A width or count past RENDER_CHARS (real templates give a few)."""
+    for x in numbers:
         if isinstance(x, int) and not isinstance(x, bool) and abs(x) > RENDER_CHARS:
-            raise OverBudget(f"a call given the number {x:,} (more than {RENDER_CHARS:,})")
+            raise OverBudget(f"a width or count of {_num(x)} (more than {RENDER_CHARS:,})")
 
 
 def _check_format(fmt: Any) -> None:
@@ -92,20 +127,29 @@ def _check_format(fmt: Any) -> None:
 
 
 def _checked_result(value: Any) -> Any:
-    if _sized(value):
+    if isinstance(value, (str, bytes, list, tuple)):
         check_size(len(value), "a result")
     return value
 
 
 def budgeted_filter(f):
-    """``f`` (a Jinja filter) with its numbers checked first and its result's size after."""
+    """``f`` (a Jinja filter) counted as a step (``|map`` calls one an item), its widths and the text
+    it would write checked first, its result's size after."""
+    value_at = 1 if hasattr(f, "jinja_pass_arg") else 0  # pass_context / eval_context / environment: value second
+    name = f.__name__
+
     @functools.wraps(f)  # keeps jinja_pass_arg (pass_context, pass_eval_context, pass_environment)
     def run(*args, **kwargs):
-        _check_numbers(args, kwargs)
-        if f.__name__ == "do_replace":
+        step()
+        if name in WIDTH_FILTERS:
+            _check_widths([*args[value_at + 1:], *kwargs.values()])
+        if name in TEXT_FILTERS and len(args) > value_at:
+            check_size(text_size(args[value_at]), "a filter's text")
+        if name == "do_replace":
             _check_replace(args, kwargs)
-        elif f.__name__ == "do_format":
+        elif name == "do_format":
             _check_format(args[0] if args else None)
+            check_size(text_size(args) + text_size(kwargs), "a formatted string")
         return _checked_result(f(*args, **kwargs))
     return run
 
@@ -129,29 +173,46 @@ def sandbox_class():
         intercepted_binops = frozenset({"*", "**", "+", "%"})
 
         def call_binop(self, context, op, left, right):
-            if op == "*":
-                seq, n = (left, right) if _sized(left) else (right, left)
-                if _sized(seq) and isinstance(n, int):
-                    check_size(len(seq) * max(n, 0), "a repeated string or list")
-            elif op == "+" and _sized(left) and _sized(right):
-                check_size(len(left) + len(right), "a joined string or list")
-            elif op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0:
+            step()
+            ints = isinstance(left, int) and isinstance(right, int)
+            if op == "*" and ints:
+                if abs(left).bit_length() + abs(right).bit_length() > 1 << 16:
+                    raise OverBudget("a product of more than 65,536 bits")
+            elif op == "*":
+                seq, n = (left, right) if isinstance(left, (str, bytes, list, tuple)) else (right, left)
+                if isinstance(n, int) and isinstance(seq, (str, bytes)):
+                    check_size(len(seq) * max(n, 0), "a repeated string")
+                elif isinstance(n, int) and isinstance(seq, (list, tuple)):
+                    check_size(text_size(seq) * max(n, 0), "a repeated list")
+            elif op == "+" and not ints:
+                check_size(text_size(left) + text_size(right), "a joined string or list")
+            elif op == "**" and ints and abs(left) > 1 and right > 0:
                 if right * abs(left).bit_length() > 1 << 16:
-                    raise OverBudget(f"a power {left} ** {right} of more than 65,536 bits")
+                    raise OverBudget("a power of more than 65,536 bits")
             elif op == "%" and isinstance(left, str):
                 _check_format(left)
-                _check_numbers(right if isinstance(right, tuple) else (right,), {})
+                check_size(text_size(left) + text_size(right), "a formatted string")
             return _checked_result(self.binop_table[op](left, right))
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
             step()
-            _check_numbers(args, kwargs)
+            if getattr(__obj, "__name__", None) in WIDTH_METHODS and isinstance(getattr(__obj, "__self__", None), str):
+                _check_widths([*args, *kwargs.values()])
             return _checked_result(super().call(__context, __obj, *args, **kwargs))
 
-        def wrap_str_format(self, value):  # 'text'.format / .format_map, looked up: its own widths first
-            if getattr(value, "__name__", None) in ("format", "format_map"):
-                _check_format(getattr(value, "__self__", None))
-            return super().wrap_str_format(value)
+        def wrap_str_format(self, value):  # 'text'.format / .format_map, looked up: its own widths, then its values
+            if getattr(value, "__name__", None) not in ("format", "format_map"):
+                return super().wrap_str_format(value)
+            _check_format(getattr(value, "__self__", None))
+            formatting = super().wrap_str_format(value)
+            if formatting is None:
+                return None
+            size = len(value.__self__)
+
+            def sized(*args, **kwargs):
+                check_size(size + text_size(args) + text_size(kwargs), "a formatted string")
+                return formatting(*args, **kwargs)
+            return sized
 
     return BudgetedSandbox
 
@@ -170,9 +231,13 @@ def budget_extension():
             return iterable
 
         def concat(self, *parts):
-            texts = [str(p) for p in parts]
-            check_size(sum(map(len, texts)), "a ~ joined string")
-            return "".join(texts)
+            check_size(sum(text_size(p) for p in parts), "a ~ joined string")
+            return "".join(map(str, parts))
+
+        def out(self, value):  # a value printed with {{ }}: its text checked before it is written
+            if not isinstance(value, str):
+                check_size(text_size(value), "a printed value")
+            return value
 
     return Budget
 
@@ -193,6 +258,9 @@ def meter_template(env, source: str):
     budget = next(e for e in env.extensions.values() if type(e).__name__ == "Budget")
     for loop in tree.find_all(nodes.For):
         loop.iter = budget.call_method("steps", [loop.iter], lineno=loop.lineno)
+    for output in list(tree.find_all(nodes.Output)):  # {{ value }}: its text sized before it is written
+        output.nodes = [n if isinstance(n, nodes.TemplateData) else budget.call_method("out", [n], lineno=n.lineno)
+                        for n in output.nodes]
     for parent in tree.find_all(nodes.Node):  # ~ joins: replace each Concat where it sits
         for field in parent.fields:
             value = getattr(parent, field, None)
