@@ -100,6 +100,17 @@ def test_image_preprocessing_matches_the_hugging_face_processor(kind):
         np.testing.assert_allclose(ours([image]), want, atol=1e-5, rtol=0)
 
 
+def test_a_strip_is_not_resized_past_what_any_model_reads():
+    """A 1x1000 strip at CLIP's shortest edge of 224 became 224x224,000 pixels (434 MB more memory)."""
+    from transformers import CLIPImageProcessor
+
+    from slimml.runtime.tasks.inputs.image import ImageProcessor
+
+    ours = ImageProcessor(json.loads(CLIPImageProcessor().to_json_string()))
+    with pytest.raises(FeedError, match=r"an image of 1x1000 pixels \(width x height\) would be resized to 224x224000 .*crop it nearer to square"):
+        ours([np.zeros((1000, 1, 3), dtype=np.uint8)])
+
+
 def test_bad_images_get_one_clear_error(vit, tmp_path):
     from slimml.runtime import load
 
@@ -114,6 +125,8 @@ def test_bad_images_get_one_clear_error(vit, tmp_path):
         (tmp_path / "missing.jpg", "does not exist"),
         (np.zeros((4, 4, 3), dtype=np.float32), r"give HxWx3 \(or HxW\) uint8"),
         (42, "give a file path, a PIL image"),
+        (np.zeros((0, 0, 3), dtype=np.uint8), r"image 0 is 0x0 pixels; give an image with pixels"),  # was classified
+        (tmp_path, "is a folder; give an image file in it"),  # was "does not exist"
     ]
     for image, message in cases:
         with pytest.raises(FeedError, match=message):

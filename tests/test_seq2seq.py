@@ -147,6 +147,26 @@ def test_t5_generates_the_tokens_hugging_face_generates(t5):
     assert model.generate(ids, max_new_tokens=8).tokens == want  # token ids in, the same tokens out
 
 
+def test_t5_refuses_what_it_would_cut_or_misread_and_says_why_it_stopped(t5):
+    """A prompt past the tokenizer's length was cut there in silence (a long article summarised up to
+    that point); ids that are not whole numbers were raw Python errors, or floats cut to ints; the
+    finish reasons were empty (README: "stop" or "length")."""
+    from slimml.errors import FeedError
+    from slimml.runtime import load
+
+    model = load(t5["root"] / "art")
+    limit = model.text.max_length
+    with pytest.raises(FeedError, match=rf"prompt 1 is \d+ tokens, more than the {limit} this model reads; shorten it"):
+        model.generate(["short", "word " * (limit + 10)], max_new_tokens=2)
+    for bad, words in (([["a", 5]], "prompt 0 has a token id that is not a whole number"),
+                       ([[1.7, 2.2]], "prompt 0 has a token id that is not a whole number"),
+                       ([[5, 6], None], "prompt 1 is NoneType; give every prompt as a text")):
+        with pytest.raises(FeedError, match=words):
+            model.generate(bad, max_new_tokens=2)
+    g = model.generate(PROMPTS, max_new_tokens=3)
+    assert g.finish_reasons == ["stop" if t and t[-1] == 1 else "length" for t in g.tokens] and len(g.finish_reasons) == 3
+
+
 @pytest.mark.parametrize("family", ["t5", "whisper", "bart", "marian"])
 def test_encoder_decoders_through_the_torch_exporter_generate_as_optimum_s_graphs(request, tmp_path, family):
     """The torch exporter writes optimum's three graphs with any transformers (optimum-onnx needs

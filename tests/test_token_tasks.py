@@ -219,6 +219,15 @@ def test_bad_questions_are_one_line(models, args, words):
     assert "\n" not in str(e.value)
 
 
+def test_many_short_texts_fit_the_window_budget(models):
+    """Each window was counted at the model's full length, so 1,100 short texts with a stride (or 1,100
+    questions) were refused as "70400 tokens", advising shorter texts, which changed nothing: the
+    windows of a call are padded to the longest, and these hold a few tokens each."""
+    ner, qa = models["bert", "ner"][0], models["bert", "qa"][0]
+    assert len(ner.entities(["Paris is nice."] * 1100, stride=8)) == 1100
+    assert len(qa.answer(["Where?"] * 1100, "Berlin is nice.")) == 1100
+
+
 def test_quantized_they_are_judged_by_the_scores_their_users_read(models, tmp_path):
     """int8: the guard compares each token's label probabilities (entities), and each pair's start
     and end over its tokens (answers, from question-passage pairs), not the logits' cosine."""

@@ -126,8 +126,11 @@ class Limits:
             FeedError: naming the tokens, the limit and how to read with fewer.
         """
         windows = sum(1 if n <= r else 1 + -(-(n - r) // max(r - stride, 1)) for n, r in zip(counts, room))
-        if windows * window > self.max_window_tokens:
-            raise FeedError(f"these texts make {windows} windows of up to {windows * window} tokens in all, more than the "
+        # the windows of a call are padded to the longest: a short text's one window holds its own tokens
+        # and what each window adds (the special tokens, a question), not the model's whole window
+        longest = max((min(n, r) + window - r for n, r in zip(counts, room)), default=0)
+        if windows * longest > self.max_window_tokens:
+            raise FeedError(f"these texts make {windows} windows of up to {windows * longest} tokens in all, more than the "
                             f"{self.max_window_tokens} a call reads; overlap the windows less (a smaller stride or "
                             "doc_stride), or send fewer or shorter texts (in Python, model.limits.max_window_tokens "
                             "raises the limit for input you trust).")

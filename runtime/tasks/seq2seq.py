@@ -104,9 +104,10 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation
             raise FeedError("generate() takes a non-empty list of prompts; wrap a single prompt as [prompt].")
         texts = all(isinstance(p, str) for p in prompts)
         if texts:
+            _check_lengths(model, list(prompts))
             feeds = model.tokenize(list(prompts))
         else:
-            ids = [list(map(int, p)) for p in prompts]
+            ids = [_token_ids(p, i) for i, p in enumerate(prompts)]
             if any(not p for p in ids):
                 raise FeedError("generate() needs non-empty prompts.")
             width = max(map(len, ids))
@@ -144,9 +145,39 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation
             done |= np.isin(nxt, search.eos)
     tok = model.detokenizer
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
+    ends = set(np.atleast_1d(search.eos).tolist())
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
                       prompt_tokens=int(feeds["attention_mask"].sum()) if "attention_mask" in feeds else 0,
-                      prefill_s=prefill)
+                      prefill_s=prefill, finish_reasons=["stop" if t and t[-1] in ends else "length" for t in new])
+
+
+def _token_ids(prompt: Any, i: int) -> list[int]:
+    """Prompt ``i`` given as token ids: a list of whole numbers (a float or a text among them was cut
+    or a raw ValueError)."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (list, tuple, np.ndarray)):
+        raise FeedError(f"prompt {i} is {type(prompt).__name__}; give every prompt as a text, or every prompt as a list "
+                        "of token ids.")
+    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+        raise FeedError(f"prompt {i} has a token id that is not a whole number; pass whole numbers, or texts.")
+    return [int(t) for t in prompt]
+
+
+def _check_lengths(model: Seq2Seq, prompts: list[str]) -> None:
+    """Refuse a text longer than the encoder reads (its tokenizer cut it there, silently: a long
+    article was summarised or translated up to that point only)."""
+    from slimml.runtime.tasks.base import check_unicode
+    from slimml.runtime.tasks.generation.prompts import untruncated
+    from slimml.runtime.tasks.limits import tokenized
+
+    text = model.text
+    if text is None:
+        return
+    check_unicode(prompts)
+    for i, p in enumerate(prompts):
+        n = len(tokenized(lambda: untruncated(text).encode(p)).ids)
+        if n > text.max_length:
+            raise FeedError(f"prompt {i} is {n} tokens, more than the {text.max_length} this model reads; shorten it or "
+                            "split it into parts of at most that many tokens (it was cut there, silently).")
 
 
 def start_tokens(decoder: Decoder, spec: Mapping[str, Any], batch: int, beams: int = 1) -> np.ndarray:

@@ -110,11 +110,25 @@ class ImageProcessor:
         limit = size.get("longest_edge")
         if limit is not None and new_long > limit:
             new_short, new_long = int(limit * new_short / new_long), int(limit)
+        if new_short * new_long > MAX_RESIZED_PIXELS:  # a 1x1000 strip at a shortest edge of 224: 224x224,000
+            raise FeedError(f"an image of {width}x{height} pixels (width x height) would be resized to {new_short}x{new_long} (its shortest "
+                            f"edge to {new_short}); crop it nearer to square first.")
         return (new_long, new_short) if width <= height else (new_short, new_long)
 
 
+MAX_RESIZED_PIXELS = 1 << 24  # 4096x4096: above any model's input, far below a strip's resize
+
+
 def read_image(image, index: int = 0):
-    """A path, PIL image or uint8 array as a loaded PIL image; anything else is one clear FeedError."""
+    """A path, PIL image or uint8 array as a loaded PIL image; anything else (an image of no pixels
+    too) is one clear FeedError."""
+    im = _read_image(image, index)
+    if not im.width or not im.height:  # a blank input was made of it, and classified
+        raise FeedError(f"image {index} is {im.width}x{im.height} pixels; give an image with pixels.")
+    return im
+
+
+def _read_image(image, index: int):
     Image = _pillow()
     if hasattr(image, "getbands"):
         return image
@@ -127,6 +141,8 @@ def read_image(image, index: int = 0):
         return Image.fromarray(image[:, :, 0] if image.ndim == 3 and image.shape[2] == 1 else image)
     if isinstance(image, (str, os.PathLike)):
         path = Path(image)
+        if path.is_dir():
+            raise FeedError(f"{path} is a folder; give an image file in it.")
         if not path.is_file():
             raise FeedError(f"image file {path} does not exist; check the path.")
         try:
