@@ -274,7 +274,7 @@ def run(
     input: Annotated[Optional[Path], typer.Option("--input", help="An .npz file of named input arrays.")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Classes shown per input (classifiers; default 5); answers per context (--question; default 1).")] = None,
     question: Annotated[Optional[str], typer.Option("--question", help="A question each text (a context) answers (extractive question answering).")] = None,
-    aggregation: Annotated[str, typer.Option(help="How a token classifier groups tokens: none, simple, first, average or max.")] = "simple",
+    aggregation: Annotated[Optional[str], typer.Option(help="How a token classifier groups tokens: none, simple, first, average or max (default simple).", show_default=False)] = None,
     loading: OptionValues = None,
     progress: Progress = False,
     as_json: AsJson = False,
@@ -296,9 +296,14 @@ def run(
         raise SlimmlError("give texts (TEXT or --text), --image files, --audio files or --input FILE.npz: one kind of input.")
     if top_k is not None and top_k < 1:  # checked whatever the artifact: a value it ignores is still a mistake
         raise SlimmlError(f"--top-k must be a whole number >= 1, got {top_k}.")
-    if aggregation not in AGGREGATIONS:
+    if aggregation is not None and aggregation not in AGGREGATIONS:
         raise SlimmlError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}.")
     model = load(artifact, loading.build())
+    if aggregation is not None and not (texts and question is None and model.supports("entities")):
+        raise SlimmlError(f"--aggregation is for token classifiers' entities; {artifact} is a {model.kind!r} artifact "
+                          "(or no texts were given): drop it.")
+    if top_k is not None and texts and question is None and not image and model.supports("entities"):
+        raise SlimmlError("--top-k is for classes and answers; a token classifier gives every entity it finds: drop it.")
     if question is not None:
         if not texts or not model.supports("answer"):
             raise SlimmlError(f"--question needs an extractive question-answering artifact and texts to answer from; "
@@ -338,15 +343,16 @@ def run(
         if model.supports("encode"):
             outputs = {"embeddings": model.encode(texts, show_progress=progress)}
         elif model.supports("entities"):
-            return _print_spans(texts, model.entities(texts, aggregation=aggregation), "entities", as_json)
+            return _print_spans(texts, model.entities(texts, aggregation=aggregation or "simple"), "entities", as_json)
         elif model.supports("answer"):
             raise SlimmlError(f"{artifact} answers questions from texts: give --question QUESTION, and the texts to "
                               "answer from.")
         elif model.supports("classify"):
             return _print_classes(texts, model.classify(texts, top_k=5 if top_k is None else top_k), as_json)
         elif model.supports("generate"):  # a language model: its raw pass needs a cache; what a user wants is text
+            chat = "" if model.manifest.seq2seq else " (or `--chat` for its chat template)"
             raise SlimmlError(f"{artifact} is a text-generation model; continue a text with `slimml generate {artifact} "
-                              "TEXT` (or `--chat` for its chat template).")
+                              f"TEXT`{chat}.")
         else:
             outputs = model.run(model.tokenize(texts))
     else:

@@ -266,6 +266,11 @@ def test_the_cli_prints_entities_and_answers(models):
                                               "and the texts to answer from.\n")
     r = slimml("run", qa_art, "--question", QUESTION, CONTEXT, "--json")  # one answer unless --top-k asks for more
     assert json.loads(r.stdout)[0]["answers"] == [models["bert", "qa"][0].answer(QUESTION, CONTEXT)]
+    # options another kind of artifact takes, ignored before: refused in one line
+    r = slimml("run", ner_art, TEXTS[0], "--top-k", "3")
+    assert r.returncode == 1 and "--top-k is for classes and answers; a token classifier gives every entity" in r.stderr
+    r = slimml("run", qa_art, "--question", QUESTION, CONTEXT, "--aggregation", "max")
+    assert r.returncode == 1 and "--aggregation is for token classifiers' entities" in r.stderr, r.stderr
     r = slimml("run", ner_art, "text", "--aggregation", "mean")
     assert r.returncode == 1 and "aggregation must be one of none, simple, first, average, max" in r.stderr
 
