@@ -135,6 +135,8 @@ def test_bad_images_get_one_clear_error(vit, tmp_path):
         model.tokenize(["a cat"])
     with pytest.raises(FeedError, match="top_k"):
         model.classify([good], top_k=0)
+    with pytest.raises(FeedError, match=r"labels= names the classes of an image-text \(CLIP\) artifact"):
+        model.classify([good], labels=["a cat", "a dog"])  # a raw TypeError before
 
 
 # -- ViT -----------------------------------------------------------------------------------------

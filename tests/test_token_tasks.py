@@ -212,6 +212,8 @@ def test_bad_entity_calls_are_one_line(models, call, words):
                                    "not more than doc_stride 128"),
     (("why " * 500, CONTEXT * 20), r"question 0 \(500 tokens\) leaves 0 tokens"),
     ((QUESTION, "a " * 8000, 1, 3, 15, 12), r"windows of up to \d+ tokens in all, more than the 65536 a call reads"),
+    ((QUESTION, CONTEXT, 1, None, 15, None, "no"), "handle_impossible_answer must be True or False, got 'no'"),  # read as True
+    ((QUESTION, CONTEXT, 1, None, 15, None, False, "no"), "align_to_words must be True or False, got 'no'"),
 ])
 def test_bad_questions_are_one_line(models, args, words):
     with pytest.raises(FeedError, match=words) as e:

@@ -31,7 +31,7 @@ class Classifier(Task):
     methods = frozenset({"classify"})
     suggest = ("classify",)
 
-    def classify(self, inputs: Any, top_k: int | None = 5, batch_size: int = 32) -> list[list[dict[str, Any]]]:
+    def classify(self, inputs: Any, top_k: int | None = 5, batch_size: int = 32, labels: Any = None) -> list[list[dict[str, Any]]]:
         """Per input, its ``top_k`` classes (all when None) as ``{"label", "score"}``, best first;
         scores as transformers' pipelines make them (:func:`scores`), labels the source config's
         ``id2label``.
@@ -40,6 +40,9 @@ class Classifier(Task):
             >>> load("artifacts/vit-base-patch16-224").classify(["cat.jpg"], top_k=1)
             [[{'label': 'tabby, tabby cat', 'score': 0.93}]]
         """
+        if labels is not None:  # a raw TypeError before
+            raise FeedError("labels= names the classes of an image-text (CLIP) artifact; this classifier has its own "
+                            f"({len(self.manifest.labels or [])}, from its config): drop labels=.")
         check_top_k(top_k, "class")
         return classify_batches(self.engine.run, self.batches(inputs, batch_size), self.manifest.labels, top_k,
                                 self.manifest.source.get("problem_type"))

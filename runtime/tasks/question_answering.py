@@ -72,6 +72,9 @@ class QuestionAnswerer(Task):
             raise FeedError(f"give one context a question: got {len(questions)} questions and {len(contexts)} contexts.")
         _whole("top_k", top_k, 1)
         _whole("max_answer_len", max_answer_len, 1)
+        for name, value in (("handle_impossible_answer", handle_impossible_answer), ("align_to_words", align_to_words)):
+            if not isinstance(value, (bool, np.bool_)):  # "no" read as True before
+                raise FeedError(f"{name} must be True or False, got {value!r}.")
         size = check_batch(batch_size)
         seq = min(self.text.max_length, 384) if max_seq_len is None else _whole("max_seq_len", max_seq_len, 2)
         if seq > self.text.max_length:
