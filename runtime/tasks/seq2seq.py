@@ -104,8 +104,7 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation
             raise FeedError("generate() takes a non-empty list of prompts; wrap a single prompt as [prompt].")
         texts = all(isinstance(p, str) for p in prompts)
         if texts:
-            _check_lengths(model, list(prompts))
-            feeds = model.tokenize(list(prompts))
+            feeds = _uncut_feeds(model, list(prompts))
         else:
             ids = [_token_ids(p, i) for i, p in enumerate(prompts)]
             if any(not p for p in ids):
@@ -162,22 +161,22 @@ def _token_ids(prompt: Any, i: int) -> list[int]:
     return [int(t) for t in prompt]
 
 
-def _check_lengths(model: Seq2Seq, prompts: list[str]) -> None:
-    """Refuse a text longer than the encoder reads (its tokenizer cut it there, silently: a long
-    article was summarised or translated up to that point only)."""
+def _uncut_feeds(model: Seq2Seq, prompts: list[str]) -> dict[str, np.ndarray]:
+    """The encoder's feeds for text prompts, a prompt the tokenizer had to cut refused (it was cut
+    there, silently: a long article was summarised or translated up to that point only)."""
     from slimml.runtime.tasks.base import check_unicode
-    from slimml.runtime.tasks.generation.prompts import untruncated
-    from slimml.runtime.tasks.limits import tokenized
 
     text = model.text
     if text is None:
-        return
+        return model.tokenize(prompts)  # the one-line refusal of a model without a tokenizer
     check_unicode(prompts)
-    for i, p in enumerate(prompts):
-        n = len(tokenized(lambda: untruncated(text).encode(p)).ids)
-        if n > text.max_length:
+    encodings = text.encodings(prompts)
+    for i, e in enumerate(encodings):
+        if e.overflowing:
+            n = text.token_counts([prompts[i]])[0] + text.special_tokens(False)
             raise FeedError(f"prompt {i} is {n} tokens, more than the {text.max_length} this model reads; shorten it or "
                             "split it into parts of at most that many tokens (it was cut there, silently).")
+    return text.batch(encodings)
 
 
 def start_tokens(decoder: Decoder, spec: Mapping[str, Any], batch: int, beams: int = 1) -> np.ndarray:

@@ -6,7 +6,8 @@ it) or comes from the caller, and a server renders it for every request; a templ
 that does not end, or one that builds a string of gigabytes, would stall that server. Real templates
 take a few loop steps and calls per message, so the bounds below are far above any of them:
 
-- **steps**: loop iterations and calls (macros, methods, globals), at most ``RENDER_STEPS`` in all;
+- **steps**: loop iterations, calls (macros, methods, globals), filters and operators, at most
+  ``RENDER_STEPS`` in all;
 - **time**: at most ``RENDER_SECONDS``, checked at every step;
 - **size**: no string or list past ``RENDER_CHARS`` characters of text is built by ``*``, ``+``,
   ``~``, ``%``, ``.format``, a filter that writes text or a printed ``{{ value }}`` (sized from its
@@ -14,9 +15,10 @@ take a few loop steps and calls per message, so the bounds below are far above a
   given to ``center``, ``indent``, ``ljust``... , no integer past 65,536 bits is made, and the
   rendered text stops there too.
 
-The For loops and ``~`` of a parsed template are routed through :class:`Meter` (the ``Budget``
-extension's methods, which a template cannot rebind); binary operators, calls and filters through
-:class:`BudgetedSandbox`.
+The For loops, ``~`` joins and printed values of a parsed template are routed through the ``Budget``
+extension's methods (which a template cannot rebind), binary operators and calls through the
+``BudgetedSandbox``, filters through :func:`budgeted_filter`; each counts against the current
+rendering's :class:`Meter`.
 """
 
 from __future__ import annotations
@@ -164,6 +166,7 @@ def _check_replace(args: tuple, kwargs: dict) -> None:
             check_size(len(s) + hits * grows, "a replaced string")
 
 
+@functools.cache
 def sandbox_class():
     """The sandboxed environment class with the budget's hooks (jinja2 is imported only when a
     template is compiled, as chat.py does)."""
@@ -217,6 +220,7 @@ def sandbox_class():
     return BudgetedSandbox
 
 
+@functools.cache
 def budget_extension():
     """The extension whose methods the parsed template's For loops and ``~`` are routed through."""
     from jinja2.ext import Extension
@@ -255,7 +259,7 @@ def meter_template(env, source: str):
     from jinja2 import nodes
 
     tree = env.parse(source)
-    budget = next(e for e in env.extensions.values() if type(e).__name__ == "Budget")
+    budget = env.extensions[budget_extension().identifier]
     for loop in tree.find_all(nodes.For):
         loop.iter = budget.call_method("steps", [loop.iter], lineno=loop.lineno)
     for output in list(tree.find_all(nodes.Output)):  # {{ value }}: its text sized before it is written
