@@ -504,12 +504,17 @@ def max_seq_length(folder: Path) -> int | None:
     return next((n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0), None)
 
 
-_GGUF_TYPE_TAG = re.compile(r"[.\-_](?:[IT]?Q\d(?:_[0-9A-Z]+)*|[BF]F?16|F32|MXFP4)$", re.IGNORECASE)
+# llama.cpp's type names (Q4_K_M, IQ4_XS, TQ1_0, F16, BF16, MXFP4), the fp16/fp32 some uploaders write, and
+# the tags before them: imatrix files' "i1-" (mradermacher's), Unsloth's dynamic "UD-".
+_GGUF_TYPE_TAG = re.compile(r"[.\-_](?:(?:i1|UD)[.\-_])?(?:[IT]?Q\d(?:_[0-9A-Z]+)*|[BF]F?16|FP16|F(?:P)?32|MXFP4)$",
+                            re.IGNORECASE)
+_GGUF_SPLIT = re.compile(r"-\d{5}-of-\d{5}$")  # gguf-split's parts: Model-Q4_K_M-00001-of-00003
 
 
 def gguf_model_name(stem: str) -> str:
     """The model's name in a GGUF file's name, without the quantization type the file adds
     (``SmolLM2-135M-Instruct.Q4_1`` -> ``SmolLM2-135M-Instruct``, ``Llama-3-8B-Q4_K_M`` ->
-    ``Llama-3-8B``, ``model-f16`` -> ``model``): the artifact and the model a server names."""
-    name = _GGUF_TYPE_TAG.sub("", stem)
+    ``Llama-3-8B``, ``model-f16`` -> ``model``, ``Llama-3-8B.i1-Q4_K_M`` and a split file's
+    ``Llama-3-8B-Q4_K_M-00001-of-00002`` -> ``Llama-3-8B``): the artifact and the model a server names."""
+    name = _GGUF_TYPE_TAG.sub("", _GGUF_SPLIT.sub("", stem))
     return name or stem

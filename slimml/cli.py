@@ -454,8 +454,12 @@ def eval_(
 
         if language and window is None and isinstance(old.settings.get("window"), int):
             window = old.settings["window"]  # measured as the baseline was
-        early = {"metric": metric, "data": data.name, "data_sha256": sha256_file(data)}
-        check_settings(old, "eval", {**early, **({"window": window} if language and window is not None else {})})
+        if language and max_tokens is None and isinstance(old.settings.get("max_tokens"), int):
+            max_tokens = old.settings["max_tokens"]
+        early = {"metric": metric, "data": data.name, "data_sha256": sha256_file(data),
+                 **({"window": window} if language and window is not None else {}),
+                 **({"max_tokens": max_tokens} if language and max_tokens is not None else {})}
+        check_settings(old, "eval", early)
     model = load(artifact, loading.build())
     if language:
         result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)
@@ -597,8 +601,8 @@ def generate(
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens to add per prompt at most (default 32; an encoder-decoder: its generation config's max_length).", show_default=False)] = None,
     num_beams: Annotated[Optional[int], typer.Option(help="Encoder-decoders: beam search over this many hypotheses (1: greedy; default: the model's generation config).", show_default=False)] = None,
     temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy (the most likely token each step). Default 0; an encoder-decoder: its generation config's (greedy unless it samples).", show_default=False)] = None,
-    top_k: Annotated[int, typer.Option(help="Sample among the k most likely tokens only (0: off).")] = 0,
-    top_p: Annotated[float, typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off).")] = 1.0,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample among the k most likely tokens only (0: off). Default off; an encoder-decoder: its generation config's.", show_default=False)] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off). Default off; an encoder-decoder: its generation config's.", show_default=False)] = None,
     repetition_penalty: Annotated[float, typer.Option(help="Divide the logits of tokens already seen by this (1: off).")] = 1.0,
     presence_penalty: Annotated[float, typer.Option(help="Subtract this from the logit of every token the answer already holds (OpenAI's; -2 to 2, 0: off).")] = 0.0,
     frequency_penalty: Annotated[float, typer.Option(help="Subtract this from a token's logit for each time the answer already holds it (OpenAI's; -2 to 2, 0: off).")] = 0.0,
@@ -625,7 +629,8 @@ def generate(
     from slimml.runtime.tasks.generation import GenerationConfig
 
     length = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
-    config = GenerationConfig(**length, temperature=0.0 if temperature is None else temperature, top_k=top_k, top_p=top_p,
+    config = GenerationConfig(**length, temperature=0.0 if temperature is None else temperature,
+                              top_k=0 if top_k is None else top_k, top_p=1.0 if top_p is None else top_p,
                               repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                               frequency_penalty=frequency_penalty, logit_bias=_logit_bias(logit_bias), logprobs=logprobs,
                               response_format=_response_format(response_format), seed=seed, stop=tuple(stop or ()),
@@ -653,14 +658,14 @@ def generate(
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
     if not model.supports("stream"):  # an encoder-decoder answers: greedy, sampled or by beam search
-        sampling = dict(temperature=config.temperature, top_k=top_k, top_p=top_p, seed=seed)
+        sampling = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=seed)
         if chat or config != GenerationConfig(**length, **sampling, truncate=truncate, prompt_lookup=prompt_lookup):
             raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily, by sampling (--temperature, "
                               "--top-k, --top-p, --seed) or by beam search (--num-beams), without a chat template; drop "
                               "--repetition-penalty, --presence-penalty, --frequency-penalty, --logit-bias, --logprobs, "
                               "--response-format, --stop and --chat.")
         result = model.generate(list(prompt), max_new_tokens=max_new_tokens, num_beams=num_beams, temperature=temperature,
-                                top_k=top_k or None, top_p=None if top_p == 1.0 else top_p, seed=seed)
+                                top_k=top_k, top_p=top_p, seed=seed)  # None: the model's own; 0 and 1.0 turn them off
         if not as_json:
             for p, text in zip(prompt, result.texts):
                 console.print(Text(p, style="bold") + Text(f" -> {text}"), soft_wrap=True)

@@ -54,37 +54,46 @@ STS_TRAIN = DATA / "sts-train.csv"
 # with the fix.
 RAY_FILES = frozenset({"test_llm_serve.py", "test_rerank.py", "test_scale.py", "test_serve.py", "test_serve_cli.py",
                        "test_serve_hostile.py", "test_serve_load.py", "test_token_tasks.py", "test_tool_calls.py"})
+# The files (not Ray's) that read SmolLM2 into transformers (``smollm2_transformers``, half a minute a
+# process): one unit too, so that one worker reads it, not both.
+TORCH_SMOLLM2_FILES = frozenset({"test_generate.py", "test_generate_api.py", "test_llm.py"})
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """pytest-xdist's units of work: each test file whole on one worker (its module fixtures made
-    once), and the Ray files together as one unit."""
+    once), the Ray files together as one unit, and the files that read SmolLM2 into transformers."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RayFilesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            file = nodeid.split("::", 1)[0]
-            return "ray" if Path(file).name in RAY_FILES else file
+            name = Path(nodeid.split("::", 1)[0]).name
+            return "ray" if name in RAY_FILES else "smollm2-torch" if name in TORCH_SMOLLM2_FILES else nodeid.split("::", 1)[0]
 
     return RayFilesTogether(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The Ray files first (the longest unit of work, so it starts at once), then the files on the
-    real language model (SmolLM2, long too), then the rest; files keep their order otherwise."""
+    """The Ray unit first (the longest, so it starts at once; inside it, the files that need SmolLM2
+    last), then the files on the real language model (SmolLM2, long too), then the rest; files keep
+    their order otherwise. So the second worker converts SmolLM2 while the first serves the other
+    models, and neither waits on the other's conversion."""
     def rank(item) -> int:
         names = getattr(item, "fixturenames", ())
+        smol = any(n.startswith("smollm2") for n in names)
+        if "smollm2_transformers" in names and item.path.name not in TORCH_SMOLLM2_FILES | RAY_FILES:
+            raise pytest.UsageError(f"{item.nodeid} reads SmolLM2 into transformers but its file is not in "
+                                    "tests/conftest.py's TORCH_SMOLLM2_FILES: add it there, so one worker reads it")
         if item.path.name in RAY_FILES:
-            return 0
+            return 1 if smol else 0
         if "ray_env" in names:
             raise pytest.UsageError(f"{item.nodeid} starts Ray but its file is not in tests/conftest.py's RAY_FILES: "
                                     "add it there, so that its Ray never runs beside another worker's")
-        return 1 if any(n.startswith("smollm2") for n in names) else 2
+        return 2 if smol else 3
 
     ranks: dict[Path, int] = {}
     for item in items:
-        ranks[item.path] = min(ranks.get(item.path, 2), rank(item))
+        ranks[item.path] = min(ranks.get(item.path, 3), rank(item))
     items.sort(key=lambda item: ranks[item.path])  # (stable)
 
 

@@ -301,5 +301,8 @@ def test_a_gguf_artifact_is_named_for_its_model_not_its_file_type():
                        ("Meta-Llama-3-8B-Instruct-Q4_K_M", "Meta-Llama-3-8B-Instruct"),
                        ("Phi-3-mini-4k-instruct-IQ4_XS", "Phi-3-mini-4k-instruct"), ("qwen2.5-0.5b-instruct-q8_0",
                        "qwen2.5-0.5b-instruct"), ("model-f16", "model"), ("gpt-oss-20b-mxfp4", "gpt-oss-20b"),
-                       ("plain", "plain"), ("Q4_0", "Q4_0")):
+                       ("plain", "plain"), ("Q4_0", "Q4_0"), ("qwen2.5-0.5b-instruct-fp16", "qwen2.5-0.5b-instruct"),
+                       ("Meta-Llama-3-8B.i1-Q4_K_M", "Meta-Llama-3-8B"), ("Qwen3-0.6B-UD-Q4_K_XL", "Qwen3-0.6B"),
+                       ("Llama-3-8B-Q4_K_M-00001-of-00002", "Llama-3-8B"), ("tiny.fp32", "tiny"),
+                       ("model-00001-of-00003", "model")):
         assert gguf_model_name(stem) == name

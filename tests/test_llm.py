@@ -134,6 +134,9 @@ def test_eval_scores_a_language_model_by_perplexity_as_its_convert_check_did(smo
     (tmp_path / "worse.json").write_text(json.dumps(worse))
     r = slimml("--baseline", tmp_path / "worse.json")
     assert r.returncode == 3 and "perplexity rose +1.01% (allowed +0.1%)" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "slimml", "eval", str(smol["art"]), "--data", str(lee_slice), "--max-tokens",
+                        "400", "--baseline", str(tmp_path / "base.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "max_tokens: baseline 300, now 400" in r.stderr, r.stderr  # before the run, not after
 
 
 def test_manifest_carries_chat_template_and_context(smol):

@@ -150,7 +150,7 @@ def test_t5_generates_the_tokens_hugging_face_generates(t5):
 def test_t5_refuses_what_it_would_cut_or_misread_and_says_why_it_stopped(t5):
     """A prompt past the tokenizer's length was cut there in silence (a long article summarised up to
     that point); ids that are not whole numbers were raw Python errors, or floats cut to ints; the
-    finish reasons were empty (README: "stop" or "length")."""
+    finish reasons were empty (README: "stop" or "length"); a decoder's options were Python's TypeError."""
     from slimml.errors import FeedError
     from slimml.runtime import load
 
@@ -163,6 +163,12 @@ def test_t5_refuses_what_it_would_cut_or_misread_and_says_why_it_stopped(t5):
                        ([[5, 6], None], "prompt 1 is NoneType; give every prompt as a text")):
         with pytest.raises(FeedError, match=words):
             model.generate(bad, max_new_tokens=2)
+    from slimml.errors import ConfigError
+    from slimml.runtime.tasks.generation import GenerationConfig
+
+    for options in ({"repetition_penalty": 1.2}, {"config": GenerationConfig(), "stop": ["."]}):  # a raw TypeError
+        with pytest.raises(ConfigError, match=rf"takes no {sorted(options)[0]}.*its options are max_new_tokens"):
+            model.generate(PROMPTS, **options)
     g = model.generate(PROMPTS, max_new_tokens=3)
     assert g.finish_reasons == ["stop" if t and t[-1] == 1 else "length" for t in g.tokens] and len(g.finish_reasons) == 3
 
@@ -455,6 +461,10 @@ def test_slimml_generate_and_info_on_t5(t5):
     assert sampled.returncode == 0, sampled.stderr
     assert json.loads(sampled.stdout)["tokens"] == load(art).generate(PROMPTS[:1], max_new_tokens=4, temperature=0.8, top_p=0.9,
                                                                         seed=3).tokens
+    off = slimml("generate", art, PROMPTS[0], "--temperature", "0.8", "--top-k", "0", "--seed", "3", "--max-new-tokens", "4",
+                 "--json")  # 0 turns the model's own top-k off (it kept the model's 50)
+    assert off.returncode == 0 and json.loads(off.stdout)["tokens"] == load(art).generate(
+        PROMPTS[:1], max_new_tokens=4, temperature=0.8, top_k=0, seed=3).tokens, off.stderr
     refused = slimml("generate", art, PROMPTS[0], "--stop", "x")
     assert refused.returncode == 1 and "drop --repetition-penalty" in refused.stderr
     info = slimml("info", art)

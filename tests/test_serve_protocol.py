@@ -216,6 +216,15 @@ def test_the_route_list_keeps_its_templated_route():
     assert protocol.public(message) == message  # "GET {model}" before: the path scrubber took it for a path
 
 
+def test_server_paths_leave_answers_and_a_client_s_own_text_stays():
+    """A client's stop string "/end" or role "/admin" came back as "end", "admin": every text that
+    looked like a path was cut to its last part, server's or not."""
+    assert protocol.public("the artifact /tmp/models/smol/model.onnx is damaged") == "the artifact model.onnx is damaged"
+    assert protocol.public("~/models/x has no tokenizer; give one") == "x has no tokenizer; give one"
+    for own in ("unknown role '/admin'; use system, user", "stop string '/end/here' is too long", "a b /nonexistent-top/x"):
+        assert protocol.public(own) == own
+
+
 def test_request_values_at_the_far_edges_get_their_400_in_their_own_terms():
     """A stop string of megabytes is refused before the tokenizer sees it; a null include_usage is
     the default; a logit_bias key of thousands of digits, a model that is not a string, a tool's

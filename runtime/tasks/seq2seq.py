@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slimml.errors import FeedError
+from slimml.errors import ConfigError, FeedError
 from slimml.runtime.artifact.manifest import Manifest, safe_path
 from slimml.runtime.tasks.base import Task, register_task, text_encoder
 from slimml.runtime.tasks.generate import Generation
@@ -61,7 +61,7 @@ class Seq2Seq(Task):
     def generate(self, prompts: Any, max_new_tokens: int | None = None, num_beams: int | None = None,
                  length_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: Any = None, do_sample: bool | None = None):
+                 seed: Any = None, do_sample: bool | None = None, **unknown: Any):
         """Generation from texts (T5, BART, Marian) or, for a speech model, WAV paths or 16 kHz
         waveforms, as the model's generation config says (greedy, sampling, or beam search with its
         length penalty and no-repeat n-grams; a None argument keeps the model's own). Without
@@ -75,6 +75,12 @@ class Seq2Seq(Task):
             >>> load("artifacts/bart-large-cnn").generate([article], num_beams=1)  # greedy, not its 4 beams
             >>> load("artifacts/t5-small").generate(prompts, temperature=0.7, top_p=0.9, seed=0)
         """
+        if unknown:  # a decoder's options (penalties, stop strings, config=): one line, not Python's TypeError
+            raise ConfigError(
+                f"an encoder-decoder's generate() takes no {', '.join(sorted(unknown))}; its options are max_new_tokens, "
+                "num_beams, length_penalty, no_repeat_ngram_size, temperature, top_k, top_p, seed and do_sample "
+                "(penalties, stop strings, logit bias and a GenerationConfig are a decoder's)."
+            )
         return generate_seq2seq(self, prompts, Search.of(self.spec, max_new_tokens, temperature=temperature, top_k=top_k,
                                                          top_p=top_p, seed=seed, do_sample=do_sample, num_beams=num_beams,
                                                          length_penalty=length_penalty,

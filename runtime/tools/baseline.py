@@ -233,7 +233,8 @@ def check_settings(baseline: Baseline, kind: str, settings: dict[str, Any]) -> N
     """
     if baseline.kind != kind:
         raise ConfigError(f"the baseline is from `slimml {baseline.kind}`; use it with `slimml {baseline.kind}`, not `{kind}`.")
-    differ = {k: (baseline.settings.get(k), v) for k, v in settings.items() if baseline.settings.get(k) != v}
+    differ = {k: (baseline.settings[k], v) for k, v in settings.items()  # what an older baseline did not record, it
+              if k in baseline.settings and baseline.settings[k] != v}  # does not hold a run to
     if differ:
         said = ", ".join(f"{k}: baseline {a!r}, now {b!r}" for k, (a, b) in differ.items())
         raise ConfigError(

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from slimml.errors import ArtifactError, DataError
+from slimml.runtime.tasks.generation.scoring import EVAL_TOKENS
 
 STS_COLUMNS = ("sentence1", "sentence2", "score")
 
@@ -147,4 +148,5 @@ def evaluate_perplexity(model, path: str | os.PathLike, window: int | None = Non
     """The perplexity of a language model over a text file (lower is better); see ``model.perplexity``."""
     got = model.perplexity(read_text(path), window=window, max_tokens=max_tokens)
     return EvalResult(metric="perplexity", score=got.perplexity, count=got.tokens, unit="tokens",
-                      settings={"window": got.window, "windows": got.windows})
+                      settings={"window": got.window, "windows": got.windows,
+                                "max_tokens": EVAL_TOKENS if max_tokens is None else max_tokens})

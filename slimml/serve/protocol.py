@@ -10,6 +10,7 @@ import base64
 import binascii
 import io
 import json
+import os
 import re
 from typing import Any
 
@@ -429,7 +430,15 @@ _ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b")
 
 
 def public(message: str) -> str:
-    """``message`` without server paths (each becomes its last part) or node addresses."""
-    message = _PATH.sub(lambda m: m.group(0) if _ROUTE.match(m.group(0)) else
+    """``message`` without server paths (each becomes its last part) or node addresses. A server
+    path starts at ``~`` or at a folder this machine has (``/tmp``, ``/home``...); a client's own
+    text that only looks like a path (a stop string ``/end``, a role ``/admin``) stays as sent."""
+    message = _PATH.sub(lambda m: m.group(0) if _ROUTE.match(m.group(0)) or not _on_this_machine(m.group(0)) else
                         m.group(0).rstrip("/.").rsplit("/", 1)[-1] or "<path>", message)
     return _ADDRESS.sub("<address>", message)
+
+
+def _on_this_machine(path: str) -> bool:
+    """``path`` is under the home folder, or under a top-level folder that exists here."""
+    top = path.lstrip("/").split("/", 1)[0]
+    return path.startswith("~") or not top or os.path.isdir("/" + top)

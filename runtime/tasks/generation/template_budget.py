@@ -15,7 +15,7 @@ take a few loop steps and calls per message, so the bounds below are far above a
   given to ``center``, ``indent``, ``ljust``... , no integer past 65,536 bits is made, and the
   rendered text stops there too.
 
-The For loops, ``~`` joins and printed values of a parsed template are routed through the ``Budget``
+The For loops (and a recursive loop's ``loop(...)`` calls), ``~`` joins and printed values of a parsed template are routed through the ``Budget``
 extension's methods (which a template cannot rebind), binary operators and calls through the
 ``BudgetedSandbox``, filters through :func:`budgeted_filter`; each counts against the current
 rendering's :class:`Meter`.
@@ -170,6 +170,7 @@ def _check_replace(args: tuple, kwargs: dict) -> None:
 def sandbox_class():
     """The sandboxed environment class with the budget's hooks (jinja2 is imported only when a
     template is compiled, as chat.py does)."""
+    from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class BudgetedSandbox(ImmutableSandboxedEnvironment):
@@ -199,6 +200,8 @@ def sandbox_class():
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
             step()
+            if isinstance(__obj, LoopContext) and args:  # a recursive loop's loop(children): its steps as a For's
+                args = (metered(args[0]), *args[1:])
             if getattr(__obj, "__name__", None) in WIDTH_METHODS and isinstance(getattr(__obj, "__self__", None), str):
                 _check_widths([*args, *kwargs.values()])
             return _checked_result(super().call(__context, __obj, *args, **kwargs))
@@ -227,12 +230,7 @@ def budget_extension():
 
     class Budget(Extension):
         def steps(self, iterable):
-            try:
-                n = len(iterable)
-            except TypeError:  # a generator (a filter's |map, |select...): one step per item
-                return _counted(iterable)
-            step(max(n, 1))
-            return iterable
+            return metered(iterable)
 
         def concat(self, *parts):
             check_size(sum(text_size(p) for p in parts), "a ~ joined string")
@@ -244,6 +242,16 @@ def budget_extension():
             return value
 
     return Budget
+
+
+def metered(iterable):
+    """A loop's iterable, its steps counted: all at once where it has a length, else one per item."""
+    try:
+        n = len(iterable)
+    except TypeError:  # a generator (a filter's |map, |select...): one step per item
+        return _counted(iterable)
+    step(max(n, 1))
+    return iterable
 
 
 def _counted(iterable):
