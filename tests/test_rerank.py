@@ -139,6 +139,9 @@ def test_rerank_over_http_ranks_as_in_process(ray_env, reranker):
         assert [(r["index"], r["document"]["text"]) for r in body["results"]] == [(w["index"], DOCS[w["index"]]) for w in want]
         np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], [w["score"] for w in want], atol=1e-6)
         assert body["usage"]["total_tokens"] == sum(load(reranker[1]).count_tokens([[QUERY, d] for d in DOCS]))
+        long = "word " * 5000  # past the server's --max-text-chars: scored cut, returned as sent (was cut to 16,384)
+        status, body = post(f"{url}/rerank", {"query": QUERY, "documents": [long, DOCS[0]]})
+        assert status == 200 and sorted(r["document"]["text"] for r in body["results"]) == sorted([long, DOCS[0]]), body
         status, body = post(f"{url}/rerank", {"query": QUERY, "documents": DOCS, "return_documents": False})
         assert status == 200 and len(body["results"]) == len(DOCS) and "document" not in body["results"][0]
         for bad, words in [({"documents": DOCS}, '"query"'), ({"query": QUERY, "documents": []}, '"documents"'),
@@ -239,7 +242,16 @@ def test_a_text_classifier_is_served_on_v1_classify(tmp_path):
                                    [[x["score"] for x in w] for w in want], atol=1e-6)
         status, body = post(f"{url}/classify", {"input": DOCS[0], "top_k": 1})
         assert status == 200 and [d["index"] for d in body["data"]] == [0] and len(body["data"][0]["labels"]) == 1
+        pairs = [[DOCS[0], DOCS[1]], [DOCS[2], DOCS[0]]]  # an NLI model's (premise, hypothesis): refused as "token ids" before
+        status, body = post(f"{url}/classify", {"input": pairs, "top_k": 2})
+        want = model.classify([tuple(p) for p in pairs], top_k=2)
+        assert status == 200 and [[x["label"] for x in d["labels"]] for d in body["data"]] == [[x["label"] for x in w]
+                                                                                               for w in want], body
+        np.testing.assert_allclose([[x["score"] for x in d["labels"]] for d in body["data"]],
+                                   [[x["score"] for x in w] for w in want], atol=1e-6)
         for bad, words in [({"input": DOCS, "top_k": 0}, '"top_k" must be a whole number >= 1'),
-                           ({"input": []}, '"input" is an empty list'), ({"top_k": 1}, 'needs "input"')]:
+                           ({"input": []}, '"input" is an empty list'), ({"top_k": 1}, 'needs "input"'),
+                           ({"input": [["a", ""]]}, '"input"[0] must be two non-empty texts'),
+                           ({"input": [True]}, '"input"[0] is a JSON boolean, not a text')]:
             status, body = post(f"{url}/classify", bad)
             assert status == 400 and words in body["error"]["message"], (bad, body)

@@ -118,11 +118,11 @@ def test_a_batch_runs_in_pieces_of_like_items_and_comes_back_in_each_request_s_o
         return np.array([[len(s), ord(s[0])] for s in items], np.float32), [len(s) for s in items]
 
     async def main():
-        batcher = Batcher(fn, max_items=100, wait_s=0.05, piece=2, key=len)
+        batcher = Batcher(fn, max_items=100, wait_s=0.05, piece=3, key=len)
         return await asyncio.gather(batcher(["ccc", "a", "dddd"]), batcher(["bb", "eeeee"]))
 
     (emb1, n1), (emb2, n2) = asyncio.run(main())
-    assert calls == [["a", "bb"], ["ccc", "dddd"], ["eeeee"]]  # by length, two at a time
+    assert calls == [["a", "bb", "ccc"], ["dddd", "eeeee"]]  # by length, three at a time
     np.testing.assert_array_equal(emb1, [[3, 99], [1, 97], [4, 100]])
     np.testing.assert_array_equal(emb2, [[2, 98], [5, 101]])
     assert n1 == [3, 1, 4] and n2 == [2, 5] and emb1.dtype == np.float32
@@ -152,3 +152,36 @@ def test_a_request_that_goes_away_mid_batch_stops_after_the_call_in_progress():
 
     assert asyncio.run(main()) == ["next"]
     assert calls == [["t0", "t1", "t2", "t3"], ["next"]]
+
+
+def test_a_request_behind_a_big_one_waits_for_a_call_not_for_all_of_it():
+    """A one-text request sent while a 2,048-text one ran waited 58 s for all of it: a request of
+    more than a piece joins each batch with one piece, the others get in between. Alone, the big
+    request makes the calls a whole sort would (its items by length, a piece at a time)."""
+    calls = []
+    started, gate = threading.Event(), threading.Event()
+
+    def fn(items):
+        calls.append(list(items))
+        started.set()
+        gate.wait(5)
+        return [len(s) for s in items]
+
+    texts = ["x" * n for n in (9, 3, 7, 1, 5, 2, 8, 4, 6, 10)]
+
+    async def main():
+        batcher = Batcher(fn, max_items=100, wait_s=0.0, piece=3, key=len)
+        big = asyncio.create_task(batcher(texts))
+        await asyncio.to_thread(started.wait, 5)
+        small = asyncio.create_task(batcher(["hello"]))
+        await asyncio.sleep(0.05)
+        gate.set()
+        return await big, await small
+
+    big, small = asyncio.run(main())
+    assert big == [len(t) for t in texts] and small == [5]
+    assert [[len(s) for s in c] for c in calls] == [[1, 2, 3], [4, 5, 5], [6], [7, 8, 9], [10]]  # "hello" in the 2nd
+    calls.clear()
+    gate.set()
+    assert asyncio.run(Batcher(fn, max_items=100, wait_s=0.0, piece=3, key=len)(texts)) == [len(t) for t in texts]
+    assert [[len(s) for s in c] for c in calls] == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10]]

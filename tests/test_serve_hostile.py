@@ -342,8 +342,9 @@ def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled_and_bodie
         t0 = time.monotonic()
         status, body, _ = request(port, "GET", "/slow")
         assert status == 408 and body["error"]["message"] == (
-            "the request took longer than this server allows (0.5 s); send smaller requests, or raise the limit "
-            "(slimml serve --request-timeout-s).")
+            "the request took longer than this server allows (0.5 s), its own work or the requests ahead of it; "
+            "send smaller requests, retry when the server is less busy, or raise the limit (slimml serve "
+            "--request-timeout-s).")
         assert time.monotonic() - t0 < 5 and cancelled.wait(5)
         assert request(port, "POST", "/echo", b"x" * 900)[:2] == (200, {"bytes": 900})
         status, body, _ = request(port, "POST", "/echo", b"x" * 2000)

@@ -205,10 +205,27 @@ def test_a_rerank_text_that_is_not_unicode_is_named_by_its_own_field_and_index()
     """documents[2] was called '"query", "documents"[3]' (the query counted among the documents), param null."""
     with pytest.raises(RequestError) as e:
         protocol.rerank_request({"query": "q", "documents": ["ok", "ok2", "b\ud800"]}, 100)
-    assert str(e.value).startswith('"documents"[2] is not valid Unicode') and e.value.param == "documents"
+    assert str(e.value).startswith('"documents"[2] is not valid Unicode') and e.value.param == "documents[2]"
     with pytest.raises(RequestError) as e:
         protocol.rerank_request({"query": "q\ud800", "documents": ["ok"]}, 100)
     assert str(e.value).startswith('"query" is not valid Unicode') and e.value.param == "query"
+
+
+def test_review_of_the_text_routes_fields():
+    """A reviewer's findings: a lone surrogate's param was null (now "input[1]"); true was "token ids";
+    null encoding_format a 400 (null dimensions was the default); text pairs to classify were "token
+    ids"; rerank gave back documents cut to the server's text length, not as sent."""
+    with pytest.raises(RequestError) as e:
+        protocol.embedding_texts({"input": ["ok", "b\ud800"]}, 10)
+    assert e.value.param == "input[1]"
+    with pytest.raises(RequestError, match=r'"input"\[0\] is a JSON boolean, not a text'):
+        protocol.embedding_texts({"input": [True]}, 10)
+    assert protocol.embedding_texts({"input": "hi", "encoding_format": None}, 10) == ["hi"]
+    assert protocol.classify_request({"input": [["a", "b"], ["c", "d"]]}, 10, None) == ([("a", "b"), ("c", "d")], None)
+    assert protocol.classify_request({"input": ["a", "b"]}, 10, None) == (["a", "b"], None)
+    _, cut, _, sent = protocol.rerank_request({"query": "q", "documents": ["x" * 50, {"text": "y"}]}, 10, max_chars=20)
+    assert cut == ["x" * 20, "y"] and sent == ["x" * 50, "y"]
+    assert protocol.rerank_request({"query": "q", "documents": ["d"], "return_documents": False}, 10)[3] is None
 
 
 def test_the_route_list_keeps_its_templated_route():

@@ -108,8 +108,9 @@ class _Guard:
             await asyncio.wait_for(self.app(scope, receiving, sending), _guard["timeout_s"])
         except asyncio.TimeoutError:
             timeout = _guard["timeout_s"]
-            message = (f"the request took longer than this server allows ({timeout:g} s); send smaller requests, "
-                       "or raise the limit (slimml serve --request-timeout-s).")
+            message = (f"the request took longer than this server allows ({timeout:g} s), its own work or the "
+                       "requests ahead of it; send smaller requests, retry when the server is less busy, or raise the "
+                       "limit (slimml serve --request-timeout-s).")
             if not started:
                 await _error(message, 408)(scope, receive, send)
             elif events and not ended:  # a stream cut at its deadline says so and ends as streams end, not mid-air
@@ -312,11 +313,20 @@ class SlimmlServer:
         except FeedError as e:
             raise RequestError(str(e), param="prompt_name") from None
         size = protocol.dimensions(data, self._embedding_size())
+        self._response_fits(len(texts) * (size or self._embedding_size() or 0))  # a sparse model's: 30,522 a text
         emb, counts = await self._embed_batch([prompt + t for t in texts] if prompt else texts)  # with concurrent requests' texts
         pooling = self.model.manifest.pooling
         emb = protocol.shortened(emb, size, normalized=pooling is None or bool(pooling.get("normalize", True)))
+        self._response_fits(emb.size)  # where the size was not known before
         body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
         return Response(protocol.dumps(body), media_type="application/json")
+
+    def _response_fits(self, values: int) -> None:
+        if values > self.config.max_response_values:
+            raise RequestError(f"the embeddings of this request hold {values:,} values, more than the "
+                               f"{self.config.max_response_values:,} this server answers at once; send fewer texts a "
+                               "request (or ask for fewer \"dimensions\"), or raise the limit (slimml serve "
+                               "--max-response-values).", 413, param="input")
 
     def _embedding_size(self) -> int | None:
         """The size of the model's embeddings, where its manifest says it (the pooled output's last
@@ -332,15 +342,14 @@ class SlimmlServer:
         data = await self._body(request)
         self._needs("rerank_with_counts")
         protocol.check_model(data, self.name)
-        query, documents, top_n, return_documents = protocol.rerank_request(data, self.config.max_texts,
-                                                                           self.text_chars)
+        query, documents, top_n, returned = protocol.rerank_request(data, self.config.max_texts, self.text_chars)
         ranked, tokens = [], []
         for start, piece in self._pieces(documents):  # every document scored, a piece at a time; then ranked as one list
             got, counts = await asyncio.to_thread(self.model.rerank_with_counts, query, piece, None, self.config.batch_size)
             ranked += [{"index": r["index"] + start, "score": r["score"]} for r in got]
             tokens += counts
         ranked = sorted(ranked, key=lambda r: (-r["score"], r["index"]))[: top_n or len(ranked)]
-        return protocol.rerank_response(ranked, documents if return_documents else None, self.name, sum(tokens))
+        return protocol.rerank_response(ranked, returned, self.name, sum(tokens))
 
     @api.post("/v1/entities")
     async def entities(self, request: Request):

@@ -50,9 +50,10 @@ class ServeConfig:
             read (the fused exporter's), 8,192 or the model's context if longer, so one prompt may
             fill the context (:class:`slimml.runtime.tasks.limits.Limits`). Each row must also fit
             the model's positions (400).
-        max_response_values: values in one /v1/run response, at most, counted from the output
-            shapes before the model runs (4,194,304: 16 MiB as float32; a 32,000-token decoder's logits for 131 tokens);
-            more gets 413.
+        max_response_values: values in one /v1/run or /v1/embeddings response, at most, counted
+            from the output shapes before the model runs (4,194,304: 16 MiB as float32; a 32,000-token
+            decoder's logits for 131 tokens; 1,024 texts of a 4,096-wide embedding, 137 of a sparse
+            embedder's 30,522); more gets 413.
         max_new_tokens: the most tokens one generate, chat or completions request may ask for.
         max_running: language models: answers generated together, one model pass a token for all
             of them (continuous batching: a request joins at the next step, leaves when done).
@@ -116,8 +117,8 @@ class ServeConfig:
                 "for vocabularies past 8,192 tokens (a pass's logits within 256 MiB); a fused decoder (logits only "
                 "where read): 8192 or its context if longer."})
     max_response_values: int = field(default=1 << 22, metadata={
-        "help": "Values in one /v1/run response at most, counted from the output shapes before the model runs; "
-                "more gets 413."})
+        "help": "Values in one /v1/run or /v1/embeddings response at most, counted before the model runs where "
+                "the shapes tell; more gets 413."})
     max_new_tokens: int = field(default=512, metadata={
         "help": "The most new tokens one generate, chat or completions request may ask for."})
     max_running: int = field(default=16, metadata={

@@ -62,8 +62,8 @@ def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None 
     here, per request, so one client's bad text never fails a batch it would share with others),
     cut to ``max_chars``."""
     texts = input_texts(data, "an embeddings", max_texts, max_chars, empty="embeddings need at least one character")
-    fmt = data.get("encoding_format", "float")
-    if fmt not in ("float", "base64"):
+    fmt = data.get("encoding_format")
+    if fmt is not None and fmt not in ("float", "base64"):  # null: the default, float
         raise RequestError(f'"encoding_format" must be "float" or "base64", got {shown(fmt)}.', param="encoding_format")
     return texts
 
@@ -86,7 +86,8 @@ def input_texts(data: dict[str, Any], request: str, max_texts: int, max_chars: i
                            "in smaller requests, or raise the limit (slimml serve --max-texts).", 413, param=field)
     for i, t in enumerate(texts):
         if not isinstance(t, str):
-            what = "token ids" if isinstance(t, (int, list)) else f"a JSON {_json_type(t)}"
+            ids = isinstance(t, list) and bool(t) and all(type(x) is int for x in t)
+            what = "token ids" if type(t) is int or ids else f"a JSON {_json_type(t)}"
             raise RequestError(f'"{field}"[{i}] is {what}, not a text; send texts (this server tokenizes them).',
                                param=f"{field}[{i}]")
         if not t and empty is not None:
@@ -102,10 +103,23 @@ def entities_request(data: dict[str, Any], max_texts: int, max_chars: int | None
     return texts, options
 
 
-def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None) -> tuple[list[str], int | None]:
-    """``(texts, top_k)`` of a classify request: ``input`` (a text or a list, cut to ``max_chars``)
-    and ``top_k`` (the best classes of each text; absent or null: every class)."""
-    texts = input_texts(data, "a classify", max_texts, max_chars, empty="a text to classify needs at least one character")
+def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None) -> tuple[list[Any], int | None]:
+    """``(texts, top_k)`` of a classify request: ``input`` (a text or a list, cut to ``max_chars``;
+    or a list of text pairs ``[[premise, hypothesis], ...]``, read together as ``model.classify``
+    reads pairs) and ``top_k`` (the best classes of each text; absent or null: every class)."""
+    items = data.get("input")
+    if isinstance(items, list) and items and all(isinstance(p, list) and len(p) == 2 for p in items):
+        if len(items) > max_texts:
+            raise RequestError(f'"input" has {len(items)} pairs, more than this server takes ({max_texts}); send them '
+                               "in smaller requests, or raise the limit (slimml serve --max-texts).", 413, param="input")
+        for i, pair in enumerate(items):
+            if not all(isinstance(t, str) and t for t in pair):
+                raise RequestError(f'"input"[{i}] must be two non-empty texts (a pair read together), or give texts '
+                                   "alone.", param=f"input[{i}]")
+        flat = checked_texts([t for pair in items for t in pair], '"input" pair texts', max_chars, param="input")
+        texts: list[Any] = [tuple(flat[i:i + 2]) for i in range(0, len(flat), 2)]
+    else:
+        texts = input_texts(data, "a classify", max_texts, max_chars, empty="a text to classify needs at least one character")
     top_k = data.get("top_k")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise RequestError(f'"top_k" must be a whole number >= 1 (or null for every class), got {json.dumps(top_k)[:40]}.',
@@ -188,9 +202,10 @@ def checked_texts(texts: list[str], field: str, max_chars: int | None, param: st
             t.encode("utf-8")
         except UnicodeEncodeError as e:
             where = field if single else f"{field}[{i}]"
+            name = param or field.strip('"')
             raise RequestError(f"{where} is not valid Unicode ({e.reason} at position {e.start}); send "
                                "UTF-8 text (decode your input with errors='replace' or clean it first).",
-                               param=param) from None
+                               param=name if single else f"{name}[{i}]") from None
         out.append(t)
     return out
 
@@ -207,9 +222,11 @@ def embeddings_response(emb: np.ndarray, name: str, tokens: int, fmt: str = "flo
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None = None) -> tuple[str, list[str], int | None, bool]:
-    """``(query, documents, top_n, return_documents)`` of a rerank request: documents as texts or
-    ``{"text": ...}`` objects, each valid Unicode and cut to ``max_chars``."""
+def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None = None
+                   ) -> tuple[str, list[str], int | None, list[str] | None]:
+    """``(query, documents, top_n, returned)`` of a rerank request: documents as texts or
+    ``{"text": ...}`` objects, each valid Unicode and cut to ``max_chars`` for the model;
+    ``returned``: the documents as sent, for the answer (None where ``return_documents`` is false)."""
     query = data.get("query")
     if not isinstance(query, str) or not query:
         raise RequestError('a rerank request needs "query": a non-empty text.', param="query")
@@ -219,15 +236,16 @@ def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None =
     if len(docs) > max_texts:
         raise RequestError(f'"documents" has {len(docs)} texts, more than this server takes ({max_texts}); send them in '
                            "smaller requests, or raise the limit (slimml serve --max-texts).", 413, param="documents")
-    texts = []
+    sent = []
     for i, d in enumerate(docs):
         text = d.get("text") if isinstance(d, dict) else d
         if not isinstance(text, str) or not text:
-            raise RequestError(f'"documents"[{i}] must be a non-empty text (or {{"text": "..."}}), got a JSON '
-                               f"{_json_type(d)}.", param=f"documents[{i}]")
-        texts.append(text)
+            got = "an empty text" if text == "" else f"a JSON {_json_type(d)}"
+            raise RequestError(f'"documents"[{i}] must be a non-empty text (or {{"text": "..."}}), got {got}.',
+                               param=f"documents[{i}]")
+        sent.append(text)
     (query,) = checked_texts([query], '"query"', max_chars, param="query", single=True)
-    texts = checked_texts(texts, '"documents"', max_chars, param="documents")
+    texts = checked_texts(sent, '"documents"', max_chars, param="documents")
     top_n = data.get("top_n")
     if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
         raise RequestError(f'"top_n" must be a whole number >= 1, got {shown(top_n)}; leave it out for every document.',
@@ -236,7 +254,7 @@ def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None =
     keep = True if keep is None else keep  # as vLLM's and Jina's: the documents come back unless asked not to
     if not isinstance(keep, bool):
         raise RequestError(f'"return_documents" must be true or false, got a JSON {_json_type(keep)}.', param="return_documents")
-    return query, texts, top_n, keep
+    return query, texts, top_n, sent if keep else None  # the documents come back as sent, not as cut for the model
 
 
 def rerank_response(ranked: list[dict[str, Any]], documents: list[str] | None, name: str, tokens: int) -> dict[str, Any]:
