@@ -131,14 +131,7 @@ def test_a_batch_runs_in_pieces_of_like_items_and_comes_back_in_each_request_s_o
 def test_a_request_that_goes_away_mid_batch_stops_after_the_call_in_progress():
     """A timed-out or disconnected request's remaining items are dropped between calls: the model
     is free for the next request after one call, not after the whole batch."""
-    calls = []
-    started, gate = threading.Event(), threading.Event()
-
-    def fn(items):
-        calls.append(list(items))
-        started.set()
-        gate.wait(5)
-        return items
+    calls, started, gate, fn = _held_model(lambda items: items)
 
     async def main():
         batcher = Batcher(fn, max_items=1000, wait_s=0.0, piece=4)
@@ -158,14 +151,7 @@ def test_a_request_behind_a_big_one_waits_for_a_call_not_for_all_of_it():
     """A one-text request sent while a 2,048-text one ran waited 58 s for all of it: a request of
     more than a piece joins each batch with one piece, the others get in between. Alone, the big
     request makes the calls a whole sort would (its items by length, a piece at a time)."""
-    calls = []
-    started, gate = threading.Event(), threading.Event()
-
-    def fn(items):
-        calls.append(list(items))
-        started.set()
-        gate.wait(5)
-        return [len(s) for s in items]
+    calls, started, gate, fn = _held_model(lambda items: [len(s) for s in items])
 
     texts = ["x" * n for n in (9, 3, 7, 1, 5, 2, 8, 4, 6, 10)]
 
@@ -185,3 +171,17 @@ def test_a_request_behind_a_big_one_waits_for_a_call_not_for_all_of_it():
     gate.set()
     assert asyncio.run(Batcher(fn, max_items=100, wait_s=0.0, piece=3, key=len)(texts)) == [len(t) for t in texts]
     assert [[len(s) for s in c] for c in calls] == [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10]]
+
+
+def _held_model(answer):
+    """``(calls, started, gate, fn)``: ``fn`` records each call's items, sets ``started`` and holds
+    the model until ``gate`` is set, then answers ``answer(items)``."""
+    calls, started, gate = [], threading.Event(), threading.Event()
+
+    def fn(items):
+        calls.append(list(items))
+        started.set()
+        gate.wait(5)
+        return answer(items)
+
+    return calls, started, gate, fn
