@@ -38,8 +38,8 @@ app = typer.Typer(
 )
 # Piped into a file or another program, a line stays one line: wrapping at a guessed width of 80 splits
 # figures and messages in the middle of a phrase that scripts and logs look for.
-console = Console(soft_wrap=not sys.stdout.isatty())
-err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
+console = Console(soft_wrap=not (sys.stdout and sys.stdout.isatty()))
+err = Console(stderr=True, soft_wrap=not (sys.stderr and sys.stderr.isatty()))
 
 Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `slimml convert`.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]

@@ -185,3 +185,19 @@ def _held_model(answer):
         return answer(items)
 
     return calls, started, gate, fn
+
+
+def test_results_that_cannot_be_put_together_fail_their_request_not_the_batcher():
+    """Arrays of another width from a later call left the request pending and killed the worker (a review)."""
+    widths = iter([2, 3, 2, 2])
+
+    def fn(items):
+        return np.zeros((len(items), next(widths)), np.float32)
+
+    async def main():
+        batcher = Batcher(fn, max_items=100, wait_s=0.0, piece=2)
+        with pytest.raises(ValueError):
+            await asyncio.wait_for(batcher(["a", "b", "c", "d"]), 5)
+        return await asyncio.wait_for(batcher(["e"]), 5)
+
+    assert asyncio.run(main()).shape == (1, 2)

@@ -223,6 +223,9 @@ def test_review_of_the_text_routes_fields():
     assert protocol.embedding_texts({"input": "hi", "encoding_format": None}, 10) == ["hi"]
     assert protocol.classify_request({"input": [["a", "b"], ["c", "d"]]}, 10, None) == ([("a", "b"), ("c", "d")], None)
     assert protocol.classify_request({"input": ["a", "b"]}, 10, None) == (["a", "b"], None)
+    with pytest.raises(RequestError, match=r'^"input"\[2\]\[1\] is not valid Unicode') as e:
+        protocol.classify_request({"input": [["a", "b"], ["c", "d"], ["e", "f\ud800"]]}, 10, None)
+    assert e.value.param == "input[2][1]"
     _, cut, _, sent = protocol.rerank_request({"query": "q", "documents": ["x" * 50, {"text": "y"}]}, 10, max_chars=20)
     assert cut == ["x" * 20, "y"] and sent == ["x" * 50, "y"]
     assert protocol.rerank_request({"query": "q", "documents": ["d"], "return_documents": False}, 10)[3] is None

@@ -60,7 +60,7 @@ class Batcher:
     Args:
         fn: a blocking function of a list of items; returns a sequence (a list, an array) as
             long as its input, or a tuple of such sequences.
-        max_items: the most items in one batch. A single request with more runs on its own.
+        max_items: the most items in one batch (at least one request's piece).
         wait_s: how long the oldest waiting request waits for others before its batch runs.
         piece: the most items in one call of ``fn`` (default: a batch in one call). A batch runs
             as calls of this many items, and between calls the items of requests that went away
@@ -161,8 +161,13 @@ class Batcher:
             return
         if request.taken < len(request.items):
             self._queue(request)
+            return
+        try:
+            result = request.result()
+        except Exception as e:  # fn's results not of one shape across its calls: this request's error, not the worker's
+            self._fail(request, e)
         else:
-            request.future.set_result(request.result())
+            request.future.set_result(result)
 
     @staticmethod
     def _fail(request: _Request, e: Exception) -> None:

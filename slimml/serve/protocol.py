@@ -116,8 +116,8 @@ def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None
             if not all(isinstance(t, str) and t for t in pair):
                 raise RequestError(f'"input"[{i}] must be two non-empty texts (a pair read together), or give texts '
                                    "alone.", param=f"input[{i}]")
-        flat = checked_texts([t for pair in items for t in pair], '"input" pair texts', max_chars, param="input")
-        texts: list[Any] = [tuple(flat[i:i + 2]) for i in range(0, len(flat), 2)]
+        texts: list[Any] = [tuple(checked_texts(pair, f'"input"[{i}]', max_chars, param=f"input[{i}]"))
+                            for i, pair in enumerate(items)]
     else:
         texts = input_texts(data, "a classify", max_texts, max_chars, empty="a text to classify needs at least one character")
     top_k = data.get("top_k")

@@ -200,8 +200,11 @@ def sandbox_class():
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
             step()
-            if isinstance(__obj, LoopContext) and args:  # a recursive loop's loop(children): its steps as a For's
-                args = (metered(args[0]), *args[1:])
+            if isinstance(__obj, LoopContext):  # a recursive loop's loop(children): its steps as a For's
+                if args:
+                    args = (metered(args[0]), *args[1:])
+                elif "iterable" in kwargs:
+                    kwargs = {**kwargs, "iterable": metered(kwargs["iterable"])}
             if getattr(__obj, "__name__", None) in WIDTH_METHODS and isinstance(getattr(__obj, "__self__", None), str):
                 _check_widths([*args, *kwargs.values()])
             return _checked_result(super().call(__context, __obj, *args, **kwargs))
