@@ -320,10 +320,15 @@ def test_served_entities_and_answers_equal_in_process(ray_env, models, task):
             questions = [QUESTION, "What runs through it?"]
             status, body = post(f"{url}/v1/answer", {"question": questions, "context": CONTEXT * 12})
             assert status == 200 and [d["answers"] for d in body["data"]] == [[a] for a in model.answer(questions, CONTEXT * 12)]
+            many = [f"{QUESTION} ({i})" for i in range(300)]  # three calls of 128 pairs: one call, 300 pairs before
+            status, body = post(f"{url}/v1/answer", {"question": many, "context": CONTEXT})
+            assert status == 200 and [d["answers"] for d in body["data"]] == [[a] for a in model.answer(many, [CONTEXT] * 300)]
             status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": "x" * 20_001})
             assert status == 400 and "more than the 20000 a call reads" in body["error"]["message"]
             status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": CONTEXT, "align_to_words": "yes"})
             assert status == 400 and body["error"]["message"] == '"align_to_words" must be true or false, got a JSON string.'
+            status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": CONTEXT, "doc_stride": -1})
+            assert status == 400 and body["error"]["param"] == "doc_stride", body  # the model's refusal: param was null
             status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": CONTEXT, "top_k": 101})
             assert status == 400 and body["error"]["message"] == '"top_k" must be at most 100 answers a question, got 101; ask for fewer.'
             status, body = post(f"{url}/v1/answer", {"question": QUESTION, "context": CONTEXT, "align_to_words": None,

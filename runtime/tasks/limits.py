@@ -132,8 +132,8 @@ class Limits:
         if windows * longest > self.max_window_tokens:
             raise FeedError(f"these texts make {windows} windows of up to {windows * longest} tokens in all, more than the "
                             f"{self.max_window_tokens} a call reads; overlap the windows less (a smaller stride or "
-                            "doc_stride), or send fewer or shorter texts (in Python, model.limits.max_window_tokens "
-                            "raises the limit for input you trust).")
+                            "doc_stride), or send fewer or shorter texts (for input you trust, raise the limit: "
+                            "model.limits.max_window_tokens in Python, slimml serve --max-window-tokens).")
 
     def check_generate(self, lengths: list[int], max_new_tokens: int, positions: int | None,
                        vocab_size: int | None = None, indexed: bool = False, context: int | None = None) -> None:

@@ -151,11 +151,18 @@ async def _http_error(request: Request, e: StarletteHTTPException):
     return _error(message, e.status_code, dict(e.headers) if e.headers else None)
 
 
+# the request options a route passes to the model as they came (model.entities', model.answer's): a
+# refusal that starts with one's name is about that field, OpenAI's error.param
+_MODEL_OPTIONS = frozenset({"aggregation", "ignore_labels", "stride", "top_k", "doc_stride", "max_answer_len", "max_seq_len",
+                            "handle_impossible_answer", "align_to_words"})
+
+
 @api.exception_handler(FeedError)
 async def _feed_error(request: Request, e: FeedError):
     if isinstance(e, OutOfMemoryError):  # the server's memory, not the request's fault: retry, or send less
         return _error(str(e), 503, {"Retry-After": str(RETRY_AFTER_S)})
-    return _error(str(e), 400)
+    first = str(e).split(" ", 1)[0]
+    return _error(str(e), 400, param=first if first in _MODEL_OPTIONS else None)
 
 
 # the route that serves each task method, and the kind of model it needs
@@ -237,6 +244,7 @@ class SlimmlServer:
             if self.config.max_text_chars is not None:
                 limits.max_text_chars = limits.max_prompt_chars = self.config.max_text_chars
             limits.max_batch_tokens = self.config.max_batch_tokens
+            limits.max_window_tokens = self.config.max_window_tokens
         self.text_chars = limits.max_text_chars if limits is not None else self.config.max_text_chars or 16_384
         self.batch_tokens = (limits.batch_tokens(getattr(self.model, "vocab_size", None)) if limits is not None
                              else self.config.max_batch_tokens or 8_192)
@@ -386,8 +394,18 @@ class SlimmlServer:
         self._needs("answer")
         protocol.check_model(data, self.name)
         question, context, options = protocol.answer_request(data, self.config.max_texts)
-        got = await asyncio.to_thread(self.model.answer, question, context, batch_size=self.config.batch_size, **options)
-        got = [got] if isinstance(question, str) and isinstance(context, str) else got
+        if isinstance(question, str) and isinstance(context, str):
+            got = [await asyncio.to_thread(self.model.answer, question, context, batch_size=self.config.batch_size, **options)]
+        else:  # pairs (a question for each context, or one of either for all), a piece at a time, as entities go
+            n = len(question) if isinstance(question, list) else len(context)
+            questions = question if isinstance(question, list) else [question] * n
+            contexts = context if isinstance(context, list) else [context] * n
+            if len(questions) != len(contexts):  # the model's own one-line refusal
+                await asyncio.to_thread(self.model.answer, questions, contexts, **options)
+            got = []
+            for start, piece in self._pieces(list(zip(questions, contexts))):
+                got += await asyncio.to_thread(self.model.answer, [q for q, _ in piece], [c for _, c in piece],
+                                               batch_size=self.config.batch_size, **options)
         return protocol.spans_response([g if isinstance(g, list) else [g] for g in got], "answers", self.name)
 
     @api.post("/v1/run")

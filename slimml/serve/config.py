@@ -50,6 +50,9 @@ class ServeConfig:
             read (the fused exporter's), 8,192 or the model's context if longer, so one prompt may
             fill the context (:class:`slimml.runtime.tasks.limits.Limits`). Each row must also fit
             the model's positions (400).
+        max_window_tokens: tokens of all the windows one model call of /v1/entities (with
+            ``stride``) or /v1/answer reads its texts in (``Limits.max_window_tokens``; a request
+            goes to the model a piece of 8 batches at a time); more gets 400.
         max_response_values: values in one /v1/run or /v1/embeddings response, at most, counted
             from the output shapes before the model runs (4,194,304: 16 MiB as float32; a 32,000-token
             decoder's logits for 131 tokens; 1,024 texts of a 4,096-wide embedding, 137 of a sparse
@@ -116,6 +119,9 @@ class ServeConfig:
                 "completions answer, at most; more gets 413 (400 for generate, chat, completions). Default: 8192, fewer "
                 "for vocabularies past 8,192 tokens (a pass's logits within 256 MiB); a fused decoder (logits only "
                 "where read): 8192 or its context if longer."})
+    max_window_tokens: int = field(default=65_536, metadata={
+        "help": "Tokens of all the windows one call of /v1/entities (with stride) or /v1/answer reads long texts "
+                "in (a request goes to the model 128 texts a call at batch size 16); more gets 400."})
     max_response_values: int = field(default=1 << 22, metadata={
         "help": "Values in one /v1/run or /v1/embeddings response at most, counted before the model runs where "
                 "the shapes tell; more gets 413."})
@@ -168,7 +174,7 @@ class ServeConfig:
 
     def __post_init__(self):
         whole = {"replicas": 1, "stages": 0, "microbatch": 1, "max_batch_size": 1, "batch_size": 1, "max_body_bytes": 1024, "max_bodies_bytes": 1024,
-                 "max_texts": 1, "max_response_values": 1, "max_new_tokens": 1,
+                 "max_texts": 1, "max_response_values": 1, "max_new_tokens": 1, "max_window_tokens": 1,
                  "max_ongoing_requests": 1, "max_queued_requests": 1, "max_running": 1, "max_waiting": 0, "prefill_tokens": 1,
                  "prompt_lookup": 0}
         for name, low in whole.items():
