@@ -223,6 +223,9 @@ def test_review_of_the_text_routes_fields():
     assert protocol.embedding_texts({"input": "hi", "encoding_format": None}, 10) == ["hi"]
     assert protocol.classify_request({"input": [["a", "b"], ["c", "d"]]}, 10, None) == ([("a", "b"), ("c", "d")], None)
     assert protocol.classify_request({"input": ["a", "b"]}, 10, None) == (["a", "b"], None)
+    with pytest.raises(RequestError, match='"labels" names candidate labels for zero-shot') as e:  # ignored before
+        protocol.classify_request({"input": ["a"], "labels": ["x", "y"]}, 10, None)
+    assert e.value.param == "labels"
     with pytest.raises(RequestError, match=r'^"input"\[2\]\[1\] is not valid Unicode') as e:
         protocol.classify_request({"input": [["a", "b"], ["c", "d"], ["e", "f\ud800"]]}, 10, None)
     assert e.value.param == "input[2][1]"

@@ -68,6 +68,9 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
+        if len(path) > 1 and path.endswith("/"):  # /v1/embeddings/ is /v1/embeddings (a 307 before, which clients
+            path = path.rstrip("/") or "/"      # such as openai's do not follow for a POST)
+            scope = {**scope, "path": path, "raw_path": path.encode("latin-1", "replace")}
         if path in ("/openapi.json", "/docs", "/redoc") and not _guard["openapi"]:
             return await _error("no such endpoint.", 404)(scope, receive, send)
         if _guard["key_sha256"] is not None and path not in _OPEN:

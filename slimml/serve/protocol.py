@@ -107,6 +107,9 @@ def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None
     """``(texts, top_k)`` of a classify request: ``input`` (a text or a list, cut to ``max_chars``;
     or a list of text pairs ``[[premise, hypothesis], ...]``, read together as ``model.classify``
     reads pairs) and ``top_k`` (the best classes of each text; absent or null: every class)."""
+    if data.get("labels") is not None:  # zero-shot's field: a classifier's labels are its own
+        raise RequestError('"labels" names candidate labels for zero-shot classification; this classifier scores its '
+                           "own labels: leave \"labels\" out.", param="labels")
     items = data.get("input")
     if isinstance(items, list) and items and all(isinstance(p, list) and len(p) == 2 for p in items):
         if len(items) > max_texts:
