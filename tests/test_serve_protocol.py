@@ -232,6 +232,9 @@ def test_review_of_the_text_routes_fields():
     _, cut, _, sent = protocol.rerank_request({"query": "q", "documents": ["x" * 50, {"text": "y"}]}, 10, max_chars=20)
     assert cut == ["x" * 20, "y"] and sent == ["x" * 50, "y"]
     assert protocol.rerank_request({"query": "q", "documents": ["d"], "return_documents": False}, 10)[3] is None
+    with pytest.raises(RequestError, match="got 1 questions and 2 contexts") as e:  # the route's pieces need pairs
+        protocol.answer_request({"question": ["q"], "context": ["a", "b"]}, 10)
+    assert e.value.param == "context"
 
 
 def test_the_route_list_keeps_its_templated_route():

@@ -154,10 +154,7 @@ async def _http_error(request: Request, e: StarletteHTTPException):
     return _error(message, e.status_code, dict(e.headers) if e.headers else None)
 
 
-# the request options a route passes to the model as they came (model.entities', model.answer's): a
-# refusal that starts with one's name is about that field, OpenAI's error.param
-_MODEL_OPTIONS = frozenset({"aggregation", "ignore_labels", "stride", "top_k", "doc_stride", "max_answer_len", "max_seq_len",
-                            "handle_impossible_answer", "align_to_words"})
+_MODEL_OPTIONS = frozenset(protocol.ENTITY_OPTIONS + protocol.ANSWER_OPTIONS)  # a refusal naming one: its param
 
 
 @api.exception_handler(FeedError)
@@ -323,8 +320,9 @@ class SlimmlServer:
             prompt = self.model.text_prompt(protocol.prompt_name(data))  # the model's default, or the one named
         except FeedError as e:
             raise RequestError(str(e), param="prompt_name") from None
-        size = protocol.dimensions(data, self._embedding_size())
-        self._response_fits(len(texts) * (size or self._embedding_size() or 0))  # a sparse model's: 30,522 a text
+        width = self._embedding_size()
+        size = protocol.dimensions(data, width)
+        self._response_fits(len(texts) * (size or width or 0))  # a sparse model's: 30,522 a text
         emb, counts = await self._embed_batch([prompt + t for t in texts] if prompt else texts)  # with concurrent requests' texts
         pooling = self.model.manifest.pooling
         emb = protocol.shortened(emb, size, normalized=pooling is None or bool(pooling.get("normalize", True)))
@@ -403,8 +401,6 @@ class SlimmlServer:
             n = len(question) if isinstance(question, list) else len(context)
             questions = question if isinstance(question, list) else [question] * n
             contexts = context if isinstance(context, list) else [context] * n
-            if len(questions) != len(contexts):  # the model's own one-line refusal
-                await asyncio.to_thread(self.model.answer, questions, contexts, **options)
             got = []
             for start, piece in self._pieces(list(zip(questions, contexts))):
                 got += await asyncio.to_thread(self.model.answer, [q for q, _ in piece], [c for _, c in piece],

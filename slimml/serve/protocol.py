@@ -68,6 +68,13 @@ def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None 
     return texts
 
 
+def at_most(n: int, most: int, said: str, param: str | None = None) -> None:
+    """Refuse (413) a request of more than ``most`` rows (``--max-texts``); ``said`` names what it holds."""
+    if n > most:
+        raise RequestError(f"{said}, more than this server takes ({most}); send them in smaller requests, or raise the "
+                           "limit (slimml serve --max-texts).", 413, param=param)
+
+
 def input_texts(data: dict[str, Any], request: str, max_texts: int, max_chars: int | None, empty: str | None = None,
                 field: str = "input") -> list[str]:
     """``data[field]``: one text or a list of at most ``max_texts`` texts, each valid Unicode, cut to
@@ -81,9 +88,7 @@ def input_texts(data: dict[str, Any], request: str, max_texts: int, max_chars: i
         raise RequestError(f'"{field}" must be a text or a list of texts, got a JSON {_json_type(texts)}.', param=field)
     if not texts:
         raise RequestError(f'"{field}" is an empty list; give at least one text.', param=field)
-    if len(texts) > max_texts:
-        raise RequestError(f'"{field}" has {len(texts)} texts, more than this server takes ({max_texts}); send them '
-                           "in smaller requests, or raise the limit (slimml serve --max-texts).", 413, param=field)
+    at_most(len(texts), max_texts, f'"{field}" has {len(texts)} texts', field)
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             ids = isinstance(t, list) and bool(t) and all(type(x) is int for x in t)
@@ -98,7 +103,7 @@ def input_texts(data: dict[str, Any], request: str, max_texts: int, max_chars: i
 def entities_request(data: dict[str, Any], max_texts: int, max_chars: int | None) -> tuple[list[str], dict[str, Any]]:
     """``(texts, options)`` of an entities request: ``input`` (texts, cut to ``max_chars`` unless
     ``stride`` asks for them whole), ``aggregation``, ``ignore_labels``, ``stride``."""
-    options = {k: data[k] for k in ("aggregation", "ignore_labels", "stride") if data.get(k) is not None}
+    options = {k: data[k] for k in ENTITY_OPTIONS if data.get(k) is not None}
     texts = input_texts(data, "an entities", max_texts, None if "stride" in options else max_chars)
     return texts, options
 
@@ -112,9 +117,7 @@ def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None
                            "own labels: leave \"labels\" out.", param="labels")
     items = data.get("input")
     if isinstance(items, list) and items and all(isinstance(p, list) and len(p) == 2 for p in items):
-        if len(items) > max_texts:
-            raise RequestError(f'"input" has {len(items)} pairs, more than this server takes ({max_texts}); send them '
-                               "in smaller requests, or raise the limit (slimml serve --max-texts).", 413, param="input")
+        at_most(len(items), max_texts, f'"input" has {len(items)} pairs', "input")
         for i, pair in enumerate(items):
             if not all(isinstance(t, str) and t for t in pair):
                 raise RequestError(f'"input"[{i}] must be two non-empty texts (a pair read together), or give texts '
@@ -129,6 +132,11 @@ def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None
                            param="top_k")
     return texts, top_k
 
+
+# the request fields the entities and answer routes pass to the model as they came (model.entities',
+# model.answer's options): a refusal from the model that starts with one's name is about that field
+ENTITY_OPTIONS = ("aggregation", "ignore_labels", "stride")
+ANSWER_OPTIONS = ("top_k", "doc_stride", "max_answer_len", "max_seq_len", "handle_impossible_answer", "align_to_words")
 
 MAX_ANSWERS = 100  # answers a question one request may ask for (each window offers up to its tokens squared)
 
@@ -145,9 +153,11 @@ def answer_request(data: dict[str, Any], max_texts: int) -> tuple[Any, Any, dict
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > MAX_ANSWERS:
         raise RequestError(f'"top_k" must be at most {MAX_ANSWERS} answers a question, got {top_k}; ask for fewer.',
                            param="top_k")
-    options = {k: data[k] for k in ("top_k", "doc_stride", "max_answer_len", "max_seq_len", "handle_impossible_answer",
-                                    "align_to_words") if data.get(k) is not None}
+    options = {k: data[k] for k in ANSWER_OPTIONS if data.get(k) is not None}
     question, context = (texts[0] if isinstance(data[k], str) else texts for texts, k in zip(found, ("question", "context")))
+    if isinstance(question, list) and isinstance(context, list) and len(question) != len(context):
+        raise RequestError(f"give one context a question: got {len(question)} questions and {len(context)} contexts (or "
+                           "one question for all the contexts, or one context for all the questions).", param="context")
     return question, context, options
 
 
@@ -236,9 +246,7 @@ def rerank_request(data: dict[str, Any], max_texts: int, max_chars: int | None =
     docs = data.get("documents")
     if not isinstance(docs, list) or not docs:
         raise RequestError('a rerank request needs "documents": a non-empty list of texts.', param="documents")
-    if len(docs) > max_texts:
-        raise RequestError(f'"documents" has {len(docs)} texts, more than this server takes ({max_texts}); send them in '
-                           "smaller requests, or raise the limit (slimml serve --max-texts).", 413, param="documents")
+    at_most(len(docs), max_texts, f'"documents" has {len(docs)} texts', "documents")
     sent = []
     for i, d in enumerate(docs):
         text = d.get("text") if isinstance(d, dict) else d
@@ -341,9 +349,7 @@ def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, 
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts:
         raise RequestError('a generate request needs "prompt": a text, a list of texts, or a list of token id lists.')
-    if len(prompts) > max_texts:
-        raise RequestError(f"{len(prompts)} prompts is more than this server takes ({max_texts}); send them in "
-                           "smaller requests, or raise the limit (slimml serve --max-texts).", 413)
+    at_most(len(prompts), max_texts, f"{len(prompts)} prompts")
     texts = all(isinstance(p, str) and p for p in prompts)
     ids = all(isinstance(p, list) and p and all(isinstance(i, int) and not isinstance(i, bool) for i in p) for p in prompts)
     if not texts and not ids:
@@ -389,9 +395,7 @@ def check_run_budget(feeds: dict[str, np.ndarray], specs, max_seq: int | None, m
         for d, axis in enumerate(spec.shape):
             if isinstance(axis, str) and counts_tokens(axis):
                 tokens = max(tokens, arr.shape[d])
-    if rows > max_rows:
-        raise RequestError(f"the inputs hold {rows} rows, more than this server takes ({max_rows}); send them in "
-                           "smaller requests, or raise the limit (slimml serve --max-texts).", 413)
+    at_most(rows, max_rows, f"the inputs hold {rows} rows")
     if max_seq is not None and tokens > max_seq:
         raise RequestError(f"the inputs hold sequences of {tokens} tokens, but this model takes at most {max_seq}; "
                            f"truncate them to {max_seq}.")
