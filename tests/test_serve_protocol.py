@@ -221,6 +221,11 @@ def test_review_of_the_text_routes_fields():
     with pytest.raises(RequestError, match=r'"input"\[0\] is a JSON boolean, not a text'):
         protocol.embedding_texts({"input": [True]}, 10)
     assert protocol.embedding_texts({"input": "hi", "encoding_format": None}, 10) == ["hi"]
+    # LangChain's default: tiktoken's ids, not this model's vocabulary; the refusal says how to send texts
+    with pytest.raises(RequestError, match=r'"input"\[0\] is token ids.*check_embedding_ctx_length=False'):
+        protocol.embedding_texts({"input": [[9906, 1917]]}, 10)
+    with pytest.raises(RequestError, match=r"is token ids, not a text; send texts \(this server tokenizes them\)\.$"):
+        protocol.entities_request({"input": [[1, 2]]}, 10, None)
     assert protocol.classify_request({"input": [["a", "b"], ["c", "d"]]}, 10, None) == ([("a", "b"), ("c", "d")], None)
     assert protocol.classify_request({"input": ["a", "b"]}, 10, None) == (["a", "b"], None)
     with pytest.raises(RequestError, match='"labels" names candidate labels for zero-shot') as e:  # ignored before

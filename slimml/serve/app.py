@@ -266,6 +266,7 @@ class SlimmlServer:
         # a request's texts go to the model in calls of 8 batches (``_pieces``): one that times out or goes
         # away stops costing the model time after the call in progress (a 2,048-text request held it minutes)
         self._piece = 8 * self.config.batch_size
+        self._width_seen: int | None = None  # the embeddings' width, once seen, where the manifest does not say it
         self._embed_batch = Batcher(partial(self.model.encode_with_counts, batch_size=self.config.batch_size, prompt=""),
                                     self.config.max_batch_size, self.config.batch_wait_ms / 1000,
                                     piece=self._piece, key=len)  # texts of like length in one call
@@ -320,13 +321,15 @@ class SlimmlServer:
             prompt = self.model.text_prompt(protocol.prompt_name(data))  # the model's default, or the one named
         except FeedError as e:
             raise RequestError(str(e), param="prompt_name") from None
-        width = self._embedding_size()
+        width = self._embedding_size() or self._width_seen
         size = protocol.dimensions(data, width)
         self._response_fits(len(texts) * (size or width or 0))  # a sparse model's: 30,522 a text
         emb, counts = await self._embed_batch([prompt + t for t in texts] if prompt else texts)  # with concurrent requests' texts
         pooling = self.model.manifest.pooling
         emb = protocol.shortened(emb, size, normalized=pooling is None or bool(pooling.get("normalize", True)))
         self._response_fits(emb.size)  # where the size was not known before
+        if emb.ndim == 2 and size is None:  # a width the manifest does not give: the next request is checked first
+            self._width_seen = emb.shape[1]
         body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
         return Response(protocol.dumps(body), media_type="application/json")
 

@@ -57,11 +57,18 @@ def check_model(data: dict[str, Any], served: str) -> None:
                            404, param="model")
 
 
+# token ids in an embeddings request are most often tiktoken's, which LangChain sends by default: not
+# this model's vocabulary, so they are refused rather than embedded as the wrong words
+_EMBEDDING_IDS = ("send texts (this server tokenizes them with the model's own tokenizer; LangChain's OpenAIEmbeddings "
+                  "sends tiktoken's ids unless made with check_embedding_ctx_length=False)")
+
+
 def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None = None) -> list[str]:
     """``input`` of an embeddings request: one text or a list of texts, each valid Unicode (checked
     here, per request, so one client's bad text never fails a batch it would share with others),
     cut to ``max_chars``."""
-    texts = input_texts(data, "an embeddings", max_texts, max_chars, empty="embeddings need at least one character")
+    texts = input_texts(data, "an embeddings", max_texts, max_chars, empty="embeddings need at least one character",
+                        on_ids=_EMBEDDING_IDS)
     fmt = data.get("encoding_format")
     if fmt is not None and fmt not in ("float", "base64"):  # null: the default, float
         raise RequestError(f'"encoding_format" must be "float" or "base64", got {shown(fmt)}.', param="encoding_format")
@@ -76,9 +83,10 @@ def at_most(n: int, most: int, said: str, param: str | None = None) -> None:
 
 
 def input_texts(data: dict[str, Any], request: str, max_texts: int, max_chars: int | None, empty: str | None = None,
-                field: str = "input") -> list[str]:
+                field: str = "input", on_ids: str = "send texts (this server tokenizes them)") -> list[str]:
     """``data[field]``: one text or a list of at most ``max_texts`` texts, each valid Unicode, cut to
-    ``max_chars`` (None: kept whole); an empty text refused with ``empty`` where it says why."""
+    ``max_chars`` (None: kept whole); an empty text refused with ``empty`` where it says why, token
+    ids with ``on_ids``."""
     if field not in data:
         raise RequestError(f'{request} request needs "{field}": a text or a list of texts.', param=field)
     texts = data[field]
@@ -93,8 +101,7 @@ def input_texts(data: dict[str, Any], request: str, max_texts: int, max_chars: i
         if not isinstance(t, str):
             ids = isinstance(t, list) and bool(t) and all(type(x) is int for x in t)
             what = "token ids" if type(t) is int or ids else f"a JSON {_json_type(t)}"
-            raise RequestError(f'"{field}"[{i}] is {what}, not a text; send texts (this server tokenizes them).',
-                               param=f"{field}[{i}]")
+            raise RequestError(f'"{field}"[{i}] is {what}, not a text; {on_ids}.', param=f"{field}[{i}]")
         if not t and empty is not None:
             raise RequestError(f'"{field}"[{i}] is an empty text; {empty}.', param=f"{field}[{i}]")
     return checked_texts(texts, f'"{field}"', max_chars)
