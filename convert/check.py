@@ -17,6 +17,7 @@ from slimml.convert.reference import reference_for, sentence_transformers_embed
 from slimml.convert.sources import Source
 from slimml.errors import ExportError
 from slimml.runtime.artifact.manifest import Manifest
+from slimml.runtime.engine.backends.base import first_line
 from slimml.runtime.engine.session import make_session
 from slimml.runtime.loader import load
 from slimml.runtime.tasks.inputs.text import TextEncoder
@@ -50,7 +51,7 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
     except Exception as e:  # onnxruntime's own exception classes: sample inputs this graph refuses
         raise ExportError(
             f"checking the conversion failed: the exported graph refused slimml's sample inputs "
-            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}). Convert with --no-verify "
+            f"({first_line(e)}). Convert with --no-verify "
             "to skip the check, then run the artifact on inputs of your own."
         ) from None
     del full

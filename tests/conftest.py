@@ -10,6 +10,7 @@ import contextlib
 import os
 import threading
 import time
+import wave
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -53,7 +54,7 @@ STS_TRAIN = DATA / "sts-train.csv"
 # that starts Ray and is not listed here stops the collection (``pytest_collection_modifyitems``)
 # with the fix.
 RAY_FILES = frozenset({"test_llm_serve.py", "test_rerank.py", "test_scale.py", "test_serve.py", "test_serve_cli.py",
-                       "test_serve_hostile.py", "test_serve_load.py", "test_token_tasks.py", "test_tool_calls.py"})
+                       "test_serve_hostile.py", "test_serve_load.py", "test_serve_speech.py", "test_token_tasks.py", "test_tool_calls.py"})
 # The files (not Ray's) that read SmolLM2 into transformers (``smollm2_transformers``, half a minute a
 # process): one unit too, so that one worker reads it, not both.
 TORCH_SMOLLM2_FILES = frozenset({"test_generate.py", "test_generate_api.py", "test_llm.py"})
@@ -439,3 +440,49 @@ def templated(artifact, folder: Path, name: str, template: str):
     path.write_text(template, encoding="utf-8")
     model.use_chat_template(str(path))
     return model, path
+
+
+# -- audio: WAV files and a tiny random Whisper (tests/test_seq2seq.py, tests/test_serve_speech.py) --------
+
+def write_wav(path, samples: np.ndarray, rate: int = 16000, width: int = 2, channels: int = 1) -> None:
+    data = np.repeat(samples[:, None], channels, axis=1).reshape(-1)
+    if width == 2:
+        raw = (np.clip(data, -1, 1) * 32767).astype("<i2").tobytes()
+    elif width == 1:
+        raw = (np.clip(data, -1, 1) * 127 + 128).astype(np.uint8).tobytes()
+    else:  # 24-bit
+        v = (np.clip(data, -1, 1) * (2 ** 23 - 1)).astype(np.int32)
+        raw = np.stack([v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF], axis=1).astype(np.uint8).tobytes()
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(raw)
+
+
+def speech(seconds: float, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def save_tiny_whisper(folder: Path):
+    """A tiny random Whisper (2+2 layers, width 32) with MiniLM's tokenizer and Whisper's feature
+    extractor, saved to ``folder``. Returns the torch model and the extractor."""
+    import torch
+    from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    config = WhisperConfig(
+        vocab_size=30522, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80, max_source_positions=1500,
+        max_target_positions=64, decoder_start_token_id=101, eos_token_id=102, pad_token_id=0, bos_token_id=101,
+        begin_suppress_tokens=None, suppress_tokens=None)
+    model = WhisperForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(folder)
+    extractor = WhisperFeatureExtractor(feature_size=80)
+    extractor.save_pretrained(folder)
+    return model, extractor

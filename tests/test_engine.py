@@ -287,3 +287,30 @@ def test_run_trusted_on_cpu_returns_host_arrays_and_the_same_numbers(tiny_llama_
     for name in ["logits", *presents]:
         assert isinstance(trusted[name], np.ndarray)
         np.testing.assert_array_equal(trusted[name], checked[name])
+
+
+def test_an_engine_refusal_says_what_to_check_without_onnx_runtime_s_build_paths(tmp_path):
+    """Images of the wrong size reached ONNX Runtime and came back with its build path
+    (``/onnxruntime_src/.../element_wise_ops.h:583 void onnxruntime::...``) and advice about token ids."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.errors import FeedError
+    from slimml.runtime import load
+    from slimml.runtime.engine.backends.base import first_line
+
+    x = helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, ["batch", 3, "height", "width"])
+    y = helper.make_tensor_value_info("out", TensorProto.FLOAT, ["batch", 3, 4, 4])
+    table = numpy_helper.from_array(np.ones((1, 3, 4, 4), np.float32), "positions")
+    graph = helper.make_graph([helper.make_node("Add", ["pixel_values", "positions"], ["out"])], "g", [x], [y], [table])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "m.onnx")
+    convert(tmp_path / "m.onnx", tmp_path / "art", ConvertConfig(measure_latency=False, verify=False))
+    model = load(tmp_path / "art")
+    assert model.run({"pixel_values": np.zeros((1, 3, 4, 4), np.float32)})["out"].shape == (1, 3, 4, 4)
+    with pytest.raises(FeedError, match=r"rejected the inputs: .*Check the images' size and channels") as e:
+        model.run({"pixel_values": np.zeros((1, 3, 8, 8), np.float32)})
+    assert "onnxruntime_src" not in str(e.value) and "token ids" not in str(e.value)
+    cpp = ("Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/math/element_wise_ops.h:583 void "
+           "onnxruntime::BroadcastIterator::Append(ptrdiff_t, ptrdiff_t) axis == 1 was false.\nmore")
+    assert first_line(Exception(cpp)) == "Status Message: axis == 1 was false."

@@ -11,12 +11,11 @@ import json
 import shutil
 import subprocess
 import sys
-import wave
 
 import numpy as np
 import pytest
 
-from conftest import run_without_torch
+from conftest import run_without_torch, save_tiny_whisper, speech, write_wav
 
 from slimml.errors import FeedError, SlimmlError
 
@@ -28,28 +27,6 @@ PROMPTS = ["translate English to German: the house is wonderful", "summarize: a 
 
 def slimml(*args):
     return subprocess.run([sys.executable, "-m", "slimml", *map(str, args)], capture_output=True, text=True, timeout=300)
-
-
-def write_wav(path, samples: np.ndarray, rate: int = 16000, width: int = 2, channels: int = 1) -> None:
-    data = np.repeat(samples[:, None], channels, axis=1).reshape(-1)
-    if width == 2:
-        raw = (np.clip(data, -1, 1) * 32767).astype("<i2").tobytes()
-    elif width == 1:
-        raw = (np.clip(data, -1, 1) * 127 + 128).astype(np.uint8).tobytes()
-    else:  # 24-bit
-        v = (np.clip(data, -1, 1) * (2 ** 23 - 1)).astype(np.int32)
-        raw = np.stack([v & 0xFF, (v >> 8) & 0xFF, (v >> 16) & 0xFF], axis=1).astype(np.uint8).tobytes()
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(width)
-        w.setframerate(rate)
-        w.writeframes(raw)
-
-
-def speech(seconds: float, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(16000 * seconds)) / 16000
-    return (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
@@ -73,23 +50,10 @@ def t5(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def whisper(tmp_path_factory):
-    from transformers import AutoTokenizer, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
-
     from slimml.convert import ConvertConfig, convert
-    from slimml.convert.sources import default_model_dir
 
-    torch.manual_seed(0)
     root = tmp_path_factory.mktemp("whisper")
-    config = WhisperConfig(
-        vocab_size=30522, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80, max_source_positions=1500,
-        max_target_positions=64, decoder_start_token_id=101, eos_token_id=102, pad_token_id=0, bos_token_id=101,
-        begin_suppress_tokens=None, suppress_tokens=None)
-    model = WhisperForConditionalGeneration(config).eval()
-    model.save_pretrained(root / "src")
-    AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(root / "src")
-    extractor = WhisperFeatureExtractor(feature_size=80)
-    extractor.save_pretrained(root / "src")
+    model, extractor = save_tiny_whisper(root / "src")
     report = convert(root / "src", root / "art", ConvertConfig())
     write_wav(root / "speech.wav", speech(2.0))
     return {"root": root, "torch": model, "extractor": extractor, "report": report}
@@ -145,6 +109,21 @@ def test_t5_generates_the_tokens_hugging_face_generates(t5):
     assert len(result.texts) == 3 and result.passes <= 8
     ids = [t5["tokenizer"](p)["input_ids"] for p in PROMPTS]
     assert model.generate(ids, max_new_tokens=8).tokens == want  # token ids in, the same tokens out
+
+
+def test_t5_prompts_are_held_to_the_call_s_token_budget(t5):
+    """An encoder-decoder's generate had no token budget: 64 prompts of 500 words went to the encoder
+    in one pass (a server's memory 359 -> 1,324 MB on one request); its ids prompts had no length bound."""
+    from slimml.runtime import load
+
+    model = load(t5["root"] / "art")
+    model.limits.max_batch_tokens = 64
+    with pytest.raises(FeedError, match=r"^4 prompt\(s\) x 3 beams x 10 tokens = 120 is more than the limit of 64 tokens"):
+        model.generate([[5] * 10] * 4, max_new_tokens=2, num_beams=3)
+    assert len(model.generate([[5] * 10] * 6, max_new_tokens=2).tokens) == 6  # 60 tokens: within it
+    model.limits.max_batch_tokens = None  # the default: 8,192 prompt tokens a call (beams counted)
+    with pytest.raises(FeedError, match=r"^2 prompt\(s\) x 5000 tokens = 10000 is more than the limit of 8192 tokens"):
+        model.generate([[5] * 5000] * 2, max_new_tokens=2)
 
 
 def test_t5_refuses_what_it_would_cut_or_misread_and_says_why_it_stopped(t5):
@@ -510,15 +489,13 @@ def test_whisper_transcribes_a_wav_file_as_hugging_face_generates(whisper):
     assert streamed.generate([str(wav)], max_new_tokens=8).tokens == want
 
 
-@pytest.mark.parametrize("forced", [[[1, None], [2, 1001]], [[1, 1000], [2, 1001]]], ids=["detected", "fixed"])
-def test_whisper_with_its_prompt_transcribes_as_whisper_s_generate(whisper, tmp_path, forced):
-    """A multilingual Whisper's generation config (language ids, tasks, ``<|notimestamps|>``, ids
-    not emitted first): the artifact makes the text tokens Whisper's own ``generate`` makes, its
-    prompt (start, language, task, no-timestamps) not counted in ``max_new_tokens``, the language
-    detected as Whisper detects it where the config leaves it open."""
-    import json
-    import shutil
+WHISPER_LANGUAGES = {"<|en|>": 1000, "<|de|>": 1004, "<|fr|>": 1005}
 
+
+def _multilingual_whisper(whisper, tmp_path, settings: dict, language_tokens: bool = False):
+    """The tiny Whisper made multilingual (language ids, tasks, ``<|notimestamps|>``, then
+    ``settings``), as torch and as a converted artifact, with the test recording's features; with
+    ``language_tokens``, its tokenizer names the language ids ``<|en|>``, ``<|de|>``, ``<|fr|>``."""
     from transformers import WhisperForConditionalGeneration
 
     from slimml.convert import ConvertConfig, convert
@@ -528,20 +505,69 @@ def test_whisper_with_its_prompt_transcribes_as_whisper_s_generate(whisper, tmp_
     src = tmp_path / "src"
     shutil.copytree(whisper["root"] / "src", src)
     gen = json.loads((src / "generation_config.json").read_text())
-    gen.update({"no_timestamps_token_id": 1003, "lang_to_id": {"<|en|>": 1000, "<|de|>": 1004, "<|fr|>": 1005},
+    gen.update({"no_timestamps_token_id": 1003, "lang_to_id": WHISPER_LANGUAGES,
                 "task_to_id": {"transcribe": 1001, "translate": 1002}, "is_multilingual": True,
-                "begin_suppress_tokens": [2000, 102], "suppress_tokens": [2001, 2002], "forced_decoder_ids": forced,
-                "_from_model_config": False})  # else transformers reads the model config's instead
+                "_from_model_config": False, **settings})  # else transformers reads the model config's instead
     (src / "generation_config.json").write_text(json.dumps(gen))
+    if language_tokens:
+        tok = json.loads((src / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        for token, i in WHISPER_LANGUAGES.items():
+            vocab.pop(next(k for k, v in vocab.items() if v == i))
+            vocab[token] = i
+        (src / "tokenizer.json").write_text(json.dumps(tok))
     model = WhisperForConditionalGeneration.from_pretrained(src).eval()
     convert(src, tmp_path / "art", ConvertConfig(measure_latency=False))
-    art = load(tmp_path / "art")
     wav = whisper["root"] / "speech.wav"
     features = whisper["extractor"](read_wav(wav), sampling_rate=16000, return_tensors="pt").input_features
+    return model, load(tmp_path / "art"), features, wav
+
+
+@pytest.mark.parametrize("forced", [[[1, None], [2, 1001]], [[1, 1000], [2, 1001]]], ids=["detected", "fixed"])
+def test_whisper_with_its_prompt_transcribes_as_whisper_s_generate(whisper, tmp_path, forced):
+    """A multilingual Whisper's generation config (language ids, tasks, ``<|notimestamps|>``, ids
+    not emitted first): the artifact makes the text tokens Whisper's own ``generate`` makes, its
+    prompt (start, language, task, no-timestamps) not counted in ``max_new_tokens``, the language
+    detected as Whisper detects it where the config leaves it open."""
+    model, art, features, wav = _multilingual_whisper(whisper, tmp_path, {"begin_suppress_tokens": [2000, 102],
+                                                                         "suppress_tokens": [2001, 2002],
+                                                                         "forced_decoder_ids": forced})
     with torch.no_grad():
         want = model.generate(features, max_new_tokens=6).tolist()
     got = art.generate([str(wav)], max_new_tokens=6).tokens
     assert got == _strip(want, eos=102, pad=0) and len(got[0]) == 6
+
+
+def test_whisper_transcribes_in_the_language_asked_as_whisper_s_generate(whisper, tmp_path):
+    """``generate(language="de")`` puts ``<|de|>`` where the config leaves the language open, as
+    Whisper's ``generate(language="de")`` does; a code the model does not know, or a language asked
+    of a model that has none to choose, is one line."""
+    from slimml.runtime import load
+
+    model, art, features, wav = _multilingual_whisper(whisper, tmp_path, {"forced_decoder_ids": [[1, None], [2, 1001]]},
+                                                      language_tokens=True)
+    for language in ("de", "fr"):
+        with torch.no_grad():
+            want = model.generate(features, max_new_tokens=6, language=language).tolist()
+        assert art.generate([str(wav)], max_new_tokens=6, language=language).tokens == _strip(want, eos=102, pad=0)
+    with pytest.raises(FeedError, match='language "xx" is not one this model knows; give an ISO 639-1 code'):
+        art.generate([str(wav)], language="xx")
+    with pytest.raises(FeedError, match="language is not chosen at run time"):
+        load(whisper["root"] / "art").generate([str(wav)], language="de")
+
+
+def test_a_recording_longer_than_the_window_is_refused_not_cut(whisper):
+    """Audio past Whisper's 30 s window was cut there, silently: the rest was never transcribed."""
+    from slimml.runtime import load
+    from slimml.runtime.tasks.inputs.audio import read_wav, wav_from_bytes
+
+    model = load(whisper["root"] / "art")
+    with pytest.raises(FeedError, match=r"audio 1 is 31.5 s, longer than the 30 s this model reads in one window"):
+        model.generate([speech(1.0), speech(31.5)])
+    wav = whisper["root"] / "speech.wav"
+    np.testing.assert_array_equal(wav_from_bytes(wav.read_bytes(), "speech.wav"), read_wav(wav))
+    with pytest.raises(FeedError, match=r"^up.wav is not a PCM WAV file slimml can read .*ffmpeg -i up.wav"):
+        wav_from_bytes(b"RIFF1234WAVEjunk", "up.wav")
 
 
 def test_whisper_quantizes_within_tolerance(whisper):

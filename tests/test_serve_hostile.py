@@ -118,6 +118,8 @@ HOSTILE = [
     ("generate: past the positions", "/v1/generate", {"prompt": _ids(1, 120), "max_new_tokens": 16}, 400,
      "128 positions"),
     ("generate: too many prompts", "/v1/generate", {"prompt": _ids(65, 1)}, 413, "--max-texts"),
+    ("generate: sampling asked of the greedy route", "/v1/generate", {"prompt": _ids(1, 2), "temperature": 0.7}, 400,
+     "POST /v1/completions"),
     ("generate: too many new tokens", "/v1/generate", {"prompt": _ids(1, 2), "max_new_tokens": 65}, 400,
      "--max-new-tokens"),
     ("generate: 2**70 as an id", "/v1/generate", {"prompt": [[1, 2**70]]}, 400, "outside this model's vocabulary"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 
 import numpy as np
 import pytest
@@ -69,13 +70,43 @@ def test_run_arrays_round_trip_as_npy():
     assert body["outputs"]["x"] == {"dtype": "int64", "shape": [2, 3], "data": a.tolist()}
     pickled = io.BytesIO()
     np.save(pickled, np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    with pytest.raises(RequestError, match="not a .npy array file"):
+    with pytest.raises(RequestError, match=r"the .npy file holds Python objects \(dtype object\); send a numeric array"):
         protocol.run_inputs({"inputs": {"x": {"npy": base64.b64encode(pickled.getvalue()).decode()}}})
 
 
+def test_an_npy_header_is_read_before_its_array_is_made():
+    """A 200-byte body whose header declared (100000, 3, 1000, 1000) float32 made numpy allocate
+    1.09 TiB: a plain-text 500 from a MemoryError. A PNG sent as npy got numpy's pickle advice."""
+    header = "{'descr': '<f4', 'fortran_order': False, 'shape': (100000, 3, 1000, 1000), }"
+    header += " " * (118 - len(header)) + "\n"
+    huge = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode()
+    with pytest.raises(RequestError, match=r"header says shape \[100000, 3, 1000, 1000\] of float32 "
+                                           r"\(1,200,000,000,000 bytes\) but 0 bytes of data follow"):
+        protocol.run_inputs({"inputs": {"x": {"npy": base64.b64encode(huge).decode()}}})
+    with pytest.raises(RequestError, match=r'"npy" is not a .npy array file \(the magic string is not correct'):
+        protocol.run_inputs({"inputs": {"x": {"npy": base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"x" * 40).decode()}}})
+    buf = io.BytesIO()
+    np.save(buf, np.arange(6, dtype=np.int64).reshape(2, 3))
+    feeds, _, _ = protocol.run_inputs({"inputs": {"x": {"npy": base64.b64encode(buf.getvalue()).decode()}}})
+    np.testing.assert_array_equal(feeds["x"], np.arange(6).reshape(2, 3))
+    with pytest.raises(RequestError, match=r"\(48 bytes\) but 40 bytes of data follow"):  # cut short
+        protocol.run_inputs({"inputs": {"x": {"npy": base64.b64encode(buf.getvalue()[:-8]).decode()}}})
+
+
 def test_generate_requests():
-    assert protocol.generate_request({"prompt": "hi", "max_new_tokens": 4}, 16, 8) == (["hi"], 4)
-    assert protocol.generate_request({"prompt": [[1, 2], [3]]}, 16, 8) == ([[1, 2], [3]], 16)
+    assert protocol.generate_request({"prompt": "hi", "max_new_tokens": 4}, 16, 8) == (["hi"], 4, {})
+    assert protocol.generate_request({"prompt": [[1, 2], [3]]}, 16, 8) == ([[1, 2], [3]], 16, {})
+    # a search the route cannot give is refused, never ignored (T5's num_beams, a decoder's temperature were)
+    with pytest.raises(RequestError, match='^"temperature" is not an option of POST /v1/generate here; POST /v1/generate '
+                                           "decodes greedily: send sampling.* to POST /v1/completions") as e:
+        protocol.generate_request({"prompt": "hi", "temperature": 0.7}, 16, 8)
+    assert e.value.param == "temperature"
+    seq2seq = protocol.SEQ2SEQ_OPTIONS
+    assert protocol.generate_request({"prompt": "hi", "num_beams": 4, "seed": None}, 16, 8, options=seq2seq) == (
+        ["hi"], 16, {"num_beams": 4})
+    with pytest.raises(RequestError, match='^"stop" is not an option of POST /v1/generate here; this encoder-decoder\'s '
+                                           "options are num_beams, length_penalty"):
+        protocol.generate_request({"prompt": "hi", "stop": ["."]}, 16, 8, options=seq2seq)
     with pytest.raises(RequestError, match="from 1 to 16, got 17"):
         protocol.generate_request({"prompt": "hi", "max_new_tokens": 17}, 16, 8)
     with pytest.raises(RequestError, match="not a mix"):
@@ -237,6 +268,12 @@ def test_review_of_the_text_routes_fields():
     _, cut, _, sent = protocol.rerank_request({"query": "q", "documents": ["x" * 50, {"text": "y"}]}, 10, max_chars=20)
     assert cut == ["x" * 20, "y"] and sent == ["x" * 50, "y"]
     assert protocol.rerank_request({"query": "q", "documents": ["d"], "return_documents": False}, 10)[3] is None
+    with pytest.raises(RequestError, match='"candidate_labels" names candidate labels for zero-shot') as e:  # ignored before
+        protocol.classify_request({"input": ["a"], "candidate_labels": ["x", "y"]}, 10, None)
+    with pytest.raises(RequestError, match='"aggregation_strategy" is the Hugging Face pipeline\'s name; .* send '
+                                           '"aggregation" instead') as e:
+        protocol.entities_request({"input": ["a"], "aggregation_strategy": "simple"}, 10, None)
+    assert e.value.param == "aggregation_strategy"
     with pytest.raises(RequestError, match="got 1 questions and 2 contexts") as e:  # the route's pieces need pairs
         protocol.answer_request({"question": ["q"], "context": ["a", "b"]}, 10)
     assert e.value.param == "context"
@@ -288,3 +325,55 @@ def test_request_values_at_the_far_edges_get_their_400_in_their_own_terms():
                                                   "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]
     with pytest.raises(FeedError, match=r"message 0's tool call 0 \(f\) has arguments that are not JSON"):
         template_messages(deep)
+
+
+def test_transcription_forms_are_read_and_checked_without_a_multipart_package():
+    """OpenAI's client sends a multipart form (the WAV "file", "model", options); the standard
+    library's MIME parser reads it, binary bytes intact; each field OpenAI has and this server cannot
+    honour is refused with its param."""
+    requests = pytest.importorskip("requests")
+    transcription = pytest.importorskip("slimml.serve.transcription")
+
+    def form(data, files):
+        sent = requests.Request("POST", "http://x/", data=data, files=files).prepare()
+        return transcription.form_fields(sent.body, sent.headers["Content-Type"])
+
+    audio = bytes(range(256)) * 40 + b"\r\n--\r\n\r"
+    fields = form({"model": "w", "language": "de", "temperature": "0.2"}, {"file": ("a.wav", audio, "audio/wav")})
+    req = transcription.transcription_request(fields, "w")
+    assert (req.audio, req.filename, req.response_format, req.options) == (audio, "a.wav", "json",
+                                                                           {"temperature": 0.2, "language": "de"})
+    assert transcription.transcription_response("hi", 2.0, "text") == ("hi", "text/plain; charset=utf-8")
+    for data, words, param in (({"prompt": "x"}, "does not continue from a previous transcript", "prompt"),
+                               ({"timestamp_granularities[]": "word"}, "without timestamps", "timestamp_granularities"),
+                               ({"response_format": "vtt"}, 'send "json" or "text"', "response_format"),
+                               ({"temperature": "hot"}, 'a number from 0 to 1 (0: the most likely words), got "hot"',
+                                "temperature"),
+                               ({"stream": "true"}, '"stream" is not supported for transcriptions', "stream")):
+        with pytest.raises(RequestError, match=re.escape(words)) as e:
+            transcription.transcription_request(form(data, {"file": ("a.wav", audio)}), "w")
+        assert e.value.param == param
+    with pytest.raises(RequestError, match="takes multipart/form-data") as e:
+        transcription.form_fields(b'{"file": "/etc/passwd"}', "application/json")
+    assert e.value.status == 415
+    with pytest.raises(RequestError, match="not a multipart form with fields"):
+        transcription.form_fields(b"garbage", "multipart/form-data; boundary=zzz")
+
+
+def test_run_s_whole_number_inputs_are_not_cast_from_fractions_or_booleans():
+    """numpy cast 1.5 to 1 and true to 1 for an int64 input, silently."""
+    for data, words in (([[1.5, 2]], "numbers with a fraction"), ([[True, False]], "true/false")):
+        with pytest.raises(RequestError, match=rf'^input "input_ids": int64 data holds {words}; send whole numbers\.$'):
+            protocol.run_inputs({"inputs": {"input_ids": {"dtype": "int64", "data": data}}})
+    feeds, _, _ = protocol.run_inputs({"inputs": {"input_ids": {"dtype": "int64", "data": [[1.0, 2]]}}})
+    assert feeds["input_ids"].tolist() == [[1, 2]]
+
+
+def test_run_refusals_name_their_field():
+    """Every /v1/run refusal had param null; "outputs": [] ran the model to answer {}."""
+    with pytest.raises(RequestError) as e:
+        protocol.run_inputs({"inputs": {"pixel_values": {"dtype": "float32", "data": [[1], [2, 3]]}}})
+    assert e.value.param == "inputs.pixel_values"
+    with pytest.raises(RequestError, match="at least one; leave it out for every output") as e:
+        protocol.run_inputs({"inputs": {"x": {"dtype": "float32", "data": [1.0]}}, "outputs": []})
+    assert e.value.param == "outputs"

@@ -185,7 +185,7 @@ def test_a_token_classifier_is_not_a_classifier_of_texts(models):
     (lambda m: m.entities(["a"], stride=510), r"stride must be a whole number from 0 to 509 \(windows of 512 tokens, 510"),
     (lambda m: m.entities(["a"], stride=-1), "stride must be a whole number from 0 to 509"),
     (lambda m: m.entities(["a"], ignore_labels="O"), "ignore_labels must be a list"),
-    (lambda m: m.entities(["a"], ignore_labels=5), r"ignore_labels must be a list of labels, e\.g\. \['O'\], got 5"),
+    (lambda m: m.entities(["a"], ignore_labels=5), r'ignore_labels must be a list of labels, e\.g\. \["O"\], got 5'),
     (lambda m: m.entities(["a " * 9000], stride=8), "text 0 has 18000 characters, more than the 16384"),
     (lambda m: m.entities(["a " * 8000], stride=500), r"windows of up to \d+ tokens in all, more than the "
                                                       "65536 a call reads; overlap the windows less"),
@@ -212,8 +212,8 @@ def test_bad_entity_calls_are_one_line(models, call, words):
                                    "not more than doc_stride 128"),
     (("why " * 500, CONTEXT * 20), r"question 0 \(500 tokens\) leaves 0 tokens"),
     ((QUESTION, "a " * 8000, 1, 3, 15, 12), r"windows of up to \d+ tokens in all, more than the 65536 a call reads"),
-    ((QUESTION, CONTEXT, 1, None, 15, None, "no"), "handle_impossible_answer must be True or False, got 'no'"),  # read as True
-    ((QUESTION, CONTEXT, 1, None, 15, None, False, "no"), "align_to_words must be True or False, got 'no'"),
+    ((QUESTION, CONTEXT, 1, None, 15, None, "no"), "handle_impossible_answer must be True or False, got \"no\""),  # read as True
+    ((QUESTION, CONTEXT, 1, None, 15, None, False, "no"), "align_to_words must be True or False, got \"no\""),
 ])
 def test_bad_questions_are_one_line(models, args, words):
     with pytest.raises(FeedError, match=words) as e:

@@ -109,10 +109,16 @@ class Step:
             return OutOfMemoryError(f"{self.label} ran out of memory for this batch (ONNX Runtime could not allocate a buffer); "
                              "send fewer rows or shorter sequences a call (encode's batch_size), or stream the model with "
                              "a memory budget.")
-        return FeedError(
-            f"{self.label} rejected the inputs: {_first_line(e)}. Check the input values, e.g. token ids inside "
-            "the vocabulary and sequences no longer than the model's maximum."
-        )
+        return FeedError(f"{self.label} rejected the inputs: {_first_line(e)}. {self._hint()}")
+
+    def _hint(self) -> str:
+        """What to check, by what this step takes: images, token ids, or arrays in general."""
+        if any("pixel" in name for name in self.inputs):
+            return ("Check the images' size and channels: the model takes the size its preprocessor makes "
+                    "(`slimml info ARTIFACT` shows the inputs).")
+        if any(name.endswith("input_ids") for name in self.inputs):
+            return "Check the input values, e.g. token ids inside the vocabulary and sequences no longer than the model's maximum."
+        return "Check the inputs' values and shapes against the model's (`slimml info ARTIFACT` shows them)."
 
     def run(self, env: dict, extra: dict | None = None) -> None:
         """Run on the activations in ``env`` and update it in place; ``extra`` adds feeds that are

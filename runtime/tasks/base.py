@@ -24,7 +24,7 @@ from slimml.errors import FeedError, SlimmlError, TaskError
 from slimml.runtime.artifact.manifest import Manifest, safe_path
 from slimml.runtime.tasks.inputs.image import ImageProcessor
 from slimml.runtime.tasks.inputs.text import TextEncoder, prompt_text
-from slimml.runtime.tasks.limits import Limits
+from slimml.runtime.tasks.limits import Limits, shown
 
 if TYPE_CHECKING:
     from slimml.runtime.engine.engine import Engine
@@ -398,7 +398,7 @@ def image_input(folder: Path, manifest: Manifest) -> tuple[str | None, ImageProc
 def check_batch(batch_size: Any) -> int:
     """``batch_size``, or FeedError when it is not a whole number >= 1."""
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
+        raise FeedError(f"batch_size must be a whole number >= 1, got {shown(batch_size)}.")
     return batch_size
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
 from slimml.runtime.tasks.base import Task, check_batch
+from slimml.runtime.tasks.limits import shown
 
 Run = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 IMAGE_OUTPUTS = ("image_embeds", "pooler_output", "last_hidden_state")  # first found is the embedding
@@ -124,7 +125,7 @@ def text_batches(task: Task, texts: Any, batch_size: int) -> Iterator[dict[str, 
 
 def check_top_k(top_k: Any, what: str) -> None:
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise FeedError(f"top_k must be a whole number >= 1 (or None for every {what}), got {top_k!r}.")
+        raise FeedError(f"top_k must be a whole number >= 1 (or None for every {what}), got {shown(top_k)}.")
 
 
 def softmax(x: np.ndarray) -> np.ndarray:

@@ -35,7 +35,8 @@ class Limits:
         max_text_chars: characters of one text kept before tokenizing (the rest is cut, as the
             tokenizer's truncation would cut its tokens): 16,384 is 32 characters a token for a
             512-token model, far more than any language needs, and bounds the tokenizer's time.
-        max_batch_tokens: rows x (prompt + new tokens) of one ``generate`` call. None (default):
+        max_batch_tokens: rows x (prompt + new tokens) of one ``generate`` call (an
+            encoder-decoder's: rows x beams x prompt tokens, :meth:`check_encoded`). None (default):
             for a graph that computes logits only where they are read (``logits_index``, the fused
             exporter's), 8,192 or the model's context if longer, so one prompt may fill the context
             (its cache is rows x tokens positions; a long prompt is prefilled in chunks). For
@@ -155,6 +156,27 @@ class Limits:
                 f"{len(lengths)} prompt(s) x ({longest} + {max_new_tokens} new) tokens = {total} is more than the "
                 f"limit of {limit} tokens a call; send fewer or shorter prompts, or raise the limit "
                 "(slimml serve --max-batch-tokens; model.limits.max_batch_tokens in Python)."
+            )
+
+
+    def check_encoded(self, rows: int, width: int, beams: int = 1, vocab_size: int | None = None,
+                      context: int | None = None) -> None:
+        """Refuse an encoder-decoder's generation whose prompts, ``rows`` padded to ``width`` tokens,
+        each read by ``beams`` beams (the decoders' cross-attention keeps them), hold more tokens than
+        this call's budget (the prompts are what a caller makes long; the new tokens are bounded by
+        ``max_new_tokens``, and each step's logits are one position a row).
+
+        Raises:
+            FeedError: naming the tokens and the limit, and how to raise it.
+        """
+        total = rows * beams * width
+        limit = self.batch_tokens(vocab_size, True, context)
+        if total > limit:
+            each = f" x {beams} beams" if beams > 1 else ""
+            raise FeedError(
+                f"{rows} prompt(s){each} x {width} tokens = {total} is more than the limit of {limit} tokens a call; "
+                "send fewer or shorter prompts, or raise the limit (slimml serve --max-batch-tokens; "
+                "model.limits.max_batch_tokens in Python)."
             )
 
 

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_batch, check_unicode, register_task
 from slimml.runtime.tasks.inputs.text import window_outputs
+from slimml.runtime.tasks.limits import shown
 
 
 @register_task("question-answering")
@@ -74,7 +75,7 @@ class QuestionAnswerer(Task):
         _whole("max_answer_len", max_answer_len, 1)
         for name, value in (("handle_impossible_answer", handle_impossible_answer), ("align_to_words", align_to_words)):
             if not isinstance(value, (bool, np.bool_)):  # "no" read as True before
-                raise FeedError(f"{name} must be True or False, got {value!r}.")
+                raise FeedError(f"{name} must be True or False, got {shown(value)}.")
         size = check_batch(batch_size)
         seq = min(self.text.max_length, 384) if max_seq_len is None else _whole("max_seq_len", max_seq_len, 2)
         if seq > self.text.max_length:
@@ -203,5 +204,5 @@ def _texts(name: str, value: Any) -> list[str]:
 
 def _whole(name: str, value: Any, least: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise FeedError(f"{name} must be a whole number >= {least}, got {value!r}.")
+        raise FeedError(f"{name} must be a whole number >= {least}, got {shown(value)}.")
     return value

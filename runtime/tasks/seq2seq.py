@@ -25,6 +25,7 @@ from slimml.runtime.artifact.manifest import Manifest, safe_path
 from slimml.runtime.tasks.base import Task, register_task, text_encoder
 from slimml.runtime.tasks.generate import Generation
 from slimml.runtime.tasks.inputs.audio import LogMel, features_for
+from slimml.runtime.tasks.limits import shown
 from slimml.runtime.tasks.seq2seq_search import DECODER, ENCODER, Decoder, Search, beam_search, greedy
 
 if TYPE_CHECKING:
@@ -55,16 +56,23 @@ class Seq2Seq(Task):
                                         if self.speech and pre else None)
 
     @property
+    def sampling_rate(self) -> int | None:
+        """The audio rate a speech model takes (Hz), from its feature extractor; None for a text model."""
+        return self._log_mel.sampling_rate if self._log_mel is not None else None
+
+    @property
     def accepts(self) -> frozenset[str]:
         return frozenset({"audio"}) if self.speech else super().accepts
 
     def generate(self, prompts: Any, max_new_tokens: int | None = None, num_beams: int | None = None,
                  length_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: Any = None, do_sample: bool | None = None, **unknown: Any):
+                 seed: Any = None, do_sample: bool | None = None, language: str | None = None, **unknown: Any):
         """Generation from texts (T5, BART, Marian) or, for a speech model, WAV paths or 16 kHz
         waveforms, as the model's generation config says (greedy, sampling, or beam search with its
-        length penalty and no-repeat n-grams; a None argument keeps the model's own). Without
+        length penalty and no-repeat n-grams; a None argument keeps the model's own). A multilingual
+        speech model detects each recording's language unless ``language`` (an ISO 639-1 code: "en",
+        "fr") names it, as Whisper's ``generate(language=...)`` does. Without
         ``max_new_tokens`` the model's ``max_length`` applies, else 32 new tokens. A temperature
         above 0 samples (with the model's top-k and top-p, else transformers' 50 and 1.0), 0 is
         greedy; ``seed`` (an int, or one per prompt) gives each prompt the same tokens again.
@@ -78,13 +86,34 @@ class Seq2Seq(Task):
         if unknown:  # a decoder's options (penalties, stop strings, config=): one line, not Python's TypeError
             raise ConfigError(
                 f"an encoder-decoder's generate() takes no {', '.join(sorted(unknown))}; its options are max_new_tokens, "
-                "num_beams, length_penalty, no_repeat_ngram_size, temperature, top_k, top_p, seed and do_sample "
-                "(penalties, stop strings, logit bias and a GenerationConfig are a decoder's)."
+                "num_beams, length_penalty, no_repeat_ngram_size, temperature, top_k, top_p, seed, do_sample and, for "
+                "a speech model, language (penalties, stop strings, logit bias and a GenerationConfig are a decoder's)."
             )
-        return generate_seq2seq(self, prompts, Search.of(self.spec, max_new_tokens, temperature=temperature, top_k=top_k,
-                                                         top_p=top_p, seed=seed, do_sample=do_sample, num_beams=num_beams,
-                                                         length_penalty=length_penalty,
-                                                         no_repeat_ngram_size=no_repeat_ngram_size))
+        search = Search.of(self.spec, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                           do_sample=do_sample, num_beams=num_beams, length_penalty=length_penalty,
+                           no_repeat_ngram_size=no_repeat_ngram_size)
+        return generate_seq2seq(self, prompts, search, None if language is None else self.language_id(language))
+
+    def language_id(self, language: str) -> int:
+        """The token id of a multilingual speech model's ``<|xx|>`` for the ISO 639-1 code ``language``.
+
+        Raises:
+            ConfigError: not a speech model.
+            FeedError: a model whose language is not chosen at run time, or a code it does not know.
+        """
+        if not self.speech:
+            raise ConfigError("language is for speech models (Whisper); a text model's prompt says what language it "
+                              "wants: leave language out.")
+        ids = set(self.spec.get("language_ids") or ())
+        if not ids:
+            raise FeedError("this speech model's language is not chosen at run time (an English-only model, or one "
+                            "converted with its language fixed); leave language out.")
+        code = language.strip().lower() if isinstance(language, str) else None
+        found = self.detokenizer.token_to_id(f"<|{code}|>") if code and self.detokenizer is not None else None
+        if found is None or found not in ids:
+            raise FeedError(f'language {shown(language)} is not one this model knows; give an ISO 639-1 code such as "en", '
+                            '"fr" or "de".')
+        return found
 
     def features(self, audio: Any) -> dict[str, np.ndarray]:
         """The encoder's log-mel feeds for WAV paths or 16 kHz float waveforms (speech models)."""
@@ -97,8 +126,9 @@ class Seq2Seq(Task):
         return features_for(self._log_mel, name, audio)
 
 
-def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation:
-    """Generation from texts (T5, BART) or, for speech models, log-mel features / audio."""
+def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search, language: int | None = None) -> Generation:
+    """Generation from texts (T5, BART) or, for speech models, log-mel features / audio (in
+    ``language``, a language token id, where given)."""
     spec = model.spec
     encoder = model.parts[ENCODER]
     t0 = time.perf_counter()
@@ -121,6 +151,8 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation
             for i, p in enumerate(ids):
                 feeds["input_ids"][i, :len(p)], feeds["attention_mask"][i, :len(p)] = p, 1
         feeds = {k: v for k, v in feeds.items() if k in {t.name for t in encoder.inputs}}
+        rows, width = next(iter(feeds.values())).shape[:2]  # padded to the longest: what the passes hold
+        model.limits.check_encoded(rows, width, search.num_beams, context=model.text.max_length if model.text else None)
     batch = next(iter(feeds.values())).shape[0]
     seeds = search.sample.seed if search.sample is not None else None
     if isinstance(seeds, tuple) and len(seeds) != batch:
@@ -138,7 +170,7 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search) -> Generation
         return out
 
     decoder = Decoder(counted, inputs, feeds, repeat=search.num_beams)
-    start = start_tokens(decoder, spec, batch, search.num_beams)
+    start = start_tokens(decoder, spec, batch, search.num_beams, language)
     if search.num_beams > 1:
         new, _ = beam_search(decoder, start, search)
     else:
@@ -185,16 +217,19 @@ def _uncut_feeds(model: Seq2Seq, prompts: list[str]) -> dict[str, np.ndarray]:
     return text.batch(encodings)
 
 
-def start_tokens(decoder: Decoder, spec: Mapping[str, Any], batch: int, beams: int = 1) -> np.ndarray:
+def start_tokens(decoder: Decoder, spec: Mapping[str, Any], batch: int, beams: int = 1,
+                 language: int | None = None) -> np.ndarray:
     """The decoder's first tokens, (batch, k): the start token, then Whisper's prompt (its language,
-    where the model does not fix one, detected as transformers detects it: the first step's most
-    likely language id, a prompt each)."""
+    where the model does not fix one, ``language`` or, without it, detected as transformers detects
+    it: the first step's most likely language id, a prompt each)."""
     first = np.full((batch, 1), int(spec["decoder_start_token_id"]), dtype=np.int64)
     prompt = list(spec.get("prompt_ids") or ())
     if not prompt:
         return first
     start = np.repeat(first, len(prompt) + 1, axis=1)
-    if None in prompt:
+    if None in prompt and language is not None:
+        start[:, 1 + prompt.index(None)] = language
+    elif None in prompt:
         languages = np.asarray(spec.get("language_ids") or (), dtype=np.int64)
         if not languages.size:
             raise FeedError("the artifact's Whisper prompt leaves the language open but records no language ids "

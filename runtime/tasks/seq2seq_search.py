@@ -23,6 +23,7 @@ import numpy as np
 from slimml.errors import FeedError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.sampling import Sampler
+from slimml.runtime.tasks.limits import shown
 
 ENCODER, DECODER, WITH_PAST = "encoder", "decoder", "decoder_with_past"
 Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (component, feeds) -> outputs
@@ -61,7 +62,7 @@ class Search:
         for name, low in (("max_length", 2), ("num_beams", 1), ("no_repeat_ngram_size", 0), ("min_length", 0), ("prompt", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-                raise FeedError(f"{name} must be a whole number >= {low}, got {value!r}"
+                raise FeedError(f"{name} must be a whole number >= {low}, got {shown(value)}"
                                 + (" (it counts the start token: max_new_tokens + 1)." if name == "max_length" else "."))
             setattr(self, name, int(value))
         if self.num_beams > MAX_BEAMS:
@@ -70,7 +71,7 @@ class Search:
         for name in ("length_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not np.isfinite(value):
-                raise FeedError(f"{name} must be a finite number, got {value!r}.")
+                raise FeedError(f"{name} must be a finite number, got {shown(value)}.")
             setattr(self, name, float(value))
         if isinstance(self.eos, (int, np.integer)):
             self.eos = (int(self.eos),)
@@ -79,9 +80,9 @@ class Search:
             raise FeedError(f"sampling with num_beams={self.num_beams} (beam sampling) is not supported; pass num_beams=1 "
                             "to sample, or temperature=0 for beam search.")
         if self.repetition_penalty <= 0:
-            raise FeedError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty!r}.")
+            raise FeedError(f"repetition_penalty must be > 0 (1: off), got {shown(self.repetition_penalty)}.")
         if self.early_stopping not in (True, False, "never"):
-            raise FeedError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}.')
+            raise FeedError(f'early_stopping must be true, false or "never", got {shown(self.early_stopping)}.')
 
     @classmethod
     def of(cls, spec: Mapping[str, Any], max_new_tokens: int | None = None, temperature: float | None = None,
@@ -96,7 +97,7 @@ class Search:
         model's own beams keep their search, a caller's request for both is refused."""
         if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer))
                                            or max_new_tokens < 1):
-            raise FeedError(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}.")
+            raise FeedError(f"max_new_tokens must be a whole number >= 1, got {shown(max_new_tokens)}.")
         own = spec.get("search") or {}
         prompt = 1 + len(spec.get("prompt_ids") or ())
         limit = spec.get("max_positions")

@@ -11,6 +11,7 @@ import numpy as np
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import register_task
 from slimml.runtime.tasks.classify import Classifier, batch_logits, text_batches
+from slimml.runtime.tasks.limits import shown
 
 
 @register_task("text-classification")
@@ -59,7 +60,7 @@ class TextClassifier(Classifier):
         if bad is not None:
             raise FeedError(f"documents[{bad}] must be a text, got {type(documents[bad]).__name__}; give the documents as texts.")
         if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
-            raise FeedError(f"top_n must be a whole number >= 1 (or None for every document), got {top_n!r}.")
+            raise FeedError(f"top_n must be a whole number >= 1 (or None for every document), got {shown(top_n)}.")
         batches = list(text_batches(self, [(query, d) for d in documents], batch_size))
         logits = batch_logits(self.engine.run, batches, self.manifest.labels)[:, 0].astype(np.float64)
         relevance = _ACTIVATIONS.get(self.manifest.source.get("cross_encoder_activation"), _sigmoid)(logits)

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_batch, check_unicode, register_task
 from slimml.runtime.tasks.inputs.text import window_outputs
+from slimml.runtime.tasks.limits import shown
 
 AGGREGATIONS = ("none", "simple", "first", "average", "max")
 
@@ -73,12 +74,12 @@ class TokenClassifier(Task):
             raise FeedError(f"texts[{bad}] must be a text, got {type(texts[bad]).__name__}.")
         check_unicode(texts)
         if aggregation not in AGGREGATIONS:
-            raise FeedError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}.")
+            raise FeedError(f"aggregation must be one of {', '.join(AGGREGATIONS)}, got {shown(aggregation)}.")
         if ignore_labels is None:  # the pipeline's default
             ignore_labels = ("O",)
         if isinstance(ignore_labels, str) or not isinstance(ignore_labels, (list, tuple, set, frozenset)) or not all(
                 isinstance(x, str) for x in ignore_labels):
-            raise FeedError(f"ignore_labels must be a list of labels, e.g. ['O'], got {ignore_labels!r}.")
+            raise FeedError(f'ignore_labels must be a list of labels, e.g. ["O"], got {shown(ignore_labels)}.')
         size = check_batch(batch_size)
         windows = self._windows(texts, aggregation, stride)
         scores = self._scores([enc for _, enc in windows], size)
@@ -100,7 +101,7 @@ class TokenClassifier(Task):
         room = limit - self.text.special_tokens(False)  # a window's tokens besides its special ones
         if isinstance(stride, bool) or not isinstance(stride, int) or not 0 <= stride < room:
             raise FeedError(f"stride must be a whole number from 0 to {room - 1} (windows of {limit} tokens, {room} of "
-                            f"them text), got {stride!r}.")
+                            f"them text), got {shown(stride)}.")
         self.limits.check_whole(list(texts), "text")  # windows promise the whole text: nothing is cut silently
         counts = self.text.token_counts(list(texts))
         self.limits.check_windows(counts, [room] * len(counts), stride, limit)  # before the windows are made

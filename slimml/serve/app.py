@@ -35,7 +35,9 @@ from ray import serve
 from slimml.errors import (ArtifactError, ConfigError, FeedError, IntegrityError, OutOfMemoryError, RequestError, SlimmlError,
                            StageError, TaskError)
 import slimml.serve.protocol as protocol
+import slimml.serve.transcription as transcription
 from slimml.runtime.artifact.manifest import MANIFEST_NAME, check_manifest_unchanged
+from slimml.runtime.tasks.inputs.audio import wav_from_bytes
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
 from slimml.serve.llm import RETRY_AFTER_S, LLMService
@@ -136,7 +138,7 @@ async def _request_error(request: Request, e: RequestError):
 
 
 ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, POST /v1/rerank, "
-          "POST /v1/entities, POST /v1/answer, POST /v1/classify, POST /v1/generate, POST /v1/run, GET /health, GET /v1/models, "
+          "POST /v1/entities, POST /v1/answer, POST /v1/classify, POST /v1/audio/transcriptions, POST /v1/generate, POST /v1/run, GET /health, GET /v1/models, "
           "GET /v1/models/{model}")
 
 
@@ -154,7 +156,7 @@ async def _http_error(request: Request, e: StarletteHTTPException):
     return _error(message, e.status_code, dict(e.headers) if e.headers else None)
 
 
-_MODEL_OPTIONS = frozenset(protocol.ENTITY_OPTIONS + protocol.ANSWER_OPTIONS)  # a refusal naming one: its param
+_MODEL_OPTIONS = frozenset(protocol.ENTITY_OPTIONS + protocol.ANSWER_OPTIONS + protocol.SEQ2SEQ_OPTIONS)  # a refusal naming one: its param
 
 
 @api.exception_handler(FeedError)
@@ -170,18 +172,36 @@ _ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"),
            "rerank": ("/v1/rerank", "a cross-encoder (one relevance output)"),
            "entities": ("/v1/entities", "a token classifier (named entities)"),
            "answer": ("/v1/answer", "an extractive question-answering model"),
-           "classify": ("/v1/classify", "a text classifier")}
+           "classify": ("/v1/classify", "a text classifier"),
+           "transcribe": ("/v1/audio/transcriptions", "a speech model")}
 _SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts",
          "rerank_with_counts": "rerank"}  # methods behind one route
-_USE = {"generate": "POST /v1/chat/completions, POST /v1/completions"}  # what to point a client at for such a model
 
 
-def task_refusal(e: TaskError) -> RequestError:
-    """A task method the artifact lacks, as the 400 that names the route that would work."""
+def serving_routes(method: str, model: Any = None) -> str | None:
+    """The routes that serve task ``method`` on ``model`` (None: on a model of the usual kind for it),
+    or None where no route does: a language model's generation is OpenAI's chat and completions, a
+    speech model's is transcription, and /v1/classify classifies texts only (an image classifier's
+    classify reads images)."""
+    method = _SAME.get(method, method)
+    if method not in _ROUTES:
+        return None
+    kind = getattr(model, "kind", None)
+    if method == "generate" and (model is None or kind == "text-generation"):
+        return "POST /v1/chat/completions, POST /v1/completions"
+    if method == "generate" and getattr(model, "speech", False) or method == "transcribe":
+        return "POST /v1/audio/transcriptions"
+    if method == "classify" and model is not None and kind != "text-classification":
+        return None
+    return f"POST {_ROUTES[method][0]}"
+
+
+def task_refusal(e: TaskError, model: Any = None) -> RequestError:
+    """A task method the artifact (``model``, where known) lacks, as the 400 that names the routes that would work."""
     route = _ROUTES.get(_SAME.get(e.method, e.method))
     if route is None:  # a method no route serves
         return RequestError(str(e), 400)
-    works = dict.fromkeys(_USE.get(m, f"POST {_ROUTES[m][0]}") for m in (_SAME.get(a, a) for a in e.alternatives) if m in _ROUTES)
+    works = dict.fromkeys(r for r in (serving_routes(m, model) for m in e.alternatives) if r)
     use = ", ".join(works) + ", or POST /v1/run for its raw outputs" if works else "POST /v1/run for its raw outputs"
     return RequestError(f"this artifact is a {e.task!r} model, not {route[1]}, so it has no {route[0]}; use {use}.", 400)
 
@@ -246,7 +266,13 @@ class SlimmlServer:
             limits.max_batch_tokens = self.config.max_batch_tokens
             limits.max_window_tokens = self.config.max_window_tokens
         self.text_chars = limits.max_text_chars if limits is not None else self.config.max_text_chars or 16_384
-        self.batch_tokens = (limits.batch_tokens(getattr(self.model, "vocab_size", None)) if limits is not None
+        # the vocabulary bounds a pass's logits, where the model has an output of vocabulary width (a
+        # decoder's, a masked LM's); a classifier's outputs are its labels: its budget is the plain one
+        vocab = getattr(self.model, "vocab_size", None)
+        if not any(shape and shape[-1] in (vocab, "vocab_size") for shape in
+                   (getattr(o, "shape", None) for o in getattr(self.model, "outputs", []))):
+            vocab = None
+        self.batch_tokens = (limits.batch_tokens(vocab) if limits is not None
                              else self.config.max_batch_tokens or 8_192)
         self.name = self.config.name or self.model.manifest.name
         params = inspect.signature(self.model.generate).parameters if hasattr(self.model, "generate") else {}
@@ -272,6 +298,9 @@ class SlimmlServer:
                                     piece=self._piece, key=len)  # texts of like length in one call
 
     async def _body(self, request: Request) -> dict[str, Any]:
+        return protocol.parse_json(await self._raw_body(request))
+
+    async def _raw_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
@@ -293,7 +322,7 @@ class SlimmlServer:
         except asyncio.TimeoutError:
             raise RequestError(f"the request body did not arrive within {self.config.body_timeout_s:g} s; send it at "
                                "once (slimml serve --body-timeout-s sets the limit).", 408) from None
-        return protocol.parse_json(b"".join(chunks))
+        return b"".join(chunks)
 
     def _pieces(self, items: list[Any]) -> list[tuple[int, list[Any]]]:
         """``items`` in pieces of 8 model batches, each with where it starts. A route runs one piece a call:
@@ -305,7 +334,7 @@ class SlimmlServer:
     def _needs(self, method: str) -> None:
         """Refuse a route whose task method this artifact lacks (a 400 naming the route that works)."""
         if not self.model.supports(method):
-            raise task_refusal(self.model.unsupported(method))
+            raise task_refusal(self.model.unsupported(method), self.model)
 
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request):
@@ -380,9 +409,8 @@ class SlimmlServer:
         """Each text's classes with their scores, best first (text classifiers), as ``model.classify`` gives them."""
         data = await self._body(request)
         self._needs("classify")
-        if self.model.kind != "text-classification":  # an image classifier would read the texts as file paths
-            raise RequestError(f"this artifact is a {self.model.kind!r} model, and POST /v1/classify classifies texts; "
-                               "use POST /v1/run for its raw outputs.", 400)
+        if serving_routes("classify", self.model) is None:  # an image classifier would read the texts as file paths
+            raise task_refusal(self.model.unsupported("classify"), self.model)
         protocol.check_model(data, self.name)
         texts, top_k = protocol.classify_request(data, self.config.max_texts, self.text_chars)
         found = []
@@ -430,18 +458,45 @@ class SlimmlServer:
     async def generate(self, request: Request):
         data = await self._body(request)
         self._needs("generate")
+        if getattr(self.model, "speech", False):  # its prompts are audio: a text here would be read as a path
+            raise RequestError("this artifact is a speech model: it transcribes audio, which POST /v1/generate does not "
+                               "take; send the audio file to POST /v1/audio/transcriptions.", 400)
         protocol.check_model(data, self.name)
         # prompts are not cut here: generate refuses one past its characters (a decoder's prompt loses
         # its end to a cut) or, for an encoder-decoder, its encoder reads what its length allows
-        prompts, n = protocol.generate_request(data, self.config.max_new_tokens, self.config.max_texts,
-                                               None, getattr(self.model, "vocab_size", None))
-        cancel = threading.Event()
+        seq2seq = self.model.kind == "text2text-generation"
+        prompts, n, options = protocol.generate_request(data, self.config.max_new_tokens, self.config.max_texts, None,
+                                                        getattr(self.model, "vocab_size", None),
+                                                        protocol.SEQ2SEQ_OPTIONS if seq2seq else ())
+        if self._cancels:
+            options["cancel"] = threading.Event()
         try:
-            gen = await asyncio.to_thread(self.model.generate, prompts, n, **({"cancel": cancel} if self._cancels else {}))
+            gen = await asyncio.to_thread(self.model.generate, prompts, n, **options)
         except asyncio.CancelledError:  # the client went away, or the request timed out: stop decoding
-            cancel.set()
+            if "cancel" in options:
+                options["cancel"].set()
             raise
         return protocol.generate_response(gen, self.name, n)
+
+    @api.post("/v1/audio/transcriptions")
+    async def transcriptions(self, request: Request):
+        """A recording's transcript (speech artifacts: Whisper), in the shape of OpenAI's
+        ``/v1/audio/transcriptions`` (a multipart form with the WAV ``file``)."""
+        if not getattr(self.model, "speech", False):
+            raise task_refusal(self.model.unsupported("transcribe"), self.model)
+        form = transcription.form_fields(await self._raw_body(request), request.headers.get("content-type"))
+        req = transcription.transcription_request(form, self.name)
+        if "language" in req.options:
+            try:
+                self.model.language_id(req.options["language"])
+            except FeedError as e:
+                raise RequestError(str(e), param="language") from None
+        rate = self.model.sampling_rate
+        wave = wav_from_bytes(req.audio, req.filename, rate)
+        gen = await asyncio.to_thread(self.model.generate, [wave], None, **req.options)
+        body, media = transcription.transcription_response(gen.texts[0] if gen.texts else "", wave.size / rate,
+                                                           req.response_format)
+        return Response(protocol.dumps(body) if isinstance(body, dict) else body, media_type=media)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):

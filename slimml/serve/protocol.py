@@ -110,6 +110,9 @@ def input_texts(data: dict[str, Any], request: str, max_texts: int, max_chars: i
 def entities_request(data: dict[str, Any], max_texts: int, max_chars: int | None) -> tuple[list[str], dict[str, Any]]:
     """``(texts, options)`` of an entities request: ``input`` (texts, cut to ``max_chars`` unless
     ``stride`` asks for them whole), ``aggregation``, ``ignore_labels``, ``stride``."""
+    if data.get("aggregation_strategy") is not None:  # the Hugging Face pipeline's name for it
+        raise RequestError('"aggregation_strategy" is the Hugging Face pipeline\'s name; this route\'s field is '
+                           '"aggregation" (the same values): send "aggregation" instead.', param="aggregation_strategy")
     options = {k: data[k] for k in ENTITY_OPTIONS if data.get(k) is not None}
     texts = input_texts(data, "an entities", max_texts, None if "stride" in options else max_chars)
     return texts, options
@@ -119,9 +122,10 @@ def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None
     """``(texts, top_k)`` of a classify request: ``input`` (a text or a list, cut to ``max_chars``;
     or a list of text pairs ``[[premise, hypothesis], ...]``, read together as ``model.classify``
     reads pairs) and ``top_k`` (the best classes of each text; absent or null: every class)."""
-    if data.get("labels") is not None:  # zero-shot's field: a classifier's labels are its own
-        raise RequestError('"labels" names candidate labels for zero-shot classification; this classifier scores its '
-                           "own labels: leave \"labels\" out.", param="labels")
+    for key in ("labels", "candidate_labels"):  # zero-shot's fields (ours, Hugging Face's): a classifier's labels are its own
+        if data.get(key) is not None:
+            raise RequestError(f'"{key}" names candidate labels for zero-shot classification; this classifier scores its '
+                               f'own labels: leave "{key}" out.', param=key)
     items = data.get("input")
     if isinstance(items, list) and items and all(isinstance(p, list) and len(p) == 2 for p in items):
         at_most(len(items), max_texts, f'"input" has {len(items)} pairs', "input")
@@ -288,16 +292,21 @@ def run_inputs(data: dict[str, Any]) -> tuple[dict[str, np.ndarray], list[str] |
     inputs = data.get("inputs")
     if not isinstance(inputs, dict) or not inputs:
         raise RequestError('a run request needs "inputs": an object of name -> {"dtype": ..., "data": nested lists} '
-                           'or {"npy": base64 of a .npy file}.')
+                           'or {"npy": base64 of a .npy file}.', param="inputs")
     feeds = {}
     for name, spec in inputs.items():
-        feeds[name] = _array(name, spec)
+        try:
+            feeds[name] = _array(name, spec)
+        except RequestError as e:
+            e.param = e.param or f"inputs.{name}"[:80]
+            raise
     outputs = data.get("outputs")
-    if outputs is not None and (not isinstance(outputs, list) or not all(isinstance(o, str) for o in outputs)):
-        raise RequestError('"outputs" must be a list of output names.')
+    if outputs is not None and (not isinstance(outputs, list) or not outputs or not all(isinstance(o, str) for o in outputs)):
+        raise RequestError('"outputs" must be a list of output names (at least one; leave it out for every output).',
+                           param="outputs")
     encoding = data.get("encoding", "json")
     if encoding not in ("json", "npy"):
-        raise RequestError(f'"encoding" must be "json" or "npy", got {shown(encoding)}.')
+        raise RequestError(f'"encoding" must be "json" or "npy", got {shown(encoding)}.', param="encoding")
     return feeds, outputs, encoding
 
 
@@ -307,14 +316,9 @@ def _array(name: str, spec: Any) -> np.ndarray:
     if "npy" in spec:
         try:
             raw = base64.b64decode(spec["npy"], validate=True)
-            arr = np.load(io.BytesIO(raw), allow_pickle=False)
         except (binascii.Error, TypeError):
             raise RequestError(f'input {shown(name)}: "npy" is not valid base64.') from None
-        except (ValueError, OSError, EOFError) as e:
-            raise RequestError(f'input {shown(name)}: "npy" is not a .npy array file ({e}); write it with numpy.save.') from None
-        if not isinstance(arr, np.ndarray) or arr.dtype.hasobject:
-            raise RequestError(f"input {shown(name)}: the .npy file holds objects; send a numeric array.")
-        return arr
+        return _npy(name, raw)
     dtype = spec.get("dtype")
     if dtype not in _DTYPES:
         raise RequestError(f"input {shown(name)}: dtype {shown(dtype)} is not one of {sorted(_DTYPES)}.")
@@ -322,9 +326,39 @@ def _array(name: str, spec: Any) -> np.ndarray:
         raise RequestError(f'input {shown(name)} needs "data": nested lists of numbers.')
     try:
         arr = np.asarray(spec["data"], dtype=dtype)
+        if arr.dtype.kind in "iu":  # numpy casts 1.5 to 1 and true to 1: whole numbers only, as sent
+            sent = np.asarray(spec["data"])
+            if sent.dtype.kind == "b" or (sent.dtype.kind == "f" and not np.array_equal(sent, arr)):
+                what = "true/false" if sent.dtype.kind == "b" else "numbers with a fraction"
+                raise RequestError(f"input {shown(name)}: {dtype} data holds {what}; send whole numbers.")
     except (ValueError, TypeError, OverflowError) as e:
         raise RequestError(f"input {shown(name)}: data is not a rectangular array of {dtype} numbers ({e}).") from None
     return arr
+
+
+def _npy(name: str, raw: bytes) -> np.ndarray:
+    """A .npy file's array, its header read first: a shape larger than the bytes sent (numpy would
+    allocate it before finding the data short) or an object dtype is refused before anything is made."""
+    f = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(f)
+        read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        if read is None:
+            raise ValueError(f".npy version {version[0]}.{version[1]}; numpy.save writes 1.0")
+        shape, _, dtype = read(f)
+    except (ValueError, OSError, EOFError, SyntaxError, TypeError) as e:
+        why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise RequestError(f'input {shown(name)}: "npy" is not a .npy array file ({why}); write it with numpy.save.') from None
+    if dtype.hasobject:
+        raise RequestError(f"input {shown(name)}: the .npy file holds Python objects (dtype {dtype}); send a numeric array.")
+    size = int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if size != len(raw) - f.tell():
+        raise RequestError(f"input {shown(name)}: the .npy header says shape {list(shape)} of {dtype} ({size:,} bytes) but "
+                           f"{len(raw) - f.tell():,} bytes of data follow; write the array with numpy.save.")
+    try:
+        return np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise RequestError(f'input {shown(name)}: "npy" is not a .npy array file ({e}); write it with numpy.save.') from None
 
 
 def run_response(out: dict[str, np.ndarray], encoding: str) -> dict[str, Any]:
@@ -347,11 +381,26 @@ def _jsonable(a: np.ndarray):
     return a.tolist()
 
 
+# an encoder-decoder's generate options, which POST /v1/generate passes on as sent (checked by the model)
+SEQ2SEQ_OPTIONS = ("num_beams", "length_penalty", "no_repeat_ngram_size", "temperature", "top_k", "top_p", "seed",
+                   "do_sample")
+# how clients ask for a search other than greedy: refused where the route cannot give it, never ignored
+_SEARCH_FIELDS = SEQ2SEQ_OPTIONS + ("stop", "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                                    "min_p", "logit_bias", "n", "best_of", "stream", "logprobs", "response_format")
+
+
 def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, max_chars: int | None = None,
-                     vocab_size: int | None = None) -> tuple[list, int]:
-    """``prompt`` (a text, texts, or token id lists) and ``max_new_tokens`` of a generate request:
-    texts valid Unicode and cut to ``max_chars``, ids inside ``[0, vocab_size)``. The model's
-    positions and the token budget are checked by ``generate`` itself, before any pass."""
+                     vocab_size: int | None = None, options: tuple[str, ...] = ()) -> tuple[list, int, dict[str, Any]]:
+    """``prompt`` (a text, texts, or token id lists), ``max_new_tokens`` and the model's ``options``
+    of a generate request: texts valid Unicode and cut to ``max_chars``, ids inside ``[0,
+    vocab_size)``; a search field the model does not take refused. The model's positions and the
+    token budget are checked by ``generate`` itself, before any pass."""
+    asked = next((k for k in _SEARCH_FIELDS if data.get(k) is not None and k not in options), None)
+    if asked is not None:
+        fix = (f"this encoder-decoder's options are {', '.join(options)}" if options else
+               "POST /v1/generate decodes greedily: send sampling, stop strings and penalties to POST /v1/completions "
+               "or POST /v1/chat/completions")
+        raise RequestError(f'"{asked}" is not an option of POST /v1/generate here; {fix}.', param=asked)
     prompt = data.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts:
@@ -366,8 +415,9 @@ def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, 
         shown = repr(n) if len(repr(n)) <= 40 else repr(n)[:40] + "..."
         raise RequestError(f'"max_new_tokens" must be a whole number from 1 to {max_new_tokens}, got {shown} '
                            "(slimml serve --max-new-tokens raises the limit).")
+    chosen = {k: data[k] for k in options if data.get(k) is not None}
     if texts:
-        return checked_texts(prompts, '"prompt"', max_chars), n
+        return checked_texts(prompts, '"prompt"', max_chars), n, chosen
     top = vocab_size or 1 << 63
     for i, p in enumerate(prompts):
         bad = next((t for t in p if not 0 <= t < top), None)
@@ -375,7 +425,7 @@ def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, 
             shown = str(bad) if len(str(bad)) <= 24 else str(bad)[:24] + "..."
             raise RequestError(f'"prompt"[{i}] holds the token id {shown}, outside this model\'s vocabulary '
                                f"[0, {top}).")
-    return prompts, n
+    return prompts, n, chosen
 
 
 def check_run_budget(feeds: dict[str, np.ndarray], specs, max_seq: int | None, max_rows: int,

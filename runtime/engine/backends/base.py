@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -195,5 +196,12 @@ class Backend(ABC):
 
 
 def first_line(e: BaseException) -> str:
+    """An exception's first line, without the build paths ONNX Runtime's messages carry
+    (``/onnxruntime_src/onnxruntime/core/...h:583 void onnxruntime::...(...)``)."""
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    line = text.splitlines()[0] if text else type(e).__name__
+    return _BUILD_PLACE.sub("", line)
+
+
+# where in its sources ONNX Runtime raised (its build path, line, and the C++ function's signature)
+_BUILD_PLACE = re.compile(r"/\S*onnxruntime_src/\S+:\d+ (?:[\w:<>,*& ]+\([^()]*\)(?: const)? )?")

@@ -9,6 +9,7 @@ to 1e-4 with neither torch nor transformers installed.
 
 from __future__ import annotations
 
+import io
 import os
 import wave
 from pathlib import Path
@@ -84,21 +85,30 @@ def read_wav(path: str | os.PathLike, rate: int = 16000) -> np.ndarray:
     path = Path(path)
     if not path.is_file():
         raise FeedError(f"audio file {path} does not exist; check the path.")
+    return _decode_wav(str(path), str(path), path.name, rate)
+
+
+def wav_from_bytes(data: bytes, name: str, rate: int = 16000) -> np.ndarray:
+    """:func:`read_wav` of a WAV file's bytes (an upload; ``name``, its file name, names it in a refusal)."""
+    return _decode_wav(io.BytesIO(data), name, name, rate)
+
+
+def _decode_wav(source: Any, said: str, name: str, rate: int) -> np.ndarray:
     try:
-        with wave.open(str(path), "rb") as w:
+        with wave.open(source, "rb") as w:
             channels, width, file_rate, count = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
             raw = w.readframes(count)
     except (wave.Error, EOFError, OSError) as e:
         raise FeedError(
-            f"{path} is not a PCM WAV file slimml can read ({e or type(e).__name__}); convert it with "
-            f"`ffmpeg -i {path.name} -ar {rate} -ac 1 -c:a pcm_s16le out.wav`."
+            f"{said} is not a PCM WAV file slimml can read ({e or type(e).__name__}); convert it with "
+            f"`ffmpeg -i {name} -ar {rate} -ac 1 -c:a pcm_s16le out.wav`."
         ) from None
     if len(raw) < count * channels * width:
-        raise FeedError(f"{path} is truncated: its header promises {count} frames but the file holds fewer; re-export it.")
+        raise FeedError(f"{said} is truncated: its header promises {count} frames but the file holds fewer; re-export it.")
     if file_rate != rate:
         raise FeedError(
-            f"{path} is sampled at {file_rate} Hz but the model takes {rate} Hz; resample it first, e.g. "
-            f"`ffmpeg -i {path.name} -ar {rate} -ac 1 out.wav`."
+            f"{said} is sampled at {file_rate} Hz but the model takes {rate} Hz; resample it first, e.g. "
+            f"`ffmpeg -i {name} -ar {rate} -ac 1 out.wav`."
         )
     if width == 1:
         samples = (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
@@ -111,7 +121,7 @@ def read_wav(path: str | os.PathLike, rate: int = 16000) -> np.ndarray:
     else:
         samples = np.frombuffer(raw, dtype="<i4").astype(np.float32) / float(1 << 31)
     if samples.size == 0:
-        raise FeedError(f"{path} holds no audio; give a recording of at least a few samples.")
+        raise FeedError(f"{said} holds no audio; give a recording of at least a few samples.")
     return samples.reshape(-1, channels).mean(axis=1) if channels > 1 else samples
 
 
@@ -130,5 +140,10 @@ def features_for(extractor: LogMel, input_name: str, audio: Any) -> dict[str, np
         else:
             raise FeedError(f"audio {i} is a {type(a).__name__}; give a WAV path or a 1-D float waveform at "
                             f"{extractor.sampling_rate} Hz.")
+        if waves[-1].size > extractor.n_samples:  # the window would cut it: the rest never transcribed
+            rate = extractor.sampling_rate
+            raise FeedError(f"audio {i} is {waves[-1].size / rate:.1f} s, longer than the {extractor.n_samples / rate:g} s "
+                            "this model reads in one window (the rest would be lost); split it into parts of at most "
+                            f"{extractor.n_samples / rate:g} s.")
     features = np.stack([extractor(w) for w in waves])
     return {input_name: features}

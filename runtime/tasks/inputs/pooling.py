@@ -27,6 +27,7 @@ import numpy as np
 from slimml.errors import ArtifactError, FeedError, IntegrityError
 from slimml.runtime.artifact.manifest import safe_path
 from slimml.runtime.artifact.records import POOLING_MODES
+from slimml.runtime.tasks.limits import shown
 
 ACTIVATIONS = {  # records.DENSE_ACTIVATIONS, computed
     "identity": lambda x: x,
@@ -151,7 +152,7 @@ class Pooler:
         if truncate_dim is None:
             return self
         if not isinstance(truncate_dim, int) or isinstance(truncate_dim, bool) or truncate_dim < 1:
-            raise FeedError(f"truncate_dim must be a whole number >= 1, got {truncate_dim!r}; give the number of "
+            raise FeedError(f"truncate_dim must be a whole number >= 1, got {shown(truncate_dim)}; give the number of "
                             "values to keep, or leave it out for the model's own.")
         width = self.width(self.hidden)
         if width is not None and truncate_dim > width:

@@ -10,7 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from slimml.errors import ArtifactError, FeedError
-from slimml.runtime.tasks.limits import Limits, tokenized
+from slimml.runtime.tasks.limits import Limits, shown, tokenized
 
 if TYPE_CHECKING:
     from slimml.runtime.tasks.inputs.pooling import Pooler
@@ -117,7 +117,7 @@ def _pair(t: Any) -> bool:
 
 def check_batch_size(batch_size: Any) -> None:
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise FeedError(f"batch_size must be a whole number >= 1, got {batch_size!r}.")
+        raise FeedError(f"batch_size must be a whole number >= 1, got {shown(batch_size)}.")
 
 
 def sorted_batches(lengths: list[int], batch_size: int) -> list[np.ndarray]:
