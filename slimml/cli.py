@@ -273,6 +273,7 @@ def run(
     image: Annotated[Optional[list[Path]], typer.Option("--image", help="An image file (repeat): classified, embedded, or scored against --text.")] = None,
     audio: Annotated[Optional[list[Path]], typer.Option("--audio", help="A 16 kHz WAV file (repeat) to transcribe (Whisper).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens per transcript at most (--audio; default: the model's max_length).", show_default=False)] = None,
+    language: Annotated[Optional[str], typer.Option(help="The recordings' language, an ISO 639-1 code such as de (--audio, multilingual Whisper; default: detected).", show_default=False)] = None,
     input: Annotated[Optional[Path], typer.Option("--input", help="An .npz file of named input arrays.")] = None,
     top_k: Annotated[Optional[int], typer.Option("--top-k", help="Classes shown per input (classifiers; default 5); answers per context (--question; default 1).")] = None,
     question: Annotated[Optional[str], typer.Option("--question", help="A question each text (a context) answers (extractive question answering).")] = None,
@@ -296,6 +297,8 @@ def run(
     texts = [*(texts or []), *(text or [])]
     if sum(map(bool, (texts or image, audio, input))) != 1:
         raise SlimmlError("give texts (TEXT or --text), --image files, --audio files or --input FILE.npz: one kind of input.")
+    if language is not None and not audio:
+        raise SlimmlError("--language is the language of --audio recordings (Whisper); give --audio files, or leave it out.")
     if top_k is not None and top_k < 1:  # checked whatever the artifact: a value it ignores is still a mistake
         raise SlimmlError(f"--top-k must be a whole number >= 1, got {top_k}.")
     if aggregation is not None and aggregation not in AGGREGATIONS:
@@ -316,7 +319,8 @@ def run(
     if audio:
         if "audio" not in model.accepts:
             raise SlimmlError(f"{artifact} is not a speech model (it has no audio feature extractor); --audio needs one, e.g. Whisper.")
-        result = model.generate([str(p) for p in audio], max_new_tokens=max_new_tokens)
+        result = model.generate([str(p) for p in audio], max_new_tokens=max_new_tokens,
+                                **({"language": language} if language is not None else {}))
         if as_json:
             print(json.dumps([{"input": str(p), "text": t, "tokens": k} for p, t, k in zip(audio, result.texts, result.tokens)]))
             return

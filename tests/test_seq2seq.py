@@ -554,6 +554,11 @@ def test_whisper_transcribes_in_the_language_asked_as_whisper_s_generate(whisper
         art.generate([str(wav)], language="xx")
     with pytest.raises(FeedError, match="language is not chosen at run time"):
         load(whisper["root"] / "art").generate([str(wav)], language="de")
+    result = slimml("run", tmp_path / "art", "--audio", wav, "--language", "de", "--max-new-tokens", "6", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)[0]["tokens"] == art.generate([str(wav)], max_new_tokens=6, language="de").tokens[0]
+    result = slimml("run", tmp_path / "art", "hello", "--language", "de")
+    assert result.returncode != 0 and "--language is the language of --audio recordings" in result.stderr
 
 
 def test_a_recording_longer_than_the_window_is_refused_not_cut(whisper):
