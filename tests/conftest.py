@@ -54,7 +54,7 @@ STS_TRAIN = DATA / "sts-train.csv"
 # that starts Ray and is not listed here stops the collection (``pytest_collection_modifyitems``)
 # with the fix.
 RAY_FILES = frozenset({"test_llm_serve.py", "test_rerank.py", "test_scale.py", "test_serve.py", "test_serve_cli.py",
-                       "test_serve_hostile.py", "test_serve_load.py", "test_serve_speech.py", "test_token_tasks.py", "test_tool_calls.py"})
+                       "test_serve_hostile.py", "test_serve_load.py", "test_serve_speech.py", "test_serve_vision.py", "test_token_tasks.py", "test_tool_calls.py"})
 # The files (not Ray's) that read SmolLM2 into transformers (``smollm2_transformers``, half a minute a
 # process): one unit too, so that one worker reads it, not both.
 TORCH_SMOLLM2_FILES = frozenset({"test_generate.py", "test_generate_api.py", "test_llm.py"})
@@ -486,3 +486,44 @@ def save_tiny_whisper(folder: Path):
     extractor = WhisperFeatureExtractor(feature_size=80)
     extractor.save_pretrained(folder)
     return model, extractor
+
+
+# -- vision: a tiny random ViT classifier and CLIP (tests/test_families.py, tests/test_serve_vision.py) -----
+
+TOWER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+
+
+def save_tiny_vit(folder: Path, labels: list[str]):
+    """A tiny random ViT classifier over ``labels`` (32x32 images) with its processor, saved to
+    ``folder``. Returns the torch model and the processor."""
+    import torch
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    torch.manual_seed(0)
+    model = ViTForImageClassification(ViTConfig(**TOWER, image_size=32, patch_size=8, num_labels=len(labels),
+                                                id2label=dict(enumerate(labels)), label2id={x: i for i, x in enumerate(labels)}))
+    model.eval().save_pretrained(folder)
+    processor = ViTImageProcessor(size={"height": 32, "width": 32})
+    processor.save_pretrained(folder)
+    return model, processor
+
+
+def save_tiny_clip(folder: Path):
+    """A tiny random CLIP (32x32 images, MiniLM's tokenizer over the text tower's vocabulary) saved to
+    ``folder``. Returns the torch model, the tokenizer and the processor."""
+    import torch
+    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    config = CLIPConfig(text_config=dict(TOWER, vocab_size=30522, max_position_embeddings=40),
+                        vision_config=dict(TOWER, image_size=32, patch_size=8), projection_dim=16, logit_scale_init_value=4.0)
+    model = CLIPModel(config).eval()
+    model.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tokenizer.save_pretrained(folder)
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor.save_pretrained(folder)
+    return model, tokenizer, processor
+

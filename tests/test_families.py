@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import run_without_torch
+from conftest import TOWER, run_without_torch, save_tiny_clip, save_tiny_vit
 
 from slimml.errors import ConfigError, FeedError, SlimmlError
 
@@ -23,9 +23,6 @@ Image = pytest.importorskip("PIL.Image")
 def slimml(*args):
     """The command line as a user runs it: a real subprocess."""
     return subprocess.run([sys.executable, "-m", "slimml", *map(str, args)], capture_output=True, text=True, timeout=300)
-
-
-TOWER = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 
 
 def _images(n: int, seed: int = 0) -> list:
@@ -42,39 +39,21 @@ def _images(n: int, seed: int = 0) -> list:
 
 @pytest.fixture(scope="module")
 def vit(tmp_path_factory):
-    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
-
     from slimml.convert import ConvertConfig, convert
 
-    torch.manual_seed(0)
     root = tmp_path_factory.mktemp("vit")
     labels = ["cat", "dog", "bird", "fish"]
-    model = ViTForImageClassification(ViTConfig(**TOWER, image_size=32, patch_size=8, num_labels=4,
-                                                id2label=dict(enumerate(labels)), label2id={x: i for i, x in enumerate(labels)}))
-    model.eval().save_pretrained(root / "src")
-    processor = ViTImageProcessor(size={"height": 32, "width": 32})
-    processor.save_pretrained(root / "src")
+    model, processor = save_tiny_vit(root / "src", labels)
     report = convert(root / "src", root / "art", ConvertConfig(measure_latency=False))
     return {"root": root, "torch": model, "processor": processor, "labels": labels, "report": report}
 
 
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory):
-    from transformers import AutoTokenizer, CLIPConfig, CLIPImageProcessor, CLIPModel
-
     from slimml.convert import ConvertConfig, convert
-    from slimml.convert.sources import default_model_dir
 
-    torch.manual_seed(0)
     root = tmp_path_factory.mktemp("clip")
-    config = CLIPConfig(text_config=dict(TOWER, vocab_size=30522, max_position_embeddings=40),
-                        vision_config=dict(TOWER, image_size=32, patch_size=8), projection_dim=16, logit_scale_init_value=4.0)
-    model = CLIPModel(config).eval()
-    model.save_pretrained(root / "src")
-    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))  # a real tokenizer over the text tower's vocabulary
-    tokenizer.save_pretrained(root / "src")
-    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    processor.save_pretrained(root / "src")
+    model, tokenizer, processor = save_tiny_clip(root / "src")
     report = convert(root / "src", root / "art", ConvertConfig(measure_latency=False))
     return {"root": root, "torch": model, "tokenizer": tokenizer, "processor": processor, "report": report}
 

@@ -158,8 +158,8 @@ def test_task_refusal_names_the_route_that_works(tiny_bert_artifact, mlp_artifac
 
 
 def test_a_refusal_points_only_at_routes_that_serve_the_model():
-    """An image classifier was told to use POST /v1/classify, which then refused it (it classifies
-    texts); a T5 was pointed at the chat routes, which only a language model has."""
+    """A T5 was pointed at the chat routes, which only a language model has; /v1/classify serves
+    texts, images and CLIP's zero-shot labels, nothing else that classifies."""
     pytest.importorskip("ray")
     from types import SimpleNamespace
 
@@ -168,12 +168,13 @@ def test_a_refusal_points_only_at_routes_that_serve_the_model():
 
     vit, t5 = SimpleNamespace(kind="image-classification"), SimpleNamespace(kind="text2text-generation", speech=False)
     whisper = SimpleNamespace(kind="text2text-generation", speech=True)
-    assert serving_routes("classify", vit) is None and serving_routes("classify", SimpleNamespace(kind="text-classification"))
+    assert serving_routes("classify", vit) == "POST /v1/classify"
+    assert serving_routes("classify", SimpleNamespace(kind="generic")) is None
     assert serving_routes("generate", t5) == "POST /v1/generate"
     assert serving_routes("generate", whisper) == "POST /v1/audio/transcriptions"
     assert serving_routes("generate", SimpleNamespace(kind="text-generation")).startswith("POST /v1/chat/completions")
     refusal = task_refusal(TaskError("x", "image-classification", "encode_with_counts", ("classify", "run")), vit)
-    assert str(refusal).endswith("so it has no /v1/embeddings; use POST /v1/run for its raw outputs.")
+    assert str(refusal).endswith("so it has no /v1/embeddings; use POST /v1/classify, or POST /v1/run for its raw outputs.")
     refusal = task_refusal(TaskError("x", "text2text-generation", "transcribe", ("generate", "run")), t5)
     assert str(refusal) == ("this artifact is a 'text2text-generation' model, not a speech model, so it has no "
                             "/v1/audio/transcriptions; use POST /v1/generate, or POST /v1/run for its raw outputs.")

@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -34,6 +35,7 @@ from ray import serve
 
 from slimml.errors import (ArtifactError, ConfigError, FeedError, IntegrityError, OutOfMemoryError, RequestError, SlimmlError,
                            StageError, TaskError)
+import slimml.serve.images as images
 import slimml.serve.protocol as protocol
 import slimml.serve.transcription as transcription
 from slimml.runtime.artifact.manifest import MANIFEST_NAME, check_manifest_unchanged
@@ -172,10 +174,14 @@ _ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"),
            "rerank": ("/v1/rerank", "a cross-encoder (one relevance output)"),
            "entities": ("/v1/entities", "a token classifier (named entities)"),
            "answer": ("/v1/answer", "an extractive question-answering model"),
-           "classify": ("/v1/classify", "a text classifier"),
+           "classify": ("/v1/classify", "a classifier"),
            "transcribe": ("/v1/audio/transcriptions", "a speech model")}
 _SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts",
          "rerank_with_counts": "rerank"}  # methods behind one route
+
+
+# the kinds /v1/classify serves: texts, images (data URLs), and images against candidate labels (CLIP)
+_CLASSIFIED = ("text-classification", "image-classification", "zero-shot-image-classification")
 
 
 def serving_routes(method: str, model: Any = None) -> str | None:
@@ -191,7 +197,7 @@ def serving_routes(method: str, model: Any = None) -> str | None:
         return "POST /v1/chat/completions, POST /v1/completions"
     if method == "generate" and getattr(model, "speech", False) or method == "transcribe":
         return "POST /v1/audio/transcriptions"
-    if method == "classify" and model is not None and kind != "text-classification":
+    if method == "classify" and model is not None and kind not in _CLASSIFIED:
         return None
     return f"POST {_ROUTES[method][0]}"
 
@@ -339,6 +345,13 @@ class SlimmlServer:
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request):
         data = await self._body(request)
+        if self.model.supports("embed_images"):
+            sent = data.get("input")
+            if images.is_image(sent) or isinstance(sent, list) and any(images.is_image(i) for i in sent):
+                return await self._image_embeddings(data)
+            if not self.model.supports("encode_with_counts"):
+                raise RequestError(f"this artifact ({self.model.kind!r}) embeds images, not texts; send each input as an "
+                                   'image data URL ("data:image/png;base64,...").', param="input")
         if self._llm is not None and not self.model.supports("encode_with_counts"):
             raise RequestError(f"this artifact is a language model ({self.model.kind!r}), not a sentence-embedding one, so "
                                "it has no /v1/embeddings; use POST /v1/chat/completions or POST /v1/completions, or "
@@ -361,6 +374,29 @@ class SlimmlServer:
             self._width_seen = emb.shape[1]
         body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
         return Response(protocol.dumps(body), media_type="application/json")
+
+    async def _image_embeddings(self, data: dict[str, Any]) -> Response:
+        """``/v1/embeddings`` of images (data URLs) for a model that embeds them (CLIP's vision tower,
+        ViTModel): unit-length vectors, as ``model.embed_images`` gives them; ``usage`` counts no tokens."""
+        protocol.check_model(data, self.name)
+        sent = data["input"] if isinstance(data["input"], list) else [data["input"]]
+        text = next((i for i, item in enumerate(sent) if not images.is_image(item)), None)
+        if text is not None:
+            raise RequestError(f'"input"[{text}] is not an image data URL, and the others are images; send texts and '
+                               "images in requests of their own.", param=f"input[{text}]")
+        fmt = data.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise RequestError(f'"encoding_format" must be "float" or "base64", got {protocol.shown(fmt)}.',
+                               param="encoding_format")
+        size = protocol.dimensions(data)
+        pictures = await asyncio.to_thread(images.request_images, sent, "input", self.config.max_texts)
+        self._response_fits(len(pictures) * (size or 0))
+        emb = []
+        for _, piece in self._pieces(pictures):
+            emb.append(await asyncio.to_thread(self.model.embed_images, piece, self.config.batch_size))
+        found = protocol.shortened(np.concatenate(emb), size, normalized=True)
+        self._response_fits(found.size)
+        return Response(protocol.dumps(protocol.embeddings_response(found, self.name, 0, fmt)), media_type="application/json")
 
     def _response_fits(self, values: int) -> None:
         if values > self.config.max_response_values:
@@ -406,16 +442,25 @@ class SlimmlServer:
 
     @api.post("/v1/classify")
     async def classify(self, request: Request):
-        """Each text's classes with their scores, best first (text classifiers), as ``model.classify`` gives them."""
+        """Each input's classes with their scores, best first, as ``model.classify`` gives them: texts
+        (text classifiers), images as data URLs (image classifiers; CLIP against ``labels``)."""
         data = await self._body(request)
         self._needs("classify")
-        if serving_routes("classify", self.model) is None:  # an image classifier would read the texts as file paths
+        if serving_routes("classify", self.model) is None:
             raise task_refusal(self.model.unsupported("classify"), self.model)
         protocol.check_model(data, self.name)
-        texts, top_k = protocol.classify_request(data, self.config.max_texts, self.text_chars)
+        options: dict[str, Any] = {"batch_size": self.config.batch_size}
+        if self.model.kind == "text-classification":
+            items, options["top_k"] = protocol.classify_request(data, self.config.max_texts, self.text_chars)
+        else:  # images, decoded here (never a path or an address: a text would have been read as a file)
+            raw, options["top_k"], labels = images.image_classify_request(
+                data, self.config.max_texts, self.model.kind == "zero-shot-image-classification", self.text_chars)
+            if labels is not None:
+                options["labels"] = labels
+            items = await asyncio.to_thread(images.request_images, raw, "input", self.config.max_texts)
         found = []
-        for _, piece in self._pieces(texts):
-            found += await asyncio.to_thread(self.model.classify, piece, top_k=top_k, batch_size=self.config.batch_size)
+        for _, piece in self._pieces(items):
+            found += await asyncio.to_thread(self.model.classify, piece, **options)
         return protocol.spans_response(found, "labels", self.name)
 
     @api.post("/v1/answer")

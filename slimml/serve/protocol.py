@@ -137,11 +137,16 @@ def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None
                             for i, pair in enumerate(items)]
     else:
         texts = input_texts(data, "a classify", max_texts, max_chars, empty="a text to classify needs at least one character")
+    return texts, classify_top_k(data)
+
+
+def classify_top_k(data: dict[str, Any]) -> int | None:
+    """``top_k`` of a classify request: the best classes of each input (absent or null: every class)."""
     top_k = data.get("top_k")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
         raise RequestError(f'"top_k" must be a whole number >= 1 (or null for every class), got {json.dumps(top_k)[:40]}.',
                            param="top_k")
-    return texts, top_k
+    return top_k
 
 
 # the request fields the entities and answer routes pass to the model as they came (model.entities',

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,33 @@ def read_image(image, index: int = 0):
     if not im.width or not im.height:  # a blank input was made of it, and classified
         raise FeedError(f"image {index} is {im.width}x{im.height} pixels; give an image with pixels.")
     return im
+
+
+def image_from_bytes(data: bytes, index: int = 0, max_pixels: int = MAX_RESIZED_PIXELS):
+    """An image file's bytes (an upload) as a loaded PIL image; its size is read from the header and
+    refused past ``max_pixels`` before any pixel is decoded (a small compressed file can hold a
+    huge image), as is anything Pillow cannot read."""
+    import io
+
+    Image = _pillow()
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            if im.width * im.height > max_pixels:
+                raise FeedError(f"image {index} is {im.width}x{im.height} pixels, more than the {max_pixels:,} pixels it "
+                                "may have here; send it smaller (the model reads it resized anyway).")
+            im.load()
+            return read_image(im.copy(), index)
+    except FeedError:
+        raise
+    except Image.DecompressionBombError as e:  # past twice Pillow's own limit: refused by Pillow at open
+        found = re.search(r"\((\d+) pixels\)", str(e))
+        size = f"{int(found.group(1)):,} pixels" if found else "more pixels than Pillow opens"
+        raise FeedError(f"image {index} is {size}, more than the {max_pixels:,} pixels it may have here; send it smaller "
+                        "(the model reads it resized anyway).") from None
+    except Exception as e:  # PIL.UnidentifiedImageError, a truncated file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FeedError(f"image {index} is not an image Pillow can read ({reason}); send a JPEG, PNG, BMP, GIF or WebP "
+                        "file.") from None
 
 
 def _read_image(image, index: int):
