@@ -54,6 +54,25 @@ def test_an_address_where_nothing_answers_is_one_line_at_once():
         check_reachable(left_to_ray)
 
 
+def test_a_web_server_given_as_the_ray_address_is_one_line_not_a_hang(cluster):
+    """The dashboard's port (HTTP) given as --address passed the TCP check, then ray.init waited in
+    its GCS client for good (over 10 minutes, deaf to Ctrl-C and SIGTERM)."""
+    import http.server
+    import threading
+
+    from slimml.scale.cluster import check_reachable
+
+    web = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ConfigError, match=r"answers HTTP/1: a web server .* not the cluster's GCS port; give the "
+                                              r"port `ray start --head --port PORT` was given"):
+            check_reachable(f"127.0.0.1:{web.server_address[1]}")
+    finally:
+        web.shutdown()
+    check_reachable(cluster.address)  # a real GCS passes
+
+
 CTRL_C_MID_START = """
 import os, signal, subprocess, time
 import ray, ray._private.services as services
@@ -237,6 +256,8 @@ def test_a_stage_dead_for_good_says_so_not_retry(cluster, tiny_bert_artifact):
         with pytest.raises(StageError, match=r"pipeline stage 1 .* died \(\w+\) and will not come back: Ray restarts a "
                                              r"stage at most 1 time\(s\) .* create it again"):
             model.run(feeds)
+        with pytest.raises(StageError, match="will not come back"):  # the server's probe: its replica is replaced
+            model.check_files()
     finally:
         model.close()
 
@@ -313,3 +334,68 @@ def test_a_stop_asked_while_a_start_fails_is_the_stop(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         cluster.connect()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_stages_refuse_a_language_model_with_its_cache_in_place(tiny_llama_past_artifact, tmp_path):
+    """A fused decoder (its KV cache in place beside each layer) served with --stages answered every
+    /v1/generate with a plain 500 (the cache pass took each stage for a streamed segment)."""
+    import json
+    import shutil
+
+    from slimml.scale import pipeline
+    from slimml.serve import ServeConfig, serve
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_llama_past_artifact, art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["source"]["exporter"] = "fused"  # what `--exporter fused` records
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    for start in (lambda: pipeline(art, stages=2), lambda: serve(ServeConfig(str(art), stages=2))):
+        with pytest.raises(ConfigError, match="KV cache lives in place beside each layer .* serve it whole"):
+            start()
+
+
+def test_a_server_joining_a_cluster_leaves_what_serves_there_alone(cluster, tiny_bert_artifact):
+    """A second `slimml serve --address` on a cluster replaced the first's application (the same
+    name, at the same route), said it served on a port nobody listened on, and stopping either
+    shut Serve down for both, and for any other application there."""
+    import threading
+
+    import requests
+    from ray import serve as ray_serve
+
+    from conftest import free_port
+    from slimml.serve import ServeConfig, serve
+    from slimml.serve.run import _serve_port
+
+    @ray_serve.deployment
+    class Other:
+        def __call__(self, request):
+            return "other"
+
+    port = free_port()
+    ray_serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        ray_serve.run(Other.bind(), name="other", route_prefix="/other")
+        with pytest.raises(ConfigError, match=r"already runs application\(s\) other; a second server would replace"):
+            serve(ServeConfig(str(tiny_bert_artifact)), port=port, address=cluster.address)
+        assert ray_serve.status().applications["other"].status == "RUNNING"  # left alone
+        ray_serve.delete("other")
+        with pytest.raises(ConfigError, match=rf"already listens on port {port}; give --port {port}"):
+            serve(ServeConfig(str(tiny_bert_artifact)), port=free_port(), address=cluster.address)
+        urls, stop = [], threading.Event()  # Serve running, no application, the same port: joined, then left
+        thread = threading.Thread(target=serve, args=(ServeConfig(str(tiny_bert_artifact)),), daemon=True,
+                                  kwargs={"port": port, "address": cluster.address, "ready": urls.append, "stop": stop})
+        thread.start()
+        deadline = time.monotonic() + 120
+        while not urls:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        assert requests.get(f"{urls[0]}/health", timeout=30).status_code == 200
+        stop.set()
+        thread.join(120)
+        assert not thread.is_alive()
+        assert "slimml" not in ray_serve.status().applications  # its own application gone, Serve still up
+        assert _serve_port() == port
+    finally:
+        ray_serve.shutdown()

@@ -377,3 +377,12 @@ def test_run_refusals_name_their_field():
     with pytest.raises(RequestError, match="at least one; leave it out for every output") as e:
         protocol.run_inputs({"inputs": {"x": {"dtype": "float32", "data": [1.0]}}, "outputs": []})
     assert e.value.param == "outputs"
+
+
+def test_each_replica_gets_cpus_it_can_have_on_one_node():
+    """One replica on two 1-CPU nodes asked Ray for 2 CPUs (the cluster's CPUs / replicas), which no
+    node has: the deploy waited for good."""
+    from slimml.serve.run import replica_cpus
+
+    assert replica_cpus([1, 1], 1) == 1.0 and replica_cpus([4, 4], 3) == 2.0 and replica_cpus([2], 4) == 0.5
+    assert replica_cpus([16, 2], 2) == 8.0 and replica_cpus([8], 1) == 8.0

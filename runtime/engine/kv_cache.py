@@ -42,6 +42,7 @@ from slimml.runtime.engine.feeds import LOGITS_INDEX
 from slimml.runtime.engine.session import SHRINK_ARENA
 
 if TYPE_CHECKING:
+    from slimml.runtime.artifact.manifest import Manifest
     from slimml.runtime.engine.engine import Engine
     from slimml.runtime.engine.session import Step
 
@@ -112,7 +113,12 @@ FUSED_EXPORTERS = ("fused",)  # graphs whose attention shares past and present (
 def shares_buffers(engine: Engine) -> bool:
     """True when the artifact's attention can read and write its cache in one buffer (a fused
     graph: by its exporter, or by the ``logits_index`` input only that graph takes)."""
-    return engine.manifest.source.get("exporter") in FUSED_EXPORTERS or takes_logits_index(engine)
+    return cache_in_place(engine.manifest)
+
+
+def cache_in_place(manifest: Manifest) -> bool:
+    """:func:`shares_buffers`, read from the manifest alone (before anything loads)."""
+    return manifest.source.get("exporter") in FUSED_EXPORTERS or any(t.name == LOGITS_INDEX for t in manifest.inputs)
 
 
 def takes_logits_index(engine: Engine) -> bool:

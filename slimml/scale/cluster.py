@@ -140,7 +140,8 @@ def check_reachable(address: str) -> None:
     if not sep or "://" in address or not port.isdigit() or not host:
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S) as conn:
+            answer = _first_answer(conn)
     except OSError as e:
         why = "the port refuses connections" if isinstance(e, ConnectionRefusedError) else (
             f"no answer within {CONNECT_TIMEOUT_S} s" if isinstance(e, TimeoutError) else (e.strerror or str(e)))
@@ -149,6 +150,25 @@ def check_reachable(address: str) -> None:
             "`ray start --head --port PORT` and give that HOST:PORT, or leave the address out to run on this "
             "machine alone."
         ) from None
+    # Ray's GCS speaks gRPC: its first bytes are an HTTP/2 frame (SETTINGS, or GOAWAY). Anything else
+    # (a web server such as the dashboard's 8265, a database) would hold ray.init for good, deaf to Ctrl-C
+    if answer is not None and (answer[:5] == b"HTTP/" or len(answer) >= 4 and answer[3] not in (0x04, 0x07)):
+        what = "answers HTTP/1: a web server (the dashboard's port, or Serve's?)" if answer[:5] == b"HTTP/" else (
+            "answers, but not as Ray's GCS (gRPC)")
+        raise ConfigError(
+            f"{address!r} {what}, not the cluster's GCS port; give the port `ray start --head --port PORT` was given "
+            "(6379 by default), or `auto` on a node of the cluster."
+        )
+
+
+def _first_answer(conn: socket.socket) -> bytes | None:
+    """What a server says to an HTTP/1 request within a second (None: nothing in that time)."""
+    conn.settimeout(1.0)
+    try:
+        conn.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        return conn.recv(64)
+    except OSError:  # a timeout, or closed: nothing to tell from
+        return None
 
 
 def release_ray() -> bool:

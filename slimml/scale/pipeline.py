@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ConfigError, StageError
-from slimml.runtime.artifact.manifest import check_same_manifest, read_manifest, verify_driver_files
+from slimml.runtime.artifact.manifest import Manifest, check_same_manifest, read_manifest, verify_driver_files
 from slimml.runtime.engine.budget import plan_stream
 from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.engine.engine import Engine
+from slimml.runtime.engine.kv_cache import cache_in_place
 from slimml.runtime.engine.plan import ExecutionPlan
 from slimml.runtime.tasks.base import Task
 from slimml.runtime.tasks.registry import build_task
@@ -20,6 +21,26 @@ from slimml.scale.cluster import connect, nodes_with_cpus, require_ray
 from slimml.scale.segment import RayStages, release
 
 LOAD_TIMEOUT_S = 600.0  # the first call waits this long (or timeout_s, if longer) for the stages to load their shards
+
+
+def check_stageable(folder: Path, manifest: Manifest) -> None:
+    """Refuse, before Ray starts, an artifact that pipeline stages cannot split: one of components
+    (an encoder-decoder, CLIP), or a language model whose KV cache lives in place beside each layer.
+
+    Raises:
+        ConfigError: naming what to do instead.
+    """
+    if manifest.components:
+        raise ConfigError(
+            f"pipeline stages split one chain of shards, but {folder} has components {', '.join(manifest.components)}; "
+            "run it whole with slimml.runtime.load, or serve it with replicas (slimml serve --replicas N)."
+        )
+    if cache_in_place(manifest):
+        raise ConfigError(
+            f"{folder} is a language model whose KV cache lives in place beside each layer (the fused graph), which "
+            "pipeline stages do not keep; serve it whole (slimml serve ART, --replicas N for more copies, "
+            "--memory-budget to stream it within a budget), or load it with slimml.runtime.load."
+        )
 
 
 def pipeline(
@@ -81,11 +102,7 @@ def pipeline(
     manifest = read_manifest(folder)
     check_same_manifest(folder, manifest, load_options.pop("manifest_sha256", None))
     load_options["manifest_sha256"] = manifest.sha256  # every stage must hold the manifest read here
-    if manifest.components:
-        raise ConfigError(
-            f"pipeline stages split one chain of shards, but {folder} has components {', '.join(manifest.components)}; "
-            "run it whole with slimml.runtime.load, or serve it with replicas (slimml serve --replicas N)."
-        )
+    check_stageable(folder, manifest)
     if balance not in ("bytes", "memory", "compute"):
         raise ConfigError(f"balance must be 'bytes', 'memory' or 'compute', got {balance!r}.")
     if not isinstance(microbatch, int) or isinstance(microbatch, bool) or microbatch < 1:

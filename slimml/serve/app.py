@@ -38,7 +38,7 @@ from slimml.errors import (ArtifactError, ConfigError, FeedError, IntegrityError
 import slimml.serve.images as images
 import slimml.serve.protocol as protocol
 import slimml.serve.transcription as transcription
-from slimml.runtime.artifact.manifest import MANIFEST_NAME, check_manifest_unchanged
+from slimml.runtime.artifact.manifest import MANIFEST_NAME
 from slimml.runtime.tasks.inputs.audio import wav_from_bytes
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
@@ -558,10 +558,14 @@ class SlimmlServer:
     async def _complete(self, request: Request, api: str):
         data = await self._body(request)
         if self._llm is None:
+            if self.model.kind == "text-generation":  # a language model over pipeline stages: one request a pass
+                raise RequestError("this language model is served over pipeline stages (--stages), which answer POST "
+                                   "/v1/generate only (greedy, no continuous batching); use POST /v1/generate, or serve "
+                                   "the model without --stages for chat, completions and responses.", 400)
             works = "POST /v1/embeddings" if self.model.supports("encode_with_counts") else (
                 "POST /v1/generate" if self.model.supports("generate") else None)
             use = f"use {works}, or POST /v1/run for its raw outputs" if works else "use POST /v1/run for its raw outputs"
-            raise RequestError(f"this artifact is a {self.model.kind!r} model, not a language model served here, so it "
+            raise RequestError(f"this artifact is a {self.model.kind!r} model, not a language model, so it "
                                f"has no /v1/chat/completions, /v1/completions or /v1/responses; {use}.", 400)
         protocol.check_model(data, self.name)
         answer = await self._llm.answer(data, api)
@@ -594,20 +598,18 @@ class SlimmlServer:
                 "shards": len(m.shards), "stages": self.config.stages}
 
     def check_health(self):
-        """Serve's own probe. A replica whose artifact was replaced by another (its manifest.json is not
-        the one loaded: a convert swapped a new one in) is replaced, and the new replica loads that. One
-        whose files changed under the same manifest (damaged, tampered with) stays up answering 503:
-        a new replica could not load them, and Serve would restart it again and again, every route
-        timing out meanwhile. It says so once in the server's log."""
+        """Serve's own probe. A replica whose artifact's files changed on disk (damaged, tampered
+        with, or replaced by a new convert) stays up answering 503 with the reason: a new replica
+        could not load them (it refuses an artifact other than the one the server started on), so
+        Serve would restart it again and again, every route hanging meanwhile. It says so once in
+        the server's log: restart the server to serve a new artifact. A pipeline stage that died for
+        good fails the probe, so that Serve replaces the replica and its stages."""
         try:
             self.model.check_files()
         except IntegrityError as e:
-            try:
-                check_manifest_unchanged(Path(self.config.artifact), self.model.manifest)
-            except IntegrityError:
-                raise e from None  # another artifact: a new replica loads it
             if not self._damage_told:
-                log.error("slimml: %s; every request gets 503 until the server is restarted on a whole artifact.", e)
+                log.error("slimml: %s; every request gets 503 until the server is restarted (on the new artifact, if "
+                          "one replaced it).", e)
                 self._damage_told = True
 
 

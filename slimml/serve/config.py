@@ -21,7 +21,8 @@ class ServeConfig:
         name: the model name clients send and ``/v1/models`` lists (default: the manifest's).
         replicas: Serve replicas, each with its own copy of the model.
         cpus_per_replica: CPUs Ray gives each replica, which become its ONNX Runtime threads
-            (ORT ignores OMP_NUM_THREADS). Default: the cluster's CPUs / replicas.
+            (ORT ignores OMP_NUM_THREADS). Default: the cluster's CPUs / replicas, at most what
+            lets every replica sit on one node.
         stages: 0 runs the model inside each replica; S >= 1 runs it as S pipeline stages
             (:func:`slimml.scale.pipeline`) behind the replica.
         microbatch: microbatches in flight through the stages.
@@ -95,7 +96,7 @@ class ServeConfig:
         "help": "The model name clients send and /v1/models lists (default: the manifest's)."})
     replicas: int = field(default=1, metadata={"help": "Serve replicas, each with its own copy of the model."})
     cpus_per_replica: float | None = field(default=None, metadata={
-        "help": "CPUs Ray gives each replica, its ONNX Runtime threads (default: the cluster's CPUs / replicas)."})
+        "help": "CPUs Ray gives each replica, its ONNX Runtime threads (default: the cluster's CPUs / replicas, as many as fit each replica on one node)."})
     stages: int = field(default=0, metadata={
         "help": "Run the model as S pipeline stages on Ray actors (0: inside each replica)."})
     microbatch: int = field(default=4, metadata={"help": "With --stages: microbatches in flight through the stages."})

@@ -6,12 +6,15 @@ import dataclasses
 import errno
 import logging
 import os
+import re
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
+from slimml import errors
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.artifact.manifest import read_manifest, verify_files
 from slimml.serve.config import ServeConfig
@@ -45,13 +48,14 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     # hashes the files again when it loads them)
     manifest = read_manifest(config.artifact)
     verify_files(config.artifact, manifest)
-    config = dataclasses.replace(config, manifest_sha256=manifest.sha256)  # every replica and stage checks its copy
-    if config.stages:  # a stage count the shards cannot take fails here, not in a replica's log
+    # every replica and stage checks its copy; the path made absolute: a replica resolves it from Ray's
+    # working folder, not the one slimml serve was started in
+    config = dataclasses.replace(config, manifest_sha256=manifest.sha256, artifact=str(Path(config.artifact).resolve()))
+    if config.stages:  # what stages cannot split fails here, not in a replica's log
         from slimml.scale.balance import split_stages
+        from slimml.scale.pipeline import check_stageable
 
-        if manifest.components:
-            raise ConfigError(f"--stages splits one chain of shards, but {config.artifact} has components "
-                              f"{', '.join(manifest.components)}; serve it whole (leave --stages out).")
+        check_stageable(Path(config.artifact), manifest)
         split_stages([sh.weight_bytes for sh in manifest.shards], config.stages)
     if config.chat_template is not None:
         from slimml.runtime.tasks.registry import kind_of
@@ -87,11 +91,17 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     if threading.current_thread() is threading.main_thread():
         for s in previous:
             signal.signal(s, on_signal)
+    ours = owns_ray and address is None  # a Ray of this process alone: its Serve is ours to start and stop
+    started_serve, owns_serve, deployed = ours, False, False
     try:
         nodes = nodes_with_cpus()
-        cpus = sum(n["cpus"] for n in nodes)
+        if not ours:  # a cluster others may serve on: refuse to replace or stop what runs there
+            started_serve = _check_cluster_serve(address, proxy_port)
+            if started_serve and _node_here(nodes):  # Serve's proxy will listen on this machine
+                _check_listen(host, proxy_port)
         memory = _replica_memory(config, nodes)
         # the proxy's own end-to-end limit, a little after the replica's (whose 408 names the flag)
+        owns_serve = started_serve  # from here, a Serve this server starts is this server's to stop
         try:
             ray_serve.start(http_options={"host": host, "port": proxy_port,
                                           "request_timeout_s": config.request_timeout_s + 5})
@@ -105,13 +115,16 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
                 "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S=60); its log is under Ray's session folder "
                 "(`ray/session_latest/logs` in /tmp or $RAY_TMPDIR)."
             ) from None
+        deployed = True
         try:
-            ray_serve.run(app(config, cpus_per_replica=cpus / config.replicas, memory_bytes=memory), name="slimml",
+            ray_serve.run(app(config, cpus_per_replica=replica_cpus([n["cpus"] for n in nodes], config.replicas),
+                              memory_bytes=memory), name=APP,
                           route_prefix="/",
                           logging_config={"enable_access_log": config.access_log})
         except RuntimeError as e:  # Serve's own "Deploying application ... failed"
+            why = _replica_error(ray_serve)
             raise SlimmlError(
-                f"Ray Serve could not start the application ({str(e).splitlines()[0]}); the replicas' logs are "
+                f"Ray Serve could not start the application ({why or str(e).splitlines()[0]}); the replicas' logs are "
                 "under Ray's session folder (`ray/session_latest/logs` in /tmp or $RAY_TMPDIR)."
             ) from None
         deploying.clear()  # serving: a signal now ends stop.wait() below
@@ -123,13 +136,102 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         pass  # a stop asked while Serve was starting: the same clean stop as one asked while it served
     finally:
         try:
-            ray_serve.shutdown()
+            if owns_serve:
+                ray_serve.shutdown()
+            elif deployed:  # Serve was running before: only this server's application goes
+                _delete_app(ray_serve)
         finally:
             if owns_ray and release_ray():
                 ray.shutdown()
             if threading.current_thread() is threading.main_thread():
                 for s, handler in previous.items():
                     signal.signal(s, handler)
+
+
+APP = "slimml"  # the Serve application's name (at route "/")
+
+
+def replica_cpus(nodes: list[int], replicas: int) -> float:
+    """The most CPUs each of ``replicas`` replicas can have with every one placed on a node of
+    ``nodes`` (their CPU counts): a replica lives on one node, so the cluster's CPUs / replicas asked
+    2 CPUs a replica of two 1-CPU nodes, which Ray never placed (the deploy waited forever).
+
+    Example:
+        >>> replica_cpus([4, 4], 3), replica_cpus([1, 1], 1), replica_cpus([2], 4)
+        (2.0, 1.0, 0.5)
+    """
+    candidates = sorted({n / k for n in nodes for k in range(1, replicas + 1)}, reverse=True)
+    return next(c for c in candidates if sum(int(n / c + 1e-9) for n in nodes) >= replicas)
+
+
+def _check_cluster_serve(address: str | None, port: int) -> bool:
+    """On a cluster slimml joined: refuse to start where Ray Serve already runs an application (a
+    second slimml serve replaced the first's, at its port, and stopping either stopped both) or
+    listens on another port; return whether Serve still has to be started (then it is this server's
+    to shut down)."""
+    from ray import serve as ray_serve
+
+    where = f"the cluster at {address}" if address else "this process's Ray"
+    apps = sorted(ray_serve.status().applications)
+    if apps:
+        raise ConfigError(
+            f"Ray Serve on {where} already runs application(s) {', '.join(apps)}; a second server would replace or "
+            "stop them. Stop that server first, serve this model on a cluster of its own, or put the models in one "
+            "Serve config (docs/serve.yaml) and run it with `serve run`."
+        )
+    running = _serve_port()
+    if running is None:
+        return True
+    if running != port:
+        raise ConfigError(f"Ray Serve on {where} already listens on port {running}; give --port {running} (one port a "
+                          "cluster), or serve on a cluster of its own.")
+    return False
+
+
+def _serve_port() -> int | None:
+    """The HTTP port of the Serve instance running on this Ray, or None where none runs."""
+    from ray.serve.context import _get_global_client  # ray[serve] is pinned: checked against 2.60
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None
+    options = client.get_serve_details().get("http_options") or {}
+    return int(options.get("port") or 8000)
+
+
+def _node_here(nodes: list[dict]) -> bool:
+    """Whether this machine is one of the cluster's nodes."""
+    import ray
+
+    here = ray.util.get_node_ip_address()
+    return any(n.get("address") == here for n in nodes)
+
+
+def _replica_error(ray_serve) -> str | None:
+    """The last exception line a failed replica left in Serve's status (``slimml.errors.ConfigError:
+    ...`` becomes its message), where there is one."""
+    try:
+        status = ray_serve.status().applications.get(APP)
+        texts = [d.message for d in status.deployments.values()] + [status.message] if status else []
+    except Exception:  # noqa: BLE001 -- no status to read: Serve's own message stands
+        return None
+    for text in texts:
+        lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+        for line in reversed(lines):
+            found = re.match(r"(?:[\w.]+\.)?(\w+(?:Error|Exception)): (.+)", line)
+            if found:
+                return found.group(2) if found.group(1) in _SLIMML_ERRORS else f"{found.group(1)}: {found.group(2)}"
+    return None
+
+
+_SLIMML_ERRORS = {name for name, kind in vars(errors).items() if isinstance(kind, type) and issubclass(kind, SlimmlError)}
+
+
+def _delete_app(ray_serve) -> None:
+    try:
+        ray_serve.delete(APP)
+    except Exception as e:  # noqa: BLE001 -- the cluster gone, or the app never deployed: nothing of ours is left
+        log.debug("slimml: deleting the Serve application: %s", e)
 
 
 class _StopAsked(BaseException):
