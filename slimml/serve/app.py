@@ -224,7 +224,11 @@ async def _slimml_error(request: Request, e: SlimmlError):
     # server's; anything else slimml refuses in a route is the request's (text for a model without
     # a tokenizer, a shape it does not take)
     status = 503 if isinstance(e, (IntegrityError, StageError)) else 500 if isinstance(e, ArtifactError) else 400
-    return _error(str(e), status)
+    message = str(e)
+    if isinstance(e, StageError) and "will not come back" in message:  # the Python advice, in a server's terms
+        message = message.split(" Check the node", 1)[0] + (" This server's health check fails meanwhile, and Serve "
+                                                             "replaces the replica with new stages: retry shortly.")
+    return _error(message, status, {"Retry-After": str(RETRY_AFTER_S)} if isinstance(e, StageError) else None)
 
 
 @api.exception_handler(ValueError)
