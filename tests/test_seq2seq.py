@@ -567,12 +567,18 @@ def test_a_recording_longer_than_the_window_is_refused_not_cut(whisper):
     from slimml.runtime.tasks.inputs.audio import read_wav, wav_from_bytes
 
     model = load(whisper["root"] / "art")
-    with pytest.raises(FeedError, match=r"audio 1 is 31.5 s, longer than the 30 s this model reads in one window"):
+    with pytest.raises(FeedError, match=r"audio 1 is 31.500 s, longer than the 30 s this model reads in one window"):
         model.generate([speech(1.0), speech(31.5)])
     wav = whisper["root"] / "speech.wav"
     np.testing.assert_array_equal(wav_from_bytes(wav.read_bytes(), "speech.wav"), read_wav(wav))
     with pytest.raises(FeedError, match=r"^up.wav is not a PCM WAV file slimml can read .*ffmpeg -i up.wav"):
         wav_from_bytes(b"RIFF1234WAVEjunk", "up.wav")
+    wide = bytearray(wav.read_bytes())  # its header says 64-bit samples: they were read as 32-bit ones
+    wide[32:36] = (8).to_bytes(2, "little") + (64).to_bytes(2, "little")  # block align, bits per sample
+    with pytest.raises(FeedError, match=r"has 64-bit samples, which slimml does not read \(8, 16, 24 or 32-bit PCM\)"):
+        wav_from_bytes(bytes(wide), "wide.wav")
+    with pytest.raises(FeedError, match=r"^the upload is not a PCM WAV file"):  # a client's long name is not quoted back
+        wav_from_bytes(b"junk", "x" * 1000)
 
 
 def test_whisper_quantizes_within_tolerance(whisper):

@@ -386,3 +386,41 @@ def test_each_replica_gets_cpus_it_can_have_on_one_node():
 
     assert replica_cpus([1, 1], 1) == 1.0 and replica_cpus([4, 4], 3) == 2.0 and replica_cpus([2], 4) == 0.5
     assert replica_cpus([16, 2], 2) == 8.0 and replica_cpus([8], 1) == 8.0
+
+
+def test_a_replica_decodes_a_bounded_number_of_pixels_at_once():
+    """Six concurrent requests of one 64-megapixel PNG each (186 KB a body) took a replica to 2.96 GB:
+    the budget was a request's alone."""
+    images = pytest.importorskip("slimml.serve.images")
+    budget = images._Budget(100)
+    with budget.hold(60):
+        with pytest.raises(RequestError, match=r"decoding other requests' images \(60 pixels of its 100\); retry") as e:
+            with budget.hold(50):
+                pass
+        assert e.value.status == 503
+        with budget.hold(40):
+            assert budget.used == 100
+    assert budget.used == 0
+    with budget.hold(150):  # one request larger than the budget, alone: its own limit is the request's
+        pass
+
+
+def test_transcription_forms_refuse_repeated_fields_and_options_sent_as_files():
+    """Two "response_format" values: the first won, silently; a "prompt" sent as a file part was
+    ignored; 120,000 small fields held the replica's event loop (and /health) for 13 s."""
+    requests = pytest.importorskip("requests")
+    transcription = pytest.importorskip("slimml.serve.transcription")
+
+    def form(data, files):
+        sent = requests.Request("POST", "http://x/", data=data, files=files).prepare()
+        return sent.body, sent.headers["Content-Type"]
+
+    with pytest.raises(RequestError, match='sends the field "response_format" twice') as e:
+        transcription.form_fields(*form([("response_format", "text"), ("response_format", "srt")], {"file": ("a.wav", b"x")}))
+    assert e.value.param == "response_format"
+    fields = transcription.form_fields(*form({}, {"file": ("a.wav", b"x"), "prompt": ("p.txt", b"Earlier")}))
+    with pytest.raises(RequestError, match='"prompt" is not supported by this server'):
+        transcription.transcription_request(fields, "w")
+    with pytest.raises(RequestError, match="the form has more than 32 fields") as e:
+        transcription.form_fields(*form([(f"f{i}", "x") for i in range(40)], {"file": ("a.wav", b"x")}))
+    assert e.value.status == 413

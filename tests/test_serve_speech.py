@@ -57,9 +57,9 @@ def test_openai_s_client_transcribes_as_in_process_generate(port, whisper):
 
 
 @pytest.mark.parametrize("what, files, data, status, words, param", [
-    ("8 kHz audio", "slow.wav", {}, 400, "sampled at 8000 Hz but the model takes 16000 Hz", None),
-    ("past the window", "long.wav", {}, 400, "31.0 s, longer than the 30 s this model reads in one window", None),
-    ("not a WAV", b"ID3\x03mp3 bytes", {}, 400, "is not a PCM WAV file slimml can read", None),
+    ("8 kHz audio", "slow.wav", {}, 400, "sampled at 8000 Hz but the model takes 16000 Hz", "file"),
+    ("past the window", "long.wav", {}, 400, "31.000 s, longer than the 30 s this model reads in one window", "file"),
+    ("not a WAV", b"ID3\x03mp3 bytes", {}, 400, "is not a PCM WAV file slimml can read", "file"),
     ("a prompt to continue", "speech.wav", {"prompt": "Earlier:"}, 400, "does not continue from a previous transcript",
      "prompt"),
     ("subtitles", "speech.wav", {"response_format": "srt"}, 400, 'send "json" or "text"', "response_format"),

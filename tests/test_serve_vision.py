@@ -97,10 +97,13 @@ class TestViT:
         ("a server path", {"input": ["/etc/hostname"]}, 400, "not an image data URL", "input[0]"),
         ("bad base64", {"input": ["data:image/png;base64,@@@"]}, 400, "not valid base64", "input[0]"),
         ("not an image", {"input": ["data:image/png;base64," + base64.b64encode(b"hello").decode()]}, 400,
-         "not an image Pillow can read", "input[0]"),
+         "not an image slimml reads (not one of these formats)", "input[0]"),
+    ("an EPS file (Ghostscript would read it)", {"input": ["data:image/png;base64," + base64.b64encode(
+        b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n").decode()]}, 400,
+     "not an image slimml reads (not one of these formats); send a JPEG, PNG, BMP, GIF or WebP file", "input[0]"),
         ("a header of 10 gigapixels", {"input": [_huge_png(100_000, 100_000)]}, 413, "10,000,000,000 pixels, more than",
      "input[0]"),
-    ("a header of 80 megapixels", {"input": [_huge_png(10_000, 8_000)]}, 413, "10000x8000 pixels, more than the 67,108,864",
+    ("a header of 40 megapixels", {"input": [_huge_png(8_000, 5_000)]}, 413, "8000x5000 pixels, more than the 33,554,432",
      "input[0]"),
         ("labels for a classifier of its own", {"input": ["data:image/png;base64,AA=="], "labels": ["a", "b"]}, 400,
          "this classifier scores its own labels", "labels"),
@@ -136,3 +139,11 @@ class TestClip:
             assert status == 400 and words in body["error"]["message"] and body["error"]["param"] == param
         status, body = post(clip_port, "/v1/embeddings", {"input": [data_url(pictures[0]), "a text"]})
         assert status == 400 and "send texts and images in requests of their own" in body["error"]["message"]
+        for sent, words, param in (
+                ({"labels": "a cat"}, '"labels" must be a non-empty list of texts, got "a cat"', "labels"),
+                ({"labels": ["a cat", " "]}, '"labels"[1] is " "; each label is a text with words in it', "labels[1]"),
+                ({"labels": ["a"], "candidate_labels": ["b"]}, 'send the candidate texts as "labels"', "candidate_labels")):
+            status, body = post(clip_port, "/v1/classify", {"input": [data_url(pictures[0])], **sent})
+            assert status == 400 and words in body["error"]["message"] and body["error"]["param"] == param, body
+        status, body = post(clip_port, "/v1/embeddings", {"input": [data_url(pictures[0])], "prompt_name": "query"})
+        assert status == 400 and body["error"]["param"] == "prompt_name"

@@ -22,6 +22,7 @@ import hashlib
 import hmac
 import inspect
 import logging
+import re
 import threading
 from functools import partial
 from pathlib import Path
@@ -392,12 +393,16 @@ class SlimmlServer:
         if fmt not in ("float", "base64"):
             raise RequestError(f'"encoding_format" must be "float" or "base64", got {protocol.shown(fmt)}.',
                                param="encoding_format")
+        if data.get("prompt_name") is not None:
+            raise RequestError('"prompt_name" puts a text before each text; images have none: leave it out.',
+                               param="prompt_name")
         size = protocol.dimensions(data)
-        pictures = await asyncio.to_thread(images.request_images, sent, "input", self.config.max_texts)
-        self._response_fits(len(pictures) * (size or 0))
+        opened = await asyncio.to_thread(images.open_images, sent, "input", self.config.max_texts)
+        self._response_fits(len(opened.opened) * (size or 0))
         emb = []
-        for _, piece in self._pieces(pictures):
-            emb.append(await asyncio.to_thread(self.model.embed_images, piece, self.config.batch_size))
+        with images.decoding(opened):
+            for _, piece in self._pieces(await asyncio.to_thread(opened.decode)):
+                emb.append(await asyncio.to_thread(self.model.embed_images, piece, self.config.batch_size))
         found = protocol.shortened(np.concatenate(emb), size, normalized=True)
         self._response_fits(found.size)
         return Response(protocol.dumps(protocol.embeddings_response(found, self.name, 0, fmt)), media_type="application/json")
@@ -461,11 +466,17 @@ class SlimmlServer:
                 data, self.config.max_texts, self.model.kind == "zero-shot-image-classification", self.text_chars)
             if labels is not None:
                 options["labels"] = labels
-            items = await asyncio.to_thread(images.request_images, raw, "input", self.config.max_texts)
+            opened = await asyncio.to_thread(images.open_images, raw, "input", self.config.max_texts)
+            with images.decoding(opened):
+                found = await self._classify(await asyncio.to_thread(opened.decode), options)
+            return protocol.spans_response(found, "labels", self.name)
+        return protocol.spans_response(await self._classify(items, options), "labels", self.name)
+
+    async def _classify(self, items: list, options: dict[str, Any]) -> list:
         found = []
         for _, piece in self._pieces(items):
             found += await asyncio.to_thread(self.model.classify, piece, **options)
-        return protocol.spans_response(found, "labels", self.name)
+        return found
 
     @api.post("/v1/answer")
     async def answer(self, request: Request):
@@ -495,7 +506,13 @@ class SlimmlServer:
         protocol.check_run_budget(feeds, getattr(self.model, "inputs", []), getattr(self.model, "max_sequence_length", None),
                                   self.config.max_texts, self.batch_tokens, getattr(self.model, "outputs", []), wanted,
                                   self.config.max_response_values)
-        out = await asyncio.to_thread(self.model.run, feeds)
+        try:
+            out = await asyncio.to_thread(self.model.run, feeds)
+        except FeedError as e:  # the engine's checks name the input at fault: its param
+            named = re.search(r"input '([^']+)'", str(e))
+            if isinstance(e, OutOfMemoryError) or named is None:
+                raise
+            raise RequestError(str(e), param=f"inputs.{named.group(1)}"[:80]) from None
         if wanted is not None:
             missing = [w for w in wanted if w not in out]
             if missing:
@@ -533,7 +550,8 @@ class SlimmlServer:
         ``/v1/audio/transcriptions`` (a multipart form with the WAV ``file``)."""
         if not getattr(self.model, "speech", False):
             raise task_refusal(self.model.unsupported("transcribe"), self.model)
-        form = transcription.form_fields(await self._raw_body(request), request.headers.get("content-type"))
+        body = await self._raw_body(request)
+        form = await asyncio.to_thread(transcription.form_fields, body, request.headers.get("content-type"))
         req = transcription.transcription_request(form, self.name)
         if "language" in req.options:
             try:
@@ -541,8 +559,11 @@ class SlimmlServer:
             except FeedError as e:
                 raise RequestError(str(e), param="language") from None
         rate = self.model.sampling_rate
-        wave = wav_from_bytes(req.audio, req.filename, rate)
-        gen = await asyncio.to_thread(self.model.generate, [wave], None, **req.options)
+        try:  # read off the event loop (which answers /health meanwhile)
+            wave = await asyncio.to_thread(wav_from_bytes, req.audio, req.filename, rate)
+            gen = await asyncio.to_thread(self.model.generate, [wave], None, **req.options)
+        except FeedError as e:  # the recording's own faults (its format, its length) name the file field
+            raise RequestError(str(e), param="file") from None
         body, media = transcription.transcription_response(gen.texts[0] if gen.texts else "", wave.size / rate,
                                                            req.response_format)
         return Response(protocol.dumps(body) if isinstance(body, dict) else body, media_type=media)

@@ -1,9 +1,12 @@
 """Images in a JSON request: data URLs (``"data:image/png;base64,..."``, as OpenAI's vision messages
 send them), decoded in the replica, never fetched and never read from a path.
 
-Each image's size is read from its header and held to one budget of pixels a request (a small
-compressed file can hold a huge image), so a request's decoded images stay within about
-``MAX_REQUEST_PIXELS`` x 4 bytes whatever it sends.
+Each image's header is read first (JPEG, PNG, BMP, GIF or WebP only: no format that would run
+another program, such as EPS through Ghostscript); a request's images may declare at most
+``MAX_REQUEST_PIXELS`` pixels in all, and a replica decodes at most ``MAX_REPLICA_PIXELS`` at once
+(held until the model is done with them): past it a request gets 503 and retries. Six concurrent
+requests of one 64-megapixel PNG each (186 KB a body) took a replica from 0.2 to 2.96 GB before
+the replica's budget.
 """
 
 from __future__ import annotations
@@ -11,12 +14,16 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from typing import Any
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from slimml.errors import FeedError, RequestError
 from slimml.runtime.tasks.limits import shown
 
-MAX_REQUEST_PIXELS = 1 << 26  # 67 million: a dozen 12-megapixel photos, 268 MB as RGBA
+MAX_REQUEST_PIXELS = 1 << 25  # 33.5 million: an 8K frame, or a hundred 512x512 images
+MAX_REPLICA_PIXELS = 1 << 26  # decoded at once in a replica (~270 MB as RGBA, a copy or two while preprocessed)
 _DATA_URL = re.compile(r"data:image/[\w.+-]+(?:;[\w=.+-]+)*;base64,", re.IGNORECASE)
 
 
@@ -25,15 +32,40 @@ def is_image(item: Any) -> bool:
     return isinstance(item, str) and item[:11].lower() == "data:image/"
 
 
-def request_images(items: Any, field: str, max_items: int, max_pixels: int = MAX_REQUEST_PIXELS) -> list:
-    """``items`` (one data URL or a list of them) as loaded PIL images, in order.
+@dataclass
+class OpenedImages:
+    """A request's images with their headers read and checked, not yet decoded: :meth:`decode`
+    them while holding ``pixels`` of the replica's budget (:func:`decoding`)."""
+
+    opened: list
+    field: str
+
+    @property
+    def pixels(self) -> int:
+        return sum(im.width * im.height for im in self.opened)
+
+    def decode(self) -> list:
+        from slimml.runtime.tasks.inputs.image import decode_image
+
+        out = []
+        for i, im in enumerate(self.opened):
+            try:
+                out.append(decode_image(im, i))
+            except FeedError as e:
+                raise RequestError(f'"{self.field}[{i}]": {e}', param=f"{self.field}[{i}]") from None
+        return out
+
+
+def open_images(items: Any, field: str, max_items: int, max_pixels: int = MAX_REQUEST_PIXELS) -> OpenedImages:
+    """``items`` (one data URL or a list of them) opened: each a data URL of an image slimml reads,
+    their headers within ``max_pixels`` pixels in all.
 
     Raises:
         RequestError: not data URLs of images (a web address or a path: nothing is fetched or
-            read here), bad base64, a file Pillow cannot read, more than ``max_items``, or more
-            than ``max_pixels`` pixels in all.
+            read here), bad base64, a file of another format, more than ``max_items``, or more
+            than ``max_pixels`` pixels in all (413).
     """
-    from slimml.runtime.tasks.inputs.image import image_from_bytes
+    from slimml.runtime.tasks.inputs.image import open_image_bytes
     from slimml.serve.protocol import at_most
 
     items = [items] if isinstance(items, str) else items
@@ -41,7 +73,7 @@ def request_images(items: Any, field: str, max_items: int, max_pixels: int = MAX
         raise RequestError(f'"{field}" must be an image or a list of images, each a data URL '
                            '("data:image/png;base64,...").', param=field)
     at_most(len(items), max_items, f'"{field}" has {len(items)} images', field)
-    images, left = [], max_pixels
+    opened, left = [], max_pixels
     for i, item in enumerate(items):
         where = f"{field}[{i}]"
         if not isinstance(item, str):
@@ -58,15 +90,43 @@ def request_images(items: Any, field: str, max_items: int, max_pixels: int = MAX
         except (binascii.Error, ValueError):
             raise RequestError(f'"{where}" is not valid base64 after its "data:image/...;base64," prefix.', param=where) from None
         try:
-            image = image_from_bytes(data, i, left)
+            im = open_image_bytes(data, i, left)
         except FeedError as e:
             if "pixels it may have here" in str(e):  # the budget left: the request's images hold too many
                 raise RequestError(f'"{where}": {e} (the images of one request may hold {max_pixels:,} pixels in all)',
                                    413, param=where) from None
             raise RequestError(f'"{where}": {e}', param=where) from None
-        left -= image.width * image.height
-        images.append(image)
-    return images
+        left -= im.width * im.height
+        opened.append(im)
+    return OpenedImages(opened, field)
+
+
+class _Budget:
+    """Pixels a replica decodes at once, across its requests."""
+
+    def __init__(self, total: int):
+        self.total, self.used, self.lock = total, 0, threading.Lock()
+
+    @contextmanager
+    def hold(self, pixels: int) -> Iterator[None]:
+        with self.lock:
+            if self.used and self.used + pixels > self.total:
+                raise RequestError(f"this replica is decoding other requests' images ({self.used:,} pixels of its "
+                                   f"{self.total:,}); retry shortly, or send smaller images.", 503)
+            self.used += pixels
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.used -= pixels
+
+
+_replica = _Budget(MAX_REPLICA_PIXELS)
+
+
+def decoding(opened: OpenedImages):
+    """Hold ``opened``'s pixels of the replica's budget (503 past it) while they are decoded and used."""
+    return _replica.hold(opened.pixels)
 
 
 def image_classify_request(data: dict[str, Any], max_items: int, zero_shot: bool,
@@ -77,9 +137,18 @@ def image_classify_request(data: dict[str, Any], max_items: int, zero_shot: bool
 
     labels = data.get("labels")
     if zero_shot:
-        if not isinstance(labels, list) or not labels or not all(isinstance(t, str) and t.strip() for t in labels):
+        if data.get("candidate_labels") is not None:
+            raise RequestError('"candidate_labels" is the Hugging Face pipeline\'s name; this route\'s field is "labels": '
+                               'send the candidate texts as "labels".', param="candidate_labels")
+        if labels is None:
             raise RequestError('a zero-shot classify request needs "labels": the candidate texts to score each image '
                                'against, e.g. ["a photo of a cat", "a photo of a dog"].', param="labels")
+        if not isinstance(labels, list) or not labels:
+            raise RequestError(f'"labels" must be a non-empty list of texts, got {shown(labels)}.', param="labels")
+        empty = next((i for i, t in enumerate(labels) if not isinstance(t, str) or not t.strip()), None)
+        if empty is not None:
+            raise RequestError(f'"labels"[{empty}] is {shown(labels[empty])}; each label is a text with words in it.',
+                               param=f"labels[{empty}]")
         at_most(len(labels), max_items, f'"labels" has {len(labels)} texts', "labels")
         twice = next((t for i, t in enumerate(labels) if t in labels[:i]), None)
         if twice is not None:

@@ -333,8 +333,8 @@ def _array(name: str, spec: Any) -> np.ndarray:
         arr = np.asarray(spec["data"], dtype=dtype)
         if arr.dtype.kind in "iu":  # numpy casts 1.5 to 1 and true to 1: whole numbers only, as sent
             sent = np.asarray(spec["data"])
-            if sent.dtype.kind == "b" or (sent.dtype.kind == "f" and not np.array_equal(sent, arr)):
-                what = "true/false" if sent.dtype.kind == "b" else "numbers with a fraction"
+            if sent.dtype.kind == "b" or _holds_bool(spec["data"]) or (sent.dtype.kind == "f" and not np.array_equal(sent, arr)):
+                what = "numbers with a fraction" if sent.dtype.kind == "f" and not np.array_equal(sent, arr) else "true/false"
                 raise RequestError(f"input {shown(name)}: {dtype} data holds {what}; send whole numbers.")
     except (ValueError, TypeError, OverflowError) as e:
         raise RequestError(f"input {shown(name)}: data is not a rectangular array of {dtype} numbers ({e}).") from None
@@ -351,6 +351,8 @@ def _npy(name: str, raw: bytes) -> np.ndarray:
         if read is None:
             raise ValueError(f".npy version {version[0]}.{version[1]}; numpy.save writes 1.0")
         shape, _, dtype = read(f)
+        if any(d < 0 for d in shape):
+            raise ValueError(f"a negative dimension in shape {list(shape)}")
     except (ValueError, OSError, EOFError, SyntaxError, TypeError) as e:
         why = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
         raise RequestError(f'input {shown(name)}: "npy" is not a .npy array file ({why}); write it with numpy.save.') from None
@@ -364,6 +366,19 @@ def _npy(name: str, raw: bytes) -> np.ndarray:
         return np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
         raise RequestError(f'input {shown(name)}: "npy" is not a .npy array file ({e}); write it with numpy.save.') from None
+
+
+def _holds_bool(data: Any) -> bool:
+    """Whether JSON ``data`` (nested lists) holds a true or false anywhere (numpy reads a mix of
+    booleans and numbers as numbers)."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if type(item) is bool:
+            return True
+        if isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def run_response(out: dict[str, np.ndarray], encoding: str) -> dict[str, Any]:

@@ -90,6 +90,7 @@ def read_wav(path: str | os.PathLike, rate: int = 16000) -> np.ndarray:
 
 def wav_from_bytes(data: bytes, name: str, rate: int = 16000) -> np.ndarray:
     """:func:`read_wav` of a WAV file's bytes (an upload; ``name``, its file name, names it in a refusal)."""
+    name = name if len(name) <= 60 and name.isprintable() else "the upload"  # a client's text, quoted back
     return _decode_wav(io.BytesIO(data), name, name, rate)
 
 
@@ -100,9 +101,15 @@ def _decode_wav(source: Any, said: str, name: str, rate: int) -> np.ndarray:
             raw = w.readframes(count)
     except (wave.Error, EOFError, OSError) as e:
         raise FeedError(
-            f"{said} is not a PCM WAV file slimml can read ({e or type(e).__name__}); convert it with "
+            f"{said} is not a PCM WAV file slimml can read ({str(e) or type(e).__name__}); convert it with "
             f"`ffmpeg -i {name} -ar {rate} -ac 1 -c:a pcm_s16le out.wav`."
         ) from None
+    if width not in (1, 2, 3, 4):  # 8-, 16-, 24- and 32-bit PCM; wider samples were read as 32-bit ones
+        raise FeedError(f"{said} has {8 * width}-bit samples, which slimml does not read (8, 16, 24 or 32-bit PCM); "
+                        f"convert it with `ffmpeg -i {name} -ar {rate} -ac 1 -c:a pcm_s16le out.wav`.")
+    if raw and len(raw) < channels * width:
+        raise FeedError(f"{said}'s header says {channels} channels of {width} bytes, more than its data holds; the "
+                        "header is damaged: re-export it.")
     if len(raw) < count * channels * width:
         raise FeedError(f"{said} is truncated: its header promises {count} frames but the file holds fewer; re-export it.")
     if file_rate != rate:
@@ -142,7 +149,7 @@ def features_for(extractor: LogMel, input_name: str, audio: Any) -> dict[str, np
                             f"{extractor.sampling_rate} Hz.")
         if waves[-1].size > extractor.n_samples:  # the window would cut it: the rest never transcribed
             rate = extractor.sampling_rate
-            raise FeedError(f"audio {i} is {waves[-1].size / rate:.1f} s, longer than the {extractor.n_samples / rate:g} s "
+            raise FeedError(f"audio {i} is {waves[-1].size / rate:.3f} s, longer than the {extractor.n_samples / rate:g} s "
                             "this model reads in one window (the rest would be lost); split it into parts of at most "
                             f"{extractor.n_samples / rate:g} s.")
     features = np.stack([extractor(w) for w in waves])

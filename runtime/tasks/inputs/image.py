@@ -129,31 +129,42 @@ def read_image(image, index: int = 0):
     return im
 
 
-def image_from_bytes(data: bytes, index: int = 0, max_pixels: int = MAX_RESIZED_PIXELS):
-    """An image file's bytes (an upload) as a loaded PIL image; its size is read from the header and
-    refused past ``max_pixels`` before any pixel is decoded (a small compressed file can hold a
-    huge image), as is anything Pillow cannot read."""
+UPLOAD_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP")  # what bytes from elsewhere may be; not EPS (Ghostscript), TIFF...
+
+
+def open_image_bytes(data: bytes, index: int = 0, max_pixels: int = MAX_RESIZED_PIXELS):
+    """An image file's bytes (an upload) opened, its header read but no pixel decoded: a JPEG, PNG,
+    BMP, GIF or WebP of at most ``max_pixels`` pixels (a small compressed file can declare a huge
+    image), else one FeedError. Decode it with :func:`decode_image`."""
     import io
 
     Image = _pillow()
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            if im.width * im.height > max_pixels:
-                raise FeedError(f"image {index} is {im.width}x{im.height} pixels, more than the {max_pixels:,} pixels it "
-                                "may have here; send it smaller (the model reads it resized anyway).")
-            im.load()
-            return read_image(im.copy(), index)
-    except FeedError:
-        raise
+        im = Image.open(io.BytesIO(data), formats=list(UPLOAD_FORMATS))
     except Image.DecompressionBombError as e:  # past twice Pillow's own limit: refused by Pillow at open
         found = re.search(r"\((\d+) pixels\)", str(e))
         size = f"{int(found.group(1)):,} pixels" if found else "more pixels than Pillow opens"
         raise FeedError(f"image {index} is {size}, more than the {max_pixels:,} pixels it may have here; send it smaller "
                         "(the model reads it resized anyway).") from None
-    except Exception as e:  # PIL.UnidentifiedImageError, a truncated file
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise FeedError(f"image {index} is not an image Pillow can read ({reason}); send a JPEG, PNG, BMP, GIF or WebP "
+    except Exception as e:  # PIL.UnidentifiedImageError (its text shows the buffer's address), a cut header
+        reason = "not one of these formats" if type(e).__name__ == "UnidentifiedImageError" else (
+            str(e).splitlines()[0] if str(e) else type(e).__name__)
+        raise FeedError(f"image {index} is not an image slimml reads ({reason}); send a JPEG, PNG, BMP, GIF or WebP "
                         "file.") from None
+    if im.width * im.height > max_pixels:
+        raise FeedError(f"image {index} is {im.width}x{im.height} pixels, more than the {max_pixels:,} pixels it may have "
+                        "here; send it smaller (the model reads it resized anyway).")
+    return im
+
+
+def decode_image(im, index: int = 0):
+    """An image :func:`open_image_bytes` opened, its pixels decoded (no copy kept of the file's)."""
+    try:
+        im.load()
+    except Exception as e:  # a truncated or damaged file
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise FeedError(f"image {index} could not be decoded ({reason}); send the whole file.") from None
+    return read_image(im, index)
 
 
 def _read_image(image, index: int):
