@@ -788,7 +788,8 @@ def serve_(
     serve(config, host=host, port=port, address=address, direct_ingress=direct_ingress,
           ready=lambda url: err.print(f"serving {artifact} at {url} (POST /v1/embeddings, /v1/chat/completions, "
                                       "/v1/completions, /v1/rerank, /v1/entities, /v1/answer, /v1/classify, "
-                                      "/v1/audio/transcriptions, /v1/generate or /v1/run, as the model allows; GET /health, /v1/models); Ctrl-C stops"))
+                                      "/v1/audio/transcriptions, /v1/responses, /v1/generate or /v1/run, as the model allows; GET /health, "
+                                      "/v1/models); Ctrl-C stops"))
 
 
 def _terminated(signum, frame) -> None:
