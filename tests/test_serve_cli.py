@@ -122,6 +122,17 @@ def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact,
         for _ in range(3):
             status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
             assert status == 503 and "after the model was loaded" in body["error"]["message"], (status, body)
+        # another artifact put in its place (a new convert): the replica stays, answering 503 with the reason
+        # (it was replaced, and its replacements refused the new manifest over and over, every request hanging)
+        shutil.rmtree(art)
+        shutil.copytree(tiny_bert_artifact, art)
+        manifest = json.loads((art / "manifest.json").read_text())
+        manifest["name"] = "another model"
+        (art / "manifest.json").write_text(json.dumps(manifest))
+        time.sleep(4 * HEALTH_CHECK_S)
+        for _ in range(3):
+            status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
+            assert status == 503 and "after the model was loaded" in body["error"]["message"], (status, body)
 
 
 def test_serve_direct_ingress_answers_on_the_port_itself(ray_env, tiny_bert_artifact):
