@@ -197,6 +197,9 @@ def test_serve_stages_put_a_pipeline_behind_generate(ray_env, tiny_llama_past_ar
         assert body["usage"]["completion_tokens"] == sum(map(len, want))
         status, body = post(f"{url}/v1/embeddings", {"input": ["hi"]})
         assert status == 400 and "not a sentence-embedding one" in body["error"]["message"]
+        status, body = post(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 400 and body["error"]["message"].startswith(  # was "not a language model served here"
+            "this language model is served over pipeline stages (--stages), which answer POST /v1/generate only")
 
 
 # every flag `slimml serve` had before its flags came from ServeConfig's fields
