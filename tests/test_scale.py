@@ -359,6 +359,7 @@ def test_a_server_joining_a_cluster_leaves_what_serves_there_alone(cluster, tiny
     """A second `slimml serve --address` on a cluster replaced the first's application (the same
     name, at the same route), said it served on a port nobody listened on, and stopping either
     shut Serve down for both, and for any other application there."""
+    import socket
     import threading
 
     import requests
@@ -373,6 +374,11 @@ def test_a_server_joining_a_cluster_leaves_what_serves_there_alone(cluster, tiny
         def __call__(self, request):
             return "other"
 
+    with socket.socket() as held:  # a port something on this machine (a node of the cluster) listens on
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        with pytest.raises(ConfigError, match=rf"cannot listen on 127\.0\.0\.1:{held.getsockname()[1]} "):
+            serve(ServeConfig(str(tiny_bert_artifact)), port=held.getsockname()[1], address=cluster.address)
     port = free_port()
     ray_serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
