@@ -95,6 +95,16 @@ def test_serve_bad_input_is_one_line_before_ray_starts(tmp_path, ray_env, tiny_b
     assert set((ray_env / "ray").glob("session_2*")) == sessions  # Ray never started
 
 
+def test_a_replica_that_cannot_load_says_why_in_one_line(ray_env, tiny_bert_artifact):
+    """A replica's own refusal (a budget no shard fits) reached the user as Serve's "Failed to update
+    the deployments ['slimml']", its cause only in the replica's log."""
+    r = subprocess.run([sys.executable, "-m", "slimml", "serve", str(tiny_bert_artifact), "--memory-budget", "2KB",
+                        "--port", str(free_port())], capture_output=True, text=True, timeout=300, check=False)
+    said = " ".join(r.stderr.split())
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "Ray Serve could not start the application (memory budget 2.00 KB is smaller than shard" in said, said
+
+
 def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact, tmp_path):
     import shutil
 
