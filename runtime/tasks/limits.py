@@ -159,8 +159,7 @@ class Limits:
             )
 
 
-    def check_encoded(self, rows: int, width: int, beams: int = 1, vocab_size: int | None = None,
-                      context: int | None = None) -> None:
+    def check_encoded(self, rows: int, width: int, beams: int = 1, context: int | None = None) -> None:
         """Refuse an encoder-decoder's generation whose prompts, ``rows`` padded to ``width`` tokens,
         each read by ``beams`` beams (the decoders' cross-attention keeps them), hold more tokens than
         this call's budget (the prompts are what a caller makes long; the new tokens are bounded by
@@ -170,7 +169,7 @@ class Limits:
             FeedError: naming the tokens and the limit, and how to raise it.
         """
         total = rows * beams * width
-        limit = self.batch_tokens(vocab_size, True, context)
+        limit = self.batch_tokens(None, True, context)
         if total > limit:
             each = f" x {beams} beams" if beams > 1 else ""
             raise FeedError(

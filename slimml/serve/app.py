@@ -196,7 +196,7 @@ def serving_routes(method: str, model: Any = None) -> str | None:
     kind = getattr(model, "kind", None)
     if method == "generate" and (model is None or kind == "text-generation"):
         return "POST /v1/chat/completions, POST /v1/completions"
-    if method == "generate" and getattr(model, "speech", False) or method == "transcribe":
+    if method == "transcribe" or (method == "generate" and getattr(model, "speech", False)):
         return "POST /v1/audio/transcriptions"
     if method == "classify" and model is not None and kind not in _CLASSIFIED:
         return None
@@ -377,7 +377,7 @@ class SlimmlServer:
         self._response_fits(emb.size)  # where the size was not known before
         if emb.ndim == 2 and size is None:  # a width the manifest does not give: the next request is checked first
             self._width_seen = emb.shape[1]
-        body = protocol.embeddings_response(emb, self.name, sum(counts), data.get("encoding_format", "float"))
+        body = protocol.embeddings_response(emb, self.name, sum(counts), protocol.encoding_format(data))
         return Response(protocol.dumps(body), media_type="application/json")
 
     async def _image_embeddings(self, data: dict[str, Any]) -> Response:
@@ -389,10 +389,7 @@ class SlimmlServer:
         if text is not None:
             raise RequestError(f'"input"[{text}] is not an image data URL, and the others are images; send texts and '
                                "images in requests of their own.", param=f"input[{text}]")
-        fmt = data.get("encoding_format") or "float"
-        if fmt not in ("float", "base64"):
-            raise RequestError(f'"encoding_format" must be "float" or "base64", got {protocol.shown(fmt)}.',
-                               param="encoding_format")
+        fmt = protocol.encoding_format(data)
         if data.get("prompt_name") is not None:
             raise RequestError('"prompt_name" puts a text before each text; images have none: leave it out.',
                                param="prompt_name")
@@ -550,8 +547,8 @@ class SlimmlServer:
         ``/v1/audio/transcriptions`` (a multipart form with the WAV ``file``)."""
         if not getattr(self.model, "speech", False):
             raise task_refusal(self.model.unsupported("transcribe"), self.model)
-        body = await self._raw_body(request)
-        form = await asyncio.to_thread(transcription.form_fields, body, request.headers.get("content-type"))
+        raw = await self._raw_body(request)
+        form = await asyncio.to_thread(transcription.form_fields, raw, request.headers.get("content-type"))
         req = transcription.transcription_request(form, self.name)
         if "language" in req.options:
             try:

@@ -133,7 +133,7 @@ def image_classify_request(data: dict[str, Any], max_items: int, zero_shot: bool
                            max_chars: int | None = None) -> tuple[list, int | None, list[str] | None]:
     """``(images, top_k, labels)`` of a classify request to an image model: ``input`` (data URLs),
     ``top_k``, and for a zero-shot (CLIP) model the candidate ``labels`` (texts, each once)."""
-    from slimml.serve.protocol import at_most, checked_texts, classify_top_k
+    from slimml.serve.protocol import at_most, checked_texts, classify_top_k, refuse_candidate_labels
 
     labels = data.get("labels")
     if zero_shot:
@@ -155,10 +155,7 @@ def image_classify_request(data: dict[str, Any], max_items: int, zero_shot: bool
             raise RequestError(f'"labels" names {shown(twice)} twice; give each candidate once.', param="labels")
         labels = checked_texts(labels, '"labels"', max_chars, param="labels")
     else:
-        for key in ("labels", "candidate_labels"):
-            if data.get(key) is not None:
-                raise RequestError(f'"{key}" names candidate labels for zero-shot classification; this classifier '
-                                   f'scores its own labels: leave "{key}" out.', param=key)
+        refuse_candidate_labels(data)
     if "input" not in data:
         raise RequestError('a classify request needs "input": an image or a list of images, each a data URL '
                            '("data:image/png;base64,...").', param="input")

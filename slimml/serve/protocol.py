@@ -69,10 +69,16 @@ def embedding_texts(data: dict[str, Any], max_texts: int, max_chars: int | None 
     cut to ``max_chars``."""
     texts = input_texts(data, "an embeddings", max_texts, max_chars, empty="embeddings need at least one character",
                         on_ids=_EMBEDDING_IDS)
-    fmt = data.get("encoding_format")
-    if fmt is not None and fmt not in ("float", "base64"):  # null: the default, float
-        raise RequestError(f'"encoding_format" must be "float" or "base64", got {shown(fmt)}.', param="encoding_format")
+    encoding_format(data)
     return texts
+
+
+def encoding_format(data: dict[str, Any]) -> str:
+    """``encoding_format`` of an embeddings request: "float" (absent or null: the default) or "base64"."""
+    fmt = data.get("encoding_format")
+    if fmt is not None and fmt not in ("float", "base64"):
+        raise RequestError(f'"encoding_format" must be "float" or "base64", got {shown(fmt)}.', param="encoding_format")
+    return fmt or "float"
 
 
 def at_most(n: int, most: int, said: str, param: str | None = None) -> None:
@@ -122,10 +128,7 @@ def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None
     """``(texts, top_k)`` of a classify request: ``input`` (a text or a list, cut to ``max_chars``;
     or a list of text pairs ``[[premise, hypothesis], ...]``, read together as ``model.classify``
     reads pairs) and ``top_k`` (the best classes of each text; absent or null: every class)."""
-    for key in ("labels", "candidate_labels"):  # zero-shot's fields (ours, Hugging Face's): a classifier's labels are its own
-        if data.get(key) is not None:
-            raise RequestError(f'"{key}" names candidate labels for zero-shot classification; this classifier scores its '
-                               f'own labels: leave "{key}" out.', param=key)
+    refuse_candidate_labels(data)
     items = data.get("input")
     if isinstance(items, list) and items and all(isinstance(p, list) and len(p) == 2 for p in items):
         at_most(len(items), max_texts, f'"input" has {len(items)} pairs', "input")
@@ -138,6 +141,14 @@ def classify_request(data: dict[str, Any], max_texts: int, max_chars: int | None
     else:
         texts = input_texts(data, "a classify", max_texts, max_chars, empty="a text to classify needs at least one character")
     return texts, classify_top_k(data)
+
+
+def refuse_candidate_labels(data: dict[str, Any]) -> None:
+    """Refuse zero-shot's fields (ours, Hugging Face's) sent to a classifier, whose labels are its own."""
+    for key in ("labels", "candidate_labels"):
+        if data.get(key) is not None:
+            raise RequestError(f'"{key}" names candidate labels for zero-shot classification; this classifier scores its '
+                               f'own labels: leave "{key}" out.', param=key)
 
 
 def classify_top_k(data: dict[str, Any]) -> int | None:
@@ -333,8 +344,9 @@ def _array(name: str, spec: Any) -> np.ndarray:
         arr = np.asarray(spec["data"], dtype=dtype)
         if arr.dtype.kind in "iu":  # numpy casts 1.5 to 1 and true to 1: whole numbers only, as sent
             sent = np.asarray(spec["data"])
-            if sent.dtype.kind == "b" or _holds_bool(spec["data"]) or (sent.dtype.kind == "f" and not np.array_equal(sent, arr)):
-                what = "numbers with a fraction" if sent.dtype.kind == "f" and not np.array_equal(sent, arr) else "true/false"
+            fraction = sent.dtype.kind == "f" and not np.array_equal(sent, arr)
+            if fraction or _holds_bool(spec["data"]):
+                what = "numbers with a fraction" if fraction else "true/false"
                 raise RequestError(f"input {shown(name)}: {dtype} data holds {what}; send whole numbers.")
     except (ValueError, TypeError, OverflowError) as e:
         raise RequestError(f"input {shown(name)}: data is not a rectangular array of {dtype} numbers ({e}).") from None

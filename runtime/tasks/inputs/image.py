@@ -143,18 +143,21 @@ def open_image_bytes(data: bytes, index: int = 0, max_pixels: int = MAX_RESIZED_
         im = Image.open(io.BytesIO(data), formats=list(UPLOAD_FORMATS))
     except Image.DecompressionBombError as e:  # past twice Pillow's own limit: refused by Pillow at open
         found = re.search(r"\((\d+) pixels\)", str(e))
-        size = f"{int(found.group(1)):,} pixels" if found else "more pixels than Pillow opens"
-        raise FeedError(f"image {index} is {size}, more than the {max_pixels:,} pixels it may have here; send it smaller "
-                        "(the model reads it resized anyway).") from None
+        raise _too_big(index, f"{int(found.group(1)):,} pixels" if found else "more pixels than Pillow opens",
+                       max_pixels) from None
     except Exception as e:  # PIL.UnidentifiedImageError (its text shows the buffer's address), a cut header
         reason = "not one of these formats" if type(e).__name__ == "UnidentifiedImageError" else (
             str(e).splitlines()[0] if str(e) else type(e).__name__)
         raise FeedError(f"image {index} is not an image slimml reads ({reason}); send a JPEG, PNG, BMP, GIF or WebP "
                         "file.") from None
     if im.width * im.height > max_pixels:
-        raise FeedError(f"image {index} is {im.width}x{im.height} pixels, more than the {max_pixels:,} pixels it may have "
-                        "here; send it smaller (the model reads it resized anyway).")
+        raise _too_big(index, f"{im.width}x{im.height} pixels", max_pixels)
     return im
+
+
+def _too_big(index: int, size: str, max_pixels: int) -> FeedError:
+    return FeedError(f"image {index} is {size}, more than the {max_pixels:,} pixels it may have here; send it smaller "
+                     "(the model reads it resized anyway).")
 
 
 def decode_image(im, index: int = 0):
