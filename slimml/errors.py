@@ -36,6 +36,11 @@ class OutOfMemoryError(FeedError):
     (a server answers 503 with ``Retry-After``, not the client's fault)."""
 
 
+class TooLargeError(FeedError):
+    """An input larger than what may be read where it is given (an image's pixels): its size is at
+    fault, not its form (a server answers 413)."""
+
+
 class DeviceError(SlimmlError):
     """The requested device or execution provider is not available."""
 

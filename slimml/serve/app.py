@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray import serve
 
 from slimml.errors import (ArtifactError, ConfigError, FeedError, IntegrityError, OutOfMemoryError, RequestError, SlimmlError,
-                           StageError, TaskError)
+                           StageError, TaskError, TooLargeError)
 import slimml.serve.images as images
 import slimml.serve.protocol as protocol
 import slimml.serve.transcription as transcription
@@ -167,7 +167,7 @@ async def _feed_error(request: Request, e: FeedError):
     if isinstance(e, OutOfMemoryError):  # the server's memory, not the request's fault: retry, or send less
         return _error(str(e), 503, {"Retry-After": str(RETRY_AFTER_S)})
     first = str(e).split(" ", 1)[0]
-    return _error(str(e), 400, param=first if first in _MODEL_OPTIONS else None)
+    return _error(str(e), 413 if isinstance(e, TooLargeError) else 400, param=first if first in _MODEL_OPTIONS else None)
 
 
 # the route that serves each task method, and the kind of model it needs

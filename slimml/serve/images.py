@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from slimml.errors import FeedError, RequestError
+from slimml.errors import FeedError, RequestError, TooLargeError
 from slimml.runtime.tasks.limits import shown
 
 MAX_REQUEST_PIXELS = 1 << 25  # 33.5 million: an 8K frame, or a hundred 512x512 images
@@ -91,10 +91,10 @@ def open_images(items: Any, field: str, max_items: int, max_pixels: int = MAX_RE
             raise RequestError(f'"{where}" is not valid base64 after its "data:image/...;base64," prefix.', param=where) from None
         try:
             im = open_image_bytes(data, i, left)
+        except TooLargeError as e:  # past the budget left: the request's images hold too many pixels
+            raise RequestError(f'"{where}": {e} (the images of one request may hold {max_pixels:,} pixels in all)',
+                               413, param=where) from None
         except FeedError as e:
-            if "pixels it may have here" in str(e):  # the budget left: the request's images hold too many
-                raise RequestError(f'"{where}": {e} (the images of one request may hold {max_pixels:,} pixels in all)',
-                                   413, param=where) from None
             raise RequestError(f'"{where}": {e}', param=where) from None
         left -= im.width * im.height
         opened.append(im)

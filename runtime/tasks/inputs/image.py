@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from slimml.errors import ArtifactError, FeedError
+from slimml.errors import ArtifactError, FeedError, TooLargeError
 from slimml.runtime.artifact.manifest import read_config
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -135,7 +135,7 @@ UPLOAD_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "WEBP")  # what bytes from elsewh
 def open_image_bytes(data: bytes, index: int = 0, max_pixels: int = MAX_RESIZED_PIXELS):
     """An image file's bytes (an upload) opened, its header read but no pixel decoded: a JPEG, PNG,
     BMP, GIF or WebP of at most ``max_pixels`` pixels (a small compressed file can declare a huge
-    image), else one FeedError. Decode it with :func:`decode_image`."""
+    image), else one FeedError (TooLargeError for too many pixels). Decode it with :func:`decode_image`."""
     import io
 
     Image = _pillow()
@@ -155,8 +155,8 @@ def open_image_bytes(data: bytes, index: int = 0, max_pixels: int = MAX_RESIZED_
     return im
 
 
-def _too_big(index: int, size: str, max_pixels: int) -> FeedError:
-    return FeedError(f"image {index} is {size}, more than the {max_pixels:,} pixels it may have here; send it smaller "
+def _too_big(index: int, size: str, max_pixels: int) -> TooLargeError:
+    return TooLargeError(f"image {index} is {size}, more than the {max_pixels:,} pixels it may have here; send it smaller "
                      "(the model reads it resized anyway).")
 
 
