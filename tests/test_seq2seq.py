@@ -561,14 +561,46 @@ def test_whisper_transcribes_in_the_language_asked_as_whisper_s_generate(whisper
     assert result.returncode != 0 and "--language is the language of --audio recordings" in result.stderr
 
 
-def test_a_recording_longer_than_the_window_is_refused_not_cut(whisper):
-    """Audio past Whisper's 30 s window was cut there, silently: the rest was never transcribed."""
+def test_a_recording_longer_than_the_window_is_transcribed_in_overlapping_windows(whisper):
+    """Audio past Whisper's 30 s window was cut there, silently; then refused. Now it is read as
+    transformers' pipeline reads it with chunk_length_s=30: windows that overlap by 10 s, their
+    transcripts joined where they agree."""
+    from transformers.models.whisper.tokenization_whisper import _find_longest_common_sequence
+    from transformers.pipelines.automatic_speech_recognition import chunk_iter
+
     from slimml.runtime import load
     from slimml.runtime.tasks.inputs.audio import read_wav, wav_from_bytes
+    from slimml.runtime.tasks.long_form import merge_overlaps, windows
+
+    class Sizes:  # chunk_iter's feature extractor, reduced to what the cut needs
+        sampling_rate = 16000
+
+        def __call__(self, chunk, **_):
+            return {}
+
+    for n in (1, 480_000, 480_001, 800_000, 800_001, 1_040_000, 1_123_456):
+        want = [item["stride"][0] for item in chunk_iter(np.zeros(n), Sizes(), 480_000, 80_000, 80_000)]
+        assert [w.size for w in windows(np.zeros(n), 480_000)] == want, n
+    rng = np.random.default_rng(0)
+    for trial in range(200):  # overlapping pieces of one sequence, some tokens changed: joined as transformers joins them
+        text, pieces, at = rng.integers(0, 12 if trial % 2 else 500, size=int(rng.integers(0, 60))).tolist(), [], 0
+        while at < len(text) or not pieces:
+            n = int(rng.integers(1, 25))
+            pieces.append([t if rng.random() > 0.1 else int(rng.integers(0, 500)) for t in text[at:at + n]])
+            at += max(1, n - int(rng.integers(0, 8)))
+        assert merge_overlaps(pieces) == list(_find_longest_common_sequence(pieces)), pieces
 
     model = load(whisper["root"] / "art")
+    long = speech(65.0, seed=3)
+    got = model.generate([speech(1.0), long], max_new_tokens=8)
+    assert got.tokens[0] == model.generate([speech(1.0)], max_new_tokens=8).tokens[0]  # within the window: as before
+    each = model.generate(windows(long, 480_000), max_new_tokens=8)  # the three windows alone
+    special = {0, 100, 101, 102, 103}  # MiniLM's [PAD], [UNK], [CLS], [SEP], [MASK]
+    assert len(each.tokens) == 3 and got.tokens[1] == merge_overlaps([[t for t in w if t not in special] for w in each.tokens])
+    assert got.texts[1] == model.detokenizer.decode(got.tokens[1])
+    assert got.finish_reasons == each.finish_reasons[:1] + ["length" if "length" in each.finish_reasons else "stop"]
     with pytest.raises(FeedError, match=r"audio 1 is 31.500 s, longer than the 30 s this model reads in one window"):
-        model.generate([speech(1.0), speech(31.5)])
+        model.features([speech(1.0), speech(31.5)])  # the encoder's features alone: one window each
     wav = whisper["root"] / "speech.wav"
     np.testing.assert_array_equal(wav_from_bytes(wav.read_bytes(), "speech.wav"), read_wav(wav))
     with pytest.raises(FeedError, match=r"^up.wav is not a PCM WAV file slimml can read .*ffmpeg -i up.wav"):

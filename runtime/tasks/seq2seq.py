@@ -13,6 +13,7 @@ and a streamed decoder loads each of its shards once per token.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,8 +25,9 @@ from slimml.errors import ConfigError, FeedError
 from slimml.runtime.artifact.manifest import Manifest, safe_path
 from slimml.runtime.tasks.base import Task, register_task, text_encoder
 from slimml.runtime.tasks.generate import Generation
-from slimml.runtime.tasks.inputs.audio import LogMel, features_for
+from slimml.runtime.tasks.inputs.audio import LogMel, features_for, read_audio
 from slimml.runtime.tasks.limits import shown
+from slimml.runtime.tasks.long_form import join_windows, windows
 from slimml.runtime.tasks.seq2seq_search import DECODER, ENCODER, Decoder, Search, beam_search, greedy
 
 if TYPE_CHECKING:
@@ -69,7 +71,10 @@ class Seq2Seq(Task):
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  seed: Any = None, do_sample: bool | None = None, language: str | None = None, **unknown: Any):
         """Generation from texts (T5, BART, Marian) or, for a speech model, WAV paths or 16 kHz
-        waveforms, as the model's generation config says (greedy, sampling, or beam search with its
+        waveforms of any length (past the model's 30 s window, read in overlapping windows whose
+        transcripts are joined, as transformers' pipeline with ``chunk_length_s=30``; its tokens are
+        then the joined text tokens, and ``max_new_tokens`` counts per window), as the model's
+        generation config says (greedy, sampling, or beam search with its
         length penalty and no-repeat n-grams; a None argument keeps the model's own). A multilingual
         speech model detects each recording's language unless ``language`` (an ISO 639-1 code: "en",
         "fr") names it, as Whisper's ``generate(language=...)`` does. Without
@@ -126,37 +131,56 @@ class Seq2Seq(Task):
         return features_for(self._log_mel, name, audio)
 
 
+WINDOWS_A_PASS = 8  # windows of recordings decoded together at most (each row holds its own cross-attention cache)
+
+
 def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search, language: int | None = None) -> Generation:
-    """Generation from texts (T5, BART) or, for speech models, log-mel features / audio (in
-    ``language``, a language token id, where given)."""
-    spec = model.spec
-    encoder = model.parts[ENCODER]
+    """Generation from texts (T5, BART) or, for speech models, audio (in ``language``, a language
+    token id, where given)."""
     t0 = time.perf_counter()
     if model.speech:
-        feeds = model.features(prompts)
-        texts = True
+        return _transcribe(model, prompts, search, language, t0)
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise FeedError("generate() takes a non-empty list of prompts; wrap a single prompt as [prompt].")
+    texts = all(isinstance(p, str) for p in prompts)
+    if texts:
+        feeds = _uncut_feeds(model, list(prompts))
     else:
-        if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
-            raise FeedError("generate() takes a non-empty list of prompts; wrap a single prompt as [prompt].")
-        texts = all(isinstance(p, str) for p in prompts)
-        if texts:
-            feeds = _uncut_feeds(model, list(prompts))
-        else:
-            ids = [_token_ids(p, i) for i, p in enumerate(prompts)]
-            if any(not p for p in ids):
-                raise FeedError("generate() needs non-empty prompts.")
-            width = max(map(len, ids))
-            feeds = {"input_ids": np.full((len(ids), width), int(spec.get("pad_token_id") or 0), np.int64),
-                     "attention_mask": np.zeros((len(ids), width), np.int64)}
-            for i, p in enumerate(ids):
-                feeds["input_ids"][i, :len(p)], feeds["attention_mask"][i, :len(p)] = p, 1
-        feeds = {k: v for k, v in feeds.items() if k in {t.name for t in encoder.inputs}}
-        rows, width = next(iter(feeds.values())).shape[:2]  # padded to the longest: what the passes hold
-        model.limits.check_encoded(rows, width, search.num_beams, context=model.text.max_length if model.text else None)
-    batch = next(iter(feeds.values())).shape[0]
+        ids = [_token_ids(p, i) for i, p in enumerate(prompts)]
+        if any(not p for p in ids):
+            raise FeedError("generate() needs non-empty prompts.")
+        width = max(map(len, ids))
+        feeds = {"input_ids": np.full((len(ids), width), int(model.spec.get("pad_token_id") or 0), np.int64),
+                 "attention_mask": np.zeros((len(ids), width), np.int64)}
+        for i, p in enumerate(ids):
+            feeds["input_ids"][i, :len(p)], feeds["attention_mask"][i, :len(p)] = p, 1
+    feeds = {k: v for k, v in feeds.items() if k in {t.name for t in model.parts[ENCODER].inputs}}
+    rows, width = next(iter(feeds.values())).shape[:2]  # padded to the longest: what the passes hold
+    model.limits.check_encoded(rows, width, search.num_beams, context=model.text.max_length if model.text else None)
+    _check_seeds(search, rows, "prompts")
+    new, _, passes, prefill = _decode(model, feeds, search, language, t0)
+    tok = model.detokenizer
+    out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
+    return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
+                      prompt_tokens=int(feeds["attention_mask"].sum()) if "attention_mask" in feeds else 0,
+                      prefill_s=prefill, finish_reasons=[_finish(t, search) for t in new])
+
+
+def _check_seeds(search: Search, rows: int, what: str) -> None:
     seeds = search.sample.seed if search.sample is not None else None
-    if isinstance(seeds, tuple) and len(seeds) != batch:
-        raise FeedError(f"seed has {len(seeds)} values for {batch} prompts; give one seed per prompt, or one int for all.")
+    if isinstance(seeds, tuple) and len(seeds) != rows:
+        raise FeedError(f"seed has {len(seeds)} values for {rows} {what}; give one seed per prompt, or one int for all.")
+
+
+def _finish(tokens: list[int], search: Search) -> str:
+    return "stop" if tokens and tokens[-1] in set(search.eos) else "length"
+
+
+def _decode(model: Seq2Seq, feeds: dict[str, np.ndarray], search: Search, language: int | None,
+            t0: float) -> tuple[list[list[int]], np.ndarray, int, float]:
+    """The new tokens of each row of the encoder's ``feeds``, the decoder's start tokens (B, k), the
+    decoder passes run and the time to the first one's end."""
+    batch = next(iter(feeds.values())).shape[0]
     inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
     passes, prefill = 0, 0.0
 
@@ -170,22 +194,73 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search, language: int
         return out
 
     decoder = Decoder(counted, inputs, feeds, repeat=search.num_beams)
-    start = start_tokens(decoder, spec, batch, search.num_beams, language)
+    start = start_tokens(decoder, model.spec, batch, search.num_beams, language)
     if search.num_beams > 1:
         new, _ = beam_search(decoder, start, search)
     else:
         new = [[] for _ in range(batch)]
         done = np.zeros(batch, dtype=bool)
-        for nxt in greedy(decoder, start, search, pad=int(spec.get("pad_token_id") or 0)):
+        for nxt in greedy(decoder, start, search, pad=int(model.spec.get("pad_token_id") or 0)):
             for i in np.flatnonzero(~done):
                 new[i].append(int(nxt[i]))
             done |= np.isin(nxt, search.eos)
+    return new, start, passes, prefill
+
+
+def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None, t0: float) -> Generation:
+    """Transcripts of recordings of any length: a recording within the model's window is read whole;
+    a longer one in overlapping windows whose transcripts are joined where they agree
+    (``runtime/tasks/long_form.py``, as transformers' pipeline with ``chunk_length_s=30``). Its
+    tokens are then the joined text tokens, and its finish reason ``length`` where any window ran
+    out of ``max_new_tokens``."""
+    if model._log_mel is None:
+        model.features(audio)  # the one-line refusal of an artifact without its feature extractor
+    log_mel = model._log_mel
+    waves = read_audio(log_mel, audio)
+    _check_seeds(search, len(waves), "recordings")
+    rows = [(i, piece) for i, wave in enumerate(waves) for piece in windows(wave, log_mel.n_samples)]
+    name = next((t.name for t in model.parts[ENCODER].inputs), "input_features")
+    seeds = search.sample.seed if search.sample is not None else None
+    new: list[list[int]] = []
+    starts: list[tuple[int, ...]] = []
+    passes, prefill = 0, 0.0
+    for at in range(0, len(rows), WINDOWS_A_PASS):
+        group = rows[at:at + WINDOWS_A_PASS]
+        part = search
+        if isinstance(seeds, tuple):  # each recording's seed for each of its windows
+            part = search.replace(sample=dataclasses.replace(search.sample, seed=tuple(seeds[i] for i, _ in group)))
+        got, start, n, first = _decode(model, {name: np.stack([log_mel(piece) for _, piece in group])}, part, language, t0)
+        new += got
+        starts += [tuple(r) for r in start.tolist()]
+        passes, prefill = passes + n, prefill or first
     tok = model.detokenizer
-    out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
-    ends = set(np.atleast_1d(search.eos).tolist())
-    return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
-                      prompt_tokens=int(feeds["attention_mask"].sum()) if "attention_mask" in feeds else 0,
-                      prefill_s=prefill, finish_reasons=["stop" if t and t[-1] in ends else "length" for t in new])
+    special = _not_text(tok, search)
+    tokens, texts, reasons = [], [], []
+    for i in range(len(waves)):
+        mine = [r for r, (j, _) in enumerate(rows) if j == i]
+        if len(mine) == 1:
+            tokens.append(new[mine[0]])
+            texts.append(tok.decode(new[mine[0]], skip_special_tokens=True) if tok is not None else "")
+        else:  # the windows' text tokens, joined; a new piece where the detected language changes
+            runs = join_windows([(starts[r], [t for t in new[r] if t not in special]) for r in mine])
+            tokens.append([t for run in runs for t in run])
+            texts.append("".join(tok.decode(run, skip_special_tokens=True) for run in runs) if tok is not None else "")
+        reasons.append("length" if any(_finish(new[r], search) == "length" for r in mine) else "stop")
+    return Generation(tokens=tokens, texts=texts if tok is not None else None, seconds=time.perf_counter() - t0,
+                      passes=passes, prefill_s=prefill, finish_reasons=reasons)
+
+
+def _not_text(tok: Any, search: Search) -> set[int]:
+    """Token ids that are not text in a window's transcript: the tokenizer's special tokens, the end
+    ids and, for Whisper, its timestamp tokens (every id after ``<|notimestamps|>``)."""
+    special = set(search.eos)
+    if tok is None:
+        return special
+    special |= {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    stamps = tok.token_to_id("<|notimestamps|>")
+    if stamps is not None:
+        special |= set(range(stamps + 1, tok.get_vocab_size(with_added_tokens=True)))
+    return special
 
 
 def _token_ids(prompt: Any, i: int) -> list[int]:

@@ -3,7 +3,7 @@ and checked, and the answer in OpenAI's shape.
 
 The request is ``multipart/form-data``, as OpenAI's client sends it (``client.audio.transcriptions
 .create(model=..., file=open("speech.wav", "rb"))``): a ``file`` (a PCM WAV recording at the
-model's rate, at most one window long) and optional ``model``, ``language`` (ISO 639-1),
+model's rate; a recording longer than the model's window is read in overlapping windows) and optional ``model``, ``language`` (ISO 639-1),
 ``temperature`` and ``response_format`` (``json`` or ``text``). A field that would change the
 answer in a way this server cannot give (a ``prompt`` to continue, timestamps, a stream) is refused,
 never ignored. The form is read with the standard library's MIME parser, so no multipart package is
@@ -28,7 +28,7 @@ _REFUSED = {
     "timestamp_granularities[]": "this server transcribes without timestamps: leave it out",
     "timestamp_granularities": "this server transcribes without timestamps: leave it out",
     "include[]": "this server gives no log-probabilities: leave it out",
-    "chunking_strategy": "this server reads one window of audio: send at most that much, and leave it out",
+    "chunking_strategy": "this server cuts a long recording into overlapping windows itself: leave it out",
     "known_speaker_names[]": "this server does not diarize: leave it out",
 }
 

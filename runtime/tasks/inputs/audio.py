@@ -132,8 +132,8 @@ def _decode_wav(source: Any, said: str, name: str, rate: int) -> np.ndarray:
     return samples.reshape(-1, channels).mean(axis=1) if channels > 1 else samples
 
 
-def features_for(extractor: LogMel, input_name: str, audio: Any) -> dict[str, np.ndarray]:
-    """``{input_name: (B, n_mels, frames)}`` for WAV paths or 16 kHz float waveforms."""
+def read_audio(extractor: LogMel, audio: Any) -> list[np.ndarray]:
+    """WAV paths or float waveforms at the extractor's rate (one, or a list) as 1-D float waveforms."""
     if isinstance(audio, (str, os.PathLike, np.ndarray)):
         audio = [audio]
     if not isinstance(audio, (list, tuple)) or not audio:
@@ -147,10 +147,17 @@ def features_for(extractor: LogMel, input_name: str, audio: Any) -> dict[str, np
         else:
             raise FeedError(f"audio {i} is a {type(a).__name__}; give a WAV path or a 1-D float waveform at "
                             f"{extractor.sampling_rate} Hz.")
-        if waves[-1].size > extractor.n_samples:  # the window would cut it: the rest never transcribed
+    return waves
+
+
+def features_for(extractor: LogMel, input_name: str, audio: Any) -> dict[str, np.ndarray]:
+    """``{input_name: (B, n_mels, frames)}`` for WAV paths or 16 kHz float waveforms, each within one
+    window (``generate`` cuts a longer recording itself: ``runtime/tasks/long_form.py``)."""
+    waves = read_audio(extractor, audio)
+    for i, w in enumerate(waves):
+        if w.size > extractor.n_samples:  # the window would cut it: the rest never transcribed
             rate = extractor.sampling_rate
-            raise FeedError(f"audio {i} is {waves[-1].size / rate:.3f} s, longer than the {extractor.n_samples / rate:g} s "
+            raise FeedError(f"audio {i} is {w.size / rate:.3f} s, longer than the {extractor.n_samples / rate:g} s "
                             "this model reads in one window (the rest would be lost); split it into parts of at most "
-                            f"{extractor.n_samples / rate:g} s.")
-    features = np.stack([extractor(w) for w in waves])
-    return {input_name: features}
+                            f"{extractor.n_samples / rate:g} s, or transcribe it with generate(), which does.")
+    return {input_name: np.stack([extractor(w) for w in waves])}
