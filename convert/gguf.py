@@ -76,6 +76,8 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
         reader = read_gguf(path)
         size = path.stat().st_size
         short = [t.name for t in reader.tensors if int(t.data_offset) + int(t.n_bytes) > size]
+    except ImportError:  # gguf-py itself not installed (the base install): named by the caller, not "damaged"
+        raise
     except Exception as e:  # gguf-py's own errors on a cut file ("cannot reshape array ...")
         unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(e))
         if unknown:  # a type newer than the installed gguf-py (llama.cpp adds them: MXFP4, NVFP4, Q1_0, ...)

@@ -26,7 +26,7 @@ from slimml.convert.distill.distill import DistillConfig
 from slimml.convert.export import Exported, export
 from slimml.convert.llm_check import check_language_model, is_language_model, read_eval_text
 from slimml.convert.sources import Source, resolve
-from slimml.errors import ConfigError, ExportError, SlimmlError, SourceError
+from slimml.errors import ConfigError, ExportError, SlimmlError, SourceError, extras_for
 from slimml.runtime.artifact.atomic import check_output, os_error
 from slimml.runtime.artifact.manifest import Manifest, verify_files
 from slimml.runtime.artifact.writer import ArtifactWriter
@@ -101,11 +101,12 @@ def convert(
 
     _check_inputs(config)  # a bad calibration, evaluation or STS file fails before any work
     step("reading the source")
-    src = resolve(source, example_inputs)
-    try:
-        return _convert(src, out, config, step, current, on_progress, t0)
-    finally:
-        src.restore()  # a torch module the caller gave is put back in train mode if it was in it
+    with extras_for("convert"):  # on the base install: one line naming the extra, not an ImportError
+        src = resolve(source, example_inputs)
+        try:
+            return _convert(src, out, config, step, current, on_progress, t0)
+        finally:
+            src.restore()  # a torch module the caller gave is put back in train mode if it was in it
 
 
 def _convert(src: Source, out: Any, config: ConvertConfig, step: Callable[[str], None], current: list[str],

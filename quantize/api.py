@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 import slimml
-from slimml.errors import ArtifactError, ConfigError
+from slimml.errors import ArtifactError, ConfigError, extras_for
 import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and NNCF backends)
 import slimml.quantize.chain as ch
 from slimml.quantize.calibration import calibration_texts
@@ -94,7 +94,7 @@ def quantize(
         )
     check_output(out)  # a link, a read-only place, a path under a file
     source = _read_float_artifact(src)  # a bad source fails before a temporary folder appears
-    with ArtifactWriter(out) as w:
+    with extras_for("quantize"), ArtifactWriter(out) as w:  # on the base install: one line naming the extra
         result = _quantize_with(w, src, config, on_step, source)
     result.out = out
     return result

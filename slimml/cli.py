@@ -23,7 +23,7 @@ from rich.text import Text
 
 from slimml.cli_options import Options, OptionValues, config_options
 from slimml.convert.config import ConvertConfig, DistillConfig, ExportConfig, PruneConfig, ShardConfig
-from slimml.errors import ConfigError, SlimmlError
+from slimml.errors import ConfigError, SlimmlError, missing_extra
 from slimml.runtime.artifact.atomic import stop_asked
 from slimml.quantize.config import QuantizeOptions
 from slimml.runtime.engine.config import LoadConfig
@@ -654,6 +654,9 @@ def generate(
     head = [{"role": "system", "content": system}] if system is not None else []
     conversations = [[*head, {"role": "user", "content": p}] for p in prompt]
     model = load(artifact, loading.build())
+    if not model.supports("generate"):  # the task's own refusal names Python's methods: here, the command
+        raise ConfigError(f"{artifact} is a {model.manifest.task!r} model, which does not generate text; use "
+                          f"`slimml run {artifact} TEXT` for its outputs.")
     if num_beams is not None and model.supports("stream"):
         raise ConfigError("--num-beams is beam search for encoder-decoders (T5, BART, Marian); a decoder decodes greedily "
                           "or samples (--temperature): drop --num-beams.")
@@ -802,25 +805,6 @@ def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-# the packages of each extra a command may import, by their module name
-_EXTRAS = {"torch": "convert", "transformers": "convert", "optimum": "convert", "nncf": "convert", "sympy": "convert",
-           "onnx_ir": "convert", "gguf": "convert", "accelerate": "convert", "sentence_transformers": "convert",
-           "ray": "serve", "orjson": "serve", "matplotlib": "bench", "PIL": "vision"}
-
-
-def _missing_extra(e: ImportError) -> tuple[str, str] | None:
-    """The missing module and the extra that brings it, for an ImportError that names one of the
-    extras' packages (``No module named 'torch'``, ONNX Runtime's ``missing 'sympy'``), else None."""
-    import re
-
-    names = [e.name or ""] + re.findall(r"(?:No module named|missing) '([\w.]+)'", str(e))
-    for name in names:
-        top = name.split(".")[0]
-        if top in _EXTRAS:
-            return top, _EXTRAS[top]
-    return None
-
-
 def main() -> None:
     """Entry point: run the app, turning slimml errors into one line and exit code 1, and a
     command line Typer cannot parse (an unknown option, ``--seed abc``) into one line and exit code 2.
@@ -854,13 +838,10 @@ def main() -> None:
         err.print("aborted.")
         sys.exit(1)
     except ImportError as e:  # a command of an extra this install does not have (quantize on the base install)
-        extra = _missing_extra(e)
-        if extra is None or os.environ.get("SLIMML_DEBUG"):
+        missing = missing_extra(e)
+        if missing is None or os.environ.get("SLIMML_DEBUG"):
             raise
-        module, group = extra
-        fix = escape(f"pip install 'slimml[{group}]'" + (" (after pip install torch==2.13.0)" if group == "convert" else ""))
-        err.print(f"[bold red]error:[/bold red] this command needs the {escape(module)} package, which is not installed; "
-                  f"{fix}.", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/bold red] {escape(str(missing))}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except Exception as e:
         if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):

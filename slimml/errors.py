@@ -6,6 +6,10 @@ Every message says what was wrong, where, and what to do about it. The CLI turns
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class SlimmlError(Exception):
     """Base class of every error slimml raises on purpose."""
@@ -78,3 +82,43 @@ class TaskError(SlimmlError):
         self.task = task
         self.method = method
         self.alternatives = tuple(alternatives)
+
+
+class MissingExtraError(SlimmlError, ImportError):
+    """A call needs a package of an extra this install does not have (``convert`` on the base
+    install): the message names the package and the ``pip install 'slimml[EXTRA]'`` that brings it.
+    Also an ImportError, for code that catches those."""
+
+
+# the packages of each extra a call may import, by their module name
+EXTRAS = {"torch": "convert", "transformers": "convert", "optimum": "convert", "nncf": "convert", "sympy": "convert",
+          "onnx_ir": "convert", "gguf": "convert", "accelerate": "convert", "sentence_transformers": "convert",
+          "ray": "serve", "orjson": "serve", "matplotlib": "bench", "PIL": "vision"}
+
+
+def missing_extra(e: ImportError, what: str = "this command") -> MissingExtraError | None:
+    """``e`` as one line naming the extra to install, where it names a package of one (``No module
+    named 'torch'``, ONNX Runtime's ``missing 'sympy'``); else None."""
+    if isinstance(e, MissingExtraError):
+        return e
+    for name in [e.name or ""] + re.findall(r"(?:No module named|missing) '([\w.]+)'", str(e)):
+        top = name.split(".")[0]
+        if top in EXTRAS:
+            group = EXTRAS[top]
+            after = " (after pip install torch==2.13.0)" if group == "convert" else ""
+            return MissingExtraError(f"{what} needs the {top} package, which is not installed; "
+                                     f"pip install 'slimml[{group}]'{after}.")
+    return None
+
+
+@contextmanager
+def extras_for(what: str) -> Iterator[None]:
+    """Inside: an ImportError of an extra's package becomes a :class:`MissingExtraError` naming
+    ``what`` (``"convert"``) and the extra."""
+    try:
+        yield
+    except ImportError as e:
+        missing = missing_extra(e, what)
+        if missing is None or missing is e:
+            raise
+        raise missing from None

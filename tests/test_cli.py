@@ -171,6 +171,7 @@ def test_wrong_kinds_of_input_each_say_the_right_fix(tiny_bert_artifact, tiny_ll
         (("run", tiny_bert_artifact, "--input", tmp_path), "is a folder, not a file"),
         (("bench", tiny_bert_artifact, "--batch", "99999999"), "out of memory"),
         (("run", tiny_bert_artifact, "hi", "--top-k", "-1"), "--top-k must be a whole number >= 1"),  # was ignored
+        (("generate", tiny_bert_artifact, "hi"), f"which does not generate text; use `slimml run {tiny_bert_artifact} TEXT`"),
         (("run", tiny_bert_artifact, "hi", "--aggregation", "foo"), "--aggregation must be one of none, simple"),
         (("bench", tiny_bert_artifact, "--sweep", "2", "--sweep-out", tmp_path / "junk.bin"), "--sweep-out"),
     ]
@@ -197,9 +198,36 @@ def test_a_command_of_an_extra_not_installed_says_which_extra(tiny_bert_artifact
     r = subprocess.run([sys.executable, "-c", hide, str(tiny_bert_artifact), str(tmp_path / "q")], capture_output=True,
                        text=True, timeout=600, env={**os.environ, "SLIMML_DEBUG": ""})
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.strip() == ("error: this command needs the sympy package, which is not installed; pip install "
+    assert r.stderr.strip() == ("error: quantize needs the sympy package, which is not installed; pip install "
                                 "'slimml[convert]' (after pip install torch==2.13.0).")
     assert not (tmp_path / "q").exists()
+
+
+def test_python_s_convert_and_quantize_name_the_extra_they_need(tiny_bert_artifact, tmp_path):
+    """In Python they raised ImportError (ONNX Runtime's saying `pip install sympy`), and a GGUF file
+    without the gguf package was called damaged: "download or copy it again"."""
+    code = """
+import sys
+sys.modules[sys.argv[3]] = None
+from slimml.errors import MissingExtraError
+try:
+    if sys.argv[3] == "gguf":
+        from slimml.convert import convert
+        convert(sys.argv[1], sys.argv[2])
+    else:
+        from slimml.quantize import Int8Config, quantize
+        quantize(sys.argv[1], sys.argv[2], Int8Config("cpu"))
+except MissingExtraError as e:
+    print(e)
+"""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(64))
+    for source, hidden, what in ((tiny_bert_artifact, "sympy", "quantize"), (gguf, "gguf", "convert")):
+        r = subprocess.run([sys.executable, "-c", code, str(source), str(tmp_path / "out"), hidden], capture_output=True,
+                           text=True, timeout=600)
+        assert r.stdout.strip() == (f"{what} needs the {hidden} package, which is not installed; pip install "
+                                    "'slimml[convert]' (after pip install torch==2.13.0)."), r.stderr[-2000:]
+        assert not (tmp_path / "out").exists()
 
 
 def test_info_lists_numbered_tensors_once():

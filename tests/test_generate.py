@@ -404,6 +404,8 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
             llama.generate, [[1, 2], [3, 512]])
     refused(FeedError, "prompt 0 has token id -1 at position 0, outside the model's vocabulary of 512; use ids in [0, 512).",
             llama.stream, [-1])  # a stream refuses when made, not at its first piece
+    refused(FeedError, "prompts is one list of token ids; wrap it in a list ([[1, 2, 3]]): a list of id lists is a batch "
+            "of prompts.", llama.generate, [5, 6])  # was "..., got list"
     for odd in (b"hi", 5, None):  # bytes once read as ids; a number or None was Python's TypeError
         with pytest.raises(FeedError, match="stream\\(\\) takes one prompt, a text or a list of token ids, got"):
             llama.stream(odd)

@@ -200,6 +200,9 @@ def _id_lists(prompts: Any) -> list[list[int]]:
             raise FeedError(f"prompts as an array must be 2-D integer token ids, got {prompts.ndim}-D {prompts.dtype}; "
                             "pass a list of id lists for prompts of different lengths.")
         return prompts.astype(np.int64).tolist()
+    if isinstance(prompts, (list, tuple)) and prompts and all(is_int(t) for t in prompts):
+        raise FeedError("prompts is one list of token ids; wrap it in a list ([[1, 2, 3]]): a list of id lists is a "
+                        "batch of prompts.")
     if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
         raise FeedError(f"prompts must be a text, a list of texts, or a list of token id lists, got {type(prompts).__name__}.")
     out = []
