@@ -362,8 +362,8 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
     if exporter == "optimum":
         try:
             _optimum_export(folder, onnx_dir, task, config)
-        except ExportError:  # a decoder optimum-onnx does not know (StarCoder2): the torch exporter's trace
-            if not _torch_decoder_fallback(folder, task, config):
+        except ExportError:  # a model or head optimum-onnx does not know (StarCoder2, ModernBERT QA): torch's trace
+            if not _torch_fallback(folder, task, config):
                 raise
             shutil.rmtree(onnx_dir, ignore_errors=True)
             exporter = "torch"
@@ -396,11 +396,12 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         add_splade_pooling(onnx_path, splade)
         pooling = {**POOLING, **{k: splade[k] for k in ("prompts", "default_prompt") if k in splade}}
     tokenizer = _tokenizer_info(folder, onnx_dir, pooling)
+    preprocessor, unshipped = _preprocessor(folder, onnx_path)
     if pooling is not None and pooling.get("dense"):
         write_st_dense(folder, pooling, onnx_dir)  # the projections after pooling, as the files the record names
     return Exported(
         onnx_path=onnx_path, task=out_task, pooling=pooling, pooling_dir=onnx_dir, tokenizer=tokenizer,
-        tokenizer_dir=onnx_dir if tokenizer else None, preprocessor=_preprocessor(folder, onnx_path),
+        tokenizer_dir=onnx_dir if tokenizer else None, preprocessor=preprocessor, preprocessing_note=unshipped,
         labels=_labels(folder, task), graphs=graphs, seq2seq=_seq2seq_spec(folder) if graphs else None,
         info={"hf_task": task, **_config_facts(folder), "exporter": exporter, **({"splade": {k: splade[k] for k in ("strategy", "activation")}} if splade else {})},
     )
@@ -487,10 +488,10 @@ def _traced_decoder_task(folder: Path, task: str) -> bool:
     return task in DECODER_TASKS and not _read_config(folder).get("is_encoder_decoder")
 
 
-def _torch_decoder_fallback(folder: Path, task: str, config: ExportConfig) -> bool:
-    """Whether a decoder optimum-onnx failed on goes to the torch exporter: with ``--exporter auto``
+def _torch_fallback(folder: Path, task: str, config: ExportConfig) -> bool:
+    """Whether a model optimum-onnx failed on goes to the torch exporter: with ``--exporter auto``
     (optimum-onnx was tried, so it loads) where the torch exporter writes the model."""
-    return config.exporter == "auto" and _traced_decoder_task(folder, task) and _torch_reason(folder, task) is None
+    return config.exporter == "auto" and _torch_reason(folder, task) is None
 
 
 def _optimum_loads() -> str | None:
@@ -638,15 +639,23 @@ def _whisper_prompt(gen: dict, config: dict) -> list[int | None]:
     return prompt if gen.get("lang_to_id") else [t for t in prompt if t is not None]  # no ids to detect among: none
 
 
-def _preprocessor(folder: Path, onnx_path: Path) -> Path | None:
-    """The source's preprocessor config, when the graph takes pixels or audio features and the folder has one."""
+def _preprocessor(folder: Path, onnx_path: Path) -> tuple[Path | None, str | None]:
+    """The source's preprocessor config, when the graph takes pixels or audio features and the folder
+    has one, and an image processor's only where slimml makes the same pixels from it; else None
+    and, for an image processor slimml does not reproduce, why (one line)."""
     import onnx
 
     path = folder / PREPROCESSOR_FILE
     if not path.is_file():
-        return None
+        return None, None
     inputs = {i.name for i in onnx.load(str(onnx_path), load_external_data=False).graph.input}
-    return path if inputs & {"pixel_values", "input_features"} else None
+    if "pixel_values" in inputs:
+        from slimml.convert.check_images import preprocessing_gap
+
+        if (gap := preprocessing_gap(folder, path)) is not None:
+            return None, (f"{gap}; its config is not shipped: make the pixels with transformers' processor and call "
+                          "run(pixel_values=...)")
+    return (path if inputs & {"pixel_values", "input_features"} else None), None
 
 
 def _labels(folder: Path, task: str) -> list[str] | None:

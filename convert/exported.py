@@ -24,3 +24,4 @@ class Exported:
     layerwise: dict[str, Any] | None = None  # {"template", "folder", "depth"}: onnx_path is a 3-layer template
     info: dict[str, Any] = field(default_factory=dict)
     note: str | None = None  # why "auto" did not choose the fused exporter for a decoder (one line)
+    preprocessing_note: str | None = None  # why the source's image processor config was not shipped (one line)

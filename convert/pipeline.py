@@ -151,6 +151,8 @@ def _convert(src: Source, out: Any, config: ConvertConfig, step: Callable[[str],
             verify_files(w.folder, manifest)
         if exported.note:  # why a decoder did not get the fast graph: shown with the report
             source_checks["exporter_note"] = exported.note
+        if exported.preprocessing_note:  # an image processor slimml does not reproduce: images refused, not misread
+            source_checks["preprocessing_note"] = exported.preprocessing_note
         manifest.checks = {**source_checks, **manifest.checks}
         if config.quantize is not None:
             manifest = _quantize_step(w, manifest, config.quantize, step)

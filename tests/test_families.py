@@ -60,9 +60,12 @@ def clip(tmp_path_factory):
 
 # -- pre-processing ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["vit-224", "vit-32", "clip-224", "clip-crop-larger-than-resize", "clip-int-size"])
+@pytest.mark.parametrize("kind", ["vit-224", "vit-32", "clip-224", "clip-crop-larger-than-resize", "clip-int-size",
+                                  "convnext-224", "convnext-crop-pct", "convnext-384"])
 def test_image_preprocessing_matches_the_hugging_face_processor(kind):
-    from transformers import CLIPImageProcessor, ViTImageProcessor
+    """ConvNeXt's processor (ResNet's too) was read as a plain resize: its crop_pct and its square
+    from 384 up were missed, and the pixels differed."""
+    from transformers import CLIPImageProcessor, ConvNextImageProcessor, ViTImageProcessor
 
     from slimml.runtime.tasks.inputs.image import ImageProcessor
 
@@ -72,6 +75,9 @@ def test_image_preprocessing_matches_the_hugging_face_processor(kind):
         "clip-224": lambda: CLIPImageProcessor(),
         "clip-crop-larger-than-resize": lambda: CLIPImageProcessor(size={"shortest_edge": 48}, crop_size={"height": 64, "width": 64}),
         "clip-int-size": lambda: CLIPImageProcessor(size=40, crop_size=36),
+        "convnext-224": lambda: ConvNextImageProcessor(size={"shortest_edge": 224}),
+        "convnext-crop-pct": lambda: ConvNextImageProcessor(size={"shortest_edge": 40}, crop_pct=0.8),
+        "convnext-384": lambda: ConvNextImageProcessor(),
     }[kind]()
     ours = ImageProcessor(json.loads(hf.to_json_string()))
     for image in _images(6):
@@ -209,6 +215,25 @@ def test_an_artifact_without_a_preprocessor_config_says_how_to_give_one(tmp_path
     with pytest.raises(SlimmlError, match="has no image preprocessor"):
         model.classify(_images(1))
     assert model.run({"pixel_values": np.zeros((1, 3, 32, 32), np.float32)})["logits"].shape == (1, 2)
+
+
+def test_an_image_processor_slimml_does_not_reproduce_is_not_shipped(tmp_path):
+    """An image processor of another kind (MobileViT's flips the channels) was shipped and read as
+    a plain one: the model got other pixels than it was trained on, silently."""
+    from transformers import MobileViTImageProcessor, ViTConfig, ViTForImageClassification
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load
+
+    ViTForImageClassification(ViTConfig(**TOWER, image_size=32, patch_size=8, num_labels=2)).eval().save_pretrained(tmp_path / "src")
+    MobileViTImageProcessor(size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32}).save_pretrained(tmp_path / "src")
+    report = convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["preprocessing_note"].startswith("slimml's pixels differ from MobileViTImageProcessor's by up to ")
+    assert report.checks["preprocessing_note"].endswith("its config is not shipped: make the pixels with transformers' "
+                                                        "processor and call run(pixel_values=...)")
+    model = load(tmp_path / "art")
+    with pytest.raises(SlimmlError, match="has no image preprocessor"):
+        model.classify(_images(1))
 
 
 # -- CLIP ----------------------------------------------------------------------------------------

@@ -406,6 +406,28 @@ def test_one_memory_budget_is_shared_by_the_components(t5):
         load(t5["root"] / "art", memory_budget=max(largest.values()) + 1)
 
 
+def test_a_tiny_int8_bart_generates_in_merged_sessions(tmp_path):
+    """Its decoder's merged shards failed on the first step ("Shape mismatch attempting to re-use
+    buffer"): each shard's shape inference names unknown dims unk__0, unk__1... afresh, and the
+    merged graph read two different dims as one."""
+    from transformers import AutoTokenizer, BartConfig, BartForConditionalGeneration
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+    from slimml.quantize import Int8Config
+    from slimml.runtime import load
+
+    torch.manual_seed(0)
+    BartForConditionalGeneration(BartConfig(
+        vocab_size=30522, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=101, eos_token_id=102, decoder_start_token_id=102, forced_eos_token_id=102)).eval().save_pretrained(tmp_path / "src")
+    AutoTokenizer.from_pretrained(str(default_model_dir())).save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "int8", ConvertConfig(quantize=Int8Config("cpu"), measure_latency=False))
+    got = load(tmp_path / "int8").generate(["The capital", "of a country far away"], max_new_tokens=6)
+    assert [len(t) for t in got.tokens] == [6, 6]
+
+
 def test_t5_quantizes_each_component_with_real_decoder_inputs(t5):
     from slimml.quantize import Int8Config, quantize
     from slimml.runtime import load

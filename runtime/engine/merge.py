@@ -31,6 +31,7 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
             renamed in the later shard.
     """
     inputs, outputs = manifest.segment_io(indices)
+    named = {d for t in inputs + outputs for d in t.shape if isinstance(d, str)}  # the model's own dynamic axes
     nodes, inits, infos, functions = [], {}, {}, {}
     made: dict[str, bytes] = {}  # output name -> the node that makes it (name cleared), serialised
     node_names: set[str] = set()
@@ -59,8 +60,8 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
         for node in _in_order(m.graph.node):
             _add_node(nodes, node, made, node_names, i, boundary, renames)
         for v in m.graph.value_info:
+            v = _own_dims(v, named, i)
             if v.name in renames:
-                v = _copy(v)
                 v.name = renames[v.name]
             infos.setdefault(v.name, v)
     graph = helper.make_graph(
@@ -173,6 +174,19 @@ def _tensor_bytes(folder: Path, t: onnx.TensorProto) -> bytes:
     with open(safe_path(folder, info["location"]), "rb") as f:
         f.seek(int(info.get("offset", 0)))
         return f.read(int(info["length"]))
+
+
+def _own_dims(v: onnx.ValueInfoProto, named: set[str], shard: int) -> onnx.ValueInfoProto:
+    """A copy of shard ``shard``'s value info ``v`` whose symbolic dims other than the model's own
+    axes (``named``) are the shard's: each shard's shape inference names the dims it cannot tell
+    ``unk__0``, ``unk__1``... afresh, and one name for two different dims in one graph makes ONNX
+    Runtime reuse a buffer of the wrong size ("Shape mismatch attempting to re-use buffer": a tiny
+    int8 BART's decoder failed so on its first step)."""
+    v = _copy(v)
+    for d in v.type.tensor_type.shape.dim:
+        if d.HasField("dim_param") and d.dim_param not in named:
+            d.dim_param = f"{d.dim_param}__shard{shard}"
+    return v
 
 
 def _value_info(t: TensorSpec) -> onnx.ValueInfoProto:

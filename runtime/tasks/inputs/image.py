@@ -2,7 +2,9 @@
 
 The steps and their order are those of transformers' (slow, PIL-based) image processors such as
 ``ViTImageProcessor`` and ``CLIPImageProcessor``: convert to RGB, resize, centre-crop, rescale,
-normalise, channels first. They read the ``preprocessor_config.json`` shipped in the artifact,
+normalise, channels first (``ConvNextImageProcessor``, ResNet's too: its ``crop_pct`` below 384
+pixels, a square from 384 up). ``convert`` compares them with the source's own processor and ships
+the config only where they agree. They read the ``preprocessor_config.json`` shipped in the artifact,
 so the runtime needs neither torch nor transformers; the outputs match transformers' to 1e-5.
 """
 
@@ -48,6 +50,14 @@ class ImageProcessor:
         if crop is not None and "shortest_edge" in crop:
             crop = {"height": crop["shortest_edge"], "width": crop["shortest_edge"]}
         self.crop_size = crop
+        if str(config.get("image_processor_type") or "").startswith("ConvNextImageProcessor") and self.size \
+                and "shortest_edge" in self.size:  # ConvNeXt's and ResNet's: crop_pct, and a square from 384 up
+            edge = int(self.size["shortest_edge"])
+            if edge < 384:  # the shortest edge to edge / crop_pct, then the centre edge x edge
+                self.size = {"shortest_edge": int(edge / float(config.get("crop_pct") or 224 / 256))}
+                self.crop_size = {"height": edge, "width": edge}
+            else:  # warped to a square, not cropped
+                self.size = {"height": edge, "width": edge}
         self.do_rescale = bool(config.get("do_rescale", True))
         self.rescale_factor = float(config.get("rescale_factor", 1 / 255))
         self.do_normalize = bool(config.get("do_normalize", True))
