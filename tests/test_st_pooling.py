@@ -16,7 +16,7 @@ import pytest
 from slimml.convert import ConvertConfig, convert
 from slimml.convert.config import ExportConfig
 from slimml.convert.sources import sentence_transformers_pooling
-from slimml.errors import ExportError, SourceError
+from slimml.errors import ExportError, SlimmlError, SourceError
 from slimml.runtime import load
 from slimml.runtime.tasks.inputs.pooling import pool
 
@@ -136,6 +136,9 @@ def test_the_transformer_under_a_pipeline_converts_alone_and_a_cross_encoder_is_
     convert(folder, tmp_path / "art", ConvertConfig(export=ExportConfig(task="feature-extraction"), measure_latency=False))
     model = load(tmp_path / "art")
     assert model.manifest.pooling is None and "last_hidden_state" in model.run(model.text(TEXTS))
+    with pytest.raises(SlimmlError, match=r"use run\(\) for its raw outputs; for sentence embeddings, save the source as "
+                       r"sentence-transformers does \(SentenceTransformer\(FOLDER\).save\(OUT\): mean pooling\)"):
+        model.encode(TEXTS)
     (folder / "modules.json").write_text(json.dumps(modules[:1]))
     (folder / "config_sentence_transformers.json").write_text(json.dumps({"model_type": "CrossEncoder"}))
     assert sentence_transformers_pooling(folder) is None

@@ -116,6 +116,9 @@ class Task:
             why = "does not take images"
         else:
             why = f"cannot {method}(): it is a {self.manifest.task!r} model, not {NEEDS.get(method, 'one that has it')}"
+        if method in ("encode", "encode_with_counts") and self.manifest.task == "feature-extraction":  # a plain encoder
+            use += ("; for sentence embeddings, save the source as sentence-transformers does "
+                    "(SentenceTransformer(FOLDER).save(OUT): mean pooling) and convert OUT")
         return TaskError(f"the artifact {self.folder} {why}; use {use}.", self.manifest.task, method, alternatives)
 
     # -- the task API: each raises TaskError unless the task has it ------------------------------
