@@ -40,7 +40,7 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
     for i in indices:
         shard = manifest.shards[i]
         m = onnx.load_model_from_string(safe_path(folder, shard.file).read_bytes())  # weights not read
-        _relative_to_folder(m, PurePosixPath(shard.file).parent)
+        relative_to_folder(m, PurePosixPath(shard.file).parent)
         ir_version = max(ir_version, m.ir_version)
         for op in m.opset_import:
             if opsets.setdefault(op.domain, op.version) != op.version:
@@ -141,7 +141,7 @@ def _copy(proto):
     return out
 
 
-def _relative_to_folder(m: onnx.ModelProto, shard_dir: PurePosixPath) -> None:
+def relative_to_folder(m: onnx.ModelProto, shard_dir: PurePosixPath) -> None:
     """External-data locations are relative to the shard's own file; a component's shards sit in
     a subfolder (``text/shard_000.onnx``), so make them relative to the artifact folder."""
     if str(shard_dir) in ("", "."):

@@ -125,7 +125,7 @@ class PackedSlots:
             entry.seen = None
             raise IntegrityError(f"the cache entry {entry.folder} changed while it was loaded; delete {entry.folder} "
                                  "(slimml rebuilds it) and load the model again.")
-        if not ranges:
+        if not ranges and entry.data.stat().st_size:
             raise ArtifactError("ONNX Runtime did not map the pre-packed weights from their file")
         self.sessions[index] = session  # the mappings live as long as the session: kept while slots may advise them
         if self.read_in:
@@ -144,6 +144,8 @@ class PackedSlots:
         entry = self.entries[index]
         entry.check()  # re-hashed only if a file changed since it was hashed
         ranges = self.ranges[index]
+        if not ranges:  # a shard whose weights are all small constants inside its graph
+            return Slot(index, {}, 0)
         nbytes = sum(n for _, n, _ in ranges)
         if self.read_in:
             if self._buffers is None:  # one per slot in use, as large as the largest shard's packed weights
@@ -201,8 +203,8 @@ class PackedSlots:
                 so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
                 ort.InferenceSession(os.fspath(safe_path(self.folder, shard.file)), so, providers=["CPUExecutionProvider"],
                                      disabled_optimizers=self.backend.disabled_optimizers())
-                if not (tmp / "shard.onnx.data").is_file():
-                    raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
+                if not (tmp / "shard.onnx.data").is_file():  # no weight of 1 KB or more (a small head): nothing to map
+                    (tmp / "shard.onnx.data").touch()
                 if any(file_stamp(path) != stamp for path, stamp in sources):  # changed while ONNX Runtime read it
                     raise IntegrityError(f"shard {index}'s files changed while they were packed; restore the artifact "
                                          "(write a new folder and rename it, never overwrite files in place) and load "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,6 +32,7 @@ import onnx
 
 from slimml.errors import ArtifactError
 from slimml.runtime.artifact.manifest import Manifest, safe_path, verify_file
+from slimml.runtime.engine.merge import relative_to_folder
 from slimml.runtime.engine.weights import WeightSpec, canonical, weights_as_inputs
 
 if TYPE_CHECKING:
@@ -95,15 +96,16 @@ class FedSlots:
         """
         shard = self.manifest.shards[index]
         model = onnx.load_model_from_string(safe_path(self.folder, shard.file).read_bytes())  # weights not read
-        graph, self.specs[index] = weights_as_inputs(model, shard.file)
+        relative_to_folder(model, PurePosixPath(shard.file).parent)  # weights kept as constants: read from the folder
+        graph, self.specs[index], packed = weights_as_inputs(model, shard.file)
         same = canonical(graph)
         if same is not None:
             key, graph, self.names[index] = same
             if key in self._compiled:
                 return self._compiled[key]
         try:
-            session = self.backend.session(graph, self.backend.session_options(threads, spinning, shared_arena=True),
-                                           what=shard.file)
+            options = self.backend.session_options(threads, spinning, self.folder if packed else None, shared_arena=True)
+            session = self.backend.session(graph, options, what=shard.file)
         except ArtifactError as e:
             raise ArtifactError(
                 f"shard {index} cannot stream: {str(e).split(': ', 1)[-1].split('. ')[0]}; ONNX Runtime needs some of "

@@ -5,7 +5,9 @@ CUDA a copy of every weight through session construction). Instead its session i
 over the shard's graph with every external initializer replaced by a graph input of the same
 name, type and shape; each pass feeds those inputs with arrays that point into memory a slot
 owns (a memory-mapped data file on CPU). Small inline initializers (shapes, axes, scales) stay
-constants, so ONNX Runtime still folds what depends only on them.
+constants, so ONNX Runtime still folds what depends only on them. Weights of two values a byte
+(INT4, UINT4, FLOAT4E2M1: an encoder's 4-bit embedding table) stay initializers read from their
+file when the session is built: numpy cannot view them, nor ONNX Runtime's Python API feed them.
 """
 
 from __future__ import annotations
@@ -31,19 +33,27 @@ class WeightSpec:
     nbytes: int
 
 
-def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[WeightSpec]]:
+# element types stored two a byte: kept as initializers (see the module's docstring)
+PACKED_TYPES = frozenset(getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+                         if hasattr(onnx.TensorProto, n))
+
+
+def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[WeightSpec], bool]:
     """``model`` (loaded without external data) with its external weights as graph inputs.
 
     Returns:
-        The serialized graph and, per former initializer, where its bytes are in the data file.
+        The serialized graph, per former initializer where its bytes are in the data file, and
+        whether some external weights stayed initializers (packed types: the session must be told
+        where their files are).
 
     Raises:
         ArtifactError: a weight's type has no numpy equivalent, or its data record is malformed.
     """
     graph = model.graph
-    keep, specs = [], []
+    keep, specs, packed = [], [], False
     for t in graph.initializer:
-        if not external_data_helper.uses_external_data(t):
+        if not external_data_helper.uses_external_data(t) or t.data_type in PACKED_TYPES:
+            packed |= external_data_helper.uses_external_data(t)
             keep.append(t)
             continue
         info = {e.key: e.value for e in t.external_data}
@@ -62,7 +72,7 @@ def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[We
         graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(shape)))
     del graph.initializer[:]
     graph.initializer.extend(keep)
-    return model.SerializeToString(), specs
+    return model.SerializeToString(), specs, packed
 
 
 def canonical(graph_bytes: bytes) -> tuple[str, bytes, dict[str, str]] | None:
