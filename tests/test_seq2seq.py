@@ -11,6 +11,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -621,6 +622,14 @@ def test_a_recording_longer_than_the_window_is_transcribed_in_overlapping_window
     assert len(each.tokens) == 3 and got.tokens[1] == merge_overlaps([[t for t in w if t not in special] for w in each.tokens])
     assert got.texts[1] == model.detokenizer.decode(got.tokens[1])
     assert got.finish_reasons == each.finish_reasons[:1] + ["length" if "length" in each.finish_reasons else "stop"]
+    model.limits.max_batch_tokens = 1_500  # one window's encoder positions: the windows decoded one at a time
+    try:
+        assert model.generate([speech(1.0), long], max_new_tokens=8).tokens == got.tokens
+    finally:
+        model.limits.max_batch_tokens = None
+    stop = threading.Event()
+    stop.set()  # a client gone: nothing more is decoded (the server sets it at a timeout or a disconnect)
+    assert model.generate([long], max_new_tokens=8, cancel=stop).finish_reasons == ["cancelled"]
     with pytest.raises(FeedError, match=r"audio 1 is 31.500 s, longer than the 30 s this model reads in one window"):
         model.features([speech(1.0), speech(31.5)])  # the encoder's features alone: one window each
     wav = whisper["root"] / "speech.wav"

@@ -5,8 +5,9 @@ A recording is cut into windows of the model's length that overlap by a third (a
 of the window on each side: 30 s windows starting every 20 s); each window is transcribed on its
 own, and consecutive windows' text tokens are joined where they agree best: the alignment with the
 largest share of equal tokens (at least two), cut in the middle of the overlap
-(``_find_longest_common_sequence`` in transformers' Whisper tokenizer). A change of detected
-language starts a new piece, as transformers' ``_decode_asr`` does.
+(``_find_longest_common_sequence`` in transformers' Whisper tokenizer). Windows are joined
+whatever language each was detected in, as transformers 4.57's pipeline joins them (its
+``generate`` returns no language tokens for ``_decode_asr`` to split on).
 """
 
 from __future__ import annotations
@@ -57,18 +58,3 @@ def merge_overlaps(sequences: Sequence[Sequence[int]]) -> list[int]:
         left = right[(right_start + right_stop) // 2:]
     total.extend(left)
     return total
-
-
-def join_windows(pieces: Sequence[tuple[int | None, Sequence[int]]]) -> list[list[int]]:
-    """``(language, text tokens)`` of one recording's windows, in order, as runs of one language
-    (None: not known), each run's windows merged (:func:`merge_overlaps`); a window without text
-    takes no part in the merge, as in transformers."""
-    runs: list[tuple[int | None, list[list[int]]]] = []
-    for language, tokens in pieces:
-        if not runs or (language is not None and runs[-1][0] not in (None, language)):
-            runs.append((language, []))
-        elif runs[-1][0] is None:
-            runs[-1] = (language, runs[-1][1])
-        if tokens:
-            runs[-1][1].append(list(tokens))
-    return [merge_overlaps(seqs) for _, seqs in runs]

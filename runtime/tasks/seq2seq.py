@@ -14,6 +14,7 @@ and a streamed decoder loads each of its shards once per token.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,7 +28,7 @@ from slimml.runtime.tasks.base import Task, register_task, text_encoder
 from slimml.runtime.tasks.generate import Generation
 from slimml.runtime.tasks.inputs.audio import LogMel, features_for, read_audio
 from slimml.runtime.tasks.limits import shown
-from slimml.runtime.tasks.long_form import join_windows, windows
+from slimml.runtime.tasks.long_form import merge_overlaps, windows
 from slimml.runtime.tasks.seq2seq_search import DECODER, ENCODER, Decoder, Search, beam_search, greedy
 
 if TYPE_CHECKING:
@@ -69,7 +70,8 @@ class Seq2Seq(Task):
     def generate(self, prompts: Any, max_new_tokens: int | None = None, num_beams: int | None = None,
                  length_penalty: float | None = None, no_repeat_ngram_size: int | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 seed: Any = None, do_sample: bool | None = None, language: str | None = None, **unknown: Any):
+                 seed: Any = None, do_sample: bool | None = None, language: str | None = None,
+                 cancel: threading.Event | None = None, **unknown: Any):
         """Generation from texts (T5, BART, Marian) or, for a speech model, WAV paths or 16 kHz
         waveforms of any length (past the model's 30 s window, read in overlapping windows whose
         transcripts are joined, as transformers' pipeline with ``chunk_length_s=30``; its tokens are
@@ -81,6 +83,8 @@ class Seq2Seq(Task):
         ``max_new_tokens`` the model's ``max_length`` applies, else 32 new tokens. A temperature
         above 0 samples (with the model's top-k and top-p, else transformers' 50 and 1.0), 0 is
         greedy; ``seed`` (an int, or one per prompt) gives each prompt the same tokens again.
+        ``cancel`` (a ``threading.Event``, set from another thread) stops decoding before the next
+        pass; what was made so far comes back with the finish reason ``"cancelled"``.
         Returns a :class:`~slimml.runtime.tasks.generate.Generation`.
 
         Example:
@@ -97,7 +101,7 @@ class Seq2Seq(Task):
         search = Search.of(self.spec, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                            do_sample=do_sample, num_beams=num_beams, length_penalty=length_penalty,
                            no_repeat_ngram_size=no_repeat_ngram_size)
-        return generate_seq2seq(self, prompts, search, None if language is None else self.language_id(language))
+        return generate_seq2seq(self, prompts, search, None if language is None else self.language_id(language), cancel)
 
     def language_id(self, language: str) -> int:
         """The token id of a multilingual speech model's ``<|xx|>`` for the ISO 639-1 code ``language``.
@@ -134,12 +138,13 @@ class Seq2Seq(Task):
 WINDOWS_A_PASS = 8  # windows of recordings decoded together at most (each row holds its own cross-attention cache)
 
 
-def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search, language: int | None = None) -> Generation:
+def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search, language: int | None = None,
+                     cancel: threading.Event | None = None) -> Generation:
     """Generation from texts (T5, BART) or, for speech models, audio (in ``language``, a language
-    token id, where given)."""
+    token id, where given); ``cancel``, once set, stops it before the next pass."""
     t0 = time.perf_counter()
     if model.speech:
-        return _transcribe(model, prompts, search, language, t0)
+        return _transcribe(model, prompts, search, language, t0, cancel)
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise FeedError("generate() takes a non-empty list of prompts; wrap a single prompt as [prompt].")
     texts = all(isinstance(p, str) for p in prompts)
@@ -158,12 +163,12 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search, language: int
     rows, width = next(iter(feeds.values())).shape[:2]  # padded to the longest: what the passes hold
     model.limits.check_encoded(rows, width, search.num_beams, context=model.text.max_length if model.text else None)
     _check_seeds(search, rows, "prompts")
-    new, _, passes, prefill = _decode(model, feeds, search, language, t0)
+    new, _, passes, prefill = _decode(model, feeds, search, language, t0, cancel)
     tok = model.detokenizer
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
                       prompt_tokens=int(feeds["attention_mask"].sum()) if "attention_mask" in feeds else 0,
-                      prefill_s=prefill, finish_reasons=[_finish(t, search) for t in new])
+                      prefill_s=prefill, finish_reasons=[_finish(t, search, cancel) for t in new])
 
 
 def _check_seeds(search: Search, rows: int, what: str) -> None:
@@ -172,20 +177,28 @@ def _check_seeds(search: Search, rows: int, what: str) -> None:
         raise FeedError(f"seed has {len(seeds)} values for {rows} {what}; give one seed per prompt, or one int for all.")
 
 
-def _finish(tokens: list[int], search: Search) -> str:
-    return "stop" if tokens and tokens[-1] in set(search.eos) else "length"
+def _finish(tokens: list[int], search: Search, cancel: threading.Event | None = None) -> str:
+    if tokens and tokens[-1] in set(search.eos):
+        return "stop"
+    return "cancelled" if cancel is not None and cancel.is_set() else "length"
+
+
+class _Cancelled(Exception):
+    """``cancel`` was set: the decoding loop stops before its next pass."""
 
 
 def _decode(model: Seq2Seq, feeds: dict[str, np.ndarray], search: Search, language: int | None,
-            t0: float) -> tuple[list[list[int]], np.ndarray, int, float]:
+            t0: float, cancel: threading.Event | None = None) -> tuple[list[list[int]], np.ndarray, int, float]:
     """The new tokens of each row of the encoder's ``feeds``, the decoder's start tokens (B, k), the
-    decoder passes run and the time to the first one's end."""
+    decoder passes run and the time to the first one's end; cut short where ``cancel`` is set."""
     batch = next(iter(feeds.values())).shape[0]
     inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
     passes, prefill = 0, 0.0
 
     def counted(name, f):
         nonlocal passes, prefill
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled
         if name == ENCODER:  # the caller's ids or features: checked
             return model.parts[name].run(f)
         out = model.parts[name].run_trusted(f)  # feeds this loop built: the engine's own outputs and chosen ids
@@ -193,26 +206,32 @@ def _decode(model: Seq2Seq, feeds: dict[str, np.ndarray], search: Search, langua
         prefill = prefill or time.perf_counter() - t0
         return out
 
-    decoder = Decoder(counted, inputs, feeds, repeat=search.num_beams)
-    start = start_tokens(decoder, model.spec, batch, search.num_beams, language)
-    if search.num_beams > 1:
-        new, _ = beam_search(decoder, start, search)
-    else:
-        new = [[] for _ in range(batch)]
-        done = np.zeros(batch, dtype=bool)
-        for nxt in greedy(decoder, start, search, pad=int(model.spec.get("pad_token_id") or 0)):
-            for i in np.flatnonzero(~done):
-                new[i].append(int(nxt[i]))
-            done |= np.isin(nxt, search.eos)
+    new: list[list[int]] = [[] for _ in range(batch)]
+    start = np.zeros((batch, 1), dtype=np.int64)
+    try:
+        decoder = Decoder(counted, inputs, feeds, repeat=search.num_beams)
+        start = start_tokens(decoder, model.spec, batch, search.num_beams, language)
+        if search.num_beams > 1:
+            new, _ = beam_search(decoder, start, search)
+        else:
+            done = np.zeros(batch, dtype=bool)
+            for nxt in greedy(decoder, start, search, pad=int(model.spec.get("pad_token_id") or 0)):
+                for i in np.flatnonzero(~done):
+                    new[i].append(int(nxt[i]))
+                done |= np.isin(nxt, search.eos)
+    except _Cancelled:  # greedy's tokens so far are kept; beam search's best are not known before its end
+        pass
     return new, start, passes, prefill
 
 
-def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None, t0: float) -> Generation:
+def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None, t0: float,
+                cancel: threading.Event | None = None) -> Generation:
     """Transcripts of recordings of any length: a recording within the model's window is read whole;
-    a longer one in overlapping windows whose transcripts are joined where they agree
+    a longer one in overlapping windows whose text tokens are joined where they agree
     (``runtime/tasks/long_form.py``, as transformers' pipeline with ``chunk_length_s=30``). Its
     tokens are then the joined text tokens, and its finish reason ``length`` where any window ran
-    out of ``max_new_tokens``."""
+    out of ``max_new_tokens``. Windows are decoded a few at a time: as many as
+    ``model.limits.max_batch_tokens`` encoder positions (times beams) allow, at least one."""
     if model._log_mel is None:
         model.features(audio)  # the one-line refusal of an artifact without its feature extractor
     log_mel = model._log_mel
@@ -220,18 +239,23 @@ def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None
     _check_seeds(search, len(waves), "recordings")
     rows = [(i, piece) for i, wave in enumerate(waves) for piece in windows(wave, log_mel.n_samples)]
     name = next((t.name for t in model.parts[ENCODER].inputs), "input_features")
+    positions = max(1, log_mel.n_samples // log_mel.hop_length // 2)  # Whisper's encoder halves the frames: 1,500
+    budget = model.limits.batch_tokens(None, True, None)  # what check_encoded holds a text call's prompts to
+    group_size = max(1, min(WINDOWS_A_PASS, budget // (positions * search.num_beams)))
     seeds = search.sample.seed if search.sample is not None else None
     new: list[list[int]] = []
-    starts: list[tuple[int, ...]] = []
     passes, prefill = 0, 0.0
-    for at in range(0, len(rows), WINDOWS_A_PASS):
-        group = rows[at:at + WINDOWS_A_PASS]
+    for at in range(0, len(rows), group_size):
+        if cancel is not None and cancel.is_set():
+            new += [[] for _ in rows[at:]]
+            break
+        group = rows[at:at + group_size]
         part = search
         if isinstance(seeds, tuple):  # each recording's seed for each of its windows
             part = search.replace(sample=dataclasses.replace(search.sample, seed=tuple(seeds[i] for i, _ in group)))
-        got, start, n, first = _decode(model, {name: np.stack([log_mel(piece) for _, piece in group])}, part, language, t0)
+        feeds = {name: np.stack([log_mel(piece) for _, piece in group])}
+        got, _, n, first = _decode(model, feeds, part, language, t0, cancel)
         new += got
-        starts += [tuple(r) for r in start.tolist()]
         passes, prefill = passes + n, prefill or first
     tok = model.detokenizer
     special = _not_text(tok, search)
@@ -240,12 +264,11 @@ def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None
         mine = [r for r, (j, _) in enumerate(rows) if j == i]
         if len(mine) == 1:
             tokens.append(new[mine[0]])
-            texts.append(tok.decode(new[mine[0]], skip_special_tokens=True) if tok is not None else "")
-        else:  # the windows' text tokens, joined; a new piece where the detected language changes
-            runs = join_windows([(starts[r], [t for t in new[r] if t not in special]) for r in mine])
-            tokens.append([t for run in runs for t in run])
-            texts.append("".join(tok.decode(run, skip_special_tokens=True) for run in runs) if tok is not None else "")
-        reasons.append("length" if any(_finish(new[r], search) == "length" for r in mine) else "stop")
+        else:  # the windows' text tokens, joined (a window without text takes no part, as in transformers)
+            tokens.append(merge_overlaps([kept for r in mine if (kept := [t for t in new[r] if t not in special])]))
+        texts.append(tok.decode(tokens[-1], skip_special_tokens=True) if tok is not None else "")
+        ends = [_finish(new[r], search, cancel) for r in mine]
+        reasons.append("cancelled" if "cancelled" in ends else "length" if "length" in ends else "stop")
     return Generation(tokens=tokens, texts=texts if tok is not None else None, seconds=time.perf_counter() - t0,
                       passes=passes, prefill_s=prefill, finish_reasons=reasons)
 

@@ -556,11 +556,15 @@ class SlimmlServer:
             except FeedError as e:
                 raise RequestError(str(e), param="language") from None
         rate = self.model.sampling_rate
+        cancel = threading.Event()
         try:  # read off the event loop (which answers /health meanwhile)
             wave = await asyncio.to_thread(wav_from_bytes, req.audio, req.filename, rate)
-            gen = await asyncio.to_thread(self.model.generate, [wave], None, **req.options)
+            gen = await asyncio.to_thread(self.model.generate, [wave], None, cancel=cancel, **req.options)
         except FeedError as e:  # the recording's own faults (its format, its length) name the file field
             raise RequestError(str(e), param="file") from None
+        except asyncio.CancelledError:  # the client went away, or the request timed out: stop transcribing
+            cancel.set()
+            raise
         body, media = transcription.transcription_response(gen.texts[0] if gen.texts else "", wave.size / rate,
                                                            req.response_format)
         return Response(protocol.dumps(body) if isinstance(body, dict) else body, media_type=media)
