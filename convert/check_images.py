@@ -19,9 +19,9 @@ TOLERANCE = 1e-4  # after normalisation; the two agree to ~1e-6 where they follo
 
 
 def preprocessing_gap(folder: Path, config: Path) -> str | None:
-    """Why the shipped ``config`` would not reproduce ``folder``'s image processor (one line), or
-    None where it does on three images of different shapes, or where transformers cannot run the
-    processor (nothing to compare with)."""
+    """Why the shipped ``config`` would not reproduce ``folder``'s image processor (one line; also
+    where transformers cannot run that processor here, so nothing shows slimml's reading right),
+    or None where it does on three images of different shapes."""
     from slimml.errors import SlimmlError
     from slimml.runtime.tasks.inputs.image import ImageProcessor
 
@@ -32,8 +32,9 @@ def preprocessing_gap(folder: Path, config: Path) -> str | None:
 
         theirs = AutoImageProcessor.from_pretrained(str(folder), use_fast=False)
         want = [np.asarray(theirs(im, return_tensors="np")["pixel_values"][0], dtype=np.float32) for im in images]
-    except Exception:  # a processor transformers itself cannot load or run on a plain image: nothing to compare
-        return None
+    except Exception as e:  # a processor this transformers lacks or cannot run (a fast-only one without torchvision)
+        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        return f"transformers could not run the folder's image processor here to check slimml's reading of it ({why})"
     kind = type(theirs).__name__
     try:
         mine = ImageProcessor.from_file(config)

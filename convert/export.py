@@ -123,7 +123,7 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
         config = replace(config, task="text-generation-with-past")
     exported = _export_huggingface(source, work_dir, config)
     if note:
-        exported.note = f"{note}; exported with {_EXPORTER_NAMES[exported.info['exporter']]}"
+        exported.note = f"{note}; " + (exported.note or f"exported with {_EXPORTER_NAMES[exported.info['exporter']]}")
     return exported
 
 
@@ -359,14 +359,16 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         task = out_task + "-with-past"
     onnx_dir = work_dir / "onnx"
     exporter = _traced_exporter(folder, task, config)
+    fallback = None
     if exporter == "optimum":
         try:
             _optimum_export(folder, onnx_dir, task, config)
-        except ExportError:  # a model or head optimum-onnx does not know (StarCoder2, ModernBERT QA): torch's trace
+        except ExportError as e:  # a model or head optimum-onnx does not know (StarCoder2, ModernBERT QA): torch's trace
             if not _torch_fallback(folder, task, config):
                 raise
             shutil.rmtree(onnx_dir, ignore_errors=True)
             exporter = "torch"
+            fallback = f"optimum-onnx could not export it ({str(e).split(': ', 1)[-1].splitlines()[0][:200]}); exported with torch.onnx.export"
     if exporter == "torch":
         from slimml.convert.export_torch import export_torch
         from slimml.convert.export_torch_decoder import export_torch_decoder
@@ -404,6 +406,7 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         tokenizer_dir=onnx_dir if tokenizer else None, preprocessor=preprocessor, preprocessing_note=unshipped,
         labels=_labels(folder, task), graphs=graphs, seq2seq=_seq2seq_spec(folder) if graphs else None,
         info={"hf_task": task, **_config_facts(folder), "exporter": exporter, **({"splade": {k: splade[k] for k in ("strategy", "activation")}} if splade else {})},
+        note=fallback,
     )
 
 
@@ -490,8 +493,10 @@ def _traced_decoder_task(folder: Path, task: str) -> bool:
 
 def _torch_fallback(folder: Path, task: str, config: ExportConfig) -> bool:
     """Whether a model optimum-onnx failed on goes to the torch exporter: with ``--exporter auto``
-    (optimum-onnx was tried, so it loads) where the torch exporter writes the model."""
-    return config.exporter == "auto" and _torch_reason(folder, task) is None
+    (optimum-onnx was tried, so it loads) where the torch exporter writes the model; never a folder
+    of custom code (``auto_map``), whose refusal stands (slimml does not run a folder's own Python)."""
+    return (config.exporter == "auto" and not _read_config(folder).get("auto_map")
+            and _torch_reason(folder, task) is None)
 
 
 def _optimum_loads() -> str | None:

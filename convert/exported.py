@@ -23,5 +23,5 @@ class Exported:
     seq2seq: dict[str, Any] | None = None  # how its generation starts and stops (see runtime.seq2seq)
     layerwise: dict[str, Any] | None = None  # {"template", "folder", "depth"}: onnx_path is a 3-layer template
     info: dict[str, Any] = field(default_factory=dict)
-    note: str | None = None  # why "auto" did not choose the fused exporter for a decoder (one line)
+    note: str | None = None  # why "auto" did not choose its first exporter (the fused one, optimum-onnx): one line
     preprocessing_note: str | None = None  # why the source's image processor config was not shipped (one line)

@@ -99,11 +99,16 @@ EXTRAS = {"torch": "convert", "transformers": "convert", "optimum": "convert", "
 def missing_extra(e: ImportError, what: str = "this command") -> MissingExtraError | None:
     """``e`` as one line naming the extra to install, where it names a package of one (``No module
     named 'torch'``, ONNX Runtime's ``missing 'sympy'``); else None."""
+    from importlib.util import find_spec
+
     if isinstance(e, MissingExtraError):
         return e
-    for name in [e.name or ""] + re.findall(r"(?:No module named|missing) '([\w.]+)'", str(e)):
+    names = re.findall(r"missing '([\w.]+)'", str(e))  # ONNX Runtime's words for a missing sympy
+    if isinstance(e, ModuleNotFoundError):  # not "cannot import name X" from a package that is there
+        names.insert(0, e.name or "")
+    for name in names:
         top = name.split(".")[0]
-        if top in EXTRAS:
+        if top in EXTRAS and find_spec(top) is None:  # not installed (an old version is another problem)
             group = EXTRAS[top]
             after = " (after pip install torch==2.13.0)" if group == "convert" else ""
             return MissingExtraError(f"{what} needs the {top} package, which is not installed; "
@@ -121,4 +126,4 @@ def extras_for(what: str) -> Iterator[None]:
         missing = missing_extra(e, what)
         if missing is None or missing is e:
             raise
-        raise missing from None
+        raise missing from e

@@ -85,6 +85,21 @@ def test_image_preprocessing_matches_the_hugging_face_processor(kind):
         np.testing.assert_allclose(ours([image]), want, atol=1e-5, rtol=0)
 
 
+def test_a_resnet_config_of_the_hub_s_older_shape_is_read_as_convnext_s():
+    """microsoft/resnet-50's config names ConvNextFeatureExtractor and an int size (the shortest edge)."""
+    from transformers import ConvNextImageProcessor
+
+    from slimml.runtime.tasks.inputs.image import ImageProcessor
+
+    old = {"crop_pct": 0.875, "do_normalize": True, "do_resize": True, "feature_extractor_type": "ConvNextFeatureExtractor",
+           "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225], "resample": 3, "size": 224}
+    hf = ConvNextImageProcessor(size={"shortest_edge": 224}, crop_pct=0.875, resample=3, image_mean=old["image_mean"],
+                                image_std=old["image_std"])
+    for image in _images(3):
+        want = hf(images=image.convert("RGB"), return_tensors="np")["pixel_values"]
+        np.testing.assert_allclose(ImageProcessor(old)([image]), want, atol=1e-5, rtol=0)
+
+
 def test_a_strip_is_not_resized_past_what_any_model_reads():
     """A 1x1000 strip at CLIP's shortest edge of 224 became 224x224,000 pixels (434 MB more memory)."""
     from transformers import CLIPImageProcessor

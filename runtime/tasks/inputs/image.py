@@ -41,8 +41,11 @@ class ImageProcessor:
         self.do_convert_rgb = config.get("do_convert_rgb", True) is not False
         self.do_resize = bool(config.get("do_resize", True))
         self.do_center_crop = bool(config.get("do_center_crop", False))
-        # an int size is a square, except before a centre crop (CLIP's old configs): the shortest edge
-        self.size = _size(config.get("size"), where, square=not self.do_center_crop) if self.do_resize else None
+        kind = str(config.get("image_processor_type") or config.get("feature_extractor_type") or "")
+        convnext = kind.startswith("ConvNext")  # ConvNeXt's and ResNet's (ConvNextFeatureExtractor in older configs)
+        # an int size is a square, except before a centre crop (CLIP's old configs) or ConvNeXt's: the shortest edge
+        self.size = (_size(config.get("size"), where, square=not (self.do_center_crop or convnext))
+                     if self.do_resize else None)
         self.resample = int(config.get("resample", 2))
         if self.resample not in _RESAMPLE_NAMES:
             raise ArtifactError(f"{where}: resample {self.resample} is not a Pillow filter (0-5); fix it and convert again.")
@@ -50,8 +53,7 @@ class ImageProcessor:
         if crop is not None and "shortest_edge" in crop:
             crop = {"height": crop["shortest_edge"], "width": crop["shortest_edge"]}
         self.crop_size = crop
-        if str(config.get("image_processor_type") or "").startswith("ConvNextImageProcessor") and self.size \
-                and "shortest_edge" in self.size:  # ConvNeXt's and ResNet's: crop_pct, and a square from 384 up
+        if convnext and self.size and "shortest_edge" in self.size:  # crop_pct, and a square from 384 up
             edge = int(self.size["shortest_edge"])
             if edge < 384:  # the shortest edge to edge / crop_pct, then the centre edge x edge
                 self.size = {"shortest_edge": int(edge / float(config.get("crop_pct") or 224 / 256))}
