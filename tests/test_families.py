@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import numpy as np
+import onnx
 import pytest
 from conftest import TOWER, run_without_torch, save_tiny_clip, save_tiny_vit
 
@@ -181,6 +182,26 @@ def test_a_vit_quantizes_to_int8_within_tolerance(vit):
     assert int8.manifest.labels == vit["labels"] and int8.manifest.preprocessor  # carried over
     got = int8.run(int8.preprocess(images))["logits"]
     assert np.abs(got - fp32).max() <= 0.05  # dynamic int8 on a random tiny ViT: logits within 0.05
+
+
+def test_a_vit_with_int8_weights_runs_as_one_session(vit):
+    """int8 and int4 weights move the shards quantized to opset 21 and leave the others (a float
+    embedding, the head) at 18: every such encoder and vision artifact ran one session a shard,
+    with a warning at each load. The older shards are now moved up at merge."""
+    from slimml.quantize import quantize
+    from slimml.quantize.config import scheme_config
+    from slimml.runtime import load
+
+    quantize(vit["root"] / "art", vit["root"] / "w8", scheme_config("int8-weights"))
+    opsets = {s.file: next(o.version for o in onnx.load(str(vit["root"] / "w8" / s.file), load_external_data=False).opset_import
+                           if o.domain in ("", "ai.onnx")) for s in load(vit["root"] / "w8").manifest.shards}
+    assert len(set(opsets.values())) > 1, opsets  # the case: shards at two opsets
+    model = load(vit["root"] / "w8")
+    assert model.plan.sessions == 1
+    images = _images(3)
+    separate = load(vit["root"] / "w8", resident=1, pack=False)  # a session a shard, weights fed
+    np.testing.assert_allclose(model.run(model.preprocess(images))["logits"],
+                               separate.run(separate.preprocess(images))["logits"], atol=1e-5, rtol=0)
 
 
 def test_a_vit_model_embeds_images_as_its_cls_token(tmp_path):

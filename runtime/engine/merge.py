@@ -37,9 +37,12 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
     node_names: set[str] = set()
     opsets: dict[str, int] = {}
     ir_version = 0
+    models = {i: onnx.load_model_from_string(safe_path(folder, manifest.shards[i].file).read_bytes())  # weights not read
+              for i in indices}
+    newest = max((o.version for m in models.values() for o in m.opset_import if o.domain in ("", "ai.onnx")), default=0)
     for i in indices:
         shard = manifest.shards[i]
-        m = onnx.load_model_from_string(safe_path(folder, shard.file).read_bytes())  # weights not read
+        m = _at_opset(models.pop(i), newest, i)
         relative_to_folder(m, PurePosixPath(shard.file).parent)
         ir_version = max(ir_version, m.ir_version)
         for op in m.opset_import:
@@ -139,6 +142,23 @@ def _copy(proto):
     out = type(proto)()
     out.CopyFrom(proto)
     return out
+
+
+def _at_opset(m: onnx.ModelProto, version: int, shard: int) -> onnx.ModelProto:
+    """Shard ``shard``'s graph at ONNX opset ``version``, the newest of the shards merged: a
+    quantizer moves the shards it rewrites to opset 21 and leaves a shard it keeps float (an
+    embedding, a small head) at its export's, and one graph takes one opset. onnx's version
+    converter moves it up (its adapters keep each op's meaning); where it cannot, the mismatch
+    stands and the shards run one session each, as before."""
+    current = next((o.version for o in m.opset_import if o.domain in ("", "ai.onnx")), version)
+    if current >= version:
+        return m
+    try:
+        from onnx import version_converter
+
+        return version_converter.convert_version(m, version)
+    except Exception:  # an op it has no adapter for: merge_shards then names the mismatch
+        return m
 
 
 def relative_to_folder(m: onnx.ModelProto, shard_dir: PurePosixPath) -> None:
