@@ -111,7 +111,7 @@ class _Measure:
         return d
 
 
-LARGE_DROP = 10.0  # a language model's perplexity increase (%) that is reported as a warning without a guard
+LARGE_DROP = 10.0  # a drop (perplexity increase in %, or 100 x (1 - agreement)) reported as a warning without a guard
 
 
 def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, Path], held_feeds,
@@ -129,9 +129,11 @@ def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, 
     if guard is None or drop <= guard.max_drop:
         if guard is not None:
             checks["max_drop"] = guard.max_drop
-        elif m.metric == "perplexity" and not drop <= LARGE_DROP:  # written, as asked, but not in silence (NaN too)
-            checks["warning"] = (f"the perplexity rose {drop:.1f}% against the float model; check it on your text "
-                                 "(slimml eval), or quantize with --max-drop to keep the most sensitive shards float")
+        elif not drop <= LARGE_DROP:  # written, as asked, but not in silence (NaN too)
+            lost = (f"the perplexity rose {drop:.1f}% against the float model" if m.metric == "perplexity" else
+                    f"the outputs' {m.metric} agreement with the float model is {1 - drop / 100:.3f} (a drop of {drop:.1f})")
+            checks["warning"] = (f"{lost}; check it on your data (slimml eval), or quantize with --max-drop to keep the most "
+                                 "sensitive shards float")
             logging.getLogger("slimml").warning("slimml: %s", checks["warning"])
         return GuardResult({}, checks)
     spread = checks.get("drop_noise", 0.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 
 import onnx
 
@@ -49,9 +50,11 @@ def _quiet(nncf, index: int | None = None):
         raise
     except Exception as e:  # nncf.errors.* and what it raises from below
         what = " ".join(str(e).split())[:300] or type(e).__name__
+        blocks = re.search(r"group.?size|channel", what, re.IGNORECASE)  # NNCF's words for a block that does not fit
         raise ConfigError(
-            f"NNCF could not quantize shard {index} ({type(e).__name__}: {what}); use --backend ort (ONNX Runtime's "
-            "quantizers), or for int4 a block_size (WeightOnlyConfig) that divides every weight's input channels."
+            f"NNCF could not quantize shard {index} ({type(e).__name__}: {what}); use --backend ort (the default: ONNX "
+            "Runtime's quantizers, which take every architecture slimml converts)"
+            + (", or for int4 a block_size (WeightOnlyConfig) that divides every weight's input channels." if blocks else ".")
         ) from None
     finally:
         nncf.set_log_level(level or logging.INFO)
@@ -106,6 +109,7 @@ def nncf_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCon
     with _quiet(nncf, ctx.index):
         if config.bits == 8:
             return nncf.compress_weights(model, mode=nncf.CompressWeightsMode(mode))
+        _declare_contrib(model)  # NNCF writes MatMulNBits (com.microsoft) and infers shapes before it returns
         # every MatMul in int4 blocks: NNCF's default keeps the last weight in int8, which per shard
         # would be every shard's last MatMul. Embedding Gathers go to int8 in a second pass (NNCF
         # 3.4 turns an int4 Gather into a MatMulNBits that ONNX Runtime rejects).
@@ -114,3 +118,11 @@ def nncf_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCon
         if any(n.op_type == "Gather" for n in weight_matmuls(model, ("Gather",))):
             model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
         return model
+
+
+def _declare_contrib(model: onnx.ModelProto) -> None:
+    """Import ONNX Runtime's ``com.microsoft`` domain where the shard does not: NNCF writes
+    ``MatMulNBits`` there without importing it and then fails its own shape inference ("No opset
+    import for domain com.microsoft": every T5 shard, which holds no contrib op before)."""
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))

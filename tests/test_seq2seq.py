@@ -429,6 +429,17 @@ def test_a_tiny_int8_bart_generates_in_merged_sessions(tmp_path):
     assert [len(t) for t in got.tokens] == [6, 6]
 
 
+def test_t5_takes_nncf_s_int4_weights(t5):
+    """NNCF wrote MatMulNBits into T5's shards without importing com.microsoft, then failed its own
+    shape inference ("No opset import for domain com.microsoft")."""
+    pytest.importorskip("nncf")
+    from slimml.quantize import WeightOnlyConfig, quantize
+    from slimml.runtime import load
+
+    quantize(t5["root"] / "art", t5["root"] / "nncf4", WeightOnlyConfig(bits=4, backend="nncf"))
+    assert [len(t) for t in load(t5["root"] / "nncf4").generate(PROMPTS[:2], max_new_tokens=4).tokens] == [4, 4]
+
+
 def test_t5_quantizes_each_component_with_real_decoder_inputs(t5):
     from slimml.quantize import Int8Config, quantize
     from slimml.runtime import load
