@@ -30,15 +30,6 @@ def test_the_default_model_exported_by_torch_equals_the_default_export(default_a
     """Under transformers 4.57 the default export is optimum-onnx's: the two graphs agree."""
     report = convert(None, tmp_path / "art", TORCH)
     assert _export_step(tmp_path / "art")["exporter"] == "torch.onnx"
-    assert report.checks["exporter_note"].startswith("optimum-onnx could not export it (ValueError: Asked to export a "
-                                                     "modernbert model for the task question-answering")
-    custom = tmp_path / "src"  # a folder of custom code is not taken by the torch exporter: its refusal stands
-    config = json.loads((custom / "config.json").read_text())
-    (custom / "config.json").write_text(json.dumps({**config, "model_type": "my_bert", "architectures": ["MyBertForQA"],
-                                                    "auto_map": {"AutoConfig": "configuration_my.MyConfig"}}))
-    (custom / "configuration_my.py").write_text("raise RuntimeError('custom code ran')\n")
-    with pytest.raises(SlimmlError, match=r"needs its own modeling code \(auto_map in its config\), which slimml does not run"):
-        convert(custom, tmp_path / "custom", ConvertConfig(measure_latency=False))
     assert report.checks["max_abs_diff_vs_torch"] <= 1e-4
     ours, theirs = load(tmp_path / "art"), load(default_artifact)
     try:
@@ -150,3 +141,12 @@ def test_a_head_optimum_onnx_does_not_export_goes_to_the_torch_exporter(tmp_path
     assert report.task == "question-answering" and report.checks["max_abs_diff_vs_torch"] <= 1e-4
     assert _export_step(tmp_path / "art")["exporter"] == "torch.onnx"
     assert load(tmp_path / "art").answer("Who plays?", "A man is playing a guitar.")["answer"]
+    assert report.checks["exporter_note"].startswith("optimum-onnx could not export it (ValueError: Asked to export a "
+                                                     "modernbert model for the task question-answering")
+    custom = tmp_path / "src"  # a folder of custom code is not taken by the torch exporter: its refusal stands
+    config = json.loads((custom / "config.json").read_text())
+    (custom / "config.json").write_text(json.dumps({**config, "model_type": "my_bert", "architectures": ["MyBertForQuestionAnswering"],
+                                                    "auto_map": {"AutoConfig": "configuration_my.MyConfig"}}))
+    (custom / "configuration_my.py").write_text("raise RuntimeError('custom code ran')\n")
+    with pytest.raises(SlimmlError, match=r"needs its own modeling code \(auto_map in its config\), which slimml does not run"):
+        convert(custom, tmp_path / "custom", ConvertConfig(measure_latency=False))

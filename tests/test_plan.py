@@ -91,13 +91,15 @@ def _collide(art):
 
 
 def _other_opset(art):
-    """Shard 2 declares another opset version: it runs alone, but cannot share one graph."""
+    """Shards 1 and 2 declare two versions of one domain besides ONNX's (which the merge moves up
+    to the newest): each runs alone, but they cannot share one graph."""
     m = read_manifest(art)
-    path = art / m.shards[2].file
-    two = onnx.load(str(path), load_external_data=False)
-    two.opset_import[0].version += 1
-    onnx.save(two, str(path))
-    m.files = [file_entry(art, art / f.path) if f.path == m.shards[2].file else f for f in m.files]
+    for index, version in ((1, 1), (2, 2)):
+        path = art / m.shards[index].file
+        shard = onnx.load(str(path), load_external_data=False)
+        shard.opset_import.append(onnx.helper.make_opsetid("ai.onnx.ml", version))
+        onnx.save(shard, str(path))
+        m.files = [file_entry(art, art / f.path) if f.path == m.shards[index].file else f for f in m.files]
     m.write(art)
 
 
