@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -429,7 +430,7 @@ def test_an_fp16_artifact_streams_with_weights_fed(mlp_artifact, tmp_path):
     np.testing.assert_allclose(load(tmp_path / "h", resident=2, pack=False).run(_feeds())["y"], want, rtol=0, atol=1e-3)
 
 
-def test_an_int4_encoder_streams_with_its_4_bit_embedding_kept_as_a_constant(tiny_bert_artifact, tmp_path):
+def test_an_int4_encoder_streams_with_its_4_bit_embedding_kept_as_a_constant(tiny_bert_artifact, tmp_path, caplog):
     """An encoder's 4-bit embedding table (INT4, two values a byte) was refused as fed weights
     ("records 488352 bytes for shape (30522, 32); re-convert it"): streaming with pack=False, or
     after any packing failure, failed on every int4 encoder and seq2seq artifact."""
@@ -439,7 +440,12 @@ def test_an_int4_encoder_streams_with_its_4_bit_embedding_kept_as_a_constant(tin
     quantize(tiny_bert_artifact, tmp_path / "int4", scheme_config("int4-weights"))
     want = load(tmp_path / "int4").encode(["a man plays a guitar", "short"])
     for kw in ({"pack": False}, {"cache_dir": tmp_path / "cache"}):
-        np.testing.assert_array_equal(load(tmp_path / "int4", resident=1, **kw).encode(["a man plays a guitar", "short"]), want)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="slimml"):
+            got = load(tmp_path / "int4", resident=1, **kw).encode(["a man plays a guitar", "short"])
+        np.testing.assert_array_equal(got, want)
+        said = [r.getMessage() for r in caplog.records if "4-bit weights stay" in r.getMessage()]
+        assert len(said) == (1 if kw.get("pack") is False else 0), said  # held beside the budget: said, once
 
 
 def test_a_budget_holds_the_pre_packed_weights_not_the_files(tmp_path):

@@ -203,8 +203,10 @@ class PackedSlots:
                 so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
                 ort.InferenceSession(os.fspath(safe_path(self.folder, shard.file)), so, providers=["CPUExecutionProvider"],
                                      disabled_optimizers=self.backend.disabled_optimizers())
-                if not (tmp / "shard.onnx.data").is_file():  # no weight of 1 KB or more (a small head): nothing to map
-                    (tmp / "shard.onnx.data").touch()
+                if not (tmp / "shard.onnx.data").is_file():
+                    if _largest_weight(safe_path(self.folder, shard.file)) >= 1024:  # it should have written them
+                        raise ArtifactError("ONNX Runtime wrote no pre-packed weights for it")
+                    (tmp / "shard.onnx.data").touch()  # no weight of 1 KB or more (a small head): nothing to map
                 if any(file_stamp(path) != stamp for path, stamp in sources):  # changed while ONNX Runtime read it
                     raise IntegrityError(f"shard {index}'s files changed while they were packed; restore the artifact "
                                          "(write a new folder and rename it, never overwrite files in place) and load "
@@ -342,3 +344,18 @@ def trim_heap() -> None:
     """
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+def _largest_weight(path: Path) -> int:
+    """Bytes of the largest initializer of the shard graph at ``path`` (its data not read)."""
+    import onnx
+    from onnx import external_data_helper
+
+    largest = 0
+    for t in onnx.load(os.fspath(path), load_external_data=False).graph.initializer:
+        if external_data_helper.uses_external_data(t):
+            size = int({e.key: e.value for e in t.external_data}.get("length", 0))
+        else:
+            size = len(t.raw_data) or t.ByteSize()
+        largest = max(largest, size)
+    return largest

@@ -21,6 +21,7 @@ session``, ``fill(index) -> Slot``, ``names``), and the slots they hand out, ``S
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from pathlib import Path, PurePosixPath
@@ -32,8 +33,11 @@ import onnx
 
 from slimml.errors import ArtifactError
 from slimml.runtime.artifact.manifest import Manifest, safe_path, verify_file
+from slimml.runtime.engine.budget import fmt_bytes
 from slimml.runtime.engine.merge import relative_to_folder
 from slimml.runtime.engine.weights import WeightSpec, canonical, weights_as_inputs
+
+log = logging.getLogger("slimml")
 
 if TYPE_CHECKING:
     from slimml.runtime.engine.backends.base import Backend
@@ -84,6 +88,7 @@ class FedSlots:
         self.specs: dict[int, list[WeightSpec]] = {}
         self.names: dict[int, dict[str, str]] = {}
         self._compiled: dict[str, object] = {}  # canonical graph's sha256 -> its session
+        self._kept = 0  # bytes of 4-bit weights the sessions hold as constants (weights.PACKED_TYPES)
         self.entries = {f.path: f for f in manifest.files}
         # what each file looked like when load() hashed it: a change mid-stream means re-hashing
         self.seen = {p: file_stamp(safe_path(folder, p)) for p in self.entries} if verify else None
@@ -98,6 +103,11 @@ class FedSlots:
         model = onnx.load_model_from_string(safe_path(self.folder, shard.file).read_bytes())  # weights not read
         relative_to_folder(model, PurePosixPath(shard.file).parent)  # weights kept as constants: read from the folder
         graph, self.specs[index], packed = weights_as_inputs(model, shard.file)
+        if packed and not self._kept:  # not streamed: said once, not in silence
+            log.warning("slimml: 4-bit weights stay in their shards' sessions, beside the memory budget, from shard %d on "
+                        "(%s there): ONNX Runtime's Python API cannot feed two values a byte; stream them pre-packed "
+                        "(pack=True, the default) to page them in and out", index, fmt_bytes(packed))
+        self._kept += packed
         same = canonical(graph)
         if same is not None:
             key, graph, self.names[index] = same

@@ -38,22 +38,23 @@ PACKED_TYPES = frozenset(getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4",
                          if hasattr(onnx.TensorProto, n))
 
 
-def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[WeightSpec], bool]:
+def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[WeightSpec], int]:
     """``model`` (loaded without external data) with its external weights as graph inputs.
 
     Returns:
         The serialized graph, per former initializer where its bytes are in the data file, and
-        whether some external weights stayed initializers (packed types: the session must be told
-        where their files are).
+        the bytes of the external weights that stayed initializers (packed types: the session must
+        be told where their files are, and holds them for its life).
 
     Raises:
         ArtifactError: a weight's type has no numpy equivalent, or its data record is malformed.
     """
     graph = model.graph
-    keep, specs, packed = [], [], False
+    keep, specs, packed = [], [], 0
     for t in graph.initializer:
         if not external_data_helper.uses_external_data(t) or t.data_type in PACKED_TYPES:
-            packed |= external_data_helper.uses_external_data(t)
+            if external_data_helper.uses_external_data(t):
+                packed += int({e.key: e.value for e in t.external_data}.get("length", 0))
             keep.append(t)
             continue
         info = {e.key: e.value for e in t.external_data}

@@ -163,12 +163,12 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search, language: int
     rows, width = next(iter(feeds.values())).shape[:2]  # padded to the longest: what the passes hold
     model.limits.check_encoded(rows, width, search.num_beams, context=model.text.max_length if model.text else None)
     _check_seeds(search, rows, "prompts")
-    new, _, passes, prefill = _decode(model, feeds, search, language, t0, cancel)
+    new, _, passes, prefill, cut = _decode(model, feeds, search, language, t0, cancel)
     tok = model.detokenizer
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
                       prompt_tokens=int(feeds["attention_mask"].sum()) if "attention_mask" in feeds else 0,
-                      prefill_s=prefill, finish_reasons=[_finish(t, search, cancel) for t in new])
+                      prefill_s=prefill, finish_reasons=[_finish(t, search, cut) for t in new])
 
 
 def _check_seeds(search: Search, rows: int, what: str) -> None:
@@ -177,10 +177,11 @@ def _check_seeds(search: Search, rows: int, what: str) -> None:
         raise FeedError(f"seed has {len(seeds)} values for {rows} {what}; give one seed per prompt, or one int for all.")
 
 
-def _finish(tokens: list[int], search: Search, cancel: threading.Event | None = None) -> str:
+def _finish(tokens: list[int], search: Search, cut: bool = False) -> str:
+    """``stop`` for an answer that made an end id, else ``cancelled`` where ``cut`` short, else ``length``."""
     if tokens and tokens[-1] in set(search.eos):
         return "stop"
-    return "cancelled" if cancel is not None and cancel.is_set() else "length"
+    return "cancelled" if cut else "length"
 
 
 class _Cancelled(Exception):
@@ -188,9 +189,9 @@ class _Cancelled(Exception):
 
 
 def _decode(model: Seq2Seq, feeds: dict[str, np.ndarray], search: Search, language: int | None,
-            t0: float, cancel: threading.Event | None = None) -> tuple[list[list[int]], np.ndarray, int, float]:
+            t0: float, cancel: threading.Event | None = None) -> tuple[list[list[int]], np.ndarray, int, float, bool]:
     """The new tokens of each row of the encoder's ``feeds``, the decoder's start tokens (B, k), the
-    decoder passes run and the time to the first one's end; cut short where ``cancel`` is set."""
+    decoder passes run, the time to the first one's end, and whether ``cancel`` cut it short."""
     batch = next(iter(feeds.values())).shape[0]
     inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
     passes, prefill = 0, 0.0
@@ -208,6 +209,7 @@ def _decode(model: Seq2Seq, feeds: dict[str, np.ndarray], search: Search, langua
 
     new: list[list[int]] = [[] for _ in range(batch)]
     start = np.zeros((batch, 1), dtype=np.int64)
+    cut = False
     try:
         decoder = Decoder(counted, inputs, feeds, repeat=search.num_beams)
         start = start_tokens(decoder, model.spec, batch, search.num_beams, language)
@@ -220,8 +222,8 @@ def _decode(model: Seq2Seq, feeds: dict[str, np.ndarray], search: Search, langua
                     new[i].append(int(nxt[i]))
                 done |= np.isin(nxt, search.eos)
     except _Cancelled:  # greedy's tokens so far are kept; beam search's best are not known before its end
-        pass
-    return new, start, passes, prefill
+        cut = True
+    return new, start, passes, prefill, cut
 
 
 def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None, t0: float,
@@ -244,18 +246,21 @@ def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None
     group_size = max(1, min(WINDOWS_A_PASS, budget // (positions * search.num_beams)))
     seeds = search.sample.seed if search.sample is not None else None
     new: list[list[int]] = []
+    cut: list[bool] = []  # per window: cut short by cancel (or never decoded)
     passes, prefill = 0, 0.0
     for at in range(0, len(rows), group_size):
         if cancel is not None and cancel.is_set():
             new += [[] for _ in rows[at:]]
+            cut += [True] * len(rows[at:])
             break
         group = rows[at:at + group_size]
         part = search
         if isinstance(seeds, tuple):  # each recording's seed for each of its windows
             part = search.replace(sample=dataclasses.replace(search.sample, seed=tuple(seeds[i] for i, _ in group)))
         feeds = {name: np.stack([log_mel(piece) for _, piece in group])}
-        got, _, n, first = _decode(model, feeds, part, language, t0, cancel)
+        got, _, n, first, stopped = _decode(model, feeds, part, language, t0, cancel)
         new += got
+        cut += [stopped] * len(got)
         passes, prefill = passes + n, prefill or first
     tok = model.detokenizer
     special = _not_text(tok, search)
@@ -267,7 +272,7 @@ def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None
         else:  # the windows' text tokens, joined (a window without text takes no part, as in transformers)
             tokens.append(merge_overlaps([kept for r in mine if (kept := [t for t in new[r] if t not in special])]))
         texts.append(tok.decode(tokens[-1], skip_special_tokens=True) if tok is not None else "")
-        ends = [_finish(new[r], search, cancel) for r in mine]
+        ends = [_finish(new[r], search, cut[r]) for r in mine]
         reasons.append("cancelled" if "cancelled" in ends else "length" if "length" in ends else "stop")
     return Generation(tokens=tokens, texts=texts if tok is not None else None, seconds=time.perf_counter() - t0,
                       passes=passes, prefill_s=prefill, finish_reasons=reasons)
