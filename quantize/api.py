@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 import slimml
-from slimml.errors import ArtifactError, ConfigError, extras_for
+from slimml.errors import ArtifactError, ConfigError, FeedError, extras_for
 import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and NNCF backends)
 import slimml.quantize.chain as ch
 from slimml.quantize.calibration import calibration_texts
@@ -308,8 +308,15 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     if isinstance(config, Fp16Config) and "CUDAExecutionProvider" not in _providers():
         if config.guard is not None:
             raise ConfigError("the accuracy guard runs the fp16 model, which needs CUDA; leave --max-drop out on this machine.")
-        guard = GuardResult({}, {"agreement": "not measured: the guard runs fp16 on CUDA, which this machine lacks "
-                                              "(a language model: measure it with slimml eval, which runs it here)"})
+        step("checking against the float model (fp16 on this CPU: no CUDA here)")
+        pooler = Pooler.of(manifest.pooling, src, manifest.files)
+        try:  # ONNX Runtime's CPU provider runs fp16 graphs too, slowly: a measure, where a GPU's kernels may round apart
+            guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, None, step, "cpu",
+                                getattr(config, "eval_text", None), pooler)
+            guard.checks["agreement_device"] = "cpu (no CUDA on this machine; a GPU's fp16 kernels may round differently)"
+        except (ArtifactError, FeedError) as e:  # an op the CPU provider has no fp16 kernel for
+            guard = GuardResult({}, {"agreement": f"not measured: this CPU could not run the fp16 model ({str(e)[:160]}); "
+                                                  "the guard runs it on CUDA, which this machine lacks"})
     else:
         step("checking against the float model")
         device = "cuda" if isinstance(config, Fp16Config) else "cpu"
