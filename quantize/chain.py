@@ -55,7 +55,7 @@ class Chain:
         env = dict(feeds)
         for session in self._sessions():
             wanted = [o.name for o in session.get_outputs()]
-            values = session.run(wanted, {i.name: env[i.name] for i in session.get_inputs()})
+            values = session.run(wanted, {i.name: _as(env[i.name], i.type) for i in session.get_inputs()})
             env.update(zip(wanted, values))
         if keep_all:
             return env
@@ -67,6 +67,18 @@ class Chain:
         encs = self.text.encodings(list(texts))
         batches = sorted_batches([len(e.ids) for e in encs], batch_size)
         return encode_texts(self.run, self.text, self.pooler, encs, batches, show_progress)
+
+
+_FLOATS = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def _as(value, onnx_type: str):
+    """``value`` in the float type the session takes: the float model's feeds (a decoder's KV cache)
+    given to an fp16 graph whose cache is float16."""
+    want = _FLOATS.get(onnx_type)
+    if want is not None and isinstance(value, np.ndarray) and value.dtype.kind == "f" and value.dtype != want:
+        return value.astype(want)
+    return value
 
 
 def text_encoder(folder: Path, manifest: Manifest) -> TextEncoder | None:

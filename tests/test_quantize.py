@@ -366,6 +366,20 @@ def test_fp16_converts_weights(tiny_bert_artifact, tmp_path):
     assert _cos(model.encode(texts), load(tiny_bert_artifact).encode(texts)) >= 0.999
 
 
+def test_an_fp16_decoder_is_measured_with_its_float16_cache(tiny_llama_past_artifact, tmp_path):
+    """The guard fed the float model's float32 cache to the fp16 graph, whose cache is float16: ONNX
+    Runtime refused it ("expected: (tensor(float16))"), on CUDA as on this CPU."""
+    import onnxruntime as ort
+
+    from slimml.quantize.config import scheme_config
+
+    report = quantize(tiny_llama_past_artifact, tmp_path / "h", scheme_config("fp16", target="cuda"))
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        assert report.checks["agreement_device"].startswith("cpu") and report.checks["agreement_cosine"] >= 0.999
+    assert load(tmp_path / "h").generate([[5, 6, 7]], max_new_tokens=4).tokens == \
+        load(tiny_llama_past_artifact).generate([[5, 6, 7]], max_new_tokens=4).tokens
+
+
 def test_guard_on_an_eval_file(tiny_bert_artifact, tmp_path):
     from conftest import STS_DEV
 
