@@ -305,27 +305,24 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
             "weights, or Attention); it would come out unchanged. Keep it float (--quantize none)."
         )
     held_feeds = feeds[1] if feeds else ch.batches(manifest, text, held)
-    if isinstance(config, Fp16Config) and "CUDAExecutionProvider" not in _providers():
-        if config.guard is not None:
-            raise ConfigError("the accuracy guard runs the fp16 model, which needs CUDA; leave --max-drop out on this machine.")
-        step("checking against the float model (fp16 on this CPU: no CUDA here)")
-        pooler = Pooler.of(manifest.pooling, src, manifest.files)
-        try:  # ONNX Runtime's CPU provider runs fp16 graphs too, slowly: a measure, where a GPU's kernels may round apart
-            guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, None, step, "cpu",
-                                getattr(config, "eval_text", None), pooler)
-            guard.checks["agreement_device"] = "cpu (no CUDA on this machine; a GPU's fp16 kernels may round differently)"
-        except IntegrityError:
-            raise
-        except Exception as e:  # an op the CPU provider has no fp16 kernel for, a decoder's fp16 cache: a measure only
-            why = " ".join(str(e).split())[:160] or type(e).__name__
-            guard = GuardResult({}, {"agreement": f"not measured: this CPU could not run the fp16 model here ({why}); "
-                                                  "measure it where it runs (slimml eval, slimml bench)"})
-    else:
-        step("checking against the float model")
-        device = "cuda" if isinstance(config, Fp16Config) else "cpu"
-        pooler = Pooler.of(manifest.pooling, src, manifest.files)  # a component's manifest lists its own files
+    here = isinstance(config, Fp16Config) and "CUDAExecutionProvider" not in _providers()  # fp16 measured on this CPU
+    if here and config.guard is not None:
+        raise ConfigError("the accuracy guard runs the fp16 model, which needs CUDA; leave --max-drop out on this machine.")
+    step("checking against the float model" + (" (fp16 on this CPU: no CUDA here)" if here else ""))
+    device = "cuda" if isinstance(config, Fp16Config) and not here else "cpu"
+    pooler = Pooler.of(manifest.pooling, src, manifest.files)  # a component's manifest lists its own files
+    try:
         guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device,
                             getattr(config, "eval_text", None), pooler)
+    except Exception as e:  # fp16 here: an op the CPU provider has no fp16 kernel for; a measure only
+        if not here or isinstance(e, IntegrityError):
+            raise
+        why = " ".join(str(e).split())[:160] or type(e).__name__
+        guard = GuardResult({}, {"agreement": f"not measured: this CPU could not run the fp16 model here ({why}); "
+                                              "measure it where it runs (slimml eval, slimml bench)"})
+    else:
+        if here:  # ONNX Runtime's CPU provider runs fp16 graphs too, slowly; a GPU's kernels may round apart
+            guard.checks["agreement_device"] = "cpu (no CUDA on this machine; a GPU's fp16 kernels may round differently)"
     for i, why in guard.kept_float.items():
         quant_files.pop(i, None)
         notes.pop(i, None)  # a shard kept float records none of its quantized graph's fusions

@@ -42,7 +42,7 @@ def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.M
     newest = max((o.version for m in models.values() for o in m.opset_import if o.domain in ("", "ai.onnx")), default=0)
     for i in indices:
         shard = manifest.shards[i]
-        m = _at_opset(models.pop(i), newest, i)
+        m = _at_opset(models.pop(i), newest)
         relative_to_folder(m, PurePosixPath(shard.file).parent)
         ir_version = max(ir_version, m.ir_version)
         for op in m.opset_import:
@@ -144,8 +144,8 @@ def _copy(proto):
     return out
 
 
-def _at_opset(m: onnx.ModelProto, version: int, shard: int) -> onnx.ModelProto:
-    """Shard ``shard``'s graph at ONNX opset ``version``, the newest of the shards merged: a
+def _at_opset(m: onnx.ModelProto, version: int) -> onnx.ModelProto:
+    """A shard's graph at ONNX opset ``version``, the newest of the shards merged: a
     quantizer moves the shards it rewrites to opset 21 and leaves a shard it keeps float (an
     embedding, a small head) at its export's, and one graph takes one opset. onnx's version
     converter moves it up (its adapters keep each op's meaning); where it cannot, the mismatch

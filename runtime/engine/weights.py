@@ -52,12 +52,12 @@ def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[We
     graph = model.graph
     keep, specs, packed = [], [], 0
     for t in graph.initializer:
-        if not external_data_helper.uses_external_data(t) or t.data_type in PACKED_TYPES:
-            if external_data_helper.uses_external_data(t):
-                packed += int({e.key: e.value for e in t.external_data}.get("length", 0))
+        external = external_data_helper.uses_external_data(t)
+        info = {e.key: e.value for e in t.external_data}
+        if not external or t.data_type in PACKED_TYPES:
+            packed += int(info.get("length", 0)) if external else 0
             keep.append(t)
             continue
-        info = {e.key: e.value for e in t.external_data}
         try:
             dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
             offset, length = int(info.get("offset", 0)), int(info["length"])

@@ -163,7 +163,7 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search, language: int
     rows, width = next(iter(feeds.values())).shape[:2]  # padded to the longest: what the passes hold
     model.limits.check_encoded(rows, width, search.num_beams, context=model.text.max_length if model.text else None)
     _check_seeds(search, rows, "prompts")
-    new, _, passes, prefill, cut = _decode(model, feeds, search, language, t0, cancel)
+    new, passes, prefill, cut = _decode(model, feeds, search, language, t0, cancel)
     tok = model.detokenizer
     out_texts = [tok.decode(t, skip_special_tokens=True) for t in new] if texts and tok is not None else None
     return Generation(tokens=new, texts=out_texts, seconds=time.perf_counter() - t0, passes=passes,
@@ -189,9 +189,9 @@ class _Cancelled(Exception):
 
 
 def _decode(model: Seq2Seq, feeds: dict[str, np.ndarray], search: Search, language: int | None,
-            t0: float, cancel: threading.Event | None = None) -> tuple[list[list[int]], np.ndarray, int, float, bool]:
-    """The new tokens of each row of the encoder's ``feeds``, the decoder's start tokens (B, k), the
-    decoder passes run, the time to the first one's end, and whether ``cancel`` cut it short."""
+            t0: float, cancel: threading.Event | None = None) -> tuple[list[list[int]], int, float, bool]:
+    """The new tokens of each row of the encoder's ``feeds``, the decoder passes run, the time to
+    the first one's end, and whether ``cancel`` cut it short."""
     batch = next(iter(feeds.values())).shape[0]
     inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
     passes, prefill = 0, 0.0
@@ -208,7 +208,6 @@ def _decode(model: Seq2Seq, feeds: dict[str, np.ndarray], search: Search, langua
         return out
 
     new: list[list[int]] = [[] for _ in range(batch)]
-    start = np.zeros((batch, 1), dtype=np.int64)
     cut = False
     try:
         decoder = Decoder(counted, inputs, feeds, repeat=search.num_beams)
@@ -223,7 +222,7 @@ def _decode(model: Seq2Seq, feeds: dict[str, np.ndarray], search: Search, langua
                 done |= np.isin(nxt, search.eos)
     except _Cancelled:  # greedy's tokens so far are kept; beam search's best are not known before its end
         cut = True
-    return new, start, passes, prefill, cut
+    return new, passes, prefill, cut
 
 
 def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None, t0: float,
@@ -258,7 +257,7 @@ def _transcribe(model: Seq2Seq, audio: Any, search: Search, language: int | None
         if isinstance(seeds, tuple):  # each recording's seed for each of its windows
             part = search.replace(sample=dataclasses.replace(search.sample, seed=tuple(seeds[i] for i, _ in group)))
         feeds = {name: np.stack([log_mel(piece) for _, piece in group])}
-        got, _, n, first, stopped = _decode(model, feeds, part, language, t0, cancel)
+        got, n, first, stopped = _decode(model, feeds, part, language, t0, cancel)
         new += got
         cut += [stopped] * len(got)
         passes, prefill = passes + n, prefill or first

@@ -168,8 +168,8 @@ def open_image_bytes(data: bytes, index: int = 0, max_pixels: int = MAX_RESIZED_
 
 
 def _too_big(index: int, size: str, max_pixels: int) -> TooLargeError:
-    return TooLargeError(f"image {index} is {size}, more than the {max_pixels:,} pixels it may have here; send it smaller "
-                     "(the model reads it resized anyway).")
+    return TooLargeError(f"image {index} is {size}, more than the {max_pixels:,} pixels it may have here; send it "
+                         "smaller (the model reads it resized anyway).")
 
 
 def decode_image(im, index: int = 0):
