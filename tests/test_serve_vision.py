@@ -133,6 +133,12 @@ class TestClip:
         np.testing.assert_allclose([d["embedding"] for d in body["data"]], model.embed_images(pictures), atol=1e-6)
         status, body = post(clip_port, "/v1/embeddings", {"input": ["a photo of a cat"]})  # texts: the text tower, as before
         np.testing.assert_allclose(body["data"][0]["embedding"], model.embed_texts(["a photo of a cat"])[0], atol=1e-6)
+        about = "data:image/png names a PNG file in a data URL"  # a text about data URLs is a text
+        status, body = post(clip_port, "/v1/embeddings", {"input": [about]})
+        assert status == 200
+        np.testing.assert_allclose(body["data"][0]["embedding"], model.embed_texts([about])[0], atol=1e-6)
+        status, body = post(clip_port, "/v1/embeddings", {"input": ["data:image/png,AAAA"]})  # a data URL, not base64
+        assert status == 400 and "send the image inline" in body["error"]["message"], body
         for sent, words, param in (({"input": [data_url(pictures[0])]}, 'needs "labels"', "labels"),
                                    ({"input": [data_url(pictures[0])], "labels": ["a", "b", "a"]}, 'names "a" twice', "labels")):
             status, body = post(clip_port, "/v1/classify", sent)

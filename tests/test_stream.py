@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -446,6 +447,29 @@ def test_an_int4_encoder_streams_with_its_4_bit_embedding_kept_as_a_constant(tin
         np.testing.assert_array_equal(got, want)
         said = [r.getMessage() for r in caplog.records if "4-bit weights stay" in r.getMessage()]
         assert len(said) == (1 if kw.get("pack") is False else 0), said  # held beside the budget: said, once
+
+
+def test_a_budget_counts_the_4_bit_weights_a_fed_session_keeps():
+    """Fed 4-bit weights stay in their session for the model's life, outside the slots: the plan
+    counted them in their shard's slot, so K=2 held 690 bytes under a 600-byte budget."""
+    from types import SimpleNamespace
+
+    from slimml.runtime.engine.budget import StreamPlan, refit
+
+    manifest = SimpleNamespace(shards=[SimpleNamespace(file=f"shard_{i:03d}.onnx") for i in range(4)])
+    plan = StreamPlan(2, 1, [], [0, 1, 2, 3], 600, 1000, "", [100, 300, 300, 300], 600)
+    fitted = refit(plan, {}, manifest, None, {0: 90})
+    assert (fitted.resident, fitted.prefetch, fitted.peak_bytes) == (1, 0, 390)
+    assert fitted.sizes == [10, 300, 300, 300] and "with the 4-bit weights the sessions keep (90 B)" in fitted.reason
+    assert refit(plan, {}, manifest, None, {}) is plan  # nothing kept: the plan as made
+    unbounded = refit(dataclasses.replace(plan, budget=None), {}, manifest, 2, {0: 90})
+    assert (unbounded.resident, unbounded.peak_bytes) == (2, 690)  # K as asked; the peak says what it holds
+    with pytest.raises(ConfigError, match=r"resident=2 can need 690 B with the 4-bit weights the sessions keep, over "
+                                          r"the 600 B budget. Use resident=1 or fewer, .* or load with pack=True"):
+        refit(plan, {}, manifest, 2, {0: 90})
+    with pytest.raises(ConfigError, match=r"cannot hold shard 1 .* beside the 4-bit weights the streamed shards' "
+                                          r"sessions keep \(350 B\)\. Give at least 1MB, or load with pack=True"):
+        refit(plan, {}, manifest, None, {0: 90, 2: 260})
 
 
 def test_a_budget_holds_the_pre_packed_weights_not_the_files(tmp_path):

@@ -316,48 +316,61 @@ def plan_stream(
 PACK_SLACK = 1 / 32  # loaded sizes this close to the files' (page rounding, fp32 packing) keep the plan as made
 
 
-def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident_asked: int | None) -> StreamPlan:
+def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident_asked: int | None,
+          kept: dict[int, int] | None = None) -> StreamPlan:
     """``plan`` held to its budget once the streamed shards' loaded sizes are known (``loaded``:
-    shard -> bytes a slot holds; on CPU the pre-packed weights, up to 1.6x a 4-bit shard's file).
-    K drops where the budget chose it; an explicit ``resident`` that no longer fits, or a streamed
-    shard alone over what the pinned ones leave, is refused.
+    shard -> bytes a slot holds; on CPU the pre-packed weights, up to 1.6x a 4-bit shard's file;
+    ``kept``: shard -> bytes of its weights its session holds for the model's life, outside the
+    slots: fed 4-bit weights, which ONNX Runtime's Python API cannot take as inputs). Without a budget
+    only the plan's peak changes; K drops where the budget chose it; an explicit ``resident`` that no longer fits, or a streamed shard alone over
+    what the pinned shards and the kept weights leave, is refused.
 
     Raises:
         ConfigError: naming the shard, its size on disk and loaded, and the fix.
     """
     grown = {i: loaded[i] for i in plan.streamed if loaded.get(i, 0) > plan.sizes[i] * (1 + PACK_SLACK)}
-    if plan.budget is None or not plan.streaming or not grown:
+    kept = {i: n for i, n in (kept or {}).items() if n and i in plan.streamed}
+    if not plan.streaming or not (grown or kept):
         return plan
     sizes = list(plan.sizes)
     for i, n in grown.items():
         sizes[i] = n
-    pin_bytes = sum(sizes[i] for i in plan.pinned)
+    for i, n in kept.items():  # the slot holds the rest of the shard
+        sizes[i] = max(sizes[i] - n, 0)
+    held = sum(kept.values())
+    pin_bytes = sum(sizes[i] for i in plan.pinned) + held
+    beside = ([f"the pinned {plan.pinned} ({fmt_bytes(pin_bytes - held)})"] if plan.pinned else []) + (
+        [f"the 4-bit weights the streamed shards' sessions keep ({fmt_bytes(held)})"] if held else [])
+    how = "with the weights pre-packed for this CPU" if grown else "with the 4-bit weights the sessions keep"
+    other = ("load with pack=False (weights fed as inputs: their size on disk, slower decoding)" if grown else
+             "load with pack=True (the default: 4-bit weights pre-packed, paged in and out with their shards)")
+    slots = plan.resident - len(plan.pinned)
+    peak = pin_bytes + sum(sorted((sizes[i] for i in plan.streamed), reverse=True)[:slots])
+    if plan.budget is None:  # K as asked: the plan says what it holds
+        return dataclasses.replace(plan, peak_bytes=peak)
     big = max(plan.streamed, key=lambda i: sizes[i])
     if pin_bytes + sizes[big] > plan.budget:
         raise ConfigError(
             f"memory budget {fmt_bytes(plan.budget)} cannot hold shard {big} ({manifest.shards[big].file}) as it runs: "
-            f"{fmt_bytes(plan.sizes[big])} on disk, {fmt_bytes(sizes[big])} with its weights pre-packed for this CPU"
-            + (f", beside the pinned {plan.pinned} ({fmt_bytes(pin_bytes)})" if plan.pinned else "")
-            + f". Give at least {_round_up_mb(pin_bytes + sizes[big])}MB, or load with pack=False (weights fed as "
-            "inputs: their size on disk, slower decoding)."
+            f"{fmt_bytes(plan.sizes[big])} on disk"
+            + (f", {fmt_bytes(sizes[big])} with its weights pre-packed for this CPU" if big in grown else "")
+            + (f", beside {' and '.join(beside)}" if beside else "")
+            + f". Give at least {_round_up_mb(pin_bytes + sizes[big])}MB, or {other}."
         )
-    slots = plan.resident - len(plan.pinned)
-    largest = sorted(plan.streamed, key=lambda i: -sizes[i])[:slots]
-    peak = pin_bytes + sum(sizes[i] for i in largest)
     if peak <= plan.budget:
         return dataclasses.replace(plan, peak_bytes=peak, sizes=sizes)
-    fits = _fit(sizes, plan.pinned, plan.streamed, plan.budget)
+    fits = _fit(sizes, plan.pinned, plan.streamed, plan.budget - held)
     if resident_asked is not None:
         raise ConfigError(
-            f"resident={resident_asked} can need {fmt_bytes(peak)} with the weights pre-packed for this CPU, over the "
-            f"{fmt_bytes(plan.budget)} budget. Use resident={fits} or fewer, raise the budget, or load with pack=False."
+            f"resident={resident_asked} can need {fmt_bytes(peak)} {how}, over the {fmt_bytes(plan.budget)} budget. "
+            f"Use resident={fits} or fewer, raise the budget, or {other}."
         )
     slots = fits - len(plan.pinned)
     peak = pin_bytes + sum(sizes[i] for i in sorted(plan.streamed, key=lambda i: -sizes[i])[:slots])
     return dataclasses.replace(
         plan, resident=fits, prefetch=min(plan.prefetch, slots - 1), peak_bytes=peak, sizes=sizes,
-        reason=f"K={fits} is the most that fits the {fmt_bytes(plan.budget)} budget with the weights pre-packed "
-               f"for this CPU (larger than on disk). P={min(plan.prefetch, slots - 1)}.")
+        reason=f"K={fits} is the most that fits the {fmt_bytes(plan.budget)} budget {how}"
+               + (" (larger than on disk)" if grown else f" ({fmt_bytes(held)})") + f". P={min(plan.prefetch, slots - 1)}.")
 
 
 def _auto_pin(sizes: list[int], budget: int, slots: int = STREAM_SLOTS) -> tuple[list[int], str]:

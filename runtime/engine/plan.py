@@ -281,9 +281,10 @@ def build_plan(folder: Path, manifest: Manifest, memory: StreamPlan, config: Loa
         moving = streamed_with(source)  # the resident segments stay as built
     segments = [resident.get(n) or moving[n] for n in range(len(runs))]
     loaded = getattr(source, "loaded_bytes", None)  # what a slot holds, known once the shards are ready (pre-packed)
-    if loaded is not None:
+    kept = getattr(source, "kept_bytes", None)  # what sessions hold outside the slots (fed 4-bit weights)
+    if loaded is not None or kept is not None:
         try:
-            memory = refit(memory, loaded(), manifest, config.resident)
+            memory = refit(memory, loaded() if loaded else {}, manifest, config.resident, kept() if kept else None)
         except BaseException:
             for seg in segments:
                 seg.close()

@@ -88,7 +88,7 @@ class FedSlots:
         self.specs: dict[int, list[WeightSpec]] = {}
         self.names: dict[int, dict[str, str]] = {}
         self._compiled: dict[str, object] = {}  # canonical graph's sha256 -> its session
-        self._kept = 0  # bytes of 4-bit weights the sessions hold as constants (weights.PACKED_TYPES)
+        self._kept: dict[int, int] = {}  # shard -> bytes of 4-bit weights its session holds as constants (PACKED_TYPES)
         self.entries = {f.path: f for f in manifest.files}
         # what each file looked like when load() hashed it: a change mid-stream means re-hashing
         self.seen = {p: file_stamp(safe_path(folder, p)) for p in self.entries} if verify else None
@@ -103,11 +103,12 @@ class FedSlots:
         model = onnx.load_model_from_string(safe_path(self.folder, shard.file).read_bytes())  # weights not read
         relative_to_folder(model, PurePosixPath(shard.file).parent)  # weights kept as constants: read from the folder
         graph, self.specs[index], packed = weights_as_inputs(model, shard.file)
-        if packed and not self._kept:  # not streamed: said once, not in silence
-            log.warning("slimml: 4-bit weights stay in their shards' sessions, beside the memory budget, from shard %d on "
-                        "(%s there): ONNX Runtime's Python API cannot feed two values a byte; stream them pre-packed "
-                        "(pack=True, the default) to page them in and out", index, fmt_bytes(packed))
-        self._kept += packed
+        if packed and not any(self._kept.values()):  # not streamed: said once, not in silence
+            log.warning("slimml: 4-bit weights stay in their shards' sessions, loaded for the model's life (counted in "
+                        "the memory budget), from shard %d on (%s there): ONNX Runtime's Python API cannot feed two "
+                        "values a byte; stream them pre-packed (pack=True, the default) to page them in and out",
+                        index, fmt_bytes(packed))
+        self._kept[index] = packed
         same = canonical(graph)
         if same is not None:
             key, graph, self.names[index] = same
@@ -124,6 +125,11 @@ class FedSlots:
         if same is not None:
             self._compiled[key] = session
         return session
+
+    def kept_bytes(self) -> dict[int, int]:
+        """Shard -> the bytes of its weights its session holds as constants for its life, outside the
+        slots (4-bit ones), for the shards compiled so far."""
+        return {i: n for i, n in self._kept.items() if n}
 
     def check_cache(self, deep: bool = False) -> None:
         """Nothing: fed weights are read from the artifact's own (watched) files."""
