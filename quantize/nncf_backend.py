@@ -8,6 +8,7 @@ quantizes as the whole graph would. ``nncf`` is imported only when one of these 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import logging
@@ -117,7 +118,30 @@ def nncf_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCon
                                       ratio=1.0, all_layers=True, ignored_scope=nncf.IgnoredScope(types=["Gather"], validate=False))
         if any(n.op_type == "Gather" for n in weight_matmuls(model, ("Gather",))):
             model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        _flat_biases(model)
         return model
+
+
+def _flat_biases(model: onnx.ModelProto) -> None:
+    """Undo NNCF 3.4's bias fold where it is wrong: it gives a ``MatMulNBits`` the bias of the ``Add``
+    after the MatMul and keeps the ``Add`` (the bias added twice), as the bias's shape, which ONNX
+    Runtime refuses unless it is ``[N]`` (BART's ``final_logits_bias``, (1, vocab): an lm_head that
+    would not load). Where the ``Add`` is still there the node loses its copy; a lone bias is given
+    the shape ``[N]``."""
+    inits = {t.name: t for t in model.graph.initializer}
+    adds = {frozenset(n.input) for n in model.graph.node if n.op_type == "Add"}
+    readers = collections.Counter(x for node in model.graph.node for x in node.input)
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits" or len(node.input) < 6 or not node.input[5]:
+            continue
+        if frozenset((node.output[0], node.input[5])) in adds:  # added again after the node
+            del node.input[5:]
+            while node.input and not node.input[-1]:
+                del node.input[-1]
+            continue
+        bias = inits.get(node.input[5])
+        if bias is not None and readers[bias.name] == 1 and len(bias.dims) > 1 and all(d == 1 for d in bias.dims[:-1]):
+            bias.dims[:] = bias.dims[-1:]
 
 
 def _declare_contrib(model: onnx.ModelProto) -> None:

@@ -440,6 +440,34 @@ def test_t5_takes_nncf_s_int4_weights(t5):
     assert [len(t) for t in load(t5["root"] / "nncf4").generate(PROMPTS[:2], max_new_tokens=4).tokens] == [4, 4]
 
 
+def test_a_bart_without_a_tokenizer_quantizes_and_nncf_adds_its_logits_bias_once(tmp_path):
+    """A BART folder without its tokenizer: int8 asked for a speech model's feature extractor
+    ("no feature extractor config") where it had no tokenizer for calibration texts; NNCF's int4
+    folded ``final_logits_bias`` into the lm_head's MatMulNBits and kept the Add (the bias twice, in
+    a shape ONNX Runtime refused to load)."""
+    pytest.importorskip("nncf")
+    import torch
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.quantize import Int8Config, WeightOnlyConfig, quantize
+    from slimml.runtime import load
+
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration(BartConfig(
+        vocab_size=1000, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64)).eval()
+    model.final_logits_bias.normal_(0, 0.2)  # as large as the logits: added twice, their cosine falls to ~0.95
+    model.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "fp32", ConvertConfig(measure_latency=False))
+    report = quantize(tmp_path / "fp32", tmp_path / "int8", Int8Config("cpu"))
+    assert min(report.checks[f"{n}_agreement_cosine"] for n in report.components) >= 0.99
+    report = quantize(tmp_path / "fp32", tmp_path / "nncf4", WeightOnlyConfig(bits=4, backend="nncf"))
+    # the bias twice: 0.989 and 0.985 for the decoders; added once 0.997 and 0.999
+    assert min(report.checks[f"{n}_agreement_cosine"] for n in report.components) >= 0.994, report.checks
+    assert len(load(tmp_path / "nncf4").generate([[5, 6, 7]], max_new_tokens=3).tokens) == 1  # it loads and runs
+
+
 def test_t5_quantizes_each_component_with_real_decoder_inputs(t5):
     from slimml.quantize import Int8Config, quantize
     from slimml.runtime import load

@@ -449,6 +449,23 @@ def test_an_int4_encoder_streams_with_its_4_bit_embedding_kept_as_a_constant(tin
         assert len(said) == (1 if kw.get("pack") is False else 0), said  # held beside the budget: said, once
 
 
+def test_shards_without_a_weight_of_1_kb_stream_pre_packed_from_empty_cache_entries(tmp_path):
+    """ONNX Runtime writes no pre-packed data file for a shard whose weights are all under 1 KB (a
+    small head): its cache entry holds an empty one, and the shard streams with nothing to map,
+    first load and later ones alike (the whole model's packing used to fail)."""
+    from slimml.convert import ConvertConfig, convert
+
+    src = tiny_onnx_mlp(tmp_path / "mlp.onnx", layers=3, hidden=8)  # 8 x 8 fp32 weights: 256 bytes
+    convert(src, tmp_path / "art", ConvertConfig(measure_latency=False))
+    want = load(tmp_path / "art").run(_feeds(hidden=8))["y"]
+    for _ in range(2):  # packed, then read from the cache
+        model = load(tmp_path / "art", resident=1, cache_dir=tmp_path / "cache")
+        assert "pre-packed weights mapped from the cache" in model.plan.describe()
+        np.testing.assert_array_equal(model.run(_feeds(hidden=8))["y"], want)
+    data = sorted((tmp_path / "cache").rglob("shard.onnx.data"))
+    assert len(data) == 3 and all(f.stat().st_size == 0 for f in data)
+
+
 def test_a_budget_counts_the_4_bit_weights_a_fed_session_keeps():
     """Fed 4-bit weights stay in their session for the model's life, outside the slots: the plan
     counted them in their shard's slot, so K=2 held 690 bytes under a 600-byte budget."""

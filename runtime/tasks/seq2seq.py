@@ -364,13 +364,17 @@ def record_feeds(model: Seq2Seq, encoder_batches: list[dict[str, np.ndarray]], s
 
 
 def sample_encoder_batches(model: Seq2Seq, texts: list[str], batch_size: int = 8, limit: int = 16) -> list[dict]:
-    """Encoder inputs for ``texts`` (tokenized), or for a speech model log-mel features of noise."""
+    """Encoder inputs for ``texts`` (tokenized; without a tokenizer, token ids from the bottom of the
+    vocabulary, as for any model without one), or for a speech model log-mel features of noise."""
     encoder = model.parts[ENCODER]
     names = {t.name for t in encoder.inputs}
+    rng = np.random.default_rng(0)
+    count = max(1, min(limit, len(texts) // batch_size))
     if "input_ids" in names and model.text is not None:
         chunks = [texts[i:i + batch_size] for i in range(0, len(texts), batch_size)][:limit]
         return [{k: v for k, v in model.tokenize(c).items() if k in names} for c in chunks if c]
-    rng = np.random.default_rng(0)
-    count = max(1, min(limit, len(texts) // batch_size))
+    if "input_ids" in names:
+        ids = [rng.integers(0, 100, (2, 16)) for _ in range(count)]  # valid ids for any vocabulary size
+        return [{k: v for k, v in {"input_ids": i, "attention_mask": np.ones_like(i)}.items() if k in names} for i in ids]
     return [model.features([rng.standard_normal(16000 * (1 + i % 3)).astype(np.float32) * 0.1 for i in range(2)])
             for _ in range(count)]
