@@ -426,8 +426,8 @@ def eval_(
     progress: Progress = False,
     baseline: BaselineIn = None,
     save_baseline: BaselineOut = None,
-    max_accuracy_drop: Annotated[float, typer.Option(help="Points (x100) the score may fall below --baseline.")] = 0.1,
-    max_perplexity_increase: Annotated[float, typer.Option(help="A language model: percent its perplexity may rise above --baseline.")] = 0.1,
+    max_accuracy_drop: Annotated[Optional[float], typer.Option(help="An embedding model: points (x100) the score may fall below --baseline. [default: 0.1]", show_default=False)] = None,
+    max_perplexity_increase: Annotated[Optional[float], typer.Option(help="A language model: percent its perplexity may rise above --baseline. [default: 0.1]", show_default=False)] = None,
     as_json: AsJson = False,
 ):
     """Spearman x100 of cosine similarity against gold scores (STS benchmark style); for a language
@@ -436,9 +436,17 @@ def eval_(
     from slimml.runtime.tools.baseline import Baseline, Tolerances
     from slimml.runtime.tools.evaluate import evaluate_perplexity, evaluate_sts, read_sts, read_text
 
-    tol = Tolerances(accuracy_drop=max_accuracy_drop, perplexity_increase_pct=max_perplexity_increase)
     old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
-    language = str(read_manifest(artifact).task).startswith("text-generation")
+    if save_baseline is not None:
+        Baseline.check_writable(save_baseline)
+    task = str(read_manifest(artifact).task)
+    language = task.startswith("text-generation")
+    if language and max_accuracy_drop is not None or not language and max_perplexity_increase is not None:
+        raise ConfigError("--max-accuracy-drop gates an embedding model's Spearman score and --max-perplexity-increase "
+                          f"a language model's perplexity; this artifact ({task}) is gated by "
+                          f"{'--max-perplexity-increase' if language else '--max-accuracy-drop'}.")
+    tol = Tolerances(accuracy_drop=0.1 if max_accuracy_drop is None else max_accuracy_drop,
+                     perplexity_increase_pct=0.1 if max_perplexity_increase is None else max_perplexity_increase)
     read_text(data) if language else read_sts(data)  # a bad data file fails before the model loads
     metric = "perplexity" if language else "spearman"
     if old is not None and old.kind == "eval" and old.settings.get("metric", metric) != metric:
@@ -460,19 +468,26 @@ def eval_(
             window = old.settings["window"]  # measured as the baseline was
         if language and max_tokens is None and isinstance(old.settings.get("max_tokens"), int):
             max_tokens = old.settings["max_tokens"]
+        if not language and batch_size is None and isinstance(old.settings.get("batch_size"), int):
+            batch_size = old.settings["batch_size"]
         early = {"metric": metric, "data": data.name, "data_sha256": sha256_file(data),
                  **({"window": window} if language and window is not None else {}),
-                 **({"max_tokens": max_tokens} if language and max_tokens is not None else {})}
+                 **({"max_tokens": max_tokens} if language and max_tokens is not None else {}),
+                 **({} if language else {"batch_size": batch_size or 32})}
         check_settings(old, "eval", early)
     model = load(artifact, loading.build())
+    if not language and not model.supports("encode"):
+        raise ConfigError(f"slimml eval scores sentence-embedding models (Spearman on STS pairs) and language models "
+                          f"(perplexity); {artifact} is a {task} model. Score it on your labelled data through the "
+                          "Python API (docs/runtime.md), and gate its speed with slimml bench.")
     if language:
         result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)
         said = (f"perplexity = {result.score:.4f} on {result.count} tokens ({data.name}, {result.settings['windows']} "
-                f"windows of {result.settings['window']})")
+                f"windows of up to {result.settings['window']} tokens)")
     else:
         result = evaluate_sts(model, data, batch_size=batch_size or 32, show_progress=progress)
         said = f"{result.metric} x100 = {result.score:.2f} on {result.count} pairs ({data.name})"
-    now = Baseline.from_eval(result, model.manifest.name, data)
+    now = Baseline.from_eval(result, str(artifact), data)
     if as_json:
         _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
     else:
@@ -495,6 +510,7 @@ def bench(
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="Try every K,P: e.g. '2,3,4' or '2,3,4:0,1' (K values:P values).")] = None,
     sweep_out: Annotated[Path, typer.Option("--sweep-out", help="Folder for the sweep's table, CSV and PNG plot.")] = Path("sweep"),
     component: Annotated[Optional[str], typer.Option("--component", help="For an artifact of components: the one to time (default: each).")] = None,
+    against: Annotated[Optional[Path], typer.Option("--against", help="A reference artifact timed alternately with this one in this run; exit 3 if this one's p50 is past --max-latency-increase of it (steadier than a saved --baseline on a shared machine).", show_default=False)] = None,
     as_json: AsJson = False,
 ):
     """Latency p50/p90, throughput, peak RSS and size of an artifact; streaming counters; a K,P sweep."""
@@ -506,9 +522,20 @@ def bench(
     if batch < 1 or seq < 1 or runs < 1:
         raise SlimmlError(f"--batch, --seq and --runs must be >= 1 (got {batch}, {seq}, {runs}).")
     tol = Tolerances(latency_increase_pct=max_latency_increase, size_increase_pct=max_size_increase)
+    if sweep is not None and (baseline is not None or save_baseline is not None or against is not None):
+        raise SlimmlError("--sweep times many K,P plans and a gate one: drop --baseline/--save-baseline/--against, "
+                          "or --sweep (then give the plan to gate with --resident/--prefetch or --memory-budget).")
+    if against is not None and (baseline is not None or save_baseline is not None):
+        raise SlimmlError("--against gates on a reference timed in this run, --baseline on a run saved before: give one "
+                          "of them.")
     old = Baseline.load(baseline) if baseline else None
+    if save_baseline is not None:
+        Baseline.check_writable(save_baseline)
     if old is not None:  # other settings fail before the timing runs
-        check_settings(old, "bench", {"batch": batch, "seq": seq, "device": device})
+        from slimml.runtime.engine.backends import resolve_device
+
+        check_settings(old, "bench", {"batch": batch, "seq": seq, "device": resolve_device(device),
+                                      **({"component": component} if component is not None else {})})
     if sweep is not None:
         from slimml.runtime.tools.sweep import sweep as do_sweep
 
@@ -533,8 +560,8 @@ def bench(
     parts = model.parts
     if parts:  # several graphs: each is timed on its own sample inputs
         if component is None:
-            if old is not None or save_baseline is not None:
-                raise SlimmlError(f"{artifact} has components {', '.join(parts)}; a baseline is for one: add --component NAME.")
+            if old is not None or save_baseline is not None or against is not None:
+                raise SlimmlError(f"{artifact} has components {', '.join(parts)}; a gate is for one: add --component NAME.")
             results = {name: do_bench(part, batch=batch, seq=seq, runs=runs) for name, part in parts.items()}
             if as_json:
                 print(json.dumps({name: r.to_json() for name, r in results.items()}))
@@ -546,10 +573,19 @@ def bench(
         model = model.part(component)
     elif component is not None:
         raise SlimmlError(f"{artifact} is one chain of shards, without components; leave --component out.")
+    longest = model.max_sequence_length
+    if longest is not None and seq > longest and any(t.name == "input_ids" for t in model.manifest.inputs):
+        raise SlimmlError(f"--seq {seq} is past the {longest} tokens this model takes; give --seq {longest} or less.")
+    timed = {**({"component": component} if component is not None else {}), **_latency_settings(model)}
+    if old is not None:  # another streaming plan or thread count: refused before the timing runs
+        check_settings(old, "bench", timed)
     if not as_json:
         console.print(model.plan.describe(), highlight=False)
+    if against is not None:
+        _bench_against(model, against, loading.build(), component, batch, seq, runs, timed, tol, as_json)
+        return
     result = do_bench(model, batch=batch, seq=seq, runs=runs)
-    now = Baseline.from_bench(result, model.manifest.name)
+    now = Baseline.from_bench(result, str(artifact), **timed)
     if as_json:
         _with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
         return
@@ -569,6 +605,50 @@ def bench(
     _with_baseline(None, now, old, baseline, save_baseline, tol)
 
 
+def _bench_against(model, against: Path, config, component, batch, seq, runs, timed, tol, as_json) -> None:
+    """``slimml bench ART --against REF``: the two timed alternately, ART gated on REF's p50 and size."""
+    from slimml.runtime import load
+    from slimml.runtime.tools.baseline import Baseline
+    from slimml.runtime.tools.bench import bench_against
+
+    reference = load(against, config)
+    if component is not None:
+        if component not in reference.parts:
+            raise SlimmlError(f"the reference {against} has no component {component!r}"
+                              + (f" (it has {', '.join(reference.parts)})" if reference.parts else "")
+                              + "; give a reference of the same model.")
+        reference = reference.part(component)
+    elif reference.parts:
+        raise SlimmlError(f"the reference {against} has components ({', '.join(reference.parts)}) and {model.folder} "
+                          "has none; give a reference of the same model.")
+    names = [t.name for t in model.manifest.inputs]
+    if [t.name for t in reference.manifest.inputs] != names:
+        raise SlimmlError(f"the reference {against} takes other inputs than this artifact ({', '.join(names)}), so their "
+                          "latencies do not compare; give a reference of the same model (its float or earlier build).")
+    result, ref = bench_against(model, reference, batch=batch, seq=seq, runs=runs)
+    now = Baseline.from_bench(result, str(model.folder), **timed)
+    then = Baseline.from_bench(ref, str(against), **timed)
+    source = f"{against}, timed alternately in this run"
+    if as_json:
+        _with_baseline(result.to_json() | {"reference": ref.to_json()}, now, then, source, None, tol)
+        return
+    for who, r in (("this artifact", result), ("the reference", ref)):
+        console.print(f"{who}: batch {batch} x seq {seq} on {model.device}: p50 {r.p50_ms:.2f} ms, p90 {r.p90_ms:.2f} ms, "
+                      f"model {r.model_mb:.1f} MB", highlight=False)
+    _with_baseline(None, now, then, source, None, tol)
+
+
+def _latency_settings(model) -> dict:
+    """What besides batch, sequence and device decides a bench's latency: the streaming plan and
+    the threads (``SLIMML_THREADS``; 0: ONNX Runtime's choice, the machine's cores)."""
+    from slimml.runtime.engine.backends.base import env_threads
+
+    memory = model.plan.memory
+    plan = (f"K={memory.resident} P={memory.prefetch}" + (f" pinned {memory.pinned}" if memory.pinned else "")
+            if memory.streaming else "resident")
+    return {"plan": plan, "threads": env_threads()}
+
+
 def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
     """Save and/or check a regression baseline; print the diff; exit 3 on a regression.
 
@@ -583,6 +663,8 @@ def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
     if payload is not None:
         if report is not None:
             payload["baseline"] = report.to_json()
+        if save_path is not None:
+            payload["baseline_saved"] = None if regressed else str(save_path)  # a regressed run is not saved
         print(json.dumps(payload))
     else:
         if save_path is not None:

@@ -37,7 +37,7 @@ def test_latency_within_and_beyond_tolerance():
     report = compare(old, bench_baseline(15.1), Tolerances(latency_increase_pct=50))
     assert not report.ok and [c.metric for c in report.regressions] == ["p50_ms"]
     text = report.format("base.json")
-    assert "REGRESSION" in text and "FAIL: 1 regression(s): p50_ms rose +51.00% (allowed +50%)." in text
+    assert "REGRESSION" in text and "FAIL: 1 regression(s): p50_ms rose +51% (allowed +50%)." in text
     # p90 is shown, never gated: it is too noisy on shared machines
     assert compare(old, Baseline("bench", "m", old.settings, {"p50_ms": 10.0, "p90_ms": 99.0, "model_mb": 90.0})).ok
 
@@ -57,12 +57,12 @@ def test_accuracy_drop_is_tight():
 
 
 def test_settings_and_kinds_must_match():
-    with pytest.raises(ConfigError, match=r"other settings \(seq: baseline 128, now 64\)"):
+    with pytest.raises(ConfigError, match=r"other settings \(seq: baseline 128, now 64 \[--seq\]\)"):
         compare(bench_baseline(), bench_baseline(seq=64))
     s = {"metric": "spearman", "data": "d.csv", "data_sha256": "0" * 64, "pairs": 10}
     with pytest.raises(ConfigError, match="use it with `slimml bench`, not `eval`"):
         compare(bench_baseline(), Baseline("eval", "m", s, {"score": 1.0}))
-    with pytest.raises(ConfigError, match="must be a number >= 0"):
+    with pytest.raises(ConfigError, match=r"--max-latency-increase \(tolerance latency_increase_pct\) must be a finite number >= 0, got -1"):
         Tolerances(latency_increase_pct=-1)
 
 
@@ -79,7 +79,7 @@ def test_baseline_file_round_trip_and_bad_files(tmp_path):
     raw = b.to_json()
     raw["metrics"]["p50_ms"] = float("-inf")  # Python's json writes and reads it: a gate nothing could fail
     (tmp_path / "inf.json").write_text(json.dumps(raw))
-    with pytest.raises(DataError, match="metrics that are not finite numbers"):
+    with pytest.raises(DataError, match="metrics that are missing or not finite numbers"):
         Baseline.load(tmp_path / "inf.json")
     (tmp_path / "other.json").write_text(json.dumps({"format": "slimml.baseline", "format_version": 99}))
     with pytest.raises(DataError, match="has format version 99; this slimml reads 1"):
@@ -108,7 +108,10 @@ def test_cli_bench_save_then_check(tiny_bert_artifact, tmp_path):
     args = ["bench", str(tiny_bert_artifact), "--runs", "5", "--seq", "16"]
     r = runner.invoke(app, [*args, "--save-baseline", str(base)])
     assert r.exit_code == 0, r.output
-    assert "baseline saved to" in r.output and Baseline.load(base).settings == {"batch": 1, "seq": 16, "device": "cpu"}
+    from slimml.runtime.engine.backends.base import env_threads
+
+    assert "baseline saved to" in r.output and Baseline.load(base).settings == {
+        "batch": 1, "seq": 16, "device": "cpu", "plan": "resident", "threads": env_threads()}
     r = runner.invoke(app, [*args, "--baseline", str(base), "--max-latency-increase", "1000"])
     assert r.exit_code == 0, r.output
     assert "ok: no regression beyond the tolerances." in r.output
@@ -123,6 +126,55 @@ def test_cli_bench_save_then_check(tiny_bert_artifact, tmp_path):
     assert json.loads(base.read_text()) == raw
     r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--runs", "5", "--seq", "32", "--baseline", str(base)])
     assert isinstance(r.exception, ConfigError) and "seq: baseline 16, now 32" in str(r.exception)
+
+
+def test_cli_bench_records_what_decides_latency_and_refuses_gates_that_cannot_mean_anything(tiny_bert_artifact, tmp_path,
+                                                                                           monkeypatch):
+    """A review's findings: a baseline saved with --device auto was refused against itself; a
+    streamed run, another thread count or another component was compared with a resident one in
+    silence; --sweep dropped --baseline without a word; a hand-edited baseline without a latency
+    gated nothing."""
+    base = tmp_path / "bench.json"
+    args = ["bench", str(tiny_bert_artifact), "--runs", "3", "--seq", "16"]
+    assert runner.invoke(app, [*args, "--device", "auto", "--save-baseline", str(base)]).exit_code == 0
+    r = runner.invoke(app, [*args, "--device", "auto", "--baseline", str(base), "--max-latency-increase", "1000"])
+    assert r.exit_code == 0, r.output
+    for extra, said in ((["--resident", "2"], "plan: baseline 'resident', now 'K=2 P=1' [--resident/--prefetch"),
+                        (["--sweep", "2"], "--sweep times many K,P plans and a gate one")):
+        r = runner.invoke(app, [*args, *extra, "--baseline", str(base)])
+        assert r.exit_code == 1 and said in str(r.exception), r.output
+    monkeypatch.setenv("SLIMML_THREADS", "2" if Baseline.load(base).settings["threads"] != 2 else "1")
+    r = runner.invoke(app, [*args, "--baseline", str(base)])
+    assert r.exit_code == 1 and "threads: baseline" in str(r.exception) and "[SLIMML_THREADS]" in str(r.exception)
+    raw = json.loads(base.read_text())
+    for metrics in ({}, {"p50_ms": 0.0, "model_mb": 1.0}, {"p50_ms": -3.0, "model_mb": 1.0}):
+        (tmp_path / "edited.json").write_text(json.dumps(raw | {"metrics": metrics}))
+        with pytest.raises(DataError, match="malformed .* a latency or size that is not positive"):
+            Baseline.load(tmp_path / "edited.json")
+    r = runner.invoke(app, [*args, "--save-baseline", str(tmp_path / "no" / "b.json")])
+    assert r.exit_code == 1 and "its folder" in str(r.exception) and "does not exist" in str(r.exception)
+
+
+def test_cli_bench_against_times_both_alternately(tiny_bert_artifact, tiny_llama_past_artifact, tmp_path):
+    """``--against REF``: the reference timed in the same run, alternately, instead of a baseline
+    saved under other load; its p50 and size gate this artifact's."""
+    from slimml.quantize import Int8Config, quantize
+
+    quantize(tiny_bert_artifact, tmp_path / "int8", Int8Config("cpu"))
+    args = ["--runs", "10", "--seq", "16", "--max-latency-increase", "1000"]
+    r = runner.invoke(app, ["bench", str(tmp_path / "int8"), "--against", str(tiny_bert_artifact), *args, "--json"])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout)
+    assert got["runs"] == got["reference"]["runs"] == 10 and got["baseline"]["ok"]
+    assert got["model_mb"] < got["reference"]["model_mb"]
+    r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--against", str(tmp_path / "int8"), *args])
+    assert r.exit_code == REGRESSION_EXIT_CODE and "timed alternately in this run" in r.output
+    assert "FAIL: 1 regression(s): model_mb rose" in r.output  # the float model is larger than the int8 one
+    for other, said in (([str(tiny_bert_artifact), "--against", str(tiny_llama_past_artifact)], "takes other inputs"),
+                        ([str(tiny_bert_artifact), "--against", str(tmp_path / "int8"), "--baseline", str(tmp_path / "b.json")],
+                         "give one of them")):
+        r = runner.invoke(app, ["bench", *other, *args])
+        assert r.exit_code == 1 and said in str(r.exception), r.output
 
 
 def test_cli_eval_save_then_check(tiny_bert_artifact, tmp_path):

@@ -128,7 +128,7 @@ def test_eval_scores_a_language_model_by_perplexity_as_its_convert_check_did(smo
     r = slimml("--save-baseline", tmp_path / "base.json", "--json")
     assert r.returncode == 0, r.stderr
     base = json.loads(r.stdout)
-    assert base["metric"] == "perplexity" and base["tokens"] == 299 and base["window"] == 300
+    assert base["metric"] == "perplexity" and base["tokens"] == 299 and base["window"] == 512  # the window asked
     worse = json.loads((tmp_path / "base.json").read_text())
     worse["metrics"]["score"] *= 0.99  # a baseline 1% better than today: a regression
     (tmp_path / "worse.json").write_text(json.dumps(worse))
@@ -136,7 +136,17 @@ def test_eval_scores_a_language_model_by_perplexity_as_its_convert_check_did(smo
     assert r.returncode == 3 and "perplexity rose +1.01% (allowed +0.1%)" in r.stdout, r.stdout + r.stderr
     r = subprocess.run([sys.executable, "-m", "slimml", "eval", str(smol["art"]), "--data", str(lee_slice), "--max-tokens",
                         "400", "--baseline", str(tmp_path / "base.json")], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "max_tokens: baseline 300, now 400" in r.stderr, r.stderr  # before the run, not after
+    assert r.returncode == 1 and "max_tokens: baseline 300, now 400 [--max-tokens]" in r.stderr, r.stderr  # before the run, not after
+    # several windows: 1,001 tokens in windows of up to 256 are 4 of 250; the baseline recorded 250 as
+    # the window, so its own artifact, run again in windows of up to 250 (5 of 200), was refused
+    def many(*args):
+        return subprocess.run([sys.executable, "-m", "slimml", "eval", str(smol["art"]), "--data", str(lee_slice),
+                               "--max-tokens", "1001", *map(str, args)], capture_output=True, text=True, timeout=300)
+
+    assert many("--window", 256, "--save-baseline", tmp_path / "many.json").returncode == 0
+    for window in (("--window", 256), ()):  # as saved, or the window left to the baseline
+        r = many(*window, "--baseline", tmp_path / "many.json")
+        assert r.returncode == 0 and "4 windows of up to 256 tokens" in r.stdout, r.stdout + r.stderr
 
 
 def test_manifest_carries_chat_template_and_context(smol):

@@ -35,7 +35,9 @@ class Tolerances:
 
     Args:
         accuracy_drop: points of the metric (Spearman x100) the score may fall. Eval on one
-            machine is deterministic to ~1e-4, so 0.1 catches any real change in the model.
+            machine at one batch size is deterministic to ~1e-4, so 0.1 catches any real change
+            in the model (the batch size is a recorded setting: an int8 model's score moves ~0.1
+            with it).
         latency_increase_pct: percent the p50 latency may rise. Shared CI runners vary by
             tens of percent from run to run; 50 only catches real slowdowns.
         size_increase_pct: percent the artifact may grow (deterministic; 1 allows metadata).
@@ -49,10 +51,18 @@ class Tolerances:
     perplexity_increase_pct: float = 0.1
 
     def __post_init__(self):
-        for name in ("accuracy_drop", "latency_increase_pct", "size_increase_pct", "perplexity_increase_pct"):
+        for name, flag in _FLAGS.items():
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"tolerance {name}={value!r} must be a number >= 0.")
+                raise ConfigError(f"{flag} (tolerance {name}) must be a finite number >= 0, got {value!r}.")
+
+
+_FLAGS = {"accuracy_drop": "--max-accuracy-drop", "latency_increase_pct": "--max-latency-increase",
+          "size_increase_pct": "--max-size-increase", "perplexity_increase_pct": "--max-perplexity-increase"}
+# how a run sets each setting a baseline records (named in the refusal of another)
+_SET_BY = {"batch": "--batch", "seq": "--seq", "device": "--device", "component": "--component",
+           "plan": "--resident/--prefetch/--pin/--memory-budget", "threads": "SLIMML_THREADS", "data": "--data",
+           "data_sha256": "--data", "window": "--window", "max_tokens": "--max-tokens", "batch_size": "--batch-size"}
 
 
 @dataclass
@@ -79,10 +89,11 @@ class Baseline:
         )
 
     @classmethod
-    def from_bench(cls, result, artifact: str) -> Baseline:
+    def from_bench(cls, result, artifact: str, **settings: Any) -> Baseline:
+        """``settings``: what else decides the latency (the component timed, the streaming plan, the threads)."""
         return cls(
             kind="bench", artifact=artifact,
-            settings={"batch": result.batch, "seq": result.seq, "device": result.device},
+            settings={"batch": result.batch, "seq": result.seq, "device": result.device, **settings},
             metrics={"p50_ms": result.p50_ms, "p90_ms": result.p90_ms, "throughput_per_s": result.throughput_per_s,
                      "model_mb": result.model_mb, "peak_rss_mb": result.peak_rss_mb},
             slimml_version=_version(),
@@ -103,6 +114,20 @@ class Baseline:
         except OSError as e:
             raise ConfigError(f"cannot write the baseline {path} ({e.strerror}); choose a writable path.") from None
         return path
+
+    @staticmethod
+    def check_writable(path: str | os.PathLike) -> None:
+        """Refuse, before anything is measured, a path :meth:`save` could not write.
+
+        Raises:
+            ConfigError: the path is a folder, or its folder is missing or not writable.
+        """
+        path = Path(path)
+        folder = path.parent
+        why = ("it is a folder" if path.is_dir() else f"its folder {folder} does not exist" if not folder.is_dir()
+               else f"its folder {folder} is not writable" if not os.access(folder, os.W_OK | os.X_OK) else None)
+        if why:
+            raise ConfigError(f"cannot write the baseline {path} ({why}); give a file path in a writable folder.")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Baseline:
@@ -129,8 +154,10 @@ class Baseline:
         ok = raw.get("kind") in ("eval", "bench") and isinstance(settings, dict) and isinstance(metrics, dict)
         ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in metrics.values())
         ok = ok and (raw["kind"] != "eval" or "score" in metrics)  # what an eval is compared on
+        ok = ok and (raw["kind"] != "bench" or all(metrics.get(k, 0) > 0 for k in _GATED))  # what a bench is gated on
         if not ok:
-            raise DataError(f"baseline {path} is malformed (kind, settings, or metrics that are not finite numbers); save it again with --save-baseline.")
+            raise DataError(f"baseline {path} is malformed (kind, settings, or metrics that are missing or not finite "
+                            "numbers, or a latency or size that is not positive); save it again with --save-baseline.")
         if settings.get("metric") == "perplexity" and "pairs" in settings and "tokens" not in settings:
             settings["tokens"] = settings.pop("pairs")  # baselines written before the count was named by its unit
         return cls(kind=raw["kind"], artifact=str(raw.get("artifact", "")), settings=settings,
@@ -195,6 +222,9 @@ class Comparison:
                             "limit": c.limit, "ok": c.ok} for c in self.checks]}
 
 
+_GATED = ("p50_ms", "model_mb")  # a bench baseline's metrics that gate a run
+
+
 def compare(baseline: Baseline, current: Baseline, tolerances: Tolerances | None = None) -> Comparison:
     """Compare ``current`` with ``baseline`` metric by metric.
 
@@ -215,7 +245,7 @@ def compare(baseline: Baseline, current: Baseline, tolerances: Tolerances | None
                             m1["score"] >= limit - 1e-9, "points"))
     else:
         rules = [("p50_ms", 1 + tol.latency_increase_pct / 100, "ms"), ("model_mb", 1 + tol.size_increase_pct / 100, "MB")]
-        for key, factor, unit in rules:
+        for key, factor, unit in rules:  # both in every bench baseline (Baseline.load refuses one without them)
             if key in m0 and key in m1:
                 limit = m0[key] * factor
                 checks.append(Check(key, m0[key], m1[key], limit, m1[key] <= limit + 1e-12, unit))
@@ -235,8 +265,11 @@ def check_settings(baseline: Baseline, kind: str, settings: dict[str, Any]) -> N
         raise ConfigError(f"the baseline is from `slimml {baseline.kind}`; use it with `slimml {baseline.kind}`, not `{kind}`.")
     differ = {k: (baseline.settings[k], v) for k, v in settings.items()  # what an older baseline did not record, it
               if k in baseline.settings and baseline.settings[k] != v}  # does not hold a run to
+    if "data_sha256" in settings and settings["data_sha256"] == baseline.settings.get("data_sha256"):
+        differ.pop("data", None)  # the same bytes under another name
     if differ:
-        said = ", ".join(f"{k}: baseline {a!r}, now {b!r}" for k, (a, b) in differ.items())
+        said = ", ".join(f"{k}: baseline {a!r}, now {b!r}" + (f" [{_SET_BY[k]}]" if k in _SET_BY else "")
+                         for k, (a, b) in differ.items())
         raise ConfigError(
             f"the baseline was measured under other settings ({said}); run with the baseline's settings, or save a "
             "new baseline with --save-baseline."
@@ -246,8 +279,11 @@ def check_settings(baseline: Baseline, kind: str, settings: dict[str, Any]) -> N
 def _why(ch: Check) -> str:
     if ch.unit == "points":
         return f"{ch.metric} fell by {-ch.change:.4g} points (allowed {ch.baseline - ch.limit:.4g})"
-    allowed = 100 * (ch.limit / ch.baseline - 1) if ch.baseline else 0.0
-    return f"{ch.metric} rose {100 * ch.change / ch.baseline:+.2f}% (allowed +{allowed:.3g}%)" if ch.baseline else ch.metric
+    if not ch.baseline:
+        return ch.metric
+    allowed = 100 * (ch.limit / ch.baseline - 1)
+    rose = 100 * ch.change / ch.baseline
+    return f"{ch.metric} rose {rose:+.3g}% (allowed +{allowed:.3g}%)"  # 3 digits: +0.00213%, never +0.00%
 
 
 def _version() -> str:

@@ -149,15 +149,46 @@ def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5
     waited on the loader versus computed, and the plan (K, P, pinned shards) it ran under.
     """
     feeds = sample_feeds(model.manifest.inputs, batch=batch, seq=seq, source=model.manifest.source)
-    streaming = model.plan.streaming
     for _ in range(warmup):
         model.run(feeds)
     model.plan.reset_stats()
     with RssMonitor() as rss:
         times = time_runs(lambda: model.run(feeds), runs, 0)
+    return _result(model, times, batch, seq, rss.peak_mb)
+
+
+def bench_against(model, reference, batch: int = 1, seq: int = 128, runs: int = 50, rounds: int = 5,
+                  warmup: int = 5) -> tuple[BenchResult, BenchResult]:
+    """``model`` and ``reference`` timed alternately in this process: ``rounds`` rounds of ``runs //
+    rounds`` runs of each, the order swapped every round, so that what else a shared machine runs
+    falls on both alike (a baseline saved earlier met other load: on a 2-core CI runner its p50 was
+    off by up to 2x). Each is given its own sample inputs; ``runs`` of each are timed in all.
+
+    Returns:
+        ``(model's result, reference's result)``; their run peak RSS is not isolated (None).
+    """
+    pair = (model, reference)
+    feeds = [sample_feeds(m.manifest.inputs, batch=batch, seq=seq, source=m.manifest.source) for m in pair]
+    for m, f in zip(pair, feeds):
+        for _ in range(warmup):
+            m.run(f)
+        m.plan.reset_stats()
+    rounds = max(1, min(rounds, runs))
+    times: list[list[np.ndarray]] = [[], []]
+    for r in range(rounds):
+        count = runs // rounds + (r < runs % rounds)
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            times[i].append(time_runs(lambda: pair[i].run(feeds[i]), count, 0))
+    return (_result(model, np.concatenate(times[0]), batch, seq, None),
+            _result(reference, np.concatenate(times[1]), batch, seq, None))
+
+
+def _result(model, times: np.ndarray, batch: int, seq: int, run_peak_mb: float | None) -> BenchResult:
+    """The figures of ``times`` (ms per run of ``model``), with its streaming counters since its
+    last ``reset_stats``."""
     p50 = float(np.percentile(times, 50))
     stream_info = None
-    if streaming:
+    if model.plan.streaming:
         st = model.plan.stats
         stream_info = {
             "plan": model.plan.describe(),
@@ -179,8 +210,8 @@ def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5
         batch=batch,
         seq=seq,
         device=model.device,
-        runs=runs,
-        run_peak_rss_mb=rss.peak_mb,
+        runs=len(times),
+        run_peak_rss_mb=run_peak_mb,
         stream=stream_info,
     )
 

@@ -102,7 +102,7 @@ class EvalResult:
     score: float
     count: int  # how many ``unit`` were scored
     unit: str = "pairs"  # sentence pairs (spearman) or tokens (perplexity)
-    settings: dict = field(default_factory=dict)  # what else a baseline must match (perplexity: window, max_tokens)
+    settings: dict = field(default_factory=dict)  # what else a baseline must match (window, max_tokens; batch_size)
 
     def to_json(self) -> dict:
         return {"metric": self.metric, "score": round(self.score, 4), self.unit: self.count, **self.settings}
@@ -121,9 +121,12 @@ def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 32, show_prog
         raise ArtifactError(f"the model gave NaN or infinite embeddings for {broken.size} of {len(cos)} pairs (the first: "
                             f"pair {broken[0] + 1} of {path}); the artifact computes wrongly: convert it again, or "
                             "quantize it with another recipe.")
+    # the batch size is a setting: dynamic int8 quantizes a batch's activations with one scale, so a
+    # sentence's company moves an int8 model's score by ~0.1 (fp32 scores the same at any size)
+    settings = {"batch_size": batch_size}
     if np.ptp(cos) == 0:  # a model that ranks nothing (a collapsed student or quantized chain) correlates with nothing
-        return EvalResult(metric="spearman", score=0.0, count=len(gold))
-    return EvalResult(metric="spearman", score=100.0 * spearman(cos, gold), count=len(gold))
+        return EvalResult(metric="spearman", score=0.0, count=len(gold), settings=settings)
+    return EvalResult(metric="spearman", score=100.0 * spearman(cos, gold), count=len(gold), settings=settings)
 
 
 def read_text(path: str | os.PathLike) -> str:
@@ -148,5 +151,5 @@ def evaluate_perplexity(model, path: str | os.PathLike, window: int | None = Non
     """The perplexity of a language model over a text file (lower is better); see ``model.perplexity``."""
     got = model.perplexity(read_text(path), window=window, max_tokens=max_tokens)
     return EvalResult(metric="perplexity", score=got.perplexity, count=got.tokens, unit="tokens",
-                      settings={"window": got.window, "windows": got.windows,
+                      settings={"window": got.window_limit, "windows": got.windows,  # the window asked: what a rerun asks
                                 "max_tokens": EVAL_TOKENS if max_tokens is None else max_tokens})

@@ -93,12 +93,14 @@ def _first_tokens(encode, text: str, limit: int) -> np.ndarray:
 @dataclass
 class Perplexity:
     """A decoder's perplexity over a text: ``exp`` of the mean negative log-likelihood of each token
-    after the first of each window, ``tokens`` of them scored, in ``windows`` windows of ``window``."""
+    after the first of each window, ``tokens`` of them scored, in ``windows`` windows of ``window``
+    (cut equal, so at most ``window_limit``: the window asked for, or the default)."""
 
     perplexity: float
     tokens: int
     windows: int
     window: int
+    window_limit: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"perplexity": round(self.perplexity, 4), "tokens": self.tokens, "windows": self.windows, "window": self.window}
@@ -135,4 +137,4 @@ def perplexity(model: Any, text: str, window: int | None = None, max_tokens: int
     names, past = [t.name for t in model.engine.inputs], past_shapes(model.engine.inputs)
     nll, _ = score_run(model.run, lambda row: decoder_feeds(names, row, past), windows)
     return Perplexity(perplexity=float(np.exp(nll.mean())), tokens=int(nll.size), windows=len(windows),
-                      window=int(windows.shape[1]))
+                      window=int(windows.shape[1]), window_limit=int(window))

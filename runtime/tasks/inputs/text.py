@@ -157,9 +157,11 @@ def encode_texts(run, text: TextEncoder, pooler: Pooler, encs: list, batches: li
 
     done = in_lanes(embed, batches, lanes)
     if show_progress:
+        from rich.console import Console
         from rich.progress import track
 
-        done = track(done, total=len(batches), description="encoding", transient=True)
+        done = track(done, total=len(batches), description="encoding", transient=True,
+                     console=Console(stderr=True))  # stdout holds what the caller prints (--json)
     out: np.ndarray | None = None
     for rows, emb in zip(batches, done):
         if out is None:
