@@ -76,6 +76,7 @@ def nncf_static(model: onnx.ModelProto, config: Int8StaticConfig, ctx: ShardCont
     if not weight_matmuls(model, ("MatMul", "Gemm", "Conv")):
         return None
     _check_opset(model)
+    _output_casts_as_identity(model)
     nncf = _nncf()
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, OverflowFix
 
@@ -101,6 +102,7 @@ def nncf_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCon
     if not weight_matmuls(model, ("MatMul", "Gemm", "Gather")):
         return None
     _check_opset(model)
+    _output_casts_as_identity(model)
     nncf = _nncf()
     mode = f"int{config.bits}_{'sym' if config.symmetric else 'asym'}"
     if mode not in ONNX_WEIGHT_MODES:
@@ -114,8 +116,14 @@ def nncf_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCon
         # every MatMul in int4 blocks: NNCF's default keeps the last weight in int8, which per shard
         # would be every shard's last MatMul. Embedding Gathers go to int8 in a second pass (NNCF
         # 3.4 turns an int4 Gather into a MatMulNBits that ONNX Runtime rejects).
+        from nncf.quantization.advanced_parameters import AdvancedCompressionParameters, GroupSizeFallbackMode
+
+        # a weight whose input channels the block size does not divide (a small Swin stage's 16) gets
+        # the largest block that does, as ONNX Runtime's quantizer pads such a weight instead of failing
+        adjust = AdvancedCompressionParameters(group_size_fallback_mode=GroupSizeFallbackMode.ADJUST)
         model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode(mode), group_size=config.block_size,
-                                      ratio=1.0, all_layers=True, ignored_scope=nncf.IgnoredScope(types=["Gather"], validate=False))
+                                      ratio=1.0, all_layers=True, ignored_scope=nncf.IgnoredScope(types=["Gather"], validate=False),
+                                      advanced_parameters=adjust)
         if any(n.op_type == "Gather" for n in weight_matmuls(model, ("Gather",))):
             model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
         _flat_biases(model)
@@ -142,6 +150,26 @@ def _flat_biases(model: onnx.ModelProto) -> None:
         bias = inits.get(node.input[5])
         if bias is not None and readers[bias.name] == 1 and len(bias.dims) > 1 and all(d == 1 for d in bias.dims[:-1]):
             bias.dims[:] = bias.dims[-1:]
+
+
+def _output_casts_as_identity(model: onnx.ModelProto) -> None:
+    """Turn each ``Cast`` to the type it already has whose result leaves the shard into an
+    ``Identity`` (the same values): NNCF 3.4 removes no-op Casts first, and one that writes a graph
+    output has no ``value_info`` entry, so it failed with a KeyError on every ModernBERT and Swin
+    shard (their rotary and window code casts int64 to int64)."""
+    outputs = {o.name for o in model.graph.output}
+    casts = [n for n in model.graph.node if n.op_type == "Cast" and n.output[0] in outputs]
+    if not casts:
+        return
+    inferred = onnx.shape_inference.infer_shapes(model).graph
+    types = {v.name: v.type.tensor_type.elem_type
+             for v in (*inferred.value_info, *inferred.input, *inferred.output)}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    for node in casts:
+        to = next((a.i for a in node.attribute if a.name == "to"), None)
+        if to is not None and types.get(node.input[0]) == to:
+            node.op_type = "Identity"
+            del node.attribute[:]
 
 
 def _declare_contrib(model: onnx.ModelProto) -> None:

@@ -106,3 +106,24 @@ def test_cli_backend(tmp_path, tiny_bert_artifact):
     report = json.loads(r.stdout)
     assert report["checks"]["agreement_cosine"] > 0.98
     assert read_manifest(tmp_path / "q").steps[-1]["backend"] == "nncf"
+
+
+def test_nncf_takes_a_swin_whose_shards_pass_an_int64_cast_on(tmp_path):
+    """NNCF 3.4 removes a Cast to the type it already has and failed (KeyError) where that Cast's
+    result leaves the shard: every Swin and ModernBERT shard. Now it is an Identity first; a weight
+    of 16 input channels (a small Swin stage) gets a block that fits or stays float under int4."""
+    import torch
+    from transformers import SwinConfig, SwinForImageClassification, ViTImageProcessor
+
+    from slimml.convert import ConvertConfig, convert
+
+    torch.manual_seed(0)
+    SwinForImageClassification(SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+                                          window_size=4, num_labels=3)).eval().save_pretrained(tmp_path / "src")
+    ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "fp32", ConvertConfig(measure_latency=False))
+    feeds = sample_feeds(read_manifest(tmp_path / "fp32").inputs, batch=2, source=read_manifest(tmp_path / "fp32").source)
+    want = load(tmp_path / "fp32").run(feeds)["logits"]
+    for name, config in (("int8s", Int8StaticConfig(backend="nncf")), ("int4", WeightOnlyConfig(bits=4, backend="nncf"))):
+        quantize(tmp_path / "fp32", tmp_path / name, config)
+        assert _cos(load(tmp_path / name).run(feeds)["logits"], want) > 0.99, name
