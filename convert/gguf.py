@@ -26,6 +26,15 @@ GPT_OSS = "gpt-oss"  # llama.cpp's name; read here, not through transformers (gg
 _RECURRENT = {"mamba": "a state-space model", "lfm2": "short convolutions beside attention"}
 _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}  # llama.cpp -> transformers
 
+def gguf_decoders(readable) -> list[str]:
+    """The GGUF architectures slimml converts, by llama.cpp's names: those transformers reads
+    (``readable``), less the recurrent models and encoder-decoders slimml refuses, and gpt-oss, which
+    slimml reads itself."""
+    back = {hf: cpp for cpp, hf in _RENAMED.items()}
+    names = {back.get(a, a) for a in readable if a not in ("general", "tokenizer") and "t5" not in a} - set(_RECURRENT)
+    return sorted(names | {GPT_OSS})
+
+
 # llama.cpp's general.file_type values (LLAMA_FTYPE_*), for the report
 _FILE_TYPES = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
@@ -118,7 +127,7 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
 
         raise SourceError(
             f"{path} holds a {arch!r} model, which transformers {transformers.__version__} cannot read from GGUF "
-            f"(it reads {', '.join(sorted(a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ('general', 'tokenizer')))}); "
+            f"(slimml converts GGUF {', '.join(gguf_decoders(GGUF_SUPPORTED_ARCHITECTURES))}); "
             "convert the original Hugging Face folder instead."
         )
     if arch in _RECURRENT:  # as their Hugging Face folders are refused (export_torch_decoder), before the reader runs

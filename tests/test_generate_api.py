@@ -349,3 +349,19 @@ def test_a_format_that_cannot_be_used_is_refused_in_one_line(response_format, wo
     with pytest.raises(ConfigError) as e:
         GenerationConfig(response_format=response_format)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_prompts_pad_with_an_id_the_embedding_table_holds():
+    """transformers' rebuild of a GGUF file's tokenizer may add ``<pad>`` past the model's rows (a
+    Bloom file: pad 303 of 300); a batch of prompts of different lengths padded with it failed in
+    the embedding's Gather. Padding is masked out, so an id the table holds does: 0."""
+    from types import SimpleNamespace
+
+    from slimml.runtime.tasks.generation.prompts import pad_id
+
+    def model(pad, vocab):
+        return SimpleNamespace(manifest=SimpleNamespace(tokenizer={"pad_id": pad}), engine=SimpleNamespace(vocab_size=vocab))
+
+    assert pad_id(model(303, 300), GenerationConfig()) == 0
+    assert pad_id(model(3, 300), GenerationConfig()) == 3 and pad_id(model(303, None), GenerationConfig()) == 303
+    assert pad_id(model(303, 300), GenerationConfig(pad_token_id=7)) == 7

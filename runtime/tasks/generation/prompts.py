@@ -189,9 +189,13 @@ def _ids(v: Any) -> list[int]:
 
 
 def pad_id(model: Any, config: GenerationConfig) -> int:
+    """The id that pads shorter prompts (masked out, so any id the embedding table holds): the
+    config's, else the tokenizer's where the table holds it (a GGUF file's tokenizer, as transformers
+    rebuilds it, may add ``<pad>`` past the model's rows: a batch failed in its Gather), else 0."""
     if config.pad_token_id is not None:
         return config.pad_token_id
-    return int((model.manifest.tokenizer or {}).get("pad_id") or 0)
+    pad, vocab = int((model.manifest.tokenizer or {}).get("pad_id") or 0), model.engine.vocab_size
+    return pad if vocab is None or pad < vocab else 0
 
 
 def _id_lists(prompts: Any) -> list[list[int]]:
