@@ -424,3 +424,32 @@ def test_slimml_generate_offers_tools_from_a_file(smollm2_artifact, generic, her
                         ([*ask[:4], "--tool-choice", "required"], "add --tools FILE")):
         r = runner.invoke(app, args)
         assert isinstance(r.exception, ConfigError) and words in str(r.exception)
+
+
+def test_a_call_turn_renders_as_each_template_reads_it():
+    """An assistant's call sent the OpenAI way (content None, arguments as JSON text): DeepSeek-R1's
+    template writes the calls only where content is none and joins the arguments to text, and
+    lost the call (slimml gave content "" and an object); Llama 3.1's writes ``arguments | tojson``
+    (an object); Phi-3's joins every content to text (None: transformers fails; slimml gives "")."""
+    from slimml.runtime.tasks.generation.chat import ChatTemplate
+    from slimml.runtime.tasks.generation.tools import template_messages
+
+    deepseek = ("{% for m in messages %}{% if m.role == 'assistant' and m.content is none %}"
+                "{% for t in m.tool_calls %}<call>{{ t.function.name }}"
+                "{{ '\\n```json\\n' + t.function.arguments + '\\n```' }}</call>{% endfor %}"
+                "{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}")
+    llama31 = ("{% for m in messages %}{% if m.tool_calls %}{% for t in m.tool_calls %}"
+               "{\"name\": \"{{ t.function.name }}\", \"parameters\": {{ t.function.arguments | tojson }}}"
+               "{% endfor %}{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}")
+    phi3 = "{% for m in messages %}{{ '<|' + m.role + '|>' + m.content + '<|end|>' }}{% endfor %}"
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = template_messages([{"role": "user", "content": "Weather?"},
+                                  {"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert ChatTemplate(deepseek).render(messages, add_generation_prompt=False) == (
+        "<user>Weather?<call>get_weather\n```json\n{\"city\": \"Paris\"}\n```</call>")
+    assert ChatTemplate(llama31).render(messages, add_generation_prompt=False) == (
+        '<user>Weather?{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert ChatTemplate(phi3).render(messages, add_generation_prompt=False) == "<|user|>Weather?<|end|><|assistant|><|end|>"
+    spaced = template_messages([{"role": "assistant", "content": None, "tool_calls": [
+        {**call, "function": {"name": "f", "arguments": '{ "city" :"Paris" }'}}]}])
+    assert str(spaced[0]["tool_calls"][0]["function"]["arguments"]) == '{ "city" :"Paris" }'  # the text as sent

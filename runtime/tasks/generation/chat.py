@@ -89,8 +89,16 @@ class ChatTemplate:
             messages, final = _tagged(messages)
         context = {"tools": None, "documents": None, **self.special, **variables}
         try:
-            text = template_budget.render(self.template, messages=messages,
-                                          add_generation_prompt=add_generation_prompt, **context)
+            try:
+                text = template_budget.render(self.template, messages=messages,
+                                              add_generation_prompt=add_generation_prompt, **context)
+            except TypeError:  # a call turn's content None, which a template without calls joins to text
+                calls = [isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None for m in messages]
+                if not any(calls):
+                    raise
+                messages = [{**m, "content": ""} if call else m for m, call in zip(messages, calls)]
+                text = template_budget.render(self.template, messages=messages,
+                                              add_generation_prompt=add_generation_prompt, **context)
         except template_budget.OverBudget as e:
             raise SlimmlError(f"{self.where} went past its budget rendering these messages ({e}); fix the template "
                               "(a loop that does not end?) or give fewer, shorter messages.") from None

@@ -653,12 +653,34 @@ class ToolText:
         return (self.tools.parallel or index == 0) and any(f["name"] == name for f in self.tools.callable())
 
 
+class Arguments(dict):
+    """A tool call's arguments as chat templates read them: an object (``arguments | tojson``,
+    ``arguments.items()``: Llama 3.1, Qwen2.5, Mistral) that is also its JSON text where a template
+    joins it to text (DeepSeek-R1: ``'```json\n' + arguments``; ``~`` and ``{{ arguments }}``), as
+    OpenAI sends it. Given as text, the text is kept as sent."""
+
+    def __init__(self, value: dict, text: str | None = None):
+        super().__init__(value)
+        self.text = json.dumps(value, ensure_ascii=False) if text is None else text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other):
+        return self.text + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other):
+        return other + self.text if isinstance(other, str) else NotImplemented
+
+
 def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
     """Messages as chat templates take them: an assistant's ``tool_calls`` with their arguments as
-    objects (OpenAI sends them as JSON text; templates write ``arguments | tojson``), and its
-    ``reasoning_content`` (the thoughts a server handed out) also as ``thinking``, where gpt-oss's
-    template reads them (Qwen3's reads ``reasoning_content``). ``first``: the first message's
-    number, for messages."""
+    objects that are also their JSON text (:class:`Arguments`: OpenAI sends text, most templates
+    write ``arguments | tojson``, DeepSeek's joins the text), and its ``reasoning_content`` (the
+    thoughts a server handed out) also as ``thinking``, where gpt-oss's template reads them (Qwen3's
+    reads ``reasoning_content``). A call turn's ``content`` stays as sent (None: DeepSeek's template
+    writes the calls only then; :meth:`ChatTemplate.render` gives ``""`` to a template that cannot
+    take None). ``first``: the first message's number, for messages."""
     if not isinstance(messages, (list, tuple)):
         return messages  # refused, in one line, where the template's messages are checked
     out = []
@@ -677,14 +699,14 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
                 arguments = function.get("arguments", {})
                 if isinstance(arguments, str):
                     try:
-                        arguments = json.loads(arguments) if arguments.strip() else {}
+                        arguments = Arguments(json.loads(arguments), arguments) if arguments.strip() else Arguments({})
                     except (ValueError, RecursionError):
                         raise FeedError(f"message {i}'s tool call {k} ({function['name']}) has arguments that are not "
                                         "JSON; send them as a JSON object, or its text.") from None
+                elif isinstance(arguments, dict):
+                    arguments = Arguments(arguments)
                 fixed.append({**c, "type": "function", "function": {**function, "arguments": arguments}})
             m = {**m, "tool_calls": fixed}
-            if m.get("content") is None:
-                m["content"] = ""
         if isinstance(m, dict) and isinstance(m.get("reasoning_content"), str) and "thinking" not in m:
             m = {**m, "thinking": m["reasoning_content"]}
         out.append(m)
