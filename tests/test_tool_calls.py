@@ -450,6 +450,10 @@ def test_a_call_turn_renders_as_each_template_reads_it():
     assert ChatTemplate(llama31).render(messages, add_generation_prompt=False) == (
         '<user>Weather?{"name": "get_weather", "parameters": {"city": "Paris"}}')
     assert ChatTemplate(phi3).render(messages, add_generation_prompt=False) == "<|user|>Weather?<|end|><|assistant|><|end|>"
+    left_out = template_messages([{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]}])
+    assert ChatTemplate(deepseek).render(left_out, add_generation_prompt=False).endswith("```</call>")  # as None
+    assert ChatTemplate(phi3.replace("m.content", "m['content']")).render(left_out, add_generation_prompt=False) == (
+        "<|user|>Weather?<|end|><|assistant|><|end|>")
     spaced = template_messages([{"role": "assistant", "content": None, "tool_calls": [
         {**call, "function": {"name": "f", "arguments": '{ "city" :"Paris" }'}}]}])
     assert str(spaced[0]["tool_calls"][0]["function"]["arguments"]) == '{ "city" :"Paris" }'  # the text as sent

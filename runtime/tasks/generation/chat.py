@@ -92,9 +92,9 @@ class ChatTemplate:
             try:
                 text = template_budget.render(self.template, messages=messages,
                                               add_generation_prompt=add_generation_prompt, **context)
-            except TypeError:  # a call turn's content None, which a template without calls joins to text
+            except Exception as e:  # a call turn's content None, which a template without calls joins to text
                 calls = [isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None for m in messages]
-                if not any(calls):
+                if not any(calls) or isinstance(e, template_budget.OverBudget):
                     raise
                 messages = [{**m, "content": ""} if call else m for m, call in zip(messages, calls)]
                 text = template_budget.render(self.template, messages=messages,

@@ -706,7 +706,7 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
                 elif isinstance(arguments, dict):
                     arguments = Arguments(arguments)
                 fixed.append({**c, "type": "function", "function": {**function, "arguments": arguments}})
-            m = {**m, "tool_calls": fixed}
+            m = {"content": None, **m, "tool_calls": fixed}  # OpenAI's call turn may leave its content out
         if isinstance(m, dict) and isinstance(m.get("reasoning_content"), str) and "thinking" not in m:
             m = {**m, "thinking": m["reasoning_content"]}
         out.append(m)
