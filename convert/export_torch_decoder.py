@@ -259,7 +259,7 @@ def _example(model: Any, with_past: bool) -> tuple[tuple[str, ...], tuple[Any, .
             raise SourceError(f"{type(model).__name__} {why}, where slimml's decode loop needs one key and one value "
                               "tensor per layer: state-space, hybrid and other cache layouts are not supported yet; "
                               "convert a transformer decoder.")
-        for i, (key, value) in cache_tensors(first.past_key_values).items():
+        for i, (key, value) in cache_tensors(returned_cache(first)).items():
             for kind, t in (("key", key), ("value", value)):
                 names += (f"past_key_values.{i}.{kind}",)
                 example.append(t)
@@ -286,12 +286,12 @@ def recurrent_layers(model: Any) -> str | None:
 
 
 def recurrent_state(output: Any, layers: int, length: int) -> str | None:
-    """What a first pass's cache (``output.past_key_values``, over ``length`` positions) is, in words,
+    """What a first pass's cache (its ``cache`` or ``past_key_values``, over ``length`` positions) is, in words,
     where it is not one key and one value tensor ``(batch, heads, positions, head)`` for each of at
     most ``layers`` layers (a window may keep fewer positions; a layer reading another's cache keeps
     none): "keeps a recurrent state (...)" (Mamba's, RWKV's), "keeps its cache in a layout of its own
     (...)", or :data:`NO_CACHE`; else None."""
-    cache = getattr(output, "past_key_values", None)
+    cache = returned_cache(output)
     if cache is None:  # transformers 4.x's Mamba outputs: cache_params; RWKV's: state
         state = next((v for v in (getattr(output, "cache_params", None), getattr(output, "state", None)) if v is not None), None)
         kind = "state tensors" if isinstance(state, (list, tuple)) else type(state).__name__
@@ -316,6 +316,25 @@ def cache_tensors(cache: Any) -> dict[int, tuple[Any, Any]]:
         return {i: (layer.keys, layer.values) for i, layer in enumerate(cache.layers)
                 if getattr(layer, "keys", None) is not None}
     return {i: (k, v) for i, (k, v) in enumerate(cache)}
+
+
+def cache_keyword(model: Any) -> str:
+    """The argument ``model``'s forward takes its cache as: ``cache`` from transformers 5.24 on
+    (``past_key_values`` there is deprecated, to go in 5.40), else ``past_key_values``."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
+def returned_cache(output: Any) -> Any:
+    """The cache a forward returned: ``output.cache`` from transformers 5.24 on, ``past_key_values``
+    before (None where it returned none)."""
+    cache = output.get("cache") if hasattr(output, "get") else None
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def dynamic_cache(layers: dict[int, tuple[Any, Any]]) -> Any:
@@ -366,6 +385,7 @@ def _decoder_module() -> type:
         def __init__(self, model, names):
             super().__init__()
             self.model, self.names, self.layers = model, tuple(names), past_layers(names)
+            self.keyword = cache_keyword(model)
             self.inputs = tuple(n for n in self.names if not n.startswith("past_key_values."))
 
         def forward(self, *args):
@@ -374,8 +394,8 @@ def _decoder_module() -> type:
                 return self.model(**feeds, use_cache=False, return_dict=True).logits
             past = args[len(self.inputs):]
             cache = dynamic_cache({layer: (past[2 * i], past[2 * i + 1]) for i, layer in enumerate(self.layers)})  # the mask applies any window
-            out = self.model(**feeds, past_key_values=cache, use_cache=True, return_dict=True)
-            present = cache_tensors(out.past_key_values)
+            out = self.model(**feeds, **{self.keyword: cache}, use_cache=True, return_dict=True)
+            present = cache_tensors(returned_cache(out))
             return (out.logits, *[t for layer in self.layers for t in present[layer]])
 
     return Decoder

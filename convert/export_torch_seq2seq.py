@@ -156,7 +156,7 @@ def _modules() -> dict[str, type]:
     import torch
     from transformers.cache_utils import EncoderDecoderCache
 
-    from slimml.convert.export_torch_decoder import cache_tensors, dynamic_cache
+    from slimml.convert.export_torch_decoder import cache_keyword, cache_tensors, dynamic_cache, returned_cache
 
     class Encoder(torch.nn.Module):
         def __init__(self, model, names):
@@ -179,7 +179,7 @@ def _modules() -> dict[str, type]:
 
         def step(self, feeds, cache, hidden):
             mask = {"attention_mask": feeds["encoder_attention_mask"]} if "encoder_attention_mask" in feeds else {}
-            return self.model(decoder_input_ids=feeds["input_ids"], encoder_outputs=(hidden,), past_key_values=cache,
+            return self.model(decoder_input_ids=feeds["input_ids"], encoder_outputs=(hidden,), **{cache_keyword(self.model): cache},
                               use_cache=True, return_dict=True, **mask)
 
     class Decoder(Step):
@@ -188,7 +188,7 @@ def _modules() -> dict[str, type]:
         def forward(self, *args):
             feeds = dict(zip(self.names, args))
             out = self.step(feeds, EncoderDecoderCache(dynamic_cache({}), dynamic_cache({})), feeds["encoder_hidden_states"])
-            return (out.logits, *layer_tensors(out.past_key_values, self.layers))
+            return (out.logits, *layer_tensors(returned_cache(out), self.layers))
 
     class WithPast(Step):
         """A later step: one token per row with both caches fed back; the self-attention cache out."""
@@ -206,7 +206,7 @@ def _modules() -> dict[str, type]:
             width = self.model.config.d_model
             stand_in = key.new_zeros(key.shape[0], key.shape[2], width)  # the encoder's length, for the masks
             out = self.step(feeds, cache, stand_in)
-            tensors = cache_tensors(out.past_key_values.self_attention_cache)
+            tensors = cache_tensors(returned_cache(out).self_attention_cache)
             return (out.logits, *[t for i in range(self.layers) for t in tensors[i]])
 
     return {"encoder": Encoder, "decoder": Decoder, "with_past": WithPast}

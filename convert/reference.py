@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from slimml.convert.export import Exported, output_tensors
-from slimml.convert.export_torch_decoder import cache_tensors, dynamic_cache, past_layers
+from slimml.convert.export_torch_decoder import cache_keyword, cache_tensors, dynamic_cache, past_layers, returned_cache
 from slimml.convert.sources import Source, st_model_type
 from slimml.runtime.tasks.inputs.pooling import Pooler
 
@@ -50,13 +50,13 @@ def reference_for(source: Source, exported: Exported, output_names: list[str]) -
     def run_hf(feeds):
         past = sorted(k for k in feeds if k.startswith("past_key_values."))
         if past:  # ONNX names the cache per layer; torch takes a Cache object
-            feeds["past_key_values"] = dynamic_cache({i: (feeds.pop(f"past_key_values.{i}.key"),
+            feeds[cache_keyword(model)] = dynamic_cache({i: (feeds.pop(f"past_key_values.{i}.key"),
                                                           feeds.pop(f"past_key_values.{i}.value")) for i in past_layers(past)})
             feeds["use_cache"] = True
         out = model(**feeds)
         result = {n: out[n].detach().float().numpy() for n in output_names if n in out}
         if past:
-            for i, (k, v) in cache_tensors(out.past_key_values).items():
+            for i, (k, v) in cache_tensors(returned_cache(out)).items():
                 result[f"present.{i}.key"], result[f"present.{i}.value"] = k.float().numpy(), v.float().numpy()
         return {n: v for n, v in result.items() if n in output_names}
 

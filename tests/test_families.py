@@ -264,7 +264,7 @@ def test_an_image_processor_slimml_does_not_reproduce_is_not_shipped(tmp_path):
     ViTForImageClassification(ViTConfig(**TOWER, image_size=32, patch_size=8, num_labels=2)).eval().save_pretrained(tmp_path / "src")
     MobileViTImageProcessor(size={"shortest_edge": 36}, crop_size={"height": 32, "width": 32}).save_pretrained(tmp_path / "src")
     report = convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
-    assert report.checks["preprocessing_note"].startswith("slimml's pixels differ from MobileViTImageProcessor's by up to ")
+    assert report.checks["preprocessing_note"].startswith("slimml's pixels differ from MobileViTImageProcessor")  # Pil's under transformers 5
     assert report.checks["preprocessing_note"].endswith("its config is not shipped: make the pixels with transformers' "
                                                         "processor and call run(pixel_values=...)")
     model = load(tmp_path / "art")

@@ -294,7 +294,7 @@ def test_chat_renders_the_template_and_generates(llama, bpe):
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Héllo there"}]
     hf = PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=CHATML, eos_token="<|endoftext|>")
-    want_ids = hf.apply_chat_template(messages, add_generation_prompt=True)
+    want_ids = hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     got = llama.chat(messages, max_new_tokens=6)
     assert got.tokens == llama.generate([want_ids], max_new_tokens=6).tokens
     assert got.texts[0] == bpe.decode(got.tokens[0])
@@ -345,7 +345,7 @@ def test_smollm2_chat_template_renders_as_transformers(smollm2):
             tokenizer = tok.backend_tokenizer
 
         ids = untruncated(Text()).encode(rendered, add_special_tokens=False).ids
-        want = tok.apply_chat_template(messages, add_generation_prompt=True)
+        want = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         assert ids == (want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want)  # transformers 5: a dict
     (folder / "chat_template.jinja").unlink()  # the template inside tokenizer_config.json, as older folders keep it
     config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -406,6 +406,11 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
             llama.stream, [-1])  # a stream refuses when made, not at its first piece
     refused(FeedError, "prompts is one list of token ids; wrap it in a list ([[1, 2, 3]]): a list of id lists is a batch "
             "of prompts.", llama.generate, [5, 6])  # was "..., got list"
+    encoded = {"input_ids": [5, 6], "attention_mask": [1, 1]}  # transformers 5's apply_chat_template returns one
+    for given in (encoded, [encoded]):  # was "..., got list"
+        refused(FeedError, "prompts hold a dict (a tokenizer's output, as transformers 5's apply_chat_template returns "
+                "it); pass its token ids: enc['input_ids'], wrapped as [ids] for one prompt, or model.chat(messages) to "
+                "render the template here.", llama.generate, given)
     for odd in (b"hi", 5, None):  # bytes once read as ids; a number or None was Python's TypeError
         with pytest.raises(FeedError, match="stream\\(\\) takes one prompt, a text or a list of token ids, got"):
             llama.stream(odd)

@@ -168,7 +168,7 @@ def test_chat_options_through_the_model(llama, bpe):
     begun = SYSTEM + TURNS[:1] + [{"role": "assistant", "content": "It is"}]
     for messages, options in ((SYSTEM + TURNS[:1], {"add_generation_prompt": False}),
                               (begun, {"add_generation_prompt": False, "continue_final_message": True})):
-        want = hf.apply_chat_template(messages, **options)
+        want = hf.apply_chat_template(messages, return_dict=False, **options)  # ids, under transformers 5 too
         assert chat_prompt(llama, messages, **options) == hf.apply_chat_template(messages, tokenize=False, **options)
         assert llama.chat(messages, max_new_tokens=5, **options).tokens == llama.generate([want], max_new_tokens=5).tokens
     with pytest.raises(ConfigError, match="pass add_generation_prompt=False with continue_final_message=True"):

@@ -171,7 +171,11 @@ def small_folder(smol):
     try:
         model.model.layers = layers[:2]
         model.config.num_hidden_layers = 2
-        model.save_pretrained(folder)
+        quantizer, model.hf_quantizer = getattr(model, "hf_quantizer", None), None  # transformers 5 marks a GGUF read as
+        try:                                                                          # quantized and will not save it
+            model.save_pretrained(folder)
+        finally:
+            model.hf_quantizer = quantizer
     finally:
         model.model.layers = layers
         model.config.num_hidden_layers = len(layers)
@@ -195,7 +199,12 @@ def test_with_past_conversion_of_a_folder_with_its_tokenizer(small_folder, tmp_p
 
 
 def test_config_from_newer_transformers_is_refused(small_folder, tmp_path):
+    import transformers
+
     from slimml.convert import convert
+
+    if int(transformers.__version__.split(".")[0]) >= 5:
+        pytest.skip(f"transformers {transformers.__version__} reads rope_parameters itself")
 
     folder = tmp_path / "v5"
     folder.mkdir()
