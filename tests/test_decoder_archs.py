@@ -167,6 +167,7 @@ def test_fused_gemma_logits_equal_transformers_past_the_window(name, tmp_path):
     say ``hidden_act: "gelu"``: exact GELU to transformers 4.57, the tanh one to 5; each as read."""
     import onnxruntime as ort
 
+    from slimml.convert.export_torch_decoder import cache_keyword, returned_cache
     from slimml.convert.fused_llama import export_fused
 
     model = _gemma(name.split("-")[0])
@@ -185,8 +186,8 @@ def test_fused_gemma_logits_equal_transformers_past_the_window(name, tmp_path):
     for _ in range(7):
         out = dict(zip(names, session.run(None, feeds)))
         with torch.no_grad():
-            ref = model(torch.tensor(feeds["input_ids"]), past_key_values=cache, use_cache=True)
-        cache = ref.past_key_values
+            ref = model(torch.tensor(feeds["input_ids"]), **{cache_keyword(model): cache}, use_cache=True)
+        cache = returned_cache(ref)
         diffs.append(float(np.abs(out["logits"] - ref.logits.numpy()).max()))
         token = np.array([[int(ref.logits[0, -1].argmax())]])
         seq = np.concatenate([seq, token], axis=1)

@@ -176,6 +176,9 @@ def small_folder(smol):
             model.save_pretrained(folder)
         finally:
             model.hf_quantizer = quantizer
+        config = json.loads((folder / "config.json").read_text())
+        if config.pop("quantization_config", None):  # transformers 5's {"quant_method": "gguf"}: the weights saved are float
+            (folder / "config.json").write_text(json.dumps(config))
     finally:
         model.model.layers = layers
         model.config.num_hidden_layers = len(layers)
