@@ -278,40 +278,52 @@ def _module_call(source: Source) -> tuple[Any, tuple, dict | None, list[str]]:
     A tuple or list of example inputs is passed positionally, named ``input_N`` (or the source's
     ``input_names``). A dict is passed by name, its inputs ordered as ``forward``'s signature orders
     them (the TorchScript exporter binds them so, whatever the dict's order); keyword-only
-    parameters go through a wrapper that takes every input positionally in that order.
+    parameters go through a wrapper that takes every input positionally in that order. A forward
+    that also takes ``**kwargs`` (transformers 5's models) is called through such a wrapper too:
+    the exporter would pass every parameter's default by position, and transformers 5 then gave
+    ``use_cache`` twice ("got multiple values for argument 'use_cache'").
     """
     import inspect
 
-    import torch
-
     example = source.example_inputs
-    if not isinstance(example, dict):
-        args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
-        return source.module, args, None, list(source.input_names or [f"input_{i}" for i in range(len(args))])
     try:
         params = inspect.signature(source.module.forward).parameters
-    except (TypeError, ValueError):  # a forward without a signature Python can read: the dict's order
-        return source.module, (), dict(example), list(example)
+    except (TypeError, ValueError):  # a forward without a signature Python can read
+        params = None
     kinds = inspect.Parameter
+    open_ended = params is not None and any(p.kind == kinds.VAR_KEYWORD for p in params.values())
+    if not isinstance(example, dict):
+        args = tuple(example) if isinstance(example, (tuple, list)) else (example,)
+        names = list(source.input_names or [f"input_{i}" for i in range(len(args))])
+        return (_exactly(source.module) if open_ended else source.module), args, None, names
+    if params is None:  # the dict's order
+        return source.module, (), dict(example), list(example)
     named = [n for n, p in params.items() if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)]
     extra = [n for n in example if n not in named]
-    if extra and not any(p.kind == kinds.VAR_KEYWORD for p in params.values()):
+    if extra and not open_ended:
         raise SourceError(f"example_inputs names {', '.join(map(repr, extra))}, which {source.name}.forward does not take "
                           f"(its parameters: {', '.join(named) or 'none by name'}); name the inputs as forward does.")
     order = [n for n in named if n in example] + extra
     kwargs = {n: example[n] for n in order}
-    if all(params[n].kind == kinds.POSITIONAL_OR_KEYWORD for n in order if n in params):
+    if not open_ended and all(params[n].kind == kinds.POSITIONAL_OR_KEYWORD for n in order if n in params):
         return source.module, (), kwargs, order
+    return _exactly(source.module, order), tuple(kwargs.values()), None, order
 
-    class _ByPosition(torch.nn.Module):  # keyword-only parameters: the TorchScript exporter passes inputs by position
-        def __init__(self, inner):
+
+def _exactly(inner, order: list[str] | None = None):
+    """``inner`` as a module called with exactly the inputs given, by position or by the names
+    ``order`` (the TorchScript exporter passes inputs by position, and fills in the defaults it sees)."""
+    import torch
+
+    class Exactly(torch.nn.Module):
+        def __init__(self):
             super().__init__()
             self.inner = inner
 
         def forward(self, *values):
-            return self.inner(**dict(zip(order, values)))
+            return self.inner(*values) if order is None else self.inner(**dict(zip(order, values)))
 
-    return _ByPosition(source.module), tuple(kwargs.values()), None, order
+    return Exactly()
 
 
 @contextlib.contextmanager

@@ -517,16 +517,16 @@ def bench(
     device, pin = loading["device"], loading["pin"]
     from slimml.runtime import load
     from slimml.runtime.tools.baseline import Baseline, Tolerances, check_settings
-    from slimml.runtime.tools.bench import bench as do_bench
+    from slimml.runtime.tools.bench import bench as do_bench, latency_settings
 
     if batch < 1 or seq < 1 or runs < 1:
         raise SlimmlError(f"--batch, --seq and --runs must be >= 1 (got {batch}, {seq}, {runs}).")
     tol = Tolerances(latency_increase_pct=max_latency_increase, size_increase_pct=max_size_increase)
     if sweep is not None and (baseline is not None or save_baseline is not None or against is not None):
-        raise SlimmlError("--sweep times many K,P plans and a gate one: drop --baseline/--save-baseline/--against, "
+        raise ConfigError("--sweep times many K,P plans and a gate one: drop --baseline/--save-baseline/--against, "
                           "or --sweep (then give the plan to gate with --resident/--prefetch or --memory-budget).")
     if against is not None and (baseline is not None or save_baseline is not None):
-        raise SlimmlError("--against gates on a reference timed in this run, --baseline on a run saved before: give one "
+        raise ConfigError("--against gates on a reference timed in this run, --baseline on a run saved before: give one "
                           "of them.")
     old = Baseline.load(baseline) if baseline else None
     if save_baseline is not None:
@@ -561,7 +561,7 @@ def bench(
     if parts:  # several graphs: each is timed on its own sample inputs
         if component is None:
             if old is not None or save_baseline is not None or against is not None:
-                raise SlimmlError(f"{artifact} has components {', '.join(parts)}; a gate is for one: add --component NAME.")
+                raise ConfigError(f"{artifact} has components {', '.join(parts)}; a gate is for one: add --component NAME.")
             results = {name: do_bench(part, batch=batch, seq=seq, runs=runs) for name, part in parts.items()}
             if as_json:
                 print(json.dumps({name: r.to_json() for name, r in results.items()}))
@@ -575,8 +575,8 @@ def bench(
         raise SlimmlError(f"{artifact} is one chain of shards, without components; leave --component out.")
     longest = model.max_sequence_length
     if longest is not None and seq > longest and any(t.name == "input_ids" for t in model.manifest.inputs):
-        raise SlimmlError(f"--seq {seq} is past the {longest} tokens this model takes; give --seq {longest} or less.")
-    timed = {**({"component": component} if component is not None else {}), **_latency_settings(model)}
+        raise ConfigError(f"--seq {seq} is past the {longest} tokens this model takes; give --seq {longest} or less.")
+    timed = {**({"component": component} if component is not None else {}), **latency_settings(model)}
     if old is not None:  # another streaming plan or thread count: refused before the timing runs
         check_settings(old, "bench", timed)
     if not as_json:
@@ -609,22 +609,19 @@ def _bench_against(model, against: Path, config, component, batch, seq, runs, ti
     """``slimml bench ART --against REF``: the two timed alternately, ART gated on REF's p50 and size."""
     from slimml.runtime import load
     from slimml.runtime.tools.baseline import Baseline
-    from slimml.runtime.tools.bench import bench_against
+    from slimml.runtime.tools.bench import bench_against, check_comparable
 
     reference = load(against, config)
     if component is not None:
         if component not in reference.parts:
-            raise SlimmlError(f"the reference {against} has no component {component!r}"
+            raise ConfigError(f"the reference {against} has no component {component!r}"
                               + (f" (it has {', '.join(reference.parts)})" if reference.parts else "")
                               + "; give a reference of the same model.")
         reference = reference.part(component)
     elif reference.parts:
-        raise SlimmlError(f"the reference {against} has components ({', '.join(reference.parts)}) and {model.folder} "
+        raise ConfigError(f"the reference {against} has components ({', '.join(reference.parts)}) and {model.folder} "
                           "has none; give a reference of the same model.")
-    names = [t.name for t in model.manifest.inputs]
-    if [t.name for t in reference.manifest.inputs] != names:
-        raise SlimmlError(f"the reference {against} takes other inputs than this artifact ({', '.join(names)}), so their "
-                          "latencies do not compare; give a reference of the same model (its float or earlier build).")
+    check_comparable(model, reference, str(against))
     result, ref = bench_against(model, reference, batch=batch, seq=seq, runs=runs)
     now = Baseline.from_bench(result, str(model.folder), **timed)
     then = Baseline.from_bench(ref, str(against), **timed)
@@ -636,17 +633,6 @@ def _bench_against(model, against: Path, config, component, batch, seq, runs, ti
         console.print(f"{who}: batch {batch} x seq {seq} on {model.device}: p50 {r.p50_ms:.2f} ms, p90 {r.p90_ms:.2f} ms, "
                       f"model {r.model_mb:.1f} MB", highlight=False)
     _with_baseline(None, now, then, source, None, tol)
-
-
-def _latency_settings(model) -> dict:
-    """What besides batch, sequence and device decides a bench's latency: the streaming plan and
-    the threads (``SLIMML_THREADS``; 0: ONNX Runtime's choice, the machine's cores)."""
-    from slimml.runtime.engine.backends.base import env_threads
-
-    memory = model.plan.memory
-    plan = (f"K={memory.resident} P={memory.prefetch}" + (f" pinned {memory.pinned}" if memory.pinned else "")
-            if memory.streaming else "resident")
-    return {"plan": plan, "threads": env_threads()}
 
 
 def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:

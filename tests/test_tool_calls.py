@@ -9,6 +9,7 @@ fits its function's schema, streamed or not, and the text outside the calls is t
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -452,8 +453,20 @@ def test_a_call_turn_renders_as_each_template_reads_it():
     assert ChatTemplate(phi3).render(messages, add_generation_prompt=False) == "<|user|>Weather?<|end|><|assistant|><|end|>"
     left_out = template_messages([{"role": "user", "content": "Weather?"}, {"role": "assistant", "tool_calls": [call]}])
     assert ChatTemplate(deepseek).render(left_out, add_generation_prompt=False).endswith("```</call>")  # as None
-    assert ChatTemplate(phi3.replace("m.content", "m['content']")).render(left_out, add_generation_prompt=False) == (
-        "<|user|>Weather?<|end|><|assistant|><|end|>")
+    printed = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"  # Gemma's: None would print "None"
+    assert ChatTemplate(printed).render(left_out, add_generation_prompt=False) == "<user>Weather?<assistant>"
+    from slimml.serve.openai import _messages  # the server's reading of a request's messages keeps None too
+
+    served = _messages({"messages": [{"role": "user", "content": "Weather?"},
+                                     {"role": "assistant", "content": None, "tool_calls": [call]}]})
+    assert ChatTemplate(deepseek).render(template_messages(served), add_generation_prompt=False).endswith("```</call>")
+    for arguments, shown in (("5", "5"), ('"text"', '"text"'), ("[1, 2]", "[1, 2]"), ({"a": {1, 2}}, None)):
+        bad = {**call, "function": {"name": "f", "arguments": arguments}}
+        if shown is None:  # a Python value JSON cannot write: kept, written as its text
+            assert template_messages([{"role": "assistant", "tool_calls": [bad]}])[0]["tool_calls"][0]["function"]["arguments"]
+            continue
+        with pytest.raises(FeedError, match=f"has arguments {re.escape(shown)}; a call's arguments are a JSON object"):
+            template_messages([{"role": "assistant", "tool_calls": [bad]}])
     spaced = template_messages([{"role": "assistant", "content": None, "tool_calls": [
         {**call, "function": {"name": "f", "arguments": '{ "city" :"Paris" }'}}]}])
     assert str(spaced[0]["tool_calls"][0]["function"]["arguments"]) == '{ "city" :"Paris" }'  # the text as sent

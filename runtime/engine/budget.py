@@ -335,9 +335,7 @@ def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident
     sizes = list(plan.sizes)
     for i, n in grown.items():
         sizes[i] = n
-    for i, n in kept.items():  # the slot holds the rest of the shard
-        sizes[i] = max(sizes[i] - n, 0)
-    held = sum(kept.values())
+    held = sum(kept.values())  # beside the slots, which still map the whole data file
     pin_bytes = sum(sizes[i] for i in plan.pinned) + held
     beside = ([f"the pinned {plan.pinned} ({fmt_bytes(pin_bytes - held)})"] if plan.pinned else []) + (
         [f"the 4-bit weights the streamed shards' sessions keep ({fmt_bytes(held)})"] if held else [])

@@ -374,7 +374,8 @@ def sample_encoder_batches(model: Seq2Seq, texts: list[str], batch_size: int = 8
         chunks = [texts[i:i + batch_size] for i in range(0, len(texts), batch_size)][:limit]
         return [{k: v for k, v in model.tokenize(c).items() if k in names} for c in chunks if c]
     if "input_ids" in names:
-        ids = [rng.integers(0, 100, (2, 16)) for _ in range(count)]  # valid ids for any vocabulary size
+        top = min(100, int(getattr(model, "vocab_size", None) or 100))  # ids from the bottom of the vocabulary
+        ids = [rng.integers(0, top, (2, 16)) for _ in range(count)]
         return [{k: v for k, v in {"input_ids": i, "attention_mask": np.ones_like(i)}.items() if k in names} for i in ids]
     return [model.features([rng.standard_normal(16000 * (1 + i % 3)).astype(np.float32) * 0.1 for i in range(2)])
             for _ in range(count)]

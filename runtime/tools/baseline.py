@@ -283,7 +283,8 @@ def _why(ch: Check) -> str:
         return ch.metric
     allowed = 100 * (ch.limit / ch.baseline - 1)
     rose = 100 * ch.change / ch.baseline
-    return f"{ch.metric} rose {rose:+.3g}% (allowed +{allowed:.3g}%)"  # 3 digits: +0.00213%, never +0.00%
+    said = f"{rose:+.0f}" if abs(rose) >= 100 else f"{rose:+.3g}"  # +287, +1.01, +0.00213: never +0.00 nor +2.87e+02
+    return f"{ch.metric} rose {said}% (allowed +{allowed:.3g}%)"
 
 
 def _version() -> str:

@@ -157,12 +157,46 @@ def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5
     return _result(model, times, batch, seq, rss.peak_mb)
 
 
-def bench_against(model, reference, batch: int = 1, seq: int = 128, runs: int = 50, rounds: int = 5,
+def latency_settings(model) -> dict:
+    """What besides batch, sequence and device decides ``model``'s latency, as a baseline records it:
+    the streaming plan (``resident``, or K, P and the pinned shards) and the threads
+    (``SLIMML_THREADS``; 0: ONNX Runtime's choice, the machine's cores)."""
+    from slimml.runtime.engine.backends.base import env_threads
+
+    memory = model.plan.memory
+    plan = (f"K={memory.resident} P={memory.prefetch}" + (f" pinned {memory.pinned}" if memory.pinned else "")
+            if memory.streaming else "resident")
+    return {"plan": plan, "threads": env_threads()}
+
+
+def check_comparable(model, reference, where: str) -> None:
+    """Refuse to time ``model`` against ``reference`` (loaded from ``where``) where their latencies
+    would not compare: other inputs (another model), or another streaming plan under the same load
+    options (one resident, the other streamed).
+
+    Raises:
+        ConfigError: naming what differs and what to do.
+    """
+    from slimml.errors import ConfigError
+
+    names = [t.name for t in model.manifest.inputs]
+    if [t.name for t in reference.manifest.inputs] != names:
+        raise ConfigError(f"the reference {where} takes other inputs than this artifact ({', '.join(names)}), so their "
+                          "latencies do not compare; give a reference of the same model (its float or earlier build).")
+    ours, theirs = latency_settings(model)["plan"], latency_settings(reference)["plan"]
+    if ours != theirs:
+        raise ConfigError(f"under these load options this artifact runs {ours} and the reference {where} {theirs}, so "
+                          "their latencies do not compare; give --resident/--prefetch under which both run alike, or "
+                          "leave the streaming options out (both resident).")
+
+
+def bench_against(model, reference, batch: int = 1, seq: int = 128, runs: int = 50,
                   warmup: int = 5) -> tuple[BenchResult, BenchResult]:
-    """``model`` and ``reference`` timed alternately in this process: ``rounds`` rounds of ``runs //
-    rounds`` runs of each, the order swapped every round, so that what else a shared machine runs
-    falls on both alike (a baseline saved earlier met other load: on a 2-core CI runner its p50 was
-    off by up to 2x). Each is given its own sample inputs; ``runs`` of each are timed in all.
+    """``model`` and ``reference`` timed in turn in this process, run by run, the order swapped every
+    pair (AB BA AB ...), so that what else a shared machine runs falls on both alike: a burst of load
+    longer than two runs slows both. (A baseline saved earlier met other load; blocks of ten runs
+    each still let a burst fall on one of the two: 2 gates of 10 failed at +50% with one artifact
+    against its own copy.) Each is given its own sample inputs; ``runs`` of each are timed.
 
     Returns:
         ``(model's result, reference's result)``; their run peak RSS is not isolated (None).
@@ -173,14 +207,13 @@ def bench_against(model, reference, batch: int = 1, seq: int = 128, runs: int = 
         for _ in range(warmup):
             m.run(f)
         m.plan.reset_stats()
-    rounds = max(1, min(rounds, runs))
-    times: list[list[np.ndarray]] = [[], []]
-    for r in range(rounds):
-        count = runs // rounds + (r < runs % rounds)
+    times = np.empty((2, runs))
+    for r in range(runs):
         for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-            times[i].append(time_runs(lambda: pair[i].run(feeds[i]), count, 0))
-    return (_result(model, np.concatenate(times[0]), batch, seq, None),
-            _result(reference, np.concatenate(times[1]), batch, seq, None))
+            t0 = time.perf_counter()
+            pair[i].run(feeds[i])
+            times[i, r] = (time.perf_counter() - t0) * 1e3
+    return (_result(model, times[0], batch, seq, None), _result(reference, times[1], batch, seq, None))
 
 
 def _result(model, times: np.ndarray, batch: int, seq: int, run_peak_mb: float | None) -> BenchResult:

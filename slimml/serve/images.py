@@ -25,13 +25,14 @@ from slimml.runtime.tasks.limits import shown
 MAX_REQUEST_PIXELS = 1 << 25  # 33.5 million: an 8K frame, or a hundred 512x512 images
 MAX_REPLICA_PIXELS = 1 << 26  # decoded at once in a replica (~270 MB as RGBA, a copy or two while preprocessed)
 _DATA_URL = re.compile(r"data:image/[\w.+-]+(?:;[\w=.+-]+)*;base64,", re.IGNORECASE)
-_URL_HEAD = re.compile(r"data:image/[\w.+-]+[;,]", re.IGNORECASE)  # a media type, then its parameters or the data
+_URL_HEAD = re.compile(r"data:image/[\w.+-]+(?:;[\w=.+-]+)*,", re.IGNORECASE)  # a media type, its parameters, a comma
 
 
 def is_image(item: Any) -> bool:
-    """Whether a request's item is an image (a data URL of one) rather than a text: a text about data
-    URLs ("data:image/png is ...") is a text; one that is a data URL, even a malformed one, is an image
-    (and :func:`open_images` says what is wrong with it)."""
+    """Whether a request's item is an image (a data URL of one) rather than a text: one with a data
+    URL's shape (``data:image/TYPE``, its parameters, a comma) is an image, even one that is not base64
+    (:func:`open_images` says what is wrong with it); a text about data URLs ("data:image/png is ...",
+    "data:image/png; see RFC 2397") is a text."""
     return isinstance(item, str) and _URL_HEAD.match(item) is not None
 
 

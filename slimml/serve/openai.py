@@ -259,9 +259,9 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
                                        param=f"messages[{i}].content")
                 texts.append(part["text"])
             content = "".join(texts)
-        if content is None and role == "assistant":
+        if content is None and role == "assistant" and not calls:  # a call turn keeps None (the template decides)
             content = ""
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (content is None and role == "assistant"):
             raise RequestError(f'"messages"[{i}].content must be a string or a list of text parts, got {shown(content)}.',
                                param=f"messages[{i}].content")
         message: dict[str, Any] = {"role": role, "content": content}

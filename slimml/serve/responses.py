@@ -147,7 +147,7 @@ def _messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
             if last is not None and last["role"] == "assistant" and thoughts is None:
                 last.setdefault("tool_calls", []).append(call)  # the calls of one reply, after its text
             else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call],
+                out.append({"role": "assistant", "content": None, "tool_calls": [call],  # no text: as OpenAI's client sends it
                             **({"reasoning_content": thoughts} if thoughts is not None else {})})
                 thoughts = None
         elif kind == "function_call_output":

@@ -13,6 +13,7 @@ Where the template comes from, first found wins: the manifest's tokenizer entry
 from __future__ import annotations
 
 import json
+import re
 import os
 from datetime import datetime
 from pathlib import Path
@@ -64,6 +65,9 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         self.where = where
         self.source = source
+        # DeepSeek-R1's writes an assistant's calls only where its content is none; the rest join
+        # content to text, where None would fail or print "None": they get ""
+        self.tests_none = _TESTS_NONE.search(source) is not None
         self.given = given
         self.special = {k: v for k, v in (special or {}).items() if v}  # as transformers' special_tokens_map: set ones only
         fix = "fix the template" if given else "fix the template or re-convert the model from a folder whose template works"
@@ -88,17 +92,12 @@ class ChatTemplate:
         if continue_final_message:
             messages, final = _tagged(messages)
         context = {"tools": None, "documents": None, **self.special, **variables}
+        if not self.tests_none:  # a call turn's content None only for a template that looks for it
+            messages = [{**m, "content": ""} if isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None
+                        else m for m in messages]
         try:
-            try:
-                text = template_budget.render(self.template, messages=messages,
-                                              add_generation_prompt=add_generation_prompt, **context)
-            except Exception as e:  # a call turn's content None, which a template without calls joins to text
-                calls = [isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None for m in messages]
-                if not any(calls) or isinstance(e, template_budget.OverBudget):
-                    raise
-                messages = [{**m, "content": ""} if call else m for m, call in zip(messages, calls)]
-                text = template_budget.render(self.template, messages=messages,
-                                              add_generation_prompt=add_generation_prompt, **context)
+            text = template_budget.render(self.template, messages=messages,
+                                          add_generation_prompt=add_generation_prompt, **context)
         except template_budget.OverBudget as e:
             raise SlimmlError(f"{self.where} went past its budget rendering these messages ({e}); fix the template "
                               "(a loop that does not end?) or give fewer, shorter messages.") from None
@@ -275,6 +274,9 @@ def _raise_exception(message):
     import jinja2
 
     raise jinja2.exceptions.TemplateError(message)
+
+
+_TESTS_NONE = re.compile(r"content['\"]?\]?\s*(?:is\s+(?:not\s+)?none\b|[!=]=\s*none\b)", re.IGNORECASE)
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

@@ -661,7 +661,7 @@ class Arguments(dict):
 
     def __init__(self, value: dict, text: str | None = None):
         super().__init__(value)
-        self.text = json.dumps(value, ensure_ascii=False) if text is None else text
+        self.text = json.dumps(value, ensure_ascii=False, default=str) if text is None else text
 
     def __str__(self) -> str:
         return self.text
@@ -678,9 +678,10 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
     objects that are also their JSON text (:class:`Arguments`: OpenAI sends text, most templates
     write ``arguments | tojson``, DeepSeek's joins the text), and its ``reasoning_content`` (the
     thoughts a server handed out) also as ``thinking``, where gpt-oss's template reads them (Qwen3's
-    reads ``reasoning_content``). A call turn's ``content`` stays as sent (None: DeepSeek's template
-    writes the calls only then; :meth:`ChatTemplate.render` gives ``""`` to a template that cannot
-    take None). ``first``: the first message's number, for messages."""
+    reads ``reasoning_content``). A call turn's ``content`` stays as sent, None where left out
+    (DeepSeek's template writes the calls only then; :meth:`ChatTemplate.render` gives ``""`` to a
+    template that does not test content against none). ``first``: the first message's number, for
+    messages."""
     if not isinstance(messages, (list, tuple)):
         return messages  # refused, in one line, where the template's messages are checked
     out = []
@@ -697,14 +698,18 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
                     raise FeedError(f"message {i}'s tool call {k} has no function name; give "
                                     '{"type": "function", "function": {"name": ..., "arguments": ...}}.')
                 arguments = function.get("arguments", {})
-                if isinstance(arguments, str):
+                text = arguments if isinstance(arguments, str) else None
+                if text is not None:
                     try:
-                        arguments = Arguments(json.loads(arguments), arguments) if arguments.strip() else Arguments({})
+                        arguments = json.loads(text) if text.strip() else {}
                     except (ValueError, RecursionError):
                         raise FeedError(f"message {i}'s tool call {k} ({function['name']}) has arguments that are not "
                                         "JSON; send them as a JSON object, or its text.") from None
-                elif isinstance(arguments, dict):
-                    arguments = Arguments(arguments)
+                if not isinstance(arguments, dict):
+                    raise FeedError(f"message {i}'s tool call {k} ({function['name']}) has arguments "
+                                    f"{shown(arguments)}; a call's arguments are a JSON object (its text, as OpenAI "
+                                    "sends it: '{\"city\": \"Paris\"}').")
+                arguments = Arguments(arguments, text if text is not None and text.strip() else None)
                 fixed.append({**c, "type": "function", "function": {**function, "arguments": arguments}})
             m = {"content": None, **m, "tool_calls": fixed}  # OpenAI's call turn may leave its content out
         if isinstance(m, dict) and isinstance(m.get("reasoning_content"), str) and "thinking" not in m:
