@@ -323,7 +323,9 @@ def _exactly(inner, order: list[str] | None = None):
         def forward(self, *values):
             return self.inner(*values) if order is None else self.inner(**dict(zip(order, values)))
 
-    return Exactly()
+    # in the inner module's mode: the exporter sets eval for the trace and then restores the wrapper's
+    # mode to every submodule, which left a module in eval mode training (dropout on) afterwards
+    return Exactly().train(inner.training)
 
 
 @contextlib.contextmanager
