@@ -253,3 +253,21 @@ def test_a_dependency_failure_during_convert_is_one_line_naming_the_step():
     with pytest.raises(SourceError, match="^mine$"):  # slimml's own errors pass as they are
         with _one_line_errors("m", ["x"], Path("out")):
             raise SourceError("mine")
+
+
+def test_a_module_exported_through_a_wrapper_keeps_its_eval_mode(tmp_path):
+    """A forward with keyword-only parameters (or transformers 5's ``**kwargs``) exports through a
+    wrapper; the exporter put the wrapper's training mode back on the model afterwards: its dropout
+    on in the check against torch (a cosine of 0.97 on BERT) and in the user's model after convert."""
+
+    class KeywordOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop, self.linear = torch.nn.Dropout(0.5), torch.nn.Linear(4, 4)
+
+        def forward(self, *, x):
+            return self.linear(self.drop(x))
+
+    module = KeywordOnly().eval()
+    report = convert(module, tmp_path / "kw", FAST, example_inputs={"x": torch.randn(2, 4)})
+    assert not module.training and report.checks["max_abs_diff_vs_torch"] <= 1e-5
