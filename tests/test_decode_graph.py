@@ -23,8 +23,13 @@ def llama16(tmp_path_factory):
 
 
 def _convert(folder, out, exporter, quantize=None):
+    """``exporter``'s artifact; "optimum" (the traced graph) is torch.onnx's trace where optimum-onnx
+    does not load (transformers 5)."""
     from slimml.convert import ConvertConfig, ExportConfig, convert
+    from slimml.convert.export import _optimum_loads
 
+    if exporter == "optimum" and _optimum_loads() is not None:
+        exporter = "torch"
     return convert(folder, out, ConvertConfig(export=ExportConfig(task="text-generation-with-past", exporter=exporter),
                                               verify=exporter == "fused", measure_latency=False, quantize=quantize))
 
