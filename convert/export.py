@@ -530,8 +530,9 @@ def _optimum_export(folder: Path, onnx_dir: Path, task: str, config: ExportConfi
         raise ExportError(
             f"exporting this model as {task!r} needs optimum-onnx, which does not load with transformers "
             f"{transformers.__version__} ({why}); install it with the transformers it supports: "
-            "pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0' (the fused exporter writes Llama-family and Gemma decoders "
-            "and the torch exporter encoders and classifiers with any transformers).")
+            "pip install 'transformers==4.57.6' 'optimum-onnx==0.1.0' (with any transformers, --exporter auto writes "
+            "Llama-family, Gemma and mixture-of-experts decoders fused, and other decoders, T5, BART, mBART, Marian, "
+            "Whisper, encoders, classifiers and vision models through torch.onnx).")
     from optimum.exporters.onnx import main_export
     from transformers.utils import logging as hf_logging
 
