@@ -424,3 +424,15 @@ def test_transcription_forms_refuse_repeated_fields_and_options_sent_as_files():
     with pytest.raises(RequestError, match="the form has more than 32 fields") as e:
         transcription.form_fields(*form([(f"f{i}", "x") for i in range(40)], {"file": ("a.wav", b"x")}))
     assert e.value.status == 413
+
+
+def test_a_tool_message_s_id_is_a_string():
+    """A tool message's ``tool_call_id`` of 5 was dropped in silence; now a 400 naming the field."""
+    from slimml.serve.openai import _messages
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    assert _messages({"messages": [*history, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]})[-1]["tool_call_id"] == "c1"
+    with pytest.raises(RequestError, match=r'"messages"\[2\].tool_call_id must be a string: the id of the call') as e:
+        _messages({"messages": [*history, {"role": "tool", "tool_call_id": 5, "content": "ok"}]})
+    assert e.value.param == "messages[2].tool_call_id"

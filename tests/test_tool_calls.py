@@ -470,3 +470,27 @@ def test_a_call_turn_renders_as_each_template_reads_it():
     spaced = template_messages([{"role": "assistant", "content": None, "tool_calls": [
         {**call, "function": {"name": "f", "arguments": '{ "city" :"Paris" }'}}]}])
     assert str(spaced[0]["tool_calls"][0]["function"]["arguments"]) == '{ "city" :"Paris" }'  # the text as sent
+
+
+def test_tool_results_reach_a_template_that_does_not_write_the_tool_role():
+    """Gemma's templates refuse a ``tool`` message ("roles must alternate"), Phi-4's drops it: a
+    model that called a function never read its result. As llama.cpp does, such a template gets each
+    result as a user turn (``{"tool_response": ...}``), one reply's results in one turn; a template
+    that writes the role (probed, as llama.cpp probes) gets the messages as they are."""
+    from slimml.runtime.tasks.generation.chat import ChatTemplate
+
+    gemma = ("{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+             "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+             "<{{ 'model' if m.role == 'assistant' else m.role }}>{{ m.content }}{% endfor %}")
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": '{"temp": 21}'},
+                {"role": "tool", "tool_call_id": "c2", "content": "dry"}]
+    assert not ChatTemplate(gemma).writes_tool_results and ChatTemplate(chatml).writes_tool_results
+    got = ChatTemplate(gemma).render(messages, add_generation_prompt=False)
+    results = json.loads("[" + got.split("<user>")[-1].replace("}\n{", "},{") + "]")
+    assert got.startswith("<user>Weather?<model><user>{") and results == [
+        {"tool_response": {"tool": "get_weather", "tool_call_id": "c1", "content": '{"temp": 21}'}},
+        {"tool_response": {"tool_call_id": "c2", "content": "dry"}}]
+    assert "<|im_start|>tool\n{\"temp\": 21}<|im_end|>" in ChatTemplate(chatml).render(messages, add_generation_prompt=False)

@@ -143,7 +143,7 @@ class LLMService:
         else:
             req = openai.completion_request(data, api == "chat", self.max_tokens)
         chat = req.chat
-        chars = sum(len(m["content"]) for m in req.messages) if chat else (  # token ids: the context bounds them
+        chars = sum(len(m["content"] or "") for m in req.messages) if chat else (  # token ids: the context bounds them
             len(req.prompt) if isinstance(req.prompt, str) else 0)
         if chat:  # an assistant's calls, and the tools' descriptions, become prompt text too
             chars += sum(len(json.dumps(m["tool_calls"])) for m in req.messages if m.get("tool_calls"))

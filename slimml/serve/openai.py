@@ -274,6 +274,10 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
                 template_messages([message], first=i)
             except FeedError as e:
                 raise RequestError(str(e), param=f"messages[{i}].tool_calls") from None
+        if role == "tool" and m.get("tool_call_id") is not None and not isinstance(m["tool_call_id"], str):
+            raise RequestError(f'"messages"[{i}].tool_call_id must be a string: the id of the call this message '
+                               f"answers, as the assistant's tool_calls gave it; got {shown(m['tool_call_id'])}.",
+                               param=f"messages[{i}].tool_call_id")
         for key in ("tool_call_id", "name", "reasoning_content"):  # Qwen3's template reads an answer's thoughts
             if isinstance(m.get(key), str):
                 message[key] = m[key]

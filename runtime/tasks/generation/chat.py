@@ -12,6 +12,7 @@ Where the template comes from, first found wins: the manifest's tokenizer entry
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import os
@@ -92,6 +93,8 @@ class ChatTemplate:
         if continue_final_message:
             messages, final = _tagged(messages)
         context = {"tools": None, "documents": None, **self.special, **variables}
+        if any(m.get("role") == "tool" for m in messages) and not self.writes_tool_results:
+            messages = _tool_results_as_user(messages)
         if not self.tests_none:  # a call turn's content None only for a template that looks for it
             messages = [{**m, "content": ""} if isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None
                         else m for m in messages]
@@ -114,6 +117,23 @@ class ChatTemplate:
             raise error(f"{self.where} rendered these messages as empty text; fix the template (it must write the "
                         "messages) or give another one.")
         return _cut_at_tag(text, final, self.where) if continue_final_message else text
+
+    @functools.cached_property
+    def writes_tool_results(self) -> bool:
+        """Whether the template writes a ``tool`` message (the result of a call) into the prompt,
+        found as llama.cpp's template engine finds it: a conversation with a call and its result is
+        rendered and the result looked for. Gemma's refuses the role ("roles must alternate")."""
+        call = {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": {}}}  # Mistral: 9 letters
+        result = {"role": "tool", "tool_call_id": "call00001", "name": "probe", "content": _PROBE}
+        for reply in ({"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "assistant", "content": "a"}):
+            try:
+                text = template_budget.render(self.template, messages=[{"role": "user", "content": "u"}, reply, result],
+                                              add_generation_prompt=False, tools=None, documents=None, **self.special)
+            except Exception:  # this probe's shape refused (a call, the role): the next, or none
+                continue
+            if _PROBE in text:
+                return True
+        return False
 
     @classmethod
     def of_artifact(cls, folder: Path, spec: dict[str, Any] | None, override: str | None = None,
@@ -274,6 +294,29 @@ def _raise_exception(message):
     import jinja2
 
     raise jinja2.exceptions.TemplateError(message)
+
+
+_PROBE = "slimml-probe-7f3a"  # a tool result's text, looked for in a probe's rendering
+
+
+def _tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``tool`` messages as ``user`` ones, for a template that does not write them: each result as
+    ``{"tool_response": {"tool", "tool_call_id", "content"}}`` (llama.cpp's polyfill), the results of
+    one reply's calls in one message (templates that want roles to alternate)."""
+    out, joined = [], False
+    for m in messages:
+        if m.get("role") != "tool":
+            out.append(m)
+            joined = False
+            continue
+        result = {k: m[v] for k, v in (("tool", "name"), ("tool_call_id", "tool_call_id")) if isinstance(m.get(v), str)}
+        text = json.dumps({"tool_response": {**result, "content": m.get("content")}}, ensure_ascii=False, indent=2)
+        if joined:
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
+        else:
+            out.append({"role": "user", "content": text})
+        joined = True
+    return out
 
 
 _TESTS_NONE = re.compile(r"content['\"]?\]?\s*(?:is\s+(?:not\s+)?none\b|[!=]=\s*none\b)", re.IGNORECASE)
