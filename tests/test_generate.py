@@ -306,12 +306,12 @@ def test_chat_renders_the_template_and_generates(llama, bpe):
 def test_template_environment_matches_transformers(bpe):
     from transformers import PreTrainedTokenizerFast
 
-    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'tool' %}{% break %}{% endif %}"
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'note' %}{% break %}{% endif %}"
                 "{% generation %}{{ m['role'] | upper }}: {{ m['content'] | tojson }}{% endgeneration %}\n"
                 "  {% if loop.last %}[{{ messages | length }}]{% endif %}\n{% endfor %}"
                 "{% if tools %}{{ tools | tojson(indent=2) }}{% endif %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
     messages = [{"role": "user", "content": "naïve <b>\"quoted\"</b>"}, {"role": "assistant", "content": "ok"},
-                {"role": "tool", "content": "x"}]
+                {"role": "note", "content": "x"}]  # (a tool message: a template that drops it gets it as a user turn)
     hf = PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=template, bos_token="<|im_start|>", eos_token="<|endoftext|>")
     ours = ChatTemplate(template, {"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"})
     assert ours.render(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
