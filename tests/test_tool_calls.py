@@ -467,6 +467,12 @@ def test_a_call_turn_renders_as_each_template_reads_it():
             continue
         with pytest.raises(FeedError, match=f"has arguments {re.escape(shown)}; a call's arguments are a JSON object"):
             template_messages([{"role": "assistant", "tool_calls": [bad]}])
+    qwen3 = ("{% for m in messages %}{% if m.reasoning_content is not none %}{{ m.reasoning_content }}{% endif %}"
+             "{% if '</think>' in m.content %}!{% endif %}<{{ m.role }}>{{ m.content }}{% endfor %}")  # reads thoughts
+    assert not ChatTemplate(qwen3).tests_none  # "reasoning_content is not none" is not content's test: Qwen3 failed
+    assert ChatTemplate(qwen3).render(left_out, add_generation_prompt=False) == "<user>Weather?<assistant>"
+    both = "{% if messages[1].content is none %}none {% endif %}" + phi3  # tests none, then joins it to text: ""
+    assert ChatTemplate(both).render(left_out, add_generation_prompt=False) == "<|user|>Weather?<|end|><|assistant|><|end|>"
     spaced = template_messages([{"role": "assistant", "content": None, "tool_calls": [
         {**call, "function": {"name": "f", "arguments": '{ "city" :"Paris" }'}}]}])
     assert str(spaced[0]["tool_calls"][0]["function"]["arguments"]) == '{ "city" :"Paris" }'  # the text as sent
@@ -487,10 +493,19 @@ def test_tool_results_reach_a_template_that_does_not_write_the_tool_role():
     messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": '{"temp": 21}'},
                 {"role": "tool", "tool_call_id": "c2", "content": "dry"}]
-    assert not ChatTemplate(gemma).writes_tool_results and ChatTemplate(chatml).writes_tool_results
+    assert not ChatTemplate(gemma).writes_tool_results(False) and ChatTemplate(chatml).writes_tool_results(False)
     got = ChatTemplate(gemma).render(messages, add_generation_prompt=False)
     results = json.loads("[" + got.split("<user>")[-1].replace("}\n{", "},{") + "]")
     assert got.startswith("<user>Weather?<model><user>{") and results == [
         {"tool_response": {"tool": "get_weather", "tool_call_id": "c1", "content": '{"temp": 21}'}},
         {"tool_response": {"tool_call_id": "c2", "content": "dry"}}]
     assert "<|im_start|>tool\n{\"temp\": 21}<|im_end|>" in ChatTemplate(chatml).render(messages, add_generation_prompt=False)
+    after = ChatTemplate(gemma).render([*messages, {"role": "user", "content": "And Rome?"}], add_generation_prompt=False)
+    assert after.endswith('"dry"\n  }\n}\nAnd Rome?')  # the user's next words join the results' turn: roles alternate
+    hermes = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }}{% endfor %}</tools>{% endif %}"
+              "{% for m in messages %}{% if m.role == 'tool' and not tools %}{% continue %}{% endif %}"
+              "<{{ m.role }}>{{ m.content }}{% endfor %}")  # writes tool results only where tools are given
+    only = ChatTemplate(hermes)
+    assert only.writes_tool_results(True) and not only.writes_tool_results(False)
+    assert "<tool>dry" in only.render(messages, add_generation_prompt=False, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert '<user>{\n  "tool_response"' in only.render(messages, add_generation_prompt=False)

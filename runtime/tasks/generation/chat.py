@@ -12,7 +12,6 @@ Where the template comes from, first found wins: the manifest's tokenizer entry
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import os
@@ -69,6 +68,7 @@ class ChatTemplate:
         # DeepSeek-R1's writes an assistant's calls only where its content is none; the rest join
         # content to text, where None would fail or print "None": they get ""
         self.tests_none = _TESTS_NONE.search(source) is not None
+        self._writes_results: dict[bool, bool] = {}  # with tools given, or not -> writes_tool_results
         self.given = given
         self.special = {k: v for k, v in (special or {}).items() if v}  # as transformers' special_tokens_map: set ones only
         fix = "fix the template" if given else "fix the template or re-convert the model from a folder whose template works"
@@ -93,14 +93,21 @@ class ChatTemplate:
         if continue_final_message:
             messages, final = _tagged(messages)
         context = {"tools": None, "documents": None, **self.special, **variables}
-        if any(m.get("role") == "tool" for m in messages) and not self.writes_tool_results:
+        if any(m.get("role") == "tool" for m in messages) and not self.writes_tool_results(bool(variables.get("tools"))):
             messages = _tool_results_as_user(messages)
-        if not self.tests_none:  # a call turn's content None only for a template that looks for it
-            messages = [{**m, "content": ""} if isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None
-                        else m for m in messages]
-        try:
-            text = template_budget.render(self.template, messages=messages,
-                                          add_generation_prompt=add_generation_prompt, **context)
+        blank = [{**m, "content": ""} if isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None else m
+                 for m in messages]
+        try:  # a call turn's content None only for a template that looks for it, "" for the rest
+            try:
+                text = template_budget.render(self.template, messages=messages if self.tests_none else blank,
+                                              add_generation_prompt=add_generation_prompt, **context)
+            except template_budget.OverBudget:
+                raise
+            except Exception:  # it tests content against none, and also joins it to text somewhere
+                if not self.tests_none or blank == messages:
+                    raise
+                text = template_budget.render(self.template, messages=blank,
+                                              add_generation_prompt=add_generation_prompt, **context)
         except template_budget.OverBudget as e:
             raise SlimmlError(f"{self.where} went past its budget rendering these messages ({e}); fix the template "
                               "(a loop that does not end?) or give fewer, shorter messages.") from None
@@ -118,17 +125,26 @@ class ChatTemplate:
                         "messages) or give another one.")
         return _cut_at_tag(text, final, self.where) if continue_final_message else text
 
-    @functools.cached_property
-    def writes_tool_results(self) -> bool:
+    def writes_tool_results(self, tools: bool) -> bool:
         """Whether the template writes a ``tool`` message (the result of a call) into the prompt,
-        found as llama.cpp's template engine finds it: a conversation with a call and its result is
-        rendered and the result looked for. Gemma's refuses the role ("roles must alternate")."""
-        call = {"id": "call00001", "type": "function", "function": {"name": "probe", "arguments": {}}}  # Mistral: 9 letters
+        with or without ``tools`` given, found as llama.cpp's template engine finds it: a
+        conversation with a call and its result is rendered and the result looked for (once for
+        each). Gemma's refuses the role ("roles must alternate"), Phi-4's drops it."""
+        if tools not in self._writes_results:
+            self._writes_results[tools] = self._probe_tool_results(tools)
+        return self._writes_results[tools]
+
+    def _probe_tool_results(self, tools: bool) -> bool:
+        call = {"id": "call00001", "type": "function",  # Mistral's templates take 9-letter ids
+                "function": {"name": "probe", "arguments": Arguments({}, "{}")}}
+        listed = [{"type": "function", "function": {"name": "probe", "description": "a probe",
+                                                    "parameters": {"type": "object", "properties": {}}}}]
         result = {"role": "tool", "tool_call_id": "call00001", "name": "probe", "content": _PROBE}
         for reply in ({"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "assistant", "content": "a"}):
             try:
                 text = template_budget.render(self.template, messages=[{"role": "user", "content": "u"}, reply, result],
-                                              add_generation_prompt=False, tools=None, documents=None, **self.special)
+                                              add_generation_prompt=False, tools=listed if tools else None,
+                                              documents=None, **self.special)
             except Exception:  # this probe's shape refused (a call, the role): the next, or none
                 continue
             if _PROBE in text:
@@ -296,30 +312,54 @@ def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
+class Arguments(dict):
+    """A tool call's arguments as chat templates read them: an object (``arguments | tojson``,
+    ``arguments.items()``: Llama 3.1, Qwen2.5, Mistral) that is also its JSON text where a template
+    joins it to text (DeepSeek-R1: ``'```json\n' + arguments``; ``~`` and ``{{ arguments }}``), as
+    OpenAI sends it. Given as text, the text is kept as sent."""
+
+    def __init__(self, value: dict, text: str | None = None):
+        super().__init__(value)
+        self.text = json.dumps(value, ensure_ascii=False, default=str) if text is None else text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other):
+        return self.text + other if isinstance(other, str) else NotImplemented
+
+    def __radd__(self, other):
+        return other + self.text if isinstance(other, str) else NotImplemented
+
+
 _PROBE = "slimml-probe-7f3a"  # a tool result's text, looked for in a probe's rendering
 
 
 def _tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``tool`` messages as ``user`` ones, for a template that does not write them: each result as
-    ``{"tool_response": {"tool", "tool_call_id", "content"}}`` (llama.cpp's polyfill), the results of
-    one reply's calls in one message (templates that want roles to alternate)."""
-    out, joined = [], False
+    ``{"tool_response": {"tool", "tool_call_id", "content"}}`` (llama.cpp's polyfill), joined to a user
+    turn beside it (templates that want roles to alternate: a reply's results, and the user's next
+    words, make one turn)."""
+    out, made = [], set()  # made: the indices in out of user turns that hold results
     for m in messages:
-        if m.get("role") != "tool":
-            out.append(m)
-            joined = False
-            continue
-        result = {k: m[v] for k, v in (("tool", "name"), ("tool_call_id", "tool_call_id")) if isinstance(m.get(v), str)}
-        text = json.dumps({"tool_response": {**result, "content": m.get("content")}}, ensure_ascii=False, indent=2)
-        if joined:
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + text}
+        if m.get("role") == "tool":
+            result = {k: m[v] for k, v in (("tool", "name"), ("tool_call_id", "tool_call_id")) if isinstance(m.get(v), str)}
+            m = {"role": "user", "content": json.dumps({"tool_response": {**result, "content": m.get("content")}},
+                                                       ensure_ascii=False, indent=2, default=str)}
+            made.add(len(out))
+        last = out[-1] if out else None
+        if (last is not None and last.get("role") == m.get("role") == "user" and (len(out) - 1 in made or len(out) in made)
+                and isinstance(last.get("content"), str) and isinstance(m.get("content"), str)):
+            out[-1] = {**last, "content": last["content"] + "\n" + m["content"]}
+            made.discard(len(out))
+            made.add(len(out) - 1)
         else:
-            out.append({"role": "user", "content": text})
-        joined = True
+            out.append(m)
     return out
 
 
-_TESTS_NONE = re.compile(r"content['\"]?\]?\s*(?:is\s+(?:not\s+)?none\b|[!=]=\s*none\b)", re.IGNORECASE)
+_TESTS_NONE = re.compile(r"(?<![\w])content['\"]?\]?\s*(?:is\s+(?:not\s+)?none\b|[!=]=\s*none\b)",  # not
+                         re.IGNORECASE)  # reasoning_content (Qwen3's)
 
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):

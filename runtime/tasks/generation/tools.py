@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from slimml.errors import ConfigError, FeedError
 from slimml.runtime.tasks.generation import harmony
+from slimml.runtime.tasks.generation.chat import Arguments
 from slimml.runtime.tasks.limits import shown, surrogate_at
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name (fullmatch)
@@ -651,26 +652,6 @@ class ToolText:
         if self.tools is None:
             return True
         return (self.tools.parallel or index == 0) and any(f["name"] == name for f in self.tools.callable())
-
-
-class Arguments(dict):
-    """A tool call's arguments as chat templates read them: an object (``arguments | tojson``,
-    ``arguments.items()``: Llama 3.1, Qwen2.5, Mistral) that is also its JSON text where a template
-    joins it to text (DeepSeek-R1: ``'```json\n' + arguments``; ``~`` and ``{{ arguments }}``), as
-    OpenAI sends it. Given as text, the text is kept as sent."""
-
-    def __init__(self, value: dict, text: str | None = None):
-        super().__init__(value)
-        self.text = json.dumps(value, ensure_ascii=False, default=str) if text is None else text
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __add__(self, other):
-        return self.text + other if isinstance(other, str) else NotImplemented
-
-    def __radd__(self, other):
-        return other + self.text if isinstance(other, str) else NotImplemented
 
 
 def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
