@@ -184,7 +184,8 @@ def test_responses_input_items_read_into_a_chat_and_bad_ones_refused_in_its_term
                         ({"input": "q", "max_output_tokens": 0}, "max_output_tokens"),
                         ({"input": "q", "reasoning": {"effort": 3}}, "reasoning.effort"),
                         ({"input": "q", "tools": [{"type": "function", "name": "bad name"}]}, "tools"),
-                        ({"input": "q", "top_logprobs": 2}, "top_logprobs"), ({"input": "q", "text": "json"}, "text")):
+                        ({"input": "q", "top_logprobs": 2}, "top_logprobs"), ({"input": "q", "text": "json"}, "text"),
+                        ({"input": [{"role": "user", "content": "q"}, {**call, "arguments": "[1]"}]}, "input[1].arguments")):
         with pytest.raises(RequestError) as e:
             responses_request(body, 64)
         assert e.value.param == param and "max_tokens" not in str(e.value) and e.value.status == 400, str(e.value)

@@ -142,6 +142,13 @@ def _messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
             if not isinstance(name, str) or not isinstance(arguments, str) or not isinstance(call_id, str):
                 raise RequestError(f'"{where}" (a function_call) needs "call_id", "name" and "arguments" (JSON text) as '
                                    "strings.", param=where)
+            try:
+                parsed = json.loads(arguments) if arguments.strip() else {}
+            except (ValueError, RecursionError):
+                parsed = None
+            if not isinstance(parsed, dict):  # named by its item, not by the chat message it becomes
+                raise RequestError(f'"{where}".arguments is {shown(arguments, 40)}; a function call\'s arguments are a JSON '
+                                   "object as text, e.g. '{\"city\": \"Paris\"}'.", param=f"{where}.arguments")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and thoughts is None:
