@@ -24,8 +24,9 @@ import time
 import uuid
 from typing import Any
 
-from slimml.errors import RequestError
+from slimml.errors import FeedError, RequestError
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta
+from slimml.runtime.tasks.generation.tools import call_arguments
 from slimml.runtime.tasks.limits import shown
 from slimml.serve.openai import CompletionRequest, completion_request, sse
 
@@ -143,12 +144,9 @@ def _messages(items: Any, instructions: Any) -> list[dict[str, Any]]:
                 raise RequestError(f'"{where}" (a function_call) needs "call_id", "name" and "arguments" (JSON text) as '
                                    "strings.", param=where)
             try:
-                parsed = json.loads(arguments) if arguments.strip() else {}
-            except (ValueError, RecursionError):
-                parsed = None
-            if not isinstance(parsed, dict):  # named by its item, not by the chat message it becomes
-                raise RequestError(f'"{where}".arguments is {shown(arguments, 40)}; a function call\'s arguments are a JSON '
-                                   "object as text, e.g. '{\"city\": \"Paris\"}'.", param=f"{where}.arguments")
+                call_arguments(arguments)
+            except FeedError as e:  # named by its item, not by the chat message it becomes
+                raise RequestError(f'"{where}" {e}', param=f"{where}.arguments") from None
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and thoughts is None:

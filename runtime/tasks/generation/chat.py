@@ -97,17 +97,9 @@ class ChatTemplate:
             messages = _tool_results_as_user(messages)
         blank = [{**m, "content": ""} if isinstance(m, dict) and m.get("tool_calls") and m.get("content") is None else m
                  for m in messages]
-        try:  # a call turn's content None only for a template that looks for it, "" for the rest
-            try:
-                text = template_budget.render(self.template, messages=messages if self.tests_none else blank,
-                                              add_generation_prompt=add_generation_prompt, **context)
-            except template_budget.OverBudget:
-                raise
-            except Exception:  # it tests content against none, and also joins it to text somewhere
-                if not self.tests_none or blank == messages:
-                    raise
-                text = template_budget.render(self.template, messages=blank,
-                                              add_generation_prompt=add_generation_prompt, **context)
+        kept = messages if self.tests_none and blank != messages else None  # a call turn's content None: only for a
+        try:                                                                # template that looks for it, "" for the rest
+            text = self._render(kept or blank, add_generation_prompt, context, fallback=blank if kept else None)
         except template_budget.OverBudget as e:
             raise SlimmlError(f"{self.where} went past its budget rendering these messages ({e}); fix the template "
                               "(a loop that does not end?) or give fewer, shorter messages.") from None
@@ -124,6 +116,21 @@ class ChatTemplate:
             raise error(f"{self.where} rendered these messages as empty text; fix the template (it must write the "
                         "messages) or give another one.")
         return _cut_at_tag(text, final, self.where) if continue_final_message else text
+
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool, context: dict[str, Any],
+                fallback: list[dict[str, Any]] | None = None) -> str:
+        """The template rendered over ``messages``; where that fails (not over budget), over
+        ``fallback`` (a template that tests content against none, and also joins it to text)."""
+        try:
+            return template_budget.render(self.template, messages=messages, add_generation_prompt=add_generation_prompt,
+                                          **context)
+        except template_budget.OverBudget:
+            raise
+        except Exception:
+            if fallback is None:
+                raise
+        return template_budget.render(self.template, messages=fallback, add_generation_prompt=add_generation_prompt,
+                                      **context)
 
     def writes_tool_results(self, tools: bool) -> bool:
         """Whether the template writes a ``tool`` message (the result of a call) into the prompt,

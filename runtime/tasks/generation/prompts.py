@@ -207,16 +207,15 @@ def _id_lists(prompts: Any) -> list[list[int]]:
     if isinstance(prompts, (list, tuple)) and prompts and all(is_int(t) for t in prompts):
         raise FeedError("prompts is one list of token ids; wrap it in a list ([[1, 2, 3]]): a list of id lists is a "
                         "batch of prompts.")
-    encoded = prompts if hasattr(prompts, "keys") else next((p for p in prompts if hasattr(p, "keys")), None) \
-        if isinstance(prompts, (list, tuple)) else None
+    listed = isinstance(prompts, (list, tuple))
+    encoded = next((p for p in (prompts if listed else [prompts]) if hasattr(p, "keys")), None)
     if encoded is not None and "input_ids" in encoded:  # transformers 5's apply_chat_template: a BatchEncoding
         raise FeedError(f"prompts hold a {type(encoded).__name__} (a tokenizer's output, as transformers 5's "
                         "apply_chat_template returns it); pass its token ids: enc['input_ids'], wrapped as [ids] for one "
                         "prompt, or model.chat(messages) to render the template here.")
-    if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
-        inner = next((p for p in prompts if not isinstance(p, (list, tuple, np.ndarray))), None) \
-            if isinstance(prompts, (list, tuple)) else None
-        got = type(prompts).__name__ if inner is None else f"a list holding a {type(inner).__name__}"
+    inner = next((p for p in prompts if not isinstance(p, (list, tuple, np.ndarray))), None) if listed else None
+    if not listed or inner is not None:
+        got = f"a list holding a {type(inner).__name__}" if listed else type(prompts).__name__
         raise FeedError(f"prompts must be a text, a list of texts, or a list of token id lists, got {got}.")
     out = []
     for i, p in enumerate(prompts):

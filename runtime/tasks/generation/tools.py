@@ -654,6 +654,25 @@ class ToolText:
         return (self.tools.parallel or index == 0) and any(f["name"] == name for f in self.tools.callable())
 
 
+def call_arguments(arguments: Any) -> Arguments:
+    """A tool call's arguments, an object or its JSON text (as OpenAI sends them; empty text: no
+    arguments), as templates read them.
+
+    Raises:
+        FeedError: not JSON, or JSON that is not an object ("has arguments ...; ..." to follow a name).
+    """
+    text = arguments if isinstance(arguments, str) else None
+    if text is not None:
+        try:
+            arguments = json.loads(text) if text.strip() else {}
+        except (ValueError, RecursionError):
+            raise FeedError("has arguments that are not JSON; send them as a JSON object, or its text.") from None
+    if not isinstance(arguments, dict):
+        raise FeedError(f"has arguments {shown(arguments)}; a call's arguments are a JSON object (its text, as OpenAI "
+                        "sends it: '{\"city\": \"Paris\"}').")
+    return Arguments(arguments, text if text is not None and text.strip() else None)
+
+
 def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
     """Messages as chat templates take them: an assistant's ``tool_calls`` with their arguments as
     objects that are also their JSON text (:class:`Arguments`: OpenAI sends text, most templates
@@ -678,19 +697,10 @@ def template_messages(messages: list[dict[str, Any]], first: int = 0) -> list[di
                 if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                     raise FeedError(f"message {i}'s tool call {k} has no function name; give "
                                     '{"type": "function", "function": {"name": ..., "arguments": ...}}.')
-                arguments = function.get("arguments", {})
-                text = arguments if isinstance(arguments, str) else None
-                if text is not None:
-                    try:
-                        arguments = json.loads(text) if text.strip() else {}
-                    except (ValueError, RecursionError):
-                        raise FeedError(f"message {i}'s tool call {k} ({function['name']}) has arguments that are not "
-                                        "JSON; send them as a JSON object, or its text.") from None
-                if not isinstance(arguments, dict):
-                    raise FeedError(f"message {i}'s tool call {k} ({function['name']}) has arguments "
-                                    f"{shown(arguments)}; a call's arguments are a JSON object (its text, as OpenAI "
-                                    "sends it: '{\"city\": \"Paris\"}').")
-                arguments = Arguments(arguments, text if text is not None and text.strip() else None)
+                try:
+                    arguments = call_arguments(function.get("arguments", {}))
+                except FeedError as e:
+                    raise FeedError(f"message {i}'s tool call {k} ({function['name']}) {e}") from None
                 fixed.append({**c, "type": "function", "function": {**function, "arguments": arguments}})
             m = {"content": None, **m, "tool_calls": fixed}  # OpenAI's call turn may leave its content out
         if isinstance(m, dict) and isinstance(m.get("reasoning_content"), str) and "thinking" not in m:
