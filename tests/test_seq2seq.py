@@ -308,12 +308,12 @@ def test_generation_settings_are_read_as_transformers_reads_them(tmp_path):
     among the language ids where the config leaves it open."""
     import json
 
-    from slimml.convert.export import _seq2seq_spec
+    from slimml.convert.folder_facts import seq2seq_spec
 
     def spec(config, gen):
         (tmp_path / "config.json").write_text(json.dumps(config))
         (tmp_path / "generation_config.json").write_text(json.dumps(gen))
-        return _seq2seq_spec(tmp_path)
+        return seq2seq_spec(tmp_path)
 
     got = spec({"bos_token_id": 0, "pad_token_id": 1, "max_position_embeddings": 64, "model_type": "bart"},
                {"eos_token_id": [2, 5], "forced_decoder_ids": [[1, 7]]})

@@ -377,7 +377,7 @@ def test_a_tokenizer_that_names_no_length_reads_the_model_s_positions(tmp_path):
 
 def test_usable_positions_reads_each_family_s_key(tmp_path):
     """GPT-2 names its table ``n_positions``; a two-tower config keeps it in its text tower."""
-    from slimml.convert.export import usable_positions
+    from slimml.convert.folder_facts import usable_positions
 
     for name, config, want in (("gpt2", {"model_type": "gpt2", "n_positions": 1024, "n_ctx": 1024}, 1024),
                                ("clip", {"model_type": "clip", "text_config": {"max_position_embeddings": 77}}, 77),

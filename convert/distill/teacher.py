@@ -134,7 +134,8 @@ def teacher_export(folder: str | os.PathLike, opset: int | None = None):
     the fused exporter writes is exported with it: run from an empty cache with every position in
     ``logits_index``, it gives the same logits (see :func:`_feeds`).
     """
-    from slimml.convert.export import ExportConfig, _optimum_loads, is_causal_lm
+    from slimml.convert.export import ExportConfig, _optimum_loads
+    from slimml.convert.folder_facts import is_causal_lm
     from slimml.convert.fused_llama import can_export_fused
 
     if not is_causal_lm(Path(folder)):
