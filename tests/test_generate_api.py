@@ -293,6 +293,42 @@ def test_smollm2_batch_of_very_different_lengths_is_greedy_as_transformers(smol)
     assert penalised.tokens == [reference(p, repetition_penalty=1.3) for p in prompts[1:]]
 
 
+@pytest.mark.parametrize("resident", [None, 4], ids=["resident", "streamed"])
+def test_one_model_serves_threads_each_as_it_would_alone(smollm2_artifact, resident):
+    """An application's threads share one loaded model (the README's promise): generate, a batch, a
+    stream and a chat at once give the tokens each gives alone; so do two streams read in turns
+    with a call between them on one thread. Each call owns its KV cache; a streamed model's
+    passes take turns."""
+    import threading
+
+    model = load(smollm2_artifact, **({"resident": resident} if resident else {}))
+    model.prefix_cache(0)  # answers that cannot depend on what another thread stored first
+    prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    chat = [{"role": "user", "content": "Name a colour."}]
+    n = 8
+    alone = {p: model.generate(p, max_new_tokens=n).tokens[0] for p in prompts}
+    batch = model.generate(prompts, max_new_tokens=n).tokens
+    chat_alone = model.chat(chat, max_new_tokens=n).texts[0]
+    calls = [lambda: model.generate(prompts[0], max_new_tokens=n).tokens[0] == alone[prompts[0]],
+             lambda: model.generate(prompts, max_new_tokens=n).tokens == batch,
+             lambda: (s := model.stream(prompts[1], max_new_tokens=n), "".join(s))[0].result.tokens[0] == alone[prompts[1]],
+             lambda: model.chat(chat, max_new_tokens=n).texts[0] == chat_alone]
+    results: list = []
+    threads = [threading.Thread(target=lambda c=c: results.append(c() and c())) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert results == [True] * len(calls)
+
+    first, second = model.stream(prompts[1], max_new_tokens=n), model.stream(prompts[2], max_new_tokens=n)
+    a, b = iter(first), iter(second)
+    next(a), next(b)
+    assert model.generate(prompts[0], max_new_tokens=n).tokens[0] == alone[prompts[0]]
+    list(a), list(b)
+    assert first.result.tokens[0] == alone[prompts[1]] and second.result.tokens[0] == alone[prompts[2]]
+
+
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
                                            "city": {"enum": ["Paris", "Rome", "Oslo"]}},
           "required": ["name", "age", "city"], "additionalProperties": False}
