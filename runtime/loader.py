@@ -45,8 +45,9 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
             - ``pack``: how streamed shards get their weights on CPU. None (default): ONNX Runtime's
               pre-packed weights, written once to ``cache_dir`` and paged in per pass (Linux), else
               weights fed as inputs. False: always fed (no cache; slower decoding).
-            - ``cache_dir``: where pre-packed weights are kept (default ``SLIMML_CACHE_DIR`` or
-              ``~/.cache/slimml``); about twice the streamed shards' size on disk.
+            - ``cache_dir``: where pre-packed weights are kept (default ``SLIMML_CACHE_DIR``,
+              ``$XDG_CACHE_HOME/slimml`` or ``~/.cache/slimml``; none without a home folder: weights
+              fed); about twice the streamed shards' size on disk.
             - ``shards``: ``(first, last)``, load only those shards (inclusive), as one stage of a
               pipeline (:mod:`slimml.scale`): the model's inputs are then what they read from
               outside (model inputs and earlier activations) and its outputs what they hand on.

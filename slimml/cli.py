@@ -496,7 +496,7 @@ def eval_(
 
 
 @app.command()
-@config_options(loading=Options(LoadConfig, only=("device", "resident", "prefetch", "memory_budget", "pin")))
+@config_options(loading=Options(LoadConfig, only=("device", "resident", "prefetch", "memory_budget", "pin", "pack", "cache_dir")))
 def bench(
     artifact: Artifact,
     batch: Annotated[int, typer.Option(help="Batch size.")] = 1,
@@ -665,7 +665,7 @@ def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
 
 
 @app.command()
-@config_options(loading=Options(LoadConfig, only=("device", "resident", "prefetch", "memory_budget", "pin")))
+@config_options(loading=Options(LoadConfig, only=("device", "resident", "prefetch", "memory_budget", "pin", "pack", "cache_dir")))
 def generate(
     artifact: Artifact,
     prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts, after the artifact (or --prompt).", show_default=False)] = None,

@@ -26,6 +26,17 @@ def test_bench_streamed_reports_bytes_and_waits(mlp_artifact):  # noqa: F811
     assert out["run_peak_rss_mb"] > 0
 
 
+def test_bench_and_generate_take_the_cache_folder_and_fed_weights_as_flags(mlp_artifact, tmp_path):  # noqa: F811
+    """--cache-dir and --no-pack: what the messages about the cache tell a CLI user to pass."""
+    r = runner.invoke(app, ["bench", str(mlp_artifact), "--resident", "2", "--runs", "1", "--cache-dir", str(tmp_path / "c"),
+                            "--json"])
+    assert r.exit_code == 0, r.output
+    assert "pre-packed" in json.loads(r.output)["stream"]["plan"] and list((tmp_path / "c" / "packed").iterdir())
+    r = runner.invoke(app, ["bench", str(mlp_artifact), "--resident", "2", "--runs", "1", "--no-pack", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "weights fed" in json.loads(r.output)["stream"]["plan"]
+
+
 def test_bench_sweep_writes_table_csv_and_plot(mlp_artifact, tmp_path):  # noqa: F811
     r = runner.invoke(app, ["bench", str(mlp_artifact), "--sweep", "1,2,3:0,1", "--runs", "2", "--batch", "2",
                             "--sweep-out", str(tmp_path), "--json"])

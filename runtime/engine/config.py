@@ -54,7 +54,7 @@ class LoadConfig:
         "help": "Streamed shards on CPU: ONNX Runtime's pre-packed weights, cached on disk (default where it "
                 "can: Linux); --no-pack feeds weights as inputs instead (no cache, slower decoding)."})
     cache_dir: Path | None = field(default=None, metadata={
-        "help": "Where pre-packed weights are kept (default SLIMML_CACHE_DIR or ~/.cache/slimml); about twice "
+        "help": "Where pre-packed weights are kept (default SLIMML_CACHE_DIR, XDG_CACHE_HOME/slimml or ~/.cache/slimml); about twice "
                 "the streamed shards' size."})
     shards: tuple[int, int] | None = field(default=None, metadata={
         "help": "Load only shards FIRST..LAST (inclusive), as one stage of a pipeline."})

@@ -10,7 +10,7 @@ brings them in ahead of the compute and drops them after it (``madvise``), so a 
 memory only while it is in a slot, and the kernels run as on a resident model.
 
 The packed files depend on the shard, the ONNX Runtime version and the CPU, so they live in a
-cache (``SLIMML_CACHE_DIR``, default ``~/.cache/slimml``), written once atomically into private
+cache (:func:`cache_root`), written once atomically into private
 folders with every file's sha256, which ``load`` checks as it checks the artifact's shards (and
 a pass checks again if a file changed since, ``Model.verify()`` always):
 :mod:`slimml.runtime.engine.cache`. A damaged cache entry is refused, naming the folder to delete.
@@ -51,8 +51,27 @@ CACHE_FORMAT = 2  # 2: the record lists the graph too, and says its format
 _MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("SLIMML_CACHE_DIR") or Path.home() / ".cache" / "slimml")
+def cache_root() -> Path | None:
+    """Where slimml keeps its caches: ``SLIMML_CACHE_DIR``, else ``$XDG_CACHE_HOME/slimml``, else
+    ``~/.cache/slimml``; None where none is set and there is no home folder (a container run as
+    a user without one: HOME unset, empty, or a folder that does not exist, which is not made)."""
+    if os.environ.get("SLIMML_CACHE_DIR"):
+        return Path(os.environ["SLIMML_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    if xdg and os.path.isabs(xdg):  # the spec ignores a relative one
+        return Path(xdg) / "slimml"
+    if os.environ.get("HOME") == "":
+        return None
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError):  # HOME unset and the user not in the password database
+        return None
+    return home / ".cache" / "slimml" if home.is_dir() else None
+
+
+NO_CACHE = ("no cache folder (HOME is unset or missing, and neither SLIMML_CACHE_DIR nor XDG_CACHE_HOME is set); "
+            "set SLIMML_CACHE_DIR (--cache-dir, load(cache_dir=...)) to a writable folder with room for about twice "
+            "the streamed shards")
 
 
 def supported() -> str | None:
@@ -89,7 +108,10 @@ class PackedSlots:
 
     def __init__(self, folder: Path, manifest: Manifest, backend: Backend, config: LoadConfig, read_in: bool = False):
         self.folder, self.manifest, self.backend, self.verify = folder, manifest, backend, config.verify
-        self.cache = (config.cache_dir or cache_root()) / "packed"
+        root = config.cache_dir or cache_root()
+        if root is None:  # the CPU backend feeds the weights instead (weight_source)
+            raise ArtifactError(f"pre-packed weights need {NO_CACHE}")
+        self.cache = root / "packed"
         self.ranges: dict[int, list[tuple[int, int, int]]] = {}  # shard -> (address, length, file offset)
         # the streamed shards do not fit in the page cache beside the rest: read them in ourselves
         self.read_in = read_in and reads.supported()
@@ -245,8 +267,9 @@ class PackedSlots:
 
     def _failed(self, index: int, why: str) -> ArtifactError:
         return ArtifactError(
-            f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR or load(cache_dir=...) "
-            "to a writable folder with room for about twice the streamed shards, or pass pack=False"
+            f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR (--cache-dir, "
+            "load(cache_dir=...)) to a writable folder with room for about twice the streamed shards, or load with "
+            "pack=False (--no-pack)"
         )
 
 

@@ -12,7 +12,7 @@ import onnxruntime as ort
 from slimml.errors import ConfigError
 from slimml.runtime.engine.backends.base import Backend
 from slimml.runtime.engine.budget import available_memory, shard_bytes
-from slimml.runtime.engine.packed import PackedSlots, supported
+from slimml.runtime.engine.packed import NO_CACHE, PackedSlots, cache_root, supported
 from slimml.runtime.engine.slots import FedSlots
 
 if TYPE_CHECKING:
@@ -60,6 +60,11 @@ class CpuBackend(Backend):
         if config.pack and why:
             raise ConfigError(f"pack=True cannot be honoured: {why}. Use pack=None (the default) or pack=False.")
         if config.pack is False or why:
+            return FedSlots(folder, manifest, self, config)
+        if config.cache_dir is None and cache_root() is None:
+            if config.pack:
+                raise ConfigError(f"pack=True cannot be honoured: {NO_CACHE}.")
+            log.warning("slimml: streaming weights as graph inputs (slower decoding): %s", NO_CACHE)
             return FedSlots(folder, manifest, self, config)
         # the page cache can hold the streamed shards, or the kernel would evict them before their
         # next pass (and, in a memory cgroup, the pages of what stays resident): then read them in
