@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -52,6 +53,31 @@ def test_an_address_where_nothing_answers_is_one_line_at_once():
     assert time.perf_counter() - t < 5
     for left_to_ray in ("auto", "ray://127.0.0.1:1", "garbage"):
         check_reachable(left_to_ray)
+
+
+def test_a_local_ray_gets_its_token_in_memory_where_home_cannot_keep_it(tmp_path, monkeypatch):
+    """A container whose home is read-only or missing: Ray's ``~/.ray/auth_token`` cannot be written,
+    and ``ray.init`` failed on it; the token goes to the environment its processes inherit. A home
+    that can keep it, a token file there, or a token or mode the user set, is left to Ray."""
+    from slimml.scale.cluster import token_in_memory
+
+    for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # missing, but Ray makes it: its parent is writable
+    assert not token_in_memory() and "RAY_AUTH_TOKEN" not in os.environ
+    (tmp_path / "file").write_text("x")
+    for home in (str(tmp_path / "file" / "home"), ""):  # no folder can be made there; no home at all
+        monkeypatch.setenv("HOME", home)
+        assert token_in_memory() and len(os.environ["RAY_AUTH_TOKEN"]) == 64
+        assert not token_in_memory()  # set now: kept
+        monkeypatch.delenv("RAY_AUTH_TOKEN")
+    (tmp_path / "ray-home" / ".ray").mkdir(parents=True)
+    (tmp_path / "ray-home" / ".ray" / "auth_token").write_text("t")
+    monkeypatch.setenv("HOME", str(tmp_path / "ray-home"))
+    assert not token_in_memory()
+    monkeypatch.setenv("HOME", "")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert not token_in_memory() and "RAY_AUTH_TOKEN" not in os.environ
 
 
 def test_a_web_server_given_as_the_ray_address_is_one_line_not_a_hang(cluster):

@@ -578,7 +578,9 @@ def safe_path(folder: Path, rel: str) -> Path:
     except (OSError, RuntimeError, ValueError) as e:  # a link loop, a NUL byte, ...
         raise ArtifactError(f"the manifest names the path {rel!r}, which cannot be resolved ({e}); refusing to load it.") from None
     if resolved != root and root not in resolved.parents:
-        raise ArtifactError(f"{rel!r} is a link that points outside the artifact folder; refusing to load it.")
+        raise ArtifactError(f"{rel!r} is a link that points outside the artifact folder; refusing to load it. Copy the "
+                            f"artifact with its files in place of links (`cp -rL {folder} NEW_FOLDER`; a Hugging Face hub "
+                            "snapshot: snapshot_download(..., local_dir=NEW_FOLDER)) and load the copy.")
     return full
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import threading
+from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
 
@@ -57,6 +59,8 @@ def connect(address: str | None = None) -> bool:
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     if address is not None:
         check_reachable(address)
+    else:
+        token_in_memory()
     held: list[int] = []
     try:
         with _signals_held(held):
@@ -74,6 +78,11 @@ def connect(address: str | None = None) -> bool:
                 "`ray start --head` on the head node, or leave the address out to run on this machine alone."
             ) from None
         first = " ".join(str(e).split())[:300] or type(e).__name__  # seen under load: "timed out during startup"
+        if isinstance(e, OSError) and e.filename:  # a folder it cannot write: not the machine's load
+            raise SlimmlError(
+                f"Ray did not start ({first}): it writes its session files under RAY_TMPDIR (default /tmp) and keeps "
+                "its cluster token in ~/.ray unless RAY_AUTH_TOKEN is set; point them at writable folders and start "
+                "again.") from None
         raise SlimmlError(
             f"Ray did not start ({first}); the machine may be too busy: free some cores or memory and start again. "
             "Its log is under Ray's session folder (`ray/session_latest/logs` in /tmp or $RAY_TMPDIR)."
@@ -86,6 +95,27 @@ def connect(address: str | None = None) -> bool:
             if release_ray():
                 ray.shutdown()
             raise
+    return True
+
+
+def token_in_memory() -> bool:
+    """Before a local Ray starts: where Ray could not save its cluster token (``~/.ray/auth_token``:
+    a read-only or missing home, as a container run as another user has), give it one in this
+    process's environment (``RAY_AUTH_TOKEN``), which Ray's processes inherit; True where it did.
+    A token or mode the user set, or a token file already there, is left to Ray."""
+    if any(os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")):
+        return False
+    try:
+        home = Path.home() if os.environ.get("HOME") != "" else None
+    except (RuntimeError, KeyError):  # HOME unset and the user not in the password database
+        home = None
+    if home is not None and (home / ".ray" / "auth_token").is_file():
+        return False
+    if home is not None:
+        nearest = next(p for p in (home / ".ray", *(home / ".ray").parents) if p.exists())
+        if nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK):  # EROFS too: a read-only mount
+            return False
+    os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     return True
 
 
