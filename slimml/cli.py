@@ -654,8 +654,9 @@ def _with_baseline(payload, now, old, old_path, save_path, tol) -> None:
         print(json.dumps(payload))
     else:
         if save_path is not None:
-            console.print(f"baseline not saved to {save_path}: this run regressed" if regressed
-                          else f"baseline saved to {save_path}", highlight=False, markup=False, soft_wrap=True)
+            where = Path(save_path).absolute()
+            console.print(f"baseline not saved to {where}: this run regressed" if regressed
+                          else f"baseline saved to {where}", highlight=False, markup=False, soft_wrap=True)
         if report is not None:
             console.print(report.format(str(old_path)), highlight=False, markup=False, soft_wrap=True)
     if report is not None and not report.ok:

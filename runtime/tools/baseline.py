@@ -122,7 +122,7 @@ class Baseline:
         Raises:
             ConfigError: the path is a folder, or its folder is missing or not writable.
         """
-        path = Path(path)
+        path = Path(path).absolute()
         folder = path.parent
         why = ("it is a folder" if path.is_dir() else f"its folder {folder} does not exist" if not folder.is_dir()
                else f"its folder {folder} is not writable" if not os.access(folder, os.W_OK | os.X_OK) else None)

@@ -29,6 +29,18 @@ class SweepResult:
     skipped: list[str] = field(default_factory=list)  # the points asked for that cannot stream this artifact, and why
 
 
+def _check_writable(out: Path) -> None:
+    """Refuse a sweep folder that could not be written: a file, or under a file or a folder this
+    user cannot write (it is made, with its parents, once the runs are done)."""
+    nearest = next(p for p in (out, *out.parents) if p.exists())
+    if not nearest.is_dir():
+        where = "is a file" if nearest == out else f"is under the file {nearest}"
+        raise ConfigError(f"--sweep-out {out} {where}; give a folder for the sweep's table, CSV and plot.")
+    if not os.access(nearest, os.W_OK | os.X_OK):  # a read-only mount too (EROFS)
+        raise ConfigError(f"cannot write the sweep to {out} ({nearest} is not writable); give --sweep-out a writable "
+                          "folder.")
+
+
 def sweep(
     path: str | os.PathLike,
     resident: list[int],
@@ -54,8 +66,7 @@ def sweep(
     from slimml.runtime.loader import load
 
     manifest = read_manifest(path)
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():  # before the runs, not after them
-        raise ConfigError(f"--sweep-out {out_dir} is a file; give a folder for the sweep's table, CSV and plot.")
+    _check_writable(Path(out_dir).absolute())  # before the runs, not after them
     if not resident or any(k < 1 for k in resident):
         raise ConfigError(f"--sweep needs resident values >= 1, got {resident}.")
     n = len(manifest.shards)
