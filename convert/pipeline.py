@@ -20,15 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from slimml.convert.families import check, times_batches, write_chains
 from slimml.convert.config import ConvertConfig
 from slimml.convert.distill.distill import DistillConfig
 from slimml.convert.export import Exported, export
+from slimml.convert.families import check, times_batches, write_chains
 from slimml.convert.llm_check import check_language_model, is_language_model, read_eval_text
 from slimml.convert.sources import Source, resolve
 from slimml.errors import ConfigError, ExportError, SlimmlError, SourceError, extras_for
 from slimml.runtime.artifact.atomic import check_output, os_error
-from slimml.runtime.artifact.manifest import Manifest, verify_files
+from slimml.runtime.artifact.files import verify_files
+from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.artifact.writer import ArtifactWriter
 from slimml.runtime.engine.budget import bigger_than_memory
 from slimml.runtime.loader import load

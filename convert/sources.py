@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import SourceError
-from slimml.runtime.artifact.manifest import utf8_path
+from slimml.runtime.artifact.files import utf8_path
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt")

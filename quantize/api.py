@@ -25,9 +25,9 @@ from slimml.quantize.decoder import activation_aware, calibration_feeds, for_lan
 from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.quantize.registry import ShardContext, backend_for
 from slimml.runtime.artifact.atomic import check_output
+from slimml.runtime.artifact.files import check_unchanged, verify_files
 from slimml.runtime.artifact.integrity import check_shard_file
-from slimml.runtime.artifact.manifest import (MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, check_unchanged, read_manifest,
-                                              verify_files)
+from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, read_manifest
 from slimml.runtime.artifact.writer import ArtifactWriter, save_onnx
 from slimml.runtime.tasks.inputs.pooling import Pooler
 

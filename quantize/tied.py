@@ -18,7 +18,8 @@ from pathlib import Path
 import onnx
 from onnx import external_data_helper
 
-from slimml.runtime.artifact.manifest import Manifest, file_entry, read_manifest
+from slimml.runtime.artifact.files import file_entry
+from slimml.runtime.artifact.manifest import Manifest, read_manifest
 
 
 def share_tied_embedding(folder: Path) -> int:

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ConfigError, SlimmlError
-from slimml.runtime.artifact.manifest import check_same_manifest, check_unchanged, read_manifest, verify_files
+from slimml.runtime.artifact.files import check_unchanged, verify_files
+from slimml.runtime.artifact.manifest import check_same_manifest, read_manifest
 from slimml.runtime.engine.backends import backend_for
 from slimml.runtime.engine.budget import plan_stream, split_budget
 from slimml.runtime.engine.config import LoadConfig

@@ -203,7 +203,8 @@ def info(artifact: Artifact, as_json: AsJson = False,
          verify: Annotated[bool, typer.Option("--verify", help="Hash every file against the manifest (else: each file "
                                                                "there, of its recorded size).")] = False):
     """Show an artifact's manifest as a table (after checking its files are there, and with --verify, intact)."""
-    from slimml.runtime.artifact.manifest import check_present, read_manifest, verify_files
+    from slimml.runtime.artifact.files import check_present, verify_files
+    from slimml.runtime.artifact.manifest import read_manifest
     from slimml.runtime.tasks.registry import kind_of, registered
 
     m = read_manifest(artifact)
@@ -461,7 +462,7 @@ def eval_(
     if not language and (window is not None or max_tokens is not None):
         raise ConfigError("--window and --max-tokens are for language models (perplexity); drop them.")
     if old is not None:  # other data or another window: refused before the model runs, not after
-        from slimml.runtime.artifact.manifest import sha256_file
+        from slimml.runtime.artifact.files import sha256_file
         from slimml.runtime.tools.baseline import check_settings
 
         if language and window is None and isinstance(old.settings.get("window"), int):

@@ -17,8 +17,9 @@ import pytest
 
 from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
 from slimml.runtime import load
+from slimml.runtime.artifact.files import file_entry
+from slimml.runtime.artifact.manifest import read_manifest
 from slimml.runtime.artifact.records import Tokenizer
-from slimml.runtime.artifact.manifest import file_entry, read_manifest
 from slimml.runtime.tasks.generation import GenerationConfig
 from slimml.runtime.tasks.generation.chat import ChatTemplate
 from slimml.runtime.tasks.generation.prompts import end_ids

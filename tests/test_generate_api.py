@@ -17,7 +17,8 @@ from test_generate import PROMPTS, bpe, llama, with_tokenizer  # noqa: F401  (mo
 
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime import load
-from slimml.runtime.artifact.manifest import file_entry, read_manifest
+from slimml.runtime.artifact.files import file_entry
+from slimml.runtime.artifact.manifest import read_manifest
 from slimml.runtime.tasks.generate import chat_prompt
 from slimml.runtime.tasks.generation import GenerationConfig
 from slimml.runtime.tasks.generation.chat import ChatTemplate

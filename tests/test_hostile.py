@@ -27,8 +27,9 @@ from hypothesis import strategies as st
 
 from slimml.errors import FeedError, SlimmlError
 from slimml.runtime import load
+from slimml.runtime.artifact.files import sha256_file
+from slimml.runtime.artifact.manifest import MANIFEST_NAME
 from slimml.runtime.tools.bench import sample_feeds
-from slimml.runtime.artifact.manifest import MANIFEST_NAME, sha256_file
 from conftest import tiny_onnx_mlp
 
 TRIED: Counter[str] = Counter()

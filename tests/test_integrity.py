@@ -16,7 +16,8 @@ import pytest
 
 from slimml.errors import ArtifactError, IntegrityError
 from slimml.runtime import load
-from slimml.runtime.artifact.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from slimml.runtime.artifact.files import sha256_file
+from slimml.runtime.artifact.manifest import MANIFEST_NAME, read_manifest
 from conftest import tiny_onnx_mlp
 
 ROOT = Path(__file__).resolve().parents[1]

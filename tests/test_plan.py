@@ -16,7 +16,8 @@ import pytest
 from slimml.convert import ConvertConfig, convert
 from slimml.errors import ArtifactError, ConfigError, FeedError, IntegrityError
 from slimml.runtime import load
-from slimml.runtime.artifact.manifest import file_entry, read_manifest
+from slimml.runtime.artifact.files import file_entry
+from slimml.runtime.artifact.manifest import read_manifest
 from conftest import STS_DEV, tiny_onnx_mlp
 
 

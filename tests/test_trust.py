@@ -303,7 +303,8 @@ def test_small_writers_use_names_no_one_planted(tmp_path):
 
 
 def test_a_file_swapped_between_its_hash_and_the_session_is_refused(mlp_artifact, tmp_path):
-    from slimml.runtime.artifact.manifest import check_unchanged, read_manifest, verify_files
+    from slimml.runtime.artifact.files import check_unchanged, verify_files
+    from slimml.runtime.artifact.manifest import read_manifest
 
     art = tmp_path / "art"
     shutil.copytree(mlp_artifact, art)
@@ -363,7 +364,8 @@ def test_a_manifest_number_of_thousands_of_digits_and_a_tokenizer_that_panics_ar
     import json
 
     from slimml.errors import ArtifactError
-    from slimml.runtime.artifact.manifest import file_entry, read_manifest
+    from slimml.runtime.artifact.files import file_entry
+    from slimml.runtime.artifact.manifest import read_manifest
 
     art = tmp_path / "a"
     shutil.copytree(tiny_bert_artifact, art)
@@ -420,7 +422,8 @@ def test_a_shard_graph_that_is_not_what_its_manifest_lists_is_refused_at_load(ml
     manifest does not list (a FeedError blaming the caller's feeds) or an output of another rank or
     size is refused when the model loads."""
     from slimml.errors import ArtifactError
-    from slimml.runtime.artifact.manifest import file_entry, read_manifest
+    from slimml.runtime.artifact.files import file_entry
+    from slimml.runtime.artifact.manifest import read_manifest
 
     for change, words in (("dtype", "holds '.*' in another dtype"), ("input", "takes 'extra', which its manifest entry"),
                           ("rank", "holds '.*' in another shape"), ("size", "holds '.*' in another shape")):

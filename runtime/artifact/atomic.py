@@ -21,7 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
-from slimml.runtime.artifact.manifest import MANIFEST_NAME, utf8_path
+from slimml.runtime.artifact.files import utf8_path
+from slimml.runtime.artifact.manifest import MANIFEST_NAME
 from slimml.runtime.artifact.replace import umask
 
 log = logging.getLogger("slimml")

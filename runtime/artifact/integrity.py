@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimml.errors import ArtifactError
-from slimml.runtime.artifact.manifest import Manifest, ShardSpec, safe_path
+from slimml.runtime.artifact.files import safe_path
+from slimml.runtime.artifact.manifest import Manifest, ShardSpec
 
 # initializer names that hold learned absolute positions: (max_positions, hidden)
 _POSITION_TABLES = ("position_embeddings", "position_embedding", "pos_embed", "wpe", "embed_positions")
@@ -154,7 +155,7 @@ def verify_shard(folder: Path, manifest: Manifest, shard: ShardSpec) -> ShardFac
     Raises:
         IntegrityError / ArtifactError: as ``verify_file`` and ``check_shard_file``.
     """
-    from slimml.runtime.artifact.manifest import verify_file
+    from slimml.runtime.artifact.files import verify_file
 
     for entry in manifest.files:
         if entry.path in (shard.file, shard.data):

@@ -27,7 +27,8 @@ import weakref
 from pathlib import Path
 
 from slimml.errors import IntegrityError
-from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.artifact.files import safe_path
+from slimml.runtime.artifact.manifest import Manifest
 
 # inotify event bits (linux/inotify.h)
 IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE = 0x2, 0x4, 0x8

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 import slimml
 from slimml.errors import ArtifactError
 from slimml.runtime.artifact.atomic import atomic_folder
-from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec, file_entry, read_manifest, safe_path
+from slimml.runtime.artifact.files import file_entry, safe_path
+from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec, read_manifest
 from slimml.runtime.artifact.records import ASSETS, Pooling, Preprocessor, Seq2Seq, Tokenizer, ZeroShot
 from slimml.runtime.artifact.replace import umask
 

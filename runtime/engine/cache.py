@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slimml.errors import IntegrityError
+from slimml.runtime.artifact.files import identity
 from slimml.runtime.artifact.integrity import check_shard_file
-from slimml.runtime.artifact.manifest import ShardSpec, identity
+from slimml.runtime.artifact.manifest import ShardSpec
 
 RECORD = "packed.json"
 GRAPH, DATA = "shard.onnx", "shard.onnx.data"

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import SlimmlError
+from slimml.runtime.artifact.files import verify_driver_files, verify_files
 from slimml.runtime.artifact.integrity import check_shard_file, id_limits, max_sequence_length
-from slimml.runtime.artifact.manifest import Manifest, check_manifest_unchanged, verify_driver_files, verify_files
+from slimml.runtime.artifact.manifest import Manifest, check_manifest_unchanged
 from slimml.runtime.artifact.watch import FileWatch
 from slimml.runtime.engine.backends import backend_for
 from slimml.runtime.engine.budget import StreamPlan, plan_stream

@@ -18,7 +18,8 @@ import onnx
 from onnx import external_data_helper, helper
 
 from slimml.errors import ArtifactError
-from slimml.runtime.artifact.manifest import Manifest, TensorSpec, safe_path
+from slimml.runtime.artifact.files import safe_path
+from slimml.runtime.artifact.manifest import Manifest, TensorSpec
 
 
 def merge_shards(folder: Path, manifest: Manifest, indices: list[int]) -> onnx.ModelProto:

@@ -38,9 +38,10 @@ from typing import TYPE_CHECKING
 import onnxruntime as ort
 
 from slimml.errors import ArtifactError, IntegrityError, SlimmlError
-from slimml.runtime.artifact.manifest import Manifest, hash_file, safe_path
-from slimml.runtime.engine.cache import CacheEntry, make_record, private_folder, read_record
+from slimml.runtime.artifact.files import hash_file, safe_path
+from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.engine import read_in as reads
+from slimml.runtime.engine.cache import CacheEntry, make_record, private_folder, read_record
 from slimml.runtime.engine.slots import Slot, file_stamp
 
 if TYPE_CHECKING:

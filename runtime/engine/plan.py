@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slimml.errors import ArtifactError, IntegrityError
-from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.artifact.files import safe_path
+from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.engine.backends import Backend, backend_for
 from slimml.runtime.engine.budget import StreamPlan, refit
 from slimml.runtime.engine.contracts import Segment, WeightSource

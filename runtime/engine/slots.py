@@ -32,7 +32,8 @@ import numpy as np
 import onnx
 
 from slimml.errors import ArtifactError
-from slimml.runtime.artifact.manifest import Manifest, safe_path, verify_file
+from slimml.runtime.artifact.files import safe_path, verify_file
+from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.engine.budget import fmt_bytes
 from slimml.runtime.engine.merge import relative_to_folder
 from slimml.runtime.engine.weights import WeightSpec, canonical, weights_as_inputs

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from slimml.errors import FeedError, SlimmlError, TaskError
-from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.artifact.files import safe_path
+from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.tasks.inputs.image import ImageProcessor
 from slimml.runtime.tasks.inputs.text import TextEncoder, prompt_text
 from slimml.runtime.tasks.limits import Limits, shown

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from slimml.errors import ConfigError, FeedError
-from slimml.runtime.artifact.manifest import Manifest, safe_path
+from slimml.runtime.artifact.files import safe_path
+from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.tasks.base import Task, register_task, text_encoder
 from slimml.runtime.tasks.generate import Generation
 from slimml.runtime.tasks.inputs.audio import LogMel, features_for, read_audio

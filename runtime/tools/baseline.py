@@ -78,7 +78,7 @@ class Baseline:
 
     @classmethod
     def from_eval(cls, result, artifact: str, data: str | os.PathLike) -> Baseline:
-        from slimml.runtime.artifact.manifest import sha256_file
+        from slimml.runtime.artifact.files import sha256_file
 
         data = Path(data)
         return cls(

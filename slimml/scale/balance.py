@@ -19,7 +19,7 @@ def compute_sizes(folder: Path, manifest) -> list[int]:
     so a shard of embeddings alone weighs little even when it holds most of the bytes."""
     import onnx
 
-    from slimml.runtime.artifact.manifest import safe_path
+    from slimml.runtime.artifact.files import safe_path
 
     sizes = []
     for s in manifest.shards:

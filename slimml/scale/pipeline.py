@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ConfigError, StageError
-from slimml.runtime.artifact.manifest import Manifest, check_same_manifest, read_manifest, verify_driver_files
+from slimml.runtime.artifact.files import verify_driver_files
+from slimml.runtime.artifact.manifest import Manifest, check_same_manifest, read_manifest
 from slimml.runtime.engine.budget import plan_stream
 from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.engine.engine import Engine

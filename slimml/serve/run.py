@@ -16,7 +16,8 @@ from pathlib import Path
 
 from slimml import errors
 from slimml.errors import ConfigError, SlimmlError
-from slimml.runtime.artifact.manifest import read_manifest, verify_files
+from slimml.runtime.artifact.files import verify_files
+from slimml.runtime.artifact.manifest import read_manifest
 from slimml.serve.config import ServeConfig
 
 log = logging.getLogger("slimml")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
-from slimml.runtime.artifact.manifest import read_listed, safe_path
+from slimml.runtime.artifact.files import read_listed, safe_path
 from slimml.runtime.tasks.generation import template_budget
 from slimml.runtime.tasks.limits import surrogate_at
 

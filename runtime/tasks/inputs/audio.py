@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ArtifactError, FeedError
-from slimml.runtime.artifact.manifest import read_config
+from slimml.runtime.artifact.files import read_config
 
 
 class LogMel:

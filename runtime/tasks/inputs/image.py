@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ArtifactError, FeedError, TooLargeError
-from slimml.runtime.artifact.manifest import read_config
+from slimml.runtime.artifact.files import read_config
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 _RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ArtifactError, FeedError, IntegrityError
-from slimml.runtime.artifact.manifest import safe_path
+from slimml.runtime.artifact.files import safe_path
 from slimml.runtime.artifact.records import POOLING_MODES
 from slimml.runtime.tasks.limits import shown
 
