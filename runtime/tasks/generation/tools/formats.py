@@ -11,7 +11,8 @@ from typing import Any
 
 from slimml.runtime.tasks.generation import harmony
 from slimml.runtime.tasks.generation.tools.calls import NAME, ToolCall, Tools, closed, template_messages
-from slimml.runtime.tasks.generation.tools.scan import SPACE, CallSpan, listed, loads, parse_call, string_begun, text_before, value_end
+from slimml.runtime.tasks.generation.tools.scan import (SPACE, CallSpan, json_or_none, listed, parse_call, string_begun,
+                                                        text_before, value_end)
 
 _CLOSE = re.compile(r"\s*</tool_call>")
 _NINE = re.compile(r"[A-Za-z0-9]{9}")  # a call id as Mistral's templates take it
@@ -143,7 +144,7 @@ class Harmony(ToolFormat):
         calls = []
         for m in harmony.messages(text, True):
             if m.recipient is not None and m.recipient.startswith("functions."):  # ended by <|call|>, an end id
-                arguments = loads(m.body.strip())  # cut off by max_new_tokens: no call
+                arguments = json_or_none(m.body.strip())  # cut off by max_new_tokens: no call
                 if isinstance(arguments, dict) and NAME.fullmatch(m.recipient.removeprefix("functions.")):
                     calls.append(ToolCall(m.recipient.removeprefix("functions."), arguments))
         return harmony.split(text, True)[1], calls
@@ -349,7 +350,7 @@ class MistralArgs(_Mistral):
         k = text.find(self.marker)
         if k < 0:
             return text.strip(), []
-        calls = [(c.name, loads(text[c.start : c.end])) for c in self.calls(text) if c.end is not None]
+        calls = [(c.name, json_or_none(text[c.start : c.end])) for c in self.calls(text) if c.end is not None]
         return text[:k].strip(), [ToolCall(name, arguments) for name, arguments in calls if isinstance(arguments, dict)]
 
 

@@ -107,7 +107,8 @@ def string_begun(text: str, start: int, read: list | None = None) -> str:
     return value
 
 
-def loads(text: str) -> Any:
+def json_or_none(text: str) -> Any:
+    """The JSON value of ``text``, or None where it is not JSON (a call cut off by max_new_tokens)."""
     try:
         return json.loads(text)
     except (ValueError, RecursionError):

@@ -7,7 +7,7 @@ import uuid
 
 from slimml.runtime.tasks.generation.tools.calls import CallDelta, ToolCall, Tools
 from slimml.runtime.tasks.generation.tools.formats import ToolFormat
-from slimml.runtime.tasks.generation.tools.scan import loads, value_end
+from slimml.runtime.tasks.generation.tools.scan import json_or_none, value_end
 
 _HEAD = re.compile(r'\{\s*"name"\s*:\s*"([A-Za-z0-9_-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')  # a call's start, in the formats' order
 
@@ -62,7 +62,7 @@ class ToolText:
         calls = [c for k, c in enumerate(calls) if self._keeps(c.name, k)]
         free = list(range(len(self.streamed)))
         for k, c in enumerate(calls):
-            same = next((i for i in free if self.streamed[i][1] == c.name and loads(self.streamed[i][2]) == c.arguments), None)
+            same = next((i for i in free if self.streamed[i][1] == c.name and json_or_none(self.streamed[i][2]) == c.arguments), None)
             if same is not None:
                 free.remove(same)
                 calls[k] = ToolCall(c.name, c.arguments, self.streamed[same][0])
