@@ -436,7 +436,10 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
             "the prompt or ask for at most 3 new tokens.", llama.generate, [list(range(125))], max_new_tokens=8)
     refused(FeedError, "stop string 0 is 200 tokens long, longer than the model's context of 128 tokens, so it can never "
             "appear; shorten it.", llama.generate, ["hi"], stop=["😀" * 50])
-    refused(FeedError, "generate() needs at least one non-empty prompt; give a text or a list of token ids.", llama.generate, [[]])
+    refused(FeedError, "the prompt has no tokens; every prompt needs at least one (give it some text, or drop it).",
+            llama.generate, [[]])
+    refused(FeedError, "prompt 1 has no tokens; every prompt needs at least one (give it some text, or drop it).",
+            llama.generate, [[5], []])  # it said "at least one non-empty prompt", which there was
     refused(FeedError, "stream() takes one prompt (a text or a list of token ids), got a list of 2 prompts; stream them one "
             "at a time, or call generate(prompts, stream=True) for a batch.", llama.stream, ["a", "b"])
     fix = 'pass a list of {"role": ..., "content": ...} dicts, e.g. [{"role": "user", "content": "Hi"}].'

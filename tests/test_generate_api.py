@@ -330,6 +330,30 @@ def test_one_model_serves_threads_each_as_it_would_alone(smollm2_artifact, resid
     assert first.result.tokens[0] == alone[prompts[1]] and second.result.tokens[0] == alone[prompts[2]]
 
 
+def test_a_stop_string_in_the_held_back_text_of_the_last_token_is_a_stop(smol_model):
+    """The last token allowed (" " and the first bytes of an emoji) is held back until a character
+    is whole; the flush at max_new_tokens finds the stop string " " in it: the text ends before it
+    and the answer stopped (it said "length"), in generate, stream and the server's batch alike."""
+    from collections import deque
+
+    from slimml.runtime.tasks.generation.continuous import ContinuousBatch
+
+    half = smol_model.text.tokenizer.encode(" \U0001F600", add_special_tokens=False).ids[0]  # " " and part of the emoji
+    assert smol_model.text.tokenizer.decode([half]).startswith(" ")
+    ask = dict(max_new_tokens=1, logit_bias={half: 100.0}, stop=[" "])
+    out = smol_model.generate("The sea is blue.", **ask)
+    assert out.tokens == [[half]] and out.texts == [""] and out.finish_reasons == ["stop"]
+    stream = smol_model.stream("The sea is blue.", **ask)
+    assert "".join(stream) == "" and stream.result.finish_reasons == ["stop"]
+    batch = ContinuousBatch(smol_model, max_batch=2)
+    seq = batch.prepare("The sea is blue.", GenerationConfig(**ask))
+    waiting = deque([seq])
+    while waiting or batch.rows:
+        batch.admit(batch.take(waiting))
+        batch.step()
+    assert seq.tokens == [half] and seq.finish_reason == "stop" and seq.text.text == ""
+
+
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
                                            "city": {"enum": ["Paris", "Rome", "Oslo"]}},
           "required": ["name", "age", "city"], "additionalProperties": False}

@@ -293,7 +293,7 @@ class ContinuousBatch:
                 return self._end(s, "stop")
         if len(s.tokens) >= s.steps:
             self._emit(s, s.text.finish() if s.text is not None else "")
-            return self._end(s, "length")
+            return self._end(s, "stop" if s.text is not None and s.text.stopped else "length")  # see TextStream.finish
         s.sampler.add(np.array([token]))
         return not self._left(s)
 

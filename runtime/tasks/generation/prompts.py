@@ -63,8 +63,12 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
         ids = [e.ids for e in tokenized(lambda: tok.encode_batch(texts_in, add_special_tokens=not raw_text))]
     else:
         ids = _id_lists(prompts)
-    if not ids or any(len(p) == 0 for p in ids):
+    if not ids:
         raise FeedError("generate() needs at least one non-empty prompt; give a text or a list of token ids.")
+    empty = next((i for i, p in enumerate(ids) if len(p) == 0), None)
+    if empty is not None:
+        which = "the prompt" if len(ids) == 1 else f"prompt {empty}"
+        raise FeedError(f"{which} has no tokens; every prompt needs at least one (give it some text, or drop it).")
     if isinstance(config.seed, tuple) and len(config.seed) != len(ids):
         raise ConfigError(f"seed has {len(config.seed)} values for {len(ids)} prompts; give one per prompt, or one integer.")
     engine = model.engine

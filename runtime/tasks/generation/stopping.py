@@ -45,7 +45,9 @@ class TextStream:
         return self._extend(self.detok.add(token), final=False)
 
     def finish(self) -> str:
-        """Generation ended without a stop string: the rest of the text, held-back text included."""
+        """Generation ended (an end id, or no tokens left): the rest of the text, held-back text
+        included. The characters held back until a token completed them may still complete a stop
+        string: ``stopped`` then says so, and the text ends before it."""
         return self._extend(self.detok.flush(), final=True)
 
     def _extend(self, piece: str, final: bool) -> str:
