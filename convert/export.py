@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.convert.exported import Exported
-from slimml.convert.folder_facts import (class_labels, config_facts, is_causal_lm, preprocessor_file, read_config,
+from slimml.convert.folder_facts import (class_labels, config_facts, hf_config, is_causal_lm, preprocessor_file,
                                          seq2seq_spec, task_from_config, task_or_none, tokenizer_info)
 from slimml.convert.sources import Source, sentence_transformers_pooling, sparse_encoder_splade, write_st_dense
 from slimml.errors import ExportError, SlimmlError, SourceError
@@ -133,7 +133,7 @@ def _traced_decoder(source: Source, work_dir: Path, config: ExportConfig, note: 
     sequence again); where neither can write the cache, without it, the report's note saying so."""
     from slimml.convert.export_torch_decoder import experts_reason
 
-    if why := experts_reason(read_config(source.path)):  # neither traced exporter writes it
+    if why := experts_reason(hf_config(source.path)):  # neither traced exporter writes it
         raise ExportError(f"{why}; convert a model slimml's exporters write, or export this one to ONNX yourself and "
                           "convert the .onnx file.")
     try:
@@ -364,7 +364,7 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
         task = out_task = task_from_config(folder)
     if config.task != "auto" and pooling is None and splade is None:
         _refuse_new_head(folder, task)
-    seq2seq = task.removesuffix("-with-past") in _SEQ2SEQ_TASKS and bool(read_config(folder).get("is_encoder_decoder"))
+    seq2seq = task.removesuffix("-with-past") in _SEQ2SEQ_TASKS and bool(hf_config(folder).get("is_encoder_decoder"))
     if seq2seq:  # an encoder and a decoder with its cache: three graphs
         out_task = task.removesuffix("-with-past")
         task = out_task + "-with-past"
@@ -468,7 +468,7 @@ def _traced_exporter(folder: Path, task: str, config: ExportConfig) -> str:
         return config.exporter
     from slimml.convert.export_torch import encoder_only
 
-    if encoder_only(read_config(folder), task):  # optimum would write the whole encoder-decoder, from half its weights
+    if encoder_only(hf_config(folder), task):  # optimum would write the whole encoder-decoder, from half its weights
         return "torch"
     if _optimum_loads() is None:
         return "optimum"
@@ -485,7 +485,7 @@ def _torch_reason(folder: Path, task: str) -> str | None:
     from slimml.convert.export_torch import torch_export_reason
     from slimml.convert.export_torch_decoder import decoder_export_reason
 
-    config = read_config(folder)
+    config = hf_config(folder)
     if _traced_decoder_task(folder, task):
         return decoder_export_reason(config)
     if task.removesuffix("-with-past") in _SEQ2SEQ_TASKS and config.get("is_encoder_decoder"):
@@ -499,14 +499,14 @@ def _traced_decoder_task(folder: Path, task: str) -> bool:
     """Whether ``task`` asks for a causal LM (with or without its cache), not an encoder-decoder's graphs."""
     from slimml.convert.export_torch_decoder import DECODER_TASKS
 
-    return task in DECODER_TASKS and not read_config(folder).get("is_encoder_decoder")
+    return task in DECODER_TASKS and not hf_config(folder).get("is_encoder_decoder")
 
 
 def _torch_fallback(folder: Path, task: str, config: ExportConfig) -> bool:
     """Whether a model optimum-onnx failed on goes to the torch exporter: with ``--exporter auto``
     (optimum-onnx was tried, so it loads) where the torch exporter writes the model; never a folder
     of custom code (``auto_map``), whose refusal stands (slimml does not run a folder's own Python)."""
-    return (config.exporter == "auto" and not read_config(folder).get("auto_map")
+    return (config.exporter == "auto" and not hf_config(folder).get("auto_map")
             and _torch_reason(folder, task) is None)
 
 
@@ -555,7 +555,7 @@ def _optimum_failure(folder: Path, task: str, e: Exception) -> ExportError:
     from slimml.convert.fused_family import NAMES
 
     first = str(e).splitlines()[0] if str(e) else ""
-    kind = read_config(folder).get("model_type")
+    kind = hf_config(folder).get("model_type")
     if "unsupported architecture" in first:  # optimum's long advice on custom ONNX configs
         return ExportError(
             f"neither of slimml's exporters writes a {kind!r} model (optimum-onnx does not know the architecture; "

@@ -18,7 +18,8 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
-def read_config(folder: Path) -> dict[str, Any]:
+def hf_config(folder: Path) -> dict[str, Any]:
+    """The folder's config.json as a dict ({} where it is missing or not JSON)."""
     try:
         return json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
@@ -33,7 +34,7 @@ SEARCH_KEYS = ("max_length", "min_length", "max_new_tokens", "min_new_tokens", "
 def seq2seq_spec(folder: Path) -> dict[str, Any]:
     """How generation starts and stops, from generation_config.json (else config.json), as
     transformers' generate reads them (Whisper's: as its own generate builds its prompt)."""
-    config = read_config(folder)
+    config = hf_config(folder)
     gen = {}
     if (folder / "generation_config.json").is_file():
         gen = json.loads((folder / "generation_config.json").read_text())

@@ -175,7 +175,8 @@ def test_wrong_kinds_of_input_each_say_the_right_fix(tiny_bert_artifact, tiny_ll
         (("run", tiny_bert_artifact, "hi", "--aggregation", "foo"), "--aggregation must be one of none, simple"),
         (("bench", tiny_bert_artifact, "--sweep", "2", "--sweep-out", tmp_path / "junk.bin"), "--sweep-out"),
         (("bench", tiny_bert_artifact, "--sweep", "2", "--sweep-out", tmp_path / "junk.bin" / "sub"),
-         f"--sweep-out {tmp_path / 'junk.bin' / 'sub'} is under the file {tmp_path / 'junk.bin'}; give a folder"),
+         f"cannot write the sweep to {tmp_path / 'junk.bin' / 'sub'} (it is under the file {tmp_path / 'junk.bin'}); "
+         "give --sweep-out a writable folder."),
     ]
     (tmp_path / "junk.bin").write_bytes(bytes(range(256)) * 20)
     checks.append((("run", tiny_bert_artifact, "--input", tmp_path / "junk.bin"), "(not an .npz file)"))

@@ -63,10 +63,11 @@ def test_a_local_ray_gets_its_token_in_memory_where_home_cannot_keep_it(tmp_path
 
     for key in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE"):
         monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # missing, but Ray makes it: its parent is writable
+    (tmp_path / "home").mkdir()
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # Ray keeps its token there
     assert not token_in_memory() and "RAY_AUTH_TOKEN" not in os.environ
     (tmp_path / "file").write_text("x")
-    for home in (str(tmp_path / "file" / "home"), ""):  # no folder can be made there; no home at all
+    for home in (str(tmp_path / "file" / "home"), str(tmp_path / "missing"), ""):  # a file in the way; no home
         monkeypatch.setenv("HOME", home)
         assert token_in_memory() and len(os.environ["RAY_AUTH_TOKEN"]) == 64
         assert not token_in_memory()  # set now: kept
@@ -78,6 +79,22 @@ def test_a_local_ray_gets_its_token_in_memory_where_home_cannot_keep_it(tmp_path
     monkeypatch.setenv("HOME", "")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert not token_in_memory() and "RAY_AUTH_TOKEN" not in os.environ
+
+
+def test_only_a_ray_of_slimmls_own_gets_a_token(tmp_path, monkeypatch):
+    """connect() without an address joins RAY_ADDRESS's cluster, or the one `ray start` recorded, as
+    ray.init does: a token made up for those would be the wrong one."""
+    from slimml.scale.cluster import _starts_local
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    assert _starts_local()
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:6379")
+    assert not _starts_local()
+    (tmp_path / "ray" / "ray_current_cluster").unlink()
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert not _starts_local()
 
 
 def test_a_web_server_given_as_the_ray_address_is_one_line_not_a_hang(cluster):

@@ -199,11 +199,13 @@ def _cmdline(pid: int) -> bytes:
 
 def test_serve_stages_put_a_pipeline_behind_generate(ray_env, tiny_llama_past_artifact):
     prompts = [[5, 6, 7, 8], [9, 10]]
-    want = load(tiny_llama_past_artifact).generate(prompts, max_new_tokens=5).tokens
+    alone = load(tiny_llama_past_artifact).generate(prompts, max_new_tokens=5)
+    want = alone.tokens
     with served(str(tiny_llama_past_artifact), "--stages", "2") as (url, _):
         status, body = post(f"{url}/v1/generate", {"prompt": prompts, "max_new_tokens": 5})
         assert status == 200, body
         assert [c["token_ids"] for c in body["choices"]] == want
+        assert [c["finish_reason"] for c in body["choices"]] == alone.finish_reasons  # it guessed from the length
         assert body["usage"]["completion_tokens"] == sum(map(len, want))
         status, body = post(f"{url}/v1/embeddings", {"input": ["hi"]})
         assert status == 400 and "not a sentence-embedding one" in body["error"]["message"]

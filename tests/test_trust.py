@@ -146,7 +146,7 @@ def test_a_cache_folder_with_the_wrong_mode_or_owner_is_refused(mlp_artifact, tm
         load(mlp_artifact, resident=2, cache_dir=cache)
     assert str(e.value) == (
         f"the cache folder {cache / 'packed'} is writable by others (mode 777); slimml will not trust files there: "
-        "set SLIMML_CACHE_DIR (--cache-dir, cache_dir=) to a folder of your own, or fix it: "
+        "set SLIMML_CACHE_DIR (or cache_dir=) to a folder of your own, or fix it: "
         f"`chown $USER {cache / 'packed'}; chmod 700 {cache / 'packed'}`.")
     (cache / "packed").chmod(0o700)
     if os.geteuid() == 0:  # only root can give a folder away
@@ -162,7 +162,7 @@ def test_a_cache_folder_with_the_wrong_mode_or_owner_is_refused(mlp_artifact, tm
         load(mlp_artifact, resident=2, cache_dir=open_parent / "cache")
     assert str(e.value) == (
         f"the cache folder {open_parent / 'cache'} is inside {open_parent}, which anyone can write to (mode 777, no sticky "
-        "bit): they could swap the folder; slimml will not trust files there: set SLIMML_CACHE_DIR (--cache-dir, cache_dir=) to a "
+        "bit): they could swap the folder; slimml will not trust files there: set SLIMML_CACHE_DIR (or cache_dir=) to a "
         f"folder of your own, or `chmod +t {open_parent}` (as /tmp is).")
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ConfigError) as e:

@@ -1,12 +1,14 @@
-"""An artifact's files: paths that stay inside its folder, each file's size and sha256 as the
-manifest lists it (:class:`FileEntry`), hashing, and the checks that a listed file is there, is
-the one hashed, and has not been swapped since (the manifest itself: :mod:`.manifest`)."""
+"""An artifact's files: paths that stay inside its folder and are UTF-8, each file's size and
+sha256 as the manifest lists it (:class:`FileEntry`), hashing, the checks that a listed file is
+there, is the one hashed, and has not been swapped since, and the small files read after load
+(:func:`read_listed`, :func:`read_config`). The manifest itself: :mod:`.manifest`."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -53,7 +55,7 @@ def safe_path(folder: Path, rel: str) -> Path:
         raise ArtifactError(f"the manifest names the path {rel!r}, which cannot be resolved ({e}); refusing to load it.") from None
     if resolved != root and root not in resolved.parents:
         raise ArtifactError(f"{rel!r} is a link that points outside the artifact folder; refusing to load it. Copy the "
-                            f"artifact with its files in place of links (`cp -rL {folder} NEW_FOLDER`; a Hugging Face hub "
+                            f"artifact with its files in place of links (`cp -rL {shlex.quote(str(folder))} NEW_FOLDER`; a Hugging Face hub "
                             "snapshot: snapshot_download(..., local_dir=NEW_FOLDER)) and load the copy.")
     return full
 

@@ -1,6 +1,6 @@
 """What slimml checks in a shard's ONNX file before ONNX Runtime sees it, and after.
 
-Hashes (``manifest.verify_files``) prove a file is the one the manifest lists; they do not prove
+Hashes (``files.verify_files``) prove a file is the one the manifest lists; they do not prove
 the manifest is honest. An artifact from elsewhere can list, with correct hashes, a shard whose
 ONNX ``external_data`` points at ``../../home/me/.ssh/id_rsa``, which ONNX Runtime would read
 as weights. So each shard file is parsed (without loading any weights) and every external

@@ -71,7 +71,7 @@ def private_folder(path: Path) -> Path:
     path = Path(path)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.lstat(path)
-    fix = f"set SLIMML_CACHE_DIR (--cache-dir, cache_dir=) to a folder of your own, or fix it: `chown $USER {path}; chmod 700 {path}`"
+    fix = f"set SLIMML_CACHE_DIR (or cache_dir=) to a folder of your own, or fix it: `chown $USER {path}; chmod 700 {path}`"
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise IntegrityError(f"the cache folder {path} is a link or not a folder; slimml will not trust files there: {fix}.")
     if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
@@ -85,7 +85,7 @@ def private_folder(path: Path) -> Path:
         if mode & 0o002 and not mode & stat.S_ISVTX:
             raise IntegrityError(f"the cache folder {path} is inside {parent}, which anyone can write to (mode "
                                  f"{stat.S_IMODE(mode):o}, no sticky bit): they could swap the folder; slimml will not "
-                                 f"trust files there: set SLIMML_CACHE_DIR (--cache-dir, cache_dir=) to a folder of your own, or "
+                                 f"trust files there: set SLIMML_CACHE_DIR (or cache_dir=) to a folder of your own, or "
                                  f"`chmod +t {parent}` (as /tmp is).")
     return path
 

@@ -40,6 +40,7 @@ import onnxruntime as ort
 from slimml.errors import ArtifactError, IntegrityError, SlimmlError
 from slimml.runtime.artifact.files import hash_file, safe_path
 from slimml.runtime.artifact.manifest import Manifest
+from slimml.runtime.artifact.places import home_folder, unwritable
 from slimml.runtime.engine import read_in as reads
 from slimml.runtime.engine.cache import CacheEntry, make_record, private_folder, read_record
 from slimml.runtime.engine.slots import Slot, file_stamp
@@ -54,25 +55,24 @@ _MADV_WILLNEED, _MADV_DONTNEED, _MADV_POPULATE_READ = 3, 4, 22
 
 def cache_root() -> Path | None:
     """Where slimml keeps its caches: ``SLIMML_CACHE_DIR``, else ``$XDG_CACHE_HOME/slimml``, else
-    ``~/.cache/slimml``; None where none is set and there is no home folder (a container run as
-    a user without one: HOME unset, empty, or a folder that does not exist, which is not made)."""
+    ``~/.cache/slimml``; None where none is set and there is no home folder to keep it in (a
+    container run as a user without one: HOME unset, empty, missing, or one this user cannot
+    write, such as ``/``). A cache that is there is used, read-only or not."""
     if os.environ.get("SLIMML_CACHE_DIR"):
         return Path(os.environ["SLIMML_CACHE_DIR"])
     xdg = os.environ.get("XDG_CACHE_HOME")
     if xdg and os.path.isabs(xdg):  # the spec ignores a relative one
         return Path(xdg) / "slimml"
-    if os.environ.get("HOME") == "":
+    home = home_folder()
+    if home is None:
         return None
-    try:
-        home = Path.home()
-    except (RuntimeError, KeyError):  # HOME unset and the user not in the password database
-        return None
-    return home / ".cache" / "slimml" if home.is_dir() else None
+    root = home / ".cache" / "slimml"
+    return root if root.is_dir() or unwritable(root) is None else None
 
 
-NO_CACHE = ("no cache folder (HOME is unset or missing, and neither SLIMML_CACHE_DIR nor XDG_CACHE_HOME is set); "
-            "set SLIMML_CACHE_DIR (--cache-dir, load(cache_dir=...)) to a writable folder with room for about twice "
-            "the streamed shards")
+NO_CACHE = ("no cache folder (no home folder this user can write, and neither SLIMML_CACHE_DIR nor an absolute "
+            "XDG_CACHE_HOME is set); set SLIMML_CACHE_DIR (or load(cache_dir=...); bench and generate: --cache-dir) to a "
+            "writable folder with room for about twice the streamed shards")
 
 
 def supported() -> str | None:
@@ -111,7 +111,7 @@ class PackedSlots:
         self.folder, self.manifest, self.backend, self.verify = folder, manifest, backend, config.verify
         root = config.cache_dir or cache_root()
         if root is None:  # the CPU backend feeds the weights instead (weight_source)
-            raise ArtifactError(f"pre-packed weights need {NO_CACHE}")
+            raise ArtifactError(f"pre-packed weights need a cache folder, and there is {NO_CACHE}")
         self.cache = root / "packed"
         self.ranges: dict[int, list[tuple[int, int, int]]] = {}  # shard -> (address, length, file offset)
         # the streamed shards do not fit in the page cache beside the rest: read them in ourselves
@@ -268,9 +268,9 @@ class PackedSlots:
 
     def _failed(self, index: int, why: str) -> ArtifactError:
         return ArtifactError(
-            f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR (--cache-dir, "
-            "load(cache_dir=...)) to a writable folder with room for about twice the streamed shards, or load with "
-            "pack=False (--no-pack)"
+            f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR (or load(cache_dir=...); "
+            "bench and generate: --cache-dir) to a writable folder with room for about twice the streamed shards, or "
+            "load with pack=False (bench and generate: --no-pack)"
         )
 
 

@@ -381,7 +381,7 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
     loop.remember(new)  # one prompt's text, for the prompts that begin with it (a chat's next turn)
     for i in np.flatnonzero(~done):  # max_new_tokens, or the context, reached
         piece = texts[i].finish() if texts is not None else ""
-        if texts is not None and texts[i].stopped:  # the text held back for a whole character held a stop string
+        if texts is not None and texts[i].stopped and finish[i] == "length":  # the held-back text held a stop string
             finish[i] = "stop"
         if piece:
             yield int(i), piece

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
-from slimml.runtime.tools.bench import bench
 from slimml.runtime.artifact.manifest import read_manifest
+from slimml.runtime.artifact.places import unwritable
+from slimml.runtime.tools.bench import bench
 
 COLUMNS = ["resident", "prefetch", "loaded_mb", "run_peak_rss_mb", "p50_ms", "items_per_s",
            "wait_s", "compute_s", "mb_per_run"]
@@ -30,15 +31,13 @@ class SweepResult:
 
 
 def _check_writable(out: Path) -> None:
-    """Refuse a sweep folder that could not be written: a file, or under a file or a folder this
-    user cannot write (it is made, with its parents, once the runs are done)."""
-    nearest = next(p for p in (out, *out.parents) if p.exists())
-    if not nearest.is_dir():
-        where = "is a file" if nearest == out else f"is under the file {nearest}"
-        raise ConfigError(f"--sweep-out {out} {where}; give a folder for the sweep's table, CSV and plot.")
-    if not os.access(nearest, os.W_OK | os.X_OK):  # a read-only mount too (EROFS)
-        raise ConfigError(f"cannot write the sweep to {out} ({nearest} is not writable); give --sweep-out a writable "
-                          "folder.")
+    """Refuse, before the runs, a sweep folder that could not be made or written (it is made, with
+    its parents, once they are done)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--sweep-out {out} is a file; give a folder for the sweep's table, CSV and plot.")
+    why = unwritable(out)
+    if why:
+        raise ConfigError(f"cannot write the sweep to {out} ({why}); give --sweep-out a writable folder.")
 
 
 def sweep(

@@ -8,9 +8,9 @@ import secrets
 import signal
 import socket
 import threading
-from pathlib import Path
 
 from slimml.errors import ConfigError, SlimmlError
+from slimml.runtime.artifact.places import home_folder, unwritable
 
 CONNECT_TIMEOUT_S = 10  # a HOST:PORT that does not answer a TCP connection within this is refused
 
@@ -59,7 +59,7 @@ def connect(address: str | None = None) -> bool:
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
     if address is not None:
         check_reachable(address)
-    else:
+    elif _starts_local():
         token_in_memory()
     held: list[int] = []
     try:
@@ -105,18 +105,22 @@ def token_in_memory() -> bool:
     A token or mode the user set, or a token file already there, is left to Ray."""
     if any(os.environ.get(k) for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")):
         return False
-    try:
-        home = Path.home() if os.environ.get("HOME") != "" else None
-    except (RuntimeError, KeyError):  # HOME unset and the user not in the password database
-        home = None
-    if home is not None and (home / ".ray" / "auth_token").is_file():
+    home = home_folder()
+    if home is not None and ((home / ".ray" / "auth_token").is_file() or unwritable(home / ".ray") is None):
         return False
-    if home is not None:
-        nearest = next(p for p in (home / ".ray", *(home / ".ray").parents) if p.exists())
-        if nearest.is_dir() and os.access(nearest, os.W_OK | os.X_OK):  # EROFS too: a read-only mount
-            return False
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     return True
+
+
+def _starts_local() -> bool:
+    """Whether ``ray.init()`` without an address starts a Ray of its own, as Ray decides it: no
+    ``RAY_ADDRESS``, and no cluster that ``ray start`` recorded (it joins those)."""
+    from ray._private import services
+
+    try:
+        return services.canonicalize_bootstrap_address(None) is None
+    except Exception:  # noqa: BLE001 - an address Ray cannot use: ray.init says so, in its words
+        return False
 
 
 @contextlib.contextmanager

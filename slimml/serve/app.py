@@ -539,7 +539,7 @@ class SlimmlServer:
             if "cancel" in options:
                 options["cancel"].set()
             raise
-        return protocol.generate_response(gen, self.name, n)
+        return protocol.generate_response(gen, self.name)
 
     @api.post("/v1/audio/transcriptions")
     async def transcriptions(self, request: Request):

@@ -508,11 +508,11 @@ def check_run_budget(feeds: dict[str, np.ndarray], specs, max_seq: int | None, m
                            'outputs you need in "outputs", or raise the limit (slimml serve --max-response-values).', 413)
 
 
-def generate_response(gen, name: str, max_new_tokens: int) -> dict[str, Any]:
+def generate_response(gen, name: str) -> dict[str, Any]:
     choices = []
-    for i, toks in enumerate(gen.tokens):  # fewer tokens than asked: it stopped at end-of-sequence
+    for i, toks in enumerate(gen.tokens):  # each as generate ended it (an end id on the last token allowed: a stop)
         choices.append({"index": i, "text": gen.texts[i] if gen.texts else None, "token_ids": toks,
-                        "finish_reason": "stop" if len(toks) < max_new_tokens else "length"})
+                        "finish_reason": gen.finish_reasons[i]})
     new = sum(len(t) for t in gen.tokens)
     return {"object": "text_completion", "model": name, "choices": choices,
             "usage": {"prompt_tokens": gen.prompt_tokens, "completion_tokens": new,
