@@ -17,6 +17,11 @@ Every format is held by a grammar (:mod:`~slimml.runtime.tasks.generation.struct
 the functions and give arguments its JSON Schema allows; with ``required`` or a named function
 the answer is calls only. So a call that comes back always parses and always fits its schema (one
 cut by ``max_new_tokens`` excepted: it stays text).
+
+The package, one job a module: :mod:`.calls` (the tools checked, the calls made, earlier calls as
+templates take them), :mod:`.formats` (the families' formats, behind :func:`register_format`),
+:mod:`.scan` (an answer's JSON read as it streams), :mod:`.text` (:class:`ToolText`, the reader of
+one answer) and :mod:`.use` (:class:`ToolUse`, a chat with tools for one model's template).
 """
 
 from slimml.runtime.tasks.generation.tools.calls import (MAX_DEPTH, NAME, CallDelta, ToolCall, Tools, call_arguments,
