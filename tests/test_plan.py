@@ -250,8 +250,8 @@ def test_an_unwritable_cache_falls_back_to_fed_weights_with_one_line(mlp, tmp_pa
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "\n" not in said[0]
     assert said[0].startswith("slimml: streaming weights as graph inputs (slower decoding): packing them failed")
-    assert "set SLIMML_CACHE_DIR (or load(cache_dir=...); bench and generate: --cache-dir) to a writable folder" in said[0]
-    assert said[0].endswith("or load with pack=False (bench and generate: --no-pack))")
+    assert "set SLIMML_CACHE_DIR (--cache-dir, load(cache_dir=...)) to a writable folder" in said[0]
+    assert said[0].endswith("or load with pack=False (--no-pack))")
     assert "weights fed from memory-mapped data files" in model.plan.describe()
     np.testing.assert_allclose(model.run(_feeds())["y"], load(art).run(_feeds())["y"], rtol=0, atol=1e-5)
     with pytest.raises(ArtifactError, match=r"^packing shard \d+ into .* failed"):
@@ -276,8 +276,8 @@ def test_the_cache_follows_xdg_and_a_user_without_a_home_streams_fed_weights(mlp
         said = [r.getMessage() for r in caplog.records]
         assert said == ["slimml: streaming weights as graph inputs (slower decoding): no cache folder (no home folder "
                         "this user can write, and neither SLIMML_CACHE_DIR nor an absolute XDG_CACHE_HOME is set); set "
-                        "SLIMML_CACHE_DIR (or load(cache_dir=...); bench and generate: --cache-dir) to a writable folder "
-                        "with room for about twice the streamed shards"]
+                        "SLIMML_CACHE_DIR (--cache-dir, load(cache_dir=...)) to a writable folder with room for about "
+                        "twice the streamed shards"]
         assert "weights fed from memory-mapped data files" in model.plan.describe()
         np.testing.assert_allclose(model.run(_feeds())["y"], load(art).run(_feeds())["y"], rtol=0, atol=1e-5)
         with pytest.raises(ConfigError, match=r"^pack=True cannot be honoured: no cache folder .*streamed shards\.$"):

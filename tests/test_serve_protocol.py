@@ -38,6 +38,9 @@ def test_config_from_serve_run_arguments():
     assert ServeConfig.from_args({"artifact": "a", "prefix_cache": "1.5GiB"}).prefix_bytes == 3 << 29
     with pytest.raises(ConfigError, match=r"prefix_cache: memory budget 'lots' is not a size; write it like '4GB'.* 0 turns it off"):
         ServeConfig("a", prefix_cache="lots")
+    assert ServeConfig.from_args({"artifact": "a", "pack": "false"}).pack is False  # a streamed model's weights fed
+    with pytest.raises(ConfigError, match=r"^cache_dir=3 must be a folder path\.$"):  # LoadConfig's words, before Ray
+        ServeConfig("a", cache_dir=3)
 
 
 def test_embedding_inputs():

@@ -340,8 +340,8 @@ def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident
     beside = ([f"the pinned {plan.pinned} ({fmt_bytes(pin_bytes - held)})"] if plan.pinned else []) + (
         [f"the 4-bit weights the streamed shards' sessions keep ({fmt_bytes(held)})"] if held else [])
     how = "with the weights pre-packed for this CPU" if grown else "with the 4-bit weights the sessions keep"
-    other = ("load with pack=False (bench and generate: --no-pack; weights fed as inputs: their size on disk, slower decoding)" if grown else
-             "load with pack=True (the default; bench and generate: --pack; 4-bit weights pre-packed, paged in and out with their shards)")
+    other = ("load with pack=False (--no-pack: weights fed as inputs: their size on disk, slower decoding)" if grown else
+             "load with pack=True (--pack, the default: 4-bit weights pre-packed, paged in and out with their shards)")
     slots = plan.resident - len(plan.pinned)
     peak = pin_bytes + sum(sorted((sizes[i] for i in plan.streamed), reverse=True)[:slots])
     if plan.budget is None:  # K as asked: the plan says what it holds

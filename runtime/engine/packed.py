@@ -71,8 +71,8 @@ def cache_root() -> Path | None:
 
 
 NO_CACHE = ("no cache folder (no home folder this user can write, and neither SLIMML_CACHE_DIR nor an absolute "
-            "XDG_CACHE_HOME is set); set SLIMML_CACHE_DIR (or load(cache_dir=...); bench and generate: --cache-dir) to a "
-            "writable folder with room for about twice the streamed shards")
+            "XDG_CACHE_HOME is set); set SLIMML_CACHE_DIR (--cache-dir, load(cache_dir=...)) to a writable folder with "
+            "room for about twice the streamed shards")
 
 
 def supported() -> str | None:
@@ -268,9 +268,9 @@ class PackedSlots:
 
     def _failed(self, index: int, why: str) -> ArtifactError:
         return ArtifactError(
-            f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR (or load(cache_dir=...); "
-            "bench and generate: --cache-dir) to a writable folder with room for about twice the streamed shards, or "
-            "load with pack=False (bench and generate: --no-pack)"
+            f"packing shard {index} into {self.cache} failed ({why}); set SLIMML_CACHE_DIR (--cache-dir, "
+            "load(cache_dir=...)) to a writable folder with room for about twice the streamed shards, or load with "
+            "pack=False (--no-pack)"
         )
 
 

@@ -261,7 +261,8 @@ class SlimmlServer:
             from slimml.scale import pipeline
 
             self.model = pipeline(self.config.artifact, stages=self.config.stages, microbatch=self.config.microbatch,
-                                  memory_budget=self.config.memory_budget, manifest_sha256=expect)
+                                  memory_budget=self.config.memory_budget, pack=self.config.pack,
+                                  cache_dir=self.config.cache_dir, manifest_sha256=expect)
         else:
             import ray
 
@@ -269,7 +270,8 @@ class SlimmlServer:
 
             cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
             self.model = load(self.config.artifact, threads=max(1, int(cpus)) if cpus else None,
-                              memory_budget=self.config.memory_budget, manifest_sha256=expect)
+                              memory_budget=self.config.memory_budget, pack=self.config.pack,
+                              cache_dir=self.config.cache_dir, manifest_sha256=expect)
         limits = getattr(self.model, "limits", None)
         if limits is not None:
             if self.config.max_text_chars is not None:

@@ -87,6 +87,8 @@ class ServeConfig:
             reaches the replicas.
         openapi: serve ``/openapi.json`` (the API's schema); off by default.
         memory_budget: passed to ``load`` (streams the model within that many bytes).
+        pack, cache_dir: passed to ``load``: how a streamed model's weights reach its sessions on
+            CPU, and where their pre-packed copies are kept (:class:`~slimml.runtime.LoadConfig`).
         access_log: have Serve log every request (off: a log line per request costs CPU that
             a small machine needs for the model).
     """
@@ -162,6 +164,12 @@ class ServeConfig:
         "help": "Seconds one request may take end to end; later gets 408 and its work is cancelled."})
     memory_budget: str | None = field(default=None, metadata={
         "help": "Memory for loaded shards, e.g. 4GB; picks K and P."})
+    pack: bool | None = field(default=None, metadata={
+        "help": "A streamed model on CPU: ONNX Runtime's pre-packed weights, cached on disk (default where it can: "
+                "Linux); --no-pack feeds weights as inputs instead (no cache, slower decoding)."})
+    cache_dir: str | None = field(default=None, metadata={
+        "help": "Where a streamed model's pre-packed weights are kept on each node (default SLIMML_CACHE_DIR, "
+                "XDG_CACHE_HOME/slimml or ~/.cache/slimml)."})
     access_log: bool = field(default=False, metadata={
         "help": "Have Serve log every request (a line per request costs CPU).", "flags": ("--access-log",)})
     api_key: str | None = field(default=None, metadata={
@@ -208,6 +216,10 @@ class ServeConfig:
             self.prefix_bytes
         except ConfigError as e:
             raise ConfigError(f"prefix_cache: {e} 0 turns it off.") from None
+        if self.pack is not None or self.cache_dir is not None:  # LoadConfig's checks and words, before Ray starts
+            from slimml.runtime.engine.config import LoadConfig
+
+            LoadConfig(pack=self.pack, cache_dir=self.cache_dir)
         if self.memory_budget is not None:  # "memory budget 'lots' is not a size; ..." before Ray starts
             from slimml.runtime.engine.budget import parse_bytes
 
@@ -247,7 +259,7 @@ class ServeConfig:
         for key, value in args.items():
             kind = str(known[key].type)
             try:
-                if isinstance(value, str) and kind == "bool":
+                if isinstance(value, str) and kind in ("bool", "bool | None"):
                     if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
                         raise ConfigError(f"{key} must be true or false, got {value!r}.")
                     value = value.lower() in ("true", "1", "yes")
