@@ -49,9 +49,10 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     # hashes the files again when it loads them)
     manifest = read_manifest(config.artifact)
     verify_files(config.artifact, manifest)
-    # every replica and stage checks its copy; the path made absolute: a replica resolves it from Ray's
+    # every replica and stage checks its copy; the paths made absolute: a replica resolves them from Ray's
     # working folder, not the one slimml serve was started in
-    config = dataclasses.replace(config, manifest_sha256=manifest.sha256, artifact=str(Path(config.artifact).resolve()))
+    config = dataclasses.replace(config, manifest_sha256=manifest.sha256, artifact=str(Path(config.artifact).resolve()),
+                                 cache_dir=str(Path(config.cache_dir).absolute()) if config.cache_dir else None)
     if config.stages:  # what stages cannot split fails here, not in a replica's log
         from slimml.scale.balance import split_stages
         from slimml.scale.pipeline import check_stageable
