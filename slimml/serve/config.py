@@ -8,6 +8,14 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from slimml.errors import ConfigError
+from slimml.runtime.engine.config import LoadConfig
+
+
+def _load_option(name: str) -> Any:
+    """A field of ServeConfig that each replica passes to ``load``: its default and help are
+    LoadConfig's, declared there once."""
+    option = next(f for f in fields(LoadConfig) if f.name == name)
+    return field(default=option.default, metadata=option.metadata)
 
 
 @dataclass
@@ -162,14 +170,9 @@ class ServeConfig:
         "help": "Seconds a client may take to send its body; later gets 408."})
     request_timeout_s: float = field(default=300.0, metadata={
         "help": "Seconds one request may take end to end; later gets 408 and its work is cancelled."})
-    memory_budget: str | None = field(default=None, metadata={
-        "help": "Memory for loaded shards, e.g. 4GB; picks K and P."})
-    pack: bool | None = field(default=None, metadata={
-        "help": "A streamed model on CPU: ONNX Runtime's pre-packed weights, cached on disk (default where it can: "
-                "Linux); --no-pack feeds weights as inputs instead (no cache, slower decoding)."})
-    cache_dir: str | None = field(default=None, metadata={
-        "help": "Where a streamed model's pre-packed weights are kept on each node (default SLIMML_CACHE_DIR, "
-                "XDG_CACHE_HOME/slimml or ~/.cache/slimml)."})
+    memory_budget: str | None = _load_option("memory_budget")
+    pack: bool | None = _load_option("pack")
+    cache_dir: str | None = _load_option("cache_dir")
     access_log: bool = field(default=False, metadata={
         "help": "Have Serve log every request (a line per request costs CPU).", "flags": ("--access-log",)})
     api_key: str | None = field(default=None, metadata={
@@ -217,8 +220,6 @@ class ServeConfig:
         except ConfigError as e:
             raise ConfigError(f"prefix_cache: {e} 0 turns it off.") from None
         if self.pack is not None or self.cache_dir is not None:  # LoadConfig's checks and words, before Ray starts
-            from slimml.runtime.engine.config import LoadConfig
-
             LoadConfig(pack=self.pack, cache_dir=self.cache_dir)
         if self.memory_budget is not None:  # "memory budget 'lots' is not a size; ..." before Ray starts
             from slimml.runtime.engine.budget import parse_bytes
