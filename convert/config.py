@@ -1,7 +1,7 @@
 """What ``convert`` does, stage by stage: :class:`ConvertConfig` and the configs it holds.
 
 Kept apart from the pipeline so the CLI reads its options from these dataclasses (see
-:mod:`slimml.cli_options`) without loading ONNX or torch.
+:mod:`slimml.cli.options`) without loading ONNX or torch.
 """
 
 from __future__ import annotations

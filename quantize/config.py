@@ -339,7 +339,7 @@ def scheme_config(
 @dataclass
 class QuantizeOptions:
     """The command line's choice of quantization (``--quantize`` and what goes with it); the help
-    texts are the CLI's (see :mod:`slimml.cli_options`). :meth:`to_config` makes the config.
+    texts are the CLI's (see :mod:`slimml.cli.options`). :meth:`to_config` makes the config.
 
     Example:
         >>> QuantizeOptions(scheme="int8", target="cpu").to_config()

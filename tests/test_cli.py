@@ -237,7 +237,7 @@ def test_info_lists_numbered_tensors_once():
     """A decoder's cache tensors read as one entry per family, not 60 names."""
     from types import SimpleNamespace as T
 
-    from slimml.cli import _tensor_list
+    from slimml.cli.info import _tensor_list
 
     cache = [T(name=f"past_key_values.{i}.{kv}", dtype="float32", shape=["b", 4, "p", 64]) for i in range(30) for kv in ("key", "value")]
     shown = _tensor_list([T(name="input_ids", dtype="int64", shape=["b", "s"]), *cache])

@@ -1,4 +1,4 @@
-"""Command-line options made from a config dataclass's fields (slimml.cli_options)."""
+"""Command-line options made from a config dataclass's fields (slimml.cli.options)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from slimml.cli_options import Options, OptionValues, config_options
+from slimml.cli.options import Options, OptionValues, config_options
 
 
 @dataclass

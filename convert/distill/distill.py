@@ -67,7 +67,7 @@ class DistillConfig:
         device: where the student trains: ``"auto"`` (CUDA when torch sees a GPU), ``"cpu"`` or ``"cuda"``.
     """
 
-    # the help texts are the CLI's (see slimml.cli_options)
+    # the help texts are the CLI's (see slimml.cli.options)
     layers: int | None = field(default=None, metadata={"help": "Distil into a student with this many layers (fewer than the model's)."})
     data: str | os.PathLike | None = field(default=None, metadata={
         "help": "Texts to distil on: one a line, a CSV or TSV with text/sentence1/sentence2 columns, or JSON Lines with "

@@ -22,7 +22,7 @@ def _load_option(name: str) -> Any:
 class ServeConfig:
     """Options of ``slimml serve`` and of the importable application (``slimml.serve.app:build``).
 
-    Each field with ``metadata["help"]`` is a flag of ``slimml serve`` (:mod:`slimml.cli_options`).
+    Each field with ``metadata["help"]`` is a flag of ``slimml serve`` (:mod:`slimml.cli.options`).
 
     Attributes:
         artifact: the artifact folder (the same path on every node of a cluster).

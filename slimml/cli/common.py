@@ -1,0 +1,28 @@
+"""What the commands share: the Typer app, the consoles, and the argument types several commands take."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="slimml",
+    help="Make trained models smaller and faster, and run them in layer shards on CPU or a small GPU.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+# Piped into a file or another program, a line stays one line: wrapping at a guessed width of 80 splits
+# figures and messages in the middle of a phrase that scripts and logs look for.
+console = Console(soft_wrap=not (sys.stdout and sys.stdout.isatty()))
+err = Console(stderr=True, soft_wrap=not (sys.stderr and sys.stderr.isatty()))
+
+Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `slimml convert`.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]
+Progress = Annotated[bool, typer.Option("--progress", help="Show a progress bar over the batches (on stderr).")]
+BaselineIn = Annotated[Optional[Path], typer.Option(help="Compare with this baseline file; exit 3 on a regression.")]
+BaselineOut = Annotated[Optional[Path], typer.Option(help="Write what this run measured as a baseline file (with --baseline: only if it passes).")]

@@ -1,0 +1,72 @@
+"""The entry point: the commands run with slimml's errors as one line and an exit code, and SIGTERM as Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import typer
+from rich.markup import escape
+
+from slimml.cli.common import app, err
+from slimml.errors import SlimmlError, missing_extra
+from slimml.runtime.artifact.atomic import stop_asked
+
+def _terminated(signum, frame) -> None:
+    stop_asked(signum)  # should the exception be lost (raised in a __del__), no artifact is swapped in after all
+    raise SystemExit(128 + signum)  # unwind as Ctrl-C does: a convert removes its half-written folder
+
+
+def _interrupted(signum, frame) -> None:
+    stop_asked(signum)
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    """Entry point: run the app, turning slimml errors into one line and exit code 1, and a
+    command line Typer cannot parse (an unknown option, ``--seed abc``) into one line and exit code 2.
+    SIGTERM ends a command as Ctrl-C does, leaving nothing half-written (exit 143); ``serve``
+    installs its own handler."""
+    signal.signal(signal.SIGTERM, _terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores it (cmd &)
+        signal.signal(signal.SIGINT, _interrupted)
+    try:
+        code = app(standalone_mode=False)
+    except SlimmlError as e:
+        if os.environ.get("SLIMML_DEBUG"):
+            raise
+        err.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)  # a path "[x]" is text
+        sys.exit(1)
+    except OSError as e:  # a path the library did not expect to fail on (a name too long, a link loop)
+        if os.environ.get("SLIMML_DEBUG"):
+            raise
+        where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+        err.print(f"[bold red]error:[/bold red] {escape(e.strerror or str(e))}{escape(where)}; check the path and its "
+                  "permissions (SLIMML_DEBUG=1 shows the traceback).", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except MemoryError as e:  # numpy's _ArrayMemoryError too: a batch or input the machine cannot hold
+        if os.environ.get("SLIMML_DEBUG"):
+            raise
+        what = " ".join(str(e).split())[:200]
+        err.print(f"[bold red]error:[/bold red] out of memory{escape(f' ({what})' if what else '')}; use fewer rows or "
+                  "shorter inputs a call (--batch), or a memory budget (--memory-budget).", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except typer.Abort:
+        err.print("aborted.")
+        sys.exit(1)
+    except ImportError as e:  # a command of an extra this install does not have (quantize on the base install)
+        missing = missing_extra(e)
+        if missing is None or os.environ.get("SLIMML_DEBUG"):
+            raise
+        err.print(f"[bold red]error:[/bold red] {escape(str(missing))}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    except Exception as e:
+        if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
+            raise
+        # click's UsageError, BadParameter, NoSuchOption (vendored by Typer): the user's command line
+        where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "slimml"
+        err.print(f"[bold red]error:[/bold red] {escape(e.format_message().rstrip('.'))}; see `{where} --help`.",
+                  highlight=False, soft_wrap=True)
+        sys.exit(e.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n without standalone mode
