@@ -290,13 +290,13 @@ def guarded(api, **guard):
     limits set to ``guard``; yields its port, stops it and restores the limits after."""
     import uvicorn
 
-    from slimml.serve import app as served
+    import slimml.serve.guard as middleware
 
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=server.run, daemon=True)
-    old = dict(served._guard)
-    served._guard.update(guard)
+    old = dict(middleware.state)
+    middleware.state.update(guard)
     thread.start()
     try:
         deadline = time.monotonic() + 20
@@ -305,7 +305,7 @@ def guarded(api, **guard):
             time.sleep(0.05)
         yield port
     finally:
-        served._guard.update(old)
+        middleware.state.update(old)
         server.should_exit = True
         thread.join(10)
 
@@ -319,11 +319,11 @@ def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled_and_bodie
     from fastapi.responses import JSONResponse
 
     from slimml.errors import RequestError
-    from slimml.serve import app as served
+    from slimml.serve import guard, refusals
 
     api = FastAPI()
-    api.add_middleware(served._Guard)
-    api.exception_handler(RequestError)(served._request_error)
+    api.add_middleware(guard.Guard)
+    api.exception_handler(RequestError)(refusals.request_error)
     cancelled = threading.Event()
 
     async def echo(request):  # a plain Starlette route: it reads the body
@@ -353,9 +353,9 @@ def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled_and_bodie
         assert status == 503 and "--max-bodies-bytes" in body["error"]["message"]
         assert request(port, "POST", "/echo", b"x" * 900)[0] == 200
         until = time.monotonic() + 5
-        while served._guard["held"] and time.monotonic() < until:  # released once the route has returned
+        while guard.state["held"] and time.monotonic() < until:  # released once the route has returned
             time.sleep(0.01)
-        assert served._guard["held"] == 0
+        assert guard.state["held"] == 0
 
 
 def test_a_stream_past_its_timeout_ends_with_an_error_event_and_done():
@@ -367,10 +367,10 @@ def test_a_stream_past_its_timeout_ends_with_an_error_event_and_done():
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
-    from slimml.serve import app as served
+    from slimml.serve import guard
 
     api = FastAPI()
-    api.add_middleware(served._Guard)
+    api.add_middleware(guard.Guard)
     cancelled = threading.Event()
 
     @api.get("/stream")

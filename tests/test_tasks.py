@@ -146,7 +146,7 @@ def test_each_task_declares_the_methods_it_implements():
 
 def test_task_refusal_names_the_route_that_works(tiny_bert_artifact, mlp_artifact):
     pytest.importorskip("ray")
-    from slimml.serve.app import task_refusal
+    from slimml.serve.refusals import task_refusal
 
     refusal = task_refusal(load(tiny_bert_artifact).unsupported("generate"))
     assert refusal.status == 400 and str(refusal) == (
@@ -164,7 +164,7 @@ def test_a_refusal_points_only_at_routes_that_serve_the_model():
     from types import SimpleNamespace
 
     from slimml.errors import TaskError
-    from slimml.serve.app import serving_routes, task_refusal
+    from slimml.serve.refusals import serving_routes, task_refusal
 
     vit, t5 = SimpleNamespace(kind="image-classification"), SimpleNamespace(kind="text2text-generation", speech=False)
     whisper = SimpleNamespace(kind="text2text-generation", speech=True)

@@ -5,21 +5,21 @@ Importable for Ray's own tools::
     serve run slimml.serve.app:build artifact=artifacts/all-MiniLM-L6-v2 max_batch_size=32
     serve deploy serve.yaml   # import_path: slimml.serve.app:build (README, "Deployment")
 
-Endpoints: ``POST /v1/embeddings`` (OpenAI's shape), ``POST /v1/run`` (named arrays),
-``POST /v1/generate`` (decoders), ``GET /health`` and ``GET /v1/models``. Every request is
-checked against its budgets (body bytes and read time, rows, characters, tokens) before any model
-work, and answered within ``request_timeout_s``; with an API key, every endpoint but ``/health``
-needs it. Error bodies carry no server paths or node addresses (the replica logs them). Concurrent embeddings
-requests are batched together, counting texts, in batches formed when the model is free
-(:mod:`slimml.serve.batcher`; Ray's ``@serve.batch`` forms them earlier, and smaller); model
-calls run on a worker thread so the replica keeps answering while it computes.
+Endpoints: OpenAI's ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` and
+``/v1/embeddings``, slimml's own for the other tasks (``/v1/rerank``, ``/v1/classify``, ...,
+``/v1/generate``, ``/v1/run``), ``GET /health`` and ``GET /v1/models``. Every request passes the
+replica's middleware (:mod:`slimml.serve.guard`: the API key, the deadline ``request_timeout_s``, the
+pool of body bytes) and is checked against its budgets (rows, characters, tokens) before any model
+work; refusals are OpenAI's error body (:mod:`slimml.serve.refusals`), with no server paths or node
+addresses (the replica logs them). Concurrent embeddings requests are batched together, counting
+texts, in batches formed when the model is free (:mod:`slimml.serve.batcher`; Ray's ``@serve.batch``
+forms them earlier, and smaller); model calls run on a worker thread so the replica keeps answering
+while it computes.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route annotations at run time
 
 import asyncio
-import hashlib
-import hmac
 import inspect
 import logging
 import re
@@ -30,215 +30,25 @@ from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response, StreamingResponse
 from ray import serve
 
-from slimml.errors import (ArtifactError, ConfigError, FeedError, IntegrityError, OutOfMemoryError, RequestError, SlimmlError,
-                           StageError, TaskError, TooLargeError)
+from slimml.errors import ConfigError, FeedError, IntegrityError, OutOfMemoryError, RequestError
 import slimml.serve.images as images
 import slimml.serve.protocol as protocol
+import slimml.serve.refusals as refusals
 import slimml.serve.transcription as transcription
 from slimml.runtime.artifact.manifest import MANIFEST_NAME
 from slimml.runtime.tasks.inputs.audio import wav_from_bytes
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
-from slimml.serve.llm import RETRY_AFTER_S, LLMService
-from slimml.serve.openai import sse
+from slimml.serve.guard import Guard
+from slimml.serve.llm import LLMService
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="slimml", docs_url=None, redoc_url=None)
-# what the middleware enforces, set by the replica (one replica to a process): the API key's
-# sha256, whether /openapi.json is served, the request timeout
-_guard: dict[str, Any] = {"key_sha256": None, "openapi": False, "timeout_s": 300.0, "bodies_bytes": 64 << 20,
-                          "held": 0}  # held: body bytes of the requests in this replica now
-_OPEN = {"/health"}  # answered without the key: load balancers and Serve's probes
-
-
-def _error(message: str, status: int, headers: dict[str, str] | None = None, param: str | None = None) -> JSONResponse:
-    if status >= 500 or message != protocol.public(message):
-        log.warning("slimml: answered %d: %s", status, message)  # the whole message, paths included, stays here
-    return JSONResponse(protocol.error_body(message, status, param), status_code=status, headers=headers)
-
-
-class _Guard:
-    """ASGI middleware in front of every route: the API key, the hidden schema, and the request
-    timeout. Plain ASGI rather than ``@api.middleware``: at the deadline the route itself is
-    cancelled (a generate stops after its current pass), not only its answer abandoned."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        if len(path) > 1 and path.endswith("/"):  # /v1/embeddings/ is /v1/embeddings (a 307 before, which clients
-            path = path.rstrip("/") or "/"      # such as openai's do not follow for a POST)
-            scope = {**scope, "path": path, "raw_path": path.encode("latin-1", "replace")}
-        if path in ("/openapi.json", "/docs", "/redoc") and not _guard["openapi"]:
-            return await _error("no such endpoint.", 404)(scope, receive, send)
-        if _guard["key_sha256"] is not None and path not in _OPEN:
-            headers = {k.lower(): v for k, v in scope.get("headers", [])}
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
-            digest = hashlib.sha256(given.encode("utf-8", "replace")).hexdigest()
-            if not given or not hmac.compare_digest(digest, _guard["key_sha256"]):
-                refused = _error("this server needs an API key: send the header `Authorization: Bearer KEY`.", 401,
-                                 {"WWW-Authenticate": "Bearer"})
-                return await refused(scope, receive, send)
-        held = 0
-
-        async def receiving():  # every body byte counts against the replica's pool until the request ends
-            nonlocal held
-            message = await receive()
-            size = len(message.get("body", b"")) if message["type"] == "http.request" else 0
-            if size and _guard["held"] + size > _guard["bodies_bytes"]:
-                raise RequestError(f"this replica holds {_guard['bodies_bytes']} bytes of request bodies already; "
-                                   "retry shortly, or raise the limit (slimml serve --max-bodies-bytes).", 503)
-            _guard["held"] += size
-            held += size
-            return message
-
-        started = ended = events = False
-
-        async def sending(message):
-            nonlocal started, ended, events
-            if message["type"] == "http.response.start":
-                started = True
-                events = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
-                             for k, v in message.get("headers", []))
-            elif message["type"] == "http.response.body":
-                ended = not message.get("more_body", False)
-            await send(message)
-
-        try:
-            await asyncio.wait_for(self.app(scope, receiving, sending), _guard["timeout_s"])
-        except asyncio.TimeoutError:
-            timeout = _guard["timeout_s"]
-            message = (f"the request took longer than this server allows ({timeout:g} s), its own work or the "
-                       "requests ahead of it; send smaller requests, retry when the server is less busy, or raise the "
-                       "limit (slimml serve --request-timeout-s).")
-            if not started:
-                await _error(message, 408)(scope, receive, send)
-            elif events and not ended:  # a stream cut at its deadline says so and ends as streams end, not mid-air
-                await send({"type": "http.response.body", "body": _sse_timeout(message), "more_body": False})
-        finally:
-            _guard["held"] -= held
-
-
-def _sse_timeout(message: str) -> bytes:
-    """The end of a stream cut at its deadline: OpenAI's error event, then ``[DONE]``."""
-    return sse(protocol.error_body(message, 408)) + sse("[DONE]")
-
-
-api.add_middleware(_Guard)
-
-
-@api.exception_handler(RequestError)
-async def _request_error(request: Request, e: RequestError):
-    return _error(str(e), e.status, {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None, e.param)
-
-
-ROUTES = ("POST /v1/chat/completions, POST /v1/completions, POST /v1/responses, POST /v1/embeddings, POST /v1/rerank, "
-          "POST /v1/entities, POST /v1/answer, POST /v1/classify, POST /v1/audio/transcriptions, POST /v1/generate, POST /v1/run, GET /health, GET /v1/models, "
-          "GET /v1/models/{model}")
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, e: StarletteHTTPException):
-    # FastAPI's own refusals (no such route, a method the route does not take) in OpenAI's body
-    where = f"{request.method} {request.url.path}"
-    allow = (e.headers or {}).get("Allow") or (e.headers or {}).get("allow")
-    if e.status_code == 405 and allow:
-        message = f"{where} is not allowed; send {' or '.join(m.strip() for m in allow.split(','))} {request.url.path}."
-    elif e.status_code == 404:
-        message = f"there is no {where} here; this server answers {ROUTES}."
-    else:
-        message = f"{where}: {e.detail}."
-    return _error(message, e.status_code, dict(e.headers) if e.headers else None)
-
-
-_MODEL_OPTIONS = frozenset(protocol.ENTITY_OPTIONS + protocol.ANSWER_OPTIONS + protocol.SEQ2SEQ_OPTIONS)  # a refusal naming one: its param
-
-
-@api.exception_handler(FeedError)
-async def _feed_error(request: Request, e: FeedError):
-    if isinstance(e, OutOfMemoryError):  # the server's memory, not the request's fault: retry, or send less
-        return _error(str(e), 503, {"Retry-After": str(RETRY_AFTER_S)})
-    first = str(e).split(" ", 1)[0]
-    return _error(str(e), 413 if isinstance(e, TooLargeError) else 400, param=first if first in _MODEL_OPTIONS else None)
-
-
-# the route that serves each task method, and the kind of model it needs
-_ROUTES = {"encode_with_counts": ("/v1/embeddings", "a sentence-embedding one"), "generate": ("/v1/generate", "a decoder"),
-           "rerank": ("/v1/rerank", "a cross-encoder (one relevance output)"),
-           "entities": ("/v1/entities", "a token classifier (named entities)"),
-           "answer": ("/v1/answer", "an extractive question-answering model"),
-           "classify": ("/v1/classify", "a classifier"),
-           "transcribe": ("/v1/audio/transcriptions", "a speech model")}
-_SAME = {"encode": "encode_with_counts", "embed_texts": "encode_with_counts",
-         "rerank_with_counts": "rerank"}  # methods behind one route
-
-
-# the kinds /v1/classify serves: texts, images (data URLs), and images against candidate labels (CLIP)
-_CLASSIFIED = ("text-classification", "image-classification", "zero-shot-image-classification")
-
-
-def serving_routes(method: str, model: Any = None) -> str | None:
-    """The routes that serve task ``method`` on ``model`` (None: on a model of the usual kind for it),
-    or None where no route does: a language model's generation is OpenAI's chat and completions, a
-    speech model's is transcription, and /v1/classify classifies texts only (an image classifier's
-    classify reads images)."""
-    method = _SAME.get(method, method)
-    if method not in _ROUTES:
-        return None
-    kind = getattr(model, "kind", None)
-    if method == "generate" and (model is None or kind == "text-generation"):
-        return "POST /v1/chat/completions, POST /v1/completions"
-    if method == "transcribe" or (method == "generate" and getattr(model, "speech", False)):
-        return "POST /v1/audio/transcriptions"
-    if method == "classify" and model is not None and kind not in _CLASSIFIED:
-        return None
-    return f"POST {_ROUTES[method][0]}"
-
-
-def task_refusal(e: TaskError, model: Any = None) -> RequestError:
-    """A task method the artifact (``model``, where known) lacks, as the 400 that names the routes that would work."""
-    route = _ROUTES.get(_SAME.get(e.method, e.method))
-    if route is None:  # a method no route serves
-        return RequestError(str(e), 400)
-    works = dict.fromkeys(r for r in (serving_routes(m, model) for m in e.alternatives) if r)
-    use = ", ".join(works) + ", or POST /v1/run for its raw outputs" if works else "POST /v1/run for its raw outputs"
-    return RequestError(f"this artifact is a {e.task!r} model, not {route[1]}, so it has no {route[0]}; use {use}.", 400)
-
-
-@api.exception_handler(TaskError)
-async def _task_error(request: Request, e: TaskError):
-    refusal = task_refusal(e)
-    return _error(str(refusal), refusal.status)
-
-
-@api.exception_handler(SlimmlError)
-async def _slimml_error(request: Request, e: SlimmlError):
-    # a changed artifact or a lost stage: not ready, not the client's fault; a broken artifact: the
-    # server's; anything else slimml refuses in a route is the request's (text for a model without
-    # a tokenizer, a shape it does not take)
-    status = 503 if isinstance(e, (IntegrityError, StageError)) else 500 if isinstance(e, ArtifactError) else 400
-    message = str(e)
-    if isinstance(e, StageError) and "will not come back" in message:  # the Python advice, in a server's terms
-        message = message.split(" Check the node", 1)[0] + (" This server's health check fails meanwhile, and Serve "
-                                                             "replaces the replica with new stages: retry shortly.")
-    return _error(message, status, {"Retry-After": str(RETRY_AFTER_S)} if isinstance(e, StageError) else None)
-
-
-@api.exception_handler(ValueError)
-@api.exception_handler(OverflowError)
-async def _value_error(request: Request, e: Exception):
-    # a request value past what a dependency takes (a number too long to convert, an id past int64)
-    log.warning("slimml: a request value raised %s: %s", type(e).__name__, e)
-    return _error(f"the request holds a value this server cannot take ({type(e).__name__}); check the numbers "
-                  "and ids it sends.", 400)
+api.add_middleware(Guard)
+refusals.install(api)
 
 
 @serve.deployment(name="slimml")
@@ -249,12 +59,13 @@ class SlimmlServer:
     def __init__(self, config: dict[str, Any]):
         self.config = ServeConfig(**config)
         self._damage_told = False  # check_health has logged that the artifact's files changed
-        # Serve pickles this class by value, globals and all: the middleware reads the module's own
-        # _guard, so it is reached through the module, not through this function's globals
+        # Serve pickles this class by value, globals and all: the middleware reads its module's own
+        # state, so it is reached through the module, not through this function's globals
         import slimml.serve.app as module
+        import slimml.serve.guard as guard
 
         module._reuse_address()  # before Serve binds the direct-ingress port (after this constructor)
-        module._guard.update(key_sha256=self.config.api_key_sha256, openapi=self.config.openapi,
+        guard.state.update(key_sha256=self.config.api_key_sha256, openapi=self.config.openapi,
                              timeout_s=self.config.request_timeout_s, bodies_bytes=self.config.max_bodies_bytes)
         expect = self.config.manifest_sha256  # the driver's manifest: this node's copy must be the same
         if self.config.stages:
@@ -347,7 +158,7 @@ class SlimmlServer:
     def _needs(self, method: str) -> None:
         """Refuse a route whose task method this artifact lacks (a 400 naming the route that works)."""
         if not self.model.supports(method):
-            raise task_refusal(self.model.unsupported(method), self.model)
+            raise refusals.task_refusal(self.model.unsupported(method), self.model)
 
     @api.post("/v1/embeddings")
     async def embeddings(self, request: Request):
@@ -454,8 +265,8 @@ class SlimmlServer:
         (text classifiers), images as data URLs (image classifiers; CLIP against ``labels``)."""
         data = await self._body(request)
         self._needs("classify")
-        if serving_routes("classify", self.model) is None:
-            raise task_refusal(self.model.unsupported("classify"), self.model)
+        if refusals.serving_routes("classify", self.model) is None:
+            raise refusals.task_refusal(self.model.unsupported("classify"), self.model)
         protocol.check_model(data, self.name)
         options: dict[str, Any] = {"batch_size": self.config.batch_size}
         if self.model.kind == "text-classification":
@@ -548,7 +359,7 @@ class SlimmlServer:
         """A recording's transcript (speech artifacts: Whisper), in the shape of OpenAI's
         ``/v1/audio/transcriptions`` (a multipart form with the WAV ``file``)."""
         if not getattr(self.model, "speech", False):
-            raise task_refusal(self.model.unsupported("transcribe"), self.model)
+            raise refusals.task_refusal(self.model.unsupported("transcribe"), self.model)
         raw = await self._raw_body(request)
         form = await asyncio.to_thread(transcription.form_fields, raw, request.headers.get("content-type"))
         req = transcription.transcription_request(form, self.name)
