@@ -14,6 +14,7 @@ from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.engine.config import LoadConfig
 
+
 @app.command()
 @config_options(loading=Options(LoadConfig, only=("device", "resident", "prefetch", "memory_budget", "pin", "pack", "cache_dir")))
 def bench(

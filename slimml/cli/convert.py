@@ -15,6 +15,7 @@ from slimml.convert.config import ConvertConfig, DistillConfig, ExportConfig, Pr
 from slimml.errors import SlimmlError
 from slimml.quantize.config import QuantizeOptions
 
+
 @app.command()
 @config_options(
     export=Options(ExportConfig, only=("task", "opset")),

@@ -13,6 +13,7 @@ from slimml.cli.common import app, err
 from slimml.errors import SlimmlError, missing_extra
 from slimml.runtime.artifact.atomic import stop_asked
 
+
 def _terminated(signum, frame) -> None:
     stop_asked(signum)  # should the exception be lost (raised in a __del__), no artifact is swapped in after all
     raise SystemExit(128 + signum)  # unwind as Ctrl-C does: a convert removes its half-written folder

@@ -13,6 +13,7 @@ from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError
 from slimml.runtime.engine.config import LoadConfig
 
+
 @app.command("eval")
 @config_options(loading=Options(LoadConfig, only=("device",)))
 def eval_(

@@ -9,6 +9,7 @@ import typer
 
 from slimml.cli.common import console, err
 
+
 def with_baseline(payload, now, old, old_path, save_path, tol) -> None:
     """Save and/or check a regression baseline; print the diff; exit 3 on a regression.
 

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from slimml.cli.common import Artifact, AsJson, app, console
 
+
 @app.command()
 def info(artifact: Artifact, as_json: AsJson = False,
          verify: Annotated[bool, typer.Option("--verify", help="Hash every file against the manifest (else: each file "

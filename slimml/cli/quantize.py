@@ -15,6 +15,7 @@ from slimml.convert.config import ConvertConfig
 from slimml.errors import SlimmlError
 from slimml.quantize.config import QuantizeOptions
 
+
 @app.command("quantize")
 @config_options(quantizing=Options(QuantizeOptions, defaults={"scheme": "int8"}),
                 checks=Options(ConvertConfig, only=("eval_text",)))

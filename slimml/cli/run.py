@@ -15,6 +15,7 @@ from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import SlimmlError
 from slimml.runtime.engine.config import LoadConfig
 
+
 @app.command()
 @config_options(loading=Options(LoadConfig, only=("device",)))
 def run(

@@ -10,6 +10,7 @@ from slimml.cli.common import Artifact, app, err
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.serve.config import ServeConfig
 
+
 @app.command("serve")
 @config_options(serving=Options(ServeConfig))
 def serve_(
