@@ -211,7 +211,8 @@ def _export_onnx_file(source: Source, work_dir: Path) -> Exported:
     try:
         onnx.checker.check_model(str(source.path))
     except Exception as e:
-        raise SourceError(f"{source.path} is not a valid ONNX model: {str(e).splitlines()[0]}") from None
+        raise SourceError(f"{source.path} is not a valid ONNX model ({str(e).splitlines()[0].rstrip('.')}); export it "
+                          "again (onnx.checker.check_model names the fault), or convert the model it came from.") from None
     rows = _table_rows(onnx.load(str(source.path), load_external_data=False).graph)
     return Exported(onnx_path=source.path, task="generic", info={"vocab_size": rows} if rows else {})
 
@@ -255,7 +256,9 @@ def _export_module(source: Source, work_dir: Path, config: ExportConfig) -> Expo
                 dynamic_axes=dynamic, opset_version=config.opset or 17, dynamo=False, do_constant_folding=True,
             )
     except Exception as e:
-        raise ExportError(f"torch.onnx.export failed for {source.name}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise ExportError(f"torch.onnx.export failed for {source.name} ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0].rstrip('.')}); try another --opset, replace what fails in forward(), "
+                          "or export it to ONNX yourself and convert the .onnx file.") from None
     return Exported(onnx_path=path, task="generic")
 
 
@@ -565,4 +568,5 @@ def _optimum_failure(folder: Path, task: str, e: Exception) -> ExportError:
         from slimml.convert.export_torch_decoder import custom_code_error
 
         return custom_code_error(folder)
-    return ExportError(f"optimum-onnx could not export {folder} as {task!r}: {type(e).__name__}: {first}")
+    return ExportError(f"optimum-onnx could not export {folder} as {task!r} ({type(e).__name__}: {first.rstrip('.')}); "
+                       "try --exporter torch or another --task, or export it to ONNX yourself and convert the .onnx file.")

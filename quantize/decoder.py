@@ -150,7 +150,7 @@ def lm_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardConte
             name = node.input[0]
             w = numpy_helper.to_array(inits[name]).astype(np.float32)  # (vocab, hidden)
             block = block_for(w.shape[1], recipe.block_size)
-            if w.shape[1] % block:
+            if w.shape[1] % block or _gather_axis(node) != 0:  # not rows of a table: left in float
                 new_nodes.append(node)
                 continue
             on_grid = None
@@ -273,6 +273,11 @@ def matmul_nbits_node(node: onnx.NodeProto, w: np.ndarray, recipe: Recipe, bits:
     return made, tensors
 
 
+def _gather_axis(node: onnx.NodeProto) -> int:
+    """The axis a Gather reads along (ONNX's default 0: rows of a table)."""
+    return next((a.i for a in node.attribute if a.name == "axis"), 0)
+
+
 def _gather_int8(node: onnx.NodeProto, w: np.ndarray, block: int):
     """Gather the int8 rows and their scales, then dequantize only those: (..., hidden) float.
 
@@ -286,9 +291,6 @@ def _gather_int8(node: onnx.NodeProto, w: np.ndarray, block: int):
                numpy_helper.from_array(np.array([128.0], np.float32), base + "_zero"),
                numpy_helper.from_array(np.array([-1], np.int64), base + "_axis"),
                numpy_helper.from_array(np.array([0, 0, hidden], np.int64), base + "_shape")]
-    axis = [a for a in node.attribute if a.name == "axis"]
-    if axis and axis[0].i != 0:
-        raise ValueError("an embedding Gather on an axis other than 0")
     ids = node.input[1]
     made = [
         helper.make_node("Gather", [base, ids], [base + "_rows"], axis=0),  # (B, S, blocks, block) uint8
@@ -320,9 +322,6 @@ def _gather_int4(node: onnx.NodeProto, w: np.ndarray, block: int, gguf: tuple | 
                numpy_helper.from_array(np.array([-1], np.int64), base + "_axis"),
                numpy_helper.from_array(np.array([0, 0, hidden // block, block], np.int64), base + "_blocks"),
                numpy_helper.from_array(np.array([0, 0, hidden], np.int64), base + "_shape")]
-    axis = [a for a in node.attribute if a.name == "axis"]
-    if axis and axis[0].i != 0:
-        raise ValueError("an embedding Gather on an axis other than 0")
     ids, b = node.input[1], base
     made = [
         helper.make_node("Gather", [b, ids], [b + "_rows"], axis=0),  # (B, S, blocks, block / 2) uint8

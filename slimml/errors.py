@@ -84,6 +84,12 @@ class TaskError(SlimmlError):
         self.alternatives = tuple(alternatives)
 
 
+class NoChatTemplateError(SlimmlError):
+    """A chat asked of a language model whose artifact has no chat template: each caller says the fix
+    in its own terms (``use_chat_template`` in Python, ``--chat-template`` on the command line,
+    ``POST /v1/completions`` over HTTP)."""
+
+
 class MissingExtraError(SlimmlError, ImportError):
     """A call needs a package of an extra this install does not have (``convert`` on the base
     install): the message names the package and the ``pip install 'slimml[EXTRA]'`` that brings it.

@@ -55,7 +55,7 @@ def _feeds(batch: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
     ({"prefetch": -1}, ConfigError, "prefetch=-1 must be a whole number >= 0 (shards loaded ahead)."),
     ({"memory_budget": "lots"}, ConfigError, "memory budget 'lots' is not a size; write it like '4GB', '512MB', "
                                              "'1.5GiB' or a number of bytes."),
-    ({"memory_budget": 0}, ConfigError, "memory budget 0 must be positive."),
+    ({"memory_budget": 0}, ConfigError, "memory budget 0 must be positive; write a size like '4GB' or '512MB'."),
     ({"pin": [0, "last"]}, ConfigError, "pin=[0, 'last'] must be a list of shard indices, e.g. pin=[0, -1]."),
     ({"pin": 0}, ConfigError, "pin=0 must be a list of shard indices, e.g. pin=[0, -1]."),
     ({"pack": "yes"}, ConfigError, "pack='yes' must be None (pack where it can), True or False."),

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
+from slimml.errors import ArtifactError, ConfigError, FeedError, NoChatTemplateError, RequestError, SlimmlError
 from slimml.runtime import load
 from slimml.runtime.artifact.files import file_entry
 from slimml.runtime.artifact.manifest import read_manifest
@@ -480,9 +480,30 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
             "message 0's content is a list of parts, and this template may take text only: give the content as a string "
             "(the text parts joined).", strict.chat, [{"role": "assistant", "content": [{"type": "text", "text": "hi"}]}])
     bare = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "bare", bpe, None))
-    refused(SlimmlError, f"the artifact {tmp_path / 'bare'} has no chat template (chat_template.jinja or tokenizer_config.json's "
-            "chat_template); re-convert it from a model folder that has one, or format the prompt yourself and call generate().",
+    refused(NoChatTemplateError, f"the artifact {tmp_path / 'bare'} has no chat template (chat_template.jinja or "
+            "tokenizer_config.json's chat_template); give one with model.use_chat_template(PATH), re-convert it from a "
+            "model folder that has one, or format the prompt yourself and call generate().",
             bare.chat, [{"role": "user", "content": "hi"}])
+    # the command line and the server say the fix in their own terms
+    from typer.testing import CliRunner
+
+    from slimml.cli import app
+    from slimml.serve import openai
+    from slimml.serve.llm import LLMService
+
+    ran = CliRunner().invoke(app, ["generate", str(tmp_path / "bare"), "hi", "--chat"])
+    assert isinstance(ran.exception, ConfigError) and str(ran.exception) == (
+        f"{tmp_path / 'bare'} has no chat template; give one with --chat-template FILE, or drop --chat to continue each "
+        "prompt as it is.")
+    service = LLMService(bare, "bare", 16, 2, 2)
+    try:
+        request = openai.completion_request({"messages": [{"role": "user", "content": "hi"}]}, True, 16)
+        with pytest.raises(RequestError) as served:
+            service._sequence(request, None, None)
+        assert str(served.value) == ("this model has no chat template; send a plain prompt to POST /v1/completions, or "
+                                     "start the server with --chat-template FILE.") and served.value.status == 400
+    finally:
+        service.worker.close()
     refused(SlimmlError, f"stop strings are matched on the text, but the artifact {tiny_llama_past_artifact} has no tokenizer; "
             "use stop_token_ids instead.", load(tiny_llama_past_artifact).generate, [[1, 2]], stop=["x"])
 

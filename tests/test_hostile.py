@@ -370,6 +370,25 @@ def test_hostile_texts(tiny_bert_artifact, batch):
     attempt("hostile texts", encode)
 
 
+def test_a_text_that_is_not_one_is_named_with_the_fix(tiny_bert_artifact):
+    """A missing value in a column of texts (NaN, None) is named by its index; tokenize(5) was a TypeError."""
+    from slimml.errors import FeedError
+
+    model = _model(tiny_bert_artifact)
+    for call, said in (
+            (lambda: model.encode(["a", float("nan")]), "item 1 is NaN (float)"),
+            (lambda: model.tokenize(["a", "b", None]), "item 2 is null (NoneType)"),
+            (lambda: model.tokenize([("a", 3)]), "item 0 is [\"a\", 3] (tuple)")):
+        with pytest.raises(FeedError) as e:
+            call()
+        assert str(e.value) == (f"texts must be strings (or [text, text] pairs), and {said}; drop or fill missing "
+                                "values, or make each item a text with str().")
+    with pytest.raises(FeedError, match=r"^texts must be a list of strings \(or of \[text, text\] pairs\), got int; wrap a "
+                                        r"single text as \[text\]\.$"):
+        model.tokenize(5)
+    assert model.tokenize(iter(["a", "b"]))["input_ids"].shape[0] == 2
+
+
 _MODELS: dict[Path, object] = {}
 
 

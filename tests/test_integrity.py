@@ -90,7 +90,8 @@ def test_manifest_paths_that_escape_are_refused(art, rel):
     edit(art, lambda m: m["files"][0].update(path=rel))
     with pytest.raises(ArtifactError) as e:
         load(art)
-    assert str(e.value) == f"the manifest names the path {rel!r}, which leaves the artifact folder; refusing to load it."
+    assert str(e.value) == (f"the manifest names the path {rel!r}, which leaves the artifact folder; refusing to load it. "
+                            "Copy the artifact again from where it was made, or convert the model again.")
 
 
 def test_symlinks_out_are_refused(art, tmp_path):
@@ -250,7 +251,8 @@ def test_cli_turns_hostile_artifacts_into_one_line(art):
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert r.returncode == 1
         assert r.stderr.strip() == ("error: the manifest names the path '../../etc/passwd', which leaves the artifact "
-                                    "folder; refusing to load it.")
+                                    "folder; refusing to load it. Copy the artifact again from where it was made, or "
+                                    "convert the model again.")
 
 
 def test_cli_refuses_hostile_npz_inputs(art, tmp_path):

@@ -364,3 +364,32 @@ def test_a_float16_bfloat16_q8_0_or_5_bit_copy_of_q4_1_blocks_snaps_back_onto_it
     broken = w.copy()
     broken[0, 0, 5] = np.nan
     assert gguf_blocks(broken) is None
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_gather_along_another_axis_stays_float_and_the_table_lookup_is_packed(bits):
+    """Only a Gather of rows (axis 0) is an embedding lookup; one along axis 1 of a 2-D weight stayed a
+    builtin ValueError out of the quantizer. It is left in float, the lookup beside it packed."""
+    from slimml.quantize.decoder import lm_weights
+    from slimml.quantize.registry import ShardContext
+
+    rng = np.random.default_rng(0)
+    table, cols = rng.normal(size=(64, 64)).astype(np.float32), rng.normal(size=(8, 64)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["rows"], axis=0),
+         helper.make_node("Gather", ["cols", "pick"], ["picked"], axis=1)], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3]),
+         helper.make_tensor_value_info("pick", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("picked", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(table, "table"), onnx.numpy_helper.from_array(cols, "cols")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    config = WeightOnlyConfig(bits=bits, backend="lm", block_size=32, embedding_bits=bits)
+    out = lm_weights(model, config, ShardContext(index=0))
+    kept = [n for n in out.graph.node if n.op_type == "Gather" and "cols" in n.input]
+    assert len(kept) == 1 and kept[0].attribute[0].i == 1
+    assert "table" not in {t.name for t in out.graph.initializer}  # the lookup's table was packed
+    feeds = {"ids": np.array([[0, 5, 63]], np.int64), "pick": np.array([1, 7], np.int64)}
+    rows, picked = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    np.testing.assert_array_equal(picked, cols[:, [1, 7]])
+    np.testing.assert_allclose(rows[0], table[[0, 5, 63]], atol=0.25 if bits == 4 else 0.02)  # half a step of its grid

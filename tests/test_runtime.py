@@ -85,7 +85,7 @@ def test_wrong_feed_name(artifact, feeds):
     feeds["X"] = feeds.pop("x")
     with pytest.raises(FeedError) as e:
         load(artifact).run(feeds)
-    assert str(e.value) == "bad feeds: unknown input(s) ['X']; the model's inputs are ['x', 'scale']; missing input(s) ['x']."
+    assert str(e.value) == "bad feeds: unknown input(s) ['X']; missing input(s) ['x']; feed the model's inputs by name, exactly these: ['x', 'scale']."
 
 
 def test_wrong_dtype_says_how_to_convert(artifact, feeds):

@@ -19,7 +19,7 @@ from slimml.serve.config import ServeConfig  # noqa: E402
 def test_config_from_serve_run_arguments():
     c = ServeConfig.from_args({"artifact": "a", "replicas": "2", "batch_wait_ms": "2.5", "max_batch_size": 64})
     assert (c.replicas, c.batch_wait_ms, c.max_batch_size) == (2, 2.5, 64)
-    with pytest.raises(ConfigError, match=r"unknown serve option\(s\) \['replica'\]"):
+    with pytest.raises(ConfigError, match=r"^unknown serve option 'replica' \(did you mean 'replicas'\?\); the options are "):
         ServeConfig.from_args({"artifact": "a", "replica": "2"})
     with pytest.raises(ConfigError, match="give the artifact"):
         ServeConfig.from_args({})
@@ -36,7 +36,7 @@ def test_config_from_serve_run_arguments():
         ServeConfig.from_args({"artifact": "a", "access_log": "maybe"})
     assert ServeConfig("a").prefix_bytes == 256_000_000 and ServeConfig("a", prefix_cache="0").prefix_bytes == 0
     assert ServeConfig.from_args({"artifact": "a", "prefix_cache": "1.5GiB"}).prefix_bytes == 3 << 29
-    with pytest.raises(ConfigError, match=r"prefix_cache: memory budget 'lots' is not a size; write it like '4GB'.* 0 turns it off"):
+    with pytest.raises(ConfigError, match=r"^prefix_cache 'lots' is not a size; write it like '4GB'.*, or 0 to turn it off\.$"):
         ServeConfig("a", prefix_cache="lots")
     assert ServeConfig.from_args({"artifact": "a", "pack": "false"}).pack is False  # a streamed model's weights fed
     with pytest.raises(ConfigError, match=r"^cache_dir=3 must be a folder path\.$"):  # LoadConfig's words, before Ray
@@ -112,8 +112,17 @@ def test_generate_requests():
         protocol.generate_request({"prompt": "hi", "stop": ["."]}, 16, 8, options=seq2seq)
     with pytest.raises(RequestError, match="from 1 to 16, got 17"):
         protocol.generate_request({"prompt": "hi", "max_new_tokens": 17}, 16, 8)
-    with pytest.raises(RequestError, match="not a mix"):
-        protocol.generate_request({"prompt": ["hi", [1]]}, 16, 8)
+    for prompt, said in (
+            (["hi", [1]], '"prompt" mixes texts and token id lists; send one kind in a request.'),
+            ([1, 2, 3], '"prompt" is one list of token ids; send it as [[1, 2, 3]] (a list of id lists is a batch).'),
+            (["hi", ""], '"prompt"[1] is empty; give each prompt some text or token ids.'),
+            ([[]], '"prompt"[0] is empty; give each prompt some text or token ids.'),
+            ([[1, 1.5]], '"prompt"[0] holds 1.5; token ids are whole numbers >= 0.'),
+            (["hi", None], '"prompt"[1] is a JSON null; send texts, or lists of token ids.'),
+            ([[-1]], '"prompt"[0] holds the token id -1, outside this model\'s vocabulary [0, 512); send ids from 0 to 511.')):
+        with pytest.raises(RequestError) as e:
+            protocol.generate_request({"prompt": prompt}, 16, 8, vocab_size=512)
+        assert str(e.value) == said and e.value.param == "prompt"
 
 
 def test_openai_fields_that_would_change_the_answer_are_used_or_refused():

@@ -105,7 +105,11 @@ def test_budget_below_largest_shard_is_refused_before_loading(mlp_artifact, tmp_
                                      "but resident=2 with 0 pinned leaves 2. Use prefetch <= 1 or raise resident."),
     ({"resident": 2, "pin": [0, -1]}, "resident=2 leaves no slot for streaming: 2 shard(s) are pinned ([0, 5]). "
                                       "Use resident >= 3, or pin fewer shards."),
-    ({"pin": [9]}, "pin=[9] names shard 9, but the model has shards 0..5 (or -1..-6)."),
+    ({"pin": [9]}, "pin=[9] names shard 9, but the model has shards 0..5 (or -1..-6); pin shards in that range."),
+    ({"resident": 3, "pin": [0, -6]}, "pin=[0, -6] names shard 0 twice (a negative index counts from the end, -1 the "
+                                      "last of 6); give each shard once."),
+    ({"resident": 6, "memory_budget": 10000}, "resident=6 needs 28.74 KB, over the 10.00 KB budget; give fewer resident "
+                                             "shards, a larger budget, or only the budget (it picks resident)."),
     ({"memory_budget": "lots"}, "memory budget 'lots' is not a size; write it like '4GB', '512MB', '1.5GiB' or a number of bytes."),
 ])
 def test_bad_stream_options(mlp_artifact, kwargs, message):
@@ -118,7 +122,7 @@ def test_bad_feed_names_on_a_streamed_model(mlp_artifact):
     model = load(mlp_artifact, resident=2)
     with pytest.raises(FeedError) as e:
         model.run({"x": _feeds()["x"]})
-    assert str(e.value) == "bad feeds: missing input(s) ['scale']."
+    assert str(e.value) == "bad feeds: missing input(s) ['scale']; feed the model's inputs by name, exactly these: ['x', 'scale']."
     np.testing.assert_allclose(model.run(_feeds())["y"], load(mlp_artifact).run(_feeds())["y"], atol=1e-6)
 
 

@@ -45,14 +45,16 @@ def safe_path(folder: Path, rel: str) -> Path:
     p = PurePosixPath(rel)
     if not rel or p.is_absolute() or ".." in p.parts or "\\" in rel or rel.startswith("~"):
         raise ArtifactError(
-            f"the manifest names the path {rel!r}, which leaves the artifact folder; refusing to load it."
+            f"the manifest names the path {rel!r}, which leaves the artifact folder; refusing to load it. Copy the "
+            "artifact again from where it was made, or convert the model again."
         )
     full = folder / Path(*p.parts)
     try:
         root = folder.resolve()
         resolved = full.resolve()
     except (OSError, RuntimeError, ValueError) as e:  # a link loop, a NUL byte, ...
-        raise ArtifactError(f"the manifest names the path {rel!r}, which cannot be resolved ({e}); refusing to load it.") from None
+        raise ArtifactError(f"the manifest names the path {rel!r}, which cannot be resolved ({e}); refusing to load it. "
+                            "Copy the artifact again from where it was made, or convert the model again.") from None
     if resolved != root and root not in resolved.parents:
         raise ArtifactError(f"{rel!r} is a link that points outside the artifact folder; refusing to load it. Copy the "
                             f"artifact with its files in place of links (`cp -rL {shlex.quote(str(folder))} NEW_FOLDER`; a Hugging Face hub "

@@ -88,7 +88,8 @@ def check_shard_file(folder: Path, shard: ShardSpec, boundary: bool = True) -> S
         if data is None or target != data:
             raise ArtifactError(
                 f"{shard.file}: weight {t.name!r} reads its data from {loc!r}, which is not the shard's own data "
-                f"file {shard.data!r}; refusing to load it (an artifact may only read files it lists)."
+                f"file {shard.data!r}; refusing to load it (an artifact may only read files it lists). Copy the "
+                "artifact again from where it was made, or convert the model again."
             )
         try:
             offset, length = int(info.get("offset", 0)), int(info.get("length", -1))

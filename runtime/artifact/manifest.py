@@ -308,7 +308,8 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
                if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else "a number too long to read")
         raise ArtifactError(f"{path} is not valid JSON ({why}); the artifact is damaged: convert again.") from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise ArtifactError(f"{path} is not a slimml manifest (expected \"format\": \"{FORMAT}\").")
+        raise ArtifactError(f"{path} is not a slimml manifest (expected \"format\": \"{FORMAT}\"); give the folder "
+                            "`slimml convert` wrote, or convert the model into a new folder.")
     version = raw.get("format_version")
     if version not in READS_VERSIONS or isinstance(version, (bool, float)):
         raise ArtifactError(
@@ -534,7 +535,7 @@ def _check_structure(folder: Path, m: Manifest) -> None:
         known |= {t.name for t in s.outputs}
     missing = [t.name for t in m.outputs if t.name not in known]
     if missing:
-        raise ArtifactError(f"no shard produces the model output(s) {missing}; the manifest is damaged.")
+        raise ArtifactError(f"no shard produces the model output(s) {missing}; the manifest is damaged: convert again.")
     names = [t.name for t in m.inputs]
     if len(set(names)) != len(names):
         raise ArtifactError(f"the manifest lists a model input twice ({names}); it is damaged: convert again.")

@@ -23,8 +23,8 @@ STREAM_SLOTS = 2  # a budget that pins shards keeps this many slots to stream th
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | float | str) -> int:
-    """``"4GB"``, ``"512MiB"``, ``"1.5G"`` or a number of bytes -> bytes.
+def parse_bytes(value: int | float | str, what: str = "memory budget") -> int:
+    """``"4GB"``, ``"512MiB"``, ``"1.5G"`` or a number of bytes -> bytes; ``what`` names the value in a refusal.
 
     Raises:
         ConfigError: the text is not a size or is not positive.
@@ -36,20 +36,19 @@ def parse_bytes(value: int | float | str) -> int:
         unit = m.group(2).lower() if m else None
         if not m or unit not in _UNITS:
             raise ConfigError(
-                f"memory budget {value!r} is not a size; write it like '4GB', '512MB', '1.5GiB' or a "
-                "number of bytes."
+                f"{what} {value!r} is not a size; write it like '4GB', '512MB', '1.5GiB' or a number of bytes."
             )
         number, scale = float(m.group(1)), _UNITS[unit]
     if not math.isfinite(number * scale) or number * scale > 2 ** 62:  # nan, inf, or 400 digits
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:36] + "...'"
-        raise ConfigError(f"memory budget {shown} is not a size a machine has; write it like '4GB' or '512MB'.")
+        raise ConfigError(f"{what} {shown} is not a size a machine has; write it like '4GB' or '512MB'.")
     n = int(value) if isinstance(value, int) and not isinstance(value, bool) else int(number * scale)
     if n <= 0:
-        raise ConfigError(f"memory budget {value!r} must be positive.")
+        raise ConfigError(f"{what} {value!r} must be positive; write a size like '4GB' or '512MB'.")
     return n
 
 
-def parse_bytes_or_off(value: int | float | str) -> int:
+def parse_bytes_or_off(value: int | float | str, what: str = "prefix cache") -> int:
     """:func:`parse_bytes` for a budget that a zero size (``0``, ``"0"``, ``"0B"``) or an empty
     text turns off: 0 then.
 
@@ -60,7 +59,10 @@ def parse_bytes_or_off(value: int | float | str) -> int:
     m = _SIZE_RE.match(text)
     if text == "" or (m and float(m.group(1)) == 0 and m.group(2).lower() in _UNITS):
         return 0
-    return parse_bytes(value)
+    try:
+        return parse_bytes(value, what)
+    except ConfigError as e:
+        raise ConfigError(f"{str(e).rstrip('.')}, or 0 to turn it off.") from None
 
 
 def available_memory() -> int:
@@ -285,7 +287,8 @@ def plan_stream(
     if slots >= len(stream):  # everything fits: load once, never stream
         peak = total
         if budget is not None and peak > budget:
-            raise ConfigError(f"resident={resident} needs {fmt_bytes(peak)}, over the {fmt_bytes(budget)} budget.")
+            raise ConfigError(f"resident={resident} needs {fmt_bytes(peak)}, over the {fmt_bytes(budget)} budget; "
+                              "give fewer resident shards, a larger budget, or only the budget (it picks resident).")
         return StreamPlan(n, 0, list(range(n)), [], peak, total, reason, sizes, budget)
     if prefetch is None:
         # every slot but the computing one reads ahead: slots beyond P + 1 could never be used,
@@ -408,10 +411,13 @@ def _check_pin(pin, n: int) -> list[int]:
     out = []
     for p in pin:
         if not isinstance(p, int) or not -n <= p < n:
-            raise ConfigError(f"pin={list(pin)} names shard {p!r}, but the model has shards 0..{n - 1} (or -1..-{n}).")
+            raise ConfigError(f"pin={list(pin)} names shard {p!r}, but the model has shards 0..{n - 1} (or -1..-{n}); "
+                              "pin shards in that range.")
         out.append(p % n)
     if len(set(out)) != len(out):
-        raise ConfigError(f"pin={list(pin)} names the same shard twice.")
+        twice = next(i for i in out if out.count(i) > 1)
+        raise ConfigError(f"pin={list(pin)} names shard {twice} twice (a negative index counts from the end, -1 the "
+                          f"last of {n}); give each shard once.")
     return sorted(out)
 
 

@@ -118,10 +118,12 @@ def check_feeds(
     problems: list[str] = []
     unknown = [k for k in feeds if k not in by_name]
     if unknown:
-        problems.append(f"unknown input(s) {unknown}; the model's inputs are {list(by_name)}")
+        problems.append(f"unknown input(s) {unknown}")
     missing = [n for n in by_name if n not in feeds]
     if missing:
         problems.append(f"missing input(s) {missing}")
+    if unknown or missing:
+        problems.append(f"feed the model's inputs by name, exactly these: {list(by_name)}")
     out: dict[str, np.ndarray] = {}
     axes: dict[str, tuple[str, int]] = {}  # named dynamic axis -> (first input seen, its size)
     for name, spec in by_name.items():

@@ -149,7 +149,8 @@ class PackedSlots:
             raise IntegrityError(f"the cache entry {entry.folder} changed while it was loaded; delete {entry.folder} "
                                  "(slimml rebuilds it) and load the model again.")
         if not ranges and entry.data.stat().st_size:
-            raise ArtifactError("ONNX Runtime did not map the pre-packed weights from their file")
+            raise ArtifactError("ONNX Runtime did not map the pre-packed weights from their file; load the model with "
+                                "pack=False (--no-pack) to feed its weights instead.")
         self.sessions[index] = session  # the mappings live as long as the session: kept while slots may advise them
         if self.read_in:
             ranges = reads.anonymous(ranges)

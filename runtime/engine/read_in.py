@@ -30,7 +30,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from slimml.errors import ArtifactError
+from slimml.errors import ArtifactError, OutOfMemoryError, SlimmlError
 
 Range = tuple[int, int, int]  # (address, length, file offset)
 
@@ -77,13 +77,23 @@ def anonymous(ranges: list[Range]) -> list[Range]:
     addresses), empty until a slot fills it.
 
     Raises:
-        ArtifactError: the system refused the mapping.
+        OutOfMemoryError: the machine had no memory for it; ArtifactError: the system refused it otherwise.
     """
     for addr, length, _ in ranges:
         got = _mmap(addr, length, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
         if got != addr:
-            raise ArtifactError(f"mapping memory for the packed weights failed (errno {ctypes.get_errno()})")
+            raise _refused("mapping memory for the packed weights", ctypes.get_errno())
     return ranges
+
+
+def _refused(what: str, err: int) -> SlimmlError:
+    """The system's refusal of memory for packed weights read in, with the fix: out of memory is the
+    machine's (free some, or stream with a smaller budget); anything else, the weights fed instead."""
+    why = os.strerror(err) if err else "no reason given"
+    if err in (errno.ENOMEM, errno.EAGAIN):
+        return OutOfMemoryError(f"{what} failed ({why}); free memory, or load with a smaller memory budget (fewer "
+                                "resident and prefetched shards).")
+    return ArtifactError(f"{what} failed ({why}); load the model with pack=False (--no-pack) to feed its weights instead.")
 
 
 class Buffers:
@@ -104,7 +114,7 @@ class Buffers:
             pass
         addr = _mmap(None, self.size, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
         if addr in (None, _FAILED):
-            raise ArtifactError(f"allocating {self.size} bytes for a streamed shard failed (errno {ctypes.get_errno()})")
+            raise _refused(f"allocating {self.size} bytes for a streamed shard", ctypes.get_errno())
         if _madvise(addr, self.size, _MADV_POPULATE_WRITE) != 0:  # kernels before 5.14: touch a byte a page
             ctypes.memset(addr, 0, self.size)
         with self.lock:

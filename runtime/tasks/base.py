@@ -193,7 +193,9 @@ class Task:
         check_unicode(texts)
         if self.text is None:
             raise self.unsupported("tokenize")
-        return self.text(list(texts) if not isinstance(texts, str) else texts, pad_to=pad_to)
+        if not isinstance(texts, (str, list, tuple)) and hasattr(texts, "__iter__"):
+            texts = list(texts)  # a pandas Series, a generator: their texts
+        return self.text(texts, pad_to=pad_to)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens per text as the model sees them (after truncation to its maximum length)."""

@@ -144,7 +144,8 @@ class Baseline:
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise DataError(f"baseline {path} is not valid JSON ({type(e).__name__}); write it again with --save-baseline.") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-            raise DataError(f"{path} is not a slimml baseline (expected \"format\": \"{FORMAT}\").")
+            raise DataError(f"{path} is not a slimml baseline (expected \"format\": \"{FORMAT}\"); give a file "
+                            "written by --save-baseline.")
         if raw.get("format_version") != FORMAT_VERSION:
             raise DataError(
                 f"baseline {path} has format version {raw.get('format_version')!r}; this slimml reads "

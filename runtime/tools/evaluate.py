@@ -62,7 +62,8 @@ def _read_sts(path: Path) -> tuple[list[str], list[str], np.ndarray]:
             try:
                 score = float(row["score"])
             except (TypeError, ValueError):
-                raise DataError(f"{path}:{line}: score {row['score']!r} is not a number.") from None
+                raise DataError(f"{path}:{line}: score {row['score']!r} is not a number; give the pair's gold score as "
+                                "a number (e.g. 3.8).") from None
             if not np.isfinite(score):
                 raise DataError(f"{path}:{line}: score {row['score']!r} is not a finite number; give the pair's gold score.")
             scores.append(score)
@@ -112,7 +113,7 @@ def evaluate_sts(model, path: str | os.PathLike, batch_size: int = 32, show_prog
     """Spearman x100 between the cosine similarity of the two sentences' embeddings and the gold score."""
     s1, s2, gold = read_sts(path)
     if len(gold) < 2:
-        raise DataError(f"{path} has fewer than two pairs; a rank correlation needs at least two.")
+        raise DataError(f"{path} has fewer than two pairs; a rank correlation needs at least two: give more pairs.")
     both = model.encode(list(s1) + list(s2), batch_size=batch_size, show_progress=show_progress)  # one length sort
     e1, e2 = both[: len(s1)], both[len(s1):]
     cos = (e1 * e2).sum(axis=1) / np.clip(np.linalg.norm(e1, axis=1) * np.linalg.norm(e2, axis=1), 1e-12, None)

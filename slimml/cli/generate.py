@@ -11,7 +11,7 @@ from rich.text import Text
 
 from slimml.cli.common import Artifact, AsJson, app, console, err
 from slimml.cli.options import Options, OptionValues, config_options
-from slimml.errors import ConfigError
+from slimml.errors import ConfigError, NoChatTemplateError
 from slimml.runtime.engine.config import LoadConfig
 
 
@@ -80,6 +80,14 @@ def generate(
                           "or samples (--temperature): drop --num-beams.")
     if chat_template is not None and model.supports("stream"):
         model.use_chat_template(chat_template)
+    elif chat and model.supports("stream"):
+        from slimml.runtime.tasks.generate import chat_template as template_of
+
+        try:
+            template_of(model)
+        except NoChatTemplateError:
+            raise ConfigError(f"{artifact} has no chat template; give one with --chat-template FILE, or drop --chat to "
+                              "continue each prompt as it is.") from None
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
     if not model.supports("stream"):  # an encoder-decoder answers: greedy, sampled or by beam search

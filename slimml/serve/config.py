@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -215,10 +216,7 @@ class ServeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86_400:
                 raise ConfigError(f"{name} must be a number of seconds from 0 to 86400, got {v!r}.")
-        try:
-            self.prefix_bytes
-        except ConfigError as e:
-            raise ConfigError(f"prefix_cache: {e} 0 turns it off.") from None
+        self.prefix_bytes  # "prefix_cache 'lots' is not a size; ..., or 0 to turn it off."
         if self.pack is not None or self.cache_dir is not None:  # LoadConfig's checks and words, before Ray starts
             LoadConfig(pack=self.pack, cache_dir=self.cache_dir)
         if self.memory_budget is not None:  # "memory budget 'lots' is not a size; ..." before Ray starts
@@ -243,7 +241,7 @@ class ServeConfig:
         """``prefix_cache`` in bytes (0: off)."""
         from slimml.runtime.engine.budget import parse_bytes_or_off
 
-        return parse_bytes_or_off(self.prefix_cache)
+        return parse_bytes_or_off(self.prefix_cache, "prefix_cache")
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeConfig:
@@ -251,7 +249,10 @@ class ServeConfig:
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(args) - set(known))
         if unknown:
-            raise ConfigError(f"unknown serve option(s) {unknown}; known: {sorted(known)}.")
+            hint = difflib.get_close_matches(unknown[0], known, n=1)
+            raise ConfigError(f"unknown serve option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}"
+                              + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                              + f"; the options are {', '.join(sorted(known))}.")
         if "api_key" not in args and os.environ.get("SLIMML_API_KEY"):
             args = {**args, "api_key": os.environ["SLIMML_API_KEY"]}
         if "artifact" not in args:

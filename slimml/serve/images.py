@@ -92,7 +92,8 @@ def open_images(items: Any, field: str, max_items: int, max_pixels: int = MAX_RE
         try:
             data = base64.b64decode(item[head.end():], validate=True)
         except (binascii.Error, ValueError):
-            raise RequestError(f'"{where}" is not valid base64 after its "data:image/...;base64," prefix.', param=where) from None
+            raise RequestError(f'"{where}" is not valid base64 after its "data:image/...;base64," prefix; encode the '
+                               "whole file in standard base64 (base64.b64encode), no line breaks.", param=where) from None
         try:
             im = open_image_bytes(data, i, left)
         except TooLargeError as e:  # past the budget left: the request's images hold too many pixels

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slimml.errors import ConfigError, FeedError, OutOfMemoryError, RequestError, SlimmlError
+from slimml.errors import ConfigError, FeedError, NoChatTemplateError, OutOfMemoryError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta, ReplyFormat, ReplyReader
@@ -214,7 +214,10 @@ class LLMService:
                 prompt = form.prompt(prompt, formatted=req.response_format is not None)
             except FeedError as e:
                 raise RequestError(str(e), param="messages") from None
-            except SlimmlError as e:  # the template refused the messages, or there is none: no paths in the body
+            except NoChatTemplateError:
+                raise RequestError("this model has no chat template; send a plain prompt to POST /v1/completions, or "
+                                   "start the server with --chat-template FILE.") from None
+            except SlimmlError as e:  # the template refused the messages: no paths in the body
                 detail = str(e).replace(str(self.model.folder), "the model")
                 raise RequestError(f"{detail} (POST /v1/completions takes a plain prompt.)") from None
         else:

@@ -333,11 +333,12 @@ def _array(name: str, spec: Any) -> np.ndarray:
         try:
             raw = base64.b64decode(spec["npy"], validate=True)
         except (binascii.Error, TypeError):
-            raise RequestError(f'input {shown(name)}: "npy" is not valid base64.') from None
+            raise RequestError(f'input {shown(name)}: "npy" is not valid base64; send the .npy file\'s bytes in standard '
+                               "base64 (base64.b64encode), no line breaks.") from None
         return _npy(name, raw)
     dtype = spec.get("dtype")
     if dtype not in _DTYPES:
-        raise RequestError(f"input {shown(name)}: dtype {shown(dtype)} is not one of {sorted(_DTYPES)}.")
+        raise RequestError(f"input {shown(name)}: dtype {shown(dtype)} is not one of {sorted(_DTYPES)}; give one of them.")
     if "data" not in spec:
         raise RequestError(f'input {shown(name)} needs "data": nested lists of numbers.')
     try:
@@ -349,7 +350,10 @@ def _array(name: str, spec: Any) -> np.ndarray:
                 what = "numbers with a fraction" if fraction else "true/false"
                 raise RequestError(f"input {shown(name)}: {dtype} data holds {what}; send whole numbers.")
     except (ValueError, TypeError, OverflowError) as e:
-        raise RequestError(f"input {shown(name)}: data is not a rectangular array of {dtype} numbers ({e}).") from None
+        why = "a number out of its range" if isinstance(e, OverflowError) or "out of bounds" in str(e) else (
+            "rows of different lengths" if "inhomogeneous" in str(e) or "sequence" in str(e) else "values that are not numbers")
+        raise RequestError(f"input {shown(name)}: data is not a rectangular array of {dtype} numbers (it holds {why}); "
+                           "send nested lists of equal lengths, numbers only.") from None
     return arr
 
 
@@ -441,7 +445,7 @@ def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, 
     texts = all(isinstance(p, str) and p for p in prompts)
     ids = all(isinstance(p, list) and p and all(isinstance(i, int) and not isinstance(i, bool) for i in p) for p in prompts)
     if not texts and not ids:
-        raise RequestError('"prompt" must be non-empty texts, or non-empty lists of token ids, not a mix.')
+        raise RequestError(_prompt_fault(prompts), param="prompt")
     n = data.get("max_new_tokens", 16)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_new_tokens:
         shown = repr(n) if len(repr(n)) <= 40 else repr(n)[:40] + "..."
@@ -456,8 +460,25 @@ def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, 
         if bad is not None:
             shown = str(bad) if len(str(bad)) <= 24 else str(bad)[:24] + "..."
             raise RequestError(f'"prompt"[{i}] holds the token id {shown}, outside this model\'s vocabulary '
-                               f"[0, {top}).")
+                               f"[0, {top}); send ids from 0 to {top - 1}.", param="prompt")
     return prompts, n, chosen
+
+
+def _prompt_fault(prompts: list) -> str:
+    """What is wrong with a generate request's ``prompt`` list that is neither all texts nor all id lists."""
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return '"prompt" is one list of token ids; send it as [[1, 2, 3]] (a list of id lists is a batch).'
+    for i, p in enumerate(prompts):
+        if p == "" or p == []:
+            return f'"prompt"[{i}] is empty; give each prompt some text or token ids.'
+        if isinstance(p, list):
+            bad = next((t for t in p if not isinstance(t, int) or isinstance(t, bool)), None)
+            if bad is not None:
+                shown = repr(bad) if len(repr(bad)) <= 24 else repr(bad)[:24] + "..."
+                return f'"prompt"[{i}] holds {shown}; token ids are whole numbers >= 0.'
+        elif not isinstance(p, str):
+            return f'"prompt"[{i}] is a JSON {_json_type(p)}; send texts, or lists of token ids.'
+    return '"prompt" mixes texts and token id lists; send one kind in a request.'
 
 
 def check_run_budget(feeds: dict[str, np.ndarray], specs, max_seq: int | None, max_rows: int,

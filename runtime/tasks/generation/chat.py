@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from slimml.errors import ArtifactError, ConfigError, FeedError, SlimmlError
+from slimml.errors import ArtifactError, ConfigError, FeedError, NoChatTemplateError, SlimmlError
 from slimml.runtime.artifact.files import read_listed, safe_path
 from slimml.runtime.tasks.generation import template_budget
 from slimml.runtime.tasks.limits import surrogate_at
@@ -202,9 +202,10 @@ class ChatTemplate:
             found = named["default"]
         if isinstance(found, str):
             return cls(found, special, where)
-        raise SlimmlError(f"the artifact {folder} has no chat template (chat_template.jinja or tokenizer_config.json's "
-                          "chat_template); re-convert it from a model folder that has one, or format the prompt "
-                          "yourself and call generate().")
+        raise NoChatTemplateError(f"the artifact {folder} has no chat template (chat_template.jinja or "
+                                  "tokenizer_config.json's chat_template); give one with model.use_chat_template(PATH), "
+                                  "re-convert it from a model folder that has one, or format the prompt yourself and "
+                                  "call generate().")
 
 
 def check_messages(messages: Any, where: str = "") -> None:

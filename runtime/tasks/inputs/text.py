@@ -40,8 +40,7 @@ class TextEncoder:
         """One unpadded, truncated encoding per text (``.ids``, ``.attention_mask``, ``.type_ids``);
         a ``(text, text)`` pair is encoded as one input, as the tokenizer joins a pair (a
         cross-encoder's query and passage; longest first where it must be cut)."""
-        if isinstance(texts, str) or not all(isinstance(t, str) or _pair(t) for t in texts):
-            raise FeedError("encode() takes a list of strings (or of [text, text] pairs); wrap a single text as [text].")
+        check_texts(texts)
         if not texts:
             raise FeedError("encode() got an empty list; give at least one text.")
         cut = self.limits.cut
@@ -109,6 +108,19 @@ def window_outputs(run, text: TextEncoder, encs: list, batch_size: int, names: t
             n = len(encs[r].ids)
             out[r] = {name: got[name][row, :n].astype(np.float32) for name in names}
     return out
+
+
+def check_texts(texts: Any) -> None:
+    """Refuse anything but a list of texts (or of ``[text, text]`` pairs), naming the first item that is not one
+    (a missing value from a data frame, NaN or None, most often)."""
+    if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
+        raise FeedError(f"texts must be a list of strings (or of [text, text] pairs), got {type(texts).__name__}; wrap "
+                        "a single text as [text].")
+    bad = next((i for i, t in enumerate(texts) if not (isinstance(t, str) or _pair(t))), None)
+    if bad is not None:
+        item = texts[bad]
+        raise FeedError(f"texts must be strings (or [text, text] pairs), and item {bad} is {shown(item)} "
+                        f"({type(item).__name__}); drop or fill missing values, or make each item a text with str().")
 
 
 def _pair(t: Any) -> bool:
