@@ -166,7 +166,7 @@ def write_layerwise(template_onnx: Path, template_dir: Path, real_dir: Path, dep
                 real = real.T if transposed else real
                 if real.shape != arr.shape:
                     raise ExportError(f"layer-by-layer export: {param} has shape {real.shape} in {real_dir}, "
-                                      f"{arr.shape} in its config. Is the checkpoint the one its config describes?")
+                                      f"{arr.shape} in its config; the weights do not match config.json: re-save or re-download the model.")
                 # named after the parameter, so the copies' weights never share a name (merging needs that)
                 new_name = real_name + (".T" if transposed else "")
                 renamed = {init.name: new_name}

@@ -67,7 +67,7 @@ class SafetensorsReader:
 
         file = self.files.get(name)
         if file is None:
-            raise SourceError(f"{self.folder} has no weight named {name!r}; is it the checkpoint its config describes?")
+            raise SourceError(f"{self.folder} has no weight named {name!r}; the weights do not match config.json: re-save or re-download the model.")
         if file not in self._open:
             self._open[file] = safe_open(str(self.folder / file), framework="pt")
         return self._open[file].get_tensor(name)

@@ -141,10 +141,12 @@ def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) 
     try:
         config = AutoConfig.from_pretrained(str(teacher_dir), local_files_only=True)
     except Exception as e:
-        raise SourceError(f"cannot read the model config in {teacher_dir}: {e}") from None
+        raise SourceError(f"cannot read the model config in {teacher_dir} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                          "save the model with save_pretrained so its config.json is one transformers reads.") from None
     n_teacher = getattr(config, "num_hidden_layers", None)
     if n_teacher is None:
-        raise ConfigError(f"{teacher_dir} has no num_hidden_layers in its config; distillation needs a layered transformer.")
+        raise ConfigError(f"{teacher_dir} has no num_hidden_layers in its config; distillation needs a layered transformer: "
+                          "leave --distill-layers and --prune out for it.")
     if distill.layers is not None and distill.layers >= n_teacher:
         raise ConfigError(
             f"--distill-layers {distill.layers} is not fewer than the teacher's {n_teacher} layers; "

@@ -58,7 +58,8 @@ def _layer_list(model: Any) -> tuple[Any, str]:
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.ModuleList) and len(mod) == n:
             return mod, name
-    raise ConfigError(f"cannot find the {n} transformer layers of {type(model).__name__}; this architecture cannot be distilled.")
+    raise ConfigError(f"cannot find the {n} transformer layers of {type(model).__name__}; this architecture cannot be "
+                      "distilled: leave --distill-layers out (--prune alone works for BERT-like and Llama-like models).")
 
 
 def build_student(folder: Path, model_class: str, kept_layers: list[int]) -> Any:
@@ -95,7 +96,7 @@ def build_student(folder: Path, model_class: str, kept_layers: list[int]) -> Any
             tensor.copy_(weights.torch(found).to(tensor.dtype))
     if missing:
         raise ConfigError(f"the checkpoint in {folder} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''}; "
-                          "is it the model its config.json describes?")
+                          "the weights do not match config.json: re-save or re-download the model.")
     student.tie_weights()
     return student.eval()
 

@@ -182,7 +182,8 @@ def _feeds(inputs: list[Any], ids: list[list[int]], pad_id: int) -> dict[str, np
         all_feeds[name] = np.zeros((len(ids), heads, 0, dim), dtype=np.dtype(dtype))
     missing = [n for n in names if n not in all_feeds]
     if missing:
-        raise ConfigError(f"the teacher artifact needs inputs {missing} that text distillation cannot give.")
+        raise ConfigError(f"the teacher artifact needs inputs {missing} that text distillation cannot give; distil a text "
+                          "model (one that takes input_ids), or leave --distill-layers and --prune out.")
     return {n: all_feeds[n] for n in names}
 
 

@@ -231,7 +231,9 @@ class KVCache:
         if not 0 <= start < stop <= self.batch or input_ids.shape[0] != stop - start or attention_mask.shape[0] != stop - start \
                 or attention_mask.shape[1] > self.capacity:
             raise FeedError(f"cache pass over rows {start}:{stop}: input_ids {input_ids.shape} and attention_mask "
-                            f"{attention_mask.shape} do not fit a cache of {self.batch} rows and {self.capacity} positions.")
+                            f"{attention_mask.shape} do not fit a cache of {self.batch} rows and {self.capacity} positions; "
+                            "give rows inside the cache, as many rows of ids and mask as they span, and a mask no wider "
+                            "than its positions.")
         self.engine._check_watch()  # a file changed since load is refused, as by run()
         env: dict[str, Any] = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
                                "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64)}

@@ -108,7 +108,8 @@ def sweep(
         model.close()
         del model
     if not rows:
-        raise SlimmlError("no (resident, prefetch) setting of the sweep fits this artifact; try other values.")
+        raise SlimmlError("no (resident, prefetch) setting of the sweep fits this artifact; give --sweep K values from 1 "
+                          "to the number of shards, each P below its K.")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     table = out / "sweep.md"

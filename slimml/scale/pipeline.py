@@ -164,7 +164,9 @@ def pipeline(
     except BaseException as e:
         release(actors, pg, owns_ray)
         if isinstance(e, ray.exceptions.RayActorError):
-            raise StageError(f"a pipeline stage failed to start: {e}") from None
+            raise StageError(f"a pipeline stage failed to start ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                             "check the node with `ray status` and the stage's log in Ray's session folder, then start "
+                             "again (fewer stages, or more memory a node).") from None
         raise
 
 

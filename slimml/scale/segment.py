@@ -112,7 +112,8 @@ class RayStages:
         except rx.RayTaskError as e:
             if isinstance(e.cause, SlimmlError):
                 raise e.cause from None  # a bad feed or a changed file: the stage's own clear message
-            raise StageError(f"{self._name(k)} failed: {type(e.cause).__name__}: {e.cause}") from None
+            raise StageError(f"{self._name(k)} failed ({type(e.cause).__name__}: {e.cause}); the stage's log in Ray's "
+                             "session folder has the traceback: retry the call, or report it if it fails again.") from None
         except (rx.RayActorError, rx.ObjectLostError) as e:
             if self._gone_for_good(k):
                 raise StageError(
