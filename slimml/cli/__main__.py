@@ -1,0 +1,3 @@
+from slimml.cli.entry import main
+
+main()
