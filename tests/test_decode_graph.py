@@ -203,6 +203,21 @@ def test_cache_refuses_what_does_not_fit(arts):
         cache.run(np.ones((2, 1), np.int64), np.ones((2, 2), np.int64), rows=(1, 3))
 
 
+@pytest.mark.parametrize("exporter", ["fused", "optimum"])
+def test_bench_times_a_batched_prefill_of_either_graph(arts, exporter):
+    """``slimml bench ART --batch 4 --seq 32`` on the fused graph was refused by ONNX Runtime
+    (GroupQueryAttention takes several rows of several tokens only with no cache before them): a
+    timed pass of several tokens is a prefill, over no cache; one token is a decode step."""
+    from slimml.runtime import load
+    from slimml.runtime.tools.bench import bench
+
+    root, _ = arts
+    for resident in (None, 2):
+        for seq in (32, 1):
+            result = bench(load(root / exporter, resident=resident), batch=4, seq=seq, runs=2, warmup=1)
+            assert result.p50_ms > 0 and (result.batch, result.seq) == (4, seq)
+
+
 def _mixed():
     rng = np.random.default_rng(1)
     return [rng.integers(3, 512, size=n).tolist() for n in (7, 3, 11, 1, 5, 9, 2, 4)]

@@ -17,7 +17,7 @@ _SEQ_AXES = ("seq", "sequence", "length", "token", "time", "past")
 
 def sample_feeds(
     specs: list[TensorSpec], batch: int = 1, seq: int = 128, seed: int = 0, vocab_size: int | None = None,
-    source: dict | None = None,
+    source: dict | None = None, past: int = 1,
 ) -> dict[str, np.ndarray]:
     """Plausible inputs for ``specs``: dynamic axes set to ``batch``/``seq``, ids, masks, noise.
 
@@ -26,7 +26,8 @@ def sample_feeds(
     usual meaning (``logits_index``: the last position, as a decoder's prefill pass reads it: the
     logits of every position cost 1.3-1.8x the pass on SmolLM2); float inputs are standard normal. ``source``: the manifest's facts about the
     source model (``vocab_size``, and for images ``num_channels`` and ``image_size``, which size
-    a 4-D float input's dynamic axes as ``(batch, channels, size, size)``).
+    a 4-D float input's dynamic axes as ``(batch, channels, size, size)``). ``past``: the positions a
+    decoder's KV cache holds before the pass (1 exercises the cache path; 0 is a prompt's prefill).
     """
     facts = source or {}
     vocab_size = vocab_size or facts.get("vocab_size")
@@ -40,7 +41,7 @@ def sample_feeds(
             if isinstance(want, int) and want > 0:
                 shape.append(want)
             elif isinstance(want, str):  # a named axis, or a sum of them ("past_sequence_length + sequence_length")
-                shape.append(sum(_axis_size(part, dim, batch, seq) for part in want.split("+")))
+                shape.append(sum(_axis_size(part, dim, batch, seq, past) for part in want.split("+")))
             else:
                 shape.append(batch if dim == 0 else seq)
         dtype = np.dtype(spec.dtype)
@@ -75,13 +76,20 @@ def _image_axes(facts: dict) -> tuple[int, int, int] | None:
     return (channels, int(h), int(w)) if h and w else None
 
 
-def _axis_size(name: str, dim: int, batch: int, seq: int) -> int:
+def _axis_size(name: str, dim: int, batch: int, seq: int, past: int) -> int:
     name = name.strip().lower()
     if "past" in name:
-        return 1  # a one-step cache: enough to exercise the cache path, never an empty tensor
+        return past
     if any(k in name for k in _SEQ_AXES):
         return seq
     return batch if dim == 0 or "batch" in name else seq
+
+
+def _past(seq: int) -> int:
+    """The cache a timed pass of a decoder runs over: none before a pass of several tokens, a prompt's
+    prefill (ONNX Runtime's GroupQueryAttention takes several rows of several tokens only with no cache
+    before them); one position before a single token, a decode step."""
+    return 0 if seq > 1 else 1
 
 
 @dataclass
@@ -148,7 +156,7 @@ def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5
     A streamed model also reports, per timed run, the bytes it loaded and the seconds its compute
     waited on the loader versus computed, and the plan (K, P, pinned shards) it ran under.
     """
-    feeds = sample_feeds(model.manifest.inputs, batch=batch, seq=seq, source=model.manifest.source)
+    feeds = sample_feeds(model.manifest.inputs, batch=batch, seq=seq, source=model.manifest.source, past=_past(seq))
     for _ in range(warmup):
         model.run(feeds)
     model.plan.reset_stats()
@@ -202,7 +210,7 @@ def bench_against(model, reference, batch: int = 1, seq: int = 128, runs: int = 
         ``(model's result, reference's result)``; their run peak RSS is not isolated (None).
     """
     pair = (model, reference)
-    feeds = [sample_feeds(m.manifest.inputs, batch=batch, seq=seq, source=m.manifest.source) for m in pair]
+    feeds = [sample_feeds(m.manifest.inputs, batch=batch, seq=seq, source=m.manifest.source, past=_past(seq)) for m in pair]
     for m, f in zip(pair, feeds):
         for _ in range(warmup):
             m.run(f)
