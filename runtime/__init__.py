@@ -16,9 +16,10 @@ from slimml.runtime.artifact.manifest import Manifest, ShardSpec, TensorSpec, re
 if TYPE_CHECKING:
     from slimml.runtime.engine.config import LoadConfig
     from slimml.runtime.loader import Model, load
+    from slimml.runtime.tasks.generation import GenerationConfig
     from slimml.runtime.tasks.base import Task
 
-__all__ = ["LoadConfig", "Manifest", "Model", "ShardSpec", "TensorSpec", "Task", "load", "read_manifest"]
+__all__ = ["GenerationConfig", "LoadConfig", "Manifest", "Model", "ShardSpec", "TensorSpec", "Task", "load", "read_manifest"]
 
 
 def __getattr__(name: str) -> Any:
@@ -36,4 +37,8 @@ def __getattr__(name: str) -> Any:
         from slimml.runtime.engine.config import LoadConfig
 
         return LoadConfig
+    if name == "GenerationConfig":  # a language model's options, as generate(config=...) takes them
+        from slimml.runtime.tasks.generation import GenerationConfig
+
+        return GenerationConfig
     raise AttributeError(f"module 'slimml.runtime' has no attribute {name!r}")

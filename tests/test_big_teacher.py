@@ -311,3 +311,24 @@ def test_teacher_passes_saved_is_never_negative():
     from slimml.convert.distill.distill import _passes_saved
 
     assert _passes_saved(0.5, 0.0, True) == 0.0 and _passes_saved(3, 0, True) == 2.0 and _passes_saved(0.5, 0, False) == 0.5
+
+
+@needs_optimum
+def test_a_tied_lm_heads_transposed_table_is_not_read_as_the_vocabulary(tmp_path):
+    """Layer by layer, a model whose lm_head is its embedding table (SmolLM2) holds the table's
+    transposed copy (hidden, vocab) in the head's shard: its 64 rows were taken for the vocabulary,
+    and the convert's own check refused every id past 63. Only a table a Gather reads counts."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 tie_word_embeddings=True)).eval().save_pretrained(tmp_path / "tied")
+    report = convert(tmp_path / "tied", tmp_path / "art", ConvertConfig(export=ExportConfig(exporter="layerwise"),
+                                                                        measure_latency=False))
+    model = load(report.out)
+    assert model.vocab_size == 512
+    ids = np.array([[5, 300, 511]], np.int64)
+    assert model.run({"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(3)[None]})[
+        "logits"].shape == (1, 3, 512)

@@ -69,12 +69,13 @@ def check_shard_file(folder: Path, shard: ShardSpec, boundary: bool = True) -> S
     data = safe_path(folder, shard.data).resolve() if shard.data else None
     data_size = data.stat().st_size if data is not None and data.is_file() else 0
     count, positions, vocab, types = 0, None, None, None
+    looked_up = _looked_up(model.graph)
     for t in _tensors(model):
         if (len(t.dims) == 2 and any(k in t.name for k in _POSITION_TABLES) and t.dims[0] > 0
                 and not any(k in t.name.lower() for k in _VISION_PARTS)):
             positions = int(t.dims[0])
-        if len(t.dims) == 2 and any(k in t.name for k in _TOKEN_TABLES) and t.dims[0] > 0:
-            vocab = int(t.dims[0])
+        if len(t.dims) == 2 and any(k in t.name for k in _TOKEN_TABLES) and t.dims[0] > 0 and t.name in looked_up:
+            vocab = int(t.dims[0])  # not a tied lm_head's transposed copy (hidden, vocab), which a MatMul reads
         if len(t.dims) == 2 and any(k in t.name for k in _TYPE_TABLES) and t.dims[0] > 0:
             types = int(t.dims[0])
         if not external_data_helper.uses_external_data(t):
@@ -183,6 +184,26 @@ def _undecodable_text(message) -> str | None:
             elif fd.type == fd.TYPE_MESSAGE:
                 stack.extend(values)
     return None
+
+
+# ops between a table's initializer and the Gather that reads its rows (a quantized or half-precision table)
+_TABLE_PASSES = ("DequantizeLinear", "Cast", "Identity")
+
+
+def _looked_up(graph) -> set[str]:
+    """Names whose rows a Gather reads: its data input (and a block-quantized one's scales and zero
+    points), and the tensors that reach it through :data:`_TABLE_PASSES` (``DequantizeLinear(table_q) -> Gather``)."""
+    found = {x for n in graph.node if n.op_type in ("Gather", "GatherBlockQuantized") and n.input  # its data, scales
+             for x in (n.input[0], *n.input[2:])}
+    passes = [n for n in graph.node if n.op_type in _TABLE_PASSES and n.input and n.output]
+    grew = True
+    while grew:
+        grew = False
+        for n in passes:
+            if n.output[0] in found and n.input[0] not in found:
+                found.add(n.input[0])
+                grew = True
+    return found
 
 
 def _tensors(model):
