@@ -382,7 +382,8 @@ def _export_huggingface(source: Source, work_dir: Path, config: ExportConfig) ->
                 raise
             shutil.rmtree(onnx_dir, ignore_errors=True)
             exporter = "torch"
-            fallback = f"optimum-onnx could not export it ({str(e).split(': ', 1)[-1].splitlines()[0][:200]}); exported with torch.onnx.export"
+            why = getattr(e, "cause", None) or str(e).splitlines()[0]
+            fallback = f"optimum-onnx could not export it ({why[:200]}); exported with torch.onnx.export"
     if exporter == "torch":
         from slimml.convert.export_torch import export_torch
         from slimml.convert.export_torch_decoder import export_torch_decoder
@@ -554,16 +555,27 @@ _SEQ2SEQ_TASKS = ("text2text-generation", "automatic-speech-recognition")
 
 def _optimum_failure(folder: Path, task: str, e: Exception) -> ExportError:
     """optimum-onnx's exception as one line; the failures a user can act on say what to do (a model
-    type the installed transformers does not know never reaches here: ``config_check`` refuses it)."""
+    type the installed transformers does not know never reaches here: ``config_check`` refuses it).
+    The error's ``cause`` is optimum's own first line, which a fallback to torch's exporter reports."""
     from slimml.convert.fused_family import NAMES
 
     first = str(e).splitlines()[0] if str(e) else ""
     kind = hf_config(folder).get("model_type")
     if "unsupported architecture" in first:  # optimum's long advice on custom ONNX configs
-        return ExportError(
+        err = ExportError(
             f"neither of slimml's exporters writes a {kind!r} model (optimum-onnx does not know the architecture; "
             f"the fused exporter writes {NAMES} decoders): export it to ONNX yourself "
             "(torch.onnx.export) and convert the .onnx file.")
+    elif "contains custom code" in first:  # trust_remote_code: slimml does not run a folder's own Python
+        from slimml.convert.export_torch_decoder import custom_code_error
+
+        err = custom_code_error(folder)
+    else:
+        err = ExportError(f"optimum-onnx could not export {folder} as {task!r} ({type(e).__name__}: {first.rstrip('.')}); "
+                          "try --exporter torch or another --task, or export it to ONNX yourself and convert the .onnx "
+                          "file.")
+    err.cause = f"{type(e).__name__}: {first}"
+    return err
     if "contains custom code" in first:  # trust_remote_code: slimml does not run a folder's own Python
         from slimml.convert.export_torch_decoder import custom_code_error
 
