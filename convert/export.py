@@ -1,7 +1,7 @@
 """Export a source model to one ONNX file (the input of the splitter).
 
 Hugging Face folders go through optimum-onnx, which knows each architecture's inputs and dynamic
-axes; torch modules through ``torch.onnx.export``; ONNX files are checked and copied.
+axes; torch modules through ``torch.onnx.export``; ONNX files are checked and used in place.
 """
 
 from __future__ import annotations
@@ -83,10 +83,35 @@ class ExportConfig:
 
 
 def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -> Exported:
-    """Export ``source`` into ``work_dir/model.onnx`` (weights may sit beside it as external data).
+    """Export ``source`` to one ONNX graph in ``work_dir`` (weights may sit beside it as external
+    data); an ONNX file is checked and used where it is.
+
+    The first stage of :func:`~slimml.convert.convert`; :func:`~slimml.convert.shard` splits what it writes.
+
+    Args:
+        source: what to export, from :func:`~slimml.convert.resolve`.
+        work_dir: a folder (a ``Path``), made where missing.
+        config: how to export (default: ``ExportConfig()``, the exporter chosen by the model).
+
+    Returns:
+        An :class:`~slimml.convert.exported.Exported`: ``onnx_path`` (``work_dir/onnx/model.onnx``
+        for a model folder, ``work_dir/model.onnx`` for a torch module, the file itself for an ONNX
+        file) and what the runtime needs beside the graph (tokenizer, pooling, labels, an
+        encoder-decoder's ``graphs``); ``note`` says why ``"auto"`` did not use its first choice of
+        exporter.
 
     Raises:
         ExportError: the exporter failed; the message keeps the exporter's first line.
+        SourceError: an exporter that does not take this kind of source.
+
+    Example:
+        >>> from pathlib import Path
+        >>> from slimml.convert import ExportConfig, export, resolve, shard
+        >>> exported = export(resolve(None), Path("work"), ExportConfig(exporter="torch"))
+        >>> exported.onnx_path
+        PosixPath('work/onnx/model.onnx')
+        >>> Path("shards").mkdir()
+        >>> specs = shard(exported.onnx_path, "shards")   # shard_000.onnx, ...; specs for a manifest
     """
     config = config or ExportConfig()
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -42,6 +42,21 @@ GGUF_TASKS = ("auto", "text-generation-with-past", "text-generation", "feature-e
 
 @dataclass
 class ConvertReport:
+    """What :func:`convert` did, as ``slimml convert`` prints it (``to_json()``: ``--json``).
+
+    Attributes:
+        out: the artifact folder written.
+        name, task: the model's name and the artifact's task (``"sentence-embedding"``, ...).
+        shards: shards written, every component's counted.
+        size_mb: bytes of the artifact's files / 1e6.
+        checks: the artifact against its source, as the manifest records them
+            (``max_abs_diff``, ``cosine_vs_torch``, a language model's perplexity, ...).
+        latency_ms: median latency on CPU, batch 1 (None where not measured).
+        seconds: wall time of the whole conversion.
+        steps: the manifest's record of each step (export, shard, quantize, ...).
+        teacher: with ``distill`` or ``prune``, the student scored against its teacher.
+    """
+
     out: Path
     name: str
     task: str
@@ -54,6 +69,7 @@ class ConvertReport:
     teacher: dict[str, Any] | None = None  # the student against its teacher (distill / prune only)
 
     def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-able dict (``out`` as a string)."""
         d = asdict(self)
         d["out"] = str(self.out)
         return d
@@ -70,9 +86,9 @@ def convert(
     """Convert a model into a sharded, checked artifact folder.
 
     Args:
-        source: a Hugging Face model folder, an ``.onnx`` file, a ``.py`` file defining ``model``
-            and ``example_inputs``, a torch checkpoint, a ``torch.nn.Module``, or ``None`` for the
-            embedded default model (all-MiniLM-L6-v2).
+        source: a Hugging Face model folder, a GGUF file (llama.cpp's), an ``.onnx`` file, a
+            ``.py`` file defining ``model`` and ``example_inputs``, a torch checkpoint, a
+            ``torch.nn.Module``, or ``None`` for the embedded default model (all-MiniLM-L6-v2).
         out: the artifact folder (default ``artifacts/<name>``; for a student
             ``artifacts/<name>-d3-p50``, for a quantized model ``artifacts/<name>-int8``). It is
             written in a temporary folder beside it and renamed at the end, so an interrupted
@@ -84,6 +100,13 @@ def convert(
 
     Returns:
         A :class:`ConvertReport`: size, shard count, differences from the original, latency.
+
+    Raises:
+        SourceError: a source that is missing or of a kind slimml does not take.
+        ConfigError: settings that contradict, or an ``out`` that cannot be written.
+        ExportError: the exporter failed (the message names the step and keeps its first line).
+        MissingExtraError: the ``convert`` extra (torch, transformers) is not installed.
+        DataError: a bad calibration, evaluation or comparison file.
 
     Example:
         >>> from slimml.convert import convert

@@ -61,7 +61,22 @@ class ShardConfig:
 
     @classmethod
     def parse(cls, shards: str | int | None = "per-layer", shard_size_mb: float | None = None) -> ShardConfig:
-        """Build from the CLI's ``--shards per-layer|N`` and ``--shard-size MB``."""
+        """Build from the CLI's ``--shards per-layer|N`` and ``--shard-size MB``.
+
+        Args:
+            shards: ``"per-layer"`` (or None), or a number of shards (an int, or its text).
+            shard_size_mb: megabytes of weights a shard at most; not with a number of shards.
+
+        Returns:
+            The :class:`ShardConfig`.
+
+        Raises:
+            ConfigError: both given, or a ``shards`` that is neither ``"per-layer"`` nor a whole number >= 1.
+
+        Example:
+            >>> ShardConfig.parse("4")
+            ShardConfig(mode='count', count=4, max_mb=None)
+        """
         if shard_size_mb is not None:
             if shards not in (None, "per-layer"):
                 raise ConfigError(f"--shards {shards} and --shard-size {shard_size_mb:g} each decide the shards; give one "

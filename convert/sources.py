@@ -73,8 +73,16 @@ def resolve(source: Any = None, example_inputs: Any = None) -> Source:
             ``.pt``/``.pth``/``.ckpt``) or a ``torch.nn.Module``.
         example_inputs: for an ``nn.Module``: what to call it with during export.
 
+    Returns:
+        A :class:`Source`; its ``kind`` is ``"huggingface"``, ``"torch"``, ``"onnx"``, ``"gguf"``
+        or ``"static"``.
+
     Raises:
         SourceError: naming the path and what kinds slimml takes.
+
+    Example:
+        >>> resolve(None).kind, resolve(None).name
+        ('huggingface', 'all-MiniLM-L6-v2')
     """
     if source is None:
         path = default_model_dir()

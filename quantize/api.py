@@ -34,6 +34,19 @@ from slimml.runtime.tasks.inputs.pooling import Pooler
 
 @dataclass
 class QuantizeReport:
+    """What :func:`quantize` did (``to_json()``: what ``slimml quantize --json`` prints).
+
+    Attributes:
+        out: the artifact folder written.
+        scheme: the config's class name (``"Int8DynamicConfig"``, ``"WeightOnlyConfig"``, ...).
+        size_mb, float_size_mb: the new artifact's size and the float one's, in MB (1e6 bytes).
+        quantized_shards: the shard indices quantized.
+        float_shards: shard index -> why it stayed float (the guard kept it, nothing to quantize).
+        checks: the quantized model against the float one (agreement, the guard's measurements).
+        seconds: wall time.
+        components: per component, its own report (an artifact of components).
+    """
+
     out: Path
     scheme: str
     size_mb: float
@@ -45,6 +58,7 @@ class QuantizeReport:
     components: dict[str, QuantizeReport] = field(default_factory=dict)  # per component, when the artifact has them
 
     def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-able dict (paths and shard indices as strings)."""
         d = dict(self.__dict__)
         d["out"] = str(self.out)
         d["float_shards"] = {str(k): v for k, v in self.float_shards.items()}
@@ -76,8 +90,10 @@ def quantize(
 
     Raises:
         ConfigError: the artifact is already quantized, or holds nothing quantizable, or the
-            guard's ``max_drop`` cannot be met (unless ``keep_best``).
+            guard's ``max_drop`` cannot be met (unless ``keep_best``); ``source`` is an ONNX file
+            (convert it first), or ``out`` is the source, inside it, or a folder that is not an artifact.
         DataError: a bad calibration or evaluation file.
+        ArtifactError / IntegrityError: a missing, malformed or tampered source artifact.
 
     Example:
         >>> from slimml.quantize import quantize, Int8Config

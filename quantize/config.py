@@ -279,6 +279,21 @@ def Int8Config(target: str = "cpu", **kwargs) -> QuantizeConfig:
 
     (ONNX Runtime's CUDA provider does not accelerate int8 activations, so on CUDA int8 means
     int8 weights.)
+
+    Args:
+        target: ``"cpu"`` or ``"cuda"``: what the quantized model will run on.
+        **kwargs: fields of the config it makes (``calibration``, ``guard``, ...); ``preset``
+            defaults to ``"int8"`` (a language model gets its decoder recipe).
+
+    Returns:
+        An :class:`Int8DynamicConfig` for CPU, a :class:`WeightOnlyConfig` (``bits=8``) for CUDA.
+
+    Raises:
+        ConfigError: an unknown target, or a field out of range.
+
+    Example:
+        >>> type(Int8Config("cpu")).__name__, type(Int8Config("cuda")).__name__
+        ('Int8DynamicConfig', 'WeightOnlyConfig')
     """
     _check_target(target)
     kwargs.setdefault("preset", "int8")  # the best int8: on a language model, its decoder recipe
@@ -300,6 +315,26 @@ def scheme_config(
 
     ``backend`` (``--backend``) picks who quantizes: ``"ort"`` (ONNX Runtime's tools) or
     ``"nncf"``, which serves ``int8-static``, ``int8-weights`` and ``int4-weights``.
+
+    Args:
+        scheme: one of :data:`SCHEMES`: ``none``, ``int8``, ``int8-dynamic``, ``int8-static``,
+            ``int8-weights``, ``int4-weights``, ``fp16`` (``fp16`` needs ``target="cuda"``).
+        target: ``"cpu"`` or ``"cuda"``.
+        calibration: calibration texts (one a line, or an STS CSV; default: a built-in corpus).
+        max_drop: the accuracy guard's largest drop allowed (None: no guard).
+        eval_file: the STS CSV the guard measures on (needs ``max_drop``).
+        keep_best: write the best model the guard finds where ``max_drop`` cannot be met.
+        backend: ``"ort"`` or ``"nncf"``.
+
+    Returns:
+        The scheme's config, or None for ``"none"``.
+
+    Raises:
+        ConfigError: an unknown scheme, target or backend, or options that do not go together.
+
+    Example:
+        >>> scheme_config("int4-weights")
+        WeightOnlyConfig(...bits=4...)
     """
     _check_target(target)
     if scheme not in SCHEMES:

@@ -55,6 +55,9 @@ class TensorSpec:
 
 @dataclass
 class ShardSpec:
+    """One shard of a chain: its ONNX file, its weights' data file and size, and the tensors it
+    takes (each with ``source``: ``"input"`` or the shard that makes it) and hands on."""
+
     index: int
     file: str  # the shard's .onnx, relative
     data: str | None  # its external-data file, relative, or None when all weights are inline
@@ -89,6 +92,17 @@ class ShardSpec:
 
 @dataclass
 class Manifest:
+    """What ``manifest.json`` holds: the model's name and task, its inputs and outputs, its chain
+    of shards (``shards``; ``components`` for a model of several chains), every file with its size
+    and sha256 (``files``), the records its inputs are made with (``tokenizer``, ``preprocessor``,
+    ``pooling``, ``labels``, ...), and how it was made (``source``, ``steps``, ``checks``).
+
+    Example:
+        >>> m = read_manifest("artifacts/all-MiniLM-L6-v2")
+        >>> m.task, m.shard_count, [t.name for t in m.outputs]
+        ('sentence-embedding', 7, ['last_hidden_state'])
+    """
+
     name: str
     task: str  # "sentence-embedding", "feature-extraction", "text-generation", "generic", ...
     source: dict[str, Any]
@@ -154,10 +168,12 @@ class Manifest:
 
     @property
     def shard_count(self) -> int:
+        """Shards of the artifact, every component's counted."""
         return sum(len(c.shards) for c in self.components.values()) if self.components else len(self.shards)
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every file the manifest lists."""
         return sum(f.bytes for f in self.files)
 
     def last_uses(self) -> dict[int, list[str]]:
@@ -267,6 +283,12 @@ class Manifest:
 
 def read_manifest(folder: str | os.PathLike) -> Manifest:
     """Read and check the structure of ``folder/manifest.json`` (not the files' hashes).
+
+    Args:
+        folder: the artifact folder.
+
+    Returns:
+        The :class:`Manifest`, its ``sha256`` that of the bytes read.
 
     Raises:
         ArtifactError: the folder or manifest is missing, is not JSON, is of another format or

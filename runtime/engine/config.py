@@ -33,7 +33,21 @@ def _whole(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """How to load and run an artifact. Defaults: all shards resident on CPU, every file hashed."""
+    """How to load and run an artifact. Defaults: all shards resident on CPU, every file hashed.
+
+    The fields are :func:`slimml.runtime.load`'s keywords, described there: ``device``,
+    ``threads``, ``verify``, ``resident``, ``prefetch``, ``memory_budget``, ``pin``, ``pack``,
+    ``cache_dir``, ``shards`` and ``manifest_sha256``. Each is checked when the config is made.
+
+    Raises:
+        ConfigError: a value out of range (the message names the field and what it takes).
+        DeviceError: an unknown device.
+
+    Example:
+        >>> from slimml.runtime import LoadConfig, load
+        >>> streamed = LoadConfig(memory_budget="2GB", pin=(0, -1))
+        >>> model = load("artifacts/all-MiniLM-L6-v2", streamed, threads=1)   # keywords override the config
+    """
 
     device: str = field(default=DEFAULT_DEVICE, metadata={
         "help": "cpu, cuda, or auto (CUDA where a GPU works, else CPU)."})

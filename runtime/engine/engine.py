@@ -119,11 +119,18 @@ class Engine:
     def kv_cache(self, batch: int, capacity: int):
         """A decoder's cache for one generation, in buffers bound in place (``engine.kv_cache``).
 
+        Args:
+            batch: rows of the generation.
+            capacity: positions the cache holds (prompt + new tokens); a pass beyond it is refused.
+
         Returns:
             A :class:`~slimml.runtime.engine.kv_cache.KVCache` whose ``step(input_ids,
             attention_mask)`` runs one pass and returns the logits; ``None`` when the artifact's
             attention cannot share past and present (not converted with ``--exporter fused``):
             feed ``past_key_values.*`` through :meth:`run_trusted` then.
+
+        Raises:
+            FeedError: ``capacity`` past the model's positions.
         """
         from slimml.runtime.engine.kv_cache import KVCache, shares_buffers
 

@@ -212,6 +212,14 @@ class ExecutionPlan:
         return {name: env[name] for name in outputs}
 
     def describe(self) -> str:
+        """The plan in a few lines: the memory plan (K, P, pinned), then each segment.
+
+        Example:
+            >>> print(load("artifacts/all-MiniLM-L6-v2").plan.describe())
+            fully resident: all 7 shards loaded once (90.36 MB).
+            plan on cpu: 1 segment(s), 1 session(s)
+              shards 0-6: resident, merged into one session
+        """
         lines = [self.memory.describe(), f"plan on {self.device}: {len(self.segments)} segment(s), {self.sessions} session(s)"]
         lines += [f"  {seg.describe()}" for seg in self.segments]
         return "\n".join(lines)
@@ -224,9 +232,11 @@ class ExecutionPlan:
 
     @property
     def stats(self) -> StreamStats:
+        """Streaming counters since load (or :meth:`reset_stats`); all zero for a resident plan."""
         return self.streamer.stats if self.streamer is not None else StreamStats()
 
     def reset_stats(self) -> None:
+        """Set the streaming counters back to zero."""
         if self.streamer is not None:
             self.streamer.reset_stats()
 

@@ -189,7 +189,28 @@ class Task:
 
     def tokenize(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
         """Feeds for ``texts`` (or ``(text, text)`` pairs) from the artifact's tokenizer, padded to
-        the longest (or ``pad_to``)."""
+        the longest (or ``pad_to``).
+
+        Args:
+            texts: a list of texts, or of ``(text, text)`` pairs (each pair read as one input, as a
+                cross-encoder reads a query and a passage).
+            pad_to: pad every row to at least this many tokens (default: the longest row's).
+
+        Returns:
+            The model's text inputs by name (``input_ids``, ``attention_mask``, and
+            ``token_type_ids`` or ``position_ids`` where the model takes them), each
+            (len(texts), tokens) int64, right-padded; each text cut to the tokenizer's maximum
+            length. Ready for :meth:`run`.
+
+        Raises:
+            TaskError: the artifact ships no tokenizer.
+            FeedError: not a list of texts, an empty list, or a text that is not valid Unicode.
+
+        Example:
+            >>> model = load("artifacts/all-MiniLM-L6-v2")
+            >>> model.tokenize(["Hello world", "Hi"])["input_ids"].tolist()
+            [[101, 7592, 2088, 102], [101, 7632, 102, 0]]
+        """
         check_unicode(texts)
         if self.text is None:
             raise self.unsupported("tokenize")
@@ -198,14 +219,42 @@ class Task:
         return self.text(texts, pad_to=pad_to)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
-        """Tokens per text as the model sees them (after truncation to its maximum length)."""
+        """Tokens per text as the model sees them (after truncation to its maximum length).
+
+        Args:
+            texts: a list of texts (or of ``(text, text)`` pairs).
+
+        Returns:
+            One count a text, special tokens included.
+
+        Raises:
+            TaskError: the artifact ships no tokenizer.
+            FeedError: an empty list, or an item that is not a text.
+
+        Example:
+            >>> model.count_tokens(["Hello world", "Hi"])
+            [4, 3]
+        """
         check_unicode(texts)
         if self.text is None:
             raise self.unsupported("count_tokens")
         return [len(e.ids) for e in self.text.encodings(list(texts))]
 
     def preprocess(self, images: Any) -> dict[str, np.ndarray]:
-        """Feeds for ``images`` (the pixel input), made as the source's Hugging Face image processor makes them."""
+        """Feeds for ``images`` (the pixel input), made as the source's Hugging Face image processor makes them.
+
+        Args:
+            images: an image or a list of them: file paths, PIL images or HxWx3 uint8 arrays
+                (reading them needs the ``vision`` extra, Pillow).
+
+        Returns:
+            ``{pixel input name: (len(images), 3, H, W) float32}``, ready for :meth:`run`.
+
+        Raises:
+            TaskError: the artifact does not take images.
+            SlimmlError: it ships no image preprocessor (``preprocessor_config.json``).
+            FeedError: no image, or one that cannot be read.
+        """
         if self.image_input is None:
             raise self.unsupported("preprocess")
         return next(self.image_batches(images if isinstance(images, (list, tuple)) else [images], 1 << 30))
@@ -234,8 +283,22 @@ class Task:
         For an artifact of components: ``component`` runs that one; without it, every
         component whose inputs the feeds hold runs.
 
+        Args:
+            feeds: input name -> numpy array, one for each of ``model.inputs`` (:meth:`tokenize`
+                makes them from texts, :meth:`preprocess` from images).
+            component: for an artifact of components, the one to run (a key of ``parts``).
+
+        Returns:
+            Output name -> numpy array: every output of the model, or of the components run.
+
         Raises:
             FeedError: feeds that do not fit the inputs (names, dtypes, shapes, values).
+            SlimmlError: ``component`` given for a one-chain artifact, or one it does not have.
+
+        Example:
+            >>> model = load("artifacts/all-MiniLM-L6-v2")
+            >>> model.run(model.tokenize(["Hello world"]))["last_hidden_state"].shape
+            (1, 4, 384)
         """
         if self.engine is not None:
             if component is not None:
@@ -261,7 +324,11 @@ class Task:
         return out
 
     def part(self, name: str) -> Engine:
-        """The engine of component ``name``."""
+        """The engine of component ``name`` (its own ``run``, ``plan`` and ``stats``).
+
+        Raises:
+            SlimmlError: the artifact has no component of that name (the message lists those it has).
+        """
         if name not in self.parts:
             has = f"it has {', '.join(self.parts)}" if self.parts else "it is one chain of shards"
             raise SlimmlError(f"the artifact {self.folder} has no component {name!r}; {has}.")
@@ -273,10 +340,12 @@ class Task:
 
     @property
     def inputs(self):
+        """The model's inputs, a list of :class:`~slimml.runtime.artifact.manifest.TensorSpec` (name, dtype, shape)."""
         return self.manifest.inputs
 
     @property
     def outputs(self):
+        """The model's outputs, a list of :class:`~slimml.runtime.artifact.manifest.TensorSpec`."""
         return self.manifest.outputs
 
     @property
@@ -291,14 +360,18 @@ class Task:
 
     @property
     def threads(self) -> int | None:
+        """ONNX Runtime intra-op threads, as ``load(threads=)`` set them (None: ORT's choice)."""
         return self._engines[0].threads
 
     @property
     def max_sequence_length(self) -> int | None:
+        """The most tokens the model takes in one sequence: its position table's rows, else the smaller
+        of the tokenizer's ``max_length`` and the source's ``max_position_embeddings`` (None: no bound known)."""
         return next((e.max_sequence_length for e in self._engines if e.max_sequence_length), None)
 
     @property
     def vocab_size(self) -> int | None:
+        """Rows of the token table ``input_ids`` index (a larger id is refused); None where the graph has none."""
         return next((e.vocab_size for e in self._engines if e.vocab_size), None)
 
     @property
@@ -332,12 +405,16 @@ class Task:
             e.verify()
 
     def check_files(self) -> None:
-        """Has any file changed since load? (cheap: see :meth:`Engine.check_files`)."""
+        """Has any file changed since load? (cheap: see :meth:`Engine.check_files`).
+
+        Raises:
+            IntegrityError: naming a file replaced, truncated or removed since load.
+        """
         for e in self._engines:
             e.check_files()
 
     def close(self) -> None:
-        """Stop loader threads and drop every session."""
+        """Stop loader threads and drop every session; a later call raises SlimmlError ("the model was closed")."""
         for e in self._engines:
             e.close()
 
@@ -379,6 +456,7 @@ class Plans:
         return any(p.streaming for p in self.plans.values())
 
     def describe(self) -> str:
+        """Each component's plan, described as ``ExecutionPlan.describe`` does, one after the other."""
         return "\n".join(f"component {name}: {p.describe()}" for name, p in self.plans.items())
 
 

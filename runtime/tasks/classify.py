@@ -37,6 +37,20 @@ class Classifier(Task):
         scores as transformers' pipelines make them (:func:`scores`), labels the source config's
         ``id2label``.
 
+        Args:
+            inputs: a text classifier's texts, or ``[text, text]`` pairs (read together); an image
+                classifier's images (paths, PIL images or HxWx3 uint8 arrays). A list, even of one.
+            top_k: classes kept per input, best first (default 5; None: every class).
+            batch_size: inputs a model call.
+            labels: for CLIP only (:meth:`ZeroShot.classify`); a classifier refuses it.
+
+        Returns:
+            Per input, a list of ``{"label": str, "score": float}``, best first.
+
+        Raises:
+            FeedError: an empty list or an item that is not an input, ``top_k`` or ``batch_size``
+                below 1, or ``labels`` given.
+
         Example:
             >>> load("artifacts/vit-base-patch16-224").classify(["cat.jpg"], top_k=1)
             [[{'label': 'tabby, tabby cat', 'score': 0.93}]]

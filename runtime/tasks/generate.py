@@ -77,6 +77,7 @@ class Generation:
 
     @property
     def tokens_per_s(self) -> float:
+        """New tokens (all prompts together) per second of the whole generation."""
         return sum(len(t) for t in self.tokens) / self.seconds if self.seconds else 0.0
 
     @property
@@ -156,6 +157,20 @@ def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None 
     character, never the start of what may still become a stop string); ``.result`` is the
     :class:`Generation` once the pieces are all read.
 
+    Args:
+        model: a loaded ``text-generation`` artifact.
+        prompt: one text (the artifact must ship a tokenizer), or one list of token ids.
+        config: a :class:`GenerationConfig`; ``options`` set its fields one by one instead.
+
+    Returns:
+        A :class:`GenerationStream` of text pieces (``indexed=False``). The prompt is checked now,
+        so a bad one raises here, before the first piece.
+
+    Raises:
+        FeedError: several prompts (``generate(prompts, stream=True)`` streams a batch), a prompt
+            that is neither a text nor ids, or one that does not fit the model.
+        ConfigError: a setting out of range, or an unknown option.
+
     Example:
         >>> for piece in model.stream("Tell me a story.", max_new_tokens=100, temperature=0.7, seed=0):
         ...     print(piece, end="", flush=True)
@@ -178,6 +193,8 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     """The assistant's reply to a conversation, rendered with the model's chat template.
 
     Args:
+        model: a loaded ``text-generation`` artifact with a chat template (its own, or one
+            :func:`use_chat_template` gave).
         messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]``, or a
             list of such conversations for a batch.
         stream: True: return a :class:`GenerationStream` of the reply's text pieces instead (its
@@ -208,9 +225,18 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
             think: a block the prompt opens is closed empty, a harmony reply opens on its final
             channel. Except gpt-oss's own calls: with tools, a harmony reply may think before it
             answers or calls (``tool_choice="auto"``), and its thoughts always come apart.
+        config, options: as :func:`generate` takes them (``max_new_tokens``, ``temperature``,
+            ``response_format``, ...).
 
     Returns:
-        A :class:`Generation` whose ``texts`` are the replies.
+        A :class:`Generation` whose ``texts`` are the replies (a :class:`GenerationStream` with ``stream``).
+
+    Raises:
+        FeedError: messages that are not a list of dicts with a ``role`` and text ``content``.
+        ConfigError: a setting out of range, an unknown option, ``tools`` that are not OpenAI's
+            form, or ``continue_final_message`` with tools or with ``add_generation_prompt``.
+        NoChatTemplateError: the artifact has no chat template (:func:`use_chat_template` gives one).
+        SlimmlError: the template failed to render these messages (its ``raise_exception``, say).
 
     Example:
         >>> model.chat([{"role": "user", "content": "What is 2+2?"}], max_new_tokens=32).texts[0]
@@ -286,9 +312,23 @@ def chat_prompt(model: Any, messages: list[dict[str, Any]], add_generation_promp
     ``variables`` reach the template (``tools``, ``enable_thinking``, ...). An assistant's
     ``tool_calls`` may give their arguments as JSON text, as OpenAI sends them.
 
+    Args:
+        model: a loaded ``text-generation`` artifact.
+        messages: ``[{"role": ..., "content": ...}, ...]``: one conversation.
+        add_generation_prompt: open the assistant's turn after the messages.
+        continue_final_message: end inside the last message, to continue it (not with
+            ``add_generation_prompt``).
+
+    Returns:
+        The prompt text, special tokens written out as text.
+
+    Raises:
+        NoChatTemplateError: the artifact has no chat template.
+        FeedError, ConfigError, SlimmlError: as :func:`chat` raises them.
+
     Example:
-        >>> chat_prompt(model, [{"role": "user", "content": "Hi"}])
-        '<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n'
+        >>> chat_prompt(model, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+        '<|im_start|>system\\nBe brief.<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
     """
     return chat_template(model).render(template_messages(messages), add_generation_prompt=add_generation_prompt,
                                        continue_final_message=continue_final_message, **variables)
@@ -305,7 +345,20 @@ def chat_template(model: Any) -> ChatTemplate:
 
 def use_chat_template(model: Any, template: str) -> None:
     """Render ``model``'s chats with ``template`` (a Jinja file's path, or the template's text)
-    instead of the artifact's own: a GGUF whose template knows no tools, a fixed template."""
+    instead of the artifact's own: a GGUF whose template knows no tools, a fixed template.
+
+    Args:
+        model: a loaded ``text-generation`` artifact (``model.use_chat_template(template)`` calls this).
+        template: a Jinja file's path, or the template's text; the artifact's special tokens still fill it.
+
+    Raises:
+        ConfigError: a path that is not a file, or a template that does not parse.
+
+    Example:
+        >>> use_chat_template(model, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}")
+        >>> chat_prompt(model, [{"role": "user", "content": "Hi"}], add_generation_prompt=False)
+        'user: Hi\\n'
+    """
     _templates[model] = ChatTemplate.of_artifact(model.folder, model.manifest.tokenizer, override=template,
                                                  manifest=model.manifest)
 

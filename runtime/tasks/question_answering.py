@@ -60,6 +60,17 @@ class QuestionAnswerer(Task):
             handle_impossible_answer: also offer the empty answer ("no answer in the context").
             align_to_words: widen an answer to the whole words it touches.
             batch_size: windows a model call.
+
+        Returns:
+            For one question and one context, ``{"score": float, "start": int, "end": int, "answer": str}``,
+            or, where ``top_k`` > 1 finds several, a list of up to ``top_k`` of them, best first; for
+            lists, one such result a question, in order.
+
+        Raises:
+            TaskError: the artifact ships no tokenizer.
+            FeedError: an empty question or context, lists of different lengths, an argument out
+                of range (``doc_stride`` not below ``max_seq_len``, ``max_seq_len`` past the
+                model's), or a question that leaves no room for the context in a window.
         """
         if not self.supports("answer"):
             raise self.unsupported("answer")

@@ -86,7 +86,31 @@ class Seq2Seq(Task):
         greedy; ``seed`` (an int, or one per prompt) gives each prompt the same tokens again.
         ``cancel`` (a ``threading.Event``, set from another thread) stops decoding before the next
         pass; what was made so far comes back with the finish reason ``"cancelled"``.
-        Returns a :class:`~slimml.runtime.tasks.generate.Generation`.
+
+        Args:
+            prompts: a non-empty list of texts or token id lists; for a speech model, WAV paths or
+                16 kHz float waveforms.
+            max_new_tokens: new tokens a prompt (a window, for long audio) at most.
+            num_beams: beams of a beam search (1: greedy or sampled).
+            length_penalty, no_repeat_ngram_size: the beam search's, as transformers reads them.
+            temperature: above 0 samples, 0 is greedy.
+            top_k, top_p: the sampler's cut-offs.
+            seed: an int, or one per prompt; None draws fresh seeds.
+            do_sample: as transformers reads it (False: greedy whatever the temperature).
+            language: a speech model's language, an ISO 639-1 code ("en"); None detects it.
+            cancel: a ``threading.Event``; set, it stops decoding before the next pass.
+
+        Returns:
+            A :class:`~slimml.runtime.tasks.generate.Generation`: per prompt, ``tokens``,
+            ``texts`` (None for id prompts) and ``finish_reasons``.
+
+        Raises:
+            ConfigError: an option only a decoder takes (``stop``, ``config``, penalties), a
+                sampling setting out of range (``temperature``, ``top_k``, ``top_p``), or
+                ``language`` for a text model.
+            FeedError: not a non-empty list of prompts, ``max_new_tokens`` below 1 or past the
+                decoder's positions, seeds that do not match the prompts, or a language the model
+                does not know.
 
         Example:
             >>> load("artifacts/t5-small").generate(["translate English to German: Hello"]).texts

@@ -43,13 +43,33 @@ class TextClassifier(Classifier):
         (sentence-transformers' ``CrossEncoder.rank``): each ``(query, document)`` pair read
         together, its score the model's one output through the activation its sentence-transformers
         config names (the sigmoid where it names none; ``Identity``: the logit itself); per document
-        ``{"index", "score"}``, best first, the ``top_n`` best (all when None)."""
+        ``{"index", "score"}``, best first, the ``top_n`` best (all when None).
+
+        Args:
+            query: the query, a non-empty text.
+            documents: the texts to rank (a non-empty list).
+            top_n: documents returned at most (None: all).
+            batch_size: pairs a model call.
+
+        Returns:
+            ``[{"index": int, "score": float}, ...]``, best first; ``index`` points into ``documents``.
+
+        Raises:
+            TaskError: the classifier is not a cross-encoder (it has more than one output).
+            FeedError: an empty query or document list, a document that is not a text, or
+                ``top_n`` below 1.
+        """
         return self.rerank_with_counts(query, documents, top_n, batch_size)[0]
 
     def rerank_with_counts(self, query: str, documents: list[str] | None = None, top_n: int | None = None,
                            batch_size: int = 32) -> tuple[list[dict[str, Any]], list[int]]:
         """:meth:`rerank`, and the tokens of each (query, document) pair as the model read it
-        (what a server's ``usage`` counts), from one tokenization."""
+        (what a server's ``usage`` counts), from one tokenization.
+
+        Returns:
+            ``(ranking, tokens)``: :meth:`rerank`'s list, and one token count a document, in the
+            order of ``documents``.
+        """
         if not self.supports("rerank"):
             raise self.unsupported("rerank")
         if not isinstance(query, str) or not query:

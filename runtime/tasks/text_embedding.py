@@ -61,6 +61,16 @@ class TextEmbedding(Task):
                 normalisation, not normalised again. None: the model's own (its saved
                 ``truncate_dim``, else every value).
 
+        Returns:
+            A (len(texts), dim) float32 array, row i the embedding of ``texts[i]``; ``dim`` is the
+            model's embedding size, or ``truncate_dim``.
+
+        Raises:
+            FeedError: not a list of texts (a single text too: wrap it as ``[text]``), an empty
+                list, a text that is not valid Unicode, a ``batch_size`` below 1, a ``prompt_name``
+                the model does not have, or a ``truncate_dim`` past its embedding size.
+            ConfigError: ``workers`` below 1, or above 1 for a model that streams or runs on CUDA.
+
         Example:
             >>> model = load("artifacts/all-MiniLM-L6-v2")
             >>> model.encode(["A man is eating.", "Someone eats."]).shape
@@ -74,7 +84,20 @@ class TextEmbedding(Task):
                            workers: int | None = None, *, prompt_name: str | None = None,
                            prompt: str | None = None, truncate_dim: int | None = None) -> tuple[np.ndarray, list[int]]:
         """:meth:`encode`, and the tokens of each text as the model saw them (what OpenAI's
-        ``usage`` counts), from one tokenization."""
+        ``usage`` counts), from one tokenization.
+
+        Args:
+            texts, batch_size, show_progress, workers, prompt_name, prompt, truncate_dim: as :meth:`encode`.
+
+        Returns:
+            ``(embeddings, tokens)``: :meth:`encode`'s array, and one token count a text (its
+            prompt and special tokens included, after truncation).
+
+        Example:
+            >>> emb, tokens = model.encode_with_counts(["A man is playing a guitar.", "Someone plays music."])
+            >>> emb.shape, tokens
+            ((2, 384), [9, 6])
+        """
         return embed_texts(self, self.engine, self.text, self.pooler.cut(truncate_dim), texts, batch_size, show_progress, workers,
                            prompt_text(self.manifest.pooling, prompt_name, prompt))
 

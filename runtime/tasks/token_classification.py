@@ -64,6 +64,16 @@ class TokenClassifier(Task):
                 tokens, instead of cutting it (not with ``aggregation="none"``); a text longer than
                 ``model.limits.max_text_chars`` is then refused, not cut.
             batch_size: windows a model call.
+
+        Returns:
+            One list of entity dicts a text; ``score`` a float, ``start``/``end`` ints, ``word`` the
+            span as the tokenizer decodes it (lower-cased by an uncased one).
+
+        Raises:
+            TaskError: the artifact ships no tokenizer.
+            FeedError: not a non-empty list of texts, an unknown ``aggregation``,
+                ``ignore_labels`` that is not a list of labels, or ``stride`` out of range or
+                with ``aggregation="none"``.
         """
         if not self.supports("entities"):
             raise self.unsupported("entities")

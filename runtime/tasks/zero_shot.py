@@ -46,13 +46,22 @@ class ZeroShot(Task):
         self.image_input, self.images = image_input(self.folder, images)
 
     def embed_texts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False) -> np.ndarray:
-        """Text embeddings from the text tower, (len(texts), dim) float32, L2-normalised."""
+        """Text embeddings from the text tower, (len(texts), dim) float32, L2-normalised.
+
+        Args:
+            texts: a list of texts.
+            batch_size: texts a model call.
+            show_progress: draw a progress bar over the batches (on stderr).
+        """
         return self.encode_with_counts(texts, batch_size, show_progress)[0]
 
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
                workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None,
                truncate_dim: int | None = None) -> np.ndarray:
-        """The text tower's embeddings (the sentence-embedding API, and ``slimml serve``'s /v1/embeddings)."""
+        """The text tower's embeddings (the sentence-embedding API, and ``slimml serve``'s /v1/embeddings).
+
+        Takes :meth:`TextEmbedding.encode`'s arguments; returns (len(texts), dim) float32.
+        """
         return self.encode_with_counts(texts, batch_size, show_progress, workers, prompt_name=prompt_name, prompt=prompt,
                                        truncate_dim=truncate_dim)[0]
 
@@ -67,7 +76,13 @@ class ZeroShot(Task):
         return prompt_text(self.pooling, prompt_name, prompt)  # the text tower's
 
     def embed_images(self, images: Any, batch_size: int = 32, normalize: bool = True) -> np.ndarray:
-        """Image embeddings from the vision tower, (len(images), dim) float32, L2-normalised."""
+        """Image embeddings from the vision tower, (len(images), dim) float32, L2-normalised.
+
+        Args:
+            images: an image or a list of them: file paths, PIL images or HxWx3 uint8 arrays.
+            batch_size: images a model call.
+            normalize: divide each embedding by its L2 norm (default).
+        """
         engine = self.part(self.image_part)
         output = image_output(t.name for t in engine.outputs)
         return embed_image_batches(engine.run, output, self.image_batches(images, batch_size), normalize)
@@ -79,6 +94,18 @@ class ZeroShot(Task):
         Scores are the softmax over the labels of ``scale * cos(image, label text)``, with the
         model's own ``exp(logit_scale)``. Prompt templates are the caller's choice (for example
         ``"a photo of a cat"`` rather than ``"cat"``).
+
+        Args:
+            images: an image or a list of them: file paths, PIL images or HxWx3 uint8 arrays.
+            labels: the candidate texts, a non-empty list.
+            top_k: labels kept per image, best first (None: all).
+            batch_size: texts or images a model call.
+
+        Returns:
+            Per image, a list of ``{"label": str, "score": float}``, best first.
+
+        Raises:
+            FeedError: no ``labels``, ``top_k`` below 1, or an image that cannot be read.
 
         Example:
             >>> clip.classify(["cat.jpg"], labels=["a photo of a cat", "a photo of a dog"])

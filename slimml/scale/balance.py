@@ -51,6 +51,10 @@ def split_stages(sizes: Sequence[int], stages: int, capacities: Sequence[float] 
     Returns:
         ``(first, last)`` shard indices per stage, inclusive.
 
+    Raises:
+        ConfigError: ``stages`` below 1 or more than the shards, or capacities that are not one
+            positive number a stage.
+
     Example:
         >>> split_stages([10, 10, 10, 10], 2)
         [(0, 1), (2, 3)]

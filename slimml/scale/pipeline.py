@@ -93,6 +93,15 @@ def pipeline(
         engine whose plan is one ``RayStages`` segment; ``close()`` stops the actors (and Ray, if
         slimml started it and no other pipeline of this process still uses it).
 
+    Raises:
+        ConfigError: Ray is not installed (the ``serve`` extra), an option out of range, more
+            stages than shards, or an artifact stages cannot split (components, or a language
+            model whose KV cache lives beside each layer: load it whole instead).
+        ArtifactError / IntegrityError: a missing, malformed or tampered artifact (a stage's own
+            load error is raised as the stage raised it).
+        StageError: Ray could not reserve the stages' CPUs within 60 s, or a stage's process died
+            as it started.
+
     Example:
         >>> from slimml.scale import pipeline
         >>> model = pipeline("artifacts/all-MiniLM-L6-v2", stages=2)

@@ -42,6 +42,17 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             ``encode`` against 0.73x through the proxy. A replica that dies leaves the port
             refusing connections until its replacement listens there (seconds to a minute: Serve must notice, then start it).
 
+    Returns:
+        None, once the server has stopped and what it started (Serve, a local Ray) is shut down.
+
+    Raises:
+        ArtifactError / IntegrityError: a missing, malformed or tampered artifact (checked before Ray starts).
+        ConfigError: Ray is not installed (the ``serve`` extra), a port out of range or taken, or
+            settings the artifact cannot take (``stages`` it cannot split, a chat template for
+            a model that does not chat).
+        SlimmlError: Ray Serve could not start its proxy or the application (the message says
+            where its logs are).
+
     Example:
         >>> serve(ServeConfig("artifacts/all-MiniLM-L6-v2", replicas=2), port=8000)
     """

@@ -111,8 +111,22 @@ def perplexity(model: Any, text: str, window: int | None = None, max_tokens: int
     added), at most ``max_tokens`` (default 32,768), cut into windows of equal length, at most ``window``
     (default 512, at most the model's context), each run from an empty cache.
 
+    Args:
+        model: a loaded ``text-generation`` artifact with a tokenizer (``model.perplexity`` calls this).
+        text: the text to score.
+        window: tokens a window holds at most (2 or more; not past the model's context).
+        max_tokens: tokens of the text read at most (2 or more).
+
+    Returns:
+        A :class:`Perplexity`: ``perplexity``, ``tokens`` scored (each window's after its first),
+        ``windows``, and ``window``, the tokens each window held.
+
     Raises:
         FeedError: not a text, a window or token count out of range, or a text of fewer than two tokens.
+
+    Example:
+        >>> perplexity(model, "The quick brown fox jumps over the lazy dog. " * 20)
+        Perplexity(perplexity=1.55..., tokens=200, windows=1, window=201, window_limit=512)
     """
     if not isinstance(text, str):
         raise FeedError(f"perplexity() takes a text (str), got {type(text).__name__}; read the file first.")
