@@ -82,7 +82,7 @@ class ExportConfig:
                               f"of {', '.join(TASKS[1:])}.")
 
 
-def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -> Exported:
+def export(source: Source, work_dir: str | os.PathLike, config: ExportConfig | None = None) -> Exported:
     """Export ``source`` to one ONNX graph in ``work_dir`` (weights may sit beside it as external
     data); an ONNX file is checked and used where it is.
 
@@ -90,7 +90,7 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
 
     Args:
         source: what to export, from :func:`~slimml.convert.resolve`.
-        work_dir: a folder (a ``Path``), made where missing.
+        work_dir: a folder, made where missing.
         config: how to export (default: ``ExportConfig()``, the exporter chosen by the model).
 
     Returns:
@@ -110,10 +110,10 @@ def export(source: Source, work_dir: Path, config: ExportConfig | None = None) -
         >>> exported = export(resolve(None), Path("work"), ExportConfig(exporter="torch"))
         >>> exported.onnx_path
         PosixPath('work/onnx/model.onnx')
-        >>> Path("shards").mkdir()
         >>> specs = shard(exported.onnx_path, "shards")   # shard_000.onnx, ...; specs for a manifest
     """
     config = config or ExportConfig()
+    work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     if config.exporter == "layerwise" and source.kind != "huggingface":
         raise SourceError(f"--exporter layerwise exports Hugging Face model folders; {source.name} is a {source.kind} "

@@ -112,7 +112,7 @@ def shard(model_path: str | os.PathLike, out_dir: str | os.PathLike, config: Sha
 
     Args:
         model_path: an ONNX file; external data beside it is read one shard at a time.
-        out_dir: an existing folder; gets ``shard_NNN.onnx`` and ``shard_NNN.onnx.data`` files.
+        out_dir: a folder (made where missing); gets ``shard_NNN.onnx`` and ``shard_NNN.onnx.data`` files.
         prefix: the files' name before ``_NNN`` (two chains in one folder need two prefixes).
         config: how to choose the cuts (default: per layer).
 
@@ -127,6 +127,9 @@ def shard(model_path: str | os.PathLike, out_dir: str | os.PathLike, config: Sha
 
     config = config or ShardConfig()
     model_path, out_dir = Path(model_path), Path(out_dir)
+    if not model_path.is_file():
+        raise ConfigError(f"{model_path} is not an ONNX file; give the path of the .onnx graph to shard.")
+    out_dir.mkdir(parents=True, exist_ok=True)
     model = onnx.load(str(model_path), load_external_data=False)
     prepare(model.graph, model_path.parent)
     g = _analyse(model)

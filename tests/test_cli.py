@@ -233,6 +233,21 @@ except MissingExtraError as e:
         assert not (tmp_path / "out").exists()
 
 
+def test_without_ray_serving_and_pipelines_raise_an_import_error_that_names_the_extra(monkeypatch):
+    """require_ray raised ConfigError, which code catching ImportError (as for every other extra) missed."""
+    import importlib.util
+
+    from slimml.errors import MissingExtraError
+    from slimml.scale.cluster import require_ray
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name.split(".")[0] == "ray" else find(name, *a))
+    with pytest.raises(ImportError) as e:
+        require_ray()
+    assert isinstance(e.value, MissingExtraError) and str(e.value) == (
+        "serving and pipelines run on Ray, which is not installed; install it with `pip install 'slimml[serve]'`.")
+
+
 def test_info_lists_numbered_tensors_once():
     """A decoder's cache tensors read as one entry per family, not 60 names."""
     from types import SimpleNamespace as T

@@ -387,6 +387,10 @@ def test_a_text_that_is_not_one_is_named_with_the_fix(tiny_bert_artifact):
                                         r"single text as \[text\]\.$"):
         model.tokenize(5)
     assert model.tokenize(iter(["a", "b"]))["input_ids"].shape[0] == 2
+    with pytest.raises(FeedError, match=r"^texts must be a list of strings .*, got str; wrap a single text as \[text\]\.$"):
+        model.count_tokens("Hello")  # one count a character before
+    with pytest.raises(FeedError, match=r"^the list of texts is empty; give at least one text\.$"):
+        model.count_tokens([])
 
 
 _MODELS: dict[Path, object] = {}

@@ -218,6 +218,22 @@ def test_a_chat_in_a_loop_prefills_only_each_turns_new_text(smol):
     assert 0 < stats["bytes"] <= 16 << 20 and smol.prefix.stats["bytes"] == 0  # prefix_cache(0) frees it
 
 
+def test_a_prefix_cache_size_that_is_not_one_keeps_the_store(smol):
+    """A bad size is refused before the store is dropped: what it held stays (it was cleared first)."""
+    from slimml.errors import ConfigError
+
+    smol.prefix_cache("16MB")
+    try:
+        smol.generate([" ".join(["The three oldest cities in Europe are older than their countries."] * 20)],
+                      max_new_tokens=2)  # whole blocks of prompt are kept
+        held = smol.prefix.stats["bytes"]
+        with pytest.raises(ConfigError, match=r"^prefix cache 'lots' is not a size; .*, or 0 to turn it off\.$"):
+            smol.prefix_cache("lots")
+        assert held > 0 and smol.prefix.stats["bytes"] == held
+    finally:
+        smol.prefix_cache(0)
+
+
 def test_a_traced_graph_prefills_every_prompt_whole(tiny_llama_past_artifact):
     from slimml.runtime import load
     from slimml.runtime.tasks.generation.config import GenerationConfig

@@ -117,3 +117,13 @@ def test_bad_shard_options_say_what_to_use(shards, size, message):
     with pytest.raises(ConfigError) as e:
         ShardConfig.parse(shards, size)
     assert str(e.value) == message
+
+
+def test_shard_makes_its_folder_and_names_a_graph_that_is_not_there(mlp_onnx, tmp_path, mlp_feeds):
+    """A missing out_dir was a raw onnx ValidationError; it is made, as export() makes its work_dir."""
+    out = tmp_path / "new" / "shards"
+    specs = shard(str(mlp_onnx), str(out))
+    np.testing.assert_array_equal(run_chain(specs, out, mlp_feeds)["y"],
+                                  ort.InferenceSession(str(mlp_onnx)).run(["y"], mlp_feeds)[0])
+    with pytest.raises(ConfigError, match=r"^\S+missing\.onnx is not an ONNX file; give the path of the \.onnx graph"):
+        shard(tmp_path / "missing.onnx", out)

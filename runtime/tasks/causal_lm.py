@@ -50,8 +50,9 @@ class CausalLM(Task):
         """
         from slimml.runtime.engine.budget import parse_bytes_or_off
 
+        size = parse_bytes_or_off(budget)  # a bad size refused before the store is dropped
         self.prefix.clear()
-        self.prefix = PrefixStore(parse_bytes_or_off(budget))
+        self.prefix = PrefixStore(size)
 
     def use_chat_template(self, template: str) -> None:
         """Render chats with ``template`` (a Jinja file's path, or the template's text) instead of

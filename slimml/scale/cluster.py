@@ -9,14 +9,14 @@ import signal
 import socket
 import threading
 
-from slimml.errors import ConfigError, SlimmlError
+from slimml.errors import ConfigError, MissingExtraError, SlimmlError
 from slimml.runtime.artifact.places import home_folder, unwritable
 
 CONNECT_TIMEOUT_S = 10  # a HOST:PORT that does not answer a TCP connection within this is refused
 
 
 def require_ray() -> None:
-    """Raise ConfigError, naming the extra to install, when Ray is missing."""
+    """Raise MissingExtraError (an ImportError too), naming the extra to install, when Ray is missing."""
     import importlib.util
 
     try:  # found, not imported: Ray Serve reads some settings when it is first imported (serve's direct_ingress)
@@ -24,7 +24,7 @@ def require_ray() -> None:
     except ImportError:
         found = False
     if not found:
-        raise ConfigError(
+        raise MissingExtraError(
             "serving and pipelines run on Ray, which is not installed; install it with "
             "`pip install 'slimml[serve]'`."
         ) from None

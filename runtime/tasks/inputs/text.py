@@ -42,7 +42,7 @@ class TextEncoder:
         cross-encoder's query and passage; longest first where it must be cut)."""
         check_texts(texts)
         if not texts:
-            raise FeedError("encode() got an empty list; give at least one text.")
+            raise FeedError("the list of texts is empty; give at least one text.")
         cut = self.limits.cut
         cut_texts = [cut([t])[0] if isinstance(t, str) else tuple(cut(list(t))) for t in texts]
         return tokenized(lambda: self.tokenizer.encode_batch(cut_texts))
