@@ -141,7 +141,7 @@ def export(source: Source, work_dir: str | os.PathLike, config: ExportConfig | N
         return _export_layerwise(source, work_dir, config, note)
     if note and config.task == "auto":  # a decoder fused cannot write: a traced graph, with its cache where it can
         return _traced_decoder(source, work_dir, config, note)
-    if config.exporter == "torch" and config.task == "auto" and is_causal_lm(source.path):  # generating wants the cache
+    if config.exporter in ("torch", "optimum") and config.task == "auto" and is_causal_lm(source.path):  # generating wants the cache
         config = replace(config, task="text-generation-with-past")
     exported = _export_huggingface(source, work_dir, config)
     if note:

@@ -130,7 +130,10 @@ def class_labels(folder: Path, task: str) -> list[str] | None:
     """``id2label`` as a list, for classifiers (a token classifier's labels are per token: kept too)."""
     if not task.endswith("classification") or task.startswith("zero-shot"):
         return None
-    id2label = json.loads((folder / "config.json").read_text()).get("id2label") or {}
+    config = json.loads((folder / "config.json").read_text())
+    if "id2label" not in config:  # transformers leaves its default out of config.json: two labels, so named
+        return ["LABEL_0", "LABEL_1"]
+    id2label = config.get("id2label") or {}
     try:
         ids = sorted(int(k) for k in id2label)
     except (TypeError, ValueError):

@@ -377,9 +377,11 @@ def for_language_model(config, manifest, folder=None):
     from slimml.quantize.config import Int8DynamicConfig, Int8StaticConfig
 
     if isinstance(config, Int8StaticConfig) and manifest is not None and str(manifest.task).startswith("text-generation"):
-        raise ConfigError("--quantize int8-static calibrates activations on recorded inputs, which a decoder's KV-cache "
-                          "inputs are not; quantize a language model with --quantize int8 (8-bit weights, int8 compute) "
-                          "or int4-weights.")
+        cached = any(t.name.startswith("past_key_values") for t in manifest.inputs)
+        why = ("calibrates activations on recorded inputs, which a decoder's KV-cache inputs are not" if cached else
+               "is not one of the language-model recipes (each keeps perplexity within its bound: docs/quantize.md)")
+        raise ConfigError(f"--quantize int8-static {why}; quantize a language model with --quantize int8 (8-bit "
+                          "weights, int8 compute) or int4-weights.")
     if not is_language_model(manifest):
         if getattr(config, "backend", None) == LM_BACKEND and not str(manifest.task).startswith("text-generation"):
             raise ConfigError(f'backend="{LM_BACKEND}" is the language-model recipe; {manifest.task!r} is not a decoder. '

@@ -81,7 +81,8 @@ def test_layerwise_export_matches_torch_and_the_whole_model_export(llama_dir, te
     assert manifest["steps"][0]["exporter"] == "layerwise (optimum-onnx template)"
     assert manifest["checks"]["max_abs_diff_vs_torch"] < 1e-4 and manifest["checks"]["reference"] == "torch, layer by layer"
     assert len(manifest["shards"]) == 5 + 2  # embeddings, five layers, head
-    whole = convert(llama_dir, tmp_path / "whole", ConvertConfig(export=ExportConfig(exporter="optimum"), measure_latency=False))
+    whole = convert(llama_dir, tmp_path / "whole", ConvertConfig(export=ExportConfig(exporter="optimum", task="text-generation"),
+                                                                 measure_latency=False))
     feeds = _feeds()
     ours = load(teacher_artifact).run(feeds)["logits"]
     np.testing.assert_array_equal(ours, load(whole.out).run(feeds)["logits"])

@@ -112,3 +112,7 @@ def test_exporter_optimum_still_traces_a_llama_fused_could_write(tmp_path):
         export=ExportConfig(task="text-generation-with-past", exporter="optimum"), measure_latency=False, verify=False))
     assert _export_step(tmp_path / "art")["exporter"] == "optimum-onnx"
     assert report.task == "text-generation-with-past" and "exporter_note" not in report.checks
+    # without --task too: generating wants the cache (it was the cache-free graph, silently)
+    report = convert(tmp_path / "hf", tmp_path / "auto", ConvertConfig(
+        export=ExportConfig(exporter="optimum"), measure_latency=False, verify=False))
+    assert report.task == "text-generation-with-past" and _export_step(tmp_path / "auto")["exporter"] == "optimum-onnx"

@@ -178,3 +178,53 @@ def test_a_refusal_points_only_at_routes_that_serve_the_model():
     refusal = task_refusal(TaskError("x", "text2text-generation", "transcribe", ("generate", "run")), t5)
     assert str(refusal) == ("this artifact is a 'text2text-generation' model, not a speech model, so it has no "
                             "/v1/audio/transcriptions; use POST /v1/generate, or POST /v1/run for its raw outputs.")
+
+
+def test_a_classifier_with_transformers_default_labels_classifies(tmp_path):
+    """transformers leaves the default labels (two, LABEL_0 and LABEL_1) out of config.json: the artifact
+    listed none and refused every call as damaged ("logits have shape (2, 2) but ... 0 labels")."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    BertForSequenceClassification(BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                                             num_attention_heads=2, intermediate_size=64, max_position_embeddings=64)
+                                  ).eval().save_pretrained(tmp_path / "src")
+    tokenizer.save_pretrained(tmp_path / "src")
+    assert "id2label" not in json.loads((tmp_path / "src" / "config.json").read_text())
+    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    classes = load(tmp_path / "art").classify(["great movie", "bad movie"], top_k=2)
+    assert [sorted(c["label"] for c in row) for row in classes] == [["LABEL_0", "LABEL_1"]] * 2
+
+
+def test_bench_times_a_model_of_fewer_than_128_positions_at_its_most(text_classifier):
+    """`slimml bench` with no --seq refused a model that takes fewer tokens than 128 (CLIP's text tower:
+    77) with a flag the user never gave; it times it at its most, and an asked --seq past it is refused."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from slimml.cli import app
+
+    ran = CliRunner().invoke(app, ["bench", str(text_classifier), "--runs", "2", "--json"])
+    assert ran.exit_code == 0, ran.output
+    assert json.loads(ran.output)["seq"] == 64
+    ran = CliRunner().invoke(app, ["bench", str(text_classifier), "--runs", "2", "--seq", "100"])
+    assert str(ran.exception) == "--seq 100 is past the 64 tokens this model takes; give --seq 64 or less."
+
+
+def test_eval_of_a_model_it_does_not_score_says_so_before_reading_the_data(text_classifier, tmp_path):
+    """A classifier given a text file was told its CSV lacked columns, as if a CSV would do."""
+    from typer.testing import CliRunner
+
+    from slimml.cli import app
+
+    (tmp_path / "t.txt").write_text("hello world\n")
+    ran = CliRunner().invoke(app, ["eval", str(text_classifier), "--data", str(tmp_path / "t.txt")])
+    assert str(ran.exception).startswith("slimml eval scores sentence-embedding models (Spearman on STS pairs) and "
+                                         f"language models (perplexity); {text_classifier} is a text-classification model.")

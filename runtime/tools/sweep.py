@@ -50,6 +50,8 @@ def sweep(
     seq: int = 128,
     runs: int = 5,
     pin: list[int] | None = None,
+    pack: bool | None = None,
+    cache_dir: str | os.PathLike | None = None,
 ) -> SweepResult:
     """Bench every (K, P) pair that is valid, plus the fully resident model, and write the results.
 
@@ -58,6 +60,7 @@ def sweep(
         resident: K values to try.
         prefetch: P values to try (default: each K's own default, K - pinned - 1).
         out_dir: where ``sweep.md``, ``sweep.csv`` and ``sweep.png`` go.
+        pack, cache_dir: as :func:`~slimml.runtime.load` takes them, for every plan timed.
 
     Example:
         >>> sweep("artifacts/my-llama", resident=[2, 3, 4], prefetch=[0, 1, 2], out_dir="sweep")
@@ -65,6 +68,9 @@ def sweep(
     from slimml.runtime.loader import load
 
     manifest = read_manifest(path)
+    if manifest.components:
+        raise ConfigError(f"--sweep times the plans of one chain of shards, and {path} has components "
+                          f"({', '.join(manifest.components)}); time one with slimml bench --component NAME --resident K.")
     _check_writable(Path(out_dir).absolute())  # before the runs, not after them
     if not resident or any(k < 1 for k in resident):
         raise ConfigError(f"--sweep needs resident values >= 1, got {resident}.")
@@ -88,7 +94,8 @@ def sweep(
     verify = True
     for k, p in combos:
         try:
-            model = load(path, device=device, resident=k, prefetch=p, pin=pin if k else None, verify=verify)
+            model = load(path, device=device, resident=k, prefetch=p, pin=pin if k else None, verify=verify,
+                         **({"pack": pack} if pack is not None else {}), **({"cache_dir": cache_dir} if cache_dir else {}))
         except ConfigError:
             continue
         verify = False  # hashing every file once is enough

@@ -20,7 +20,7 @@ from slimml.runtime.engine.config import LoadConfig
 def bench(
     artifact: Artifact,
     batch: Annotated[int, typer.Option(help="Batch size.")] = 1,
-    seq: Annotated[int, typer.Option(help="Sequence length for dynamic axes.")] = 128,
+    seq: Annotated[Optional[int], typer.Option(help="Sequence length for dynamic axes (default 128, or a model's most tokens where fewer; with --baseline, the baseline's).", show_default=False)] = None,
     runs: Annotated[int, typer.Option(help="Timed runs.")] = 50,
     loading: OptionValues = None,
     baseline: BaselineIn = None,
@@ -39,8 +39,9 @@ def bench(
     from slimml.runtime.tools.baseline import Baseline, Tolerances, check_settings
     from slimml.runtime.tools.bench import bench as do_bench, latency_settings
 
-    if batch < 1 or seq < 1 or runs < 1:
+    if batch < 1 or (seq is not None and seq < 1) or runs < 1:
         raise SlimmlError(f"--batch, --seq and --runs must be >= 1 (got {batch}, {seq}, {runs}).")
+    asked = seq is not None  # else 128, or fewer for a model that takes fewer tokens (CLIP's text: 77)
     tol = Tolerances(latency_increase_pct=max_latency_increase, size_increase_pct=max_size_increase)
     if sweep is not None and (baseline is not None or save_baseline is not None or against is not None):
         raise ConfigError("--sweep times many K,P plans and a gate one: drop --baseline/--save-baseline/--against, "
@@ -54,7 +55,10 @@ def bench(
     if old is not None:  # other settings fail before the timing runs
         from slimml.runtime.engine.backends import resolve_device
 
-        check_settings(old, "bench", {"batch": batch, "seq": seq, "device": resolve_device(device),
+        if not asked and isinstance(old.settings.get("seq"), int):
+            seq, asked = old.settings["seq"], True  # measured as the baseline was
+
+        check_settings(old, "bench", {"batch": batch, "seq": seq or 128, "device": resolve_device(device),
                                       **({"component": component} if component is not None else {})})
     if sweep is not None:
         from slimml.runtime.tools.sweep import sweep as do_sweep
@@ -65,7 +69,10 @@ def bench(
             p_values = [int(x) for x in ps.split(",") if x.strip()] or None
         except ValueError:
             raise SlimmlError(f"--sweep {sweep!r} is not 'K,K,...' or 'K,K,...:P,P,...' (whole numbers).") from None
-        result = do_sweep(artifact, k_values, p_values, sweep_out, device=device, batch=batch, seq=seq, runs=runs, pin=pin)
+        if loading["memory_budget"] is not None:
+            raise ConfigError("--sweep times every K,P it is given, and --memory-budget picks one: drop one of them.")
+        result = do_sweep(artifact, k_values, p_values, sweep_out, device=device, batch=batch, seq=seq or 128, runs=runs,
+                          pin=pin, pack=loading["pack"], cache_dir=loading["cache_dir"])
         if as_json:
             print(json.dumps({"rows": result.rows, "table": str(result.table), "plot": str(result.plot) if result.plot else None,
                               "skipped": result.skipped}))
@@ -82,20 +89,19 @@ def bench(
         if component is None:
             if old is not None or save_baseline is not None or against is not None:
                 raise ConfigError(f"{artifact} has components {', '.join(parts)}; a gate is for one: add --component NAME.")
-            results = {name: do_bench(part, batch=batch, seq=seq, runs=runs) for name, part in parts.items()}
+            seqs = {name: _seq_for(part, seq, asked, name) for name, part in parts.items()}
+            results = {name: do_bench(part, batch=batch, seq=seqs[name], runs=runs) for name, part in parts.items()}
             if as_json:
                 print(json.dumps({name: r.to_json() for name, r in results.items()}))
                 return
             for name, r in results.items():
-                console.print(f"component {name}: batch {batch} x seq {seq} on {device}: p50 {r.p50_ms:.2f} ms, "
+                console.print(f"component {name}: batch {batch} x seq {seqs[name]} on {device}: p50 {r.p50_ms:.2f} ms, "
                               f"p90 {r.p90_ms:.2f} ms, {r.throughput_per_s:.1f} items/s, model {r.model_mb:.1f} MB")
             return
         model = model.part(component)
     elif component is not None:
         raise SlimmlError(f"{artifact} is one chain of shards, without components; leave --component out.")
-    longest = model.max_sequence_length
-    if longest is not None and seq > longest and any(t.name == "input_ids" for t in model.manifest.inputs):
-        raise ConfigError(f"--seq {seq} is past the {longest} tokens this model takes; give --seq {longest} or less.")
+    seq = _seq_for(model, seq, asked, component)
     timed = {**({"component": component} if component is not None else {}), **latency_settings(model)}
     if old is not None:  # another streaming plan or thread count: refused before the timing runs
         check_settings(old, "bench", timed)
@@ -123,6 +129,20 @@ def bench(
             f"loads, {st['compute_s_per_run'] * 1e3:.1f} ms computing; peak RSS during runs {result.run_peak_rss_mb:.0f} MB"
         )
     with_baseline(None, now, old, baseline, save_baseline, tol)
+
+
+def _seq_for(model, seq: int | None, asked: bool, component: str | None) -> int:
+    """The sequence length to time ``model`` at: ``--seq``, refused past the tokens the model takes;
+    else 128, or the model's most tokens where fewer."""
+    longest = model.max_sequence_length
+    if longest is None or not any(t.name == "input_ids" for t in model.manifest.inputs):
+        return seq or 128
+    if not asked:
+        return min(128, longest)
+    if seq > longest:
+        whose = f"component {component!r} takes" if component else "this model takes"
+        raise ConfigError(f"--seq {seq} is past the {longest} tokens {whose}; give --seq {longest} or less.")
+    return seq
 
 
 def _bench_against(model, against: Path, config, component, batch, seq, runs, timed, tol, as_json) -> None:

@@ -48,6 +48,10 @@ def eval_(
                           f"{'--max-perplexity-increase' if language else '--max-accuracy-drop'}.")
     tol = Tolerances(accuracy_drop=0.1 if max_accuracy_drop is None else max_accuracy_drop,
                      perplexity_increase_pct=0.1 if max_perplexity_increase is None else max_perplexity_increase)
+    if not language and "encode" not in _methods(artifact):  # before its data is read as STS pairs
+        raise ConfigError(f"slimml eval scores sentence-embedding models (Spearman on STS pairs) and language models "
+                          f"(perplexity); {artifact} is a {task} model. Score it on your labelled data through the "
+                          "Python API (docs/runtime.md), and gate its speed with slimml bench.")
     read_text(data) if language else read_sts(data)  # a bad data file fails before the model loads
     metric = "perplexity" if language else "spearman"
     if old is not None and old.kind == "eval" and old.settings.get("metric", metric) != metric:
@@ -94,3 +98,11 @@ def eval_(
     else:
         console.print(said)
         with_baseline(None, now, old, baseline, save_baseline, tol)
+
+
+def _methods(artifact: Path) -> frozenset[str]:
+    """The task methods ``load(artifact)`` would offer, read from its manifest without loading it."""
+    from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.runtime.tasks.registry import kind_of, registered
+
+    return frozenset(registered()[kind_of(read_manifest(artifact))].methods)
