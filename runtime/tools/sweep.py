@@ -94,8 +94,8 @@ def sweep(
     verify = True
     for k, p in combos:
         try:
-            model = load(path, device=device, resident=k, prefetch=p, pin=pin if k else None, verify=verify,
-                         **({"pack": pack} if pack is not None else {}), **({"cache_dir": cache_dir} if cache_dir else {}))
+            model = load(path, device=device, resident=k, prefetch=p, pin=pin if k else None, verify=verify, pack=pack,
+                         cache_dir=cache_dir)
         except ConfigError:
             continue
         verify = False  # hashing every file once is enough

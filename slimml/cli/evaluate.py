@@ -81,10 +81,6 @@ def eval_(
                  **({} if language else {"batch_size": batch_size or 32})}
         check_settings(old, "eval", early)
     model = load(artifact, loading.build())
-    if not language and not model.supports("encode"):
-        raise ConfigError(f"slimml eval scores sentence-embedding models (Spearman on STS pairs) and language models "
-                          f"(perplexity); {artifact} is a {task} model. Score it on your labelled data through the "
-                          "Python API (docs/runtime.md), and gate its speed with slimml bench.")
     if language:
         result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)
         said = (f"perplexity = {result.score:.4f} on {result.count} tokens ({data.name}, {result.settings['windows']} "

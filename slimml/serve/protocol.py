@@ -474,8 +474,7 @@ def _prompt_fault(prompts: list) -> str:
         if isinstance(p, list):
             bad = next((t for t in p if not isinstance(t, int) or isinstance(t, bool)), None)
             if bad is not None:
-                shown = repr(bad) if len(repr(bad)) <= 24 else repr(bad)[:24] + "..."
-                return f'"prompt"[{i}] holds {shown}; token ids are whole numbers >= 0.'
+                return f'"prompt"[{i}] holds {shown(bad, 24)}; token ids are whole numbers >= 0.'
         elif not isinstance(p, str):
             return f'"prompt"[{i}] is a JSON {_json_type(p)}; send texts, or lists of token ids.'
     return '"prompt" mixes texts and token id lists; send one kind in a request.'

@@ -47,9 +47,8 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
 
     Raises:
         ArtifactError / IntegrityError: a missing, malformed or tampered artifact (checked before Ray starts).
-        ConfigError: Ray is not installed (the ``serve`` extra), a port out of range or taken, or
-            settings the artifact cannot take (``stages`` it cannot split, a chat template for
-            a model that does not chat).
+        ConfigError: a port out of range or taken, or settings the artifact cannot take (``stages``
+            it cannot split, a chat template for a model that does not chat).
         SlimmlError: Ray Serve could not start its proxy or the application (the message says
             where its logs are).
 
