@@ -244,6 +244,9 @@ def config_facts(folder: Path) -> dict[str, Any]:
     keys = ("model_type", "vocab_size", "max_position_embeddings", "num_hidden_layers", "num_channels", "image_size",
             "max_source_positions")
     facts = {k: config[k] for k in keys if k in config}
+    tokens = usable_positions(folder)
+    if tokens:  # RoBERTa's 514 rows take 512 tokens: the runtime bounds a sequence by this, not the rows
+        facts["max_tokens"] = tokens
     if isinstance(config.get("problem_type"), str):  # a classifier's scores: softmax, or sigmoid for multi-label
         facts["problem_type"] = config["problem_type"]
     st = config.get("sentence_transformers") if isinstance(config.get("sentence_transformers"), dict) else {}

@@ -372,7 +372,12 @@ def test_a_tokenizer_that_names_no_length_reads_the_model_s_positions(tmp_path):
     unnamed(tmp_path / "roberta")
     RobertaModel(RobertaConfig(vocab_size=700, pad_token_id=1, max_position_embeddings=514, **SMALL)).save_pretrained(tmp_path / "roberta")
     convert(tmp_path / "roberta", tmp_path / "roberta-art", ConvertConfig(measure_latency=False))
-    assert load(tmp_path / "roberta-art").manifest.tokenizer["max_length"] == 512  # 514 rows, 2 of them before the first position
+    roberta = load(tmp_path / "roberta-art")
+    assert roberta.manifest.tokenizer["max_length"] == 512  # 514 rows, 2 of them before the first position
+    assert roberta.engine.max_sequence_length == 512  # ids past it read no row: refused with the limit (before: ORT's Gather error)
+    ids = np.full((1, 513), 5, dtype=np.int64)
+    with pytest.raises(FeedError, match="takes at most 512 tokens; truncate to 512"):
+        roberta.run({"input_ids": ids, "attention_mask": np.ones_like(ids)})
 
 
 def test_usable_positions_reads_each_family_s_key(tmp_path):

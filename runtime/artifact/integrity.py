@@ -249,12 +249,14 @@ def id_limits(facts: list[ShardFacts]) -> dict[str, int]:
 
 
 def max_sequence_length(facts: list[ShardFacts], manifest: Manifest) -> int | None:
-    """The longest sequence the model takes: its position table's rows; else the smaller of the
+    """The longest sequence the model takes: its position table's rows, less the rows its position
+    ids skip (the source's ``max_tokens``: RoBERTa's 514 rows take 512 tokens); else the smaller of the
     tokenizer's max_length and the source config's ``max_position_embeddings`` (rotary decoders
     have no table, and without a tokenizer nothing else bounds a sequence of ids)."""
     tables = [f.max_positions for f in facts if f.max_positions]
     if tables:
-        return min(tables)
+        tokens = (manifest.source or {}).get("max_tokens")
+        return min(tables + ([tokens] if type(tokens) is int and tokens > 0 else []))
     known = []
     if manifest.tokenizer and manifest.tokenizer.get("max_length"):
         known.append(int(manifest.tokenizer["max_length"]))
