@@ -508,6 +508,9 @@ def test_slimml_generate_and_info_on_t5(t5):
         PROMPTS[:1], max_new_tokens=4, temperature=0.8, top_k=0, seed=3).tokens, off.stderr
     refused = slimml("generate", art, PROMPTS[0], "--stop", "x")
     assert refused.returncode == 1 and "drop --repetition-penalty" in refused.stderr
+    for flag in (["--truncate"], ["--prompt-lookup", "4"]):  # a decoder's: they were taken and did nothing
+        refused = slimml("generate", art, PROMPTS[0], *flag)
+        assert refused.returncode == 1 and flag[0] in refused.stderr.split("drop ")[-1], refused.stderr
     info = slimml("info", art)
     assert "components: encoder (" in info.stdout and "decoder_with_past (" in info.stdout
     bad = slimml("run", art, "--audio", t5["root"] / "nothing.wav")

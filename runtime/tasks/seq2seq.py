@@ -340,7 +340,7 @@ def _uncut_feeds(model: Seq2Seq, prompts: list[str]) -> dict[str, np.ndarray]:
         if e.overflowing:
             n = text.token_counts([prompts[i]])[0] + text.special_tokens(False)
             raise FeedError(f"prompt {i} is {n} tokens, more than the {text.max_length} this model reads; shorten it or "
-                            "split it into parts of at most that many tokens (it was cut there, silently).")
+                            "split it into parts of at most that many tokens (the model would answer for its start only).")
     return text.batch(encodings)
 
 

@@ -92,11 +92,11 @@ def generate(
         err.print(model.plan.describe())
     if not model.supports("stream"):  # an encoder-decoder answers: greedy, sampled or by beam search
         sampling = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=seed)
-        if chat or config != GenerationConfig(**length, **sampling, truncate=truncate, prompt_lookup=prompt_lookup):
+        if chat or config != GenerationConfig(**length, **sampling):
             raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily, by sampling (--temperature, "
                               "--top-k, --top-p, --seed) or by beam search (--num-beams), without a chat template; drop "
                               "--repetition-penalty, --presence-penalty, --frequency-penalty, --logit-bias, --logprobs, "
-                              "--response-format, --stop and --chat.")
+                              "--response-format, --stop, --truncate, --prompt-lookup and --chat.")
         result = model.generate(list(prompt), max_new_tokens=max_new_tokens, num_beams=num_beams, temperature=temperature,
                                 top_k=top_k, top_p=top_p, seed=seed)  # None: the model's own; 0 and 1.0 turn them off
         if not as_json:
