@@ -172,7 +172,9 @@ def test_cli_bench_against_times_both_alternately(tiny_bert_artifact, tiny_llama
     assert "FAIL: 1 regression(s): model_mb rose" in r.output  # the float model is larger than the int8 one
     for other, said in (([str(tiny_bert_artifact), "--against", str(tiny_llama_past_artifact)], "takes other inputs"),
                         ([str(tiny_bert_artifact), "--against", str(tmp_path / "int8"), "--baseline", str(tmp_path / "b.json")],
-                         "give one of them")):
+                         "give one of them"),
+                        ([str(tiny_bert_artifact), "--against", str(tmp_path / "gone")],  # which of the two is meant
+                         f"the reference {tmp_path / 'gone'}: {tmp_path / 'gone'} is not an artifact folder")):
         r = runner.invoke(app, ["bench", *other, *args])
         assert r.exit_code == 1 and said in str(r.exception), r.output
 

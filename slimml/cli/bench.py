@@ -151,7 +151,11 @@ def _bench_against(model, against: Path, config, component, batch, seq, runs, ti
     from slimml.runtime.tools.baseline import Baseline
     from slimml.runtime.tools.bench import bench_against, check_comparable
 
-    reference = load(against, config)
+    try:
+        reference = load(against, config)
+    except SlimmlError as e:  # a budget or a damaged file: say which of the two artifacts it is about
+        e.args = (f"the reference {against}: {e}", *e.args[1:])
+        raise
     if component is not None:
         if component not in reference.parts:
             raise ConfigError(f"the reference {against} has no component {component!r}"
