@@ -37,6 +37,7 @@ def test_a_stage_loads_only_its_shards_and_chains_to_the_whole(tiny_bert_artifac
     tail.allow_nonfinite = True  # the attention mask activation holds -inf
     out = tail.run({t.name: {**feeds, **mid}[t.name] for t in tail.inputs})
     np.testing.assert_array_equal(out["last_hidden_state"], whole.run(feeds)["last_hidden_state"])
+    assert type(tail).__name__ == "Generic"  # its 4-d mask input made it an image embedder
     with pytest.raises(Exception, match="not a range of this artifact"):
         load(tiny_bert_artifact, shards=(2, n))
 

@@ -214,7 +214,8 @@ class Manifest:
         Its inputs are what those shards read from outside (model inputs and earlier shards'
         activations), its outputs what they hand on (activations later shards read, and model
         outputs); its shards are renumbered from 0 and its files are theirs alone, so loading it
-        hashes and maps only them. It has no tokenizer or pooling: the caller does text.
+        hashes and maps only them. It has no tokenizer or pooling (the caller does text), and its task
+        is ``generic``: it runs tensors, as ``run`` takes them (a mask between shards is no image).
         """
         whole = all(isinstance(i, int) and not isinstance(i, bool) for i in (first, last))
         if not whole or not 0 <= first <= last < len(self.shards):
@@ -234,7 +235,7 @@ class Manifest:
                   for s in self.shards[first:last + 1]]
         paths = {p for s in shards for p in (s.file, s.data) if p}
         return Manifest(
-            name=f"{self.name} (shards {first}-{last})", task=self.task, source=self.source, steps=self.steps,
+            name=f"{self.name} (shards {first}-{last})", task="generic", source=self.source, steps=self.steps,
             inputs=[TensorSpec(t.name, t.dtype, list(t.shape)) for t in ins], outputs=list(outs), shards=shards,
             files=[f for f in self.files if f.path in paths], checks={}, slimml_version=self.slimml_version,
             format_version=self.format_version,

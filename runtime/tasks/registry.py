@@ -48,7 +48,8 @@ def kind_of(manifest: Manifest) -> str:
     An artifact of components is an encoder-decoder (``seq2seq``), an image-text model
     (``zero_shot``) or generic; one chain is a decoder (task ``text-generation*`` with
     ``input_ids`` -> ``logits``), a classifier (``labels``, of images where it takes pixels),
-    a sentence embedder (``pooling``), an image embedder (pixels in, an embedding out), or generic.
+    a sentence embedder (``pooling``), an image embedder (pixels in, an embedding out), or generic
+    (task ``generic``: what came as an ONNX file or torch module, and a pipeline stage).
     """
     inputs = {t.name for t in manifest.inputs}
     outputs = {t.name for t in manifest.outputs}
@@ -58,6 +59,8 @@ def kind_of(manifest: Manifest) -> str:
             return Seq2Seq.kind
         if manifest.zero_shot:
             return ZeroShot.kind
+        return Generic.kind
+    if manifest.task == "generic":  # an ONNX file, a torch module, a pipeline stage: tensors in, tensors out
         return Generic.kind
     if manifest.task.startswith("text-generation") and "input_ids" in inputs and "logits" in outputs:
         return CausalLM.kind
