@@ -118,6 +118,10 @@ def test_logits_only_where_they_are_read(arts, resident):
     for bad in (7, -1):  # a position the pass does not have: one line naming the range, not ONNX Runtime's error
         with pytest.raises(FeedError, match=r"'logits_index' asks for position .*outside this pass's 0\.\.6"):
             model.run(feeds | {"logits_index": np.array([[bad], [0]])})
+    over = {n: np.zeros((2, 2, 3, 16), np.float32) for n in feeds if n.startswith("past_key_values.")}
+    over |= {"input_ids": ids[:, :2], "attention_mask": np.ones((2, 5), np.int64), "logits_index": np.array([[1], [1]])}
+    with pytest.raises(FeedError, match="one row at a time"):  # GroupQueryAttention's rule, said with what to do
+        model.run(over)
     model.close()
 
 

@@ -109,6 +109,10 @@ class Step:
             return OutOfMemoryError(f"{self.label} ran out of memory for this batch (ONNX Runtime could not allocate a buffer); "
                              "send fewer rows or shorter sequences a call (encode's batch_size), or stream the model with "
                              "a memory budget.")
+        if "batch_size must be 1 when sequence_length > 1 and past context" in str(e):  # GroupQueryAttention's rule
+            return FeedError(f"{self.label} takes several new tokens over a KV cache one row at a time (ONNX Runtime's "
+                             "fused attention): run such rows one per call, or one new token per row (generate() and "
+                             "perplexity() do so for you).")
         return FeedError(f"{self.label} rejected the inputs: {_first_line(e)}. {self._hint()}")
 
     def _hint(self) -> str:
