@@ -495,6 +495,40 @@ def test_a_budget_counts_the_4_bit_weights_a_fed_session_keeps():
         refit(plan, {}, manifest, None, {0: 90, 2: 260})
 
 
+def test_a_budget_counts_the_float_matrix_a_fed_4_bit_matmul_unpacks_to(tmp_path):
+    """A 4-bit weight fed as an input is not pre-packed: ONNX Runtime's MatMulNBits unpacks it to a
+    K x N float matrix each pass, and the shared arena keeps the largest. SmolLM2's lm_head (113 MB
+    unpacked) took a 40 MB budget to 302 MB of RSS, more than the model resident (284 MB)."""
+    from types import SimpleNamespace
+
+    from conftest import save_tiny_llama
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+    from slimml.quantize import quantize
+    from slimml.quantize.config import scheme_config
+    from slimml.runtime.engine.budget import StreamPlan, refit
+
+    manifest = SimpleNamespace(shards=[SimpleNamespace(file=f"shard_{i:03d}.onnx") for i in range(4)])
+    plan = StreamPlan(2, 1, [], [0, 1, 2, 3], 600, 1000, "", [100, 300, 300, 300], 700)
+    fitted = refit(plan, {}, manifest, None, None, {1: 50, 3: 80})  # one shard runs at a time: the largest counts
+    assert (fitted.resident, fitted.peak_bytes) == (2, 680) and fitted.sizes == plan.sizes
+    with pytest.raises(ConfigError, match=r"resident=2 can need 680 B with the 4-bit weights the sessions unpack, over"):
+        refit(dataclasses.replace(plan, budget=650), {}, manifest, 2, None, {1: 50, 3: 80})
+    folder = save_tiny_llama(tmp_path / "hf", hidden_size=128, intermediate_size=256)
+    convert(folder, tmp_path / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
+                                                     measure_latency=False))
+    art = tmp_path / "int4"
+    quantize(tmp_path / "fp32", art, scheme_config("int4-weights"))
+    model = load(art, resident=2, pack=False)
+    source = next(s for s in model.plan.segments if s.kind == "streamed").source
+    unpacked = source.unpacked_bytes()
+    assert unpacked and min(unpacked.values()) >= 128 * 256 * 4  # each layer's MLP: hidden x intermediate floats
+    top = max(unpacked, key=unpacked.get)
+    assert model.plan.peak_bytes >= unpacked[top] + max(model.plan.sizes[1:])
+    with pytest.raises(ConfigError, match=r"cannot hold shard \d+ .* the largest fed 4-bit matmul weight "
+                                          rf"unpacked to float as its shard runs .*shard {top}; pin it"):
+        load(art, memory_budget=unpacked[top] // 2 + max(model.plan.sizes), pack=False)
+
+
 def test_a_budget_holds_the_pre_packed_weights_not_the_files(tmp_path):
     """A 4-bit shard's weights pre-packed for the CPU take ~1.5x its file; the budget counted the
     files, so a slot held 26% more than the budget allowed. Now K is fitted to what the slots hold,

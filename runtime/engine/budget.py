@@ -320,12 +320,14 @@ PACK_SLACK = 1 / 32  # loaded sizes this close to the files' (page rounding, fp3
 
 
 def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident_asked: int | None,
-          kept: dict[int, int] | None = None) -> StreamPlan:
+          kept: dict[int, int] | None = None, unpacked: dict[int, int] | None = None) -> StreamPlan:
     """``plan`` held to its budget once the streamed shards' loaded sizes are known (``loaded``:
     shard -> bytes a slot holds; on CPU the pre-packed weights, up to 1.6x a 4-bit shard's file;
     ``kept``: shard -> bytes of its weights its session holds for the model's life, outside the
-    slots: fed 4-bit weights, which ONNX Runtime's Python API cannot take as inputs). Without a budget
-    only the plan's peak changes; K drops where the budget chose it; an explicit ``resident`` that no longer fits, or a streamed shard alone over
+    slots: fed 4-bit weights, which ONNX Runtime's Python API cannot take as inputs; ``unpacked``:
+    shard -> bytes a fed 4-bit matmul weight is unpacked into as the shard runs, one shard at a time,
+    the largest kept by the arena). Without a budget only the plan's peak changes; K drops where the
+    budget chose it; an explicit ``resident`` that no longer fits, or a streamed shard alone over
     what the pinned shards and the kept weights leave, is refused.
 
     Raises:
@@ -333,16 +335,20 @@ def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident
     """
     grown = {i: loaded[i] for i in plan.streamed if loaded.get(i, 0) > plan.sizes[i] * (1 + PACK_SLACK)}
     kept = {i: n for i, n in (kept or {}).items() if n and i in plan.streamed}
-    if not plan.streaming or not (grown or kept):
+    unpacked = {i: n for i, n in (unpacked or {}).items() if n and i in plan.streamed}
+    if not plan.streaming or not (grown or kept or unpacked):
         return plan
     sizes = list(plan.sizes)
     for i, n in grown.items():
         sizes[i] = n
-    held = sum(kept.values())  # beside the slots, which still map the whole data file
+    held = sum(kept.values()) + max(unpacked.values(), default=0)  # beside the slots (which map whole data files)
     pin_bytes = sum(sizes[i] for i in plan.pinned) + held
     beside = ([f"the pinned {plan.pinned} ({fmt_bytes(pin_bytes - held)})"] if plan.pinned else []) + (
-        [f"the 4-bit weights the streamed shards' sessions keep ({fmt_bytes(held)})"] if held else [])
-    how = "with the weights pre-packed for this CPU" if grown else "with the 4-bit weights the sessions keep"
+        [f"the 4-bit weights the streamed shards' sessions keep ({fmt_bytes(sum(kept.values()))})"] if kept else []) + (
+        [f"the largest fed 4-bit matmul weight unpacked to float as its shard runs ({fmt_bytes(max(unpacked.values()))}: "
+         f"shard {max(unpacked, key=unpacked.get)}; pin it to keep it packed)"] if unpacked else [])
+    how = ("with the weights pre-packed for this CPU" if grown else
+           "with the 4-bit weights the sessions " + " or ".join(w for w, x in (("keep", kept), ("unpack", unpacked)) if x))
     other = ("load with pack=False (--no-pack: weights fed as inputs: their size on disk, slower decoding)" if grown else
              "load with pack=True (--pack, the default: 4-bit weights pre-packed, paged in and out with their shards)")
     slots = plan.resident - len(plan.pinned)

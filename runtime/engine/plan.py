@@ -293,9 +293,11 @@ def build_plan(folder: Path, manifest: Manifest, memory: StreamPlan, config: Loa
     segments = [resident.get(n) or moving[n] for n in range(len(runs))]
     loaded = getattr(source, "loaded_bytes", None)  # what a slot holds, known once the shards are ready (pre-packed)
     kept = getattr(source, "kept_bytes", None)  # what sessions hold outside the slots (fed 4-bit weights)
-    if loaded is not None or kept is not None:
+    unpacked = getattr(source, "unpacked_bytes", None)  # what a fed 4-bit matmul unpacks to as it runs (CPU)
+    if loaded is not None or kept is not None or unpacked is not None:
         try:
-            memory = refit(memory, loaded() if loaded else {}, manifest, config.resident, kept() if kept else None)
+            memory = refit(memory, loaded() if loaded else {}, manifest, config.resident, kept() if kept else None,
+                           unpacked() if unpacked else None)
         except BaseException:
             for seg in segments:
                 seg.close()

@@ -36,7 +36,7 @@ from slimml.runtime.artifact.files import safe_path, verify_file
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.engine.budget import fmt_bytes
 from slimml.runtime.engine.merge import relative_to_folder
-from slimml.runtime.engine.weights import WeightSpec, canonical, weights_as_inputs
+from slimml.runtime.engine.weights import WeightSpec, canonical, unpacked_bytes, weights_as_inputs
 
 log = logging.getLogger("slimml")
 
@@ -90,6 +90,7 @@ class FedSlots:
         self.names: dict[int, dict[str, str]] = {}
         self._compiled: dict[str, object] = {}  # canonical graph's sha256 -> its session
         self._kept: dict[int, int] = {}  # shard -> bytes of 4-bit weights its session holds as constants (PACKED_TYPES)
+        self._unpacked: dict[int, int] = {}  # shard -> bytes its largest fed 4-bit matmul unpacks to as it runs (CPU)
         self.entries = {f.path: f for f in manifest.files}
         # what each file looked like when load() hashed it: a change mid-stream means re-hashing
         self.seen = {p: file_stamp(safe_path(folder, p)) for p in self.entries} if verify else None
@@ -110,6 +111,8 @@ class FedSlots:
                         "values a byte; stream them pre-packed (pack=True, the default) to page them in and out",
                         index, fmt_bytes(packed))
         self._kept[index] = packed
+        if self.backend.name == "cpu":
+            self._unpacked[index] = unpacked_bytes(model, {w.name for w in self.specs[index]})
         same = canonical(graph)
         if same is not None:
             key, graph, self.names[index] = same
@@ -131,6 +134,12 @@ class FedSlots:
         """Shard -> the bytes of its weights its session holds as constants for its life, outside the
         slots (4-bit ones), for the shards compiled so far."""
         return {i: n for i, n in self._kept.items() if n}
+
+    def unpacked_bytes(self) -> dict[int, int]:
+        """Shard -> the bytes ONNX Runtime's CPU kernel unpacks its largest fed 4-bit matmul weight
+        into as the shard runs (a weight fed as an input is not pre-packed: MatMulNBits turns it into
+        a float matrix each pass, and the shared arena keeps the largest), for the shards compiled so far."""
+        return {i: n for i, n in self._unpacked.items() if n}
 
     def check_cache(self, deep: bool = False) -> None:
         """Nothing: fed weights are read from the artifact's own (watched) files."""

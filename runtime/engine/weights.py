@@ -76,6 +76,18 @@ def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[We
     return model.SerializeToString(), specs, packed
 
 
+def unpacked_bytes(model: onnx.ModelProto, fed: set[str]) -> int:
+    """The bytes of the largest float matrix ONNX Runtime's CPU ``MatMulNBits`` unpacks a fed
+    weight into (K x N float32): a weight that is an input, not a constant, is not pre-packed at
+    session creation, so each pass dequantizes it whole (a 49152 x 576 lm_head: 113 MB)."""
+    largest = 0
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits" and len(node.input) > 1 and node.input[1] in fed:
+            dims = {a.name: a.i for a in node.attribute if a.name in ("K", "N")}
+            largest = max(largest, dims.get("K", 0) * dims.get("N", 0) * 4)
+    return largest
+
+
 def canonical(graph_bytes: bytes) -> tuple[str, bytes, dict[str, str]] | None:
     """The graph with every value and node renamed by position, so that shards of one layer type
     (every decoder layer of a Llama) give the same bytes and can share one compiled session.
