@@ -309,13 +309,19 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
             step(f"running float shard {spec.index + 1} on the calibration data")
             ch.advance(envs, path, spec.index, last_read)
         if q is None or unchanged:
-            float_why[spec.index] = _unchanged_why(model, config) if unchanged else "nothing to quantize"
+            float_why[spec.index] = _unchanged_why(model, config, ran=unchanged)
             continue
         qpath = work / spec.file
         save_onnx(q, qpath)
         quant_files[spec.index] = qpath
         notes[spec.index] = ctx.notes
     if not quant_files:
+        said = sorted({why.removeprefix("left float: ") for why in float_why.values()
+                       if why.startswith("left float: ") and not why.endswith("found nothing it changes in it")})
+        if said:  # the scheme's own reason
+            raise ConfigError(f"the artifact {src} would come out of {type(config).__name__} unchanged: "
+                              f"{'; '.join(said[:2])}. Keep it float (--quantize none), or pick a scheme that quantizes "
+                              "its ops.")
         raise ConfigError(
             f"the artifact {src} has no op that {type(config).__name__} quantizes (MatMul/Gather with float "
             "weights, or Attention); it would come out unchanged. Keep it float (--quantize none)."
@@ -396,8 +402,14 @@ QUANTIZED_OPS = frozenset({
 })
 
 
-def _unchanged_why(model: onnx.ModelProto, config: QuantizeConfig) -> str:
-    """Why a shard the scheme's quantizer ran on came back as it was."""
+def _unchanged_why(model: onnx.ModelProto, config: QuantizeConfig, ran: bool = True) -> str:
+    """Why a shard came back as it was (``ran``: the scheme's quantizer ran on it; else it found
+    nothing to run on)."""
+    if isinstance(config, Int8StaticConfig) and not any(n.op_type in config.op_types for n in model.graph.node):
+        return (f"left float: int8-static quantizes {'/'.join(config.op_types)} ops, and it has none "
+                "(int8-dynamic and int4-weights take an embedding's Gather)")
+    if not ran:
+        return "nothing to quantize"
     if isinstance(config, WeightOnlyConfig) and config.bits == 8 and config.backend == "ort" \
             and not any(n.op_type == "MatMul" for n in model.graph.node):
         return "left float: ONNX Runtime's weight quantizer takes an embedding's Gather at 4 bits only (--backend nncf: 8)"

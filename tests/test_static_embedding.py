@@ -118,6 +118,14 @@ def test_a_static_model_quantizes_and_gives_its_token_vectors_alone(static_dirs,
     assert not vectors[0, 2:].any() and model.manifest.pooling is None
     with pytest.raises(FeedError, match="30522"):  # ids are checked against the table's rows, as a transformer's are
         model.run({"input_ids": np.array([[5, -1]]), "attention_mask": np.ones((1, 2), np.int64)})
+    from slimml.errors import ConfigError
+    from slimml.quantize import Int8StaticConfig, quantize
+
+    convert(static_dirs["normalized"], tmp_path / "float", CONFIG)
+    with pytest.raises(ConfigError, match=r"int8-static quantizes MatMul ops, and it has none \(int8-dynamic and "
+                                          r"int4-weights take an embedding's Gather\)"):  # was: "(MatMul/Gather ...)"
+        quantize(tmp_path / "float", tmp_path / "static-int8", Int8StaticConfig())
+    assert not (tmp_path / "static-int8").exists()
 
 
 def _copy(folder: Path, tmp_path: Path) -> Path:
