@@ -75,6 +75,7 @@ def test_each_prompt_samples_alike_alone_or_in_any_batch(llama):
     greedy = llama.generate(PROMPTS, max_new_tokens=10).tokens
     assert llama.generate(PROMPTS, max_new_tokens=10, temperature=1.5, do_sample=False, seed=1).tokens == greedy
     assert llama.generate(PROMPTS, max_new_tokens=10, do_sample=True, seed=5, top_p=0.95).tokens == batch  # temperature 1
+    assert llama.generate(np.array(["a b", "c"]), **options).tokens == llama.generate(["a b", "c"], **options).tokens  # an array of texts (was: "must be 2-D ids")
 
 
 def test_sampled_tokens_follow_the_model_probabilities(llama, tiny_llama_dir):

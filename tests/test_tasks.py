@@ -228,3 +228,18 @@ def test_eval_of_a_model_it_does_not_score_says_so_before_reading_the_data(text_
     ran = CliRunner().invoke(app, ["eval", str(text_classifier), "--data", str(tmp_path / "t.txt")])
     assert str(ran.exception).startswith("slimml eval scores sentence-embedding models (Spearman on STS pairs) and "
                                          f"language models (perplexity); {text_classifier} is a text-classification model.")
+
+
+def test_texts_come_in_the_containers_the_libraries_take(text_classifier, tiny_bert_artifact):
+    """A numpy array of texts (a data frame column's ``.values``) and a generator are texts, as
+    sentence-transformers' ``encode`` and transformers' pipelines take them; the array was refused
+    with "wrap a single text as [text]", which does not apply to it."""
+    import numpy as np
+
+    texts = ["a fine film", "a dull one"]
+    classifier = load(text_classifier)
+    want = classifier.classify(texts)
+    assert classifier.classify(np.array(texts)) == want == classifier.classify(t for t in texts)
+    bert = load(tiny_bert_artifact)
+    np.testing.assert_array_equal(bert.tokenize(np.array(texts))["input_ids"], bert.tokenize(texts)["input_ids"])
+    np.testing.assert_array_equal(bert.encode(np.array(texts)), bert.encode(texts))

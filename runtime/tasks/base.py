@@ -24,7 +24,7 @@ from slimml.errors import FeedError, SlimmlError, TaskError
 from slimml.runtime.artifact.files import safe_path
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.tasks.inputs.image import ImageProcessor
-from slimml.runtime.tasks.inputs.text import TextEncoder, prompt_text
+from slimml.runtime.tasks.inputs.text import TextEncoder, listed, prompt_text
 from slimml.runtime.tasks.limits import Limits, shown
 
 if TYPE_CHECKING:
@@ -214,7 +214,7 @@ class Task:
         check_unicode(texts)
         if self.text is None:
             raise self.unsupported("tokenize")
-        return self.text(_as_list(texts), pad_to=pad_to)
+        return self.text(listed(texts), pad_to=pad_to)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens per text as the model sees them (after truncation to its maximum length).
@@ -236,7 +236,7 @@ class Task:
         check_unicode(texts)
         if self.text is None:
             raise self.unsupported("count_tokens")
-        return [len(e.ids) for e in self.text.encodings(_as_list(texts))]
+        return [len(e.ids) for e in self.text.encodings(listed(texts))]
 
     def preprocess(self, images: Any) -> dict[str, np.ndarray]:
         """Feeds for ``images`` (the pixel input), made as the source's Hugging Face image processor makes them.
@@ -482,14 +482,6 @@ def check_batch(batch_size: Any) -> int:
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise FeedError(f"batch_size must be a whole number >= 1, got {shown(batch_size)}.")
     return batch_size
-
-
-def _as_list(texts: Any) -> Any:
-    """An iterable of texts (a pandas Series, a generator) as a list; a text, a list or anything else
-    as it is, for the tokenizer's check to name."""
-    if not isinstance(texts, (str, bytes, list, tuple, dict)) and hasattr(texts, "__iter__"):
-        return list(texts)
-    return texts
 
 
 def check_unicode(texts: Any) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from slimml.errors import FeedError, SlimmlError
 from slimml.runtime.tasks.base import Task, check_batch
+from slimml.runtime.tasks.inputs.text import listed
 from slimml.runtime.tasks.limits import shown
 
 Run = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
@@ -125,6 +126,7 @@ def image_output(names: Iterable[str]) -> str | None:
 def text_batches(task: Task, texts: Any, batch_size: int) -> Iterator[dict[str, np.ndarray]]:
     """Tokenized feeds per ``batch_size`` inputs: texts, or pairs of texts (``[query, passage]``,
     tokenized together as a pair, as a cross-encoder reads them)."""
+    texts = listed(texts)
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not texts:
         raise FeedError("this classifier takes a non-empty list of texts (or of [text, text] pairs); wrap a single "
                         "text as [text].")

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_batch, check_unicode, register_task
-from slimml.runtime.tasks.inputs.text import window_outputs
+from slimml.runtime.tasks.inputs.text import listed, window_outputs
 from slimml.runtime.tasks.limits import shown
 
 
@@ -75,7 +75,7 @@ class QuestionAnswerer(Task):
         if not self.supports("answer"):
             raise self.unsupported("answer")
         single = isinstance(question, str) and isinstance(context, str)
-        questions, contexts = _texts("question", question), _texts("context", context)
+        questions, contexts = _texts("question", listed(question)), _texts("context", listed(context))
         if isinstance(question, str) and len(contexts) > 1:  # one question asked of each context
             questions *= len(contexts)
         elif isinstance(context, str) and len(questions) > 1:  # each question of one context

@@ -28,6 +28,7 @@ from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.tasks.base import Task, register_task, text_encoder
 from slimml.runtime.tasks.generate import Generation
 from slimml.runtime.tasks.inputs.audio import LogMel, features_for, read_audio
+from slimml.runtime.tasks.inputs.text import listed
 from slimml.runtime.tasks.limits import shown
 from slimml.runtime.tasks.long_form import merge_overlaps, windows
 from slimml.runtime.tasks.seq2seq_search import DECODER, ENCODER, Decoder, Search, beam_search, greedy
@@ -170,6 +171,7 @@ def generate_seq2seq(model: Seq2Seq, prompts: Any, search: Search, language: int
     t0 = time.perf_counter()
     if model.speech:
         return _transcribe(model, prompts, search, language, t0, cancel)
+    prompts = listed(prompts)
     if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         raise FeedError("generate() takes a non-empty list of prompts; wrap a single prompt as [prompt].")
     texts = all(isinstance(p, str) for p in prompts)

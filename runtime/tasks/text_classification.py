@@ -11,6 +11,7 @@ import numpy as np
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import register_task
 from slimml.runtime.tasks.classify import Classifier, batch_logits, text_batches
+from slimml.runtime.tasks.inputs.text import listed
 from slimml.runtime.tasks.limits import shown
 
 
@@ -74,6 +75,7 @@ class TextClassifier(Classifier):
             raise self.unsupported("rerank")
         if not isinstance(query, str) or not query:
             raise FeedError(f"rerank() needs the query as a non-empty text, got {type(query).__name__}.")
+        documents = listed(documents)
         if isinstance(documents, str) or not isinstance(documents, (list, tuple)) or not documents:
             raise FeedError("rerank() takes the documents as a non-empty list of texts; wrap a single one as [text].")
         bad = next((i for i, d in enumerate(documents) if not isinstance(d, str)), None)

@@ -11,7 +11,7 @@ import numpy as np
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_unicode, register_task
 from slimml.runtime.tasks.inputs.pooling import Pooler
-from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, prompt_text, sorted_batches
+from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, listed, prompt_text, sorted_batches
 from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_batches
 
 if TYPE_CHECKING:
@@ -107,6 +107,7 @@ def embed_texts(task: Task, engine: Engine, text: TextEncoder | None, pooler: Po
                 workers: int | None = None, prompt: str = "") -> tuple[np.ndarray, list[int]]:
     """Pooled embeddings of ``texts`` through ``engine`` (one chain), each after ``prompt``, and
     each text's token count (its prompt's included)."""
+    texts = listed(texts)
     if isinstance(texts, str) or not isinstance(texts, (list, tuple)):
         raise FeedError(f"encode() takes a list of strings, got {type(texts).__name__}; wrap a single text as [text].")
     check_unicode(texts)

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 from slimml.errors import FeedError
 from slimml.runtime.tasks.base import Task, check_batch, check_unicode, register_task
-from slimml.runtime.tasks.inputs.text import window_outputs
+from slimml.runtime.tasks.inputs.text import listed, window_outputs
 from slimml.runtime.tasks.limits import shown
 
 AGGREGATIONS = ("none", "simple", "first", "average", "max")
@@ -77,6 +77,7 @@ class TokenClassifier(Task):
         """
         if not self.supports("entities"):
             raise self.unsupported("entities")
+        texts = listed(texts)
         if isinstance(texts, str) or not isinstance(texts, (list, tuple)) or not texts:
             raise FeedError("entities() takes a non-empty list of texts; wrap a single text as [text].")
         bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)

@@ -16,6 +16,7 @@ from slimml.errors import ConfigError, FeedError, SlimmlError
 from slimml.runtime.engine.kv_cache import takes_logits_index
 from slimml.runtime.tasks.generation.chat import folder_json
 from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
+from slimml.runtime.tasks.inputs.text import listed
 from slimml.runtime.tasks.limits import Limits, tokenized
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     tok = untruncated(text) if text is not None else None
     if isinstance(prompts, str):
         prompts = [prompts]
+    prompts = listed(prompts)  # a numpy array of texts, a Series; a 2-D id array stays an array
     texts = isinstance(prompts, (list, tuple)) and len(prompts) > 0 and all(isinstance(p, str) for p in prompts)
     limits = getattr(model, "limits", None) or Limits()  # model.limits, raised for trusted input
     if texts:

@@ -110,6 +110,18 @@ def window_outputs(run, text: TextEncoder, encs: list, batch_size: int, names: t
     return out
 
 
+def listed(texts: Any) -> Any:
+    """Texts in the containers sentence-transformers' ``encode`` and transformers' pipelines take
+    besides a list, as a list: a numpy array of strings (a data frame column's ``.values``), a pandas
+    Series, a generator. A text, a list, a tuple, a dict or a numeric array is given back as it is
+    (for the caller's check to name, or to read as token ids)."""
+    if isinstance(texts, np.ndarray):
+        return texts.tolist() if texts.dtype.kind in "UO" else texts
+    if not isinstance(texts, (str, bytes, list, tuple, dict)) and hasattr(texts, "__iter__"):
+        return list(texts)
+    return texts
+
+
 def check_texts(texts: Any) -> None:
     """Refuse anything but a list of texts (or of ``[text, text]`` pairs), naming the first item that is not one
     (a missing value from a data frame, NaN or None, most often)."""
