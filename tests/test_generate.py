@@ -434,6 +434,10 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
         start.logprobs[0][0].logprob  # (a random model's 4 greedy tokens may well agree; README.md trains the BPE)
     refused(FeedError, "a prompt of 125 tokens plus max_new_tokens=8 is more than this model's 128 positions; shorten "
             "the prompt or ask for at most 3 new tokens.", llama.generate, [list(range(125))], max_new_tokens=8)
+    rows = [list(range(125)), [5, 6, 7]]  # each prompt's own room: the short one had the long one's 3 new tokens
+    both = llama.generate(rows, max_new_tokens=8, truncate=True, eos_token_id=())
+    assert both.tokens == [llama.generate([p], max_new_tokens=8, truncate=True, eos_token_id=()).tokens[0] for p in rows]
+    assert [len(t) for t in both.tokens] == [3, 8] and both.finish_reasons == ["length", "length"]
     refused(FeedError, "stop string 0 is 200 tokens long, longer than the model's context of 128 tokens, so it can never "
             "appear; shorten it.", llama.generate, ["hi"], stop=["😀" * 50])
     refused(FeedError, "the prompt has no tokens; every prompt needs at least one (give it some text, or drop it).",

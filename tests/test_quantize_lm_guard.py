@@ -164,3 +164,15 @@ def test_bench_on_a_language_model_says_prompt_tokens(short_gpt2):
                          capture_output=True, text=True, timeout=120)
     said = " ".join(out.stdout.split())  # the console wraps at its width, which the figures' digits move
     assert out.returncode == 0 and "prompts/s (" in said and "prompt tokens/s prefilled)" in said, out.stdout + out.stderr
+
+
+def test_truncated_rows_of_a_traced_decoder_each_get_their_own_room(short_gpt2):
+    """truncate=True gave every prompt of a batch the room of its longest; a traced graph runs a row
+    that reached its end of context on with the batch, so its (ignored) positions stay in the table."""
+    from slimml.runtime import load
+
+    model = load(short_gpt2["art"])
+    rows = [[5 + i % 100 for i in range(POSITIONS - 4)], [5, 6, 7]]
+    both = model.generate(rows, max_new_tokens=20, truncate=True, eos_token_id=())
+    assert [len(t) for t in both.tokens] == [4, 20]
+    assert both.tokens == [model.generate([p], max_new_tokens=20, truncate=True, eos_token_id=()).tokens[0] for p in rows]

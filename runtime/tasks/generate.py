@@ -383,7 +383,7 @@ def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = 
     prefix = getattr(model, "prefix", None)  # the model's store of text read before (CausalLM.prefix_cache)
     constraint = job.constraints[0] if job.constraints and len(job.ids) == 1 else None  # forced tokens: several a pass
     loop = (lookup_loop(model.engine, job.ids, job.steps, config.prompt_lookup, prefix, constraint)
-            or decode_loop(model.engine, job.ids, job.pad_id, job.steps, prefix))
+            or decode_loop(model.engine, job.ids, job.pad_id, job.steps, prefix, job.row_steps))
     return _passes(job, loop, config, t0, cancel)
 
 
@@ -426,6 +426,13 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
                 piece = ""
             if piece:
                 yield int(i), piece
+            if not done[i] and job.row_steps is not None and len(new[i]) >= job.row_steps[i]:  # its own room is full
+                done[i] = True
+                piece = texts[i].finish() if texts is not None else ""
+                if texts is not None and texts[i].stopped:  # the held-back text held a stop string
+                    finish[i] = "stop"
+                if piece:
+                    yield int(i), piece
         if done.all() or step == job.steps - 1:
             break
         loop.finish(np.flatnonzero(done & ~was).tolist())  # the fused loop stops running them

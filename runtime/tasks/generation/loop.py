@@ -148,16 +148,17 @@ def _mask(seen: np.ndarray, width: int | None = None) -> np.ndarray:
 
 
 def decode_loop(engine: Any, prompts: list[list[int]], pad_id: int, steps: int,
-                prefix: PrefixStore | None = None) -> CacheLoop | DecodeLoop:
+                prefix: PrefixStore | None = None, row_steps: list[int] | None = None) -> CacheLoop | DecodeLoop:
     """The fastest loop the artifact allows: its in-place cache where it has one (``--exporter
     fused``; one prompt reuses what ``prefix`` holds), else :class:`DecodeLoop` (for one prompt
-    with guessed positions: :func:`~slimml.runtime.tasks.generation.lookup.lookup_loop`)."""
+    with guessed positions: :func:`~slimml.runtime.tasks.generation.lookup.lookup_loop`).
+    ``row_steps``: each prompt's own most new tokens, where they differ (at most ``steps``)."""
     from slimml.runtime.engine.kv_cache import rope_reprefill, rope_switch, shares_buffers
 
     if not shares_buffers(engine):
         return DecodeLoop(engine, prompts, pad_id, steps)
-    return CacheLoop(engine.kv_cache(len(prompts), max(map(len, prompts)) + steps), prompts, rope_switch(engine),
-                     rope_reprefill(engine), prefix)
+    room = max(len(p) + s for p, s in zip(prompts, row_steps or [steps] * len(prompts)))
+    return CacheLoop(engine.kv_cache(len(prompts), room), prompts, rope_switch(engine), rope_reprefill(engine), prefix)
 
 
 class DecodeLoop:
@@ -192,6 +193,8 @@ class DecodeLoop:
         self.positions = None
         if "position_ids" in dtype:  # positions count real tokens, as transformers does; pads get 1
             self.positions = np.where(self.mask > 0, np.cumsum(self.mask, axis=1) - 1, 1).astype(dtype["position_ids"])
+            if engine.max_sequence_length:  # a row done at its own end of context runs on with the batch: its
+                np.minimum(self.positions, engine.max_sequence_length - 1, out=self.positions)  # ignored ids, in the table
         self.has_mask = "attention_mask" in specs
         self.length = width  # columns filled so far
         self.passes = 0

@@ -41,6 +41,7 @@ class Prompts:
     tokenizer: Tokenizer | None
     constraints: list | None = None  # one structured.Constraint per prompt, with config.response_format
     held_ids: frozenset[int] = frozenset()  # what min_new_tokens holds back: end_ids less the stop strings (they still stop)
+    row_steps: list[int] | None = None  # with truncate, each prompt's own room where they differ (steps: the most)
 
 
 def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = False) -> Prompts:
@@ -92,7 +93,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
         raise SlimmlError(f"stop strings are matched on the text, but the artifact {model.folder} has no tokenizer; "
                           "use stop_token_ids instead.")
     context = engine.max_sequence_length
-    steps = config.max_new_tokens
+    steps, row_steps = config.max_new_tokens, None
     if context is not None:
         ids = [_fit(i, p, context, config) for i, p in enumerate(ids)]
         for i, s in enumerate(config.stop):
@@ -100,8 +101,9 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
             if n > context:
                 raise FeedError(f"stop string {i} is {n} tokens long, longer than the model's context of {context} "
                                 "tokens, so it can never appear; shorten it.")
-        if config.truncate:  # cut to leave room: fewer new tokens where the context ends
-            steps = min(steps, context - max(map(len, ids)))
+        if config.truncate:  # cut to leave room: fewer new tokens where the context ends, each prompt's own
+            rooms = [min(steps, context - len(p)) for p in ids]
+            steps, row_steps = max(rooms), (rooms if len(set(rooms)) > 1 else None)
     # before any pass: prompt + max_new_tokens within the positions (unless truncating), and rows x
     # tokens within the call's budget (model.limits, raised for trusted input)
     limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size,
@@ -117,7 +119,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
                               "no tokenizer; re-convert it from a folder with its tokenizer, or leave response_format out.")
         constraints = [Constraint(config.grammar, tok, vocab or tok.get_vocab_size(), ends) for _ in ids]
     return Prompts(ids=ids, texts=texts, steps=steps, end_ids=ends, pad_id=pad_id(model, config), tokenizer=tok,
-                   constraints=constraints, held_ids=held)
+                   constraints=constraints, held_ids=held, row_steps=row_steps)
 
 
 def check_unicode(texts: list[str]) -> None:
