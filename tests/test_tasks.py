@@ -243,3 +243,18 @@ def test_texts_come_in_the_containers_the_libraries_take(text_classifier, tiny_b
     bert = load(tiny_bert_artifact)
     np.testing.assert_array_equal(bert.tokenize(np.array(texts))["input_ids"], bert.tokenize(texts)["input_ids"])
     np.testing.assert_array_equal(bert.encode(np.array(texts)), bert.encode(texts))
+
+
+def test_a_text_whose_first_characters_make_no_tokens_is_read_on(tiny_bert_artifact):
+    """Texts are cut to limits.max_text_chars before tokenizing (a call's cost stays bounded); a text
+    that opens with more blanks than that was embedded as the empty text (cosine -0.007 against
+    sentence-transformers). Now more of it is read until its tokens fill the model's length."""
+    import numpy as np
+
+    bert = load(tiny_bert_artifact)
+    for text in (" " * 20_000 + "a man plays the guitar", "\u0301" * 17_000 + "a man plays the guitar"):
+        np.testing.assert_array_equal(bert.tokenize([text])["input_ids"], bert.tokenize(["a man plays the guitar"])["input_ids"])
+    pair = bert.tokenize([(" " * 20_000 + "query", "passage")])["input_ids"]
+    np.testing.assert_array_equal(pair, bert.tokenize([("query", "passage")])["input_ids"])
+    long = "word " * 10_000  # cut, and still past the model's length: read as before
+    assert bert.tokenize([long])["input_ids"].shape[1] == bert.manifest.tokenizer["max_length"]

@@ -45,7 +45,24 @@ class TextEncoder:
             raise FeedError("the list of texts is empty; give at least one text.")
         cut = self.limits.cut
         cut_texts = [cut([t])[0] if isinstance(t, str) else tuple(cut(list(t))) for t in texts]
-        return tokenized(lambda: self.tokenizer.encode_batch(cut_texts))
+        encs = tokenized(lambda: self.tokenizer.encode_batch(cut_texts))
+        for i, (t, c, e) in enumerate(zip(texts, cut_texts, encs)):
+            if c != (t if isinstance(t, str) else tuple(t)) and not e.overflowing:
+                encs[i] = self._read_more(t)  # the cut held fewer tokens than the model reads (blank runs)
+        return encs
+
+    def _read_more(self, text: str | tuple[str, str]):
+        """The encoding of ``text`` as its tokenizer truncates it, for a text whose first
+        ``limits.max_text_chars`` characters hold fewer tokens than the model reads (spaces,
+        control or combining characters, which make none): more of it, four times as much each
+        try, until the tokens fill the model's length or the text is read whole."""
+        n = self.limits.max_text_chars
+        while True:
+            n *= 4
+            piece = text[:n] if isinstance(text, str) else tuple(x[:n] for x in text)
+            e = tokenized(lambda: self.tokenizer.encode(piece) if isinstance(piece, str) else self.tokenizer.encode(*piece))
+            if e.overflowing or piece == (text if isinstance(text, str) else tuple(text)):
+                return e
 
     def batch(self, encs: list, pad_to: int | None = None) -> dict[str, np.ndarray]:
         """Feeds for ``encs``, right-padded to the longest of them (or to ``pad_to``)."""
