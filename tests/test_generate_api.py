@@ -213,6 +213,21 @@ def test_byte_fallback_tokens_stream_whole_characters():
             assert stream.text == whole and all("\ufffd" not in p for p in pieces), run
 
 
+def test_a_prompt_of_ids_that_ends_inside_a_character_streams_the_character_it_completes():
+    """A prompt given as ids may end inside a character (its last byte token alone); the new token
+    that completes it turned the prompt's U+FFFD into the character, shorter than before, and the
+    character was lost (4 U+FFFD streamed where the text is "你" and 4 U+FFFD)."""
+    tok = byte_fallback_tokenizer()
+    ids = tok.encode("hi 日本", add_special_tokens=False).ids
+    cut = next(k for k in range(len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))  # inside 日
+    for run in (ids[cut:], ids[cut:] + ids[cut:cut + 1] * 3):  # the rest; the rest and 3 orphan bytes
+        stream = TextStream(tok, ids[:cut])
+        pieces = [stream.push(t) for t in run] + [stream.finish()]
+        assert "".join(pieces) == stream.text and stream.text.startswith("日本") and set(stream.text[2:]) <= {"\ufffd"}, run
+    assert tok.decode(ids) == tok.decode(ids[:cut]).rstrip("\ufffd") + "日本"  # (decoded whole, the second run's
+    # bytes are all U+FFFD: byte-fallback turns a run of byte tokens that is not UTF-8 as a whole into one a byte)
+
+
 def test_a_streamed_model_generates_the_resident_tokens(llama):
     streamed = load(llama.folder, resident=1)
     assert streamed.plan.streaming

@@ -49,10 +49,16 @@ class Detokenizer:
             return ""
         decode = self.tokenizer.decode
         before = decode(self.ids[self.prefix : self.read], skip_special_tokens=self.skip_special)
+        # the prompt's last ids (given as ids, a prompt may end inside a character): the new token
+        # that completes it turns the prompt's U+FFFD into that character, which is new text
+        inside = self.prefix == 0 and before.endswith(BROKEN)
+        before = before.rstrip(BROKEN) if inside else before
         after = decode(self.ids[self.prefix :], skip_special_tokens=self.skip_special)
         if len(after) <= len(before) or (after.endswith(BROKEN) and not final):
             return ""  # a special token (skipped), or the first bytes of a character
-        self.prefix, self.read = self.read, len(self.ids)
+        # the next piece's context starts on a character (byte-fallback decodes a run of byte
+        # tokens that is not UTF-8 as a whole into U+FFFD a byte): here, the prompt's too
+        self.prefix, self.read = (0 if inside else self.read), len(self.ids)
         return after[len(before) :]
 
 
