@@ -211,10 +211,11 @@ class Task:
             >>> model.tokenize(["Hello world", "Hi"])["input_ids"].tolist()
             [[101, 7592, 2088, 102], [101, 7632, 102, 0]]
         """
+        texts = listed(texts)
         check_unicode(texts)
         if self.text is None:
             raise self.unsupported("tokenize")
-        return self.text(listed(texts), pad_to=pad_to)
+        return self.text(texts, pad_to=pad_to)
 
     def count_tokens(self, texts: list[str]) -> list[int]:
         """Tokens per text as the model sees them (after truncation to its maximum length).
@@ -233,10 +234,11 @@ class Task:
             >>> model.count_tokens(["Hello world", "Hi"])
             [4, 3]
         """
+        texts = listed(texts)
         check_unicode(texts)
         if self.text is None:
             raise self.unsupported("count_tokens")
-        return [len(e.ids) for e in self.text.encodings(listed(texts))]
+        return [len(e.ids) for e in self.text.encodings(texts)]
 
     def preprocess(self, images: Any) -> dict[str, np.ndarray]:
         """Feeds for ``images`` (the pixel input), made as the source's Hugging Face image processor makes them.
