@@ -281,18 +281,32 @@ def _drop_wrapper_scope(graph: Any) -> None:
     """Names as optimum writes them: ``/encoder/layer.3/...`` for the wrapper's ``/model/encoder/layer.3/...``
     (the manifest records each shard's layers by these names), ``encoder.layer.3...`` for its weights."""
 
-    taken = {x for node in graph.node for x in [*node.input, *node.output]} | {v.name for v in graph.initializer}
+    graphs = list(_graphs(graph))  # with the branches of If nodes (DeBERTa's scripted helpers), which read outer names
+    taken = {x for g in graphs for node in g.node for x in [*node.input, *node.output]} | {
+        v.name for g in graphs for v in g.initializer}
 
     def bare(name: str) -> str:  # a name the wrapper's own ops already hold (its constants) keeps its scope
         short = "/" + name[len("/model/"):] if name.startswith("/model/") else name[len("model."):] if name.startswith("model.") else name
         return short if short == name or short not in taken else name
 
+    for g in graphs:
+        for node in g.node:
+            node.name = bare(node.name)
+            node.input[:] = [bare(x) for x in node.input]
+            node.output[:] = [bare(x) for x in node.output]
+        for value in [*g.initializer, *g.value_info, *(g.input if g is not graph else ()), *(g.output if g is not graph else ())]:
+            value.name = bare(value.name)
+
+
+def _graphs(graph: Any):
+    """``graph`` and every subgraph inside it (the branches of If, the bodies of Loop and Scan)."""
+    yield graph
     for node in graph.node:
-        node.name = bare(node.name)
-        node.input[:] = [bare(x) for x in node.input]
-        node.output[:] = [bare(x) for x in node.output]
-    for value in [*graph.initializer, *graph.value_info]:
-        value.name = bare(value.name)
+        for a in node.attribute:
+            if a.HasField("g"):
+                yield from _graphs(a.g)
+            for sub in a.graphs:
+                yield from _graphs(sub)
 
 
 def _outputs_module(model: Any, names: tuple[str, ...], outputs: tuple[str, ...], additive_mask: bool = False) -> Any:

@@ -66,6 +66,34 @@ def test_a_text_classifier_exported_by_torch_classifies_as_torch_does(tmp_path):
         art.close()
 
 
+def test_a_deberta_v3_with_relative_attention_exports_by_torch(tmp_path):
+    """DeBERTa-v3's relative-position helpers are TorchScript functions: the trace holds If nodes
+    whose branches read the main graph's values, and renaming those left the branches reading names
+    that were gone ("ONNX shape inference could not tell the type of ..."): every real DeBERTa-v3
+    failed on the convert extra alone (no optimum-onnx), where the torch exporter writes encoders."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    torch.manual_seed(0)
+    model = DebertaV2ForSequenceClassification(DebertaV2Config(
+        vocab_size=1000, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=128, type_vocab_size=0, relative_attention=True, pos_att_type=["p2c", "c2p"],
+        position_buckets=32, max_relative_positions=-1, position_biased_input=False, norm_rel_ebd="layer_norm",
+        share_att_key=True, num_labels=2)).eval()
+    model.save_pretrained(tmp_path / "src")
+    report = convert(tmp_path / "src", tmp_path / "art", TORCH)
+    assert report.checks["max_abs_diff_vs_torch"] <= 1e-4
+    ids = torch.tensor([[1, 5, 9, 200, 7, 2], [1, 8, 3, 2, 0, 0]])
+    mask = (ids > 0).long()
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits.numpy()
+    art = load(tmp_path / "art")
+    try:
+        got = art.run({"input_ids": ids.numpy(), "attention_mask": mask.numpy()})["logits"]
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    finally:
+        art.close()
+
+
 def test_an_image_classifier_exported_by_torch_takes_any_batch(tmp_path):
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
