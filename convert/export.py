@@ -18,7 +18,7 @@ from typing import Any
 from slimml.convert.exported import Exported
 from slimml.convert.folder_facts import (class_labels, config_facts, hf_config, is_causal_lm, preprocessor_file,
                                          seq2seq_spec, task_from_config, task_or_none, tokenizer_info)
-from slimml.convert.sources import Source, sentence_transformers_pooling, sparse_encoder_splade, write_st_dense
+from slimml.convert.sources import Source, resolve, sentence_transformers_pooling, sparse_encoder_splade, write_st_dense
 from slimml.errors import ExportError, SlimmlError, SourceError
 
 EXPORTERS = ("auto", "optimum", "torch", "layerwise", "fused")
@@ -89,7 +89,9 @@ def export(source: Source, work_dir: str | os.PathLike, config: ExportConfig | N
     The first stage of :func:`~slimml.convert.convert`; :func:`~slimml.convert.shard` splits what it writes.
 
     Args:
-        source: what to export, from :func:`~slimml.convert.resolve`.
+        source: what to export: a :class:`~slimml.convert.sources.Source` from
+            :func:`~slimml.convert.resolve`, or what ``resolve`` takes (a model folder, a ``.gguf``
+            or ``.onnx`` file, a torch module; None: the default model).
         work_dir: a folder, made where missing.
         config: how to export (default: ``ExportConfig()``, the exporter chosen by the model).
 
@@ -113,6 +115,8 @@ def export(source: Source, work_dir: str | os.PathLike, config: ExportConfig | N
         >>> specs = shard(exported.onnx_path, "shards")   # shard_000.onnx, ...; specs for a manifest
     """
     config = config or ExportConfig()
+    if not isinstance(source, Source):  # a path, as convert() takes it
+        source = resolve(source)
     work_dir = Path(work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
     if config.exporter == "layerwise" and source.kind != "huggingface":

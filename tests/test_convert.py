@@ -273,3 +273,12 @@ def test_a_module_exported_through_a_wrapper_keeps_its_eval_mode(tmp_path):
     module = KeywordOnly().eval()
     report = convert(module, tmp_path / "kw", FAST, example_inputs={"x": torch.randn(2, 4)})
     assert not module.training and report.checks["max_abs_diff_vs_torch"] <= 1e-5
+
+
+def test_export_takes_a_path_as_convert_does(tiny_bert_dir, tmp_path):
+    """docs/convert.md shows export(source, ...) beside convert(source, ...); a folder given as a
+    string was "AttributeError: 'str' object has no attribute 'kind'"."""
+    from slimml.convert import export
+
+    exported = export(str(tiny_bert_dir), tmp_path / "work")
+    assert exported.onnx_path.is_file() and exported.task
