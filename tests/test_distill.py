@@ -428,3 +428,20 @@ def test_distill_data_files_as_spreadsheets_write_them(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"label": 1}\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2 has no text field"):
         load_texts(tmp_path / "bad.jsonl")
+
+
+def test_a_decoder_optimum_does_not_know_is_distilled_from_its_fused_graph(tmp_path):
+    """optimum-onnx writes the teacher's cache-free graph; for an architecture it does not know
+    (Mixtral) the distillation failed with "neither of slimml's exporters writes a 'mixtral' model"
+    while the fused exporter writes it (as it did already where optimum-onnx does not load)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    from slimml.convert.distill.teacher import teacher_export
+    from slimml.convert.export import _optimum_loads
+
+    small = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)  # heads of 16: GroupQueryAttention's least
+    MixtralForCausalLM(MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2)).save_pretrained(tmp_path / "mixtral")
+    LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(tmp_path / "llama")
+    assert teacher_export(tmp_path / "mixtral").exporter == "fused"
+    assert teacher_export(tmp_path / "llama").exporter == ("fused" if _optimum_loads() else "auto")

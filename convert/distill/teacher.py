@@ -130,9 +130,10 @@ def teacher_export(folder: str | os.PathLike, opset: int | None = None):
     """How the teacher is exported: a causal LM as its cache-free graph (distillation reads whole
     texts, and layer outputs, from it; never a KV cache), anything else as ``convert`` would.
 
-    Where optimum-onnx, which writes the cache-free graph, does not load (transformers 5), a decoder
-    the fused exporter writes is exported with it: run from an empty cache with every position in
-    ``logits_index``, it gives the same logits (see :func:`_feeds`).
+    Where optimum-onnx, which writes the cache-free graph, does not load (transformers 5) or does not
+    know the architecture (Mixtral), a decoder the fused exporter writes is exported with it: run
+    from an empty cache with every position in ``logits_index``, it gives the same logits (see
+    :func:`_feeds`).
     """
     from slimml.convert.export import ExportConfig, _optimum_loads
     from slimml.convert.folder_facts import is_causal_lm
@@ -140,9 +141,24 @@ def teacher_export(folder: str | os.PathLike, opset: int | None = None):
 
     if not is_causal_lm(Path(folder)):
         return ExportConfig(opset=opset, task="auto")
-    if _optimum_loads() is not None and can_export_fused(Path(folder)) is None:
+    if can_export_fused(Path(folder)) is None and (_optimum_loads() is not None or not _optimum_knows(Path(folder))):
         return ExportConfig(opset=opset, task="text-generation-with-past", exporter="fused")
     return ExportConfig(opset=opset, task="text-generation")
+
+
+def _optimum_knows(folder: Path) -> bool:
+    """Whether the installed optimum-onnx exports the folder's architecture (its registry of model types)."""
+    from slimml.convert.folder_facts import hf_config
+
+    try:
+        import optimum.exporters.onnx.model_configs  # noqa: F401  (fills the registry)
+        from optimum.exporters.tasks import TasksManager
+
+        kind = str(hf_config(folder).get("model_type") or "").replace("_", "-")
+        TasksManager.get_supported_tasks_for_model_type(kind, exporter="onnx", library_name="transformers")
+    except Exception:  # KeyError: an architecture it does not know
+        return False
+    return True
 
 
 def check_budget(artifact: Path, memory_budget: int | str | None) -> None:
