@@ -445,3 +445,17 @@ def test_a_decoder_optimum_does_not_know_is_distilled_from_its_fused_graph(tmp_p
     LlamaForCausalLM(LlamaConfig(**small)).save_pretrained(tmp_path / "llama")
     assert teacher_export(tmp_path / "mixtral").exporter == "fused"
     assert teacher_export(tmp_path / "llama").exporter == ("fused" if _optimum_loads() else "auto")
+
+
+def test_a_model_that_shares_its_layers_is_refused_before_its_teacher_is_converted(tmp_path):
+    """ALBERT runs every layer on one group's weights: --distill-layers converted the teacher, then
+    blamed the checkpoint ("lacks encoder.albert_layer_groups.0...: re-save or re-download the
+    model") and left the teacher's files (86 MB at hidden 64) beside the output."""
+    from transformers import AlbertConfig, AlbertModel
+
+    AlbertModel(AlbertConfig(vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=2,
+                             num_attention_heads=2, intermediate_size=64)).save_pretrained(tmp_path / "albert")
+    with pytest.raises(ConfigError, match=r"shares its layers' weights \(2 layers run 1 group\(s\).* leave "
+                                          r"--distill-layers out"):
+        convert(tmp_path / "albert", tmp_path / "out" / "a", ConvertConfig(distill=DistillConfig(layers=1)))
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

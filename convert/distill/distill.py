@@ -152,6 +152,11 @@ def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) 
             f"--distill-layers {distill.layers} is not fewer than the teacher's {n_teacher} layers; "
             f"give 1 to {n_teacher - 1}."
         )
+    groups = getattr(config, "num_hidden_groups", None)  # ALBERT: every layer runs one group's shared weights
+    if distill.layers is not None and isinstance(groups, int) and groups < n_teacher:
+        raise ConfigError(f"{teacher_dir} shares its layers' weights ({n_teacher} layers run {groups} group(s) of "
+                          "weights, ALBERT's way), so there are no layers to keep or drop; leave --distill-layers out "
+                          "(--quantize works on it).")
     kind, model_class = teacher_kind(teacher_dir)
     if prune is not None:
         pruning.check_prunable(config, prune)
