@@ -459,3 +459,32 @@ def test_a_model_that_shares_its_layers_is_refused_before_its_teacher_is_convert
                                           r"--distill-layers out"):
         convert(tmp_path / "albert", tmp_path / "out" / "a", ConvertConfig(distill=DistillConfig(layers=1)))
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_sentence_transformers_5_folder_is_distilled_within_its_max_seq_length(tmp_path):
+    """sentence-transformers 5 saves max_seq_length as the tokenizer's model_max_length, not in
+    sentence_bert_config.json: the student was trained on texts cut at 128 tokens, and a teacher
+    without a position table (DeBERTa-v3), which reads 64, refused them ("takes at most 64 tokens")."""
+    pytest.importorskip("sentence_transformers")
+    import torch
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.models import Pooling, Transformer
+    from transformers import AutoTokenizer, DebertaV2Config, DebertaV2Model
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    DebertaV2Model(DebertaV2Config(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   intermediate_size=64, max_position_embeddings=128, type_vocab_size=0,
+                                   relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=32,
+                                   position_biased_input=False, norm_rel_ebd="layer_norm", share_att_key=True)) \
+        .save_pretrained(tmp_path / "enc")
+    tok.save_pretrained(tmp_path / "enc")
+    module = Transformer(str(tmp_path / "enc"), max_seq_length=16)
+    SentenceTransformer(modules=[module, Pooling(32, pooling_mode="mean")], device="cpu").save(str(tmp_path / "st"))
+    long = tmp_path / "long.txt"  # texts past 16 tokens
+    long.write_text("\n".join(f"text {i} " + "a man plays a guitar in the park " * 4 for i in range(40)) + "\n")
+    report = convert(tmp_path / "st", tmp_path / "art", ConvertConfig(
+        distill=DistillConfig(layers=1, data=long, epochs=0.02), measure_latency=False))
+    assert load(report.out).manifest.tokenizer["max_length"] == 16

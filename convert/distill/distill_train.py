@@ -124,7 +124,10 @@ class Trainer:
         self.tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token or self.tok.unk_token
-        max_len = min(config.max_length, max_seq_length(folder) or config.max_length)
+        # as the library reads: sentence_bert_config.json's length, else the tokenizer's (sentence-transformers
+        # 5 saves max_seq_length there as model_max_length); a limit past 100,000 is transformers' "none"
+        named = self.tok.model_max_length if 0 < self.tok.model_max_length < 100_000 else None
+        max_len = min(config.max_length, max_seq_length(folder) or named or config.max_length)
         self.ids = self.tok(texts, truncation=True, max_length=max_len)["input_ids"]
         self.pad_id = self.tok.pad_token_id or 0
         self.student_ids, self.student_pad = self.ids, self.pad_id  # differ once the vocabulary is pruned
