@@ -15,7 +15,7 @@ import numpy as np
 from slimml.convert.export import Exported
 from slimml.convert.reference import reference_for, sentence_transformers_embed
 from slimml.convert.sources import Source
-from slimml.errors import ExportError
+from slimml.errors import ArtifactError, ExportError
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.engine.backends.base import first_line
 from slimml.runtime.engine.session import make_session
@@ -45,7 +45,13 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
     example = example_feeds(src, manifest)
     feeds = example or _check_feeds(folder, manifest)
     names = [t.name for t in manifest.outputs]
-    full = make_session(exported.onnx_path, "cpu")
+    try:
+        full = make_session(exported.onnx_path, "cpu")
+    except ArtifactError as e:  # at convert time no artifact is damaged: the exporter wrote a graph ORT refuses
+        cause = str(e).split(": ", 1)[-1].split(". The file is not")[0]
+        raise ExportError(f"the exporter wrote a graph ONNX Runtime cannot load ({cause}); convert with another "
+                          "--exporter (optimum, torch or fused, where it writes the model), or export it to ONNX "
+                          "yourself and convert the .onnx file.") from None
     try:
         want = dict(zip(names, full.run(names, feeds)))
     except Exception as e:  # onnxruntime's own exception classes: sample inputs this graph refuses

@@ -178,3 +178,26 @@ def test_a_head_optimum_onnx_does_not_export_goes_to_the_torch_exporter(tmp_path
     (custom / "configuration_my.py").write_text("raise RuntimeError('custom code ran')\n")
     with pytest.raises(SlimmlError, match=r"needs its own modeling code \(auto_map in its config\), which slimml does not run"):
         convert(custom, tmp_path / "custom", ConvertConfig(measure_latency=False))
+
+
+def test_a_graph_the_exporter_writes_wrong_is_refused_as_the_exporters_fault(tmp_path):
+    """torch's TorchScript exporter writes Falcon's ALiBi (a bfloat16 cast) as a COMPLEX128 Cast, a
+    graph ONNX Runtime refuses; the convert said "The file is not a valid ONNX model for this
+    onnxruntime; re-convert it", which no re-convert fixes. Now it names the exporter and the way out
+    (or, once torch writes it right, the model converts)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    from slimml.errors import ExportError
+
+    torch.manual_seed(0)
+    FalconForCausalLM(FalconConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   alibi=True, multi_query=False, parallel_attn=False, bias=True,
+                                   new_decoder_architecture=False)).save_pretrained(tmp_path / "src")
+    try:
+        report = convert(tmp_path / "src", tmp_path / "art", ConvertConfig(
+            export=ExportConfig(exporter="torch", task="text-generation"), measure_latency=False))
+    except ExportError as e:
+        assert str(e).startswith("the exporter wrote a graph ONNX Runtime cannot load (") and "--exporter" in str(e)
+        assert "re-convert" not in str(e) and not (tmp_path / "art").exists()
+    else:
+        assert report.checks["max_abs_diff_vs_torch"] <= 1e-3
