@@ -227,6 +227,11 @@ def test_forced_first_and_last_tokens_are_made_as_transformers_makes_them(tmp_pa
     assert got == want and all(row[0] == 7 and (len(row) < 8 or row[7] == 11) for row in got)
     assert any(len(row) == 8 for row in got)  # the forced end token was reached
     assert got[0][1] != free[0][1] and got[1][1:3] != free[1][1:3]
+    encoder = load(tmp_path / "art").part("encoder")  # 130 rows, 2 before the first position: 128 tokens
+    assert encoder.max_sequence_length == 128
+    ids = np.full((1, 129), 5, dtype=np.int64)  # its axis is encoder_sequence_length: it went unchecked, to ORT's Gather
+    with pytest.raises(FeedError, match="encoder_sequence_length=129 at dim=1, but this model takes at most 128 tokens"):
+        encoder.run({"input_ids": ids, "attention_mask": np.ones_like(ids)})
 
 
 def test_beam_search_makes_the_tokens_transformers_makes(tmp_path):

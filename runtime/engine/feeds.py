@@ -15,11 +15,15 @@ LOGITS_INDEX = "logits_index"  # (B, n): the positions of a pass whose logits a 
 SEQUENCE_AXES = ("seq", "length", "token")  # names of the dynamic axes that count tokens
 
 
-def counts_tokens(axis: str) -> bool:
+TOKEN_INPUTS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # a model's own tokens
+
+
+def counts_tokens(axis: str, input_name: str = "") -> bool:
     """Whether a dynamic axis counts this model's tokens. A decoder's ``encoder_sequence_length``
-    axes are the encoder's length (audio frames for Whisper), bounded by the encoder, not here."""
+    axes are the encoder's length (audio frames for Whisper), bounded by the encoder, not here; the
+    encoder's own ``input_ids`` (an encoder-decoder's, which carry that name) are bounded here."""
     name = axis.lower()
-    return any(k in name for k in SEQUENCE_AXES) and not name.startswith("encoder")
+    return any(k in name for k in SEQUENCE_AXES) and (not name.startswith("encoder") or input_name in TOKEN_INPUTS)
 
 
 class FeedChecker:
@@ -37,7 +41,7 @@ class FeedChecker:
         for s in specs:
             fixed = [(d, w) for d, w in enumerate(s.shape) if isinstance(w, int)]
             named = [(d, w) for d, w in enumerate(s.shape) if isinstance(w, str)]
-            seq = [d for d, w in named if counts_tokens(w)] if max_seq is not None else []
+            seq = [d for d, w in named if counts_tokens(w, s.name)] if max_seq is not None else []
             dtype = np.dtype(s.dtype)
             ids = (s.name in self.id_limits or s.name == LOGITS_INDEX) and dtype.kind in "iu"
             unsigned = np.dtype(f"u{dtype.itemsize}") if ids else None  # ids seen unsigned: negatives are huge
@@ -152,7 +156,7 @@ def check_feeds(
             if isinstance(want, int) and want != got:
                 problems.append(f"input {name!r} has size {got} at dim={dim}, expected {want} (shape {spec.shape})")
             elif isinstance(want, str):
-                long_seq = max_seq is not None and got > max_seq and counts_tokens(want)
+                long_seq = max_seq is not None and got > max_seq and counts_tokens(want, name)
                 if long_seq and want not in axes:  # once per axis, not once per input sharing it
                     problems.append(
                         f"input {name!r} has {want}={got} at dim={dim}, but this model takes at most {max_seq} "
