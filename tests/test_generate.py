@@ -412,6 +412,10 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
         refused(FeedError, "prompts hold a dict (a tokenizer's output, as transformers 5's apply_chat_template returns "
                 "it); pass its token ids: enc['input_ids'], wrapped as [ids] for one prompt, or model.chat(messages) to "
                 "render the template here.", llama.generate, given)
+    from collections import UserDict  # transformers' BatchEncoding is one: not to be read as its keys, texts
+
+    with pytest.raises(FeedError, match=r"prompts hold a UserDict \(a tokenizer's output"):
+        llama.generate(UserDict(encoded))
     for odd in (b"hi", 5, None):  # bytes once read as ids; a number or None was Python's TypeError
         with pytest.raises(FeedError, match="stream\\(\\) takes one prompt, a text or a list of token ids, got"):
             llama.stream(odd)

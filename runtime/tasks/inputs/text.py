@@ -134,8 +134,8 @@ def listed(texts: Any) -> Any:
     (for the caller's check to name, or to read as token ids)."""
     if isinstance(texts, np.ndarray):
         return texts.tolist() if texts.dtype.kind in "UO" else texts
-    if not isinstance(texts, (str, bytes, list, tuple, dict)) and hasattr(texts, "__iter__"):
-        return list(texts)
+    if not isinstance(texts, (str, bytes, list, tuple, dict)) and hasattr(texts, "__iter__") and not hasattr(texts, "keys"):
+        return list(texts)  # a mapping (a tokenizer's BatchEncoding) stays one, for the caller to name
     return texts
 
 
