@@ -48,10 +48,9 @@ def verify(folder: Path, manifest: Manifest, src: Source, exported: Exported) ->
     try:
         full = make_session(exported.onnx_path, "cpu")
     except ArtifactError as e:  # at convert time no artifact is damaged: the exporter wrote a graph ORT refuses
-        cause = str(e).split(": ", 1)[-1].split(". The file is not")[0]
-        raise ExportError(f"the exporter wrote a graph ONNX Runtime cannot load ({cause}); convert with another "
-                          "--exporter (optimum, torch or fused, where it writes the model), or export it to ONNX "
-                          "yourself and convert the .onnx file.") from None
+        raise ExportError(f"the exporter wrote a graph ONNX Runtime cannot load ({getattr(e, 'cause', e)}); convert "
+                          "with another --exporter (optimum, torch or fused, where it writes the model), or export it "
+                          "to ONNX yourself and convert the .onnx file.") from None
     try:
         want = dict(zip(names, full.run(names, feeds)))
     except Exception as e:  # onnxruntime's own exception classes: sample inputs this graph refuses

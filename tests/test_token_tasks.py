@@ -123,6 +123,10 @@ def test_entities_are_the_pipeline_s_for_every_aggregation(models, family):
     got = model.entities([long], stride=16)
     assert same(got, ner([long], aggregation_strategy="simple", stride=16))
     assert got[0][-1]["end"] > len(long) // 2 > max(e["end"] for e in model.entities([long])[0])
+    blank = " " * 17_000 + TEXTS[0]  # the tokenizer reads past limits.max_text_chars: its words come from the text
+    for aggregation in ("simple", "first"):  # (first reads each piece's text to find words)
+        want = ner([blank], aggregation_strategy=aggregation, ignore_labels=[])
+        assert same(model.entities([blank], aggregation=aggregation, ignore_labels=[]), want), aggregation
 
 
 @pytest.mark.parametrize("family", ["bert", "roberta"])

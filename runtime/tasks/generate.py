@@ -426,20 +426,15 @@ def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig
                 piece = ""
             if piece:
                 yield int(i), piece
-            if not done[i] and job.row_steps is not None and len(new[i]) >= job.row_steps[i]:  # its own room is full
-                done[i] = True
-                piece = texts[i].finish() if texts is not None else ""
-                if texts is not None and texts[i].stopped:  # the held-back text held a stop string
-                    finish[i] = "stop"
-                if piece:
-                    yield int(i), piece
+            if not done[i] and job.row_steps is not None and len(new[i]) >= job.row_steps[i]:
+                done[i] = True  # its own room is full: it leaves the passes, its text is closed below ("length")
         if done.all() or step == job.steps - 1:
             break
         loop.finish(np.flatnonzero(done & ~was).tolist())  # the fused loop stops running them
         sampler.add(nxt)
         loop.append(nxt)
     loop.remember(new)  # one prompt's text, for the prompts that begin with it (a chat's next turn)
-    for i in np.flatnonzero(~done):  # max_new_tokens, or the context, reached
+    for i in (i for i in range(batch) if finish[i] != "stop"):  # max_new_tokens, or the context, reached
         piece = texts[i].finish() if texts is not None else ""
         if texts is not None and texts[i].stopped and finish[i] == "length":  # the held-back text held a stop string
             finish[i] = "stop"

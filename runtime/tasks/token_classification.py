@@ -96,9 +96,8 @@ class TokenClassifier(Task):
         scores = self._scores([enc for _, enc in windows], size)
         words = _Words(self.text.tokenizer, self.manifest.labels, self.manifest.tokenizer.get("unk_token"))
         found: list[list[list[dict[str, Any]]]] = [[] for _ in texts]
-        read = self.limits.cut(list(texts))  # the texts as the tokenizer read them (offsets index into these)
-        for (i, enc), s in zip(windows, scores):
-            found[i].append(words.entities(read[i], enc, s, aggregation, set(ignore_labels)))
+        for (i, enc), s in zip(windows, scores):  # offsets index into the text (the tokenizer read a prefix of it)
+            found[i].append(words.entities(texts[i], enc, s, aggregation, set(ignore_labels)))
         return [_merge_windows(parts) if len(parts) > 1 else parts[0] for parts in found]
 
     def _windows(self, texts: list[str], aggregation: str, stride: int | None) -> list[tuple[int, Any]]:

@@ -119,10 +119,10 @@ class Backend(ABC):
                                            providers=providers, disabled_optimizers=self.disabled_optimizers())
         except Exception as e:  # ORT raises its own Fail/InvalidGraph/... classes
             name = what or (Path(source).name if isinstance(source, str) else "the graph")
-            raise ArtifactError(
-                f"ONNX Runtime could not load {name}: {first_line(e)}. The file is not a valid ONNX model for this "
-                "onnxruntime; re-convert it."
-            ) from None
+            err = ArtifactError(f"ONNX Runtime could not load {name}: {first_line(e)}. The file is not a valid ONNX model "
+                                "for this onnxruntime; re-convert it.")
+            err.cause = first_line(e)  # ONNX Runtime's own words, for a caller that says it otherwise (convert)
+            raise err from None
         self.check_session(session)
         return session
 
