@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from slimml.errors import ConfigError, IntegrityError, StageError
+from slimml.errors import ConfigError, IntegrityError, SlimmlError, StageError
 from slimml.runtime import load
 from slimml.scale import split_stages
 
@@ -38,6 +38,9 @@ def test_a_stage_loads_only_its_shards_and_chains_to_the_whole(tiny_bert_artifac
     out = tail.run({t.name: {**feeds, **mid}[t.name] for t in tail.inputs})
     np.testing.assert_array_equal(out["last_hidden_state"], whole.run(feeds)["last_hidden_state"])
     assert type(tail).__name__ == "Generic"  # its 4-d mask input made it an image embedder
+    with pytest.raises(SlimmlError, match=r"cannot encode\(\) on a stage: load\(shards=...\) loads a span of shards, "
+                       r"which runs tensors, not its 'sentence-embedding' model; use load\(folder\) without shards= "):
+        load(tiny_bert_artifact, shards=(0, n - 1)).encode(["a man plays a guitar"])
     with pytest.raises(Exception, match="not a range of this artifact"):
         load(tiny_bert_artifact, shards=(2, n))
 

@@ -126,6 +126,7 @@ class Manifest:
     slimml_version: str = ""
     format_version: int = FORMAT_VERSION
     sha256: str = field(default="", compare=False)  # of the manifest.json bytes read (read_manifest)
+    stage_of: str = field(default="", compare=False)  # a stage (stage()): the task of the artifact it was cut from
 
     def __post_init__(self) -> None:  # records given as dicts (older code, tests) become records
         self.tokenizer = Tokenizer.coerce(self.tokenizer)
@@ -238,7 +239,7 @@ class Manifest:
             name=f"{self.name} (shards {first}-{last})", task="generic", source=self.source, steps=self.steps,
             inputs=[TensorSpec(t.name, t.dtype, list(t.shape)) for t in ins], outputs=list(outs), shards=shards,
             files=[f for f in self.files if f.path in paths], checks={}, slimml_version=self.slimml_version,
-            format_version=self.format_version,
+            format_version=self.format_version, stage_of=self.task,
         )
 
     def chain_json(self, component: bool = False) -> dict[str, Any]:

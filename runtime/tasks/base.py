@@ -117,6 +117,10 @@ class Task:
             why = "does not take images"
         else:
             why = f"cannot {method}(): it is a {self.manifest.task!r} model, not {NEEDS.get(method, 'one that has it')}"
+        if self.manifest.stage_of not in ("", "generic"):  # load(shards=...) cut a stage of a model that has it
+            why = (f"cannot {method}() on a stage: load(shards=...) loads a span of shards, which runs tensors, "
+                   f"not its {self.manifest.stage_of!r} model")
+            use = f"load(folder) without shards= to {method}(), or {use}"
         if method in ("encode", "encode_with_counts") and self.manifest.task == "feature-extraction":  # a plain encoder
             use += ("; for sentence embeddings, save the source as sentence-transformers does "
                     "(SentenceTransformer(FOLDER).save(OUT): mean pooling) and convert OUT")
