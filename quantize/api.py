@@ -298,7 +298,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
             continue
         model = onnx.load(str(path))
         if fuse and spec.index > 0:
-            rematerialize_inputs(model, firsts[: spec.index], model_inputs)
+            rematerialize_inputs(model, firsts[: spec.index], model_inputs, path.parent)
         ctx = ShardContext(index=spec.index, fuse=fuse)
         if envs is not None:
             ctx.reader = ch.RecordedReader(envs, [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}])

@@ -6,14 +6,17 @@ artifact the mask is prepared once, in the embedding shard, and reaches each lay
 activation, so the pattern is cut off and attention stays unfused. :func:`rematerialize_inputs`
 copies such cheap side computations (tensors made from model inputs alone, through no heavy
 weight) into the shard that reads them; after that, fusions inside a layer match as they do on
-the whole graph. Shard boundaries sit between layers, so no fusion crosses one.
+the whole graph. Fusions stay inside a shard: a layer cut by a boundary (more shards than layers)
+stays unfused.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import onnx
+from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
 _MAX_COPIED_BYTES = 1 << 16  # side computations read small constants only; never copy weights
 
@@ -27,13 +30,17 @@ def fusable(source: dict) -> bool:
     return source.get("model_type") in FUSABLE_MODEL_TYPES
 
 
-def rematerialize_inputs(shard: onnx.ModelProto, earlier: list[onnx.ModelProto], model_inputs: dict[str, onnx.ValueInfoProto]) -> list[str]:
+def rematerialize_inputs(shard: onnx.ModelProto, earlier: list[onnx.ModelProto], model_inputs: dict[str, onnx.ValueInfoProto],
+                         folder: str | os.PathLike | None = None) -> list[str]:
     """Recompute, inside ``shard``, inputs that earlier shards derive from model inputs alone.
 
     Args:
         shard: the shard to edit in place.
         earlier: the graphs of all earlier shards (weights need not be loaded).
         model_inputs: the model's input value infos, by name.
+        folder: where the earlier shards' external data lies: a constant copied from there is
+            read into the shard (a shard cut inside a layer keeps even a mask's constants in its
+            data file, which the edited shard, saved elsewhere, cannot reach).
 
     Returns:
         The names of the inputs that are now computed inside the shard.
@@ -64,6 +71,8 @@ def rematerialize_inputs(shard: onnx.ModelProto, earlier: list[onnx.ModelProto],
         for name in needed_inits:
             if name not in present:
                 graph.initializer.append(inits[name])
+                if folder is not None and uses_external_data(graph.initializer[-1]):
+                    load_external_data_for_tensor(graph.initializer[-1], os.fspath(folder))  # made inline
                 present.add(name)
         made = {o for n in graph.node for o in n.output}
         new = [n for n in nodes if not set(n.output) & made]

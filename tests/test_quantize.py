@@ -128,6 +128,19 @@ def test_int8_dynamic_on_tiny_bert(tiny_bert_artifact, tmp_path):
     assert m.checks["quantize_agreement_cosine"] > 0.98
 
 
+def test_int8_fuses_shards_cut_inside_layers(tiny_bert_dir, tmp_path):
+    """With more shards than layers, a shard's mask comes from a constant in an earlier shard's data
+    file: the fused int8 copied it as a reference to that file and onnx refused the shard ("should be
+    stored in /tmp/.../shard_000.onnx.data, but it is not regular file")."""
+    from slimml.convert import ConvertConfig, ShardConfig, convert
+
+    convert(tiny_bert_dir, tmp_path / "art", ConvertConfig(shard=ShardConfig(mode="count", count=6), measure_latency=False,
+                                                           verify=False))
+    quantize(tmp_path / "art", tmp_path / "q", Int8DynamicConfig(calibration_size=16))
+    texts = ["A man plays the guitar.", "Quantized models run on small machines, fast."]
+    assert _cos(load(tmp_path / "art").encode(texts), load(tmp_path / "q").encode(texts)) > 0.98
+
+
 @pytest.mark.parametrize("family", ["distilbert", "roberta"])
 def test_other_encoder_families_fuse_and_quantize(family, tmp_path):
     """The default int8 fuses attention per shard in other BERT-family graphs too, and stays close."""
