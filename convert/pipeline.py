@@ -8,8 +8,6 @@ shard it as its family needs (:mod:`.families`), write the artifact (one
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import shutil
 import time
@@ -26,8 +24,8 @@ from slimml.convert.export import Exported, export
 from slimml.convert.families import check, times_batches, write_chains
 from slimml.convert.llm_check import check_language_model, is_language_model, read_eval_text
 from slimml.convert.sources import Source, resolve
-from slimml.errors import ConfigError, ExportError, SlimmlError, SourceError, extras_for
-from slimml.runtime.artifact.atomic import check_output, os_error
+from slimml.errors import ConfigError, ExportError, SourceError, extras_for
+from slimml.runtime.artifact.atomic import check_output, one_line_errors
 from slimml.runtime.artifact.files import verify_files
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.artifact.writer import ArtifactWriter
@@ -144,7 +142,9 @@ def _convert(src: Source, out: Any, config: ConvertConfig, step: Callable[[str],
     stem = src.path.stem if src.kind == "gguf" else src.name  # a GGUF file's own folder: X.Q4_1 and X.Q8_0 apart
     out = Path(out) if out is not None else Path("artifacts") / (stem + _default_suffix(config))
     check_output(out)
-    with _one_line_errors(src.name, current, out), ArtifactWriter(out) as w:  # disk errors: the writer words them
+    with one_line_errors(f"converting {src.name}", current, out, ExportError,
+                         "If slimml does not support this architecture yet, export it to ONNX yourself and convert "
+                         "the .onnx file"), ArtifactWriter(out) as w:  # disk errors: the writer words them
         source_checks: dict[str, Any] = {}
         if src.kind == "gguf":  # read into a Hugging Face folder, then exported as one
             from slimml.convert.gguf import as_huggingface, quantization_note
@@ -272,41 +272,6 @@ def _latency(folder: Path, src: Source | None = None) -> tuple[float | None, str
                               "of your own with `slimml bench ART`")
     finally:
         model.close()
-
-
-@contextlib.contextmanager
-def _one_line_errors(name: str, current: list[str], out: Path):
-    """A dependency's exception (torch, optimum, onnx, ONNX Runtime) becomes one ExportError naming
-    the step it broke; slimml's own errors pass as they are, except that a full disk under any of
-    them (an exporter's error wraps it) is said as such. ``SLIMML_DEBUG=1`` shows the cause."""
-    try:
-        yield
-    except Exception as e:
-        full = _disk_full(e)
-        if full is not None:
-            raise os_error(full, out) from e
-        if isinstance(e, SlimmlError):
-            raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ExportError(
-            f"converting {name} failed while {current[0]} ({type(e).__name__}: {first}). If slimml does not support "
-            "this architecture yet, export it to ONNX yourself and convert the .onnx file; SLIMML_DEBUG=1 shows the cause."
-        ) from e
-
-
-def _disk_full(e: BaseException | None) -> OSError | None:
-    """The full-disk (or quota, or file-size limit) OSError behind ``e``, if one is in its chain."""
-    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in codes:
-            return e
-        for code in codes:  # a Rust library's error (tokenizers' save) names it in its text: "(os error 28)"
-            if f"(os error {code})" in str(e):
-                return OSError(code, os.strerror(code))
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def _against_teacher(out: Path, tmp: Path, manifest: Manifest, sts_file: Any,

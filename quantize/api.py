@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 import slimml
-from slimml.errors import ArtifactError, ConfigError, IntegrityError, extras_for
+from slimml.errors import ArtifactError, ConfigError, IntegrityError, QuantizeError, extras_for
 import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and NNCF backends)
 import slimml.quantize.chain as ch
 from slimml.quantize.calibration import calibration_texts
@@ -24,7 +24,7 @@ from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig,
 from slimml.quantize.decoder import activation_aware, calibration_feeds, for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
 from slimml.quantize.registry import ShardContext, backend_for
-from slimml.runtime.artifact.atomic import check_output
+from slimml.runtime.artifact.atomic import check_output, one_line_errors
 from slimml.runtime.artifact.files import check_unchanged, verify_files
 from slimml.runtime.artifact.integrity import check_shard_file
 from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, read_manifest
@@ -94,6 +94,7 @@ def quantize(
             (convert it first), or ``out`` is the source, inside it, or a folder that is not an artifact.
         DataError: a bad calibration or evaluation file.
         ArtifactError / IntegrityError: a missing, malformed or tampered source artifact.
+        QuantizeError: the quantizer (ONNX Runtime's, NNCF) failed; the message names the step.
 
     Example:
         >>> from slimml.quantize import quantize, Int8Config
@@ -110,8 +111,18 @@ def quantize(
         )
     check_output(out)  # a link, a read-only place, a path under a file
     source = _read_float_artifact(src)  # a bad source fails before a temporary folder appears
-    with extras_for("quantize"), ArtifactWriter(out) as w:  # on the base install: one line naming the extra
-        result = _quantize_with(w, src, config, on_step, source)
+    current = ["starting"]
+
+    def step(msg: str) -> None:
+        current[0] = msg
+        if on_step is not None:
+            on_step(msg)
+
+    with (extras_for("quantize"),  # on the base install: one line naming the extra
+          one_line_errors(f"quantizing {src}", current, out, QuantizeError,
+                          "Quantize it with another scheme (--quantize) or backend (--backend), or keep it float"),
+          ArtifactWriter(out) as w):
+        result = _quantize_with(w, src, config, step, source)
     result.out = out
     return result
 

@@ -109,9 +109,12 @@ def nncf_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCon
         raise ConfigError(
             f"NNCF cannot compress ONNX weights to {mode}; it supports {', '.join(ONNX_WEIGHT_MODES)}."
         )
+    # a Conv's weight (a vision model's patch embedding) stays float: NNCF 3.4 gives its
+    # DequantizeLinear a 4-d per-channel scale, which ONNX Runtime refuses ("scale must be 1D tensor")
+    float_convs = nncf.IgnoredScope(types=["Conv"], validate=False)
     with _quiet(nncf, ctx.index):
         if config.bits == 8:
-            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode(mode))
+            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode(mode), ignored_scope=float_convs)
         _declare_contrib(model)  # NNCF writes MatMulNBits (com.microsoft) and infers shapes before it returns
         # every MatMul in int4 blocks: NNCF's default keeps the last weight in int8, which per shard
         # would be every shard's last MatMul. Embedding Gathers go to int8 in a second pass (NNCF
@@ -122,10 +125,10 @@ def nncf_weights(model: onnx.ModelProto, config: WeightOnlyConfig, ctx: ShardCon
         # the largest block that does, as ONNX Runtime's quantizer pads such a weight instead of failing
         adjust = AdvancedCompressionParameters(group_size_fallback_mode=GroupSizeFallbackMode.ADJUST)
         model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode(mode), group_size=config.block_size,
-                                      ratio=1.0, all_layers=True, ignored_scope=nncf.IgnoredScope(types=["Gather"], validate=False),
+                                      ratio=1.0, all_layers=True, ignored_scope=nncf.IgnoredScope(types=["Gather", "Conv"], validate=False),
                                       advanced_parameters=adjust)
         if any(n.op_type == "Gather" for n in weight_matmuls(model, ("Gather",))):
-            model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+            model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM, ignored_scope=float_convs)
         _flat_biases(model)
         return model
 

@@ -57,6 +57,10 @@ class ExportError(SlimmlError):
     """Exporting a model to ONNX failed."""
 
 
+class QuantizeError(SlimmlError):
+    """Quantizing an artifact failed inside the quantizer (ONNX Runtime's tools, NNCF)."""
+
+
 class StageError(SlimmlError):
     """A pipeline stage (a Ray actor owning some shards) died, or did not answer in time."""
 

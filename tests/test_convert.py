@@ -246,14 +246,15 @@ def test_a_dependency_failure_during_convert_is_one_line_naming_the_step():
     """Whatever convert cannot handle ends in one ExportError naming the step, not a dependency's traceback."""
     from pathlib import Path
 
-    from slimml.convert.pipeline import _one_line_errors
     from slimml.errors import ExportError, SourceError
+    from slimml.runtime.artifact.atomic import one_line_errors
 
-    with pytest.raises(ExportError, match=r"converting m failed while splitting into shards \(ValueError: boom\)\. If slimml"):
-        with _one_line_errors("m", ["splitting into shards"], Path("out")):
+    with pytest.raises(ExportError, match=r"converting m failed while splitting into shards \(ValueError: boom\)\. Do "
+                                          r"this; SLIMML_DEBUG=1 shows the cause\.$"):
+        with one_line_errors("converting m", ["splitting into shards"], Path("out"), ExportError, "Do this"):
             raise ValueError("boom\nsecond line")
     with pytest.raises(SourceError, match="^mine$"):  # slimml's own errors pass as they are
-        with _one_line_errors("m", ["x"], Path("out")):
+        with one_line_errors("converting m", ["x"], Path("out"), ExportError, "Do this"):
             raise SourceError("mine")
 
 

@@ -407,6 +407,21 @@ def test_clip_quantizes_each_tower_with_its_own_guard(clip):
     assert (int8.embed_images(images) * fp32.embed_images(images)).sum(1).min() >= 0.99
 
 
+def test_clip_weights_compressed_by_nncf(clip, tmp_path):
+    """NNCF's int8 of the vision tower's patch Conv (no bias) wrote a DequantizeLinear whose 4-d scale
+    ONNX Runtime refused ("scale must be 1D tensor"), and quantize ended in its traceback: that Conv
+    stays float."""
+    from slimml.quantize import quantize
+    from slimml.quantize.config import WeightOnlyConfig
+    from slimml.runtime import load
+
+    images = _images(2)
+    want = load(clip["root"] / "art").embed_images(images)
+    for bits in (8, 4):
+        quantize(clip["root"] / "art", tmp_path / f"w{bits}", WeightOnlyConfig(bits=bits, backend="nncf"))
+        assert (load(tmp_path / f"w{bits}").embed_images(images) * want).sum(1).min() >= 0.98, bits
+
+
 def test_clip_tampered_component_file_is_refused(clip, tmp_path):
     import shutil
 

@@ -128,6 +128,28 @@ def test_int8_dynamic_on_tiny_bert(tiny_bert_artifact, tmp_path):
     assert m.checks["quantize_agreement_cosine"] > 0.98
 
 
+def test_a_backend_failure_is_one_line_naming_the_step(tiny_bert_artifact, tmp_path):
+    """A quantizer's own exception (NNCF's, ONNX Runtime's) ended `slimml quantize` in its traceback;
+    now one QuantizeError names the step, and nothing is left at the output."""
+    from dataclasses import dataclass
+
+    from slimml.errors import QuantizeError
+    from slimml.quantize.registry import register
+
+    @dataclass
+    class Failing(Int8DynamicConfig):  # a backend that fails as a dependency does
+        pass
+
+    @register(Failing)
+    def failing(model, config, ctx):
+        raise ValueError("scale must be 1D tensor\nmore")
+
+    with pytest.raises(QuantizeError, match=r"^quantizing .*tiny-bert failed while quantizing shard 1/\d+ \(ValueError: "
+                                            r"scale must be 1D tensor\)\. Quantize it with another scheme"):
+        quantize(tiny_bert_artifact, tmp_path / "q", Failing(calibration_size=16))
+    assert not (tmp_path / "q").exists() and list(tmp_path.iterdir()) == []
+
+
 def test_int8_fuses_shards_cut_inside_layers(tiny_bert_dir, tmp_path):
     """With more shards than layers, a shard's mask comes from a constant in an earlier shard's data
     file: the fused int8 copied it as a reference to that file and onnx refused the shard ("should be

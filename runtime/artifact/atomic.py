@@ -262,3 +262,38 @@ def os_error(e: OSError, out: Path) -> SlimmlError:
         return SlimmlError(f"the output path {out} is too long for the file system; give a shorter one with -o.")
     why = e.strerror or type(e).__name__
     return SlimmlError(f"writing {out} failed ({why}); choose another folder with -o, and check the disk it is on.")
+
+
+@contextmanager
+def one_line_errors(doing: str, current: list[str], out: Path, error: type[SlimmlError], fix: str) -> Iterator[None]:
+    """A dependency's exception (torch, optimum, onnx, ONNX Runtime, NNCF) raised while a stage
+    writes ``out`` becomes one ``error`` line: ``"{doing} failed while {current[0]} (its type: its
+    first line). {fix}; SLIMML_DEBUG=1 shows the cause."``. ``current`` holds the step under way
+    (the stage updates it as it goes). slimml's own errors pass as they are, except that a full disk
+    under any of them (an exporter's error wraps it) is said as such."""
+    try:
+        yield
+    except Exception as e:
+        full = _disk_full(e)
+        if full is not None:
+            raise os_error(full, out) from e
+        if isinstance(e, SlimmlError):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise error(f"{doing} failed while {current[0]} ({type(e).__name__}: {first}). {fix}; SLIMML_DEBUG=1 shows "
+                    "the cause.") from e
+
+
+def _disk_full(e: BaseException | None) -> OSError | None:
+    """The full-disk (or quota, or file-size limit) OSError behind ``e``, if one is in its chain."""
+    codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in codes:
+            return e
+        for code in codes:  # a Rust library's error (tokenizers' save) names it in its text: "(os error 28)"
+            if f"(os error {code})" in str(e):
+                return OSError(code, os.strerror(code))
+        e = e.__cause__ or e.__context__
+    return None
