@@ -23,6 +23,7 @@ from slimml.quantize.calibration import calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, WeightOnlyConfig, describe
 from slimml.quantize.decoder import activation_aware, calibration_feeds, for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
+from slimml.quantize.gemm import gemms_as_matmuls
 from slimml.quantize.registry import ShardContext, backend_for
 from slimml.runtime.artifact.atomic import check_output, one_line_errors
 from slimml.runtime.artifact.files import check_unchanged, verify_files
@@ -310,6 +311,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         model = onnx.load(str(path))
         if fuse and spec.index > 0:
             rematerialize_inputs(model, firsts[: spec.index], model_inputs, path.parent)
+        gemms_as_matmuls(model)  # GPT-2's layers, a classifier's head: the quantizers take MatMul, not Gemm
         ctx = ShardContext(index=spec.index, fuse=fuse)
         if envs is not None:
             ctx.reader = ch.RecordedReader(envs, [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}])

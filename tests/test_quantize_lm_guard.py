@@ -176,3 +176,47 @@ def test_truncated_rows_of_a_traced_decoder_each_get_their_own_room(short_gpt2):
     both = model.generate(rows, max_new_tokens=20, truncate=True, eos_token_id=())
     assert [len(t) for t in both.tokens] == [4, 20]
     assert both.tokens == [model.generate([p], max_new_tokens=20, truncate=True, eos_token_id=()).tokens[0] for p in rows]
+
+
+def test_gpt2s_gemm_layers_are_quantized(short_gpt2, tmp_path):
+    """GPT-2's Conv1D layers export as Gemm, which neither ONNX Runtime quantizer takes: int8 and
+    int4 left every layer float ("nothing to quantize"). Now they are MatMul + Add first."""
+    import onnx
+
+    from slimml.quantize import quantize, scheme_config
+    from slimml.quantize.registry import weight_matmuls
+
+    for scheme in ("int8", "int4-weights"):
+        report = quantize(short_gpt2["art"], tmp_path / scheme, scheme_config(scheme))
+        assert not report.float_shards, report.float_shards
+        for f in (tmp_path / scheme).glob("*.onnx"):  # every product with a weight quantized
+            assert not weight_matmuls(onnx.load(str(f)), ("MatMul", "Gemm")), (scheme, f.name)
+
+
+def test_a_gemm_is_rewritten_exactly_and_only_where_it_can_be():
+    """transB, a weight two Gemms share, a Gemm without bias: the same outputs; alpha != 1 stays a Gemm."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from slimml.quantize.gemm import gemms_as_matmuls
+
+    rng = np.random.default_rng(0)
+    w, v, c = (rng.standard_normal(s).astype(np.float32) for s in ((6, 4), (4, 6), (6,)))
+    nodes = [helper.make_node("Gemm", ["x", "w", "c"], ["a"], transB=1),  # w (6, 4) read as (4, 6)^T
+             helper.make_node("Gemm", ["x", "w", "c"], ["b"], transB=1),  # the same weight again
+             helper.make_node("Gemm", ["x", "v"], ["d"]),  # (4, 6), no bias
+             helper.make_node("Gemm", ["x", "v"], ["e"], alpha=0.5)]  # left as it is
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in "abde"],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v"), numpy_helper.from_array(c, "c")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+    want = run(model)
+    assert gemms_as_matmuls(model) == 3
+    assert [n.op_type for n in model.graph.node] == ["MatMul", "Add", "MatMul", "Add", "MatMul", "Gemm"]
+    for got, ref in zip(run(model), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
