@@ -97,6 +97,20 @@ def test_slimml_threads_is_checked_where_set(monkeypatch):
         assert LoadConfig().threads is None  # read where sessions are made
 
 
+def test_slimml_threads_bounds_encodes_lanes(tiny_bert_artifact, monkeypatch):
+    """encode's lanes (a batch per core) counted load(threads=) only: SLIMML_THREADS=1 still ran two lanes."""
+    from slimml.runtime.engine.cpus import cpu_count
+    from slimml.runtime.tasks.lanes import lane_count
+
+    monkeypatch.setenv("SLIMML_THREADS", "1")
+    model = load(tiny_bert_artifact)
+    assert model.threads == 1
+    assert lane_count(None, 8, unfit=None, threads=model.threads, model_bytes=1) == (1, 1)
+    monkeypatch.setenv("SLIMML_THREADS", "0")
+    assert load(tiny_bert_artifact).threads is None  # ONNX Runtime's choice: lanes by the cores
+    assert lane_count(None, 8, unfit=None, threads=None, model_bytes=1)[0] == min(cpu_count(), 8)
+
+
 def test_load_config_normalises_and_documents_every_field(tmp_path):
     c = LoadConfig(pin=[0, -1], shards=[1, 2], cache_dir=str(tmp_path), memory_budget="4GB")
     assert c.pin == (0, -1) and c.shards == (1, 2) and c.cache_dir == tmp_path and c.memory_budget == "4GB"

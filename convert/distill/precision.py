@@ -23,7 +23,8 @@ MARGIN = 0.9  # low precision must be at least 10% faster to be chosen
 
 def cpu_has_native_bf16() -> bool:
     try:
-        flags = open("/proc/cpuinfo").read()
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
     except OSError:
         return False
     return "amx_bf16" in flags or "avx512_bf16" in flags

@@ -71,15 +71,15 @@ def available_memory() -> int:
 
     avail = None
     try:
-        for line in open("/proc/meminfo"):
+        for line in _read("/proc/meminfo").splitlines():
             if line.startswith("MemAvailable:"):
                 avail = int(line.split()[1]) * 1024
     except OSError:
         pass
     for limit, usage in _cgroup_files():
         try:
-            cap = open(limit).read().strip()
-            used = int(open(usage).read().strip())
+            cap = _read(limit).strip()
+            used = int(_read(usage).strip())
         except (OSError, ValueError):
             continue
         if cap.isdigit() and int(cap) < 1 << 60:
@@ -102,7 +102,7 @@ def _reclaimable(usage_file: str) -> int:
     import os
 
     try:
-        stat = open(os.path.join(os.path.dirname(usage_file), "memory.stat")).read().split("\n")
+        stat = _read(os.path.join(os.path.dirname(usage_file), "memory.stat")).split("\n")
     except OSError:
         return 0
     values = dict(line.split() for line in stat if len(line.split()) == 2)
@@ -114,11 +114,17 @@ def _reclaimable(usage_file: str) -> int:
     return max(0, cache - dirty - writeback - mapped)  # mapped pages are in use (memory-mapped weights)
 
 
+def _read(path: str) -> str:
+    """A small kernel file's text (closed at once: an embedding app's tests run with warnings as errors)."""
+    with open(path) as f:
+        return f.read()
+
+
 def _cgroup_files() -> list[tuple[str, str]]:
     """(limit, usage) files of this process's memory cgroup, v1 or v2."""
     out = []
     try:
-        lines = open("/proc/self/cgroup").read().splitlines()
+        lines = _read("/proc/self/cgroup").splitlines()
     except OSError:
         return out
     for line in lines:

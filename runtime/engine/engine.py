@@ -24,6 +24,7 @@ from slimml.runtime.artifact.integrity import check_shard_file, id_limits, max_s
 from slimml.runtime.artifact.manifest import Manifest, check_manifest_unchanged
 from slimml.runtime.artifact.watch import FileWatch
 from slimml.runtime.engine.backends import backend_for
+from slimml.runtime.engine.backends.base import env_threads
 from slimml.runtime.engine.budget import StreamPlan, plan_stream
 from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.engine.feeds import FeedChecker
@@ -50,7 +51,7 @@ class Engine:
         self.config = config = config or LoadConfig()
         self.backend = plan.backend if plan is not None else backend_for(config.device)
         self.device: str = self.backend.name  # the device's public name, as load(device=...) takes it
-        self.threads = config.threads
+        self.threads = config.threads or env_threads() or None  # load(threads=), else SLIMML_THREADS (None: ORT's choice)
         self._lanes: dict[int, ExecutionPlan] = {}  # single-threaded copies of the plan (encode's lanes)
         self._lanes_lock = threading.Lock()
         # files changed after load are refused, not run; a plan built elsewhere (pipeline stages)

@@ -364,7 +364,7 @@ class Task:
 
     @property
     def threads(self) -> int | None:
-        """ONNX Runtime intra-op threads, as ``load(threads=)`` set them (None: ORT's choice)."""
+        """ONNX Runtime intra-op threads, as ``load(threads=)`` or ``SLIMML_THREADS`` set them (None: ORT's choice)."""
         return self._engines[0].threads
 
     @property

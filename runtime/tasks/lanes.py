@@ -25,13 +25,13 @@ Below 8 texts a batch loses: 8 sentences in two lanes of 4 took 1.05x one batch 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from slimml.errors import ConfigError
 from slimml.runtime.engine.budget import available_memory
+from slimml.runtime.engine.cpus import cpu_count
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -51,14 +51,6 @@ def lane_batch_size(texts: int, batch_size: int, lanes: int) -> int:
 def possible_batches(texts: int, batch_size: int) -> int:
     """The most batches ``texts`` texts can be cut into for lanes (see :func:`lane_batch_size`)."""
     return -(-texts // min(batch_size, LANE_MIN_BATCH))
-
-
-def cpu_count() -> int:
-    """The cores this process may run on (its affinity, which a container or Ray may narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def lane_count(workers: int | None, batches: int, *, unfit: str | None, threads: int | None,

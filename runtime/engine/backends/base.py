@@ -21,6 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from slimml.errors import ArtifactError, ConfigError
+from slimml.runtime.engine.cpus import quota_threads
 
 if TYPE_CHECKING:
     from slimml.runtime.artifact.manifest import Manifest
@@ -92,7 +93,7 @@ class Backend(ABC):
         """
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        threads = threads or env_threads()
+        threads = threads or env_threads() or quota_threads()  # a container's CPU quota, not the host's cores
         if threads:
             so.intra_op_num_threads = threads
         if not spinning:
