@@ -328,3 +328,18 @@ def test_an_engine_refusal_says_what_to_check_without_onnx_runtime_s_build_paths
     cpp = ("Status Message: /onnxruntime_src/onnxruntime/core/providers/cpu/math/element_wise_ops.h:583 void "
            "onnxruntime::BroadcastIterator::Append(ptrdiff_t, ptrdiff_t) axis == 1 was false.\nmore")
     assert first_line(Exception(cpp)) == "Status Message: axis == 1 was false."
+
+
+def test_reading_the_machines_memory_leaves_no_file_open():
+    """/proc/meminfo and the cgroup files were opened and left to the collector: a ResourceWarning
+    each, which fails an embedding app's tests run with warnings as errors."""
+    import gc
+    import warnings
+
+    from slimml.runtime.engine.budget import available_memory
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        available_memory()
+        gc.collect()
+    assert not [w for w in seen if issubclass(w.category, ResourceWarning)], [str(w.message) for w in seen]
