@@ -258,3 +258,22 @@ def test_a_text_whose_first_characters_make_no_tokens_is_read_on(tiny_bert_artif
     np.testing.assert_array_equal(pair, bert.tokenize([("query", "passage")])["input_ids"])
     long = "word " * 10_000  # cut, and still past the model's length: read as before
     assert bert.tokenize([long])["input_ids"].shape[1] == bert.manifest.tokenizer["max_length"]
+
+
+def test_the_command_line_prints_texts_and_messages_as_written(text_classifier, tmp_path):
+    """Its consoles read rich markup: a text "[/] ..." ended `slimml run` in rich's MarkupError
+    traceback, "[b]love[/b]" was printed "love", and a message's "pip install 'slimml[bench]'" lost
+    its extra."""
+    import os
+    import subprocess
+    import sys
+
+    def slimml(*args):
+        return subprocess.run([sys.executable, "-m", "slimml", *map(str, args)], capture_output=True, text=True,
+                              env=os.environ, timeout=300)
+
+    r = slimml("run", text_classifier, "[/] closing tag", "I [b]love[/b] it")
+    assert r.returncode == 0, r.stderr
+    assert "[/] closing tag" in r.stdout and "I [b]love[/b] it" in r.stdout, r.stdout
+    r = slimml("info", tmp_path / "[bench]")
+    assert r.returncode == 1 and r.stderr.startswith(f"error: {tmp_path / '[bench]'} is not an artifact folder"), r.stderr

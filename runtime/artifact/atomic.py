@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from slimml.errors import ConfigError, SlimmlError
+from slimml.errors import ConfigError, SlimmlError, missing_extra
 from slimml.runtime.artifact.files import utf8_path
 from slimml.runtime.artifact.manifest import MANIFEST_NAME
 from slimml.runtime.artifact.replace import umask
@@ -269,7 +269,8 @@ def one_line_errors(doing: str, current: list[str], out: Path, error: type[Slimm
     """A dependency's exception (torch, optimum, onnx, ONNX Runtime, NNCF) raised while a stage
     writes ``out`` becomes one ``error`` line: ``"{doing} failed while {current[0]} (its type: its
     first line). {fix}; SLIMML_DEBUG=1 shows the cause."``. ``current`` holds the step under way
-    (the stage updates it as it goes). slimml's own errors pass as they are, except that a full disk
+    (the stage updates it as it goes). slimml's own errors pass as they are (and an ImportError of an
+    extra's package, which the caller names the extra for), except that a full disk
     under any of them (an exporter's error wraps it) is said as such."""
     try:
         yield
@@ -277,8 +278,8 @@ def one_line_errors(doing: str, current: list[str], out: Path, error: type[Slimm
         full = _disk_full(e)
         if full is not None:
             raise os_error(full, out) from e
-        if isinstance(e, SlimmlError):
-            raise
+        if isinstance(e, SlimmlError) or (isinstance(e, ImportError) and missing_extra(e) is not None):
+            raise  # a package of an extra not installed: the caller's extras_for names the extra
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise error(f"{doing} failed while {current[0]} ({type(e).__name__}: {first}). {fix}; SLIMML_DEBUG=1 shows "
                     "the cause.") from e

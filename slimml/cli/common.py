@@ -18,8 +18,10 @@ app = typer.Typer(
 )
 # Piped into a file or another program, a line stays one line: wrapping at a guessed width of 80 splits
 # figures and messages in the middle of a phrase that scripts and logs look for.
-console = Console(soft_wrap=not (sys.stdout and sys.stdout.isatty()))
-err = Console(stderr=True, soft_wrap=not (sys.stderr and sys.stderr.isatty()))
+# No markup: what they print holds the user's texts, model outputs, paths and pip extras ("[bench]"),
+# which rich's markup would eat or refuse ("[/]"); bold is asked for with Text styles.
+console = Console(soft_wrap=not (sys.stdout and sys.stdout.isatty()), markup=False)
+err = Console(stderr=True, soft_wrap=not (sys.stderr and sys.stderr.isatty()), markup=False)
 
 Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `slimml convert`.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for machines.")]

@@ -7,7 +7,7 @@ import signal
 import sys
 
 import typer
-from rich.markup import escape
+from rich.text import Text
 
 from slimml.cli.common import app, err
 from slimml.errors import SlimmlError, missing_extra
@@ -24,6 +24,11 @@ def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _error(message: str) -> None:
+    """One line on stderr: "error: " and the message, as written (a path or text "[x]" is not markup)."""
+    err.print(Text("error:", style="bold red") + Text(f" {message}"), highlight=False, soft_wrap=True)
+
+
 def main() -> None:
     """Entry point: run the app, turning slimml errors into one line and exit code 1, and a
     command line Typer cannot parse (an unknown option, ``--seed abc``) into one line and exit code 2.
@@ -37,21 +42,20 @@ def main() -> None:
     except SlimmlError as e:
         if os.environ.get("SLIMML_DEBUG"):
             raise
-        err.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)  # a path "[x]" is text
+        _error(str(e))
         sys.exit(1)
     except OSError as e:  # a path the library did not expect to fail on (a name too long, a link loop)
         if os.environ.get("SLIMML_DEBUG"):
             raise
         where = f" ({e.filename})" if getattr(e, "filename", None) else ""
-        err.print(f"[bold red]error:[/bold red] {escape(e.strerror or str(e))}{escape(where)}; check the path and its "
-                  "permissions (SLIMML_DEBUG=1 shows the traceback).", highlight=False, soft_wrap=True)
+        _error(f"{e.strerror or e}{where}; check the path and its permissions (SLIMML_DEBUG=1 shows the traceback).")
         sys.exit(1)
     except MemoryError as e:  # numpy's _ArrayMemoryError too: a batch or input the machine cannot hold
         if os.environ.get("SLIMML_DEBUG"):
             raise
         what = " ".join(str(e).split())[:200]
-        err.print(f"[bold red]error:[/bold red] out of memory{escape(f' ({what})' if what else '')}; use fewer rows or "
-                  "shorter inputs a call (--batch), or a memory budget (--memory-budget).", highlight=False, soft_wrap=True)
+        _error(f"out of memory{f' ({what})' if what else ''}; use fewer rows or shorter inputs a call (--batch), or a "
+               "memory budget (--memory-budget).")
         sys.exit(1)
     except typer.Abort:
         err.print("aborted.")
@@ -60,14 +64,13 @@ def main() -> None:
         missing = missing_extra(e)
         if missing is None or os.environ.get("SLIMML_DEBUG"):
             raise
-        err.print(f"[bold red]error:[/bold red] {escape(str(missing))}", highlight=False, soft_wrap=True)
+        _error(str(missing))
         sys.exit(1)
     except Exception as e:
         if not (hasattr(e, "format_message") and hasattr(e, "exit_code")):
             raise
         # click's UsageError, BadParameter, NoSuchOption (vendored by Typer): the user's command line
         where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "slimml"
-        err.print(f"[bold red]error:[/bold red] {escape(e.format_message().rstrip('.'))}; see `{where} --help`.",
-                  highlight=False, soft_wrap=True)
+        _error(f"{e.format_message().rstrip('.')}; see `{where} --help`.")
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n without standalone mode

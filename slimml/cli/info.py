@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from slimml.cli.common import Artifact, AsJson, app, console
 
@@ -29,7 +30,7 @@ def info(artifact: Artifact, as_json: AsJson = False,
     if as_json:
         print(json.dumps(m.to_json(), indent=2))
         return
-    console.print(f"[bold]{m.name}[/bold]  task={m.task}  format v{m.format_version}  slimml {m.slimml_version}")
+    console.print(Text(m.name, style="bold") + Text(f"  task={m.task}  format v{m.format_version}  slimml {m.slimml_version}"))
     kind = kind_of(m)  # what load() will make of it, without loading
     methods = sorted(registered()[kind].methods)
     console.print(f"runs as: {kind} ({', '.join(f'{n}()' for n in methods) + ', ' if methods else ''}run())")
@@ -40,7 +41,7 @@ def info(artifact: Artifact, as_json: AsJson = False,
         console.print(f"labels ({len(m.labels)}): " + ", ".join(m.labels[:10]) + (", ..." if len(m.labels) > 10 else ""))
     for name, part in (m.components or {None: m}).items():
         if name is not None:
-            console.print(f"[bold]component {name}[/bold]")
+            console.print(Text(f"component {name}", style="bold"))
         console.print("inputs: " + _tensor_list(part.inputs))
         console.print("outputs: " + _tensor_list(part.outputs))
         if part.pooling is not None:

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from slimml.cli.common import Artifact, AsJson, Progress, app, console
 from slimml.cli.options import Options, OptionValues, config_options
@@ -77,7 +78,7 @@ def run(
             print(json.dumps([{"input": str(p), "text": t, "tokens": k} for p, t, k in zip(audio, result.texts, result.tokens)]))
             return
         for p, t in zip(audio, result.texts):
-            console.print(f"[bold]{p}[/bold]  {t}")
+            console.print(Text(str(p), style="bold") + Text(f"  {t}"))
         return
     if image and texts:  # images scored against texts: an image-text model (CLIP)
         if not {"text", "images"} <= model.accepts or not model.supports("classify"):
@@ -134,7 +135,7 @@ def run(
         return
     np.set_printoptions(precision=4, suppress=True, threshold=20, edgeitems=3)
     for name, value in outputs.items():
-        console.print(f"[bold]{name}[/bold] {value.dtype}{list(value.shape)}")
+        console.print(Text(name, style="bold") + Text(f" {value.dtype}{list(value.shape)}"))
         console.print(str(value))
 
 
