@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 
@@ -271,11 +272,13 @@ def test_cli_refuses_hostile_npz_inputs(art, tmp_path):
 
 @pytest.mark.parametrize("how", ["renamed over", "removed", "rewritten in place", "unrelated file added"])
 def test_the_file_watch_sees_the_folder_as_well_as_the_files(art, how):
-    """The watch holds each data file and its folder open: a file renamed over keeps its old
-    descriptor valid, so the folder's change sends the check to the paths."""
+    """A streamed model reads its shards by path as it runs. The watch holds each data file and its
+    folder open: a file renamed over keeps its old descriptor valid, so the folder's change sends
+    the check to the paths."""
     from slimml.runtime.tools.bench import sample_feeds
 
-    model = load(art)
+    model = load(art, resident=1, pack=False)
+    assert model.plan.streaming
     feeds = sample_feeds(model.inputs, batch=1)
     before = model.run(feeds)
     data = art / "shard_001.onnx.data"
@@ -295,10 +298,49 @@ def test_the_file_watch_sees_the_folder_as_well_as_the_files(art, how):
         assert model.run(feeds)["y"].tolist() == before["y"].tolist()  # still the same files: runs
         model.close()
         return
-    with pytest.raises(IntegrityError, match=r"shard_001\.onnx\.data in .* (was rewritten|was removed)"):
+    with pytest.raises(IntegrityError, match=r"shard_001\.onnx\.data in .* (was rewritten|was removed) .*A streamed "
+                                             r"model reads its shards from the folder as it runs"):
         model.run(feeds)
     with pytest.raises(IntegrityError):  # and every later call, until loaded again
         model.run(feeds)
+    model.close()
+
+
+@pytest.mark.parametrize("how", ["folders swapped", "renamed over", "removed"])
+def test_a_resident_model_runs_on_when_its_artifact_is_swapped(tiny_bert_artifact, tmp_path, how):
+    """The way to replace an artifact slimml gives (write a new folder, rename it into place) made a
+    loaded, fully resident model refuse every later call, though no byte it maps had changed: its
+    weights are in memory or mapped from files that live on while mapped. It runs on as loaded
+    (encode's lanes included: no session is made from the new folder); a write in place is still refused."""
+    live = tmp_path / "model"
+    shutil.copytree(tiny_bert_artifact, live)
+    model = load(live)
+    texts = [f"sentence number {i} about swapping models" for i in range(40)]
+    before = model.encode(texts, workers=1)
+    data = max(live.glob("*.data"), key=lambda f: f.stat().st_size)
+    if how == "folders swapped":
+        shutil.copytree(tiny_bert_artifact, tmp_path / "model.new")
+        os.rename(live, tmp_path / "model.old")
+        os.rename(tmp_path / "model.new", live)
+        shutil.rmtree(tmp_path / "model.old")
+    elif how == "renamed over":
+        twin = live / "twin.tmp"
+        twin.write_bytes(data.read_bytes()[::-1])  # other bytes: a model a new session would have run
+        os.replace(twin, data)
+    else:
+        data.unlink()
+    model.check_files()
+    assert model.encode(texts, workers=1).tolist() == before.tolist()
+    assert np.allclose(model.encode(texts, workers=2), before, atol=1e-6)  # lanes: on the loaded plan
+    model.close()
+    shutil.copytree(tiny_bert_artifact, tmp_path / "again")
+    model = load(tmp_path / "again")
+    model.encode(texts)
+    data = max((tmp_path / "again").glob("*.data"), key=lambda f: f.stat().st_size)
+    with open(data, "r+b") as f:
+        f.write(data.read_bytes()[:8][::-1])
+    with pytest.raises(IntegrityError, match=r"was rewritten.*Restore the artifact"):
+        model.encode(texts)
     model.close()
 
 

@@ -49,9 +49,16 @@ class FileWatch:
     Graphs and the tokenizer are parsed into memory at load, so a change to them cannot reach a
     loaded model; :meth:`slimml.runtime.Model.verify` re-hashes every file. Once a change is
     seen, every later :meth:`check` refuses, until the model is loaded again.
+
+    ``follow_paths``: whether the model reads its data files by path after load (a streamed model
+    opens its shards' files on every pass), so a file renamed over, removed, or its folder moved
+    away, changes what it would run. A fully resident model (False) has its weights mapped or
+    copied: only a write to the files it mapped can reach it, and an artifact swapped by renaming
+    folders, or an old folder removed, leaves it running as loaded (where the descriptors it holds
+    let it tell; with paths alone, it cannot, and follows them).
     """
 
-    def __init__(self, folder: Path, manifest: Manifest):
+    def __init__(self, folder: Path, manifest: Manifest, follow_paths: bool = True):
         self.folder = folder
         data = {s.data for s in manifest.shards if s.data}
         paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files if e.path in data]
@@ -60,13 +67,14 @@ class FileWatch:
         self._lock = threading.Lock()
         # the fstat path: each file and its folder held open. fstat of a descriptor skips the path
         # lookup a stat does; a file renamed over, removed or added changes its folder's times
-        self._files: list[tuple[str, str, int, tuple]] = []
+        self._files: list[list] = []  # [rel, path, descriptor, identity at load, links at load]
         self._dirs: list[list] = []
         try:
             for rel, path, was in self._expect:
                 if was is not None:
-                    self._files.append((rel, path, os.open(path, os.O_RDONLY), was))
-            for d in sorted({os.path.dirname(path) for _, path, _ in self._expect}):
+                    fd = os.open(path, os.O_RDONLY)
+                    self._files.append([rel, path, fd, was, os.fstat(fd).st_nlink])
+            for d in sorted({os.path.dirname(path) for _, path, _ in self._expect} if follow_paths else ()):
                 fd = os.open(d, os.O_RDONLY)
                 st = os.fstat(fd)
                 self._dirs.append([fd, st.st_mtime_ns, st.st_ctime_ns])
@@ -74,7 +82,8 @@ class FileWatch:
             self._close_fstat()
         if len(self._files) != len(self._expect):
             self._close_fstat()
-        self._notify: _Inotify | None = _Inotify.open(self._expect)
+        self._paths = follow_paths or not self._files  # without descriptors, the paths are all it has
+        self._notify: _Inotify | None = _Inotify.open(self._expect, folders=self._paths)
         self._calls = 0
         self._fstat_at = time.monotonic()
         if self._notify is not None:
@@ -83,7 +92,7 @@ class FileWatch:
     @property
     def how(self) -> str:
         """How changes are noticed: ``"inotify"``, ``"fstat"`` (descriptors held open) or ``"stat"`` (paths)."""
-        return "inotify" if self._notify is not None else "fstat" if self._dirs else "stat"
+        return "inotify" if self._notify is not None else "fstat" if self._files else "stat"
 
     def check(self) -> None:
         """Raise IntegrityError if any file was replaced, truncated, rewritten or removed since load."""
@@ -100,6 +109,17 @@ class FileWatch:
             self._fstat_at = now
         self._check_fstat()
 
+    def at_paths(self) -> bool:
+        """Whether the files at the artifact's paths are still the ones loaded (not renamed over,
+        removed, or their folder swapped for another): what a new session may be made from."""
+        if not self._files:
+            return all(_identity(path) == was for _, path, was in self._expect)
+        for _, path, fd, *_ in self._files:
+            now, st = _identity(path), os.fstat(fd)
+            if now is None or now[2:4] != (st.st_ino, st.st_dev):
+                return False
+        return True
+
     def _drain(self) -> None:
         with self._lock:
             notify = self._notify
@@ -110,10 +130,10 @@ class FileWatch:
                 now = _identity(path)
                 self._refuse(rel, _what(was, now) if now != was else "was rewritten in place (its size and times put back)")
             if look:
-                self._check_paths()
+                self._check_paths() if self._paths else self._check_fstat()
 
     def _check_fstat(self) -> None:
-        if not self._dirs:
+        if not self._files:
             return self._check_paths()
         fstat = os.fstat
         for entry in self._dirs:
@@ -121,10 +141,14 @@ class FileWatch:
             if st.st_mtime_ns != entry[1] or st.st_ctime_ns != entry[2]:
                 self._check_paths()  # something in the folder changed: the paths decide
                 entry[1:] = st.st_mtime_ns, st.st_ctime_ns
-        for rel, path, fd, was in self._files:
+        for entry in self._files:
+            rel, path, fd, was, links = entry
             st = fstat(fd)
             if st.st_mtime_ns != was[1] or st.st_size != was[0] or st.st_ctime_ns != was[4]:
-                self._refuse(rel, _what(was, _identity(path)))
+                if not self._paths and st.st_size == was[0] and st.st_mtime_ns == was[1] and st.st_nlink < links:
+                    entry[3], entry[4] = (*was[:4], st.st_ctime_ns), st.st_nlink  # unlinked (its folder removed): still ours
+                    continue
+                self._refuse(rel, _what(was, _identity(path)) if self._paths else _what(was, _fstat_identity(st)))
 
     def _check_paths(self) -> None:
         for rel, path, was in self._expect:
@@ -133,11 +157,13 @@ class FileWatch:
                 self._refuse(rel, _what(was, now))
 
     def _refuse(self, rel: str, what: str) -> None:
-        self._refused = (
-            f"{rel} in {self.folder} {what} after the model was loaded; slimml will not run a model whose "
-            "files changed under it. Restore the artifact (replace artifacts by writing a new folder and "
-            "renaming it, never by overwriting files in place) and load it again."
-        )
+        fix = ("Restore the artifact (replace artifacts by writing a new folder and renaming it, never by overwriting "
+               "files in place) and load it again.")
+        if self._paths and self._files:  # a streamed model: a folder renamed into place changes it too
+            fix = ("A streamed model reads its shards from the folder as it runs: load the artifact again (to replace "
+                   "one a streamed model runs from, load the new folder and close the old model first; never "
+                   "overwrite files in place).")
+        self._refused = f"{rel} in {self.folder} {what} after the model was loaded; slimml will not run a model whose files changed under it. {fix}"
         raise IntegrityError(self._refused)
 
     def _after_fork(self) -> None:
@@ -148,7 +174,7 @@ class FileWatch:
             notify.close()
 
     def _close_fstat(self) -> None:
-        for _, _, fd, _ in self._files:
+        for _, _, fd, *_ in self._files:
             os.close(fd)
         for fd, *_ in self._dirs:
             os.close(fd)
@@ -173,6 +199,10 @@ def _identity(path: str) -> tuple | None:
         return None
     # ctime too: a write through a shared memory map followed by utime() putting the mtime back
     # moves the ctime, which no caller can set
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
+
+
+def _fstat_identity(st: os.stat_result) -> tuple:
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
 
 
@@ -204,8 +234,9 @@ class _Inotify:
         self.poll = self._epoll.poll
 
     @classmethod
-    def open(cls, expect: list[tuple[str, str, tuple | None]]) -> _Inotify | None:
-        """The queue, or None where inotify is missing or its per-user limits are reached."""
+    def open(cls, expect: list[tuple[str, str, tuple | None]], folders: bool = True) -> _Inotify | None:
+        """The queue, or None where inotify is missing or its per-user limits are reached.
+        ``folders``: watch the files' folders too (a model that reads its files by path)."""
         if not hasattr(select, "epoll") or not os.path.exists("/proc/sys/fs/inotify"):
             return None
         try:
@@ -227,7 +258,7 @@ class _Inotify:
                 return None
             files[wd] = (rel, path, was)
             names.setdefault(os.path.dirname(path), set()).add(os.fsencode(os.path.basename(path)))
-        for d, ours in names.items():
+        for d, ours in (names if folders else {}).items():
             wd = libc.inotify_add_watch(fd, os.fsencode(d), FOLDER_EVENTS)
             if wd < 0:
                 os.close(fd)

@@ -56,7 +56,8 @@ class Engine:
         self._lanes_lock = threading.Lock()
         # files changed after load are refused, not run; a plan built elsewhere (pipeline stages)
         # watches the files its segments own
-        self._watch = FileWatch(folder, manifest) if plan is None else None
+        memory = memory or plan_stream(manifest)
+        self._watch = FileWatch(folder, manifest, follow_paths=memory.streaming) if plan is None else None
         self._check_watch = self._watch.check if self._watch is not None else _nothing
         facts = [check_shard_file(folder, s) for s in manifest.shards]  # external data stays inside
         self.max_sequence_length: int | None = max_sequence_length(facts, manifest)
@@ -64,7 +65,7 @@ class Engine:
         self.vocab_size: int | None = limits.get("input_ids")
         self.allow_nonfinite = False  # NaN/inf in float inputs raise FeedError unless set
         self._check = FeedChecker(manifest.inputs, self.max_sequence_length, limits)
-        self.plan: ExecutionPlan = plan or build_plan(folder, manifest, memory or plan_stream(manifest), config,
+        self.plan: ExecutionPlan = plan or build_plan(folder, manifest, memory, config,
                                                       self.backend)
         self._outputs = [t.name for t in manifest.outputs]
 
@@ -177,6 +178,8 @@ class Engine:
         self._check_watch()  # a closed engine makes no new sessions
         with self._lanes_lock:
             plan = self._lanes.get(threads)
+            if plan is None and self._watch is not None and not self._watch.at_paths():
+                return self.run  # its folder was swapped for another since load: no new sessions from that one
             if plan is None:
                 verify_files(self.folder, self.manifest)
                 config = dataclasses.replace(self.config, threads=threads)
