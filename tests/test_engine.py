@@ -343,3 +343,35 @@ def test_reading_the_machines_memory_leaves_no_file_open():
         available_memory()
         gc.collect()
     assert not [w for w in seen if issubclass(w.category, ResourceWarning)], [str(w.message) for w in seen]
+
+
+def test_close_while_other_threads_call_gives_each_the_closed_error(tiny_bert_artifact):
+    """An application shutting down with calls under way: some threads got a KeyError (the plan
+    walked after close emptied it) or EBADF (the file watch's queue closed under its poll)."""
+    import random
+    import threading
+    import time
+
+    from slimml.errors import SlimmlError
+
+    errors: list[BaseException] = []
+    for _ in range(8):
+        model = load(tiny_bert_artifact)
+
+        def call():
+            while True:
+                try:
+                    model.encode(["a short text"])
+                except BaseException as e:  # noqa: BLE001 - what each thread got is the point
+                    errors.append(e)
+                    return
+
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(random.uniform(0.02, 0.2))
+        model.close()
+        for t in threads:
+            t.join(30)
+    assert len(errors) == 32
+    assert {(type(e), str(e)) for e in errors} == {(SlimmlError, "the model was closed; load it again to run it.")}

@@ -26,7 +26,7 @@ import time
 import weakref
 from pathlib import Path
 
-from slimml.errors import IntegrityError
+from slimml.errors import IntegrityError, SlimmlError
 from slimml.runtime.artifact.files import safe_path
 from slimml.runtime.artifact.manifest import Manifest
 
@@ -64,7 +64,7 @@ class FileWatch:
         paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files if e.path in data]
         self._expect = [(rel, path, _identity(path)) for rel, path in paths]
         self._refused: str | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the descriptors: checked, drained and closed by one thread at a time
         # the fstat path: each file and its folder held open. fstat of a descriptor skips the path
         # lookup a stat does; a file renamed over, removed or added changes its folder's times
         self._files: list[list] = []  # [rel, path, descriptor, identity at load, links at load]
@@ -100,25 +100,33 @@ class FileWatch:
             raise IntegrityError(self._refused)
         notify = self._notify
         if notify is not None:
-            if notify.poll(0):  # the kernel queued something: look at what
+            try:
+                queued = notify.poll(0)
+            except (OSError, ValueError):  # closed by another thread while this call was under way
+                if self._notify is None:
+                    raise SlimmlError("the model was closed; load it again to run it.") from None
+                raise
+            if queued:  # the kernel queued something: look at what
                 self._drain()
             self._calls += 1
             now = time.monotonic()
             if self._calls % BACKSTOP and now - self._fstat_at < BACKSTOP_S:
                 return
             self._fstat_at = now
-        self._check_fstat()
+        with self._lock:
+            self._check_fstat()
 
     def at_paths(self) -> bool:
         """Whether the files at the artifact's paths are still the ones loaded (not renamed over,
         removed, or their folder swapped for another): what a new session may be made from."""
-        if not self._files:
-            return all(_identity(path) == was for _, path, was in self._expect)
-        for _, path, fd, *_ in self._files:
-            now, st = _identity(path), os.fstat(fd)
-            if now is None or now[2:4] != (st.st_ino, st.st_dev):
-                return False
-        return True
+        with self._lock:
+            if not self._files:
+                return all(_identity(path) == was for _, path, was in self._expect)
+            for _, path, fd, *_ in self._files:
+                now, st = _identity(path), os.fstat(fd)
+                if now is None or now[2:4] != (st.st_ino, st.st_dev):
+                    return False
+            return True
 
     def _drain(self) -> None:
         with self._lock:
@@ -182,8 +190,9 @@ class FileWatch:
 
     def close(self) -> None:
         """Let go of the descriptors (later checks stat the paths)."""
-        self._after_fork()
-        self._close_fstat()
+        with self._lock:  # not while another thread fstats them (a number closed may be reused at once)
+            self._after_fork()
+            self._close_fstat()
 
     def __del__(self):
         try:

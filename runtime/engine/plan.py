@@ -31,7 +31,7 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slimml.errors import ArtifactError, IntegrityError
+from slimml.errors import ArtifactError, IntegrityError, SlimmlError
 from slimml.runtime.artifact.files import safe_path
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.engine.backends import Backend, backend_for
@@ -160,6 +160,7 @@ class ExecutionPlan:
                 raise TypeError(f"{type(seg).__name__} is not a plan segment: it lacks {', '.join(missing)}")
         self.segments = segments
         self.streamer = streamer
+        self.closed = False
         self._lock = threading.Lock() if streamer is not None else None
         self._copies_out = self.backend.device_values  # outputs may sit on the device: copied to the host
         self._only: Step | None = None  # a plan of one session: run() calls it directly
@@ -199,17 +200,22 @@ class ExecutionPlan:
         if only is not None and outputs == only.outputs and len(env) == len(only.inputs) and not (
                 keep and self._copies_out):  # feeds = its inputs
             return only.call(env)
-        if self._lock is None:
-            for seg in self.segments:
-                seg.run(env, None)
-        else:
-            with self._lock, self.streamer.one_pass():
+        try:
+            if self._lock is None:
                 for seg in self.segments:
-                    seg.run(env, self.streamer)
-        if self._copies_out:
-            to_host = self.backend.to_host
-            return {name: env[name] if name in keep else to_host(env[name]) for name in outputs}
-        return {name: env[name] for name in outputs}
+                    seg.run(env, None)
+            else:
+                with self._lock, self.streamer.one_pass():
+                    for seg in self.segments:
+                        seg.run(env, self.streamer)
+            if self._copies_out:
+                to_host = self.backend.to_host
+                return {name: env[name] if name in keep else to_host(env[name]) for name in outputs}
+            return {name: env[name] for name in outputs}
+        except Exception:
+            if self.closed:  # closed by another thread during this pass: its segments went away under it
+                raise SlimmlError("the model was closed; load it again to run it.") from None
+            raise
 
     def describe(self) -> str:
         """The plan in a few lines: the memory plan (K, P, pinned), then each segment.
@@ -241,6 +247,7 @@ class ExecutionPlan:
             self.streamer.reset_stats()
 
     def close(self) -> None:
+        self.closed = True
         if self.streamer is not None:
             self.streamer.close()
         for seg in self.segments:
