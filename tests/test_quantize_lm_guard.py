@@ -220,3 +220,34 @@ def test_a_gemm_is_rewritten_exactly_and_only_where_it_can_be():
     assert [n.op_type for n in model.graph.node] == ["MatMul", "Add", "MatMul", "Add", "MatMul", "Gemm"]
     for got, ref in zip(run(model), want):
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_perplexity_that_is_nan_is_refused_and_a_byte_order_mark_is_not_text(short_gpt2, tmp_path):
+    """A model computing NaN (an fp16 overflow) scored perplexity NaN: `slimml eval` exited 0, printed
+    JSON no strict parser reads, and saved a baseline it then refused as malformed. A text saved with
+    a byte-order mark scored differently from the same text without."""
+    import shutil
+
+    from slimml.errors import ArtifactError
+    from slimml.runtime import load
+    from slimml.runtime.artifact.files import sha256_file
+    from slimml.runtime.tools.evaluate import evaluate_perplexity
+
+    text = tmp_path / "text.txt"
+    text.write_text(_lee()[:4000], encoding="utf-8")
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + text.read_bytes())
+    model = load(short_gpt2["art"])
+    assert evaluate_perplexity(model, marked, max_tokens=256).score == evaluate_perplexity(model, text, max_tokens=256).score
+    broken = tmp_path / "broken"
+    shutil.copytree(short_gpt2["art"], broken)
+    data = broken / "shard_001.onnx.data"
+    np.full(data.stat().st_size // 4, np.nan, np.float32).tofile(data)  # a layer's weights gone NaN, the manifest made to match
+    manifest = json.loads((broken / "manifest.json").read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == data.name:
+            entry["sha256"] = sha256_file(data)
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match=r"the model gave NaN or infinite log-probabilities on .*text\.txt \(perplexity "
+                                            r"nan\); the artifact computes wrongly"):
+        evaluate_perplexity(load(broken), text, max_tokens=256)

@@ -139,7 +139,7 @@ def read_text(path: str | os.PathLike) -> str:
     path = Path(path)
     _a_file(path, "text file", "give a UTF-8 text file to measure perplexity on")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is no text to score
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text (byte {e.start}); give a UTF-8 text file, or convert it "
                         "(iconv -t UTF-8).") from None
@@ -151,6 +151,9 @@ def read_text(path: str | os.PathLike) -> str:
 def evaluate_perplexity(model, path: str | os.PathLike, window: int | None = None, max_tokens: int | None = None) -> EvalResult:
     """The perplexity of a language model over a text file (lower is better); see ``model.perplexity``."""
     got = model.perplexity(read_text(path), window=window, max_tokens=max_tokens)
+    if not np.isfinite(got.perplexity):  # NaN is no score, and no valid JSON either; a baseline of it gates nothing
+        raise ArtifactError(f"the model gave NaN or infinite log-probabilities on {path} (perplexity {got.perplexity}); "
+                            "the artifact computes wrongly: convert it again, or quantize it with another recipe.")
     return EvalResult(metric="perplexity", score=got.perplexity, count=got.tokens, unit="tokens",
                       settings={"window": got.window_limit, "windows": got.windows,  # the window asked: what a rerun asks
                                 "max_tokens": EVAL_TOKENS if max_tokens is None else max_tokens})
