@@ -230,3 +230,32 @@ def test_nan_embeddings_are_refused_not_ranked(tmp_path):
     data.write_text("sentence1,sentence2,score\n" + "".join(f"a {i},b {i},{i % 5}\n" for i in range(10)))
     with pytest.raises(ArtifactError, match=r"NaN or infinite embeddings for 1 of 10 pairs \(the first: pair 4 of"):
         evaluate_sts(Broken(), data)
+
+
+def test_a_gate_without_what_it_compares_with_and_a_baseline_over_a_users_file_are_refused(tiny_bert_artifact, tmp_path):
+    """A gate step that forgot --baseline exited 0 forever; --save-baseline replaced whatever file
+    was there (the --data CSV, an artifact's manifest); --baseline naming a folder said it did not
+    exist; a 400-digit metric in a baseline was an OverflowError; a huge --runs a numpy traceback."""
+    data = sts_subset(tmp_path, 10)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text('{"format_version": 1}')
+    eval_args = ["eval", str(tiny_bert_artifact), "--data", str(data)]
+    bench_args = ["bench", str(tiny_bert_artifact), "--runs", "2", "--seq", "8"]
+    for args, said in (
+            ([*eval_args, "--max-accuracy-drop", "0"], "--max-accuracy-drop gates this run against a baseline; give --baseline"),
+            ([*bench_args, "--max-size-increase", "0"], "--max-size-increase gates this run against a baseline or a reference"),
+            ([*eval_args, "--save-baseline", str(data)], "is the --data file; give the baseline a path of its own"),
+            ([*bench_args, "--save-baseline", str(manifest)], "exists and is not a slimml baseline; refusing to replace it"),
+            ([*eval_args, "--baseline", str(tmp_path)], "is a folder; give the baseline file"),
+            ([*bench_args, "--runs", str(10 ** 24)], "--runs must be a whole number from 1 to 1,048,576")):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 1 and said in str(r.exception), (args, r.output, r.exception)
+    assert manifest.read_text() == '{"format_version": 1}' and data.read_text().startswith("sentence1")
+    base = tmp_path / "b.json"
+    assert runner.invoke(app, [*eval_args, "--save-baseline", str(base)]).exit_code == 0
+    assert runner.invoke(app, [*eval_args, "--save-baseline", str(base)]).exit_code == 0  # a baseline is replaced
+    raw = json.loads(base.read_text())
+    raw["metrics"]["score"] = 10 ** 400
+    base.write_text(json.dumps(raw))
+    r = runner.invoke(app, [*eval_args, "--baseline", str(base)])
+    assert r.exit_code == 1 and "is malformed" in str(r.exception), r.output

@@ -116,11 +116,14 @@ class Baseline:
         return path
 
     @staticmethod
-    def check_writable(path: str | os.PathLike) -> None:
-        """Refuse, before anything is measured, a path :meth:`save` could not write.
+    def check_writable(path: str | os.PathLike, data: str | os.PathLike | None = None) -> None:
+        """Refuse, before anything is measured, a path :meth:`save` could not write, or should not:
+        a file there that is not a slimml baseline (the data file, an artifact's manifest) is the
+        user's, and is not replaced.
 
         Raises:
-            ConfigError: the path is a folder, or its folder is missing or not writable.
+            ConfigError: the path is a folder, the data file, another file than a baseline, or its
+                folder is missing or not writable.
         """
         path = Path(path).absolute()
         folder = path.parent
@@ -128,6 +131,11 @@ class Baseline:
                else f"its folder {folder} is not writable" if not os.access(folder, os.W_OK | os.X_OK) else None)
         if why:
             raise ConfigError(f"cannot write the baseline {path} ({why}); give a file path in a writable folder.")
+        if data is not None and path.exists() and Path(data).exists() and path.samefile(data):
+            raise ConfigError(f"--save-baseline {path} is the --data file; give the baseline a path of its own.")
+        if os.path.lexists(path) and not _is_baseline(path):
+            raise ConfigError(f"{path} exists and is not a slimml baseline; refusing to replace it. Give --save-baseline "
+                              "a new path (or one that holds a baseline).")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Baseline:
@@ -137,6 +145,8 @@ class Baseline:
             DataError: the file is missing, not JSON, or not a slimml baseline of this version.
         """
         path = Path(path)
+        if path.is_dir():
+            raise DataError(f"baseline {path} is a folder; give the baseline file written by --save-baseline.")
         if not path.is_file():
             raise DataError(f"baseline {path} does not exist; write one first with --save-baseline {path}.")
         try:
@@ -153,7 +163,7 @@ class Baseline:
             )
         metrics, settings = raw.get("metrics"), raw.get("settings")
         ok = raw.get("kind") in ("eval", "bench") and isinstance(settings, dict) and isinstance(metrics, dict)
-        ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in metrics.values())
+        ok = ok and all(isinstance(v, (int, float)) and not isinstance(v, bool) and _finite(v) for v in metrics.values())
         ok = ok and (raw["kind"] != "eval" or "score" in metrics)  # what an eval is compared on
         ok = ok and (raw["kind"] != "bench" or all(metrics.get(k, 0) > 0 for k in _GATED))  # what a bench is gated on
         if not ok:
@@ -164,6 +174,25 @@ class Baseline:
         return cls(kind=raw["kind"], artifact=str(raw.get("artifact", "")), settings=settings,
                    metrics={k: float(v) for k, v in metrics.items()},
                    slimml_version=str(raw.get("slimml_version", "")), created=str(raw.get("created", "")))
+
+
+def _finite(v: int | float) -> bool:
+    """A finite number that is a float too (an integer of 400 digits is not)."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _is_baseline(path: Path) -> bool:
+    """Whether ``path`` is a file that holds a slimml baseline (of any version), read without trusting it."""
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 20:
+            return False
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(raw, dict) and raw.get("format") == FORMAT
 
 
 @dataclass

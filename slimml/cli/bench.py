@@ -25,8 +25,8 @@ def bench(
     loading: OptionValues = None,
     baseline: BaselineIn = None,
     save_baseline: BaselineOut = None,
-    max_latency_increase: Annotated[float, typer.Option(help="Percent the p50 latency may rise above --baseline.")] = 50.0,
-    max_size_increase: Annotated[float, typer.Option(help="Percent the model size may grow above --baseline.")] = 1.0,
+    max_latency_increase: Annotated[Optional[float], typer.Option(help="Percent the p50 latency may rise above --baseline (or --against). [default: 50]", show_default=False)] = None,
+    max_size_increase: Annotated[Optional[float], typer.Option(help="Percent the model size may grow above --baseline (or --against). [default: 1]", show_default=False)] = None,
     sweep: Annotated[Optional[str], typer.Option("--sweep", help="Try every K,P: e.g. '2,3,4' or '2,3,4:0,1' (K values:P values).")] = None,
     sweep_out: Annotated[Path, typer.Option("--sweep-out", help="Folder for the sweep's table, CSV and PNG plot.")] = Path("sweep"),
     component: Annotated[Optional[str], typer.Option("--component", help="For an artifact of components: the one to time (default: each).")] = None,
@@ -39,10 +39,17 @@ def bench(
     from slimml.runtime.tools.baseline import Baseline, Tolerances, check_settings
     from slimml.runtime.tools.bench import bench as do_bench, latency_settings
 
-    if batch < 1 or (seq is not None and seq < 1) or runs < 1:
-        raise SlimmlError(f"--batch, --seq and --runs must be >= 1 (got {batch}, {seq}, {runs}).")
+    for flag, value, most in (("--batch", batch, 1 << 20), ("--seq", seq, 1 << 24), ("--runs", runs, 1 << 20)):
+        if value is not None and not 1 <= value <= most:
+            raise SlimmlError(f"{flag} must be a whole number from 1 to {most:,}, got {value}.")
+    given = [f for f, v in (("--max-latency-increase", max_latency_increase), ("--max-size-increase", max_size_increase))
+             if v is not None]
+    if given and baseline is None and against is None:  # a gate step without what it compares with would pass forever
+        raise ConfigError(f"{given[0]} gates this run against a baseline or a reference; give --baseline FILE (saved by "
+                          "--save-baseline) or --against ARTIFACT, or drop it.")
     asked = seq is not None  # else 128, or fewer for a model that takes fewer tokens (CLIP's text: 77)
-    tol = Tolerances(latency_increase_pct=max_latency_increase, size_increase_pct=max_size_increase)
+    tol = Tolerances(**{k: v for k, v in (("latency_increase_pct", max_latency_increase),
+                                          ("size_increase_pct", max_size_increase)) if v is not None})
     if sweep is not None and (baseline is not None or save_baseline is not None or against is not None):
         raise ConfigError("--sweep times many K,P plans and a gate one: drop --baseline/--save-baseline/--against, "
                           "or --sweep (then give the plan to gate with --resident/--prefetch or --memory-budget).")

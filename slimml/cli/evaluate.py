@@ -39,7 +39,12 @@ def eval_(
 
     old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
     if save_baseline is not None:
-        Baseline.check_writable(save_baseline)
+        Baseline.check_writable(save_baseline, data)
+    given = [f for f, v in (("--max-accuracy-drop", max_accuracy_drop), ("--max-perplexity-increase", max_perplexity_increase))
+             if v is not None]
+    if given and baseline is None:  # a gate step without its baseline would pass forever
+        raise ConfigError(f"{given[0]} gates this run against a baseline; give --baseline FILE (saved by --save-baseline), "
+                          "or drop it.")
     task = str(read_manifest(artifact).task)
     language = task.startswith("text-generation")
     if language and max_accuracy_drop is not None or not language and max_perplexity_increase is not None:
