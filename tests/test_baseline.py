@@ -111,7 +111,8 @@ def test_cli_bench_save_then_check(tiny_bert_artifact, tmp_path):
     from slimml.runtime.engine.backends.base import env_threads
 
     assert "baseline saved to" in r.output and Baseline.load(base).settings == {
-        "batch": 1, "seq": 16, "device": "cpu", "plan": "resident", "threads": env_threads()}
+        "batch": 1, "seq": 16, "device": "cpu", "plan": "resident", "threads": env_threads(),
+        "component": None, "weights": "resident"}
     r = runner.invoke(app, [*args, "--baseline", str(base), "--max-latency-increase", "1000"])
     assert r.exit_code == 0, r.output
     assert "ok: no regression beyond the tolerances." in r.output
@@ -259,3 +260,17 @@ def test_a_gate_without_what_it_compares_with_and_a_baseline_over_a_users_file_a
     base.write_text(json.dumps(raw))
     r = runner.invoke(app, [*eval_args, "--baseline", str(base)])
     assert r.exit_code == 1 and "is malformed" in str(r.exception), r.output
+
+
+def test_a_bench_baseline_records_how_streamed_weights_are_read(tiny_llama_past_artifact, tmp_path):
+    """--no-pack (weights fed from the data files) against the default pre-packed weights: 20x apart on
+    a 4-bit model, yet the baseline's plan read "K=2 P=1" for both and the gate compared them."""
+    base = tmp_path / "fed.json"
+    args = ["bench", str(tiny_llama_past_artifact), "--runs", "2", "--seq", "8", "--resident", "2"]
+    r = runner.invoke(app, [*args, "--no-pack", "--save-baseline", str(base)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(base.read_text())["settings"]["weights"] == "weights fed from memory-mapped data files"
+    assert json.loads(base.read_text())["settings"]["component"] is None
+    r = runner.invoke(app, [*args, "--baseline", str(base)])
+    assert r.exit_code == 1 and "weights: baseline 'weights fed from memory-mapped data files', now 'pre-packed" in \
+        str(r.exception) and "[--pack/--no-pack, --cache-dir]" in str(r.exception), r.output

@@ -61,7 +61,8 @@ _FLAGS = {"accuracy_drop": "--max-accuracy-drop", "latency_increase_pct": "--max
           "size_increase_pct": "--max-size-increase", "perplexity_increase_pct": "--max-perplexity-increase"}
 # how a run sets each setting a baseline records (named in the refusal of another)
 _SET_BY = {"batch": "--batch", "seq": "--seq", "device": "--device", "component": "--component",
-           "plan": "--resident/--prefetch/--pin/--memory-budget", "threads": "SLIMML_THREADS", "data": "--data",
+           "plan": "--resident/--prefetch/--pin/--memory-budget", "weights": "--pack/--no-pack, --cache-dir",
+           "threads": "SLIMML_THREADS", "data": "--data",
            "data_sha256": "--data", "window": "--window", "max_tokens": "--max-tokens", "batch_size": "--batch-size"}
 
 

@@ -167,14 +167,17 @@ def bench(model, batch: int = 1, seq: int = 128, runs: int = 50, warmup: int = 5
 
 def latency_settings(model) -> dict:
     """What besides batch, sequence and device decides ``model``'s latency, as a baseline records it:
-    the streaming plan (``resident``, or K, P and the pinned shards) and the threads
-    (``SLIMML_THREADS``; 0: ONNX Runtime's choice, the machine's cores)."""
+    the streaming plan (``resident``, or K, P and the pinned shards), how streamed weights reach
+    their sessions (``weights``: pre-packed from the cache, fed from the data files, or copied to the
+    device; 20x apart for a 4-bit model) and the threads (``SLIMML_THREADS``; 0: ONNX Runtime's
+    choice, the machine's cores)."""
     from slimml.runtime.engine.backends.base import env_threads
 
     memory = model.plan.memory
     plan = (f"K={memory.resident} P={memory.prefetch}" + (f" pinned {memory.pinned}" if memory.pinned else "")
             if memory.streaming else "resident")
-    return {"plan": plan, "threads": env_threads()}
+    weights = sorted({seg.source.how for seg in model.plan.segments if seg.kind == "streamed"})
+    return {"plan": plan, "weights": "; ".join(weights) or "resident", "threads": env_threads()}
 
 
 def check_comparable(model, reference, where: str) -> None:

@@ -66,7 +66,7 @@ def bench(
             seq, asked = old.settings["seq"], True  # measured as the baseline was
 
         check_settings(old, "bench", {"batch": batch, "seq": seq or 128, "device": resolve_device(device),
-                                      **({"component": component} if component is not None else {})})
+                                      "component": component})  # None: the whole of a one-chain artifact
     if sweep is not None:
         from slimml.runtime.tools.sweep import sweep as do_sweep
 
@@ -109,7 +109,7 @@ def bench(
     elif component is not None:
         raise SlimmlError(f"{artifact} is one chain of shards, without components; leave --component out.")
     seq = _seq_for(model, seq, asked, component)
-    timed = {**({"component": component} if component is not None else {}), **latency_settings(model)}
+    timed = {"component": component, **latency_settings(model)}
     if old is not None:  # another streaming plan or thread count: refused before the timing runs
         check_settings(old, "bench", timed)
     if not as_json:
