@@ -274,3 +274,33 @@ def test_a_bench_baseline_records_how_streamed_weights_are_read(tiny_llama_past_
     r = runner.invoke(app, [*args, "--baseline", str(base)])
     assert r.exit_code == 1 and "weights: baseline 'weights fed from memory-mapped data files', now 'pre-packed" in \
         str(r.exception) and "[--pack/--no-pack, --cache-dir]" in str(r.exception), r.output
+
+
+def test_bench_against_a_reference_of_fewer_tokens_or_another_task_is_refused_first(tiny_bert_dir, tiny_bert_artifact,
+                                                                                      tmp_path):
+    """A reference taking fewer tokens failed mid-run on a feed error that blamed "this model"; one of
+    another task with the same inputs (a classifier) was timed and gated as if comparable."""
+    import shutil
+
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+    from slimml.convert import ConvertConfig, convert
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    for name, model in (("short", BertModel(BertConfig(**shape, max_position_embeddings=64))),
+                        ("classifier", BertForSequenceClassification(BertConfig(**shape, max_position_embeddings=128)))):
+        shutil.copytree(tiny_bert_dir, tmp_path / name)
+        model.eval().save_pretrained(tmp_path / name)
+        if name == "classifier":
+            for extra in ("modules.json", "sentence_bert_config.json", "1_Pooling"):
+                shutil.rmtree(tmp_path / name / extra) if extra == "1_Pooling" else (tmp_path / name / extra).unlink()
+        convert(tmp_path / name, tmp_path / f"{name}-art", ConvertConfig(measure_latency=False, verify=False))
+    args = ["bench", str(tiny_bert_artifact), "--runs", "2"]
+    r = runner.invoke(app, [*args, "--seq", "100", "--against", str(tmp_path / "short-art")])
+    assert r.exit_code == 1 and str(r.exception) == (f"--seq 100 is past the 64 tokens the reference {tmp_path / 'short-art'} "
+                                                     "takes; give --seq 64 or less."), r.output
+    r = runner.invoke(app, [*args, "--seq", "16", "--against", str(tmp_path / "classifier-art")])
+    assert r.exit_code == 1 and "is a text-classification model and this artifact a sentence-embedding one" in \
+        str(r.exception), r.output

@@ -194,6 +194,10 @@ def check_comparable(model, reference, where: str) -> None:
     if [t.name for t in reference.manifest.inputs] != names:
         raise ConfigError(f"the reference {where} takes other inputs than this artifact ({', '.join(names)}), so their "
                           "latencies do not compare; give a reference of the same model (its float or earlier build).")
+    if reference.manifest.task != model.manifest.task:  # an embedder and a classifier read the same token ids
+        raise ConfigError(f"the reference {where} is a {reference.manifest.task} model and this artifact a "
+                          f"{model.manifest.task} one, so their latencies do not compare; give a reference of the same "
+                          "model (its float or earlier build).")
     ours, theirs = latency_settings(model)["plan"], latency_settings(reference)["plan"]
     if ours != theirs:
         raise ConfigError(f"under these load options this artifact runs {ours} and the reference {where} {theirs}, so "

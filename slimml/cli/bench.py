@@ -173,6 +173,10 @@ def _bench_against(model, against: Path, config, component, batch, seq, runs, ti
         raise ConfigError(f"the reference {against} has components ({', '.join(reference.parts)}) and {model.folder} "
                           "has none; give a reference of the same model.")
     check_comparable(model, reference, str(against))
+    longest = reference.max_sequence_length
+    if longest is not None and seq > longest and any(t.name == "input_ids" for t in reference.manifest.inputs):
+        raise ConfigError(f"--seq {seq} is past the {longest} tokens the reference {against} takes; give --seq {longest} "
+                          "or less.")
     result, ref = bench_against(model, reference, batch=batch, seq=seq, runs=runs)
     now = Baseline.from_bench(result, str(model.folder), **timed)
     then = Baseline.from_bench(ref, str(against), **timed)
