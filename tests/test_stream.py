@@ -493,6 +493,10 @@ def test_a_budget_counts_the_4_bit_weights_a_fed_session_keeps():
     with pytest.raises(ConfigError, match=r"cannot hold shard 1 .* beside the 4-bit weights the streamed shards' "
                                           r"sessions keep \(350 B\)\. Give at least 1MB, or load with pack=True"):
         refit(plan, {}, manifest, None, {0: 90, 2: 260})
+    # fed because packing failed (a read-only cache): the fix is where packing writes, not pack=True, which was asked
+    with pytest.raises(ConfigError, match=r"Give at least 1MB, or let packing work \(packing shard 0 into /c failed "
+                                          r"\(Read-only file system\)\): set SLIMML_CACHE_DIR"):
+        refit(plan, {}, manifest, None, {0: 90, 2: 260}, None, "packing shard 0 into /c failed (Read-only file system)")
 
 
 def test_a_budget_counts_the_float_matrix_a_fed_4_bit_matmul_unpacks_to(tmp_path):

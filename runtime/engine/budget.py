@@ -326,7 +326,8 @@ PACK_SLACK = 1 / 32  # loaded sizes this close to the files' (page rounding, fp3
 
 
 def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident_asked: int | None,
-          kept: dict[int, int] | None = None, unpacked: dict[int, int] | None = None) -> StreamPlan:
+          kept: dict[int, int] | None = None, unpacked: dict[int, int] | None = None,
+          packing_failed: str | None = None) -> StreamPlan:
     """``plan`` held to its budget once the streamed shards' loaded sizes are known (``loaded``:
     shard -> bytes a slot holds; on CPU the pre-packed weights, up to 1.6x a 4-bit shard's file;
     ``kept``: shard -> bytes of its weights its session holds for the model's life, outside the
@@ -356,6 +357,8 @@ def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident
     how = ("with the weights pre-packed for this CPU" if grown else
            "with the 4-bit weights the sessions " + " or ".join(w for w, x in (("keep", kept), ("unpack", unpacked)) if x))
     other = ("load with pack=False (--no-pack: weights fed as inputs: their size on disk, slower decoding)" if grown else
+             f"let packing work ({packing_failed}): set SLIMML_CACHE_DIR (--cache-dir, load(cache_dir=...)) to a "
+             "writable folder; pre-packed 4-bit weights are paged in and out with their shards" if packing_failed else
              "load with pack=True (--pack, the default: 4-bit weights pre-packed, paged in and out with their shards)")
     slots = plan.resident - len(plan.pinned)
     peak = pin_bytes + sum(sorted((sizes[i] for i in plan.streamed), reverse=True)[:slots])

@@ -287,6 +287,7 @@ def build_plan(folder: Path, manifest: Manifest, memory: StreamPlan, config: Loa
 
     resident = {n: ResidentSegment(folder, manifest, idx, backend, threads, spinning, drop_after)
                 for n, (is_streamed, idx) in enumerate(runs) if not is_streamed}
+    packing_failed = None
     try:
         moving = streamed_with(source)
     except ArtifactError as e:
@@ -295,6 +296,7 @@ def build_plan(folder: Path, manifest: Manifest, memory: StreamPlan, config: Loa
             raise
         log.warning("slimml: streaming weights as graph inputs (slower decoding): packing them failed (%s)",
                     str(e).rstrip("."))
+        packing_failed = str(e).split(";")[0].rstrip(".")  # its cause, without the fixes the fallback itself took
         source = fallback
         moving = streamed_with(source)  # the resident segments stay as built
     segments = [resident.get(n) or moving[n] for n in range(len(runs))]
@@ -304,7 +306,7 @@ def build_plan(folder: Path, manifest: Manifest, memory: StreamPlan, config: Loa
     if loaded is not None or kept is not None or unpacked is not None:
         try:
             memory = refit(memory, loaded() if loaded else {}, manifest, config.resident, kept() if kept else None,
-                           unpacked() if unpacked else None)
+                           unpacked() if unpacked else None, packing_failed)
         except BaseException:
             for seg in segments:
                 seg.close()
