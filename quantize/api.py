@@ -190,6 +190,16 @@ def _check_eval_inputs(config: QuantizeConfig, manifest: Manifest) -> None:
     from slimml.convert.llm_check import is_language_model, read_eval_text
 
     if not is_language_model(manifest):
+        if getattr(config, "eval_text", None) is not None:  # it was ignored, and recorded as used
+            raise ConfigError(f"--eval-text {config.eval_text} is a language model's held-out text; this artifact is a "
+                              f"{manifest.task!r} model, whose guard measures output agreement on held-out calibration "
+                              "data (or Spearman on --eval STS.csv for a sentence-embedding model): drop it.")
+        if config.guard is not None and config.guard.eval_file is not None and (manifest.components or
+                                                                                manifest.pooling is None):
+            raise ConfigError(  # as the guard says it, but before every shard is quantized
+                f"--eval {config.guard.eval_file} needs a sentence-embedding artifact, but this one is a "
+                f"{manifest.task!r} model; leave --eval out and the guard measures output agreement on held-out "
+                "calibration data.")
         return
     if config.guard is not None and config.guard.eval_file is not None:
         raise ConfigError(f"--eval {config.guard.eval_file} is an STS CSV for sentence-embedding artifacts; a language "
@@ -375,7 +385,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         float_size_mb=manifest.total_bytes / 1e6, quantized_shards=sorted(quant_files),
         float_shards=dict(sorted(float_why.items())), checks=guard.checks,
     )
-    record = _record(manifest, config, origin, quant_files, float_why, notes)
+    record = _record(manifest, config, origin, quant_files, float_why, notes, reads_text=text is not None or bool(feeds))
     if "recipe" in record:  # a decoder's recipe (and block size) in the report and the manifest's checks
         report.checks["recipe"] = record["recipe"]
     return report, record
@@ -457,11 +467,19 @@ def _model_io(specs: list[TensorSpec], shards: list[ShardSpec]) -> list[TensorSp
     return [dataclasses.replace(t, dtype=dtypes[t.name]) if dtypes.get(t.name, t.dtype) != t.dtype else t for t in specs]
 
 
-def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files: dict, float_why: dict, notes: dict) -> dict:
-    """The manifest's record of the quantize step for one chain."""
+def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files: dict, float_why: dict, notes: dict,
+            reads_text: bool = True) -> dict:
+    """The manifest's record of the quantize step for one chain (``reads_text``: calibrated on the
+    calibration texts, not on generated inputs)."""
     record = {"step": "quantize", **describe(config), "calibration": origin,
               "quantized_shards": sorted(quant_files),
               "float_shards": {str(k): v for k, v in sorted(float_why.items())}}
+    if not reads_text:  # a ViT, an ONNX file's MLP: no text to read, whatever was given
+        record["calibration"] = "generated inputs (the model reads no text)"
+        if config.calibration is not None:
+            record["calibration_unused"] = f"{origin}: this model reads no text"
+            logging.getLogger("slimml").warning("slimml: --calibration %s was not used: the model reads no text; it was "
+                                                "calibrated on generated inputs", origin)
     lm = [n["lm_weights"] for n in notes.values() if n.get("lm_weights")]
     if lm:  # the decoder recipe (quantize/grids.py), and whether calibration activations weighed it
         record["recipe"] = lm[0]["recipe"] + (", GPTQ on the calibration text" if any(n["activation_aware"] for n in lm) else "")

@@ -31,12 +31,11 @@ def read_texts(path: str | os.PathLike) -> list[str]:
     Raises:
         DataError: the file is missing, empty, binary, or a CSV without sentence columns.
     """
+    from slimml.runtime.tools.evaluate import check_data_file
+
     path = Path(path)
-    if not path.is_file():
-        raise DataError(
-            f"calibration file {path} does not exist; give a text file (one sentence per line) or an "
-            "STS CSV (sentence1,sentence2,score), or leave --calibration out to use the built-in corpus."
-        )
+    check_data_file(path, "calibration file", "give a text file (one sentence per line) or an STS CSV "
+                    "(sentence1,sentence2,score), or leave --calibration out to use the built-in corpus")
     raw = path.read_bytes()
     if b"\x00" in raw[:4096]:
         raise DataError(

@@ -59,8 +59,8 @@ class GuardConfig:
         eval_file: an STS-style CSV (sentence1,sentence2,score) to measure the drop on.
         keep_best: when the drop cannot be met within ``max_float_shards``, write the best model
             found (and say so in the report) instead of failing.
-        max_float_shards: at most this many shards may stay in float (default: half of them,
-            rounded up; past that, quantizing no longer pays).
+        max_float_shards: at most this many shards may stay in float (default: half of the
+            quantized ones, rounded down; past that, quantizing no longer pays).
     """
 
     max_drop: float

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import onnx
@@ -86,6 +87,12 @@ def test_calibration_files(tmp_path):
     )
     with pytest.raises(DataError, match="does not exist"):
         read_texts(tmp_path / "missing.txt")
+    with pytest.raises(DataError, match=f"calibration file {tmp_path} is a folder, not a file; give a text file"):
+        read_texts(tmp_path)  # it said the folder did not exist
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match="is a pipe or device, not a file .*save it to a file first"):
+        read_texts(fifo)  # `--calibration /dev/stdin`: it said it did not exist
     odd = tmp_path / "odd.csv"
     odd.write_text("a,b\n1,2\n")
     with pytest.raises(DataError, match="CSV without a sentence1, sentence2, sentence or text column"):
@@ -438,3 +445,30 @@ def test_a_decoder_refuses_static_int8_in_one_line(tiny_llama_past_artifact, tmp
     with pytest.raises(ConfigError, match="int8-static calibrates activations on recorded inputs"):
         quantize(tiny_llama_past_artifact, tmp_path / "q", scheme_config("int8-static"))
     assert not (tmp_path / "q").exists()
+
+
+def test_inputs_a_model_does_not_read_are_refused_or_recorded_as_unused(mlp_onnx, tiny_bert_artifact, tmp_path):
+    """--eval-text on a model that is no language model was ignored and recorded as used; --eval on a
+    model without pooling was refused only after every shard was quantized; a calibration file given
+    for a model that reads no text was recorded as its calibration, though it was calibrated on
+    generated inputs."""
+    from slimml.convert import ConvertConfig, convert
+    from slimml.quantize import scheme_config
+
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"Sentence number {i} about nothing in particular." for i in range(40)), encoding="utf-8")
+    config = scheme_config("int8")
+    config.eval_text = text
+    steps: list[str] = []
+    with pytest.raises(ConfigError, match=r"--eval-text .*text\.txt is a language model's held-out text; this artifact is "
+                                          r"a 'sentence-embedding' model"):
+        quantize(tiny_bert_artifact, tmp_path / "q", config, on_step=steps.append)
+    convert(mlp_onnx, tmp_path / "mlp", ConvertConfig(measure_latency=False))
+    with pytest.raises(ConfigError, match=r"--eval .* needs a sentence-embedding artifact"):
+        quantize(tmp_path / "mlp", tmp_path / "q", scheme_config("int8", max_drop=1.0, eval_file=STS_TRAIN),
+                 on_step=steps.append)
+    assert not [s for s in steps if s.startswith("quantizing shard")] and not (tmp_path / "q").exists()
+    quantize(tmp_path / "mlp", tmp_path / "static", scheme_config("int8-static", calibration=text))
+    step = read_manifest(tmp_path / "static").steps[-1]
+    assert step["calibration"] == "generated inputs (the model reads no text)", step
+    assert step["calibration_unused"] == f"{text}: this model reads no text", step

@@ -23,7 +23,7 @@ def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]
         DataError: the file is missing, empty, lacks a column or holds a non-numeric score.
     """
     path = Path(path)
-    _a_file(path, "data file", f"give a CSV with columns {','.join(STS_COLUMNS)}")
+    check_data_file(path, "data file", f"give a CSV with columns {','.join(STS_COLUMNS)}")
     try:
         return _read_sts(path)
     except UnicodeDecodeError as e:
@@ -34,9 +34,18 @@ def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]
                         f"{','.join(STS_COLUMNS)} (a language model is scored on a plain text file instead).") from None
 
 
-def _a_file(path: Path, kind: str, fix: str) -> None:
+def check_data_file(path: Path, kind: str, fix: str) -> None:
+    """Refuse, naming ``kind`` and ``fix``, a ``path`` that is not a regular file: a folder, a pipe
+    or device (``/dev/stdin``: read once, it cannot be read again), or nothing.
+
+    Raises:
+        DataError: saying which.
+    """
     if path.is_dir():
         raise DataError(f"{kind} {path} is a folder, not a file; {fix}.")
+    if os.path.exists(path) and not path.is_file():
+        raise DataError(f"{kind} {path} is a pipe or device, not a file (it is read more than once); save it to a file "
+                        f"first; {fix}.")
     if not path.is_file():
         raise DataError(f"{kind} {path} does not exist; {fix}.")
 
@@ -137,7 +146,7 @@ def read_text(path: str | os.PathLike) -> str:
         DataError: the file is missing, not UTF-8 text, or empty.
     """
     path = Path(path)
-    _a_file(path, "text file", "give a UTF-8 text file to measure perplexity on")
+    check_data_file(path, "text file", "give a UTF-8 text file to measure perplexity on")
     try:
         text = path.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is no text to score
     except UnicodeDecodeError as e:
