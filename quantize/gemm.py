@@ -15,18 +15,16 @@ from onnx import helper, numpy_helper
 
 
 def gemms_as_matmuls(model: onnx.ModelProto) -> int:
-    """Rewrite, in place, each ``Gemm`` of ``model`` whose ``B`` is a 2-d float weight as
+    """Rewrite, in place, each ``Gemm`` of ``model``'s main graph whose ``B`` is a 2-d float weight as
     ``MatMul`` followed by ``Add`` of its bias (when it has one). Returns how many were rewritten.
 
-    A ``Gemm`` with ``alpha`` or ``beta`` other than 1, or ``transA`` set, stays as it is.
+    A ``Gemm`` with ``alpha`` or ``beta`` other than 1, or ``transA`` set, stays as it is. A weight
+    read transposed by several Gemms is transposed once; the original is dropped once nothing reads it.
     """
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    readers: dict[str, int] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    taken = {o for n in graph.node for o in n.output} | {t.name for t in graph.initializer} | {i.name for i in graph.input}
+    taken = _names(graph) | {t.name for t in graph.initializer} | {i.name for i in graph.input}
+    transposed: dict[str, str] = {}  # weight -> its transposed copy
     nodes: list[onnx.NodeProto] = []
     done = 0
     for node in graph.node:
@@ -38,12 +36,10 @@ def gemms_as_matmuls(model: onnx.ModelProto) -> int:
             continue
         b = weight.name
         if attrs.get("transB", 0):
-            values = numpy_helper.to_array(weight).T.copy()
-            if readers.get(b, 0) == 1:  # this Gemm's alone: transposed where it is
-                weight.CopyFrom(numpy_helper.from_array(values, b))
-            else:
-                b = _fresh(f"{b}_transposed", taken)
-                graph.initializer.append(numpy_helper.from_array(values, b))
+            if b not in transposed:
+                transposed[b] = _fresh(f"{b}_transposed", taken)
+                graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(weight).T.copy(), transposed[b]))
+            b = transposed[b]
         bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
         name = node.name or f"gemm_{done}"
         product = _fresh(f"{node.output[0]}_matmul", taken) if bias else node.output[0]
@@ -54,7 +50,37 @@ def gemms_as_matmuls(model: onnx.ModelProto) -> int:
     if done:
         del graph.node[:]
         graph.node.extend(nodes)
+        read = _read(graph) | {o.name for o in graph.output}
+        kept = [t for t in graph.initializer if t.name not in transposed or t.name in read]
+        if len(kept) < len(graph.initializer):  # a weight now read only transposed: its original goes
+            del graph.initializer[:]
+            graph.initializer.extend(kept)
     return done
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [g for a in node.attribute for g in ([a.g] if a.type == onnx.AttributeProto.GRAPH else
+                                                 list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else [])]
+
+
+def _read(graph: onnx.GraphProto) -> set[str]:
+    """Every name a node of ``graph`` or of its subgraphs (an If's branches, a Loop's body) reads."""
+    out = set()
+    for node in graph.node:
+        out.update(node.input)
+        for g in _subgraphs(node):
+            out |= _read(g)
+    return out
+
+
+def _names(graph: onnx.GraphProto) -> set[str]:
+    """Every name a node of ``graph`` or of its subgraphs makes."""
+    out = set()
+    for node in graph.node:
+        out.update(node.output)
+        for g in _subgraphs(node):
+            out |= _names(g) | {t.name for t in g.initializer}
+    return out
 
 
 def _fresh(name: str, taken: set[str]) -> str:

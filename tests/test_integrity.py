@@ -333,6 +333,17 @@ def test_a_resident_model_runs_on_when_its_artifact_is_swapped(tiny_bert_artifac
     assert model.encode(texts, workers=1).tolist() == before.tolist()
     assert np.allclose(model.encode(texts, workers=2), before, atol=1e-6)  # lanes: on the loaded plan
     model.close()
+    # written with its times put back, then unlinked (as a swap's removal of the old folder would):
+    # the change time alone moved; the held file's bytes are hashed before it is let through
+    shutil.copytree(tiny_bert_artifact, tmp_path / "tampered")
+    model = load(tmp_path / "tampered")
+    model.encode(texts)
+    data = max((tmp_path / "tampered").glob("*.data"), key=lambda f: f.stat().st_size)
+    _rewrite_keeping_times(data)
+    data.unlink()
+    with pytest.raises(IntegrityError, match=r"was rewritten in place \(its size and times put back\)"):
+        model.encode(texts)
+    model.close()
     shutil.copytree(tiny_bert_artifact, tmp_path / "again")
     model = load(tmp_path / "again")
     model.encode(texts)
@@ -413,6 +424,30 @@ def test_a_forked_child_leaves_the_parents_inotify_queue_alone(art):
     _rewrite_keeping_times(art / "shard_001.onnx.data")
     with pytest.raises(IntegrityError):
         model.check_files()
+    model.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_child_forked_while_a_thread_holds_the_watch_runs(art):
+    """The watch's lock, held by a parent thread at the fork, was held forever in the child: its first
+    call hung."""
+    from slimml.runtime.tools.bench import sample_feeds
+
+    model = load(art)
+    feeds = sample_feeds(model.inputs, batch=1)
+    with model._watch._lock:  # as a parent thread checking the files at that instant
+        pid = os.fork()
+        if pid == 0:
+            signal = __import__("signal")
+            signal.alarm(20)
+            try:
+                model.run(feeds)
+                model.check_files()
+                os._exit(0)
+            except BaseException:
+                os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
     model.close()
 
 

@@ -194,7 +194,8 @@ def test_gpt2s_gemm_layers_are_quantized(short_gpt2, tmp_path):
 
 
 def test_a_gemm_is_rewritten_exactly_and_only_where_it_can_be():
-    """transB, a weight two Gemms share, a Gemm without bias: the same outputs; alpha != 1 stays a Gemm."""
+    """transB, a weight two Gemms share (transposed once), a Gemm without bias: the same outputs;
+    alpha != 1 stays a Gemm."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -218,6 +219,7 @@ def test_a_gemm_is_rewritten_exactly_and_only_where_it_can_be():
     want = run(model)
     assert gemms_as_matmuls(model) == 3
     assert [n.op_type for n in model.graph.node] == ["MatMul", "Add", "MatMul", "Add", "MatMul", "Gemm"]
+    assert sorted(t.name for t in model.graph.initializer) == ["c", "v", "w_transposed"]  # w transposed once, then dropped
     for got, ref in zip(run(model), want):
         np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
 

@@ -278,8 +278,8 @@ def one_line_errors(doing: str, current: list[str], out: Path, error: type[Slimm
         full = _disk_full(e)
         if full is not None:
             raise os_error(full, out) from e
-        if isinstance(e, SlimmlError) or (isinstance(e, ImportError) and missing_extra(e) is not None):
-            raise  # a package of an extra not installed: the caller's extras_for names the extra
+        if isinstance(e, (SlimmlError, MemoryError)) or (isinstance(e, ImportError) and missing_extra(e) is not None):
+            raise  # out of memory, said as such by the CLI; an extra's package not installed, named by extras_for
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise error(f"{doing} failed while {current[0]} ({type(e).__name__}: {first}). {fix}; SLIMML_DEBUG=1 shows "
                     "the cause.") from e

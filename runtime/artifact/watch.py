@@ -18,6 +18,7 @@ raise no inotify event, so on the inotify path every 256th check, and any a seco
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import select
 import struct
@@ -40,7 +41,7 @@ BACKSTOP = 256  # on the inotify path, every this many checks also fstat the fil
 BACKSTOP_S = 1.0  # and a check this long after the last fstat does it too
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of name
 
-_live: weakref.WeakSet = weakref.WeakSet()  # watches to move off inotify in a forked child
+_live: weakref.WeakSet = weakref.WeakSet()  # watches to set right in a forked child (their lock, their inotify queue)
 
 
 class FileWatch:
@@ -62,6 +63,8 @@ class FileWatch:
         self.folder = folder
         data = {s.data for s in manifest.shards if s.data}
         paths = [(e.path, os.fspath(safe_path(folder, e.path))) for e in manifest.files if e.path in data]
+        self._sha256 = {e.path: e.sha256 for e in manifest.files if e.path in data}
+        self._every = [os.fspath(folder), *(os.fspath(safe_path(folder, e.path)) for e in manifest.files)]
         self._expect = [(rel, path, _identity(path)) for rel, path in paths]
         self._refused: str | None = None
         self._lock = threading.RLock()  # the descriptors: checked, drained and closed by one thread at a time
@@ -86,8 +89,7 @@ class FileWatch:
         self._notify: _Inotify | None = _Inotify.open(self._expect, folders=self._paths)
         self._calls = 0
         self._fstat_at = time.monotonic()
-        if self._notify is not None:
-            _live.add(self)
+        _live.add(self)
 
     @property
     def how(self) -> str:
@@ -128,6 +130,19 @@ class FileWatch:
                     return False
             return True
 
+    def _held(self, rel: str) -> tuple | None:
+        """The identity of the file ``rel`` this watch holds open (where it is now, or unlinked)."""
+        for entry in self._files:
+            if entry[0] == rel:
+                return _fstat_identity(os.fstat(entry[2]))
+        return None
+
+    def snapshot(self) -> tuple:
+        """The identity (inode, size, times, change time) of the artifact's folder and of every file it
+        lists, at their paths: equal before and after a new session is made from them, the session
+        read what was hashed in between (a rename, of a file or of the folder, moves a change time)."""
+        return tuple(_identity(p) for p in self._every)
+
     def _drain(self) -> None:
         with self._lock:
             notify = self._notify
@@ -135,7 +150,7 @@ class FileWatch:
                 return self._check_fstat()
             look, modified = notify.read()
             for rel, path, was in modified:  # written or truncated in place, whatever its times say now
-                now = _identity(path)
+                now = _identity(path) if self._paths else self._held(rel)
                 self._refuse(rel, _what(was, now) if now != was else "was rewritten in place (its size and times put back)")
             if look:
                 self._check_paths() if self._paths else self._check_fstat()
@@ -153,8 +168,9 @@ class FileWatch:
             rel, path, fd, was, links = entry
             st = fstat(fd)
             if st.st_mtime_ns != was[1] or st.st_size != was[0] or st.st_ctime_ns != was[4]:
-                if not self._paths and st.st_size == was[0] and st.st_mtime_ns == was[1] and st.st_nlink < links:
-                    entry[3], entry[4] = (*was[:4], st.st_ctime_ns), st.st_nlink  # unlinked (its folder removed): still ours
+                if (not self._paths and st.st_size == was[0] and st.st_mtime_ns == was[1] and st.st_nlink < links
+                        and _sha256_of(fd) == self._sha256.get(rel)):  # unlinked (its folder removed), its bytes as
+                    entry[3], entry[4] = (*was[:4], st.st_ctime_ns), st.st_nlink  # listed (not written, then unlinked)
                     continue
                 self._refuse(rel, _what(was, _identity(path)) if self._paths else _what(was, _fstat_identity(st)))
 
@@ -180,6 +196,12 @@ class FileWatch:
         notify, self._notify = self._notify, None
         if notify is not None:
             notify.close()
+
+    def _in_child(self) -> None:
+        """In a forked child: the lock anew (a parent thread may have held it at the fork: held forever
+        here), then off the parent's inotify queue."""
+        self._lock = threading.RLock()
+        self._after_fork()
 
     def _close_fstat(self) -> None:
         for _, _, fd, *_ in self._files:
@@ -209,6 +231,15 @@ def _identity(path: str) -> tuple | None:
     # ctime too: a write through a shared memory map followed by utime() putting the mtime back
     # moves the ctime, which no caller can set
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
+
+
+def _sha256_of(fd: int) -> str:
+    """The sha256 of the file open as ``fd``, read with ``pread`` (its offset untouched)."""
+    digest, at = hashlib.sha256(), 0
+    while chunk := os.pread(fd, 1 << 20, at):
+        digest.update(chunk)
+        at += len(chunk)
+    return digest.hexdigest()
 
 
 def _fstat_identity(st: os.stat_result) -> tuple:
@@ -308,7 +339,7 @@ class _Inotify:
 
 def _child_after_fork() -> None:
     for watch in list(_live):
-        watch._after_fork()
+        watch._in_child()
 
 
 if hasattr(os, "register_at_fork"):

@@ -27,7 +27,9 @@ def _affinity() -> int:
 
 def cpu_quota() -> int | None:
     """Cores the CPU cgroup's quota allows (v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, v2
-    ``cpu.max``), rounded up; None where there is no quota or it cannot be read."""
+    ``cpu.max``), rounded up: the smallest over the process's cgroup and the ones above it (a v2 quota
+    set on a parent slice or pod binds its children; a container whose ``/proc/self/cgroup`` names the
+    host's path sees its own group at the mount's root). None where there is none or it cannot be read."""
     try:
         with open("/proc/self/cgroup") as f:
             lines = f.read().splitlines()
@@ -40,25 +42,32 @@ def cpu_quota() -> int | None:
             continue
         _, controllers, path = parts
         if controllers == "":  # v2
-            pairs = [(f"/sys/fs/cgroup{path}/cpu.max", None)]
+            roots, files = ["/sys/fs/cgroup"], ("cpu.max", None)
         elif "cpu" in controllers.split(","):
-            pairs = [(f"{base}{path}/cpu.cfs_quota_us", f"{base}{path}/cpu.cfs_period_us")
-                     for base in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct")]
+            roots, files = ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"], ("cpu.cfs_quota_us", "cpu.cfs_period_us")
         else:
             continue
-        for quota_file, period_file in pairs:
-            try:
-                with open(quota_file) as f:
-                    text = f.read().split()
-                if period_file is not None:
-                    with open(period_file) as f:
-                        text = [text[0], f.read().strip()]
-            except (OSError, IndexError):
-                continue
-            if len(text) == 2 and text[0].lstrip("-").isdigit() and text[1].isdigit() and int(text[0]) > 0 < int(text[1]):
-                found.append(math.ceil(int(text[0]) / int(text[1])))
-            break
+        steps = [p for p in path.strip("/").split("/") if p]
+        for root in roots:
+            for depth in range(len(steps), -1, -1):  # the group, then each one above it, up to the mount's root
+                quota = _read_quota(os.path.join(root, *steps[:depth]), *files)
+                if quota is not None:
+                    found.append(quota)
     return min(found) if found else None
+
+
+def _read_quota(folder: str, quota_file: str, period_file: str | None) -> int | None:
+    try:
+        with open(os.path.join(folder, quota_file)) as f:
+            text = f.read().split()
+        if period_file is not None:
+            with open(os.path.join(folder, period_file)) as f:
+                text = [text[0], f.read().strip()]
+    except (OSError, IndexError):
+        return None
+    if len(text) == 2 and text[0].lstrip("-").isdigit() and text[1].isdigit() and int(text[0]) > 0 < int(text[1]):
+        return math.ceil(int(text[0]) / int(text[1]))
+    return None
 
 
 def quota_threads() -> int:

@@ -178,12 +178,18 @@ class Engine:
         self._check_watch()  # a closed engine makes no new sessions
         with self._lanes_lock:
             plan = self._lanes.get(threads)
-            if plan is None and self._watch is not None and not self._watch.at_paths():
-                return self.run  # its folder was swapped for another since load: no new sessions from that one
             if plan is None:
+                watch = self._watch
+                before = watch.snapshot() if watch is not None else None
+                if watch is not None and not watch.at_paths():
+                    return self.run  # its folder was swapped for another since load: no new sessions from that one
                 verify_files(self.folder, self.manifest)
                 config = dataclasses.replace(self.config, threads=threads)
-                plan = self._lanes[threads] = build_plan(self.folder, self.manifest, self.plan.memory, config, self.backend)
+                plan = build_plan(self.folder, self.manifest, self.plan.memory, config, self.backend)
+                if watch is not None and watch.snapshot() != before:  # swapped while hashed or read: not what was hashed
+                    plan.close()
+                    return self.run
+                self._lanes[threads] = plan
 
         def run(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             self._check_watch()
