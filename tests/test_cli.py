@@ -260,3 +260,12 @@ def test_info_lists_numbered_tensors_once():
                      "past_key_values.{0..29}.value float32['b', 4, 'p', 64]")
     two = [T(name=f"out.{i}.x", dtype="float32", shape=[1]) for i in (3, 7)]
     assert _tensor_list(two) == "out.3.x float32[1], out.7.x float32[1]"
+
+
+def test_help_piped_keeps_long_flags_whole_and_slimml_alone_prints_only_help():
+    """Piped (grep, a file), Typer's 80-column help table cut long flags ("--repetition-penal…");
+    `slimml` alone printed its help, then "error: ; see `slimml --help`."."""
+    r = slimml("generate", "--help")
+    assert r.returncode == 0 and "--repetition-penalty " in r.stdout and "…" not in r.stdout, r.stdout
+    r = slimml()
+    assert "Commands" in r.stdout and "error" not in r.stderr, r.stderr

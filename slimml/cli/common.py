@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+import typer.rich_utils
 from rich.console import Console
 
 app = typer.Typer(
@@ -21,6 +22,8 @@ app = typer.Typer(
 # No markup: what they print holds the user's texts, model outputs, paths and pip extras ("[bench]"),
 # which rich's markup would eat or refuse ("[/]"); bold is asked for with Text styles.
 console = Console(soft_wrap=not (sys.stdout and sys.stdout.isatty()), markup=False)
+if not (sys.stdout and sys.stdout.isatty()) and typer.rich_utils.MAX_WIDTH is None:  # --help piped (grep, a file):
+    typer.rich_utils.MAX_WIDTH = 120  # at 80 columns Typer cut long flags ("--repetition-penal…") in its table
 err = Console(stderr=True, soft_wrap=not (sys.stderr and sys.stderr.isatty()), markup=False)
 
 Artifact = Annotated[Path, typer.Argument(help="An artifact folder written by `slimml convert`.")]

@@ -44,6 +44,10 @@ def main() -> None:
             raise
         _error(str(e))
         sys.exit(1)
+    except BrokenPipeError:  # `slimml info ART | head -2`: the reader had enough
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the flush at exit would fail again
+        sys.exit(1)  # quietly, as rich's consoles do when the pipe closes under them
     except OSError as e:  # a path the library did not expect to fail on (a name too long, a link loop)
         if os.environ.get("SLIMML_DEBUG"):
             raise
@@ -71,6 +75,8 @@ def main() -> None:
             raise
         # click's UsageError, BadParameter, NoSuchOption (vendored by Typer): the user's command line
         where = e.ctx.command_path if getattr(e, "ctx", None) is not None else "slimml"
+        if not e.format_message().strip():  # `slimml` alone: its help was printed, nothing was wrong
+            sys.exit(e.exit_code)
         _error(f"{e.format_message().rstrip('.')}; see `{where} --help`.")
         sys.exit(e.exit_code)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n without standalone mode
