@@ -153,6 +153,16 @@ def test_an_output_under_a_file_or_over_a_folder_of_something_else_is_refused_fi
         assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "full", "mlp.onnx"]
     assert (tmp_path / "file").read_text() == "mine" and [p.name for p in (tmp_path / "full").iterdir()] == ["keep.txt"]
+    # an artifact holding a file of the user's (a model card, a baseline kept beside the shards): replacing it
+    # deleted the file without a word
+    assert slimml("convert", mlp_onnx, "-o", tmp_path / "art").returncode == 0
+    (tmp_path / "art" / "MODEL_CARD.md").write_text("mine")
+    r = slimml("convert", mlp_onnx, "-o", tmp_path / "art")
+    assert r.returncode == 1 and r.stderr.startswith(f"error: the artifact {tmp_path / 'art'} holds files its manifest "
+                                                     "does not list (MODEL_CARD.md); replacing it would delete them"), r.stderr
+    assert (tmp_path / "art" / "MODEL_CARD.md").read_text() == "mine"
+    (tmp_path / "art" / "MODEL_CARD.md").unlink()
+    assert slimml("convert", mlp_onnx, "-o", tmp_path / "art").returncode == 0  # an artifact alone is replaced
 
 
 def test_a_model_file_given_for_an_artifact_says_to_convert_it_first(mlp_onnx):

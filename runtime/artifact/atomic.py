@@ -95,6 +95,30 @@ def _check_output(out: Path) -> None:
             f"the output folder {out} is not empty and holds no slimml artifact; refusing to replace it. "
             "Give another folder with -o, or empty it first."
         )
+    extra = _unlisted(out) if out.is_dir() else []
+    if extra:  # a model card or a baseline kept beside the shards: replacing the folder would delete them
+        raise ConfigError(
+            f"the artifact {out} holds files its manifest does not list ({', '.join(extra[:3])}"
+            f"{', ...' if len(extra) > 3 else ''}); replacing it would delete them. Move them out of it, or give "
+            "another folder with -o."
+        )
+
+
+def _unlisted(folder: Path) -> list[str]:
+    """Files under an artifact ``folder`` that its manifest does not list (nor is the manifest);
+    none where the manifest cannot be read (a damaged artifact is replaced as it is)."""
+    import json
+
+    try:
+        listed = {f["path"] for f in json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))["files"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    out = []
+    for p in sorted(folder.rglob("*")):
+        rel = p.relative_to(folder).as_posix()
+        if not p.is_dir() and rel != MANIFEST_NAME and rel not in listed:
+            out.append(rel)
+    return out
 
 
 def fresh_tmp(out: Path) -> Path:

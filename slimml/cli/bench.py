@@ -39,7 +39,7 @@ def bench(
     from slimml.runtime.tools.baseline import Baseline, Tolerances, check_settings
     from slimml.runtime.tools.bench import bench as do_bench, latency_settings
 
-    for flag, value, most in (("--batch", batch, 1 << 20), ("--seq", seq, 1 << 24), ("--runs", runs, 1 << 20)):
+    for flag, value, most in (("--batch", batch, (1 << 31) - 1), ("--seq", seq, (1 << 31) - 1), ("--runs", runs, 1 << 20)):
         if value is not None and not 1 <= value <= most:
             raise SlimmlError(f"{flag} must be a whole number from 1 to {most:,}, got {value}.")
     given = [f for f, v in (("--max-latency-increase", max_latency_increase), ("--max-size-increase", max_size_increase))
