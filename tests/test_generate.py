@@ -270,6 +270,10 @@ def test_streamed_pieces_join_to_the_text(llama):
     one = llama.stream("the model", max_new_tokens=20)
     ref = llama.generate("the model", max_new_tokens=20)
     assert "".join(one) == ref.texts[0] and one.result.tokens == ref.tokens
+    again = llama.stream("the model", max_new_tokens=20)  # an iterator: next() works without iter() first
+    first = next(again)
+    assert first + "".join(again) == ref.texts[0] and again.result.tokens == ref.tokens
+    assert next(again, None) is None
     seen = []
     assert llama.generate(texts, max_new_tokens=5, on_text=lambda i, p: seen.append(i)).texts is not None and seen
 

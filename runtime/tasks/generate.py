@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,17 +103,18 @@ class GenerationStream:
         self.indexed = indexed
         self.result: Generation | None = None
 
-    def __iter__(self) -> Iterator[tuple[int, str]] | Iterator[str]:
-        steps = self._steps
+    def __iter__(self) -> GenerationStream:
+        return self
+
+    def __next__(self) -> tuple[int, str] | str:  # an iterator: next(model.stream(...)) gives the first piece
         if self.result is not None:  # read already: nothing more to give
-            return
-        while True:
-            try:
-                i, piece = next(steps)
-            except StopIteration as done:
-                self.result = done.value
-                return
-            yield (i, piece) if self.indexed else piece
+            raise StopIteration
+        try:
+            i, piece = next(self._steps)
+        except StopIteration as done:
+            self.result = done.value
+            raise StopIteration from None
+        return (i, piece) if self.indexed else piece
 
 
 def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *, stream: bool = False,
