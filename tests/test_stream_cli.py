@@ -70,6 +70,12 @@ def test_bench_sweep_says_which_points_it_skips_and_refuses_when_none_streams(ml
     r = runner.invoke(app, ["bench", str(mlp_artifact), "--sweep", "2:0,5", "--runs", "1", "--sweep-out", str(tmp_path), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["skipped"] == ["K=2 P=5 (P=5 needs K >= 6)"]
+    # a point load() refuses was dropped without a word; --resident beside --sweep was ignored
+    r = runner.invoke(app, ["bench", str(mlp_artifact), "--sweep", "2:0,-1", "--runs", "1", "--sweep-out", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["skipped"] == ["K=2 P=-1 (prefetch=-1 must be a whole number >= 0 (shards loaded ahead))"]
+    r = runner.invoke(app, ["bench", str(mlp_artifact), "--sweep", "2", "--resident", "3", "--sweep-out", str(tmp_path)])
+    assert isinstance(r.exception, ConfigError) and "--resident picks one: drop one of them" in str(r.exception)
 
 
 @pytest.mark.parametrize("bad", ["a,b", "2:x"])

@@ -96,7 +96,8 @@ def sweep(
         try:
             model = load(path, device=device, resident=k, prefetch=p, pin=pin if k else None, verify=verify, pack=pack,
                          cache_dir=cache_dir)
-        except ConfigError:
+        except ConfigError as e:  # said with the others skipped, not dropped without a word
+            skipped.append(f"K={k}" + (f" P={p}" if p is not None else "") + f" ({str(e).rstrip('.')})")
             continue
         verify = False  # hashing every file once is enough
         r = bench(model, batch=batch, seq=seq, runs=runs, warmup=1)

@@ -76,8 +76,10 @@ def bench(
             p_values = [int(x) for x in ps.split(",") if x.strip()] or None
         except ValueError:
             raise SlimmlError(f"--sweep {sweep!r} is not 'K,K,...' or 'K,K,...:P,P,...' (whole numbers).") from None
-        if loading["memory_budget"] is not None:
-            raise ConfigError("--sweep times every K,P it is given, and --memory-budget picks one: drop one of them.")
+        for flag in ("memory_budget", "resident", "prefetch"):
+            if loading[flag] is not None:
+                raise ConfigError(f"--sweep times every K,P it is given, and --{flag.replace('_', '-')} picks one: drop "
+                                  "one of them.")
         result = do_sweep(artifact, k_values, p_values, sweep_out, device=device, batch=batch, seq=seq or 128, runs=runs,
                           pin=pin, pack=loading["pack"], cache_dir=loading["cache_dir"])
         if as_json:
