@@ -253,8 +253,10 @@ def plan_stream(
             raise ConfigError(
                 f"memory budget {have} is smaller than shard {big} "
                 f"({manifest.shards[big].file}, {need}), the largest shard; a shard must fit "
-                f"whole. Give at least {_round_up_mb(sizes[big])}MB (memory_budget=, --memory-budget), or re-convert with "
-                "smaller shards (--shard-size)."
+                f"whole. Give at least {_round_up_mb(sizes[big])}MB (memory_budget=, --memory-budget"
+                + ("; 4-bit weights pre-packed for this CPU can need more, which a load then names"
+                   if any(st.get("step") == "quantize" and st.get("bits") == 4 for st in manifest.steps) else "")
+                + "), or re-convert with smaller shards (--shard-size)."
             )
         pin_bytes = sum(sizes[i] for i in pinned)
         rest = [sizes[i] for i in range(n) if i not in pinned]
