@@ -488,3 +488,29 @@ def test_a_sentence_transformers_5_folder_is_distilled_within_its_max_seq_length
     report = convert(tmp_path / "st", tmp_path / "art", ConvertConfig(
         distill=DistillConfig(layers=1, data=long, epochs=0.02), measure_latency=False))
     assert load(report.out).manifest.tokenizer["max_length"] == 16
+
+
+def test_a_folder_whose_length_setting_is_past_its_position_table_is_distilled_within_the_table(tmp_path):
+    """max_seq_length 256 (copied from another model's folder) over 64 positions: the teacher was fed
+    90-token rows and convert ended in the runtime's feed error. A plain convert of it worked."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from slimml.convert.sources import default_model_dir
+
+    torch.manual_seed(0)
+    src, folder = default_model_dir(), tmp_path / "st64"
+    BertModel(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                         max_position_embeddings=64)).eval().save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(src)).save_pretrained(folder)
+    for name in ("modules.json", "sentence_bert_config.json"):  # max_seq_length 256
+        shutil.copy2(src / name, folder / name)
+    (folder / "1_Pooling").mkdir()
+    shutil.copy2(src / "1_Pooling" / "config.json", folder / "1_Pooling" / "config.json")
+    long = tmp_path / "long.txt"  # texts past 64 tokens
+    long.write_text("\n".join(f"text {i} " + "a man plays a guitar in the park " * 12 for i in range(40)) + "\n")
+    report = convert(folder, tmp_path / "art", ConvertConfig(distill=DistillConfig(layers=1, data=long, epochs=0.02),
+                                                             measure_latency=False))
+    assert load(report.out).encode(["a man plays a guitar in the park " * 20]).shape == (1, 32)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import slimml.convert.distill.precision as mp
+from slimml.convert.folder_facts import usable_positions
 from slimml.convert.sources import max_seq_length, sentence_transformers_pooling
 from slimml.convert.weights import open_weights
 from slimml.errors import ConfigError
@@ -128,6 +129,9 @@ class Trainer:
         # 5 saves max_seq_length there as model_max_length); a limit past 100,000 is transformers' "none"
         named = self.tok.model_max_length if 0 < self.tok.model_max_length < 100_000 else None
         max_len = min(config.max_length, max_seq_length(folder) or named or config.max_length)
+        positions = usable_positions(folder) if (Path(folder) / "config.json").is_file() else None
+        if positions is not None:  # a length setting past the position table (copied from another model's folder)
+            max_len = min(max_len, positions)
         self.ids = self.tok(texts, truncation=True, max_length=max_len)["input_ids"]
         self.pad_id = self.tok.pad_token_id or 0
         self.student_ids, self.student_pad = self.ids, self.pad_id  # differ once the vocabulary is pruned
