@@ -483,14 +483,14 @@ def test_a_budget_counts_the_4_bit_weights_a_fed_session_keeps():
     plan = StreamPlan(2, 1, [], [0, 1, 2, 3], 600, 1000, "", [100, 300, 300, 300], 600)
     fitted = refit(plan, {}, manifest, None, {0: 90})
     assert (fitted.resident, fitted.prefetch, fitted.peak_bytes) == (1, 0, 390)
-    assert fitted.sizes == plan.sizes and "with the 4-bit weights the sessions keep (90 B)" in fitted.reason
+    assert fitted.sizes == plan.sizes and "with the 4- or 8-bit weights the sessions keep (90 B)" in fitted.reason
     assert refit(plan, {}, manifest, None, {}) is plan  # nothing kept: the plan as made
     unbounded = refit(dataclasses.replace(plan, budget=None), {}, manifest, 2, {0: 90})
     assert (unbounded.resident, unbounded.peak_bytes) == (2, 690)  # K as asked; the peak says what it holds
-    with pytest.raises(ConfigError, match=r"resident=2 can need 690 B with the 4-bit weights the sessions keep, over "
+    with pytest.raises(ConfigError, match=r"resident=2 can need 690 B with the 4- or 8-bit weights the sessions keep, over "
                                           r"the 600 B budget. Use resident=1 or fewer, .* or load with pack=True"):
         refit(plan, {}, manifest, 2, {0: 90})
-    with pytest.raises(ConfigError, match=r"cannot hold shard 1 .* beside the 4-bit weights the streamed shards' "
+    with pytest.raises(ConfigError, match=r"cannot hold shard 1 .* beside the 4- or 8-bit weights the streamed shards' "
                                           r"sessions keep \(350 B\)\. Give at least 1MB, or load with pack=True"):
         refit(plan, {}, manifest, None, {0: 90, 2: 260})
     # fed because packing failed (a read-only cache): the fix is where packing writes, not pack=True, which was asked
@@ -515,7 +515,7 @@ def test_a_budget_counts_the_float_matrix_a_fed_4_bit_matmul_unpacks_to(tmp_path
     plan = StreamPlan(2, 1, [], [0, 1, 2, 3], 600, 1000, "", [100, 300, 300, 300], 700)
     fitted = refit(plan, {}, manifest, None, None, {1: 50, 3: 80})  # one shard runs at a time: the largest counts
     assert (fitted.resident, fitted.peak_bytes) == (2, 680) and fitted.sizes == plan.sizes
-    with pytest.raises(ConfigError, match=r"resident=2 can need 680 B with the 4-bit weights the sessions unpack, over"):
+    with pytest.raises(ConfigError, match=r"resident=2 can need 680 B with the 4- or 8-bit weights the sessions unpack, over"):
         refit(dataclasses.replace(plan, budget=650), {}, manifest, 2, None, {1: 50, 3: 80})
     folder = save_tiny_llama(tmp_path / "hf", hidden_size=128, intermediate_size=256)
     convert(folder, tmp_path / "fp32", ConvertConfig(export=ExportConfig(task="text-generation-with-past"),
@@ -528,7 +528,7 @@ def test_a_budget_counts_the_float_matrix_a_fed_4_bit_matmul_unpacks_to(tmp_path
     assert unpacked and min(unpacked.values()) >= 128 * 256 * 4  # each layer's MLP: hidden x intermediate floats
     top = max(unpacked, key=unpacked.get)
     assert model.plan.peak_bytes >= unpacked[top] + max(model.plan.sizes[1:])
-    with pytest.raises(ConfigError, match=r"cannot hold shard \d+ .* the largest fed 4-bit matmul weight "
+    with pytest.raises(ConfigError, match=r"cannot hold shard \d+ .* the largest fed 4- or 8-bit matmul weight "
                                           rf"unpacked to float as its shard runs .*shard {top}; pin it"):
         load(art, memory_budget=unpacked[top] // 2 + max(model.plan.sizes), pack=False)
 

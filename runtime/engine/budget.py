@@ -220,8 +220,8 @@ class StreamPlan:
         pin = f", pinned shards {self.pinned}" if self.pinned else ""
         return (
             f"streaming {len(self.streamed)} of {len(self.sizes)} shards with K={self.resident} resident, "
-            f"P={self.prefetch} prefetched{pin}; at most {fmt_bytes(self.peak_bytes)} of "
-            f"{fmt_bytes(self.model_bytes)} loaded at once. {self.reason}".strip()
+            f"P={self.prefetch} prefetched{pin}; at most {fmt_bytes(self.peak_bytes)} loaded at once, of a model of "
+            f"{fmt_bytes(self.model_bytes)} on disk. {self.reason}".strip()
         )
 
 
@@ -254,8 +254,8 @@ def plan_stream(
                 f"memory budget {have} is smaller than shard {big} "
                 f"({manifest.shards[big].file}, {need}), the largest shard; a shard must fit "
                 f"whole. Give at least {_round_up_mb(sizes[big])}MB (memory_budget=, --memory-budget"
-                + ("; 4-bit weights pre-packed for this CPU can need more, which a load then names"
-                   if any(st.get("step") == "quantize" and st.get("bits") == 4 for st in manifest.steps) else "")
+                + ("; 4- or 8-bit weights pre-packed for this CPU can need more, which a load then names"
+                   if any(st.get("step") == "quantize" and st.get("bits") in (4, 8) for st in manifest.steps) else "")
                 + "), or re-convert with smaller shards (--shard-size)."
             )
         pin_bytes = sum(sizes[i] for i in pinned)
@@ -353,15 +353,15 @@ def refit(plan: StreamPlan, loaded: dict[int, int], manifest: Manifest, resident
     held = sum(kept.values()) + max(unpacked.values(), default=0)  # beside the slots (which map whole data files)
     pin_bytes = sum(sizes[i] for i in plan.pinned) + held
     beside = ([f"the pinned {plan.pinned} ({fmt_bytes(pin_bytes - held)})"] if plan.pinned else []) + (
-        [f"the 4-bit weights the streamed shards' sessions keep ({fmt_bytes(sum(kept.values()))})"] if kept else []) + (
-        [f"the largest fed 4-bit matmul weight unpacked to float as its shard runs ({fmt_bytes(max(unpacked.values()))}: "
+        [f"the 4- or 8-bit weights the streamed shards' sessions keep ({fmt_bytes(sum(kept.values()))})"] if kept else []) + (
+        [f"the largest fed 4- or 8-bit matmul weight unpacked to float as its shard runs ({fmt_bytes(max(unpacked.values()))}: "
          f"shard {max(unpacked, key=unpacked.get)}; pin it to keep it packed)"] if unpacked else [])
     how = ("with the weights pre-packed for this CPU" if grown else
-           "with the 4-bit weights the sessions " + " or ".join(w for w, x in (("keep", kept), ("unpack", unpacked)) if x))
+           "with the 4- or 8-bit weights the sessions " + " or ".join(w for w, x in (("keep", kept), ("unpack", unpacked)) if x))
     other = ("load with pack=False (--no-pack: weights fed as inputs: their size on disk, slower decoding)" if grown else
              f"let packing work ({packing_failed}): set SLIMML_CACHE_DIR (--cache-dir, load(cache_dir=...)) to a "
-             "writable folder; pre-packed 4-bit weights are paged in and out with their shards" if packing_failed else
-             "load with pack=True (--pack, the default: 4-bit weights pre-packed, paged in and out with their shards)")
+             "writable folder; pre-packed 4- or 8-bit weights are paged in and out with their shards" if packing_failed else
+             "load with pack=True (--pack, the default: 4- or 8-bit weights pre-packed, paged in and out with their shards)")
     slots = plan.resident - len(plan.pinned)
     peak = pin_bytes + sum(sorted((sizes[i] for i in plan.streamed), reverse=True)[:slots])
     if plan.budget is None:  # K as asked: the plan says what it holds
