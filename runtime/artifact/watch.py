@@ -13,6 +13,8 @@ renames, removal) and a run polls the queue; elsewhere, or when the kernel's ino
 reached, every run does the ``fstat`` checks. Writes through another process's shared memory map
 raise no inotify event, so on the inotify path every 256th check, and any a second after the last
 ``fstat`` checks, also does them; each compares the change time too, which ``utime`` cannot put back.
+A process past half its open-file limit (an application of many models) holds no descriptors for
+it: every run then ``stat``s the paths.
 """
 
 from __future__ import annotations
@@ -72,12 +74,15 @@ class FileWatch:
         # lookup a stat does; a file renamed over, removed or added changes its folder's times
         self._files: list[list] = []  # [rel, path, descriptor, identity at load, links at load]
         self._dirs: list[list] = []
+        folders = sorted({os.path.dirname(path) for _, path, _ in self._expect} if follow_paths else ())
         try:
+            if not _room_for(len(self._expect) + len(folders) + 2):  # an app of many models: leave it descriptors
+                raise OSError("too few file descriptors left")
             for rel, path, was in self._expect:
                 if was is not None:
                     fd = os.open(path, os.O_RDONLY)
                     self._files.append([rel, path, fd, was, os.fstat(fd).st_nlink])
-            for d in sorted({os.path.dirname(path) for _, path, _ in self._expect} if follow_paths else ()):
+            for d in folders:
                 fd = os.open(d, os.O_RDONLY)
                 st = os.fstat(fd)
                 self._dirs.append([fd, st.st_mtime_ns, st.st_ctime_ns])
@@ -86,7 +91,7 @@ class FileWatch:
         if len(self._files) != len(self._expect):
             self._close_fstat()
         self._paths = follow_paths or not self._files  # without descriptors, the paths are all it has
-        self._notify: _Inotify | None = _Inotify.open(self._expect, folders=self._paths)
+        self._notify: _Inotify | None = _Inotify.open(self._expect, folders=self._paths) if self._files else None
         self._calls = 0
         self._fstat_at = time.monotonic()
         _live.add(self)
@@ -231,6 +236,20 @@ def _identity(path: str) -> tuple | None:
     # ctime too: a write through a shared memory map followed by utime() putting the mtime back
     # moves the ctime, which no caller can set
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev, st.st_ctime_ns)
+
+
+def _room_for(descriptors: int) -> bool:
+    """Whether the process may hold ``descriptors`` more and stay within half its open-file limit
+    (a server of 200 small models ran out of descriptors for its own files: each model's watch held
+    one per data file and folder, and an inotify queue)."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        held = len(os.listdir("/proc/self/fd"))
+    except (ImportError, OSError, ValueError):
+        return True
+    return soft == resource.RLIM_INFINITY or held + descriptors <= soft // 2
 
 
 def _sha256_of(fd: int) -> str:
