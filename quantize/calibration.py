@@ -62,6 +62,8 @@ def read_texts(path: str | os.PathLike) -> list[str]:
 
 def _csv_texts(path: Path, text: str) -> list[str]:
     dialect = "excel-tab" if path.suffix.lower() == ".tsv" else "excel"
+    from slimml.runtime.tools.evaluate import long_csv_fields
+
     reader = csv.DictReader(text.splitlines(), dialect=dialect)
     cols = [c for c in ("sentence1", "sentence2", "sentence", "text") if c in (reader.fieldnames or [])]
     if not cols:
@@ -71,11 +73,12 @@ def _csv_texts(path: Path, text: str) -> list[str]:
             "with one sentence per line."
         )
     out: list[str] = []
-    for row in reader:
-        for c in cols:
-            value = (row.get(c) or "").strip()
-            if value:
-                out.append(value)
+    with long_csv_fields():
+        for row in reader:
+            for c in cols:
+                value = (row.get(c) or "").strip()
+                if value:
+                    out.append(value)
     return out
 
 

@@ -472,3 +472,21 @@ def test_inputs_a_model_does_not_read_are_refused_or_recorded_as_unused(mlp_onnx
     step = read_manifest(tmp_path / "static").steps[-1]
     assert step["calibration"] == "generated inputs (the model reads no text)", step
     assert step["calibration_unused"] == f"{text}: this model reads no text", step
+
+
+def test_a_csv_with_a_text_past_128_kb_reads(tmp_path):
+    """csv's default field limit (128 KB) refused a long document as "field larger than field limit"
+    in an STS file and in calibration data; the limit is put back after."""
+    import csv
+
+    from slimml.runtime.tools.evaluate import read_sts
+
+    long = "word " * 40_000  # 200 KB
+    data = tmp_path / "sts.csv"
+    data.write_text(f"sentence1,sentence2,score\n{long},short,1.0\na,b,2\n", encoding="utf-8")
+    s1, _, scores = read_sts(data)
+    assert len(s1[0]) == len(long) and list(scores) == [1.0, 2.0]
+    calib = tmp_path / "calib.csv"
+    calib.write_text(f"text\n{long}\nshort\n", encoding="utf-8")
+    assert [len(t) for t in read_texts(calib)] == [len(long.strip()), 5]
+    assert csv.field_size_limit() == 131072

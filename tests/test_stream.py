@@ -106,6 +106,8 @@ def test_budget_below_largest_shard_is_refused_before_loading(mlp_artifact, tmp_
     ({"resident": 2, "pin": [0, -1]}, "resident=2 leaves no slot for streaming: 2 shard(s) are pinned ([0, 5]). "
                                       "Use resident >= 3, or pin fewer shards."),
     ({"pin": [9]}, "pin=[9] names shard 9, but the model has shards 0..5 (or -1..-6); pin shards in that range."),
+    ({"pin": [0]}, "pin=[0] keeps shards loaded while the others stream, and nothing streams without resident= or "
+                   "memory_budget= (--resident K, --memory-budget); give one, or drop pin."),  # it was ignored
     ({"resident": 3, "pin": [0, -6]}, "pin=[0, -6] names shard 0 twice (a negative index counts from the end, -1 the "
                                       "last of 6); give each shard once."),
     ({"resident": 6, "memory_budget": 10000}, "resident=6 needs 28.74 KB, over the 10.00 KB budget; give fewer resident "

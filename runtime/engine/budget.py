@@ -280,6 +280,9 @@ def plan_stream(
         if pinned:
             resident = len(pinned) + STREAM_SLOTS
     stream = [i for i in range(n) if i not in pinned]
+    if pinned and resident is None and prefetch is None and budget is None:  # it was ignored: all loaded once
+        raise ConfigError(f"pin={pinned} keeps shards loaded while the others stream, and nothing streams without "
+                          "resident= or memory_budget= (--resident K, --memory-budget); give one, or drop pin.")
     if resident is None:
         if budget is None:
             resident = n if prefetch is None else len(pinned) + 1 + prefetch

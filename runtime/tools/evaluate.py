@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +36,18 @@ def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]
                         f"{','.join(STS_COLUMNS)} (a language model is scored on a plain text file instead).") from None
 
 
+@contextmanager
+def long_csv_fields() -> Iterator[None]:
+    """Inside, the csv module reads fields past its default limit of 128 KB (a long document is a text
+    too: it was refused as "field larger than field limit"); the limit is put back after."""
+    before = csv.field_size_limit()
+    csv.field_size_limit(max(before, (1 << 31) - 1))
+    try:
+        yield
+    finally:
+        csv.field_size_limit(before)
+
+
 def check_data_file(path: Path, kind: str, fix: str) -> None:
     """Refuse, naming ``kind`` and ``fix``, a ``path`` that is not a regular file: a folder, a pipe
     or device (``/dev/stdin``: read once, it cannot be read again), or nothing.
@@ -54,7 +68,7 @@ def _read_sts(path: Path) -> tuple[list[str], list[str], np.ndarray]:
     s1: list[str] = []
     s2: list[str] = []
     scores: list[float] = []
-    with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a column name
+    with long_csv_fields(), open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a column name
         reader = csv.DictReader(f)
         missing = [c for c in STS_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:
