@@ -17,6 +17,7 @@ import onnx
 
 import slimml
 from slimml.errors import ArtifactError, ConfigError, IntegrityError, QuantizeError, extras_for
+from slimml.convert.llm_check import is_language_model
 import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and NNCF backends)
 import slimml.quantize.chain as ch
 from slimml.quantize.calibration import calibration_texts
@@ -187,7 +188,7 @@ def check_inputs(config: QuantizeConfig) -> None:
 def _check_eval_inputs(config: QuantizeConfig, manifest: Manifest) -> None:
     """A language model's evaluation text read, and an STS CSV refused for it, before any long work
     (they failed after every shard was quantized)."""
-    from slimml.convert.llm_check import is_language_model, read_eval_text
+    from slimml.convert.llm_check import read_eval_text
 
     if not is_language_model(manifest):
         if getattr(config, "eval_text", None) is not None:  # it was ignored, and recorded as used
@@ -250,6 +251,18 @@ def _quantize_components(w, src, manifest, config, calib, held, origin, step) ->
     checks = {f"{name}_{k}": v for name, r in reports.items() for k, v in r.checks.items()}
     new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
                       "checks": {**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}})
+    if manifest.seq2seq:  # each component was guarded on its own inputs; what matters is what the whole generates
+        step("generating from held-out texts with the float and the quantized model")
+        whole = generation_agreement(src, w.folder, held)
+        if whole:
+            checks.update(whole)
+            if whole["generation_token_agreement"] < 0.9:
+                logging.getLogger("slimml").warning(
+                    "slimml: the quantized model generates otherwise than the float one from held-out texts (%s the "
+                    "same, %.0f%% of the tokens before they part); check it on your own data, or keep shards float with "
+                    "--max-drop", whole["generation_same"], 100 * whole["generation_token_agreement"])
+            new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
+                              "checks": {**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}})
     for name, r in reports.items():
         r.size_mb = new.components[name].total_bytes / 1e6
     offsets, n = {}, 0
@@ -261,6 +274,28 @@ def _quantize_components(w, src, manifest, config, calib, held, origin, step) ->
         float_shards={offsets[name] + i: why for name, r in reports.items() for i, why in r.float_shards.items()},
         checks=checks, components=reports,
     )
+
+
+def generation_agreement(float_folder: Path, quantized_folder: Path, texts: list[str], count: int = 8,
+                         max_new_tokens: int = 32) -> dict[str, Any]:
+    """How closely an encoder-decoder's quantized artifact generates as its float one, greedy, from
+    ``count`` held-out texts: ``generation_same`` (outputs token for token the same, "k of n") and
+    ``generation_token_agreement`` (the float output's tokens the quantized one gives before it first
+    differs, over them all). Empty for a model that does not read text (Whisper: no held-out audio)."""
+    from slimml.runtime.loader import load
+
+    models = [load(f, verify=False) for f in (float_folder, quantized_folder)]  # hashed by the caller
+    try:
+        if "text" not in models[0].accepts or not texts:
+            return {}
+        a, b = (m.generate(texts[:count], max_new_tokens=max_new_tokens).tokens for m in models)
+    finally:
+        for m in models:
+            m.close()
+    same = sum(x == y for x, y in zip(a, b))
+    agreed = sum(next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y))) for x, y in zip(a, b))
+    return {"generation_same": f"{same} of {len(a)}",
+            "generation_token_agreement": round(agreed / max(1, sum(len(x) for x in a)), 4)}
 
 
 def _seq2seq_feeds(src: Path, calib: list[str], held: list[str], step) -> dict[str, tuple[list, list]]:
@@ -304,6 +339,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     backend = backend_for(config)
     model_inputs = {vi.name: vi for m in firsts for vi in m.graph.input if vi.name in {t.name for t in manifest.inputs}}
     fuse = getattr(config, "fuse", False) and fusable(manifest.source)  # asked for, and the family has them
+    language = is_language_model(manifest)
     quant_files: dict[int, Path] = {}
     notes: dict[int, dict] = {}
     float_why: dict[int, str] = {}
@@ -321,7 +357,8 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         model = onnx.load(str(path))
         if fuse and spec.index > 0:
             rematerialize_inputs(model, firsts[: spec.index], model_inputs, path.parent)
-        gemms_as_matmuls(model)  # GPT-2's layers, a classifier's head: the quantizers take MatMul, not Gemm
+        if language:  # GPT-2's layers (Conv1D): the quantizers take MatMul, not Gemm
+            gemms_as_matmuls(model)
         ctx = ShardContext(index=spec.index, fuse=fuse)
         if envs is not None:
             ctx.reader = ch.RecordedReader(envs, [vi.name for vi in model.graph.input if vi.name not in {t.name for t in model.graph.initializer}])
@@ -359,6 +396,10 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     try:
         guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device,
                             getattr(config, "eval_text", None), pooler)
+    except ConfigError as e:  # --max-drop not met: which component's shards it counted
+        if name is None:
+            raise
+        raise ConfigError(f"the {name} component (shards numbered within it): {e}") from None
     except Exception as e:  # fp16 here: an op the CPU provider has no fp16 kernel for; a measure only
         if not here or isinstance(e, IntegrityError):
             raise
@@ -431,6 +472,9 @@ def _unchanged_why(model: onnx.ModelProto, config: QuantizeConfig, ran: bool = T
     if isinstance(config, Int8StaticConfig) and not any(n.op_type in config.op_types for n in model.graph.node):
         return (f"left float: int8-static quantizes {'/'.join(config.op_types)} ops, and it has none "
                 "(int8-dynamic and int4-weights take an embedding's Gather)")
+    if not ran and any(n.op_type == "Gemm" for n in model.graph.node):
+        return ("left float: its weights are Gemm heads (a classifier's pooler and output, small and the most "
+                "sensitive); the schemes quantize MatMul and Gather")
     if not ran:
         return "nothing to quantize"
     if isinstance(config, WeightOnlyConfig) and config.bits == 8 and config.backend == "ort" \

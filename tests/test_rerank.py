@@ -171,6 +171,8 @@ def test_the_quantize_guard_judges_a_cross_encoder_by_its_ranking_on_pairs(reran
     report = quantize(art, tmp_path / "int8", Int8Config("cpu"))
     assert report.checks["drop_metric"] == "100*(1-spearman)" and "agreement_cosine" not in report.checks
     assert 0.9 < report.checks["agreement_spearman"] <= 1.0
+    assert any(why.startswith("left float: its weights are Gemm heads") for why in report.float_shards.values()), \
+        report.float_shards  # the pooler and output stay float, said as such (not "nothing to quantize")
     static = quantize(art, tmp_path / "static", Int8StaticConfig(calibration_size=16))
     assert "agreement_spearman" in static.checks
     pairs = query_passage_pairs(["one two three four five six seven", "eight nine"])
