@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 import slimml
-from slimml.errors import ArtifactError, ConfigError, IntegrityError, QuantizeError, extras_for
+from slimml.errors import ArtifactError, ConfigError, IntegrityError, QuantizeError, SlimmlError, extras_for
 from slimml.convert.llm_check import is_language_model
 import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and NNCF backends)
 import slimml.quantize.chain as ch
@@ -256,7 +256,7 @@ def _quantize_components(w, src, manifest, config, calib, held, origin, step) ->
         whole = generation_agreement(src, w.folder, held)
         if whole:
             checks.update(whole)
-            if whole["generation_token_agreement"] < 0.9:
+            if whole.get("generation_token_agreement", 1.0) < 0.9:
                 logging.getLogger("slimml").warning(
                     "slimml: the quantized model generates otherwise than the float one from held-out texts (%s the "
                     "same, %.0f%% of the tokens before they part); check it on your own data, or keep shards float with "
@@ -276,6 +276,10 @@ def _quantize_components(w, src, manifest, config, calib, held, origin, step) ->
     )
 
 
+# tasks whose Gemms are a classifier's pooler and output (on the pooled or [CLS] state): kept float
+CLASSIFIER_TASKS = frozenset({"text-classification", "image-classification", "audio-classification"})
+
+
 def generation_agreement(float_folder: Path, quantized_folder: Path, texts: list[str], count: int = 8,
                          max_new_tokens: int = 32) -> dict[str, Any]:
     """How closely an encoder-decoder's quantized artifact generates as its float one, greedy, from
@@ -284,11 +288,14 @@ def generation_agreement(float_folder: Path, quantized_folder: Path, texts: list
     differs, over them all). Empty for a model that does not read text (Whisper: no held-out audio)."""
     from slimml.runtime.loader import load
 
+    prompts = [" ".join(t.split()[:48]) for t in texts[:count]]  # a calibration text may be a long document
     models = [load(f, verify=False) for f in (float_folder, quantized_folder)]  # hashed by the caller
     try:
-        if "text" not in models[0].accepts or not texts:
+        if "text" not in models[0].accepts or not prompts:
             return {}
-        a, b = (m.generate(texts[:count], max_new_tokens=max_new_tokens).tokens for m in models)
+        a, b = (m.generate(prompts, max_new_tokens=max_new_tokens).tokens for m in models)
+    except SlimmlError as e:  # a measure only: the quantized artifact is written whatever it says
+        return {"generation_same": f"not measured ({str(e).rstrip('.')})"}
     finally:
         for m in models:
             m.close()
@@ -339,7 +346,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     backend = backend_for(config)
     model_inputs = {vi.name: vi for m in firsts for vi in m.graph.input if vi.name in {t.name for t in manifest.inputs}}
     fuse = getattr(config, "fuse", False) and fusable(manifest.source)  # asked for, and the family has them
-    language = is_language_model(manifest)
+    heads = manifest.task in CLASSIFIER_TASKS  # its Gemms are a pooler and an output: small and the most sensitive
     quant_files: dict[int, Path] = {}
     notes: dict[int, dict] = {}
     float_why: dict[int, str] = {}
@@ -357,7 +364,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         model = onnx.load(str(path))
         if fuse and spec.index > 0:
             rematerialize_inputs(model, firsts[: spec.index], model_inputs, path.parent)
-        if language:  # GPT-2's layers (Conv1D): the quantizers take MatMul, not Gemm
+        if not heads:  # GPT-2's layers (Conv1D), an MLP: the quantizers take MatMul, not Gemm
             gemms_as_matmuls(model)
         ctx = ShardContext(index=spec.index, fuse=fuse)
         if envs is not None:
@@ -369,7 +376,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
             step(f"running float shard {spec.index + 1} on the calibration data")
             ch.advance(envs, path, spec.index, last_read)
         if q is None or unchanged:
-            float_why[spec.index] = _unchanged_why(model, config, ran=unchanged)
+            float_why[spec.index] = _unchanged_why(model, config, ran=unchanged, heads=heads)
             continue
         qpath = work / spec.file
         save_onnx(q, qpath)
@@ -396,7 +403,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     try:
         guard = apply_guard(manifest, text, float_files, quant_files, held_feeds, config.guard, step, device,
                             getattr(config, "eval_text", None), pooler)
-    except ConfigError as e:  # --max-drop not met: which component's shards it counted
+    except ConfigError as e:  # --max-drop not met: which component's shards it counted (fp16 here: no guard)
         if name is None:
             raise
         raise ConfigError(f"the {name} component (shards numbered within it): {e}") from None
@@ -466,13 +473,13 @@ QUANTIZED_OPS = frozenset({
 })
 
 
-def _unchanged_why(model: onnx.ModelProto, config: QuantizeConfig, ran: bool = True) -> str:
+def _unchanged_why(model: onnx.ModelProto, config: QuantizeConfig, ran: bool = True, heads: bool = False) -> str:
     """Why a shard came back as it was (``ran``: the scheme's quantizer ran on it; else it found
-    nothing to run on)."""
+    nothing to run on; ``heads``: a classifier's, whose Gemms are kept float)."""
     if isinstance(config, Int8StaticConfig) and not any(n.op_type in config.op_types for n in model.graph.node):
         return (f"left float: int8-static quantizes {'/'.join(config.op_types)} ops, and it has none "
                 "(int8-dynamic and int4-weights take an embedding's Gather)")
-    if not ran and any(n.op_type == "Gemm" for n in model.graph.node):
+    if not ran and heads and any(n.op_type == "Gemm" for n in model.graph.node):
         return ("left float: its weights are Gemm heads (a classifier's pooler and output, small and the most "
                 "sensitive); the schemes quantize MatMul and Gather")
     if not ran:
@@ -519,7 +526,7 @@ def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files
               "quantized_shards": sorted(quant_files),
               "float_shards": {str(k): v for k, v in sorted(float_why.items())}}
     if not reads_text:  # a ViT, an ONNX file's MLP: no text to read, whatever was given
-        record["calibration"] = "generated inputs (the model reads no text)"
+        record["calibration"] = "generated inputs (the model reads no text)" if isinstance(config, Int8StaticConfig) else None
         if config.calibration is not None:
             record["calibration_unused"] = f"{origin}: this model reads no text"
             logging.getLogger("slimml").warning("slimml: --calibration %s was not used: the model reads no text; it was "

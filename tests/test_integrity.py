@@ -333,13 +333,19 @@ def test_a_resident_model_runs_on_when_its_artifact_is_swapped(tiny_bert_artifac
     assert model.encode(texts, workers=1).tolist() == before.tolist()
     assert np.allclose(model.encode(texts, workers=2), before, atol=1e-6)  # lanes: on the loaded plan
     model.close()
-    # written with its times put back, then unlinked (as a swap's removal of the old folder would):
-    # the change time alone moved; the held file's bytes are hashed before it is let through
+    # written through a shared map (no inotify event) with its times put back, then unlinked (as a
+    # swap's removal of the old folder would): the change time alone moved, and the link count; the
+    # held file's bytes are hashed before it is let through
+    import mmap
+
     shutil.copytree(tiny_bert_artifact, tmp_path / "tampered")
     model = load(tmp_path / "tampered")
     model.encode(texts)
     data = max((tmp_path / "tampered").glob("*.data"), key=lambda f: f.stat().st_size)
-    _rewrite_keeping_times(data)
+    st = os.stat(data)
+    with open(data, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[:8] = bytes(m[:8])[::-1]
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
     data.unlink()
     with pytest.raises(IntegrityError, match=r"was rewritten in place \(its size and times put back\)"):
         model.encode(texts)
@@ -491,3 +497,24 @@ def test_many_models_leave_the_application_file_descriptors(art):
     r = subprocess.run([sys.executable, "-c", script, str(art)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "stat" in r.stdout, r.stdout  # past half the limit, the later models' watches stat the paths
+    # such a watch cannot follow the files it loaded through a swap: it refuses, and says why
+    live = art.parent / "live"
+    shutil.copytree(art, live)
+    script = (
+        "import os, resource, shutil, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "held = [open(os.devnull) for _ in range(40)]\n"
+        "from slimml.runtime import load\n"
+        "from slimml.runtime.tools.bench import sample_feeds\n"
+        "live = sys.argv[1]\n"
+        "model = load(live)\n"
+        "print(model._engines[0]._watch.how)\n"
+        "feeds = sample_feeds(model.inputs, batch=1)\n"
+        "os.rename(live, live + '.old'); shutil.copytree(live + '.old', live)\n"
+        "try:\n"
+        "    model.run(feeds)\n"
+        "except Exception as e:\n"
+        "    print(e)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script, str(live)], capture_output=True, text=True, timeout=300)
+    assert r.stdout.startswith("stat") and "loaded past half the process's open-file limit" in r.stdout, (r.stdout, r.stderr)

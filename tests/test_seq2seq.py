@@ -495,6 +495,12 @@ def test_t5_quantizes_each_component_with_real_decoder_inputs(t5):
     same, _, of = report.checks["generation_same"].partition(" of ")
     assert int(of) == 8 and 0 <= int(same) <= 8 and report.checks["generation_token_agreement"] >= 0.5, report.checks
     assert manifest.checks["quantize_generation_token_agreement"] == report.checks["generation_token_agreement"]
+    # calibration texts past the model's context (long documents): the measure reads their start, and the
+    # quantize does not fail at its end on "prompt 0 is 702 tokens"
+    long = t5["root"] / "long.txt"
+    long.write_text("\n".join(f"document {i} " + "the man plays a guitar in the park " * 90 for i in range(48)))
+    report = quantize(t5["root"] / "art", t5["root"] / "int8-long", Int8Config("cpu", calibration=long))
+    assert " of 8" in report.checks["generation_same"], report.checks
 
 
 def test_slimml_generate_and_info_on_t5(t5):

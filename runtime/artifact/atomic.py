@@ -116,7 +116,7 @@ def _unlisted(folder: Path) -> list[str]:
     out = []
     for p in sorted(folder.rglob("*")):
         rel = p.relative_to(folder).as_posix()
-        if not p.is_dir() and rel != MANIFEST_NAME and rel not in listed:
+        if not p.is_dir() and rel != MANIFEST_NAME and rel not in listed and not p.name.startswith("."):  # .DS_Store
             out.append(rel)
     return out
 

@@ -91,6 +91,7 @@ class FileWatch:
         if len(self._files) != len(self._expect):
             self._close_fstat()
         self._paths = follow_paths or not self._files  # without descriptors, the paths are all it has
+        self._resident = not follow_paths
         self._notify: _Inotify | None = _Inotify.open(self._expect, folders=self._paths) if self._files else None
         self._calls = 0
         self._fstat_at = time.monotonic()
@@ -192,6 +193,10 @@ class FileWatch:
             fix = ("A streamed model reads its shards from the folder as it runs: load the artifact again (to replace "
                    "one a streamed model runs from, load the new folder and close the old model first; never "
                    "overwrite files in place).")
+        elif self._resident and not self._files:  # no descriptors to follow the files it loaded: the paths decide
+            fix = ("This model was loaded past half the process's open-file limit, so its watch follows the paths and "
+                   "refuses a swapped folder too: load the new artifact (a higher limit, ulimit -n, lets a resident "
+                   "model run on through a swap).")
         self._refused = f"{rel} in {self.folder} {what} after the model was loaded; slimml will not run a model whose files changed under it. {fix}"
         raise IntegrityError(self._refused)
 

@@ -105,10 +105,6 @@ class LoadConfig:
         if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
             raise ConfigError(f"cache_dir={os.fspath(self.cache_dir)!r} is a file, not a folder; give a folder (it is made "
                               "where missing) for slimml's pre-packed weights.")
-        env_cache = os.environ.get("SLIMML_CACHE_DIR")
-        if self.cache_dir is None and env_cache and os.path.exists(env_cache) and not os.path.isdir(env_cache):
-            raise ConfigError(f"SLIMML_CACHE_DIR={env_cache!r} is a file, not a folder; set it to a folder (it is made where "
-                              "missing) for slimml's pre-packed weights, or unset it.")
         if self.shards is not None:
             pair = tuple(self.shards) if isinstance(self.shards, (list, tuple)) else ()
             if len(pair) != 2 or not all(_whole(i) for i in pair) or not 0 <= pair[0] <= pair[1]:

@@ -58,6 +58,7 @@ class WeightSource(Protocol):
     filled on the loader thread (:mod:`slimml.runtime.engine.stream`) and released after use."""
 
     how: str  # what a fill does, in words, for describe
+    kind: str  # "fed", "pre-packed", "device slots": what a bench baseline records
     names: dict[int, dict[str, str]]  # shard -> its names -> its session's, where shards share one session
 
     def compile(self, index: int, threads: int | None, spinning: bool) -> ort.InferenceSession:

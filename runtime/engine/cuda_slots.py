@@ -72,6 +72,7 @@ class CudaSlots(FedSlots):
     """
 
     how = "weights copied to device slots and bound in place"
+    kind = "device slots"
     host = "auto"
 
     def __init__(self, *args, host: str | None = None, **kwargs):

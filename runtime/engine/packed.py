@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import onnxruntime as ort
 
-from slimml.errors import ArtifactError, IntegrityError, SlimmlError
+from slimml.errors import ArtifactError, ConfigError, IntegrityError, SlimmlError
 from slimml.runtime.artifact.files import hash_file, safe_path
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.artifact.places import home_folder, unwritable
@@ -59,7 +59,11 @@ def cache_root() -> Path | None:
     container run as a user without one: HOME unset, empty, missing, or one this user cannot
     write, such as ``/``). A cache that is there is used, read-only or not."""
     if os.environ.get("SLIMML_CACHE_DIR"):
-        return Path(os.environ["SLIMML_CACHE_DIR"])
+        env = os.environ["SLIMML_CACHE_DIR"]
+        if os.path.exists(env) and not os.path.isdir(env):  # asked for where the cache is used, not at every load
+            raise ConfigError(f"SLIMML_CACHE_DIR={env!r} is a file, not a folder; set it to a folder (it is made where "
+                              "missing) for slimml's pre-packed weights, or unset it.")
+        return Path(env)
     xdg = os.environ.get("XDG_CACHE_HOME")
     if xdg and os.path.isabs(xdg):  # the spec ignores a relative one
         return Path(xdg) / "slimml"
@@ -106,6 +110,7 @@ class PackedSlots:
     """
 
     how = "pre-packed weights mapped from the cache and paged in and out"
+    kind = "pre-packed"
 
     def __init__(self, folder: Path, manifest: Manifest, backend: Backend, config: LoadConfig, read_in: bool = False):
         self.folder, self.manifest, self.backend, self.verify = folder, manifest, backend, config.verify

@@ -82,6 +82,7 @@ class FedSlots:
     """
 
     how = "weights fed from memory-mapped data files"
+    kind = "fed"  # what a bench baseline records (how is said in words, and may vary with the memory free)
 
     def __init__(self, folder: Path, manifest: Manifest, backend: Backend, config: LoadConfig):
         self.folder, self.manifest, self.backend = folder, manifest, backend

@@ -134,7 +134,7 @@ class Baseline:
             raise ConfigError(f"cannot write the baseline {path} ({why}); give a file path in a writable folder.")
         if data is not None and path.exists() and Path(data).exists() and path.samefile(data):
             raise ConfigError(f"--save-baseline {path} is the --data file; give the baseline a path of its own.")
-        if os.path.lexists(path) and not _is_baseline(path):
+        if os.path.lexists(path) and not _is_baseline(path) and not (path.is_file() and path.stat().st_size == 0):  # mktemp's
             raise ConfigError(f"{path} exists and is not a slimml baseline; refusing to replace it. Give --save-baseline "
                               "a new path (or one that holds a baseline).")
 

@@ -176,7 +176,7 @@ def latency_settings(model) -> dict:
     memory = model.plan.memory
     plan = (f"K={memory.resident} P={memory.prefetch}" + (f" pinned {memory.pinned}" if memory.pinned else "")
             if memory.streaming else "resident")
-    weights = sorted({seg.source.how for seg in model.plan.segments if seg.kind == "streamed"})
+    weights = sorted({seg.source.kind for seg in model.plan.segments if seg.kind == "streamed"})
     return {"plan": plan, "weights": "; ".join(weights) or "resident", "threads": env_threads()}
 
 

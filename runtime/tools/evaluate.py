@@ -39,13 +39,11 @@ def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]
 @contextmanager
 def long_csv_fields() -> Iterator[None]:
     """Inside, the csv module reads fields past its default limit of 128 KB (a long document is a text
-    too: it was refused as "field larger than field limit"); the limit is put back after."""
-    before = csv.field_size_limit()
-    csv.field_size_limit(max(before, (1 << 31) - 1))
-    try:
-        yield
-    finally:
-        csv.field_size_limit(before)
+    too: it was refused as "field larger than field limit"). The limit is the process's: raised, not put
+    back (putting it back races with another thread reading inside), and never lowered."""
+    if csv.field_size_limit() < (1 << 31) - 1:
+        csv.field_size_limit((1 << 31) - 1)
+    yield
 
 
 def check_data_file(path: Path, kind: str, fix: str) -> None:

@@ -45,6 +45,8 @@ def main() -> None:
         _error(str(e))
         sys.exit(1)
     except BrokenPipeError:  # `slimml info ART | head -2`: the reader had enough
+        if os.environ.get("SLIMML_DEBUG"):
+            raise
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the flush at exit would fail again
         sys.exit(1)  # quietly, as rich's consoles do when the pipe closes under them
