@@ -105,7 +105,7 @@ def test_eval_data_that_is_not_a_csv_of_pairs_is_one_line(tmp_path):
     (tmp_path / "long.txt").write_text("word " * 40_000)
     (tmp_path / "folder").mkdir()
     for name, words in (("latin1.csv", "is not UTF-8 text (byte 29); save the CSV as UTF-8"),
-                        ("long.txt", "is not a CSV of sentence pairs (field larger than field limit"),
+                        ("long.txt", "lacks the column(s) ['sentence1', 'sentence2', 'score'] (header: ['word word"),
                         ("folder", "is a folder, not a file; give a CSV")):
         with pytest.raises(DataError, match=re.escape(words)):
             read_sts(tmp_path / name)
