@@ -97,14 +97,17 @@ def test_slimml_threads_is_checked_where_set(monkeypatch):
         assert LoadConfig().threads is None  # read where sessions are made
 
 
-def test_a_cache_folder_set_to_a_file_by_the_environment_is_refused(tmp_path, monkeypatch):
+def test_a_cache_folder_set_to_a_file_by_the_environment_is_refused_where_it_is_used(mlp, tmp_path, monkeypatch):
     """cache_dir= naming a file was refused; SLIMML_CACHE_DIR naming one warned that packing failed,
-    fell back to fed weights, and ended in a budget error that said to pack (the default)."""
+    fell back to fed weights, and ended in a budget error that said to pack (the default). A load
+    that never packs does not read the variable."""
     (tmp_path / "afile").write_text("x")
     monkeypatch.setenv("SLIMML_CACHE_DIR", str(tmp_path / "afile"))
+    from slimml.runtime.engine.packed import cache_root
+
     with pytest.raises(ConfigError, match=r"SLIMML_CACHE_DIR='.*afile' is a file, not a folder; set it to a folder"):
-        LoadConfig()
-    LoadConfig(cache_dir=tmp_path)  # given in the call: the variable is not read
+        cache_root()
+    load(mlp).close()  # resident: no cache
 
 
 def test_slimml_threads_bounds_encodes_lanes(tiny_bert_artifact, monkeypatch):
