@@ -173,14 +173,24 @@ def serving(config, start_s: float = 180):
     Ray) after."""
     from slimml.serve import serve
 
-    port, urls, stop = free_port(), [], threading.Event()
-    thread = threading.Thread(target=serve, args=(config,), kwargs={"port": port, "ready": urls.append, "stop": stop},
-                              daemon=True)
-    thread.start()
-    deadline = time.monotonic() + start_s
-    while not urls:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
+    def run(port, **kwargs):
+        try:
+            serve(config, port=port, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - said by the wait below
+            failed.append(e)
+
+    for attempt in range(3):
+        port, urls, stop, failed = free_port(), [], threading.Event(), []
+        thread = threading.Thread(target=run, args=(port,), kwargs={"ready": urls.append, "stop": stop}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + start_s
+        while not urls and thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if urls:
+            break
+        # the free port taken between free_port() and Serve's bind (Ray's own processes take ports too): another
+        if not (failed and "could not listen" in str(failed[0])) or attempt == 2:
+            raise AssertionError(f"the server did not start: {failed[0] if failed else 'no answer in time'}")
     try:
         yield port
     finally:

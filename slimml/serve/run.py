@@ -118,8 +118,10 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             ray_serve.start(http_options={"host": host, "port": proxy_port,
                                           "request_timeout_s": config.request_timeout_s + 5})
         except RuntimeError as e:  # Serve's proxy: "Failed to bind to address ..." (taken since the check above)
-            raise ConfigError(f"Ray Serve could not listen on {host}:{proxy_port} ({str(e).splitlines()[0]}); choose "
-                              "another --port, or stop what listens there.") from None
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            why = lines[-1] if lines else type(e).__name__  # the cause, not the "ray::ProxyActor.ready() (pid=...)" header
+            raise ConfigError(f"Ray Serve could not listen on {host}:{proxy_port} ({why}); choose another --port, or stop "
+                              "what listens there.") from None
         except (TimeoutError, ray.exceptions.RayActorError) as e:  # the proxy not ready in time: Serve killed it
             raise SlimmlError(
                 f"Ray Serve's HTTP proxy did not start in time ({type(e).__name__}: {str(e).splitlines()[0]}): the "
