@@ -62,8 +62,9 @@ def read_texts(path: str | os.PathLike) -> list[str]:
 
 def _csv_texts(path: Path, text: str) -> list[str]:
     dialect = "excel-tab" if path.suffix.lower() == ".tsv" else "excel"
-    from slimml.runtime.tools.evaluate import long_csv_fields
+    from slimml.runtime.tools.evaluate import allow_long_csv_fields
 
+    allow_long_csv_fields()
     reader = csv.DictReader(text.splitlines(), dialect=dialect)
     cols = [c for c in ("sentence1", "sentence2", "sentence", "text") if c in (reader.fieldnames or [])]
     if not cols:
@@ -73,12 +74,11 @@ def _csv_texts(path: Path, text: str) -> list[str]:
             "with one sentence per line."
         )
     out: list[str] = []
-    with long_csv_fields():
-        for row in reader:
-            for c in cols:
-                value = (row.get(c) or "").strip()
-                if value:
-                    out.append(value)
+    for row in reader:
+        for c in cols:
+            value = (row.get(c) or "").strip()
+            if value:
+                out.append(value)
     return out
 
 

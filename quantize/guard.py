@@ -50,12 +50,8 @@ class _Measure:
         self.width = max((r["start_logits"].shape[1] for r in self.reference if "start_logits" in r), default=0)
         self.classifier = (ClassifierScore(manifest, [self._rows(r, f) for r, f in zip(self.reference, held_feeds)])
                            if is_scored(manifest) and self.reference else None)
+        # an artifact without pooling (or of components) was refused --eval before any shard was quantized
         self.eval_file = guard.eval_file if guard is not None else None
-        if self.eval_file is not None and manifest.pooling is None:
-            raise ConfigError(
-                f"--eval {self.eval_file} needs a sentence-embedding artifact, but this one is a {manifest.task!r} "
-                "model; leave --eval out and the guard measures output agreement on held-out calibration data."
-            )
         self.float_score = self._score(float_chain) if self.eval_file is not None else None
 
     def chain(self, float_set: set[int], only: int | None = None) -> Chain:

@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 
 from slimml.errors import DataError
-from slimml.runtime.tools.evaluate import long_csv_fields
+from slimml.runtime.tools.evaluate import allow_long_csv_fields
 
 MIN_TEXTS = 16  # fewer texts than this cannot train anything; the message says so before any work
 DEFAULT_CORPUS_SIZE = 20_000
@@ -76,7 +76,8 @@ TEXT_FIELDS = ("sentence1", "sentence2", "text", "sentence")  # the columns (or 
 
 def _read_csv(path: Path) -> list[str]:
     try:  # utf-8-sig: the byte-order mark Excel writes is not part of the first column's name
-        with long_csv_fields(), open(path, newline="", encoding="utf-8-sig") as f:
+        allow_long_csv_fields()
+        with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
             fields = reader.fieldnames or []
             columns = [c for c in fields if c in TEXT_FIELDS]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import csv
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,14 +34,12 @@ def read_sts(path: str | os.PathLike) -> tuple[list[str], list[str], np.ndarray]
                         f"{','.join(STS_COLUMNS)} (a language model is scored on a plain text file instead).") from None
 
 
-@contextmanager
-def long_csv_fields() -> Iterator[None]:
-    """Inside, the csv module reads fields past its default limit of 128 KB (a long document is a text
+def allow_long_csv_fields() -> None:
+    """Let the csv module read fields past its default limit of 128 KB (a long document is a text
     too: it was refused as "field larger than field limit"). The limit is the process's: raised, not put
-    back (putting it back races with another thread reading inside), and never lowered."""
+    back (putting it back races with another thread reading), and never lowered."""
     if csv.field_size_limit() < (1 << 31) - 1:
         csv.field_size_limit((1 << 31) - 1)
-    yield
 
 
 def check_data_file(path: Path, kind: str, fix: str) -> None:
@@ -66,7 +62,8 @@ def _read_sts(path: Path) -> tuple[list[str], list[str], np.ndarray]:
     s1: list[str] = []
     s2: list[str] = []
     scores: list[float] = []
-    with long_csv_fields(), open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a column name
+    allow_long_csv_fields()
+    with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a spreadsheet's byte-order mark is not a column name
         reader = csv.DictReader(f)
         missing = [c for c in STS_COLUMNS if c not in (reader.fieldnames or [])]
         if missing:

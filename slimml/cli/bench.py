@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from slimml.cli.common import Artifact, AsJson, BaselineIn, BaselineOut, app, console
-from slimml.cli.gate import with_baseline
+from slimml.cli.gate import refuse_ungated, with_baseline
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.engine.config import LoadConfig
@@ -42,11 +42,8 @@ def bench(
     for flag, value, most in (("--batch", batch, (1 << 31) - 1), ("--seq", seq, (1 << 31) - 1), ("--runs", runs, 1 << 20)):
         if value is not None and not 1 <= value <= most:
             raise SlimmlError(f"{flag} must be a whole number from 1 to {most:,}, got {value}.")
-    given = [f for f, v in (("--max-latency-increase", max_latency_increase), ("--max-size-increase", max_size_increase))
-             if v is not None]
-    if given and baseline is None and against is None:  # a gate step without what it compares with would pass forever
-        raise ConfigError(f"{given[0]} gates this run against a baseline or a reference; give --baseline FILE (saved by "
-                          "--save-baseline) or --against ARTIFACT, or drop it.")
+    refuse_ungated({"--max-latency-increase": max_latency_increase, "--max-size-increase": max_size_increase},
+                   gated=baseline is not None or against is not None, against=True)
     asked = seq is not None  # else 128, or fewer for a model that takes fewer tokens (CLIP's text: 77)
     tol = Tolerances(**{k: v for k, v in (("latency_increase_pct", max_latency_increase),
                                           ("size_increase_pct", max_size_increase)) if v is not None})

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from slimml.cli.common import Artifact, AsJson, BaselineIn, BaselineOut, Progress, app, console
-from slimml.cli.gate import with_baseline
+from slimml.cli.gate import refuse_ungated, with_baseline
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError
 from slimml.runtime.engine.config import LoadConfig
@@ -40,11 +40,8 @@ def eval_(
     old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
     if save_baseline is not None:
         Baseline.check_writable(save_baseline, data)
-    given = [f for f, v in (("--max-accuracy-drop", max_accuracy_drop), ("--max-perplexity-increase", max_perplexity_increase))
-             if v is not None]
-    if given and baseline is None:  # a gate step without its baseline would pass forever
-        raise ConfigError(f"{given[0]} gates this run against a baseline; give --baseline FILE (saved by --save-baseline), "
-                          "or drop it.")
+    refuse_ungated({"--max-accuracy-drop": max_accuracy_drop, "--max-perplexity-increase": max_perplexity_increase},
+                   gated=baseline is not None)
     task = str(read_manifest(artifact).task)
     language = task.startswith("text-generation")
     if language and max_accuracy_drop is not None or not language and max_perplexity_increase is not None:

@@ -8,6 +8,18 @@ from pathlib import Path
 import typer
 
 from slimml.cli.common import console, err
+from slimml.errors import ConfigError
+
+
+def refuse_ungated(tolerances: dict[str, float | None], gated: bool, against: bool = False) -> None:
+    """Refuse a tolerance flag given (``tolerances``: flag -> value, None where not given) without what
+    it compares the run with (``gated``: --baseline, or bench's --against where ``against``): such a
+    gate step was ignored, and would pass forever."""
+    given = [flag for flag, value in tolerances.items() if value is not None]
+    if given and not gated:
+        raise ConfigError(f"{given[0]} gates this run against {'a baseline or a reference' if against else 'a baseline'}; "
+                          f"give --baseline FILE (saved by --save-baseline){' or --against ARTIFACT' if against else ''}, "
+                          "or drop it.")
 
 
 def with_baseline(payload, now, old, old_path, save_path, tol) -> None:
