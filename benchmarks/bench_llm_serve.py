@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from slimml.scale.cluster import free_port  # where starting Ray does not take it first
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -146,12 +147,6 @@ def prepare(source: Path, gguf_in: Path, artifact_in: Path, out: Path) -> tuple[
     writer.add_add_bos_token(True)
     write_gguf_tensors(writer, reader)
     return art, gguf_out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def weight_bytes(artifact: Path) -> int:

@@ -30,13 +30,14 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import statistics
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from slimml.scale.cluster import free_port  # where starting Ray does not take it first
 
 STSB = Path(__file__).resolve().parents[2] / "shared" / "data" / "stsb" / "sts-dev.csv"
 
@@ -70,12 +71,6 @@ def http_round(port: int, texts: list[str], per_request: int, concurrency: int) 
         lat = list(pool.map(send, chunks))
     wall, client, busy = time.perf_counter() - t0, time.process_time() - c0, machine_cpu() - m0
     return len(texts) / wall, lat, (client / busy if busy else 0.0, busy / wall)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def machine_cpu() -> float:

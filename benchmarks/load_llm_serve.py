@@ -30,13 +30,14 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from slimml.scale.cluster import free_port  # where starting Ray does not take it first
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -229,12 +230,6 @@ def model_name(port: int) -> str:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as r:
         return json.loads(r.read())["data"][0]["id"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

@@ -39,19 +39,21 @@ def test_requests_that_wait_while_the_model_runs_share_the_next_call():
 
 
 def test_the_first_request_waits_for_company_at_most_wait_s():
-    calls = []
+    calls, started = [], []
 
     async def main():
-        batcher = Batcher(lambda items: calls.append(len(items)) or items, max_items=100, wait_s=0.2)
+        batcher = Batcher(lambda items: started.append(time.monotonic()) or calls.append(len(items)) or items,
+                          max_items=100, wait_s=0.2)
         t0 = time.monotonic()
         a = asyncio.create_task(batcher([1]))
         await asyncio.sleep(0.05)
         b = asyncio.create_task(batcher([2, 3]))
         assert await a == [1] and await b == [2, 3]
-        return time.monotonic() - t0
+        return t0
 
-    waited = asyncio.run(main())
-    assert calls == [3] and 0.19 <= waited < 2
+    t0 = asyncio.run(main())
+    # the batch's call starts once the window closes (timed at the call: its thread's end can lag on a busy machine)
+    assert calls == [3] and 0.19 <= started[0] - t0 < 2
 
 
 def test_an_oversized_request_runs_alone_and_tuples_are_sliced():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -29,25 +30,56 @@ def post(url: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def started(args: tuple[str, ...]) -> tuple[str, subprocess.Popen]:
+    """``slimml serve ARGS --port P`` in its own session, waited on until /health answers; returns the base URL
+    and the process. A free port can be taken between ``free_port()`` and Serve's bind (Ray's own processes
+    take ports too, and so do other tests' clusters): then it starts again on another."""
+    for attempt in range(3):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "slimml", "serve", *args, "--port", str(port)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        try:
+            while proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                        assert json.loads(r.read())["status"] == "ok"
+                    return url, proc
+                except OSError:
+                    assert time.monotonic() < deadline, "the server did not come up"
+                    time.sleep(0.5)
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        said = proc.stdout.read()
+        assert re.search(r"(cannot|could not) listen on", said) and attempt < 2, said
+        reaped(proc)
+    raise AssertionError("unreachable")
+
+
+def reaped(proc: subprocess.Popen) -> None:
+    """Waits until no process of ``proc``'s group (Ray's raylet, GCS, workers) outlives it; fails if one does
+    (Ray's workers leave on their own once the raylet is gone: seconds, more on a busy machine)."""
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("Ray processes of the server outlived it")
+        time.sleep(0.5)
+
+
 @contextlib.contextmanager
 def served(*args: str):
-    """``slimml serve ARGS --port P`` in its own session; yields the base URL and the process; SIGTERM at the end,
+    """``slimml serve ARGS`` started (see ``started``); yields the base URL and the process; SIGTERM at the end,
     then checks that it exited cleanly and that no process of its group (Ray's) outlived it."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "slimml", "serve", *args, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    url, proc = started(args)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-                    assert json.loads(r.read())["status"] == "ok"
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(0.5)
         yield url, proc
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 0
@@ -55,16 +87,7 @@ def served(*args: str):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    deadline = time.monotonic() + 30
-    while True:  # Ray's own processes (raylet, GCS, workers) are gone with it
-        try:
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            break
-        if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail("Ray processes of the server outlived it")
-        time.sleep(0.5)
+    reaped(proc)
 
 
 def test_serve_bad_input_is_one_line_before_ray_starts(tmp_path, ray_env, tiny_bert_artifact):
@@ -86,7 +109,12 @@ def test_serve_bad_input_is_one_line_before_ray_starts(tmp_path, ray_env, tiny_b
     data.write_bytes(bytes(raw))
     assert "does not match its sha256" in serve(str(bad))
     assert "Use one replica in front of the stages" in serve(str(tiny_bert_artifact), "--stages", "2", "--replicas", "2")
+    assert serve(str(tiny_bert_artifact), "--stages", "2", "--max-running", "4").endswith(  # was accepted, did nothing
+        "error: --max-running sets how chat and completions run, which a server over --stages does not serve (POST "
+        "/v1/generate only); drop it, or serve without --stages.")
     assert "direct ingress serves one replica" in serve(str(tiny_bert_artifact), "--direct-ingress", "--replicas", "2")
+    assert "the largest shard; a shard must fit whole" in serve(str(tiny_bert_artifact), "--memory-budget", "1KB")  # was
+    # refused in the replica, after Ray and Serve had started (18 s)
     template = tmp_path / "chat.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}", encoding="utf-8")
     assert "--chat-template is for language models" in serve(str(tiny_bert_artifact), "--chat-template", str(template))
@@ -95,14 +123,27 @@ def test_serve_bad_input_is_one_line_before_ray_starts(tmp_path, ray_env, tiny_b
     assert set((ray_env / "ray").glob("session_2*")) == sessions  # Ray never started
 
 
-def test_a_replica_that_cannot_load_says_why_in_one_line(ray_env, tiny_bert_artifact):
-    """A replica's own refusal (a budget no shard fits) reached the user as Serve's "Failed to update
-    the deployments ['slimml']", its cause only in the replica's log."""
-    r = subprocess.run([sys.executable, "-m", "slimml", "serve", str(tiny_bert_artifact), "--memory-budget", "2KB",
-                        "--port", str(free_port())], capture_output=True, text=True, timeout=300, check=False)
+def test_a_replica_that_cannot_load_says_why_in_one_line(ray_env, tiny_bert_artifact, tmp_path):
+    """A replica's own refusal reached the user as Serve's "Failed to update the deployments
+    ['slimml']", its cause only in the replica's log. Here a shard whose bytes match the manifest
+    but are no ONNX graph (the driver hashes files; the replica is the first to parse them)."""
+    import shutil
+
+    from slimml.runtime.artifact.files import file_entry
+    from slimml.runtime.artifact.manifest import read_manifest
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_bert_artifact, art)
+    manifest = read_manifest(art)
+    shard = manifest.shards[-1].file
+    (art / shard).write_bytes(b"not an onnx graph" * 10)
+    manifest.files = [file_entry(art, art / f.path) if f.path == shard else f for f in manifest.files]
+    manifest.write(art)
+    r = subprocess.run([sys.executable, "-m", "slimml", "serve", str(art), "--port", str(free_port())],
+                       capture_output=True, text=True, timeout=300, check=False)
     said = " ".join(r.stderr.split())
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert "Ray Serve could not start the application (memory budget 2.00 KB is smaller than shard" in said, said
+    assert f"Ray Serve could not start the application ({shard} is not a readable ONNX file" in said, said
 
 
 def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact, tmp_path):
@@ -212,6 +253,8 @@ def test_serve_stages_put_a_pipeline_behind_generate(ray_env, tiny_llama_past_ar
         status, body = post(f"{url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         assert status == 400 and body["error"]["message"].startswith(  # was "not a language model served here"
             "this language model is served over pipeline stages (--stages), which answer POST /v1/generate only")
+        status, body = post(f"{url}/v1/generate", {"prompt": prompts, "temperature": 0.7})  # not sent to chat, which refuses it
+        assert status == 400 and "serve it without --stages for sampling" in body["error"]["message"], body
 
 
 # every flag `slimml serve` had before its flags came from ServeConfig's fields
@@ -250,3 +293,16 @@ def test_serve_flags_come_from_serve_config(tiny_bert_artifact, ray_env):
     assert "api_key must be at least 16 printable characters" in refused(SLIMML_API_KEY="short")
     assert "api_key must be at least 16 printable characters" in refused("--api-key", "short")
     assert set((ray_env / "ray").glob("session_2*")) == sessions  # Ray never started
+
+
+def test_a_staged_replica_asks_ray_for_no_model_memory(tiny_llama_past_artifact):
+    """Over --stages the stage actors hold the model; the replica in front holds no model, KV cache or
+    prefix store, so it reserves nothing of --memory-budget (it asked for all of it: 6.1 GiB for
+    SmolLM2 at 150MB, which a cluster of small nodes could refuse)."""
+    from slimml.serve import ServeConfig
+    from slimml.serve.run import _replica_memory
+
+    nodes = [{"memory": 64 << 30, "address": "127.0.0.1"}]
+    budget = dict(artifact=str(tiny_llama_past_artifact), memory_budget="50MB")
+    assert _replica_memory(ServeConfig(**budget), nodes) > 50e6
+    assert _replica_memory(ServeConfig(**budget, stages=2), nodes) is None

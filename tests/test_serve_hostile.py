@@ -292,9 +292,11 @@ def guarded(api, **guard):
 
     import slimml.serve.guard as middleware
 
-    port = free_port()
+    sock = socket.socket()  # bound here and handed to uvicorn: no moment in which another process takes the port
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     old = dict(middleware.state)
     middleware.state.update(guard)
     thread.start()
@@ -308,6 +310,7 @@ def guarded(api, **guard):
         middleware.state.update(old)
         server.should_exit = True
         thread.join(10)
+        sock.close()
 
 
 def test_a_request_past_its_timeout_gets_408_and_its_work_is_cancelled_and_bodies_share_a_pool():

@@ -13,6 +13,36 @@ from slimml.errors import ConfigError, MissingExtraError, SlimmlError
 from slimml.runtime.artifact.places import home_folder, unwritable
 
 CONNECT_TIMEOUT_S = 10  # a HOST:PORT that does not answer a TCP connection within this is refused
+RAY_WORKER_PORTS_END = 19999  # Ray's default --max-worker-port: its workers listen on ports up to this one
+
+
+def free_port(host: str = "127.0.0.1", avoid: frozenset[int] = frozenset()) -> int:
+    """A TCP port on ``host`` that nothing listens on now, not one of ``avoid`` (ports the caller
+    means to use, free now), chosen where Ray starting up will not take it before it is bound:
+    above Ray's worker ports and below the kernel's ephemeral range (Ray's gRPC servers bind port 0
+    there, a dozen for one ``serve.start``; a port picked by a bind to 0 was taken so about once in
+    500 starts). A bind to 0 where that gap is too small."""
+    import random
+
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default; elsewhere the bind checks the port
+    pick = random.Random()
+    for _ in range(64 if low - RAY_WORKER_PORTS_END > 1000 else 0):
+        port = pick.randrange(RAY_WORKER_PORTS_END + 1, low)
+        if port in avoid:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return port
+            except OSError:  # in use (or waiting out a closed connection): another
+                continue
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def require_ray() -> None:

@@ -161,6 +161,10 @@ def pipeline(
         for k, (first, last) in enumerate(groups):
             actors.append(actor_class.options(
                 num_cpus=cpus_per_stage, max_restarts=max_restarts, max_task_retries=0,
+                # Stage.run keeps nothing between calls; in order, a call cancelled before it reached the actor (a
+                # client that went away: Serve cancels the calls its request made) left a gap that held every later
+                # call (and /health's) for Ray's 30 s wait, then failed them all
+                allow_out_of_order_execution=True,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=k),
             ).remote(str(folder), k, first, last, hands_on[k], returns[k], {"verify": verify, **load_options}))
         names = [f"{p['id'][:8]} ({p['address']})" for p in placed]

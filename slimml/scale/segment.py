@@ -114,6 +114,8 @@ class RayStages:
                 raise e.cause from None  # a bad feed or a changed file: the stage's own clear message
             raise StageError(f"{self._name(k)} failed ({type(e.cause).__name__}: {e.cause}); the stage's log in Ray's "
                              "session folder has the traceback: retry the call, or report it if it fails again.") from None
+        except rx.TaskCancelledError:  # the call was cancelled (its request's client went away): nothing to report
+            raise StageError(f"{self._name(k)}'s call was cancelled (its request was abandoned); retry it.") from None
         except (rx.RayActorError, rx.ObjectLostError) as e:
             if self._gone_for_good(k):
                 raise StageError(

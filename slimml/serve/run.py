@@ -69,6 +69,10 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
 
         check_stageable(Path(config.artifact), manifest)
         split_stages([sh.weight_bytes for sh in manifest.shards], config.stages)
+    if config.memory_budget is not None and not manifest.components:  # a budget below the largest shard: here, not
+        from slimml.runtime.engine.budget import plan_stream  # in a replica's (or a stage's) log once Ray has started
+
+        plan_stream(manifest, memory_budget=config.memory_budget)
     if config.chat_template is not None:
         from slimml.runtime.tasks.registry import kind_of
 
@@ -279,8 +283,8 @@ def _replica_memory(config: ServeConfig, nodes: list[dict]) -> int | None:
     manifest = read_manifest(config.artifact)
     from slimml.runtime.tasks.registry import kind_of
 
-    if not config.memory_budget or kind_of(manifest) != "text-generation":  # the registry says what it is for
-        return None
+    if not config.memory_budget or kind_of(manifest) != "text-generation" or config.stages:  # stages: the replica
+        return None  # holds no model (the stage actors stream it), no KV cache and no prefix store
     from slimml.runtime.engine.budget import fmt_bytes
     from slimml.serve.llm import replica_bytes
 
@@ -324,6 +328,7 @@ def _direct_ingress(host: str, port: int, config: ServeConfig, address: str | No
     os.environ.update({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
                        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1), "RAY_SERVE_PORT_QUARANTINE_S": "0",
                        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"})
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    from slimml.scale.cluster import free_port
+
+    # where Ray's own processes, starting, do not take it before the proxy binds it; not the replica's
+    return free_port(host, avoid=frozenset((port, port + 1)))
