@@ -202,7 +202,7 @@ def check_generation_config(folder: str | Path) -> None:
     """
     path = Path(folder) / "generation_config.json"
     config = _json_object(path, "fix it (`model.generation_config.save_pretrained(folder)` writes one), or remove it "
-                                "to stop at the tokenizer's end token")
+                                "to decode with slimml's defaults and the model's own end token")
     if config is None:
         return
     value = config.get("eos_token_id")

@@ -17,6 +17,7 @@ from typing import Any
 
 from slimml.convert.check import SAMPLE_TEXTS, verify, verify_layerwise
 from slimml.convert.export import Exported
+from slimml.convert.folder_facts import GENERATION_CONFIG_FILE
 from slimml.convert.layerwise import write_layerwise
 from slimml.convert.shard import ShardConfig, shard, tensor_spec
 from slimml.convert.sources import Source
@@ -36,6 +37,9 @@ def write_chains(w: ArtifactWriter, src: Source, exported: Exported, config: Sha
     """Shard the exported model into ``w`` as its family needs; add its assets. Returns the family
     and, for a two-tower model, its zero-shot scoring (text and image component, scale)."""
     assets = _add_assets(w, exported)
+    generation = src.path / GENERATION_CONFIG_FILE if src.kind == "huggingface" and src.path.is_dir() else None
+    if exported.tokenizer is None and exported.task.startswith("text-generation") and generation and generation.is_file():
+        w.add_file(generation, GENERATION_CONFIG_FILE, listed=True)  # its sampling and end ids, without a tokenizer too
     parts, zero_shot = split_towers(exported.onnx_path, src.path if src.kind == "huggingface" else None)
     if exported.layerwise:
         lw = exported.layerwise

@@ -22,5 +22,5 @@ os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 from slimml.errors import SlimmlError  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["SlimmlError", "__version__"]

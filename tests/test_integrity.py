@@ -148,12 +148,28 @@ def test_external_data_refused_even_without_verify(art):
         load(art, verify=False)  # opting out of hashing does not open the folder's walls
 
 
-@pytest.mark.parametrize("version", [0, 4, "1", None, 1.5])
+@pytest.mark.parametrize("version", [0, 5, "1", None, 1.5])
 def test_unknown_format_version_is_refused_naming_it(art, version):
     edit(art, lambda m: m.update(format_version=version))
     with pytest.raises(ArtifactError) as e:
         load(art)
-    assert f"has manifest format version {version!r}, but this slimml reads versions 1, 2 and 3" in str(e.value)
+    assert f"has manifest format version {version!r}, but this slimml reads versions 1, 2, 3 and 4" in str(e.value)
+
+
+def test_a_required_field_this_slimml_does_not_apply_is_refused_naming_it(art):
+    """Format 4's ``requires``: a newer record an older reader would skip (and run the model otherwise)
+    is named in the manifest, and a reader that does not apply it refuses the artifact."""
+    edit(art, lambda m: m.update(format_version=4, requires=["seq2seq.search", "pooling.colbert"], slimml_version="0.9.0"))
+    with pytest.raises(ArtifactError, match=r"manifest.json needs pooling.colbert, which this slimml does not apply, so it "
+                                            r"would run the model otherwise; install the slimml that wrote it \(0.9.0\) "
+                                            r"or newer\.$"):
+        load(art)
+    edit(art, lambda m: m.update(format_version=3, requires=["seq2seq.search"]))
+    with pytest.raises(ArtifactError, match="is malformed: requires needs format_version 4"):
+        load(art)
+    edit(art, lambda m: m.update(format_version=4, requires=[{"a": 1}, ["x"]]))  # was Python's "unhashable type"
+    with pytest.raises(ArtifactError, match="is malformed: requires must be a list of names"):
+        load(art)
 
 
 def test_malformed_manifest_lists_every_problem(art):

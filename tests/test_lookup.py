@@ -89,3 +89,21 @@ def test_the_servers_batch_uses_it_while_one_answer_runs_alone(smol):
         batch.admit(batch.take(waiting))
         batch.step()
     assert [s.tokens for s in two] == [want[:12]] * 2  # sharing each pass: no guesses, the same tokens
+
+
+def test_no_guess_is_one_the_no_repeat_ngram_size_bans(smol):
+    """With ``no_repeat_ngram_size`` n, the j-th guess after a matched m-gram completes an (m + j)-gram that
+    occurred before: the sampler bans it from m + j >= n on, so every pass computed those positions for nothing
+    (n = 2 or 3: every guess)."""
+    import numpy as np
+
+    from slimml.runtime.tasks.generation.lookup import guess
+
+    text = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3])
+    assert guess(text, 5).tolist() == [4, 5, 6, 7, 8]
+    assert [len(guess(text, 5, no_repeat=n)) for n in (2, 3, 4, 5, 6, 8, 20)] == [0, 0, 0, 1, 2, 4, 5]
+    model, messages = smol
+    options = dict(max_new_tokens=40, no_repeat_ngram_size=8)
+    plain = model.chat(messages, **options)
+    looked = model.chat(messages, prompt_lookup=4, **options)
+    assert looked.tokens == plain.tokens and looked.passes < plain.passes, (looked.passes, plain.passes)

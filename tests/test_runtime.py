@@ -63,7 +63,7 @@ def test_unknown_manifest_version_is_refused_with_the_version(artifact):
     raw = json.loads(path.read_text())
     raw["format_version"] = 99
     path.write_text(json.dumps(raw))
-    with pytest.raises(ArtifactError, match="has manifest format version 99, but this slimml reads versions 1, 2 and 3"):
+    with pytest.raises(ArtifactError, match="has manifest format version 99, but this slimml reads versions 1, 2, 3 and 4"):
         load(artifact)
 
 

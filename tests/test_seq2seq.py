@@ -260,6 +260,10 @@ def test_beam_search_makes_the_tokens_transformers_makes(tmp_path):
     art = load(tmp_path / "art")
     assert art.spec["search"] == {"max_length": 16, "min_length": 4, "num_beams": 4, "length_penalty": 2.0,
                                   "early_stopping": True, "no_repeat_ngram_size": 3}
+    # format 4: a slimml that would skip the search (decode greedily) refuses the artifact instead
+    raw = json.loads((tmp_path / "art" / "manifest.json").read_text())
+    assert raw["format_version"] == 4 and raw["requires"] == ["seq2seq.search", "seq2seq.bad_words_ids",
+                                                                 "seq2seq.forced_eos_token_id"]
     prompts = [[int(t) for t in np.random.default_rng(0).integers(3, vocab, size=n)] for n in (5, 9, 7, 3)]
     ids = torch.full((len(prompts), 9), 1)
     mask = torch.zeros((len(prompts), 9), dtype=torch.long)

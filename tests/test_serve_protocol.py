@@ -104,6 +104,9 @@ def test_generate_requests():
                                            "decodes greedily: send sampling.* to POST /v1/completions") as e:
         protocol.generate_request({"prompt": "hi", "temperature": 0.7}, 16, 8)
     assert e.value.param == "temperature"
+    for field in ("typical_p", "epsilon_cutoff", "eta_cutoff", "early_stopping"):  # were accepted and ignored
+        with pytest.raises(RequestError, match=f'^"{field}" is not an option of POST /v1/generate here'):
+            protocol.generate_request({"prompt": "hi", field: 0.5}, 16, 8)
     seq2seq = protocol.SEQ2SEQ_OPTIONS
     assert protocol.generate_request({"prompt": "hi", "num_beams": 4, "seed": None}, 16, 8, options=seq2seq) == (
         ["hi"], 16, {"num_beams": 4})
@@ -133,6 +136,9 @@ def test_openai_fields_that_would_change_the_answer_are_used_or_refused():
                                      "suffix": ""}, False, 16)
     assert req.logit_bias == {12: -100.0, 7: 2.5}
     assert openai.completion_request({"prompt": "hi", "logit_bias": {}}, False, 16).logit_bias is None
+    assert openai.completion_request({"prompt": "hi", "min_p": 0.05}, False, 16).min_p == 0.05  # vLLM's and llama.cpp's extra
+    with pytest.raises(RequestError, match='^"min_p" must be a number from 0 to 1 \\(0: off\\), got 2.$'):
+        openai.completion_request({"prompt": "hi", "min_p": 2}, False, 16)
     assert openai.completion_request({"prompt": "hi", "n": None}, False, 512).max_tokens == 16  # null n: one; OpenAI's 16
     assert openai.completion_request({"messages": [{"role": "user", "content": "hi"}], "n": 1}, True, 512).max_tokens is None
     chat = openai.completion_request({"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "high",

@@ -22,10 +22,13 @@ from slimml.runtime.artifact.records import (
 )
 
 FORMAT = "slimml.artifact"
-FORMAT_VERSION = 3  # the newest this slimml reads and writes
-# 2 added components, 3 projections and a cut after pooling (``pooling.dense``, ``truncate_dim``); each artifact is written as
-# the oldest version that reads it right (one chain without projections: 1)
-READS_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # the newest this slimml reads and writes
+# 2 added components, 3 projections and a cut after pooling (``pooling.dense``, ``truncate_dim``), 4 the ``requires`` list
+# (what a reader must apply, else refuse the artifact); each artifact is written as the oldest version that reads it
+# right (one chain without projections: 1)
+READS_VERSIONS = (1, 2, 3, 4)
+# what this slimml applies of the fields a version-4 manifest may require; a name not here is refused (a newer record)
+APPLIES = frozenset({"seq2seq.search", "seq2seq.prompt_ids", "seq2seq.bad_words_ids", "seq2seq.forced_eos_token_id"})
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few KB per shard; anything this big is not one
 
@@ -162,10 +165,21 @@ class Manifest:
         return [p for a in (self.tokenizer, self.preprocessor, *poolings) if a for p in a.files]
 
     @property
+    def requires(self) -> list[str]:
+        """Fields a reader must apply, else refuse the artifact (format version 4; see :data:`APPLIES`)."""
+        return self.seq2seq.requires if self.seq2seq else []
+
+    @property
     def needs_version(self) -> int:
-        """The oldest format version that reads this manifest right."""
+        """The oldest format version that reads this manifest right: 4 where it ``requires`` fields;
+        3 for a classifier's multi-label or cross-encoder scores (a slimml of format 1 and 2 took
+        softmax), as for projections after pooling."""
+        if self.requires:
+            return 4
         poolings = [c.pooling for c in (self.components.values() if self.components else [self])]
-        return max([2 if self.components else 1, *(p.needs_version for p in poolings if p is not None)])
+        scored = self.source.get("problem_type") == "multi_label_classification" or \
+            self.source.get("cross_encoder_activation") is not None
+        return max([2 if self.components else 1, 3 if scored else 1, *(p.needs_version for p in poolings if p is not None)])
 
     @property
     def shard_count(self) -> int:
@@ -259,6 +273,7 @@ class Manifest:
         return {
             "format": FORMAT,
             "format_version": self.needs_version,
+            **({"requires": self.requires} if self.requires else {}),
             "slimml_version": self.slimml_version,
             "name": self.name,
             "task": self.task,
@@ -341,6 +356,12 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
             f"{', '.join(map(str, READS_VERSIONS[:-1]))} and {READS_VERSIONS[-1]}. Convert the model again with this slimml, or install "
             "the slimml version that wrote it."
         )
+    requires = raw.get("requires") if isinstance(raw.get("requires"), list) else []  # other items: malformed, below
+    unknown = [r for r in requires if isinstance(r, str) and r not in APPLIES]
+    if unknown:
+        raise ArtifactError(
+            f"{path} needs {', '.join(map(str, unknown))}, which this slimml does not apply, so it would run the model "
+            f"otherwise; install the slimml that wrote it ({raw.get('slimml_version') or 'a newer one'}) or newer.")
     problems = validate_raw(raw)
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
@@ -492,6 +513,10 @@ def validate_raw(raw: dict[str, Any]) -> list[str]:
         if at and c.get("assets") is not None:
             problems.extend(assets_problems(c["assets"], f"{at}assets"))
 
+    requires = raw.get("requires")
+    if requires is not None:
+        need(isinstance(requires, list) and all(isinstance(r, str) for r in requires), "requires", "must be a list of names")
+        need(raw.get("format_version") not in (1, 2, 3), "requires", "needs format_version 4")
     for key in ("name", "task"):
         need(isinstance(raw.get(key), str), key, "must be a string")
     for key in ("source", "checks"):

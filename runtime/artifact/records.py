@@ -279,6 +279,14 @@ class Seq2Seq(Record):
     search: dict[str, Any] = field(default_factory=dict)  # beams and lengths (SEARCH's keys), as the source set them
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def requires(self) -> list[str]:
+        """The fields a slimml must apply to decode as the source does (format version 4): a slimml
+        before them skipped them and decoded otherwise (greedy for a beam search, Whisper without
+        its language and task tokens), so they are named in the manifest's ``requires``."""
+        return [f"seq2seq.{k}" for k in ("search", "prompt_ids", "bad_words_ids", "forced_eos_token_id")
+                if getattr(self, k) not in (None, [], {})]
+
     @classmethod
     def problems(cls, raw: Any, where: str = "seq2seq", components: Any = ()) -> list[str]:
         c = _Checks()

@@ -180,7 +180,7 @@ class Task:
         raise self.unsupported("embed_images")
 
     def generate(self, prompts: Any, max_new_tokens: int = 32, **kwargs):
-        """Greedy generation (decoders, encoder-decoders)."""
+        """Continue prompts (decoders, encoder-decoders)."""
         raise self.unsupported("generate")
 
     def stream(self, prompt: Any, config: Any = None, **options):
@@ -369,8 +369,10 @@ class Task:
 
     @property
     def max_sequence_length(self) -> int | None:
-        """The most tokens the model takes in one sequence: its position table's rows, else the smaller
-        of the tokenizer's ``max_length`` and the source's ``max_position_embeddings`` (None: no bound known)."""
+        """The most tokens the model takes in one sequence (:meth:`run`'s bound): its position table's
+        rows, else the smaller of the tokenizer's ``max_length`` and the source's
+        ``max_position_embeddings`` (None: no bound known). A text task may cut texts shorter: a
+        sentence embedder's ``max_seq_length`` is what ``encode`` keeps."""
         return next((e.max_sequence_length for e in self._engines if e.max_sequence_length), None)
 
     @property
@@ -438,12 +440,30 @@ class Task:
     def __getattr__(self, name: str):
         # the one engine's other attributes (its file watch, its lanes) read through
         engine = self.__dict__.get("engine")
-        if engine is None or name.startswith("__"):
+        if engine is not None and not name.startswith("__") and (hasattr(type(engine), name) or name in vars(engine)):
+            return getattr(engine, name)  # the engine's own (an AttributeError inside one of its properties stays its own)
+        manifest = self.__dict__.get("manifest")
+        if name.startswith("_") or manifest is None:  # (no attribute read here: one still unset would come back here)
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(engine, name)
+        hint = PEER_METHODS.get(name) or "its methods: " + ", ".join(f"{m}()" for m in sorted(type(self).methods | {"run"}))
+        raise AttributeError(f"{type(self).__name__} (a {manifest.task!r} artifact) has no attribute {name!r}; {hint}.")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.kind} {self.folder}>"
+
+
+# other libraries' methods a user may reach for, and what to call here instead
+PEER_METHODS = {
+    "similarity": "cosine similarity of encode's rows: a = model.encode(x); a /= np.linalg.norm(a, axis=1, keepdims=True); a @ a.T",
+    "get_sentence_embedding_dimension": "model.encode(['x']).shape[1] is the embedding's size",
+    "encode_query": "encode(texts, prompt_name='query') puts the model's query prompt first",
+    "encode_document": "encode(texts) (prompt_name='document' where the model has that prompt)",
+    "create_chat_completion": "chat(messages) replies, as OpenAI's messages list gives them",
+    "create_completion": "generate(prompt) continues a text",
+    "detokenize": "model.text.tokenizer.decode(ids) turns ids back into text",
+    "decode": "model.text.tokenizer.decode(ids) turns ids back into text",
+    "predict": "classify(texts) for labels and scores, rerank(query, documents) for a cross-encoder",
+}
 
 
 class Plans:

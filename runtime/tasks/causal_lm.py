@@ -72,17 +72,21 @@ class CausalLM(Task):
 
         use_chat_template(self, template)
 
-    def generate(self, prompts: Any, max_new_tokens: int | None = None, config: Any = None, **options: Any):
+    def generate(self, prompts: Any, max_new_tokens: int | None = None, config: Any = None, *, cancel: Any = None,
+                 **options: Any):
         """Continue ``prompts`` (texts, or token id lists); see :func:`slimml.runtime.tasks.generate.generate`.
 
-        Greedy by default; prompts of different lengths run as one batch.
+        As the model's generation config says where the options say nothing (greedy where it says
+        nothing either: ``temperature=0`` is always greedy); prompts of different lengths run as one batch.
 
         Args:
             prompts: a text or a list of texts, or token id lists (a 2-D id array too).
             max_new_tokens: tokens to add to each prompt at most (default: ``config``'s, else 32).
             config: a :class:`~slimml.runtime.GenerationConfig`; ``options`` override its fields.
+            cancel: a ``threading.Event``; set it (from another thread) to stop after the current
+                pass, with the tokens so far (a server sets it when its client goes away).
             **options: :class:`~slimml.runtime.GenerationConfig` fields by name (``temperature``,
-                ``top_p``, ``seed``, ``stop``, ...), and ``stream``, ``on_text``, ``cancel`` as
+                ``top_p``, ``seed``, ``stop``, ...), and ``stream`` and ``on_text`` as
                 :func:`~slimml.runtime.tasks.generate.generate` takes them.
 
         Returns:
@@ -104,7 +108,7 @@ class CausalLM(Task):
             options["max_new_tokens"] = max_new_tokens
         if config is not None:
             options["config"] = config
-        return generate(self, prompts, **options)
+        return generate(self, prompts, cancel=cancel, **options)
 
     def stream(self, prompt: Any, config: Any = None, **options: Any):
         """One prompt's continuation as text pieces, yielded as they are produced; see

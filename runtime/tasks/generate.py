@@ -21,8 +21,10 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import ConfigError, FeedError
-from slimml.runtime.tasks.generation.chat import ChatTemplate, check_messages
+from slimml.runtime.tasks.generation.beams import search_beams
+from slimml.runtime.tasks.generation.chat import ChatTemplate, check_messages, joined_text
 from slimml.runtime.tasks.generation.config import GenerationConfig
+from slimml.runtime.tasks.generation.defaults import model_settings
 from slimml.runtime.tasks.generation.lookup import lookup_loop
 from slimml.runtime.tasks.generation.loop import CacheLoop, DecodeLoop, decode_loop
 from slimml.runtime.tasks.generation.prompts import Prompts, prepare, special_tokens
@@ -120,7 +122,8 @@ class GenerationStream:
 def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *, stream: bool = False,
              on_text: Callable[[int, str], None] | None = None, cancel: threading.Event | None = None,
              **options: Any) -> Generation | GenerationStream:
-    """Continue each prompt, batched: greedy by default, sampled with a temperature.
+    """Continue each prompt, batched: as the model's generation config says where the caller says
+    nothing (greedy where it says nothing either), sampled with a temperature.
 
     Args:
         model: a loaded ``text-generation`` artifact (streamed or resident); it has ``engine``,
@@ -128,7 +131,13 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
         prompts: a text or texts (the artifact must ship a tokenizer), or token id lists / a
             2-D id array. Prompts of different lengths run as one batch.
         config: a :class:`GenerationConfig`; ``options`` set its fields one by one instead
-            (``max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0, stop=["\\n\\n"]``).
+            (``max_new_tokens=64, temperature=0.7, top_p=0.9, seed=0, stop=["\\n\\n"]``). A
+            ``config`` is taken whole; without one, a field the options leave out takes the model's
+            own, as transformers' ``generate()`` does: its
+            ``generation_config.json``'s ``do_sample`` with its temperature, top-k and top-p, and its
+            ``repetition_penalty`` (:mod:`~slimml.runtime.tasks.generation.defaults`); sampling keeps
+            the 50 most likely tokens where neither names a top-k (transformers' default). Pass
+            ``temperature=0`` (or ``do_sample=False``) for greedy decoding whatever the model says.
         stream: return a :class:`GenerationStream` of ``(prompt index, text piece)`` instead.
         on_text: called with ``(prompt index, text piece)`` as each piece is ready.
         cancel: set it (from another thread) to stop after the current pass; the tokens so far
@@ -148,7 +157,7 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
         >>> model.generate(["The capital of France is"], max_new_tokens=8).texts
         >>> model.generate(["Once upon a time"], temperature=0.8, top_p=0.95, seed=1, stop=["."]).texts
     """
-    config = GenerationConfig.of(config, **options)
+    config = GenerationConfig.of(config, model_settings(model), **options)
     steps = _steps(model, prompts, config, cancel=cancel)
     return GenerationStream(steps) if stream else _drain(steps, on_text)
 
@@ -183,7 +192,7 @@ def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None 
         raise FeedError(f"stream() takes one prompt, a text or a list of token ids, got {type(prompt).__name__}; "
                         "decode bytes to str first, or pass ids as a list (array.tolist()).")
     one = [prompt] if isinstance(prompt, str) else [list(prompt)]
-    return GenerationStream(_steps(model, one, GenerationConfig.of(config, **options)), indexed=False)
+    return GenerationStream(_steps(model, one, GenerationConfig.of(config, model_settings(model), **options)), indexed=False)
 
 
 def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], config: GenerationConfig | None = None,
@@ -247,7 +256,8 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
         else [messages]
     for j, m in enumerate(conversations):  # a batch's messages named by their conversation
         check_messages(m, f"conversation {j}, " if len(conversations) > 1 else "")
-    config = GenerationConfig.of(config, **options)
+    conversations = [joined_text(m) for m in conversations]
+    config = GenerationConfig.of(config, model_settings(model), **options)
     checked = Tools.of(tools, tool_choice, parallel_tool_calls)
     if checked is not None and continue_final_message:
         raise ConfigError("continue_final_message continues a reply as text, and tools hold a reply to their format "
@@ -381,11 +391,34 @@ def _steps(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool = 
     a generator that yields ``(prompt index, text piece)`` and returns the :class:`Generation`."""
     t0 = time.perf_counter()
     job = prepare(model, prompts, config, raw_text)
+    if config.num_beams > 1:
+        return _beams(model, job, config, t0, cancel)
     prefix = getattr(model, "prefix", None)  # the model's store of text read before (CausalLM.prefix_cache)
     constraint = job.constraints[0] if job.constraints and len(job.ids) == 1 else None  # forced tokens: several a pass
-    loop = (lookup_loop(model.engine, job.ids, job.steps, config.prompt_lookup, prefix, constraint)
+    loop = (lookup_loop(model.engine, job.ids, job.steps, config.prompt_lookup, prefix, constraint, config.no_repeat_ngram_size)
             or decode_loop(model.engine, job.ids, job.pad_id, job.steps, prefix, job.row_steps))
     return _passes(job, loop, config, t0, cancel)
+
+
+def _beams(model: Any, job: Prompts, config: GenerationConfig, t0: float,
+           cancel: threading.Event | None) -> Generator[tuple[int, str], None, Generation]:
+    """Beam search (:mod:`~slimml.runtime.tasks.generation.beams`): each prompt's text comes whole,
+    once the search has chosen it."""
+    tokens, passes = search_beams(model.engine, job, config, cancel)
+    finish = ["cancelled"] * len(job.ids) if tokens is None else [
+        "stop" if t and t[-1] in job.end_ids else "length" for t in tokens]
+    tokens = tokens or [[] for _ in job.ids]
+    texts = ([TextStream(job.tokenizer, p, config.stop, config.skip_special_tokens) for p in job.ids]
+             if job.tokenizer is not None else None)
+    for i, answer in enumerate(tokens):
+        if texts is None:
+            continue
+        piece = "".join(texts[i].push(t) for t in answer if t not in job.end_ids) + texts[i].finish()
+        if piece:
+            yield i, piece
+    return Generation(tokens=tokens, texts=[t.text for t in texts] if texts is not None and job.texts else None,
+                      seconds=time.perf_counter() - t0, passes=passes, prompt_tokens=sum(map(len, job.ids)),
+                      finish_reasons=finish)
 
 
 def _passes(job: Prompts, loop: CacheLoop | DecodeLoop, config: GenerationConfig, t0: float,

@@ -137,8 +137,10 @@ class Limits:
                             "model.limits.max_window_tokens in Python, slimml serve --max-window-tokens).")
 
     def check_generate(self, lengths: list[int], max_new_tokens: int, positions: int | None,
-                       vocab_size: int | None = None, indexed: bool = False, context: int | None = None) -> None:
-        """Refuse a generation that would pass the model's positions or this call's token budget.
+                       vocab_size: int | None = None, indexed: bool = False, context: int | None = None,
+                       beams: int = 1) -> None:
+        """Refuse a generation that would pass the model's positions or this call's token budget
+        (``beams``: cache rows a prompt, for beam search).
 
         Raises:
             FeedError: naming the limit, and how to raise it where it can be raised.
@@ -149,11 +151,12 @@ class Limits:
                 f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is more than this model's "
                 f"{positions} positions; shorten the prompt or ask for at most {max(positions - longest, 0)} new tokens."
             )
-        total = len(lengths) * (longest + max_new_tokens)  # prompts are padded to the longest
+        total = len(lengths) * beams * (longest + max_new_tokens)  # prompts are padded to the longest
         limit = self.batch_tokens(vocab_size, indexed, context or positions)
         if total > limit:
+            each = f" x {beams} beams" if beams > 1 else ""
             raise FeedError(
-                f"{len(lengths)} prompt(s) x ({longest} + {max_new_tokens} new) tokens = {total} is more than the "
+                f"{len(lengths)} prompt(s){each} x ({longest} + {max_new_tokens} new) tokens = {total} is more than the "
                 f"limit of {limit} tokens a call; send fewer or shorter prompts, or raise the limit "
                 "(slimml serve --max-batch-tokens; model.limits.max_batch_tokens in Python)."
             )

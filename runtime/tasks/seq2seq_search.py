@@ -21,13 +21,12 @@ from typing import Any
 import numpy as np
 
 from slimml.errors import FeedError
-from slimml.runtime.tasks.generation.config import GenerationConfig
+from slimml.runtime.tasks.generation.config import MAX_BEAMS, GenerationConfig
 from slimml.runtime.tasks.generation.sampling import Sampler
 from slimml.runtime.tasks.limits import shown
 
 ENCODER, DECODER, WITH_PAST = "encoder", "decoder", "decoder_with_past"
 Run = Callable[[str, dict[str, np.ndarray]], dict[str, np.ndarray]]  # (component, feeds) -> outputs
-MAX_BEAMS = 64
 _BIG = np.float32(-1.0e9)  # transformers' "never": added to a score, not -inf (kept finite for its comparisons)
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from slimml.errors import FeedError
+from slimml.errors import ConfigError, FeedError
 from slimml.runtime.tasks.base import Task, check_unicode, register_task
 from slimml.runtime.tasks.inputs.pooling import Pooler
 from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, listed, prompt_text, sorted_batches
@@ -17,6 +17,20 @@ from slimml.runtime.tasks.lanes import lane_batch_size, lane_count, possible_bat
 if TYPE_CHECKING:
     from slimml.runtime.artifact.manifest import Manifest
     from slimml.runtime.engine.engine import Engine
+
+
+# sentence-transformers' encode() arguments, and how to get the same here
+ST_ARGUMENTS = {
+    "show_progress_bar": "it is show_progress here",
+    "normalize_embeddings": "encode normalises where the model does (its Normalize module); to normalise others, "
+                            "divide each row by np.linalg.norm(row)",
+    "convert_to_numpy": "encode always returns a float32 numpy array",
+    "convert_to_tensor": "encode returns a float32 numpy array; torch.from_numpy(array) makes a tensor of it",
+    "precision": "encode returns float32; quantize the artifact (slimml quantize) to make the model smaller",
+    "device": "the device is chosen when loading: load(folder, device='cuda')",
+    "output_value": "encode gives the pooled sentence embeddings; run() gives the raw token outputs",
+    "chunk_size": "batch_size sets the texts per model call",
+}
 
 
 @register_task("sentence-embedding")
@@ -32,9 +46,17 @@ class TextEmbedding(Task):
         self.pooler = Pooler.of(manifest.pooling, self.folder, manifest.files,  # its projections read (and checked) once
                                 hidden if isinstance(hidden, int) else None)
 
+    @property
+    def max_seq_length(self) -> int | None:
+        """The tokens :meth:`encode` keeps of a text (its tokenizer's truncation length, prompt and
+        special tokens included), as sentence-transformers' ``max_seq_length``: 256 for
+        all-MiniLM-L6-v2, whose position table (``max_sequence_length``, what :meth:`run` takes)
+        has 512 rows. None without a tokenizer."""
+        return self.text.max_length if self.text is not None else None
+
     def encode(self, texts: list[str], batch_size: int = 32, show_progress: bool = False,
                workers: int | None = None, *, prompt_name: str | None = None, prompt: str | None = None,
-               truncate_dim: int | None = None) -> np.ndarray:
+               truncate_dim: int | None = None, **others) -> np.ndarray:
         """Sentence embeddings, (len(texts), hidden) float32, pooled and normalised as the source model does.
 
         Texts are tokenized once, sorted by token count and run ``batch_size`` at a time, each
@@ -46,7 +68,9 @@ class TextEmbedding(Task):
         every core has work.
 
         Args:
-            texts: the sentences.
+            texts: the sentences; one text (a ``str``) gives one ``(dim,)`` vector, and an empty list
+                a ``(0, dim)`` array, as sentence-transformers gives them. Each is cut to
+                :attr:`max_seq_length` tokens.
             batch_size: the most texts in one model call (default 32).
             show_progress: draw a progress bar over the batches (on stderr).
             workers: batches run at once (default: one per core of ``load(threads=)``, else of
@@ -62,14 +86,16 @@ class TextEmbedding(Task):
                 ``truncate_dim``, else every value).
 
         Returns:
-            A (len(texts), dim) float32 array, row i the embedding of ``texts[i]``; ``dim`` is the
-            model's embedding size, or ``truncate_dim``.
+            A (len(texts), dim) float32 array, row i the embedding of ``texts[i]`` (``(dim,)`` for one
+            text); ``dim`` is the model's embedding size, or ``truncate_dim``.
 
         Raises:
-            FeedError: not a list of texts (a single text too: wrap it as ``[text]``), an empty
-                list, a text that is not valid Unicode, a ``batch_size`` below 1, a ``prompt_name``
-                the model does not have, or a ``truncate_dim`` past its embedding size.
-            ConfigError: ``workers`` below 1, or above 1 for a model that streams or runs on CUDA.
+            FeedError: not a text or a list of texts, a text that is not valid Unicode, a
+                ``batch_size`` below 1, a ``prompt_name`` the model does not have, or a
+                ``truncate_dim`` past its embedding size.
+            ConfigError: ``workers`` below 1, or above 1 for a model that streams or runs on CUDA;
+                an argument it does not take (sentence-transformers' ``show_progress_bar``,
+                ``normalize_embeddings``, ...: the message says what to do instead).
 
         Example:
             >>> model = load("artifacts/all-MiniLM-L6-v2")
@@ -77,6 +103,16 @@ class TextEmbedding(Task):
             (2, 384)
             >>> load("artifacts/Qwen3-Embedding-0.6B").encode(["What is slimml?"], prompt_name="query")
         """
+        if others:
+            raise ConfigError(f"encode() has no {next(iter(others))!r}; " + ST_ARGUMENTS.get(next(iter(others)), (
+                "its options are batch_size, show_progress, workers, prompt_name, prompt and truncate_dim")) + ".")
+        if isinstance(texts, str):  # one text: one vector, as sentence-transformers' encode(text)
+            return self.encode([texts], batch_size, show_progress, workers, prompt_name=prompt_name, prompt=prompt,
+                               truncate_dim=truncate_dim)[0]
+        texts = listed(texts)  # an array of texts, a generator
+        if isinstance(texts, (list, tuple)) and not texts:  # nothing to embed: an empty (0, dim) array, its width and
+            return self.encode([""], batch_size, False, workers, prompt_name=prompt_name,  # every setting as for a text
+                               prompt=prompt, truncate_dim=truncate_dim)[:0]
         return self.encode_with_counts(texts, batch_size, show_progress, workers, prompt_name=prompt_name, prompt=prompt,
                                        truncate_dim=truncate_dim)[0]
 

@@ -60,6 +60,7 @@ class Tolerances:
 _FLAGS = {"accuracy_drop": "--max-accuracy-drop", "latency_increase_pct": "--max-latency-increase",
           "size_increase_pct": "--max-size-increase", "perplexity_increase_pct": "--max-perplexity-increase"}
 # how a run sets each setting a baseline records (named in the refusal of another)
+LATENCY_SETTINGS = ("plan", "weights", "threads")  # what a bench baseline must record to hold a timing to it
 _SET_BY = {"batch": "--batch", "seq": "--seq", "device": "--device", "component": "--component",
            "plan": "--resident/--prefetch/--pin/--memory-budget", "weights": "--pack/--no-pack, --cache-dir",
            "threads": "SLIMML_THREADS", "data": "--data",
@@ -294,6 +295,11 @@ def check_settings(baseline: Baseline, kind: str, settings: dict[str, Any]) -> N
     """
     if baseline.kind != kind:
         raise ConfigError(f"the baseline is from `slimml {baseline.kind}`; use it with `slimml {baseline.kind}`, not `{kind}`.")
+    unrecorded = [k for k in LATENCY_SETTINGS if k in settings and k not in baseline.settings]
+    if unrecorded:  # a timing from an older slimml: it cannot say whether this run streams, packs or threads alike
+        raise ConfigError(f"the baseline does not record its {', '.join(unrecorded)} (a slimml before "
+                          f"{'these were' if len(unrecorded) > 1 else 'it was'} recorded saved it), so a run under another "
+                          "streaming plan or thread count would pass against it; save a new baseline with --save-baseline.")
     differ = {k: (baseline.settings[k], v) for k, v in settings.items()  # what an older baseline did not record, it
               if k in baseline.settings and baseline.settings[k] != v}  # does not hold a run to
     if "data_sha256" in settings and settings["data_sha256"] == baseline.settings.get("data_sha256"):

@@ -22,11 +22,16 @@ def generate(
     prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts, after the artifact (or --prompt).", show_default=False)] = None,
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", help="A prompt (repeat for a batch).")] = None,
     max_new_tokens: Annotated[Optional[int], typer.Option(help="Tokens to add per prompt at most (default 32; an encoder-decoder: its generation config's max_length).", show_default=False)] = None,
-    num_beams: Annotated[Optional[int], typer.Option(help="Encoder-decoders: beam search over this many hypotheses (1: greedy; default: the model's generation config).", show_default=False)] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy (the most likely token each step). Default 0; an encoder-decoder: its generation config's (greedy unless it samples).", show_default=False)] = None,
-    top_k: Annotated[Optional[int], typer.Option(help="Sample among the k most likely tokens only (0: off). Default off; an encoder-decoder: its generation config's.", show_default=False)] = None,
-    top_p: Annotated[Optional[float], typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off). Default off; an encoder-decoder: its generation config's.", show_default=False)] = None,
-    repetition_penalty: Annotated[float, typer.Option(help="Divide the logits of tokens already seen by this (1: off).")] = 1.0,
+    num_beams: Annotated[Optional[int], typer.Option(help="Beam search over this many hypotheses a prompt (1: none; default: the model's generation config); the text prints whole at the end.", show_default=False)] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature; 0 is greedy (the most likely token each step). Default: the model's generation config's (greedy unless it samples).", show_default=False)] = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Sample among the k most likely tokens only (0: off). Default: the model's generation config's, else 50 (transformers').", show_default=False)] = None,
+    top_p: Annotated[Optional[float], typer.Option(help="Sample among the most likely tokens whose probabilities add up to p (1: off). Default: the model's generation config's, else off.", show_default=False)] = None,
+    min_p: Annotated[Optional[float], typer.Option(help="Sample only among tokens at least this times as likely as the most likely one (0: off), as llama.cpp's --min-p. Default: the model's generation config's, else off.", show_default=False)] = None,
+    typical_p: Annotated[Optional[float], typer.Option(help="Sample among the locally typical tokens whose probabilities add up to p (1: off), as transformers' typical_p and llama.cpp's --typical. Default: the model's generation config's, else off.", show_default=False)] = None,
+    epsilon_cutoff: Annotated[Optional[float], typer.Option(help="Sample only among tokens at least this likely (0: off), as transformers' epsilon_cutoff. Default: the model's generation config's, else off.", show_default=False)] = None,
+    eta_cutoff: Annotated[Optional[float], typer.Option(help="Sample only among tokens at least min(eta, sqrt(eta) x exp(-entropy)) likely (0: off), as transformers' eta_cutoff. Default: the model's generation config's, else off.", show_default=False)] = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option(help="Divide the logits of tokens already seen by this (1: off). Default: the model's generation config's, else off.", show_default=False)] = None,
+    no_repeat_ngram_size: Annotated[Optional[int], typer.Option(help="Never choose a token that completes an n-gram of this many tokens the prompt or answer already holds (0: off), as transformers' no_repeat_ngram_size. Default: the model's generation config's, else off.", show_default=False)] = None,
     presence_penalty: Annotated[float, typer.Option(help="Subtract this from the logit of every token the answer already holds (OpenAI's; -2 to 2, 0: off).")] = 0.0,
     frequency_penalty: Annotated[float, typer.Option(help="Subtract this from a token's logit for each time the answer already holds it (OpenAI's; -2 to 2, 0: off).")] = 0.0,
     logit_bias: Annotated[Optional[list[str]], typer.Option("--logit-bias", help="ID=BIAS: add BIAS (-100 to 100) to token ID's logit before sampling, as OpenAI's logit_bias; -100 keeps the token out (repeat).", show_default=False)] = None,
@@ -46,17 +51,20 @@ def generate(
     as_json: AsJson = False,
 ):
     """Continue prompts with a decoder artifact (converted with --task text-generation[-with-past]),
-    printing the text as it comes: greedy by default, sampled with --temperature."""
+    printing the text as it comes: as the model's generation config says (greedy where it says nothing), sampled
+    with --temperature, greedy with --temperature 0."""
     from slimml.runtime import load
     from slimml.runtime.tasks.generation import GenerationConfig
 
-    length = {} if max_new_tokens is None else {"max_new_tokens": max_new_tokens}
-    config = GenerationConfig(**length, temperature=0.0 if temperature is None else temperature,
-                              top_k=0 if top_k is None else top_k, top_p=1.0 if top_p is None else top_p,
-                              repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                              frequency_penalty=frequency_penalty, logit_bias=_logit_bias(logit_bias), logprobs=logprobs,
-                              response_format=_response_format(response_format), seed=seed, stop=tuple(stop or ()),
-                              stop_token_ids=tuple(stop_token_id or ()), truncate=truncate, prompt_lookup=prompt_lookup)
+    options = {k: v for k, v in dict(  # the flags given: the rest are the model's (its generation config), as in Python
+        max_new_tokens=max_new_tokens, num_beams=num_beams, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        typical_p=typical_p, epsilon_cutoff=epsilon_cutoff, eta_cutoff=eta_cutoff, repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        presence_penalty=presence_penalty or None, frequency_penalty=frequency_penalty or None, logit_bias=_logit_bias(logit_bias),
+        logprobs=logprobs, response_format=_response_format(response_format), seed=seed, stop=tuple(stop or ()) or None,
+        stop_token_ids=tuple(stop_token_id or ()) or None, truncate=truncate or None, prompt_lookup=prompt_lookup or None,
+    ).items() if v is not None}
+    GenerationConfig.of(None, **options)  # checked before the model loads
     if logprobs is not None and not as_json:
         raise ConfigError("--logprobs adds each token's log-probabilities to the JSON output; add --json.")
     if system is not None and not chat:
@@ -75,9 +83,6 @@ def generate(
     if not model.supports("generate"):  # the task's own refusal names Python's methods: here, the command
         raise ConfigError(f"{artifact} is a {model.manifest.task!r} model, which does not generate text; use "
                           f"`slimml run {artifact} TEXT` for its outputs.")
-    if num_beams is not None and model.supports("stream"):
-        raise ConfigError("--num-beams is beam search for encoder-decoders (T5, BART, Marian); a decoder decodes greedily "
-                          "or samples (--temperature): drop --num-beams.")
     if chat_template is not None and model.supports("stream"):
         model.use_chat_template(chat_template)
     elif chat and model.supports("stream"):
@@ -91,24 +96,26 @@ def generate(
     if model.plan.streaming and not as_json:
         err.print(model.plan.describe())
     if not model.supports("stream"):  # an encoder-decoder answers: greedy, sampled or by beam search
-        sampling = dict(temperature=config.temperature, top_k=config.top_k, top_p=config.top_p, seed=seed)
-        if chat or config != GenerationConfig(**length, **sampling):
+        if chat or set(options) - {"max_new_tokens", "num_beams", "temperature", "top_k", "top_p", "seed", "no_repeat_ngram_size"}:
             raise ConfigError(f"{artifact} is an encoder-decoder, which generates greedily, by sampling (--temperature, "
-                              "--top-k, --top-p, --seed) or by beam search (--num-beams), without a chat template; drop "
-                              "--repetition-penalty, --presence-penalty, --frequency-penalty, --logit-bias, --logprobs, "
-                              "--response-format, --stop, --truncate, --prompt-lookup and --chat.")
+                              "--top-k, --top-p, --seed) or by beam search (--num-beams), each with --no-repeat-ngram-size, "
+                              "without a chat template; drop --repetition-penalty, --min-p, --typical-p, --epsilon-cutoff, "
+                              "--eta-cutoff, --presence-penalty, "
+                              "--frequency-penalty, --logit-bias, --logprobs, --response-format, --stop, --stop-token-id, "
+                              "--truncate, --prompt-lookup and --chat.")
         result = model.generate(list(prompt), max_new_tokens=max_new_tokens, num_beams=num_beams, temperature=temperature,
-                                top_k=top_k, top_p=top_p, seed=seed)  # None: the model's own; 0 and 1.0 turn them off
+                                top_k=top_k, top_p=top_p, seed=seed,  # None: the model's own; 0 and 1.0 turn them off
+                                no_repeat_ngram_size=no_repeat_ngram_size)
         if not as_json:
             for p, text in zip(prompt, result.texts):
                 console.print(Text(p, style="bold") + Text(f" -> {text}"), soft_wrap=True)
     elif as_json:
-        result = model.chat(conversations, config, **offered) if chat else model.generate(list(prompt), config=config)
+        result = model.chat(conversations, **options, **offered) if chat else model.generate(list(prompt), **options)
     else:
         made, seconds = 0, 0.0
         for p, messages in zip(prompt, conversations):  # one at a time, so that each prompt's text prints as it is produced
-            pieces = (model.chat(messages, config, stream="deltas", **offered) if chat  # thoughts print as they come
-                      else model.stream(p, config))  # refuses before printing
+            pieces = (model.chat(messages, stream="deltas", **options, **offered) if chat  # thoughts print as they come
+                      else model.stream(p, **options))  # refuses before printing
             console.print(Text(p, style="bold"), end="\n" if chat else "", highlight=False,  # Text: a prompt's [brackets]
                           soft_wrap=True)  # are not markup; soft_wrap: no line breaks of the console's width in it
             thinking = False

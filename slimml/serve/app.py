@@ -20,7 +20,6 @@ while it computes.
 # no `from __future__ import annotations`: FastAPI reads the route annotations at run time
 
 import asyncio
-import inspect
 import logging
 import re
 import threading
@@ -99,8 +98,6 @@ class SlimmlServer:
         self.batch_tokens = (limits.batch_tokens(vocab) if limits is not None
                              else self.config.max_batch_tokens or 8_192)
         self.name = self.config.name or self.model.manifest.name
-        params = inspect.signature(self.model.generate).parameters if hasattr(self.model, "generate") else {}
-        self._cancels = "cancel" in params  # generate(cancel=Event) stops decoding when the client goes away
         self._llm = None  # a language model's chat and completions: one continuous batch per replica
         if self.config.chat_template is not None:
             if not hasattr(self.model, "use_chat_template"):
@@ -343,14 +340,14 @@ class SlimmlServer:
         seq2seq = self.model.kind == "text2text-generation"
         prompts, n, options = protocol.generate_request(data, self.config.max_new_tokens, self.config.max_texts, None,
                                                         getattr(self.model, "vocab_size", None),
-                                                        protocol.SEQ2SEQ_OPTIONS if seq2seq else ())
-        if self._cancels:
-            options["cancel"] = threading.Event()
+                                                        protocol.SEQ2SEQ_OPTIONS if seq2seq else (), bool(self.config.stages))
+        if not seq2seq:  # greedy, as this route promises, whatever the model's generation config samples
+            options["temperature"] = 0
+        cancel = threading.Event()  # both generating tasks take it (a decoder's was lost to a check of its signature)
         try:
-            gen = await asyncio.to_thread(self.model.generate, prompts, n, **options)
+            gen = await asyncio.to_thread(self.model.generate, prompts, n, cancel=cancel, **options)
         except asyncio.CancelledError:  # the client went away, or the request timed out: stop decoding
-            if "cancel" in options:
-                options["cancel"].set()
+            cancel.set()
             raise
         return protocol.generate_response(gen, self.name)
 

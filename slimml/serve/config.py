@@ -206,6 +206,13 @@ class ServeConfig:
                 f"stages={self.stages} with replicas={self.replicas}: each replica would hold a pipeline of its own. "
                 "Use one replica in front of the stages (--replicas 1), or replicas without stages."
             )
+        if self.stages:  # a staged server answers POST /v1/generate only: chat and completions' settings would do nothing
+            chat = [f"--{n.replace('_', '-')}" for n in ("max_running", "prefix_cache", "prompt_lookup", "chat_template")
+                    if getattr(self, n) != _DEFAULTS[n]]
+            if chat:
+                raise ConfigError(f"{', '.join(chat)} {'sets' if len(chat) == 1 else 'set'} how chat and completions run, "
+                                  "which a server over --stages does not serve (POST /v1/generate only); drop "
+                                  f"{'it' if len(chat) == 1 else 'them'}, or serve without --stages.")
         if self.reasoning not in ("split", "keep"):
             raise ConfigError(f'reasoning must be "split" or "keep", got {self.reasoning!r}.')
         for name in ("max_batch_tokens", "max_text_chars"):
@@ -281,3 +288,6 @@ class ServeConfig:
         if self.api_key is not None:
             args["api_key_sha256"] = hashlib.sha256(self.api_key.encode()).hexdigest()
         return args
+
+
+_DEFAULTS = {f.name: f.default for f in fields(ServeConfig)}  # what a flag left out is (a staged server refuses others)

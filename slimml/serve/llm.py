@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import threading
 from collections import deque
@@ -24,6 +25,7 @@ from typing import Any
 from slimml.errors import ConfigError, FeedError, NoChatTemplateError, OutOfMemoryError, RequestError, SlimmlError
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
+from slimml.runtime.tasks.generation.defaults import model_settings
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta, ReplyFormat, ReplyReader
 from slimml.runtime.tasks.generation.tools import finish_reason
 import slimml.serve.openai as openai
@@ -132,12 +134,26 @@ class LLMService:
         self.max_tokens = max_tokens
         self.max_text_chars = max_text_chars
         self.worker = DecodeWorker(model, max_running, max_waiting, prefill_tokens, prefix_bytes)
+        # for the sampling fields a request leaves out: the model's generation config (as vLLM takes it), else
+        # generate()'s own defaults (top-k 50, as transformers and llama.cpp's server cut), so that a request
+        # answers as in-process generate() with the same options
+        self.sampling = {}
+        for key, value in model_settings(model).items():
+            if key in openai.MODEL_DEFAULTS:
+                try:  # a value a request may not send (a temperature of 2.5) would refuse every request that leaves it out
+                    openai.completion_request({"prompt": "x", key: value}, False, 1)
+                    self.sampling[key] = value
+                except RequestError as e:
+                    logging.getLogger("slimml").warning("slimml: the model's generation config is left out for %s (%s)",
+                                                        key, e)
         self._token_bytes = None  # TokenBytes, made on the first request that asks for log-probabilities
 
     async def answer(self, data: dict[str, Any], api: str = "chat"):
         """The response to a ``chat`` (completions), ``completions`` or ``responses`` body (OpenAI's
         three APIs): a whole JSON body, or an async iterator of server-sent events when the request
         streams."""
+        if isinstance(data, dict) and self.sampling:  # a body that is not an object is refused by the checks below
+            data = {**data, **{k: v for k, v in self.sampling.items() if data.get(k) is None}}
         if api == "responses":
             req, echo = responses.responses_request(data, self.max_tokens)
         else:
@@ -231,9 +247,11 @@ class LLMService:
             limit = max(1, min(limit, context - len(ids)))
         try:  # the sampling fields are checked already; response_format's schema or grammar compiles here
             config = form.config(GenerationConfig(
-                max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                repetition_penalty=req.repetition_penalty, presence_penalty=req.presence_penalty,
-                frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias, logprobs=req.logprobs,
+                max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                typical_p=req.typical_p, epsilon_cutoff=req.epsilon_cutoff, eta_cutoff=req.eta_cutoff,
+                repetition_penalty=req.repetition_penalty, no_repeat_ngram_size=req.no_repeat_ngram_size,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
+                logprobs=req.logprobs,
                 response_format=req.response_format, seed=req.seed, stop=tuple(req.stop), prompt_lookup=self.prompt_lookup))
         except ConfigError as e:
             param = "tools" if form.use is not None else "response_format" if "response_format" in str(e) else None

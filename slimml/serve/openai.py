@@ -43,7 +43,9 @@ class CompletionRequest:
         messages: the chat messages (``{"role", "content"}``), for chat.
         prompt: the prompt text (completions) or token ids.
         max_tokens: tokens to generate at most (None: up to the context; completions: 16, OpenAI's default).
-        temperature, top_p, top_k, repetition_penalty, seed: sampling (temperature 0 is greedy).
+        temperature, top_p, top_k, min_p, repetition_penalty, seed: sampling (temperature 0 is greedy).
+        typical_p, epsilon_cutoff, eta_cutoff: transformers' truncation samplers (1, 0 and 0: off).
+        no_repeat_ngram_size: never repeat an n-gram of this many tokens (transformers'; 0: off).
         presence_penalty, frequency_penalty: OpenAI's penalties on the answer's own tokens.
         logit_bias: ``{token id: bias}`` added to the logits (OpenAI's; from -100 to 100), or None.
         logprobs: None, or return each token's log-probability with this many alternatives (chat:
@@ -65,7 +67,12 @@ class CompletionRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
     repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
@@ -79,6 +86,10 @@ class CompletionRequest:
     include_usage: bool = False
 
 
+# fields a request leaving them out takes from the model's generation config (as vLLM does), else OpenAI's defaults
+MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
+                  "no_repeat_ngram_size")
+MAX_NO_REPEAT = 64  # a served request's no_repeat_ngram_size at most
 COMPLETIONS_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI documents it
 
 
@@ -108,6 +119,10 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
         req.max_tokens = min(COMPLETIONS_MAX_TOKENS, max_tokens_limit)
     req.temperature = _number(data, "temperature", 1.0, 0.0, 2.0, "from 0 to 2 (0 is greedy)")
     req.top_p = _number(data, "top_p", 1.0, 0.0, 1.0, "in (0, 1]", open_low=True)
+    req.min_p = _number(data, "min_p", 0.0, 0.0, 1.0, "from 0 to 1 (0: off)")
+    req.typical_p = _number(data, "typical_p", 1.0, 0.0, 1.0, "in (0, 1] (1: off)", open_low=True)
+    req.epsilon_cutoff = _number(data, "epsilon_cutoff", 0.0, 0.0, 1.0, "in [0, 1) (0: off)", open_high=True)
+    req.eta_cutoff = _number(data, "eta_cutoff", 0.0, 0.0, 1.0, "in [0, 1) (0: off)", open_high=True)
     req.repetition_penalty = _number(data, "repetition_penalty", 1.0, 0.0, 10.0, "in (0, 10]", open_low=True)
     req.presence_penalty = _number(data, "presence_penalty", 0.0, -2.0, 2.0, "from -2 to 2")
     req.frequency_penalty = _number(data, "frequency_penalty", 0.0, -2.0, 2.0, "from -2 to 2")
@@ -124,12 +139,9 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
         req.template_kwargs.setdefault("reasoning_effort", effort)
     if req.tools is not None and req.logprobs is not None:
         raise RequestError('"logprobs" with "tools" is not supported by this server; leave out one of them.', param="logprobs")
-    top_k = data.get("top_k", 0)
-    if top_k is None:
-        top_k = 0
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0 or top_k > 1 << 20:
-        raise RequestError(f'"top_k" must be a whole number >= 0 (0: off), got {shown(top_k)}.', param="top_k")
-    req.top_k = top_k
+    req.top_k = _count(data, "top_k")
+    # its index holds n - 1 tokens a prompt position, built on the batch's thread: summaries use 3 or 4
+    req.no_repeat_ngram_size = _count(data, "no_repeat_ngram_size", MAX_NO_REPEAT)
     seed = data.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63):
         raise RequestError(f'"seed" must be a whole number from -2**63 to 2**63-1, got {shown(seed)}.', param="seed")
@@ -305,14 +317,25 @@ def _prompt(data: dict[str, Any]) -> str | list[int]:
 
 
 def _number(data: dict[str, Any], key: str, default: float, low: float, high: float, what: str,
-            open_low: bool = False) -> float:
+            open_low: bool = False, open_high: bool = False) -> float:
     v = data.get(key, default)
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-            or v < low or v > high or (open_low and v <= low):
+            or v < low or v > high or (open_low and v <= low) or (open_high and v >= high):
         raise RequestError(f'"{key}" must be a number {what}, got {shown(v)}.', param=key)
     return float(v)
+
+
+def _count(data: dict[str, Any], key: str, most: int = 1 << 20) -> int:
+    """A whole-number sampling extra (``top_k``, ``no_repeat_ngram_size``) from 0 to ``most``: absent or null is 0 (off)."""
+    v = data.get(key)
+    if v is None:
+        return 0
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > most:
+        limit = f"from 0 to {most}" if most < 1 << 20 else ">= 0"
+        raise RequestError(f'"{key}" must be a whole number {limit} (0: off), got {shown(v)}.', param=key)
+    return v
 
 
 def _template_kwargs(value: Any, chat: bool) -> dict[str, Any]:

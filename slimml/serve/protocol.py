@@ -422,20 +422,25 @@ SEQ2SEQ_OPTIONS = ("num_beams", "length_penalty", "no_repeat_ngram_size", "tempe
                    "do_sample")
 # how clients ask for a search other than greedy: refused where the route cannot give it, never ignored
 _SEARCH_FIELDS = SEQ2SEQ_OPTIONS + ("stop", "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                                    "min_p", "logit_bias", "n", "best_of", "stream", "logprobs", "response_format")
+                                    "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "early_stopping", "logit_bias", "n",
+                                    "best_of", "stream", "logprobs", "response_format")
 
 
 def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, max_chars: int | None = None,
-                     vocab_size: int | None = None, options: tuple[str, ...] = ()) -> tuple[list, int, dict[str, Any]]:
+                     vocab_size: int | None = None, options: tuple[str, ...] = (), staged: bool = False
+                     ) -> tuple[list, int, dict[str, Any]]:
     """``prompt`` (a text, texts, or token id lists), ``max_new_tokens`` and the model's ``options``
     of a generate request: texts valid Unicode and cut to ``max_chars``, ids inside ``[0,
     vocab_size)``; a search field the model does not take refused. The model's positions and the
-    token budget are checked by ``generate`` itself, before any pass."""
+    token budget are checked by ``generate`` itself, before any pass. ``staged``: the model runs in
+    pipeline stages, which serve nothing else to point to."""
     asked = next((k for k in _SEARCH_FIELDS if data.get(k) is not None and k not in options), None)
     if asked is not None:
+        own = "POST /v1/generate decodes greedily"
         fix = (f"this encoder-decoder's options are {', '.join(options)}" if options else
-               "POST /v1/generate decodes greedily: send sampling, stop strings and penalties to POST /v1/completions "
-               "or POST /v1/chat/completions")
+               f"{own}; this server runs the model in pipeline stages, which serve nothing else: serve it without "
+               "--stages for sampling, stop strings and penalties (POST /v1/completions)" if staged else
+               f"{own}: send sampling, stop strings and penalties to POST /v1/completions or POST /v1/chat/completions")
         raise RequestError(f'"{asked}" is not an option of POST /v1/generate here; {fix}.', param=asked)
     prompt = data.get("prompt")
     prompts = [prompt] if isinstance(prompt, str) else prompt

@@ -31,8 +31,9 @@ from slimml.runtime.tasks.limits import shown
 from slimml.serve.openai import CompletionRequest, completion_request, sse
 
 # fields the chat checks take as they are (slimml's and vLLM's sampling extras among them)
-_SHARED = ("temperature", "top_p", "parallel_tool_calls", "stream", "seed", "stop", "top_k", "repetition_penalty",
-           "presence_penalty", "frequency_penalty", "logit_bias", "chat_template_kwargs")
+_SHARED = ("temperature", "top_p", "parallel_tool_calls", "stream", "seed", "stop", "top_k", "min_p", "repetition_penalty",
+           "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "presence_penalty", "frequency_penalty",
+           "logit_bias", "chat_template_kwargs")
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 

@@ -235,6 +235,18 @@ def check_messages(messages: Any, where: str = "") -> None:
                             "replace it (decode the text with errors='replace') or remove it.")
 
 
+def joined_text(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each content that is a list of text parts only (OpenAI's
+    ``[{"type": "text", "text": ...}]``) joined into one string, as ``slimml serve`` joins them: most
+    text models' templates add content to strings. Other lists (an image part) stay as they are."""
+    def text_only(c: Any) -> bool:
+        return isinstance(c, (list, tuple)) and bool(c) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c)
+
+    return [{**m, "content": "".join(p["text"] for p in m["content"])} if m.get("role") != "tool" and
+            text_only(m.get("content")) else m for m in messages]
+
+
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker at the end of the message to continue
 
 

@@ -6,15 +6,21 @@ from __future__ import annotations
 import numbers
 import re
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Mapping
 
 from slimml.errors import ConfigError
 from slimml.runtime.tasks.limits import surrogate_at
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_BEAMS = 64  # beams a prompt at most
 _DIGITS = re.compile(r"\s*[0-9]+\s*")  # a token id written as text (a JSON object's key)
 MAX_STOP_STRINGS = 16  # OpenAI takes 4; more than a handful is a mistake, not a use
 MAX_STOP_CHARS = 4096  # a stop string is text the answer may end on, not a document; checked before tokenizing it
+# other tools' names for these options (llama-cpp-python's, OpenAI's), named in the refusal
+_PEER_NAMES = {"max_tokens": " (max_tokens is max_new_tokens here.)", "repeat_penalty": " (repeat_penalty is "
+               "repetition_penalty here.)", "n_predict": " (n_predict is max_new_tokens here.)",
+               "stop_sequences": " (stop_sequences is stop here.)", "num_return_sequences": " (for several answers, repeat the "
+               "prompt in the list, each with its own seed: seed=[0, 1, ...].)"}
 GREEDY_BELOW = 1e-5  # a temperature below this picks the most likely token (as vLLM): dividing by less overflows
 
 
@@ -28,13 +34,39 @@ class GenerationConfig:
         min_new_tokens: the end ids (eos and stop_token_ids) cannot be chosen before this many
             new tokens, as transformers' ``min_new_tokens`` (stop strings still stop).
         temperature: divides the logits before sampling; 0 (or below 1e-5) picks the most likely token (greedy).
-        do_sample: as transformers reads it: False is greedy whatever the temperature; True with
-            temperature 0 samples at temperature 1 (transformers' default); None follows the temperature.
-        top_k: sample among the k most likely tokens only; 0 turns it off.
+        do_sample: False is greedy whatever the temperature, as transformers reads it; True with
+            no temperature (or 0, which transformers refuses) samples at 1, transformers' default;
+            None follows the temperature.
+        top_k: sample among the k most likely tokens only; 0 turns it off. ``generate``, ``stream``
+            and ``chat`` given options by name sample among 50 where neither they nor the model's
+            generation config name a top-k, as transformers does (a server's request too); a
+            ``GenerationConfig`` passed as ``config=`` is taken whole.
         top_p: sample among the most likely tokens whose probabilities add up to top_p (nucleus);
             1 turns it off.
+        min_p: sample only among tokens at least ``min_p`` times as likely as the most likely one
+            (after temperature, top-k and top-p), as transformers' and llama.cpp's ``min_p``; 0 turns it off.
+        typical_p: sample among the tokens whose information is closest to the expected (locally
+            typical sampling) until their probabilities add up to typical_p, as transformers'
+            ``typical_p`` and llama.cpp's; 1 turns it off.
+        epsilon_cutoff: sample only among tokens at least this likely (truncation sampling, after
+            the ones above), as transformers' ``epsilon_cutoff``; 0 turns it off.
+        eta_cutoff: sample only among tokens at least min(eta, sqrt(eta) x exp(-entropy)) likely,
+            as transformers' ``eta_cutoff``; 0 turns it off.
+        num_beams: more than 1: beam search over this many hypotheses a prompt, as transformers'
+            ``num_beams`` without sampling (each beam holds a cache row of its own); the answer
+            comes whole at the end, one piece when streamed. Greedy settings only: no sampling,
+            stop strings, logit bias, OpenAI penalties, log-probabilities or ``response_format``.
+        length_penalty: beam search's exponent of the length a finished hypothesis's summed
+            log-probabilities are divided by (above 0 favours longer answers), as transformers'.
+        early_stopping: beam search ends a prompt's search when ``num_beams`` hypotheses are
+            finished (True), when no live beam can do better by transformers' estimate (False),
+            or only when none can whatever its length ("never").
         repetition_penalty: logits of tokens already in the prompt or the output are divided by it
             (multiplied where negative), as transformers does; 1 turns it off.
+        no_repeat_ngram_size: a token that would complete an n-gram of this many tokens that the
+            prompt or the answer already holds is not chosen, as transformers'
+            ``no_repeat_ngram_size`` (a ``response_format``'s required tokens excepted: the format
+            wins); 0 turns it off.
         presence_penalty: subtracted from the logit of every token the answer already holds, as
             OpenAI's ``presence_penalty`` (from -2 to 2; 0 turns it off). Counts the answer's tokens
             only, not the prompt's.
@@ -84,7 +116,15 @@ class GenerationConfig:
     do_sample: bool | None = None
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
     repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
@@ -103,9 +143,14 @@ class GenerationConfig:
         _whole("max_new_tokens", self.max_new_tokens, 1)
         _whole("min_new_tokens", self.min_new_tokens, 0)
         _whole("prompt_lookup", self.prompt_lookup, 0, "(0 turns it off)")
+        _whole("no_repeat_ngram_size", self.no_repeat_ngram_size, 0, "(0 turns it off)")
         _number("temperature", self.temperature, "a finite number >= 0 (0 is greedy)", lambda v: 0 <= v < float("inf"))  # < GREEDY_BELOW: greedy
         _whole("top_k", self.top_k, 0, "(0 turns it off)")
         _number("top_p", self.top_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
+        _number("min_p", self.min_p, "in [0, 1] (0 turns it off)", lambda v: 0 <= v <= 1)
+        _number("typical_p", self.typical_p, "in (0, 1] (1 turns it off)", lambda v: 0 < v <= 1)
+        for name in ("epsilon_cutoff", "eta_cutoff"):
+            _number(name, getattr(self, name), "in [0, 1) (0 turns it off)", lambda v: 0 <= v < 1)
         _number("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 turns it off)",
                 lambda v: 0 < v < float("inf"))
         for name in ("presence_penalty", "frequency_penalty"):
@@ -160,6 +205,26 @@ class GenerationConfig:
             object.__setattr__(self, "seed", tuple(seed))
         if isinstance(eos, (list, tuple)):
             object.__setattr__(self, "eos_token_id", tuple(int(i) for i in eos))
+        self._check_beams()
+
+    def _check_beams(self) -> None:
+        _whole("num_beams", self.num_beams, 1, "(1: no beam search)")
+        if self.num_beams > MAX_BEAMS:
+            raise ConfigError(f"num_beams must be at most {MAX_BEAMS} (each beam holds a cache row of its own), got "
+                              f"{self.num_beams}; beam searches use 2 to 8.")
+        _number("length_penalty", self.length_penalty, "a finite number (1: none)", lambda v: abs(v) < float("inf"))
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ConfigError(f'early_stopping must be True, False or "never", got {self.early_stopping!r}.')
+        if self.num_beams == 1:
+            return
+        if not self.greedy:
+            raise ConfigError(f"num_beams={self.num_beams} with sampling (beam sampling) is not supported; pass "
+                              "temperature=0 for beam search, or num_beams=1 to sample.")
+        used = [name for name in ("stop", "logit_bias", "presence_penalty", "frequency_penalty", "response_format",
+                                  "prompt_lookup") if getattr(self, name)] + (["logprobs"] if self.logprobs is not None else [])
+        if used:
+            raise ConfigError(f"beam search (num_beams={self.num_beams}) does not take {', '.join(used)}; drop "
+                              f"{'them' if len(used) > 1 else 'it'}, or pass num_beams=1.")
 
     grammar = None  # llguidance's grammar of response_format (None: free text), set by __post_init__
 
@@ -170,16 +235,40 @@ class GenerationConfig:
         return self.do_sample is False or self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @classmethod
-    def of(cls, config: GenerationConfig | None = None, **options: Any) -> GenerationConfig:
+    def of(cls, config: GenerationConfig | None = None, defaults: Mapping[str, Any] | None = None,
+           **options: Any) -> GenerationConfig:
         """``config`` (default: all defaults) with ``options`` set; an unknown option is refused,
-        naming the ones there are."""
+        naming the ones there are.
+
+        ``defaults``: the model's own settings (:mod:`~slimml.runtime.tasks.generation.defaults`),
+        taken by each field ``options`` leave out, where no ``config`` is given (a ``config`` is
+        taken whole: its fields are what it says, 0 and off included). The model's temperature
+        applies only where the generation samples: by the model's ``do_sample``, or the caller's
+        ``do_sample=True`` (a model that does not sample then samples at its file's temperature, as
+        transformers does); a caller's own ``temperature`` decides alone: ``temperature=0`` is
+        greedy whatever the model's ``do_sample``."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - names)
         if unknown:
-            raise ConfigError(f"unknown generation option {unknown[0]!r}; the options are {', '.join(sorted(names))}.")
+            raise ConfigError(f"unknown generation option {unknown[0]!r}; the options are {', '.join(sorted(names))}."
+                              + _PEER_NAMES.get(unknown[0], ""))
         if config is not None and not isinstance(config, cls):
             raise ConfigError(f"config must be a GenerationConfig, got {type(config).__name__}.")
-        return replace(config, **options) if config is not None else cls(**options)
+        if config is not None:
+            return replace(config, **options) if options else config
+        if defaults:
+            taken = {k: v for k, v in defaults.items() if k not in options}
+            sampled = options.get("do_sample", defaults.get("do_sample"))
+            if "temperature" in options or not sampled:  # the caller's own temperature, or greedy: the model's
+                taken = {k: v for k, v in taken.items() if k not in ("do_sample", "temperature")}  # temperature unused
+            options = {**taken, **options}
+            if taken.get("num_beams", 1) > 1:  # the model's beams give way where the call asks what beams do not do
+                try:
+                    return cls(**options)
+                except ConfigError:  # the caller's own settings are still checked (raised again without the beams)
+                    options = {k: v for k, v in options.items()
+                               if not (k in taken and k in ("num_beams", "length_penalty", "early_stopping"))}
+        return cls(**options)
 
 
 def is_int(v: Any) -> bool:

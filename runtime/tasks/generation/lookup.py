@@ -30,9 +30,11 @@ NGRAMS = (3, 2)  # the longest tail that appeared before wins; single tokens rep
 FORCED = 16  # forced tokens a pass may compute beside the newest one (they hold unless the model splits their text otherwise)
 
 
-def guess(tokens: np.ndarray, k: int, ngrams: tuple[int, ...] = NGRAMS) -> np.ndarray:
+def guess(tokens: np.ndarray, k: int, ngrams: tuple[int, ...] = NGRAMS, no_repeat: int = 0) -> np.ndarray:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the last ``n`` tokens of
-    ``tokens`` (1-D int), the longest ``n`` of ``ngrams`` first; empty when none occurred."""
+    ``tokens`` (1-D int), the longest ``n`` of ``ngrams`` first; empty when none occurred.
+    ``no_repeat`` (``no_repeat_ngram_size``): the j-th guess completes an (n + j)-gram that occurred
+    before, which the sampler bans from n + j >= no_repeat on: only those before are guessed."""
     for n in ngrams:
         if len(tokens) <= n:
             continue
@@ -40,7 +42,7 @@ def guess(tokens: np.ndarray, k: int, ngrams: tuple[int, ...] = NGRAMS) -> np.nd
         hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return tokens[start : start + k]
+            return tokens[start : start + (min(k, max(0, no_repeat - n - 1)) if no_repeat else k)]
     return tokens[:0]
 
 
@@ -63,17 +65,18 @@ class Lookahead:
         return None
 
     def run(self, cache: Any, row: int, text: np.ndarray, length: int, k: int, switch: int | None,
-            forced: list[int] | None = None) -> np.ndarray | None:
+            forced: list[int] | None = None, no_repeat: int = 0) -> np.ndarray | None:
         """A pass over the newest token (``text[-1]``, to be written at ``length``) and up to ``k``
         guesses, on ``row`` of ``cache``; its first logits, (1, vocab). The guesses are ``forced``,
         the tokens a format allows nothing else than (:meth:`Constraint.forced`), where there are
-        any, else the text's repeats. None where there is no guess (or the guesses would cross
-        LongRoPE's ``switch``): the caller runs its plain pass."""
+        any, else the text's repeats, those ``no_repeat`` (the n-gram size the sampler bans) leaves
+        possible. None where there is no guess (or the guesses would cross LongRoPE's ``switch``):
+        the caller runs its plain pass."""
         room = cache.capacity - length - 1
         if forced:
             guesses = np.array(forced[:room], dtype=np.int64)
         else:
-            guesses = guess(text, min(k, room)) if k else text[:0]
+            guesses = guess(text, min(k, room), no_repeat=no_repeat) if k else text[:0]
         if len(guesses) == 0 or (switch and length < switch + 1 <= length + 1 + len(guesses)):
             return None
         ids = np.concatenate([text[-1:], guesses]).astype(np.int64)[None]  # (1, 1 + g)
@@ -83,15 +86,15 @@ class Lookahead:
 
 
 def lookup_loop(engine: Any, prompts: list[list[int]], steps: int, k: int, prefix: Any = None,
-                constraint: Any = None) -> LookupLoop | None:
+                constraint: Any = None, no_repeat: int = 0) -> LookupLoop | None:
     """A :class:`LookupLoop` where it applies (``k`` > 0 or a format's ``constraint``, one prompt, a
-    fused graph's in-place cache), else None."""
+    fused graph's in-place cache), else None. ``no_repeat``: the sampler's ``no_repeat_ngram_size``."""
     from slimml.runtime.engine.kv_cache import rope_reprefill, rope_switch, shares_buffers
 
     if (not k and constraint is None) or len(prompts) != 1 or not shares_buffers(engine):
         return None
     return LookupLoop(engine.kv_cache(1, len(prompts[0]) + steps), prompts[0], k, rope_switch(engine), rope_reprefill(engine),
-                      prefix, constraint)
+                      prefix, constraint, no_repeat)
 
 
 class LookupLoop(CacheLoop):
@@ -106,12 +109,14 @@ class LookupLoop(CacheLoop):
         reprefill, prefix: as :class:`CacheLoop`.
         constraint: the answer's format (:class:`~slimml.runtime.tasks.generation.structured.Constraint`),
             whose forced tokens (up to :data:`FORCED`) a pass computes beside the newest one.
+        no_repeat: the sampler's ``no_repeat_ngram_size`` (0: none): no guess it would ban.
     """
 
     def __init__(self, cache: Any, prompt: list[int], k: int, switch: int | None = None, reprefill: bool = False,
-                 prefix: Any = None, constraint: Any = None):
+                 prefix: Any = None, constraint: Any = None, no_repeat: int = 0):
         super().__init__(cache, [prompt], switch, reprefill, prefix)
         self.k = k
+        self.no_repeat = no_repeat
         self.constraint = constraint
         self.text = np.zeros(cache.capacity, dtype=np.int64)  # the prompt and every token since
         self.text[: len(prompt)] = prompt
@@ -126,7 +131,7 @@ class LookupLoop(CacheLoop):
         if logits is None and self.live:
             forced = self.constraint.forced(FORCED) if self.constraint is not None else None
             logits = self.lookahead.run(self.cache, 0, self.text[: self.count], int(self.lengths[0]), self.k, self.switch,
-                                        forced)
+                                        forced, self.no_repeat)
             if logits is not None:
                 self.passes += 1
         if logits is None:

@@ -125,6 +125,26 @@ class CacheLoop:
         if self.history is not None:
             self.history.append(int(self.pending[0, 0]))
 
+    def take_prefill(self, small: CacheLoop, repeat: int) -> None:
+        """This loop's prompts are ``small``'s, each ``repeat`` times in a row (beam search's rows), and
+        ``small`` ran its first pass: take that pass's cache for every copy instead of running it again."""
+        held = int(small.lengths.max())
+        for name, buf in self.cache.buffers.items():
+            buf[:, :, :held] = np.repeat(small.cache.buffers[name][:, :, :held], repeat, axis=0)
+        self.lengths = np.repeat(small.lengths, repeat)
+        self.passes = small.passes
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Each row takes row ``rows[i]``'s cache and length (beam search's survivors; every row live)."""
+        rows = np.asarray(rows)
+        moved = np.flatnonzero(rows != np.arange(len(rows)))  # only the rows that take another's (a copy is read first)
+        if not len(moved):
+            return
+        self.lengths = self.lengths[rows]
+        held = int(self.lengths.max())
+        for buf in self.cache.buffers.values():
+            buf[moved, :, :held] = buf[rows[moved], :, :held]
+
     def finish(self, prompts: list[int]) -> None:
         """``prompts`` are done: their rows leave the passes (the last live rows move into their places)."""
         for p in prompts:
@@ -217,6 +237,24 @@ class DecodeLoop:
         if self.cache is not None:  # the present of this pass is the past of the next
             self.cache = {name: out[_present(name)] for name in self.cache}
         return out["logits"][:, -1, :]  # (B, T, vocab) -> (B, vocab)
+
+    def take_prefill(self, small: DecodeLoop, repeat: int) -> None:
+        """This loop's prompts are ``small``'s, each ``repeat`` times in a row (beam search's rows), and
+        ``small`` ran its first pass: take that pass's cache for every copy instead of running it again."""
+        if small.cache is not None:
+            self.cache = {name: np.repeat(v, repeat, axis=0) for name, v in small.cache.items()}
+        self.passes = small.passes
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Each row takes row ``rows[i]``'s sequence and cache (beam search's survivors)."""
+        rows = np.asarray(rows)
+        if np.array_equal(rows, np.arange(len(rows))):
+            return
+        self.seq, self.mask = self.seq[rows], self.mask[rows]
+        if self.positions is not None:
+            self.positions = self.positions[rows]
+        if self.cache is not None:
+            self.cache = {name: np.ascontiguousarray(v[rows]) for name, v in self.cache.items()}
 
     def finish(self, prompts: list[int]) -> None:
         """``prompts`` are done (a padded batch runs on with every row: nothing to do)."""

@@ -107,7 +107,7 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     # before any pass: prompt + max_new_tokens within the positions (unless truncating), and rows x
     # tokens within the call's budget (model.limits, raised for trusted input)
     limits.check_generate([len(p) for p in ids], steps, None if config.truncate else context, engine.vocab_size,
-                          indexed=takes_logits_index(engine), context=context)
+                          indexed=takes_logits_index(engine), context=context, beams=config.num_beams)
     held = frozenset(end_ids(model, config, tok))
     ends = held | (special_stops(tok, config.stop) if tok is not None else frozenset())
     constraints = None

@@ -190,7 +190,7 @@ class SlotRows:
             forced = s.constraint.forced(FORCED) if s.constraint is not None else None
             self._room(min(length + 1 + max(k, len(forced or ())), self.context))
             text = np.array([*s.ids, *s.tokens] if k else s.tokens[-1:], dtype=np.int64)  # the whole text for prompt lookup only
-            logits = self.lookahead.run(self.cache, 0, text, length, k, self.switch, forced)
+            logits = self.lookahead.run(self.cache, 0, text, length, k, self.switch, forced, s.config.no_repeat_ngram_size)
         if logits is None:
             logits = self.cache.run(np.array([[s.tokens[-1]]], dtype=np.int64), _mask(self.lengths[:1] + 1), rows=(0, 1),
                                     at=np.zeros(1, dtype=np.int64))

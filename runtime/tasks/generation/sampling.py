@@ -2,8 +2,8 @@
 
 The processors run in the order transformers runs them (``_get_logits_processor``), after
 OpenAI's ``logit_bias`` (added to the logits first, as OpenAI and llama.cpp add it): repetition
-penalty (then OpenAI's presence and frequency penalties, over the answer's own tokens), then
-temperature, top-k and top-p, each keeping the tokens transformers keeps, so that a
+penalty, no-repeat n-grams (then OpenAI's presence and frequency penalties, over the answer's own tokens), then
+temperature, top-k, top-p, min-p, typical-p and the epsilon and eta cutoffs, each keeping the tokens transformers keeps, so that a
 transformers user's settings mean the same here. Sampling draws one uniform number per prompt per
 step from its own ``numpy.random.Generator`` seeded by ``seed``, as a served request draws from
 its own: the same seed, prompt and model give the same draws, alone or in a batch of any size (the
@@ -64,8 +64,9 @@ def token_logprobs(logits: np.ndarray, chosen: np.ndarray, k: int) -> list[Token
 
 
 class Sampler:
-    """Picks each prompt's next token; remembers the tokens seen for the repetition penalty, and
-    the answer's token counts for the presence and frequency penalties.
+    """Picks each prompt's next token; remembers the tokens seen for the repetition penalty, the
+    n-grams seen for ``no_repeat_ngram_size``, and the answer's token counts for the presence and
+    frequency penalties.
 
     Args:
         config: the checked generation settings.
@@ -89,6 +90,9 @@ class Sampler:
             self.seen = np.zeros((len(prompts), vocab), dtype=bool)
             for row, ids in enumerate(prompts):
                 self.seen[row, [i for i in ids if 0 <= i < vocab]] = True
+        self.ngrams: list[NGrams] | None = None  # one a prompt, with a no-repeat n-gram size
+        if config.no_repeat_ngram_size:
+            self.ngrams = [NGrams(config.no_repeat_ngram_size, ids) for ids in prompts]
         self.counts: np.ndarray | None = None  # (B, vocab) int32: each token's count in the answer so far
         if config.presence_penalty or config.frequency_penalty:
             self.counts = np.zeros((len(prompts), vocab), dtype=np.int32)
@@ -127,6 +131,9 @@ class Sampler:
         self.made += 1
         if self.seen is not None:
             self.seen[np.arange(len(ids)), ids] = True
+        if self.ngrams is not None:
+            for grams, token in zip(self.ngrams, ids):
+                grams.add(int(token))
         if self.counts is not None:
             np.add.at(self.counts, (np.arange(len(ids)), ids), 1)
         if self.constraints is not None:
@@ -136,10 +143,12 @@ class Sampler:
     def _penalised(self, logits: np.ndarray) -> np.ndarray:
         """OpenAI's ``logit_bias`` added; repetition penalty (transformers' ``RepetitionPenaltyLogitsProcessor``): a seen token's
         logit is divided by the penalty where positive, multiplied where negative; end ids at -inf
-        before ``min_new_tokens`` (``MinNewTokensLengthLogitsProcessor``); then OpenAI's penalties:
+        before ``min_new_tokens`` (``MinNewTokensLengthLogitsProcessor``); a token that would
+        repeat an n-gram at -inf (``NoRepeatNGramLogitsProcessor``); then OpenAI's penalties:
         ``logit - count * frequency_penalty - (count > 0) * presence_penalty`` over the answer's tokens."""
         early = self.made < self.config.min_new_tokens and len(self.ends)
-        if self.seen is None and self.counts is None and self.constraints is None and self.bias is None and not early:
+        if (self.seen is None and self.counts is None and self.constraints is None and self.bias is None
+                and self.ngrams is None and not early):
             return logits.astype(np.float32, copy=False)
         scores = logits.astype(np.float32, copy=True)
         if self.bias is not None:
@@ -152,6 +161,11 @@ class Sampler:
             p = np.float32(self.config.repetition_penalty)
             with np.errstate(over="ignore"):  # a tiny penalty: a seen token's score at FMAX, the most likely
                 scores[rows, cols] = np.minimum(np.where(v < 0, v * p, v / p), FMAX)
+        if self.ngrams is not None:
+            for row, grams in zip(scores, self.ngrams):
+                banned = grams.banned()
+                if banned:
+                    row[[t for t in banned if 0 <= t < len(row)]] = -np.inf
         if self.counts is not None:
             rows, cols = np.nonzero(self.counts)
             n = self.counts[rows, cols].astype(np.float32)
@@ -171,7 +185,44 @@ class Sampler:
             ids = top_k(s, c.top_k)
         if c.top_p < 1.0:
             ids = top_p(s, c.top_p, ids)
+        if c.min_p > 0.0:  # transformers' MinPLogitsWarper: a probability under min_p x the top one's, on the kept tokens
+            pool = np.arange(len(s)) if ids is None else ids
+            v = s[pool]
+            ids = pool[v >= v.max() + np.float32(np.log(c.min_p))]
+        if c.typical_p < 1.0:
+            ids = typical(s, c.typical_p, ids)
+        for cut, eta in ((c.epsilon_cutoff, False), (c.eta_cutoff, True)):
+            if cut > 0.0:
+                ids = cutoff(s, cut, ids, eta)
         return ids, (s if ids is None else s[ids])
+
+
+class NGrams:
+    """One prompt's tokens so far (the prompt's, then the answer's) as an index of their n-grams,
+    for transformers' ``no_repeat_ngram_size``: the tokens that would complete an n-gram the text
+    already holds. Each token costs one dictionary step, whatever the length of the text."""
+
+    def __init__(self, n: int, prompt: list[int]):
+        self.n = n
+        self.tail: list[int] = []  # the last n - 1 tokens
+        self.after: dict[tuple[int, ...], set[int]] = {}  # (n - 1)-gram -> the tokens that followed it
+        for token in prompt:
+            self.add(int(token))
+
+    def add(self, token: int) -> None:
+        """The next token of the text."""
+        if len(self.tail) == self.n - 1:
+            self.after.setdefault(tuple(self.tail), set()).add(token)
+        if self.n > 1:
+            self.tail.append(token)
+            if len(self.tail) > self.n - 1:
+                del self.tail[0]
+
+    def banned(self) -> set[int]:
+        """The tokens that, next, would repeat an n-gram of the text."""
+        if len(self.tail) < self.n - 1:
+            return set()
+        return self.after.get(tuple(self.tail), set())
 
 
 def top_k(s: np.ndarray, k: int) -> np.ndarray:
@@ -200,6 +251,47 @@ def top_p(s: np.ndarray, p: float, ids: np.ndarray | None = None) -> np.ndarray:
     wo = w[order].astype(np.float64)
     above = np.cumsum(wo) - wo  # probability of the tokens before each one (times total)
     return np.sort(pool[order[above < p * total]])
+
+
+def _logp(v: np.ndarray) -> np.ndarray:
+    """Log-probabilities (float64) of the scores ``v`` (-inf: excluded)."""
+    v = v.astype(np.float64)
+    m = v.max()
+    return v - (m + np.log(np.exp(v - m).sum()))
+
+
+def typical(s: np.ndarray, mass: float, ids: np.ndarray | None = None) -> np.ndarray:
+    """Ids (among ``ids`` when given) of the locally typical set of the (vocab,) scores ``s``, as
+    transformers' ``TypicalLogitsWarper`` keeps it: tokens ordered by how far their information
+    (-log p) lies from the entropy, kept until their probabilities add up to ``mass``; the
+    closest one always. Sorts the whole pool: rarely used, and it cannot be done on candidates."""
+    pool = np.arange(len(s)) if ids is None else ids
+    lp = _logp(s[pool])
+    p = np.exp(lp)
+    finite = np.isfinite(lp)
+    entropy = -(lp[finite] * p[finite]).sum()
+    shifted = np.where(finite, np.abs(-lp - entropy), np.inf)
+    order = np.argsort(shifted, kind="stable")
+    cum = np.cumsum(p[order])
+    last = min(int((cum < mass).sum()), len(order) - 1)
+    keep = shifted <= shifted[order[last]]
+    keep[order[0]] = True
+    return pool[keep]
+
+
+def cutoff(s: np.ndarray, epsilon: float, ids: np.ndarray | None = None, eta: bool = False) -> np.ndarray:
+    """Ids (among ``ids`` when given) of the (vocab,) scores ``s`` at least ``epsilon`` likely, as
+    transformers' ``EpsilonLogitsWarper``; ``eta``: at least min(epsilon, sqrt(epsilon) x
+    exp(-entropy)) likely, as its ``EtaLogitsWarper``. The most likely token (and its ties) always."""
+    pool = np.arange(len(s)) if ids is None else ids
+    lp = _logp(s[pool])
+    p = np.exp(lp)
+    floor = epsilon
+    if eta:
+        finite = np.isfinite(lp)
+        floor = min(epsilon, np.sqrt(epsilon) * np.exp((lp[finite] * p[finite]).sum()))
+    keep = (p >= floor) | (lp >= lp.max())  # the most likely, and its ties, as transformers keeps them
+    return pool[keep]
 
 
 def draw(w: np.ndarray, u: float, block: int = 256) -> int:

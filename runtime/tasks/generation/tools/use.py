@@ -55,6 +55,8 @@ class ToolUse:
                               'out (a call\'s arguments already fit its schema), or pass tool_choice="none".')
         if self.specials:  # the calls' markers are special tokens, which the text must keep to be read
             changes = {**changes, "skip_special_tokens": False}
+        if config.num_beams > 1:  # beam search takes no format: the calls' grammar holds the answer token by token
+            changes = {**changes, "num_beams": 1}
         try:
             grammar = self.format.grammar(self.tools, self.specials)
             return replace(config, response_format={"type": "grammar", "grammar": grammar}, **changes)
