@@ -175,6 +175,9 @@ def test_cli_bench_against_times_both_alternately(tiny_bert_artifact, tiny_llama
     got = json.loads(r.stdout)
     assert got["runs"] == got["reference"]["runs"] == 10 and got["baseline"]["ok"]
     assert got["model_mb"] < got["reference"]["model_mb"]
+    # one process held both: its peak memory is the two's together, not either's (it was given as each's)
+    assert got["peak_rss_mb"] is None and got["reference"]["peak_rss_mb"] is None and got["process_peak_rss_mb"] > 0
+    assert "peak_rss_mb" not in {c["metric"] for c in got["baseline"]["checks"]}
     r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--against", str(tmp_path / "int8"), *args])
     assert r.exit_code == REGRESSION_EXIT_CODE and "timed alternately in this run" in r.output
     assert "FAIL: 1 regression(s): model_mb rose" in r.output  # the float model is larger than the int8 one

@@ -97,7 +97,8 @@ class Baseline:
             kind="bench", artifact=artifact,
             settings={"batch": result.batch, "seq": result.seq, "device": result.device, **settings},
             metrics={"p50_ms": result.p50_ms, "p90_ms": result.p90_ms, "throughput_per_s": result.throughput_per_s,
-                     "model_mb": result.model_mb, "peak_rss_mb": result.peak_rss_mb},
+                     "model_mb": result.model_mb,
+                     **({"peak_rss_mb": result.peak_rss_mb} if result.peak_rss_mb is not None else {})},
             slimml_version=_version(),
         )
 

@@ -6,7 +6,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -97,7 +97,7 @@ class BenchResult:
     p50_ms: float
     p90_ms: float
     throughput_per_s: float
-    peak_rss_mb: float
+    peak_rss_mb: float | None  # this process's peak (None where two models shared it: bench_against)
     model_mb: float
     batch: int
     seq: int
@@ -115,7 +115,7 @@ class BenchResult:
         return extra | {
             "latency_ms": {"p50": round(self.p50_ms, 3), "p90": round(self.p90_ms, 3)},
             "throughput_per_s": round(self.throughput_per_s, 2),
-            "peak_rss_mb": round(self.peak_rss_mb, 1),
+            "peak_rss_mb": round(self.peak_rss_mb, 1) if self.peak_rss_mb is not None else None,
             "model_mb": round(self.model_mb, 2),
             "batch": self.batch,
             "seq": self.seq,
@@ -214,7 +214,8 @@ def bench_against(model, reference, batch: int = 1, seq: int = 128, runs: int = 
     against its own copy.) Each is given its own sample inputs; ``runs`` of each are timed.
 
     Returns:
-        ``(model's result, reference's result)``; their run peak RSS is not isolated (None).
+        ``(model's result, reference's result)``; their peak RSS is None: the process held both, so
+        its peak is neither's (bench each alone, or in its own process, for its memory).
     """
     pair = (model, reference)
     feeds = [sample_feeds(m.manifest.inputs, batch=batch, seq=seq, source=m.manifest.source, past=_past(seq)) for m in pair]
@@ -228,7 +229,7 @@ def bench_against(model, reference, batch: int = 1, seq: int = 128, runs: int = 
             t0 = time.perf_counter()
             pair[i].run(feeds[i])
             times[i, r] = (time.perf_counter() - t0) * 1e3
-    return (_result(model, times[0], batch, seq, None), _result(reference, times[1], batch, seq, None))
+    return tuple(replace(_result(m, times[i], batch, seq, None), peak_rss_mb=None) for i, m in enumerate(pair))
 
 
 def _result(model, times: np.ndarray, batch: int, seq: int, run_peak_mb: float | None) -> BenchResult:

@@ -155,7 +155,7 @@ def _bench_against(model, against: Path, config, component, batch, seq, runs, ti
     """``slimml bench ART --against REF``: the two timed alternately, ART gated on REF's p50 and size."""
     from slimml.runtime import load
     from slimml.runtime.tools.baseline import Baseline
-    from slimml.runtime.tools.bench import bench_against, check_comparable
+    from slimml.runtime.tools.bench import bench_against, check_comparable, peak_rss_mb
 
     try:
         reference = load(against, config)
@@ -181,7 +181,8 @@ def _bench_against(model, against: Path, config, component, batch, seq, runs, ti
     then = Baseline.from_bench(ref, str(against), **timed)
     source = f"{against}, timed alternately in this run"
     if as_json:
-        with_baseline(result.to_json() | {"reference": ref.to_json()}, now, then, source, None, tol)
+        both = {"reference": ref.to_json(), "process_peak_rss_mb": round(peak_rss_mb(), 1)}  # the two's, together
+        with_baseline(result.to_json() | both, now, then, source, None, tol)
         return
     for who, r in (("this artifact", result), ("the reference", ref)):
         console.print(f"{who}: batch {batch} x seq {seq} on {model.device}: p50 {r.p50_ms:.2f} ms, p90 {r.p90_ms:.2f} ms, "
