@@ -215,6 +215,13 @@ def test_tool_calls_as_the_openai_client_reads_them_equal_in_process(client, loc
         assert streamed_calls(deltas) == [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
         assert len(deltas) > len(message.tool_calls)  # the arguments streamed in pieces
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+        # the arguments as the model wrote them, streamed or not (the whole answer's were written again: other text)
+        assert [d.function.arguments for d in deltas if d.function.name is None] and \
+            "".join(d.function.arguments or "" for d in deltas) == "".join(c.function.arguments for c in message.tool_calls)
+    cut = client.chat.completions.create(model="smollm2", messages=ask, tools=[WEATHER, TIME], tool_choice="required",
+                                         max_tokens=6, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content is None  # was "": no text
+    assert not cut.choices[0].message.tool_calls  # the call cut off is dropped
     call = message.tool_calls[0]
     result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"time": "14:03"})}
     want = None
@@ -407,10 +414,14 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     ({"stop": "x" * 50_000}, '"stop" string 0 has 50,000 characters, more than 4,096'),  # before the tokenizer
     ({"modalities": ["text", "audio"]}, "this model answers in text"),
     ({"seed": True}, '"seed" must be a whole number from -2**63 to 2**63-1, got true.'),
+    ({"max_new_tokens": 8}, 'send "max_tokens"'),  # other APIs' fields were ignored: answers other than asked
+    ({"functions": [{"name": "f", "parameters": {"type": "object", "properties": {}}}]}, "deprecated function calling"),
+    ({"min_tokens": 9}, '"min_tokens" (9) must not be above "max_tokens" (8)'),
 ])
 def test_bad_chat_requests_get_openai_errors(client, change, words):
     body = {"model": "smollm2", "messages": MESSAGES, "max_tokens": 8, **change}
-    extra = {k: body.pop(k) for k in ("top_k",) if k in body}  # not in the client's signature: sent as it is
+    extra = {k: body.pop(k) for k in ("top_k", "max_new_tokens", "min_tokens") if k in body}  # not in the client's
+    # signature: sent as they are
     with pytest.raises(openai.APIStatusError) as e:
         client.chat.completions.create(**body, extra_body=extra or None)
     assert 400 <= e.value.status_code < 500
@@ -438,6 +449,27 @@ def test_model_retrieval_a_negative_seed_and_a_stop_string_that_is_not_text(serv
         assert r.status == 400 and error["param"] == "stop", error
         assert error["message"] == '"stop" string 1 is not valid Unicode (a lone surrogate at position 0); send text without one.'
     conn.close()
+
+
+def test_a_developer_message_is_the_system_message_and_min_tokens_holds_the_end_back(client, local):
+    """OpenAI's ``developer`` role is the system message SmolLM2's template knows (it kept its default system
+    prompt and added a turn of a role it never saw: 45 prompt tokens, not 23), in chat and in the Responses API;
+    ``min_tokens`` (vLLM's) answers as in-process ``min_new_tokens``."""
+    turn = [{"role": "user", "content": "Describe the sea."}]
+    want = local.chat([{"role": "system", "content": "You are a pirate."}, *turn], max_new_tokens=12)
+    r = client.chat.completions.create(model="smollm2", messages=[{"role": "developer", "content": "You are a pirate."},
+                                                                  *turn], max_tokens=12, temperature=0)
+    assert (r.choices[0].message.content, r.usage.prompt_tokens) == (want.texts[0], want.prompt_tokens)
+    r = client.responses.create(model="smollm2", input=[{"role": "developer", "content": "You are a pirate."}, *turn],
+                                max_output_tokens=12, temperature=0)
+    assert (r.output_text, r.usage.input_tokens) == (want.texts[0], want.prompt_tokens)
+    short = [{"role": "user", "content": "Reply with one word: yes or no. Is water wet?"}]
+    ends = local.chat(short, max_new_tokens=30)
+    assert ends.finish_reasons[0] == "stop" and len(ends.tokens[0]) < 12  # it ends early of its own
+    want = local.chat(short, max_new_tokens=30, min_new_tokens=12)
+    r = client.chat.completions.create(model="smollm2", messages=short, max_tokens=30, temperature=0,
+                                       extra_body={"min_tokens": 12})
+    assert r.choices[0].message.content == want.texts[0] and r.usage.completion_tokens == len(want.tokens[0]) >= 12
 
 
 def test_text_parts_and_unknown_fields_are_taken_as_openai_takes_them(client):

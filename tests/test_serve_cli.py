@@ -186,6 +186,23 @@ def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact,
             assert status == 503 and "after the model was loaded" in body["error"]["message"], (status, body)
 
 
+def test_sigterm_to_the_whole_process_group_stops_in_seconds(ray_env, tiny_bert_artifact):
+    """A service manager's stop signals every process of the server (systemd's KillMode=control-group), Ray's
+    own among them: Serve's shutdown then waited 30 s on its controller, gone (38-40 s to stop, 5 s for Ctrl-C)."""
+    url, proc = started((str(tiny_bert_artifact),))
+    try:
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    reaped(proc)
+    assert took < 20, f"stopped in {took:.1f} s"
+
+
 def test_serve_direct_ingress_answers_on_the_port_itself(ray_env, tiny_bert_artifact):
     """--direct-ingress: the replica answers HTTP on --port, without Serve's proxy in between;
     the same embeddings, the same errors, a killed replica brought back on the port, and SIGTERM

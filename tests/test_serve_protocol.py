@@ -107,6 +107,11 @@ def test_generate_requests():
     for field in ("typical_p", "epsilon_cutoff", "eta_cutoff", "early_stopping"):  # were accepted and ignored
         with pytest.raises(RequestError, match=f'^"{field}" is not an option of POST /v1/generate here'):
             protocol.generate_request({"prompt": "hi", field: 0.5}, 16, 8)
+    # beams: pointed to what runs them (it sent them to POST /v1/completions, which ignored them)
+    with pytest.raises(RequestError, match='^"num_beams" is not an option of POST /v1/generate here; POST /v1/generate '
+                                           "decodes greedily, and no route of this server runs a beam search: beam "
+                                           r"search runs in process \(model.generate"):
+        protocol.generate_request({"prompt": "hi", "num_beams": 2}, 16, 8)
     seq2seq = protocol.SEQ2SEQ_OPTIONS
     assert protocol.generate_request({"prompt": "hi", "num_beams": 4, "seed": None}, 16, 8, options=seq2seq) == (
         ["hi"], 16, {"num_beams": 4})
@@ -157,6 +162,49 @@ def test_openai_fields_that_would_change_the_answer_are_used_or_refused():
         with pytest.raises(RequestError) as e:
             openai.completion_request({"prompt": "hi", field: value}, False, 16)
         assert e.value.param == field, (field, str(e.value))
+
+
+def test_other_apis_fields_are_refused_with_this_ones_and_min_tokens_is_read():
+    """Fields of transformers' generate, OpenAI's deprecated function calling and hosted tools were ignored (a
+    request for greedy, beams or a function call answered with a sampled text); their "off" values pass."""
+    openai = pytest.importorskip("slimml.serve.openai")
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for field, value, said in (
+            ("max_new_tokens", 8, 'send "max_tokens"'), ("min_new_tokens", 3, 'send "min_tokens"'),
+            ("do_sample", False, '"temperature": 0 for greedy'), ("num_return_sequences", 2, "one request per answer"),
+            ("num_beams", 4, "slimml generate --num-beams"), ("use_beam_search", True, "token by token"),
+            ("length_penalty", 0.5, "beam search runs in process"),
+            ("functions", [{"name": "f", "parameters": {"type": "object"}}], 'send "tools"'),
+            ("function_call", "auto", 'send "tool_choice"'), ("web_search_options", {}, "no web search")):
+        with pytest.raises(RequestError) as e:
+            openai.completion_request({**chat, field: value}, True, 16)
+        assert e.value.param == field and said in str(e.value), str(e.value)
+    assert openai.completion_request({**chat, "do_sample": True, "num_beams": 1, "functions": [], "min_new_tokens": 0,
+                                      "function_call": "none", "length_penalty": 1.0}, True, 16).temperature == 1.0
+    assert openai.completion_request({**chat, "min_tokens": 5, "max_tokens": 9}, True, 16).min_tokens == 5  # vLLM's
+    with pytest.raises(RequestError, match=r'^"min_tokens" \(10\) must not be above "max_tokens" \(9\); lower it.$'):
+        openai.completion_request({**chat, "min_tokens": 10, "max_tokens": 9}, True, 16)
+    responses = pytest.importorskip("slimml.serve.responses")
+    with pytest.raises(RequestError, match='send "max_output_tokens"') as e:  # in the Responses API's own terms
+        responses.responses_request({"input": "hi", "max_new_tokens": 8}, 16)
+    assert e.value.param == "max_new_tokens"
+
+
+def test_developer_messages_are_the_system_message_a_template_knows():
+    """OpenAI's ``developer`` role (its newer name for the instructions) went to the template as it came:
+    SmolLM2's kept its default system prompt and added a turn of a role it never saw. A template with a
+    developer role of its own (gpt-oss's) keeps it."""
+    openai = pytest.importorskip("slimml.serve.openai")
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    sent = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Speak as a pirate."},
+            {"role": "user", "content": "hi"}, {"role": "developer", "content": "Now in French."}]
+    assert openai.template_roles(sent, chatml) == [
+        {"role": "system", "content": "Be brief.\n\nSpeak as a pirate."}, {"role": "user", "content": "hi"},
+        {"role": "system", "content": "Now in French."}]
+    harmony = chatml + "{% if messages[0].role == 'developer' %}x{% endif %}"
+    assert openai.template_roles(sent, harmony) is sent
+    plain = [{"role": "user", "content": "hi"}]
+    assert openai.template_roles(plain, chatml) is plain
 
 
 def test_the_documented_serve_yaml_is_valid_and_builds(default_artifact):

@@ -223,9 +223,10 @@ class LLMService:
         form = ReplyFormat()  # a completion's: plain text
         if req.chat:
             try:
-                form = ReplyFormat.of(chat_template(self.model).source, req.tools, self.reasoning, served=True,
-                                      specials=special_tokens(self.model.text))
-                prompt, raw = chat_prompt(self.model, form.messages(req.messages), **form.variables(req.template_kwargs)), True
+                source = chat_template(self.model).source
+                form = ReplyFormat.of(source, req.tools, self.reasoning, served=True, specials=special_tokens(self.model.text))
+                messages = form.messages(openai.template_roles(req.messages, source))
+                prompt, raw = chat_prompt(self.model, messages, **form.variables(req.template_kwargs)), True
                 # a reasoning model: no thoughts where a format holds the answer from its start
                 prompt = form.prompt(prompt, formatted=req.response_format is not None)
             except FeedError as e:
@@ -250,7 +251,7 @@ class LLMService:
                 max_new_tokens=limit, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                 typical_p=req.typical_p, epsilon_cutoff=req.epsilon_cutoff, eta_cutoff=req.eta_cutoff,
                 repetition_penalty=req.repetition_penalty, no_repeat_ngram_size=req.no_repeat_ngram_size,
-                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
+                min_new_tokens=min(req.min_tokens, limit), presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty, logit_bias=req.logit_bias,
                 logprobs=req.logprobs,
                 response_format=req.response_format, seed=req.seed, stop=tuple(req.stop), prompt_lookup=self.prompt_lookup))
         except ConfigError as e:

@@ -22,7 +22,7 @@ from slimml.runtime.tasks.generation.config import MAX_STOP_CHARS
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta
 from slimml.runtime.tasks.generation.tools import CallDelta, ToolCall, Tools, template_messages
 from slimml.runtime.tasks.limits import shown, surrogate_at
-from slimml.serve.protocol import error_body
+from slimml.serve.protocol import BEAM_SEARCH_HERE, error_body
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_STOP = 4  # OpenAI's limit on "stop" strings
@@ -46,6 +46,8 @@ class CompletionRequest:
         temperature, top_p, top_k, min_p, repetition_penalty, seed: sampling (temperature 0 is greedy).
         typical_p, epsilon_cutoff, eta_cutoff: transformers' truncation samplers (1, 0 and 0: off).
         no_repeat_ngram_size: never repeat an n-gram of this many tokens (transformers'; 0: off).
+        min_tokens: the end ids cannot end the answer before this many tokens (vLLM's; stop strings still
+            stop; 0: off).
         presence_penalty, frequency_penalty: OpenAI's penalties on the answer's own tokens.
         logit_bias: ``{token id: bias}`` added to the logits (OpenAI's; from -100 to 100), or None.
         logprobs: None, or return each token's log-probability with this many alternatives (chat:
@@ -73,6 +75,7 @@ class CompletionRequest:
     eta_cutoff: float = 0.0
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
+    min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
@@ -140,6 +143,10 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     if req.tools is not None and req.logprobs is not None:
         raise RequestError('"logprobs" with "tools" is not supported by this server; leave out one of them.', param="logprobs")
     req.top_k = _count(data, "top_k")
+    req.min_tokens = _count(data, "min_tokens", max_tokens_limit)
+    if req.max_tokens is not None and req.min_tokens > req.max_tokens:
+        raise RequestError(f'"min_tokens" ({req.min_tokens}) must not be above "{key}" ({req.max_tokens}); lower it.',
+                           param="min_tokens")
     # its index holds n - 1 tokens a prompt position, built on the batch's thread: summaries use 3 or 4
     req.no_repeat_ngram_size = _count(data, "no_repeat_ngram_size", MAX_NO_REPEAT)
     seed = data.get("seed")
@@ -188,6 +195,33 @@ def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
     for key, asked in asks.items():
         if asked:
             raise RequestError(f'"{key}" {shown(data[key])} is not supported by this server; {fixes[key]}.', param=key)
+    refuse_other_fields(data)
+
+
+def refuse_other_fields(data: dict[str, Any]) -> None:
+    """Refuse a field of another API (:data:`OTHER_FIELDS`) that asks for something this one would not do."""
+    for key, (off, fix) in OTHER_FIELDS.items():
+        if key in data and data[key] not in off:
+            raise RequestError(f'"{key}" is not a field of this API, and leaving it unread would answer otherwise than '
+                               f"asked; {fix}.", param=key)
+
+
+# fields of other APIs (transformers' generate, OpenAI's deprecated function calling, hosted tools) that a client
+# may send here expecting them read: each refused, with what to send instead, unless it asks for what happens anyway
+OTHER_FIELDS = {
+    "max_new_tokens": ((None,), 'send "max_tokens"'),
+    "min_new_tokens": ((None, 0), 'send "min_tokens" (vLLM\'s name: the end token is held back until that many)'),
+    "do_sample": ((None, True), 'send "temperature": 0 for greedy decoding (sampling is the default)'),
+    "num_return_sequences": ((None, 1), "send one request per answer (with different seeds)"),
+    **{key: (off, f"this server decodes token by token (as vLLM's); {BEAM_SEARCH_HERE}")
+       for key, off in (("num_beams", (None, 1)), ("use_beam_search", (None, False)), ("length_penalty", (None, 1, 1.0)),
+                        ("early_stopping", (None, False)))},
+    "functions": ((None, []), 'OpenAI\'s deprecated function calling: send "tools": [{"type": "function", "function": '
+                              '{"name", "description", "parameters"}}]'),
+    "function_call": ((None, "none"), 'OpenAI\'s deprecated function calling: send "tool_choice" ("auto", "required" '
+                                      'or {"type": "function", "function": {"name": ...}})'),
+    "web_search_options": ((None,), "this server has no web search: leave it out"),
+}
 
 
 def _tools(data: dict[str, Any], chat: bool) -> Tools | None:
@@ -294,6 +328,25 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
             if isinstance(m.get(key), str):
                 message[key] = m[key]
         out.append(message)
+    return out
+
+
+def template_roles(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
+    """``messages`` in the roles the chat ``template`` knows: OpenAI's ``developer`` messages (its
+    newer name for the instructions) as ``system`` ones, as llama.cpp's server maps them, unless the
+    template has a developer role of its own (gpt-oss's); one that follows the leading system
+    message (Responses' ``instructions``) joins it, for templates that take one system message."""
+    if "developer" in template or not any(m["role"] == "developer" for m in messages):
+        return messages
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m["role"] == "developer":
+            m = {**m, "role": "system"}
+        leading = out and all(o["role"] == "system" for o in out)
+        if m["role"] == "system" and leading and isinstance(m["content"], str) and isinstance(out[-1]["content"], str):
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append(m)
     return out
 
 
@@ -454,6 +507,8 @@ class Answer:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 message = {"role": "assistant", "content": text or None, "tool_calls": [c.openai() for c in tool_calls]}
+            elif self.req.tools is not None and not text:  # no text, and the call it began cut off by max_tokens
+                message["content"] = None
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
             choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}

@@ -420,6 +420,10 @@ def _jsonable(a: np.ndarray):
 # an encoder-decoder's generate options, which POST /v1/generate passes on as sent (checked by the model)
 SEQ2SEQ_OPTIONS = ("num_beams", "length_penalty", "no_repeat_ngram_size", "temperature", "top_k", "top_p", "seed",
                    "do_sample")
+# a language model's beam search, which the server's routes do not run (they decode token by token, as vLLM's)
+BEAM_FIELDS = ("num_beams", "length_penalty", "early_stopping", "use_beam_search")
+BEAM_SEARCH_HERE = ("beam search runs in process (model.generate(prompts, num_beams=4)) and on the command line "
+                    "(slimml generate --num-beams 4)")
 # how clients ask for a search other than greedy: refused where the route cannot give it, never ignored
 _SEARCH_FIELDS = SEQ2SEQ_OPTIONS + ("stop", "stop_token_ids", "repetition_penalty", "presence_penalty", "frequency_penalty",
                                     "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "early_stopping", "logit_bias", "n",
@@ -437,7 +441,9 @@ def generate_request(data: dict[str, Any], max_new_tokens: int, max_texts: int, 
     asked = next((k for k in _SEARCH_FIELDS if data.get(k) is not None and k not in options), None)
     if asked is not None:
         own = "POST /v1/generate decodes greedily"
+        beams = asked in BEAM_FIELDS and not staged
         fix = (f"this encoder-decoder's options are {', '.join(options)}" if options else
+               f"{own}, and no route of this server runs a beam search: {BEAM_SEARCH_HERE}" if beams else
                f"{own}; this server runs the model in pipeline stages, which serve nothing else: serve it without "
                "--stages for sampling, stop strings and penalties (POST /v1/completions)" if staged else
                f"{own}: send sampling, stop strings and penalties to POST /v1/completions or POST /v1/chat/completions")

@@ -19,7 +19,6 @@ each with its ``sequence_number``, as the ``openai`` client's ``responses.stream
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -28,11 +27,11 @@ from slimml.errors import FeedError, RequestError
 from slimml.runtime.tasks.generation.reply import Reply, ReplyDelta
 from slimml.runtime.tasks.generation.tools import call_arguments
 from slimml.runtime.tasks.limits import shown
-from slimml.serve.openai import CompletionRequest, completion_request, sse
+from slimml.serve.openai import CompletionRequest, completion_request, refuse_other_fields, sse
 
 # fields the chat checks take as they are (slimml's and vLLM's sampling extras among them)
 _SHARED = ("temperature", "top_p", "parallel_tool_calls", "stream", "seed", "stop", "top_k", "min_p", "repetition_penalty",
-           "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "presence_penalty", "frequency_penalty",
+           "typical_p", "epsilon_cutoff", "eta_cutoff", "no_repeat_ngram_size", "min_tokens", "presence_penalty", "frequency_penalty",
            "logit_bias", "chat_template_kwargs")
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -56,6 +55,10 @@ def responses_request(data: dict[str, Any], max_tokens_limit: int) -> tuple[Comp
     if data.get("truncation") not in (None, "disabled"):
         raise RequestError('"truncation" must be "disabled": a conversation longer than the context is refused with its '
                            "length, never cut; shorten input.", param="truncation")
+    try:
+        refuse_other_fields(data)
+    except RequestError as e:
+        raise in_terms(e) from None
     body: dict[str, Any] = {k: data[k] for k in _SHARED if k in data}
     body["messages"] = _messages(data.get("input"), data.get("instructions"))
     limit = data.get("max_output_tokens")
@@ -277,7 +280,7 @@ class ResponseAnswer:
         items = [_reasoning_item(reply.reasoning, "completed")] if reply.reasoning else []
         if reply.content or not (items or reply.calls):  # a reply with nothing else is an empty message
             items.append(_message_item(reply.content, "completed"))
-        items += [_call_item(c.id, c.name, json.dumps(c.arguments, ensure_ascii=False), "completed") for c in reply.calls]
+        items += [_call_item(c.id, c.name, c.arguments_text, "completed") for c in reply.calls]
         return self._final(items, finish_reason, usage)
 
     def _final(self, items: list[dict[str, Any]], finish_reason: str, usage: tuple[int, int, int]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -99,7 +100,10 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     deploying = threading.Event()
     deploying.set()
 
+    signalled: list[int] = []
+
     def on_signal(signum, frame) -> None:
+        signalled.append(signum)
         stop.set()
         if deploying.is_set():  # Serve's start and run block until it answers (minutes, for a deploy that fails):
             raise _StopAsked  # unwind them; the finally below stops what started, and serve returns as after a stop
@@ -154,8 +158,10 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         pass  # a stop asked while Serve was starting: the same clean stop as one asked while it served
     finally:
         try:
+            # a SIGTERM may have reached Ray's processes too (a service manager's stop): a moment for them to go
             if owns_serve:
-                ray_serve.shutdown()
+                if not (ours and _ray_going(ray, 1.0 if signal.SIGTERM in signalled else 0.0)):
+                    ray_serve.shutdown()
             elif deployed:  # Serve was running before: only this server's application goes
                 _delete_app(ray_serve)
         finally:
@@ -167,6 +173,25 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
 
 
 APP = "slimml"  # the Serve application's name (at route "/")
+
+
+def _ray_going(ray, wait_s: float = 1.0) -> bool:
+    """Whether this process's own Ray lost a process of its own (GCS, raylet) within ``wait_s``: a
+    stop signalled to the server's whole process group (a service manager's, systemd's
+    KillMode=control-group) reached Ray's processes too, and Serve's shutdown would wait 30 s on a
+    controller that is gone; ``ray.shutdown`` ends the rest. False where it cannot tell."""
+    try:
+        node = ray._private.worker._global_node
+        deadline = time.monotonic() + wait_s
+        while node is not None:
+            if node.dead_processes():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 -- Ray's internals moved: shut Serve down as before
+        pass
+    return False
 
 
 def replica_cpus(nodes: list[int], replicas: int) -> float:

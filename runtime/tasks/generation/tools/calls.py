@@ -21,16 +21,22 @@ MAX_DEPTH = 64  # JSON levels of one function's parameters schema (llguidance's 
 @dataclass(frozen=True)
 class ToolCall:
     """One call the model made: the function's ``name``, its ``arguments`` (parsed JSON, fitting
-    the function's schema) and an ``id`` that the tool's answer refers back to."""
+    the function's schema) and an ``id`` that the tool's answer refers back to; ``text``: the
+    arguments' JSON as the model wrote it, where read (None: written again from ``arguments``)."""
 
     name: str
     arguments: dict[str, Any]
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+    text: str | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def arguments_text(self) -> str:
+        """The arguments as JSON text: as the model wrote them (what their streamed pieces add up to), else written again."""
+        return self.text if self.text is not None else json.dumps(self.arguments, ensure_ascii=False)
 
     def openai(self) -> dict[str, Any]:
         """OpenAI's shape: ``{"id", "type": "function", "function": {"name", "arguments": "<JSON>"}}``."""
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments_text}}
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class CallDelta:
     @classmethod
     def whole(cls, index: int, call: ToolCall) -> CallDelta:
         """``call`` in one piece."""
-        return cls(index, json.dumps(call.arguments, ensure_ascii=False), call.id, call.name)
+        return cls(index, call.arguments_text, call.id, call.name)
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class ToolText:
             same = next((i for i in free if self.streamed[i][1] == c.name and json_or_none(self.streamed[i][2]) == c.arguments), None)
             if same is not None:
                 free.remove(same)
-                calls[k] = ToolCall(c.name, c.arguments, self.streamed[same][0])
+                calls[k] = ToolCall(c.name, c.arguments, self.streamed[same][0], text=self.streamed[same][2])
         rest = content[len(self.handed):] if content.startswith(self.handed) else ""
         return rest, content, calls
 
