@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from test_generate import PROMPTS, bpe, llama, with_tokenizer  # noqa: F401  (module fixtures)
 
-from slimml.errors import ConfigError, RequestError, SlimmlError
+from slimml.errors import ConfigError, FeedError, RequestError, SlimmlError
 from slimml.runtime import load
 from slimml.runtime.artifact.files import file_entry
 from slimml.runtime.artifact.manifest import read_manifest
@@ -156,6 +156,22 @@ def test_generate_stops_when_cancel_is_set(llama):
     cancel.set()  # a beam search chooses its answer at the end: cancelled, none is chosen
     got = llama.generate(["the model"], max_new_tokens=50, num_beams=4, eos_token_id=(), cancel=cancel)
     assert got.tokens == [[]] and got.finish_reasons == ["cancelled"] and got.passes == 0
+    for wrong, said in ((dict(cancel=True), "cancel must be a threading.Event"),  # was AttributeError: is_set
+                        (dict(on_text="print"), "on_text must be a function")):
+        with pytest.raises(ConfigError, match=said):
+            llama.generate(["the model"], max_new_tokens=2, **wrong)
+
+
+@pytest.mark.parametrize("prompts, said", [
+    ([None], "got a list holding None."),  # a TypeError from iterating None, once
+    (["a", 1], "got a list of texts holding 1."),  # named the text ("a list holding a str")
+    ([[1, 2], "a"], "got a list of texts holding [1, 2]."),
+    ([[1, 2], 3.5], "got a list holding 3.5."),
+])
+def test_prompts_of_the_wrong_kind_are_named_in_one_line(llama, prompts, said):
+    with pytest.raises(FeedError) as e:
+        llama.generate(prompts, max_new_tokens=2)
+    assert str(e.value) == "prompts must be a text, a list of texts, or a list of token id lists, " + said
 
 
 def test_chat_joins_text_parts_as_the_server_does(llama):
@@ -633,7 +649,7 @@ def test_response_format_holds_the_answer_to_json_a_schema_a_regex_or_a_grammar(
 
 @pytest.mark.parametrize("response_format, words", [
     ({"type": "xml"}, 'response_format type "xml" is not known; use one of text, json_object, json_schema'),
-    ("json", 'response_format type "json" is not known'),
+    ("json", "response_format must be a dict, as OpenAI's: {'type': 'json_object'}"),  # named the word a type
     ({"type": "json_schema"}, "the schema as a JSON object under json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}, "JSON Schema cannot be used"),
     ({"type": "regex", "regex": "("}, "regular expression cannot be used"),

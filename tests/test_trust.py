@@ -236,6 +236,25 @@ def test_an_output_name_with_glob_characters_touches_no_other_artifact(tmp_path)
     assert (tmp_path / "m[12]" / "manifest.json").is_file()
 
 
+def test_a_write_that_fails_leaves_no_folder_it_made_to_hold_the_artifact(tmp_path):
+    """A first convert interrupted (Ctrl-C, SIGTERM) left an empty ``artifacts/`` behind; a folder that was
+    there before, or that another write filled meanwhile, stays."""
+    from slimml.runtime.artifact.atomic import atomic_folder
+
+    for out in (tmp_path / "artifacts" / "m", tmp_path / "a" / "b" / "c" / "m"):
+        with pytest.raises(KeyboardInterrupt):
+            with atomic_folder(out) as tmp:
+                (tmp / "manifest.json").write_text("{}")
+                raise KeyboardInterrupt
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    (tmp_path / "a").mkdir()
+    with pytest.raises(RuntimeError):
+        with atomic_folder(tmp_path / "a" / "b" / "m"):
+            (tmp_path / "a" / "b" / "other").mkdir()  # another artifact written beside it meanwhile
+            raise RuntimeError("failed")
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/b", "a/b/other"]
+
+
 def test_a_quantized_artifact_is_as_readable_as_its_source(mlp_artifact, tmp_path):
     """Every file of a quantized artifact gets the user's usual mode (before, ONNX's external data
     writer left the weights 0600: a service account could not load what another user quantized)."""

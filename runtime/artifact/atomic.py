@@ -51,6 +51,7 @@ def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
         >>> with atomic_folder(Path("artifacts/m")) as tmp:
         ...     (tmp / "manifest.json").write_text("{}")
     """
+    made = _missing_parents(out)  # folders this run makes to hold ``out``: gone again if it fails
     tmp = fresh_tmp(out)
     try:
         if not private:
@@ -62,6 +63,11 @@ def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
         swap_in(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:  # deepest first; one another process has filled since stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         if isinstance(e, OSError) and not isinstance(e, SlimmlError):
             raise os_error(e, out) from None
         raise
@@ -119,6 +125,16 @@ def _unlisted(folder: Path) -> list[str]:
         if not p.is_dir() and rel != MANIFEST_NAME and rel not in listed and not p.name.startswith("."):  # .DS_Store
             out.append(rel)
     return out
+
+
+def _missing_parents(out: Path) -> list[Path]:
+    """The folders above ``out`` that do not exist yet, deepest first (``artifacts/`` on a first convert)."""
+    missing = []
+    for parent in Path(os.path.abspath(out)).parents:
+        if os.path.lexists(parent):
+            break
+        missing.append(parent)
+    return missing
 
 
 def fresh_tmp(out: Path) -> Path:

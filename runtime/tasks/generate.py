@@ -157,6 +157,11 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
         >>> model.generate(["The capital of France is"], max_new_tokens=8).texts
         >>> model.generate(["Once upon a time"], temperature=0.8, top_p=0.95, seed=1, stop=["."]).texts
     """
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise ConfigError(f"cancel must be a threading.Event (set it from another thread to stop the generation), "
+                          f"got {type(cancel).__name__}; make one with threading.Event().")
+    if on_text is not None and not callable(on_text):
+        raise ConfigError(f"on_text must be a function of (prompt index, text piece), got {type(on_text).__name__}.")
     config = GenerationConfig.of(config, model_settings(model), **options)
     steps = _steps(model, prompts, config, cancel=cancel)
     return GenerationStream(steps) if stream else _drain(steps, on_text)

@@ -6,6 +6,7 @@ After this the decode loop trusts its feeds (``Engine.run_trusted``) and checks 
 
 from __future__ import annotations
 
+import reprlib
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -221,9 +222,11 @@ def _id_lists(prompts: Any) -> list[list[int]]:
         raise FeedError(f"prompts hold a {type(encoded).__name__} (a tokenizer's output, as transformers 5's "
                         "apply_chat_template returns it); pass its token ids: enc['input_ids'], wrapped as [ids] for one "
                         "prompt, or model.chat(messages) to render the template here.")
-    inner = next((p for p in prompts if not isinstance(p, (list, tuple, np.ndarray))), None) if listed else None
-    if not listed or inner is not None:
-        got = f"a list holding a {type(inner).__name__}" if listed else type(prompts).__name__
+    texts = listed and any(isinstance(p, str) for p in prompts)  # then the odd one out is what is not a text
+    odd = [p for p in prompts if not isinstance(p, str if texts else (list, tuple, np.ndarray))] if listed else []
+    if not listed or odd:  # (a None among them too: it was read as "none found", then iterated)
+        got = (f"a list of texts holding {reprlib.repr(odd[0])}" if texts else f"a list holding {reprlib.repr(odd[0])}") \
+            if listed else type(prompts).__name__
         raise FeedError(f"prompts must be a text, a list of texts, or a list of token id lists, got {got}.")
     out = []
     for i, p in enumerate(prompts):

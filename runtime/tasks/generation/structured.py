@@ -37,6 +37,11 @@ def grammar_of(response_format: dict[str, Any] | None) -> str | None:
     a regex or a grammar that cannot be used is refused in one line that names the fix."""
     if response_format is None:
         return None
+    if not isinstance(response_format, dict):  # the CLI's --response-format json is a word; here it is OpenAI's object
+        raise ConfigError(f"response_format must be a dict, as OpenAI's: {{'type': 'json_object'}}, {{'type': "
+                          f"'json_schema', 'json_schema': {{'schema': ...}}}}, {{'type': 'regex', 'regex': ...}} or "
+                          f"{{'type': 'grammar', 'grammar': ...}}; got {type(response_format).__name__} "
+                          f"{shown(response_format)}.")
     if not isinstance(response_format, dict) or response_format.get("type") not in FORMATS:
         kind = response_format.get("type") if isinstance(response_format, dict) else response_format
         raise ConfigError(f"response_format type {shown(kind)} is not known; use one of {', '.join(FORMATS)} "
