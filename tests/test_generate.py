@@ -519,7 +519,7 @@ def test_bad_settings_are_refused_with_the_fix(llama, options, message):
     assert str(e.value) == message
 
 
-def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_past_artifact, bpe, tmp_path):
+def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_past_artifact, bpe, tmp_path, caplog):
     def refused(error, message, call, *args, **kw):
         with pytest.raises(error) as e:
             call(*args, **kw)
@@ -549,7 +549,10 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
     assert got.finish_reasons == ["cancelled"] and got.tokens == [[]]  # was "length"
     refused(FeedError, "prompt 0 has 130 tokens; the model's context is 128, which leaves no room for new tokens; "
             "shorten it to at most 127 tokens or pass truncate=True (slimml generate --truncate).", llama.generate, [list(range(130))])
-    cut = llama.generate([list(range(130))], max_new_tokens=8, truncate=True)
+    with caplog.at_level("WARNING", logger="slimml"):
+        cut = llama.generate([list(range(130))], max_new_tokens=8, truncate=True)
+    assert caplog.messages[-1] == ("slimml: prompt 0 has 130 tokens, past the model's context of 128; kept its last 120 "
+                                   "(truncate=True), the first 10 dropped.")  # was cut in silence
     assert cut.prompt_tokens == 120 and cut.tokens == llama.generate([list(range(10, 130))], max_new_tokens=8).tokens
     long = "the model " * 1700 + "and its end"  # 17,011 characters: before, cut silently to 16,384 (its end lost)
     refused(FeedError, "prompt 0 has 17011 characters, more than the 16384 a call reads (16 a position of the model's "

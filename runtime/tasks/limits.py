@@ -18,6 +18,7 @@ the model's positions, and a generate call may hold at most ``max_batch_tokens``
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Callable, TypeVar
 
@@ -80,6 +81,10 @@ class Limits:
         """
         n = self.prompt_chars(context)
         if truncate:
+            for i, t in enumerate(texts):
+                if len(t) > n:
+                    logging.getLogger("slimml").warning("slimml: prompt %d has %d characters, more than the %d a call "
+                                                        "reads; kept its last %d (truncate=True).", i, len(t), n, n)
             return [t if len(t) <= n else t[-n:] for t in texts]
         long = next((i for i, t in enumerate(texts) if len(t) > n), None)
         if long is not None:

@@ -6,6 +6,7 @@ After this the decode loop trusts its feeds (``Engine.run_trusted``) and checks 
 
 from __future__ import annotations
 
+import logging
 import reprlib
 import weakref
 from dataclasses import dataclass
@@ -245,4 +246,6 @@ def _fit(i: int, ids: list[int], context: int, config: GenerationConfig) -> list
         raise FeedError(f"prompt {i} has {len(ids)} tokens; the model's context is {context}, which leaves no room "
                         f"for new tokens; shorten it to at most {context - 1} tokens or pass truncate=True (slimml generate --truncate).")
     keep = context - min(config.max_new_tokens, context // 2)
+    logging.getLogger("slimml").warning("slimml: prompt %d has %d tokens, past the model's context of %d; kept its last %d "
+                                        "(truncate=True), the first %d dropped.", i, len(ids), context, keep, len(ids) - keep)
     return ids[-keep:]
