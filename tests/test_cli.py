@@ -140,6 +140,13 @@ def test_a_command_line_typer_cannot_parse_is_one_line_and_exit_2(args, words):
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0] and "--help`" in lines[0], r.stderr
 
 
+def test_a_generation_flag_out_of_range_is_named_as_a_flag_before_the_model_loads():
+    for flags, said in ((("--typical-p", "0"), "error: --typical-p must be in (0, 1] (1 turns it off), got 0.0."),
+                        (("--top-k", "-1"), "error: --top-k must be a whole number >= 0")):  # were typical_p, top_k
+        r = slimml("generate", "nowhere", "--prompt", "hi", *flags)
+        assert r.returncode == 1 and r.stderr.startswith(said) and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_an_output_under_a_file_or_over_a_folder_of_something_else_is_refused_first(mlp_onnx, tmp_path):
     (tmp_path / "file").write_text("mine")
     (tmp_path / "full").mkdir()

@@ -64,7 +64,13 @@ def generate(
         logprobs=logprobs, response_format=_response_format(response_format), seed=seed, stop=tuple(stop or ()) or None,
         stop_token_ids=tuple(stop_token_id or ()) or None, truncate=truncate or None, prompt_lookup=prompt_lookup or None,
     ).items() if v is not None}
-    GenerationConfig.of(None, **options)  # checked before the model loads
+    try:  # checked before the model loads
+        GenerationConfig.of(None, **options)
+    except ConfigError as e:  # said with the flag given ("typical_p must be" -> "--typical-p must be")
+        said, name = str(e), next((k for k in options if str(e).startswith(k + " ")), None)
+        if name is None:
+            raise
+        raise ConfigError("--" + name.replace("_", "-") + said[len(name):]) from None
     if logprobs is not None and not as_json:
         raise ConfigError("--logprobs adds each token's log-probabilities to the JSON output; add --json.")
     if system is not None and not chat:
