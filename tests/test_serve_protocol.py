@@ -173,21 +173,28 @@ def test_other_apis_fields_are_refused_with_this_ones_and_min_tokens_is_read():
             ("max_new_tokens", 8, 'send "max_tokens"'), ("min_new_tokens", 3, 'send "min_tokens"'),
             ("do_sample", False, '"temperature": 0 for greedy'), ("num_return_sequences", 2, "one request per answer"),
             ("num_beams", 4, "slimml generate --num-beams"), ("use_beam_search", True, "token by token"),
-            ("length_penalty", 0.5, "beam search runs in process"),
+            ("use_beam_search", 1, "beam search runs in process"),
             ("functions", [{"name": "f", "parameters": {"type": "object"}}], 'send "tools"'),
             ("function_call", "auto", 'send "tool_choice"'), ("web_search_options", {}, "no web search")):
         with pytest.raises(RequestError) as e:
             openai.completion_request({**chat, field: value}, True, 16)
         assert e.value.param == field and said in str(e.value), str(e.value)
     assert openai.completion_request({**chat, "do_sample": True, "num_beams": 1, "functions": [], "min_new_tokens": 0,
-                                      "function_call": "none", "length_penalty": 1.0}, True, 16).temperature == 1.0
+                                      "function_call": "none", "length_penalty": 0.5}, True, 16).temperature == 1.0
+    # greedy said both ways, and beams' length penalty without beams (it changes nothing there): taken
+    assert openai.completion_request({**chat, "do_sample": False, "temperature": 0}, True, 16).temperature == 0
     assert openai.completion_request({**chat, "min_tokens": 5, "max_tokens": 9}, True, 16).min_tokens == 5  # vLLM's
-    with pytest.raises(RequestError, match=r'^"min_tokens" \(10\) must not be above "max_tokens" \(9\); lower it.$'):
+    with pytest.raises(RequestError, match=r'^"min_tokens" \(10\) must not be above "max_tokens" \(9\); lower it, or '
+                                           r'send a larger "max_tokens".$'):
         openai.completion_request({**chat, "min_tokens": 10, "max_tokens": 9}, True, 16)
+    with pytest.raises(RequestError, match=r'\(16, the default\)'):  # completions' default, which it did not send
+        openai.completion_request({"prompt": "hi", "min_tokens": 20}, False, 64)
     responses = pytest.importorskip("slimml.serve.responses")
     with pytest.raises(RequestError, match='send "max_output_tokens"') as e:  # in the Responses API's own terms
         responses.responses_request({"input": "hi", "max_new_tokens": 8}, 16)
     assert e.value.param == "max_new_tokens"
+    with pytest.raises(RequestError, match=r'send "tools": \[\{"type": "function", "name", "description"'):  # its flat shape
+        responses.responses_request({"input": "hi", "functions": [{"name": "f"}]}, 16)
 
 
 def test_developer_messages_are_the_system_message_a_template_knows():

@@ -20,7 +20,7 @@ from onnx import helper
 
 from conftest import mlp_artifact_in
 
-from slimml.errors import ConfigError, FeedError, IntegrityError
+from slimml.errors import ConfigError, FeedError, IntegrityError, SlimmlError
 from slimml.runtime import load
 
 
@@ -236,7 +236,7 @@ def test_an_output_name_with_glob_characters_touches_no_other_artifact(tmp_path)
     assert (tmp_path / "m[12]" / "manifest.json").is_file()
 
 
-def test_a_write_that_fails_leaves_no_folder_it_made_to_hold_the_artifact(tmp_path):
+def test_a_write_that_fails_leaves_no_folder_it_made_to_hold_the_artifact(tmp_path, monkeypatch):
     """A first convert interrupted (Ctrl-C, SIGTERM) left an empty ``artifacts/`` behind; a folder that was
     there before, or that another write filled meanwhile, stays."""
     from slimml.runtime.artifact.atomic import atomic_folder
@@ -253,6 +253,23 @@ def test_a_write_that_fails_leaves_no_folder_it_made_to_hold_the_artifact(tmp_pa
             (tmp_path / "a" / "b" / "other").mkdir()  # another artifact written beside it meanwhile
             raise RuntimeError("failed")
     assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["a", "a/b", "a/b/other"]
+    (tmp_path / "far").mkdir()
+    (tmp_path / "lnk").symlink_to(tmp_path / "far")
+    with pytest.raises(RuntimeError):  # '..' after a link: the folder made is far/new, not ./new
+        with atomic_folder(tmp_path / "lnk" / ".." / "far" / "new" / "m"):
+            raise RuntimeError("failed")
+    assert list((tmp_path / "far").iterdir()) == []
+    import errno
+    import tempfile
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", full)  # the temporary folder itself cannot be made
+    with pytest.raises(SlimmlError, match="disk is full"):
+        with atomic_folder(tmp_path / "x" / "y" / "m"):
+            pass
+    assert not (tmp_path / "x").exists()
 
 
 def test_a_quantized_artifact_is_as_readable_as_its_source(mlp_artifact, tmp_path):

@@ -52,7 +52,11 @@ def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
         ...     (tmp / "manifest.json").write_text("{}")
     """
     made = _missing_parents(out)  # folders this run makes to hold ``out``: gone again if it fails
-    tmp = fresh_tmp(out)
+    try:
+        tmp = fresh_tmp(out)
+    except BaseException:
+        _remove_empty(made)
+        raise
     try:
         if not private:
             tmp.chmod(0o777 & ~umask())
@@ -63,11 +67,7 @@ def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
         swap_in(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        for folder in made:  # deepest first; one another process has filled since stays
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        _remove_empty(made)
         if isinstance(e, OSError) and not isinstance(e, SlimmlError):
             raise os_error(e, out) from None
         raise
@@ -128,13 +128,23 @@ def _unlisted(folder: Path) -> list[str]:
 
 
 def _missing_parents(out: Path) -> list[Path]:
-    """The folders above ``out`` that do not exist yet, deepest first (``artifacts/`` on a first convert)."""
+    """The folders above ``out`` that do not exist yet, deepest first (``artifacts/`` on a first convert);
+    ``..`` is kept for the system to follow after any link, as the writes do."""
     missing = []
-    for parent in Path(os.path.abspath(out)).parents:
+    for parent in out.absolute().parents:
         if os.path.lexists(parent):
             break
         missing.append(parent)
     return missing
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """``folders`` (deepest first) removed while empty: one another process has filled since stays."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 def fresh_tmp(out: Path) -> Path:

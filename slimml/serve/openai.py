@@ -145,7 +145,8 @@ def completion_request(data: dict[str, Any], chat: bool, max_tokens_limit: int) 
     req.top_k = _count(data, "top_k")
     req.min_tokens = _count(data, "min_tokens", max_tokens_limit)
     if req.max_tokens is not None and req.min_tokens > req.max_tokens:
-        raise RequestError(f'"min_tokens" ({req.min_tokens}) must not be above "{key}" ({req.max_tokens}); lower it.',
+        raise RequestError(f'"min_tokens" ({req.min_tokens}) must not be above "{key}" ({req.max_tokens}'
+                           f'{"" if key in data else ", the default"}); lower it, or send a larger "{key}".',
                            param="min_tokens")
     # its index holds n - 1 tokens a prompt position, built on the batch's thread: summaries use 3 or 4
     req.no_repeat_ngram_size = _count(data, "no_repeat_ngram_size", MAX_NO_REPEAT)
@@ -198,12 +199,16 @@ def _refuse_unsupported(data: dict[str, Any], chat: bool) -> None:
     refuse_other_fields(data)
 
 
-def refuse_other_fields(data: dict[str, Any]) -> None:
-    """Refuse a field of another API (:data:`OTHER_FIELDS`) that asks for something this one would not do."""
+def refuse_other_fields(data: dict[str, Any], fixes: dict[str, str] | None = None) -> None:
+    """Refuse a field of another API (:data:`OTHER_FIELDS`; ``fixes``: an endpoint's own words for some)
+    that asks for something this server would not do."""
     for key, (off, fix) in OTHER_FIELDS.items():
-        if key in data and data[key] not in off:
-            raise RequestError(f'"{key}" is not a field of this API, and leaving it unread would answer otherwise than '
-                               f"asked; {fix}.", param=key)
+        asked = data.get(key)
+        if key == "do_sample" and asked is False and data.get("temperature") == 0:
+            continue  # greedy, and said so in this API's terms too
+        if key in data and asked not in off:
+            raise RequestError(f'"{key}" is not read by this server, and leaving it unread would answer otherwise than '
+                               f"asked; {(fixes or {}).get(key, fix)}.", param=key)
 
 
 # fields of other APIs (transformers' generate, OpenAI's deprecated function calling, hosted tools) that a client
@@ -213,9 +218,8 @@ OTHER_FIELDS = {
     "min_new_tokens": ((None, 0), 'send "min_tokens" (vLLM\'s name: the end token is held back until that many)'),
     "do_sample": ((None, True), 'send "temperature": 0 for greedy decoding (sampling is the default)'),
     "num_return_sequences": ((None, 1), "send one request per answer (with different seeds)"),
-    **{key: (off, f"this server decodes token by token (as vLLM's); {BEAM_SEARCH_HERE}")
-       for key, off in (("num_beams", (None, 1)), ("use_beam_search", (None, False)), ("length_penalty", (None, 1, 1.0)),
-                        ("early_stopping", (None, False)))},
+    **{key: (off, f"this server decodes token by token; {BEAM_SEARCH_HERE}")  # (length_penalty alone changes nothing)
+       for key, off in (("num_beams", (None, 1)), ("use_beam_search", (None, False)))},
     "functions": ((None, []), 'OpenAI\'s deprecated function calling: send "tools": [{"type": "function", "function": '
                               '{"name", "description", "parameters"}}]'),
     "function_call": ((None, "none"), 'OpenAI\'s deprecated function calling: send "tool_choice" ("auto", "required" '
@@ -336,7 +340,7 @@ def template_roles(messages: list[dict[str, Any]], template: str) -> list[dict[s
     newer name for the instructions) as ``system`` ones, as llama.cpp's server maps them, unless the
     template has a developer role of its own (gpt-oss's); one that follows the leading system
     message (Responses' ``instructions``) joins it, for templates that take one system message."""
-    if "developer" in template or not any(m["role"] == "developer" for m in messages):
+    if "'developer'" in template or '"developer"' in template or not any(m["role"] == "developer" for m in messages):
         return messages
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -507,7 +511,7 @@ class Answer:
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if tool_calls:
                 message = {"role": "assistant", "content": text or None, "tool_calls": [c.openai() for c in tool_calls]}
-            elif self.req.tools is not None and not text:  # no text, and the call it began cut off by max_tokens
+            elif self.req.tools is not None and not text and finish_reason == "length":  # the call it began, cut off
                 message["content"] = None
             if reasoning is not None:
                 message["reasoning_content"] = reasoning

@@ -56,7 +56,9 @@ def responses_request(data: dict[str, Any], max_tokens_limit: int) -> tuple[Comp
         raise RequestError('"truncation" must be "disabled": a conversation longer than the context is refused with its '
                            "length, never cut; shorten input.", param="truncation")
     try:
-        refuse_other_fields(data)
+        refuse_other_fields(data, {  # the Responses API's flat tool shapes
+            "functions": 'send "tools": [{"type": "function", "name", "description", "parameters"}]',
+            "function_call": 'send "tool_choice" ("auto", "required" or {"type": "function", "name": ...})'})
     except RequestError as e:
         raise in_terms(e) from None
     body: dict[str, Any] = {k: data[k] for k in _SHARED if k in data}

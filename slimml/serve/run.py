@@ -113,6 +113,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             signal.signal(s, on_signal)
     ours = owns_ray and address is None  # a Ray of this process alone: its Serve is ours to start and stop
     started_serve, owns_serve, deployed = ours, False, False
+    dead_before: set[tuple[str, int]] = set()
     try:
         nodes = nodes_with_cpus()
         if not ours:  # a cluster others may serve on: refuse to replace or stop what runs there
@@ -153,6 +154,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         url = f"http://{host}:{port}"
         if ready is not None:
             ready(url)
+        dead_before = _dead_ray_processes(ray)
         stop.wait()
     except _StopAsked:
         pass  # a stop asked while Serve was starting: the same clean stop as one asked while it served
@@ -160,7 +162,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         try:
             # a SIGTERM may have reached Ray's processes too (a service manager's stop): a moment for them to go
             if owns_serve:
-                if not (ours and _ray_going(ray, 1.0 if signal.SIGTERM in signalled else 0.0)):
+                if not (ours and signal.SIGTERM in signalled and _ray_going(ray, dead_before)):
                     ray_serve.shutdown()
             elif deployed:  # Serve was running before: only this server's application goes
                 _delete_app(ray_serve)
@@ -175,23 +177,29 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
 APP = "slimml"  # the Serve application's name (at route "/")
 
 
-def _ray_going(ray, wait_s: float = 1.0) -> bool:
-    """Whether this process's own Ray lost a process of its own (GCS, raylet) within ``wait_s``: a
-    stop signalled to the server's whole process group (a service manager's, systemd's
-    KillMode=control-group) reached Ray's processes too, and Serve's shutdown would wait 30 s on a
-    controller that is gone; ``ray.shutdown`` ends the rest. False where it cannot tell."""
+def _dead_ray_processes(ray) -> set[tuple[str, int]]:
+    """This process's own Ray's processes (GCS, raylet, dashboard, log monitor, ...) that have
+    exited, as (kind, pid); empty where it cannot tell."""
     try:
         node = ray._private.worker._global_node
-        deadline = time.monotonic() + wait_s
-        while node is not None:
-            if node.dead_processes():
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-    except Exception:  # noqa: BLE001 -- Ray's internals moved: shut Serve down as before
-        pass
-    return False
+        return {(kind, p.pid) for kind, p in node.dead_processes()} if node is not None else set()
+    except Exception:  # noqa: BLE001 -- Ray's internals moved: none known dead
+        return set()
+
+
+def _ray_going(ray, dead_before: set[tuple[str, int]], wait_s: float = 1.0) -> bool:
+    """Whether a process of this process's own Ray exits within ``wait_s`` (beyond ``dead_before``,
+    those gone while it served): a stop signalled to the server's whole process group (a service
+    manager's, systemd's KillMode=control-group) reached Ray's processes too (its dashboard and log
+    monitor go at once, GCS seconds later), and Serve's shutdown would wait 30 s on a controller
+    that is gone, then 60 s on the GCS; ``ray.shutdown`` ends the rest."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if _dead_ray_processes(ray) - dead_before:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def replica_cpus(nodes: list[int], replicas: int) -> float:

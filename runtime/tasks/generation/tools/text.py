@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import replace
 
 from slimml.runtime.tasks.generation.tools.calls import CallDelta, ToolCall, Tools
 from slimml.runtime.tasks.generation.tools.formats import ToolFormat
@@ -66,8 +67,28 @@ class ToolText:
             if same is not None:
                 free.remove(same)
                 calls[k] = ToolCall(c.name, c.arguments, self.streamed[same][0], text=self.streamed[same][2])
+        written = self._written() if any(c.text is None for c in calls) else []  # a reply read whole: not streamed
+        for k, c in enumerate(calls):
+            same = next((i for i, (n, t) in enumerate(written) if n == c.name and json_or_none(t) == c.arguments), None)
+            if c.text is None and same is not None:
+                calls[k] = replace(c, text=written.pop(same)[1])
         rest = content[len(self.handed):] if content.startswith(self.handed) else ""
         return rest, content, calls
+
+    def _written(self) -> list[tuple[str, str]]:
+        """Each whole call's name and its arguments' JSON text as the model wrote it, in order (what
+        :meth:`feed` hands out in pieces)."""
+        out = []
+        for start, end, name in self.format.calls(self.text, self._memo):
+            if name is None:  # {"name": ..., "arguments": ...}
+                m = _HEAD.match(self.text, start)
+                if m is None:
+                    continue
+                name, start = m.group(1), m.end()
+            stop = value_end(self.text, start, self._memo)
+            if stop is not None:
+                out.append((name, self.text[start:stop]))
+        return out
 
     def unsent(self, calls: list[ToolCall]) -> list[CallDelta]:
         """The calls of :meth:`finish` that no piece handed out, each whole, numbered after the
