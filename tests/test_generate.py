@@ -670,7 +670,7 @@ def test_cli_generate_streams_with_the_same_options(llama):
     r = slimml("--max-new-tokens", 4)
     assert r.returncode == 1 and r.stderr.strip().startswith("error: no prompt given; add one after the artifact")
     r = slimml("--prompt", "hi", "--top-p", 2)
-    assert r.returncode == 1 and r.stderr.strip() == "error: top_p must be in (0, 1] (1 turns it off), got 2.0."
+    assert r.returncode == 1 and r.stderr.strip() == "error: --top-p must be in (0, 1] (1 turns it off), got 2.0."
     r = slimml("--prompt", "hi", "--num-beams", 2, "--temperature", 0.7)  # beam search for decoders too, not sampled
     assert r.returncode == 1 and r.stderr.strip().startswith("error: num_beams=2 with sampling (beam sampling) is not supported")
 
