@@ -182,6 +182,25 @@ def test_chat_joins_text_parts_as_the_server_does(llama):
                                                                      max_new_tokens=4).tokens
 
 
+def test_developer_messages_are_the_system_message_a_template_knows(llama):
+    """OpenAI's ``developer`` role (its newer name for the instructions) went to the template as it
+    came: SmolLM2's kept its default system prompt and added a turn of a role it never saw. It is
+    the system message for a template without the role, in process as served; a template with a
+    developer role of its own (gpt-oss's) keeps it."""
+    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    sent = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Speak as a pirate."},
+            {"role": "user", "content": "hi"}, {"role": "developer", "content": "Now in French."}]
+    assert ChatTemplate(chatml).render(sent, add_generation_prompt=False) == (
+        "<|im_start|>system\nBe brief.\n\nSpeak as a pirate.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+        "<|im_start|>system\nNow in French.<|im_end|>\n")
+    harmony = chatml + "{% if messages[0].role == 'developer' %}x{% endif %}"
+    assert "<|im_start|>developer" in ChatTemplate(harmony).render(sent, add_generation_prompt=False)
+    developer = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    assert chat_prompt(llama, developer) == chat_prompt(llama, system)
+    assert llama.chat(developer, max_new_tokens=4).tokens == llama.chat(system, max_new_tokens=4).tokens
+
+
 def with_generation_config(art, settings: dict):
     """``art`` shipping a generation_config.json of ``settings``, listed as convert lists the source's copy."""
     (art / "generation_config.json").write_text(json.dumps(settings))

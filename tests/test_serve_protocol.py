@@ -197,23 +197,6 @@ def test_other_apis_fields_are_refused_with_this_ones_and_min_tokens_is_read():
         responses.responses_request({"input": "hi", "functions": [{"name": "f"}]}, 16)
 
 
-def test_developer_messages_are_the_system_message_a_template_knows():
-    """OpenAI's ``developer`` role (its newer name for the instructions) went to the template as it came:
-    SmolLM2's kept its default system prompt and added a turn of a role it never saw. A template with a
-    developer role of its own (gpt-oss's) keeps it."""
-    openai = pytest.importorskip("slimml.serve.openai")
-    chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    sent = [{"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Speak as a pirate."},
-            {"role": "user", "content": "hi"}, {"role": "developer", "content": "Now in French."}]
-    assert openai.template_roles(sent, chatml) == [
-        {"role": "system", "content": "Be brief.\n\nSpeak as a pirate."}, {"role": "user", "content": "hi"},
-        {"role": "system", "content": "Now in French."}]
-    harmony = chatml + "{% if messages[0].role == 'developer' %}x{% endif %}"
-    assert openai.template_roles(sent, harmony) is sent
-    plain = [{"role": "user", "content": "hi"}]
-    assert openai.template_roles(plain, chatml) is plain
-
-
 def test_the_documented_serve_yaml_is_valid_and_builds(default_artifact):
     """docs/serve.yaml passes Ray Serve's own schema, and its import_path builds the application."""
     from pathlib import Path

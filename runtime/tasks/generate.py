@@ -211,7 +211,8 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
         model: a loaded ``text-generation`` artifact with a chat template (its own, or one
             :func:`use_chat_template` gave).
         messages: ``[{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]``, or a
-            list of such conversations for a batch.
+            list of such conversations for a batch (``"developer"``, OpenAI's newer name for the
+            instructions, is the system message of a template that has no such role).
         stream: True: return a :class:`GenerationStream` of the reply's text pieces instead (its
             answer, outside thoughts and calls; pairs of conversation index and piece for a
             batch). ``"deltas"``: of :class:`~slimml.runtime.tasks.generation.reply.ReplyDelta` s

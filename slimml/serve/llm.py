@@ -225,7 +225,7 @@ class LLMService:
             try:
                 source = chat_template(self.model).source
                 form = ReplyFormat.of(source, req.tools, self.reasoning, served=True, specials=special_tokens(self.model.text))
-                messages = form.messages(openai.template_roles(req.messages, source))
+                messages = form.messages(req.messages)
                 prompt, raw = chat_prompt(self.model, messages, **form.variables(req.template_kwargs)), True
                 # a reasoning model: no thoughts where a format holds the answer from its start
                 prompt = form.prompt(prompt, formatted=req.response_format is not None)

@@ -335,25 +335,6 @@ def _messages(data: dict[str, Any]) -> list[dict[str, str]]:
     return out
 
 
-def template_roles(messages: list[dict[str, Any]], template: str) -> list[dict[str, Any]]:
-    """``messages`` in the roles the chat ``template`` knows: OpenAI's ``developer`` messages (its
-    newer name for the instructions) as ``system`` ones, as llama.cpp's server maps them, unless the
-    template has a developer role of its own (gpt-oss's); one that follows the leading system
-    message (Responses' ``instructions``) joins it, for templates that take one system message."""
-    if "'developer'" in template or '"developer"' in template or not any(m["role"] == "developer" for m in messages):
-        return messages
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        if m["role"] == "developer":
-            m = {**m, "role": "system"}
-        leading = out and all(o["role"] == "system" for o in out)
-        if m["role"] == "system" and leading and isinstance(m["content"], str) and isinstance(out[-1]["content"], str):
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
-        else:
-            out.append(m)
-    return out
-
-
 def _prompt(data: dict[str, Any]) -> str | list[int]:
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):

@@ -69,6 +69,7 @@ class ChatTemplate:
         # content to text, where None would fail or print "None": they get ""
         self.tests_none = _TESTS_NONE.search(source) is not None
         self._writes_results: dict[bool, bool] = {}  # with tools given, or not -> writes_tool_results
+        self.knows_developer = "'developer'" in source or '"developer"' in source  # gpt-oss's harmony has the role
         self.given = given
         self.special = {k: v for k, v in (special or {}).items() if v}  # as transformers' special_tokens_map: set ones only
         fix = "fix the template" if given else "fix the template or re-convert the model from a folder whose template works"
@@ -90,6 +91,8 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise ConfigError("continue_final_message continues the last message and add_generation_prompt opens a new "
                               "turn; pass add_generation_prompt=False with continue_final_message=True.")
+        if any(m.get("role") == "developer" for m in messages) and not self.knows_developer:
+            messages = _developer_as_system(messages)
         if continue_final_message:
             messages, final = _tagged(messages)
         context = {"tools": None, "documents": None, **self.special, **variables}
@@ -353,6 +356,23 @@ class Arguments(dict):
 
 
 _PROBE = "slimml-probe-7f3a"  # a tool result's text, looked for in a probe's rendering
+
+
+def _developer_as_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` messages (its newer name for the instructions) as ``system`` ones, for
+    a template without a developer role, as llama.cpp's server maps them: one that follows the
+    leading system message (Responses' ``instructions``) joins it, for templates that take one
+    system message."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if m.get("role") == "developer":
+            m = {**m, "role": "system"}
+        leading = out and all(o.get("role") == "system" for o in out)
+        if m["role"] == "system" and leading and isinstance(m.get("content"), str) and isinstance(out[-1].get("content"), str):
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n\n" + m["content"]}
+        else:
+            out.append(m)
+    return out
 
 
 def _tool_results_as_user(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
