@@ -6,7 +6,8 @@ then runs greedy generation (``model.generate``: the prompt pass, then one pass 
 with the KV cache) two ways, each in its own subprocess so peak RSS is its own, the rounds
 alternating so machine load hits both alike:
 
-- ``resident``: ``slimml.runtime.load(artifact)``: the shards merged into one session;
+- ``resident``: ``slimml.runtime.load(artifact, resident=N)`` (N: all its shards): merged into one session
+  (a plain ``load`` would stream a model bigger than the memory free, as in the cap);
 - ``streamed``: ``slimml.runtime.load(artifact, resident=K)``: K shards' weights at once.
 
 Reports prefill tokens/s (the prompt pass), decode tokens/s (the passes after it), peak RSS and
@@ -41,6 +42,13 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+
+
+def _all_shards(artifact: str) -> int:
+    """K = every shard: the model loaded whole, even where the memory free would have it stream."""
+    from slimml.runtime.artifact.manifest import read_manifest
+
+    return len(read_manifest(Path(artifact)).shards)
 
 def build(work: Path, args) -> tuple[Path, Path]:
     """Random-weight Llama -> unsharded ONNX (work/onnx/model.onnx) -> artifact (work/artifact)."""
@@ -101,8 +109,8 @@ def child(args) -> None:
 
     t0 = time.perf_counter()
     streamed = args.child == "streamed"
-    model = load(args.artifact, resident=args.resident if streamed else None, pin=(args.pin or None) if streamed else None,
-                 pack=args.pack, cache_dir=args.cache_dir)
+    model = load(args.artifact, resident=args.resident if streamed else _all_shards(args.artifact),
+                 pin=(args.pin or None) if streamed else None, pack=args.pack, cache_dir=args.cache_dir)
     load_s = time.perf_counter() - t0
     prompts = np.random.default_rng(0).integers(0, args.vocab, size=(args.batch, args.seq)).tolist()
     model.generate(prompts[:1], max_new_tokens=2)  # warm-up: reads the model in once
@@ -143,7 +151,7 @@ def child_pass(args) -> None:
         return
     t0 = time.perf_counter()
     model = (load(args.artifact, resident=args.resident, pack=args.pack, cache_dir=args.cache_dir)
-             if args.child == "cap-streamed" else load(args.artifact))
+             if args.child == "cap-streamed" else load(args.artifact, resident=_all_shards(args.artifact)))
     feeds = first_pass_feeds(model.manifest, args.batch, args.seq, args.vocab)
     times = []
     for _ in range(args.runs):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -10,11 +12,13 @@ from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.artifact.files import check_unchanged, verify_files
 from slimml.runtime.artifact.manifest import check_same_manifest, read_manifest
 from slimml.runtime.engine.backends import backend_for
-from slimml.runtime.engine.budget import plan_stream, split_budget
+from slimml.runtime.engine.budget import auto_budget, fmt_bytes, plan_stream, resident_need, split_budget
 from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.engine.engine import Engine
 from slimml.runtime.tasks.base import Task
 from slimml.runtime.tasks.registry import build_task
+
+log = logging.getLogger("slimml")
 
 Model = Task  # the name a loaded artifact had before tasks were classes of their own
 
@@ -36,7 +40,10 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
               after that is hashed again when it streams in.
             - ``resident``: K, the most shards loaded at once (pinned ones included). Fewer than the
               shard count streams the model: a background thread loads shards ahead and the run
-              releases each one after use. Default: all shards (fully resident).
+              releases each one after use. Default: all shards (fully resident) where the model
+              fits the host's free memory; a model bigger than it (MemAvailable, or what a memory
+              cgroup leaves) streams within 60% of it, with one warning line, rather than be killed
+              by the kernel as it loads (CPU; on CUDA it is loaded whole unless told otherwise).
             - ``prefetch``: P, shards loaded ahead of the one computing (default: K - pinned - 1).
             - ``memory_budget``: bytes of loaded shards allowed, e.g. ``"4GB"``; alone it picks K and
               P (``model.plan.describe()`` says what it chose). Refused, before anything loads,
@@ -91,8 +98,18 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
                 f"{', '.join(manifest.components)}; load it whole, or serve it with replicas instead of stages."
             )
         manifest = manifest.stage(*config.shards)
-    backend_for(config.device).providers()  # fail on a missing provider before hashing gigabytes
+    backend = backend_for(config.device)
+    backend.providers()  # fail on a missing provider before hashing gigabytes
     parts = manifest.components or {None: manifest}
+    if backend.on_host and not config.streams:  # a model that does not fit memory streams rather than be killed
+        free = backend.memory_available()
+        budget = auto_budget(parts, free)
+        if budget is not None:
+            log.warning("slimml: %s takes about %s loaded whole, more than the %s of memory free: streaming it within "
+                        "%s (memory_budget=; resident=%d loads it whole anyway)", folder.resolve().name,
+                        fmt_bytes(resident_need(parts)), fmt_bytes(free), fmt_bytes(budget),
+                        max(len(m.shards) for m in parts.values()))
+            config = dataclasses.replace(config, memory_budget=budget)
     # a bad budget fails before loading; resident, prefetch and pin apply to each component's chain,
     # one memory budget is shared out among them (their loaded shards together stay within it)
     budgets = split_budget(parts, config.memory_budget)

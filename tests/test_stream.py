@@ -41,6 +41,28 @@ def test_default_load_is_fully_resident(mlp_artifact):
     assert model.stats.passes == 0
 
 
+def test_a_model_bigger_than_free_memory_streams_rather_than_be_killed(mlp_artifact, monkeypatch, caplog):
+    """A plain load() of a model bigger than the memory free loaded it whole, and under a memory cgroup the
+    kernel killed the process as it loaded, with no word (SmolLM2 fp32, 655 MB, in a 550 MB cap). It streams
+    now, within a share of what is free, and says so; any streaming option (resident=N) is the caller's."""
+    from slimml.runtime.engine.backends import cpu
+
+    full = load(mlp_artifact)
+    total, n = full.plan.model_bytes, len(full.manifest.shards)
+    monkeypatch.setattr(cpu, "available_memory", lambda: total - 1)
+    with caplog.at_level(logging.WARNING, logger="slimml"):
+        model = load(mlp_artifact)
+    assert model.plan.streaming and model.plan.memory.budget == int((total - 1) * 0.6)
+    assert "streaming it within" in caplog.text and f"resident={n} loads it whole anyway" in caplog.text
+    np.testing.assert_allclose(model.run(_feeds())["y"], full.run(_feeds())["y"], rtol=0, atol=1e-6)
+    assert not load(mlp_artifact, resident=n).plan.streaming  # the caller's choice stands
+    monkeypatch.setattr(cpu, "available_memory", lambda: max(full.plan.sizes))
+    with pytest.raises(ConfigError, match=r"takes about .* loaded whole, and only .* of memory is free.*largest shard"):
+        load(mlp_artifact)
+    monkeypatch.setattr(cpu, "available_memory", lambda: total)
+    assert not load(mlp_artifact).plan.streaming  # it fits: whole
+
+
 @pytest.mark.parametrize("resident,prefetch,pin", [(1, None, None), (2, 1, None), (3, None, None), (4, 1, [0, -1])])
 def test_streamed_equals_resident(mlp_artifact, resident, prefetch, pin):
     full = load(mlp_artifact)

@@ -150,6 +150,51 @@ def shard_bytes(manifest: Manifest) -> list[int]:
     return [sizes.get(s.file, 0) + (sizes.get(s.data, 0) if s.data else 0) for s in manifest.shards]
 
 
+def model_bytes(manifest: Manifest) -> int:
+    """Bytes on disk of all the shards' files, each file once (a last shard may read its tied
+    embedding from shard 0's data file)."""
+    sizes = {f.path: f.bytes for f in manifest.files}
+    return sum(sizes.get(p, 0) for p in {p for s in manifest.shards for p in (s.file, s.data) if p})
+
+
+RESIDENT_4BIT = 1.6  # a 4-bit model loaded whole: ONNX Runtime packs its weights for this CPU, up to this x its files
+AUTO_SHARE = 0.6  # an automatic stream's loaded shards may take this share of the memory available; the rest
+# holds every shard's session, the KV cache and the activations
+
+
+def resident_need(parts: dict[str | None, Manifest]) -> int:
+    """About the bytes an artifact's shards take loaded whole on the host: their files, or up to
+    1.6x for 4-bit weights that ONNX Runtime packs."""
+    need = 0
+    for m in parts.values():
+        four = any(st.get("step") == "quantize" and st.get("bits") == 4 for st in m.steps)
+        need += int(model_bytes(m) * (RESIDENT_4BIT if four else 1.0))
+    return need
+
+
+def auto_budget(parts: dict[str | None, Manifest], available: int | None) -> int | None:
+    """A memory budget for an artifact loaded with no streaming option: None where it fits in the
+    ``available`` bytes loaded whole (or they cannot be told), else a share of them that streams it,
+    as a model that does not fit should run rather than be killed by the kernel as it loads.
+
+    Raises:
+        ConfigError: not even its largest shard fits with room to run it; naming the sizes and the fixes.
+    """
+    need = resident_need(parts)
+    if available is None or need <= available:
+        return None
+    files = sum(model_bytes(m) for m in parts.values())
+    largest = int(max(max(shard_bytes(m)) for m in parts.values()) * need / max(files, 1))  # packed, for 4-bit
+    budget = max(int(available * AUTO_SHARE), largest)
+    if budget > available * 0.9:
+        raise ConfigError(
+            f"this model takes about {fmt_bytes(need)} loaded whole, and only {fmt_bytes(available)} of memory is free "
+            f"(MemAvailable, or what this process's memory cgroup leaves); streaming it needs its largest shard "
+            f"({fmt_bytes(largest)}) loaded at once with room to run. Free memory or raise the limit, re-convert with "
+            "smaller shards (--shard-size), or give memory_budget= (--memory-budget) to try a budget of your own.")
+    return budget
+
+
 def _apart(budget: int, need: int) -> tuple[str, str]:
     """``budget`` and ``need`` as text that shows them different (exact bytes where rounding would not)."""
     a, b = fmt_bytes(budget), fmt_bytes(need)
@@ -243,7 +288,7 @@ def plan_stream(
     """
     sizes = shard_bytes(manifest)
     n = len(sizes)
-    total = sum(sizes)
+    total = model_bytes(manifest)
     pinned = _check_pin(pin, n)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     if budget is not None:

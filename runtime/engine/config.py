@@ -120,6 +120,12 @@ class LoadConfig:
         """The fields, in order: what ``load`` takes as keywords."""
         return [f.name for f in dataclasses.fields(cls)]
 
+    @property
+    def streams(self) -> bool:
+        """Whether the caller asked anything of streaming (``resident``, ``prefetch``,
+        ``memory_budget`` or ``pin``); without, a model that fits memory loads whole."""
+        return any(v is not None for v in (self.resident, self.prefetch, self.memory_budget, self.pin))
+
     @classmethod
     def build(cls, config: LoadConfig | None = None, overrides: dict[str, Any] | None = None) -> LoadConfig:
         """``config`` (default: the defaults) with ``overrides`` (field name -> value) applied.
