@@ -160,6 +160,16 @@ def test_generate_stops_when_cancel_is_set(llama):
                         (dict(on_text="print"), "on_text must be a function")):
         with pytest.raises(ConfigError, match=said):
             llama.generate(["the model"], max_new_tokens=2, **wrong)
+    # stream() and chat() take it too (they refused it: "unknown generation option 'cancel'")
+    cancel = threading.Event()
+    pieces = llama.stream("the model", max_new_tokens=50, eos_token_id=(), cancel=cancel)
+    for _ in pieces:
+        cancel.set()
+    assert 1 <= len(pieces.result.tokens[0]) < 50 and pieces.result.finish_reasons == ["cancelled"]
+    got = llama.chat([{"role": "user", "content": "hi"}], max_new_tokens=50, eos_token_id=(), cancel=cancel)
+    assert got.finish_reasons == ["cancelled"] and len(got.tokens[0]) <= 1
+    with pytest.raises(ConfigError, match="cancel must be a threading.Event"):
+        llama.stream("the model", cancel=True)
 
 
 @pytest.mark.parametrize("prompts, said", [

@@ -110,13 +110,15 @@ class CausalLM(Task):
             options["config"] = config
         return generate(self, prompts, cancel=cancel, **options)
 
-    def stream(self, prompt: Any, config: Any = None, **options: Any):
+    def stream(self, prompt: Any, config: Any = None, *, cancel: Any = None, **options: Any):
         """One prompt's continuation as text pieces, yielded as they are produced; see
         :func:`slimml.runtime.tasks.generate.stream`.
 
         Args:
             prompt: one text, or one list of token ids.
             config: a :class:`~slimml.runtime.GenerationConfig`; ``options`` override its fields.
+            cancel: a ``threading.Event``; set it (from another thread) to end the stream after
+                the current pass (finish reason ``"cancelled"``).
             **options: :class:`~slimml.runtime.GenerationConfig` fields by name.
 
         Returns:
@@ -136,7 +138,7 @@ class CausalLM(Task):
         """
         from slimml.runtime.tasks.generate import stream
 
-        return stream(self, prompt, config, **options)
+        return stream(self, prompt, config, cancel=cancel, **options)
 
     def chat(self, messages: Any, config: Any = None, stream: bool | str = False, **options: Any):
         """The assistant's reply to ``messages`` through the model's chat template (text pieces
@@ -149,7 +151,8 @@ class CausalLM(Task):
             stream: False (the default), True (text pieces) or ``"deltas"``.
             **options: :class:`~slimml.runtime.GenerationConfig` fields by name, and ``chat``'s own:
                 ``tools``, ``tool_choice``, ``parallel_tool_calls``, ``reasoning``,
-                ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``.
+                ``add_generation_prompt``, ``continue_final_message``, ``chat_template_kwargs``,
+                ``cancel`` (a ``threading.Event``, as ``generate`` takes it).
 
         Returns:
             A :class:`~slimml.runtime.tasks.generate.Generation` whose ``texts`` are the replies

@@ -157,9 +157,7 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
         >>> model.generate(["The capital of France is"], max_new_tokens=8).texts
         >>> model.generate(["Once upon a time"], temperature=0.8, top_p=0.95, seed=1, stop=["."]).texts
     """
-    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
-        raise ConfigError(f"cancel must be a threading.Event (set it from another thread to stop the generation), "
-                          f"got {type(cancel).__name__}; make one with threading.Event().")
+    _check_cancel(cancel)
     if on_text is not None and not callable(on_text):
         raise ConfigError(f"on_text must be a function of (prompt index, text piece), got {type(on_text).__name__}.")
     config = GenerationConfig.of(config, model_settings(model), **options)
@@ -167,7 +165,14 @@ def generate(model: Any, prompts: Any, config: GenerationConfig | None = None, *
     return GenerationStream(steps) if stream else _drain(steps, on_text)
 
 
-def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None = None, **options: Any) -> GenerationStream:
+def _check_cancel(cancel: Any) -> None:
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise ConfigError(f"cancel must be a threading.Event (set it from another thread to stop the generation), "
+                          f"got {type(cancel).__name__}; make one with threading.Event().")
+
+
+def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None = None, *,
+           cancel: threading.Event | None = None, **options: Any) -> GenerationStream:
     """The text of one prompt's continuation, piece by piece as it is produced (never half a
     character, never the start of what may still become a stop string); ``.result`` is the
     :class:`Generation` once the pieces are all read.
@@ -176,6 +181,8 @@ def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None 
         model: a loaded ``text-generation`` artifact.
         prompt: one text (the artifact must ship a tokenizer), or one list of token ids.
         config: a :class:`GenerationConfig`; ``options`` set its fields one by one instead.
+        cancel: as :func:`generate` takes it: set, the stream ends after the current pass
+            (finish reason ``"cancelled"``).
 
     Returns:
         A :class:`GenerationStream` of text pieces (``indexed=False``). The prompt is checked now,
@@ -196,15 +203,17 @@ def stream(model: Any, prompt: str | list[int], config: GenerationConfig | None 
     if not isinstance(prompt, (str, list, tuple)):  # bytes would read as ids, an array or a number as nothing sensible
         raise FeedError(f"stream() takes one prompt, a text or a list of token ids, got {type(prompt).__name__}; "
                         "decode bytes to str first, or pass ids as a list (array.tolist()).")
+    _check_cancel(cancel)
     one = [prompt] if isinstance(prompt, str) else [list(prompt)]
-    return GenerationStream(_steps(model, one, GenerationConfig.of(config, model_settings(model), **options)), indexed=False)
+    return GenerationStream(_steps(model, one, GenerationConfig.of(config, model_settings(model), **options), cancel=cancel),
+                            indexed=False)
 
 
 def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]], config: GenerationConfig | None = None,
          *, stream: bool | str = False, add_generation_prompt: bool = True, continue_final_message: bool = False,
          chat_template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
          tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool | None = None,
-         reasoning: str = "split", **options: Any) -> Generation | GenerationStream:
+         reasoning: str = "split", cancel: threading.Event | None = None, **options: Any) -> Generation | GenerationStream:
     """The assistant's reply to a conversation, rendered with the model's chat template.
 
     Args:
@@ -241,6 +250,7 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
             think: a block the prompt opens is closed empty, a harmony reply opens on its final
             channel. Except gpt-oss's own calls: with tools, a harmony reply may think before it
             answers or calls (``tool_choice="auto"``), and its thoughts always come apart.
+        cancel: as :func:`generate` takes it: set, the reply stops after the current pass.
         config, options: as :func:`generate` takes them (``max_new_tokens``, ``temperature``,
             ``response_format``, ...).
 
@@ -263,6 +273,7 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     for j, m in enumerate(conversations):  # a batch's messages named by their conversation
         check_messages(m, f"conversation {j}, " if len(conversations) > 1 else "")
     conversations = [joined_text(m) for m in conversations]
+    _check_cancel(cancel)
     config = GenerationConfig.of(config, model_settings(model), **options)
     checked = Tools.of(tools, tool_choice, parallel_tool_calls)
     if checked is not None and continue_final_message:
@@ -278,7 +289,7 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
     rendered = [form.prompt(chat_prompt(model, form.messages(m), add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, **variables), formatted)
                 for m in conversations]
-    steps = _steps(model, rendered, config, raw_text=True)
+    steps = _steps(model, rendered, config, raw_text=True, cancel=cancel)
     deltas = stream == "deltas"
     if form.reads or deltas:
         steps = _replies(steps, form, [form.reader(r, pieces=deltas) for r in rendered], deltas)
