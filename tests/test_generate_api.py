@@ -172,6 +172,21 @@ def test_generate_stops_when_cancel_is_set(llama):
         llama.stream("the model", cancel=True)
 
 
+def test_a_stream_read_by_two_threads_at_once_says_so():
+    """A second thread reading a stream another was reading got Python's "ValueError: generator already
+    executing"; it is one line saying what to do."""
+    from slimml.runtime.tasks.generate import GenerationStream
+
+    def steps():
+        yield 0, "a"
+        next(stream)  # as a second thread would: while the first is inside
+
+    stream = GenerationStream(steps(), indexed=False)
+    assert next(stream) == "a"
+    with pytest.raises(SlimmlError, match="this stream is being read by another thread now; read a stream from one"):
+        next(stream)
+
+
 @pytest.mark.parametrize("prompts, said", [
     ([None], "got a list holding None."),  # a TypeError from iterating None, once
     (["a", 1], "got a list of texts holding 1."),  # named the text ("a list holding a str")

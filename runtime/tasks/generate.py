@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from slimml.errors import ConfigError, FeedError
+from slimml.errors import ConfigError, FeedError, SlimmlError
 from slimml.runtime.tasks.generation.beams import search_beams
 from slimml.runtime.tasks.generation.chat import ChatTemplate, check_messages, joined_text
 from slimml.runtime.tasks.generation.config import GenerationConfig
@@ -116,6 +116,11 @@ class GenerationStream:
         except StopIteration as done:
             self.result = done.value
             raise StopIteration from None
+        except ValueError as e:  # Python's "generator already executing": a second thread reading it
+            if str(e) != "generator already executing":
+                raise
+            raise SlimmlError("this stream is being read by another thread now; read a stream from one thread at a "
+                              "time (hand its pieces to others through a queue), or start a stream for each.") from None
         return (i, piece) if self.indexed else piece
 
 
