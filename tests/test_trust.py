@@ -209,15 +209,19 @@ def test_texts_are_cut_to_max_text_chars_before_tokenizing(tiny_bert_artifact):
     assert model.count_tokens([long]) == [model.manifest.tokenizer["max_length"]]
 
 
-def test_a_stage_or_replica_refuses_a_manifest_other_than_the_drivers(mlp_artifact):
+def test_a_pinned_manifest_or_the_drivers_refuses_any_other(mlp_artifact):
+    """The one thing no hash vouches for is manifest.json; pinned, any other is refused (the message spoke
+    of a driver and nodes only, to a user who had pinned it in one process)."""
     from slimml.runtime.artifact.manifest import read_manifest
 
     ok = read_manifest(mlp_artifact).sha256
     load(mlp_artifact, manifest_sha256=ok).close()
     with pytest.raises(IntegrityError) as e:
         load(mlp_artifact, manifest_sha256="0" * 64)
-    assert str(e.value) == (f"the artifact {mlp_artifact} on this node is not the one the driver read (its "
-                            "manifest.json differs); copy the same artifact to the same path on every node.")
+    assert str(e.value) == (f"the artifact {mlp_artifact} is not the one pinned: its manifest.json has sha256 {ok[:16]}..., "
+                            "not the 0000000000000000... expected (manifest_sha256=, or the driver's on a cluster). Copy "
+                            "the pinned artifact there again (on a cluster, the same artifact at the same path on every "
+                            "node), or pin the new hash if you changed it.")
 
 
 # -- atomic writers -----------------------------------------------------------------------------

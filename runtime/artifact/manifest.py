@@ -379,16 +379,19 @@ def read_manifest(folder: str | os.PathLike) -> Manifest:
 
 
 def check_same_manifest(folder: Path, manifest: Manifest, expected: str | None) -> None:
-    """Refuse an artifact whose manifest.json is not the one ``expected`` hashes: a pipeline stage
-    or a server replica on another node checks it holds the artifact the driver read.
+    """Refuse an artifact whose manifest.json is not the one ``expected`` hashes: the caller pinned
+    it (``load(manifest_sha256=)``), or a pipeline stage or a server replica on another node checks
+    it holds the artifact the driver read.
 
     Raises:
-        IntegrityError: naming the folder and the fix.
+        IntegrityError: naming the folder, both hashes and the fix.
     """
     if expected is not None and manifest.sha256 != expected:
         raise IntegrityError(
-            f"the artifact {folder} on this node is not the one the driver read (its {MANIFEST_NAME} differs); copy "
-            "the same artifact to the same path on every node."
+            f"the artifact {folder} is not the one pinned: its {MANIFEST_NAME} has sha256 {manifest.sha256[:16]}..., not "
+            f"the {str(expected)[:16]}... expected (manifest_sha256=, or the driver's on a cluster). Copy the pinned "
+            "artifact there again (on a cluster, the same artifact at the same path on every node), or pin the new "
+            "hash if you changed it."
         )
 
 
