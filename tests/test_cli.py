@@ -80,6 +80,16 @@ def test_library_errors_are_one_line_and_exit_1(tmp_path):
     assert "is not an artifact folder: it does not exist" in r.stderr
 
 
+def test_warnings_are_their_one_line_even_after_a_library_configures_logging():
+    """Once a library had called logging.basicConfig (ONNX Runtime's quantizer does), the CLI's warnings
+    printed as "WARNING:slimml:slimml: ..."."""
+    code = ("import logging, sys; import slimml.cli.entry as e; e._plain_warnings(); logging.basicConfig(); "
+            "logging.getLogger('slimml').warning('slimml: the perplexity rose %.1f%%', 71.2); "
+            "logging.getLogger('slimml').info('slimml: not shown')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stderr == "slimml: the perplexity rose 71.2%\n", r.stderr
+
+
 def test_debug_variable_shows_the_traceback(tmp_path):
     r = slimml("info", tmp_path / "missing", env={"SLIMML_DEBUG": "1"})
     assert r.returncode == 1 and "Traceback" in r.stderr

@@ -92,9 +92,11 @@ def test_killed_convert_never_loses_the_artifact(tmp_path):
     print(f"killed converts: {len(outcomes)}, artifacts lost: 0 ({outcomes})")
 
 
-def test_sigterm_ends_a_convert_leaving_nothing(tmp_path):
-    """SIGTERM (a job runner's stop, `timeout`) unwinds a CLI convert as Ctrl-C does: exit 143, no
-    half-written folder beside the output (before, a hidden .slimml-tmp-* stayed until the next convert)."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_ends_a_convert_leaving_nothing(tmp_path, sig):
+    """SIGTERM (a job runner's stop, `timeout`) unwinds a CLI convert as Ctrl-C does: exit 143 (130), no
+    half-written folder beside the output (before, a hidden .slimml-tmp-* stayed until the next convert),
+    and a last line that says so (it ended in silence)."""
     from slimml.convert.sources import default_model_dir
 
     p = subprocess.Popen([sys.executable, "-m", "slimml", "convert", str(default_model_dir()), "-o", str(tmp_path / "art")],
@@ -103,9 +105,11 @@ def test_sigterm_ends_a_convert_leaving_nothing(tmp_path):
     while not list(tmp_path.glob(".art.slimml-tmp-*")) and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # until the half-written folder exists
     assert p.poll() is None, p.stderr.read()
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=120) == 128 + signal.SIGTERM
+    p.send_signal(sig)
+    assert p.wait(timeout=120) == 128 + sig
+    said = p.stderr.read()
     p.stderr.close()
+    assert said.strip().splitlines()[-1] == f"stopped ({signal.Signals(sig).name}); nothing half-written is left.", said
     assert list(tmp_path.iterdir()) == []
 
 

@@ -14,12 +14,17 @@ from slimml.errors import SlimmlError, missing_extra
 from slimml.runtime.artifact.atomic import stop_asked
 
 
+_stopped_by: list[int] = []  # the signal that asked the command to stop, for its last line
+
+
 def _terminated(signum, frame) -> None:
+    _stopped_by.append(signum)
     stop_asked(signum)  # should the exception be lost (raised in a __del__), no artifact is swapped in after all
     raise SystemExit(128 + signum)  # unwind as Ctrl-C does: a convert removes its half-written folder
 
 
 def _interrupted(signum, frame) -> None:
+    _stopped_by.append(signum)
     stop_asked(signum)
     raise KeyboardInterrupt
 
@@ -27,6 +32,21 @@ def _interrupted(signum, frame) -> None:
 def _error(message: str) -> None:
     """One line on stderr: "error: " and the message, as written (a path or text "[x]" is not markup)."""
     err.print(Text("error:", style="bold red") + Text(f" {message}"), highlight=False, soft_wrap=True)
+
+
+def _plain_warnings() -> None:
+    """slimml's warnings as their one line on stderr. Without a handler of its own they went to
+    Python's last resort, or, once a library had called ``logging.basicConfig`` (ONNX Runtime's
+    quantizer does), printed as ``WARNING:slimml:slimml: ...``."""
+    import logging
+
+    log = logging.getLogger("slimml")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.setLevel(logging.WARNING)
+        log.addHandler(handler)
+        log.propagate = False
 
 
 def main() -> None:
@@ -37,8 +57,16 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _terminated)
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores it (cmd &)
         signal.signal(signal.SIGINT, _interrupted)
+    _plain_warnings()
     try:
         code = app(standalone_mode=False)
+    except (KeyboardInterrupt, typer.Abort, SystemExit) as e:
+        if not _stopped_by or (isinstance(e, SystemExit) and e.code != 128 + _stopped_by[0]):
+            if isinstance(e, typer.Abort):
+                err.print("aborted.")
+                sys.exit(1)
+            raise
+        code = 128 + _stopped_by[0]
     except SlimmlError as e:
         if os.environ.get("SLIMML_DEBUG"):
             raise
@@ -63,9 +91,6 @@ def main() -> None:
         _error(f"out of memory{f' ({what})' if what else ''}; use fewer rows or shorter inputs a call (--batch), or a "
                "memory budget (--memory-budget).")
         sys.exit(1)
-    except typer.Abort:
-        err.print("aborted.")
-        sys.exit(1)
     except ImportError as e:  # a command of an extra this install does not have (quantize on the base install)
         missing = missing_extra(e)
         if missing is None or os.environ.get("SLIMML_DEBUG"):
@@ -81,4 +106,6 @@ def main() -> None:
             sys.exit(e.exit_code)
         _error(f"{e.format_message().rstrip('.')}; see `{where} --help`.")
         sys.exit(e.exit_code)
+    if _stopped_by and code == 128 + _stopped_by[0]:  # click hands Ctrl-C back as 130
+        err.print(f"stopped ({signal.Signals(_stopped_by[0]).name}); nothing half-written is left.", highlight=False)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n without standalone mode
