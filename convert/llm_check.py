@@ -154,7 +154,7 @@ def check_language_model(folder: Path, manifest: Any, source_folder: Path, eval_
         ours = score_run(model.run, lambda ids: decoder_feeds(names, ids, past), windows)
     finally:
         model.close()
-    found = compare(ours, reference) | {"eval_text": origin}
+    found = compare(ours, reference) | {"eval_text": origin, "eval_window": window, "eval_max_tokens": DEFAULT_BUDGET}
     vocab = int(manifest.source.get("vocab_size") or 0)
     if vocab and found["perplexity_source"] > 2 * vocab:  # worse than guessing among the vocabulary
         found["source_note"] = (f"the source model itself scores perplexity {found['perplexity_source']:.4g} on the "

@@ -163,7 +163,7 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig, on_step
     else:
         result, record = _quantize_artifact(w, src, manifest, None, config, calib, held, origin, step)
         new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
-                          "checks": {**manifest.checks, **{f"quantize_{k}": v for k, v in result.checks.items()}}})
+                          "checks": {**float_checks(manifest.checks), **{f"quantize_{k}": v for k, v in result.checks.items()}}})
         result.size_mb = new.total_bytes / 1e6
         if getattr(config, "backend", None) == "lm":  # a tied embedding's table, quantized alike twice: stored once
             from slimml.quantize.tied import share_tied_embedding
@@ -174,6 +174,14 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig, on_step
                     "the output is discarded. Quantize again once the artifact stays as it is.")
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def float_checks(checks: dict[str, Any]) -> dict[str, Any]:
+    """The float artifact's checks, as the quantized one keeps them: what was measured of the float
+    model named so (``float_perplexity_artifact``, ``float_latency_ms_b1_s128``), so that no figure
+    of the float model reads as the quantized one's; what describes the source (``source_...``,
+    notes) as it was."""
+    return {k if k.startswith(("source_", "float_")) or k.endswith("_note") else f"float_{k}": v for k, v in checks.items()}
 
 
 def check_inputs(config: QuantizeConfig) -> None:
@@ -250,7 +258,7 @@ def _quantize_components(w, src, manifest, config, calib, held, origin, step) ->
                             for r in records}
     checks = {f"{name}_{k}": v for name, r in reports.items() for k, v in r.checks.items()}
     new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
-                      "checks": {**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}})
+                      "checks": {**float_checks(manifest.checks), **{f"quantize_{k}": v for k, v in checks.items()}}})
     if manifest.seq2seq:  # each component was guarded on its own inputs; what matters is what the whole generates
         step("generating from held-out texts with the float and the quantized model")
         whole = generation_agreement(src, w.folder, held)
@@ -262,7 +270,7 @@ def _quantize_components(w, src, manifest, config, calib, held, origin, step) ->
                     "same, %.0f%% of the tokens before they part); check it on your own data, or keep shards float with "
                     "--max-drop", whole["generation_same"], 100 * whole["generation_token_agreement"])
             new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
-                              "checks": {**manifest.checks, **{f"quantize_{k}": v for k, v in checks.items()}}})
+                              "checks": {**float_checks(manifest.checks), **{f"quantize_{k}": v for k, v in checks.items()}}})
     for name, r in reports.items():
         r.size_mb = new.components[name].total_bytes / 1e6
     offsets, n = {}, 0

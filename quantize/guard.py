@@ -136,9 +136,12 @@ def apply_guard(manifest, text, float_files: list[Path], quant_files: dict[int, 
     if drop - spread <= guard.max_drop and not guard.keep_best:  # a language model on too little text: no search on noise
         raise ConfigError(
             f"--max-drop {guard.max_drop} cannot be judged on this text: the perplexity rose {drop:.2f}% +- {spread:.2f}% "
-            f"(95%) on its {checks.get('eval_tokens')} tokens ({checks.get('eval_text')}). Give a longer text of your "
-            "model's domain with --eval-text (up to 2,048 of its tokens are scored), or a --max-drop above "
-            f"{drop + spread:.1f} (--keep-best searches anyway and writes the best it measures). Nothing was written."
+            f"(95%) on its {checks.get('eval_tokens')} tokens ({checks.get('eval_text')}). "
+            + (f"Give a longer text of your model's domain with --eval-text (up to {checks['eval_max_tokens']:,} of its "
+               "tokens are scored), or a" if checks.get("eval_tokens", 0) < 0.9 * checks.get("eval_max_tokens", 0) else
+               f"The {checks.get('eval_max_tokens', 0):,} tokens scored at most cannot tell it closer: give a")
+            + f" --max-drop above {drop + spread:.1f} (--keep-best searches anyway and writes the best it measures). "
+            "Nothing was written."
         )
     step("finding the shards most sensitive to quantization")
     sensitivity = {i: 1.0 - m.agreement(m.chain(set(), only=i)) for i in quant_files}

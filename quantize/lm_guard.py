@@ -34,6 +34,7 @@ class LanguageModelScore:
         text, self.origin = read_eval_text(eval_text)
         context = artifact_context(folder, manifest)  # a window never passes the model's positions
         window = min(DEFAULT_WINDOW, context) if context else DEFAULT_WINDOW
+        self.window = window  # recorded: `slimml eval ART --data TEXT --window W --max-tokens 2048` scores the same tokens
         self.windows = token_windows(folder / manifest.tokenizer["file"], text, window, GUARD_BUDGET)
         names, past = [t.name for t in manifest.inputs], past_shapes(manifest.inputs)
         self.feeds_for = lambda ids: decoder_feeds(names, ids, past)
@@ -48,7 +49,8 @@ class LanguageModelScore:
         got = compare(scores, self.reference, ("quantized", "float"))
         d = 100.0 * got["perplexity_rel_diff"]
         checks.update({k: v for k, v in got.items() if k != "perplexity_rel_diff"})
-        checks.update({"eval_text": self.origin, "drop": round(d, 6), "drop_metric": "perplexity_increase_pct",
+        checks.update({"eval_text": self.origin, "eval_window": self.window, "eval_max_tokens": GUARD_BUDGET,
+                       "drop": round(d, 6), "drop_metric": "perplexity_increase_pct",
                        "drop_noise": round(noise(scores[0] - self.reference[0]), 4)})
         return d
 

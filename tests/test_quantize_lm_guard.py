@@ -97,6 +97,27 @@ def test_a_max_drop_the_text_cannot_measure_is_refused(short_gpt2, tmp_path):
     assert not (tmp_path / "guarded").exists()
 
 
+def test_at_the_scored_tokens_cap_the_refusal_asks_for_no_longer_text(short_gpt2, lee_slice, tmp_path):
+    """On a text past the 2,048 tokens the guard scores, the refusal still asked for a longer text, which
+    changes nothing; the window and cap are recorded, for `slimml eval` to score the same tokens."""
+    from slimml.quantize import quantize, scheme_config
+
+    long = tmp_path / "long.txt"
+    long.write_text(lee_slice.read_text(encoding="utf-8") * 4, encoding="utf-8")
+    plain = scheme_config("int4-weights")
+    plain.eval_text = long
+    checks = quantize(short_gpt2["art"], tmp_path / "plain", plain).checks
+    assert checks["eval_tokens"] > 2000 and (checks["eval_max_tokens"], checks["eval_window"]) == (2048, POSITIONS), checks
+    asked = checks["drop"] * 0.99  # under the drop, within its noise
+    if not 0 < asked and checks["drop"] - checks["drop_noise"] <= asked:
+        pytest.skip(f"this model's drop {checks['drop']} +- {checks['drop_noise']} leaves no max_drop to refuse")
+    config = scheme_config("int4-weights", max_drop=asked)
+    config.eval_text = long
+    with pytest.raises(ConfigError, match=r"\(long.txt\)\. The 2,048 tokens scored at most cannot tell it closer: give a "
+                                          r"--max-drop above"):
+        quantize(short_gpt2["art"], tmp_path / "guarded", config)
+
+
 def test_a_config_written_in_python_is_honoured_and_an_unused_calibration_not_recorded(short_gpt2, tmp_path):
     from slimml.quantize import WeightOnlyConfig, quantize, scheme_config
 
