@@ -10,7 +10,7 @@ from typing import Any
 from slimml.errors import ConfigError, StageError
 from slimml.runtime.artifact.files import verify_driver_files
 from slimml.runtime.artifact.manifest import Manifest, check_same_manifest, read_manifest
-from slimml.runtime.engine.budget import parse_bytes, plan_stream
+from slimml.runtime.engine.budget import plan_stream
 from slimml.runtime.engine.config import LoadConfig
 from slimml.runtime.engine.engine import Engine
 from slimml.runtime.engine.kv_cache import cache_in_place
@@ -64,8 +64,6 @@ def pipeline(
     Activations travel between stages as ObjectRefs and several microbatches are in flight, so
     the stages overlap. When the cluster has at least ``stages`` nodes with CPUs, the stages are
     placed on distinct nodes (a ``STRICT_SPREAD`` placement group); on one machine they share it.
-    Each stage reserves its CPUs and, as Ray memory, the bytes of weights it holds at once (its
-    shards', or what its streaming keeps), so that Ray gives no node more stages than it holds.
 
     The artifact must be at the same path on every node (a shared or copied folder): each stage
     reads its own shards there, and this process reads the manifest and tokenizer.
@@ -101,9 +99,8 @@ def pipeline(
             model whose KV cache lives beside each layer: load it whole instead).
         ArtifactError / IntegrityError: a missing, malformed or tampered artifact (a stage's own
             load error is raised as the stage raised it).
-        StageError: a stage's weights more than a node's memory (or, on one node, all of them),
-            Ray could not reserve the stages' CPUs and memory within 60 s, or a stage's process
-            died as it started.
+        StageError: Ray could not reserve the stages' CPUs within 60 s, or a stage's process died
+            as it started.
 
     Example:
         >>> from slimml.scale import pipeline
@@ -146,26 +143,19 @@ def pipeline(
         spread = stages > 1 and len(nodes) >= stages
         if cpus_per_stage is None:  # a node's CPUs each, or the CPUs / S (a share of a core where S is more)
             cpus_per_stage = max(int(min(n["cpus"] for n in nodes)), 1) if spread else _shared_cpus(nodes, stages)
-        sizes = compute_sizes(folder, manifest) if balance == "compute" else [s.weight_bytes for s in manifest.shards]
-        # each stage's weights are reserved as Ray memory where the groups are known before placement
-        groups = None if balance == "memory" else split_stages(sizes, stages)
-        held = stage_memory(manifest, groups, load_options) if groups else [0] * stages
-        check_room(held, nodes, spread)
-        bundles = [{"CPU": cpus_per_stage, **({"memory": h} if h else {})} for h in held]
-        pg = placement_group(bundles, strategy="STRICT_SPREAD" if spread else "PACK")
+        pg = placement_group([{"CPU": cpus_per_stage}] * stages, strategy="STRICT_SPREAD" if spread else "PACK")
         if not pg.wait(timeout_seconds=60):
-            memory = f" and {_gb(max(held))} of memory" if any(held) else ""
             raise StageError(
-                f"Ray could not reserve {stages} x {cpus_per_stage:g} CPU(s){memory} for the stages within 60 s "
-                f"(nodes: {[(n['id'][:8], n['cpus'], _gb(n['memory'])) for n in nodes]}); lower --stages or "
-                "cpus_per_stage, stream within each stage (memory_budget), or add nodes."
+                f"Ray could not reserve {stages} x {cpus_per_stage:g} CPU(s) for the stages within 60 s "
+                f"(nodes: {[(n['id'][:8], n['cpus']) for n in nodes]}); lower --stages or cpus_per_stage, "
+                "or add nodes."
             )
         bundle_nodes = placement_group_table(pg)["bundles_to_node_id"]
         by_id = {n["id"]: n for n in nodes}
         placed = [by_id.get(bundle_nodes[k], {"id": bundle_nodes[k], "address": "?", "memory": 1}) for k in range(stages)]
-        if groups is None:  # in proportion to the memory of the nodes the stages got
-            groups = split_stages(sizes, stages, [max(p["memory"], 1) for p in placed])
-            check_placed(stage_memory(manifest, groups, load_options), placed)
+        caps = [max(p["memory"], 1) for p in placed] if balance == "memory" else None
+        sizes = compute_sizes(folder, manifest) if balance == "compute" else [s.weight_bytes for s in manifest.shards]
+        groups = split_stages(sizes, stages, caps)
         hands_on, returns = _traffic(manifest, groups)
         actor_class = ray.remote(Stage)
         for k, (first, last) in enumerate(groups):
@@ -191,68 +181,6 @@ def pipeline(
                              "check the node with `ray status` and the stage's log in Ray's session folder, then start "
                              "again (fewer stages, or more memory a node).") from None
         raise
-
-
-def stage_memory(manifest: Manifest, groups: list[tuple[int, int]], load_options: dict[str, Any]) -> list[int]:
-    """The bytes of weights each stage holds at once: its shards' own, or as little as its
-    streaming keeps (``memory_budget``; ``resident``: the largest run of that many shards). A lower
-    bound on what its process needs (ONNX Runtime adds its buffers and activations), which Ray
-    reserves so that no node is given more stages than its memory holds."""
-    sizes = [s.weight_bytes for s in manifest.shards]
-    budget = load_options.get("memory_budget")
-    resident = load_options.get("resident")
-    out = []
-    for first, last in groups:
-        own = sizes[first:last + 1]
-        held = sum(own)
-        if isinstance(resident, int) and not isinstance(resident, bool) and 0 < resident < len(own):
-            held = max(sum(own[i:i + resident]) for i in range(len(own) - resident + 1))
-        if budget is not None:
-            held = min(held, parse_bytes(budget))
-        out.append(held)
-    return out
-
-
-def check_room(held: list[int], nodes: list[dict], spread: bool) -> None:
-    """Refuse at once stages whose weights no node can hold (or, on one node, not all together),
-    instead of Ray waiting 60 s for a placement that cannot come, or a stage dying as it loads.
-
-    Raises:
-        StageError: naming the stage, the bytes and the fix.
-    """
-    known = [n for n in nodes if n.get("memory", 0) > 0]
-    if not known or not any(held):
-        return
-    biggest = max(n["memory"] for n in known)
-    for k, h in enumerate(held):
-        if h > biggest:
-            raise StageError(f"stage {k} holds {_gb(h)} of weights, more than any node's memory for Ray "
-                             f"({_gb(biggest)}); give it more stages (--stages), stream within each stage "
-                             "(memory_budget=...), or add a node with more memory.")
-    if not spread and len(known) == 1 and sum(held) > known[0]["memory"]:
-        raise StageError(f"the {len(held)} stages hold {_gb(sum(held))} of weights on one node of {_gb(known[0]['memory'])} "
-                         "memory for Ray; stream within each stage (memory_budget=...), or add nodes.")
-
-
-def check_placed(held: list[int], placed: list[dict]) -> None:
-    """Refuse stages that the nodes they were placed on cannot hold together (``balance="memory"``,
-    whose groups follow the placement).
-
-    Raises:
-        StageError: naming the node, the bytes and the fix.
-    """
-    on: dict[str, int] = {}
-    for h, p in zip(held, placed):
-        on[p["id"]] = on.get(p["id"], 0) + h
-    for p in {p["id"]: p for p in placed}.values():
-        if p.get("memory", 0) > 1 and on[p["id"]] > p["memory"]:
-            raise StageError(f"the stages placed on node {p['id'][:8]} ({p['address']}) hold {_gb(on[p['id']])} of weights, "
-                             f"more than its {_gb(p['memory'])} of memory for Ray; stream within each stage "
-                             "(memory_budget=...), or add nodes.")
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def _shared_cpus(nodes: list[dict], stages: int) -> float:
