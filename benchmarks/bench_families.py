@@ -7,7 +7,7 @@ vocabulary is 30,522), then:
 
 - ``slimml.convert.convert`` (timed; shard count; fp32 size);
 - ``slimml.quantize.quantize`` with ``Int8Config("cpu")`` (int8 size; the guard's agreement);
-- the fp32 artifact run through its public API, fully resident (``load(art)``) and streamed with
+- the fp32 artifact run through its public API, fully resident (``load(art)``, which fits) and streamed with
   two shards per component resident (``load(art, resident=2)``), each in its own subprocess so
   peak RSS is its own, the two alternated over ``--rounds`` rounds; reported as the streamed
   throughput over the resident one, and the two peak RSS.

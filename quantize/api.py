@@ -297,8 +297,10 @@ def generation_agreement(float_folder: Path, quantized_folder: Path, texts: list
     from slimml.runtime.loader import load
 
     prompts = [" ".join(t.split()[:48]) for t in texts[:count]]  # a calibration text may be a long document
-    models = [load(f, verify=False) for f in (float_folder, quantized_folder)]  # hashed by the caller
+    models: list = []
     try:
+        for f in (float_folder, quantized_folder):
+            models.append(load(f, verify=False))  # hashed by the caller
         if "text" not in models[0].accepts or not prompts:
             return {}
         a, b = (m.generate(prompts, max_new_tokens=max_new_tokens).tokens for m in models)

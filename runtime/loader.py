@@ -29,7 +29,7 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
     Args:
         path: the artifact folder (it holds ``manifest.json``).
         config: how to load and run it (:class:`~slimml.runtime.engine.config.LoadConfig`;
-            default: all shards resident on CPU, every file hashed first).
+            default: all shards resident on CPU where they fit its free memory, every file hashed first).
         **overrides: any of LoadConfig's fields by name, applied over ``config``:
 
             - ``device``: ``"cpu"``, ``"cuda"``, or ``"auto"`` (CUDA where onnxruntime-gpu finds a
@@ -41,9 +41,10 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
             - ``resident``: K, the most shards loaded at once (pinned ones included). Fewer than the
               shard count streams the model: a background thread loads shards ahead and the run
               releases each one after use. Default: all shards (fully resident) where the model
-              fits the host's free memory; a model bigger than it (MemAvailable, or what a memory
-              cgroup leaves) streams within 60% of it, with one warning line, rather than be killed
-              by the kernel as it loads (CPU; on CUDA it is loaded whole unless told otherwise).
+              fits the host's free memory with a tenth to spare; one over 32 MB that needs more
+              (MemAvailable, or what a memory cgroup leaves) streams within 60% of it, with one
+              warning line, rather than be killed by the kernel as it loads (CPU; on CUDA it is
+              loaded whole unless told otherwise).
             - ``prefetch``: P, shards loaded ahead of the one computing (default: K - pinned - 1).
             - ``memory_budget``: bytes of loaded shards allowed, e.g. ``"4GB"``; alone it picks K and
               P (``model.plan.describe()`` says what it chose). Refused, before anything loads,
@@ -61,8 +62,9 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
               outside (model inputs and earlier activations) and its outputs what they hand on.
               Only their files are hashed; ``resident``, ``memory_budget`` and ``pin`` apply
               within the stage.
-            - ``manifest_sha256``: refuse the artifact unless its ``manifest.json`` has this sha256
-              (a pipeline stage or a server replica checks it holds what the driver read).
+            - ``manifest_sha256``: refuse the artifact unless its ``manifest.json`` has this sha256:
+              pin an artifact that came from elsewhere (no hash vouches for the manifest itself), as
+              a pipeline stage or a server replica checks it holds what the driver read.
 
     Returns:
         The artifact's task (:mod:`slimml.runtime.tasks.registry` picks its class once, from the
@@ -101,15 +103,28 @@ def load(path: str | os.PathLike, config: LoadConfig | None = None, **overrides:
     backend = backend_for(config.device)
     backend.providers()  # fail on a missing provider before hashing gigabytes
     parts = manifest.components or {None: manifest}
+    chosen = None  # the streaming slimml chose itself, in words
     if backend.on_host and not config.streams:  # a model that does not fit memory streams rather than be killed
         free = backend.memory_available()
         budget = auto_budget(parts, free)
         if budget is not None:
-            log.warning("slimml: %s takes about %s loaded whole, more than the %s of memory free: streaming it within "
-                        "%s (memory_budget=; resident=%d loads it whole anyway)", folder.resolve().name,
-                        fmt_bytes(resident_need(parts)), fmt_bytes(free), fmt_bytes(budget),
-                        max(len(m.shards) for m in parts.values()))
+            chosen = (f"{folder.resolve().name} takes about {fmt_bytes(resident_need(parts))} loaded whole, and "
+                      f"{fmt_bytes(free)} of memory is free (a model loads whole within 90% of it), so it streams within "
+                      f"{fmt_bytes(budget)} (memory_budget=; resident={max(len(m.shards) for m in parts.values())} loads it "
+                      "whole anyway)")
+            log.warning("slimml: %s", chosen)
             config = dataclasses.replace(config, memory_budget=budget)
+    try:
+        return _load(folder, manifest, parts, config)
+    except ConfigError as e:
+        if chosen is None:
+            raise
+        raise ConfigError(f"{chosen}; but {e}") from None
+
+
+def _load(folder: Path, manifest: Any, parts: dict, config: LoadConfig) -> Task:
+    """The engines of ``parts`` (each component's chain, or the one chain) as ``config`` plans them,
+    and the artifact's task over them."""
     # a bad budget fails before loading; resident, prefetch and pin apply to each component's chain,
     # one memory budget is shared out among them (their loaded shards together stay within it)
     budgets = split_budget(parts, config.memory_budget)

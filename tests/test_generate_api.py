@@ -224,6 +224,17 @@ def test_developer_messages_are_the_system_message_a_template_knows(llama):
     system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     assert chat_prompt(llama, developer) == chat_prompt(llama, system)
     assert llama.chat(developer, max_new_tokens=4).tokens == llama.chat(system, max_new_tokens=4).tokens
+    # with tools too, as chat() renders them: the developer text leads the system message the generic tool
+    # listing joins (it came after the listing)
+    from slimml.runtime.tasks.generation.reply import ReplyFormat
+    from slimml.runtime.tasks.generation.tools import Tools
+
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    template = ChatTemplate(chatml)
+    form = ReplyFormat.of(chatml, Tools.of([tool], None, None), "split")
+    made = [form.messages(template.known_roles(m)) for m in (developer, system)]
+    assert made[0] == made[1] and made[0][0]["content"].startswith("Be brief."), made[0]
 
 
 def with_generation_config(art, settings: dict):

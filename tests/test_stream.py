@@ -45,22 +45,44 @@ def test_a_model_bigger_than_free_memory_streams_rather_than_be_killed(mlp_artif
     """A plain load() of a model bigger than the memory free loaded it whole, and under a memory cgroup the
     kernel killed the process as it loaded, with no word (SmolLM2 fp32, 655 MB, in a 550 MB cap). It streams
     now, within a share of what is free, and says so; any streaming option (resident=N) is the caller's."""
+    from slimml.runtime.engine import budget
     from slimml.runtime.engine.backends import cpu
 
     full = load(mlp_artifact)
     total, n = full.plan.model_bytes, len(full.manifest.shards)
+    monkeypatch.setattr(budget, "AUTO_MIN", 0)  # this one is of KBs
     monkeypatch.setattr(cpu, "available_memory", lambda: total - 1)
     with caplog.at_level(logging.WARNING, logger="slimml"):
         model = load(mlp_artifact)
     assert model.plan.streaming and model.plan.memory.budget == int((total - 1) * 0.6)
-    assert "streaming it within" in caplog.text and f"resident={n} loads it whole anyway" in caplog.text
+    assert "so it streams within" in caplog.text and f"resident={n} loads it whole anyway" in caplog.text
     np.testing.assert_allclose(model.run(_feeds())["y"], full.run(_feeds())["y"], rtol=0, atol=1e-6)
     assert not load(mlp_artifact, resident=n).plan.streaming  # the caller's choice stands
     monkeypatch.setattr(cpu, "available_memory", lambda: max(full.plan.sizes))
-    with pytest.raises(ConfigError, match=r"takes about .* loaded whole, and only .* of memory is free.*largest shard"):
+    with pytest.raises(ConfigError, match=rf"takes about .* loaded whole, and only .* of memory is free.*largest shard.*"
+                                          rf"resident={n} \(--resident {n}\) loads it whole anyway"):
         load(mlp_artifact)
-    monkeypatch.setattr(cpu, "available_memory", lambda: total)
-    assert not load(mlp_artifact).plan.streaming  # it fits: whole
+    monkeypatch.setattr(cpu, "available_memory", lambda: int(total / 0.9) + 1)
+    assert not load(mlp_artifact).plan.streaming  # it fits, a tenth to spare: whole
+    monkeypatch.setattr(cpu, "available_memory", lambda: budget.UNKNOWN_MEMORY)  # the system cannot tell: as before
+    assert not load(mlp_artifact).plan.streaming
+    monkeypatch.setattr(budget, "AUTO_MIN", 32 * 10**6)
+    monkeypatch.setattr(cpu, "available_memory", lambda: 0)
+    assert not load(mlp_artifact).plan.streaming  # a model of KBs loads whole whatever is said free
+
+
+def test_an_automatic_budget_holds_every_components_largest_shard(mlp_artifact, monkeypatch):
+    """An encoder-decoder's automatic budget held the largest shard of one component only; split_budget then
+    refused it, asking for a memory_budget the caller never gave."""
+    from slimml.runtime.engine import budget
+
+    m = read_manifest(mlp_artifact)
+    parts = {"encoder": m, "decoder": m}  # two chains, as an encoder-decoder's
+    least = 2 * max(budget.shard_bytes(m))
+    monkeypatch.setattr(budget, "AUTO_MIN", 0)
+    free = int(least / 0.85)  # 60% of it cannot hold both largest shards
+    assert budget.auto_budget(parts, free) == least
+    budget.split_budget(parts, least)  # what load() plans with it: no refusal
 
 
 @pytest.mark.parametrize("resident,prefetch,pin", [(1, None, None), (2, 1, None), (3, None, None), (4, 1, [0, -1])])

@@ -86,8 +86,14 @@ def available_memory() -> int:
             free = int(cap) - used + _reclaimable(usage)  # page cache the kernel drops under pressure
             avail = free if avail is None else min(avail, free)
     if avail is None:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        try:
+            avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        except (ValueError, OSError, AttributeError):  # macOS has no SC_AVPHYS_PAGES, Windows no sysconf
+            return UNKNOWN_MEMORY
     return max(0, avail)
+
+
+UNKNOWN_MEMORY = 1 << 62  # available_memory() where the system cannot tell: as much as asked
 
 
 def bigger_than_memory(nbytes: int) -> bool:
@@ -160,6 +166,8 @@ def model_bytes(manifest: Manifest) -> int:
 RESIDENT_4BIT = 1.6  # a 4-bit model loaded whole: ONNX Runtime packs its weights for this CPU, up to this x its files
 AUTO_SHARE = 0.6  # an automatic stream's loaded shards may take this share of the memory available; the rest
 # holds every shard's session, the KV cache and the activations
+AUTO_WHOLE = 0.9  # a model loads whole while it needs at most this share of the memory available
+AUTO_MIN = 32 * 10**6  # smaller models always load whole: their sessions' overhead is of their size
 
 
 def resident_need(parts: dict[str | None, Manifest]) -> int:
@@ -174,24 +182,29 @@ def resident_need(parts: dict[str | None, Manifest]) -> int:
 
 def auto_budget(parts: dict[str | None, Manifest], available: int | None) -> int | None:
     """A memory budget for an artifact loaded with no streaming option: None where it fits in the
-    ``available`` bytes loaded whole (or they cannot be told), else a share of them that streams it,
-    as a model that does not fit should run rather than be killed by the kernel as it loads.
+    ``available`` bytes loaded whole, with a tenth of them to spare (or they cannot be told, or it
+    is under 32 MB), else 60% of them, which streams it: a model that does not fit should run
+    rather than be killed by the kernel as it loads.
 
     Raises:
-        ConfigError: not even its largest shard fits with room to run it; naming the sizes and the fixes.
+        ConfigError: not even the largest shard of each component fits with room to run it; naming
+            the sizes and the fixes.
     """
     need = resident_need(parts)
-    if available is None or need <= available:
+    if available is None or available >= UNKNOWN_MEMORY or need <= available * AUTO_WHOLE or need < AUTO_MIN:
         return None
     files = sum(model_bytes(m) for m in parts.values())
-    largest = int(max(max(shard_bytes(m)) for m in parts.values()) * need / max(files, 1))  # packed, for 4-bit
-    budget = max(int(available * AUTO_SHARE), largest)
-    if budget > available * 0.9:
+    # each component's largest shard loaded at once (split_budget's least), packed for 4-bit weights
+    least = int(sum(max(shard_bytes(m)) for m in parts.values()) * need / max(files, 1))
+    budget = max(int(available * AUTO_SHARE), least)
+    if budget > available * AUTO_WHOLE:
+        whole = max(len(m.shards) for m in parts.values())
         raise ConfigError(
             f"this model takes about {fmt_bytes(need)} loaded whole, and only {fmt_bytes(available)} of memory is free "
-            f"(MemAvailable, or what this process's memory cgroup leaves); streaming it needs its largest shard "
-            f"({fmt_bytes(largest)}) loaded at once with room to run. Free memory or raise the limit, re-convert with "
-            "smaller shards (--shard-size), or give memory_budget= (--memory-budget) to try a budget of your own.")
+            f"(MemAvailable, or what this process's memory cgroup leaves); streaming it needs its largest shard"
+            f"{'s' if len(parts) > 1 else ''} ({fmt_bytes(least)}) loaded at once with room to run. Free memory or raise "
+            f"the limit, re-convert with smaller shards (--shard-size), or choose: memory_budget= (--memory-budget) "
+            f"streams within a budget of your own, resident={whole} (--resident {whole}) loads it whole anyway.")
     return budget
 
 

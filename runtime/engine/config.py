@@ -33,7 +33,8 @@ def _whole(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class LoadConfig:
-    """How to load and run an artifact. Defaults: all shards resident on CPU, every file hashed.
+    """How to load and run an artifact. Defaults: all shards resident on CPU (streamed where the
+    model does not fit the free memory, :func:`~slimml.runtime.engine.budget.auto_budget`), every file hashed.
 
     The fields are :func:`slimml.runtime.load`'s keywords, described there: ``device``,
     ``threads``, ``verify``, ``resident``, ``prefetch``, ``memory_budget``, ``pin``, ``pack``,
@@ -57,7 +58,8 @@ class LoadConfig:
         "help": "Check every file's size and sha256 against the manifest before loading (and a streamed file "
                 "again if it changes)."})
     resident: int | None = field(default=None, metadata={
-        "help": "Shards loaded at once (K); fewer than the shard count streams the model.", "flags": ["-k"]})
+        "help": "Shards loaded at once (K); fewer than the shard count streams the model (default: all, where "
+                "they fit the free memory; the shard count loads it whole anyway).", "flags": ["-k"]})
     prefetch: int | None = field(default=None, metadata={
         "help": "Shards the loader brings in ahead of the one computing (P).", "flags": ["-p"]})
     memory_budget: int | str | None = field(default=None, metadata={

@@ -64,7 +64,7 @@ def weights_as_inputs(model: onnx.ModelProto, what: str) -> tuple[bytes, list[We
         except (KeyError, ValueError, TypeError):
             raise ArtifactError(
                 f"{what}: weight {t.name!r} (type {t.data_type}) cannot be streamed: its type or data record is not "
-                "one slimml reads; load the model fully resident (no resident=/memory_budget=) or re-convert it."
+                "one slimml reads; load the model fully resident (resident= its shard count) or re-convert it."
             ) from None
         shape = tuple(int(d) for d in t.dims)
         if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != length:

@@ -286,12 +286,14 @@ def chat(model: Any, messages: list[dict[str, Any]] | list[list[dict[str, Any]]]
                           'from its start; leave one out (tool_choice="none" keeps the tools in the conversation).')
     if stream not in (False, None, True, "deltas"):
         raise ConfigError(f'stream must be True, False or "deltas", got {stream!r}.')
-    form = ReplyFormat.of(chat_template(model).source, checked, reasoning, continued=continue_final_message,
+    template = chat_template(model)
+    form = ReplyFormat.of(template.source, checked, reasoning, continued=continue_final_message,
                           specials=special_tokens(model.text))
     variables = form.variables(chat_template_kwargs)
     formatted = config.grammar is not None  # a response_format holds the reply
     config = form.config(config)
-    rendered = [form.prompt(chat_prompt(model, form.messages(m), add_generation_prompt=add_generation_prompt,
+    # developer messages as the system message first: a tool format joins its listing to that one
+    rendered = [form.prompt(chat_prompt(model, form.messages(template.known_roles(m)), add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message, **variables), formatted)
                 for m in conversations]
     steps = _steps(model, rendered, config, raw_text=True, cancel=cancel)

@@ -223,9 +223,10 @@ class LLMService:
         form = ReplyFormat()  # a completion's: plain text
         if req.chat:
             try:
-                source = chat_template(self.model).source
-                form = ReplyFormat.of(source, req.tools, self.reasoning, served=True, specials=special_tokens(self.model.text))
-                messages = form.messages(req.messages)
+                template = chat_template(self.model)
+                form = ReplyFormat.of(template.source, req.tools, self.reasoning, served=True,
+                                      specials=special_tokens(self.model.text))
+                messages = form.messages(template.known_roles(req.messages))
                 prompt, raw = chat_prompt(self.model, messages, **form.variables(req.template_kwargs)), True
                 # a reasoning model: no thoughts where a format holds the answer from its start
                 prompt = form.prompt(prompt, formatted=req.response_format is not None)

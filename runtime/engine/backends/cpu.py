@@ -11,7 +11,7 @@ import onnxruntime as ort
 
 from slimml.errors import ConfigError
 from slimml.runtime.engine.backends.base import Backend
-from slimml.runtime.engine.budget import available_memory, shard_bytes
+from slimml.runtime.engine.budget import UNKNOWN_MEMORY, available_memory, shard_bytes
 from slimml.runtime.engine.packed import NO_CACHE, PackedSlots, cache_root, supported
 from slimml.runtime.engine.slots import FedSlots
 
@@ -53,7 +53,8 @@ class CpuBackend(Backend):
         return getattr(session, "_sess", None)
 
     def memory_available(self) -> int | None:
-        return available_memory()
+        free = available_memory()
+        return None if free >= UNKNOWN_MEMORY else free
 
     def weight_source(self, folder: Path, manifest: Manifest, config: LoadConfig) -> WeightSource:
         why = supported()

@@ -91,8 +91,7 @@ class ChatTemplate:
         if continue_final_message and add_generation_prompt:
             raise ConfigError("continue_final_message continues the last message and add_generation_prompt opens a new "
                               "turn; pass add_generation_prompt=False with continue_final_message=True.")
-        if any(m.get("role") == "developer" for m in messages) and not self.knows_developer:
-            messages = _developer_as_system(messages)
+        messages = self.known_roles(messages)
         if continue_final_message:
             messages, final = _tagged(messages)
         context = {"tools": None, "documents": None, **self.special, **variables}
@@ -134,6 +133,15 @@ class ChatTemplate:
                 raise
         return template_budget.render(self.template, messages=fallback, add_generation_prompt=add_generation_prompt,
                                       **context)
+
+    def known_roles(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` in the roles this template knows: OpenAI's ``developer`` messages as the
+        system message where it has no developer role (gpt-oss's has), as llama.cpp's server maps
+        them. :meth:`render` applies it; a tool format that joins its listing to the system message
+        wants it first."""
+        if self.knows_developer or not any(isinstance(m, dict) and m.get("role") == "developer" for m in messages):
+            return messages
+        return _developer_as_system(messages)
 
     def writes_tool_results(self, tools: bool) -> bool:
         """Whether the template writes a ``tool`` message (the result of a call) into the prompt,
