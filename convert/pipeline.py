@@ -29,7 +29,7 @@ from slimml.runtime.artifact.atomic import check_output, one_line_errors
 from slimml.runtime.artifact.files import verify_files
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.artifact.writer import ArtifactWriter
-from slimml.runtime.engine.budget import bigger_than_memory
+from slimml.runtime.engine.budget import bigger_than_memory, fmt_bytes
 from slimml.runtime.loader import load
 from slimml.runtime.tools.bench import sample_feeds, time_runs
 
@@ -173,6 +173,9 @@ def _convert(src: Source, out: Any, config: ConvertConfig, step: Callable[[str],
                 manifest.checks |= check_language_model(w.folder, manifest, src.path, config.eval_text)
         else:
             verify_files(w.folder, manifest)
+        big = oversized(manifest, config.shard)
+        if big:  # --shard-size could not be met: said, not left for a streamed load to find
+            source_checks["shard_note"] = big
         if exported.note:  # why a decoder did not get the fast graph: shown with the report
             source_checks["exporter_note"] = exported.note
         if exported.preprocessing_note:  # an image processor slimml does not reproduce: images refused, not misread
@@ -233,6 +236,22 @@ def _check_inputs(config: ConvertConfig) -> None:
         from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.compare_on)
+
+
+def oversized(manifest: Manifest, shard: Any) -> str | None:
+    """What ``--shard-size`` could not meet, in words: the shards past it, each one piece the
+    splitter cannot cut (one layer, or a token embedding or output head alone); None where all fit."""
+    if getattr(shard, "mode", None) != "size" or not shard.max_mb:
+        return None
+    chains = manifest.components or {None: manifest}
+    over = [(name, s.index, s.weight_bytes) for name, m in chains.items() for s in m.shards
+            if s.weight_bytes > shard.max_mb * 1e6]
+    if not over:
+        return None
+    said = ", ".join(f"{f'{name} ' if name else ''}shard {i} ({fmt_bytes(b)})" for name, i, b in over[:4])
+    more = f" and {len(over) - 4} more" if len(over) > 4 else ""
+    return (f"{said}{more} above --shard-size {shard.max_mb:g} MB: one layer, or the token embedding or output head "
+            "alone, is not cut; a streamed load needs a budget of at least the largest")
 
 
 def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWriter) -> list[dict[str, Any]]:

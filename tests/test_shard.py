@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -67,6 +69,21 @@ def test_size_mode_keeps_shards_under_the_limit(mlp_onnx, tmp_path):
     out.mkdir()
     specs = shard(mlp_onnx, out, ShardConfig(mode="size", max_mb=600 / 1e6))  # two layers fit in 600 bytes
     assert [s.weight_bytes for s in specs] == [576, 576]
+
+
+def test_a_shard_size_that_cannot_be_met_is_said(mlp_onnx, tmp_path):
+    """A layer above --shard-size stays whole, as it must; the convert said nothing of it, and a streamed
+    load then advised smaller shards, which cannot cut it."""
+    from slimml.convert import ConvertConfig, convert
+
+    report = convert(mlp_onnx, tmp_path / "art", ConvertConfig(shard=ShardConfig(mode="size", max_mb=100 / 1e6),
+                                                               measure_latency=False))
+    assert re.fullmatch(r"shard 0 \(\d+ B\), shard 2 \(\d+ B\), shard 4 \(\d+ B\), shard 6 \(\d+ B\) above "
+                        r"--shard-size 0.0001 MB: one layer, or the token embedding or output head alone, is not cut; a "
+                        r"streamed load needs a budget of at least the largest", report.checks["shard_note"]), report.checks
+    fits = convert(mlp_onnx, tmp_path / "fits", ConvertConfig(shard=ShardConfig(mode="size", max_mb=1.0),
+                                                              measure_latency=False))
+    assert "shard_note" not in fits.checks
 
 
 def test_large_weights_go_to_external_data_files(tmp_path):

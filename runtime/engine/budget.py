@@ -203,7 +203,10 @@ def auto_budget(parts: dict[str | None, Manifest], available: int | None) -> int
             f"this model takes about {fmt_bytes(need)} loaded whole, and only {fmt_bytes(available)} of memory is free "
             f"(MemAvailable, or what this process's memory cgroup leaves); streaming it needs its largest shard"
             f"{'s' if len(parts) > 1 else ''} ({fmt_bytes(least)}) loaded at once with room to run. Free memory or raise "
-            f"the limit, re-convert with smaller shards (--shard-size), or choose: memory_budget= (--memory-budget) "
+            "the limit"
+            + ("" if any(_uncut(m, max(range(len(m.shards)), key=lambda i: shard_bytes(m)[i])) for m in parts.values())
+               else ", re-convert with smaller shards (--shard-size)")
+            + f", or choose: memory_budget= (--memory-budget) "
             f"streams within a budget of your own, resident={whole} (--resident {whole}) loads it whole anyway.")
     return budget
 
@@ -314,7 +317,9 @@ def plan_stream(
                 f"whole. Give at least {_round_up_mb(sizes[big])}MB (memory_budget=, --memory-budget"
                 + ("; 4- or 8-bit weights pre-packed for this CPU can need more, which a load then names"
                    if any(st.get("step") == "quantize" and st.get("bits") in (4, 8) for st in manifest.steps) else "")
-                + "), or re-convert with smaller shards (--shard-size)."
+                + ")" + (f"; it holds {'one layer' if manifest.shards[big].layers else 'no layer (an embedding or a head)'}, "
+                         "which no smaller --shard-size cuts." if _uncut(manifest, big) else
+                         ", or re-convert with smaller shards (--shard-size).")
             )
         pin_bytes = sum(sizes[i] for i in pinned)
         rest = [sizes[i] for i in range(n) if i not in pinned]
@@ -497,6 +502,13 @@ def _check_pin(pin, n: int) -> list[int]:
         raise ConfigError(f"pin={list(pin)} names shard {twice} twice (a negative index counts from the end, -1 the "
                           f"last of {n}); give each shard once.")
     return sorted(out)
+
+
+def _uncut(manifest: Manifest, index: int) -> bool:
+    """Whether shard ``index`` is one piece a smaller ``--shard-size`` would not cut: one layer, or
+    no layer in a model whose other shards hold them (its token embedding, its head)."""
+    layers = manifest.shards[index].layers
+    return len(layers) == 1 or (not layers and any(s.layers for s in manifest.shards))
 
 
 def _round_up_mb(n: int) -> int:
