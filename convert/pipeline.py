@@ -173,6 +173,10 @@ def _convert(src: Source, out: Any, config: ConvertConfig, step: Callable[[str],
                 manifest.checks |= check_language_model(w.folder, manifest, src.path, config.eval_text)
         else:
             verify_files(w.folder, manifest)
+        if str(manifest.task).startswith("text-generation") and manifest.tokenizer is None:  # ids only: said now
+            source_checks["tokenizer_note"] = ("the source has no tokenizer, so the artifact takes token ids only (no text, "
+                                               "no chat, no perplexity check); convert a folder that has its tokenizer "
+                                               "(tokenizer.json) to give it text")
         big = oversized(manifest, config.shard)
         if big:  # --shard-size could not be met: said, not left for a streamed load to find
             source_checks["shard_note"] = big

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from slimml.cli import app
 from slimml.errors import ConfigError, SlimmlError
+from slimml.runtime.artifact.manifest import read_manifest
 from test_stream import mlp_artifact, tiny_llama_artifact  # noqa: F401  (module fixtures)
 
 runner = CliRunner()
@@ -57,7 +58,10 @@ def test_bench_budget_too_small(mlp_artifact):  # noqa: F811
 def test_generate_needs_a_tokenizer_for_text(tiny_llama_artifact):  # noqa: F811
     r = runner.invoke(app, ["generate", str(tiny_llama_artifact), "--prompt", "Hello", "--resident", "2"])
     assert isinstance(r.exception, SlimmlError)
-    assert str(r.exception).endswith("has no tokenizer; pass token ids instead of text.")
+    assert str(r.exception).endswith("has no tokenizer, so it cannot read text: pass token ids instead (model.generate(["
+                                     "[1, 2, 3]]) in Python), or re-convert it from a folder that has its tokenizer "
+                                     "(tokenizer.json) to give it text.")
+    assert read_manifest(tiny_llama_artifact).checks["tokenizer_note"].startswith("the source has no tokenizer")
 
 
 def test_bench_sweep_says_which_points_it_skips_and_refuses_when_none_streams(mlp_artifact, tmp_path):  # noqa: F811

@@ -61,7 +61,9 @@ def prepare(model: Any, prompts: Any, config: GenerationConfig, raw_text: bool =
     limits = getattr(model, "limits", None) or Limits()  # model.limits, raised for trusted input
     if texts:
         if tok is None:
-            raise SlimmlError(f"the artifact {model.folder} has no tokenizer; pass token ids instead of text.")
+            raise SlimmlError(f"the artifact {model.folder} has no tokenizer, so it cannot read text: pass token ids "
+                              "instead (model.generate([[1, 2, 3]]) in Python), or re-convert it from a folder that has its "
+                              "tokenizer (tokenizer.json) to give it text.")
         check_unicode(prompts)
         # bounded before tokenizing, never cut silently
         texts_in = limits.check_prompts(list(prompts), model.engine.max_sequence_length, config.truncate)
