@@ -73,6 +73,9 @@ def inspect_gguf(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(8)
+    if head[:4] == GGUF_MAGIC and len(head) < 8:
+        raise SourceError(f"{path} is truncated: it ends after {len(head)} bytes, inside its GGUF header; download or copy "
+                          "it again.")
     if len(head) < 8 or head[:4] != GGUF_MAGIC:
         raise SourceError(f"{path} is not a GGUF file (it does not start with 'GGUF'); give a llama.cpp .gguf model file.")
     version = struct.unpack("<I", head[4:8])[0]

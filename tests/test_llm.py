@@ -294,6 +294,7 @@ def _tiny_gguf(path: Path, arch: str) -> Path:
     ("architecture", "holds a 'rwkv6' model, which transformers .* cannot read from GGUF \\(slimml converts GGUF bloom, .*gpt-oss, .*qwen3moe, stablelm, starcoder2\\)"),
     ("recurrent", "holds a 'lfm2' model .* state-space and hybrid models are not supported yet; convert a transformer decoder"),
     ("not gguf", "is not a GGUF file"),
+    ("header cut", "is truncated: it ends after 4 bytes, inside its GGUF header"),  # was: "does not start with 'GGUF'"
 ])
 def test_bad_gguf_is_refused_before_anything_is_written(tmp_path, kind, match):
     from slimml.convert import convert
@@ -310,6 +311,8 @@ def test_bad_gguf_is_refused_before_anything_is_written(tmp_path, kind, match):
         _tiny_gguf(bad, "rwkv6")
     elif kind == "recurrent":  # transformers reads LFM2 from GGUF; its cache is not one key and value a layer
         _tiny_gguf(bad, "lfm2")
+    elif kind == "header cut":
+        bad.write_bytes(b"GGUF")
     else:
         bad.write_bytes(b"PK\x03\x04 not a model")
     out = tmp_path / "out"
