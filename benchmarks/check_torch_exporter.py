@@ -39,7 +39,7 @@ for name, make in fams.items():
             import onnx
             ops = [n.op_type for f in (root / "art").glob("shard_*.onnx") for n in onnx.load(str(f), load_external_data=False).graph.node]
             fused = f", int8 QAttention {ops.count('QAttention')} of 2 layers"
-        print(T.__version__, exp, name, "OK", r.task, "max abs diff vs torch", r.checks.get("max_abs_diff_vs_torch"), fused)
+        print(T.__version__, exp, name, "OK", r.task, "max abs diff vs torch", r.checks.get("max_abs_diff_vs_torch", r.checks.get("float_max_abs_diff_vs_torch")), fused)
     except Exception as e:
         print(T.__version__, exp, name, "FAIL", type(e).__name__, str(e)[:300])
 shutil.rmtree(work, ignore_errors=True)

@@ -116,8 +116,8 @@ def slimml_row(gguf: Path, scheme: str, art: Path, text: Path, generate: bool) -
     row["size_mb"] = round(_size(art) / 1e6, 2)
     row["source_quantization"] = checks.get("source_quantization")
     for key in ("perplexity_source", "perplexity_artifact", "perplexity_rel_diff", "top1_agreement", "source_note"):
-        if key in checks:
-            row[key] = checks[key]
+        if key in checks or f"float_{key}" in checks:  # a quantized artifact keeps the float one's checks as float_*
+            row[key] = checks.get(key, checks.get(f"float_{key}"))
     # --quantize: the guard's checks, prefixed (perplexity of the quantized against the float artifact)
     row |= {k: v for k, v in checks.items() if k.startswith("quantize_") and not isinstance(v, (dict, list))}
     quant = next((s for s in json.loads((art / "manifest.json").read_text()).get("steps", []) if s.get("step") == "quantize"), None)

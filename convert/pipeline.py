@@ -243,8 +243,9 @@ def _check_inputs(config: ConvertConfig) -> None:
 
 
 def oversized(manifest: Manifest, shard: Any) -> str | None:
-    """What ``--shard-size`` could not meet, in words: the shards past it, each one piece the
-    splitter cannot cut (one layer, or a token embedding or output head alone); None where all fit."""
+    """What ``--shard-size`` could not meet, in words: the shards past it, each a piece with no cut
+    point inside (one weight matrix: the token embedding, the output head, a projection); None
+    where all fit."""
     if getattr(shard, "mode", None) != "size" or not shard.max_mb:
         return None
     chains = manifest.components or {None: manifest}
@@ -254,8 +255,9 @@ def oversized(manifest: Manifest, shard: Any) -> str | None:
         return None
     said = ", ".join(f"{f'{name} ' if name else ''}shard {i} ({fmt_bytes(b)})" for name, i, b in over[:4])
     more = f" and {len(over) - 4} more" if len(over) > 4 else ""
-    return (f"{said}{more} above --shard-size {shard.max_mb:g} MB: one layer, or the token embedding or output head "
-            "alone, is not cut; a streamed load needs a budget of at least the largest")
+    return (f"{said}{more} above --shard-size {shard.max_mb:g} MB: each is a piece with no cut point inside (one weight "
+            "matrix: the token embedding, the output head, a projection); a streamed load needs a budget of at least the "
+            "largest")
 
 
 def _steps(config: ConvertConfig, exported: Exported, src: Source, w: ArtifactWriter) -> list[dict[str, Any]]:

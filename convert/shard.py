@@ -235,7 +235,7 @@ def choose_cuts(g: _Graph, config: ShardConfig) -> list[int]:
         if not ahead or g.cum_bytes[-1] - g.cum_bytes[start] <= limit:
             return cuts
         fits = [c for c in ahead if g.cum_bytes[c] - g.cum_bytes[start] <= limit]
-        start = max(fits) if fits else min(ahead)  # a single layer above the limit stays whole
+        start = max(fits) if fits else min(ahead)  # a piece with no cut point inside (one weight matrix) stays whole
         cuts.append(start)
 
 

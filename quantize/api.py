@@ -176,12 +176,16 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig, on_step
     return result
 
 
+KEPT_CHECKS = ("exporter_note", "preprocessing_note", "tokenizer_note")  # true of the quantized artifact too
+
+
 def float_checks(checks: dict[str, Any]) -> dict[str, Any]:
     """The float artifact's checks, as the quantized one keeps them: what was measured of the float
-    model named so (``float_perplexity_artifact``, ``float_latency_ms_b1_s128``), so that no figure
-    of the float model reads as the quantized one's; what describes the source (``source_...``,
-    notes) as it was."""
-    return {k if k.startswith(("source_", "float_")) or k.endswith("_note") else f"float_{k}": v for k, v in checks.items()}
+    model (its sizes and notes on them too) named so (``float_perplexity_artifact``,
+    ``float_latency_ms_b1_s128``, ``float_shard_note``), so that no figure of the float model reads as
+    the quantized one's; what describes the source and the export (``source_...``, the exporter's
+    note) as it was."""
+    return {k if k.startswith(("source_", "float_")) or k in KEPT_CHECKS else f"float_{k}": v for k, v in checks.items()}
 
 
 def check_inputs(config: QuantizeConfig) -> None:

@@ -85,7 +85,11 @@ def test_warnings_are_their_one_line_even_after_a_library_configures_logging():
     printed as "WARNING:slimml:slimml: ..."."""
     code = ("import logging, sys; import slimml.cli.entry as e; e._plain_warnings(); logging.basicConfig(); "
             "logging.getLogger('slimml').warning('slimml: the perplexity rose %.1f%%', 71.2); "
-            "logging.getLogger('slimml').info('slimml: not shown')")
+            "logging.getLogger('slimml').info('slimml: not shown'); "
+            # written to sys.stderr as it is then: rich swaps in a proxy under its spinner (the line stuck to it)
+            "import io; buf = io.StringIO(); real, sys.stderr = sys.stderr, buf; "
+            "logging.getLogger('slimml').warning('slimml: under a spinner'); sys.stderr = real; "
+            "assert buf.getvalue() == 'slimml: under a spinner\\n', buf.getvalue()")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stderr == "slimml: the perplexity rose 71.2%\n", r.stderr
 

@@ -79,8 +79,9 @@ def test_a_shard_size_that_cannot_be_met_is_said(mlp_onnx, tmp_path):
     report = convert(mlp_onnx, tmp_path / "art", ConvertConfig(shard=ShardConfig(mode="size", max_mb=100 / 1e6),
                                                                measure_latency=False))
     assert re.fullmatch(r"shard 0 \(\d+ B\), shard 2 \(\d+ B\), shard 4 \(\d+ B\), shard 6 \(\d+ B\) above "
-                        r"--shard-size 0.0001 MB: one layer, or the token embedding or output head alone, is not cut; a "
-                        r"streamed load needs a budget of at least the largest", report.checks["shard_note"]), report.checks
+                        r"--shard-size 0.0001 MB: each is a piece with no cut point inside \(one weight matrix: the token "
+                        r"embedding, the output head, a projection\); a streamed load needs a budget of at least the largest",
+                        report.checks["shard_note"]), report.checks
     fits = convert(mlp_onnx, tmp_path / "fits", ConvertConfig(shard=ShardConfig(mode="size", max_mb=1.0),
                                                               measure_latency=False))
     assert "shard_note" not in fits.checks

@@ -133,10 +133,18 @@ def test_budget_below_largest_shard_is_refused_before_loading(mlp_artifact, tmp_
         load(art, memory_budget=1000)
     assert str(e.value) == (
         f"memory budget 1.00 KB is smaller than shard {big} (shard_{big:03d}.onnx, {sizes[big] / 1e3:.2f} KB), the "
-        f"largest shard; a shard must fit whole. Give at least 1MB (memory_budget=, --memory-budget); it holds one layer, "
-        "which no smaller --shard-size cuts."  # it said to re-convert with smaller shards, which cannot cut one layer
+        f"largest shard; a shard must fit whole. Give at least 1MB (memory_budget=, --memory-budget), or re-convert with smaller "
+        "shards (--shard-size)."
     )
-    assert m.shards[big].layers and len(m.shards[big].layers) == 1
+    # a layered model's embedding or head: one weight, which no smaller --shard-size cuts (that advice could not help)
+    from slimml.runtime.artifact.manifest import ShardSpec
+
+    headed = dataclasses.replace(m, shards=[dataclasses.replace(sh, layers=[] if sh.index == big else ["layers.0"])
+                                            for sh in m.shards])
+    assert isinstance(headed.shards[0], ShardSpec)
+    with pytest.raises(ConfigError, match=r"1MB \(memory_budget=, --memory-budget\); it is the token embedding or the head, "
+                                          r"one weight no smaller --shard-size cuts\.$"):
+        plan_stream(headed, memory_budget=1000)
     from slimml.runtime.engine.budget import _apart
 
     # figures that both read "113.25 MB" are shown in bytes (the refusal read "113.25 MB is smaller than ... 113.25 MB")

@@ -317,9 +317,8 @@ def plan_stream(
                 f"whole. Give at least {_round_up_mb(sizes[big])}MB (memory_budget=, --memory-budget"
                 + ("; 4- or 8-bit weights pre-packed for this CPU can need more, which a load then names"
                    if any(st.get("step") == "quantize" and st.get("bits") in (4, 8) for st in manifest.steps) else "")
-                + ")" + (f"; it holds {'one layer' if manifest.shards[big].layers else 'no layer (an embedding or a head)'}, "
-                         "which no smaller --shard-size cuts." if _uncut(manifest, big) else
-                         ", or re-convert with smaller shards (--shard-size).")
+                + ")" + ("; it is the token embedding or the head, one weight no smaller --shard-size cuts."
+                         if _uncut(manifest, big) else ", or re-convert with smaller shards (--shard-size).")
             )
         pin_bytes = sum(sizes[i] for i in pinned)
         rest = [sizes[i] for i in range(n) if i not in pinned]
@@ -505,10 +504,10 @@ def _check_pin(pin, n: int) -> list[int]:
 
 
 def _uncut(manifest: Manifest, index: int) -> bool:
-    """Whether shard ``index`` is one piece a smaller ``--shard-size`` would not cut: one layer, or
-    no layer in a model whose other shards hold them (its token embedding, its head)."""
-    layers = manifest.shards[index].layers
-    return len(layers) == 1 or (not layers and any(s.layers for s in manifest.shards))
+    """Whether shard ``index`` is a piece a smaller ``--shard-size`` would not cut: no layer in a
+    model whose other shards hold them, which is its token embedding or its head, one big weight
+    each (a layer's shard is cut between its matrices)."""
+    return not manifest.shards[index].layers and any(s.layers for s in manifest.shards)
 
 
 def _round_up_mb(n: int) -> int:

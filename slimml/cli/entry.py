@@ -40,9 +40,12 @@ def _plain_warnings() -> None:
     quantizer does), printed as ``WARNING:slimml:slimml: ...``."""
     import logging
 
+    class CurrentStderr(logging.StreamHandler):  # sys.stderr as it is when a line is written: rich swaps in a
+        stream = property(lambda self: sys.stderr, lambda self, value: None)  # proxy under its spinner
+
     log = logging.getLogger("slimml")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = CurrentStderr()
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler.setLevel(logging.WARNING)
         log.addHandler(handler)
