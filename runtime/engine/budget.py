@@ -170,12 +170,17 @@ AUTO_WHOLE = 0.9  # a model loads whole while it needs at most this share of the
 AUTO_MIN = 32 * 10**6  # smaller models always load whole: their sessions' overhead is of their size
 
 
+def _quantized_bits(manifest: Manifest) -> set:
+    """The bits of the artifact's quantize steps (its steps as read: a hostile manifest's may be anything)."""
+    return {st.get("bits") for st in manifest.steps if isinstance(st, dict) and st.get("step") == "quantize"}
+
+
 def resident_need(parts: dict[str | None, Manifest]) -> int:
     """About the bytes an artifact's shards take loaded whole on the host: their files, or up to
     1.6x for 4-bit weights that ONNX Runtime packs."""
     need = 0
     for m in parts.values():
-        four = any(st.get("step") == "quantize" and st.get("bits") == 4 for st in m.steps)
+        four = 4 in _quantized_bits(m)
         need += int(model_bytes(m) * (RESIDENT_4BIT if four else 1.0))
     return need
 
@@ -316,7 +321,7 @@ def plan_stream(
                 f"({manifest.shards[big].file}, {need}), the largest shard; a shard must fit "
                 f"whole. Give at least {_round_up_mb(sizes[big])}MB (memory_budget=, --memory-budget"
                 + ("; 4- or 8-bit weights pre-packed for this CPU can need more, which a load then names"
-                   if any(st.get("step") == "quantize" and st.get("bits") in (4, 8) for st in manifest.steps) else "")
+                   if {4, 8} & _quantized_bits(manifest) else "")
                 + ")" + ("; it is the token embedding or the head, one weight no smaller --shard-size cuts."
                          if _uncut(manifest, big) else ", or re-convert with smaller shards (--shard-size).")
             )
