@@ -209,9 +209,9 @@ def auto_budget(parts: dict[str | None, Manifest], available: int | None) -> int
             f"(MemAvailable, or what this process's memory cgroup leaves); streaming it needs its largest shard"
             f"{'s' if len(parts) > 1 else ''} ({fmt_bytes(least)}) loaded at once with room to run. Free memory or raise "
             "the limit"
-            + ("" if any(_uncut(m, max(range(len(m.shards)), key=lambda i: shard_bytes(m)[i])) for m in parts.values())
+            + ("" if all(_uncut(m, max(range(len(m.shards)), key=lambda i: shard_bytes(m)[i])) for m in parts.values())
                else ", re-convert with smaller shards (--shard-size)")
-            + f", or choose: memory_budget= (--memory-budget) "
+            + ", or choose: memory_budget= (--memory-budget) "
             f"streams within a budget of your own, resident={whole} (--resident {whole}) loads it whole anyway.")
     return budget
 
