@@ -38,6 +38,11 @@ def stop_asked(signum: int) -> None:
     _stop_asked.append(signum)
 
 
+def stop_signal() -> int | None:
+    """The signal a command line was first asked to stop by (:func:`stop_asked`), or None."""
+    return _stop_asked[0] if _stop_asked else None
+
+
 @contextmanager
 def atomic_folder(out: Path, private: bool = False) -> Iterator[Path]:
     """Yield a fresh temporary folder beside ``out``; on success swap it in as ``out``.

@@ -196,7 +196,7 @@ def auto_budget(parts: dict[str | None, Manifest], available: int | None) -> int
             the sizes and the fixes.
     """
     need = resident_need(parts)
-    if available is None or available >= UNKNOWN_MEMORY or need <= available * AUTO_WHOLE or need < AUTO_MIN:
+    if available is None or need <= available * AUTO_WHOLE or need < AUTO_MIN:
         return None
     files = sum(model_bytes(m) for m in parts.values())
     # each component's largest shard loaded at once (split_budget's least), packed for 4-bit weights
@@ -209,7 +209,7 @@ def auto_budget(parts: dict[str | None, Manifest], available: int | None) -> int
             f"(MemAvailable, or what this process's memory cgroup leaves); streaming it needs its largest shard"
             f"{'s' if len(parts) > 1 else ''} ({fmt_bytes(least)}) loaded at once with room to run. Free memory or raise "
             "the limit"
-            + ("" if all(_uncut(m, max(range(len(m.shards)), key=lambda i: shard_bytes(m)[i])) for m in parts.values())
+            + ("" if all(_uncut(m, _largest(m)) for m in parts.values())
                else ", re-convert with smaller shards (--shard-size)")
             + ", or choose: memory_budget= (--memory-budget) "
             f"streams within a budget of your own, resident={whole} (--resident {whole}) loads it whole anyway.")
@@ -313,7 +313,7 @@ def plan_stream(
     pinned = _check_pin(pin, n)
     budget = parse_bytes(memory_budget) if memory_budget is not None else None
     if budget is not None:
-        big = max(range(n), key=lambda i: sizes[i])
+        big = _largest(manifest)
         if budget < sizes[big]:
             have, need = _apart(budget, sizes[big])
             raise ConfigError(
@@ -506,6 +506,12 @@ def _check_pin(pin, n: int) -> list[int]:
         raise ConfigError(f"pin={list(pin)} names shard {twice} twice (a negative index counts from the end, -1 the "
                           f"last of {n}); give each shard once.")
     return sorted(out)
+
+
+def _largest(manifest: Manifest) -> int:
+    """The index of the artifact's largest shard."""
+    sizes = shard_bytes(manifest)
+    return sizes.index(max(sizes))
 
 
 def _uncut(manifest: Manifest, index: int) -> bool:

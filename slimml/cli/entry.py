@@ -11,20 +11,15 @@ from rich.text import Text
 
 from slimml.cli.common import app, err
 from slimml.errors import SlimmlError, missing_extra
-from slimml.runtime.artifact.atomic import stop_asked
-
-
-_stopped_by: list[int] = []  # the signal that asked the command to stop, for its last line
+from slimml.runtime.artifact.atomic import stop_asked, stop_signal
 
 
 def _terminated(signum, frame) -> None:
-    _stopped_by.append(signum)
     stop_asked(signum)  # should the exception be lost (raised in a __del__), no artifact is swapped in after all
     raise SystemExit(128 + signum)  # unwind as Ctrl-C does: a convert removes its half-written folder
 
 
 def _interrupted(signum, frame) -> None:
-    _stopped_by.append(signum)
     stop_asked(signum)
     raise KeyboardInterrupt
 
@@ -64,12 +59,13 @@ def main() -> None:
     try:
         code = app(standalone_mode=False)
     except (KeyboardInterrupt, typer.Abort, SystemExit) as e:
-        if not _stopped_by or (isinstance(e, SystemExit) and e.code != 128 + _stopped_by[0]):
+        stopped = stop_signal()
+        if stopped is None or (isinstance(e, SystemExit) and e.code != 128 + stopped):
             if isinstance(e, typer.Abort):
                 err.print("aborted.")
                 sys.exit(1)
             raise
-        code = 128 + _stopped_by[0]
+        code = 128 + stopped
     except SlimmlError as e:
         if os.environ.get("SLIMML_DEBUG"):
             raise
@@ -109,6 +105,7 @@ def main() -> None:
             sys.exit(e.exit_code)
         _error(f"{e.format_message().rstrip('.')}; see `{where} --help`.")
         sys.exit(e.exit_code)
-    if _stopped_by and code == 128 + _stopped_by[0]:  # click hands Ctrl-C back as 130
-        err.print(f"stopped ({signal.Signals(_stopped_by[0]).name}); nothing half-written is left.", highlight=False)
+    stopped = stop_signal()
+    if stopped is not None and code == 128 + stopped:  # click hands Ctrl-C back as 130
+        err.print(f"stopped ({signal.Signals(stopped).name}); nothing half-written is left.", highlight=False)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n without standalone mode
