@@ -87,6 +87,28 @@ def test_every_task_method_exists_on_a_generic_artifact_and_refuses(mlp_artifact
     assert model.run({"x": np.ones((1, 8), np.float32), "scale": np.ones((1, 1), np.float32)})["y"].shape == (1, 8)
 
 
+def test_a_manifest_whose_task_its_graph_is_not_says_so_and_to_re_convert(mlp_artifact, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "art"
+    shutil.copytree(mlp_artifact, folder)
+    data = json.loads((folder / "manifest.json").read_text())
+    data["task"] = "text-generation"  # an MLP's graph: x, scale -> y
+    (folder / "manifest.json").write_text(json.dumps(data))
+    model = load(folder)
+    assert isinstance(model, Generic)
+    for call in (lambda: model.generate([[1, 2]]), lambda: model.chat([{"role": "user", "content": "hi"}])):
+        with pytest.raises(TaskError) as e:
+            call()
+        assert "its manifest says task 'text-generation', but its graph takes x, scale and gives y" in str(e.value)
+        assert str(e.value).endswith("(tensors in, tensors out); use run() for its raw outputs, or re-convert it from "
+                                     "its source (slimml convert SOURCE --task text-generation).")
+        assert e.value.task == "generic"  # what it loaded as: a server says "a 'generic' model, not a text-generation model"
+    with pytest.raises(TaskError, match=r"cannot encode\(\): it is a 'text-generation' model, not a sentence-embedding"):
+        model.encode(["x"])
+
+
 def test_a_decoder_says_generate_and_the_loop_sees_its_engine(tiny_llama_past_artifact):
     model = load(tiny_llama_past_artifact)
     assert isinstance(model, CausalLM) and model.engine is not None and model.parts == {}

@@ -14,6 +14,7 @@ components (CLIP's towers, an encoder and a decoder) has one engine per componen
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -115,6 +116,13 @@ class Task:
             why = "has no tokenizer, so it cannot take text"
         elif method == "preprocess":
             why = "does not take images"
+        elif self._declared(method):  # the manifest names the task, but its graph is not that task's
+            m = self.manifest
+            why = (f"cannot {method}(): its manifest says task {m.task!r}, but its graph takes "
+                   f"{', '.join(t.name for t in m.inputs) or 'nothing'} and gives "
+                   f"{', '.join(t.name for t in m.outputs) or 'nothing'}, which is not such a model, so it loaded as "
+                   f"a {self.kind!r} model (tensors in, tensors out)")
+            use = f"run() for its raw outputs, or re-convert it from its source (slimml convert SOURCE --task {m.task})"
         else:
             why = f"cannot {method}(): it is a {self.manifest.task!r} model, not {NEEDS.get(method, 'one that has it')}"
         if self.manifest.stage_of not in ("", "generic"):  # load(shards=...) cut a stage of a model that has it
@@ -124,7 +132,13 @@ class Task:
         if method in ("encode", "encode_with_counts") and self.manifest.task == "feature-extraction":  # a plain encoder
             use += ("; for sentence embeddings, save the source as sentence-transformers does "
                     "(SentenceTransformer(FOLDER).save(OUT): mean pooling) and convert OUT")
-        return TaskError(f"the artifact {self.folder} {why}; use {use}.", self.manifest.task, method, alternatives)
+        task = self.kind if self._declared(method) else self.manifest.task  # what it loaded as, where they differ
+        return TaskError(f"the artifact {self.folder} {why}; use {use}.", task, method, alternatives)
+
+    def _declared(self, method: str) -> bool:
+        """Whether the manifest's task is the kind ``method`` needs, which this artifact's graph is not."""
+        task = self.manifest.task.removesuffix("-with-past")
+        return task not in ("", "generic", self.kind) and re.search(rf"\b{re.escape(task)}\b", NEEDS.get(method, "")) is not None
 
     # -- the task API: each raises TaskError unless the task has it ------------------------------
 
