@@ -644,6 +644,35 @@ def test_bad_prompts_and_templates_are_refused_with_the_fix(llama, tiny_llama_pa
             "use stop_token_ids instead.", load(tiny_llama_past_artifact).generate, [[1, 2]], stop=["x"])
 
 
+def test_a_served_answer_from_a_changed_artifact_is_503_with_the_reason_not_retry(tiny_llama_past_artifact, bpe, tmp_path):
+    """A file rewritten under a serving replica: chat and completions said "generation failed (IntegrityError);
+    ... Retry the request." with 500 (the OpenAI client retried it twice), where /health said the reason with 503."""
+    import asyncio
+
+    from slimml.serve.llm import LLMService
+
+    model = load(with_tokenizer(tiny_llama_past_artifact, tmp_path / "art", bpe))
+    service = LLMService(model, "art", 16, 2, 2)
+    try:
+        data = model.folder / model.manifest.shards[1].data
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        with open(data, "r+b") as f:  # rewritten in place
+            f.write(bytes(raw))
+        with pytest.raises(RequestError) as e:
+            asyncio.run(service.answer({"prompt": "the model", "max_tokens": 4}, "completions"))
+        assert e.value.status == 503 and "after the model was loaded" in str(e.value) and "Retry" not in str(e.value)
+
+        async def streamed():
+            answer = await service.answer({"prompt": "the model", "max_tokens": 4, "stream": True}, "completions")
+            return [event async for event in answer]
+
+        error = json.loads(asyncio.run(streamed())[-2].decode().removeprefix("data: "))["error"]
+        assert error["code"] == 503 and "after the model was loaded" in error["message"], error
+    finally:
+        service.worker.close()
+
+
 def test_cli_generate_streams_with_the_same_options(llama):
     def slimml(*args):
         r = subprocess.run([sys.executable, "-m", "slimml", "generate", str(llama.folder), *map(str, args)],

@@ -484,7 +484,9 @@ def test_a_prompt_longer_than_the_context_and_malformed_json_are_refused(server,
     context = local.engine.max_sequence_length
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="smollm2", prompt=[1] * (context + 10), max_tokens=4)
-    assert f"context is {context}" in e.value.body["message"]
+    assert e.value.body["message"] == (  # the longest prompt that leaves room for the 4 tokens asked for
+        f"the prompt is {context + 10} tokens, and this model's context is {context}, which leaves no room for an answer; "
+        f"shorten prompt to at most {context - 4} tokens (with max_tokens=4).")
     with pytest.raises(openai.BadRequestError) as e:  # the prompt is refused first (no format compiled for it)
         client.completions.create(model="smollm2", prompt=[1] * (context + 10), max_tokens=4,
                                   extra_body={"response_format": {"type": "regex", "regex": "("}})

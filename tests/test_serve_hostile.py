@@ -150,7 +150,7 @@ HOSTILE = [
     ("GET on a POST route", "/v1/chat/completions", None, 405, "is not allowed; send POST /v1/chat/completions"),
     ("no such route", "/v1/nothing", {}, 404, "there is no POST /v1/nothing here"),
     ("no key", "/v1/generate", {"prompt": [[1]]}, 401, "needs an API key"),
-    ("wrong key", "/v1/models", None, 401, "needs an API key"),
+    ("wrong key", "/v1/models", None, 401, "this API key is not the server's: send the key it was started with"),
     ("schema hidden", "/openapi.json", None, 404, None),
 ]
 _PATHS = re.compile(rb"/(tmp|home|root|usr|proc|var)/|\b\d{1,3}(\.\d{1,3}){3}\b")
@@ -265,6 +265,10 @@ def test_the_api_key_guards_every_endpoint_but_health(server):
     assert request(port, "GET", "/health")[0] == 200  # load balancers and probes need no key
     assert request(port, "GET", "/v1/models")[0] == 401
     status, body, _ = request(port, "GET", "/v1/models", headers={"Authorization": "Bearer " + KEY[:-1]})
+    assert status == 401 and body["error"]["message"] == (
+        "this API key is not the server's: send the key it was started with (--api-key or SLIMML_API_KEY) in the header "
+        "`Authorization: Bearer KEY`.")
+    status, body, _ = request(port, "GET", "/v1/models", headers={"Authorization": "Basic " + KEY})  # no bearer key
     assert status == 401 and body["error"]["message"] == (
         "this server needs an API key: send the header `Authorization: Bearer KEY`.")
     assert request(port, "GET", "/v1/models", headers=AUTH)[0] == 200

@@ -36,7 +36,7 @@ def test_config_from_serve_run_arguments():
         ServeConfig.from_args({"artifact": "a", "access_log": "maybe"})
     assert ServeConfig("a").prefix_bytes == 256_000_000 and ServeConfig("a", prefix_cache="0").prefix_bytes == 0
     assert ServeConfig.from_args({"artifact": "a", "prefix_cache": "1.5GiB"}).prefix_bytes == 3 << 29
-    with pytest.raises(ConfigError, match=r"^prefix_cache 'lots' is not a size; write it like '4GB'.*, or 0 to turn it off\.$"):
+    with pytest.raises(ConfigError, match=r"^prefix cache \(prefix_cache=, --prefix-cache\) 'lots' is not a size; write it like '4GB'.*, or 0 to turn it off\.$"):
         ServeConfig("a", prefix_cache="lots")
     assert ServeConfig.from_args({"artifact": "a", "pack": "false"}).pack is False  # a streamed model's weights fed
     with pytest.raises(ConfigError, match=r"^cache_dir=3 must be a folder path\.$"):  # LoadConfig's words, before Ray

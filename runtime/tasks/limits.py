@@ -153,7 +153,7 @@ class Limits:
         longest = max(lengths)
         if positions is not None and longest + max_new_tokens > positions:
             raise FeedError(
-                f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is more than this model's "
+                f"a prompt of {longest} token{'s' if longest != 1 else ''} plus max_new_tokens={max_new_tokens} is more than this model's "
                 f"{positions} positions; shorten the prompt or ask for at most {max(positions - longest, 0)} new tokens."
             )
         total = len(lengths) * beams * (longest + max_new_tokens)  # prompts are padded to the longest

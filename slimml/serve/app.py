@@ -404,6 +404,7 @@ class SlimmlServer:
             raise RequestError(f"this artifact is a {self.model.kind!r} model, not a language model, so it "
                                f"has no /v1/chat/completions, /v1/completions or /v1/responses; {use}.", 400)
         protocol.check_model(data, self.name)
+        await asyncio.to_thread(self.model.check_files)  # a changed artifact: 503 with the reason, before a stream's 200
         answer = await self._llm.answer(data, api)
         if isinstance(answer, dict):
             return Response(protocol.dumps(answer), media_type="application/json")

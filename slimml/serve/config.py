@@ -223,7 +223,7 @@ class ServeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 86_400:
                 raise ConfigError(f"{name} must be a number of seconds from 0 to 86400, got {v!r}.")
-        self.prefix_bytes  # "prefix_cache 'lots' is not a size; ..., or 0 to turn it off."
+        self.prefix_bytes  # "prefix cache (prefix_cache=, --prefix-cache) 'lots' is not a size; ..., or 0 to turn it off."
         if self.pack is not None or self.cache_dir is not None:  # LoadConfig's checks and words, before Ray starts
             LoadConfig(pack=self.pack, cache_dir=self.cache_dir)
         if self.memory_budget is not None:  # "memory budget 'lots' is not a size; ..." before Ray starts
@@ -248,7 +248,7 @@ class ServeConfig:
         """``prefix_cache`` in bytes (0: off)."""
         from slimml.runtime.engine.budget import parse_bytes_or_off
 
-        return parse_bytes_or_off(self.prefix_cache, "prefix_cache")
+        return parse_bytes_or_off(self.prefix_cache, "prefix cache (prefix_cache=, --prefix-cache)")
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> ServeConfig:

@@ -54,8 +54,10 @@ class Guard:
             given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
             digest = hashlib.sha256(given.encode("utf-8", "replace")).hexdigest()
             if not given or not hmac.compare_digest(digest, state["key_sha256"]):
-                refused = error_response("this server needs an API key: send the header `Authorization: Bearer KEY`.",
-                                         401, {"WWW-Authenticate": "Bearer"})
+                said = ("this server needs an API key: send the header `Authorization: Bearer KEY`." if not given else
+                        "this API key is not the server's: send the key it was started with (--api-key or "
+                        "SLIMML_API_KEY) in the header `Authorization: Bearer KEY`.")
+                refused = error_response(said, 401, {"WWW-Authenticate": "Bearer"})
                 return await refused(scope, receive, send)
         held = 0
 

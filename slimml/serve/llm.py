@@ -22,7 +22,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from slimml.errors import ConfigError, FeedError, NoChatTemplateError, OutOfMemoryError, RequestError, SlimmlError
+from slimml.errors import (ConfigError, FeedError, IntegrityError, NoChatTemplateError, OutOfMemoryError, RequestError,
+                           SlimmlError)
 from slimml.runtime.tasks.generation.config import GenerationConfig
 from slimml.runtime.tasks.generation.continuous import PREFILL_TOKENS, ContinuousBatch, Sequence
 from slimml.runtime.tasks.generation.defaults import model_settings
@@ -355,8 +356,12 @@ def _rss() -> int | None:
 def _check_context(tokens: int, max_tokens: int | None, context: int, field: str) -> None:
     """Refuse a prompt that leaves no room in the context, or no room for ``max_tokens``."""
     if tokens >= context:
+        room = context - (max_tokens or 1)  # the longest prompt that leaves room for the answer asked for
+        said = (f"shorten {field} to at most {room} tokens (with max_tokens={max_tokens})" if max_tokens and room > 0
+                else f"shorten {field} to at most {context - 1} tokens" + (" and ask for fewer tokens (max_tokens)"
+                                                                           if max_tokens else ""))
         raise RequestError(f"the prompt is {tokens} tokens, and this model's context is {context}, which leaves no room "
-                           f"for an answer; shorten {field} to at most {context - 1} tokens.", param=field)
+                           f"for an answer; {said}.", param=field)
     if max_tokens is not None and tokens + max_tokens > context:
         raise RequestError(f"the prompt's {tokens} tokens plus max_tokens={max_tokens} are more than this model's context "
                            f"of {context}; ask for at most {context - tokens} tokens, or shorten {field}.",
@@ -382,10 +387,14 @@ def _failure(seq: Sequence) -> str:
     if isinstance(seq.error, OutOfMemoryError):  # the batch's pass could not allocate: every row of it ends so
         return ("the server ran out of memory for the batch this request was in; retry it, or ask for fewer tokens "
                 "(max_tokens) or send a shorter prompt.")
+    if isinstance(seq.error, IntegrityError):  # the artifact changed on disk: no retry helps, as /health says
+        return str(seq.error)
     kind = type(seq.error).__name__ if seq.error is not None else "error"
     return f"generation failed ({kind}); the server logged it. Retry the request."
 
 
 def _failure_status(seq: Sequence) -> int:
-    """503 (retry later) where the pass ran out of memory; else 500: a failed generation is the server's."""
-    return 503 if isinstance(seq.error, OutOfMemoryError) else 500
+    """503 where the pass ran out of memory (retry later) or the artifact's files changed (every route
+    answers 503 so, /health included, until the server is restarted); else 500: a failed generation
+    is the server's."""
+    return 503 if isinstance(seq.error, (OutOfMemoryError, IntegrityError)) else 500
