@@ -201,6 +201,8 @@ def test_sigterm_to_the_whole_process_group_stops_in_seconds(ray_env, tiny_bert_
             proc.wait()
     reaped(proc)
     assert took < 20, f"stopped in {took:.1f} s"
+    said = proc.stdout.read()
+    assert "Started Serve" in said and "will not be applied" not in said, said  # Serve's line after our own start
 
 
 def test_serve_direct_ingress_answers_on_the_port_itself(ray_env, tiny_bert_artifact):

@@ -140,6 +140,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             ) from None
         deployed = True
         try:
+            logging.getLogger("ray.serve").addFilter(_own_start)  # "New http_options ... will not be applied": ours were
             ray_serve.run(app(config, cpus_per_replica=replica_cpus([n["cpus"] for n in nodes], config.replicas),
                               memory_bytes=memory), name=APP,
                           route_prefix="/",
@@ -175,6 +176,13 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
 
 
 APP = "slimml"  # the Serve application's name (at route "/")
+
+
+def _own_start(record: logging.LogRecord) -> bool:
+    """Leave out Serve's "Connecting to existing Serve app ... New http_options/controller_options
+    will not be applied." that ``serve.run`` logs after this server's own ``serve.start``: the options
+    were applied there, and the line told users their --port or timeouts were ignored."""
+    return not str(record.msg).startswith("Connecting to existing Serve app")
 
 
 def _dead_ray_processes(ray) -> set[tuple[str, int]]:
