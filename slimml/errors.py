@@ -100,8 +100,8 @@ class MissingExtraError(SlimmlError, ImportError):
     Also an ImportError, for code that catches those."""
 
 
-# the packages of each extra a call may import, by their module name
-EXTRAS = {"torch": "convert", "transformers": "convert", "optimum": "convert", "nncf": "convert", "sympy": "convert",
+# the packages of each extra a call may import, by their module name (None: of the base install)
+EXTRAS: dict[str, str | None] = {"torch": "convert", "transformers": "convert", "optimum": "convert", "nncf": "convert", "sympy": None,
           "onnx_ir": "convert", "gguf": "convert", "accelerate": "convert", "sentence_transformers": "convert",
           "ray": "serve", "orjson": "serve", "matplotlib": "bench", "PIL": "vision"}
 
@@ -120,6 +120,9 @@ def missing_extra(e: ImportError, what: str = "this command") -> MissingExtraErr
         top = name.split(".")[0]
         if top in EXTRAS and find_spec(top) is None:  # not installed (an old version is another problem)
             group = EXTRAS[top]
+            if group is None:  # a package of the base install, removed since
+                return MissingExtraError(f"{what} needs the {top} package, which is not installed; pip install {top} "
+                                         "(slimml's base install brings it).")
             after = " (after pip install torch==2.13.0)" if group == "convert" else ""
             return MissingExtraError(f"{what} needs the {top} package, which is not installed; "
                                      f"pip install 'slimml[{group}]'{after}.")

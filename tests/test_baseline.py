@@ -112,7 +112,8 @@ def test_cli_bench_save_then_check(tiny_bert_artifact, tmp_path):
 
     assert "baseline saved to" in r.output and Baseline.load(base).settings == {
         "batch": 1, "seq": 16, "device": "cpu", "plan": "resident", "threads": env_threads(),
-        "component": None, "weights": "resident"}
+        "component": None, "weights": "resident", "task": "sentence-embedding",
+        "inputs": "input_ids, attention_mask, token_type_ids"}
     r = runner.invoke(app, [*args, "--baseline", str(base), "--max-latency-increase", "1000"])
     assert r.exit_code == 0, r.output
     assert "ok: no regression beyond the tolerances." in r.output
@@ -161,6 +162,41 @@ def test_cli_bench_records_what_decides_latency_and_refuses_gates_that_cannot_me
     assert r.exit_code == 1 and str(r.exception) == (
         "the baseline does not record its plan, weights, threads (a slimml before these were recorded saved it), so a "
         "run under another streaming plan or thread count would pass against it; save a new baseline with --save-baseline.")
+
+
+def test_a_gate_refuses_another_models_baseline_and_a_save_over_the_other_commands(tiny_bert_artifact,
+                                                                                      tiny_llama_past_artifact, tmp_path,
+                                                                                      caplog):
+    """An audit's findings: a bench baseline saved from a language model gated an embedder (p50 -90%: ok); eval
+    --save-baseline replaced a bench baseline in silence; --against with --save-baseline named --baseline; a gate on
+    one timed run or two STS pairs passed without a word."""
+    bench = tmp_path / "bench.json"
+    r = runner.invoke(app, ["bench", str(tiny_llama_past_artifact), "--seq", "16", "--save-baseline", str(bench)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--seq", "16", "--baseline", str(bench)])
+    assert r.exit_code == 1 and str(r.exception) == (
+        f"the baseline was saved from {tiny_llama_past_artifact}, a text-generation-with-past model taking input_ids, "
+        "attention_mask, position_ids, past_key_values.{0..2}.key, past_key_values.{0..2}.value, and this artifact is "
+        "a sentence-embedding model taking input_ids, attention_mask, token_type_ids, so their latencies do not compare; "
+        "gate with a baseline of the same model (its float or an earlier build), or save one with --save-baseline."), \
+        str(r.exception)
+    data = sts_subset(tmp_path, 20)
+    r = runner.invoke(app, ["eval", str(tiny_bert_artifact), "--data", str(data), "--save-baseline", str(bench)])
+    assert r.exit_code == 1 and str(r.exception) == (
+        f"{bench} holds a `slimml bench` baseline, and this run is `slimml eval`; refusing to replace it (a bench gate "
+        "reads it). Give --save-baseline a path of its own.")
+    assert Baseline.load(bench).kind == "bench"
+    scored = tmp_path / "eval.json"
+    r = runner.invoke(app, ["eval", str(tiny_bert_artifact), "--data", str(data), "--save-baseline", str(scored)])
+    assert r.exit_code == 0 and "on 20 pairs" in r.output and "scored on only 20 pairs" in caplog.text, r.output
+    r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--seq", "16", "--save-baseline", str(scored)])
+    assert r.exit_code == 1 and "holds a `slimml eval` baseline, and this run is `slimml bench`" in str(r.exception)
+    r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--against", str(tiny_bert_artifact), "--save-baseline",
+                            str(tmp_path / "new.json")])
+    assert r.exit_code == 1 and str(r.exception).startswith("--save-baseline saves this run to gate later ones"), r.output
+    r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--seq", "16", "--runs", "1", "--against",
+                            str(tiny_bert_artifact), "--max-latency-increase", "1000"])
+    assert r.exit_code == 0 and "a latency gate on 1 timed run is noise on a shared machine" in caplog.text, r.output
 
 
 def test_cli_bench_against_times_both_alternately(tiny_bert_artifact, tiny_llama_past_artifact, tmp_path):

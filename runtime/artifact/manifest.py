@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,28 @@ class TensorSpec:
     def from_json(cls, d: dict[str, Any]) -> TensorSpec:
         return cls(name=d["name"], dtype=d["dtype"], shape=list(d["shape"]), source=d.get("from"))
 
+
+def tensor_list(tensors: list[TensorSpec], types: bool = True) -> str:
+    """Tensors as ``name dtype[shape]`` (or names alone), one entry per numbered family: a decoder's
+    60 cache tensors read ``past_key_values.{0..29}.key float32[...]`` (the indices as a range where
+    they run without a gap)."""
+    groups: dict[tuple, list[int]] = {}
+    for t in tensors:
+        numbered = re.fullmatch(r"(.*?\.)(\d+)(\..*)", t.name)
+        family = numbered[1] + "{}" + numbered[3] if numbered else t.name
+        key = (family, t.dtype, str(t.shape)) if types else (family, "", "")
+        groups.setdefault(key, []).append(int(numbered[2]) if numbered else -1)
+    shown = []
+    typed = " {}{}" if types else ""
+    for (name, dtype, shape), idx in groups.items():
+        if len(idx) > 2:
+            span = f"{idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[0] + len(idx))) else ",".join(map(str, idx))
+            name = name.replace("{}", "{" + span + "}")
+        elif "{}" in name:
+            shown += [name.format(i) + typed.format(dtype, shape) for i in idx[:-1]]
+            name = name.format(idx[-1])
+        shown.append(name + typed.format(dtype, shape))
+    return ", ".join(shown)
 
 
 @dataclass

@@ -119,14 +119,15 @@ class Baseline:
         return path
 
     @staticmethod
-    def check_writable(path: str | os.PathLike, data: str | os.PathLike | None = None) -> None:
+    def check_writable(path: str | os.PathLike, data: str | os.PathLike | None = None, kind: str | None = None) -> None:
         """Refuse, before anything is measured, a path :meth:`save` could not write, or should not:
         a file there that is not a slimml baseline (the data file, an artifact's manifest) is the
-        user's, and is not replaced.
+        user's, and is not replaced; nor is a baseline of the other command (``kind``: "eval" or
+        "bench", what this run saves), which another gate reads.
 
         Raises:
-            ConfigError: the path is a folder, the data file, another file than a baseline, or its
-                folder is missing or not writable.
+            ConfigError: the path is a folder, the data file, another file than a baseline, a
+                baseline of the other command, or its folder is missing or not writable.
         """
         path = Path(path).absolute()
         folder = path.parent
@@ -136,9 +137,13 @@ class Baseline:
             raise ConfigError(f"cannot write the baseline {path} ({why}); give a file path in a writable folder.")
         if data is not None and path.exists() and Path(data).exists() and path.samefile(data):
             raise ConfigError(f"--save-baseline {path} is the --data file; give the baseline a path of its own.")
-        if os.path.lexists(path) and not _is_baseline(path) and not (path.is_file() and path.stat().st_size == 0):  # mktemp's
+        held = _baseline_kind(path)
+        if os.path.lexists(path) and held is None and not (path.is_file() and path.stat().st_size == 0):  # mktemp's
             raise ConfigError(f"{path} exists and is not a slimml baseline; refusing to replace it. Give --save-baseline "
                               "a new path (or one that holds a baseline).")
+        if kind is not None and held not in (None, "", kind):
+            raise ConfigError(f"{path} holds a `slimml {held}` baseline, and this run is `slimml {kind}`; refusing to "
+                              f"replace it (a {held} gate reads it). Give --save-baseline a path of its own.")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Baseline:
@@ -187,15 +192,18 @@ def _finite(v: int | float) -> bool:
         return False
 
 
-def _is_baseline(path: Path) -> bool:
-    """Whether ``path`` is a file that holds a slimml baseline (of any version), read without trusting it."""
+def _baseline_kind(path: Path) -> str | None:
+    """The command ("eval", "bench"; "" where it does not say) of the slimml baseline (of any version)
+    ``path`` holds, read without trusting it; None where it holds none."""
     try:
         if not path.is_file() or path.stat().st_size > 1 << 20:
-            return False
+            return None
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return False
-    return isinstance(raw, dict) and raw.get("format") == FORMAT
+        return None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        return None
+    return raw.get("kind") if raw.get("kind") in ("eval", "bench") else ""
 
 
 @dataclass
@@ -232,7 +240,7 @@ class Comparison:
     def format(self, source: str = "the baseline") -> str:
         """A plain-text table: one row per metric, baseline, current, change, limit, verdict."""
         b, c = self.baseline, self.current
-        where = ", ".join(f"{k}={v}" for k, v in c.settings.items() if k != "data_sha256")
+        where = ", ".join(f"{k}={v}" for k, v in c.settings.items() if k not in _UNSHOWN and v is not None)
         head = f"slimml {self.kind}: {c.artifact} against {source} ({b.artifact}, {b.created or 'undated'}); {where}"
         rows = [("metric", "baseline", "current", "change", "limit", "verdict")]
         for ch in self.checks:
@@ -256,6 +264,8 @@ class Comparison:
 
 
 _GATED = ("p50_ms", "model_mb")  # a bench baseline's metrics that gate a run
+MODEL_SETTINGS = ("task", "inputs")  # what a bench baseline records of the model it timed
+_UNSHOWN = ("data_sha256", "inputs")  # settings a comparison's header leaves out (a hash; 60 tensor names)
 
 
 def compare(baseline: Baseline, current: Baseline, tolerances: Tolerances | None = None) -> Comparison:
@@ -303,6 +313,13 @@ def check_settings(baseline: Baseline, kind: str, settings: dict[str, Any]) -> N
                           "streaming plan or thread count would pass against it; save a new baseline with --save-baseline.")
     differ = {k: (baseline.settings[k], v) for k, v in settings.items()  # what an older baseline did not record, it
               if k in baseline.settings and baseline.settings[k] != v}  # does not hold a run to
+    if any(k in differ for k in MODEL_SETTINGS):  # another model: no setting of this run makes them compare
+        b = baseline.settings
+        raise ConfigError(
+            f"the baseline was saved from {baseline.artifact or 'another artifact'}, a {b.get('task', '?')} model taking "
+            f"{b.get('inputs', '?')}, and this artifact is a {settings.get('task', '?')} model taking "
+            f"{settings.get('inputs', '?')}, so their latencies do not compare; gate with a baseline of the same model "
+            "(its float or an earlier build), or save one with --save-baseline.")
     if "data_sha256" in settings and settings["data_sha256"] == baseline.settings.get("data_sha256"):
         differ.pop("data", None)  # the same bytes under another name
     if differ:

@@ -180,6 +180,14 @@ def latency_settings(model) -> dict:
     return {"plan": plan, "weights": "; ".join(weights) or "resident", "threads": env_threads()}
 
 
+def model_settings(model) -> dict:
+    """What a bench baseline records of the model it timed (its task and inputs), so that a gate
+    refuses another model's timing: a baseline of an embedder passed a language model's."""
+    from slimml.runtime.artifact.manifest import tensor_list
+
+    return {"task": model.manifest.task, "inputs": tensor_list(model.manifest.inputs, types=False)}
+
+
 def check_comparable(model, reference, where: str) -> None:
     """Refuse to time ``model`` against ``reference`` (loaded from ``where``) where their latencies
     would not compare: other inputs (another model), or another streaming plan under the same load
@@ -190,9 +198,9 @@ def check_comparable(model, reference, where: str) -> None:
     """
     from slimml.errors import ConfigError
 
-    names = [t.name for t in model.manifest.inputs]
-    if [t.name for t in reference.manifest.inputs] != names:
-        raise ConfigError(f"the reference {where} takes other inputs than this artifact ({', '.join(names)}), so their "
+    ours, theirs = model_settings(model)["inputs"], model_settings(reference)["inputs"]
+    if ours != theirs:
+        raise ConfigError(f"the reference {where} takes other inputs ({theirs}) than this artifact ({ours}), so their "
                           "latencies do not compare; give a reference of the same model (its float or earlier build).")
     if reference.manifest.task != model.manifest.task:  # an embedder and a classifier read the same token ids
         raise ConfigError(f"the reference {where} is a {reference.manifest.task} model and this artifact a "

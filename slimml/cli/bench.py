@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from slimml.cli.common import Artifact, AsJson, BaselineIn, BaselineOut, app, console
-from slimml.cli.gate import refuse_ungated, with_baseline
+from slimml.cli.gate import GATE_RUNS, log, refuse_ungated, with_baseline
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.engine.config import LoadConfig
@@ -37,7 +37,7 @@ def bench(
     device, pin = loading["device"], loading["pin"]
     from slimml.runtime import load
     from slimml.runtime.tools.baseline import Baseline, Tolerances, check_settings
-    from slimml.runtime.tools.bench import bench as do_bench, latency_settings
+    from slimml.runtime.tools.bench import bench as do_bench, latency_settings, model_settings
 
     for flag, value, most in (("--batch", batch, (1 << 31) - 1), ("--seq", seq, (1 << 31) - 1), ("--runs", runs, 1 << 20)):
         if value is not None and not 1 <= value <= most:
@@ -50,12 +50,19 @@ def bench(
     if sweep is not None and (baseline is not None or save_baseline is not None or against is not None):
         raise ConfigError("--sweep times many K,P plans and a gate one: drop --baseline/--save-baseline/--against, "
                           "or --sweep (then give the plan to gate with --resident/--prefetch or --memory-budget).")
-    if against is not None and (baseline is not None or save_baseline is not None):
+    if against is not None and baseline is not None:
         raise ConfigError("--against gates on a reference timed in this run, --baseline on a run saved before: give one "
                           "of them.")
+    if against is not None and save_baseline is not None:
+        raise ConfigError("--save-baseline saves this run to gate later ones with --baseline, and a run with --against "
+                          "is timed beside its reference (their figures hold for that pair alone): save it in a run of "
+                          "its own, without --against.")
+    if (baseline is not None or against is not None or save_baseline is not None) and runs < GATE_RUNS:
+        log.warning("slimml: a latency gate on %d timed run%s is noise on a shared machine (one burst of load decides "
+                    "it); give --runs %d or more (default 50).", runs, "" if runs == 1 else "s", GATE_RUNS)
     old = Baseline.load(baseline) if baseline else None
     if save_baseline is not None:
-        Baseline.check_writable(save_baseline)
+        Baseline.check_writable(save_baseline, kind="bench")
     if old is not None:  # other settings fail before the timing runs
         from slimml.runtime.engine.backends import resolve_device
 
@@ -108,7 +115,7 @@ def bench(
     elif component is not None:
         raise SlimmlError(f"{artifact} is one chain of shards, without components; leave --component out.")
     seq = _seq_for(model, seq, asked, component)
-    timed = {"component": component, **latency_settings(model)}
+    timed = {"component": component, **model_settings(model), **latency_settings(model)}
     if old is not None:  # another streaming plan or thread count: refused before the timing runs
         check_settings(old, "bench", timed)
     if not as_json:

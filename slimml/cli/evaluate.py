@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from slimml.cli.common import Artifact, AsJson, BaselineIn, BaselineOut, Progress, app, console
-from slimml.cli.gate import refuse_ungated, with_baseline
+from slimml.cli.gate import GATE_PAIRS, GATE_TOKENS, log, refuse_ungated, with_baseline
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError
 from slimml.runtime.engine.config import LoadConfig
@@ -39,7 +39,7 @@ def eval_(
 
     old = Baseline.load(baseline) if baseline else None  # a missing baseline fails before the model runs
     if save_baseline is not None:
-        Baseline.check_writable(save_baseline, data)
+        Baseline.check_writable(save_baseline, data, kind="eval")
     refuse_ungated({"--max-accuracy-drop": max_accuracy_drop, "--max-perplexity-increase": max_perplexity_increase},
                    gated=baseline is not None)
     task = str(read_manifest(artifact).task)
@@ -85,11 +85,18 @@ def eval_(
     model = load(artifact, loading.build())
     if language:
         result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)
-        said = (f"perplexity = {result.score:.4f} on {result.count} tokens ({data.name}, {result.settings['windows']} "
-                f"windows of up to {result.settings['window']} tokens)")
+        said = (f"perplexity = {result.score:.4f} on {_n(result.count, 'token')} ({data.name}, "
+                f"{_n(result.settings['windows'], 'window')} of up to {result.settings['window']} tokens)")
+        if result.count < GATE_TOKENS:
+            log.warning("slimml: scored on only %s: a perplexity on so few moves with chance more than with the model; "
+                        "give a text of %d tokens or more (a few thousand for a gate).", _n(result.count, "token"),
+                        GATE_TOKENS)
     else:
         result = evaluate_sts(model, data, batch_size=batch_size or 32, show_progress=progress)
-        said = f"{result.metric} x100 = {result.score:.2f} on {result.count} pairs ({data.name})"
+        said = f"{result.metric} x100 = {result.score:.2f} on {_n(result.count, 'pair')} ({data.name})"
+        if result.count < GATE_PAIRS:
+            log.warning("slimml: scored on only %s: a Spearman score on so few moves by whole points with one pair's "
+                        "rank; give %d pairs or more (STSb's dev split has 1,500).", _n(result.count, "pair"), GATE_PAIRS)
     now = Baseline.from_eval(result, str(artifact), data)
     if as_json:
         with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
@@ -104,3 +111,8 @@ def _methods(artifact: Path) -> frozenset[str]:
     from slimml.runtime.tasks.registry import kind_of, registered
 
     return frozenset(registered()[kind_of(read_manifest(artifact))].methods)
+
+
+def _n(count: int, unit: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{count:,} {unit}{'' if count == 1 else 's'}"

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import typer
 
 from slimml.cli.common import console, err
 from slimml.errors import ConfigError
+
+log = logging.getLogger("slimml")
+GATE_RUNS = 10  # fewer timed runs than this, and a latency gate is one burst of load away from its verdict
+GATE_PAIRS = 50  # fewer STS pairs, and Spearman moves by points with one pair's rank
+GATE_TOKENS = 256  # fewer tokens of text, and a perplexity is a few windows' chance
 
 
 def refuse_ungated(tolerances: dict[str, float | None], gated: bool, against: bool = False) -> None:

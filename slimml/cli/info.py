@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated
 
 import typer
@@ -19,7 +18,7 @@ def info(artifact: Artifact, as_json: AsJson = False,
                                                                "there, of its recorded size).")] = False):
     """Show an artifact's manifest as a table (after checking its files are there, and with --verify, intact)."""
     from slimml.runtime.artifact.files import check_present, verify_files
-    from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.runtime.artifact.manifest import read_manifest, tensor_list
     from slimml.runtime.tasks.registry import kind_of, registered
 
     m = read_manifest(artifact)
@@ -42,8 +41,8 @@ def info(artifact: Artifact, as_json: AsJson = False,
     for name, part in (m.components or {None: m}).items():
         if name is not None:
             console.print(Text(f"component {name}", style="bold"))
-        console.print("inputs: " + _tensor_list(part.inputs))
-        console.print("outputs: " + _tensor_list(part.outputs))
+        console.print("inputs: " + tensor_list(part.inputs))
+        console.print("outputs: " + tensor_list(part.outputs))
         if part.pooling is not None:
             p = part.pooling
             steps = [f"{p.mode} of {p.output}" if p.mode != "none" else f"{p.output} (pooled by the model)", *(f"projection ({d['activation']})" for d in p.dense),
@@ -60,21 +59,3 @@ def info(artifact: Artifact, as_json: AsJson = False,
     console.print(f"total {m.total_bytes / 1e6:.1f} MB in {len(m.files)} files, {state}; checks: {m.checks}")
 
 
-def _tensor_list(tensors) -> str:
-    """Tensors as ``name dtype[shape]``, one entry per numbered family: a decoder's 60 cache tensors
-    read ``past_key_values.{0..29}.key float32[...]`` (the indices as a range where they run without a gap)."""
-    groups: dict[tuple, list[int]] = {}
-    for t in tensors:
-        numbered = re.fullmatch(r"(.*?\.)(\d+)(\..*)", t.name)
-        key = (numbered[1] + "{}" + numbered[3] if numbered else t.name, t.dtype, str(t.shape))
-        groups.setdefault(key, []).append(int(numbered[2]) if numbered else -1)
-    shown = []
-    for (name, dtype, shape), idx in groups.items():
-        if len(idx) > 2:
-            span = f"{idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[0] + len(idx))) else ",".join(map(str, idx))
-            name = name.replace("{}", "{" + span + "}")
-        elif "{}" in name:
-            shown += [f"{name.format(i)} {dtype}{shape}" for i in idx[:-1]]
-            name = name.format(idx[-1])
-        shown.append(f"{name} {dtype}{shape}")
-    return ", ".join(shown)
