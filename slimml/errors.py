@@ -101,9 +101,10 @@ class MissingExtraError(SlimmlError, ImportError):
 
 
 # the packages of each extra a call may import, by their module name (None: of the base install)
-EXTRAS: dict[str, str | None] = {"torch": "convert", "transformers": "convert", "optimum": "convert", "nncf": "convert", "sympy": None,
-          "onnx_ir": "convert", "gguf": "convert", "accelerate": "convert", "sentence_transformers": "convert",
-          "ray": "serve", "orjson": "serve", "matplotlib": "bench", "PIL": "vision"}
+EXTRAS: dict[str, str | None] = {
+    "torch": "convert", "transformers": "convert", "optimum": "convert", "nncf": "convert", "sympy": None,
+    "onnx_ir": "convert", "gguf": "convert", "accelerate": "convert", "sentence_transformers": "convert",
+    "ray": "serve", "orjson": "serve", "matplotlib": "bench", "PIL": "vision"}
 
 
 def missing_extra(e: ImportError, what: str = "this command") -> MissingExtraError | None:

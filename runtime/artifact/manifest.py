@@ -59,23 +59,23 @@ class TensorSpec:
 def tensor_list(tensors: list[TensorSpec], types: bool = True) -> str:
     """Tensors as ``name dtype[shape]`` (or names alone), one entry per numbered family: a decoder's
     60 cache tensors read ``past_key_values.{0..29}.key float32[...]`` (the indices as a range where
-    they run without a gap)."""
+    they run without a gap). Names are joined as they are, whatever characters they hold."""
     groups: dict[tuple, list[int]] = {}
     for t in tensors:
         numbered = re.fullmatch(r"(.*?\.)(\d+)(\..*)", t.name)
-        family = numbered[1] + "{}" + numbered[3] if numbered else t.name
-        key = (family, t.dtype, str(t.shape)) if types else (family, "", "")
-        groups.setdefault(key, []).append(int(numbered[2]) if numbered else -1)
+        family = (numbered[1], numbered[3]) if numbered else (t.name, None)
+        groups.setdefault((family, t.dtype, str(t.shape)) if types else (family, "", ""), []).append(
+            int(numbered[2]) if numbered else -1)
     shown = []
-    typed = " {}{}" if types else ""
-    for (name, dtype, shape), idx in groups.items():
-        if len(idx) > 2:
+    for ((head, tail), dtype, shape), idx in groups.items():
+        typed = f" {dtype}{shape}" if types else ""
+        if tail is None:
+            shown += [head + typed] * len(idx)
+        elif len(idx) > 2:
             span = f"{idx[0]}..{idx[-1]}" if idx == list(range(idx[0], idx[0] + len(idx))) else ",".join(map(str, idx))
-            name = name.replace("{}", "{" + span + "}")
-        elif "{}" in name:
-            shown += [name.format(i) + typed.format(dtype, shape) for i in idx[:-1]]
-            name = name.format(idx[-1])
-        shown.append(name + typed.format(dtype, shape))
+            shown.append(head + "{" + span + "}" + tail + typed)
+        else:
+            shown += [head + str(i) + tail + typed for i in idx]
     return ", ".join(shown)
 
 

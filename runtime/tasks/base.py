@@ -14,7 +14,6 @@ components (CLIP's towers, an encoder and a decoder) has one engine per componen
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -23,7 +22,7 @@ import numpy as np
 
 from slimml.errors import FeedError, SlimmlError, TaskError
 from slimml.runtime.artifact.files import safe_path
-from slimml.runtime.artifact.manifest import Manifest
+from slimml.runtime.artifact.manifest import Manifest, tensor_list
 from slimml.runtime.tasks.inputs.image import ImageProcessor
 from slimml.runtime.tasks.inputs.text import TextEncoder, listed, prompt_text
 from slimml.runtime.tasks.limits import Limits, shown
@@ -52,6 +51,12 @@ NEEDS = {
     "entities": "a token classifier (named entities)", "answer": "an extractive question-answering model",
     "perplexity": "a language model (text-generation)",
 }
+
+_DECODER = ("text-generation", "text-generation-with-past")
+# the manifest tasks whose models have each method: one that loaded without it has a graph not of its task
+DECLARED = {"generate": _DECODER, "stream": _DECODER, "chat": _DECODER, "perplexity": _DECODER,
+            "answer": ("question-answering",), "entities": ("token-classification",),
+            "classify": ("text-classification", "image-classification")}
 
 
 class Task:
@@ -119,10 +124,10 @@ class Task:
         elif self._declared(method):  # the manifest names the task, but its graph is not that task's
             m = self.manifest
             why = (f"cannot {method}(): its manifest says task {m.task!r}, but its graph takes "
-                   f"{', '.join(t.name for t in m.inputs) or 'nothing'} and gives "
-                   f"{', '.join(t.name for t in m.outputs) or 'nothing'}, which is not such a model, so it loaded as "
-                   f"a {self.kind!r} model (tensors in, tensors out)")
-            use = f"run() for its raw outputs, or re-convert it from its source (slimml convert SOURCE --task {m.task})"
+                   f"{tensor_list(m.inputs, False) or 'nothing'} and gives {tensor_list(m.outputs, False) or 'nothing'}, "
+                   f"which is not such a model, so it loaded as a {self.kind!r} model"
+                   + (" (tensors in, tensors out)" if self.kind == "generic" else ""))
+            use = f"{use}, or re-convert it from its source (slimml convert SOURCE --task {m.task})"
         else:
             why = f"cannot {method}(): it is a {self.manifest.task!r} model, not {NEEDS.get(method, 'one that has it')}"
         if self.manifest.stage_of not in ("", "generic"):  # load(shards=...) cut a stage of a model that has it
@@ -136,9 +141,9 @@ class Task:
         return TaskError(f"the artifact {self.folder} {why}; use {use}.", task, method, alternatives)
 
     def _declared(self, method: str) -> bool:
-        """Whether the manifest's task is the kind ``method`` needs, which this artifact's graph is not."""
-        task = self.manifest.task.removesuffix("-with-past")
-        return task not in ("", "generic", self.kind) and re.search(rf"\b{re.escape(task)}\b", NEEDS.get(method, "")) is not None
+        """Whether the manifest's task is one ``method`` serves (which this artifact, lacking it, loaded as
+        something else: its graph is not that task's)."""
+        return self.manifest.task in DECLARED.get(method, ())
 
     # -- the task API: each raises TaskError unless the task has it ------------------------------
 

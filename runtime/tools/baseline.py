@@ -265,7 +265,7 @@ class Comparison:
 
 _GATED = ("p50_ms", "model_mb")  # a bench baseline's metrics that gate a run
 MODEL_SETTINGS = ("task", "inputs")  # what a bench baseline records of the model it timed
-_UNSHOWN = ("data_sha256", "inputs")  # settings a comparison's header leaves out (a hash; 60 tensor names)
+_UNSHOWN = ("data_sha256", *MODEL_SETTINGS)  # settings a comparison's header leaves out (a hash; the artifact is named)
 
 
 def compare(baseline: Baseline, current: Baseline, tolerances: Tolerances | None = None) -> Comparison:
@@ -311,15 +311,19 @@ def check_settings(baseline: Baseline, kind: str, settings: dict[str, Any]) -> N
         raise ConfigError(f"the baseline does not record its {', '.join(unrecorded)} (a slimml before "
                           f"{'these were' if len(unrecorded) > 1 else 'it was'} recorded saved it), so a run under another "
                           "streaming plan or thread count would pass against it; save a new baseline with --save-baseline.")
+    if any(k in settings and k not in baseline.settings for k in MODEL_SETTINGS):
+        raise ConfigError("the baseline does not record the model it timed (its task and inputs; a slimml before they "
+                          "were recorded saved it), so another model's timing would pass against it; save a new baseline "
+                          "with --save-baseline.")
     differ = {k: (baseline.settings[k], v) for k, v in settings.items()  # what an older baseline did not record, it
               if k in baseline.settings and baseline.settings[k] != v}  # does not hold a run to
     if any(k in differ for k in MODEL_SETTINGS):  # another model: no setting of this run makes them compare
         b = baseline.settings
         raise ConfigError(
-            f"the baseline was saved from {baseline.artifact or 'another artifact'}, a {b.get('task', '?')} model taking "
-            f"{b.get('inputs', '?')}, and this artifact is a {settings.get('task', '?')} model taking "
-            f"{settings.get('inputs', '?')}, so their latencies do not compare; gate with a baseline of the same model "
-            "(its float or an earlier build), or save one with --save-baseline.")
+            f"the baseline was saved from {baseline.artifact or 'another artifact'}, a {b.get('task')} model taking "
+            f"{_names(b.get('inputs'))}, and this artifact is a {settings.get('task')} model taking "
+            f"{_names(settings.get('inputs'))}, so their latencies do not compare; gate with a baseline of the same "
+            "model (its float or an earlier build), or save one with --save-baseline.")
     if "data_sha256" in settings and settings["data_sha256"] == baseline.settings.get("data_sha256"):
         differ.pop("data", None)  # the same bytes under another name
     if differ:
@@ -329,6 +333,16 @@ def check_settings(baseline: Baseline, kind: str, settings: dict[str, Any]) -> N
             f"the baseline was measured under other settings ({said}); run with the baseline's settings, or save a "
             "new baseline with --save-baseline."
         )
+
+
+def _names(names: Any) -> str:
+    """Input names as ``info`` shows them (a decoder's cache as ``past_key_values.{0..29}.key``); a
+    hand-edited baseline's value as it is."""
+    from slimml.runtime.artifact.manifest import TensorSpec, tensor_list
+
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return repr(names)
+    return tensor_list([TensorSpec(n, "", []) for n in names], types=False)
 
 
 def _why(ch: Check) -> str:

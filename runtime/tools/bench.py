@@ -180,12 +180,10 @@ def latency_settings(model) -> dict:
     return {"plan": plan, "weights": "; ".join(weights) or "resident", "threads": env_threads()}
 
 
-def model_settings(model) -> dict:
-    """What a bench baseline records of the model it timed (its task and inputs), so that a gate
-    refuses another model's timing: a baseline of an embedder passed a language model's."""
-    from slimml.runtime.artifact.manifest import tensor_list
-
-    return {"task": model.manifest.task, "inputs": tensor_list(model.manifest.inputs, types=False)}
+def model_identity(model) -> dict:
+    """What a bench baseline records of the model it timed (its task and input names), so that a
+    gate refuses another model's timing: a baseline of a language model passed an embedder's."""
+    return {"task": model.manifest.task, "inputs": [t.name for t in model.manifest.inputs]}
 
 
 def check_comparable(model, reference, where: str) -> None:
@@ -198,10 +196,12 @@ def check_comparable(model, reference, where: str) -> None:
     """
     from slimml.errors import ConfigError
 
-    ours, theirs = model_settings(model)["inputs"], model_settings(reference)["inputs"]
-    if ours != theirs:
-        raise ConfigError(f"the reference {where} takes other inputs ({theirs}) than this artifact ({ours}), so their "
-                          "latencies do not compare; give a reference of the same model (its float or earlier build).")
+    from slimml.runtime.artifact.manifest import tensor_list
+
+    if [t.name for t in model.manifest.inputs] != [t.name for t in reference.manifest.inputs]:
+        raise ConfigError(f"the reference {where} takes other inputs ({tensor_list(reference.manifest.inputs, False)}) "
+                          f"than this artifact ({tensor_list(model.manifest.inputs, False)}), so their latencies do not "
+                          "compare; give a reference of the same model (its float or earlier build).")
     if reference.manifest.task != model.manifest.task:  # an embedder and a classifier read the same token ids
         raise ConfigError(f"the reference {where} is a {reference.manifest.task} model and this artifact a "
                           f"{model.manifest.task} one, so their latencies do not compare; give a reference of the same "

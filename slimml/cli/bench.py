@@ -37,7 +37,7 @@ def bench(
     device, pin = loading["device"], loading["pin"]
     from slimml.runtime import load
     from slimml.runtime.tools.baseline import Baseline, Tolerances, check_settings
-    from slimml.runtime.tools.bench import bench as do_bench, latency_settings, model_settings
+    from slimml.runtime.tools.bench import bench as do_bench, latency_settings, model_identity
 
     for flag, value, most in (("--batch", batch, (1 << 31) - 1), ("--seq", seq, (1 << 31) - 1), ("--runs", runs, 1 << 20)):
         if value is not None and not 1 <= value <= most:
@@ -59,7 +59,7 @@ def bench(
                           "its own, without --against.")
     if (baseline is not None or against is not None or save_baseline is not None) and runs < GATE_RUNS:
         log.warning("slimml: a latency gate on %d timed run%s is noise on a shared machine (one burst of load decides "
-                    "it); give --runs %d or more (default 50).", runs, "" if runs == 1 else "s", GATE_RUNS)
+                    "it); give --runs %d or more.", runs, "" if runs == 1 else "s", GATE_RUNS)
     old = Baseline.load(baseline) if baseline else None
     if save_baseline is not None:
         Baseline.check_writable(save_baseline, kind="bench")
@@ -115,7 +115,7 @@ def bench(
     elif component is not None:
         raise SlimmlError(f"{artifact} is one chain of shards, without components; leave --component out.")
     seq = _seq_for(model, seq, asked, component)
-    timed = {"component": component, **model_settings(model), **latency_settings(model)}
+    timed = {"component": component, **model_identity(model), **latency_settings(model)}
     if old is not None:  # another streaming plan or thread count: refused before the timing runs
         check_settings(old, "bench", timed)
     if not as_json:

@@ -87,15 +87,15 @@ def eval_(
         result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)
         said = (f"perplexity = {result.score:.4f} on {_n(result.count, 'token')} ({data.name}, "
                 f"{_n(result.settings['windows'], 'window')} of up to {result.settings['window']} tokens)")
-        if result.count < GATE_TOKENS:
-            log.warning("slimml: scored on only %s: a perplexity on so few moves with chance more than with the model; "
-                        "give a text of %d tokens or more (a few thousand for a gate).", _n(result.count, "token"),
+        if result.count < GATE_TOKENS and (baseline is not None or save_baseline is not None):
+            log.warning("slimml: a gate scored on only %s: a perplexity on so few moves with chance more than with the "
+                        "model; give a text of %d tokens or more (a few thousand is better).", _n(result.count, "token"),
                         GATE_TOKENS)
     else:
         result = evaluate_sts(model, data, batch_size=batch_size or 32, show_progress=progress)
         said = f"{result.metric} x100 = {result.score:.2f} on {_n(result.count, 'pair')} ({data.name})"
-        if result.count < GATE_PAIRS:
-            log.warning("slimml: scored on only %s: a Spearman score on so few moves by whole points with one pair's "
+        if result.count < GATE_PAIRS and (baseline is not None or save_baseline is not None):
+            log.warning("slimml: a gate scored on only %s: a Spearman score on so few moves by whole points with one pair's "
                         "rank; give %d pairs or more (STSb's dev split has 1,500).", _n(result.count, "pair"), GATE_PAIRS)
     now = Baseline.from_eval(result, str(artifact), data)
     if as_json:

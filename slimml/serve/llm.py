@@ -323,6 +323,8 @@ class LLMService:
     @staticmethod
     def _raise_failure(seq: Sequence) -> None:
         if seq.finish_reason == "error":
+            if isinstance(seq.error, IntegrityError):  # answered as every route answers a changed artifact
+                raise seq.error
             raise RequestError(_failure(seq), _failure_status(seq))
 
     def close(self) -> None:

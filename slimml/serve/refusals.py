@@ -106,7 +106,12 @@ async def slimml_error(request: Request, e: SlimmlError):
     if isinstance(e, StageError) and "will not come back" in message:  # the Python advice, in a server's terms
         message = message.split(" Check the node", 1)[0] + (" This server's health check fails meanwhile, and Serve "
                                                              "replaces the replica with new stages: retry shortly.")
-    return error_response(message, status, {"Retry-After": str(RETRY_AFTER_S)} if isinstance(e, StageError) else None)
+    headers = None
+    if isinstance(e, StageError):
+        headers = {"Retry-After": str(RETRY_AFTER_S)}
+    elif isinstance(e, IntegrityError):  # no retry helps: the openai client retries any 5xx unless told so
+        headers = {"x-should-retry": "false"}
+    return error_response(message, status, headers)
 
 
 async def value_error(request: Request, e: Exception):

@@ -141,10 +141,13 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         deployed = True
         try:
             logging.getLogger("ray.serve").addFilter(_own_start)  # "New http_options ... will not be applied": ours were
-            ray_serve.run(app(config, cpus_per_replica=replica_cpus([n["cpus"] for n in nodes], config.replicas),
-                              memory_bytes=memory), name=APP,
-                          route_prefix="/",
-                          logging_config={"enable_access_log": config.access_log})
+            try:
+                ray_serve.run(app(config, cpus_per_replica=replica_cpus([n["cpus"] for n in nodes], config.replicas),
+                                  memory_bytes=memory), name=APP,
+                              route_prefix="/",
+                              logging_config={"enable_access_log": config.access_log})
+            finally:
+                logging.getLogger("ray.serve").removeFilter(_own_start)
         except RuntimeError as e:  # Serve's own "Deploying application ... failed"
             why = _replica_error(ray_serve)
             raise SlimmlError(
