@@ -47,6 +47,7 @@ def check_config(folder: str | Path) -> None:
     installed = transformers.__version__
     wrote = str(config.get("transformers_version") or "")
     _check_model_type(path, config, wrote, installed)
+    _check_quantized(path, config)
     unknown = _unknown_keys(config)
     dangerous = [k for k in unknown if k in _MOVES]
     if "rope_parameters" in config and "rope_theta" not in config and "rope_parameters" not in dangerous:
@@ -94,6 +95,25 @@ def _read(path: Path) -> dict[str, Any]:
         raise SourceError(f"{path} holds a JSON {type(config).__name__}, not an object of config keys; save the "
                           "model again with `model.save_pretrained(folder)`.")
     return config
+
+
+READ_QUANTIZED = ("mxfp4",)  # quantized checkpoints whose weights slimml decodes itself (gpt-oss's experts)
+
+
+def _check_quantized(path: Path, config: dict[str, Any]) -> None:
+    """Refuse a checkpoint quantized by a method slimml does not decode (GPTQ, AWQ, bitsandbytes,
+    FP8...): transformers needs that method's own kernels to load it (GPTQ failed inside transformers
+    with "name 'QuantizeConfig' is not defined"), and its integer weights are not the model's."""
+    quant = config.get("quantization_config")
+    if not isinstance(quant, dict):
+        return
+    method = str(quant.get("quant_method") or "unnamed")
+    if method.lower() in READ_QUANTIZED:
+        return
+    bits = f", {quant['bits']}-bit" if isinstance(quant.get("bits"), int) else ""
+    raise SourceError(f"{path.parent} is a {method}-quantized checkpoint (config.json's quantization_config{bits}); "
+                      "slimml converts float checkpoints (float32, float16, bfloat16) and GGUF files: convert the "
+                      "float model it was quantized from (then --quantize int4-weights or int8), or its GGUF file.")
 
 
 def _check_model_type(path: Path, config: dict[str, Any], wrote: str, installed: str) -> None:

@@ -252,6 +252,9 @@ def test_a_gemma3_config_with_rope_parameters_per_layer_type_names_each_key(tmp_
     ({"generation_config.json": "{not json"}, r"generation_config\.json is not valid JSON .*; fix it"),
     ({"generation_config.json": "[1, 2]"}, r"generation_config\.json holds a JSON list, not an object of settings"),
     ({"generation_config.json": '{"eos_token_id": "two"}'}, r'eos_token_id is "two", not a token id or a list of them'),
+    ({"config.json": '{"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4}}'},
+     r"src is a gptq-quantized checkpoint \(config.json's quantization_config, 4-bit\); slimml converts float "
+     r"checkpoints .* convert the float model it was quantized from"),  # NameError inside transformers before
 ])
 def test_a_broken_model_folder_is_refused_before_anything_is_written(tmp_path, files, match):
     from slimml.convert import convert
