@@ -151,6 +151,9 @@ def _fix(src: Source, exported: Exported, batch: bool) -> str:
     if src.kind == "torch":
         return ("the trace of its forward does not compute what the module does (a Python branch or loop on tensor values, "
                 "an input used by position): make forward traceable, or export it to ONNX yourself and convert the .onnx file.")
+    if exported.info.get("exporter") == "optimum" and src.kind == "huggingface":  # Gemma 2 under transformers 4.57
+        return ("convert with --exporter torch (slimml's own trace of the model in torch), or export this model to ONNX "
+                "yourself and convert the .onnx file.")
     return "export this model to ONNX yourself and convert the .onnx file."
 
 

@@ -336,6 +336,19 @@ def test_a_decoder_generates_as_its_generation_config_says_where_the_call_says_n
     with caplog.at_level("WARNING", logger="slimml"):
         assert odd.generate([prompt], **fixed).tokens[0] == plain.generate([prompt], **fixed).tokens[0]
     assert "sets repetition_penalty=-1, which is not a usable value" in caplog.text and "sets penalty_alpha=0.6, which" in caplog.text
+    # an audit's findings: min_new_tokens in the file was ignored (an empty reply where the end came first), and
+    # banned or forced tokens and lengths were left out in silence
+    held = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "held", bpe),
+                                       {"min_new_tokens": 5, "max_new_tokens": 3, "bad_words_ids": [[7]],
+                                        "forced_eos_token_id": 1}))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slimml"):
+        first = plain.generate([prompt], max_new_tokens=8, temperature=0).tokens[0][0]
+        got = held.generate([prompt], max_new_tokens=8, temperature=0, eos_token_id=first)
+    assert len(got.tokens[0]) >= 5 and got.tokens[0] == plain.generate(
+        [prompt], max_new_tokens=8, temperature=0, eos_token_id=first, min_new_tokens=5).tokens[0]
+    assert ("sets bad_words_ids=[[7]], forced_eos_token_id=1, max_new_tokens=3, which slimml's decoder generation does "
+            "not apply; its other settings apply (pass max_new_tokens= to set the length)") in caplog.text, caplog.text
     # num_beams applies (beam search) where the call does not sample; the command line's --num-beams too
     beams = load(with_generation_config(with_tokenizer(tiny_llama_past_artifact, tmp_path / "beams", bpe),
                                         {"num_beams": 3, "length_penalty": 2.0}))

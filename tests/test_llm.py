@@ -493,3 +493,17 @@ def test_a_gguf_with_a_task_it_has_no_head_for_is_refused(task, tmp_path):
                                           "with --task text-generation-with-past or text-generation"):
         convert(GGUF, tmp_path / "art", ConvertConfig(export=ExportConfig(task=task)))
     assert not (tmp_path / "art").exists()
+
+
+def test_a_graph_optimum_wrote_wrong_is_refused_with_the_torch_exporter_to_try():
+    """Gemma 2 under transformers 4.57: optimum-onnx's graph disagreed with torch (cosine 0.63) and the refusal said
+    to export it by hand, where --exporter torch converts it exactly (an audit's finding)."""
+    from types import SimpleNamespace
+
+    from slimml.convert.check import _refuse_disagreement
+    from slimml.errors import ExportError
+
+    src = SimpleNamespace(kind="huggingface", name="gemma2")
+    with pytest.raises(ExportError, match=r"cosine 0\.6333.*slimml does not ship it; convert with --exporter torch"):
+        _refuse_disagreement(src, SimpleNamespace(info={"exporter": "optimum"}),
+                             {"cosine_vs_torch": 0.6333, "rel_diff_vs_torch": 0.623})

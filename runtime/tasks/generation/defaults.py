@@ -11,11 +11,16 @@ from typing import Any
 
 from slimml.errors import ConfigError
 from slimml.runtime.tasks.generation.config import GenerationConfig, is_int
+from slimml.runtime.tasks.limits import shown
 
 TRANSFORMERS_TOP_K = 50  # transformers' GenerationConfig default: sampling keeps the 50 most likely tokens
 # read where the file samples (do_sample), as transformers reads them
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
 _UNAPPLIED = ("encoder_repetition_penalty", "num_beam_groups", "penalty_alpha", "diversity_penalty")
+# named in the same warning whatever their value: banned and forced tokens, and lengths (generate()'s own
+# max_new_tokens applies; a chat model's 2,048 or its context would run every call that long)
+_IGNORED = ("bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "forced_bos_token_id",
+            "forced_eos_token_id", "max_new_tokens", "max_length", "min_length")
 _read: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (its file's settings, for generate)
 
 
@@ -43,6 +48,8 @@ def file_settings(model: Any) -> dict[str, Any]:
         found["repetition_penalty"] = raw["repetition_penalty"]
     if raw.get("no_repeat_ngram_size") not in (None, 0):  # greedy or sampled, as transformers applies it
         found["no_repeat_ngram_size"] = raw["no_repeat_ngram_size"]
+    if raw.get("min_new_tokens") not in (None, 0):  # the end held back: without it a reply could be empty
+        found["min_new_tokens"] = raw["min_new_tokens"]
     if raw.get("num_beams") not in (None, 0, 1):  # beam search, where the generation does not sample
         if raw.get("do_sample") in (True, 1):
             logging.getLogger("slimml").warning("slimml: %s's generation_config.json sets num_beams=%r with do_sample "
@@ -74,10 +81,13 @@ def file_settings(model: Any) -> dict[str, Any]:
                                                 "value; it is left out (pass %s= to generate() to set it).",
                                                 model.manifest.name, name, value, name)
     unapplied = [f"{k}={raw[k]!r}" for k in _UNAPPLIED if raw.get(k) not in (None, 0, 0.0, 1.0, 1)]
+    unapplied += [f"{k}={shown(raw[k])}" for k in _IGNORED if raw.get(k) not in (None, [], {})]
     if unapplied:
+        lengths = any(k in raw for k in ("max_new_tokens", "max_length", "min_length"))
         logging.getLogger("slimml").warning("slimml: %s's generation_config.json sets %s, which slimml's decoder "
-                                            "generation does not apply; its other settings apply.",
-                                            model.manifest.name, ", ".join(unapplied))
+                                            "generation does not apply; its other settings apply%s.",
+                                            model.manifest.name, ", ".join(unapplied),
+                                            " (pass max_new_tokens= to set the length)" if lengths else "")
     try:
         _read[model] = kept
     except TypeError:  # not weakly referable: read again next time
