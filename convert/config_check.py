@@ -48,6 +48,7 @@ def check_config(folder: str | Path) -> None:
     wrote = str(config.get("transformers_version") or "")
     _check_model_type(path, config, wrote, installed)
     _check_quantized(path, config)
+    _check_classifier_pad(path, config)
     unknown = _unknown_keys(config)
     dangerous = [k for k in unknown if k in _MOVES]
     if "rope_parameters" in config and "rope_theta" not in config and "rope_parameters" not in dangerous:
@@ -114,6 +115,32 @@ def _check_quantized(path: Path, config: dict[str, Any]) -> None:
     raise SourceError(f"{path.parent} is a {method}-quantized checkpoint (config.json's quantization_config{bits}); "
                       "slimml converts float checkpoints (float32, float16, bfloat16) and GGUF files: convert the "
                       "float model it was quantized from (then --quantize int4-weights or int8), or its GGUF file.")
+
+
+def _check_classifier_pad(path: Path, config: dict[str, Any]) -> None:
+    """Refuse a decoder's sequence classifier without ``pad_token_id``: it scores each text at its last
+    token before the padding, found by that id, so transformers cannot run a batch of it (4.57's export
+    failed with "unordered_map::at", and optimum-onnx asked for a --pad_token_id slimml does not have)."""
+    import inspect
+
+    import transformers
+
+    if config.get("pad_token_id") is not None:
+        return
+    for name in config.get("architectures") or []:
+        if not isinstance(name, str) or not name.endswith("ForSequenceClassification"):
+            continue
+        try:
+            reads_pad = "pad_token_id" in inspect.getsource(getattr(transformers, name).forward)
+        except (AttributeError, ImportError, OSError, TypeError):  # a class this transformers lacks: the loader says so
+            continue
+        if reads_pad:
+            eos = config.get("eos_token_id")
+            eos = eos[0] if isinstance(eos, list) and eos else eos
+            hint = f" (its eos id, {eos}, where the tokenizer has no pad token)" if isinstance(eos, int) else ""
+            raise SourceError(f"{path.parent} is a {name}, which scores each text at its last token before the padding, "
+                              "found by pad_token_id, and its config.json sets none; set \"pad_token_id\" in config.json to "
+                              f"the tokenizer's pad id{hint}, then convert again.")
 
 
 def _check_model_type(path: Path, config: dict[str, Any], wrote: str, installed: str) -> None:

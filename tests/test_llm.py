@@ -255,6 +255,10 @@ def test_a_gemma3_config_with_rope_parameters_per_layer_type_names_each_key(tmp_
     ({"config.json": '{"model_type": "llama", "quantization_config": {"quant_method": "gptq", "bits": 4}}'},
      r"src is a gptq-quantized checkpoint \(config.json's quantization_config, 4-bit\); slimml converts float "
      r"checkpoints .* convert the float model it was quantized from"),  # NameError inside transformers before
+    ({"config.json": '{"model_type": "llama", "architectures": ["LlamaForSequenceClassification"], "eos_token_id": 2}'},
+     r"src is a LlamaForSequenceClassification, which scores each text at its last token before the padding, found by "
+     r"pad_token_id, and its config.json sets none; set \"pad_token_id\" in config.json to the tokenizer's pad id \(its "
+     r"eos id, 2, where"),  # circular advice between the two exporters before
 ])
 def test_a_broken_model_folder_is_refused_before_anything_is_written(tmp_path, files, match):
     from slimml.convert import convert
