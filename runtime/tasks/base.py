@@ -117,11 +117,12 @@ class Task:
         alternatives = tuple(m for m in self.suggest if self.supports(m)) + ("run",)
         use = ", ".join(CALLS[m] for m in alternatives[:-1])
         use = f"{use}, or run() for its raw outputs" if use else "run() for its raw outputs"
+        declared = self.manifest.task in DECLARED.get(method, ())  # the manifest's task has it: its graph is not that task's
         if method in ("tokenize", "count_tokens"):
             why = "has no tokenizer, so it cannot take text"
         elif method == "preprocess":
             why = "does not take images"
-        elif self._declared(method):  # the manifest names the task, but its graph is not that task's
+        elif declared:
             m = self.manifest
             why = (f"cannot {method}(): its manifest says task {m.task!r}, but its graph takes "
                    f"{tensor_list(m.inputs, False) or 'nothing'} and gives {tensor_list(m.outputs, False) or 'nothing'}, "
@@ -137,13 +138,8 @@ class Task:
         if method in ("encode", "encode_with_counts") and self.manifest.task == "feature-extraction":  # a plain encoder
             use += ("; for sentence embeddings, save the source as sentence-transformers does "
                     "(SentenceTransformer(FOLDER).save(OUT): mean pooling) and convert OUT")
-        task = self.kind if self._declared(method) else self.manifest.task  # what it loaded as, where they differ
+        task = self.kind if declared else self.manifest.task  # what it loaded as, where they differ
         return TaskError(f"the artifact {self.folder} {why}; use {use}.", task, method, alternatives)
-
-    def _declared(self, method: str) -> bool:
-        """Whether the manifest's task is one ``method`` serves (which this artifact, lacking it, loaded as
-        something else: its graph is not that task's)."""
-        return self.manifest.task in DECLARED.get(method, ())
 
     # -- the task API: each raises TaskError unless the task has it ------------------------------
 

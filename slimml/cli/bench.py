@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from slimml.cli.common import Artifact, AsJson, BaselineIn, BaselineOut, app, console
-from slimml.cli.gate import GATE_RUNS, log, refuse_ungated, with_baseline
+from slimml.cli.gate import GATE_RUNS, counted, log, refuse_ungated, with_baseline
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.engine.config import LoadConfig
@@ -58,8 +58,8 @@ def bench(
                           "is timed beside its reference (their figures hold for that pair alone): save it in a run of "
                           "its own, without --against.")
     if (baseline is not None or against is not None or save_baseline is not None) and runs < GATE_RUNS:
-        log.warning("slimml: a latency gate on %d timed run%s is noise on a shared machine (one burst of load decides "
-                    "it); give --runs %d or more.", runs, "" if runs == 1 else "s", GATE_RUNS)
+        log.warning("slimml: a latency gate on %s is noise on a shared machine (one burst of load decides it); give "
+                    "--runs %d or more.", counted(runs, "timed run"), GATE_RUNS)
     old = Baseline.load(baseline) if baseline else None
     if save_baseline is not None:
         Baseline.check_writable(save_baseline, kind="bench")

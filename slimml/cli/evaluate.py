@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from slimml.cli.common import Artifact, AsJson, BaselineIn, BaselineOut, Progress, app, console
-from slimml.cli.gate import GATE_PAIRS, GATE_TOKENS, log, refuse_ungated, with_baseline
+from slimml.cli.gate import GATE_PAIRS, GATE_TOKENS, counted, log, refuse_ungated, with_baseline
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError
 from slimml.runtime.engine.config import LoadConfig
@@ -85,18 +85,18 @@ def eval_(
     model = load(artifact, loading.build())
     if language:
         result = evaluate_perplexity(model, data, window=window, max_tokens=max_tokens)
-        said = (f"perplexity = {result.score:.4f} on {_n(result.count, 'token')} ({data.name}, "
-                f"{_n(result.settings['windows'], 'window')} of up to {result.settings['window']} tokens)")
+        said = (f"perplexity = {result.score:.4f} on {counted(result.count, 'token')} ({data.name}, "
+                f"{counted(result.settings['windows'], 'window')} of up to {result.settings['window']} tokens)")
         if result.count < GATE_TOKENS and (baseline is not None or save_baseline is not None):
             log.warning("slimml: a gate scored on only %s: a perplexity on so few moves with chance more than with the "
-                        "model; give a text of %d tokens or more (a few thousand is better).", _n(result.count, "token"),
+                        "model; give a text of %d tokens or more (a few thousand is better).", counted(result.count, "token"),
                         GATE_TOKENS)
     else:
         result = evaluate_sts(model, data, batch_size=batch_size or 32, show_progress=progress)
-        said = f"{result.metric} x100 = {result.score:.2f} on {_n(result.count, 'pair')} ({data.name})"
+        said = f"{result.metric} x100 = {result.score:.2f} on {counted(result.count, 'pair')} ({data.name})"
         if result.count < GATE_PAIRS and (baseline is not None or save_baseline is not None):
             log.warning("slimml: a gate scored on only %s: a Spearman score on so few moves by whole points with one pair's "
-                        "rank; give %d pairs or more (STSb's dev split has 1,500).", _n(result.count, "pair"), GATE_PAIRS)
+                        "rank; give %d pairs or more (STSb's dev split has 1,500).", counted(result.count, "pair"), GATE_PAIRS)
     now = Baseline.from_eval(result, str(artifact), data)
     if as_json:
         with_baseline(result.to_json(), now, old, baseline, save_baseline, tol)
@@ -111,8 +111,3 @@ def _methods(artifact: Path) -> frozenset[str]:
     from slimml.runtime.tasks.registry import kind_of, registered
 
     return frozenset(registered()[kind_of(read_manifest(artifact))].methods)
-
-
-def _n(count: int, unit: str) -> str:
-    """``1 token``, ``2 tokens``."""
-    return f"{count:,} {unit}{'' if count == 1 else 's'}"

@@ -17,6 +17,11 @@ GATE_PAIRS = 50  # fewer STS pairs, and Spearman moves by points with one pair's
 GATE_TOKENS = 256  # fewer tokens of text, and a perplexity is a few windows' chance
 
 
+def counted(count: int, unit: str) -> str:
+    """``1 token``, ``1,001 tokens``: a count as a gate's lines say it."""
+    return f"{count:,} {unit}{'' if count == 1 else 's'}"
+
+
 def refuse_ungated(tolerances: dict[str, float | None], gated: bool, against: bool = False) -> None:
     """Refuse a tolerance flag given (``tolerances``: flag -> value, None where not given) without what
     it compares the run with (``gated``: --baseline, or bench's --against where ``against``): such a

@@ -83,7 +83,7 @@ def file_settings(model: Any) -> dict[str, Any]:
     unapplied = [f"{k}={raw[k]!r}" for k in _UNAPPLIED if raw.get(k) not in (None, 0, 0.0, 1.0, 1)]
     unapplied += [f"{k}={shown(raw[k])}" for k in _IGNORED if raw.get(k) not in (None, [], {})]
     if unapplied:
-        lengths = any(k in raw for k in ("max_new_tokens", "max_length", "min_length"))
+        lengths = any(raw.get(k) is not None for k in ("max_new_tokens", "max_length", "min_length"))
         logging.getLogger("slimml").warning("slimml: %s's generation_config.json sets %s, which slimml's decoder "
                                             "generation does not apply; its other settings apply%s.",
                                             model.manifest.name, ", ".join(unapplied),
