@@ -37,7 +37,6 @@ def split_towers(onnx_path: Path, source_folder: Path | None) -> tuple[list[Comp
     Returns ``([], None)`` for any other graph: it stays one chain of shards.
     """
     import onnx
-    from onnx import numpy_helper
     from onnx.utils import Extractor
 
     if source_folder is None or not (source_folder / "config.json").is_file():
@@ -68,9 +67,54 @@ def split_towers(onnx_path: Path, source_folder: Path | None) -> tuple[list[Comp
             f"could not split {onnx_path.name} into its text and vision towers ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); convert it with --task pointing at one tower, or report it."
         ) from None
-    scale = next((t for t in model.graph.initializer if t.name == "logit_scale"), None)
-    if scale is not None:
-        log_scale = float(numpy_helper.to_array(scale, base_dir=str(onnx_path.parent)).reshape(-1)[0])
-    else:
-        log_scale = float(config.get("logit_scale_init_value", np.log(100.0)))
-    return components, {"text": "text", "image": "vision", "scale": float(np.exp(log_scale))}
+    scale, bias = _similarity(model, onnx_path.parent)
+    if scale is None:
+        scale = float(np.exp(float(config.get("logit_scale_init_value", np.log(100.0)))))
+    zero_shot = {"text": "text", "image": "vision", "scale": scale}
+    if "siglip" in str(config.get("model_type", "")):  # as transformers' zero-shot pipeline scores and pads SigLIP
+        zero_shot.update(bias=bias or 0.0, activation="sigmoid", text_length=SIGLIP_TEXT_LENGTH)
+    elif bias:
+        raise ExportError(f"{onnx_path.name} adds a bias of {bias:g} to its image-text logits, which slimml scores only "
+                          "for SigLIP (model_type siglip); convert it with --task pointing at one tower, or report it.")
+    return components, zero_shot
+
+
+SIGLIP_TEXT_LENGTH = 64  # transformers' zero-shot pipeline pads SigLIP's texts to 64 tokens (its text tower has no mask)
+
+
+def _similarity(model, base_dir: Path) -> tuple[float | None, float | None]:
+    """``(exp(logit_scale), logit_bias)`` as the graph computes its image-text logits
+    (``logits_per_text = cos * exp(scale) [+ bias]``), read from the nodes rather than from
+    initializer names (the exporter may merge equal initializers: a SigLIP whose scale and bias are
+    both 0 shares one); None where the graph does not say."""
+    from onnx import numpy_helper
+
+    made = {o: n for n in model.graph.node for o in n.output}
+    consts = {t.name: t for t in model.graph.initializer}
+    consts.update({n.output[0]: next((a.t for a in n.attribute if a.name == "value"), None)
+                   for n in model.graph.node if n.op_type == "Constant"})
+
+    def value(name: str) -> float | None:
+        while name in made and made[name].op_type == "Identity":
+            name = made[name].input[0]
+        t = consts.get(name)
+        if t is None:
+            return None
+        a = numpy_helper.to_array(t, base_dir=str(base_dir)).reshape(-1)
+        return float(a[0]) if a.size == 1 else None
+
+    node = made.get("logits_per_text")
+    bias = None
+    if node is not None and node.op_type == "Add":
+        got = [value(i) for i in node.input]
+        bias = next((b for b in got if b is not None), None)
+        node = next((made.get(i) for i, b in zip(node.input, got) if b is None), None)
+    if node is None or node.op_type != "Mul":
+        named = consts.get("logit_scale")
+        log_scale = value("logit_scale") if named is not None else None
+        return (float(np.exp(log_scale)) if log_scale is not None else None), bias
+    exp = next((made[i] for i in node.input if i in made and made[i].op_type == "Exp"), None)
+    if exp is None:  # exp(logit_scale) folded into a constant
+        return next((v for v in map(value, node.input) if v is not None), None), bias
+    log_scale = value(exp.input[0])
+    return (float(np.exp(log_scale)) if log_scale is not None else None), bias

@@ -310,6 +310,48 @@ def test_clip_embeddings_and_zero_shot_scores_match_torch(clip):
         model.classify(images)
 
 
+def test_siglip_scores_each_label_by_sigmoid_with_its_bias_as_transformers_pipeline_does(tmp_path):
+    """SigLIP's text tower takes the ids alone (no attention mask): every text call failed with
+    KeyError 'attention_mask'; its scores were CLIP's softmax, without its logit bias; and its texts
+    were padded to the longest where transformers pads them to 64 tokens (as SigLIP was trained)."""
+    from transformers import AutoTokenizer, SiglipConfig, SiglipImageProcessor, SiglipModel, pipeline
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.convert.sources import default_model_dir
+    from slimml.runtime import load, read_manifest
+
+    torch.manual_seed(0)
+    model = SiglipModel(SiglipConfig(text_config=dict(TOWER, vocab_size=30522, max_position_embeddings=64),
+                                     vision_config=dict(TOWER, image_size=32, patch_size=8))).eval()
+    with torch.no_grad():  # learned values, distinct (a random init has both 0, which the exporter merges)
+        model.logit_scale.fill_(np.log(10.0))
+        model.logit_bias.fill_(-2.5)
+    model.save_pretrained(tmp_path / "src")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    tokenizer.save_pretrained(tmp_path / "src")
+    processor = SiglipImageProcessor(size={"height": 32, "width": 32})
+    processor.save_pretrained(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    manifest = read_manifest(tmp_path / "art")
+    assert manifest.zero_shot.to_json() == {"text": "text", "image": "vision", "scale": pytest.approx(10.0), "bias": -2.5,
+                                            "activation": "sigmoid", "text_length": 64}
+    assert manifest.format_version == 4 and set(manifest.requires) == {"zero_shot.bias", "zero_shot.activation",
+                                                                      "zero_shot.text_length"}
+    art = load(tmp_path / "art")
+    labels = ["a photo of a cat", "a dog", "a bird sitting on a branch in the morning sun"]
+    images = [im.convert("RGB") for im in _images(3)]
+    with torch.no_grad():
+        ids = tokenizer(labels, padding="max_length", max_length=64, return_tensors="pt")["input_ids"]
+        want = torch.nn.functional.normalize(model.get_text_features(input_ids=ids), dim=-1).numpy()
+    np.testing.assert_allclose(art.embed_texts(labels), want, atol=1e-5)
+    tokenizer.model_input_names = ["input_ids"]  # as SigLIP's own tokenizer: no mask for the model to take
+    classifier = pipeline("zero-shot-image-classification", model=model, tokenizer=tokenizer, image_processor=processor)
+    for image, got in zip(images, art.classify(images, labels=labels)):
+        expected = {c["label"]: c["score"] for c in classifier(image, candidate_labels=labels, hypothesis_template="{}")}
+        assert {c["label"]: c["score"] for c in got} == pytest.approx(expected, abs=1e-5)
+        assert abs(sum(c["score"] for c in got) - 1) > 1e-3  # each label alone, not a softmax
+
+
 @pytest.mark.parametrize("module", ["Transformer", "CLIPModel", "0_CLIPModel"])
 def test_clip_saved_by_sentence_transformers_converts_as_its_two_towers(clip, tmp_path, module):
     """sentence-transformers 5.4+ saves CLIP as a multimodal ``Transformer`` (earlier: a ``CLIPModel``

@@ -29,7 +29,8 @@ FORMAT_VERSION = 4  # the newest this slimml reads and writes
 # right (one chain without projections: 1)
 READS_VERSIONS = (1, 2, 3, 4)
 # what this slimml applies of the fields a version-4 manifest may require; a name not here is refused (a newer record)
-APPLIES = frozenset({"seq2seq.search", "seq2seq.prompt_ids", "seq2seq.bad_words_ids", "seq2seq.forced_eos_token_id"})
+APPLIES = frozenset({"seq2seq.search", "seq2seq.prompt_ids", "seq2seq.bad_words_ids", "seq2seq.forced_eos_token_id",
+                     "zero_shot.bias", "zero_shot.activation", "zero_shot.text_length"})
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few KB per shard; anything this big is not one
 
@@ -190,7 +191,7 @@ class Manifest:
     @property
     def requires(self) -> list[str]:
         """Fields a reader must apply, else refuse the artifact (format version 4; see :data:`APPLIES`)."""
-        return self.seq2seq.requires if self.seq2seq else []
+        return [*(self.seq2seq.requires if self.seq2seq else []), *(self.zero_shot.requires if self.zero_shot else [])]
 
     @property
     def needs_version(self) -> int:

@@ -233,13 +233,24 @@ class Pooling(Record):
 
 @dataclass(eq=False)
 class ZeroShot(Record):
-    """CLIP-style scoring: which components embed texts and images, and the logit scale."""
+    """CLIP-style scoring: which components embed texts and images, the logit scale, and (SigLIP) a
+    logit bias, each label's sigmoid for the softmax, and texts padded to a fixed length."""
 
     KEY: ClassVar[str] = "zero_shot"
+    OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("bias", "activation", "text_length")
+    ACTIVATIONS: ClassVar[tuple[str, ...]] = ("softmax", "sigmoid")
     text: str  # component names
     image: str
     scale: float
+    bias: float = 0.0  # added to the scaled cosine (SigLIP's logit_bias)
+    activation: str | None = None  # None: softmax over the labels (CLIP); "sigmoid": each label alone (SigLIP)
+    text_length: int | None = None  # texts padded to this many tokens (SigLIP: 64, as it was trained; no mask)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def requires(self) -> list[str]:
+        """The fields a slimml must apply to score (and embed texts) as the source does (format version 4)."""
+        return [f"zero_shot.{k}" for k in self.OMIT_EMPTY if getattr(self, k)]
 
     @classmethod
     def problems(cls, raw: Any, where: str = "zero_shot", components: Any = ()) -> list[str]:
@@ -247,8 +258,13 @@ class ZeroShot(Record):
         if c.need(isinstance(raw, dict), where, "must be an object or null"):
             c.need(all(isinstance(raw.get(k), str) and raw.get(k) in components for k in ("text", "image")), where,
                    "must name a text and an image component")
-            c.need(isinstance(raw.get("scale"), (int, float)) and not isinstance(raw.get("scale"), bool),
-                   f"{where}.scale", "must be a number")
+            for key in ("scale", "bias"):
+                c.need((key == "bias" and raw.get(key) is None) or isinstance(raw.get(key), (int, float))
+                       and not isinstance(raw.get(key), bool), f"{where}.{key}", "must be a number")
+            c.need(raw.get("activation") in (None, *cls.ACTIVATIONS), f"{where}.activation",
+                   f"must be one of {', '.join(cls.ACTIVATIONS)} or null")
+            c.need(raw.get("text_length") is None or is_int(raw.get("text_length"), 1, 1 << 31), f"{where}.text_length",
+                   "must be an int >= 1 or null")
         return c.found
 
 

@@ -39,10 +39,14 @@ class ZeroShot(Task):
         spec = manifest.zero_shot
         self.text_part, self.image_part = spec["text"], spec["image"]
         self.scale = float(spec["scale"])  # CLIP's exp(logit_scale)
+        self.bias = float(spec.bias or 0.0)  # SigLIP's logit_bias
+        self.sigmoid = spec.activation == "sigmoid"  # SigLIP: each label scored alone
         texts, images = manifest.component(self.text_part), manifest.component(self.image_part)
         self.pooling = texts.pooling
         self.pooler = Pooler.of(texts.pooling, self.folder, manifest.files)
         self.text = text_encoder(self.folder, texts, self.limits)
+        if self.text is not None and spec.text_length:
+            self.text.pad_to = int(spec.text_length)
         self.image_input, self.images = image_input(self.folder, images)
 
     def embed_texts(self, texts: list[str], batch_size: int = 32, show_progress: bool = False) -> np.ndarray:
@@ -92,8 +96,9 @@ class ZeroShot(Task):
         """Zero-shot classification: per image, ``labels`` scored as CLIP scores them.
 
         Scores are the softmax over the labels of ``scale * cos(image, label text)``, with the
-        model's own ``exp(logit_scale)``. Prompt templates are the caller's choice (for example
-        ``"a photo of a cat"`` rather than ``"cat"``).
+        model's own ``exp(logit_scale)``; for SigLIP, each label's sigmoid of that plus the model's
+        ``logit_bias`` (as transformers' zero-shot pipeline scores them: they need not sum to 1).
+        Prompt templates are the caller's choice (for example ``"a photo of a cat"`` rather than ``"cat"``).
 
         Args:
             images: an image or a list of them: file paths, PIL images or HxWx3 uint8 arrays.
@@ -116,7 +121,10 @@ class ZeroShot(Task):
         check_top_k(top_k, "label")
         texts = self.embed_texts(list(labels), batch_size=batch_size)
         pictures = self.embed_images(images, batch_size=batch_size)
-        logits = self.scale * (pictures.astype(np.float64) @ texts.astype(np.float64).T)
-        logits -= logits.max(axis=1, keepdims=True)
-        scores = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+        logits = self.scale * (pictures.astype(np.float64) @ texts.astype(np.float64).T) + self.bias
+        if self.sigmoid:
+            scores = 1.0 / (1.0 + np.exp(-logits))
+        else:
+            logits -= logits.max(axis=1, keepdims=True)
+            scores = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
         return top_classes(scores, list(labels), top_k)

@@ -33,6 +33,7 @@ class TextEncoder:
         self.pad_id = int(pad_id or 0)
         self.input_names = input_names
         self.limits = limits or Limits()  # texts are cut to limits.max_text_chars before tokenizing
+        self.pad_to: int | None = None  # batches padded to at least this many tokens (SigLIP's 64, as it was trained)
         self._windowed: Tokenizer | None = None  # the window calls' copy (made on first use)
         self._window_lock = threading.Lock()
 
@@ -65,8 +66,14 @@ class TextEncoder:
                 return e
 
     def batch(self, encs: list, pad_to: int | None = None) -> dict[str, np.ndarray]:
-        """Feeds for ``encs``, right-padded to the longest of them (or to ``pad_to``)."""
-        width = max(max(len(e.ids) for e in encs), pad_to or 0)
+        """Feeds for ``encs``, right-padded to the longest of them (or to ``pad_to``, or the encoder's own)."""
+        tensors = self.tensors(encs, pad_to)
+        return {k: v for k, v in tensors.items() if k in self.input_names}
+
+    def tensors(self, encs: list, pad_to: int | None = None) -> dict[str, np.ndarray]:
+        """:meth:`batch`'s tensors, ``attention_mask`` among them whether or not the model takes it
+        (SigLIP's text tower takes the ids alone; pooling still reads which tokens are real)."""
+        width = max(max(len(e.ids) for e in encs), pad_to or 0, self.pad_to or 0)
         ids = np.full((len(encs), width), self.pad_id, dtype=np.int64)
         mask = np.zeros((len(encs), width), dtype=np.int64)
         types = np.zeros((len(encs), width), dtype=np.int64)
@@ -78,7 +85,7 @@ class TextEncoder:
         tensors = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         if "position_ids" in self.input_names:  # decoders: positions count real tokens, as transformers does
             tensors["position_ids"] = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        return {k: v for k, v in tensors.items() if k in self.input_names}
+        return tensors
 
     def __call__(self, texts: list[str], pad_to: int | None = None) -> dict[str, np.ndarray]:
         return self.batch(self.encodings(texts), pad_to)
@@ -193,8 +200,8 @@ def encode_texts(run, text: TextEncoder, pooler: Pooler, encs: list, batches: li
     from slimml.runtime.tasks.lanes import in_lanes
 
     def embed(rows: np.ndarray) -> np.ndarray:
-        feeds = text.batch([encs[r] for r in rows])
-        return pooler(run(feeds), feeds["attention_mask"])
+        tensors = text.tensors([encs[r] for r in rows])
+        return pooler(run({k: v for k, v in tensors.items() if k in text.input_names}), tensors["attention_mask"])
 
     done = in_lanes(embed, batches, lanes)
     if show_progress:
