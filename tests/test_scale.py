@@ -486,3 +486,37 @@ def test_a_server_joining_a_cluster_leaves_what_serves_there_alone(cluster, tiny
         assert _serve_port() == port
     finally:
         ray_serve.shutdown()
+
+
+def test_a_server_whose_ray_joins_a_cluster_on_its_own_leaves_what_serves_there_alone(cluster, tiny_bert_artifact):
+    """Without --address, ray.init joins the cluster RAY_ADDRESS names (or the one a `ray start` here
+    recorded): slimml serve took it for a Ray of its own, skipped the checks --address gets, replaced
+    the application serving there, said it served on a port nobody listened on, and shut Serve down
+    for the whole cluster when it stopped."""
+    import subprocess
+    import sys
+
+    from ray import serve as ray_serve
+
+    from conftest import free_port
+
+    @ray_serve.deployment
+    class Other:
+        def __call__(self, request):
+            return "other"
+
+    port = free_port()
+    ray_serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        ray_serve.run(Other.bind(), name="other", route_prefix="/other")
+        try:
+            out = subprocess.run([sys.executable, "-m", "slimml", "serve", str(tiny_bert_artifact), "--port", str(free_port())],
+                                 env={**os.environ, "RAY_ADDRESS": cluster.address, "HF_HUB_OFFLINE": "1"},
+                                 capture_output=True, text=True, timeout=150)
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"slimml serve started on the cluster beside 'other': {e.stderr!s:.2000}")
+        assert out.returncode == 1 and re.search(r"Ray Serve on the cluster at \S+ already runs application\(s\) other; ",
+                                                 out.stderr), out.stderr[-2000:]
+        assert ray_serve.status().applications["other"].status == "RUNNING"  # left alone
+    finally:
+        ray_serve.shutdown()

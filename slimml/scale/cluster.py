@@ -145,12 +145,23 @@ def token_in_memory() -> bool:
 def _starts_local() -> bool:
     """Whether ``ray.init()`` without an address starts a Ray of its own, as Ray decides it: no
     ``RAY_ADDRESS``, and no cluster that ``ray start`` recorded (it joins those)."""
+    return cluster_address(None) is None
+
+
+def cluster_address(address: str | None) -> str | None:
+    """The cluster :func:`connect` joins for ``address``: ``address`` itself, else the one Ray
+    finds without being told (``RAY_ADDRESS``, or the cluster a ``ray start`` on this machine
+    recorded: ``ray.init()`` joins those), else None (a Ray of this process's own). An address
+    Ray cannot use is returned as it is given, for ``ray.init`` to refuse in its words."""
+    if address is not None:
+        return address
+    require_ray()
     from ray._private import services
 
     try:
-        return services.canonicalize_bootstrap_address(None) is None
+        return services.canonicalize_bootstrap_address(None)
     except Exception:  # noqa: BLE001 - an address Ray cannot use: ray.init says so, in its words
-        return False
+        return os.environ.get("RAY_ADDRESS") or "auto"
 
 
 @contextlib.contextmanager

@@ -82,12 +82,16 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
                               "artifact; leave --chat-template out.")
     if not 0 < port < 65536:
         raise ConfigError(f"port must be from 1 to 65535, got {port}.")
-    if address is None and not direct_ingress:  # a Ray this call starts: the port must be free here (one line, not Serve's traceback)
+    from slimml.scale.cluster import cluster_address
+
+    # without --address, Ray joins the cluster RAY_ADDRESS names or a `ray start` here recorded: that is a cluster too
+    joins = cluster_address(address)
+    if joins is None and not direct_ingress:  # a Ray this call starts: the port must be free here (one line, not Serve's traceback)
         _check_listen(host, port)
     if config.api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("slimml: serving on %s without an API key: anyone who reaches this port can use the model; "
                     "set --api-key or SLIMML_API_KEY", host)
-    proxy_port = _direct_ingress(host, port, config, address) if direct_ingress else port
+    proxy_port = _direct_ingress(host, port, config, joins) if direct_ingress else port
     import ray
     from ray import serve as ray_serve
 
@@ -111,13 +115,13 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
     if threading.current_thread() is threading.main_thread():
         for s in previous:
             signal.signal(s, on_signal)
-    ours = owns_ray and address is None  # a Ray of this process alone: its Serve is ours to start and stop
+    ours = owns_ray and _started_here(ray)  # a Ray of this process alone: its Serve is ours to start and stop
     started_serve, owns_serve, deployed = ours, False, False
     dead_before: set[tuple[str, int]] = set()
     try:
         nodes = nodes_with_cpus()
         if not ours:  # a cluster others may serve on: refuse to replace or stop what runs there
-            started_serve = _check_cluster_serve(address, proxy_port)
+            started_serve = _check_cluster_serve(joins or address, proxy_port)
             if started_serve and _node_here(nodes):  # Serve's proxy will listen on this machine
                 _check_listen(host, proxy_port)
         memory = _replica_memory(config, nodes)
@@ -186,6 +190,18 @@ def _own_start(record: logging.LogRecord) -> bool:
     will not be applied." that ``serve.run`` logs after this server's own ``serve.start``: the options
     were applied there, and the line told users their --port or timeouts were ignored."""
     return not str(record.msg).startswith("Connecting to existing Serve app")
+
+
+def _started_here(ray) -> bool:
+    """Whether the Ray this process is connected to is one it started (its GCS and raylet are this
+    process's children), not a cluster it joined: ``ray.init()`` without an address joins the
+    cluster ``RAY_ADDRESS`` names or a ``ray start`` on this machine recorded, whose Serve others
+    may use."""
+    try:
+        node = ray._private.worker._global_node
+        return node is not None and bool(node.all_processes)
+    except Exception:  # noqa: BLE001 -- Ray's internals moved: not known to be ours, so treated as shared
+        return False
 
 
 def _dead_ray_processes(ray) -> set[tuple[str, int]]:
@@ -348,8 +364,10 @@ def _direct_ingress(host: str, port: int, config: ServeConfig, address: str | No
     """Turn on Ray Serve's direct ingress with the replica's HTTP port pinned to ``port``;
     return a free port for Serve's proxy. Refused, in one line, where it cannot apply."""
     if config.replicas != 1 or address is not None:
-        raise ConfigError("direct ingress serves one replica on a Ray that slimml starts itself (one port, no "
-                          "load balancer in front); drop --replicas and --address, or drop --direct-ingress.")
+        raise ConfigError("direct ingress serves one replica on a Ray that slimml starts itself (one port, no load "
+                          "balancer in front); drop --replicas and --address (without --address, Ray still joins the "
+                          "cluster RAY_ADDRESS names or a `ray start` on this machine recorded: unset it, or `ray stop` "
+                          "that cluster), or drop --direct-ingress.")
     if "ray.serve" in sys.modules and os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1":
         raise ConfigError("direct ingress must be chosen before Ray Serve is first imported in this process; use "
                           "`slimml serve --direct-ingress`, or call serve(..., direct_ingress=True) before anything "
