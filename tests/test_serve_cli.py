@@ -187,6 +187,32 @@ def test_serve_runs_until_sigterm_and_stops_its_ray(ray_env, tiny_bert_artifact,
             assert status == 503 and "after the model was loaded" in body["error"]["message"], (status, body)
 
 
+def test_another_artifact_renamed_into_place_is_said_by_health_while_the_loaded_one_serves(ray_env, tiny_bert_artifact,
+                                                                                           tmp_path):
+    """A new artifact renamed into the served path (the old folder moved aside, intact): the replica kept
+    serving what it loaded with /health 200 and nothing said, while a replica that stopped could not start
+    again (the new manifest is not the pinned one) and Serve retried it for good."""
+    import shutil
+
+    from slimml.serve.app import HEALTH_CHECK_S
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_bert_artifact, art)
+    with served(str(art)) as (url, _):
+        status, before = post(f"{url}/v1/embeddings", {"input": ["hello"]})
+        assert status == 200
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+            assert "artifact" not in json.loads(r.read())
+        art.rename(tmp_path / "old")
+        shutil.copytree(tiny_bert_artifact, art)
+        time.sleep(2 * HEALTH_CHECK_S)
+        with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
+            body = json.loads(r.read())
+        assert r.status == 200 and "replaced since the server started" in body["artifact"] and "restart" in body["artifact"]
+        status, after = post(f"{url}/v1/embeddings", {"input": ["hello"]})
+        assert status == 200 and after["data"] == before["data"]  # what it loaded, from the files it holds
+
+
 def test_sigterm_to_the_whole_process_group_stops_in_seconds(ray_env, tiny_bert_artifact):
     """A service manager's stop signals every process of the server (systemd's KillMode=control-group), Ray's
     own among them: Serve's shutdown then waited 30 s on its controller, gone (38-40 s to stop, 5 s for Ctrl-C)."""

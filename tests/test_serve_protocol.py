@@ -214,6 +214,23 @@ def test_the_documented_serve_yaml_is_valid_and_builds(default_artifact):
     assert type(application).__name__ == "Application"
 
 
+def test_a_serve_config_s_relative_artifact_is_made_absolute_and_pinned_where_it_is_built(default_artifact, monkeypatch):
+    """docs/serve.yaml's relative path reached the replicas as it was, and each resolved it from Ray's
+    folder ("is not an artifact folder: it does not exist"); nor was its manifest pinned, so a replica
+    that replaced one after a new convert served another model beside the old one."""
+    from slimml.runtime.artifact.manifest import read_manifest
+    from slimml.serve.app import build
+
+    monkeypatch.chdir(default_artifact.parent)
+    application = build({"artifact": default_artifact.name})
+    args = application._bound_deployment._replica_config.init_args[0]  # what each replica is made with
+    assert args["artifact"] == str(default_artifact.resolve())
+    assert args["manifest_sha256"] == read_manifest(default_artifact).sha256
+    with pytest.raises(ConfigError, match=r"the artifact 'artifacts/nope' is a relative path, and .* has no such folder; "
+                                          r"give its absolute path"):
+        build({"artifact": "artifacts/nope"})
+
+
 def test_responses_input_items_read_into_a_chat_and_bad_ones_refused_in_its_terms():
     """``POST /v1/responses``' ``input``: a call joins the assistant message before it, thoughts
     go to the assistant message right after them, a tool's output is a ``tool`` message, the

@@ -167,6 +167,13 @@ class Engine:
         self.plan.check_files(deep=False)
 
     @property
+    def replaced(self) -> bool:
+        """Whether the files at the artifact's paths are no longer the ones loaded (renamed over, or
+        the folder swapped for another): a new load from that path would read another artifact."""
+        watch = self._watch
+        return watch is not None and not watch.at_paths()
+
+    @property
     def stats(self):
         """Streaming counters (:class:`slimml.runtime.engine.stream.StreamStats`): passes, bytes
         loaded, time waiting on loads and computing. All zero for a fully resident model."""

@@ -425,6 +425,12 @@ class Task:
         for e in self._engines:
             e.verify()
 
+    @property
+    def replaced(self) -> bool:
+        """Whether another artifact took this one's path since load (its files renamed over, or the
+        folder swapped): the loaded model still runs, from the files it holds."""
+        return any(e.replaced for e in self._engines)
+
     def check_files(self) -> None:
         """Has any file changed since load? (cheap: see :meth:`Engine.check_files`).
 

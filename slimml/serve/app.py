@@ -37,7 +37,7 @@ import slimml.serve.images as images
 import slimml.serve.protocol as protocol
 import slimml.serve.refusals as refusals
 import slimml.serve.transcription as transcription
-from slimml.runtime.artifact.manifest import MANIFEST_NAME
+from slimml.runtime.artifact.manifest import MANIFEST_NAME, read_manifest
 from slimml.runtime.tasks.inputs.audio import wav_from_bytes
 from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
@@ -58,6 +58,7 @@ class SlimmlServer:
     def __init__(self, config: dict[str, Any]):
         self.config = ServeConfig(**config)
         self._damage_told = False  # check_health has logged that the artifact's files changed
+        self._replaced_told = False  # ... or that another artifact took its path
         # Serve pickles this class by value, globals and all: the middleware reads its module's own
         # state, so it is reached through the module, not through this function's globals
         import slimml.serve.app as module
@@ -414,6 +415,8 @@ class SlimmlServer:
     async def health(self):
         await asyncio.to_thread(self.model.check_files)  # IntegrityError -> 503
         body = {"status": "ok", "model": self.name}
+        if await asyncio.to_thread(self._replaced):  # still serving, but not what its path now holds
+            body["artifact"] = "replaced since the server started: it serves the one it loaded; restart it to serve the new one"
         if self._llm is not None:  # answers being generated, waiting, and the batch's KV cache in bytes
             body["generation"] = self._llm.worker.load
         return body
@@ -448,6 +451,17 @@ class SlimmlServer:
                 log.error("slimml: %s; every request gets 503 until the server is restarted (on the new artifact, if "
                           "one replaced it).", e)
                 self._damage_told = True
+            return
+        if not self._replaced_told and self._replaced():
+            log.error("slimml: another artifact was moved to %s since this server started: the replicas serve the one "
+                      "they loaded (its files intact), but a replica that stops cannot start again there (the server "
+                      "pinned its manifest); restart the server to serve the new artifact.", self.config.artifact)
+            self._replaced_told = True
+
+    def _replaced(self) -> bool:
+        """Whether the files at the artifact's path are no longer the ones this replica loaded (a new
+        artifact renamed into place: what ``slimml convert`` does to its output folder)."""
+        return bool(getattr(self.model, "replaced", False))
 
 
 def _reuse_address() -> None:
@@ -498,5 +512,20 @@ def app(config: ServeConfig, cpus_per_replica: float | None = None, memory_bytes
 
 def build(args: dict[str, Any]):
     """Application builder for ``serve run slimml.serve.app:build artifact=PATH [key=value ...]``
-    and for a config YAML's ``import_path``; keys are :class:`ServeConfig`'s fields."""
-    return app(ServeConfig.from_args(args))
+    and for a config YAML's ``import_path``; keys are :class:`ServeConfig`'s fields.
+
+    The artifact's path is made absolute where it is built (a replica resolves a relative one from
+    Ray's folder, not the one ``serve run`` started in), and its ``manifest.json`` pinned, as
+    ``slimml serve`` pins it: every replica, and one that replaces a replica later, serves this
+    artifact or refuses to start, never another one moved to the same path."""
+    import dataclasses
+
+    config = ServeConfig.from_args(args)
+    path = Path(config.artifact)
+    if not path.is_absolute() and not path.exists():
+        raise ConfigError(f"the artifact {config.artifact!r} is a relative path, and {Path.cwd()} (where Ray builds "
+                          "this Serve application) has no such folder; give its absolute path in the config's args "
+                          "(the same path on every node).")
+    manifest = read_manifest(path)
+    return app(dataclasses.replace(config, artifact=str(path.resolve()), manifest_sha256=config.manifest_sha256
+                                   or manifest.sha256))
