@@ -520,3 +520,15 @@ def test_a_server_whose_ray_joins_a_cluster_on_its_own_leaves_what_serves_there_
         assert ray_serve.status().applications["other"].status == "RUNNING"  # left alone
     finally:
         ray_serve.shutdown()
+
+
+def test_cpus_per_replica_no_node_has_is_one_line_not_a_silent_wait(cluster, tiny_bert_artifact):
+    """--cpus-per-replica 2 on two 1-CPU nodes: Ray never placed the replica, and serve waited with no
+    word (a user's timeout killed it after 100 s)."""
+    from slimml.serve import ServeConfig, serve
+
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"--cpus-per-replica 2 for 1 replica\(s\), but a replica lives on one node and "
+                                          r"the nodes hold 0 \(.*1 CPUs.*\); lower --cpus-per-replica"):
+        serve(ServeConfig(str(tiny_bert_artifact), cpus_per_replica=2), address=cluster.address)
+    assert time.monotonic() - t0 < 60

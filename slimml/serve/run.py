@@ -125,6 +125,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
             if started_serve and _node_here(nodes):  # Serve's proxy will listen on this machine
                 _check_listen(host, proxy_port)
         memory = _replica_memory(config, nodes)
+        _check_replica_cpus(config, nodes)
         # the proxy's own end-to-end limit, a little after the replica's (whose 408 names the flag)
         owns_serve = started_serve  # from here, a Serve this server starts is this server's to stop
         try:
@@ -358,6 +359,20 @@ def _replica_memory(config: ServeConfig, nodes: list[dict]) -> int | None:
                           f"{fit} of the {config.replicas} replicas asked ({per_node}); lower --replicas, "
                           "--memory-budget, --max-running or --prefix-cache, or add nodes.")
     return need
+
+
+def _check_replica_cpus(config: ServeConfig, nodes: list[dict]) -> None:
+    """Refuse, in one line, ``cpus_per_replica`` that the nodes cannot give ``replicas`` replicas
+    (a replica lives on one node): Ray never placed them, and the deploy waited with no word."""
+    cpus = config.cpus_per_replica
+    if not cpus or config.stages:  # stages: the replica asks no CPUs (its stages do)
+        return
+    fit = sum(int(n["cpus"] / cpus + 1e-9) for n in nodes)
+    if fit < config.replicas:
+        per_node = ", ".join(f"{n['address']}: {n['cpus']:g} CPUs" for n in nodes)
+        raise ConfigError(f"--cpus-per-replica {cpus:g} for {config.replicas} replica(s), but a replica lives on one "
+                          f"node and the nodes hold {fit} ({per_node}); lower --cpus-per-replica or --replicas, or add "
+                          "nodes (leave --cpus-per-replica out to share each node's CPUs).")
 
 
 def _direct_ingress(host: str, port: int, config: ServeConfig, address: str | None) -> int:
