@@ -103,9 +103,13 @@ def connect(address: str | None = None) -> bool:
         if held:  # asked to stop, and the start failed too: the signal, not the failure
             signal.raise_signal(held[0])
         if isinstance(e, (ConnectionError, ValueError)):  # ValueError: an address Ray cannot parse ("garbage")
+            # a cluster with token authentication (Ray turns it on where ray start finds a token) refuses a
+            # process without the mode for 20 s of "InvalidAuthToken" lines, then fails as if it were not there
+            auth = ("; if that cluster uses token authentication, set RAY_AUTH_MODE=token here too, with its token in "
+                    "RAY_AUTH_TOKEN or ~/.ray/auth_token" if os.environ.get("RAY_AUTH_MODE") != "token" else "")
             raise ConfigError(
                 f"could not join the Ray cluster at {address!r} ({e}); give HOST:PORT of a cluster started with "
-                "`ray start --head` on the head node, or leave the address out to run on this machine alone."
+                f"`ray start --head` on the head node{auth}, or leave the address out to run on this machine alone."
             ) from None
         first = " ".join(str(e).split())[:300] or type(e).__name__  # seen under load: "timed out during startup"
         if isinstance(e, OSError) and e.filename:  # a folder it cannot write: not the machine's load
