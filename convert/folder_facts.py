@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.convert.sources import max_seq_length
-from slimml.errors import ExportError
+from slimml.errors import ConfigError, ExportError
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -52,8 +52,9 @@ def seq2seq_spec(folder: Path) -> dict[str, Any]:
     if isinstance(eos, list):
         eos = [int(e) for e in eos] if len(eos) > 1 else (int(eos[0]) if eos else None)
     forced, prompt = [], None
+    named: dict[str, int] = {}
     if gen.get("no_timestamps_token_id") is not None:  # Whisper: its forced ids are the decoder's prompt
-        prompt = _whisper_prompt(gen, config)
+        prompt, named = _whisper_prompt(gen, config)
     bos = pick("forced_bos_token_id")  # BART-large-cnn's <s>, mBART-50's target language: the first token made
     if bos is not None:
         forced.append([1, int(bos)])
@@ -64,6 +65,7 @@ def seq2seq_spec(folder: Path) -> dict[str, Any]:
         languages = gen.get("lang_to_id") or {}
         if languages and prompt[0] is None:
             spec["language_ids"] = sorted(int(i) for i in languages.values())
+            spec.update(named)
     limit = config.get("max_target_positions") or config.get("max_decoder_position_embeddings") or config.get("max_position_embeddings")
     if isinstance(limit, int) and limit > 0 and config.get("model_type") not in _RELATIVE_POSITIONS:
         spec["max_positions"] = limit
@@ -86,25 +88,56 @@ def seq2seq_spec(folder: Path) -> dict[str, Any]:
 _RELATIVE_POSITIONS = ("t5", "mt5", "umt5", "longt5")  # relative attention: no table of positions to run past
 
 
-def _whisper_prompt(gen: dict, config: dict) -> list[int | None]:
+def _whisper_prompt(gen: dict, config: dict) -> tuple[list[int | None], dict[str, int]]:
     """The tokens Whisper's generate puts after the start token (transformers'
-    ``_retrieve_init_tokens``, transcribing without timestamps): the forced ids from position 1
-    on (None: the language, detected from the first step's logits over the language ids), the task
-    named in the config, then ``<|notimestamps|>``."""
-    forced = sorted((gen.get("forced_decoder_ids") or config.get("forced_decoder_ids") or []), key=lambda x: x[0])
+    ``_retrieve_init_tokens``, transcribing without timestamps), and what applies to a language
+    named at run time. The forced ids from position 1 on (read only where the config names no
+    ``task`` or ``language``, as transformers reads them; None: the language, named by the caller
+    or detected from the first step's logits over the language ids), the config's task, then
+    ``<|notimestamps|>``. The second value holds ``language_id``, the language the config names
+    (a fine-tune's ``language="german"``: used where the caller names none), and
+    ``language_task_id``, the task put after a named language where the prompt has none
+    (transformers puts transcribe there; a detected language gets none)."""
+    task, language = gen.get("task"), gen.get("language")
+    tasks, languages = gen.get("task_to_id") or {}, gen.get("lang_to_id") or {}
     prompt: list[int | None] = []
-    for position, token in forced:
-        if position != len(prompt) + 1:
-            break
-        prompt.append(None if token is None else int(token))
-    if not prompt and gen.get("lang_to_id"):
-        prompt.append(None)  # no language given: detected, as transformers does when it has their ids
-    tasks = gen.get("task_to_id") or {}
-    if gen.get("task") in tasks:  # replaces the task id the forced ids gave
-        prompt = [t for t in prompt if t not in tasks.values()] + [int(tasks[gen["task"]])]
+    if task is None and language is None:  # transformers ignores the forced ids where either is set
+        forced = gen.get("forced_decoder_ids")
+        forced = sorted((config.get("forced_decoder_ids") if forced is None else forced) or [], key=lambda x: x[0])
+        for position, token in forced:
+            if position != len(prompt) + 1:
+                break
+            prompt.append(None if token is None else int(token))
+    named: dict[str, int] = {}
+    if language is not None and languages:  # (without language ids there is nothing to name: as English-only models)
+        named["language_id"] = _language_token(language, languages)
+    if languages and (not prompt or prompt[0] is None):
+        prompt[:1] = [None]  # named (by the caller or the config) or detected, as transformers does with their ids
+    if task in tasks:  # replaces the task id the forced ids gave
+        prompt = [t for t in prompt if t not in tasks.values()] + [int(tasks[task])]
+    elif task is not None:
+        raise ConfigError(f"the generation config's task {task!r} is not one of its task_to_id ({', '.join(tasks) or 'none'}); "
+                          "set task to one of them (or remove it) in generation_config.json, then convert again.")
+    elif None in prompt and "transcribe" in tasks and not any(t in prompt for t in tasks.values()):
+        named["language_task_id"] = int(tasks["transcribe"])
     if not prompt or prompt[-1] != gen["no_timestamps_token_id"]:
         prompt.append(int(gen["no_timestamps_token_id"]))
-    return prompt if gen.get("lang_to_id") else [t for t in prompt if t is not None]  # no ids to detect among: none
+    return (prompt if languages else [t for t in prompt if t is not None]), named  # no ids to detect among: none
+
+
+def _language_token(language: Any, languages: dict[str, int]) -> int:
+    """The id of the language a Whisper generation config names (``"german"``, ``"de"`` or
+    ``"<|de|>"``), as transformers' ``language_to_id`` reads it."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    word = language.lower() if isinstance(language, str) else None
+    token = (word if word in languages else f"<|{TO_LANGUAGE_CODE[word]}|>" if word in TO_LANGUAGE_CODE
+             else f"<|{word}|>" if word in TO_LANGUAGE_CODE.values() else None)
+    if token not in languages:
+        raise ConfigError(f"the generation config's language {language!r} is not one of this model's languages (its "
+                          "lang_to_id); set language to one of them, such as \"german\" or \"de\" (or remove it) in "
+                          "generation_config.json, then convert again.")
+    return int(languages[token])
 
 
 def preprocessor_file(folder: Path, onnx_path: Path) -> tuple[Path | None, str | None]:

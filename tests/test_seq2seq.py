@@ -18,7 +18,7 @@ import pytest
 
 from conftest import run_without_torch, save_tiny_whisper, speech, write_wav
 
-from slimml.errors import FeedError, SlimmlError
+from slimml.errors import ConfigError, FeedError, SlimmlError
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -334,6 +334,14 @@ def test_generation_settings_are_read_as_transformers_reads_them(tmp_path):
     assert (got["prompt_ids"], got["language_ids"], got["forced_ids"]) == ([None, 7, 9], [5, 6], [])
     assert spec({}, {**whisper, "forced_decoder_ids": [[1, 6], [2, 7]], "task": "translate"})["prompt_ids"] == [6, 8, 9]
     assert spec({}, {**whisper, "forced_decoder_ids": None})["prompt_ids"] == [None, 9]  # no language given: detected
+    # a fine-tune's config names its language and task (forced ids null): transformers reads those, not the forced ids
+    got = spec({}, {**whisper, "forced_decoder_ids": [[1, 5], [2, 8]], "language": "german", "task": "transcribe"})
+    assert (got["prompt_ids"], got["language_id"], got["language_ids"]) == ([None, 7, 9], 6, [5, 6])
+    assert spec({}, {**whisper, "language": "<|de|>"})["language_id"] == spec({}, {**whisper, "language": "DE"})["language_id"] == 6
+    got = spec({}, {**whisper, "forced_decoder_ids": None})  # no task: a named language gets transcribe, a detected one none
+    assert (got["prompt_ids"], got["language_task_id"]) == ([None, 9], 7) and "language_id" not in got
+    with pytest.raises(ConfigError, match=r"language 'klingon' is not one of this model's languages"):
+        spec({}, {**whisper, "language": "klingon"})
     english = {**whisper, "forced_decoder_ids": [[1, 9]]}
     english.pop("lang_to_id")
     assert spec({}, english)["prompt_ids"] == [9] and "language_ids" not in spec({}, english)  # whisper-*.en
@@ -623,6 +631,21 @@ def test_whisper_with_its_prompt_transcribes_as_whisper_s_generate(whisper, tmp_
     assert got == _strip(want, eos=102, pad=0) and len(got[0]) == 6
 
 
+@pytest.mark.parametrize("settings", [{"forced_decoder_ids": None, "language": "french", "task": "transcribe"},
+                                      {"forced_decoder_ids": None, "language": "de"}], ids=["language-and-task", "language"])
+def test_whisper_fine_tuned_in_a_language_transcribes_in_it_as_whisper_s_generate(whisper, tmp_path, settings):
+    """A fine-tune saved by transformers' recipe names its language in generation_config.json
+    (``language="german"``, forced ids null): slimml detected the language instead (a German model
+    transcribing as English); a language named with no task gets transcribe, as transformers gives it."""
+    model, art, features, wav = _multilingual_whisper(whisper, tmp_path, settings, language_tokens=True)
+    with torch.no_grad():
+        want = model.generate(features, max_new_tokens=6).tolist()
+    assert art.generate([str(wav)], max_new_tokens=6).tokens == _strip(want, eos=102, pad=0)
+    with torch.no_grad():  # the caller's language over the config's, as transformers takes it
+        want = model.generate(features, max_new_tokens=6, language="fr").tolist()
+    assert art.generate([str(wav)], max_new_tokens=6, language="fr").tokens == _strip(want, eos=102, pad=0)
+
+
 def test_whisper_transcribes_in_the_language_asked_as_whisper_s_generate(whisper, tmp_path):
     """``generate(language="de")`` puts ``<|de|>`` where the config leaves the language open, as
     Whisper's ``generate(language="de")`` does; a code the model does not know, or a language asked
@@ -631,7 +654,11 @@ def test_whisper_transcribes_in_the_language_asked_as_whisper_s_generate(whisper
 
     model, art, features, wav = _multilingual_whisper(whisper, tmp_path, {"forced_decoder_ids": [[1, None], [2, 1001]]},
                                                       language_tokens=True)
+    _, no_task, _, _ = _multilingual_whisper(whisper, tmp_path / "no-task", {"forced_decoder_ids": None}, language_tokens=True)
     for language in ("de", "fr"):
+        with torch.no_grad():  # a config without a task: the language named gets transcribe, as transformers gives it
+            assert no_task.generate([str(wav)], max_new_tokens=6, language=language).tokens == _strip(
+                model.generate(features, max_new_tokens=6, language=language).tolist(), eos=102, pad=0)
         with torch.no_grad():
             want = model.generate(features, max_new_tokens=6, language=language).tolist()
         assert art.generate([str(wav)], max_new_tokens=6, language=language).tokens == _strip(want, eos=102, pad=0)

@@ -30,7 +30,7 @@ FORMAT_VERSION = 4  # the newest this slimml reads and writes
 READS_VERSIONS = (1, 2, 3, 4)
 # what this slimml applies of the fields a version-4 manifest may require; a name not here is refused (a newer record)
 APPLIES = frozenset({"seq2seq.search", "seq2seq.prompt_ids", "seq2seq.bad_words_ids", "seq2seq.forced_eos_token_id",
-                     "zero_shot.bias", "zero_shot.activation", "zero_shot.text_length"})
+                     "seq2seq.language_id", "seq2seq.language_task_id", "zero_shot.bias", "zero_shot.activation", "zero_shot.text_length"})
 MANIFEST_NAME = "manifest.json"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest is a few KB per shard; anything this big is not one
 

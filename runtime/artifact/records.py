@@ -275,7 +275,7 @@ class Seq2Seq(Record):
     KEY: ClassVar[str] = "seq2seq"
     COMPONENTS: ClassVar[tuple[str, ...]] = ("encoder", "decoder", "decoder_with_past")
     OMIT_EMPTY: ClassVar[tuple[str, ...]] = ("suppress_ids", "begin_suppress_ids", "bad_words_ids", "search", "prompt_ids",
-                                              "language_ids", "max_positions")
+                                              "language_ids", "max_positions", "language_id", "language_task_id")
     SEARCH: ClassVar[dict[str, tuple[type, ...]]] = {  # generation_config.json's keys for how tokens are chosen
         "max_length": (int,), "min_length": (int,), "max_new_tokens": (int,), "min_new_tokens": (int,), "num_beams": (int,),
         "length_penalty": (int, float), "early_stopping": (bool, str), "no_repeat_ngram_size": (int,),
@@ -286,6 +286,8 @@ class Seq2Seq(Record):
     pad_token_id: int | None = None
     prompt_ids: list[int | None] = field(default_factory=list)  # Whisper: after the start token (None: the detected language)
     language_ids: list[int] = field(default_factory=list)  # Whisper: the ids the language is detected among
+    language_id: int | None = None  # Whisper: the language its generation config names (where the caller names none)
+    language_task_id: int | None = None  # Whisper: the task put after a named language (transformers: transcribe)
     max_positions: int | None = None  # the decoder's table of positions (start tokens included)
     forced_ids: list[list[int]] = field(default_factory=list)  # [position, token id]: tokens forced at a step
     suppress_ids: list[int] = field(default_factory=list)  # never emitted (Whisper)
@@ -300,8 +302,8 @@ class Seq2Seq(Record):
         """The fields a slimml must apply to decode as the source does (format version 4): a slimml
         before them skipped them and decoded otherwise (greedy for a beam search, Whisper without
         its language and task tokens), so they are named in the manifest's ``requires``."""
-        return [f"seq2seq.{k}" for k in ("search", "prompt_ids", "bad_words_ids", "forced_eos_token_id")
-                if getattr(self, k) not in (None, [], {})]
+        return [f"seq2seq.{k}" for k in ("search", "prompt_ids", "bad_words_ids", "forced_eos_token_id", "language_id",
+                                         "language_task_id") if getattr(self, k) not in (None, [], {})]
 
     @classmethod
     def problems(cls, raw: Any, where: str = "seq2seq", components: Any = ()) -> list[str]:
@@ -310,7 +312,7 @@ class Seq2Seq(Record):
             return c.found
         c.need(all(k in components for k in cls.COMPONENTS), where, "needs the components encoder, decoder and decoder_with_past")
         c.need(_token_id(raw.get("decoder_start_token_id")), f"{where}.decoder_start_token_id", "must be a token id")
-        for key in ("pad_token_id", "forced_eos_token_id"):
+        for key in ("pad_token_id", "forced_eos_token_id", "language_id", "language_task_id"):
             c.need(raw.get(key) is None or _token_id(raw.get(key)), f"{where}.{key}", "must be a token id or null")
         eos = raw.get("eos_token_id")
         c.need(eos is None or _token_id(eos) or (isinstance(eos, list) and eos and all(_token_id(x) for x in eos)),

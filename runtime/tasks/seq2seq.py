@@ -124,10 +124,11 @@ class Seq2Seq(Task):
                 "num_beams, length_penalty, no_repeat_ngram_size, temperature, top_k, top_p, seed, do_sample and, for "
                 "a speech model, language (penalties, stop strings, logit bias and a GenerationConfig are a decoder's)."
             )
-        search = Search.of(self.spec, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                           do_sample=do_sample, num_beams=num_beams, length_penalty=length_penalty,
-                           no_repeat_ngram_size=no_repeat_ngram_size)
-        return generate_seq2seq(self, prompts, search, None if language is None else self.language_id(language), cancel)
+        language = None if language is None else self.language_id(language)
+        search = Search.of(with_language(self.spec, language), max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, seed=seed, do_sample=do_sample, num_beams=num_beams, length_penalty=length_penalty,
+                           no_repeat_ngram_size=no_repeat_ngram_size)  # its lengths count the prompt a named language makes
+        return generate_seq2seq(self, prompts, search, language, cancel)
 
     def language_id(self, language: str) -> int:
         """The token id of a multilingual speech model's ``<|xx|>`` for the ISO 639-1 code ``language``.
@@ -346,19 +347,33 @@ def _uncut_feeds(model: Seq2Seq, prompts: list[str]) -> dict[str, np.ndarray]:
     return text.batch(encodings)
 
 
+def with_language(spec: Mapping[str, Any], language: int | None) -> dict[str, Any]:
+    """``spec`` with Whisper's prompt for a named language: ``language`` (else the one the source's
+    generation config names) in the prompt's language slot, and the task after it where the prompt
+    has none (``language_task_id``: transcribe), as transformers' generate puts them; as it is where
+    no language is named (it is detected) or the prompt has no slot."""
+    prompt = list(spec.get("prompt_ids") or ())
+    language = language if language is not None else spec.get("language_id")
+    if None not in prompt or language is None:
+        return dict(spec)
+    prompt[prompt.index(None)] = int(language)
+    if spec.get("language_task_id") is not None:
+        prompt.insert(len(prompt) - 1, int(spec["language_task_id"]))  # before <|notimestamps|>, the prompt's last
+    return {**spec, "prompt_ids": prompt}
+
+
 def start_tokens(decoder: Decoder, spec: Mapping[str, Any], batch: int, beams: int = 1,
                  language: int | None = None) -> np.ndarray:
     """The decoder's first tokens, (batch, k): the start token, then Whisper's prompt (its language,
-    where the model does not fix one, ``language`` or, without it, detected as transformers detects
-    it: the first step's most likely language id, a prompt each)."""
+    where the model does not fix one, ``language``, else the one its generation config names, else
+    detected as transformers detects it: the first step's most likely language id, a prompt each;
+    a named language gets the task transcribe where the prompt has no task, as transformers gives it)."""
     first = np.full((batch, 1), int(spec["decoder_start_token_id"]), dtype=np.int64)
-    prompt = list(spec.get("prompt_ids") or ())
+    prompt = list(with_language(spec, language).get("prompt_ids") or ())
     if not prompt:
         return first
     start = np.repeat(first, len(prompt) + 1, axis=1)
-    if None in prompt and language is not None:
-        start[:, 1 + prompt.index(None)] = language
-    elif None in prompt:
+    if None in prompt:
         languages = np.asarray(spec.get("language_ids") or (), dtype=np.int64)
         if not languages.size:
             raise FeedError("the artifact's Whisper prompt leaves the language open but records no language ids "
