@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.convert.sources import max_seq_length
-from slimml.errors import ConfigError, ExportError
+from slimml.errors import ConfigError, ExportError, SlimmlError
 
 TOKENIZER_FILE = "tokenizer.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -289,7 +289,24 @@ def config_facts(folder: Path) -> dict[str, Any]:
     for tower in ("text_config", "vision_config"):  # two-tower models (CLIP) keep them per tower
         sub = config.get(tower) or {}
         facts.update({k: sub[k] for k in keys[1:] if k in sub and k not in facts})
+    if "num_channels" in facts and "image_size" not in facts:  # ResNet, ConvNeXt, RegNet: the processor sizes the pixels
+        size = _processed_size(folder)
+        if size is not None:
+            facts["image_size"] = list(size)
     return facts
+
+
+def _processed_size(folder: Path) -> tuple[int, int] | None:
+    """(height, width) of the pixels the folder's image processor makes, where its config fixes them."""
+    from slimml.runtime.tasks.inputs.image import ImageProcessor
+
+    path = folder / PREPROCESSOR_FILE
+    if not path.is_file():
+        return None
+    try:
+        return ImageProcessor.from_file(path).output_size
+    except SlimmlError:  # a processor config slimml cannot read: said where the images are made
+        return None
 
 
 # Encoders whose position ids start after the padding id (RoBERTa's scheme): their table holds

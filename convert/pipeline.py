@@ -31,7 +31,7 @@ from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.artifact.writer import ArtifactWriter
 from slimml.runtime.engine.budget import bigger_than_memory, fmt_bytes
 from slimml.runtime.loader import load
-from slimml.runtime.tools.bench import sample_feeds, time_runs
+from slimml.runtime.tools.bench import sample_feeds, seq_matters, time_runs
 
 
 # what a GGUF file (llama.cpp's: a decoder) converts as: its language model, or its token states
@@ -289,6 +289,8 @@ def _latency(folder: Path, src: Source | None = None) -> tuple[float | None, str
             seq = min(128, (model.max_sequence_length or 129) - past)  # CLIP's text tower takes 77
             feeds = sample_feeds(model.inputs, batch=1, seq=seq, source=model.manifest.source)
             key = f"latency_ms_b1_s{seq}"  # the tokens timed: 127 for a 128-position decoder with one cached
+            if not seq_matters(model.inputs, model.manifest.source):  # an image's or a recording's: no tokens
+                key = "latency_ms_b1"
         try:
             return float(np.median(time_runs(lambda: model.run(feeds), runs=10, warmup=3))), key, None
         except Exception as e:  # noqa: BLE001 -- onnxruntime's and the feeds' errors: the inputs, not the artifact

@@ -352,6 +352,32 @@ def test_siglip_scores_each_label_by_sigmoid_with_its_bias_as_transformers_pipel
         assert abs(sum(c["score"] for c in got) - 1) > 1e-3  # each label alone, not a softmax
 
 
+def test_a_resnet_whose_config_has_no_image_size_converts_checks_and_benches_at_its_processor_s_size(tmp_path):
+    """ResNet's config names no image_size: the check's and bench's sample pixels took the sequence
+    length for the channels ("Input channels C is not equal to kernel channels * group. C: 16"), so
+    the default convert failed; and bench said "x seq 128" of a model that takes no tokens."""
+    from transformers import ConvNextImageProcessor, ResNetConfig, ResNetForImageClassification
+
+    from slimml.convert import ConvertConfig, convert
+    from slimml.runtime import load, read_manifest
+
+    torch.manual_seed(0)
+    model = ResNetForImageClassification(ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)).eval()
+    model.save_pretrained(tmp_path / "src")
+    processor = ConvNextImageProcessor(size={"shortest_edge": 32})
+    processor.save_pretrained(tmp_path / "src")
+    report = convert(tmp_path / "src", tmp_path / "art", ConvertConfig())
+    assert report.checks["max_abs_diff_vs_torch"] < 1e-4 and report.checks["latency_ms_b1"] > 0
+    assert read_manifest(tmp_path / "art").source["image_size"] == [32, 32]
+    image = _images(1)[0].convert("RGB")
+    with torch.no_grad():
+        want = model(**processor(image, return_tensors="pt")).logits.softmax(-1)[0].numpy()
+    got = {c["label"]: c["score"] for c in load(tmp_path / "art").classify([image])[0]}
+    np.testing.assert_allclose([got[model.config.id2label[i]] for i in range(3)], want, atol=1e-5)
+    result = slimml("bench", tmp_path / "art", "--runs", "3")
+    assert result.returncode == 0 and "batch 1 on cpu: p50" in result.stdout, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("module", ["Transformer", "CLIPModel", "0_CLIPModel"])
 def test_clip_saved_by_sentence_transformers_converts_as_its_two_towers(clip, tmp_path, module):
     """sentence-transformers 5.4+ saves CLIP as a multimodal ``Transformer`` (earlier: a ``CLIPModel``

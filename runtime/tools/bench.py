@@ -76,6 +76,28 @@ def _image_axes(facts: dict) -> tuple[int, int, int] | None:
     return (channels, int(h), int(w)) if h and w else None
 
 
+def seq_matters(specs, source: dict | None = None) -> bool:
+    """Whether :func:`sample_feeds`' ``seq`` sizes any of ``specs``: a dynamic axis past the batch
+    axis that is not a cache's or a known image's (an image or speech model's inputs take none, and
+    "x seq 128" said of them meant nothing)."""
+    image = _image_axes(source or {})
+    for spec in specs:
+        if image and np.dtype(spec.dtype).kind == "f" and len(spec.shape) == 4:
+            continue
+        for dim, want in enumerate(spec.shape):
+            if dim == 0 or (isinstance(want, int) and want > 0):
+                continue
+            parts = want.split("+") if isinstance(want, str) else [""]
+            if any(_axis_size(part, dim, 0, 1, 0) == 1 for part in parts):
+                return True
+    return False
+
+
+def shape_words(specs, batch: int, seq: int, source: dict | None = None) -> str:
+    """``"batch 1 x seq 128"``, or ``"batch 1"`` for inputs :func:`seq_matters` says take no ``seq``."""
+    return f"batch {batch} x seq {seq}" if seq_matters(specs, source) else f"batch {batch}"
+
+
 def _axis_size(name: str, dim: int, batch: int, seq: int, past: int) -> int:
     name = name.strip().lower()
     if "past" in name:

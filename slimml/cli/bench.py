@@ -37,7 +37,7 @@ def bench(
     device, pin = loading["device"], loading["pin"]
     from slimml.runtime import load
     from slimml.runtime.tools.baseline import Baseline, Tolerances, check_settings
-    from slimml.runtime.tools.bench import bench as do_bench, latency_settings, model_identity
+    from slimml.runtime.tools.bench import bench as do_bench, latency_settings, model_identity, shape_words
 
     for flag, value, most in (("--batch", batch, (1 << 31) - 1), ("--seq", seq, (1 << 31) - 1), ("--runs", runs, 1 << 20)):
         if value is not None and not 1 <= value <= most:
@@ -108,7 +108,8 @@ def bench(
                 print(json.dumps({name: r.to_json() for name, r in results.items()}))
                 return
             for name, r in results.items():
-                console.print(f"component {name}: batch {batch} x seq {seqs[name]} on {device}: p50 {r.p50_ms:.2f} ms, "
+                shape = shape_words(parts[name].inputs, batch, seqs[name], parts[name].manifest.source)
+                console.print(f"component {name}: {shape} on {device}: p50 {r.p50_ms:.2f} ms, "
                               f"p90 {r.p90_ms:.2f} ms, {r.throughput_per_s:.1f} items/s, model {r.model_mb:.1f} MB")
             return
         model = model.part(component)
@@ -132,7 +133,8 @@ def bench(
     if str(model.manifest.task).startswith("text-generation"):  # a pass is a prefill of seq tokens a row
         rate = f"{result.throughput_per_s:.1f} prompts/s ({result.throughput_per_s * seq:.0f} prompt tokens/s prefilled)"
     console.print(
-        f"batch {batch} x seq {seq} on {model.device}: p50 {result.p50_ms:.2f} ms, p90 {result.p90_ms:.2f} ms, "
+        f"{shape_words(model.inputs, batch, seq, model.manifest.source)} on {model.device}: p50 {result.p50_ms:.2f} ms, "
+        f"p90 {result.p90_ms:.2f} ms, "
         f"{rate}, peak RSS {result.peak_rss_mb:.0f} MB, model {result.model_mb:.1f} MB"
     )
     if result.stream:
@@ -162,7 +164,7 @@ def _bench_against(model, against: Path, config, component, batch, seq, runs, ti
     """``slimml bench ART --against REF``: the two timed alternately, ART gated on REF's p50 and size."""
     from slimml.runtime import load
     from slimml.runtime.tools.baseline import Baseline
-    from slimml.runtime.tools.bench import bench_against, check_comparable, peak_rss_mb
+    from slimml.runtime.tools.bench import bench_against, check_comparable, peak_rss_mb, shape_words
 
     try:
         reference = load(against, config)
@@ -192,6 +194,7 @@ def _bench_against(model, against: Path, config, component, batch, seq, runs, ti
         with_baseline(result.to_json() | both, now, then, source, None, tol)
         return
     for who, r in (("this artifact", result), ("the reference", ref)):
-        console.print(f"{who}: batch {batch} x seq {seq} on {model.device}: p50 {r.p50_ms:.2f} ms, p90 {r.p90_ms:.2f} ms, "
+        console.print(f"{who}: {shape_words(model.inputs, batch, seq, model.manifest.source)} on {model.device}: "
+                      f"p50 {r.p50_ms:.2f} ms, p90 {r.p90_ms:.2f} ms, "
                       f"model {r.model_mb:.1f} MB", highlight=False)
     with_baseline(None, now, then, source, None, tol)
