@@ -727,8 +727,24 @@ def test_a_recording_longer_than_the_window_is_transcribed_in_overlapping_window
         wav_from_bytes(b"RIFF1234WAVEjunk", "up.wav")
     wide = bytearray(wav.read_bytes())  # its header says 64-bit samples: they were read as 32-bit ones
     wide[32:36] = (8).to_bytes(2, "little") + (64).to_bytes(2, "little")  # block align, bits per sample
-    with pytest.raises(FeedError, match=r"has 64-bit samples, which slimml does not read \(8, 16, 24 or 32-bit PCM\)"):
+    with pytest.raises(FeedError, match=r"has 64-bit PCM samples, which slimml does not read \(8, 16, 24 or 32-bit PCM, or "
+                                        r"32 or 64-bit float\)"):
         wav_from_bytes(bytes(wide), "wide.wav")
+    # WAVE_FORMAT_EXTENSIBLE (ffmpeg's header for 24-bit and multichannel PCM) and 32-bit float: were refused
+    # ("unknown format: 65534"); read as the plain PCM they hold
+    audio = speech(0.5)
+    pcm = np.round(audio * 32767).astype("<i2")
+    fmt = (0xFFFE).to_bytes(2, "little") + (1).to_bytes(2, "little") + (16000).to_bytes(4, "little") + \
+        (32000).to_bytes(4, "little") + (2).to_bytes(2, "little") + (16).to_bytes(2, "little") + (22).to_bytes(2, "little") + \
+        (16).to_bytes(2, "little") + (4).to_bytes(4, "little") + bytes.fromhex("0100000000001000800000aa00389b71")
+    body = b"WAVE" + b"fmt " + len(fmt).to_bytes(4, "little") + fmt + b"data" + (pcm.nbytes).to_bytes(4, "little") + pcm.tobytes()
+    np.testing.assert_allclose(wav_from_bytes(b"RIFF" + len(body).to_bytes(4, "little") + body, "ext.wav"), audio, atol=1e-4)
+    fmt = (3).to_bytes(2, "little") + (1).to_bytes(2, "little") + (16000).to_bytes(4, "little") + (64000).to_bytes(4, "little") + \
+        (4).to_bytes(2, "little") + (32).to_bytes(2, "little")
+    floats = audio.astype("<f4")
+    body = b"WAVE" + b"fmt " + len(fmt).to_bytes(4, "little") + fmt + b"LIST" + (3).to_bytes(4, "little") + b"abc\0" + \
+        b"data" + (floats.nbytes).to_bytes(4, "little") + floats.tobytes()  # an odd chunk before the data: padded
+    np.testing.assert_array_equal(wav_from_bytes(b"RIFF" + len(body).to_bytes(4, "little") + body, "f32.wav"), floats)
     with pytest.raises(FeedError, match=r"^the upload is not a PCM WAV file"):  # a client's long name is not quoted back
         wav_from_bytes(b"junk", "x" * 1000)
 

@@ -9,9 +9,7 @@ to 1e-4 with neither torch nor transformers installed.
 
 from __future__ import annotations
 
-import io
 import os
-import wave
 from pathlib import Path
 from typing import Any
 
@@ -81,43 +79,96 @@ def _mel_to_hz(mels):
 
 
 def read_wav(path: str | os.PathLike, rate: int = 16000) -> np.ndarray:
-    """A PCM WAV file as float32 mono samples in [-1, 1], at ``rate`` Hz (else refused with the fix)."""
+    """A WAV file (8-, 16-, 24- or 32-bit PCM, or 32- or 64-bit float; plain or WAVE_FORMAT_EXTENSIBLE
+    headers, as ffmpeg writes for 24-bit and multichannel audio) as float32 mono samples in [-1, 1],
+    at ``rate`` Hz (else refused with the fix)."""
     path = Path(path)
     if not path.is_file():
         raise FeedError(f"audio file {path} does not exist; check the path.")
-    return _decode_wav(str(path), str(path), path.name, rate)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise FeedError(f"could not read the audio file {path} ({e.strerror or e}); check its permissions.") from None
+    return _decode_wav(data, str(path), path.name, rate)
 
 
 def wav_from_bytes(data: bytes, name: str, rate: int = 16000) -> np.ndarray:
     """:func:`read_wav` of a WAV file's bytes (an upload; ``name``, its file name, names it in a refusal)."""
     name = name if len(name) <= 60 and name.isprintable() else "the upload"  # a client's text, quoted back
-    return _decode_wav(io.BytesIO(data), name, name, rate)
+    return _decode_wav(data, name, name, rate)
 
 
-def _decode_wav(source: Any, said: str, name: str, rate: int) -> np.ndarray:
+_PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE  # WAVE format tags
+
+
+def _chunks(data: bytes) -> dict[bytes, tuple[int, int]]:
+    """The RIFF WAVE file's chunks: id -> (offset, size) of the first of each id; a data chunk whose
+    size runs past the file keeps its size (the truncation is said where the frames are counted)."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise ValueError("no RIFF WAVE header" if data[:4] != b"RIFF" else "not a WAVE file")
+    found: dict[bytes, tuple[int, int]] = {}
+    at = 12
+    while at + 8 <= len(data):
+        cid, size = data[at:at + 4], int.from_bytes(data[at + 4:at + 8], "little")
+        found.setdefault(cid, (at + 8, size))
+        if cid == b"data":
+            break  # what follows the samples is not read
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    if b"fmt " not in found:
+        raise ValueError("no fmt chunk")
+    if b"data" not in found:
+        raise ValueError("it ends before its audio data: truncated" if at > len(data) else "no data chunk")
+    return found
+
+
+def _decode_wav(data: bytes, said: str, name: str, rate: int) -> np.ndarray:
+    fix = f"convert it with `ffmpeg -i {name} -ar {rate} -ac 1 -c:a pcm_s16le out.wav`"
     try:
-        with wave.open(source, "rb") as w:
-            channels, width, file_rate, count = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
-            raw = w.readframes(count)
-    except (wave.Error, EOFError, OSError) as e:
-        raise FeedError(
-            f"{said} is not a PCM WAV file slimml can read ({str(e) or type(e).__name__}); convert it with "
-            f"`ffmpeg -i {name} -ar {rate} -ac 1 -c:a pcm_s16le out.wav`."
-        ) from None
-    if width not in (1, 2, 3, 4):  # 8-, 16-, 24- and 32-bit PCM; wider samples were read as 32-bit ones
-        raise FeedError(f"{said} has {8 * width}-bit samples, which slimml does not read (8, 16, 24 or 32-bit PCM); "
-                        f"convert it with `ffmpeg -i {name} -ar {rate} -ac 1 -c:a pcm_s16le out.wav`.")
-    if raw and len(raw) < channels * width:
+        chunks = _chunks(data)
+        at, size = chunks[b"fmt "]
+        fmt = data[at:at + size]
+        if len(fmt) < 16:
+            raise ValueError("its fmt chunk is cut short")
+        tag, channels, file_rate = int.from_bytes(fmt[0:2], "little"), int.from_bytes(fmt[2:4], "little"), \
+            int.from_bytes(fmt[4:8], "little")
+        bits = int.from_bytes(fmt[14:16], "little")
+        if tag == _EXTENSIBLE:  # the real format is the sub-format GUID's first two bytes
+            if len(fmt) < 40:
+                raise ValueError("its extensible fmt chunk is cut short")
+            tag = int.from_bytes(fmt[24:26], "little")
+        if tag not in (_PCM, _FLOAT):
+            raise ValueError(f"format {tag} is neither PCM nor float")
+        if channels < 1:
+            raise ValueError("its header says 0 channels")
+    except ValueError as e:
+        raise FeedError(f"{said} is not a PCM WAV file slimml can read ({e}); {fix}.") from None
+    width = (bits + 7) // 8
+    if (tag == _PCM and width not in (1, 2, 3, 4)) or (tag == _FLOAT and width not in (4, 8)):
+        kind = "PCM" if tag == _PCM else "float"
+        raise FeedError(f"{said} has {bits}-bit {kind} samples, which slimml does not read (8, 16, 24 or 32-bit PCM, "
+                        f"or 32 or 64-bit float); {fix}.")
+    at, size = chunks[b"data"]
+    if size == 0xFFFFFFFF:  # written by a stream that could not go back to fill it in: the rest of the file
+        size = len(data) - at
+    raw = data[at:at + size]
+    frame = channels * width
+    if raw and len(raw) < frame:
         raise FeedError(f"{said}'s header says {channels} channels of {width} bytes, more than its data holds; the "
                         "header is damaged: re-export it.")
-    if len(raw) < count * channels * width:
-        raise FeedError(f"{said} is truncated: its header promises {count} frames but the file holds fewer; re-export it.")
+    if len(raw) < size:
+        raise FeedError(f"{said} is truncated: its header promises {size // frame} frames but the file holds fewer; "
+                        "re-export it.")
     if file_rate != rate:
         raise FeedError(
             f"{said} is sampled at {file_rate} Hz but the model takes {rate} Hz; resample it first, e.g. "
             f"`ffmpeg -i {name} -ar {rate} -ac 1 out.wav`."
         )
-    if width == 1:
+    raw = raw[: len(raw) - len(raw) % frame]
+    if tag == _FLOAT:
+        samples = np.frombuffer(raw, dtype="<f4" if width == 4 else "<f8").astype(np.float32)
+        if not np.isfinite(samples).all():
+            raise FeedError(f"{said} holds NaN or infinite samples; re-export it.")
+    elif width == 1:
         samples = (np.frombuffer(raw, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width == 2:
         samples = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
