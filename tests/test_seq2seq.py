@@ -671,6 +671,9 @@ def test_whisper_transcribes_in_the_language_asked_as_whisper_s_generate(whisper
     assert json.loads(result.stdout)[0]["tokens"] == art.generate([str(wav)], max_new_tokens=6, language="de").tokens[0]
     result = slimml("run", tmp_path / "art", "hello", "--language", "de")
     assert result.returncode != 0 and "--language is the language of --audio recordings" in result.stderr
+    for given in (["hello"], ["--image", wav]):  # it said "has no tokenizer" and "it takes arrays: give --input FILE.npz"
+        result = slimml("run", tmp_path / "art", *given)
+        assert result.returncode == 1 and "is a speech model: it transcribes recordings; give --audio FILE.wav" in result.stderr
 
 
 def test_a_recording_longer_than_the_window_is_transcribed_in_overlapping_windows(whisper):
