@@ -143,13 +143,17 @@ def _language_token(language: Any, languages: dict[str, int]) -> int:
 def preprocessor_file(folder: Path, onnx_path: Path) -> tuple[Path | None, str | None]:
     """The source's preprocessor config, when the graph takes pixels or audio features and the folder
     has one, and an image processor's only where slimml makes the same pixels from it; else None
-    and, for an image processor slimml does not reproduce, why (one line)."""
+    and, for an image processor slimml does not reproduce or a config the folder lacks, why (one line)."""
     import onnx
 
     path = folder / PREPROCESSOR_FILE
-    if not path.is_file():
-        return None, None
     inputs = {i.name for i in onnx.load(str(onnx_path), load_external_data=False).graph.input}
+    if not path.is_file():  # said now, not when the first image or recording is refused
+        takes = next((n for n in ("pixel_values", "input_features") if n in inputs), None)
+        return None, (None if takes is None else
+                      f"the source has no {PREPROCESSOR_FILE}, so the artifact's {takes} input takes arrays only (run({takes}=...)), "
+                      f"not {'images' if takes == 'pixel_values' else 'recordings'}; put the model's {PREPROCESSOR_FILE} in "
+                      "the folder and convert again")
     if "pixel_values" in inputs:
         from slimml.convert.check_images import preprocessing_gap
 

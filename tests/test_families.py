@@ -352,6 +352,21 @@ def test_siglip_scores_each_label_by_sigmoid_with_its_bias_as_transformers_pipel
         assert abs(sum(c["score"] for c in got) - 1) > 1e-3  # each label alone, not a softmax
 
 
+def test_a_vision_folder_without_its_preprocessor_config_is_said_at_convert(vit, tmp_path):
+    """Convert wrote an artifact that cannot take images without a word; the first image was refused later."""
+    import shutil
+
+    from slimml.convert import ConvertConfig, convert
+
+    shutil.copytree(vit["root"] / "src", tmp_path / "src")
+    (tmp_path / "src" / "preprocessor_config.json").unlink()
+    report = convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    assert report.checks["preprocessing_note"] == (
+        "the source has no preprocessor_config.json, so the artifact's pixel_values input takes arrays only "
+        "(run(pixel_values=...)), not images; put the model's preprocessor_config.json in the folder and convert again")
+    assert "preprocessing_note" not in vit["report"].checks
+
+
 def test_a_resnet_whose_config_has_no_image_size_converts_checks_and_benches_at_its_processor_s_size(tmp_path):
     """ResNet's config names no image_size: the check's and bench's sample pixels took the sequence
     length for the channels ("Input channels C is not equal to kernel channels * group. C: 16"), so
