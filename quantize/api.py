@@ -126,6 +126,8 @@ def quantize(
           ArtifactWriter(out) as w):
         result = _quantize_with(w, src, config, step, source)
     result.out = out
+    for part in result.components.values():  # each component's is this artifact too, not the temporary folder
+        part.out = out
     return result
 
 
@@ -253,7 +255,9 @@ def _quantize_components(w, src, manifest, config, calib, held, origin, step) ->
     feeds = _seq2seq_feeds(src, calib, held, step) if manifest.seq2seq else {}
     for name, part in manifest.components.items():
         step(f"component {name}")
+        t0 = time.perf_counter()
         reports[name], record = _quantize_artifact(w, src, part, name, config, calib, held, origin, step, feeds.get(name))
+        reports[name].seconds = time.perf_counter() - t0
         records.append({"component": name, **record})
     if manifest.seq2seq:  # identical quantized weights of the two decoders: stored once again
         w.share_weights("decoder", "decoder_with_past")

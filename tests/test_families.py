@@ -481,6 +481,8 @@ def test_clip_quantizes_each_tower_with_its_own_guard(clip):
     report = quantize(clip["root"] / "art", clip["root"] / "int8", Int8Config("cpu"))
     assert set(report.components) == {"text", "vision"}
     assert report.checks["text_agreement_cosine"] >= 0.99 and report.checks["vision_agreement_cosine"] >= 0.99
+    # each component's report named the writer's temporary folder (gone once written) and 0.0 s
+    assert all(r.out == report.out and 0 < r.seconds <= report.seconds for r in report.components.values())
     manifest = read_manifest(clip["root"] / "int8")
     assert list(manifest.components) == ["text", "vision"] and manifest.zero_shot and manifest.preprocessor
     fp32, int8 = load(clip["root"] / "art"), load(clip["root"] / "int8")
