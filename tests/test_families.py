@@ -128,6 +128,7 @@ def test_bad_images_get_one_clear_error(vit, tmp_path):
         (42, "give a file path, a PIL image"),
         (np.zeros((0, 0, 3), dtype=np.uint8), r"image 0 is 0x0 pixels; give an image with pixels"),  # was classified
         (tmp_path, "is a folder; give an image file in it"),  # was "does not exist"
+        ("", r"image 0 is an empty text; give an image file's path"),  # was "`.` is a folder"
     ]
     for image, message in cases:
         with pytest.raises(FeedError, match=message):

@@ -194,6 +194,8 @@ def _read_image(image, index: int):
             )
         return Image.fromarray(image[:, :, 0] if image.ndim == 3 and image.shape[2] == 1 else image)
     if isinstance(image, (str, os.PathLike)):
+        if not str(image).strip():  # Path("") is ".": it was "`.` is a folder"
+            raise FeedError(f"image {index} is an empty text; give an image file's path, a PIL image or an HxWx3 uint8 array.")
         path = Path(image)
         if path.is_dir():
             raise FeedError(f"{path} is a folder; give an image file in it.")
