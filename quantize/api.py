@@ -20,7 +20,7 @@ from slimml.errors import ArtifactError, ConfigError, IntegrityError, QuantizeEr
 from slimml.convert.llm_check import is_language_model
 import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and NNCF backends)
 import slimml.quantize.chain as ch
-from slimml.quantize.calibration import calibration_texts
+from slimml.quantize.calibration import ImagePaths, calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, WeightOnlyConfig, describe
 from slimml.quantize.decoder import activation_aware, calibration_feeds, for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
@@ -155,6 +155,11 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig, on_step
     _check_eval_inputs(config, manifest)
     step("reading calibration data")
     calib, held, origin = calibration_texts(config.calibration, config.calibration_size)
+    if isinstance(calib, ImagePaths) and not any(ch.image_feeds(src, part) for part in
+                                                 (manifest.components or {None: manifest}).values()):
+        raise ConfigError(f"--calibration {config.calibration} is a folder of images, and {src} takes no images (or ships "
+                          "no image preprocessor config); give a text file (one sentence per line), or leave "
+                          "--calibration out.")
     if config.guard is not None and config.guard.eval_file is not None:
         from slimml.runtime.tools.evaluate import read_sts
 
@@ -264,6 +269,9 @@ def _quantize_components(w, src, manifest, config, calib, held, origin, step) ->
     record = {k: v for k, v in records[0].items() if k not in ("component", "quantized_shards", "float_shards", "fused")}
     record["components"] = {r["component"]: {k: r[k] for k in ("quantized_shards", "float_shards", "fused") if k in r}
                             for r in records}
+    for r in records:  # CLIP's towers: texts for one, a folder of images for the other
+        if r.get("calibration") != record.get("calibration"):
+            record["components"][r["component"]]["calibration"] = r.get("calibration")
     checks = {f"{name}_{k}": v for name, r in reports.items() for k, v in r.checks.items()}
     new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
                       "checks": {**float_checks(manifest.checks), **{f"quantize_{k}": v for k, v in checks.items()}}})
@@ -351,10 +359,13 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     work = w.work / "quantize"
     work.mkdir()
     text = ch.text_encoder(src, manifest)
+    pixels = ch.image_feeds(src, manifest)
+    if isinstance(calib, ImagePaths) and pixels is None:  # images for the other tower (CLIP's): texts for this one
+        calib, held, origin = calibration_texts(None, config.calibration_size)
     float_files = ch.shard_paths(src, manifest)
     # static calibration: each batch's tensors, advanced one float shard at a time, so memory
     # holds only what crosses the current boundary, not every layer's activations
-    envs = ([dict(f) for f in (feeds[0] if feeds else ch.batches(manifest, text, calib))]
+    envs = ([dict(f) for f in (feeds[0] if feeds else ch.batches(manifest, text, calib, images=pixels))]
             if isinstance(config, Int8StaticConfig) else None)
     firsts = [onnx.load(str(p), load_external_data=False) for p in float_files]
     experts = getattr(config, "backend", None) == "lm" and any(n.op_type == "MoE" for m in firsts for n in m.graph.node)
@@ -411,7 +422,7 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
             f"the artifact {src} has no op that {type(config).__name__} quantizes (MatMul/Gather with float "
             "weights, or Attention); it would come out unchanged. Keep it float (--quantize none)."
         )
-    held_feeds = feeds[1] if feeds else ch.batches(manifest, text, held)
+    held_feeds = feeds[1] if feeds else ch.batches(manifest, text, held, images=pixels)
     here = isinstance(config, Fp16Config) and "CUDAExecutionProvider" not in _providers()  # fp16 measured on this CPU
     if here and config.guard is not None:
         raise ConfigError("the accuracy guard runs the fp16 model, which needs CUDA; leave --max-drop out on this machine.")
@@ -451,7 +462,8 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
         float_size_mb=manifest.total_bytes / 1e6, quantized_shards=sorted(quant_files),
         float_shards=dict(sorted(float_why.items())), checks=guard.checks,
     )
-    record = _record(manifest, config, origin, quant_files, float_why, notes, reads_text=text is not None or bool(feeds))
+    record = _record(manifest, config, origin, quant_files, float_why, notes,
+                     reads_text=text is not None or bool(feeds) or isinstance(calib, ImagePaths), images=pixels is not None)
     if "recipe" in record:  # a decoder's recipe (and block size) in the report and the manifest's checks
         report.checks["recipe"] = record["recipe"]
     return report, record
@@ -537,9 +549,9 @@ def _model_io(specs: list[TensorSpec], shards: list[ShardSpec]) -> list[TensorSp
 
 
 def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files: dict, float_why: dict, notes: dict,
-            reads_text: bool = True) -> dict:
+            reads_text: bool = True, images: bool = False) -> dict:
     """The manifest's record of the quantize step for one chain (``reads_text``: calibrated on the
-    calibration texts, not on generated inputs)."""
+    calibration texts or images, not on generated inputs; ``images``: the chain takes images)."""
     record = {"step": "quantize", **describe(config), "calibration": origin,
               "quantized_shards": sorted(quant_files),
               "float_shards": {str(k): v for k, v in sorted(float_why.items())}}
@@ -548,7 +560,8 @@ def _record(manifest: Manifest, config: QuantizeConfig, origin: str, quant_files
         if config.calibration is not None:
             record["calibration_unused"] = f"{origin}: this model reads no text"
             logging.getLogger("slimml").warning("slimml: --calibration %s was not used: the model reads no text; it was "
-                                                "calibrated on generated inputs", origin)
+                                                "calibrated and checked on generated inputs%s", origin,
+                                                " (give --calibration a folder of images like its inputs)" if images else "")
     lm = [n["lm_weights"] for n in notes.values() if n.get("lm_weights")]
     if lm:  # the decoder recipe (quantize/grids.py), and whether calibration activations weighed it
         record["recipe"] = lm[0]["recipe"] + (", GPTQ on the calibration text" if any(n["activation_aware"] for n in lm) else "")

@@ -35,7 +35,8 @@ def read_texts(path: str | os.PathLike) -> list[str]:
 
     path = Path(path)
     check_data_file(path, "calibration file", "give a text file (one sentence per line) or an STS CSV "
-                    "(sentence1,sentence2,score), or leave --calibration out to use the built-in corpus")
+                    "(sentence1,sentence2,score) (for a model that takes images, a folder of images), or leave "
+                    "--calibration out to use the built-in corpus")
     raw = path.read_bytes()
     if b"\x00" in raw[:4096]:
         raise DataError(
@@ -111,12 +112,37 @@ def default_corpus(limit: int = 1024) -> list[str]:
     return out[::step][:limit]
 
 
-def calibration_texts(path: str | os.PathLike | None, limit: int) -> tuple[list[str], list[str], str]:
-    """(calibration texts, held-out texts, where they came from).
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
 
-    Every fifth text is held out for the accuracy guard, so the guard never measures on what
-    calibration saw.
+
+class ImagePaths(list):
+    """Calibration inputs that are image files (a folder given as ``--calibration``), not texts."""
+
+
+def image_files(folder: Path) -> ImagePaths:
+    """The image files in ``folder`` (by suffix, sorted), refused where there are none."""
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+    if not files:
+        raise DataError(f"calibration folder {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); give a folder of "
+                        "images like the model's inputs (for a model that takes images), or a text file (one sentence "
+                        "per line).")
+    return ImagePaths(str(p) for p in files)
+
+
+def calibration_texts(path: str | os.PathLike | None, limit: int) -> tuple[list[str], list[str], str]:
+    """(calibration texts, held-out texts, where they came from); for a folder, its images' paths
+    instead (:class:`ImagePaths`), for a model that takes images.
+
+    Every fifth text (or image) is held out for the accuracy guard, so the guard never measures on
+    what calibration saw.
     """
+    if path is not None and Path(path).is_dir():
+        images = image_files(Path(path))
+        if len(images) < 5:
+            raise DataError(f"calibration folder {path} has {len(images)} image(s); give at least 5 (a few dozen like "
+                            "the model's real inputs work best).")
+        return (ImagePaths([p for i, p in enumerate(images) if i % 5 != 4][:limit]),
+                ImagePaths(images[4::5][: max(8, limit // 4)]), f"{path} ({len(images)} images)")
     texts = read_texts(path) if path is not None else default_corpus()
     origin = str(path) if path is not None else "built-in corpus (Python standard-library docstrings)"
     if len(texts) < 5:

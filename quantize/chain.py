@@ -18,6 +18,7 @@ import numpy as np
 from slimml.runtime.tools.bench import sample_feeds
 from slimml.runtime.artifact.manifest import Manifest
 from slimml.runtime.engine.session import make_session
+from slimml.quantize.calibration import ImagePaths
 from slimml.quantize.classifier_guard import query_passage_pairs, reads_pairs
 from slimml.runtime.tasks.inputs.pooling import Pooler
 from slimml.runtime.tasks.inputs.text import TextEncoder, check_batch_size, encode_texts, sorted_batches
@@ -87,8 +88,22 @@ def text_encoder(folder: Path, manifest: Manifest) -> TextEncoder | None:
     return TextEncoder(folder / manifest.tokenizer["file"], manifest.tokenizer, [t.name for t in manifest.inputs])
 
 
-def batches(manifest: Manifest, text: TextEncoder | None, texts: list[str], batch_size: int = 8, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Model feeds for ``texts`` (tokenized) or, for a model without a tokenizer, sample inputs."""
+def image_feeds(folder: Path, manifest: Manifest):
+    """``(pixel input name, image processor)`` of a chain that takes images and ships its
+    processor config, else None."""
+    from slimml.runtime.tasks.base import image_input
+
+    name, processor = image_input(folder, manifest)
+    return (name, processor) if name is not None and processor is not None else None
+
+
+def batches(manifest: Manifest, text: TextEncoder | None, texts: list[str], batch_size: int = 8, seed: int = 0,
+            images=None) -> list[dict[str, np.ndarray]]:
+    """Model feeds for ``texts`` (tokenized), for image files (:class:`ImagePaths`, made into pixels
+    by ``images``, :func:`image_feeds`), or, for a model without a tokenizer, sample inputs."""
+    if isinstance(texts, ImagePaths):
+        name, processor = images
+        return [{name: processor(texts[i : i + batch_size])} for i in range(0, len(texts), batch_size)]
     if text is not None:
         inputs = query_passage_pairs(texts) if reads_pairs(manifest) else texts  # a cross-encoder reads pairs
         # sort by length so padding stays small and every batch looks like real traffic

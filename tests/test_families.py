@@ -493,6 +493,34 @@ def test_clip_quantizes_each_tower_with_its_own_guard(clip):
     assert (int8.embed_images(images) * fp32.embed_images(images)).sum(1).min() >= 0.99
 
 
+def test_image_models_calibrate_and_guard_on_a_folder_of_images(vit, clip, tiny_bert_artifact, tmp_path):
+    """--calibration took text files only ("give a text file (one sentence per line)"): an image model was
+    calibrated (int8-static) and guarded on generated noise whatever the user had. A folder of images now
+    calibrates it, every fifth image held out for the guard; CLIP's text tower keeps the built-in texts."""
+    from slimml.errors import DataError
+    from slimml.quantize import Int8StaticConfig, quantize
+    from slimml.runtime import read_manifest
+
+    (tmp_path / "images").mkdir()
+    for i, im in enumerate(_images(12)):
+        im.convert("RGB").save(tmp_path / "images" / f"{i:02d}.png")
+    (tmp_path / "images" / "notes.txt").write_text("not an image: skipped")
+    report = quantize(vit["root"] / "art", tmp_path / "vit8", Int8StaticConfig(calibration=tmp_path / "images"))
+    assert report.checks["agreement_top1"] >= 0.5
+    step = read_manifest(tmp_path / "vit8").steps[-1]
+    assert step["calibration"] == f"{tmp_path / 'images'} (12 images)" and "calibration_unused" not in step
+    quantize(clip["root"] / "art", tmp_path / "clip8", Int8StaticConfig(calibration=tmp_path / "images"))
+    step = read_manifest(tmp_path / "clip8").steps[-1]
+    assert step["calibration"].startswith("built-in corpus")  # the text tower's texts; its images for the vision tower
+    assert step["components"]["vision"]["calibration"] == f"{tmp_path / 'images'} (12 images)"
+    with pytest.raises(ConfigError, match=r"is a folder of images, and .* takes no images"):
+        quantize(tiny_bert_artifact, tmp_path / "x", Int8StaticConfig(calibration=tmp_path / "images"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="calibration folder .* holds no images"):
+        quantize(vit["root"] / "art", tmp_path / "y", Int8StaticConfig(calibration=tmp_path / "empty"))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 def test_clip_weights_compressed_by_nncf(clip, tmp_path):
     """NNCF's int8 of the vision tower's patch Conv (no bias) wrote a DequantizeLinear whose 4-d scale
     ONNX Runtime refused ("scale must be 1D tensor"), and quantize ended in its traceback: that Conv
