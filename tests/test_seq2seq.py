@@ -817,3 +817,17 @@ def test_encoder_decoders_generate_without_torch_or_transformers(t5, whisper):
         f"print(len(load({str(whisper['root'] / 'art')!r}).generate([{str(whisper['root'] / 'speech.wav')!r}], max_new_tokens=3).tokens[0]))",
     ])
     assert len(counts) == 2 and all(1 <= int(n) <= 3 for n in counts)
+
+
+def test_serving_an_encoder_decoder_under_a_budget_too_small_is_refused_before_ray_starts(t5):
+    """A components artifact's --memory-budget was checked only in each replica, after Ray and Serve had
+    started (the server then failed in Serve's words)."""
+    pytest.importorskip("ray")
+    import ray
+
+    from slimml.errors import ConfigError
+    from slimml.serve import ServeConfig, serve
+
+    with pytest.raises(ConfigError, match=r"^the encoder component: memory budget 100.00 KB is smaller than shard 0"):
+        serve(ServeConfig(str(t5["root"] / "art"), memory_budget="100KB"))
+    assert not ray.is_initialized()

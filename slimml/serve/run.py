@@ -70,10 +70,16 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
 
         check_stageable(Path(config.artifact), manifest)
         split_stages([sh.weight_bytes for sh in manifest.shards], config.stages)
-    if config.memory_budget is not None and not manifest.components:  # a budget below the largest shard: here, not
-        from slimml.runtime.engine.budget import plan_stream  # in a replica's (or a stage's) log once Ray has started
+    if config.memory_budget is not None:  # a budget below the largest shard: here, not in a replica's (or a stage's)
+        from slimml.runtime.engine.budget import plan_stream  # log once Ray has started; each component's (T5, CLIP)
 
-        plan_stream(manifest, memory_budget=config.memory_budget)
+        for name in manifest.components or [None]:
+            try:
+                plan_stream(manifest.component(name) if name else manifest, memory_budget=config.memory_budget)
+            except SlimmlError as e:
+                if name:
+                    e.args = (f"the {name} component: {e}", *e.args[1:])
+                raise
     if config.chat_template is not None:
         from slimml.runtime.tasks.registry import kind_of
 
