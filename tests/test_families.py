@@ -133,6 +133,8 @@ def test_bad_images_get_one_clear_error(vit, tmp_path):
     for image, message in cases:
         with pytest.raises(FeedError, match=message):
             model.classify([image])
+    with pytest.raises(SlimmlError, match=r"it is an 'image-classification' model"):  # was "a 'image-classification'"
+        model.encode(["a cat"])
     with pytest.raises(SlimmlError, match="has no tokenizer, so it cannot take text"):
         model.tokenize(["a cat"])
     with pytest.raises(FeedError, match="top_k"):

@@ -25,7 +25,7 @@ from slimml.runtime.artifact.files import safe_path
 from slimml.runtime.artifact.manifest import Manifest, tensor_list
 from slimml.runtime.tasks.inputs.image import ImageProcessor
 from slimml.runtime.tasks.inputs.text import TextEncoder, listed, prompt_text
-from slimml.runtime.tasks.limits import Limits, shown
+from slimml.runtime.tasks.limits import Limits, a_or_an, shown
 
 if TYPE_CHECKING:
     from slimml.runtime.engine.engine import Engine
@@ -130,7 +130,7 @@ class Task:
                    + (" (tensors in, tensors out)" if self.kind == "generic" else ""))
             use = f"{use}, or re-convert it from its source (slimml convert SOURCE --task {m.task})"
         else:
-            why = f"cannot {method}(): it is a {self.manifest.task!r} model, not {NEEDS.get(method, 'one that has it')}"
+            why = f"cannot {method}(): it is {a_or_an(repr(self.manifest.task))} model, not {NEEDS.get(method, 'one that has it')}"
         if self.manifest.stage_of not in ("", "generic"):  # load(shards=...) cut a stage of a model that has it
             why = (f"cannot {method}() on a stage: load(shards=...) loads a span of shards, which runs tensors, "
                    f"not its {self.manifest.stage_of!r} model")

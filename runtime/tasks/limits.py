@@ -197,6 +197,11 @@ def surrogate_at(text: str) -> int | None:
     return None
 
 
+def a_or_an(word: str) -> str:
+    """``word`` after its article, as a message says it: "an 'image-classification'", "a 'text-generation'"."""
+    return ("an " if word.lstrip("'\"").lower()[:1] in ("a", "e", "i", "o") else "a ") + word
+
+
 def shown(value: object, width: int = 40) -> str:
     """A value as a message quotes it: as JSON writes it (``null``, ``true``, ``{"a": 1}``: what a
     request sent, and readable in Python too), a lone surrogate escaped, cut to ``width`` characters."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from slimml.runtime.artifact.manifest import TensorSpec
+from slimml.runtime.tasks.limits import a_or_an
 
 _SEQ_AXES = ("seq", "sequence", "length", "token", "time", "past")
 
@@ -225,7 +226,7 @@ def check_comparable(model, reference, where: str) -> None:
                           f"than this artifact ({tensor_list(model.manifest.inputs, False)}), so their latencies do not "
                           "compare; give a reference of the same model (its float or earlier build).")
     if reference.manifest.task != model.manifest.task:  # an embedder and a classifier read the same token ids
-        raise ConfigError(f"the reference {where} is a {reference.manifest.task} model and this artifact a "
+        raise ConfigError(f"the reference {where} is {a_or_an(reference.manifest.task)} model and this artifact a "
                           f"{model.manifest.task} one, so their latencies do not compare; give a reference of the same "
                           "model (its float or earlier build).")
     ours, theirs = latency_settings(model)["plan"], latency_settings(reference)["plan"]

@@ -12,6 +12,7 @@ from slimml.cli.gate import GATE_PAIRS, GATE_TOKENS, counted, log, refuse_ungate
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError
 from slimml.runtime.engine.config import LoadConfig
+from slimml.runtime.tasks.limits import a_or_an
 
 
 @app.command("eval")
@@ -52,7 +53,7 @@ def eval_(
                      perplexity_increase_pct=0.1 if max_perplexity_increase is None else max_perplexity_increase)
     if not language and "encode" not in _methods(artifact):  # before its data is read as STS pairs
         raise ConfigError(f"slimml eval scores sentence-embedding models (Spearman on STS pairs) and language models "
-                          f"(perplexity); {artifact} is a {task} model. Score it on your labelled data through the "
+                          f"(perplexity); {artifact} is {a_or_an(task)} model. Score it on your labelled data through the "
                           "Python API (docs/runtime.md), and gate its speed with slimml bench.")
     read_text(data) if language else read_sts(data)  # a bad data file fails before the model loads
     metric = "perplexity" if language else "spearman"

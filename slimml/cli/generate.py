@@ -13,6 +13,7 @@ from slimml.cli.common import Artifact, AsJson, app, console, err
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import ConfigError, NoChatTemplateError
 from slimml.runtime.engine.config import LoadConfig
+from slimml.runtime.tasks.limits import a_or_an
 
 
 @app.command()
@@ -87,7 +88,7 @@ def generate(
     conversations = [[*head, {"role": "user", "content": p}] for p in prompt]
     model = load(artifact, loading.build())
     if not model.supports("generate"):  # the task's own refusal names Python's methods: here, the command
-        raise ConfigError(f"{artifact} is a {model.manifest.task!r} model, which does not generate text; use "
+        raise ConfigError(f"{artifact} is {a_or_an(repr(model.manifest.task))} model, which does not generate text; use "
                           f"`slimml run {artifact} TEXT` for its outputs.")
     if chat_template is not None and model.supports("stream"):
         model.use_chat_template(chat_template)

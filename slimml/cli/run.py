@@ -15,6 +15,7 @@ from slimml.cli.common import Artifact, AsJson, Progress, app, console
 from slimml.cli.options import Options, OptionValues, config_options
 from slimml.errors import SlimmlError
 from slimml.runtime.engine.config import LoadConfig
+from slimml.runtime.tasks.limits import a_or_an
 
 
 @app.command()
@@ -58,14 +59,14 @@ def run(
         raise SlimmlError(f"--aggregation must be one of {', '.join(AGGREGATIONS)}, got {aggregation!r}.")
     model = load(artifact, loading.build())
     if aggregation is not None and not (texts and question is None and model.supports("entities")):
-        raise SlimmlError(f"--aggregation is for token classifiers' entities; {artifact} is a {model.kind!r} artifact "
+        raise SlimmlError(f"--aggregation is for token classifiers' entities; {artifact} is {a_or_an(repr(model.kind))} artifact "
                           "(or no texts were given): drop it.")
     if top_k is not None and texts and question is None and not image and model.supports("entities"):
         raise SlimmlError("--top-k is for classes and answers; a token classifier gives every entity it finds: drop it.")
     if question is not None:
         if not texts or not model.supports("answer"):
             raise SlimmlError(f"--question needs an extractive question-answering artifact and texts to answer from; "
-                              f"{artifact} is a {model.kind!r} artifact." if texts else
+                              f"{artifact} is {a_or_an(repr(model.kind))} artifact." if texts else
                               "--question needs the texts to answer from (TEXT or --text): the contexts.")
         answers = [model.answer(question, t, top_k=1 if top_k is None else top_k) for t in texts]
         return _print_spans(texts, [a if isinstance(a, list) else [a] for a in answers], "answers", as_json)

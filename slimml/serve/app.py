@@ -43,6 +43,7 @@ from slimml.serve.batcher import Batcher
 from slimml.serve.config import ServeConfig
 from slimml.serve.guard import Guard
 from slimml.serve.llm import LLMService
+from slimml.runtime.tasks.limits import a_or_an
 
 log = logging.getLogger("ray.serve")
 api = FastAPI(title="slimml", docs_url=None, redoc_url=None)
@@ -102,7 +103,7 @@ class SlimmlServer:
         self._llm = None  # a language model's chat and completions: one continuous batch per replica
         if self.config.chat_template is not None:
             if not hasattr(self.model, "use_chat_template"):
-                raise ConfigError(f"chat_template is for language models, and {self.name} is a {self.model.kind} "
+                raise ConfigError(f"chat_template is for language models, and {self.name} is {a_or_an(self.model.kind)} "
                                   "artifact; leave --chat-template out.")
             self.model.use_chat_template(self.config.chat_template)
         if self.model.kind == "text-generation" and not self.config.stages:
@@ -402,7 +403,7 @@ class SlimmlServer:
             works = "POST /v1/embeddings" if self.model.supports("encode_with_counts") else (
                 "POST /v1/generate" if self.model.supports("generate") else None)
             use = f"use {works}, or POST /v1/run for its raw outputs" if works else "use POST /v1/run for its raw outputs"
-            raise RequestError(f"this artifact is a {self.model.kind!r} model, not a language model, so it "
+            raise RequestError(f"this artifact is {a_or_an(repr(self.model.kind))} model, not a language model, so it "
                                f"has no /v1/chat/completions, /v1/completions or /v1/responses; {use}.", 400)
         protocol.check_model(data, self.name)
         await asyncio.to_thread(self.model.check_files)  # a changed artifact: 503 with the reason, before a stream's 200

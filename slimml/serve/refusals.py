@@ -13,6 +13,7 @@ from slimml.errors import (ArtifactError, FeedError, IntegrityError, OutOfMemory
 import slimml.serve.protocol as protocol
 from slimml.serve.guard import error_response, log
 from slimml.serve.llm import RETRY_AFTER_S
+from slimml.runtime.tasks.limits import a_or_an
 
 
 async def request_error(request: Request, e: RequestError):
@@ -89,7 +90,7 @@ def task_refusal(e: TaskError, model: Any = None) -> RequestError:
         return RequestError(str(e), 400)
     works = dict.fromkeys(r for r in (serving_routes(m, model) for m in e.alternatives) if r)
     use = ", ".join(works) + ", or POST /v1/run for its raw outputs" if works else "POST /v1/run for its raw outputs"
-    return RequestError(f"this artifact is a {e.task!r} model, not {route[1]}, so it has no {route[0]}; use {use}.", 400)
+    return RequestError(f"this artifact is {a_or_an(repr(e.task))} model, not {route[1]}, so it has no {route[0]}; use {use}.", 400)
 
 
 async def task_error(request: Request, e: TaskError):

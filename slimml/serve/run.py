@@ -20,6 +20,7 @@ from slimml.errors import ConfigError, SlimmlError
 from slimml.runtime.artifact.files import verify_files
 from slimml.runtime.artifact.manifest import read_manifest
 from slimml.serve.config import ServeConfig
+from slimml.runtime.tasks.limits import a_or_an
 
 log = logging.getLogger("slimml")
 
@@ -84,7 +85,7 @@ def serve(config: ServeConfig, host: str = "127.0.0.1", port: int = 8000, addres
         from slimml.runtime.tasks.registry import kind_of
 
         if kind_of(manifest) != "text-generation":
-            raise ConfigError(f"--chat-template is for language models, and {config.artifact} is a {kind_of(manifest)} "
+            raise ConfigError(f"--chat-template is for language models, and {config.artifact} is {a_or_an(kind_of(manifest))} "
                               "artifact; leave --chat-template out.")
     if not 0 < port < 65536:
         raise ConfigError(f"port must be from 1 to 65535, got {port}.")

@@ -23,6 +23,7 @@ import numpy as np
 from slimml.errors import SlimmlError
 from slimml.runtime.engine.kv_cache import prefill_alone, prefill_chunk, prompt_blocks
 from slimml.runtime.tasks.generation.prefix import PrefixStore
+from slimml.runtime.tasks.limits import a_or_an
 
 
 class CacheLoop:
@@ -200,7 +201,7 @@ class DecodeLoop:
         self.engine = engine
         specs = {t.name: t for t in engine.inputs}
         if "input_ids" not in specs or "logits" not in {t.name for t in engine.outputs}:
-            raise SlimmlError(f"the artifact {engine.folder} is a {engine.manifest.task!r} model without input_ids -> "
+            raise SlimmlError(f"the artifact {engine.folder} is {a_or_an(repr(engine.manifest.task))} model without input_ids -> "
                               "logits; generate() needs a decoder converted with --task text-generation.")
         dtype = {name: np.dtype(specs[name].dtype) for name in ("input_ids", "attention_mask", "position_ids") if name in specs}
         batch, width = len(prompts), max(map(len, prompts))
