@@ -20,7 +20,7 @@ from slimml.errors import ArtifactError, ConfigError, IntegrityError, QuantizeEr
 from slimml.convert.llm_check import is_language_model
 import slimml.quantize.backends  # noqa: F401  (registers the ONNX Runtime and NNCF backends)
 import slimml.quantize.chain as ch
-from slimml.quantize.calibration import ImagePaths, calibration_texts
+from slimml.quantize.calibration import AudioPaths, ImagePaths, calibration_texts
 from slimml.quantize.config import Fp16Config, Int8StaticConfig, QuantizeConfig, WeightOnlyConfig, describe
 from slimml.quantize.decoder import activation_aware, calibration_feeds, for_language_model
 from slimml.quantize.fuse import fusable, rematerialize_inputs
@@ -160,6 +160,11 @@ def _quantize_with(w: ArtifactWriter, src: Path, config: QuantizeConfig, on_step
         raise ConfigError(f"--calibration {config.calibration} is a folder of images, and {src} takes no images (or ships "
                           "no image preprocessor config); give a text file (one sentence per line), or leave "
                           "--calibration out.")
+    if isinstance(calib, AudioPaths) and not (manifest.seq2seq and manifest.preprocessor
+                                              and manifest.preprocessor.get("kind") == "audio"):
+        raise ConfigError(f"--calibration {config.calibration} is a folder of recordings, and {src} is not a speech model "
+                          "(Whisper, shipped with its feature extractor config); give a text file (one sentence per "
+                          "line), or leave --calibration out.")
     if config.guard is not None and config.guard.eval_file is not None:
         from slimml.runtime.tools.evaluate import read_sts
 
@@ -276,15 +281,17 @@ def _quantize_components(w, src, manifest, config, calib, held, origin, step) ->
     new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
                       "checks": {**float_checks(manifest.checks), **{f"quantize_{k}": v for k, v in checks.items()}}})
     if manifest.seq2seq:  # each component was guarded on its own inputs; what matters is what the whole generates
-        step("generating from held-out texts with the float and the quantized model")
+        step(f"generating from held-out {'recordings' if isinstance(held, AudioPaths) else 'texts'} with the float and "
+             "the quantized model")
         whole = generation_agreement(src, w.folder, held)
         if whole:
             checks.update(whole)
             if whole.get("generation_token_agreement", 1.0) < 0.9:
                 logging.getLogger("slimml").warning(
-                    "slimml: the quantized model generates otherwise than the float one from held-out texts (%s the "
+                    "slimml: the quantized model generates otherwise than the float one from held-out %s (%s the "
                     "same, %.0f%% of the tokens before they part); check it on your own data, or keep shards float with "
-                    "--max-drop", whole["generation_same"], 100 * whole["generation_token_agreement"])
+                    "--max-drop", "recordings" if isinstance(held, AudioPaths) else "texts", whole["generation_same"],
+                    100 * whole["generation_token_agreement"])
             new = w.commit(**{**manifest.header(), "steps": [*manifest.steps, record],
                               "checks": {**float_checks(manifest.checks), **{f"quantize_{k}": v for k, v in checks.items()}}})
     for name, r in reports.items():
@@ -309,15 +316,17 @@ def generation_agreement(float_folder: Path, quantized_folder: Path, texts: list
     """How closely an encoder-decoder's quantized artifact generates as its float one, greedy, from
     ``count`` held-out texts: ``generation_same`` (outputs token for token the same, "k of n") and
     ``generation_token_agreement`` (the float output's tokens the quantized one gives before it first
-    differs, over them all). Empty for a model that does not read text (Whisper: no held-out audio)."""
+    differs, over them all). From held-out recordings (:class:`AudioPaths`) for a speech model; empty
+    for one given texts (Whisper calibrated on generated features: no held-out audio)."""
     from slimml.runtime.loader import load
 
-    prompts = [" ".join(t.split()[:48]) for t in texts[:count]]  # a calibration text may be a long document
+    audio = isinstance(texts, AudioPaths)
+    prompts = list(texts[:count]) if audio else [" ".join(t.split()[:48]) for t in texts[:count]]  # a text may be long
     models: list = []
     try:
         for f in (float_folder, quantized_folder):
             models.append(load(f, verify=False))  # hashed by the caller
-        if "text" not in models[0].accepts or not prompts:
+        if ("audio" if audio else "text") not in models[0].accepts or not prompts:
             return {}
         a, b = (m.generate(prompts, max_new_tokens=max_new_tokens).tokens for m in models)
     except SlimmlError as e:  # a measure only: the quantized artifact is written whatever it says
@@ -341,11 +350,23 @@ def _seq2seq_feeds(src: Path, calib: list[str], held: list[str], step) -> dict[s
     step("running the float model to record each component's inputs")
     model = load(src, verify=False)  # hashed by the caller
     try:
-        fit = record_feeds(model, sample_encoder_batches(model, calib))
-        check = record_feeds(model, sample_encoder_batches(model, held, limit=4))
+        if isinstance(calib, AudioPaths):  # a speech model's own recordings, not noise
+            fit = record_feeds(model, _recording_batches(model, calib))
+            check = record_feeds(model, _recording_batches(model, held, limit=4))
+        else:
+            fit = record_feeds(model, sample_encoder_batches(model, calib))
+            check = record_feeds(model, sample_encoder_batches(model, held, limit=4))
     finally:
         model.close()
     return {name: (fit[name], check[name]) for name in fit}
+
+
+def _recording_batches(model, paths: list[str], batch_size: int = 8, limit: int = 16) -> list[dict]:
+    """A speech model's encoder inputs for WAV ``paths``, each recording's first window (30 s)."""
+    from slimml.runtime.tasks.inputs.audio import read_wav
+
+    waves = [read_wav(p, model.sampling_rate)[: model.window_samples] for p in paths]
+    return [model.features(waves[i : i + batch_size]) for i in range(0, len(waves), batch_size)][:limit]
 
 
 def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step, feeds=None) -> tuple[QuantizeReport, dict]:

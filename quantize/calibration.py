@@ -113,36 +113,52 @@ def default_corpus(limit: int = 1024) -> list[str]:
 
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+AUDIO_SUFFIXES = (".wav",)
 
 
-class ImagePaths(list):
-    """Calibration inputs that are image files (a folder given as ``--calibration``), not texts."""
+class FilePaths(list):
+    """Calibration inputs that are files (a folder given as ``--calibration``), not texts."""
+
+    kind = "files"
 
 
-def image_files(folder: Path) -> ImagePaths:
-    """The image files in ``folder`` (by suffix, sorted), refused where there are none."""
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
-    if not files:
-        raise DataError(f"calibration folder {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}); give a folder of "
-                        "images like the model's inputs (for a model that takes images), or a text file (one sentence "
-                        "per line).")
-    return ImagePaths(str(p) for p in files)
+class ImagePaths(FilePaths):
+    kind = "images"
+
+
+class AudioPaths(FilePaths):
+    kind = "recordings"
+
+
+def media_files(folder: Path) -> FilePaths:
+    """The image files in ``folder`` (by suffix, sorted), else its WAV recordings; refused where it has neither."""
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    images = [str(p) for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
+    if images:
+        return ImagePaths(images)
+    audio = [str(p) for p in files if p.suffix.lower() in AUDIO_SUFFIXES]
+    if audio:
+        return AudioPaths(audio)
+    raise DataError(f"calibration folder {folder} holds no images ({', '.join(IMAGE_SUFFIXES)}) or recordings (.wav); "
+                    "give a folder of inputs like the model's own (images for an image model, 16 kHz WAV files for a "
+                    "speech model), or a text file (one sentence per line).")
 
 
 def calibration_texts(path: str | os.PathLike | None, limit: int) -> tuple[list[str], list[str], str]:
-    """(calibration texts, held-out texts, where they came from); for a folder, its images' paths
-    instead (:class:`ImagePaths`), for a model that takes images.
+    """(calibration texts, held-out texts, where they came from); for a folder, its images' or
+    recordings' paths instead (:class:`ImagePaths`, :class:`AudioPaths`), for a model that takes them.
 
     Every fifth text (or image) is held out for the accuracy guard, so the guard never measures on
     what calibration saw.
     """
     if path is not None and Path(path).is_dir():
-        images = image_files(Path(path))
-        if len(images) < 5:
-            raise DataError(f"calibration folder {path} has {len(images)} image(s); give at least 5 (a few dozen like "
-                            "the model's real inputs work best).")
-        return (ImagePaths([p for i, p in enumerate(images) if i % 5 != 4][:limit]),
-                ImagePaths(images[4::5][: max(8, limit // 4)]), f"{path} ({len(images)} images)")
+        files = media_files(Path(path))
+        kind = type(files)
+        if len(files) < 5:
+            raise DataError(f"calibration folder {path} has {len(files)} {files.kind[:-1]}(s); give at least 5 (a few "
+                            "dozen like the model's real inputs work best).")
+        return (kind([p for i, p in enumerate(files) if i % 5 != 4][:limit]),
+                kind(files[4::5][: max(8, limit // 4)]), f"{path} ({len(files)} {files.kind})")
     texts = read_texts(path) if path is not None else default_corpus()
     origin = str(path) if path is not None else "built-in corpus (Python standard-library docstrings)"
     if len(texts) < 5:

@@ -94,8 +94,9 @@ class _Common:
 
     Args:
         calibration: text lines or an STS CSV used for calibration (static int8) and for the
-            guard's held-out check; for a model that takes images, a folder of images (every fifth
-            held out for the guard); ``None`` uses the built-in corpus (generated pixels for images).
+            guard's held-out check; for a model that takes images, a folder of images, and for a
+            speech model a folder of WAV recordings (every fifth held out for the guard); ``None``
+            uses the built-in corpus (generated pixels or features for those).
         calibration_size: at most this many texts are used for calibration.
         guard: the accuracy guard, or ``None`` for none.
         exclude_shards: shard indices kept in float (the guard adds to these).
@@ -385,7 +386,7 @@ class QuantizeOptions:
         "help": "none, int8 (best for --target), int8-dynamic, int8-static, int8-weights, int4-weights, fp16 (cuda).",
         "flags": ("--quantize",)})
     calibration: Path | None = field(default=None, metadata={
-        "help": "Calibration texts: one per line, or an STS CSV; for a model that takes images, a folder of images. Default: a built-in corpus."})
+        "help": "Calibration texts: one per line, or an STS CSV; a folder of images (image models) or of WAV recordings (speech models). Default: a built-in corpus."})
     max_drop: float | None = field(default=None, metadata={
         "help": "Accuracy guard: keep sensitive shards float until the drop is at most this."})
     eval_file: Path | None = field(default=None, metadata={

@@ -758,6 +758,17 @@ def test_whisper_quantizes_within_tolerance(whisper):
     report = quantize(whisper["root"] / "art", whisper["root"] / "int8", Int8Config("cpu"))
     assert min(report.checks[f"{n}_agreement_cosine"] for n in report.components) >= 0.99
     assert "generation_same" not in report.checks  # no held-out audio to generate from
+    # a folder of the user's recordings: calibrated on them, and transcripts compared on the held-out fifth
+    # (--calibration took text files only; the guard compared components on generated features)
+    folder = whisper["root"] / "recordings"
+    folder.mkdir(exist_ok=True)
+    for i in range(10):
+        write_wav(folder / f"{i}.wav", speech(0.5 + 0.25 * i, seed=i))
+    report = quantize(whisper["root"] / "art", whisper["root"] / "int8-rec", Int8Config("cpu", calibration=folder))
+    assert report.checks["generation_same"] == "2 of 2" and report.checks["generation_token_agreement"] >= 0.5
+    from slimml.runtime import read_manifest
+
+    assert read_manifest(whisper["root"] / "int8-rec").steps[-1]["calibration"] == f"{folder} (10 recordings)"
     result = slimml("run", whisper["root"] / "int8", "--audio", whisper["root"] / "speech.wav", "--max-new-tokens", "4", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)[0]["input"].endswith("speech.wav")

@@ -66,6 +66,11 @@ class Seq2Seq(Task):
         return self._log_mel.sampling_rate if self._log_mel is not None else None
 
     @property
+    def window_samples(self) -> int | None:
+        """The samples one window of a speech model reads (Whisper: 30 s); None for a text model."""
+        return self._log_mel.n_samples if self._log_mel is not None else None
+
+    @property
     def accepts(self) -> frozenset[str]:
         return frozenset({"audio"}) if self.speech else super().accepts
 
