@@ -332,7 +332,8 @@ def test_generation_settings_are_read_as_transformers_reads_them(tmp_path):
                "decoder_start_token_id": 4, "eos_token_id": 3, "forced_decoder_ids": [[1, None], [2, 7]]}
     got = spec({"model_type": "whisper", "max_target_positions": 448}, whisper)
     assert (got["prompt_ids"], got["language_ids"], got["forced_ids"]) == ([None, 7, 9], [5, 6], [])
-    assert spec({}, {**whisper, "forced_decoder_ids": [[1, 6], [2, 7]], "task": "translate"})["prompt_ids"] == [6, 8, 9]
+    # a task (or a language) named: transformers ignores the forced ids, and detects the language
+    assert spec({}, {**whisper, "forced_decoder_ids": [[1, 6], [2, 7]], "task": "translate"})["prompt_ids"] == [None, 8, 9]
     assert spec({}, {**whisper, "forced_decoder_ids": None})["prompt_ids"] == [None, 9]  # no language given: detected
     # a fine-tune's config names its language and task (forced ids null): transformers reads those, not the forced ids
     got = spec({}, {**whisper, "forced_decoder_ids": [[1, 5], [2, 8]], "language": "german", "task": "transcribe"})
