@@ -8,10 +8,12 @@ shard it as its family needs (:mod:`.families`), write the artifact (one
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,10 @@ from slimml.runtime.loader import load
 from slimml.runtime.tools.bench import sample_feeds, seq_matters, time_runs
 
 
+# what a teacher of each distillation objective is, for a --compare-on that needs a sentence embedder
+NOT_EMBEDDERS = {"logits-kl": ("a text-classification model ({})", ""), "lm-kl": ("a text-generation model ({})", ""),
+                 "hidden-mse": ("a plain encoder ({}: token states, no pooling)",
+                                ", or save it as sentence-transformers does (a pooling module) and distil that folder")}
 # what a GGUF file (llama.cpp's: a decoder) converts as: its language model, or its token states
 GGUF_TASKS = ("auto", "text-generation-with-past", "text-generation", "feature-extraction")
 
@@ -144,7 +150,8 @@ def _convert(src: Source, out: Any, config: ConvertConfig, step: Callable[[str],
     check_output(out)
     with one_line_errors(f"converting {src.name}", current, out, ExportError,
                          "If slimml does not support this architecture yet, export it to ONNX yourself and convert "
-                         "the .onnx file"), ArtifactWriter(out) as w:  # disk errors: the writer words them
+                         "the .onnx file"), _resume_files_named(out, config), \
+            ArtifactWriter(out) as w:  # disk errors: the writer words them
         source_checks: dict[str, Any] = {}
         if src.kind == "gguf":  # read into a Hugging Face folder, then exported as one
             from slimml.convert.gguf import as_huggingface, quantization_note
@@ -240,6 +247,19 @@ def _check_inputs(config: ConvertConfig) -> None:
         from slimml.runtime.tools.evaluate import read_sts
 
         read_sts(config.compare_on)
+        data = config.distill.data if config.distill is not None else None
+        if data is not None and _same_file(data, config.compare_on):  # scored on what it trained on
+            logging.getLogger("slimml").warning(
+                "slimml: --compare-on %s is the --distill-data file: the student trained on those texts, so its score "
+                "there flatters it; compare on an STS file kept out of training.", config.compare_on)
+
+
+def _same_file(a: Any, b: Any) -> bool:
+    """Whether two paths name one file (a link, ``./``, a relative path and an absolute one alike)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return Path(a).resolve() == Path(b).resolve()
 
 
 def oversized(manifest: Manifest, shard: Any) -> str | None:
@@ -347,6 +367,10 @@ def _shrink(src: Source, out: Path, work: Path, config: ConvertConfig, step, on_
         )
     distill = config.distill or DistillConfig()
     checked = check(src.path, distill, config.prune)  # a bad request fails before the teacher is converted
+    if config.compare_on is not None and checked["kind"] != "embedding-cosine":  # its artifact has no encode()
+        what, fix = NOT_EMBEDDERS.get(checked["kind"], ("a {} model", ""))
+        raise ConfigError(f"--compare-on scores sentence embeddings on an STS file; {src.name} is "
+                          f"{what.format(checked['model_class'])}, not a sentence embedder: leave --compare-on out{fix}.")
     checkpoint, cache, teacher_art = _resume_files(out)  # outside the temp dir: they survive a kill
     stamp = teacher_art.with_name(teacher_art.name + ".source")
     fingerprint = _folder_fingerprint(src.path)
@@ -362,6 +386,24 @@ def _shrink(src: Source, out: Path, work: Path, config: ConvertConfig, step, on_
                    teacher_artifact=teacher_art, cache_dir=cache, on_step=step, keep_checkpoint=True,
                    checked=checked)
     return Source(kind="huggingface", name=src.name, path=work / "student", extra=src.extra), steps
+
+
+@contextmanager
+def _resume_files_named(out: Path, config: ConvertConfig) -> Iterator[None]:
+    """A stop (Ctrl-C, SIGTERM) of a convert that distils or prunes leaves its resume files beside ``out``
+    on purpose: the interrupt carries the ones there as ``resume_files`` (and ``out`` as ``resume_out``), so
+    the CLI can say to run the command again or which files to delete, not that nothing is left."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit) as e:
+        if config.distill is None and config.prune is None:  # a plain convert leaves nothing: said as it is
+            raise
+        checkpoint, cache, teacher_art = _resume_files(out)
+        left = [p for p in (checkpoint, cache, teacher_art, teacher_art.with_name(teacher_art.name + ".source"))
+                if p.exists()]
+        if left:
+            e.resume_out, e.resume_files = out, left
+        raise
 
 
 def _resume_files(out: Path) -> tuple[Path, Path, Path]:

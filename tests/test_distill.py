@@ -514,3 +514,251 @@ def test_a_folder_whose_length_setting_is_past_its_position_table_is_distilled_w
     report = convert(folder, tmp_path / "art", ConvertConfig(distill=DistillConfig(layers=1, data=long, epochs=0.02),
                                                              measure_latency=False))
     assert load(report.out).encode(["a man plays a guitar in the park " * 20]).shape == (1, 32)
+
+
+# -- the distill/prune journey: refusals before any work, progress off a terminal, what the report says --------
+
+
+def _sts(tmp_path):
+    from conftest import STS_DEV
+
+    sts = tmp_path / "sts.csv"
+    sts.write_text("".join(STS_DEV.read_text(encoding="utf-8").splitlines(keepends=True)[:41]), encoding="utf-8")
+    return sts
+
+
+@pytest.mark.parametrize("which, said", [
+    ("classifier", "a text-classification model (BertForSequenceClassification)"),
+    ("decoder", "a text-generation model (LlamaForCausalLM)"),
+])
+def test_compare_on_a_model_that_is_not_a_sentence_embedder_is_refused_before_any_work(
+        which, said, tiny_classifier_dir, tiny_decoder_dir, texts_file, tmp_path):
+    """--compare-on scores sentence embeddings: on a classifier or a language model it failed only after all
+    the training, with "the artifact /tmp/x/.out.teacher cannot encode(): ... use generate(prompts)"."""
+    folder = tiny_classifier_dir if which == "classifier" else tiny_decoder_dir
+    stages = []
+    with pytest.raises(ConfigError) as e:
+        convert(folder, tmp_path / "out" / "art", ConvertConfig(
+            distill=DistillConfig(layers=2, data=texts_file, max_steps=1, batch_size=8), compare_on=_sts(tmp_path),
+            measure_latency=False), on_step=stages.append)
+    assert str(e.value) == (f"--compare-on scores sentence embeddings on an STS file; {folder.name} is {said}, not a "
+                            "sentence embedder: leave --compare-on out.")
+    assert "converting the teacher" not in stages
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_convert_progress_off_a_terminal_prints_plain_lines(monkeypatch):
+    """Off a terminal (a log file, CI) the rich bar drew nothing: a 20-minute distillation printed nothing
+    until its table. Now each stage's name, and about every tenth of the training a line with the step,
+    loss, seconds a step and what is left."""
+    import io
+
+    from rich.console import Console
+
+    import slimml.cli.convert as cli
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=out, force_terminal=False, width=300))
+
+    def fake_convert(source, dest, config, on_step, on_progress):
+        on_step("converting the teacher")
+        on_step("running the teacher")
+        for i in range(0, 401, 40):
+            on_progress(i, 400, None)
+        on_step("training the student")
+        for i in range(1, 101):
+            on_progress(i, 100, 1.0 / i)
+        on_step("exporting to ONNX")
+        return "report"
+
+    assert cli._convert_with_progress(fake_convert, None, None, None) == "report"
+    lines = out.getvalue().splitlines()
+    for stage in ("converting the teacher...", "running the teacher...", "training the student...",
+                  "exporting to ONNX..."):
+        assert stage in lines
+    steps = [line for line in lines if line.startswith("training: step ")]
+    assert 10 <= len(steps) <= 11 and steps[-1].startswith("training: step 100/100, loss 0.01, ")
+    assert all(" s/step, " in line and line.endswith(" s left") for line in steps[:-1])
+    assert len([line for line in lines if line.startswith("teacher pass: ")]) <= 11
+
+
+def test_plain_progress_prints_every_30_seconds_on_slow_steps():
+    import slimml.cli.convert as cli
+
+    lines, now = [], [0.0]
+    shown = cli._PlainProgress(lines.append, clock=lambda: now[0])
+    shown.on_step("training the student")
+    for i in range(1, 1001):  # 1,000 steps of 1 s: a tenth is 100 s, so 30 s comes first (30, 60, 90, 100, 130, ...)
+        now[0] += 1.0
+        shown.on_progress(i, 1000, 0.5)
+    steps = [line for line in lines if line.startswith("training: step ")]
+    assert len(steps) == 40 and steps[3].startswith("training: step 100/1000, ")
+    assert steps[0] == "training: step 30/1000, loss 0.5, 1.00 s/step, 16 min 10 s left"
+
+
+def test_ctrl_c_during_a_distillation_says_how_to_resume_or_give_up(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
+    """Ctrl-C in a distillation said "nothing half-written is left." while the checkpoint, the teacher's
+    artifact and its cache (180 MB for MiniLM) stayed beside the output, for the next run to resume from."""
+    import signal
+
+    import slimml.cli.entry as entry
+    from slimml.runtime.artifact import atomic
+
+    def stop_at_step_2(done, total, loss):
+        if loss is not None and done == 2:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "art"
+    config = ConvertConfig(distill=DistillConfig(layers=1, data=texts_file, max_steps=3, batch_size=8, checkpoint_every=1,
+                                                 mixed_precision="off"), measure_latency=False)
+    with pytest.raises(KeyboardInterrupt) as e:
+        convert(tiny_bert_dir, out, config, on_progress=stop_at_step_2)
+    left = [p.name for p in e.value.resume_files]
+    assert e.value.resume_out == out
+    assert left == [".art.distill-checkpoint.pt", ".art.teacher-cache", ".art.teacher", ".art.teacher.source"]
+    assert all((tmp_path / name).exists() for name in left) and not out.exists()
+
+    def stopped(*args, **kw):  # the command line's convert, stopped as that one was
+        atomic.stop_asked(signal.SIGINT)
+        raise e.value
+
+    said = []
+    monkeypatch.setattr(atomic, "_stop_asked", [])
+    monkeypatch.setattr("slimml.convert.pipeline.convert", stopped)
+    monkeypatch.setattr("sys.argv", ["slimml", "convert", str(tiny_bert_dir), "--distill-layers", "1", "-o", str(out)])
+    monkeypatch.setattr(entry.err, "print", lambda text, **kw: said.append(str(text)))
+    with pytest.raises(SystemExit) as stop:
+        entry.main()
+    assert stop.value.code == 130
+    assert said == [f"stopped (SIGINT); {out} was not written. Run the same command again to resume from the checkpoint, "
+                    f"or delete {', '.join(left)} in {tmp_path} to give up."]
+    out.mkdir()  # an earlier artifact there stays
+    assert entry._stopped("SIGTERM", (out, e.value.resume_files)).startswith(
+        f"stopped (SIGTERM); {out} was not written (the artifact there is the earlier one). Run the same command ")
+
+
+def _report(steps):
+    from slimml.convert.pipeline import ConvertReport
+
+    return ConvertReport(out=__import__("pathlib").Path("art"), name="m", task="sentence-embedding", shards=2,
+                         size_mb=1.0, checks={}, seconds=3.0, steps=steps)
+
+
+def _step(**training):
+    """A prune step record as the manifest has it (a student of the whole teacher, pruned)."""
+    return {"step": "prune", "heads_per_layer": 6, "heads_removed": 0.5, "ffn_per_layer": 768, "vocab_size": 21365,
+            "student_params": 8.9e6, "steps": 8, "final_loss": 0.01234, "resumed_at_step": 0,
+            "teacher_pass": {"from_cache": True, "batches": 0, "batch_texts": 0, "seconds": 0.1, "peak_rss_mb": 900.0,
+                             "cache_mb": 1.0, "teacher_passes_saved": 2, "rebuilt_because": None},
+            "training": {"precision": "off", "grad_accum": 1, "effective_batch": 32, "checkpointing": False,
+                         "train_seconds": 12.5, "peak_rss_mb": 1000.0, "heldout_texts": 40, "heldout_loss_start": -0.0,
+                         "heldout_loss_pruned": 4.3621, "heldout_loss_end": 1.14213, **training}}
+
+
+def _rows(monkeypatch, report) -> dict[str, str]:
+    """The convert command's table, row name -> text, for a report (the conversion itself faked)."""
+    import io
+
+    from rich.console import Console
+    from typer.testing import CliRunner
+
+    import slimml.cli.convert as cli
+    import slimml.convert.pipeline as pipeline
+    from slimml.cli.common import app
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=400))
+    monkeypatch.setattr(cli, "err", Console(file=io.StringIO(), width=400))
+    monkeypatch.setattr(pipeline, "convert", lambda *a, **kw: report)
+    r = CliRunner().invoke(app, ["convert", "--prune", "0.5"])
+    assert r.exit_code == 0, r.output
+    rows = {}
+    for line in out.getvalue().splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 2:
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def test_the_heldout_row_shows_what_pruning_did_and_never_minus_zero(monkeypatch):
+    rows = _rows(monkeypatch, _report([_step()]))
+    assert rows["held-out loss"] == "0 -> 4.362 (pruned) -> 1.142 (40 texts kept out of training)"
+    rows = _rows(monkeypatch, _report([_step(heldout_texts=0, heldout_loss_start=None, heldout_loss_pruned=None,
+                                             heldout_loss_end=None)]))
+    assert rows["held-out loss"] == "none (fewer than 80 texts: none kept out of training)"
+
+
+def test_the_training_row_names_the_precision_the_whole_time_and_the_final_loss(monkeypatch):
+    rows = _rows(monkeypatch, _report([_step()]))
+    assert rows["training"] == ("fp32, 8 steps, batch 32 (accumulate 1), checkpointing off, 12.5 s, final loss 0.01234, "
+                                "peak RSS 1000 MB")
+    assert _rows(monkeypatch, _report([_step(precision="bf16")]))["training"].startswith("bf16, 8 steps, ")
+    assert rows["prune"] == "6 heads a layer (50% removed), 768 FFN neurons a layer, vocabulary 21365: 8.9M params"
+
+
+def test_a_resumed_run_says_where_it_resumed(monkeypatch):
+    rows = _rows(monkeypatch, _report([dict(_step(), resumed_at_step=6)]))
+    assert rows["training"].startswith("fp32, 8 steps, resumed at step 6 of 8, batch 32 ")
+
+
+def test_training_seconds_cover_the_epoch_before_pruning_too(tiny_bert_dir, texts_file, tmp_path, monkeypatch):
+    """With --distill-layers and --prune, the training row's seconds were only the steps after pruning."""
+    from slimml.convert.distill import distill_train
+
+    train, took = distill_train.Trainer.train, []
+
+    def timed(self, *a, **kw):
+        result = train(self, *a, **kw)
+        result["seconds"] = 10.0 * (len(took) + 1)  # 10 s, then 20 s
+        took.append(result["seconds"])
+        return result
+
+    monkeypatch.setattr(distill_train.Trainer, "train", timed)
+    steps = shrink(tiny_bert_dir, tmp_path / "s", DistillConfig(layers=1, data=texts_file, max_steps=2, batch_size=8,
+                                                                mixed_precision="off"), PruneConfig(0.5, importance_batches=1))
+    assert took == [10.0, 20.0] and steps[0]["training"]["train_seconds"] == 30.0
+    assert steps[0]["training"]["precision"] == "off"
+
+
+def test_compare_on_the_distillation_data_is_warned(texts_file, tmp_path, caplog):
+    from slimml.convert.pipeline import _check_inputs
+
+    sts = _sts(tmp_path)
+    with caplog.at_level("WARNING", logger="slimml"):
+        _check_inputs(ConvertConfig(distill=DistillConfig(layers=1, data=texts_file), compare_on=sts))
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="slimml"):
+        _check_inputs(ConvertConfig(distill=DistillConfig(layers=1, data=str(tmp_path / "." / "sts.csv")), compare_on=sts))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"slimml: --compare-on {sts} is the --distill-data file: the student trained on those texts, so its score "
+        "there flatters it; compare on an STS file kept out of training."]
+
+
+def test_grouped_query_pruning_removes_at_least_the_share_asked_and_says_what_it_removed(tiny_decoder_dir, texts_file,
+                                                                                        caplog):
+    """SmolLM2 (3 key-value groups) at --prune 0.5 kept 2 of 3 groups, and a 1-group Llama at --prune 0.3 kept
+    all its heads, while the manifest said heads: true."""
+    from types import SimpleNamespace
+
+    from slimml.convert.distill import prune as pr
+    from slimml.convert.distill.distill import check
+
+    smol = SimpleNamespace(model_type="llama", num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536)
+    assert pr.kept_counts(smol, PruneConfig(0.5)) == (1, 768)
+    assert pr.kept_counts(smol, PruneConfig(0.3)) == (2, round(1536 * 0.7))
+    bert = SimpleNamespace(model_type="bert", num_attention_heads=12, intermediate_size=1536)
+    assert pr.kept_counts(bert, PruneConfig(0.5))[0] == 6 and pr.kept_counts(bert, PruneConfig(0.3))[0] == 8
+    one = SimpleNamespace(model_type="llama", num_attention_heads=2, num_key_value_heads=1, intermediate_size=32)
+    assert pr.kept_counts(one, PruneConfig(0.3))[0] == 1
+    with caplog.at_level("WARNING", logger="slimml"):
+        check(tiny_decoder_dir, DistillConfig(data=texts_file), PruneConfig(0.3))
+    assert [r.getMessage() for r in caplog.records] == [
+        "slimml: --prune 0.3 removes 0% of the attention heads, not 30%: this model has 1 key-value group(s) of 2 "
+        "query heads, pruning removes whole groups, and every layer keeps one; the FFN neurons lose 30%."]
+
+
+def test_a_batch_of_one_is_refused_naming_the_flag():
+    with pytest.raises(ConfigError) as e:
+        DistillConfig(layers=1, batch_size=1)
+    assert str(e.value) == ("--distill-batch-size 1 must be >= 2 (the in-batch similarity and the held-out loss compare "
+                            "texts within a batch).")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -116,7 +117,8 @@ class DistillConfig:
         if self.epochs is not None and not self.epochs > 0:
             raise ConfigError(f"--distill-epochs {self.epochs} must be > 0, e.g. 1 or 0.5.")
         if self.batch_size < 2:
-            raise ConfigError(f"distillation batch_size {self.batch_size} must be >= 2.")
+            raise ConfigError(f"--distill-batch-size {self.batch_size} must be >= 2 (the in-batch similarity and the "
+                              "held-out loss compare texts within a batch).")
         if not 0 < self.lr < 1:
             raise ConfigError(f"distillation lr {self.lr} must be in (0, 1), e.g. 2e-4.")
         if self.pre_prune_epochs < 0:
@@ -160,6 +162,9 @@ def check(teacher_dir: Path, distill: DistillConfig, prune: PruneConfig | None) 
     kind, model_class = teacher_kind(teacher_dir)
     if prune is not None:
         pruning.check_prunable(config, prune)
+        short = pruning.heads_shortfall(config, prune)
+        if short:  # grouped-query attention: a layer's last group stays
+            logging.getLogger("slimml").warning("slimml: %s", short)
     if not any((teacher_dir / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         raise SourceError(f"{teacher_dir} has no tokenizer; distillation tokenizes texts, so save one with the model.")
     mp.check(distill.mixed_precision, training_device(distill.device).type)
@@ -288,6 +293,7 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
     if pre_steps and phase in (None, "pre"):
         pre = trainer.train(student, pre_steps, state, saver("pre"), shown(0))
         state = None
+    groups_before = pruning.head_groups(student.config) if prune is not None else None  # before apply_plan renumbers
     if prune is not None:
         if plan is None:
             scores = pruning.importance(student, trainer.batches(prune.importance_batches), trainer.loss)
@@ -311,8 +317,9 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
         result["precision_ms"] = trainer.precision_ms
         result["heldout_end"] = trainer.heldout_loss(student)
         result["peak_rss"] = _peak_rss()
-        if pre is not None:  # where this run started, in steps of the whole training
+        if pre is not None:  # where this run started, in steps of the whole training; the time of both phases
             result["resumed_at"] = pre["resumed_at"]
+            result["seconds"] = round(pre["seconds"] + result["seconds"], 1)
         elif result["resumed_at"]:
             result["resumed_at"] += pre_steps
         if checkpoint is not None:
@@ -346,7 +353,7 @@ def _shrink(teacher_dir, out_dir, distill, prune, facts, checkpoint, progress, t
                       "layers": distill.layers, "kept_teacher_layers": kept_layers,
                       "teacher_params": teacher_params, "student_params": distilled_params, **common})
     if prune is not None:
-        steps.append({"step": "prune", "method": "taylor-first-order", **asdict(prune), **pruning.describe(student, plan),
+        steps.append({"step": "prune", "method": "taylor-first-order", **asdict(prune), **pruning.describe(student, plan, groups_before),
                       "vocab_size": len(plan["vocab"]) if plan.get("vocab") else student.config.vocab_size,
                       "teacher_params": teacher_params, "student_params": _params(student), "trained_before_pruning": {"epochs": pre_epochs, "steps": pre_steps},
                       **({} if distill.layers else common)})

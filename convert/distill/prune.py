@@ -11,6 +11,7 @@ transformers 4.57 and 5; ``head_dim`` and the head counts for a decoder), saves 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,14 +99,38 @@ def encoder_layers(model: Any) -> Any:
     return base.layers if _is_decoder(model) else base.encoder.layer
 
 
+def head_groups(config: Any) -> int:
+    """The units heads are pruned in, a layer: its heads in an encoder, its key-value groups in a decoder."""
+    return _kv_heads(config) if getattr(config, "model_type", None) in LLAMA_LIKE else config.num_attention_heads
+
+
 def kept_counts(config: Any, prune: PruneConfig) -> tuple[int, int]:
-    """Head groups and FFN neurons each layer keeps (a group is one head in an encoder, one KV group in a decoder)."""
-    decoder = getattr(config, "model_type", None) in LLAMA_LIKE
-    groups = _kv_heads(config) if decoder else config.num_attention_heads
+    """Head groups and FFN neurons each layer keeps (a group is one head in an encoder, one KV group in a decoder).
+
+    Groups removed are rounded up, so at least the share asked goes (3 KV groups at 0.5: 2 go, not 1), except
+    that every layer keeps one group (1 group at 0.3: none goes; :func:`heads_shortfall` says so).
+    """
+    groups = head_groups(config)
     inter = config.intermediate_size
-    keep_groups = max(1, round(groups * (1 - prune.fraction))) if prune.heads else groups
+    keep_groups = max(1, groups - math.ceil(groups * prune.fraction - 1e-9)) if prune.heads else groups
     keep_ffn = max(1, round(inter * (1 - prune.fraction))) if prune.ffn else inter
     return keep_groups, keep_ffn
+
+
+def heads_shortfall(config: Any, prune: PruneConfig) -> str | None:
+    """In words, where the heads lose less than the share asked (a layer keeps at least one group); None where not."""
+    if not prune.heads:
+        return None
+    groups = head_groups(config)
+    removed = 1 - kept_counts(config, prune)[0] / groups
+    if removed >= prune.fraction - 1e-9:
+        return None
+    decoder = getattr(config, "model_type", None) in LLAMA_LIKE
+    unit = (f"{groups} key-value group(s) of {config.num_attention_heads // groups} query heads, pruning removes whole "
+            "groups," if decoder else f"{groups} attention head(s),")
+    ffn = f"; the FFN neurons lose {prune.fraction:.0%}" if prune.ffn else ""
+    return (f"--prune {prune.fraction} removes {removed:.0%} of the attention heads, not {prune.fraction:.0%}: this model "
+            f"has {unit} and every layer keeps one{ffn}.")
 
 
 def _taylor(lin: Any, dim: int) -> Any:
@@ -163,12 +188,15 @@ def plan(model: Any, prune: PruneConfig, heads_scores, ffn_scores) -> dict[str, 
     return {"heads": heads, "ffn": ffn}
 
 
-def describe(model: Any, kept: dict[str, Any]) -> dict[str, int]:
-    """What each layer keeps, for the report."""
+def describe(model: Any, kept: dict[str, Any], groups_before: int | None = None) -> dict[str, Any]:
+    """What each layer keeps, for the report; with ``groups_before`` (:func:`head_groups` of the unpruned
+    model) also ``heads_removed``, the share of the heads actually removed (grouped-query attention
+    removes whole groups, so it may differ from the share asked)."""
+    removed = {"heads_removed": round(1 - len(kept["heads"][0]) / groups_before, 4)} if groups_before else {}
     if _is_decoder(model):
         return {"heads_per_layer": model.config.num_attention_heads, "kv_heads_per_layer": model.config.num_key_value_heads,
-                "ffn_per_layer": len(kept["ffn"][0])}
-    return {"heads_per_layer": len(kept["heads"][0]), "ffn_per_layer": len(kept["ffn"][0])}
+                **removed, "ffn_per_layer": len(kept["ffn"][0])}
+    return {"heads_per_layer": len(kept["heads"][0]), **removed, "ffn_per_layer": len(kept["ffn"][0])}
 
 
 def apply_plan(model: Any, kept: dict[str, Any]) -> None:

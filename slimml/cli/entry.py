@@ -47,6 +47,41 @@ def _plain_warnings() -> None:
         log.propagate = False
 
 
+_kept: list[tuple] = []  # what keep_resume_files saw: Typer turns a command's Ctrl-C into exit code 130, exception gone
+
+
+def keep_resume_files(e: BaseException) -> None:
+    """Called by a command with the interrupt that stops it, so the last line can name the resume files a
+    distillation left (see :func:`_stopped`)."""
+    found = _left_by(e)
+    if found:
+        _kept.append(found)
+
+
+def _left_by(e: BaseException | None) -> tuple | None:
+    """``(out, files)``: the output a stopped distillation did not write and the resume files it left beside it
+    (the convert pipeline names them on the interrupt; click wraps Ctrl-C in an Abort raised from it)."""
+    for _ in range(4):
+        if e is None:
+            return None
+        if getattr(e, "resume_files", None):
+            return e.resume_out, list(e.resume_files)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _stopped(name: str, left: tuple | None) -> str:
+    """The last line of a stopped command: nothing half-written is left, or, for a distillation, that its output
+    was not written, that the same command resumes, and which files to delete to give up."""
+    if not left:
+        return f"stopped ({name}); nothing half-written is left."
+    out, files = left
+    how = "from the checkpoint" if any(p.name.endswith(".distill-checkpoint.pt") for p in files) else "where it stopped"
+    kept = " (the artifact there is the earlier one)" if out.exists() else ""
+    return (f"stopped ({name}); {out} was not written{kept}. Run the same command again to resume {how}, or delete "
+            f"{', '.join(p.name for p in files)} in {files[0].parent} to give up.")
+
+
 def main() -> None:
     """Entry point: run the app, turning slimml errors into one line and exit code 1, and a
     command line Typer cannot parse (an unknown option, ``--seed abc``) into one line and exit code 2.
@@ -56,9 +91,11 @@ def main() -> None:
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the shell ignores it (cmd &)
         signal.signal(signal.SIGINT, _interrupted)
     _plain_warnings()
+    left = None  # a stopped distillation's resume files (see _stopped)
     try:
         code = app(standalone_mode=False)
     except (KeyboardInterrupt, typer.Abort, SystemExit) as e:
+        left = _left_by(e)
         stopped = stop_signal()
         if stopped is None or (isinstance(e, SystemExit) and e.code != 128 + stopped):
             if isinstance(e, typer.Abort):
@@ -107,5 +144,5 @@ def main() -> None:
         sys.exit(e.exit_code)
     stopped = stop_signal()
     if stopped is not None and code == 128 + stopped:  # click hands Ctrl-C back as 130
-        err.print(f"stopped ({signal.Signals(stopped).name}); nothing half-written is left.", highlight=False)
+        err.print(_stopped(signal.Signals(stopped).name, left or (_kept[-1] if _kept else None)), highlight=False)
     sys.exit(code if isinstance(code, int) else 0)  # typer.Exit(n) comes back as n without standalone mode
