@@ -675,6 +675,9 @@ def test_whisper_transcribes_in_the_language_asked_as_whisper_s_generate(whisper
     for given in (["hello"], ["--image", wav]):  # it said "has no tokenizer" and "it takes arrays: give --input FILE.npz"
         result = slimml("run", tmp_path / "art", *given)
         assert result.returncode == 1 and "is a speech model: it transcribes recordings; give --audio FILE.wav" in result.stderr
+    np.savez(tmp_path / "features.npz", input_features=features.numpy())  # arrays still run (the encoder's outputs)
+    result = slimml("run", tmp_path / "art", "--input", tmp_path / "features.npz")
+    assert result.returncode == 0 and "last_hidden_state" in result.stdout, result.stderr
 
 
 def test_a_recording_longer_than_the_window_is_transcribed_in_overlapping_windows(whisper):

@@ -81,7 +81,7 @@ def run(
         for p, t in zip(audio, result.texts):
             console.print(Text(str(p), style="bold") + Text(f"  {t}"))
         return
-    if "audio" in model.accepts and "text" not in model.accepts:  # a speech model: texts and images are not its input
+    if (texts or image) and "audio" in model.accepts and "text" not in model.accepts:  # a speech model's input: audio
         raise SlimmlError(f"{artifact} is a speech model: it transcribes recordings; give --audio FILE.wav (16 kHz).")
     if image and texts:  # images scored against texts: an image-text model (CLIP)
         if not {"text", "images"} <= model.accepts or not model.supports("classify"):
