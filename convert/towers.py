@@ -68,11 +68,15 @@ def split_towers(onnx_path: Path, source_folder: Path | None) -> tuple[list[Comp
             f"{str(e).splitlines()[0] if str(e) else ''}); convert it with --task pointing at one tower, or report it."
         ) from None
     scale, bias = _similarity(model, onnx_path.parent)
-    if scale is None:
-        scale = float(np.exp(float(config.get("logit_scale_init_value", np.log(100.0)))))
-    zero_shot = {"text": "text", "image": "vision", "scale": scale}
-    if "siglip" in str(config.get("model_type", "")):  # as transformers' zero-shot pipeline scores and pads SigLIP
-        zero_shot.update(bias=bias or 0.0, activation="sigmoid", text_length=SIGLIP_TEXT_LENGTH)
+    siglip = "siglip" in str(config.get("model_type", ""))
+    zero_shot = {"text": "text", "image": "vision",
+                 "scale": scale if scale is not None else float(np.exp(float(config.get("logit_scale_init_value", np.log(100.0)))))}
+    if siglip:  # as transformers' zero-shot pipeline scores and pads SigLIP
+        if bias is None or scale is None:  # scored without them, every label would read as near certain
+            raise ExportError(f"could not read SigLIP's logit {'bias' if bias is None else 'scale'} from "
+                              f"{onnx_path.name}'s image-text logits (its zero-shot scores would be wrong); convert a tower alone "
+                              "with --task, or report it.")
+        zero_shot.update(bias=bias, activation="sigmoid", text_length=SIGLIP_TEXT_LENGTH)
     elif bias:
         raise ExportError(f"{onnx_path.name} adds a bias of {bias:g} to its image-text logits, which slimml scores only "
                           "for SigLIP (model_type siglip); convert it with --task pointing at one tower, or report it.")
@@ -84,9 +88,10 @@ SIGLIP_TEXT_LENGTH = 64  # transformers' zero-shot pipeline pads SigLIP's texts 
 
 def _similarity(model, base_dir: Path) -> tuple[float | None, float | None]:
     """``(exp(logit_scale), logit_bias)`` as the graph computes its image-text logits
-    (``logits_per_text = cos * exp(scale) [+ bias]``), read from the nodes rather than from
-    initializer names (the exporter may merge equal initializers: a SigLIP whose scale and bias are
-    both 0 shares one); None where the graph does not say."""
+    (``logits_per_text = cos * exp(scale) [+ bias]``), read from the nodes (through Identity and
+    Cast) rather than from initializer names (the exporter may merge equal initializers: a SigLIP
+    whose scale and bias are both 0 shares one), else from initializers named ``logit_scale`` and
+    ``logit_bias``; None for what neither says."""
     from onnx import numpy_helper
 
     made = {o: n for n in model.graph.node for o in n.output}
@@ -94,27 +99,32 @@ def _similarity(model, base_dir: Path) -> tuple[float | None, float | None]:
     consts.update({n.output[0]: next((a.t for a in n.attribute if a.name == "value"), None)
                    for n in model.graph.node if n.op_type == "Constant"})
 
-    def value(name: str) -> float | None:
-        while name in made and made[name].op_type == "Identity":
+    def through(name: str) -> str:
+        while name in made and made[name].op_type in ("Identity", "Cast"):
             name = made[name].input[0]
-        t = consts.get(name)
+        return name
+
+    def value(name: str) -> float | None:
+        t = consts.get(through(name))
         if t is None:
             return None
         a = numpy_helper.to_array(t, base_dir=str(base_dir)).reshape(-1)
         return float(a[0]) if a.size == 1 else None
 
-    node = made.get("logits_per_text")
-    bias = None
+    scale = bias = None
+    node = made.get(through("logits_per_text"))
     if node is not None and node.op_type == "Add":
         got = [value(i) for i in node.input]
         bias = next((b for b in got if b is not None), None)
-        node = next((made.get(i) for i, b in zip(node.input, got) if b is None), None)
-    if node is None or node.op_type != "Mul":
-        named = consts.get("logit_scale")
-        log_scale = value("logit_scale") if named is not None else None
-        return (float(np.exp(log_scale)) if log_scale is not None else None), bias
-    exp = next((made[i] for i in node.input if i in made and made[i].op_type == "Exp"), None)
-    if exp is None:  # exp(logit_scale) folded into a constant
-        return next((v for v in map(value, node.input) if v is not None), None), bias
-    log_scale = value(exp.input[0])
-    return (float(np.exp(log_scale)) if log_scale is not None else None), bias
+        node = next((made.get(through(i)) for i, b in zip(node.input, got) if b is None), None)
+    if node is not None and node.op_type == "Mul":
+        exp = next((made[through(i)] for i in node.input if through(i) in made and made[through(i)].op_type == "Exp"), None)
+        if exp is None:  # exp(logit_scale) folded into a constant
+            scale = next((v for v in map(value, node.input) if v is not None), None)
+        elif (log_scale := value(exp.input[0])) is not None:
+            scale = float(np.exp(log_scale))
+    if scale is None and value("logit_scale") is not None:
+        scale = float(np.exp(value("logit_scale")))
+    if bias is None:
+        bias = value("logit_bias")
+    return scale, bias

@@ -355,6 +355,28 @@ def test_siglip_scores_each_label_by_sigmoid_with_its_bias_as_transformers_pipel
         assert abs(sum(c["score"] for c in got) - 1) > 1e-3  # each label alone, not a softmax
 
 
+def test_the_logit_scale_and_bias_are_read_through_identity_and_cast_or_by_name(tmp_path):
+    """An Identity at the logits output or a Cast after the Exp lost SigLIP's bias (scored as 0: every label
+    near 1) and fell back from the graph's scale to the config's initial one."""
+    from onnx import helper, numpy_helper
+
+    from slimml.convert.towers import _similarity
+
+    inits = [numpy_helper.from_array(np.array([np.log(10.0)], np.float32), "ls"),
+             numpy_helper.from_array(np.array([-16.0], np.float32), "lb")]
+    nodes = [helper.make_node("MatMul", ["t", "i"], ["cos"]), helper.make_node("Exp", ["ls"], ["e"]),
+             helper.make_node("Cast", ["e"], ["ec"], to=1), helper.make_node("Mul", ["cos", "ec"], ["m"]),
+             helper.make_node("Add", ["m", "lb"], ["a"]), helper.make_node("Identity", ["a"], ["logits_per_text"])]
+    io = [helper.make_tensor_value_info(n, 1, None) for n in ("t", "i")]
+    graph = helper.make_graph(nodes, "g", io, [helper.make_tensor_value_info("logits_per_text", 1, None)], inits)
+    assert _similarity(helper.make_model(graph), tmp_path) == (pytest.approx(10.0), -16.0)
+    named = [numpy_helper.from_array(np.array([np.log(5.0)], np.float32), "logit_scale"),
+             numpy_helper.from_array(np.array([-3.0], np.float32), "logit_bias")]
+    bare = helper.make_graph([helper.make_node("MatMul", ["t", "i"], ["x"])], "g", io,
+                             [helper.make_tensor_value_info("x", 1, None)], named)
+    assert _similarity(helper.make_model(bare), tmp_path) == (pytest.approx(5.0), -3.0)  # no logits output: by name
+
+
 def test_a_vision_folder_without_its_preprocessor_config_is_said_at_convert(vit, tmp_path):
     """Convert wrote an artifact that cannot take images without a word; the first image was refused later."""
     import shutil
