@@ -365,8 +365,11 @@ def _recording_batches(model, paths: list[str], batch_size: int = 8, limit: int 
     """A speech model's encoder inputs for WAV ``paths``, each recording's first window (30 s)."""
     from slimml.runtime.tasks.inputs.audio import read_wav
 
-    waves = [read_wav(p, model.sampling_rate)[: model.window_samples] for p in paths]
-    return [model.features(waves[i : i + batch_size]) for i in range(0, len(waves), batch_size)][:limit]
+    out = []
+    for i in range(0, min(len(paths), batch_size * limit), batch_size):  # at most ``limit`` batches read
+        waves = [read_wav(p, model.sampling_rate)[: model.window_samples].copy() for p in paths[i : i + batch_size]]
+        out.append(model.features(waves))  # each recording's own samples dropped once its window is kept
+    return out
 
 
 def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step, feeds=None) -> tuple[QuantizeReport, dict]:

@@ -645,6 +645,10 @@ def test_whisper_fine_tuned_in_a_language_transcribes_in_it_as_whisper_s_generat
     with torch.no_grad():  # the caller's language over the config's, as transformers takes it
         want = model.generate(features, max_new_tokens=6, language="fr").tolist()
     assert art.generate([str(wav)], max_new_tokens=6, language="fr").tokens == _strip(want, eos=102, pad=0)
+    from slimml.runtime.tasks.seq2seq import record_feeds  # quantize's calibration: the decoders fed the same prompt
+
+    first = record_feeds(art, [{"input_features": features.numpy()}])["decoder"][0]["input_ids"]
+    assert first.tolist()[0][1:] == [WHISPER_LANGUAGES[f"<|{settings['language'][:2]}|>"], 1001, 1003]
 
 
 def test_whisper_transcribes_in_the_language_asked_as_whisper_s_generate(whisper, tmp_path):
@@ -773,6 +777,16 @@ def test_whisper_quantizes_within_tolerance(whisper):
     from slimml.runtime import read_manifest
 
     assert read_manifest(whisper["root"] / "int8-rec").steps[-1]["calibration"] == f"{folder} (10 recordings)"
+    from slimml.quantize.api import _recording_batches
+    from slimml.runtime import load
+    from slimml.runtime.tasks.seq2seq import record_feeds
+
+    model = load(whisper["root"] / "art")
+    wav = str(folder / "0.wav")  # only the batches kept are read (a folder of long recordings was read whole)
+    batches = _recording_batches(model, [wav, wav] + [str(folder / "missing.wav")] * 10, batch_size=2, limit=1)
+    assert len(batches) == 1
+    first = record_feeds(model, batches)["decoder"][0]["input_ids"]  # the decoders see generate's prompt, not the start alone
+    assert first.shape[1] == 1 + len(model.spec.get("prompt_ids") or ())
     result = slimml("run", whisper["root"] / "int8", "--audio", whisper["root"] / "speech.wav", "--max-new-tokens", "4", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)[0]["input"].endswith("speech.wav")

@@ -393,8 +393,9 @@ def start_tokens(decoder: Decoder, spec: Mapping[str, Any], batch: int, beams: i
 
 
 def record_feeds(model: Seq2Seq, encoder_batches: list[dict[str, np.ndarray]], steps: int = 4) -> dict[str, list]:
-    """What each component is fed while generating ``steps`` tokens from each encoder batch:
-    calibration and guard data for quantizing the components one by one."""
+    """What each component is fed while generating ``steps`` tokens from each encoder batch, after
+    the decoder's prompt as ``generate`` starts it (Whisper's language, task and no-timestamps
+    tokens): calibration and guard data for quantizing the components one by one."""
     spec = model.spec
     inputs = {name: {t.name for t in p.inputs} for name, p in model.parts.items()}
     record: dict[str, list] = {name: [] for name in model.parts}
@@ -404,8 +405,9 @@ def record_feeds(model: Seq2Seq, encoder_batches: list[dict[str, np.ndarray]], s
         return model.parts[name].run(feeds)
 
     for feeds in encoder_batches:
-        start = np.full((next(iter(feeds.values())).shape[0], 1), int(spec["decoder_start_token_id"]), dtype=np.int64)
-        for _ in greedy(Decoder(run, inputs, feeds), start, Search(max_length=1 + steps)):
+        decoder = Decoder(run, inputs, feeds)
+        start = start_tokens(decoder, spec, next(iter(feeds.values())).shape[0])
+        for _ in greedy(decoder, start, Search(max_length=start.shape[1] + steps)):
             pass
     return record
 
