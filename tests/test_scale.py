@@ -532,3 +532,18 @@ def test_cpus_per_replica_no_node_has_is_one_line_not_a_silent_wait(cluster, tin
                                           r"the nodes hold 0 \(.*1 CPUs.*\); lower --cpus-per-replica"):
         serve(ServeConfig(str(tiny_bert_artifact), cpus_per_replica=2), address=cluster.address)
     assert time.monotonic() - t0 < 60
+
+
+def test_an_address_ray_finds_itself_is_checked_as_a_given_one(ray_env):
+    """RAY_ADDRESS naming a port nothing listens on: ray.init retried for good (13 minutes, deaf to SIGTERM),
+    where --address with the same value is refused in seconds; a parse error named the address None."""
+    import subprocess
+    import sys
+
+    code = "from slimml.scale.cluster import connect\nconnect()"
+    for value, said in (("127.0.0.1:1", r"nothing answers at the Ray address '[0-9.]+:1' \(the port refuses connections\)"
+                                        r".*; Ray found that address itself \(RAY_ADDRESS"),
+                        ("garbage", r"could not join the Ray cluster at 'garbage' \(RAY_ADDRESS.*unset RAY_ADDRESS too")):
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "RAY_ADDRESS": value}, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 1 and re.search(said, out.stderr), out.stderr[-1500:]

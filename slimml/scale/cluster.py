@@ -87,9 +87,18 @@ def connect(address: str | None = None) -> bool:
     # longer than that to start (here, beside two busy processes, a start failed with Serve's 5 s
     # and succeeded with 60 s; a user's own value is kept)
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
-    if address is not None:
-        check_reachable(address)
-    elif _starts_local():
+    target = cluster_address(address)  # without an address: the one RAY_ADDRESS names, or a `ray start` here recorded
+    found = address is None and target is not None
+    if target is not None:
+        try:
+            check_reachable(target)
+        except ConfigError as e:
+            if found:
+                raise ConfigError(f"{str(e).rstrip('.')}; Ray found that address itself (RAY_ADDRESS, or the cluster a "
+                                  "`ray start` on this machine recorded): unset RAY_ADDRESS, or `ray stop` that cluster, "
+                                  "to run on this machine alone.") from None
+            raise
+    else:
         token_in_memory()
     held: list[int] = []
     try:
@@ -107,9 +116,12 @@ def connect(address: str | None = None) -> bool:
             # process without the mode for 20 s of "InvalidAuthToken" lines, then fails as if it were not there
             auth = ("; if that cluster uses token authentication, set RAY_AUTH_MODE=token here too, with its token in "
                     "RAY_AUTH_TOKEN or ~/.ray/auth_token" if os.environ.get("RAY_AUTH_MODE") != "token" else "")
+            named = repr(address) if not found else f"{target!r} (RAY_ADDRESS, or the cluster `ray start` recorded here)"
+            auth = auth if isinstance(e, ConnectionError) else ""  # an address Ray cannot parse: not a login
             raise ConfigError(
-                f"could not join the Ray cluster at {address!r} ({e}); give HOST:PORT of a cluster started with "
-                f"`ray start --head` on the head node{auth}, or leave the address out to run on this machine alone."
+                f"could not join the Ray cluster at {named} ({e}); give HOST:PORT of a cluster started with "
+                f"`ray start --head` on the head node{auth}, or leave the address out to run on this machine alone"
+                f"{' (unset RAY_ADDRESS too)' if found else ''}."
             ) from None
         first = " ".join(str(e).split())[:300] or type(e).__name__  # seen under load: "timed out during startup"
         if isinstance(e, OSError) and e.filename:  # a folder it cannot write: not the machine's load
