@@ -32,6 +32,7 @@ from slimml.runtime.artifact.integrity import check_shard_file
 from slimml.runtime.artifact.manifest import MANIFEST_NAME, Manifest, ShardSpec, TensorSpec, read_manifest
 from slimml.runtime.artifact.writer import ArtifactWriter, save_onnx
 from slimml.runtime.tasks.inputs.pooling import Pooler
+from slimml.runtime.tasks.limits import a_or_an
 
 
 @dataclass
@@ -216,14 +217,14 @@ def _check_eval_inputs(config: QuantizeConfig, manifest: Manifest) -> None:
 
     if not is_language_model(manifest):
         if getattr(config, "eval_text", None) is not None:  # it was ignored, and recorded as used
-            raise ConfigError(f"--eval-text {config.eval_text} is a language model's held-out text; this artifact is a "
-                              f"{manifest.task!r} model, whose guard measures output agreement on held-out calibration "
+            raise ConfigError(f"--eval-text {config.eval_text} is a language model's held-out text; this artifact is "
+                              f"{a_or_an(repr(manifest.task))} model, whose guard measures output agreement on held-out calibration "
                               "data (or Spearman on --eval STS.csv for a sentence-embedding model): drop it.")
         if config.guard is not None and config.guard.eval_file is not None and (manifest.components or
                                                                                 manifest.pooling is None):
             raise ConfigError(  # as the guard says it, but before every shard is quantized
-                f"--eval {config.guard.eval_file} needs a sentence-embedding artifact, but this one is a "
-                f"{manifest.task!r} model; leave --eval out and the guard measures output agreement on held-out "
+                f"--eval {config.guard.eval_file} needs a sentence-embedding artifact, but this one is "
+                f"{a_or_an(repr(manifest.task))} model; leave --eval out and the guard measures output agreement on held-out "
                 "calibration data.")
         return
     if config.guard is not None and config.guard.eval_file is not None:

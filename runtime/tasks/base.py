@@ -467,7 +467,7 @@ class Task:
         if name.startswith("_") or manifest is None:  # (no attribute read here: one still unset would come back here)
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         hint = PEER_METHODS.get(name) or "its methods: " + ", ".join(f"{m}()" for m in sorted(type(self).methods | {"run"}))
-        raise AttributeError(f"{type(self).__name__} (a {manifest.task!r} artifact) has no attribute {name!r}; {hint}.")
+        raise AttributeError(f"{type(self).__name__} ({a_or_an(repr(manifest.task))} artifact) has no attribute {name!r}; {hint}.")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.kind} {self.folder}>"

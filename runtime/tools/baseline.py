@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from slimml.errors import ConfigError, DataError
+from slimml.runtime.tasks.limits import a_or_an
 
 FORMAT = "slimml.baseline"
 FORMAT_VERSION = 1
@@ -320,8 +321,8 @@ def check_settings(baseline: Baseline, kind: str, settings: dict[str, Any]) -> N
     if any(k in differ for k in MODEL_SETTINGS):  # another model: no setting of this run makes them compare
         b = baseline.settings
         raise ConfigError(
-            f"the baseline was saved from {baseline.artifact or 'another artifact'}, a {b.get('task')} model taking "
-            f"{_names(b.get('inputs'))}, and this artifact is a {settings.get('task')} model taking "
+            f"the baseline was saved from {baseline.artifact or 'another artifact'}, {a_or_an(str(b.get('task')))} model taking "
+            f"{_names(b.get('inputs'))}, and this artifact is {a_or_an(str(settings.get('task')))} model taking "
             f"{_names(settings.get('inputs'))}, so their latencies do not compare; gate with a baseline of the same "
             "model (its float or an earlier build), or save one with --save-baseline.")
     if "data_sha256" in settings and settings["data_sha256"] == baseline.settings.get("data_sha256"):

@@ -226,8 +226,8 @@ def check_comparable(model, reference, where: str) -> None:
                           f"than this artifact ({tensor_list(model.manifest.inputs, False)}), so their latencies do not "
                           "compare; give a reference of the same model (its float or earlier build).")
     if reference.manifest.task != model.manifest.task:  # an embedder and a classifier read the same token ids
-        raise ConfigError(f"the reference {where} is {a_or_an(reference.manifest.task)} model and this artifact a "
-                          f"{model.manifest.task} one, so their latencies do not compare; give a reference of the same "
+        raise ConfigError(f"the reference {where} is {a_or_an(reference.manifest.task)} model and this artifact "
+                          f"{a_or_an(model.manifest.task)} one, so their latencies do not compare; give a reference of the same "
                           "model (its float or earlier build).")
     ours, theirs = latency_settings(model)["plan"], latency_settings(reference)["plan"]
     if ours != theirs:
