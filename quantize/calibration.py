@@ -131,8 +131,11 @@ class AudioPaths(FilePaths):
 
 
 def media_files(folder: Path) -> FilePaths:
-    """The image files in ``folder`` (by suffix, sorted), else its WAV recordings; refused where it has neither."""
-    files = sorted(p for p in folder.iterdir() if p.is_file())
+    """The image files in ``folder`` and its subfolders (by suffix, sorted; an ImageNet-style ``class/x.jpg``
+    too), else its WAV recordings; hidden files (``._x.jpg``, macOS's metadata) left out; refused where it
+    has neither."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file()
+                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
     images = [str(p) for p in files if p.suffix.lower() in IMAGE_SUFFIXES]
     if images:
         return ImagePaths(images)

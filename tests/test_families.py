@@ -525,10 +525,11 @@ def test_image_models_calibrate_and_guard_on_a_folder_of_images(vit, clip, tiny_
     from slimml.quantize import Int8StaticConfig, quantize
     from slimml.runtime import read_manifest
 
-    (tmp_path / "images").mkdir()
-    for i, im in enumerate(_images(12)):
-        im.convert("RGB").save(tmp_path / "images" / f"{i:02d}.png")
+    for i, im in enumerate(_images(12)):  # in class folders, as ImageNet's are kept
+        (tmp_path / "images" / f"class{i % 2}").mkdir(parents=True, exist_ok=True)
+        im.convert("RGB").save(tmp_path / "images" / f"class{i % 2}" / f"{i:02d}.png")
     (tmp_path / "images" / "notes.txt").write_text("not an image: skipped")
+    (tmp_path / "images" / "._00.png").write_bytes(b"macOS metadata, not an image: skipped")
     report = quantize(vit["root"] / "art", tmp_path / "vit8", Int8StaticConfig(calibration=tmp_path / "images"))
     assert report.checks["agreement_top1"] >= 0.5
     step = read_manifest(tmp_path / "vit8").steps[-1]
