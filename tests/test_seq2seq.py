@@ -756,6 +756,14 @@ def test_a_recording_longer_than_the_window_is_transcribed_in_overlapping_window
     body = b"WAVE" + b"fmt " + len(fmt).to_bytes(4, "little") + fmt + b"LIST" + (3).to_bytes(4, "little") + b"abc\0" + \
         b"data" + (floats.nbytes).to_bytes(4, "little") + floats.tobytes()  # an odd chunk before the data: padded
     np.testing.assert_array_equal(wav_from_bytes(b"RIFF" + len(body).to_bytes(4, "little") + body, "f32.wav"), floats)
+    unpadded = body.replace(b"abc\0", b"abc")  # an odd chunk its writer did not pad: the next id starts at once
+    np.testing.assert_array_equal(wav_from_bytes(b"RIFF" + len(unpadded).to_bytes(4, "little") + unpadded, "odd.wav"), floats)
+    streamed = body.replace(b"data" + (floats.nbytes).to_bytes(4, "little"), b"data" + bytes(4))  # size left 0: to the end
+    np.testing.assert_array_equal(wav_from_bytes(b"RIFF" + bytes(4) + streamed, "stream.wav"), floats)
+    aligned = bytearray(wav.read_bytes())  # 16-bit mono whose header says 8-byte frames: read as it says, it was noise
+    aligned[32:34] = (8).to_bytes(2, "little")
+    with pytest.raises(FeedError, match=r"header says frames of 8 bytes, but 1 channel\(s\) of 16-bit samples make 2"):
+        wav_from_bytes(bytes(aligned), "aligned.wav")
     with pytest.raises(FeedError, match=r"^the upload is not a PCM WAV file"):  # a client's long name is not quoted back
         wav_from_bytes(b"junk", "x" * 1000)
 

@@ -113,12 +113,19 @@ def _chunks(data: bytes) -> dict[bytes, tuple[int, int]]:
         found.setdefault(cid, (at + 8, size))
         if cid == b"data":
             break  # what follows the samples is not read
-        at += 8 + size + (size & 1)  # chunks are padded to an even size
+        nxt = at + 8 + size
+        # chunks are padded to an even size; some writers leave an odd one unpadded (the next id starts at once)
+        at = nxt if size & 1 and not _chunk_id(data[nxt + 1:nxt + 5]) and _chunk_id(data[nxt:nxt + 4]) else nxt + (size & 1)
     if b"fmt " not in found:
         raise ValueError("no fmt chunk")
     if b"data" not in found:
         raise ValueError("it ends before its audio data: truncated" if at > len(data) else "no data chunk")
     return found
+
+
+def _chunk_id(four: bytes) -> bool:
+    """Whether ``four`` bytes read as a RIFF chunk id (printable ASCII)."""
+    return len(four) == 4 and all(32 <= b < 127 for b in four)
 
 
 def _decode_wav(data: bytes, said: str, name: str, rate: int) -> np.ndarray:
@@ -131,7 +138,7 @@ def _decode_wav(data: bytes, said: str, name: str, rate: int) -> np.ndarray:
             raise ValueError("its fmt chunk is cut short")
         tag, channels, file_rate = int.from_bytes(fmt[0:2], "little"), int.from_bytes(fmt[2:4], "little"), \
             int.from_bytes(fmt[4:8], "little")
-        bits = int.from_bytes(fmt[14:16], "little")
+        align, bits = int.from_bytes(fmt[12:14], "little"), int.from_bytes(fmt[14:16], "little")
         if tag == _EXTENSIBLE:  # the real format is the sub-format GUID's first two bytes
             if len(fmt) < 40:
                 raise ValueError("its extensible fmt chunk is cut short")
@@ -147,11 +154,14 @@ def _decode_wav(data: bytes, said: str, name: str, rate: int) -> np.ndarray:
         kind = "PCM" if tag == _PCM else "float"
         raise FeedError(f"{said} has {bits}-bit {kind} samples, which slimml does not read (8, 16, 24 or 32-bit PCM, "
                         f"or 32 or 64-bit float); {fix}.")
+    frame = channels * width
+    if align != frame:  # the samples' layout is not what the header's sizes say: read as it says, noise
+        raise FeedError(f"{said}'s header says frames of {align} bytes, but {channels} channel(s) of {bits}-bit samples "
+                        f"make {frame}; the header is damaged: re-export it ({fix}).")
     at, size = chunks[b"data"]
-    if size == 0xFFFFFFFF:  # written by a stream that could not go back to fill it in: the rest of the file
+    if size in (0, 0xFFFFFFFF) and len(data) > at:  # written by a stream that could not go back to fill it in
         size = len(data) - at
     raw = data[at:at + size]
-    frame = channels * width
     if raw and len(raw) < frame:
         raise FeedError(f"{said}'s header says {channels} channels of {width} bytes, more than its data holds; the "
                         "header is damaged: re-export it.")
