@@ -147,6 +147,8 @@ def preprocessor_file(folder: Path, onnx_path: Path) -> tuple[Path | None, str |
     import onnx
 
     path = folder / PREPROCESSOR_FILE
+    if not path.is_file() and not _reads_pixels_or_sound(folder):  # a text model: its graph need not be read
+        return None, None
     inputs = {i.name for i in onnx.load(str(onnx_path), load_external_data=False).graph.input}
     if not path.is_file():  # said now, not when the first image or recording is refused
         takes = next((n for n in ("pixel_values", "input_features") if n in inputs), None)
@@ -161,6 +163,17 @@ def preprocessor_file(folder: Path, onnx_path: Path) -> tuple[Path | None, str |
             return None, (f"{gap}; its config is not shipped: make the pixels with transformers' processor and call "
                           "run(pixel_values=...)")
     return (path if inputs & {"pixel_values", "input_features"} else None), None
+
+
+def _reads_pixels_or_sound(folder: Path) -> bool:
+    """Whether the folder's config describes images or audio in (``num_channels``, ``image_size``, a
+    ``vision_config``, ``num_mel_bins``): where a missing preprocessor config is worth a note."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return True  # not known: the graph says
+    keys = ("num_channels", "image_size", "vision_config", "num_mel_bins", "feature_size")
+    return isinstance(config, dict) and any(k in config for k in keys)
 
 
 def class_labels(folder: Path, task: str) -> list[str] | None:
