@@ -115,7 +115,7 @@ def _whisper_prompt(gen: dict, config: dict) -> tuple[list[int | None], dict[str
         prompt[:1] = [None]  # named (by the caller or the config) or detected, as transformers does with their ids
     if task in tasks:  # replaces the task id the forced ids gave
         prompt = [t for t in prompt if t not in tasks.values()] + [int(tasks[task])]
-    elif task is not None:
+    elif task is not None and tasks:  # (a config without task ids names a task it cannot put in a prompt: as transformers' 4.57)
         raise ConfigError(f"the generation config's task {task!r} is not one of its task_to_id ({', '.join(tasks) or 'none'}); "
                           "set task to one of them (or remove it) in generation_config.json, then convert again.")
     elif None in prompt and "transcribe" in tasks and not any(t in prompt for t in tasks.values()):

@@ -346,6 +346,8 @@ def test_generation_settings_are_read_as_transformers_reads_them(tmp_path):
     english = {**whisper, "forced_decoder_ids": [[1, 9]]}
     english.pop("lang_to_id")
     assert spec({}, english)["prompt_ids"] == [9] and "language_ids" not in spec({}, english)  # whisper-*.en
+    english.pop("task_to_id")  # a task named with no task ids: nothing to put in the prompt, converted as before
+    assert spec({}, {**english, "task": "transcribe", "forced_decoder_ids": None})["prompt_ids"] == [9]
 
 
 def test_a_forced_token_is_made_even_where_it_is_suppressed():

@@ -417,7 +417,8 @@ class SlimmlServer:
         await asyncio.to_thread(self.model.check_files)  # IntegrityError -> 503
         body = {"status": "ok", "model": self.name}
         if await asyncio.to_thread(self._replaced):  # still serving, but not what its path now holds
-            body["artifact"] = "replaced since the server started: it serves the one it loaded; restart it to serve the new one"
+            body["artifact"] = ("moved or replaced since the server started: it serves the one it loaded; restart it to serve "
+                                "what is at its path now")
         if self._llm is not None:  # answers being generated, waiting, and the batch's KV cache in bytes
             body["generation"] = self._llm.worker.load
         return body
@@ -454,9 +455,9 @@ class SlimmlServer:
                 self._damage_told = True
             return
         if not self._replaced_told and self._replaced():
-            log.error("slimml: another artifact was moved to %s since this server started: the replicas serve the one "
-                      "they loaded (its files intact), but a replica that stops cannot start again there (the server "
-                      "pinned its manifest); restart the server to serve the new artifact.", self.config.artifact)
+            log.error("slimml: the artifact at %s was moved or replaced since this server started: the replicas serve the "
+                      "one they loaded (its files intact), but a replica that stops cannot start again there (the server "
+                      "pinned its manifest); restart the server to serve what is at that path now.", self.config.artifact)
             self._replaced_told = True
 
     def _replaced(self) -> bool:
