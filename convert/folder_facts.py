@@ -118,10 +118,12 @@ def _whisper_prompt(gen: dict, config: dict) -> tuple[list[int | None], dict[str
     elif task is not None and tasks:  # (a config without task ids names a task it cannot put in a prompt: as transformers' 4.57)
         raise ConfigError(f"the generation config's task {task!r} is not one of its task_to_id ({', '.join(tasks) or 'none'}); "
                           "set task to one of them (or remove it) in generation_config.json, then convert again.")
-    elif None in prompt and "transcribe" in tasks and not any(t in prompt for t in tasks.values()):
-        named["language_task_id"] = int(tasks["transcribe"])
     if not prompt or prompt[-1] != gen["no_timestamps_token_id"]:
         prompt.append(int(gen["no_timestamps_token_id"]))
+    if languages and prompt[0] is None:  # a language named (by the caller or the config): transformers drops the forced
+        task_named = int(tasks[task]) if task in tasks else int(tasks["transcribe"]) if "transcribe" in tasks else None
+        if task_named is not None and [task_named, prompt[-1]] != prompt[1:]:  # ids, and puts its task, else transcribe
+            named["language_task_id"] = task_named
     return (prompt if languages else [t for t in prompt if t is not None]), named  # no ids to detect among: none
 
 

@@ -354,16 +354,18 @@ def _uncut_feeds(model: Seq2Seq, prompts: list[str]) -> dict[str, np.ndarray]:
 
 def with_language(spec: Mapping[str, Any], language: int | None) -> dict[str, Any]:
     """``spec`` with Whisper's prompt for a named language: ``language`` (else the one the source's
-    generation config names) in the prompt's language slot, and the task after it where the prompt
-    has none (``language_task_id``: transcribe), as transformers' generate puts them; as it is where
-    no language is named (it is detected) or the prompt has no slot."""
+    generation config names) in the prompt's language slot or, where the record says the task a named
+    language gets (``language_task_id``: the config's task, else transcribe), the language, that
+    task and ``<|notimestamps|>``, as transformers' generate puts them (it drops the forced ids once
+    a language is named); as it is where no language is named (it is detected) or the prompt has no slot."""
     prompt = list(spec.get("prompt_ids") or ())
     language = language if language is not None else spec.get("language_id")
     if None not in prompt or language is None:
         return dict(spec)
-    prompt[prompt.index(None)] = int(language)
     if spec.get("language_task_id") is not None:
-        prompt.insert(len(prompt) - 1, int(spec["language_task_id"]))  # before <|notimestamps|>, the prompt's last
+        prompt = [int(language), int(spec["language_task_id"]), prompt[-1]]  # the last: <|notimestamps|>
+    else:
+        prompt[prompt.index(None)] = int(language)
     return {**spec, "prompt_ids": prompt}
 
 
