@@ -33,7 +33,8 @@ TEXT_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
 # a CLIP model's one graph as optimum writes it: both towers and their similarities (convert.towers splits it)
 TOWER_INPUTS = ("input_ids", "pixel_values", "attention_mask")
 TOWER_OUTPUTS = ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds")
-TWO_TOWERS = ("clip",)  # model types written as TOWER_OUTPUTS, zero-shot by softmax over exp(logit_scale) * cosine
+TWO_TOWERS = ("clip", "siglip")  # model types written as TOWER_OUTPUTS (CLIP: zero-shot by softmax over exp(logit_scale) *
+# cosine; SigLIP: each label's sigmoid, with its logit bias; its text tower takes no attention mask, as optimum writes it)
 DEFAULT_OPSET = 17
 
 
@@ -51,7 +52,7 @@ def torch_export_reason(folder: Path, task: str, config: dict[str, Any]) -> str 
     if encoder_only(config, task) or config.get("model_type") in TWO_TOWERS and task == "feature-extraction":
         return None
     if config.get("is_encoder_decoder") or "text_config" in config or "vision_config" in config:
-        return "the torch exporter writes single-graph models and CLIP, not encoder-decoders or other two-tower models"
+        return "the torch exporter writes single-graph models, CLIP and SigLIP, not encoder-decoders or other two-tower models"
     if task not in TORCH_TASKS:
         return f"the torch exporter writes {', '.join(TORCH_TASKS)} and causal LMs, not {task!r}"
     return None
@@ -346,8 +347,8 @@ def _additive_mask_module() -> Any:
 
 
 def _tower_inputs(model: Any) -> tuple[tuple[str, ...], tuple[Any, ...], dict[str, dict[int, str]]]:
-    """A CLIP model's example texts and images (three texts, two images: the batches differ) and its
-    dynamic axes, as optimum names them."""
+    """A CLIP (or SigLIP) model's example texts and images (three texts, two images: the batches
+    differ) and its dynamic axes, as optimum names them (SigLIP's text tower takes no mask)."""
     import torch
 
     vision = model.config.vision_config
@@ -359,6 +360,8 @@ def _tower_inputs(model: Any) -> tuple[tuple[str, ...], tuple[Any, ...], dict[st
     axes = {"input_ids": text, "attention_mask": text, "pixel_values": image, "text_embeds": {0: "text_batch_size"},
             "image_embeds": image, "logits_per_image": {0: "image_batch_size", 1: "text_batch_size"},
             "logits_per_text": {0: "text_batch_size", 1: "image_batch_size"}}
+    if model.config.model_type == "siglip":
+        return TOWER_INPUTS[:2], (ids, pixels), axes
     return TOWER_INPUTS, (ids, pixels, mask), axes
 
 
@@ -370,7 +373,9 @@ def _inputs(folder: Path, model: Any, task: str) -> tuple[tuple[str, ...], tuple
     accepted = set(inspect.signature(model.forward).parameters)
     config = model.config
     if "pixel_values" in accepted and "input_ids" not in accepted:
-        size = getattr(config, "image_size", 224)
+        from slimml.convert.folder_facts import processed_size
+
+        size = getattr(config, "image_size", None) or processed_size(folder) or 224  # ResNet's config names none
         size = (size, size) if isinstance(size, int) else tuple(size)
         pixels = torch.zeros(2, getattr(config, "num_channels", 3), *size)
         return ("pixel_values",), (pixels,), {"pixel_values": {0: "batch_size"}}

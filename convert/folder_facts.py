@@ -309,13 +309,13 @@ def config_facts(folder: Path) -> dict[str, Any]:
         sub = config.get(tower) or {}
         facts.update({k: sub[k] for k in keys[1:] if k in sub and k not in facts})
     if "num_channels" in facts and "image_size" not in facts:  # ResNet, ConvNeXt, RegNet: the processor sizes the pixels
-        size = _processed_size(folder)
+        size = processed_size(folder)
         if size is not None:
             facts["image_size"] = list(size)
     return facts
 
 
-def _processed_size(folder: Path) -> tuple[int, int] | None:
+def processed_size(folder: Path) -> tuple[int, int] | None:
     """(height, width) of the pixels the folder's image processor makes, where its config fixes them."""
     from slimml.runtime.tasks.inputs.image import ImageProcessor
 

@@ -313,13 +313,19 @@ def test_clip_embeddings_and_zero_shot_scores_match_torch(clip):
         model.classify(images)
 
 
-def test_siglip_scores_each_label_by_sigmoid_with_its_bias_as_transformers_pipeline_does(tmp_path):
+@pytest.mark.parametrize("exporter", ["optimum", "torch"])
+def test_siglip_scores_each_label_by_sigmoid_with_its_bias_as_transformers_pipeline_does(tmp_path, exporter):
     """SigLIP's text tower takes the ids alone (no attention mask): every text call failed with
     KeyError 'attention_mask'; its scores were CLIP's softmax, without its logit bias; and its texts
-    were padded to the longest where transformers pads them to 64 tokens (as SigLIP was trained)."""
+    were padded to the longest where transformers pads them to 64 tokens (as SigLIP was trained). The
+    torch exporter writes it too (under transformers 5, where optimum-onnx does not load)."""
     from transformers import AutoTokenizer, SiglipConfig, SiglipImageProcessor, SiglipModel, pipeline
 
-    from slimml.convert import ConvertConfig, convert
+    from slimml.convert import ConvertConfig, ExportConfig, convert
+    from slimml.convert.export import _optimum_loads
+
+    if exporter == "optimum" and _optimum_loads() is not None:
+        pytest.skip("needs optimum-onnx (transformers 4.57)")
     from slimml.convert.sources import default_model_dir
     from slimml.runtime import load, read_manifest
 
@@ -334,7 +340,7 @@ def test_siglip_scores_each_label_by_sigmoid_with_its_bias_as_transformers_pipel
     tokenizer.save_pretrained(tmp_path / "src")
     processor = SiglipImageProcessor(size={"height": 32, "width": 32})
     processor.save_pretrained(tmp_path / "src")
-    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False))
+    convert(tmp_path / "src", tmp_path / "art", ConvertConfig(measure_latency=False, export=ExportConfig(exporter=exporter)))
     manifest = read_manifest(tmp_path / "art")
     assert manifest.zero_shot.to_json() == {"text": "text", "image": "vision", "scale": pytest.approx(10.0), "bias": -2.5,
                                             "activation": "sigmoid", "text_length": 64}
@@ -392,7 +398,8 @@ def test_a_vision_folder_without_its_preprocessor_config_is_said_at_convert(vit,
     assert "preprocessing_note" not in vit["report"].checks
 
 
-def test_a_resnet_whose_config_has_no_image_size_converts_checks_and_benches_at_its_processor_s_size(tmp_path):
+@pytest.mark.parametrize("exporter", ["auto", "torch"])
+def test_a_resnet_whose_config_has_no_image_size_converts_checks_and_benches_at_its_processor_s_size(tmp_path, exporter):
     """ResNet's config names no image_size: the check's and bench's sample pixels took the sequence
     length for the channels ("Input channels C is not equal to kernel channels * group. C: 16"), so
     the default convert failed; and bench said "x seq 128" of a model that takes no tokens."""
@@ -406,7 +413,9 @@ def test_a_resnet_whose_config_has_no_image_size_converts_checks_and_benches_at_
     model.save_pretrained(tmp_path / "src")
     processor = ConvNextImageProcessor(size={"shortest_edge": 32})
     processor.save_pretrained(tmp_path / "src")
-    report = convert(tmp_path / "src", tmp_path / "art", ConvertConfig())
+    from slimml.convert import ExportConfig
+
+    report = convert(tmp_path / "src", tmp_path / "art", ConvertConfig(export=ExportConfig(exporter=exporter)))
     assert report.checks["max_abs_diff_vs_torch"] < 1e-4 and report.checks["latency_ms_b1"] > 0
     assert read_manifest(tmp_path / "art").source["image_size"] == [32, 32]
     image = _images(1)[0].convert("RGB")
