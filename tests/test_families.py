@@ -351,7 +351,9 @@ def test_siglip_scores_each_label_by_sigmoid_with_its_bias_as_transformers_pipel
     images = [im.convert("RGB") for im in _images(3)]
     with torch.no_grad():
         ids = tokenizer(labels, padding="max_length", max_length=64, return_tensors="pt")["input_ids"]
-        want = torch.nn.functional.normalize(model.get_text_features(input_ids=ids), dim=-1).numpy()
+        got = model.get_text_features(input_ids=ids)
+        got = getattr(got, "pooler_output", got)  # transformers 5 returns the output object
+        want = torch.nn.functional.normalize(got, dim=-1).numpy()
     np.testing.assert_allclose(art.embed_texts(labels), want, atol=1e-5)
     tokenizer.model_input_names = ["input_ids"]  # as SigLIP's own tokenizer: no mask for the model to take
     classifier = pipeline("zero-shot-image-classification", model=model, tokenizer=tokenizer, image_processor=processor)
