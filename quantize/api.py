@@ -439,6 +439,12 @@ def _quantize_artifact(w, src, manifest, name, config, calib, held, origin, step
     if not quant_files:
         said = sorted({why.removeprefix("left float: ") for why in float_why.values()
                        if why.startswith("left float: ") and not why.endswith("found nothing it changes in it")})
+        convs = any(n.op_type == "Conv" for m in firsts for n in m.graph.node)
+        if convs and not any(n.op_type == "MatMul" for m in firsts for n in m.graph.node):  # a CNN: no scheme helps
+            raise ConfigError(f"the artifact {src} would come out of {type(config).__name__} unchanged: its weights are in "
+                              "Conv layers (a CNN), which slimml's schemes do not quantize (they quantize transformers' "
+                              "MatMul and Gather); keep it float (--quantize none), or give a GPU fp16 (--quantize fp16 "
+                              "--target cuda).")
         if said:  # the scheme's own reason
             raise ConfigError(f"the artifact {src} would come out of {type(config).__name__} unchanged: "
                               f"{'; '.join(said[:2])}. Keep it float (--quantize none), or pick a scheme that quantizes "

@@ -427,6 +427,12 @@ def test_a_resnet_whose_config_has_no_image_size_converts_checks_and_benches_at_
     np.testing.assert_allclose([got[model.config.id2label[i]] for i in range(3)], want, atol=1e-5)
     result = slimml("bench", tmp_path / "art", "--runs", "3")
     assert result.returncode == 0 and "batch 1 on cpu: p50" in result.stdout, result.stdout + result.stderr
+    if exporter == "auto":  # no scheme quantizes Conv: said so (it said "pick a scheme that quantizes its ops")
+        from slimml.quantize import Int8Config, quantize
+
+        with pytest.raises(ConfigError, match=r"its weights are in Conv layers \(a CNN\), which slimml's schemes do not "
+                                              r"quantize.*--quantize fp16 --target cuda"):
+            quantize(tmp_path / "art", tmp_path / "int8", Int8Config("cpu"))
 
 
 @pytest.mark.parametrize("module", ["Transformer", "CLIPModel", "0_CLIPModel"])
