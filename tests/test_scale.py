@@ -106,7 +106,10 @@ def test_a_local_ray_gets_its_token_in_memory_where_home_cannot_keep_it(tmp_path
 def test_only_a_ray_of_slimmls_own_gets_a_token(tmp_path, monkeypatch):
     """connect() without an address joins RAY_ADDRESS's cluster, or the one `ray start` recorded, as
     ray.init does: a token made up for those would be the wrong one."""
-    from slimml.scale.cluster import _starts_local
+    from slimml.scale.cluster import cluster_address
+
+    def _starts_local():
+        return cluster_address(None) is None
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))

@@ -114,10 +114,11 @@ def connect(address: str | None = None) -> bool:
         if isinstance(e, (ConnectionError, ValueError)):  # ValueError: an address Ray cannot parse ("garbage")
             # a cluster with token authentication (Ray turns it on where ray start finds a token) refuses a
             # process without the mode for 20 s of "InvalidAuthToken" lines, then fails as if it were not there
+            # (an address Ray cannot parse is not a login)
             auth = ("; if that cluster uses token authentication, set RAY_AUTH_MODE=token here too, with its token in "
-                    "RAY_AUTH_TOKEN or ~/.ray/auth_token" if os.environ.get("RAY_AUTH_MODE") != "token" else "")
+                    "RAY_AUTH_TOKEN or ~/.ray/auth_token"
+                    if isinstance(e, ConnectionError) and os.environ.get("RAY_AUTH_MODE") != "token" else "")
             named = repr(address) if not found else f"{target!r} (RAY_ADDRESS, or the cluster `ray start` recorded here)"
-            auth = auth if isinstance(e, ConnectionError) else ""  # an address Ray cannot parse: not a login
             raise ConfigError(
                 f"could not join the Ray cluster at {named} ({e}); give HOST:PORT of a cluster started with "
                 f"`ray start --head` on the head node{auth}, or leave the address out to run on this machine alone"
@@ -156,12 +157,6 @@ def token_in_memory() -> bool:
         return False
     os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     return True
-
-
-def _starts_local() -> bool:
-    """Whether ``ray.init()`` without an address starts a Ray of its own, as Ray decides it: no
-    ``RAY_ADDRESS``, and no cluster that ``ray start`` recorded (it joins those)."""
-    return cluster_address(None) is None
 
 
 def cluster_address(address: str | None) -> str | None:
